@@ -1,0 +1,43 @@
+"""Shared test fixtures: GPU skipping, poisoned outputs, seeded generators."""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "triton: runs a Triton kernel (on the GPU, or on the CPU under TRITON_INTERPRET=1)")
+    config.addinivalue_line("markers", "slow: long statistical test")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_triton = pytest.mark.skip(reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "triton" in item.keywords and not (HAS_CUDA or TRITON_INTERPRET):
+            item.add_marker(skip_triton)
+
+
+def kernel_devices():
+    """Devices a kernel test should run on: the GPU when present, else the CPU (interpreter)."""
+    return ["cuda"] if HAS_CUDA else ["cpu"]
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with a value no kernel writes, so unwritten elements are caught."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-12345 if t.dtype != torch.bool else True)
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator()
+    g.manual_seed(1234)
+    return g

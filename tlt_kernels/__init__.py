@@ -1,0 +1,54 @@
+"""tlt-kernels: kernels and a thin runtime for adaptive speculative decoding in RL rollouts.
+
+Public ops (each has a pure-torch reference in :mod:`tlt_kernels.reference` and fast backends
+behind ``backend="auto"``):
+
+* :func:`tree_attention` -- attention of draft-tree nodes over a paged KV cache plus their ancestors;
+* :func:`verify_tree` -- lossless acceptance of a draft tree from the target's logits;
+* :func:`compact_kv` -- move the accepted path's K/V to contiguous cache slots;
+* :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
+* :func:`ngram_propose` -- model-free drafts from each request's own history.
+
+Importing this package never imports Triton or the CUDA extension and never queries a GPU.
+"""
+from ._backend import BACKENDS, BackendUnavailableError, available_backends, cuda_extension_available
+from .ops.build_draft_tree import DraftTree, build_draft_tree
+from .ops.compact_kv import compact_kv
+from .ops.ngram import NGramDrafts, ngram_propose
+from .ops.tree_attention import tree_attention
+from .ops.verify_tree import VerifyResult, verify_tree
+from .tree import (
+    chain_parents,
+    pack_tree_mask,
+    tree_ancestor_mask,
+    tree_ancestor_mask_packed,
+    tree_depths,
+    tree_positions,
+    unpack_tree_mask,
+    validate_tree,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "DraftTree",
+    "NGramDrafts",
+    "VerifyResult",
+    "available_backends",
+    "build_draft_tree",
+    "chain_parents",
+    "compact_kv",
+    "cuda_extension_available",
+    "ngram_propose",
+    "pack_tree_mask",
+    "tree_ancestor_mask",
+    "tree_ancestor_mask_packed",
+    "tree_attention",
+    "tree_depths",
+    "tree_positions",
+    "unpack_tree_mask",
+    "validate_tree",
+    "verify_tree",
+]

@@ -1,0 +1,139 @@
+"""Backend registry and dispatch.
+
+Every public op owns a table ``{backend_name: "module:function"}``; implementations are imported
+lazily so importing :mod:`tlt_kernels` never imports Triton or the CUDA extension and never queries
+a GPU. ``backend="auto"`` picks the first *available* backend in the op's preference order for the
+device of the inputs; an explicitly requested backend that is unavailable raises
+:class:`BackendUnavailableError` carrying the reason.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when a requested backend cannot run the given inputs (with the reason)."""
+
+
+def triton_interpret_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_import_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"triton is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_ext_import_error() -> Optional[str]:
+    try:
+        importlib.import_module("tlt_kernels._C")
+    except Exception as exc:
+        return (
+            "the CUDA extension tlt_kernels._C is not built "
+            f"({type(exc).__name__}: {exc}); reinstall with nvcc on PATH or TLT_BUILD_CUDA=1"
+        )
+    return None
+
+
+def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
+    """Why ``backend`` cannot run on ``device`` (None when it can)."""
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        err = _triton_import_error()
+        if err:
+            return err
+        if device.type == "cuda" or triton_interpret_enabled():
+            return None
+        return f"triton needs CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run it on the CPU"
+    if backend == "cuda":
+        if device.type != "cuda":
+            return f"the cuda backend needs CUDA tensors (got {device})"
+        return _cuda_ext_import_error()
+    raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+
+
+def cuda_extension_available() -> bool:
+    return _cuda_ext_import_error() is None
+
+
+class OpBackends:
+    """The backend table of one public op.
+
+    ``impls`` maps a backend name to ``"module:function"`` (imported on first use);
+    ``preference`` is the order ``auto`` tries on a CUDA device. On the CPU ``auto`` is ``torch``.
+    """
+
+    def __init__(self, op_name: str, impls: Dict[str, str], preference: Sequence[str]):
+        self.op_name = op_name
+        self.impls = dict(impls)
+        self.preference = tuple(preference)
+        self._cache: Dict[str, Callable] = {}
+
+    def available(self, device: torch.device) -> Dict[str, Optional[str]]:
+        """``{backend: None if usable else reason}`` for every backend of :data:`BACKENDS`."""
+        out = {}
+        for name in BACKENDS:
+            if name not in self.impls:
+                out[name] = f"{self.op_name} has no {name} backend"
+            else:
+                out[name] = backend_unavailable_reason(name, device)
+        return out
+
+    def choose(self, backend: str, device: torch.device) -> str:
+        if backend == "auto":
+            if device.type != "cuda":
+                return "torch"
+            for name in self.preference:
+                if name in self.impls and backend_unavailable_reason(name, device) is None:
+                    return name
+            return "torch"
+        if backend not in BACKENDS:
+            raise ValueError(f"{self.op_name}: unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+        if backend not in self.impls:
+            raise BackendUnavailableError(f"{self.op_name} has no {backend!r} backend (it has {sorted(self.impls)})")
+        reason = backend_unavailable_reason(backend, device)
+        if reason is not None:
+            raise BackendUnavailableError(f"{self.op_name}: backend {backend!r} is unavailable: {reason}")
+        return backend
+
+    def get(self, name: str) -> Callable:
+        fn = self._cache.get(name)
+        if fn is None:
+            module_name, _, attr = self.impls[name].partition(":")
+            fn = getattr(importlib.import_module(module_name), attr)
+            self._cache[name] = fn
+        return fn
+
+    def resolve(self, backend: str, device: torch.device) -> Tuple[str, Callable]:
+        name = self.choose(backend, device)
+        return name, self.get(name)
+
+
+_REGISTRY: Dict[str, OpBackends] = {}
+
+
+def register_op(op_name: str, impls: Dict[str, str], preference: Sequence[str] = ("cuda", "triton", "torch")) -> OpBackends:
+    table = OpBackends(op_name, impls, preference)
+    _REGISTRY[op_name] = table
+    return table
+
+
+def available_backends(op_name: Optional[str] = None, device: "torch.device | str" = "cuda") -> Dict:
+    """Report which backends can run each op on ``device``: ``{op: {backend: None | reason}}``."""
+    device = torch.device(device)
+    names = [op_name] if op_name else sorted(_REGISTRY)
+    return {name: _REGISTRY[name].available(device) for name in names}

@@ -1,0 +1,1 @@
+"""Triton kernels. Imported lazily by the backend tables; nothing here runs at package import."""

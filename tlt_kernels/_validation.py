@@ -1,0 +1,67 @@
+"""Input checks shared by every op. Messages name the argument, what was expected and what came."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+DTypes = Union[torch.dtype, Sequence[torch.dtype]]
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtype: Optional[DTypes] = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Validate one tensor argument; ``None`` entries of ``shape`` match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            raise TypeError(f"{name} must have dtype {_dtype_names(allowed)}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None and ndim is None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name} has size {got} on dim {axis}, expected {want} (shape {tuple(t.shape)})")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs must share one device)")
+    return t
+
+
+def same_device(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def per_request(name: str, value, batch: int, device: torch.device, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Turn a scalar / sequence / ``[B]`` tensor per-request parameter into a ``[B]`` tensor (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.reshape(1).expand(batch)
+        if value.dim() != 1 or value.shape[0] != batch:
+            raise ValueError(f"{name} must be a scalar or a [B]={batch} tensor, got shape {tuple(value.shape)}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but the other inputs are on {device}")
+        return value.to(dtype)
+    if isinstance(value, (int, float)):
+        return torch.full((batch,), value, dtype=dtype, device=device)
+    seq = list(value)
+    if len(seq) != batch:
+        raise ValueError(f"{name} has {len(seq)} entries, expected one per request (B={batch})")
+    return torch.tensor(seq, dtype=dtype, device=device)

@@ -1,0 +1,3 @@
+"""PLACEHOLDER being written now; replaced by the real op."""
+DraftTree = None
+build_draft_tree = None

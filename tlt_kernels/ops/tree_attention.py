@@ -1,0 +1,2 @@
+"""PLACEHOLDER being written now; replaced by the real op."""
+tree_attention = None
