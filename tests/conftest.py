@@ -5,6 +5,10 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# Without a GPU, Triton kernels run in its CPU interpreter. The flag must be set before any
+# @triton.jit function is defined, and our kernels are imported lazily, so setting it here works.
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
