@@ -1,3 +1,114 @@
-"""PLACEHOLDER being written now; replaced by the real op."""
-NGramDrafts = None
-ngram_propose = None
+"""``ngram_propose`` / ``ngram_propose_tree``: model-free drafts from each request's own history."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._backend import register_op
+from .._validation import check_tensor
+
+
+class NGramDrafts(NamedTuple):
+    drafts: torch.Tensor  # int64 [B, k], -1 past num_drafts[b]
+    num_drafts: torch.Tensor  # int32 [B]
+
+
+class NGramTree(NamedTuple):
+    parents: torch.Tensor  # int32 [B, 1 + num_branches * k], tlt_kernels.tree format
+    draft_tokens: torch.Tensor  # int64 [B, 1 + num_branches * k]; node 0 = last history token
+    num_nodes: torch.Tensor  # int32 [B]
+
+
+_NGRAM = register_op(
+    "ngram_propose",
+    {"torch": "tlt_kernels.reference.ngram:ngram_propose", "triton": "tlt_kernels._triton.ngram:ngram_propose"},
+    preference=("triton", "torch"),
+)
+_NGRAM_TREE = register_op(
+    "ngram_propose_tree",
+    {"torch": "tlt_kernels.reference.ngram:ngram_propose_tree", "triton": "tlt_kernels._triton.ngram:ngram_propose_tree"},
+    preference=("triton", "torch"),
+)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
+    check_tensor("tokens", tokens, dtype=(torch.int32, torch.int64), ndim=2)
+    B, L = tokens.shape
+    if L < 1:
+        raise ValueError(f"tokens must hold at least one position per request, got shape {tuple(tokens.shape)}")
+    check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), shape=(B,), device=tokens.device)
+    _check_int("k", k, 1)
+    _check_int("min_n", min_n, 1)
+    _check_int("max_n", max_n, 1)
+    if min_n > max_n:
+        raise ValueError(f"min_n must be <= max_n, got min_n={min_n} > max_n={max_n}")
+    if validate and not _capturing(tokens.device):
+        lens = lengths.cpu()
+        bad = ((lens < 0) | (lens > L)).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            raise ValueError(f"lengths[{b}] = {int(lens[b])} is outside [0, L={L}] (L = tokens.shape[1])")
+
+
+def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, validate: bool = True, backend: str = "auto") -> NGramDrafts:
+    """Propose up to ``k`` draft tokens per request by prompt lookup in its own history.
+
+    For request ``b`` (history ``h = tokens[b, :lengths[b]]``), find the longest ``n`` in
+    ``[min_n, max_n]`` whose suffix ``h[len-n:]`` occurred earlier -- at a start ``s`` with
+    ``s + n <= len - 1`` (before the suffix's own position; overlaps allowed) -- take the most recent
+    such occurrence (largest ``s``) and propose ``h[s+n : min(s+n+k, len)]``. No match: 0 drafts.
+
+    Args:
+        tokens: ``int64`` or ``int32 [B, L]`` histories, the first ``lengths[b]`` entries valid.
+        lengths: ``int32`` or ``int64 [B]``, each in ``[0, L]``.
+        k: maximum number of drafts per request.
+        min_n, max_n: n-gram sizes tried, ``1 <= min_n <= max_n``.
+        validate: check ``lengths``' values (reads them on the host; skipped under CUDA-graph capture).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        :class:`NGramDrafts` ``(drafts int64 [B, k], -1 padded; num_drafts int32 [B])``.
+    """
+    _check_inputs(tokens, lengths, k, min_n, max_n, validate)
+    _, fn = _NGRAM.resolve(backend, tokens.device)
+    drafts, num = fn(tokens, lengths, k, min_n, max_n)
+    return NGramDrafts(drafts, num)
+
+
+def ngram_propose_tree(
+    tokens, lengths, k: int, num_branches: int, min_n: int = 1, max_n: int = 4, validate: bool = True, backend: str = "auto"
+) -> NGramTree:
+    """Propose a token tree from several earlier occurrences of the longest matching n-gram.
+
+    The longest ``n`` is chosen as in :func:`ngram_propose`; the continuations (up to ``k`` tokens)
+    of its ``num_branches`` most recent occurrences (distinct starts, most recent first) are merged
+    into a trie rooted at the last history token: continuations sharing a prefix share nodes. Nodes
+    are numbered in insertion order (branch by branch, then by depth), which is topological.
+
+    Args:
+        tokens, lengths, k, min_n, max_n, validate, backend: as in :func:`ngram_propose`.
+        num_branches: number of occurrences used, ``>= 1``.
+
+    Returns:
+        :class:`NGramTree` ``(parents int32 [B, T], draft_tokens int64 [B, T], num_nodes int32 [B])``
+        with ``T = 1 + num_branches * k`` in the format of :mod:`tlt_kernels.tree`: node 0 is the
+        root (``draft_tokens[b, 0]`` = the last history token, 0 for an empty history); padding
+        nodes (index >= ``num_nodes[b]``) hold parent 0 and token 0. No match: ``num_nodes = 1``.
+    """
+    _check_inputs(tokens, lengths, k, min_n, max_n, validate)
+    _check_int("num_branches", num_branches, 1)
+    _, fn = _NGRAM_TREE.resolve(backend, tokens.device)
+    return NGramTree(*fn(tokens, lengths, k, num_branches, min_n, max_n))

@@ -1,2 +1,416 @@
-"""PLACEHOLDER being written now; replaced by the real op."""
-tree_attention = None
+"""Tree attention over a paged KV cache: plan once per decoding step, run once per layer.
+
+Usage::
+
+    plan = plan_tree_attention(parents, context_lens, block_table, num_nodes,
+                               num_q_heads=28, num_kv_heads=4, head_dim=128, block_size=16)
+    for layer in layers:
+        o = plan.run(q, k_cache[layer], v_cache[layer])      # no host sync, CUDA-graph capturable
+
+or, for a single call, :func:`tree_attention` (builds a plan and runs it once).
+
+The plan (:class:`TreeAttentionPlan`) is the contract shared by the Triton and CUDA backends: it
+holds the bit-packed ancestor mask, int32 copies of the per-request tables, the flash-decoding split
+(``num_splits`` context splits of ``split_len`` tokens) and fp32 scratch for the partial results.
+See ``docs/TREE_ATTENTION.md`` for the algorithm and the work split.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .._backend import register_op
+from .._validation import check_tensor, per_request
+from ..reference.tree_attention import run_torch
+from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
+
+__all__ = ["TreeAttentionPlan", "plan_tree_attention", "run", "tree_attention"]
+
+_BACKENDS = register_op(
+    "tree_attention",
+    {
+        "torch": "tlt_kernels.reference.tree_attention:run_torch",
+        "triton": "tlt_kernels._triton.tree_attention:run_triton",
+        "cuda": "tlt_kernels._cuda.tree_attention:run_cuda",
+    },
+    preference=("cuda", "triton", "torch"),
+)
+
+KERNEL_HEAD_DIMS = (64, 128, 256)
+KERNEL_MAX_NODES = 64
+MAX_BLOCK_SIZE = 128
+SPLIT_ALIGN = 64  # split_len is a multiple of this (a whole number of K/V tiles)
+MIN_SPLIT_LEN = 256  # below this a split's fixed cost (q load, partial write, merge read) dominates
+_DEFAULT_SM_COUNT = 132  # H100 SXM; used when planning for a CPU tensor
+SPLIT_WAVES = 1  # target programs per SM of the default split (see default_split_len)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class TreeAttentionPlan:
+    """Everything the kernels need besides q / k_cache / v_cache; built once per step, reused by every layer.
+
+    Static ints: ``batch_size`` B, ``num_tree`` T, ``num_q_heads`` Hq, ``num_kv_heads`` Hkv,
+    ``group`` G = Hq // Hkv, ``head_dim`` D, ``block_size`` (tokens per cache page), ``num_splits`` S
+    (context splits per request, >= 1) and ``split_len`` (context tokens per split, a multiple of 64,
+    ``S * split_len >= max context length``).
+
+    Tensors (all on the device of the inputs, contiguous):
+
+    * ``tree_mask int32 [B, T, ceil(T/32)]``: bit ``j % 32`` of word ``j // 32`` of row ``i`` is set iff
+      node j is node i or an ancestor of i (padding rows / columns are 0).
+    * ``context_lens int32 [B]``, ``num_nodes int32 [B]``, ``block_table int32 [B, max_blocks]``.
+    * ``partial_out float32 [B, Hkv, S + 1, T * G, D]`` and ``partial_lse float32 [B, Hkv, S + 1, T * G]``:
+      flash-decoding scratch. Slot ``s < S`` is context split s (tokens ``[s * split_len,
+      min((s + 1) * split_len, context_lens[b]))``, unmasked), slot ``S`` is the tree part (the T tree
+      tokens at slots ``context_lens[b] + j``, masked by ``tree_mask``). Row ``r = t * G + g`` is query
+      head ``kv_head * G + g`` of node t. ``partial_lse`` is the natural-log log-sum-exp of the scaled
+      scores, ``-inf`` for an empty split, whose ``partial_out`` is then undefined (a merge must not
+      read it). A backend may use the scratch differently internally (the Triton backend folds the tree
+      into the last non-empty context split and skips the scratch for single-split requests).
+    """
+
+    batch_size: int
+    num_tree: int
+    num_q_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    block_size: int
+    num_splits: int
+    split_len: int
+    tree_mask: torch.Tensor
+    context_lens: torch.Tensor
+    num_nodes: torch.Tensor
+    block_table: torch.Tensor
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.tree_mask.device
+
+    def run(self, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto") -> torch.Tensor:
+        """See :func:`run`."""
+        return run(self, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_split_len(
+    batch_size: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    sm_count: int = _DEFAULT_SM_COUNT,
+    num_rows: int = 1,
+    head_dim: int = 128,
+) -> int:
+    """Context tokens per split so that the partial kernel fills the GPU without needless splitting.
+
+    A program owns one split of one KV head and up to ``ROWS_PER_PROGRAM`` of the ``num_rows = T * G``
+    query rows, so one split gives ``B * Hkv * ceil(num_rows / ROWS_PER_PROGRAM)`` programs. Take the
+    fewest splits that reach ``SPLIT_WAVES * sm_count`` programs: every extra split writes and re-reads
+    ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes), while one program
+    per SM already keeps enough K/V loads in flight to saturate HBM. Never below ``MIN_SPLIT_LEN``
+    tokens per split; the result is a multiple of ``SPLIT_ALIGN``.
+    """
+    rows_per_program = 64 if head_dim > 128 else 128
+    programs = batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program)
+    want = max(1, -(-SPLIT_WAVES * sm_count // max(programs, 1)))
+    want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
+    per_split = -(-max(max_context_len, 1) // want)
+    return max(SPLIT_ALIGN, -(-per_split // SPLIT_ALIGN) * SPLIT_ALIGN)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if (t.dtype == torch.int32 and t.is_contiguous()) else t.to(torch.int32).contiguous()
+
+
+def plan_tree_attention(
+    parents: torch.Tensor,
+    context_lens,
+    block_table: torch.Tensor,
+    num_nodes=None,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_context_len: Optional[int] = None,
+    split_len: Optional[int] = None,
+    num_blocks: Optional[int] = None,
+    validate: bool = True,
+) -> TreeAttentionPlan:
+    """Build the per-step plan of tree attention (shared by every layer).
+
+    Args:
+        parents: ``int32/int64 [B, T]`` tree of each request (:mod:`tlt_kernels.tree`), ``T <= 64`` for the kernels.
+        context_lens: ``int32 [B]`` tokens in the cache before the tree (a scalar or list is accepted).
+        block_table: ``int32 [B, max_blocks]`` page ids of each request.
+        num_nodes: ``int32 [B]`` valid nodes per request (scalar / list accepted), default T.
+        num_q_heads, num_kv_heads, head_dim, block_size: model / cache geometry (``Hq % Hkv == 0``).
+        max_context_len: an upper bound of ``context_lens``; read from the tensor (one host sync) when None.
+        split_len: context tokens per split (a multiple of 64); default :func:`default_split_len`.
+        num_blocks: pages in the cache; when given, ``validate`` also checks every used table entry is below it.
+        validate: check values (host sync). Skipped during CUDA-graph capture.
+
+    Returns:
+        A :class:`TreeAttentionPlan`; only ``tree_mask`` and the scratch are freshly allocated.
+    """
+    check_tensor("parents", parents, dtype=(torch.int32, torch.int64), ndim=2)
+    B, T = parents.shape
+    dev = parents.device
+    if T < 1:
+        raise ValueError("parents must hold at least one node (the root) per request, got T=0")
+    context_lens = per_request("context_lens", context_lens, B, dev, torch.int32)
+    num_nodes = per_request("num_nodes", num_nodes, B, dev, torch.int32)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows, expected one per request (B={B})")
+    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)")
+    if not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
+    if split_len is not None and (not isinstance(split_len, int) or split_len < SPLIT_ALIGN or split_len % SPLIT_ALIGN):
+        raise ValueError(f"split_len must be a positive multiple of {SPLIT_ALIGN}, got {split_len!r}")
+    num_nodes = resolve_num_nodes(parents, num_nodes)
+
+    capturing = _capturing()
+    if validate and not capturing:
+        validate_tree(parents, num_nodes)
+        _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks)
+    if max_context_len is None:
+        # Reading the lengths would sync; during capture the table's capacity is a safe upper bound.
+        max_context_len = block_table.shape[1] * block_size if capturing else (int(context_lens.max()) if B else 0)
+    if not isinstance(max_context_len, int) or max_context_len < 0:
+        raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
+    if split_len is None:
+        sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else _DEFAULT_SM_COUNT
+        split_len = default_split_len(B, num_kv_heads, max_context_len, sms, T * (num_q_heads // num_kv_heads), head_dim)
+    num_splits = max(1, -(-max_context_len // split_len))
+    if validate and not capturing:
+        longest = int(context_lens.max()) if B else 0
+        if longest > num_splits * split_len:
+            raise ValueError(f"context_lens reaches {longest} but max_context_len={max_context_len} was given (must be an upper bound)")
+
+    G = num_q_heads // num_kv_heads
+    M = T * G
+    return TreeAttentionPlan(
+        batch_size=B,
+        num_tree=T,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        group=G,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_splits=num_splits,
+        split_len=split_len,
+        tree_mask=tree_ancestor_mask_packed(parents, num_nodes).contiguous(),
+        context_lens=_int32(context_lens),
+        num_nodes=_int32(num_nodes),
+        block_table=_int32(block_table),
+        partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
+        partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
+    )
+
+
+def _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks) -> None:
+    """Value checks of the per-request tables (host sync)."""
+    ctx = context_lens.cpu().long()
+    n = num_nodes.cpu().long()
+    table = block_table.cpu().long()
+    max_blocks = table.shape[1]
+    bad = (ctx < 0).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(f"context_lens[{b}] = {int(ctx[b])} is negative")
+    used = ctx + n
+    capacity = max_blocks * block_size
+    over = (used > capacity).nonzero()
+    if over.numel():
+        b = int(over[0, 0])
+        raise ValueError(
+            f"request {b}: context_lens + num_nodes = {int(used[b])} exceeds the block table's capacity "
+            f"max_blocks * block_size = {max_blocks} * {block_size} = {capacity}"
+        )
+    pages_used = -(-used // block_size)  # [B]
+    in_use = torch.arange(max_blocks)[None, :] < pages_used[:, None]
+    bad_entry = table < 0
+    if num_blocks is not None:
+        bad_entry |= table >= num_blocks
+    out_of_range = in_use & bad_entry
+    if out_of_range.any():
+        b, i = (int(v) for v in out_of_range.nonzero()[0])
+        bound = f"[0, num_blocks={num_blocks})" if num_blocks is not None else ">= 0"
+        raise ValueError(f"block_table[{b}, {i}] = {int(table[b, i])} is used (request {b} spans {int(pages_used[b])} pages) but not in {bound}")
+
+
+def _check_run_inputs(plan: TreeAttentionPlan, q, k_cache, v_cache, out) -> None:
+    """Shape / dtype / device checks against the plan (metadata only: safe during capture)."""
+    B, T, Hq, Hkv, D = plan.batch_size, plan.num_tree, plan.num_q_heads, plan.num_kv_heads, plan.head_dim
+    dev = plan.device
+    check_tensor("q", q, dtype=_FLOAT_DTYPES, shape=(B, T, Hq, D), device=dev)
+    check_tensor("k_cache", k_cache, dtype=q.dtype, shape=(None, plan.block_size, Hkv, D), device=dev)
+    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
+    if out is not None:
+        check_tensor("out", out, dtype=q.dtype, shape=(B, T, Hq, D), device=dev)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if t is not None and t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim (stride(-1) == 1), got strides {t.stride()}")
+
+
+def _kernel_limits(num_tree: int, head_dim: int) -> Optional[str]:
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim={head_dim} is not one of {KERNEL_HEAD_DIMS}"
+    if num_tree > KERNEL_MAX_NODES:
+        return f"T={num_tree} tree nodes exceeds the kernels' limit of {KERNEL_MAX_NODES}"
+    return None
+
+
+@torch.compiler.assume_constant_result
+def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int) -> str:
+    """The backend to run (decided once at trace time under torch.compile, so no graph break)."""
+    name = _BACKENDS.choose(backend, device)
+    if name != "torch":
+        why = _kernel_limits(num_tree, head_dim)
+        if why is not None:
+            if backend != "auto":
+                raise ValueError(f"tree_attention backend {name!r}: {why}; use backend='torch' or 'auto'")
+            warnings.warn(f"tree_attention: {why}; falling back to the (slow) torch path", stacklevel=3)
+            name = "torch"
+    return name
+
+
+def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto") -> torch.Tensor:
+    """Tree attention of one layer with a prebuilt plan. No host synchronization.
+
+    Args:
+        plan: from :func:`plan_tree_attention`.
+        q: ``[B, T, Hq, D]`` bf16/fp16 queries of the tree nodes.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype; node i's K/V already at slot
+            ``context_lens[b] + i``.
+        out: optional ``[B, T, Hq, D]`` output buffer of q's dtype.
+        sm_scale: default ``1 / sqrt(D)``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. Shapes the kernels do not cover
+            (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
+            and raise for an explicit kernel backend.
+
+    Returns:
+        ``out`` with rows at or past ``num_nodes[b]`` set to zero.
+    """
+    _check_run_inputs(plan, q, k_cache, v_cache, out)
+    scale = 1.0 / math.sqrt(plan.head_dim) if sm_scale is None else float(sm_scale)
+    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if name == "torch":
+        return run_torch(plan, q, k_cache, v_cache, out, scale)
+    torch.ops.tlt.tree_attention_run(
+        q, k_cache, v_cache, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
+        plan.partial_out, plan.partial_lse, out, scale, plan.split_len, name,
+    )
+    return out
+
+
+@torch.library.custom_op("tlt::tree_attention_run", mutates_args=("partial_out", "partial_lse", "out"))
+def _tree_attention_run_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_nodes: torch.Tensor,
+    tree_mask: torch.Tensor,
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+    split_len: int,
+    backend: str,
+) -> None:
+    """Kernel backends behind one opaque op, so torch.compile neither traces nor breaks on them."""
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    plan = TreeAttentionPlan(
+        batch_size=B, num_tree=T, num_q_heads=Hq, num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D,
+        block_size=k_cache.shape[1], num_splits=partial_out.shape[2] - 1, split_len=split_len,
+        tree_mask=tree_mask, context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
+        partial_out=partial_out, partial_lse=partial_lse,
+    )
+    _BACKENDS.get(backend)(plan, q, k_cache, v_cache, out, sm_scale)
+
+
+@_tree_attention_run_op.register_fake
+def _(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out, sm_scale, split_len, backend):
+    return None
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens,
+    parents: torch.Tensor,
+    num_nodes=None,
+    sm_scale: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """Attention of draft-tree nodes over their request's paged context and their tree ancestors.
+
+    Node i of request b attends to the ``context_lens[b]`` context tokens and to the tree tokens of
+    its ancestors and itself (slots ``context_lens[b] + j``, whose K/V the caller already wrote).
+
+    Args:
+        q: ``[B, T, Hq, D]`` bf16/fp16.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` of q's dtype, ``Hq % Hkv == 0``, block_size <= 128.
+        block_table: ``int32 [B, max_blocks]``; context_lens: ``int32 [B]``.
+        parents: ``int32 [B, T]`` tree (``parents[b, 0] == -1``, ``0 <= parents[b, i] < i``).
+        num_nodes: ``int32 [B]`` valid nodes per request, default T.
+        sm_scale: default ``1 / sqrt(D)``.
+        out: optional ``[B, T, Hq, D]`` buffer.
+        backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"cuda"``.
+        validate: check the tree and table values (host sync; skipped during CUDA-graph capture).
+
+    Returns:
+        ``[B, T, Hq, D]`` of q's dtype; rows at or past ``num_nodes[b]`` are zeros.
+
+    Builds a plan and runs it once; to run many layers on one tree, use :func:`plan_tree_attention`.
+    """
+    check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=4)
+    B, T, Hq, D = q.shape
+    dev = q.device
+    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4, device=dev)
+    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
+    num_blocks, block_size, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
+    check_tensor("parents", parents, dtype=(torch.int32, torch.int64), shape=(B, T), device=dev)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
+    if isinstance(context_lens, torch.Tensor):
+        check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B,), device=dev)
+    if isinstance(num_nodes, torch.Tensor):
+        check_tensor("num_nodes", num_nodes, dtype=torch.int32, shape=(B,), device=dev)
+    plan = plan_tree_attention(
+        parents, context_lens, block_table, num_nodes,
+        num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, block_size=block_size,
+        num_blocks=num_blocks, validate=validate,
+    )
+    return run(plan, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend)

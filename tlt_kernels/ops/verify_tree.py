@@ -1,3 +1,173 @@
-"""PLACEHOLDER being written now; replaced by the real op."""
-VerifyResult = None
-verify_tree = None
+"""``verify_tree``: lossless acceptance of a draft token tree from the target's logits."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .._backend import register_op
+from .._validation import check_tensor, per_request
+from ..reference.verify_tree import VerifyResult
+from ..tree import resolve_num_nodes, tree_depths, validate_tree
+
+__all__ = ["VerifyResult", "verify_tree"]
+
+_BACKENDS = register_op(
+    "verify_tree",
+    {
+        "torch": "tlt_kernels.reference.verify_tree:verify_tree_reference",
+    },
+    preference=("triton", "torch"),
+)
+
+_TEMP_OK = "a finite value >= 0 (None or 0 = greedy)"
+_TOPK_OK = "an integer >= 0 (None or 0 = off)"
+_TOPP_OK = "a value in (0, 1] (None or 1 = off)"
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INTS = (torch.int32, torch.int64)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _none_to(value, fill):
+    # Lists may mix None (= off / greedy) with numbers; tensors and scalars pass through.
+    if isinstance(value, (list, tuple)):
+        return [fill if v is None else v for v in value]
+    return value
+
+
+def _per_request_param(name, value, B, device, dtype, fill, ok=None, expected=""):
+    """``[B]`` tensor of a per-request parameter; host values (scalars, lists) are range-checked here."""
+    if value is None:
+        return None
+    if ok is not None and not isinstance(value, torch.Tensor):
+        values = _none_to(value if isinstance(value, (list, tuple)) else [value], fill)
+        for b, v in enumerate(values):
+            if not ok(v):
+                where = f"{name}[{b}]" if isinstance(value, (list, tuple)) else name
+                raise ValueError(f"{where} = {v!r} is invalid: expected {expected}")
+    if isinstance(value, torch.Tensor) and value.is_floating_point() != dtype.is_floating_point:
+        kind = "a floating-point" if dtype.is_floating_point else "an integer"
+        raise TypeError(f"{name} must be {kind} scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
+    return per_request(name, _none_to(value, fill), B, device, dtype)
+
+
+def _check_range(name: str, t: Optional[torch.Tensor], ok: torch.Tensor, expected: str) -> None:
+    if t is not None and not bool(ok.all()):
+        b = int((~ok).nonzero()[0, 0])
+        raise ValueError(f"{name}[{b}] = {t[b].item()} is invalid: expected {expected}")
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: Optional[torch.Tensor] = None,
+    draft_probs: Optional[torch.Tensor] = None,
+    temperature=None,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=None,
+    max_depth: Optional[int] = None,
+    return_stats: bool = False,
+    validate: bool = True,
+    backend: str = "auto",
+) -> VerifyResult:
+    """Accept the longest path of a draft tree that the target agrees with, losslessly.
+
+    For each request the walk starts at the root (node 0, the last accepted token), tries the
+    children of the current node in increasing index order, moves to the first accepted child, and
+    ends by sampling one token from the target (or the residual left by rejected siblings). The
+    emitted tokens have exactly the law of sampling from the target one token at a time.
+
+    Args:
+        logits: ``[B, T, V]`` float32/bfloat16/float16. Row ``i`` is the target's next-token logits
+            after node ``i``. ``-inf`` entries are masked tokens.
+        draft_tokens: ``int64 [B, T]`` (int32 accepted). Node 0 holds the root's token (unused).
+        parents: ``int32 [B, T]`` tree per :mod:`tlt_kernels.tree` (``parents[b, 0] == -1``).
+        num_nodes: ``int32 [B]`` valid nodes per request, or None (= T); later nodes are padding.
+        draft_probs: ``[B, T, V]`` float32/bfloat16/float16 or None. Row ``i`` is the draft
+            distribution the children of node ``i`` were sampled from (i.i.d.); rows are normalized
+            internally. With it, child ``x`` is accepted with probability ``min(1, p(x)/q(x))``
+            (speculative sampling, recursive over siblings); without it the children are treated as
+            deterministic candidates and ``x`` is accepted with probability ``p(x)``.
+        temperature: per request (scalar, list, or ``[B]`` tensor). None or 0 = greedy: accept the
+            first child equal to the argmax (lowest id on ties) and emit the argmax.
+        top_k: per request; None/0/``>= V`` = off. Threshold semantics: ties at the k-th largest
+            logit are all kept.
+        top_p: per request in (0, 1]; None/1 = off. Keeps ``{p_i >= tau*}`` where ``tau*`` is the
+            largest threshold whose kept mass reaches ``top_p`` (ties kept).
+        seed: ``int64 [B]`` / int / list. None draws seeds from torch's default CPU generator; pass
+            seeds for reproducibility and for CUDA-graph capture.
+        offset: ``int64 [B]`` / int / list, or None (= 0). Advance it once per decoding step.
+        max_depth: static bound on accepted drafts (default ``T - 1``); sets the output width.
+        return_stats: also return the per-depth tried/accepted counters.
+        validate: check tree validity, token ids and value ranges (needs a host sync). Skipped
+            automatically while a CUDA graph is being captured.
+        backend: "auto", "torch" or "triton".
+
+    Returns:
+        :class:`VerifyResult` ``(tokens int32 [B, max_depth+1], num_accepted int32 [B],
+        accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None)``.
+        The torch backend raises ``ValueError`` on NaN/+inf/all -inf visited rows; kernel backends
+        set ``error[b] = 1`` instead (tokens -1, num_accepted 0, accepted_nodes ``[0, -1, ...]``).
+    """
+    check_tensor("logits", logits, dtype=_FLOATS, ndim=3)
+    B, T, V = logits.shape
+    dev = logits.device
+    if T < 1 or V < 1:
+        raise ValueError(f"logits must have T >= 1 nodes and V >= 1 tokens, got shape {tuple(logits.shape)}")
+    check_tensor("draft_tokens", draft_tokens, dtype=_INTS, shape=(B, T), device=dev)
+    check_tensor("parents", parents, dtype=_INTS, shape=(B, T), device=dev)
+    n = resolve_num_nodes(parents, num_nodes)
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, dtype=_FLOATS, shape=(B, T, V), device=dev)
+    if max_depth is None:
+        max_depth = T - 1
+    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
+        raise ValueError(f"max_depth must be a non-negative int, got {max_depth!r}")
+
+    temp = _per_request_param("temperature", temperature, B, dev, torch.float32, 0.0, lambda v: math.isfinite(v) and v >= 0, _TEMP_OK)
+    k = _per_request_param("top_k", top_k, B, dev, torch.int32, 0, lambda v: v >= 0, _TOPK_OK)
+    tp = _per_request_param("top_p", top_p, B, dev, torch.float32, 1.0, lambda v: 0 < v <= 1, _TOPP_OK)
+    if seed is None:
+        seed = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64).to(dev)
+    seed = _per_request_param("seed", seed, B, dev, torch.int64, 0)
+    offset = _per_request_param("offset", 0 if offset is None else offset, B, dev, torch.int64, 0)
+
+    if validate and not _capturing():
+        n = validate_tree(parents, num_nodes)
+        depth = tree_depths(parents, n)
+        deepest = int(depth.max())
+        if deepest > max_depth:
+            b, i = (int(v) for v in (depth == deepest).nonzero()[0])
+            raise ValueError(f"request {b}, node {i} has depth {deepest} > max_depth={max_depth}; raise max_depth or prune the tree")
+        idx = torch.arange(T, device=dev)
+        live = (idx.unsqueeze(0) < n.unsqueeze(1)) & (idx.unsqueeze(0) > 0)
+        bad = live & ((draft_tokens < 0) | (draft_tokens >= V))
+        if bad.any():
+            b, i = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"draft_tokens[{b}, {i}] = {int(draft_tokens[b, i])} is outside the vocabulary [0, V={V})")
+        if draft_probs is not None:
+            in_tree = (idx.unsqueeze(0) < n.unsqueeze(1)).unsqueeze(-1)
+            bad = in_tree & (~torch.isfinite(draft_probs) | (draft_probs < 0))
+            if bad.any():
+                b, i, t = (int(v) for v in bad.nonzero()[0])
+                raise ValueError(f"draft_probs[{b}, {i}, {t}] = {draft_probs[b, i, t].item()}: draft probabilities must be finite and >= 0")
+            has_child = torch.zeros(B, T, dtype=torch.bool, device=dev)
+            par = parents.to(torch.int64).clamp(min=0)
+            has_child.scatter_(1, torch.where(live, par, torch.zeros_like(par)), live)
+            empty = has_child & (draft_probs.sum(-1) <= 0)
+            if empty.any():
+                b, i = (int(v) for v in empty.nonzero()[0])
+                raise ValueError(f"draft_probs[{b}, {i}] sums to 0 but node {i} has children drawn from it")
+        _check_range("temperature", temp, torch.isfinite(temp) & (temp >= 0) if temp is not None else None, _TEMP_OK)
+        _check_range("top_k", k, k >= 0 if k is not None else None, _TOPK_OK)
+        _check_range("top_p", tp, (tp > 0) & (tp <= 1) if tp is not None else None, _TOPP_OK)
+
+    _, fn = _BACKENDS.resolve(backend, dev)
+    return fn(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, seed, offset, max_depth, return_stats)

@@ -1,0 +1,144 @@
+"""CLI: ``python -m bench <suite|all> [suite ...] [--small] [--out DIR] [--device cuda|cpu] [--dtype bf16|fp16]``.
+
+Writes ``DIR/<suite>.json`` and ``DIR/<suite>.md`` per suite and ``DIR/summary.md`` for the whole
+invocation, and prints the Markdown. A suite that raises is reported as failed and the next one
+runs; the exit status is 1 when any suite failed, 2 on a usage error.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+
+
+@dataclass
+class SuiteSpec:
+    name: str
+    module: str
+    run: Optional[Callable] = None
+    error: Optional[str] = None  # why the module could not be used (import error, missing SUITE/run)
+
+
+def discover(package: str = "bench.suites") -> Dict[str, SuiteSpec]:
+    """``{SUITE: spec}`` for every module of ``package``; a broken module is kept, under its file name."""
+    pkg = importlib.import_module(package)
+    specs: Dict[str, SuiteSpec] = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        modname = f"{package}.{info.name}"
+        fallback = info.name.replace("_", "-")
+        try:
+            mod = importlib.import_module(modname)
+        except Exception:
+            specs[fallback] = SuiteSpec(fallback, modname, error=f"importing {modname} failed:\n{traceback.format_exc()}")
+            continue
+        name, run = getattr(mod, "SUITE", None), getattr(mod, "run", None)
+        if not isinstance(name, str) or not callable(run):
+            specs[fallback] = SuiteSpec(fallback, modname, error=f"{modname} must define SUITE (a str) and run(ctx)")
+            continue
+        if name in specs:
+            specs[f"{name} ({modname})"] = SuiteSpec(name, modname, error=f"SUITE {name!r} is defined by both {specs[name].module} and {modname}")
+            continue
+        specs[name] = SuiteSpec(name, modname, run=run)
+    return specs
+
+
+def _lookup(specs: Dict[str, SuiteSpec], wanted: str) -> Optional[SuiteSpec]:
+    if wanted in specs:
+        return specs[wanted]
+    norm = wanted.replace("_", "-")
+    for spec in specs.values():  # also accept the module's file name
+        if spec.name == norm or spec.module.rsplit(".", 1)[-1].replace("_", "-") == norm:
+            return spec
+    return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark tlt-kernels against its peers.")
+    p.add_argument("suites", nargs="*", help="suite names, or 'all' (see --list)")
+    p.add_argument("--small", action="store_true", help="tiny sizes (always on for the CPU)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--list", action="store_true", help="list the suites and exit")
+    return p
+
+
+def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]] = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        # Like tests/conftest.py: Triton kernels run in the CPU interpreter. This must happen before
+        # any @triton.jit function is defined, i.e. before the suites are imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from .harness import parse_dtype, run_suite
+
+    specs = discover() if specs is None else specs
+    if args.list:
+        for name, spec in specs.items():
+            print(f"{name:24s} {spec.module}" + ("  (BROKEN: " + spec.error.splitlines()[0] + ")" if spec.error else ""))
+        return 0
+    if not args.suites:
+        print(f"error: name a suite or 'all'; available: {', '.join(specs)}", file=sys.stderr)
+        return 2
+    chosen: List[SuiteSpec] = []
+    for wanted in args.suites:
+        if wanted == "all":
+            chosen += list(specs.values())
+            continue
+        spec = _lookup(specs, wanted)
+        if spec is None:
+            print(f"error: unknown suite {wanted!r}; available: {', '.join(specs)} (or 'all')", file=sys.stderr)
+            return 2
+        chosen.append(spec)
+    chosen = list({id(s): s for s in chosen}.values())
+
+    dtype = parse_dtype(args.dtype)
+    status = []
+    reports = []
+    for spec in chosen:
+        print(f"== running suite {spec.name} on {device} ...", flush=True)
+        t0 = time.perf_counter()
+        run = spec.run
+        if run is None:
+            err = spec.error
+
+            def run(ctx, err=err):  # report the broken module as a failed suite
+                raise RuntimeError(err)
+
+        res = run_suite(spec.name, run, device, dtype, args.small, out_dir=args.out)
+        print(res.markdown, flush=True)
+        status.append((spec.name, res.status, len(res.data["rows"]), time.perf_counter() - t0))
+        reports.append(res.markdown)
+
+    table = ["| suite | status | rows | seconds |", "|---|---|---|---|"]
+    table += [f"| {n} | {s} | {r} | {t:.1f} |" for n, s, r, t in status]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.md").write_text("# Benchmark summary\n\n" + "\n".join(table) + "\n\n" + "\n".join(reports))
+    print("\n".join(table))
+    print(f"reports in {args.out}")
+    failed = [n for n, s, _, _ in status if s != "ok"]
+    if failed:
+        print(f"FAILED suites: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Suite "tree-attention": draft-tree attention over a paged KV cache (issue 3).
+
+Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometry, D=128, page 16,
+every request with context L and a random tree of T nodes. Impls:
+
+* ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
+* ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
+  ``scaled_dot_product_attention`` with a boolean ``[B, 1, T, L+T]`` mask -- what a rollout engine
+  without a tree kernel pays per layer;
+* ``torch-sdpa (pre-gathered)``: the same SDPA on K/V already contiguous (gather excluded: a lower
+  bound for any dense-mask approach, not an end-to-end option with a paged cache);
+* ``flex-attention (pre-gathered)``: compiled ``flex_attention`` with a block mask built from the tree
+  (block mask outside the timing), on contiguous K/V like the row above;
+* ``flashinfer``: ``BatchPrefillWithPagedKVCacheWrapper`` with ``custom_mask`` over the same pages
+  (``plan`` outside the timing), when FlashInfer imports.
+
+``bytes_moved`` = K and V of context + tree, plus q and out, each once (the HBM floor; block-table and
+tree-mask reads are < 0.1% and left out). Extra columns: ``tflops`` (QK^T and PV of the valid
+entries, ``4 * B * Hq * T * (L + T) * D``; the T=64, G=7 cases have 448 query rows per KV head and are
+bounded by tensor-core throughput rather than HBM) and, on the tlt rows, ``decode_ms`` (the same kernel
+with T=1 over the same context), ``tree_over_decode`` (time ratio) and ``ideal_ratio`` (bytes ratio:
+what the tree would cost if both were at the HBM floor).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+SUITE = "tree-attention"
+
+MODELS = {"qwen2.5-7b": (28, 4), "qwen2.5-32b": (40, 8)}
+CASES = [(64, 4096, 16), (64, 16384, 16), (256, 2048, 8), (32, 8192, 64), (1, 32768, 64), (8, 32768, 32)]
+SMALL_GPU_CASES = [(8, 2048, 16), (2, 4096, 64)]
+CPU_CASES = [(2, 100, 4)]
+HEAD_DIM = 128
+PAGE = 16
+
+
+def _random_parents(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    p = torch.stack([torch.randint(0, max(i, 1), (B,), generator=gen) for i in range(T)], dim=1).to(torch.int32)
+    p[:, 0] = -1
+    return p
+
+
+def _make_inputs(B, L, T, Hq, Hkv, D, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = -(-(L + T) // PAGE)
+    num_blocks = B * pages_per_req
+    table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(B, pages_per_req)
+    k = torch.randn(num_blocks, PAGE, Hkv, D, dtype=dtype, device=device)
+    v = torch.randn(num_blocks, PAGE, Hkv, D, dtype=dtype, device=device)
+    q = torch.randn(B, T, Hq, D, dtype=dtype, device=device)
+    ctx = torch.full((B,), L, dtype=torch.int32)
+    return dict(q=q, k_cache=k, v_cache=v, block_table=table.to(device), context_lens=ctx.to(device),
+                parents=_random_parents(B, T, gen).to(device))
+
+
+def _dense_mask(parents: torch.Tensor, L: int) -> torch.Tensor:
+    """``bool [B, T, L + T]``: every context token, then the ancestor mask."""
+    from tlt_kernels.tree import tree_ancestor_mask
+
+    anc = tree_ancestor_mask(parents)
+    B, T = parents.shape
+    return torch.cat([torch.ones(B, T, L, dtype=torch.bool, device=parents.device), anc], dim=2)
+
+
+def _gather_dense(k_cache, v_cache, block_table, n_tokens):
+    """K, V of slots ``0 .. n_tokens-1`` of every request as ``[B, Hkv, n_tokens, D]`` (contiguous)."""
+    B = block_table.shape[0]
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    slots = torch.arange(n_tokens, device=k_cache.device)
+    flat = block_table.long()[:, slots // PAGE] * PAGE + slots % PAGE  # [B, n]
+    k = k_cache.view(-1, Hkv, D)[flat].transpose(1, 2).contiguous()
+    v = v_cache.view(-1, Hkv, D)[flat].transpose(1, 2).contiguous()
+    return k, v
+
+
+def _sdpa(q, k, v, mask):
+    """q ``[B, T, Hq, D]``, k/v ``[B, Hkv, N, D]``, mask ``[B, T, N]`` -> ``[B, T, Hq, D]``."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], enable_gqa=True).transpose(1, 2)
+
+
+def _check(name, got, want, ctx):
+    err = (got.float() - want.float()).abs().max().item()
+    if not err < 3e-2:
+        raise AssertionError(f"{name}: max |diff| {err:.3g} vs the tlt result on case {ctx}")
+
+
+def _bench_case(ctx, model, B, L, T):
+    from tlt_kernels._backend import backend_unavailable_reason
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    Hq, Hkv = MODELS[model]
+    D, dtype, dev = HEAD_DIM, ctx.dtype, ctx.device
+    inp = _make_inputs(B, L, T, Hq, Hkv, D, dtype, dev)
+    q, k_cache, v_cache, table, parents = inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["parents"]
+    elt = q.element_size()
+    case = {"model": model, "B": B, "L": L, "T": T}
+
+    def nbytes(t_nodes):
+        return B * (L + t_nodes) * Hkv * D * 2 * elt + 2 * B * t_nodes * Hq * D * elt
+
+    flops = 4 * B * Hq * T * (L + T) * D
+    extra = lambda ms: {"tflops": flops / (ms * 1e-3) / 1e12}  # noqa: E731
+
+    def plan_for(p, split_len=None):
+        return plan_tree_attention(p, inp["context_lens"], table, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                   block_size=PAGE, max_context_len=L, split_len=split_len)
+
+    plan = plan_for(parents)
+    decode_parents = parents[:, :1].contiguous()
+    decode_plan = plan_for(decode_parents)
+    q1 = q[:, :1].contiguous()
+    out = torch.empty_like(q)
+    out1 = torch.empty_like(q1)
+    reference = None
+    for backend in ("triton", "cuda"):
+        if backend_unavailable_reason(backend, dev) is not None:
+            continue
+        plan.run(q, k_cache, v_cache, out=out, backend=backend)
+        if reference is None:
+            reference = out.clone()
+        else:
+            _check(f"tlt-{backend}", out, reference, case)
+        ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
+        ms1 = ctx.time_ms(lambda: decode_plan.run(q1, k_cache, v_cache, out=out1, backend=backend))
+        ctx.add(case, f"tlt-{backend}", ms, bytes_moved=nbytes(T), num_splits=plan.num_splits, split_len=plan.split_len,
+                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes(T) / nbytes(1), **extra(ms))
+    if reference is not None and os.environ.get("TLT_TREE_ATTENTION_SWEEP", "0") not in ("", "0") and dev.type == "cuda":
+        _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes(T), extra)
+
+    mask = _dense_mask(parents, L)
+    ms = ctx.time_ms(lambda: _sdpa(q, *_gather_dense(k_cache, v_cache, table, L + T), mask))
+    ctx.add(case, "torch-sdpa", ms, bytes_moved=nbytes(T), **extra(ms))
+    k, v = _gather_dense(k_cache, v_cache, table, L + T)
+    got = _sdpa(q, k, v, mask)
+    if reference is not None:
+        _check("torch-sdpa", got, reference, case)
+    ms = ctx.time_ms(lambda: _sdpa(q, k, v, mask))
+    ctx.add(case, "torch-sdpa (pre-gathered)", ms, bytes_moved=nbytes(T), **extra(ms))
+
+    if dev.type == "cuda":
+        _bench_flex(ctx, case, q, k, v, mask, reference, nbytes(T), extra)
+    del k, v, got
+    fi = ctx.try_import("flashinfer")
+    if fi is not None and dev.type == "cuda":
+        _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nbytes(T), extra)
+
+
+def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes, extra):
+    """Tuning rows for the Triton kernel: every (BLOCK_N, num_warps, num_stages) of a small grid, and
+    half / double the default split length. Copy the winners into PARTIAL_CONFIGS / SPLIT_WAVES."""
+    import itertools
+
+    from tlt_kernels._triton import tree_attention as tk
+    from tlt_kernels.ops.tree_attention import SPLIT_ALIGN
+
+    base = plan_for(parents)
+    plans = {"split=default": base}
+    for factor, label in ((0.5, "split/2"), (2.0, "split*2")):
+        split_len = max(SPLIT_ALIGN, int(base.split_len * factor) // SPLIT_ALIGN * SPLIT_ALIGN)
+        if split_len != base.split_len and (factor < 1 or base.num_splits > 1):
+            plans[label] = plan_for(parents, split_len=split_len)
+    try:
+        for (label, plan), cfg in itertools.product(plans.items(), itertools.product((32, 64, 128), (4, 8), (2, 3, 4))):
+            tk.CONFIG_OVERRIDE = cfg
+            try:
+                plan.run(q, k_cache, v_cache, out=out, backend="triton")
+            except Exception as exc:  # e.g. out of shared memory for this config
+                ctx.note(f"sweep {case} {label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            _check(f"sweep {cfg}", out, reference, case)
+            ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"))
+            ctx.add(case, f"sweep bn={cfg[0]} w={cfg[1]} s={cfg[2]} {label}", ms, bytes_moved=nbytes,
+                    num_splits=plan.num_splits, split_len=plan.split_len, **extra(ms))
+    finally:
+        tk.CONFIG_OVERRIDE = None
+
+
+_FLEX = None
+
+
+def _bench_flex(ctx, case, q, k, v, mask, reference, nbytes, extra):
+    global _FLEX
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if _FLEX is None:
+            # One compiled graph per case shape: lift dynamo's recompile cap above the case count.
+            for knob in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
+            _FLEX = torch.compile(flex_attention, dynamic=False)
+        B, T, _, _ = q.shape
+        N = k.shape[2]
+        L = N - T
+        tree = mask[:, :, L:].contiguous()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx < L) | tree[b, q_idx, (kv_idx - L).clamp(min=0)]
+
+        block_mask = create_block_mask(mask_mod, B, None, T, N, device=q.device)
+        qt = q.transpose(1, 2)
+        fn = lambda: _FLEX(qt, k, v, block_mask=block_mask, enable_gqa=True)  # noqa: E731
+        got = fn().transpose(1, 2)
+        if reference is not None:
+            _check("flex-attention", got, reference, case)
+        ms = ctx.time_ms(fn)
+        ctx.add(case, "flex-attention (pre-gathered)", ms, bytes_moved=nbytes, **extra(ms))
+    except Exception as exc:  # optional peer: report, do not fail the suite
+        ctx.note(f"flex-attention skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nbytes, extra):
+    try:
+        B = inp["q"].shape[0]
+        dev = inp["q"].device
+        pages = inp["block_table"].shape[1]
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        qo_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * T
+        kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages
+        last = torch.full((B,), (L + T) - (pages - 1) * PAGE, dtype=torch.int32, device=dev)
+        wrapper.plan(qo_indptr, kv_indptr, inp["block_table"].reshape(-1), last, Hq, Hkv, D, PAGE,
+                     custom_mask=mask.reshape(-1), q_data_type=inp["q"].dtype)
+        q = inp["q"].reshape(B * T, Hq, D)
+        kv = (inp["k_cache"], inp["v_cache"])
+        got = wrapper.run(q, kv).view(B, T, Hq, D)
+        if reference is not None:
+            _check("flashinfer", got, reference, case)
+        ms = ctx.time_ms(lambda: wrapper.run(q, kv))
+        ctx.add(case, "flashinfer", ms, bytes_moved=nbytes, **extra(ms))
+    except Exception as exc:
+        ctx.note(f"flashinfer skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def run(ctx) -> None:
+    if ctx.device.type != "cuda":
+        cases, models = CPU_CASES, ["qwen2.5-7b"]
+        ctx.note("CPU: Triton runs in its interpreter; timings are a smoke test only")
+    elif ctx.small:
+        cases, models = SMALL_GPU_CASES, list(MODELS)
+    else:
+        cases, models = CASES, list(MODELS)
+    ctx.note("torch-sdpa includes gathering K/V out of the pages; the '(pre-gathered)' rows start from contiguous K/V")
+    for model in models:
+        for B, L, T in cases:
+            _bench_case(ctx, model, B, L, T)
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()

@@ -1,0 +1,108 @@
+// Launchers of the tree-attention kernels: argument checks, dtype / head-dim dispatch, launch on the
+// caller's stream, launch-error check. Torch-free.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_check.h"
+#include "tree_attention.cuh"
+#include "tree_attention.h"
+
+namespace tlt {
+namespace {
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+void check_common(const TreeAttentionParams& p) {
+  TLT_CHECK_ARG(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
+                "head_dim must be 64, 128 or 256 for the CUDA backend, got " << p.head_dim);
+  TLT_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
+                "dtype code must be 0 (float16) or 1 (bfloat16), got " << static_cast<int>(p.dtype));
+  TLT_CHECK_ARG(p.batch >= 0 && p.num_tree >= 1, "need batch >= 0 and num_tree >= 1, got " << p.batch << ", " << p.num_tree);
+  TLT_CHECK_ARG(p.num_kv_heads >= 1 && p.group >= 1 && p.num_q_heads == p.num_kv_heads * p.group,
+                "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads << ") * group (" << p.group << ")");
+  TLT_CHECK_ARG(p.num_splits >= 1, "num_splits must be >= 1, got " << p.num_splits);
+  TLT_CHECK_ARG(p.batch <= 65535 && p.num_kv_heads <= 65535, "batch and num_kv_heads must be <= 65535 (grid limits)");
+  TLT_CHECK_ARG(p.num_q_heads > 0 && p.partial_lse != nullptr && p.partial_out != nullptr && p.num_nodes != nullptr,
+                "partial_out, partial_lse and num_nodes must be device pointers");
+  TLT_CHECK_ARG(reinterpret_cast<uintptr_t>(p.partial_out) % 8 == 0, "partial_out must be 8-byte aligned");
+}
+
+template <typename T, int D>
+void launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
+  using Cfg = tree_attn::TileConfig<D>;
+  auto kernel = tree_attn::tree_attention_partial_kernel<T, D>;
+  const int smem = static_cast<int>(Cfg::kSmemBytes);
+  // Needed above 48 KiB; cheap and allowed during stream capture, and per device, so set every call.
+  TLT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(p.num_splits + 1, p.batch, p.num_kv_heads);
+  kernel<<<grid, tree_attn::kNumThreads, smem, stream>>>(p);
+  TLT_CHECK_LAUNCH();
+}
+
+template <typename T, int D>
+void launch_merge(const TreeAttentionParams& p, cudaStream_t stream) {
+  const int64_t rows = int64_t(p.batch) * p.num_tree * p.num_q_heads;
+  const int64_t blocks = (rows + tree_attn::kNumWarps - 1) / tree_attn::kNumWarps;
+  TLT_CHECK_ARG(blocks <= 0x7fffffff, "too many output rows for one launch: " << rows);
+  tree_attn::tree_attention_merge_kernel<T, D><<<static_cast<unsigned>(blocks), tree_attn::kNumThreads, 0, stream>>>(p);
+  TLT_CHECK_LAUNCH();
+}
+
+template <template <typename, int> class Launch>
+void dispatch(const TreeAttentionParams& p, cudaStream_t stream) {
+#define TLT_DISPATCH_D(T)                                 \
+  switch (p.head_dim) {                                   \
+    case 64: return Launch<T, 64>::run(p, stream);        \
+    case 128: return Launch<T, 128>::run(p, stream);      \
+    case 256: return Launch<T, 256>::run(p, stream);      \
+  }
+  if (p.dtype == DType::kBFloat16) {
+    TLT_DISPATCH_D(__nv_bfloat16)
+  } else {
+    TLT_DISPATCH_D(__half)
+  }
+#undef TLT_DISPATCH_D
+  TLT_CHECK_ARG(false, "unsupported head_dim " << p.head_dim);
+}
+
+template <typename T, int D>
+struct PartialLaunch {
+  static void run(const TreeAttentionParams& p, cudaStream_t s) { launch_partial<T, D>(p, s); }
+};
+template <typename T, int D>
+struct MergeLaunch {
+  static void run(const TreeAttentionParams& p, cudaStream_t s) { launch_merge<T, D>(p, s); }
+};
+
+}  // namespace
+
+void launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) {
+  check_common(p);
+  TLT_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens && p.tree_mask,
+                "q, k_cache, v_cache, block_table, context_lens and tree_mask must be device pointers");
+  TLT_CHECK_ARG(aligned16(p.q) && aligned16(p.k_cache) && aligned16(p.v_cache),
+                "q, k_cache and v_cache must be 16-byte aligned (cp.async loads 16 bytes)");
+  TLT_CHECK_ARG(p.q_stride_b % 8 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0,
+                "q strides must be multiples of 8 elements (16 bytes)");
+  TLT_CHECK_ARG(p.k_stride_block % 8 == 0 && p.k_stride_token % 8 == 0 && p.k_stride_head % 8 == 0 &&
+                    p.v_stride_block % 8 == 0 && p.v_stride_token % 8 == 0 && p.v_stride_head % 8 == 0,
+                "k_cache / v_cache strides must be multiples of 8 elements (16 bytes)");
+  TLT_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
+  TLT_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
+  TLT_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32,
+                "mask_words must be ceil(num_tree / 32) = " << (p.num_tree + 31) / 32 << ", got " << p.mask_words);
+  if (p.batch == 0) return;
+  dispatch<PartialLaunch>(p, stream);
+}
+
+void launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) {
+  check_common(p);
+  TLT_CHECK_ARG(p.out != nullptr, "out must be a device pointer");
+  if (p.batch == 0) return;
+  dispatch<MergeLaunch>(p, stream);
+}
+
+}  // namespace tlt

@@ -1,0 +1,61 @@
+// Host-side interface of the tree-attention kernels (torch-free; raw device pointers).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tlt {
+
+enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+
+// Everything one step of tree attention reads. Strides are in elements; the head dim is contiguous.
+//
+//   q            [B, T, Hq, D]                      fp16/bf16 (strides q_stride_{b,t,h})
+//   k_cache      [num_blocks, block_size, Hkv, D]   same dtype (strides k_stride_{block,token,head})
+//   v_cache      [num_blocks, block_size, Hkv, D]   same dtype (strides v_stride_{block,token,head})
+//   block_table  int32 [B, bt_stride_b >= max_blocks]
+//   context_lens int32 [B]; num_nodes int32 [B]
+//   tree_mask    int32 [B, T, mask_words], mask_words = ceil(T / 32), bit j%32 of word j/32 of row i
+//                set iff node j is node i or an ancestor of it
+//   partial_out  float32 [B, Hkv, S + 1, T * G, D] (contiguous); partial_lse float32 [B, Hkv, S + 1, T * G]
+//   out          [B, T, Hq, D] fp16/bf16 (strides out_stride_{b,t,h})
+struct TreeAttentionParams {
+  const void* q = nullptr;
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  const int32_t* block_table = nullptr;
+  const int32_t* context_lens = nullptr;
+  const int32_t* num_nodes = nullptr;
+  const int32_t* tree_mask = nullptr;
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
+  void* out = nullptr;
+
+  int64_t q_stride_b = 0, q_stride_t = 0, q_stride_h = 0;
+  int64_t k_stride_block = 0, k_stride_token = 0, k_stride_head = 0;
+  int64_t v_stride_block = 0, v_stride_token = 0, v_stride_head = 0;
+  int64_t out_stride_b = 0, out_stride_t = 0, out_stride_h = 0;
+  int64_t bt_stride_b = 0;
+
+  int batch = 0;         // B
+  int num_tree = 0;      // T
+  int num_q_heads = 0;   // Hq
+  int num_kv_heads = 0;  // Hkv
+  int group = 0;         // G = Hq / Hkv
+  int head_dim = 0;      // D in {64, 128, 256}
+  int block_size = 0;    // tokens per cache page
+  int num_splits = 0;    // S context splits; split S is the tree part
+  int split_len = 0;     // context tokens per split
+  int mask_words = 0;    // ceil(T / 32)
+  float sm_scale = 0.f;  // softmax scale (natural units)
+  DType dtype = DType::kBFloat16;
+};
+
+// Step 1: grid (S + 1, B, Hkv); writes partial_out / partial_lse for rows r < num_nodes[b] * G.
+void launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream);
+// Step 2: combines the S + 1 partials of every (b, t, h) with log-sum-exp; writes out (zeros for
+// rows t >= num_nodes[b]).
+void launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream);
+
+}  // namespace tlt

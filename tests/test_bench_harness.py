@@ -1,0 +1,194 @@
+"""The benchmark harness: row validation, derived columns, reports, suite discovery and the CLI."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not part of the installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench.__main__ import SuiteSpec, discover, main
+from bench.harness import BenchContext, geomean, render_markdown, run_suite, speedup_text, time_cpu_ms
+
+
+def _ctx(**kw):
+    return BenchContext("unit", device="cpu", **kw)
+
+
+def test_cpu_context_is_small_and_has_no_floor():
+    ctx = _ctx(small=False)
+    assert ctx.small is True
+    assert ctx.copy_bandwidth is None
+    assert ctx.dtype == torch.bfloat16
+
+
+def test_time_ms_is_positive_median():
+    calls = []
+    ms = time_cpu_ms(lambda: calls.append(1), reps=5)
+    assert ms > 0 and math.isfinite(ms)
+    assert len(calls) == 6  # one warm-up + five timed
+    assert _ctx().time_ms(lambda: sum(range(1000))) > 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
+def test_add_rejects_bad_times(bad):
+    with pytest.raises(ValueError, match="ms must be a positive finite time"):
+        _ctx().add({"B": 1}, "tlt-triton", bad)
+
+
+def test_add_rejects_bad_arguments():
+    ctx = _ctx()
+    with pytest.raises(TypeError, match="case must be a dict"):
+        ctx.add([("B", 1)], "x", 1.0)
+    with pytest.raises(ValueError, match="impl must be a non-empty string"):
+        ctx.add({"B": 1}, "", 1.0)
+    with pytest.raises(TypeError, match="ms must be a number"):
+        ctx.add({"B": 1}, "x", "fast")
+    with pytest.raises(ValueError, match="bytes_moved must be a non-negative integer"):
+        ctx.add({"B": 1}, "x", 1.0, bytes_moved=-5)
+    with pytest.raises(ValueError, match="bytes_moved must be a non-negative integer"):
+        ctx.add({"B": 1}, "x", 1.0, bytes_moved=1.5)
+    ctx.add({"B": 1}, "x", 1.0)
+    with pytest.raises(ValueError, match="duplicate row"):
+        ctx.add({"B": 1}, "x", 2.0)
+
+
+def test_derived_columns_floor_and_ratios():
+    ctx = _ctx(copy_bandwidth=2e12)  # 2 TB/s
+    case = {"B": 64, "L": 4096, "T": 16}
+    ctx.add(case, "tlt-triton", 0.5, bytes_moved=500_000_000, accept=0.75)
+    ctx.add(dict(reversed(list(case.items()))), "torch-sdpa", 2.0, bytes_moved=500_000_000)  # key order must not matter
+    ctx.add({"B": 1, "L": 4096, "T": 16}, "tlt-triton", 0.1)
+    rows = ctx.derived_rows()
+    tlt, sdpa, lone = rows
+    # floor = 5e8 B / 2e12 B/s = 0.25 ms; 0.25 / 0.5 = 50%
+    assert tlt["pct_hbm_floor"] == pytest.approx(50.0)
+    assert sdpa["pct_hbm_floor"] == pytest.approx(12.5)
+    assert tlt["gbps"] == pytest.approx(1000.0)
+    assert tlt["speedup_vs"] == {"torch-sdpa": pytest.approx(4.0)}
+    assert sdpa["speedup_vs"] == {"tlt-triton": pytest.approx(0.25)}
+    assert lone["speedup_vs"] == {} and lone["pct_hbm_floor"] is None and lone["gbps"] is None
+    assert tlt["accept"] == 0.75
+
+
+def test_speedup_text_and_geomean():
+    assert speedup_text(2.0, "peer") == "2.00x faster than peer"
+    assert speedup_text(0.8, "peer") == "1.25x slower than peer"
+    assert speedup_text(1.0, "peer") == "1.00x faster than peer"
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0)
+
+
+def _suite_ok(ctx):
+    for T in (4, 16):
+        ctx.add({"T": T}, "tlt-triton", 1.0, bytes_moved=10**6)
+        ctx.add({"T": T}, "flashinfer", 3.0 if T == 4 else 0.5, bytes_moved=10**6, accept_rate=torch.tensor(0.5))
+    ctx.note("hello note")
+
+
+def _suite_fails(ctx):
+    ctx.add({"T": 1}, "tlt-triton", 1.0)
+    raise RuntimeError("kernel exploded")
+
+
+def test_run_suite_writes_json_and_markdown(tmp_path):
+    res = run_suite("demo", _suite_ok, torch.device("cpu"), torch.bfloat16, small=True, out_dir=tmp_path, copy_bandwidth=1e12)
+    assert res.status == "ok"
+    data = json.loads((tmp_path / "demo.json").read_text())
+    assert data["suite"] == "demo" and data["status"] == "ok" and data["error"] is None
+    assert len(data["rows"]) == 4 and data["rows"][1]["accept_rate"] == 0.5
+    for key in ("date", "command", "torch", "triton", "tlt_kernels", "git_commit", "device_type"):
+        assert key in data["env"]
+    md = (tmp_path / "demo.md").read_text()
+    assert md == res.markdown
+    assert "| T | impl | ms | GB/s | % HBM floor | accept_rate | vs others (same case) |" in md
+    assert "3.00x faster than flashinfer" in md and "2.00x slower than flashinfer" in md
+    # geomean of 3.0 and 0.5 = 1.2247
+    assert "tlt-triton: 1.22x faster than flashinfer" in md
+    assert "hello note" in md
+    assert "FAILED" not in md
+
+
+def test_run_suite_records_failure_with_traceback(tmp_path):
+    res = run_suite("boom", _suite_fails, torch.device("cpu"), torch.float16, small=True, out_dir=tmp_path)
+    assert res.status == "failed"
+    data = json.loads((tmp_path / "boom.json").read_text())
+    assert "RuntimeError: kernel exploded" in data["error"]
+    assert len(data["rows"]) == 1  # partial results survive
+    assert "Suite FAILED" in res.markdown and "kernel exploded" in res.markdown
+
+
+def test_try_import_records_reason():
+    ctx = _ctx()
+    assert ctx.try_import("definitely_not_a_module_xyz") is None
+    assert any("definitely_not_a_module_xyz unavailable" in n and "ModuleNotFoundError" in n for n in ctx.notes)
+    assert ctx.try_import("json") is json
+    assert ctx.try_import("definitely_not_a_module_xyz") is None  # cached: one note only
+    assert sum("definitely_not_a_module_xyz" in n for n in ctx.notes) == 1
+
+
+def test_markdown_without_rows():
+    res = run_suite("empty", lambda ctx: None, torch.device("cpu"), torch.bfloat16, small=True)
+    assert "(no rows recorded)" in render_markdown(res.data)
+
+
+def test_discovered_suites_follow_the_api():
+    specs = discover()
+    assert "copy" in specs
+    for name, spec in specs.items():
+        assert spec.error is None, f"suite module {spec.module} is broken:\n{spec.error}"
+        assert name == name.lower() and "_" not in name, f"SUITE names use dashes: {name!r}"
+        assert callable(spec.run)
+
+
+def test_cli_continues_after_a_failed_suite(tmp_path, capsys):
+    specs = {
+        "boom": SuiteSpec("boom", "fake.boom", run=_suite_fails),
+        "broken": SuiteSpec("broken", "fake.broken", error="importing fake.broken failed: SyntaxError"),
+        "demo": SuiteSpec("demo", "fake.demo", run=_suite_ok),
+    }
+    rc = main(["all", "--device", "cpu", "--out", str(tmp_path)], specs=specs)
+    assert rc == 1
+    out = capsys.readouterr()
+    assert "FAILED suites: boom, broken" in out.err
+    assert (tmp_path / "demo.json").exists() and (tmp_path / "boom.json").exists()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| demo | ok | 4 |" in summary and "| boom | failed | 1 |" in summary and "| broken | failed | 0 |" in summary
+    assert json.loads((tmp_path / "broken.json").read_text())["error"].count("SyntaxError") >= 1
+
+
+def test_cli_usage_errors(tmp_path, capsys):
+    specs = {"demo": SuiteSpec("demo", "fake.demo", run=_suite_ok)}
+    assert main(["nope", "--out", str(tmp_path)], specs=specs) == 2
+    assert "unknown suite 'nope'; available: demo" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path)], specs=specs) == 2
+    assert main(["--list"], specs=specs) == 0
+    assert main(["demo", "demo", "--device", "cpu", "--out", str(tmp_path)], specs=specs) == 0  # deduplicated
+
+
+def test_cli_runs_copy_suite_end_to_end(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "copy", "--small", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "copy.json").read_text())
+    assert data["status"] == "ok" and data["small"] is True
+    assert {r["impl"] for r in data["rows"]} >= {"torch-copy"}
+    assert all(r["bytes_moved"] == 2 * int(r["case"]["MiB"] * 2**20) for r in data["rows"])
+    assert "| copy | ok |" in proc.stdout
+
+
+@pytest.mark.cuda
+def test_copy_bandwidth_on_gpu():
+    ctx = BenchContext("unit", device="cuda", small=True)
+    bw = ctx.copy_bandwidth
+    assert 1e11 < bw < 1e13, bw  # 100 GB/s .. 10 TB/s: anything else means the timing is broken
+    x = torch.empty(ctx.copy_bytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ctx.add({"n": 1}, "torch-copy", ctx.time_ms(lambda: y.copy_(x)), bytes_moved=2 * ctx.copy_bytes)
+    assert 70 < ctx.derived_rows()[0]["pct_hbm_floor"] < 130

@@ -1,0 +1,158 @@
+"""The optional CUDA extension: the package works without it, and it is torch-free when built."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _extension_path():
+    import tlt_kernels
+
+    pkg = Path(tlt_kernels.__file__).parent
+    found = sorted(pkg.glob("_C*.so")) + sorted(pkg.glob("_C*.pyd"))
+    return found[0] if found else None
+
+
+def _ext_or_skip():
+    try:
+        from tlt_kernels import _C
+    except ImportError as exc:
+        pytest.skip(f"tlt_kernels._C is not built ({exc})")
+    return _C
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_package_works_without_extension():
+    """With _C unimportable, the package imports, reports why 'cuda' is unavailable, and runs on torch."""
+    code = (
+        "import sys\n"
+        "sys.modules['tlt_kernels._C'] = None  # makes 'import tlt_kernels._C' raise ImportError\n"
+        "import torch, tlt_kernels\n"
+        "from tlt_kernels import _backend\n"
+        "assert not tlt_kernels.cuda_extension_available()\n"
+        "why = _backend.backend_unavailable_reason('cuda', torch.device('cuda'))\n"
+        "assert 'tlt_kernels._C is not built' in why and 'TLT_BUILD_CUDA=1' in why, why\n"
+        "from tlt_kernels._cuda import extension\n"
+        "try:\n"
+        "    extension()\n"
+        "except ImportError as e:\n"
+        "    assert 'not available' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('extension() should raise')\n"
+        "print('ok')\n"
+    )
+    res = _run_python(code)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_setup_metadata_without_cuda_build():
+    res = subprocess.run(
+        [sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TLT_BUILD_CUDA": "0"},
+    )
+    assert res.returncode == 0, res.stderr
+    import tlt_kernels
+
+    assert res.stdout.split() == ["tlt-kernels", tlt_kernels.__version__]
+
+
+def test_setup_rejects_bad_build_flag():
+    res = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TLT_BUILD_CUDA": "yes"},
+    )
+    assert res.returncode != 0
+    assert "TLT_BUILD_CUDA must be 0 or 1, got 'yes'" in res.stderr
+
+
+def test_extension_build_info():
+    ext = _ext_or_skip()
+    info = ext.build_info()
+    assert set(info) >= {"archs", "nvcc_version", "cuda_runtime_compiled", "cuda_runtime_version", "cuda_driver_version"}
+    assert re.fullmatch(r"[0-9a-z]+( [0-9a-z]+)*", info["archs"]), info
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)?", info["nvcc_version"]), info
+    assert info["cuda_runtime_compiled"] >= 11000 and info["cuda_runtime_version"] >= 11000, info
+    assert tuple(info["head_dims"]) == (64, 128, 256)
+    from tlt_kernels._cuda import build_info
+
+    assert build_info() == dict(info)
+
+
+def test_extension_is_torch_free():
+    """_C must not link libtorch / c10 (torch C++ ABI) nor need libcudart.so (static runtime)."""
+    _ext_or_skip()
+    so = _extension_path()
+    assert so is not None
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf is not installed")
+    dyn = subprocess.run([readelf, "-d", str(so)], capture_output=True, text=True, check=True).stdout
+    needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn)
+    assert needed, dyn
+    bad = [n for n in needed if re.match(r"lib(torch|c10|cudart)", n)]
+    assert not bad, f"_C links {bad}; needed = {needed}"
+
+
+def test_extension_validates_arguments_before_touching_the_gpu():
+    """Bad sizes raise ValueError naming the argument (no CUDA call happens, so this runs on CPU)."""
+    ext = _ext_or_skip()
+    args = dict(
+        q=0, k_cache=0, v_cache=0, block_table=0, context_lens=0, num_nodes=0, tree_mask=0, partial_out=0,
+        partial_lse=0, out=0, q_strides=(0, 0, 0), k_strides=(0, 0, 0), v_strides=(0, 0, 0), out_strides=(0, 0, 0),
+        bt_stride_b=0, batch=1, num_tree=1, num_q_heads=4, num_kv_heads=1, head_dim=96, block_size=16,
+        num_splits=1, split_len=256, sm_scale=0.1, dtype=ext.DTYPE_BFLOAT16, stream=0,
+    )
+    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256 for the CUDA backend, got 96"):
+        ext.tree_attention_partial(**args)
+    with pytest.raises(ValueError, match=r"num_q_heads \(6\) must equal num_kv_heads \(4\) \* group \(1\)"):
+        ext.tree_attention_merge(**{**args, "head_dim": 128, "num_q_heads": 6, "num_kv_heads": 4})
+    with pytest.raises(ValueError, match="q_strides must be a 3-tuple"):
+        ext.tree_attention_merge(**{**args, "q_strides": (1, 2)})
+
+
+@pytest.mark.cuda
+def test_gpu_smoke():
+    """One tiny tree-attention call through the CUDA backend matches the reference."""
+    _ext_or_skip()
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+    from tlt_kernels.reference.tree_attention import tree_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    B, T, Hkv, G, D, bs = 2, 4, 2, 2, 128, 16
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor([20, 0], dtype=torch.int32, device="cuda")
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32, device="cuda")
+    k = torch.randn(4, bs, Hkv, D, generator=g).to(torch.bfloat16).cuda()
+    v = torch.randn(4, bs, Hkv, D, generator=g).to(torch.bfloat16).cuda()
+    q = torch.randn(B, T, Hkv * G, D, generator=g).to(torch.bfloat16).cuda()
+    plan = plan_tree_attention(parents, ctx, table, num_q_heads=Hkv * G, num_kv_heads=Hkv, head_dim=D, block_size=bs)
+    out = plan.run(q, k, v, backend="cuda")
+    ref = tree_attention_reference(q, k, v, table, ctx, parents, out_dtype=torch.float32)
+    torch.cuda.synchronize()
+    print(f"gpu smoke: max_abs_err={float((out.float() - ref).abs().max()):.3g} build_info={_ext_or_skip().build_info()}")
+    torch.testing.assert_close(out.float(), ref, atol=2.5e-2, rtol=2e-2)
+
+
+def test_cuda_errors_become_runtime_errors():
+    """TLT_CUDA_CHECK failures surface as RuntimeError with CUDA's error name, the expression and file:line."""
+    ext = _ext_or_skip()
+    with pytest.raises(RuntimeError, match=r"CUDA error cudaErrorInvalidValue \(1\): invalid argument\n  in .+\n  at .*bindings\.cpp:\d+"):
+        ext._cuda_check_selftest(1)
+    ext._cuda_check_selftest(0)  # cudaSuccess: no exception

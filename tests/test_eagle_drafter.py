@@ -1,0 +1,145 @@
+"""EagleDrafter: paged extend/draft agree with the teacher-forced forward, trees are valid, and the
+target's shared weights never receive gradients."""
+import pytest
+import torch
+
+from tlt_kernels.drafter import DrafterKVCache, EagleConfig, EagleDrafter, accepted_length_greedy, num_candidates
+from tlt_kernels.models.config import ModelConfig
+from tlt_kernels.models.llama import LlamaForCausalLM
+from tlt_kernels.tree import validate_tree
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: intra-op threads only add contention on the shared CI cores (100x slower here).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _target(vocab=64, **over):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(ModelConfig.tiny(vocab_size=vocab, **over)).eval()
+
+
+def _ragged_extend(d, st, cache, feats, nxt, splits):
+    """Feed pairs in chunks of per-request sizes ``splits[c][b]`` (0 allowed)."""
+    B = feats.shape[0]
+    done = torch.zeros(B, dtype=torch.long)
+    for chunk in splits:
+        n = max(max(chunk), 1)
+        f = torch.zeros(B, n, feats.shape[2])
+        t = torch.zeros(B, n, dtype=torch.long)
+        for b in range(B):
+            f[b, : chunk[b]] = feats[b, done[b] : done[b] + chunk[b]]
+            t[b, : chunk[b]] = nxt[b, done[b] : done[b] + chunk[b]]
+        d.extend(st, cache, f, t, torch.tensor(chunk, dtype=torch.int32))
+        done += torch.tensor(chunk)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
+def test_extend_matches_forward(block_size, heads):
+    tgt = _target(num_q_heads=heads[0], num_kv_heads=heads[1])
+    d = EagleDrafter.for_target(tgt).eval()
+    B, L = 3, 19
+    toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats = tgt(toks[:, :L])[1]
+        g = d(feats, toks[:, 1:])
+    cache = DrafterKVCache(d.config, 2 + B * (-(-L // block_size)), block_size)
+    st = d.new_state(cache, B, L)
+    _ragged_extend(d, st, cache, feats, toks[:, 1:], [[5, 0, 19], [0, 7, 0], [14, 12, 0]])
+    assert st.context_lens.tolist() == [L] * B
+    assert torch.equal(st.root_tokens, toks[:, L])
+    torch.testing.assert_close(st.last_hidden, g[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("depth,topk", [(1, 3), (2, 3), (3, 2)])
+def test_draft_scores_match_forward_paths(depth, topk):
+    tgt = _target()
+    d = EagleDrafter.for_target(tgt).eval()
+    B, L = 2, 9
+    toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        feats = tgt(toks[:, :L])[1]
+    cache = DrafterKVCache(d.config, 16, 4)
+    st = d.new_state(cache, B, L)
+    d.extend(st, cache, feats, toks[:, 1:], torch.full((B,), L, dtype=torch.int32))
+    out = d.draft(st, cache, depth, topk, num_verify=5)
+    N = num_candidates(depth, topk)
+    assert out.cand_parents.shape == (B, N)
+    par = out.cand_parents.long()
+    with torch.no_grad():
+        for b in range(B):
+            for c in range(N):
+                # Teacher-forced recomputation: the path's pairs use the drafter's own features.
+                path = []
+                x = c
+                while x >= 0:
+                    path.append(x)
+                    x = int(par[b, x])
+                path.reverse()
+                f = feats[b : b + 1]
+                t = toks[b : b + 1, 1:]
+                g_prev = d(f, t)[:, -1:]
+                score = 0.0
+                for depth_i, node in enumerate(path):
+                    logp = torch.log_softmax(d.head_logits(g_prev[:, -1]).float(), -1)[0]
+                    score = score + logp[out.cand_tokens[b, node]]
+                    if depth_i < len(path) - 1:
+                        f = torch.cat([f, g_prev], 1)
+                        t = torch.cat([t, out.cand_tokens[b, node].view(1, 1)], 1)
+                        g_prev = d(f, t)[:, -1:]
+                assert abs(float(score) - float(out.cand_scores[b, c])) < 1e-4, (b, c, path)
+    tree = out.tree
+    validate_tree(tree.parents, tree.num_nodes)
+    assert torch.equal(tree.draft_tokens[:, 0], st.root_tokens)
+    assert int(tree.num_nodes.max()) <= 5
+
+
+def test_shared_weights_get_no_gradient():
+    tgt = _target()
+    for p in tgt.parameters():
+        p.requires_grad_(True)
+    d = EagleDrafter.for_target(tgt)
+    toks = torch.randint(0, 64, (2, 8))
+    feats = tgt(toks)[1].detach()
+    g = d(feats, toks)
+    (d.head_logits(g).logsumexp(-1).sum() + g.square().sum()).backward()
+    assert all(p.grad is None for p in tgt.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters())
+    names = set(d.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert "fc.weight" in names
+
+
+def test_config_from_target_and_errors():
+    tgt = _target()
+    cfg = EagleConfig.from_target(tgt.config, intermediate_size=96)
+    assert (cfg.hidden_size, cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (64, 4, 2, 16, 96)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        EagleConfig(64, 64, 3, 2, 16, 128)
+
+    class NoNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = tgt.config
+            self.embed_tokens = tgt.embed_tokens
+            self.lm_head = tgt.lm_head
+
+    with pytest.raises(ValueError, match="final_norm"):
+        EagleDrafter.for_target(NoNorm())
+    cache = DrafterKVCache(EagleConfig.from_target(tgt.config), 3, 4)
+    with pytest.raises(RuntimeError, match="out of blocks"):
+        cache.allocate(2, 8)
+
+
+def test_accepted_length_greedy():
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 4], [-1, 0, 1, 2, 0, 0]], dtype=torch.int32)
+    tokens = torch.tensor([[9, 5, 6, 7, 8, 3], [9, 1, 2, 3, 0, 0]])
+    cont = torch.tensor([[6, 8, 3, 1], [1, 2, 4, 4]])
+    acc = accepted_length_greedy(parents, tokens, torch.tensor([6, 4], dtype=torch.int32), cont)
+    # Request 0: path 2 (6) -> 4 (8) -> 5 (3); request 1: 1 -> 2 then 3 (token 3 != 4).
+    assert acc.tolist() == [4, 3]

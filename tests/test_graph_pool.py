@@ -1,0 +1,222 @@
+"""GraphPool: bookkeeping on the CPU with a fake backend; real capture/replay on the GPU."""
+import random
+
+import pytest
+import torch
+
+from tlt_kernels.runtime import GraphPool, Strategy
+from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+STRATS = [Strategy.off(), Strategy(3, 1, 4), Strategy(4, 4, 8)]
+SIZES = [1, 3, 8, 16]
+H = 16
+
+
+def _step_fn(s, w):
+    def fn(x, pos):
+        # Verify-shaped: B * num_verify rows in, one output row per verified token plus a per-request sum.
+        h = torch.tanh(x @ w) + pos[:, None].to(x.dtype)
+        return h, h.reshape(-1, s.num_verify, H).sum(1)
+    return fn
+
+
+def _inputs(s, gen=None):
+    def make(b):
+        return (torch.randn(b * s.num_verify, H, generator=gen), torch.arange(b * s.num_verify, dtype=torch.int32))
+    return make
+
+
+def _pool(budget=None, shared=True):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(H, H, generator=gen)
+    backend = FakeGraphBackend(lambda key: 1000 * key[1] * key[0].num_verify, shared=shared)
+    pool = GraphPool(budget, backend=backend, warmup_iters=1)
+    fns = {}
+    for s in STRATS:
+        fns[s] = _step_fn(s, w)
+        pool.add(s, fns[s], SIZES, _inputs(s, gen))
+    return pool, fns, backend
+
+
+def test_capture_order_is_largest_first_and_stats():
+    pool, _, backend = _pool()
+    order = []
+    real = backend.capture
+    backend.capture = lambda fn: (order.append(backend._key), real(fn))[1]
+    pool.capture()
+    peaks = [k[1] * k[0].num_verify for k in order]
+    assert peaks == sorted(peaks, reverse=True) and len(order) == len(STRATS) * len(SIZES)
+    st = pool.stats()
+    assert st["graphs"] == 12 and st["registered"] == 12 and st["hits"] == 0 and st["misses"] == 0
+    # Shared pool: the footprint is the largest graph, and the warm-up estimate predicts it exactly here.
+    assert st["pool_bytes"] == 1000 * 16 * 8 == st["estimated_bytes"]
+    assert st["capture_seconds"] >= 0
+
+
+def test_replay_in_random_order_matches_eager_with_padding():
+    pool, fns, _ = _pool()
+    pool.capture()
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(1)
+    held = []
+    for _ in range(60):
+        s = rng.choice(STRATS)
+        b = rng.randint(1, 16)
+        x, pos = _inputs(s, gen)(b)
+        out = pool.run(s, (x, pos), batch_size=b)
+        ref = fns[s](x, pos)
+        assert out[0].shape == ref[0].shape and out[1].shape == ref[1].shape == (b, H)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        held.append((s, b, out[1].clone(), ref[1]))
+    for s, b, got, ref in held:  # copies taken right after each replay stay correct
+        assert torch.equal(got, ref)
+    st = pool.stats()
+    assert st["hits"] == 60 and st["misses"] == 0 and 0 < st["padding_waste"] < 1
+
+
+def test_outputs_live_outside_the_pool_and_share_prefix_buffers():
+    pool, _, _ = _pool()
+    pool.capture()
+    e = pool._entries[STRATS[1]]
+    big = e.static_out[16][0]
+    small = e.static_out[3][0]
+    assert small.data_ptr() == big.data_ptr() and small.shape[0] == 3 * STRATS[1].num_verify
+    assert pool._inputs_for(e, 8)[0].data_ptr() == e.static_in[0].data_ptr()
+
+
+def test_eager_fallback_beyond_largest_and_unregistered_name():
+    pool, fns, _ = _pool()
+    pool.capture()
+    x, pos = _inputs(STRATS[2])(20)
+    out = pool.run(STRATS[2], (x, pos))
+    assert torch.equal(out[1], fns[STRATS[2]](x, pos)[1])
+    assert pool.stats()["misses"] == 1 and not pool.covers(STRATS[2], 20) and pool.covers(STRATS[2], 9)
+    assert pool.padded_size(STRATS[2], 9) == 16
+    with pytest.raises(KeyError, match="not registered"):
+        pool.run(Strategy(5, 1, 6), (x, pos))
+    with pytest.raises(ValueError, match="already registered"):
+        pool.add(STRATS[0], fns[STRATS[0]], [1], _inputs(STRATS[0]))
+    with pytest.raises(ValueError, match="input 0"):
+        pool.run(STRATS[2], (torch.randn(8, H + 1), pos[:8]), batch_size=1)
+
+
+def test_budget_at_capture_drops_graphs_that_do_not_fit():
+    # Private pools (shared=False): each graph adds its bytes; a budget keeps only what fits.
+    pool, fns, _ = _pool(budget=200_000, shared=False)
+    pool.capture()
+    st = pool.stats()
+    assert st["pool_bytes"] <= 200_000 and 0 < st["graphs"] < 12 and st["evictions"] == 12 - st["graphs"]
+    for s in STRATS:  # every batch still runs (graph or eager) and is correct
+        x, pos = _inputs(s)(5)
+        assert torch.equal(pool.run(s, (x, pos))[1], fns[s](x, pos)[1])
+
+
+def test_lru_eviction_when_the_budget_shrinks():
+    pool, fns, backend = _pool(shared=False)
+    pool.capture()
+    for s in STRATS:
+        pool.run(s, _inputs(s)(2), batch_size=2)  # touch the size-3 graphs: most recently used
+    pool.set_memory_budget(sum(1000 * 3 * s.num_verify for s in STRATS))
+    assert sorted(k[1] for k in pool._lru) == [3, 3, 3]
+    assert pool.stats()["pool_bytes"] == sum(backend.live.values())
+    x, pos = _inputs(STRATS[1])(2)
+    assert torch.equal(pool.run(STRATS[1], (x, pos))[1], fns[STRATS[1]](x, pos)[1])
+
+
+def test_selector_availability_hook():
+    from tlt_kernels.runtime import StrategySelector
+
+    pool, _, _ = _pool()
+    pool.capture([(s, b) for s in STRATS[:2] for b in SIZES])
+    sel = StrategySelector(STRATS[1:], available=pool.covers, policy="beg")
+    for _ in range(30):
+        s = sel.select(4)
+        assert s in STRATS[:2]
+        sel.update(s, 4, 8, 0.01)
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+def _decoder_stack(layers, hidden, inter, hq, hkv, d, device, dtype, gen):
+    ws = []
+    for _ in range(layers):
+        ws.append(dict(
+            qkv=torch.randn(hidden, (hq + 2 * hkv) * d, device=device, dtype=dtype, generator=gen) * hidden ** -0.5,
+            o=torch.randn(hq * d, hidden, device=device, dtype=dtype, generator=gen) * (hq * d) ** -0.5,
+            up=torch.randn(hidden, 2 * inter, device=device, dtype=dtype, generator=gen) * hidden ** -0.5,
+            down=torch.randn(inter, hidden, device=device, dtype=dtype, generator=gen) * inter ** -0.5,
+            n1=torch.ones(hidden, device=device, dtype=dtype), n2=torch.ones(hidden, device=device, dtype=dtype),
+        ))
+
+    def rms(x, w):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+    def make(s):
+        nv = s.num_verify
+
+        def fn(x):
+            # x: [B * nv, hidden]; attention over the request's own verified tokens (causal within the
+            # request) via SDPA -- a stand-in until tree_attention's plan/run API lands.
+            b = x.shape[0] // nv
+            for w in ws:
+                h = rms(x, w["n1"]) @ w["qkv"]
+                q, k, v = h.split([hq * d, hkv * d, hkv * d], dim=-1)
+                q = q.view(b, nv, hq, d).transpose(1, 2)
+                k = k.view(b, nv, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+                v = v.view(b, nv, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+                a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + a.transpose(1, 2).reshape(b * nv, hq * d) @ w["o"]
+                g, u = (rms(x, w["n2"]) @ w["up"]).chunk(2, dim=-1)
+                x = x + (torch.nn.functional.silu(g) * u) @ w["down"]
+            return x
+        return fn
+    return make
+
+
+@pytest.mark.cuda
+def test_gpu_capture_replay_random_order_bit_exact_and_no_growth():
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    make = _decoder_stack(2, 512, 1024, 8, 2, 64, dev, dt, gen)
+    strats = [Strategy.off(), Strategy(3, 1, 4), Strategy(4, 4, 8), Strategy(6, 4, 16)]
+    sizes = [1, 2, 4, 8, 16, 32]
+    pool = GraphPool()
+    fns = {}
+    for s in strats:
+        fns[s] = make(s)
+        pool.add(s, fns[s], sizes, lambda b, s=s: (torch.randn(b * s.num_verify, 512, device=dev, dtype=dt),))
+    pool.capture()
+    assert pool.stats()["graphs"] == len(strats) * len(sizes)
+    rng = random.Random(0)
+    for i in range(300):
+        s, b = rng.choice(strats), rng.randint(1, 32)
+        x = torch.randn(b * s.num_verify, 512, device=dev, dtype=dt)
+        out = pool.run(s, (x,), batch_size=b).clone()
+        if i % 10 == 0:
+            p = pool.padded_size(s, b)
+            xp = torch.cat([x, pool._inputs_for(pool._entries[s], p)[0][x.shape[0]:]])
+            assert torch.equal(out, fns[s](xp)[: x.shape[0]]), (s, b)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    for i in range(3000):
+        s, b = strats[i % 4], 1 + (i * 7) % 32
+        pool.run(s, (torch.zeros(b * s.num_verify, 512, device=dev, dtype=dt),), batch_size=b)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == before
+    st = pool.stats()
+    assert st["misses"] == 0 and st["hits"] == 3300
+
+
+@pytest.mark.cuda
+def test_gpu_eviction_under_small_budget_falls_back_to_eager():
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(0)
+    make = _decoder_stack(1, 256, 512, 4, 2, 64, dev, dt, gen)
+    s = Strategy(3, 1, 4)
+    fn = make(s)
+    pool = GraphPool(memory_budget_bytes=0)
+    pool.add(s, fn, [1, 4, 16], lambda b: (torch.randn(b * 4, 256, device=dev, dtype=dt),))
+    pool.capture()
+    x = torch.randn(8 * 4, 256, device=dev, dtype=dt)
+    assert torch.equal(pool.run(s, (x,), batch_size=8), fn(x))
+    st = pool.stats()
+    assert st["graphs"] + st["evictions"] == 3 and st["misses"] >= (1 if st["graphs"] == 0 else 0)

@@ -1,0 +1,200 @@
+"""ngram_propose / ngram_propose_tree: hand-worked histories, brute-force oracles, bad inputs, Triton parity."""
+import pytest
+import torch
+from conftest import kernel_devices, poison_
+
+from tlt_kernels import ngram_propose, validate_tree
+from tlt_kernels.ops.ngram import ngram_propose_tree
+
+
+def brute_occurrences(h, n):
+    """Starts s (largest first) of earlier occurrences of h's n-suffix with s + n <= len - 1."""
+    L = len(h)
+    if n > L:
+        return []
+    suffix = h[L - n :]
+    return [s for s in range(L - n - 1, -1, -1) if h[s : s + n] == suffix]
+
+
+def brute_best(h, min_n, max_n):
+    for n in range(max_n, min_n - 1, -1):
+        occ = brute_occurrences(h, n)
+        if occ:
+            return n, occ
+    return 0, []
+
+
+def brute_propose(h, k, min_n, max_n):
+    n, occ = brute_best(h, min_n, max_n)
+    return h[occ[0] + n : occ[0] + n + k] if occ else []
+
+
+def brute_tree(h, k, R, min_n, max_n):
+    """Trie of the continuations of the R most recent occurrences: (parents, tokens)."""
+    n, occ = brute_best(h, min_n, max_n)
+    parents, toks = [-1], [h[-1] if h else 0]
+    children = {}
+    for s in occ[:R]:
+        cur = 0
+        for t in h[s + n : s + n + k]:
+            if (cur, t) not in children:
+                children[(cur, t)] = len(parents)
+                parents.append(cur)
+                toks.append(t)
+            cur = children[(cur, t)]
+    return parents, toks
+
+
+def random_histories(B, L, vocab, gen, min_len=0):
+    tokens = torch.randint(0, vocab, (B, L), generator=gen)
+    lengths = torch.randint(min_len, L + 1, (B,), generator=gen).to(torch.int32)
+    # Garbage past lengths must not matter.
+    pos = torch.arange(L)
+    tokens = torch.where(pos < lengths.unsqueeze(1).long(), tokens, torch.randint(0, vocab, (B, L), generator=gen))
+    return tokens, lengths
+
+
+def check_propose(out, tokens, lengths, k, min_n, max_n):
+    for b in range(tokens.shape[0]):
+        h = tokens[b, : int(lengths[b])].tolist()
+        want = brute_propose(h, k, min_n, max_n)
+        assert int(out.num_drafts[b]) == len(want), f"request {b}: history {h}"
+        assert out.drafts[b].tolist() == want + [-1] * (k - len(want)), f"request {b}: history {h}"
+
+
+def test_hand_worked():
+    #            0  1  2  3  4  5  6  7  8
+    h = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6]])
+    out = ngram_propose(h, torch.tensor([9], dtype=torch.int32), k=3, min_n=1, max_n=3)
+    # Suffix "5 6": occurrences at s=4 (-> 9 5 6) and s=0; the most recent wins. "9 5 6" never recurs.
+    assert out.drafts.tolist() == [[9, 5, 6]] and out.num_drafts.tolist() == [3]
+    out = ngram_propose(h, torch.tensor([9], dtype=torch.int32), k=8, min_n=1, max_n=3)
+    assert out.drafts.tolist() == [[9, 5, 6] + [-1] * 5] and out.num_drafts.tolist() == [3]
+
+
+def test_overlapping_occurrence_and_no_match():
+    # "1 1 1 1": suffix "1 1 1" occurs at s=0 (s + n = 3 <= len - 1) and overlaps the suffix itself.
+    out = ngram_propose(torch.tensor([[1, 1, 1, 1], [1, 2, 3, 4]]), torch.tensor([4, 4], dtype=torch.int32), k=2, max_n=3)
+    assert out.drafts.tolist() == [[1, -1], [-1, -1]]
+    assert out.num_drafts.tolist() == [1, 0]
+
+
+def test_short_histories_and_min_n():
+    tokens = torch.tensor([[3, 3, 0, 0], [3, 0, 0, 0], [4, 9, 4, 9]])
+    out = ngram_propose(tokens, torch.tensor([2, 1, 0], dtype=torch.int32), k=2)
+    assert out.num_drafts.tolist() == [1, 0, 0] and out.drafts[0].tolist() == [3, -1]
+    # min_n=2 rules out the unigram match "9" but "4 9" does not recur before the end either.
+    out = ngram_propose(torch.tensor([[4, 9, 1, 9]]), torch.tensor([4], dtype=torch.int32), k=2, min_n=2)
+    assert out.num_drafts.tolist() == [0]
+
+
+@pytest.mark.parametrize("B,L,vocab", [(1, 1, 2), (3, 17, 3), (7, 40, 5), (3, 65, 2), (2, 33, 50)])
+@pytest.mark.parametrize("k,min_n,max_n", [(1, 1, 1), (3, 1, 4), (8, 2, 5), (5, 3, 3)])
+def test_matches_brute_force(B, L, vocab, k, min_n, max_n, gen):
+    tokens, lengths = random_histories(B, L, vocab, gen)
+    for dtype in (torch.int64, torch.int32):
+        out = ngram_propose(tokens.to(dtype), lengths, k, min_n, max_n)
+        assert out.drafts.dtype == torch.int64 and out.num_drafts.dtype == torch.int32
+        check_propose(out, tokens, lengths, k, min_n, max_n)
+
+
+def check_tree(out, tokens, lengths, k, R, min_n, max_n):
+    T = 1 + R * k
+    assert out.parents.shape == (tokens.shape[0], T)
+    for b in range(tokens.shape[0]):
+        h = tokens[b, : int(lengths[b])].tolist()
+        par, tok = brute_tree(h, k, R, min_n, max_n)
+        n = len(par)
+        assert int(out.num_nodes[b]) == n, f"request {b}: history {h}"
+        assert out.parents[b].tolist() == par + [0] * (T - n), f"request {b}: history {h}"
+        assert out.draft_tokens[b].tolist() == tok + [0] * (T - n), f"request {b}: history {h}"
+
+
+def test_tree_hand_worked():
+    #                  0  1  2  3  4  5  6  7  8  9
+    h = torch.tensor([[1, 2, 3, 1, 2, 4, 1, 2, 3, 1]])
+    out = ngram_propose_tree(h, torch.tensor([10], dtype=torch.int32), k=2, num_branches=3, max_n=1)
+    # Suffix "1" occurs at 6 (-> 2 3), 3 (-> 2 4), 0 (-> 2 3): trie 1 -> 2 -> {3, 4}.
+    assert out.num_nodes.tolist() == [4]
+    assert out.parents.tolist() == [[-1, 0, 1, 1, 0, 0, 0]]
+    assert out.draft_tokens.tolist() == [[1, 2, 3, 4, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("B,L,vocab", [(1, 1, 2), (3, 23, 3), (7, 40, 4), (2, 50, 2)])
+@pytest.mark.parametrize("k,R,min_n,max_n", [(1, 1, 1, 2), (3, 4, 1, 3), (4, 3, 2, 4)])
+def test_tree_matches_brute_force(B, L, vocab, k, R, min_n, max_n, gen):
+    tokens, lengths = random_histories(B, L, vocab, gen)
+    out = ngram_propose_tree(tokens, lengths, k, R, min_n, max_n)
+    check_tree(out, tokens, lengths, k, R, min_n, max_n)
+    validate_tree(out.parents, out.num_nodes)
+
+
+def test_bad_inputs():
+    t = torch.tensor([[1, 2, 3]])
+    n = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"lengths\[0\] = 4 is outside \[0, L=3\]"):
+        ngram_propose(t, torch.tensor([4], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="min_n must be <= max_n"):
+        ngram_propose(t, n, 2, min_n=3, max_n=2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        ngram_propose(t, n, 0)
+    with pytest.raises(TypeError, match="tokens must have dtype"):
+        ngram_propose(t.float(), n, 2)
+    with pytest.raises(ValueError, match="lengths has size 2"):
+        ngram_propose(t, torch.tensor([3, 3], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="num_branches must be >= 1"):
+        ngram_propose_tree(t, n, 2, 0)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("B,L,vocab", [(1, 1, 2), (3, 37, 3), (7, 130, 4), (2, 300, 2)])
+@pytest.mark.parametrize("k,min_n,max_n", [(1, 1, 1), (8, 1, 4), (5, 2, 5)])
+def test_triton_matches_reference(device, B, L, vocab, k, min_n, max_n, gen):
+    tokens, lengths = random_histories(B, L, vocab, gen)
+    ref = ngram_propose(tokens, lengths, k, min_n, max_n, backend="torch")
+    for dtype in (torch.int64, torch.int32):
+        out = ngram_propose(tokens.to(device, dtype), lengths.to(device), k, min_n, max_n, backend="triton")
+        assert torch.equal(out.drafts.cpu(), ref.drafts) and torch.equal(out.num_drafts.cpu(), ref.num_drafts)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
+def test_triton_writes_every_output(device, gen):
+    from tlt_kernels._triton.ngram import ngram_propose_out
+
+    tokens, lengths = random_histories(5, 50, 3, gen)
+    drafts = poison_(torch.empty(5, 4, dtype=torch.int64, device=device))
+    num = poison_(torch.empty(5, dtype=torch.int32, device=device))
+    ngram_propose_out(tokens.to(device), lengths.to(device), 1, 3, drafts, num)
+    ref = ngram_propose(tokens, lengths, 4, 1, 3, backend="torch")
+    assert torch.equal(drafts.cpu(), ref.drafts) and torch.equal(num.cpu(), ref.num_drafts)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("B,L,vocab", [(1, 1, 2), (3, 45, 3), (4, 140, 2)])
+@pytest.mark.parametrize("k,R,min_n,max_n", [(1, 1, 1, 2), (3, 4, 1, 3), (4, 3, 2, 4)])
+def test_triton_tree_matches_reference(device, B, L, vocab, k, R, min_n, max_n, gen):
+    tokens, lengths = random_histories(B, L, vocab, gen)
+    ref = ngram_propose_tree(tokens, lengths, k, R, min_n, max_n, backend="torch")
+    out = ngram_propose_tree(tokens.to(device), lengths.to(device), k, R, min_n, max_n, backend="triton")
+    for name in ref._fields:
+        assert torch.equal(getattr(out, name).cpu(), getattr(ref, name)), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,L,vocab", [(256, 8192, 50), (17, 3000, 3)])
+def test_triton_large_gpu(B, L, vocab, gen):
+    tokens, lengths = random_histories(B, L, vocab, gen, min_len=L // 2)
+    tokens, lengths = tokens.cuda(), lengths.cuda()
+    ref = ngram_propose(tokens, lengths, 8, 1, 4, backend="torch")
+    out = ngram_propose(tokens, lengths, 8, 1, 4, backend="triton")
+    assert torch.equal(out.drafts, ref.drafts) and torch.equal(out.num_drafts, ref.num_drafts)
+    ref_t = ngram_propose_tree(tokens, lengths, 4, 4, 1, 4, backend="torch")
+    out_t = ngram_propose_tree(tokens, lengths, 4, 4, 1, 4, backend="triton")
+    for name in ref_t._fields:
+        assert torch.equal(getattr(out_t, name), getattr(ref_t, name)), name

@@ -1,0 +1,188 @@
+"""StrategySelector: API contract, determinism, lazy observations, availability, and CPU cost."""
+import math
+import random
+
+import pytest
+
+from tlt_kernels.runtime import (
+    POLICIES,
+    CallbackValue,
+    CostTable,
+    Pending,
+    Strategy,
+    StrategySelector,
+)
+
+ARMS = [Strategy(1, 1, 2), Strategy(3, 1, 4), Strategy(4, 4, 8)]
+
+
+def test_strategy_validation_and_roundtrip():
+    assert Strategy.off() == Strategy(0, 0, 1) and Strategy.off().is_off
+    assert Strategy(3, 1, 4).max_tokens_per_step == 4
+    for s in [Strategy.off(), Strategy(3, 1, 4), Strategy(6, 4, 16)]:
+        assert Strategy.parse(str(s)) == s
+    with pytest.raises(ValueError, match="plain decoding"):
+        Strategy(0, 1, 1)
+    with pytest.raises(ValueError, match="num_verify"):
+        Strategy(3, 1, 5)  # a chain of 3 verifies at most 4 tokens
+    with pytest.raises(ValueError, match="topk"):
+        Strategy(2, 0, 3)
+    with pytest.raises(ValueError, match="parse"):
+        Strategy.parse("s3x1")
+
+
+def test_off_is_always_an_arm_and_errors_are_clear():
+    sel = StrategySelector(ARMS)
+    assert sel.strategies[0] == Strategy.off() and len(sel.strategies) == 4
+    with pytest.raises(ValueError, match="unknown policy"):
+        StrategySelector(ARMS, policy="nope")
+    with pytest.raises(ValueError, match="batch_buckets"):
+        StrategySelector(ARMS, batch_buckets=[4, 2])
+    with pytest.raises(ValueError, match="not one of"):
+        sel.update(Strategy(5, 1, 6), 4, 10, 0.01)
+    with pytest.raises(ValueError, match="batch_size"):
+        sel.select(0)
+    with pytest.raises(TypeError, match="Strategy"):
+        StrategySelector([(3, 1, 4)])
+
+
+def _accept(s):
+    return 0.8 if s.topk == 1 else 0.88
+
+
+def _true_rate(s, b):
+    """A stationary toy world: speculation pays at small batches, not at large ones."""
+    p = _accept(s)
+    tokens = 1.0 + sum(p ** j for j in range(1, s.num_steps + 1))
+    t = 0.01 + 1e-5 * b * s.num_verify ** 1.5 + 0.0008 * s.num_steps
+    return tokens, t
+
+
+def _drive(sel, steps, sizes, seed=0, acc=True):
+    rng = random.Random(seed)
+    picks = []
+    for i in range(steps):
+        b = sizes[i % len(sizes)]
+        s = sel.select(b)
+        tok, t = _true_rate(s, b)
+        apos = None
+        if acc and not s.is_off:
+            apos = [b * _accept(s) ** (j + 1) for j in range(s.num_steps)]
+        sel.update(s, b, tok * b, t * math.exp(0.03 * rng.gauss(0, 1)), apos)
+        picks.append((b, s))
+    return picks
+
+
+def _best(b, arms):
+    return max(arms, key=lambda s: _true_rate(s, b)[0] / _true_rate(s, b)[1])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_policies_find_the_best_arm_per_bucket(policy):
+    sel = StrategySelector(ARMS, policy=policy, seed=3)
+    sizes = [2, 512]
+    picks = _drive(sel, 600, sizes, acc=False)
+    rate = lambda s, b: _true_rate(s, b)[0] / _true_rate(s, b)[1]  # noqa: E731
+    for b in sizes:
+        late = [s for bb, s in picks[-200:] if bb == b]
+        best = rate(_best(b, sel.strategies), b)
+        got = sum(rate(s, b) for s in late) / len(late)
+        # SW-UCB re-explores every arm once per window, by design; the others should be near-greedy.
+        assert got >= (0.85 if policy == "ucb" else 0.95) * best, (policy, b, got / best)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_decisions_are_deterministic_given_seed_and_observations(policy):
+    a = _drive(StrategySelector(ARMS, policy=policy, seed=11), 200, [1, 7, 300])
+    b = _drive(StrategySelector(ARMS, policy=policy, seed=11), 200, [1, 7, 300])
+    assert a == b
+
+
+class _Flag(Pending):
+    def __init__(self, value):
+        self.value, self.done = value, False
+
+    def ready(self):
+        return self.done
+
+    def get(self):
+        return self.value
+
+
+def test_pending_observations_are_folded_in_fifo_without_waiting():
+    sel = StrategySelector(ARMS, policy="beg", seed=0)
+    slow = _Flag(0.01)
+    s = sel.select(4)
+    sel.update(s, 4, 8, slow)
+    s2 = sel.select(4)
+    sel.update(s2, 4, 8, 0.01)  # ready, but queued behind the first (FIFO keeps ranks in lockstep)
+    assert sel.observe_ready() == 2
+    assert sum(sel.policy.n[sel.bucket(4)]) == 0
+    slow.done = True
+    sel.select(4)  # folds both in
+    assert sel.observe_ready() == 0
+    assert sum(sel.policy.n[sel.bucket(4)]) == 2
+
+
+def test_callback_values_and_tuple_lists():
+    box = {}
+    sel = StrategySelector(ARMS, policy="cost", seed=0)
+    s = Strategy(3, 1, 4)
+    sel.update(s, 4, CallbackValue(lambda: box.get("n")), 0.02, (4, 3, 1))
+    assert sel.observe_ready() == 1
+    box["n"] = 12
+    assert sel.observe_ready() == 0
+
+
+def test_unavailable_arms_are_never_chosen():
+    allowed = {Strategy.off(), Strategy(1, 1, 2)}
+    for policy in POLICIES:
+        sel = StrategySelector(ARMS, policy=policy, available=lambda s, b: s in allowed)
+        picks = _drive(sel, 100, [1, 64])
+        assert {s for _, s in picks} <= allowed
+    sel = StrategySelector(ARMS, available=lambda s, b: False)
+    assert sel.select(3) == Strategy.off()
+
+
+def test_decision_hook_overrides_and_is_validated():
+    sel = StrategySelector(ARMS, decision_hook=lambda s, b: Strategy(1, 1, 2))
+    assert sel.select(8) == Strategy(1, 1, 2)
+    bad = StrategySelector(ARMS, decision_hook=lambda s, b: Strategy(2, 1, 3))
+    with pytest.raises(ValueError, match="decision_hook"):
+        bad.select(8)
+
+
+def test_cost_model_combines_table_and_learned_acceptance():
+    # The table is exact for the toy world, so after one exploration of each arm the cost model
+    # should play the best arm of each bucket almost always.
+    arms = [Strategy.off()] + ARMS
+    table = CostTable({s: [(b, _true_rate(s, b)[1]) for b in (1, 2, 64, 512)] for s in arms})
+    sel = StrategySelector(ARMS, policy="cost", cost_table=table, seed=0)
+    picks = _drive(sel, 200, [2, 512])
+    for b in (2, 512):
+        late = [s for bb, s in picks[-100:] if bb == b]
+        assert late.count(_best(b, arms)) >= 0.9 * len(late), (b, _best(b, arms))
+    t2, t64 = _true_rate(Strategy.off(), 2)[1], _true_rate(Strategy.off(), 64)[1]
+    assert table.predict(Strategy.off(), 33) == pytest.approx(t2 + (t64 - t2) * 31 / 62)
+    assert table.predict(Strategy.off(), 1024) == pytest.approx(_true_rate(Strategy.off(), 512)[1] * 2)
+    with pytest.raises(ValueError, match="accepted_per_position"):
+        sel.update(Strategy(3, 1, 4), 1, 3, 0.01, [1, 1])
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_select_plus_update_cpu_cost(policy, benchmark):
+    kw = {"cost_table": CostTable({Strategy.off(): [(1, 0.01), (256, 0.02)]})} if policy == "cost" else {}
+    sel = StrategySelector(ARMS + [Strategy(6, 4, 16), Strategy(8, 8, 32)], policy=policy, seed=0, **kw)
+    _drive(sel, 100, [16])
+    sizes = [1, 16, 64, 256]
+    state = {"i": 0}
+
+    def step():
+        i = state["i"] = state["i"] + 1
+        b = sizes[i & 3]
+        s = sel.select(b)
+        sel.update(s, b, 2 * b, 0.01 + 1e-6 * (i & 7), [b // 2] * s.num_steps if s.num_steps else None)
+
+    benchmark.pedantic(step, rounds=2000, iterations=1, warmup_rounds=100)
+    # The claim (< 20 us) is checked in the benchmark suite; here only a generous bound for shared CI.
+    assert benchmark.stats.stats.median < 200e-6

@@ -1,0 +1,395 @@
+"""tree_attention: every backend against the fp32 reference, plan reuse, capture, validation."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import kernel_devices, poison_
+
+import tlt_kernels
+from tlt_kernels._backend import backend_unavailable_reason
+from tlt_kernels.ops.tree_attention import default_split_len, plan_tree_attention, run
+from tlt_kernels.reference.tree_attention import gather_request_kv, request_mask, tree_attention_reference
+
+DEVICE = torch.device(kernel_devices()[0])
+ON_GPU = DEVICE.type == "cuda"
+BACKENDS = ["torch", "triton", "cuda"]
+
+
+def _need(backend, device=DEVICE):
+    reason = backend_unavailable_reason(backend, device)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+# ----------------------------------------------------------------------------------------- inputs
+def make_parents(kind: str, T: int, gen: torch.Generator) -> torch.Tensor:
+    """``int32 [T]`` parents of one tree of the given shape."""
+    if kind in ("chain", "deep"):
+        return torch.arange(-1, T - 1, dtype=torch.int32)
+    if kind == "star":
+        p = torch.zeros(T, dtype=torch.int32)
+    elif kind == "binary":
+        p = ((torch.arange(T) - 1) // 2).to(torch.int32)
+    elif kind == "random":
+        p = torch.tensor([0] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, T)], dtype=torch.int32)
+    else:
+        raise ValueError(kind)
+    p[0] = -1
+    return p
+
+
+def make_case(ctx_lens, T, Hq, Hkv, D, block_size, dtype, kinds=("random",), num_nodes=None, seed=0, device=DEVICE):
+    """Random paged cache with shuffled pages, unused table entries set to -1 (kernels must not read them)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(ctx_lens)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    n = torch.full((B,), T, dtype=torch.int32) if num_nodes is None else torch.tensor(num_nodes, dtype=torch.int32)
+    parents = torch.stack([make_parents(kinds[b % len(kinds)], T, gen) for b in range(B)])
+    pages_per_req = [-(-(c + T) // block_size) for c in ctx_lens]
+    max_blocks = max(pages_per_req) + 1
+    num_blocks = sum(pages_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((B, max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for b, p in enumerate(pages_per_req):
+        table[b, :p] = perm[used : used + p].to(torch.int32)
+        used += p
+    k = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
+    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
+    to = lambda t: t.to(device)  # noqa: E731
+    return dict(q=to(q), k_cache=to(k), v_cache=to(v), block_table=to(table), context_lens=to(ctx),
+                parents=to(parents), num_nodes=to(n))
+
+
+def low_precision_error(case, ref, sm_scale=None) -> float:
+    """Max error vs the fp32 reference of torch's own SDPA in the input dtype on the same inputs."""
+    q, k_cache, v_cache = case["q"], case["k_cache"], case["v_cache"]
+    B, T, Hq, D = q.shape
+    G = Hq // k_cache.shape[2]
+    err = 0.0
+    for b in range(B):
+        C, n = int(case["context_lens"][b]), int(case["num_nodes"][b])
+        k, v = gather_request_kv(k_cache, v_cache, case["block_table"], b, C + n)
+        mask = request_mask(case["parents"][b], C, n)
+        o = F.scaled_dot_product_attention(
+            q[b, :n].transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1), v.repeat_interleave(G, 1).transpose(0, 1),
+            attn_mask=mask, scale=sm_scale,
+        ).transpose(0, 1)
+        err = max(err, (o.float() - ref[b, :n]).abs().max().item())
+    return err
+
+
+def check_against_reference(out, case, sm_scale=None):
+    ref = tree_attention_reference(**case, sm_scale=sm_scale, out_dtype=torch.float32)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    n = case["num_nodes"].cpu()
+    T = out.shape[1]
+    valid = (torch.arange(T)[None, :] < n[:, None]).to(out.device)
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) or NaN outputs"
+    assert (out[~valid] == 0).all(), "rows past num_nodes must be exactly zero"
+    ours = (out.float() - ref)[valid].abs().max().item()
+    theirs = low_precision_error(case, ref, sm_scale)
+    assert ours <= 2 * theirs + 1e-6, f"error {ours:.3g} > 2x torch's own {case['q'].dtype} error {theirs:.3g}"
+
+
+def make_plan(case, **kw):
+    q, k = case["q"], case["k_cache"]
+    return plan_tree_attention(
+        case["parents"], case["context_lens"], case["block_table"], case["num_nodes"],
+        num_q_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3], block_size=k.shape[1],
+        num_blocks=k.shape[0], **kw,
+    )
+
+
+# ----------------------------------------------------------------------------------- correctness
+# (ctx_lens, T, Hq, Hkv, D, block_size, dtype, tree kinds, num_nodes, split_len)
+CPU_CASES = {
+    "chain-gqa3-bs16": ([0, 5, 37], 5, 6, 2, 64, 16, torch.bfloat16, ("chain",), None, None),
+    "star-mha-bs1-fp16": ([17, 1, 64], 8, 2, 2, 64, 1, torch.float16, ("star",), None, None),
+    "random-gqa7-d128-bs128-ragged": ([33, 0, 100], 7, 7, 1, 128, 128, torch.bfloat16, ("random",), [7, 3, 1], None),
+    "deep-splits-merge": ([200, 3, 129], 16, 3, 1, 64, 16, torch.bfloat16, ("deep", "random", "binary"), [16, 9, 16], 64),
+    "single-node-fp16": ([3, 70], 1, 2, 1, 64, 16, torch.float16, ("chain",), None, 64),
+    "two-mask-words": ([10], 40, 1, 1, 64, 16, torch.bfloat16, ("binary",), None, None),
+    "row-chunks": ([50, 7], 48, 3, 1, 64, 16, torch.bfloat16, ("random",), [48, 31], 64),
+}
+GPU_CASES = {
+    "qwen7b-t16": ([4096, 1000, 17, 2047], 16, 28, 4, 128, 16, torch.bfloat16, ("random", "chain", "star"), [16, 5, 1, 16], None),
+    "qwen7b-t64-chunks": ([3000, 513], 64, 28, 4, 128, 16, torch.bfloat16, ("random", "binary"), [64, 40], None),
+    "d256-fp16": ([777, 0, 64, 1500], 12, 8, 2, 256, 32, torch.float16, ("random",), None, 256),
+    "qwen32b-bs128": ([5000, 130], 32, 40, 8, 128, 128, torch.bfloat16, ("star", "deep"), None, None),
+    "bs1-gqa3-d64": ([300, 301, 1], 24, 12, 4, 64, 1, torch.bfloat16, ("random",), None, 64),
+}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CPU_CASES))
+def test_matches_reference(backend, name):
+    _need(backend)
+    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = CPU_CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
+    plan = make_plan(case, split_len=split_len)
+    out = poison_(torch.empty_like(case["q"]))
+    res = run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
+    assert res is out
+    check_against_reference(out, case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_matches_reference_gpu(backend, name):
+    _need(backend)
+    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = GPU_CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
+    plan = make_plan(case, split_len=split_len)
+    out = poison_(torch.empty_like(case["q"]))
+    run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
+    check_against_reference(out, case)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plan_reused_across_layers_and_scale(backend):
+    _need(backend)
+    layers = [make_case([45, 9], 6, 4, 2, 64, 16, torch.bfloat16, ("random", "star"), [6, 4], seed=s) for s in (1, 2)]
+    # Same tree and tables in every layer; only q / k / v differ.
+    for key in ("block_table", "context_lens", "parents", "num_nodes"):
+        layers[1][key] = layers[0][key]
+    plan = make_plan(layers[0], split_len=64)
+    for i, case in enumerate(layers):
+        scale = None if i == 0 else 0.3
+        out = plan.run(case["q"], case["k_cache"], case["v_cache"], sm_scale=scale, backend=backend)
+        check_against_reference(out, case, sm_scale=scale)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_op(backend):
+    _need(backend)
+    case = make_case([20, 66], 4, 4, 1, 64, 16, torch.float16, ("binary",), [4, 2])
+    out = tlt_kernels.tree_attention(**case, backend=backend)
+    check_against_reference(out, case)
+
+
+def test_torch_backend_any_head_dim_and_large_trees():
+    """Shapes outside the kernels' range still work on the torch path (auto on CPU)."""
+    case = make_case([9, 0], 70, 2, 1, 32, 8, torch.bfloat16, ("random",), [70, 12], device="cpu")
+    check_against_reference(tlt_kernels.tree_attention(**case), case)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_kernel_backends_reject_unsupported_shapes(backend):
+    _need(backend)
+    big_tree = make_case([9], 65, 2, 1, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="T=65"):
+        tlt_kernels.tree_attention(**big_tree, backend=backend)
+    odd_dim = make_case([9], 4, 2, 1, 32, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim=32"):
+        tlt_kernels.tree_attention(**odd_dim, backend=backend)
+
+
+@pytest.mark.cuda
+def test_auto_falls_back_with_warning():
+    case = make_case([9], 65, 2, 1, 64, 16, torch.bfloat16)
+    with pytest.warns(UserWarning, match="falling back"):
+        out = tlt_kernels.tree_attention(**case)
+    check_against_reference(out, case)
+
+
+def test_default_split_len():
+    # A batch with a program per SM is not split (64 requests x 4 KV heads >= 132 SMs).
+    assert default_split_len(64, 4, 4096, num_rows=16 * 7) >= 4096
+    # A small batch gets >= one program per SM, in whole 64-token tiles of >= 256 tokens.
+    s = default_split_len(1, 4, 32768, num_rows=1 * 7)
+    assert s % 64 == 0 and s >= 256 and 4 * -(-32768 // s) >= 132
+    # Row chunks count as programs: 448 rows = 4 chunks of 128, so fewer splits are needed.
+    s64 = default_split_len(1, 4, 32768, num_rows=64 * 7)
+    assert 16 * -(-32768 // s64) >= 132 and s64 > s
+    assert default_split_len(1, 1, 100) == 128  # never more splits than 256-token chunks
+    assert default_split_len(2, 2, 0) == 64
+
+
+def test_plan_contents():
+    case = make_case([130, 5], 6, 6, 2, 64, 16, torch.bfloat16, ("random",), [6, 2], device="cpu")
+    plan = make_plan(case, split_len=64)
+    assert (plan.batch_size, plan.num_tree, plan.group, plan.num_splits, plan.split_len) == (2, 6, 3, 3, 64)
+    assert plan.partial_out.shape == (2, 2, 4, 18, 64) and plan.partial_out.dtype == torch.float32
+    assert plan.partial_lse.shape == (2, 2, 4, 18)
+    assert torch.equal(plan.tree_mask, tlt_kernels.tree_ancestor_mask_packed(case["parents"], case["num_nodes"]))
+    for t in (plan.tree_mask, plan.context_lens, plan.num_nodes, plan.block_table):
+        assert t.dtype == torch.int32 and t.is_contiguous()
+
+
+# -------------------------------------------------------------------------- compile / CUDA graphs
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dynamo_traces_plan_run_without_graph_breaks(backend):
+    _need(backend)
+    case = make_case([40, 7], 4, 4, 2, 64, 16, torch.bfloat16, ("random",), [4, 2])
+    plan = make_plan(case)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def layer(q, k, v):
+        return plan.run(q * 1.0, k, v, backend=backend) + 0.0
+
+    check_against_reference(layer(case["q"], case["k_cache"], case["v_cache"]), case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_cuda_graph_capture_and_replay(backend):
+    _need(backend)
+    case = make_case([300, 1100, 4], 8, 28, 4, 128, 16, torch.bfloat16, ("random",), [8, 3, 8])
+    plan = make_plan(case, split_len=256)
+    q, k, v = case["q"], case["k_cache"], case["v_cache"]
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan.run(q, k, v, out=out, backend=backend)  # warm-up compiles outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, k, v, out=out, backend=backend)
+    for seed in (5, 6):
+        fresh = make_case([300, 1100, 4], 8, 28, 4, 128, 16, torch.bfloat16, ("random",), [8, 3, 8], seed=seed)
+        q.copy_(fresh["q"])
+        k.copy_(fresh["k_cache"])
+        v.copy_(fresh["v_cache"])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_against_reference(out, dict(case, q=q, k_cache=k, v_cache=v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_torch_compile(backend):
+    _need(backend)
+    case = make_case([300, 77], 8, 28, 4, 128, 16, torch.bfloat16, ("random",), [8, 5])
+    plan = make_plan(case)
+
+    @torch.compile(fullgraph=True)
+    def layer(q, k, v):
+        return plan.run(q * 1.0, k, v, backend=backend) + 0.0
+
+    out = layer(case["q"], case["k_cache"], case["v_cache"])
+    check_against_reference(out, case)
+    # The convenience op too (graph breaks allowed around the host-side validation).
+    out2 = torch.compile(tlt_kernels.tree_attention)(**case, backend=backend)
+    check_against_reference(out2, case)
+
+
+# ------------------------------------------------------------------------------------ validation
+@pytest.fixture
+def good():
+    return make_case([20, 3], 4, 4, 2, 64, 16, torch.bfloat16, ("random",), [4, 2], device="cpu")
+
+
+def _call(case, **override):
+    args = dict(case)
+    args.update(override)
+    return tlt_kernels.tree_attention(**args, backend="torch")
+
+
+def test_rejects_bad_dtypes(good):
+    with pytest.raises(TypeError, match="q must have dtype bfloat16, float16, got float32"):
+        _call(good, q=good["q"].float())
+    with pytest.raises(TypeError, match="k_cache must have dtype bfloat16"):
+        _call(good, k_cache=good["k_cache"].half())
+    with pytest.raises(TypeError, match="v_cache must have dtype bfloat16"):
+        _call(good, v_cache=good["v_cache"].half())
+    with pytest.raises(TypeError, match="block_table must have dtype int32, got int64"):
+        _call(good, block_table=good["block_table"].long())
+    with pytest.raises(TypeError, match="context_lens must have dtype int32"):
+        _call(good, context_lens=good["context_lens"].long())
+    with pytest.raises(TypeError, match="num_nodes must have dtype int32"):
+        _call(good, num_nodes=good["num_nodes"].float())
+
+
+def test_rejects_bad_shapes(good):
+    with pytest.raises(ValueError, match="num_q_heads=3 must be a multiple of num_kv_heads=2"):
+        _call(good, q=good["q"][:, :, :3])
+    with pytest.raises(ValueError, match="head_dim"):
+        _call(good, q=good["q"][..., :32])
+    with pytest.raises(ValueError, match="v_cache has size"):
+        _call(good, v_cache=good["v_cache"][:-1])
+    with pytest.raises(ValueError, match="parents has size"):
+        _call(good, parents=good["parents"][:, :3])
+    with pytest.raises(ValueError, match="block_table has 1 rows"):
+        _call(good, block_table=good["block_table"][:1])
+    big_pages = torch.zeros(4, 129, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"block_size must be an int in \[1, 128\], got 129"):
+        _call(good, k_cache=big_pages, v_cache=big_pages)
+    plan = make_plan(good)
+    with pytest.raises(ValueError, match="q has size 3 on dim 1"):
+        plan.run(good["q"][:, :3], good["k_cache"], good["v_cache"])
+    with pytest.raises(ValueError, match="k_cache has size 8 on dim 1"):
+        plan.run(good["q"], good["k_cache"][:, :8], good["v_cache"][:, :8])
+    with pytest.raises(ValueError, match="out has size"):
+        plan.run(good["q"], good["k_cache"], good["v_cache"], out=torch.empty_like(good["q"])[:1])
+    with pytest.raises(ValueError, match="stride"):
+        plan.run(good["q"], good["k_cache"], good["v_cache"], out=torch.empty_like(good["q"]).transpose(2, 3).contiguous().transpose(2, 3))
+
+
+def test_rejects_mixed_devices(good):
+    with pytest.raises(ValueError, match="k_cache is on meta"):
+        _call(good, k_cache=good["k_cache"].to("meta"), v_cache=good["v_cache"].to("meta"))
+    with pytest.raises(ValueError, match="block_table is on meta"):
+        _call(good, block_table=good["block_table"].to("meta"))
+
+
+def test_rejects_bad_table_values(good):
+    table = good["block_table"].clone()
+    table[1, 0] = -1
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = -1 is used"):
+        _call(good, block_table=table)
+    table = good["block_table"].clone()
+    table[0, 1] = good["k_cache"].shape[0]
+    with pytest.raises(ValueError, match=rf"block_table\[0, 1\] = {good['k_cache'].shape[0]} is used .* num_blocks"):
+        _call(good, block_table=table)
+    with pytest.raises(ValueError, match="exceeds the block table's capacity"):
+        _call(good, context_lens=torch.tensor([60, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = -2 is negative"):
+        _call(good, context_lens=torch.tensor([20, -2], dtype=torch.int32))
+    # Entries past a request's used range may hold anything.
+    table = good["block_table"].clone()
+    table[1, 1:] = -7
+    check_against_reference(_call(good, block_table=table), dict(good, block_table=table))
+
+
+def test_rejects_bad_trees(good):
+    parents = good["parents"].clone()
+    parents[1, 1] = 1
+    with pytest.raises(ValueError, match="invalid tree: request 1, node 1 has parent 1"):
+        _call(good, parents=parents)
+    parents = good["parents"].clone()
+    parents[0, 0] = 0
+    with pytest.raises(ValueError, match="node 0"):
+        _call(good, parents=parents)
+    with pytest.raises(ValueError, match=r"num_nodes\[0\] = 0 is outside"):
+        _call(good, num_nodes=torch.tensor([0, 2], dtype=torch.int32))
+    # validate=False skips value checks (the caller vouches for them).
+    parents = good["parents"].clone()
+    parents[1, 3] = 3  # node 3 of request 1 is padding (num_nodes=2), but would be invalid if checked
+    _call(good, parents=parents, validate=False)
+
+
+def test_rejects_bad_plan_arguments(good):
+    with pytest.raises(ValueError, match="split_len must be a positive multiple of 64, got 100"):
+        make_plan(good, split_len=100)
+    long = make_case([200, 3], 4, 4, 2, 64, 16, torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match="context_lens reaches 200 but max_context_len=8"):
+        make_plan(long, max_context_len=8)
+    with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+        plan_tree_attention(good["parents"], good["context_lens"], good["block_table"], num_q_heads=4,
+                            num_kv_heads=0, head_dim=64, block_size=16)
+
+
+def test_unknown_backend(good):
+    with pytest.raises(ValueError, match="unknown backend 'tpu'"):
+        tlt_kernels.tree_attention(**good, backend="tpu")

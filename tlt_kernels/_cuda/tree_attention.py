@@ -1,0 +1,82 @@
+"""CUDA backend of tree attention: launches ``_C.tree_attention_partial`` then ``_C.tree_attention_merge``.
+
+Called by :func:`tlt_kernels.ops.tree_attention.run` (inside the ``tlt::tree_attention_run`` custom
+op) after shape / dtype / device validation; it only checks what the CUDA kernels add (head dim,
+16-byte alignment of the cp.async sources) and never synchronizes, so it is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import dtype_code, extension, ptr, stream_handle, strides
+
+__all__ = ["run_cuda", "unsupported_reason"]
+
+HEAD_DIMS = (64, 128, 256)
+
+
+def _aligned16(t: torch.Tensor, dims) -> bool:
+    """True when every row the kernel copies with 16-byte cp.async starts 16-byte aligned."""
+    return t.data_ptr() % 16 == 0 and all(t.stride(d) % 8 == 0 for d in dims)
+
+
+def unsupported_reason(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[str]:
+    """Why the CUDA kernels cannot run these inputs (None when they can); metadata only, no sync."""
+    if q.device.type != "cuda":
+        return f"the CUDA backend needs CUDA tensors, got {q.device}"
+    if plan.head_dim not in HEAD_DIMS:
+        return f"head_dim={plan.head_dim} is not one of {HEAD_DIMS}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q must be bfloat16 or float16, got {q.dtype}"
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1 or not _aligned16(c, (0, 1, 2)):
+            return (f"{name} rows must be 16-byte aligned (data_ptr % 16 == 0, strides of dims 0-2 multiples of 8, "
+                    f"stride(-1) == 1); got data_ptr % 16 = {c.data_ptr() % 16}, strides {tuple(c.stride())}")
+    return None
+
+
+def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Tree attention with the CUDA kernels; writes and returns ``out``.
+
+    Args:
+        plan: a :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` (its int32 tables, packed
+            ``tree_mask [B, T, ceil(T/32)]`` and fp32 scratch ``partial_out [B, Hkv, S+1, T*G, D]`` /
+            ``partial_lse [B, Hkv, S+1, T*G]`` are used as is).
+        q: ``[B, T, Hq, D]`` bf16/fp16, ``stride(-1) == 1``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, rows 16-byte aligned.
+        out: ``[B, T, Hq, D]`` q's dtype, ``stride(-1) == 1``; rows ``t >= num_nodes[b]`` become zeros.
+        sm_scale: softmax scale (natural units).
+    """
+    why = unsupported_reason(plan, q, k_cache, v_cache)
+    if why is not None:
+        raise ValueError(f"tree_attention (cuda backend): {why}")
+    if not _aligned16(q, (0, 1, 2)):
+        q = q.contiguous()  # q is small (T * Hq * D per request); the caches are never copied
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must be contiguous along head_dim (stride(-1) == 1), got strides {tuple(out.stride())}")
+    for name in ("partial_out", "partial_lse", "tree_mask", "block_table", "context_lens", "num_nodes"):
+        t = getattr(plan, name)
+        if not t.is_contiguous() or t.device != q.device:
+            raise ValueError(f"plan.{name} must be contiguous on {q.device} (got strides {tuple(t.stride())} on {t.device})")
+    B = plan.batch_size
+    if B == 0:
+        return out
+    ext = extension()
+    args = dict(
+        q=ptr(q), k_cache=ptr(k_cache), v_cache=ptr(v_cache), block_table=ptr(plan.block_table),
+        context_lens=ptr(plan.context_lens), num_nodes=ptr(plan.num_nodes), tree_mask=ptr(plan.tree_mask),
+        partial_out=ptr(plan.partial_out), partial_lse=ptr(plan.partial_lse), out=ptr(out),
+        q_strides=strides(q, (0, 1, 2)), k_strides=strides(k_cache, (0, 1, 2)),
+        v_strides=strides(v_cache, (0, 1, 2)), out_strides=strides(out, (0, 1, 2)),
+        bt_stride_b=int(plan.block_table.stride(0)), batch=B, num_tree=plan.num_tree,
+        num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
+        block_size=plan.block_size, num_splits=plan.num_splits, split_len=plan.split_len,
+        sm_scale=float(sm_scale), dtype=dtype_code(q.dtype),
+    )
+    with torch.cuda.device(q.device):
+        args["stream"] = stream_handle(q.device)
+        ext.tree_attention_partial(**args)
+        ext.tree_attention_merge(**args)
+    return out

@@ -1,0 +1,140 @@
+"""Triton EAGLE-2 draft-tree selection: one program per request, tree and packed mask in one launch.
+
+The candidate vector (N <= a few thousand) lives in registers. Greedy frontier selection runs as
+``num_verify - 1`` rounds of argmax over the eligible scores; eligibility is maintained
+incrementally (taking candidate c makes its children eligible: ``elig |= parent == c``), so no
+gather is needed inside the loop. Then:
+
+* node ids: kept candidates in index order, ``node = inclusive cumsum(kept)``;
+* parent node of a kept candidate: ``node[parent]`` via an in-register gather;
+* ancestor mask: every kept candidate walks up its parent chain (at most ``num_verify - 1`` hops,
+  all candidates in lockstep), OR-ing ``1 << (node % 32)`` into word ``node // 32`` of its row.
+Every output element (nodes, padding and root) is written exactly once.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _build_draft_tree_kernel(
+    CandParents_ptr, CandTokens_ptr, CandScores_ptr, RootTokens_ptr,
+    Parents_ptr, Tokens_ptr, CandIndex_ptr, NumNodes_ptr, Mask_ptr,
+    N, V,
+    stride_cp, stride_ct, stride_cs, stride_p, stride_t, stride_ci, stride_mb, stride_mr,
+    BLOCK_N: tl.constexpr, V_POW2: tl.constexpr, WORDS: tl.constexpr, WORDS_POW2: tl.constexpr, WRITE_MASK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_N)
+    in_range = c < N
+    par = tl.load(CandParents_ptr + b * stride_cp + c, mask=in_range, other=-1)
+    score = tl.load(CandScores_ptr + b * stride_cs + c, mask=in_range, other=float("-inf")).to(tl.float32)
+    usable = in_range & (score != float("-inf"))
+
+    elig = usable & (par == -1)
+    taken = c < 0
+    # A while loop rather than range(V - 1): the CPU interpreter cannot take a runtime range bound.
+    step = 0
+    while step < V - 1:
+        step += 1
+        cand = elig & (taken == 0)
+        any_left = tl.max(cand.to(tl.int32), axis=0) > 0
+        # tie_break_left: among equal scores the lowest candidate index wins.
+        best = tl.argmax(tl.where(cand, score, float("-inf")), axis=0, tie_break_left=True)
+        pick = any_left & (c == best)
+        taken = taken | pick
+        elig = elig | (any_left & usable & (par == best))
+
+    kept = taken.to(tl.int32)
+    node = tl.cumsum(kept, axis=0) * kept  # node id (1-based) of kept candidates, else 0
+    par_safe = tl.maximum(par, 0)
+    par_node = tl.where(par < 0, 0, tl.gather(node, par_safe, axis=0))
+    num_nodes = 1 + tl.sum(kept, axis=0)
+
+    out = b * stride_p
+    tok = tl.load(CandTokens_ptr + b * stride_ct + c, mask=taken, other=0)
+    tl.store(Parents_ptr + out + node, par_node, mask=taken)
+    tl.store(Tokens_ptr + b * stride_t + node, tok, mask=taken)
+    tl.store(CandIndex_ptr + b * stride_ci + node, c, mask=taken)
+    # Root and padding (positions not owned by a kept candidate).
+    p = tl.arange(0, V_POW2)
+    fill = (p < V) & ((p == 0) | (p >= num_nodes))
+    root_tok = tl.load(RootTokens_ptr + b)
+    tl.store(Parents_ptr + out + p, tl.where(p == 0, -1, 0), mask=fill)
+    tl.store(Tokens_ptr + b * stride_t + p, tl.where(p == 0, root_tok, 0), mask=fill)
+    tl.store(CandIndex_ptr + b * stride_ci + p, tl.full([V_POW2], -1, tl.int32), mask=fill)
+    tl.store(NumNodes_ptr + b, num_nodes)
+
+    if WRITE_MASK:
+        w = tl.arange(0, WORDS_POW2)
+        one = tl.full([BLOCK_N, WORDS_POW2], 1, tl.int32)
+        # Row of candidate c: itself, its ancestors, and the root (bit 0 of word 0).
+        bits = tl.where(w[None, :] == 0, one, 0)
+        cur = tl.where(taken, c, -1)
+        step = 0
+        while step < V - 1:
+            step += 1
+            on = cur >= 0
+            cur_node = tl.gather(node, tl.maximum(cur, 0), axis=0)
+            bit = one << (cur_node % 32)[:, None]
+            bits = bits | tl.where(on[:, None] & (w[None, :] == (cur_node // 32)[:, None]), bit, 0)
+            cur = tl.where(on, tl.gather(par, tl.maximum(cur, 0), axis=0), -1)
+        mrow = Mask_ptr + b * stride_mb
+        m_ok = taken[:, None] & (w[None, :] < WORDS)
+        tl.store(mrow + node[:, None].to(tl.int64) * stride_mr + w[None, :], bits, mask=m_ok)
+        # Root row: only bit 0; padding rows: zero.
+        root_row = tl.where(w[None, :] == 0, tl.where(p[:, None] == 0, 1, 0), 0)
+        p_ok = fill[:, None] & (w[None, :] < WORDS)
+        tl.store(mrow + p[:, None].to(tl.int64) * stride_mr + w[None, :], root_row.to(tl.int32), mask=p_ok)
+
+
+def build_draft_tree_out(cand_parents, cand_tokens, cand_scores, root_tokens, parents, draft_tokens, cand_index, num_nodes, tree_mask: Optional[torch.Tensor] = None) -> None:
+    """Write the tree into preallocated ``parents/draft_tokens/cand_index [B, V]``, ``num_nodes [B]``
+    and optionally ``tree_mask int32 [B, V, ceil(V/32)]`` (inputs as in :func:`build_draft_tree`)."""
+    B, N = cand_scores.shape
+    V = parents.shape[1]
+    words = (V + 31) // 32
+    mask_arg = tree_mask if tree_mask is not None else parents  # never touched when WRITE_MASK=False
+    _build_draft_tree_kernel[(B,)](
+        cand_parents, cand_tokens, cand_scores, root_tokens, parents, draft_tokens, cand_index, num_nodes, mask_arg,
+        N, V,
+        cand_parents.stride(0), cand_tokens.stride(0), cand_scores.stride(0), parents.stride(0), draft_tokens.stride(0),
+        cand_index.stride(0), tree_mask.stride(0) if tree_mask is not None else 0, tree_mask.stride(1) if tree_mask is not None else 0,
+        BLOCK_N=max(16, triton.next_power_of_2(N)), V_POW2=triton.next_power_of_2(V), WORDS=words,
+        WORDS_POW2=triton.next_power_of_2(words), WRITE_MASK=tree_mask is not None,
+        num_warps=4 if N <= 256 else 8,
+    )
+
+
+@torch.library.custom_op("tlt::build_draft_tree", mutates_args=())
+def _build_draft_tree_op(
+    cand_parents: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor, num_verify: int, root_tokens: torch.Tensor, return_mask: bool
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    B = cand_scores.shape[0]
+    dev = cand_scores.device
+    V = num_verify
+    parents = torch.empty(B, V, dtype=torch.int32, device=dev)
+    tokens = torch.empty(B, V, dtype=torch.int64, device=dev)
+    cand_index = torch.empty(B, V, dtype=torch.int32, device=dev)
+    num_nodes = torch.empty(B, dtype=torch.int32, device=dev)
+    mask = torch.empty(B, V if return_mask else 0, (V + 31) // 32, dtype=torch.int32, device=dev)
+    build_draft_tree_out(cand_parents, cand_tokens, cand_scores, root_tokens, parents, tokens, cand_index, num_nodes, mask if return_mask else None)
+    return parents, tokens, cand_index, num_nodes, mask
+
+
+@_build_draft_tree_op.register_fake
+def _(cand_parents, cand_tokens, cand_scores, num_verify, root_tokens, return_mask):
+    B = cand_scores.shape[0]
+    V = num_verify
+    new = cand_scores.new_empty
+    return (new(B, V, dtype=torch.int32), new(B, V, dtype=torch.int64), new(B, V, dtype=torch.int32), new(B, dtype=torch.int32),
+            new(B, V if return_mask else 0, (V + 31) // 32, dtype=torch.int32))
+
+
+def build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, root_tokens, return_mask=False):
+    parents, tokens, cand_index, num_nodes, mask = _build_draft_tree_op(cand_parents, cand_tokens, cand_scores, num_verify, root_tokens, return_mask)
+    return parents, tokens, cand_index, num_nodes, (mask if return_mask else None)

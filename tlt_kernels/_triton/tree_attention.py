@@ -1,0 +1,314 @@
+"""Triton backend of tree attention (flash-decoding over a paged cache, tree mask on the tree part).
+
+Work split (see docs/TREE_ATTENTION.md): one program per (context split s, row chunk, kv head, request).
+A program holds the ``M = T * G`` query rows of its KV head -- every tree node times every query
+head that shares the KV head -- so each K/V tile is read from HBM once and feeds an ``[M, D] x
+[D, BLOCK_N]`` tensor-core product. Rows beyond ``MAX_BLOCK_M`` are split into row chunks whose
+programs are launched next to each other, so their re-reads of the same tile hit L2.
+
+Deviation inside the plan's scratch contract (internal to this backend): the tree tokens are folded
+into the *last non-empty* context split of each request instead of a separate slot ``S``, and a
+request whose context fits one split writes ``out`` directly (no scratch traffic, no merge). The merge
+kernel only combines the ``ceil(context_lens[b] / split_len)`` slots a request actually used.
+
+Online softmax in base 2: with ``qk_scale = sm_scale * log2(e)``, ``p = 2^(s*qk_scale - m)``;
+the stored LSE is natural-log, ``(m + log2(l)) * ln(2)``, as the plan contract says.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpret_enabled
+
+LOG2E = 1.4426950408889634
+
+# Largest row tile per head dim: the fp32 accumulator is BLOCK_M x D and must stay in registers.
+MAX_BLOCK_M = {64: 128, 128: 128, 256: 64}
+
+# (head_dim, BLOCK_M) -> (BLOCK_N, num_warps, num_stages), hand-picked for H100/H200 (sm_90).
+# Retune from `python -m bench tree-attention`: BLOCK_N trades K/V tile size (bigger = fewer loop
+# trips, better latency hiding) against registers for the [BLOCK_M, BLOCK_N] score tile.
+PARTIAL_CONFIGS = {
+    (64, 16): (64, 4, 3),
+    (64, 32): (64, 4, 3),
+    (64, 64): (64, 4, 3),
+    (64, 128): (64, 8, 3),
+    (128, 16): (64, 4, 3),
+    (128, 32): (64, 4, 3),
+    (128, 64): (64, 4, 3),
+    (128, 128): (64, 8, 2),  # 2 stages: ~96 KB of shared memory, so two programs fit per SM
+    (256, 16): (32, 4, 2),
+    (256, 32): (32, 4, 2),
+    (256, 64): (32, 8, 2),
+}
+MERGE_BLOCK_R = 16
+# (BLOCK_N, num_warps, num_stages) forced for every shape when set; the benchmark's tuning sweep
+# (TLT_TREE_ATTENTION_SWEEP=1 python -m bench tree-attention) sets it.
+CONFIG_OVERRIDE = None
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@triton.jit
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr):
+    """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` broadcasts to [BM, BN]."""
+    if INTERPRET:
+        # The CPU interpreter has no bf16 arithmetic; on the GPU bf16/fp16 operands keep tensor cores.
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _to_out_dtype(x, out_dtype: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
+    """fp32 -> the output dtype, rounding to nearest even (``DROP_BITS``: mantissa bits fp32 has over it)."""
+    if INTERPRET:
+        # The interpreter truncates on this cast; round by hand so CPU results match the GPU's RTNE.
+        bits = x.to(tl.int32, bitcast=True)
+        bits = bits + ((1 << (DROP_BITS - 1)) - 1) + ((bits >> DROP_BITS) & 1)
+        x = (bits & ~((1 << DROP_BITS) - 1)).to(tl.float32, bitcast=True)
+    return x.to(out_dtype)
+
+
+@triton.jit
+def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                  m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Context tokens ``n0 .. n0+BLOCK_N-1`` (those below ``end``): gather K/V through the block table, attend unmasked."""
+    tok = n0 + offs_n
+    tok_ok = tok < end
+    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    in_page = (tok % PAGE_SIZE).to(tl.int64)
+    k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
+    return _attend_tile(q, k, v, tok_ok[None, :], m_i, l_i, acc, qk_scale, INTERPRET)
+
+
+@triton.jit
+def _tree_attn_partial_kernel(
+    Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
+    BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
+    qk_scale, split_len, num_splits,
+    stride_qb, stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NUM_M_CHUNKS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DROP_BITS: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    # Row chunks of one split are adjacent in launch order so their K/V re-reads hit L2.
+    split = pid0 // NUM_M_CHUNKS
+    chunk = pid0 % NUM_M_CHUNKS
+    b64 = b.to(tl.int64)
+
+    ctx = tl.load(ContextLens_ptr + b)
+    n_nodes = tl.load(NumNodes_ptr + b)
+    # Clamped to the launched splits so a context past the plan's bound stays in bounds (the plan
+    # validates that bound; this only keeps an unvalidated misuse from reading or writing out of range).
+    n_splits_b = tl.minimum(tl.maximum(tl.cdiv(ctx, split_len), 1), num_splits)
+
+    offs_m = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T * G
+    t = offs_m // G
+    qh = h * G + offs_m % G
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q_ptr + b64 * stride_qb + (t * stride_qt + qh * stride_qh).to(tl.int64)[:, None] + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+
+    # Finite start so a fully masked row (a padding node) yields p = 0, not exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = BlockTable_ptr + b64 * stride_bt
+    k_head = K_ptr + h * stride_kh
+    v_head = V_ptr + h * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # Context part of this split: no mask besides the split's end.
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    if INTERPRET:
+        # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
+        # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
+                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
+                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+
+    # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
+    if split == n_splits_b - 1:
+        offs_j = tl.arange(0, BLOCK_T)
+        j_ok = offs_j < n_nodes
+        tok = ctx + offs_j
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
+        in_page = (tok % PAGE_SIZE).to(tl.int64)
+        k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+        v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+        word_ptrs = TreeMask_ptr + (b64 * T + t[:, None]) * W + (offs_j // 32)[None, :]
+        words = tl.load(word_ptrs, mask=row_ok[:, None] & j_ok[None, :], other=0)
+        visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET)
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if n_splits_b == 1:
+        # The whole request was this program (split 0): write the final rows, zeros for padding nodes.
+        if split == 0:
+            o = tl.where((t < n_nodes)[:, None], o, 0.0)
+            o_ptrs = Out_ptr + b64 * stride_ob + (t * stride_ot + qh * stride_oh).to(tl.int64)[:, None] + offs_d[None, :]
+            tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
+    else:
+        if split < n_splits_b:
+            lse = tl.where(has_keys, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+            row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + split) * (T * G) + offs_m
+            tl.store(PartialLse_ptr + row, lse, mask=row_ok)
+            tl.store(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_max(PartialLse_ptr, row, row_ok, m):
+    return tl.maximum(m, tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf")))
+
+
+@triton.jit
+def _merge_add(PartialOut_ptr, PartialLse_ptr, row, row_ok, offs_d, m, acc, den, HEAD_DIM: tl.constexpr):
+    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
+    w = tl.exp(lse - m)
+    # An empty split's partial_out is undefined: never read it.
+    part = tl.load(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=(row_ok & (w > 0.0))[:, None], other=0.0)
+    return acc + w[:, None] * part, den + w
+
+
+@triton.jit
+def _tree_attn_merge_kernel(
+    Out_ptr, PartialOut_ptr, PartialLse_ptr, ContextLens_ptr, NumNodes_ptr,
+    split_len, num_splits,
+    stride_ob, stride_ot, stride_oh,
+    NUM_KV_HEADS: tl.constexpr,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DROP_BITS: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    ctx = tl.load(ContextLens_ptr + b)
+    n_nodes = tl.load(NumNodes_ptr + b)
+    # Clamped to the launched splits so a context past the plan's bound stays in bounds (the plan
+    # validates that bound; this only keeps an unvalidated misuse from reading or writing out of range).
+    n_splits_b = tl.minimum(tl.maximum(tl.cdiv(ctx, split_len), 1), num_splits)
+    # Single-split requests were written by the partial kernel.
+    if n_splits_b > 1:
+        offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = offs_r < T * G
+        offs_d = tl.arange(0, HEAD_DIM)
+        base = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + offs_r
+        # out = sum_s e^{lse_s - m} o_s / sum_s e^{lse_s - m}, m = max_s lse_s.
+        m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+        den = tl.zeros([BLOCK_R], dtype=tl.float32)
+        if INTERPRET:  # see the partial kernel: no tensor bounds in range() under the interpreter
+            s = 0
+            while s < n_splits_b:
+                m = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m)
+                s += 1
+            m = tl.where(m == float("-inf"), 0.0, m)
+            s = 0
+            while s < n_splits_b:
+                acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * (T * G), row_ok, offs_d, m, acc, den, HEAD_DIM)
+                s += 1
+        else:
+            for s in range(0, n_splits_b):
+                m = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            for s in range(0, n_splits_b):
+                acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * (T * G), row_ok, offs_d, m, acc, den, HEAD_DIM)
+        o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+        t = offs_r // G
+        qh = h * G + offs_r % G
+        o = tl.where((t < n_nodes)[:, None], o, 0.0)
+        o_ptrs = Out_ptr + b64 * stride_ob + (t * stride_ot + qh * stride_oh).to(tl.int64)[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
+
+
+def kernel_config(head_dim: int, num_rows: int):
+    """``(BLOCK_M, num_row_chunks, BLOCK_N, num_warps, num_stages)`` for ``num_rows = T * G``."""
+    block_m = min(MAX_BLOCK_M[head_dim], max(16, _next_pow2(num_rows)))
+    block_n, warps, stages = CONFIG_OVERRIDE or PARTIAL_CONFIGS[(head_dim, block_m)]
+    return block_m, -(-num_rows // block_m), block_n, warps, stages
+
+
+def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Run a :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` with Triton; writes and returns ``out``.
+
+    ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (same bf16/fp16 dtype,
+    stride 1 along D). Launches the partial kernel and, when the plan has more than one split, the
+    merge kernel, on the current stream; no host synchronization.
+    """
+    B, T, Hq, D = q.shape
+    Hkv, G = plan.num_kv_heads, plan.group
+    if B == 0:
+        return out
+    M = T * G
+    block_m, chunks, block_n, warps, stages = kernel_config(D, M)
+    block_t = max(16, _next_pow2(T))
+    interp = triton_interpret_enabled()
+    drop_bits = 16 if out.dtype == torch.bfloat16 else 13
+    _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
+        q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
+        plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
+        sm_scale * LOG2E, plan.split_len, plan.num_splits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        plan.block_table.stride(0),
+        NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
+        num_warps=warps, num_stages=stages,
+    )
+    if plan.num_splits > 1:
+        _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](
+            out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
+            plan.split_len, plan.num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, BLOCK_R=MERGE_BLOCK_R, INTERPRET=interp, DROP_BITS=drop_bits,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,393 @@
+"""Fused tree verification in Triton: one program walks one request's draft tree.
+
+The program reads only the rows the walk visits (the root, then each accepted node), in tiles of
+``BLOCK_SIZE`` upcast to fp32. A row's target distribution is kept implicit as
+``(thr, m, Z)``: ``p(t) = [key(l_t) >= thr] * exp(l_t / T - m) / Z`` where ``key`` maps a float to
+an int32 with the same order. Then
+
+* the top-k threshold is the largest key with ``count(key >= thr) >= k``, found by bisection on the
+  key (one counting pass per step, <= 32 steps, no sort; boundary ties are kept);
+* the top-p threshold is the largest key with ``mass(key >= thr) >= top_p * Z`` (same bisection on
+  the mass; equivalent to the probability threshold because p is monotone in the logit);
+* accepting a child needs only ``p(x)`` (one element) and its coin;
+* a rejection writes the residual ``max(p - q, 0)`` (or ``p`` with ``x`` zeroed without draft
+  probabilities) into a per-request fp32 scratch row, which later tests and the final inverse-CDF
+  sample read instead.
+
+The coins are Philox4x32-10, bit-identical to :mod:`tlt_kernels.rng`. Nothing synchronizes with
+the host; a request whose visited row holds NaN/+inf, is all -inf, or whose draft token / draft row is
+unusable gets ``error = 1`` and an empty result, other requests are unaffected.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.verify_tree import VerifyResult
+
+
+
+@triton.jit
+def _philox_uniform(seed, offset, node, purpose: tl.constexpr):
+    """Philox4x32-10 word 0 of counter (offset lo, offset hi, node, purpose), key = seed; see rng.py."""
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c0 = (offset & 0xFFFFFFFF).to(tl.uint32)
+    c1 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c2 = node.to(tl.uint32)
+    c3 = (c2 * 0 + purpose).to(tl.uint32)
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, 0xD2511F53)
+        lo0 = c0 * 0xD2511F53
+        hi1 = tl.umulhi(c2, 0xCD9E8D57)
+        lo1 = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return ((c0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+
+
+@triton.jit
+def _philox_uniform_kernel(seed_ptr, offset_ptr, node_ptr, out_ptr, N, PURPOSE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < N
+    seed = tl.load(seed_ptr + offs, mask=mask, other=0)
+    offset = tl.load(offset_ptr + offs, mask=mask, other=0)
+    node = tl.load(node_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, _philox_uniform(seed, offset, node, PURPOSE), mask=mask)
+
+
+def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, node: torch.Tensor, purpose: int) -> torch.Tensor:
+    """Triton twin of :func:`tlt_kernels.rng.uniform` (int64 seed/offset, int32 node, all ``[N]``)."""
+    N = seed.numel()
+    out = torch.empty(N, dtype=torch.float32, device=seed.device)
+    BLOCK = 128
+    _philox_uniform_kernel[(triton.cdiv(N, BLOCK),)](
+        seed.contiguous(), offset.contiguous(), node.to(torch.int32).contiguous(), out, N, PURPOSE=purpose, BLOCK_SIZE=BLOCK
+    )
+    return out
+
+
+@triton.jit
+def _ordered_key(x):
+    """int32 with the order of the fp32 ``x`` (flip the magnitude bits of negatives)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _load_row(row_ptr, start, V, BLOCK_SIZE: tl.constexpr):
+    offs = start + tl.arange(0, BLOCK_SIZE)
+    mask = offs < V
+    x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    return offs, mask, x
+
+
+@triton.jit
+def _scan_row(row_ptr, V, BLOCK_SIZE: tl.constexpr):
+    """(bad, max, argmax): bad = NaN/+inf present or every entry -inf; argmax = lowest id of the max."""
+    best = float("-inf")
+    arg = 0
+    bad = 0
+    for start in range(0, V, BLOCK_SIZE):
+        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+        bad = bad | tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
+        xm = tl.where(x != x, float("-inf"), x)
+        tile_best = tl.max(xm, axis=0)
+        tile_arg = tl.min(tl.where((xm == tile_best) & mask, offs, V), axis=0)
+        better = tile_best > best
+        arg = tl.where(better, tile_arg, arg)
+        best = tl.where(better, tile_best, best)
+    bad = bad | (best == float("-inf")).to(tl.int32)
+    return bad, best, arg
+
+
+@triton.jit
+def _count_ge(row_ptr, V, thr, BLOCK_SIZE: tl.constexpr):
+    cnt = 0
+    for start in range(0, V, BLOCK_SIZE):
+        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+        cnt += tl.sum(((_ordered_key(x) >= thr) & mask).to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _mass_ge(row_ptr, V, thr, temp, m, BLOCK_SIZE: tl.constexpr):
+    """sum over tokens with key(l) >= thr of exp(l / temp - m)."""
+    acc = 0.0
+    for start in range(0, V, BLOCK_SIZE):
+        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+        w = tl.where((_ordered_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0)
+        acc += tl.sum(w, axis=0)
+    return acc
+
+
+@triton.jit
+def _row_state(row_ptr, V, greedy, temp, top_k, top_p, BLOCK_SIZE: tl.constexpr):
+    """(bad, argmax, thr, m, Z) of one row; thr/m/Z are only meaningful for sampled requests."""
+    bad, best, arg = _scan_row(row_ptr, V, BLOCK_SIZE)
+    thr = arg * 0 - 2139095041  # _ordered_key(-inf): keeps everything
+    m = best / temp
+    Z = 1.0
+    if (bad == 0) & (greedy == 0):
+        top = _ordered_key(best)
+        if (top_k > 0) & (top_k < V):
+            # Invariant: count(key >= lo) >= k > count(key >= hi).
+            lo = thr.to(tl.int64)
+            hi = top.to(tl.int64) + 1
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                ok = _count_ge(row_ptr, V, mid, BLOCK_SIZE) >= top_k
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            thr = lo.to(tl.int32)
+        Z = _mass_ge(row_ptr, V, thr, temp, m, BLOCK_SIZE)
+        if top_p < 1.0:
+            # Invariant: mass(key >= lo) >= top_p * Z > mass(key >= hi).
+            need = top_p * Z
+            lo = thr.to(tl.int64)
+            lo_mass = Z
+            hi = top.to(tl.int64) + 1
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                mass = _mass_ge(row_ptr, V, mid, temp, m, BLOCK_SIZE)
+                ok = mass >= need
+                lo = tl.where(ok, mid, lo)
+                lo_mass = tl.where(ok, mass, lo_mass)
+                hi = tl.where(ok, hi, mid)
+            thr = lo.to(tl.int32)
+            Z = lo_mass
+    return bad, arg, thr, m, Z
+
+
+@triton.jit
+def _p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x):
+    """Unnormalized current p over one tile (the residual if there is one, else the target)."""
+    if has_res != 0:
+        p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
+    else:
+        p = tl.where((_ordered_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+    return p
+
+
+@triton.jit
+def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok, px,
+                   WRITE: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Mass of max(p - q, 0) (q = draft row, or p(x) at the rejected token x); WRITE stores it."""
+    acc = 0.0
+    for start in range(0, V, BLOCK_SIZE):
+        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+        p = _p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x)
+        if HAS_Q:
+            q = tl.load(dq_ptr + offs, mask=mask, other=0.0).to(tl.float32) / qsum
+        else:
+            q = tl.where(offs == tok, px, 0.0)
+        r = tl.where(mask, tl.maximum(p - q, 0.0), 0.0)
+        acc += tl.sum(r, axis=0)
+        if WRITE:
+            tl.store(scr_ptr + offs, r, mask=mask)
+    return acc
+
+
+@triton.jit
+def _verify_tree_kernel(
+    logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, num_nodes_ptr,
+    temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr, scratch_ptr,
+    out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr,
+    T, V, max_depth,
+    stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb,
+    HAS_Q: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    STATS: tl.constexpr, DEPTH_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    zero = tl.program_id(0) * 0  # an int32 tensor, so loop indices can be used as tensors
+    n = tl.load(num_nodes_ptr + b)
+    temp = 0.0
+    if HAS_TEMP:
+        temp = tl.load(temp_ptr + b).to(tl.float32)
+    greedy = (temp <= 0.0).to(tl.int32)
+    temp = tl.where(greedy != 0, 1.0, temp)
+    top_k = 0
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + b).to(tl.int32)
+    top_p = 1.0
+    if HAS_TOP_P:
+        top_p = tl.load(top_p_ptr + b).to(tl.float32)
+    seed = tl.load(seed_ptr + b)
+    offset = tl.load(offset_ptr + b)
+    scr_ptr = scratch_ptr + b * V
+
+    d_idx = tl.arange(0, DEPTH_BLOCK)
+    path_tokens = tl.full([DEPTH_BLOCK], -1, tl.int32)
+    path_nodes = tl.where(d_idx == 0, 0, -1)
+    tried = tl.zeros([DEPTH_BLOCK], tl.int32)
+    took = tl.zeros([DEPTH_BLOCK], tl.int32)
+
+    cur = zero
+    depth = zero
+    row_ptr = logits_ptr + b * stride_lb
+    err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, BLOCK_SIZE)
+    has_res = 0
+    S = 1.0
+    q_ready = 0
+    qsum = 1.0
+    # Nodes are topologically ordered, so one scan over node indices meets every child of the
+    # current node in increasing order, and the children of an accepted node all come after it.
+    for j in range(1, n):
+        j = zero + j
+        par = tl.load(parents_ptr + b * stride_pb + j)
+        if (par == cur) & (depth < max_depth) & (err == 0):
+            x = tl.load(tokens_ptr + b * stride_tb + j).to(tl.int32)
+            tried += (d_idx == depth).to(tl.int32)
+            err = err | ((x < 0) | (x >= V)).to(tl.int32)
+            x = tl.minimum(tl.maximum(x, 0), V - 1)
+            dq_ptr = dprobs_ptr + b * stride_qb + cur.to(tl.int64) * stride_qt
+            accept = x == arg
+            px = 0.0
+            if greedy == 0:
+                if HAS_Q:
+                    if q_ready == 0:
+                        qsum = 0.0
+                        for start in range(0, V, BLOCK_SIZE):
+                            qoffs = start + tl.arange(0, BLOCK_SIZE)
+                            qsum += tl.sum(tl.load(dq_ptr + qoffs, mask=qoffs < V, other=0.0).to(tl.float32), axis=0)
+                        err = err | ((qsum <= 0.0) | (qsum != qsum) | (qsum == float("inf"))).to(tl.int32)
+                        q_ready = 1
+                if has_res != 0:
+                    px = tl.load(scr_ptr + x) / S
+                else:
+                    lx = tl.load(row_ptr + x).to(tl.float32)
+                    px = tl.where(_ordered_key(lx) >= thr, tl.exp(lx / temp - m), 0.0) / Z
+                u = _philox_uniform(seed, offset, j, 0)
+                if HAS_Q:
+                    qx = tl.load(dq_ptr + x).to(tl.float32) / qsum
+                    accept = u * qx < px
+                else:
+                    accept = u < px
+            accept = accept & (err == 0)
+            if accept:
+                path_tokens = tl.where(d_idx == depth, x, path_tokens)
+                took += (d_idx == depth).to(tl.int32)
+                depth += 1
+                path_nodes = tl.where(d_idx == depth, j, path_nodes)
+                cur = j
+                row_ptr = logits_ptr + b * stride_lb + j.to(tl.int64) * stride_lt
+                err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, BLOCK_SIZE)
+                has_res = 0
+                S = 1.0
+                q_ready = 0
+            else:
+                if (greedy == 0) & (err == 0):
+                    R = _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x, px,
+                                       False, HAS_Q, BLOCK_SIZE)
+                    if R > 0.0:
+                        # A pass reads and writes each slot from the same thread; the barriers order
+                        # the write against every thread's single-element reads of scratch[x].
+                        tl.debug_barrier()
+                        _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x, px,
+                                       True, HAS_Q, BLOCK_SIZE)
+                        tl.debug_barrier()
+                        has_res = 1
+                        S = R
+
+    final = arg
+    if (greedy == 0) & (err == 0):
+        u = _philox_uniform(seed, offset, cur, 1)
+        total = 0.0
+        for start in range(0, V, BLOCK_SIZE):
+            offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+            total += tl.sum(_p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x), axis=0)
+        target = u * total
+        carry = 0.0
+        found = V
+        last = V
+        for start in range(0, V, BLOCK_SIZE):
+            offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+            p = _p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x)
+            cdf = tl.cumsum(p, axis=0) + carry
+            found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, offs, V), axis=0))
+            last = tl.where(tl.max(p, axis=0) > 0.0, tl.max(tl.where(p > 0.0, offs, -1), axis=0), last)
+            carry += tl.sum(p, axis=0)
+        final = tl.where(found < V, found, last)
+
+    ok = err == 0
+    path_tokens = tl.where(d_idx == depth, final, path_tokens)
+    path_tokens = tl.where(ok, path_tokens, -1)
+    path_nodes = tl.where(ok | (d_idx == 0), path_nodes, -1)
+    dmask = d_idx < max_depth + 1
+    tl.store(out_tokens_ptr + b * (max_depth + 1) + d_idx, path_tokens, mask=dmask)
+    tl.store(out_nodes_ptr + b * (max_depth + 1) + d_idx, path_nodes, mask=dmask)
+    tl.store(out_num_ptr + b, tl.where(ok, depth, 0))
+    tl.store(out_err_ptr + b, err)
+    if STATS:
+        smask = d_idx < max_depth
+        base = out_stats_ptr + b * max_depth * 2 + d_idx * 2
+        tl.store(base, tl.where(ok, tried, 0), mask=smask)
+        tl.store(base + 1, tl.where(ok, took, 0), mask=smask)
+
+
+def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+            max_depth, return_stats, block_size=None):
+    B, T, V = logits.shape
+    dev = logits.device
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    draft_tokens = draft_tokens.contiguous()
+    parents = parents.to(torch.int32).contiguous()
+    out_tokens = torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev)
+    out_nodes = torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev)
+    out_num = torch.empty(B, dtype=torch.int32, device=dev)
+    out_err = torch.empty(B, dtype=torch.int32, device=dev)
+    out_stats = torch.empty(B, max_depth if return_stats else 0, 2, dtype=torch.int32, device=dev)
+    scratch = torch.empty(B, V, dtype=torch.float32, device=dev)
+    has_q = draft_probs is not None
+    dprobs = (draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()) if has_q else logits
+    dummy_f = out_err  # never read when the matching flag is off
+    if block_size is None:
+        block_size = min(4096, triton.next_power_of_2(V))
+    if B > 0:
+        _verify_tree_kernel[(B,)](
+            logits, dprobs, draft_tokens, parents, num_nodes.to(torch.int32).contiguous(),
+            temperature if temperature is not None else dummy_f,
+            top_k if top_k is not None else dummy_f,
+            top_p if top_p is not None else dummy_f,
+            seed.contiguous(), offset.contiguous(), scratch,
+            out_tokens, out_num, out_nodes, out_err, out_stats if return_stats else out_err,
+            T, V, max_depth,
+            logits.stride(0), logits.stride(1), dprobs.stride(0), dprobs.stride(1),
+            draft_tokens.stride(0), parents.stride(0),
+            HAS_Q=has_q, HAS_TEMP=temperature is not None, HAS_TOP_K=top_k is not None,
+            HAS_TOP_P=top_p is not None, STATS=bool(return_stats),
+            DEPTH_BLOCK=triton.next_power_of_2(max_depth + 1), BLOCK_SIZE=block_size,
+        )
+    return out_tokens, out_num, out_nodes, out_err, out_stats
+
+
+@torch.library.custom_op("tlt::verify_tree_triton", mutates_args=())
+def _verify_tree_op(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+    draft_probs: Optional[torch.Tensor], temperature: Optional[torch.Tensor], top_k: Optional[torch.Tensor],
+    top_p: Optional[torch.Tensor], seed: torch.Tensor, offset: torch.Tensor, max_depth: int, return_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                   max_depth, return_stats)
+
+
+@_verify_tree_op.register_fake
+def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth, return_stats):
+    B = logits.shape[0]
+    new = lambda *shape: logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
+    return new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2)
+
+
+def verify_tree_triton(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                       max_depth, return_stats=False) -> VerifyResult:
+    """Triton backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op)."""
+    if num_nodes is None:
+        num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
+    tokens, num, nodes, err, stats = _verify_tree_op(
+        logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
+        seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
+    return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)

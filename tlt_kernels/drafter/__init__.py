@@ -1,0 +1,37 @@
+"""Drafters for adaptive speculative decoding and the spot trainer that keeps them current.
+
+* :class:`NGramDrafter` -- model-free prompt-lookup drafts from device-resident histories;
+* :class:`EagleDrafter` -- one-layer EAGLE drafter sharing the target's embedding, final norm and
+  LM head, with its own paged KV cache and EAGLE-2 tree drafting;
+* :class:`SpotTrainer` -- preemptible training in idle windows from a :class:`RolloutBuffer`,
+  publishing :class:`DrafterWeights` versions through a :class:`WeightsHolder`;
+* :class:`DrafterQuality` / :func:`evaluate_acceptance` -- accepted-length tracking;
+* :mod:`tlt_kernels.drafter.distributed` -- data-parallel training and weight broadcast.
+"""
+from .buffer import RolloutBuffer, TrainBatch
+from .eagle import DrafterKVCache, EagleConfig, EagleDraft, EagleDrafter, EagleState, accepted_length_greedy, num_candidates
+from .ngram_drafter import ChainTree, NGramDrafter, drafts_to_tree
+from .spot_trainer import DrafterQuality, RunStats, SpotTrainer, eagle_loss, evaluate_acceptance
+from .weights import DrafterWeights, WeightsHolder
+
+__all__ = [
+    "ChainTree",
+    "DrafterKVCache",
+    "DrafterQuality",
+    "DrafterWeights",
+    "EagleConfig",
+    "EagleDraft",
+    "EagleDrafter",
+    "EagleState",
+    "NGramDrafter",
+    "RolloutBuffer",
+    "RunStats",
+    "SpotTrainer",
+    "TrainBatch",
+    "WeightsHolder",
+    "accepted_length_greedy",
+    "drafts_to_tree",
+    "eagle_loss",
+    "evaluate_acceptance",
+    "num_candidates",
+]

@@ -1,0 +1,515 @@
+"""EAGLE-style adaptive drafter: one decoder layer over (token embedding, target feature) pairs.
+
+Notation. The target's *feature* ``f_p`` is its last-layer hidden state (before the final norm) at
+position ``p``; ``t_p`` is the token at position ``p``. The drafter consumes *pairs*
+``(f_p, t_{p+1})`` -- a feature and the token that followed it -- and predicts ``f_{p+1}``::
+
+    x_p   = fc(concat(embed(t_{p+1}), f_p))                         # [H]
+    h_p   = x_p + attn(rms_norm(x_p))      (causal over pairs 0..p, RoPE at position p)
+    g_p   = h_p + mlp(rms_norm(h_p))       (SwiGLU)                 # predicted f_{p+1}
+    q(t_{p+2}) = softmax(lm_head(final_norm(g_p)))
+
+``embed``, ``final_norm`` and ``lm_head`` are the target's own (shared, frozen: the drafter reads
+their weights detached, so no gradient ever reaches the target). The drafter's KV cache holds one
+slot per pair: slot ``p`` <-> pair ``(f_p, t_{p+1})``, RoPE position ``p``.
+
+Decoding flow (per request):
+
+1. target prefill of ``t_0..t_{L-1}`` gives ``f_0..f_{L-1}``; the root ``t_L`` is sampled;
+   ``extend(state, f_{0..L-1}, t_{1..L})`` fills slots ``0..L-1``; ``state.last_hidden = g_{L-1}``
+   predicts the root's feature ``f_L`` and ``state.root_tokens = t_L``.
+2. ``draft(state, ...)`` grows a tree below the root: depth-1 candidates are the top-k of
+   ``q(. | g_{L-1})``; expanding a depth-``d`` candidate ``c`` runs the pair (feature predicted for
+   its parent, ``c``) at slot ``L + d - 1`` (EAGLE's feature re-use), attending to the cached context
+   and to its drafted ancestors only. The candidates (cumulative log-probs) go to
+   :func:`tlt_kernels.build_draft_tree`. Drafted pairs are never written to the cache.
+3. the target verifies the tree; with accepted nodes ``a_1..a_m`` (features ``f_root, f_{a_1}..``)
+   and the bonus token ``x``, ``extend(state, [f_root, f_{a_1}, .., f_{a_m}], [a_1, .., a_m, x])``
+   commits ``m + 1`` pairs computed from the *target's* features.
+
+Top-k expansion is deterministic, so verify the tree with :func:`tlt_kernels.verify_tree`'s
+deterministic-candidate rule (``draft_probs=None``), which is lossless for any candidate set.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._validation import check_tensor
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and shared target pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EagleConfig:
+    """Shape of the drafter; everything but ``intermediate_size`` must match the target."""
+
+    vocab_size: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+
+    @classmethod
+    def from_target(cls, cfg, intermediate_size: Optional[int] = None) -> "EagleConfig":
+        """Build from a target ``ModelConfig`` (or any object with the same attribute names)."""
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_q_heads=cfg.num_q_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            intermediate_size=intermediate_size or cfg.intermediate_size,
+            rope_theta=getattr(cfg, "rope_theta", 10000.0),
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            attention_bias=getattr(cfg, "attention_bias", False),
+        )
+
+    def __post_init__(self):
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+
+def _find_final_norm(target: nn.Module) -> nn.Module:
+    for path in ("norm", "final_norm", "model.norm", "final_layernorm", "model.final_layernorm"):
+        mod = target
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+            if mod is None:
+                break
+        if isinstance(mod, nn.Module) and getattr(mod, "weight", None) is not None:
+            return mod
+    raise ValueError(
+        "could not find the target's final RMSNorm (looked for .norm, .final_norm, .model.norm); "
+        "pass final_norm= explicitly to EagleDrafter.for_target"
+    )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return _rms_norm(x, self.weight, self.eps)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE (Llama/Qwen2). ``x [..., T, Hx, D]``, ``pos int [..., T]``."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., T, D/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(-2)  # [..., T, 1, D]
+    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(-2)
+    xf = x.float()
+    rot = torch.cat([-xf[..., D // 2 :], xf[..., : D // 2]], -1)
+    return (xf * cos + rot * sin).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter's paged KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+class DrafterKVCache:
+    """Paged K/V of the drafter's single layer: ``k, v [num_blocks, block_size, Hkv, D]``.
+
+    Block 0 is reserved as a write sink: padded (invalid) writes land there, so writes never need a
+    data-dependent shape and the whole decode step stays CUDA-graph friendly. Allocation is a host
+    operation done when a request is admitted.
+    """
+
+    def __init__(self, config: EagleConfig, num_blocks: int, block_size: int = 16, device="cpu", dtype=torch.float32):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the write sink), got {num_blocks}")
+        self.block_size = block_size
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, batch_size: int, max_tokens: int) -> torch.Tensor:
+        """``int32 [batch_size, ceil(max_tokens / block_size)]`` block table of fresh blocks."""
+        nb = -(-max_tokens // self.block_size)
+        if nb * batch_size > len(self._free):
+            raise RuntimeError(
+                f"drafter KV cache out of blocks: need {nb * batch_size} for batch_size={batch_size}, "
+                f"max_tokens={max_tokens}, have {len(self._free)} free; raise num_blocks"
+            )
+        ids = [self._free.pop() for _ in range(nb * batch_size)]
+        return torch.tensor(ids, dtype=torch.int32).view(batch_size, nb).to(self.k.device)
+
+    def free(self, block_table: torch.Tensor) -> None:
+        self._free.extend(int(b) for b in block_table.flatten().tolist() if b > 0)
+
+
+@dataclass
+class EagleState:
+    """Per-batch decoding state; every field is a device tensor updated in place.
+
+    ``block_table int32 [B, max_blocks]``, ``context_lens int32 [B]`` (pairs cached),
+    ``last_hidden [B, H]`` (the drafter's prediction of the root's feature),
+    ``root_tokens int64 [B]`` (token of the last cached pair = root of the next tree).
+    """
+
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    last_hidden: torch.Tensor
+    root_tokens: torch.Tensor
+
+
+class EagleDraft(NamedTuple):
+    """Output of :meth:`EagleDrafter.draft`.
+
+    ``tree``: :class:`tlt_kernels.DraftTree` (``parents int32 [B, V]``, ``draft_tokens int64 [B, V]``,
+    ``cand_index int32 [B, V]``, ``num_nodes int32 [B]``, mask or None).
+    ``cand_parents int32 [B, N]``, ``cand_tokens int64 [B, N]``, ``cand_scores float32 [B, N]``: all
+    candidates drafted, ``N = topk + (depth - 1) * topk**2``.
+    """
+
+    tree: object
+    cand_parents: torch.Tensor
+    cand_tokens: torch.Tensor
+    cand_scores: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# The drafter
+# ---------------------------------------------------------------------------------------------
+
+
+class EagleDrafter(nn.Module):
+    """One-layer EAGLE drafter (see the module docstring for the math and the decoding flow).
+
+    Args:
+        config: :class:`EagleConfig`.
+        embed_tokens: the target's ``nn.Embedding`` (shared, never trained here).
+        lm_head: the target's output ``nn.Linear`` (shared, never trained here).
+        final_norm: the target's final RMSNorm (module with ``weight`` and ``eps`` /
+            ``variance_epsilon``; shared, never trained here).
+
+    The shared modules are kept outside ``parameters()`` / ``state_dict()``: the drafter's weights
+    are only its own (``fc``, the layer), which is what the spot trainer trains and publishes.
+    """
+
+    def __init__(self, config: EagleConfig, embed_tokens: nn.Module, lm_head: nn.Module, final_norm: nn.Module):
+        super().__init__()
+        c = config
+        self.config = c
+        H, D = c.hidden_size, c.head_dim
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.input_norm = RMSNorm(H, c.rms_norm_eps)
+        self.q_proj = nn.Linear(H, c.num_q_heads * D, bias=c.attention_bias)
+        self.k_proj = nn.Linear(H, c.num_kv_heads * D, bias=c.attention_bias)
+        self.v_proj = nn.Linear(H, c.num_kv_heads * D, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_q_heads * D, H, bias=False)
+        self.post_norm = RMSNorm(H, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        # A plain tuple hides the target's modules from parameters()/state_dict()/.to().
+        self._shared = (embed_tokens, lm_head, final_norm)
+        self.weights_version = 0
+        self._init_weights()
+
+    def _init_weights(self):
+        H = self.config.hidden_size
+        with torch.no_grad():
+            for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj, self.down_proj):
+                nn.init.normal_(lin.weight, std=0.02)
+                if lin.bias is not None:
+                    lin.bias.zero_()
+            # Start as "predict the target feature unchanged": fc = [0 | I] makes x_p = f_p, and the
+            # small residual branches keep g_p ~ f_p, a sensible prior before any training.
+            self.fc.weight.zero_()
+            self.fc.weight[:, H:] = torch.eye(H)
+            self.fc.weight[:, :H].normal_(std=0.02)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: nn.Module,
+        intermediate_size: Optional[int] = None,
+        final_norm: Optional[nn.Module] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> "EagleDrafter":
+        """A drafter for a Llama/Qwen2-style target (``.config``, ``.embed_tokens``, ``.lm_head``).
+
+        The drafter lives on the target's device in ``dtype`` (float32 by default: it is one layer,
+        and AdamW on bf16 weights loses small updates).
+        """
+        cfg = EagleConfig.from_target(target.config, intermediate_size)
+        embed = getattr(target, "embed_tokens", None) or getattr(getattr(target, "model", None), "embed_tokens", None)
+        if embed is None:
+            raise ValueError("target has no embed_tokens (looked for .embed_tokens and .model.embed_tokens)")
+        drafter = cls(cfg, embed, target.lm_head, final_norm if final_norm is not None else _find_final_norm(target))
+        p = next(target.parameters())
+        return drafter.to(device=p.device, dtype=dtype)
+
+    # -- shared head ---------------------------------------------------------------------------
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self._shared[0].weight.detach()
+
+    def head_logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """``lm_head(final_norm(feature))`` with the target's weights (no grad into them)."""
+        _, lm_head, norm = self._shared
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or self.config.rms_norm_eps
+        x = _rms_norm(feature, norm.weight.detach(), eps)
+        w = lm_head.weight.detach()
+        bias = lm_head.bias.detach() if getattr(lm_head, "bias", None) is not None else None
+        # Cast the activations, never the [V, H] weight (a copy of it per call would dominate).
+        return F.linear(x.to(w.dtype), w, bias)
+
+    # -- building blocks -----------------------------------------------------------------------
+
+    def _input(self, feature: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        dt = self.fc.weight.dtype
+        emb = F.embedding(next_tokens, self.embed_weight).to(dt)
+        return self.fc(torch.cat([emb, feature.to(dt)], dim=-1))
+
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor):
+        c = self.config
+        h = self.input_norm(x)
+        shp = x.shape[:-1]
+        q = self.q_proj(h).view(*shp, c.num_q_heads, c.head_dim)
+        k = self.k_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
+        return _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta), v
+
+    def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = x + self.o_proj(attn.flatten(-2))
+        m = self.post_norm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def _attend(self, q, k, v, mask):
+        """``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]``, ``mask bool [B, Tq, Tk]`` -> ``[B, Tq, Hq, D]``."""
+        G = self.config.num_q_heads // self.config.num_kv_heads
+        qh = q.transpose(1, 2)
+        kh = k.transpose(1, 2).repeat_interleave(G, dim=1)
+        vh = v.transpose(1, 2).repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1))
+        return out.transpose(1, 2)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Teacher-forced pass over whole sequences (training and evaluation).
+
+        Args:
+            features: ``[B, S, H]`` target features ``f_p`` (float32/bf16/fp16).
+            next_tokens: ``int64 [B, S]`` tokens ``t_{p+1}``.
+            positions: ``int [B, S]`` RoPE positions (default ``0..S-1``).
+
+        Returns:
+            ``[B, S, H]`` predicted features ``g_p ~ f_{p+1}`` (causal: pair p sees pairs <= p).
+        """
+        B, S, _ = features.shape
+        if positions is None:
+            positions = torch.arange(S, device=features.device).expand(B, S)
+        x = self._input(features, next_tokens)
+        q, k, v = self._qkv(x, positions)
+        G = self.config.num_q_heads // self.config.num_kv_heads
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1), v.transpose(1, 2).repeat_interleave(G, 1), is_causal=True
+        ).transpose(1, 2)
+        return self._finish(x, attn)
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def new_state(self, cache: DrafterKVCache, batch_size: int, max_tokens: int) -> EagleState:
+        dev = cache.k.device
+        return EagleState(
+            block_table=cache.allocate(batch_size, max_tokens),
+            context_lens=torch.zeros(batch_size, dtype=torch.int32, device=dev),
+            last_hidden=torch.zeros(batch_size, self.config.hidden_size, dtype=self.fc.weight.dtype, device=dev),
+            root_tokens=torch.zeros(batch_size, dtype=torch.int64, device=dev),
+        )
+
+    def _gather_context(self, cache: DrafterKVCache, block_table: torch.Tensor):
+        B, MB = block_table.shape
+        bs = cache.block_size
+        k = cache.k[block_table.long()].reshape(B, MB * bs, *cache.k.shape[2:])
+        v = cache.v[block_table.long()].reshape(B, MB * bs, *cache.v.shape[2:])
+        return k, v
+
+    @torch.no_grad()
+    def extend(self, state: EagleState, cache: DrafterKVCache, features: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Append pairs ``(features[:, i], next_tokens[:, i])`` for ``i < num_new[b]`` (prefill and commit).
+
+        Args:
+            state: :class:`EagleState`, updated in place (``context_lens += num_new``; ``last_hidden``
+                and ``root_tokens`` from the last new pair of each request with ``num_new > 0``).
+            cache: the drafter's :class:`DrafterKVCache`.
+            features: ``[B, n, H]`` target features of the new positions.
+            next_tokens: ``int64 [B, n]``, the token following each feature.
+            num_new: ``int32 [B]`` valid pairs per request, in ``[0, n]``.
+        """
+        B, n, H = features.shape
+        dev = features.device
+        check_tensor("features", features, shape=(B, n, self.config.hidden_size))
+        check_tensor("next_tokens", next_tokens, dtype=torch.int64, shape=(B, n), device=dev)
+        check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(B,), device=dev)
+        ctx = state.context_lens.to(torch.int64)
+        i = torch.arange(n, device=dev)
+        valid = i.unsqueeze(0) < num_new.to(torch.int64).unsqueeze(1)  # [B, n]
+        slot = ctx.unsqueeze(1) + i  # [B, n]
+        x = self._input(features, next_tokens)
+        q, k, v = self._qkv(x, slot)
+        bs = cache.block_size
+        blk = state.block_table.long().gather(1, (slot // bs).clamp(max=state.block_table.shape[1] - 1))
+        blk = torch.where(valid, blk, torch.zeros_like(blk))  # invalid writes go to the sink block 0
+        off = slot % bs
+        cache.k[blk, off] = k.to(cache.k.dtype)
+        cache.v[blk, off] = v.to(cache.v.dtype)
+        ck, cv = self._gather_context(cache, state.block_table)
+        key_slot = torch.arange(ck.shape[1], device=dev)
+        # Pair i sees every cached slot up to and including its own.
+        mask = key_slot.view(1, 1, -1) <= slot.unsqueeze(2)
+        g = self._finish(x, self._attend(q, ck.to(q.dtype), cv.to(q.dtype), mask))
+        last = (num_new.to(torch.int64) - 1).clamp(min=0)
+        has = (num_new > 0).unsqueeze(1)
+        rows = torch.arange(B, device=dev)
+        state.last_hidden.copy_(torch.where(has, g[rows, last].to(state.last_hidden.dtype), state.last_hidden))
+        state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
+        state.context_lens.add_(num_new.to(state.context_lens.dtype))
+
+    @torch.no_grad()
+    def draft(self, state: EagleState, cache: DrafterKVCache, depth: int, topk: int, num_verify: int, return_mask: bool = False) -> EagleDraft:
+        """Draft a token tree below each root (EAGLE-2 dynamic tree).
+
+        Step 1 takes the top-``topk`` of ``q(. | last_hidden)``; each of the ``depth - 1`` further
+        steps expands the ``topk`` best frontier candidates (by cumulative log-prob) into ``topk``
+        children each. All ``N = topk + (depth-1) * topk**2`` candidates go to
+        :func:`tlt_kernels.build_draft_tree`, which keeps the best ``num_verify - 1``.
+
+        Returns:
+            :class:`EagleDraft`.
+        """
+        from ..ops.build_draft_tree import build_draft_tree
+
+        if depth < 1 or topk < 1 or num_verify < 1:
+            raise ValueError(f"depth, topk and num_verify must be >= 1, got depth={depth}, topk={topk}, num_verify={num_verify}")
+        B, H = state.last_hidden.shape
+        K = topk
+        dev = state.last_hidden.device
+        rows = torch.arange(B, device=dev).unsqueeze(1)
+        ck, cv = self._gather_context(cache, state.block_table)
+        ctx = state.context_lens.to(torch.int64)
+        ctx_mask = torch.arange(ck.shape[1], device=dev).unsqueeze(0) < ctx.unsqueeze(1)  # [B, Lc]
+
+        logp = torch.log_softmax(self.head_logits(state.last_hidden).float(), -1)
+        score, tok = logp.topk(K, dim=-1)  # [B, K]
+        cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
+        cand_tok, cand_score = [tok], [score]
+        # Frontier: candidate indices, tokens, scores, parent feature, parent's processed slot.
+        f_idx = torch.arange(K, device=dev).expand(B, K)
+        f_tok, f_score = tok, score
+        f_feat = state.last_hidden.unsqueeze(1).expand(B, K, H)
+        f_proc_parent = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+        tk, tv, anc = [], [], None  # processed nodes' K/V and ancestor mask
+        base = K
+        for s in range(1, depth):
+            x = self._input(f_feat, f_tok)
+            q, k, v = self._qkv(x, (ctx + s - 1).unsqueeze(1).expand(B, K))
+            tk.append(k)
+            tv.append(v)
+            P = len(tk) * K  # processed nodes so far (this step's are the last K)
+            new = torch.zeros(B, K, P, dtype=torch.bool, device=dev)
+            if anc is not None:
+                # A node sees its parent's ancestors, plus itself.
+                par_rows = anc.gather(1, f_proc_parent.clamp(min=0).unsqueeze(2).expand(B, K, anc.shape[2]))
+                new[:, :, : P - K] = par_rows & (f_proc_parent >= 0).unsqueeze(2)
+                anc = torch.cat([torch.cat([anc, torch.zeros(B, anc.shape[1], K, dtype=torch.bool, device=dev)], 2), new], 1)
+            else:
+                anc = new
+            anc[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
+            keys = torch.cat([ck.to(q.dtype), torch.cat(tk, 1)], 1)
+            vals = torch.cat([cv.to(q.dtype), torch.cat(tv, 1)], 1)
+            mask = torch.cat([ctx_mask.unsqueeze(1).expand(B, K, -1), anc[:, P - K :]], 2)
+            g = self._finish(x, self._attend(q, keys, vals, mask))  # [B, K, H]
+            clogp = torch.log_softmax(self.head_logits(g).float(), -1)
+            c_score, c_tok = clogp.topk(K, dim=-1)  # [B, K, K]
+            c_score = (f_score.unsqueeze(2) + c_score).reshape(B, K * K)
+            c_tok = c_tok.reshape(B, K * K)
+            c_par = f_idx.unsqueeze(2).expand(B, K, K).reshape(B, K * K).to(torch.int32)
+            cand_par.append(c_par)
+            cand_tok.append(c_tok)
+            cand_score.append(c_score)
+            # Next frontier: the K best new children.
+            f_score, best = c_score.topk(K, dim=-1)
+            f_tok = c_tok.gather(1, best)
+            f_idx = base + best
+            f_feat = g[rows, best // K]
+            f_proc_parent = (P - K) + best // K
+            base += K * K
+        cand_parents = torch.cat(cand_par, 1)
+        cand_tokens = torch.cat(cand_tok, 1)
+        cand_scores = torch.cat(cand_score, 1).float()
+        tree = build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, state.root_tokens, return_mask=return_mask, validate=False)
+        return EagleDraft(tree, cand_parents, cand_tokens, cand_scores)
+
+    # -- versioned weights -----------------------------------------------------------------------
+
+    def load_weights(self, weights) -> None:
+        """Load a published :class:`~tlt_kernels.drafter.DrafterWeights` (between decoding steps)."""
+        self.load_state_dict(weights.state_dict)
+        self.weights_version = weights.version
+
+    def maybe_update(self, holder) -> bool:
+        """Swap in the holder's latest weights if newer than ours; returns whether it did."""
+        w = holder.latest()
+        if w is None or w.version <= self.weights_version:
+            return False
+        self.load_weights(w)
+        return True
+
+
+def num_candidates(depth: int, topk: int) -> int:
+    return topk + (depth - 1) * topk * topk
+
+
+def accepted_length_greedy(parents: torch.Tensor, draft_tokens: torch.Tensor, num_nodes: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """Accepted length (drafts accepted + 1 bonus) of a tree verified greedily.
+
+    For greedy decoding the target's continuation is known in advance (``continuation int64 [B, C]``,
+    the tokens following the root); a node is accepted iff its parent is and its token equals the
+    continuation at its depth. Returns ``int64 [B]`` = 1 + depth of the deepest accepted node.
+    """
+    B, T = parents.shape
+    C = continuation.shape[1]
+    dev = parents.device
+    ok = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    depth = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    ok[:, 0] = True
+    rows = torch.arange(B, device=dev)
+    for i in range(1, T):
+        p = parents[:, i].long().clamp(min=0)
+        d = depth[rows, p] + 1
+        depth[:, i] = d
+        want = continuation.gather(1, (d - 1).clamp(max=C - 1).unsqueeze(1)).squeeze(1)
+        ok[:, i] = ok[rows, p] & (draft_tokens[:, i] == want) & (d <= C) & (i < num_nodes.long())
+    return 1 + torch.where(ok, depth, torch.zeros_like(depth)).max(dim=1).values

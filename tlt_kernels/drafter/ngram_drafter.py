@@ -1,0 +1,127 @@
+"""Model-free n-gram (prompt lookup) drafter over per-request histories kept on the device.
+
+The histories live in one ``int64 [B, max_len + 1]`` device buffer; column ``max_len`` is a write
+sink, so appending a ragged batch of new tokens is a single masked scatter with no host copy and
+no data-dependent shape (CUDA-graph friendly). Proposals call :func:`tlt_kernels.ngram_propose`
+(chain) or ``ngram_propose_tree`` (several earlier occurrences merged into one token tree) over the
+whole batch in one launch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .._validation import check_tensor
+from ..tree import chain_parents
+
+
+class ChainTree(NamedTuple):
+    """A chain draft as a token tree: ``parents int32 [B, k+1]``, ``draft_tokens int64 [B, k+1]``
+    (node 0 = root = last history token), ``num_nodes int32 [B]`` (= 1 + number of drafts)."""
+
+    parents: torch.Tensor
+    draft_tokens: torch.Tensor
+    num_nodes: torch.Tensor
+
+
+def drafts_to_tree(drafts: torch.Tensor, num_drafts: torch.Tensor, root_tokens: torch.Tensor) -> ChainTree:
+    """Turn ``NGramDrafts`` (``drafts int64 [B, k]``, ``num_drafts int32 [B]``) into a chain tree."""
+    B, k = drafts.shape
+    tokens = torch.cat([root_tokens.to(torch.int64).unsqueeze(1), drafts.clamp(min=0)], 1)
+    return ChainTree(chain_parents(B, k + 1, drafts.device), tokens, (num_drafts + 1).to(torch.int32))
+
+
+class NGramDrafter:
+    """Per-request histories on the device plus n-gram proposals.
+
+    Args:
+        batch_size: number of request slots ``B``.
+        max_len: history capacity per slot (tokens past it are dropped: the newest tokens of an
+            over-long request are not looked up, which only costs draft quality).
+        device: where the histories live.
+        min_n, max_n: n-gram sizes tried (longest match wins).
+        backend: backend of the proposal op (``"auto"``, ``"torch"``, ``"triton"``).
+    """
+
+    def __init__(self, batch_size: int, max_len: int, device="cpu", min_n: int = 1, max_n: int = 4, backend: str = "auto"):
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_len = max_len
+        self.min_n, self.max_n, self.backend = min_n, max_n, backend
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(batch_size, max_len + 1, dtype=torch.int64, device=self.device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.buffer.shape[0]
+
+    @property
+    def histories(self) -> torch.Tensor:
+        """``int64 [B, max_len]`` view of the histories (first ``lengths[b]`` valid)."""
+        return self.buffer[:, : self.max_len]
+
+    def reset(self, slots, prompts: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+        """Start new requests in ``slots`` (``int [R]`` or list) with ``prompts int64 [R, P]``."""
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        R = slots.shape[0]
+        check_tensor("prompts", prompts, dtype=(torch.int32, torch.int64), ndim=2, device=self.device)
+        check_tensor("prompt_lens", prompt_lens, dtype=(torch.int32, torch.int64), shape=(R,), device=self.device)
+        if prompts.shape[0] != R:
+            raise ValueError(f"prompts has {prompts.shape[0]} rows, expected one per slot ({R})")
+        self.lengths[slots] = 0
+        self.buffer[slots] = 0
+        self._scatter(slots, prompts.to(torch.int64), prompt_lens)
+
+    def append(self, new_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Append ``new_tokens int64 [B, n]`` (first ``num_new[b]`` of each row) to every history.
+
+        Pure device work: one scatter, no host synchronization.
+        """
+        check_tensor("new_tokens", new_tokens, dtype=(torch.int32, torch.int64), ndim=2, device=self.device)
+        check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(self.batch_size,), device=self.device)
+        if new_tokens.shape[0] != self.batch_size:
+            raise ValueError(f"new_tokens has {new_tokens.shape[0]} rows, expected batch_size={self.batch_size}")
+        self._scatter(None, new_tokens.to(torch.int64), num_new)
+
+    def _scatter(self, slots: Optional[torch.Tensor], toks: torch.Tensor, num: torch.Tensor) -> None:
+        n = toks.shape[1]
+        lens = self.lengths if slots is None else self.lengths[slots]
+        pos = lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=self.device)
+        keep = (torch.arange(n, device=self.device) < num.to(torch.int64).unsqueeze(1)) & (pos < self.max_len)
+        pos = torch.where(keep, pos, torch.full_like(pos, self.max_len))  # the sink column
+        new_lens = (lens.to(torch.int64) + num.to(torch.int64)).clamp(max=self.max_len).to(torch.int32)
+        if slots is None:
+            self.buffer.scatter_(1, pos, toks)
+            self.lengths.copy_(new_lens)
+        else:
+            rows = self.buffer[slots]
+            rows.scatter_(1, pos, toks)
+            self.buffer[slots] = rows
+            self.lengths[slots] = new_lens
+
+    def propose(self, k: int, validate: bool = False):
+        """Chain drafts: :class:`tlt_kernels.NGramDrafts` (``drafts int64 [B, k]``, ``num_drafts int32 [B]``)."""
+        from ..ops.ngram import ngram_propose
+
+        return ngram_propose(self.buffer, self.lengths, k, self.min_n, self.max_n, validate=validate, backend=self.backend)
+
+    def root_tokens(self) -> torch.Tensor:
+        """``int64 [B]`` last token of each history (0 when empty)."""
+        last = (self.lengths.to(torch.int64) - 1).clamp(min=0).unsqueeze(1)
+        return torch.where(self.lengths > 0, self.buffer.gather(1, last).squeeze(1), torch.zeros_like(last.squeeze(1)))
+
+    def propose_chain_tree(self, k: int) -> ChainTree:
+        d = self.propose(k)
+        return drafts_to_tree(d.drafts, d.num_drafts, self.root_tokens())
+
+    def propose_tree(self, k: int, num_branches: int, validate: bool = False):
+        """Tree drafts from the ``num_branches`` most recent occurrences of the longest match:
+        ``NGramTree(parents int32 [B, T], draft_tokens int64 [B, T], num_nodes int32 [B])``,
+        ``T = 1 + num_branches * k``."""
+        from ..ops.ngram import ngram_propose_tree
+
+        return ngram_propose_tree(self.buffer, self.lengths, k, num_branches, self.min_n, self.max_n, validate=validate, backend=self.backend)

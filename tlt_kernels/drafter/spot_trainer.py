@@ -1,0 +1,382 @@
+"""Spot trainer: trains the EAGLE drafter in the GPU's idle windows of an RL rollout.
+
+Loss (EAGLE): for each pair ``p`` of a buffered window, with prediction ``g_p`` and the target's
+next feature ``f_{p+1}``::
+
+    L = w_h * smooth_l1(g_p, f_{p+1})                                   (mean over H)
+      + w_t * CE( softmax(head(f_{p+1})), log_softmax(head(g_p)) )      (soft labels)
+
+where ``head = lm_head o final_norm`` are the target's current (frozen) weights. Optimizer: AdamW,
+linear warm-up then constant learning rate (RL never "finishes", so there is nothing to decay to),
+global-norm gradient clipping.
+
+Preemption: :meth:`SpotTrainer.run` checks its stop condition before every micro-step, and keeps
+at most one micro-step of GPU work in flight (it waits on the previous micro-step's CUDA event
+before launching the next), so after the condition turns true it returns within about one
+micro-step. A stop in the middle of a gradient-accumulation cycle drops the partial gradients
+without touching the weights: the weights are always those after a whole optimizer step.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .buffer import RolloutBuffer, TrainBatch
+from .eagle import DrafterKVCache, EagleDrafter, accepted_length_greedy
+from .weights import DrafterWeights, WeightsHolder
+
+StopCondition = Union[None, Callable[[], bool], "threading.Event"]  # noqa: F821
+
+
+def eagle_loss(drafter: EagleDrafter, batch: TrainBatch, hidden_weight: float = 1.0, token_weight: float = 0.1, feature_noise: float = 0.0, generator=None):
+    """EAGLE loss of one :class:`TrainBatch`; returns ``(loss, stats dict of floats-as-tensors)``.
+
+    ``feature_noise`` adds ``U(-a, a)`` to the input features (EAGLE's robustness trick: at draft
+    depth > 1 the drafter reads its own, imperfect, features).
+    """
+    f_in = batch.features[:, :-1]
+    if feature_noise > 0:
+        noise = torch.rand(f_in.shape, generator=generator, device="cpu" if generator is not None else f_in.device)
+        f_in = f_in + (noise.to(f_in.device) * 2 - 1) * feature_noise
+    pred = drafter(f_in, batch.tokens[:, 1:], batch.positions[:, :-1])
+    tgt = batch.features[:, 1:]
+    m = batch.valid.to(torch.float32)
+    denom = m.sum().clamp(min=1.0)
+    h_loss = (F.smooth_l1_loss(pred.float(), tgt.float(), reduction="none").mean(-1) * m).sum() / denom
+    with torch.no_grad():
+        p_tgt = torch.softmax(drafter.head_logits(tgt).float(), -1)
+    logq = torch.log_softmax(drafter.head_logits(pred).float(), -1)
+    t_loss = (-(p_tgt * logq).sum(-1) * m).sum() / denom
+    with torch.no_grad():
+        top1 = ((logq.argmax(-1) == p_tgt.argmax(-1)).float() * m).sum() / denom
+    loss = hidden_weight * h_loss + token_weight * t_loss
+    return loss, {"hidden_loss": h_loss.detach(), "token_loss": t_loss.detach(), "top1": top1}
+
+
+@dataclass
+class RunStats:
+    """What one :meth:`SpotTrainer.run` call did."""
+
+    micro_steps: int = 0
+    optimizer_steps: int = 0
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    stopped_by: str = ""  # "stop", "time_budget", "max_steps", "empty_buffer"
+    last_loss: Optional[float] = None
+    published_version: Optional[int] = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+class SpotTrainer:
+    """Trains an :class:`EagleDrafter` from a :class:`RolloutBuffer` in bounded, preemptible runs.
+
+    Args:
+        drafter: the module trained in place (keep the rollout's drafter a separate instance that
+            loads published weights, or call :meth:`run` only while no decoding step runs).
+        buffer: :class:`RolloutBuffer` of captured rollouts.
+        holder: :class:`WeightsHolder` receiving published versions (created if None).
+        lr, weight_decay, betas: AdamW settings; ``warmup_steps``: linear warm-up length.
+        max_grad_norm: global-norm clipping (``None`` = off).
+        batch_size, seq_len: windows per micro-step and pairs per window.
+        grad_accum: micro-steps per optimizer step.
+        hidden_weight, token_weight, feature_noise: see :func:`eagle_loss`.
+        autocast_dtype: autocast dtype on CUDA (``None`` = full precision); ignored on the CPU.
+        process_group: when set (``torch.distributed``), gradients are averaged over its ranks
+            before clipping (data-parallel training; see :mod:`tlt_kernels.drafter.distributed`).
+        seed: seeds the sampling generator (offset by the rank when distributed).
+    """
+
+    def __init__(
+        self,
+        drafter: EagleDrafter,
+        buffer: RolloutBuffer,
+        holder: Optional[WeightsHolder] = None,
+        *,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas=(0.9, 0.95),
+        warmup_steps: int = 50,
+        max_grad_norm: Optional[float] = 0.5,
+        batch_size: int = 8,
+        seq_len: int = 256,
+        grad_accum: int = 1,
+        hidden_weight: float = 1.0,
+        token_weight: float = 0.1,
+        feature_noise: float = 0.0,
+        autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
+        process_group=None,
+        seed: int = 0,
+    ):
+        if grad_accum < 1 or batch_size < 1 or seq_len < 1:
+            raise ValueError(f"grad_accum, batch_size and seq_len must be >= 1, got {grad_accum}, {batch_size}, {seq_len}")
+        self.drafter = drafter
+        self.buffer = buffer
+        self.holder = holder if holder is not None else WeightsHolder()
+        self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
+        self.hidden_weight, self.token_weight, self.feature_noise = hidden_weight, token_weight, feature_noise
+        self.max_grad_norm = max_grad_norm
+        self.autocast_dtype = autocast_dtype
+        self.process_group = process_group
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
+        warm = max(1, warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
+        self.device = next(drafter.parameters()).device
+        self.rank = 0
+        if process_group is not None:
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank(process_group)
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed + 1_000_003 * self.rank)
+        self.optimizer_steps = 0
+        self.micro_steps = 0
+        self.tokens_seen = 0
+        self._accum = 0
+        self._inflight: Optional[torch.cuda.Event] = None
+        self.history: list = []  # (optimizer_step, loss) per optimizer step, for reporting
+
+    # -- one micro-step --------------------------------------------------------------------------
+
+    def micro_step(self) -> torch.Tensor:
+        """Forward + backward of one batch; an optimizer step every ``grad_accum`` micro-steps.
+
+        Returns the (device) loss tensor; never synchronizes except to bound in-flight work.
+        """
+        self.drafter.train()
+        batch = self.buffer.sample(self.batch_size, self.seq_len, self.generator, device=self.device)
+        use_amp = self.device.type == "cuda" and self.autocast_dtype is not None
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
+            loss, stats = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise, self.generator)
+        (loss / self.grad_accum).backward()
+        self._accum += 1
+        self.micro_steps += 1
+        self.tokens_seen += batch.valid.numel()
+        if self._accum == self.grad_accum:
+            self._optimizer_step()
+        self._last_loss = loss.detach()
+        return self._last_loss
+
+    def _optimizer_step(self) -> None:
+        if self.process_group is not None:
+            from .distributed import allreduce_gradients_
+
+            allreduce_gradients_(self.params, self.process_group)
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._accum = 0
+        self.optimizer_steps += 1
+
+    def discard_partial(self) -> None:
+        """Drop gradients of an unfinished accumulation cycle (weights are untouched)."""
+        if self._accum:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._accum = 0
+
+    # -- preemptible run -------------------------------------------------------------------------
+
+    def run(
+        self,
+        stop: StopCondition = None,
+        time_budget_s: Optional[float] = None,
+        max_steps: Optional[int] = None,
+        publish: bool = True,
+    ) -> RunStats:
+        """Train until ``stop`` is true, ``time_budget_s`` has passed or ``max_steps`` optimizer steps.
+
+        Args:
+            stop: ``callable() -> bool`` or an object with ``is_set()`` (``threading.Event``);
+                polled before every micro-step.
+            time_budget_s: wall-clock budget of this call.
+            max_steps: optimizer steps of this call.
+            publish: publish the weights to ``holder`` at the end when any optimizer step ran.
+
+        Returns:
+            :class:`RunStats`. On return, no training kernel is in flight and the weights are those
+            after the last whole optimizer step.
+        """
+        t0 = time.perf_counter()
+        deadline = None if time_budget_s is None else t0 + time_budget_s
+        check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
+        stats = RunStats()
+        steps0, micro0, tok0 = self.optimizer_steps, self.micro_steps, self.tokens_seen
+        cuda = self.device.type == "cuda"
+        while True:
+            if check is not None and check():
+                stats.stopped_by = "stop"
+                break
+            if deadline is not None and time.perf_counter() >= deadline:
+                stats.stopped_by = "time_budget"
+                break
+            if max_steps is not None and self.optimizer_steps - steps0 >= max_steps and self._accum == 0:
+                stats.stopped_by = "max_steps"
+                break
+            if self.buffer.num_tokens == 0:
+                stats.stopped_by = "empty_buffer"
+                break
+            self.micro_step()
+            if cuda:
+                # Bound the queue to one micro-step so a stop is honoured within about one micro-step.
+                if self._inflight is not None:
+                    self._inflight.synchronize()
+                self._inflight = torch.cuda.Event()
+                self._inflight.record()
+        self.discard_partial()
+        if cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+            self._inflight = None
+        stats.micro_steps = self.micro_steps - micro0
+        stats.optimizer_steps = self.optimizer_steps - steps0
+        stats.tokens = self.tokens_seen - tok0
+        if stats.micro_steps:
+            stats.last_loss = float(self._last_loss)
+            self.history.append((self.optimizer_steps, stats.last_loss))
+        if publish and stats.optimizer_steps:
+            stats.published_version = self.publish().version
+        stats.elapsed_s = time.perf_counter() - t0
+        return stats
+
+    def publish(self) -> DrafterWeights:
+        """Snapshot the drafter's weights into ``holder`` as a new version."""
+        w = self.holder.publish(self.drafter.state_dict())
+        self.drafter.weights_version = w.version
+        return w
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> Dict:
+        return {
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "optimizer_steps": self.optimizer_steps,
+            "micro_steps": self.micro_steps,
+            "tokens_seen": self.tokens_seen,
+            "version": self.holder.version,
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.discard_partial()
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        self.optimizer_steps = state["optimizer_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.tokens_seen = state["tokens_seen"]
+        if state["version"] > self.holder.version:
+            self.holder.publish(self.drafter.state_dict(), version=state["version"])
+        self.drafter.weights_version = state["version"]
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write atomically (temp file + rename): a preemption mid-save leaves the previous file."""
+        self.discard_partial()
+        tmp = f"{path}.tmp.{os.getpid()}"
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter quality
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DrafterQuality:
+    """Tracks the drafter's mean accepted length (drafts accepted + 1) so the selector can prefer
+    n-gram or no speculation while it is weak.
+
+    ``record`` takes accepted lengths observed in live rollouts (or from
+    :func:`evaluate_acceptance` on held-out rollouts); the estimate is an exponential moving
+    average of per-call means, reset per weights version in ``by_version``.
+    """
+
+    ema: float = 0.8
+    weak_below: float = 1.5
+    value: Optional[float] = None
+    by_version: Dict[int, float] = field(default_factory=dict)
+
+    def record(self, accepted_lengths, version: int = 0) -> float:
+        x = float(torch.as_tensor(accepted_lengths, dtype=torch.float64).mean())
+        self.value = x if self.value is None else self.ema * self.value + (1 - self.ema) * x
+        self.by_version[version] = x if version not in self.by_version else self.ema * self.by_version[version] + (1 - self.ema) * x
+        return self.value
+
+    @property
+    def is_weak(self) -> bool:
+        return self.value is None or self.value < self.weak_below
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    drafter: EagleDrafter,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    lengths: Optional[torch.Tensor] = None,
+    *,
+    depth: int = 4,
+    topk: int = 4,
+    num_verify: int = 16,
+    num_starts: int = 8,
+    block_size: int = 16,
+) -> float:
+    """Mean accepted length of the drafter's trees on held-out *greedy* rollouts.
+
+    For each sequence and ``num_starts`` evenly spaced roots ``p``, the drafter's cache is filled
+    with the true pairs ``0..p-1``, a tree is drafted below ``tokens[p]`` and verified against the
+    rollout's own continuation (exact for greedy rollouts: the continuation is the target's argmax).
+
+    Args:
+        features: ``[B, L, H]`` target features of the rollouts; ``tokens``: ``int64 [B, L]``.
+        lengths: ``int [B]`` valid positions (default ``L``).
+
+    Returns:
+        mean accepted length (``1`` = nothing accepted, at most ``depth + 1``).
+    """
+    was_training = drafter.training
+    drafter.eval()
+    B, L, H = features.shape
+    dev = next(drafter.parameters()).device
+    lens = [L] * B if lengths is None else [int(v) for v in lengths.tolist()]
+    rows = []
+    for b in range(B):
+        hi = lens[b] - depth - 1
+        if hi < 1:
+            continue
+        starts = torch.linspace(1, hi, min(num_starts, hi)).round().long().unique().tolist()
+        rows += [(b, p) for p in starts]
+    if not rows:
+        raise ValueError(f"evaluate_acceptance: no sequence is longer than depth + 2 = {depth + 2}")
+    P = max(p for _, p in rows)
+    R = len(rows)
+    feats = torch.zeros(R, P, H, dtype=features.dtype, device=dev)
+    nxt = torch.zeros(R, P, dtype=torch.int64, device=dev)
+    cont = torch.zeros(R, depth, dtype=torch.int64, device=dev)
+    for r, (b, p) in enumerate(rows):
+        feats[r, :p] = features[b, :p]
+        nxt[r, :p] = tokens[b, 1 : p + 1]
+        cont[r] = tokens[b, p + 1 : p + 1 + depth]
+    num_new = torch.tensor([p for _, p in rows], dtype=torch.int32, device=dev)
+    nb = 1 + R * -(-P // block_size)
+    cache = DrafterKVCache(drafter.config, nb, block_size, device=dev, dtype=next(drafter.parameters()).dtype)
+    state = drafter.new_state(cache, R, P)
+    drafter.extend(state, cache, feats, nxt, num_new)
+    tree = drafter.draft(state, cache, depth, topk, num_verify).tree
+    acc = accepted_length_greedy(tree.parents, tree.draft_tokens, tree.num_nodes, cont)
+    drafter.train(was_training)
+    return float(acc.float().mean())

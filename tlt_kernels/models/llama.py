@@ -1,0 +1,397 @@
+"""A Llama/Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU) that runs on our ops.
+
+Three ways to run the same weights:
+
+* :meth:`LlamaForCausalLM.forward` -- plain dense causal forward over ``[B, L]`` (training, and the
+  ground truth in tests);
+* :meth:`LlamaForCausalLM.prefill` -- append prompt tokens to the paged cache (SDPA over the
+  request's gathered K/V);
+* :meth:`LlamaForCausalLM.forward_tree` -- verify a token tree in one pass: node ``i`` sits at
+  position ``context_lens + depth(i)`` (RoPE) and slot ``context_lens + i`` (cache), and attends to
+  the committed context plus its ancestors through :func:`tlt_kernels.tree_attention`. Decode is a
+  tree of one node (:meth:`decode`).
+
+None of these mutate ``context_lens``: the caller advances it (by ``lengths`` after a prefill, by the
+accepted path length after verification, once the accepted K/V are compacted).
+
+Numerics follow transformers' Llama/Qwen2 (RMSNorm in fp32 then cast; cos/sin computed in fp32 then
+cast to the activation dtype), so :meth:`from_hf` reproduces a transformers model's logits.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Mapping, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .._validation import check_tensor
+from ..ops.tree_attention import plan_tree_attention
+from ..reference.tree_attention import run_torch
+from ..tree import resolve_num_nodes, tree_depths, validate_tree
+from .config import ModelConfig
+from .kv_cache import PagedKVCache
+
+_INT = (torch.int32, torch.int64)
+
+
+# -- building blocks ---------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # y = w * x / sqrt(mean(x^2) + eps), the reduction in fp32 whatever the activation dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    """fp32 ``[head_dim / 2]`` rotation frequencies ``theta^(-2i/D)``, with Llama-3 / linear scaling."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, the band between interpolated.
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_ctx / lo, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin: [B, T, D]`` for integer ``positions: [B, T]`` (angles in fp32, then cast)."""
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [B, T, H, D]``; the pairs are (i, i + D/2) ("rotate half", as in transformers)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.num_q_heads, self.num_kv_heads, self.head_dim = config.num_q_heads, config.num_kv_heads, D
+        self.q_proj = nn.Linear(H, config.num_q_heads * D, bias=config.attention_bias)
+        self.k_proj = nn.Linear(H, config.num_kv_heads * D, bias=config.attention_bias)
+        self.v_proj = nn.Linear(H, config.num_kv_heads * D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.num_q_heads * D, H, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``x: [B, T, H]`` -> rotated ``q: [B, T, Hq, D]``, rotated ``k`` and ``v: [B, T, Hkv, D]``."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_q_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+
+# Attention callback: (layer index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> out [B,T,Hq,D].
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool, scale: float) -> torch.Tensor:
+    """SDPA on ``[B, T, H, D]`` layouts; K/V heads are repeated for GQA."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2) if group > 1 else k
+    v = v.repeat_interleave(group, dim=2) if group > 1 else v
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+# -- the model ---------------------------------------------------------------------------------------
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 causal LM. Weights: ``embed_tokens``, ``layers[i]`` (``self_attn.{q,k,v,o}_proj``,
+    ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``), ``norm``, ``lm_head``
+    (tied to ``embed_tokens`` when ``config.tie_word_embeddings``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the frequencies.
+        self._inv_freq = rope_inv_freq(config)
+        self.sm_scale = config.head_dim**-0.5
+
+    # -- shared trunk --------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        if self._inv_freq.device != x.device:
+            self._inv_freq = rope_inv_freq(self.config, x.device)
+        cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+            o = attend(i, q, k, v)
+            x = x + layer.self_attn.o_proj(o.flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head(norm(hidden))``: ``[..., H]`` -> ``[..., V]``."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Plain dense causal forward, no cache.
+
+        Args:
+            tokens: int64 ``[B, L]``.
+            positions: int ``[B, L]`` RoPE positions (default ``0 .. L-1``).
+        Returns:
+            ``logits [B, L, V]`` and ``hidden [B, L, H]`` (last layer, before the final norm), model dtype.
+        """
+        check_tensor("tokens", tokens, dtype=_INT, ndim=2)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        hidden = self._trunk(tokens, positions, lambda i, q, k, v: _sdpa(q, k, v, None, True, self.sm_scale))
+        return self.logits(hidden), hidden
+
+    # -- paged paths ---------------------------------------------------------------------------------
+    def _check_cache(self, cache: PagedKVCache, block_table, context_lens, batch: int) -> None:
+        c = self.config
+        if cache.config.num_layers != c.num_layers or cache.k[0].shape[2:] != (c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"cache holds {cache.config.num_layers} layers of [.., .., {cache.k[0].shape[2]}, {cache.k[0].shape[3]}] "
+                f"but the model needs {c.num_layers} layers of [.., .., num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]"
+            )
+        if cache.device != self.device:
+            raise ValueError(f"cache is on {cache.device} but the model is on {self.device}")
+        cache.check_block_table(block_table, context_lens, batch)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor,
+                context_lens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Append prompt tokens to the paged cache.
+
+        Token ``j < lengths[b]`` of request ``b`` gets position and slot ``context_lens[b] + j`` and attends
+        causally to the request's cached slots ``0 .. context_lens[b]-1`` and the new tokens before it
+        (``context_lens`` is 0 for a fresh request; larger values continue a prefix, chunk by chunk).
+        Synchronizes with the device (not for CUDA graphs).
+
+        Args:
+            tokens: int64 ``[B, L]``, right-padded; entries at or past ``lengths[b]`` are ignored.
+            lengths: int32 ``[B]``, ``1 <= lengths[b] <= L``.
+            cache, block_table (int32 ``[B, max_blocks]``), context_lens (int32 ``[B]``): the paged cache;
+                the table must cover ``context_lens + lengths`` slots.
+        Returns:
+            ``logits [B, V]`` at each request's last valid token and ``hidden [B, L, H]`` (last layer,
+            before the final norm; rows past ``lengths`` are garbage).
+        """
+        check_tensor("tokens", tokens, dtype=_INT, ndim=2, device=self.device)
+        B, L = tokens.shape
+        check_tensor("lengths", lengths, dtype=_INT, shape=(B,), device=self.device)
+        self._check_cache(cache, block_table, context_lens, B)
+        lens, ctx = lengths.long(), context_lens.long()
+        if bool(((lens < 1) | (lens > L)).any()):
+            raise ValueError(f"lengths must lie in [1, L={L}], got {lengths.tolist()}")
+        end = ctx + lens
+        room = block_table.shape[1] * cache.block_size
+        if int(end.max()) > room:
+            raise ValueError(f"block_table covers {room} slots but context_lens + lengths reaches {int(end.max())}")
+        j = torch.arange(L, device=tokens.device).unsqueeze(0)
+        valid = j < lens.unsqueeze(1)
+        positions = ctx.unsqueeze(1) + j
+        S = int(end.max())
+        s = torch.arange(S, device=tokens.device).view(1, 1, S)
+        # Query j sees slots up to its own; padding rows are clamped to the last valid token so no row is empty.
+        last = positions.minimum(end.unsqueeze(1) - 1).unsqueeze(2)
+        mask = (s <= last).unsqueeze(1)
+
+        def attend(i, q, k, v):
+            cache.write(i, block_table, positions, k, v, mask=valid)
+            kc, vc = cache.gather(i, block_table, S)
+            return _sdpa(q, kc.to(q.dtype), vc.to(q.dtype), mask, False, self.sm_scale)
+
+        hidden = self._trunk(tokens.masked_fill(~valid, 0), positions, attend)
+        last_hidden = hidden[torch.arange(B, device=tokens.device), lens - 1]
+        return self.logits(last_hidden), hidden
+
+    def plan_tree(self, parents: torch.Tensor, num_nodes: Optional[torch.Tensor], cache: PagedKVCache, block_table: torch.Tensor,
+                  context_lens: torch.Tensor, max_context_len: Optional[int] = None, validate: bool = True):
+        """The :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` of one step, shared by every layer.
+
+        Build it outside a CUDA graph (or pass ``max_context_len``) to size the context split by the real
+        lengths; during capture the table's capacity is used.
+        """
+        c = self.config
+        return plan_tree_attention(
+            parents, context_lens, block_table, num_nodes, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim, block_size=cache.block_size, max_context_len=max_context_len,
+            num_blocks=cache.num_blocks, validate=validate,
+        )
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, num_nodes: Optional[torch.Tensor], cache: PagedKVCache,
+                     block_table: torch.Tensor, context_lens: torch.Tensor, plan=None, *, validate: bool = True,
+                     backend: str = "auto", max_context_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Run a batch of token trees (verification; ``T = 1`` is plain decode).
+
+        Node ``i`` of request ``b`` has position ``context_lens[b] + depth(i)`` and its K/V is written at
+        slot ``context_lens[b] + i`` (every one of the ``T`` slots is written, padding nodes included,
+        so the table must cover ``context_lens + T`` slots; slots past the accepted path are scratch).
+        Attention is :func:`tlt_kernels.tree_attention` through one plan shared by every layer
+        (``plan``, from :meth:`plan_tree`, or built here). No host synchronization when
+        ``validate=False`` and a plan or ``max_context_len`` is given, or while a CUDA graph is captured.
+
+        bf16/fp16 models run the op's kernels (``backend``); fp32 models run its ``torch`` backend on
+        the same plan (the kernels are half-precision only), which is what CPU tests use.
+
+        Args:
+            tokens: int64 ``[B, T]``; node 0 is the last accepted token (not yet in the cache).
+            parents: int32 ``[B, T]`` (see :mod:`tlt_kernels.tree`); num_nodes: int32 ``[B]`` or None (all T).
+            cache, block_table (int32 ``[B, max_blocks]``), context_lens (int32 ``[B]``): committed tokens.
+        Returns:
+            ``logits [B, T, V]`` (node i's row predicts the token after the path root..i) and
+            ``hidden [B, T, H]`` (last layer, before the final norm). Padding rows are garbage.
+        """
+        check_tensor("tokens", tokens, dtype=_INT, ndim=2, device=self.device)
+        B, T = tokens.shape
+        check_tensor("parents", parents, dtype=_INT, shape=(B, T), device=self.device)
+        self._check_cache(cache, block_table, context_lens, B)
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        if not half and backend not in ("auto", "torch"):
+            raise ValueError(f"backend={backend!r} needs a bf16/fp16 model (the tree-attention kernels are half precision); "
+                             f"this model is {self.dtype}: use backend='auto' or 'torch'")
+        capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if validate and not capturing:
+            n = validate_tree(parents, num_nodes)
+            room = block_table.shape[1] * cache.block_size
+            if int(context_lens.max()) + T > room:
+                raise ValueError(f"block_table covers {room} slots but context_lens + T reaches {int(context_lens.max()) + T}")
+        else:
+            n = resolve_num_nodes(parents, num_nodes)
+        idx = torch.arange(T, device=tokens.device).unsqueeze(0)
+        pad = idx >= n.unsqueeze(1)
+        # Padding entries may hold anything; tree helpers index with them, so make them a harmless 0.
+        parents = parents.masked_fill(pad, 0)
+        if plan is None:
+            plan = self.plan_tree(parents, n, cache, block_table, context_lens, max_context_len, validate=False)
+        elif (plan.batch_size, plan.num_tree) != (B, T):
+            raise ValueError(f"plan was built for B={plan.batch_size}, T={plan.num_tree}; the tokens are B={B}, T={T}")
+        ctx = context_lens.long().unsqueeze(1)
+        positions = ctx + tree_depths(parents, n).long()
+        slots = ctx + idx
+
+        def attend(i, q, k, v):
+            cache.write(i, block_table, slots, k, v)
+            # Padding rows come back as zeros (the op's contract), so their K/V in later layers -- written
+            # to scratch slots that kernels load and mask -- stay finite.
+            if half:
+                return plan.run(q, cache.k[i], cache.v[i], sm_scale=self.sm_scale, backend=backend)
+            return run_torch(plan, q, cache.k[i], cache.v[i], torch.empty_like(q), self.sm_scale)
+
+        hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend)
+        return self.logits(hidden), hidden
+
+    def decode(self, tokens: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, context_lens: torch.Tensor,
+               **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One token per request: ``tokens: int64 [B]`` at slot/position ``context_lens`` -> ``logits [B, V]``, ``hidden [B, H]``."""
+        check_tensor("tokens", tokens, dtype=_INT, ndim=1, device=self.device)
+        parents = torch.full((tokens.shape[0], 1), -1, dtype=torch.int32, device=tokens.device)
+        logits, hidden = self.forward_tree(tokens.unsqueeze(1), parents, None, cache, block_table, context_lens, **kwargs)
+        return logits[:, 0], hidden[:, 0]
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy weights named as in transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
+
+        ``model.layers.{i}.self_attn.q_proj.weight`` -> ``layers.{i}.self_attn.q_proj.weight`` etc.;
+        ``lm_head.weight`` may be absent (or is ignored) when embeddings are tied. Values are cast to
+        the model's dtype/device. Missing, unexpected or mis-shaped keys raise ``KeyError``/``ValueError``.
+        """
+        own = dict(self.named_parameters())
+        tied = self.config.tie_word_embeddings
+        seen = set()
+        unexpected = []
+        with torch.no_grad():
+            for key, value in state_dict.items():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                name = key[len("model."):] if key.startswith("model.") else key
+                if tied and name == "lm_head.weight":
+                    continue
+                if name not in own:
+                    unexpected.append(key)
+                    continue
+                param = own[name]
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"{key} has shape {tuple(value.shape)}, the model expects {tuple(param.shape)}")
+                param.copy_(value)
+                seen.add(name)
+        missing = sorted(set(own) - seen - ({"lm_head.weight"} if tied else set()))
+        if unexpected or missing:
+            raise KeyError(f"state dict does not match the model: missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                           f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
+
+    @classmethod
+    def from_hf(cls, config, state_dict: Mapping[str, torch.Tensor], device=None, dtype: Optional[torch.dtype] = None) -> "LlamaForCausalLM":
+        """Build from a transformers config (or :class:`ModelConfig`) and state dict; nothing is downloaded.
+
+        ``dtype`` defaults to the state dict's floating dtype, ``device`` to the CPU. Weights are not
+        randomly initialised first (the module is created on the meta device).
+        """
+        cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf(config)
+        if dtype is None:
+            dtype = next((v.dtype for v in state_dict.values() if v.is_floating_point()), torch.float32)
+        device = torch.device(device or "cpu")
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model._inv_freq = rope_inv_freq(cfg, device)
+        model.load_hf_state_dict(state_dict)
+        return model.eval()

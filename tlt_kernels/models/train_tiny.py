@@ -1,0 +1,132 @@
+"""A tiny target model trained offline, so draft acceptance rates in tests and benchmarks are real.
+
+Corpus: the Python standard library's own source files (read from ``sysconfig.get_paths()["stdlib"]``,
+present on every CPython install, nothing downloaded), byte-level tokens (vocab 256), files separated
+by byte 0 (:data:`SEPARATOR`, never present in source). Two mixes:
+
+* ``"base"``: the top-level modules (``argparse.py``, ``typing.py``, ...), the training distribution;
+* ``"shifted"``: modules inside packages (``asyncio/``, ``email/``, ``json/``, ...), a different
+  style and vocabulary that stands in for the policy drift of RL training (the drafter, trained on the
+  base mix, sees its acceptance drop on it).
+"""
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .llama import LlamaForCausalLM
+
+SEPARATOR = 0
+VOCAB_SIZE = 256
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+def corpus_files(kind: str = "base") -> List[Path]:
+    """Sorted ``.py`` files of one mix (``"base"`` or ``"shifted"``)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if kind == "base":
+        files = root.glob("*.py")
+    elif kind == "shifted":
+        files = (p for p in root.glob("*/**/*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
+    else:
+        raise ValueError(f"kind must be 'base' or 'shifted', got {kind!r}")
+    out = sorted(files)
+    if not out:
+        raise FileNotFoundError(f"no {kind} corpus files under {root}: is the Python standard library source installed?")
+    return out
+
+
+def load_corpus(kind: str = "base", max_bytes: int = 4_000_000) -> torch.Tensor:
+    """``int64 [N]`` byte tokens of the first files of a mix (sorted by path) up to ``max_bytes``."""
+    chunks, total = [], 0
+    for path in corpus_files(kind):
+        data = path.read_bytes().replace(b"\x00", b"")
+        chunks.append(data + bytes([SEPARATOR]))
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    buf = b"".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(torch.int64)
+
+
+def shifted_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
+    """The ``"shifted"`` mix as ``int64 [N]`` byte tokens (see the module docstring)."""
+    return load_corpus("shifted", max_bytes)
+
+
+def sample_windows(corpus: torch.Tensor, num: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """``int64 [num, length]`` random contiguous windows of ``corpus`` (e.g. prompts)."""
+    if corpus.numel() <= length:
+        raise ValueError(f"corpus has {corpus.numel()} tokens, need more than length={length}")
+    starts = torch.randint(0, corpus.numel() - length, (num,), generator=generator)
+    return corpus[starts.unsqueeze(1) + torch.arange(length)]
+
+
+def train_tiny_target(
+    config: Optional[ModelConfig] = None,
+    steps: int = 200,
+    device="cpu",
+    seed: int = 0,
+    *,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    lr: float = 3e-3,
+    corpus: Optional[torch.Tensor] = None,
+    losses: Optional[list] = None,
+) -> LlamaForCausalLM:
+    """Train a byte-level :class:`LlamaForCausalLM` on ``corpus`` (default: the base mix) and return it in eval mode (fp32).
+
+    AdamW with linear warm-up and cosine decay, gradient clipping at 1. Deterministic for a given
+    ``seed`` on the CPU. ``losses``, when given, receives the training loss of every step.
+    Sizes: :meth:`ModelConfig.tiny` with ~100 steps takes seconds on a CPU;
+    :meth:`ModelConfig.small` with ~2000 steps, ``batch_size=64, seq_len=256`` takes minutes on a GPU.
+    """
+    config = config or ModelConfig.tiny(VOCAB_SIZE)
+    if config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"config.vocab_size must be >= {VOCAB_SIZE} for byte tokens, got {config.vocab_size}")
+    device = torch.device(device)
+    corpus = load_corpus("base") if corpus is None else corpus
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    warmup = max(1, steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    for step in range(steps):
+        batch = sample_windows(corpus, batch_size, seq_len + 1, gen).to(device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        with autocast:
+            logits, _ = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if losses is not None:
+            losses.append(loss.item())
+    return model.eval()
+
+
+@torch.no_grad()
+def eval_loss(model: LlamaForCausalLM, corpus: torch.Tensor, *, num: int = 16, seq_len: int = 128, seed: int = 1) -> float:
+    """Mean next-byte cross-entropy (nats) of ``model`` on ``num`` random windows of ``corpus``."""
+    batch = sample_windows(corpus, num, seq_len + 1, torch.Generator().manual_seed(seed)).to(model.device)
+    logits, _ = model(batch[:, :-1])
+    return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))

@@ -1,0 +1,35 @@
+"""Adaptive runtime: strategy selection, workload simulation, and a shared CUDA graph pool.
+
+Importing this package never imports Triton or the CUDA extension and never queries a GPU.
+"""
+from .graph_pool import GraphPool
+from .policies import (
+    POLICIES,
+    BucketedEpsilonGreedy,
+    CostModelPolicy,
+    CostTable,
+    DiscountedThompson,
+    Policy,
+    SlidingWindowUCB,
+)
+from .selector import DEFAULT_BUCKETS, DEFAULT_POLICY, StrategySelector
+from .strategy import CallbackValue, DeferredTensor, EventTimer, Pending, Strategy
+
+__all__ = [
+    "POLICIES",
+    "BucketedEpsilonGreedy",
+    "CallbackValue",
+    "CostModelPolicy",
+    "CostTable",
+    "DEFAULT_BUCKETS",
+    "DEFAULT_POLICY",
+    "DeferredTensor",
+    "DiscountedThompson",
+    "EventTimer",
+    "GraphPool",
+    "Pending",
+    "Policy",
+    "SlidingWindowUCB",
+    "Strategy",
+    "StrategySelector",
+]

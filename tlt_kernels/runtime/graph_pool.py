@@ -1,0 +1,368 @@
+"""A pool of CUDA graphs, one per (name, batch size), sharing one memory pool and one capture stream.
+
+Why one shared pool: graphs captured into private pools each keep their own activation memory
+(measured 4.8x the largest graph for 48 verify-shaped graphs of a 4-layer Qwen2.5-7B MLP stack), while
+graphs captured largest-first into one pool reuse the largest graph's blocks (1.13x). That reuse is
+only safe because nothing outside a graph reads its pool memory after the replay: every graph copies
+its results into *static output buffers allocated outside the pool* (and reads *static input buffers*
+allocated outside it), so graphs may be replayed in any order.
+
+Layout of static buffers: for each name, inputs and outputs are allocated once at the largest batch
+size; smaller sizes use prefix views (dim 0 of every tensor is ``batch_size * k`` for a per-tensor
+constant ``k``, e.g. ``B`` or ``B * num_verify``; tensors whose dim 0 does not scale with the batch are
+shared whole). A batch is padded to the smallest captured size >= its size: the caller's inputs are
+copied into the prefix, the padded rows keep the last valid values (so page tables stay in bounds),
+and the outputs are returned as prefix views (valid until the next replay of that name).
+
+``GraphPool(backend=FakeGraphBackend(...))`` runs the same bookkeeping on the CPU for tests.
+"""
+from __future__ import annotations
+
+import bisect
+import gc
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+Inputs = Sequence[torch.Tensor]
+
+
+class CudaGraphBackend:
+    """Real backend: one ``torch.cuda.graph_pool_handle()`` and one capture stream for all graphs."""
+
+    def __init__(self, device=None):
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def warmup(self, fn: Callable[[], Any], iters: int) -> int:
+        """Run ``fn`` eagerly on the capture stream; return its peak extra allocated bytes."""
+        self.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for _ in range(iters):
+                out = fn()
+                del out
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.synchronize()
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def capture(self, fn: Callable[[], Any]):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+            fn()
+        return g
+
+    def replay(self, g) -> None:
+        g.replay()
+
+    def release(self, g) -> None:
+        g.reset()
+        del g
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+class FakeGraphBackend:
+    """CPU stand-in: "capture" keeps the closure, "replay" calls it; memory is modeled.
+
+    ``graph_bytes(key)`` gives the pool memory a graph needs. With ``shared=True`` graphs reuse each
+    other's blocks (reserved = the largest live graph), else they add up (private pools).
+    """
+
+    def __init__(self, graph_bytes: Callable[[Hashable], int], shared: bool = True):
+        self.graph_bytes = graph_bytes
+        self.shared = shared
+        self.live: Dict[int, int] = {}
+        self.captures = 0
+        self.replays = 0
+        self._key: Hashable = None
+
+    def reserved_bytes(self) -> int:
+        if not self.live:
+            return 0
+        return max(self.live.values()) if self.shared else sum(self.live.values())
+
+    def synchronize(self) -> None:
+        pass
+
+    def warmup(self, fn, iters):
+        for _ in range(iters):
+            fn()
+        return self.graph_bytes(self._key)
+
+    def capture(self, fn):
+        self.captures += 1
+        handle = (self.captures, fn)
+        self.live[self.captures] = self.graph_bytes(self._key)
+        return handle
+
+    def replay(self, g) -> None:
+        self.replays += 1
+        g[1]()
+
+    def release(self, g) -> None:
+        self.live.pop(g[0], None)
+
+
+@dataclass
+class _Entry:
+    name: Hashable
+    fn: Callable[..., Any]
+    example_inputs: Callable[[int], Inputs]
+    sizes: List[int]
+    static_in: Optional[List[torch.Tensor]] = None  # allocated at the largest size
+    static_out: Dict[int, Any] = field(default_factory=dict)  # batch size -> output structure (views)
+    graphs: Dict[int, Any] = field(default_factory=dict)
+    warm_peak: Dict[int, int] = field(default_factory=dict)
+
+
+def _flatten(out) -> Tuple[List[torch.Tensor], Callable[[List[torch.Tensor]], Any]]:
+    if isinstance(out, torch.Tensor):
+        return [out], lambda ts: ts[0]
+    if isinstance(out, (tuple, list)):
+        kind = type(out)
+        return list(out), lambda ts: kind(ts)
+    if isinstance(out, dict):
+        keys = list(out)
+        return [out[k] for k in keys], lambda ts: dict(zip(keys, ts))
+    raise TypeError(f"graph callables must return a tensor, a tuple/list or a dict of tensors, got {type(out).__name__}")
+
+
+def _prefix(t: torch.Tensor, batch: int, full_batch: int) -> torch.Tensor:
+    """The rows of ``t`` (allocated for ``full_batch``) that belong to ``batch`` requests."""
+    if t.dim() == 0 or t.shape[0] % full_batch:
+        return t
+    return t[: t.shape[0] // full_batch * batch]
+
+
+class GraphPool:
+    """Captured step functions keyed by ``(name, batch_size)``, e.g. ``name`` = a :class:`Strategy`.
+
+    Args:
+        memory_budget_bytes: cap on the pool's reserved bytes; past it, least-recently-used graphs are
+            evicted and their batches run eagerly. None: no cap.
+        device: CUDA device (default: current).
+        warmup_iters: eager runs before capturing each graph (lazy inits, autotuning, cuBLAS workspaces).
+        backend: :class:`CudaGraphBackend` (default) or :class:`FakeGraphBackend` for CPU tests.
+
+    Usage::
+
+        pool = GraphPool()
+        for s in strategies:
+            pool.add(s, step_fn[s], batch_sizes=[1, 2, 4, ..., 256], example_inputs=make_inputs[s])
+        pool.capture()                      # all graphs, largest batch first, one pool, one stream
+        logits = pool.run(s, inputs)        # pads to the nearest captured size >= batch
+    """
+
+    def __init__(self, memory_budget_bytes: Optional[int] = None, *, device=None, warmup_iters: int = 2,
+                 backend=None):
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0 or None, got {memory_budget_bytes}")
+        self.memory_budget_bytes = memory_budget_bytes
+        self.warmup_iters = warmup_iters
+        self.backend = backend if backend is not None else CudaGraphBackend(device)
+        self._entries: Dict[Hashable, _Entry] = {}
+        self._lru: "OrderedDict[Tuple[Hashable, int], None]" = OrderedDict()
+        self._graph_bytes: Dict[Tuple[Hashable, int], int] = {}
+        self._base_reserved: Optional[int] = None
+        self.hits = self.misses = self.evictions = 0
+        self.capture_seconds = 0.0
+        self._rows_used = self._rows_padded = 0
+        self.estimated_bytes: Optional[int] = None
+
+    # -- registration ---------------------------------------------------------------------------
+    def add(self, name: Hashable, fn: Callable[..., Any], batch_sizes: Sequence[int],
+            example_inputs: Callable[[int], Inputs]) -> None:
+        """Register ``fn(*inputs) -> tensor | tuple | dict`` for ``batch_sizes``.
+
+        ``example_inputs(B)`` returns valid inputs for a batch of ``B`` (called once, at the largest B,
+        to allocate the static input buffers, which start as a copy of it). ``fn`` must not depend on
+        anything but its inputs and tensors it closes over (weights, KV cache), and must not synchronize.
+        """
+        if name in self._entries:
+            raise ValueError(f"graph name {name!r} is already registered")
+        sizes = sorted({int(b) for b in batch_sizes})
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"batch_sizes for {name!r} must be positive ints, got {list(batch_sizes)}")
+        self._entries[name] = _Entry(name, fn, example_inputs, sizes)
+
+    def keys(self) -> List[Tuple[Hashable, int]]:
+        """Every registered (name, batch size), largest batch first (the capture order)."""
+        ks = [(n, b) for n, e in self._entries.items() for b in e.sizes]
+        order = {n: i for i, n in enumerate(self._entries)}
+        return sorted(ks, key=lambda k: (-k[1], order[k[0]]))
+
+    # -- capture --------------------------------------------------------------------------------
+    def _static_inputs(self, e: _Entry) -> List[torch.Tensor]:
+        if e.static_in is None:
+            ex = e.example_inputs(e.sizes[-1])
+            ex = [ex] if isinstance(ex, torch.Tensor) else list(ex)
+            # Allocated with the regular allocator (we are not capturing), i.e. outside the graph pool.
+            e.static_in = [t.clone() for t in ex]
+        return e.static_in
+
+    def _inputs_for(self, e: _Entry, b: int) -> List[torch.Tensor]:
+        return [_prefix(t, b, e.sizes[-1]) for t in self._static_inputs(e)]
+
+    def warmup(self) -> int:
+        """Run every registered key eagerly (largest first); returns the estimated pool bytes.
+
+        The estimate is the largest eager peak of extra allocated memory over all keys: captured
+        largest-first into one pool, smaller graphs fit in the blocks of the largest.
+        """
+        peak = 0
+        for name, b in self.keys():
+            e = self._entries[name]
+            if b not in e.warm_peak:
+                inp = self._inputs_for(e, b)
+                self.backend._key = (name, b)
+                e.warm_peak[b] = self.backend.warmup(lambda: e.fn(*inp), self.warmup_iters)
+            peak = max(peak, e.warm_peak[b])
+        self.estimated_bytes = peak
+        return peak
+
+    def capture(self, keys: Optional[Sequence[Tuple[Hashable, int]]] = None) -> None:
+        """Capture ``keys`` (default: all registered) into the shared pool, largest first.
+
+        "Largest" is the eager peak memory measured at warm-up (ties: larger batch), so every later
+        graph fits in blocks the pool already holds.
+        """
+        keys = self.keys() if keys is None else list(keys)
+        for name, b in keys:
+            if name not in self._entries or b not in self._entries[name].sizes:
+                raise KeyError(f"({name!r}, {b}) is not registered; call add() first")
+        self.warmup()
+        keys.sort(key=lambda k: (-self._entries[k[0]].warm_peak[k[1]], -k[1]))
+        if self._base_reserved is None:
+            self.backend.synchronize()
+            self._base_reserved = self.backend.reserved_bytes()
+        t0 = time.perf_counter()
+        for name, b in keys:
+            e = self._entries[name]
+            if b in e.graphs:
+                continue
+            inp = self._inputs_for(e, b)
+            big = e.sizes[-1]
+            if b not in e.static_out:
+                # Output buffers live outside the pool: allocated once at the largest size (shapes from an
+                # eager run), smaller sizes take prefix views.
+                if big not in e.static_out:
+                    flat, rebuild = _flatten(e.fn(*self._inputs_for(e, big)))
+                    e.static_out[big] = rebuild([torch.empty_like(t) for t in flat])
+                flat, rebuild = _flatten(e.static_out[big])
+                e.static_out[b] = rebuild([_prefix(t, b, big) for t in flat])
+            out_flat, _ = _flatten(e.static_out[b])
+
+            def body(e=e, inp=inp, out_flat=out_flat):
+                res, _ = _flatten(e.fn(*inp))
+                for dst, src in zip(out_flat, res):
+                    dst.copy_(src)
+
+            before = self.backend.reserved_bytes()
+            self.backend._key = (name, b)
+            e.graphs[b] = self.backend.capture(body)
+            self._graph_bytes[(name, b)] = self.backend.reserved_bytes() - before
+            self._lru[(name, b)] = None
+            if self.memory_budget_bytes is not None and self.pool_bytes() > self.memory_budget_bytes:
+                self.evict((name, b))  # this graph pushed the pool over budget: it runs eagerly instead
+        self.backend.synchronize()
+        self.capture_seconds += time.perf_counter() - t0
+
+    # -- budget ---------------------------------------------------------------------------------
+    def pool_bytes(self) -> int:
+        """Bytes the device reserved since the first capture (the shared pool's footprint)."""
+        if self._base_reserved is None:
+            return 0
+        return max(0, self.backend.reserved_bytes() - self._base_reserved)
+
+    def set_memory_budget(self, memory_budget_bytes: Optional[int]) -> None:
+        """Change the budget; evicts least-recently-replayed graphs until the pool fits (or none is left)."""
+        self.memory_budget_bytes = memory_budget_bytes
+        if memory_budget_bytes is None:
+            return
+        while self._lru and self.pool_bytes() > memory_budget_bytes:
+            self.evict(next(iter(self._lru)))
+
+    def evict(self, key: Tuple[Hashable, int]) -> None:
+        """Drop one graph (its batches then run on the next larger captured size, or eagerly)."""
+        name, b = key
+        g = self._entries[name].graphs.pop(b)
+        self._lru.pop(key, None)
+        self._graph_bytes.pop(key, None)
+        self.backend.release(g)
+        self.evictions += 1
+
+    # -- replay ---------------------------------------------------------------------------------
+    def padded_size(self, name: Hashable, batch_size: int) -> Optional[int]:
+        """The captured size a batch of ``batch_size`` would replay at (None: runs eagerly)."""
+        e = self._entries.get(name)
+        if e is None or not e.graphs:
+            return None
+        sizes = sorted(e.graphs)
+        i = bisect.bisect_left(sizes, batch_size)
+        return sizes[i] if i < len(sizes) else None
+
+    def covers(self, name: Hashable, batch_size: int) -> bool:
+        """Whether a captured graph can run this batch (for ``StrategySelector(available=pool.covers)``)."""
+        return self.padded_size(name, batch_size) is not None
+
+    def run(self, name: Hashable, inputs: Inputs, batch_size: Optional[int] = None):
+        """Run ``name`` on ``inputs`` (a batch of ``batch_size``, default ``inputs[0].shape[0]``).
+
+        Replays the smallest captured graph >= the batch (a hit) after copying the inputs into the
+        prefix of its static buffers, and returns prefix views of its static outputs; without one
+        (never captured, evicted, too large) it calls the function eagerly (a miss).
+        """
+        e = self._entries.get(name)
+        if e is None:
+            raise KeyError(f"graph name {name!r} is not registered; registered: {list(self._entries)}")
+        inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        b = int(inputs[0].shape[0]) if batch_size is None else int(batch_size)
+        p = self.padded_size(name, b)
+        if p is None:
+            self.misses += 1
+            return e.fn(*inputs)
+        static = self._inputs_for(e, p)
+        if len(inputs) != len(static):
+            raise ValueError(f"{name!r} was registered with {len(static)} inputs, got {len(inputs)}")
+        for i, (dst, src) in enumerate(zip(static, inputs)):
+            if src.shape[1:] != dst.shape[1:] or src.shape[0] > dst.shape[0]:
+                raise ValueError(
+                    f"input {i} of {name!r} has shape {tuple(src.shape)}; the graph for batch {p} takes at most "
+                    f"{tuple(dst.shape)}"
+                )
+            dst[: src.shape[0]].copy_(src)
+        self.backend.replay(e.graphs[p])
+        self.hits += 1
+        self._rows_used += b
+        self._rows_padded += p
+        self._lru.move_to_end((name, p))
+        flat, rebuild = _flatten(e.static_out[p])
+        return rebuild([_prefix(t, b, p) for t in flat])
+
+    def stats(self) -> dict:
+        """Graphs, bytes, hit/miss counts, capture seconds, and padding waste (padded rows / replayed rows)."""
+        return {
+            "graphs": len(self._lru),
+            "registered": sum(len(e.sizes) for e in self._entries.values()),
+            "pool_bytes": self.pool_bytes(),
+            "estimated_bytes": self.estimated_bytes,
+            "max_capture_growth_bytes": max(self._graph_bytes.values(), default=0),
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "capture_seconds": self.capture_seconds,
+            "padding_waste": (1 - self._rows_used / self._rows_padded) if self._rows_padded else 0.0,
+        }

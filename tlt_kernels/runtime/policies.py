@@ -1,0 +1,445 @@
+"""Bandit policies behind :class:`~tlt_kernels.runtime.selector.StrategySelector`.
+
+Every policy sees arms as indices into the selector's strategy list and keeps its statistics per
+batch-size bucket (a batch of 4 and a batch of 256 have different best arms). The reward is the
+step's throughput, ``emitted_tokens / elapsed_s``. Policies draw randomness only from the
+``random.Random`` they are bound to, so equal seeds and equal observations give equal decisions.
+
+* :class:`BucketedEpsilonGreedy` (``"beg"``) -- TLT's tuner: a bucket maps to a verify-width group of
+  arms; epsilon-greedy over sliding-window medians of throughput.
+* :class:`SlidingWindowUCB` (``"ucb"``) -- UCB over the last ``window`` plays of the bucket.
+* :class:`DiscountedThompson` (``"thompson"``) -- Gaussian Thompson sampling with discounted statistics.
+* :class:`CostModelPolicy` (``"cost"``) -- predicted throughput = expected emitted tokens (from per-position
+  acceptance learned online and shared across buckets) / step time (a table measured at start-up,
+  corrected online per bucket).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections import deque
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .strategy import Strategy
+
+
+class Policy:
+    """Interface. ``bind`` is called once by the selector; ``choose``/``observe`` then per step."""
+
+    name = "policy"
+
+    def bind(self, arms: Sequence[Strategy], num_buckets: int, rng: random.Random, window: int) -> None:
+        self.arms = list(arms)
+        self.num_buckets = num_buckets
+        self.rng = rng
+        self.window = window
+
+    def choose(self, bucket: int, batch_size: int, allowed: List[int], step: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, bucket: int, arm: int, batch_size: int, emitted: float, elapsed: float,
+                accepted: Optional[Sequence[float]], step: int) -> None:
+        raise NotImplementedError
+
+
+def _first_unseen(counts: List[float], allowed: List[int]) -> int:
+    for a in allowed:
+        if counts[a] == 0:
+            return a
+    return -1
+
+
+class BucketedEpsilonGreedy(Policy):
+    """TLT's adaptive tuner: per bucket, epsilon-greedy over sliding-window medians of throughput.
+
+    Args:
+        epsilon: exploration probability.
+        groups: optional ``{max_batch_size: [strategies]}``: a bucket whose sizes are <= the smallest
+            key >= them may only use that verify-width group (TLT's batch-size -> draft-token table).
+            Plain decoding is always in every group. ``None``: every arm in every bucket.
+    """
+
+    name = "beg"
+
+    def __init__(self, epsilon: float = 0.1, groups: Optional[Dict[int, Sequence[Strategy]]] = None):
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+        self.epsilon = epsilon
+        self.groups = groups
+
+    def bind(self, arms, num_buckets, rng, window):
+        super().bind(arms, num_buckets, rng, window)
+        A = len(arms)
+        self.hist = [[deque(maxlen=window) for _ in range(A)] for _ in range(num_buckets)]
+        self.med = [[0.0] * A for _ in range(num_buckets)]
+        self.n = [[0] * A for _ in range(num_buckets)]
+        self._group_keys = sorted(self.groups) if self.groups else None
+        if self.groups:
+            idx = {s: i for i, s in enumerate(arms)}
+            off = idx[Strategy.off()]
+            self._group_arms = {}
+            for k, ss in self.groups.items():
+                missing = [str(s) for s in ss if s not in idx]
+                if missing:
+                    raise ValueError(f"groups[{k}] names strategies not in the selector: {missing}")
+                self._group_arms[k] = {idx[s] for s in ss} | {off}
+
+    def _group(self, batch_size: int, allowed: List[int]) -> List[int]:
+        if not self._group_keys:
+            return allowed
+        i = bisect.bisect_left(self._group_keys, batch_size)
+        g = self._group_arms[self._group_keys[min(i, len(self._group_keys) - 1)]]
+        sub = [a for a in allowed if a in g]
+        return sub or allowed
+
+    def choose(self, bucket, batch_size, allowed, step):
+        allowed = self._group(batch_size, allowed)
+        a = _first_unseen(self.n[bucket], allowed)
+        if a >= 0:
+            return a
+        if self.rng.random() < self.epsilon:
+            return allowed[self.rng.randrange(len(allowed))]
+        med = self.med[bucket]
+        return max(allowed, key=med.__getitem__)
+
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+        h = self.hist[bucket][arm]
+        h.append(emitted / elapsed)
+        self.n[bucket][arm] += 1
+        s = sorted(h)
+        m = len(s)
+        self.med[bucket][arm] = s[m // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
+
+
+class SlidingWindowUCB(Policy):
+    """SW-UCB (Garivier & Moulines 2011): means and counts over the bucket's last ``window`` plays.
+
+    Rewards are normalized by the best windowed mean of the bucket so ``c`` is scale-free.
+    """
+
+    name = "ucb"
+
+    def __init__(self, c: float = 0.3):
+        self.c = c
+
+    def bind(self, arms, num_buckets, rng, window):
+        super().bind(arms, num_buckets, rng, window)
+        A = len(arms)
+        self.plays = [deque() for _ in range(num_buckets)]
+        self.cnt = [[0] * A for _ in range(num_buckets)]
+        self.sum = [[0.0] * A for _ in range(num_buckets)]
+        self.t = [0] * num_buckets
+
+    def choose(self, bucket, batch_size, allowed, step):
+        cnt, sm = self.cnt[bucket], self.sum[bucket]
+        a = _first_unseen(cnt, allowed)
+        if a >= 0:
+            return a
+        best_mean = max(sm[a] / cnt[a] for a in allowed)
+        log_t = math.log(min(self.t[bucket], self.window) + 1)
+        c = self.c * best_mean
+        return max(allowed, key=lambda a: sm[a] / cnt[a] + c * math.sqrt(log_t / cnt[a]))
+
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+        r = emitted / elapsed
+        q = self.plays[bucket]
+        q.append((arm, r))
+        self.cnt[bucket][arm] += 1
+        self.sum[bucket][arm] += r
+        self.t[bucket] += 1
+        if len(q) > self.window:
+            old, r_old = q.popleft()
+            self.cnt[bucket][old] -= 1
+            self.sum[bucket][old] -= r_old
+
+
+class DiscountedThompson(Policy):
+    """Gaussian Thompson sampling; statistics decay by ``gamma = 1 - 1/window`` per play of the bucket."""
+
+    name = "thompson"
+
+    def __init__(self, min_rel_std: float = 0.02):
+        self.min_rel_std = min_rel_std
+
+    def bind(self, arms, num_buckets, rng, window):
+        super().bind(arms, num_buckets, rng, window)
+        A = len(arms)
+        self.gamma = 1.0 - 1.0 / window
+        self.n = [[0.0] * A for _ in range(num_buckets)]
+        self.s = [[0.0] * A for _ in range(num_buckets)]
+        self.ss = [[0.0] * A for _ in range(num_buckets)]
+        self.last = [[0] * A for _ in range(num_buckets)]
+        self.t = [0] * num_buckets
+
+    def choose(self, bucket, batch_size, allowed, step):
+        n = self.n[bucket]
+        a = _first_unseen(n, allowed)
+        if a >= 0:
+            return a
+        t, last, g = self.t[bucket], self.last[bucket], self.gamma
+        s, ss = self.s[bucket], self.ss[bucket]
+        best, best_v = allowed[0], -math.inf
+        gauss = self.rng.gauss
+        for a in allowed:
+            # Ratios are invariant under discounting; only the effective count shrinks with staleness.
+            mean = s[a] / n[a]
+            var = max(ss[a] / n[a] - mean * mean, (self.min_rel_std * mean) ** 2)
+            n_eff = n[a] * g ** (t - last[a])
+            v = mean + math.sqrt(var / max(n_eff, 1e-3)) * gauss(0.0, 1.0)
+            if v > best_v:
+                best, best_v = a, v
+        return best
+
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+        r = emitted / elapsed
+        self.t[bucket] += 1
+        t = self.t[bucket]
+        f = self.gamma ** (t - self.last[bucket][arm])
+        self.last[bucket][arm] = t
+        self.n[bucket][arm] = self.n[bucket][arm] * f + 1.0
+        self.s[bucket][arm] = self.s[bucket][arm] * f + r
+        self.ss[bucket][arm] = self.ss[bucket][arm] * f + r * r
+
+
+class CostTable:
+    """Step time per (strategy, batch size), measured at start-up; linear interpolation in batch size.
+
+    ``table[strategy] = [(batch_size, seconds), ...]``. Outside the measured range the nearest
+    measured point is scaled linearly in batch size beyond the largest, held below the smallest.
+    """
+
+    def __init__(self, table: Dict[Strategy, Sequence[Tuple[int, float]]]):
+        self.table = {}
+        for s, pts in table.items():
+            pts = sorted((int(b), float(t)) for b, t in pts)
+            if not pts:
+                raise ValueError(f"cost table for {s} has no points")
+            if any(t <= 0 for _, t in pts):
+                raise ValueError(f"cost table for {s} has a non-positive time: {pts}")
+            self.table[s] = ([b for b, _ in pts], [t for _, t in pts])
+
+    @classmethod
+    def measure(cls, step_fn: Callable[[Strategy, int], float], strategies: Sequence[Strategy],
+                batch_sizes: Sequence[int], repeats: int = 5) -> "CostTable":
+        """Build the table from ``step_fn(strategy, batch_size) -> seconds`` (median of ``repeats``).
+
+        On the GPU ``step_fn`` would replay the captured graph between two CUDA events; in the simulator
+        it returns a noisy draw of the workload's step cost.
+        """
+        tab = {}
+        for s in strategies:
+            pts = []
+            for b in batch_sizes:
+                ts = sorted(step_fn(s, b) for _ in range(repeats))
+                pts.append((b, ts[len(ts) // 2]))
+            tab[s] = pts
+        return cls(tab)
+
+    def __contains__(self, s: Strategy) -> bool:
+        return s in self.table
+
+    def predict(self, strategy: Strategy, batch_size: int) -> Optional[float]:
+        entry = self.table.get(strategy)
+        if entry is None:
+            return None
+        bs, ts = entry
+        i = bisect.bisect_left(bs, batch_size)
+        if i < len(bs) and bs[i] == batch_size:
+            return ts[i]
+        if i == 0:
+            return ts[0]
+        if i == len(bs):
+            return ts[-1] * batch_size / bs[-1]
+        b0, b1, t0, t1 = bs[i - 1], bs[i], ts[i - 1], ts[i]
+        return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+
+
+class CostModelPolicy(Policy):
+    """Pick the arm maximizing ``B * E[tokens per request] / predicted step time``.
+
+    * Acceptance: for each arm, the conditional probability ``alpha_j`` that a request that accepted
+      ``j-1`` draft tokens also accepts the ``j``-th, from ``accepted_per_position`` of its own steps,
+      shrunk toward the estimate pooled over arms of the same ``topk`` (which also extrapolates past the
+      deepest observed position). Acceptance does not depend on batch size, so it is shared by all buckets:
+      what a small batch learns helps a large one. Statistics decay with ``gamma = 1 - 1/window`` per
+      step, so after a phase change stale arms fall back to the fresh pooled estimate within ~window steps.
+      ``E[tokens] = 1 + sum_i prod_{j<=i} alpha_j``.
+    * Step time: ``cost_table.predict(strategy, B)`` times a per-(bucket, arm) correction (discounted mean
+      of observed / predicted); without a table, the discounted mean observed time of the (bucket, arm),
+      exploring unobserved arms once.
+    * Exploration: each speculative arm is played once before its acceptance is trusted; after that the
+      prediction gets an optimism bonus ``explore / sqrt(1 + n_eff)`` (relative), where ``n_eff`` is the
+      arm's discounted observation count, so an arm not played for a few windows (e.g. a deep tree at a
+      large batch running plain decoding) is re-tried once its prediction is within the bonus of the best.
+
+    Args:
+        cost_table: a :class:`CostTable`, a ``{strategy: [(B, s), ...]}`` dict, or None.
+        prior_accept: acceptance assumed before any observation (optimistic, so arms get tried).
+        prior_weight: pseudo-count of the pooled estimate in each arm's per-position estimate.
+    """
+
+    name = "cost"
+
+    def __init__(self, cost_table=None, prior_accept: float = 0.7, prior_weight: float = 1.0,
+                 explore: float = 0.1):
+        if cost_table is not None and not isinstance(cost_table, CostTable):
+            cost_table = CostTable(cost_table)
+        self.cost_table = cost_table
+        self.prior_accept = prior_accept
+        self.prior_weight = prior_weight
+        self.explore = explore
+
+    def bind(self, arms, num_buckets, rng, window):
+        super().bind(arms, num_buckets, rng, window)
+        A = len(arms)
+        self.gamma = 1.0 - 1.0 / window
+        self.depth = [s.num_steps for s in arms]
+        topks = sorted({s.topk for s in arms if not s.is_off})
+        self.group_of = [topks.index(s.topk) if not s.is_off else -1 for s in arms]
+        self.max_depth = max(self.depth)
+        D = self.max_depth + 1
+        # Discounted sums over steps of per-request fractions: num[j] = P(reach j), den[j] = P(reach j-1).
+        self.num = [[0.0] * D for _ in range(A)]
+        self.den = [[0.0] * D for _ in range(A)]
+        self.t_arm = [0] * A
+        self.pnum = [[0.0] * D for _ in topks]
+        self.pden = [[0.0] * D for _ in topks]
+        self.t_pool = [0] * len(topks)
+        self.gnum, self.gden, self.t_glob = [0.0] * D, [0.0] * D, 0  # pooled over every arm
+        self.tokens = [1.0] * A  # expected tokens per request per step
+        self.obs_tokens = [None] * A  # fallback when accepted_per_position is not given
+        self.time_n = [[0.0] * A for _ in range(num_buckets)]
+        self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
+        self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
+        self._pred_cache: Dict[Tuple[int, int], Optional[float]] = {}
+        for a in range(A):
+            self._refresh(a, 0)
+
+    def _table(self, a: int, batch_size: int) -> Optional[float]:
+        key = (a, batch_size)
+        v = self._pred_cache.get(key, -1.0)
+        if v == -1.0:
+            v = self.cost_table.predict(self.arms[a], batch_size) if self.cost_table is not None else None
+            self._pred_cache[key] = v
+        return v
+
+    def _refresh(self, a: int, step: int) -> None:
+        d = self.depth[a]
+        if d == 0:
+            self.tokens[a] = 1.0
+            return
+        g = self.group_of[a]
+        fa = self.gamma ** (step - self.t_arm[a])
+        fp = self.gamma ** (step - self.t_pool[g])
+        fg = self.gamma ** (step - self.t_glob)
+        num, den, pnum, pden, gnum, gden = self.num[a], self.den[a], self.pnum[g], self.pden[g], self.gnum, self.gden
+        k0 = self.prior_weight
+        prev = self.prior_accept
+        reach, total = 1.0, 1.0
+        # Three levels of shrinkage: arm -> arms of the same topk -> every arm -> the previous position.
+        for j in range(1, d + 1):
+            ga = (fg * gnum[j] + k0 * prev) / (fg * gden[j] + k0)
+            pa = (fp * pnum[j] + k0 * ga) / (fp * pden[j] + k0)
+            alpha = (fa * num[j] + k0 * pa) / (fa * den[j] + k0)
+            reach *= alpha
+            total += reach
+            prev = ga
+        self.tokens[a] = total
+
+    def _predict(self, bucket: int, a: int, batch_size: int) -> Optional[float]:
+        """Predicted throughput (tokens/s), or None when the arm must be explored first."""
+        base = self._table(a, batch_size)
+        n = self.time_n[bucket][a]
+        if base is None:
+            if n == 0:
+                return None
+            t = self.time_v[bucket][a]
+        else:
+            t = base * (self.time_v[bucket][a] if n > 0 else 1.0)
+        tok = self.tokens[a] if self.obs_tokens[a] is None else self.obs_tokens[a]
+        return batch_size * tok / t
+
+    def choose(self, bucket, batch_size, allowed, step):
+        best, best_v = -1, -1.0
+        g, n_arm, t_arm, depth, k = self.gamma, self.n_arm, self.t_arm, self.depth, self.explore
+        for a in allowed:
+            if depth[a] and n_arm[a] == 0.0:
+                return a
+            v = self._predict(bucket, a, batch_size)
+            if v is None:
+                return a
+            if depth[a]:
+                v *= 1.0 + k / math.sqrt(1.0 + n_arm[a] * g ** (step - t_arm[a]))
+            if v > best_v:
+                best, best_v = a, v
+        return best
+
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+        g = self.gamma
+        base = self._table(arm, batch_size)
+        v = elapsed / base if base is not None else elapsed
+        n = self.time_n[bucket][arm]
+        # Discounted mean with a fast start: the first observation replaces the prior.
+        w = 1.0 / (n * g + 1.0)
+        self.time_v[bucket][arm] = v if n == 0 else (1 - w) * self.time_v[bucket][arm] + w * v
+        self.time_n[bucket][arm] = n * g + 1.0
+        d = self.depth[arm]
+        if d == 0:
+            return
+        self.n_arm[arm] = self.n_arm[arm] * g ** (step - self.t_arm[arm]) + 1.0
+        if accepted is None:
+            self.t_arm[arm] = step
+            t = emitted / batch_size
+            o = self.obs_tokens[arm]
+            self.obs_tokens[arm] = t if o is None else (1 - 1 / self.window) * o + t / self.window
+            return
+        if len(accepted) != d:
+            raise ValueError(
+                f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
+            )
+        inv_b = 1.0 / batch_size
+        ga = self.group_of[arm]
+        fa = g ** (step - self.t_arm[arm])
+        fp = g ** (step - self.t_pool[ga])
+        num, den, pnum, pden = self.num[arm], self.den[arm], self.pnum[ga], self.pden[ga]
+        fg = g ** (step - self.t_glob)
+        gnum, gden = self.gnum, self.gden
+        prev = 1.0
+        for j in range(1, d + 1):
+            r = accepted[j - 1] * inv_b
+            num[j] = num[j] * fa + r
+            den[j] = den[j] * fa + prev
+            pnum[j] = pnum[j] * fp + r
+            pden[j] = pden[j] * fp + prev
+            gnum[j] = gnum[j] * fg + r
+            gden[j] = gden[j] * fg + prev
+            prev = r
+        for j in range(d + 1, self.max_depth + 1):  # keep the deeper pooled positions on the same clock
+            pnum[j] *= fp
+            pden[j] *= fp
+            gnum[j] *= fg
+            gden[j] *= fg
+        self.t_glob = step
+        self.t_arm[arm] = step
+        self.t_pool[ga] = step
+        for a in range(len(self.arms)):
+            self._refresh(a, step)
+
+
+POLICIES = {
+    "beg": BucketedEpsilonGreedy,
+    "ucb": SlidingWindowUCB,
+    "thompson": DiscountedThompson,
+    "cost": CostModelPolicy,
+}
+
+
+def make_policy(policy, **kwargs) -> Policy:
+    if isinstance(policy, Policy):
+        if kwargs:
+            raise ValueError(f"policy options {sorted(kwargs)} given with a Policy instance; set them on the instance")
+        return policy
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {sorted(POLICIES)} or a Policy instance")
+    return POLICIES[policy](**kwargs)

@@ -1,0 +1,402 @@
+"""Workload simulator for the strategy selector: acceptance that changes over time, step cost that
+depends on batch size and verify width, batches that shrink as responses finish, and trace replay.
+
+The models are deliberately simple and documented so the benchmark numbers can be reasoned about:
+
+* Acceptance: position ``j`` (1-based) of a chain is accepted, given ``j-1`` were, with probability
+  ``alpha_j = alpha(t) * depth_decay**(j-1)``. A tree with ``w = min(topk, (num_verify-1)/num_steps)``
+  candidates per level accepts with ``1 - (1 - alpha_j)**sqrt(w)`` (siblings are correlated, so the
+  gain is sub-linear). Expected tokens per request per step: ``1 + sum_i prod_{j<=i} alpha_eff_j``.
+* Step time (seconds), a roofline of one target forward plus ``num_steps`` drafter forwards::
+
+      verify = t0 + kv * B * ctx(t) + tok * B * num_verify + flop * max(0, B * num_verify - knee)
+      draft  = num_steps * (d0 + d_tok * B * topk) + tree_overhead   (0 for plain decoding)
+
+  Below ``knee`` verified tokens the target is weight-bandwidth bound, so small batches verify extra
+  tokens almost for free (deep trees win); above it every verified token costs compute (plain decoding
+  wins). Observed times carry log-normal noise.
+* Batches: a schedule ``batch_size(t)``, or a long tail where ``B0`` requests with log-normal response
+  lengths each emit their accepted tokens per step and leave when done (256 -> 1).
+
+The oracle knows the current acceptance and batch size and plays the arm with the highest expected
+throughput ``B * E[tokens] / E[time]``. Scores use expected step times (the noise only reaches the
+policy), so oracle ratios are not blurred by timing noise.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .policies import CostTable
+from .selector import StrategySelector
+from .strategy import Strategy
+
+DEFAULT_ARMS = (
+    Strategy.off(),
+    Strategy(1, 1, 2),
+    Strategy(3, 1, 4),
+    Strategy(5, 1, 6),
+    Strategy(4, 4, 8),
+    Strategy(6, 4, 16),
+    Strategy(8, 8, 32),
+)
+#: batch sizes a graph pool would capture, and where the start-up cost table is measured
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+@dataclass
+class StepCost:
+    """Roofline step-time model (seconds); defaults are roughly a 7B target with a 1-layer drafter on an H100."""
+
+    t0: float = 7.0e-3
+    kv: float = 6.0e-6  # per request per 1k tokens of context
+    tok: float = 2.0e-6  # per verified token (sampling, tree bookkeeping)
+    flop: float = 14.0e-6  # per verified token past the knee
+    knee: int = 384
+    d0: float = 0.45e-3
+    d_tok: float = 1.0e-6
+    tree_overhead: float = 0.4e-3
+
+    def __call__(self, s: Strategy, batch_size: int, ctx_k: float = 1.0) -> float:
+        T = batch_size * s.num_verify
+        t = self.t0 + self.kv * batch_size * ctx_k + self.tok * T + self.flop * max(0, T - self.knee)
+        if not s.is_off:
+            t += s.num_steps * (self.d0 + self.d_tok * batch_size * s.topk) + self.tree_overhead
+        return t
+
+
+def alpha_eff(s: Strategy, alpha: float, depth_decay: float = 0.97) -> List[float]:
+    """Per-position conditional acceptance of strategy ``s`` at base acceptance ``alpha``."""
+    if s.is_off:
+        return []
+    w = min(s.topk, max(1.0, (s.num_verify - 1) / s.num_steps))
+    e = math.sqrt(w)
+    return [1.0 - (1.0 - min(alpha * depth_decay ** j, 0.999)) ** e for j in range(s.num_steps)]
+
+
+def expected_tokens(s: Strategy, alpha: float, depth_decay: float = 0.97) -> float:
+    total, reach = 1.0, 1.0
+    for a in alpha_eff(s, alpha, depth_decay):
+        reach *= a
+        total += reach
+    return total
+
+
+@dataclass
+class Workload:
+    """A simulated rollout.
+
+    Args:
+        name: label in reports.
+        alpha: base acceptance as a function of the step index.
+        phase: phase id as a function of the step (phase changes are where re-convergence is measured).
+        steps: steps to run (schedule workloads) or the cap on steps (long tail).
+        batch_size: ``batch_size(step)`` for schedule workloads; None for a long tail.
+        long_tail: ``(num_requests, median_len, sigma, max_len)`` of log-normal response lengths.
+        ctx_k: context length (thousands of tokens) as a function of the step; scales attention cost.
+        cost: the step-time model; ``noise`` the log-normal sigma of observed times.
+    """
+
+    name: str
+    alpha: Callable[[int], float]
+    phase: Callable[[int], int]
+    steps: int
+    batch_size: Optional[Callable[[int], int]] = None
+    long_tail: Optional[tuple] = None
+    ctx_k: Callable[[int], float] = lambda t: 1.0
+    cost: StepCost = field(default_factory=StepCost)
+    noise: float = 0.05
+    depth_decay: float = 0.97
+
+    def expected_time(self, s: Strategy, b: int, t: int) -> float:
+        return self.cost(s, b, self.ctx_k(t))
+
+    def oracle_arm(self, arms: Sequence[Strategy], b: int, t: int) -> Strategy:
+        al = self.alpha(t)
+        return max(arms, key=lambda s: expected_tokens(s, al, self.depth_decay) / self.expected_time(s, b, t))
+
+
+def _segments(values, every):
+    return lambda t: values[min(t // every, len(values) - 1)]
+
+
+def standard_workloads(small: bool = False) -> List[Workload]:
+    """Phase-shifting (per batch size and mixed), drafter warm-up, target drift, and long tail."""
+    n = 600 if small else 2400
+    seg = n // 4
+    alphas = (0.85, 0.45, 0.9, 0.6)
+    out = []
+    for b in (1, 8, 32, 64, 128, 256):
+        out.append(Workload(f"phase-shift-B{b}", alpha=_segments(alphas, seg), phase=lambda t, s=seg: t // s,
+                            steps=n, batch_size=lambda t, b=b: b))
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    rnd = random.Random(7)
+    sched = [rnd.choice(sizes) for _ in range(n // 25 + 1)]  # the batch size changes every 25 steps
+    out.append(Workload("phase-shift-mixed", alpha=_segments(alphas, seg), phase=lambda t, s=seg: t // s,
+                        steps=n, batch_size=lambda t: sched[t // 25]))
+    out.append(Workload("drafter-warmup-B16", alpha=lambda t: 0.3 + 0.6 * min(1.0, t / n), phase=lambda t: 0,
+                        steps=n, batch_size=lambda t: 16))
+    out.append(Workload("target-drift-B48", alpha=lambda t: 0.88 - 0.4 * min(1.0, t / n), phase=lambda t: 0,
+                        steps=n, batch_size=lambda t: 48, ctx_k=lambda t: 1.0 + 3.0 * t / n))
+    lt = (64, 150, 0.9, 1500) if small else (256, 500, 0.9, 6000)
+    out.append(Workload("long-tail-256", alpha=_segments((0.8, 0.55), n), phase=lambda t, s=n: int(t >= s),
+                        steps=10 * lt[3], long_tail=lt, ctx_k=lambda t: 1.0 + t / 1000.0))
+    return out
+
+
+@dataclass
+class RunResult:
+    tokens: float
+    time_s: float
+    steps: int
+    efficiency: List[float]  # per step: expected throughput of the choice / the oracle's
+    oracle_time: List[float]  # per step: the oracle's expected step time (weights for fixed-work scoring)
+    phase_changes: List[int]
+    choices: Dict[str, int]
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.time_s
+
+    @property
+    def oracle_fraction(self) -> float:
+        """Throughput as a fraction of the oracle's for the same work: at every step the oracle's tokens
+        must be produced, which takes ``oracle_time / efficiency``. Independent of how the schedule
+        weights batch sizes, and <= 1 by construction."""
+        ot = np.asarray(self.oracle_time)
+        return float(ot.sum() / (ot / np.asarray(self.efficiency)).sum())
+
+
+def _sample_reach(rng: np.random.Generator, eff: List[float], b: int) -> np.ndarray:
+    """Accepted draft tokens per request, ``[b]`` ints in ``[0, len(eff)]``."""
+    if not eff:
+        return np.zeros(b, dtype=np.int64)
+    ok = rng.random((b, len(eff))) < np.asarray(eff)
+    return np.cumprod(ok, axis=1).sum(axis=1)
+
+
+def run(workload: Workload, choose: Callable[[int, int], Strategy],
+        observe: Optional[Callable[..., None]], arms: Sequence[Strategy], seed: int = 0) -> RunResult:
+    """Simulate ``workload`` with ``choose(batch_size, step) -> Strategy``; ``observe(s, b, emitted, t_obs,
+    accepted_per_position)`` receives noisy observations."""
+    rng = np.random.default_rng(seed)
+    wl = workload
+    remaining = None
+    if wl.long_tail is not None:
+        nreq, med, sig, cap = wl.long_tail
+        lens = np.minimum(np.maximum(rng.lognormal(math.log(med), sig, nreq).astype(np.int64), 1), cap)
+        remaining = lens.copy()
+    tokens = time_s = 0.0
+    eff_log: List[float] = []
+    oracle_time: List[float] = []
+    changes: List[int] = []
+    choices: Dict[str, int] = {}
+    last_phase = wl.phase(0)
+    cache: Dict[tuple, float] = {}
+    t = 0
+    while t < wl.steps:
+        if remaining is not None:
+            active = remaining > 0
+            b = int(active.sum())
+            if b == 0:
+                break
+        else:
+            b = wl.batch_size(t)
+        ph = wl.phase(t)
+        if ph != last_phase:
+            changes.append(t)
+            last_phase = ph
+        s = choose(b, t)
+        choices[str(s)] = choices.get(str(s), 0) + 1
+        al = wl.alpha(t)
+        key = (round(al, 4), b, round(wl.ctx_k(t), 2))
+        best = cache.get(key)
+        if best is None:
+            o = max(arms, key=lambda a: expected_tokens(a, al, wl.depth_decay) / wl.expected_time(a, b, t))
+            best = (expected_tokens(o, al, wl.depth_decay) / wl.expected_time(o, b, t), wl.expected_time(o, b, t))
+            cache[key] = best
+        oracle_time.append(best[1])
+        best = best[0]
+        eff = alpha_eff(s, al, wl.depth_decay)
+        reach = _sample_reach(rng, eff, b)
+        t_exp = wl.expected_time(s, b, t)
+        eff_log.append(expected_tokens(s, al, wl.depth_decay) / t_exp / best)
+        if remaining is not None:
+            idx = np.nonzero(active)[0]
+            got = np.minimum(reach + 1, remaining[idx])
+            remaining[idx] -= got
+            emitted = int(got.sum())
+        else:
+            emitted = int(reach.sum()) + b
+        tokens += emitted
+        time_s += t_exp
+        if observe is not None:
+            t_obs = t_exp * math.exp(wl.noise * rng.standard_normal())
+            acc = [int((reach > j).sum()) for j in range(s.num_steps)]
+            observe(s, b, emitted, t_obs, acc)
+        t += 1
+    return RunResult(tokens, time_s, t, eff_log, oracle_time, changes, choices)
+
+
+def run_selector(workload: Workload, selector: StrategySelector, seed: int = 0) -> RunResult:
+    return run(workload, lambda b, t: selector.select(b), selector.update, selector.strategies, seed)
+
+
+def run_oracle(workload: Workload, arms: Sequence[Strategy], seed: int = 0) -> RunResult:
+    return run(workload, lambda b, t: workload.oracle_arm(arms, b, t), None, arms, seed)
+
+
+def run_static(workload: Workload, arm: Strategy, arms: Sequence[Strategy], seed: int = 0) -> RunResult:
+    return run(workload, lambda b, t: arm, None, arms, seed)
+
+
+def measure_cost_table(workload: Workload, arms: Sequence[Strategy], seed: int = 0,
+                       sizes: Sequence[int] = CAPTURE_SIZES) -> CostTable:
+    """The start-up table a real engine would get by timing each captured graph: noisy, at step 0's context."""
+    rng = np.random.default_rng(seed + 99991)
+    return CostTable.measure(
+        lambda s, b: workload.expected_time(s, b, 0) * math.exp(workload.noise * rng.standard_normal()),
+        arms, sizes, repeats=3,
+    )
+
+
+def reconvergence_steps(res: RunResult, level: float = 0.95, span: int = 20) -> Optional[int]:
+    """Worst over phase changes of the steps until the mean efficiency over the next ``span`` steps
+    first reaches ``level`` (None without phase changes)."""
+    if not res.phase_changes:
+        return None
+    e = np.asarray(res.efficiency)
+    csum = np.concatenate([[0.0], np.cumsum(e)])
+    bounds = res.phase_changes + [len(e)]
+    worst = 0
+    for c, nxt in zip(res.phase_changes, bounds[1:]):
+        lag = nxt - c
+        for t in range(c, max(c, nxt - span) + 1):
+            if (csum[min(t + span, len(e))] - csum[t]) / max(1, min(span, len(e) - t)) >= level:
+                lag = t - c
+                break
+        worst = max(worst, lag)
+    return worst
+
+
+# -- traces --------------------------------------------------------------------------------------
+def record_trace(workload: Workload, arms: Sequence[Strategy], seed: int = 0) -> List[dict]:
+    """What an engine logs when it times every arm at every step (e.g. shadow runs): one record per step,
+    ``{"batch_size": B, "phase": p, "arms": {"s3k1v4": {"step_time": s, "emitted": n, "accepted": [...]}}}``.
+    Schedule workloads only."""
+    if workload.batch_size is None:
+        raise ValueError("record_trace needs a schedule workload (batch_size(step)); long tails depend on the policy")
+    rng = np.random.default_rng(seed)
+    recs = []
+    for t in range(workload.steps):
+        b = workload.batch_size(t)
+        al = workload.alpha(t)
+        arms_rec = {}
+        for s in arms:
+            reach = _sample_reach(rng, alpha_eff(s, al, workload.depth_decay), b)
+            arms_rec[str(s)] = {
+                "step_time": workload.expected_time(s, b, t) * math.exp(workload.noise * rng.standard_normal()),
+                "emitted": int(reach.sum()) + b,
+                "accepted": [int((reach > j).sum()) for j in range(s.num_steps)],
+            }
+        recs.append({"batch_size": b, "phase": workload.phase(t), "arms": arms_rec})
+    return recs
+
+
+def load_trace(path: str) -> List[dict]:
+    with open(path) as f:
+        recs = json.load(f)
+    if not isinstance(recs, list) or not recs:
+        raise ValueError(f"trace {path} must be a non-empty JSON list of step records")
+    for i, r in enumerate(recs):
+        if "batch_size" not in r or "arms" not in r or not r["arms"]:
+            raise ValueError(f"trace {path} record {i} needs 'batch_size' and a non-empty 'arms' map")
+    return recs
+
+
+def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], Strategy],
+                 observe: Optional[Callable[..., None]] = None) -> RunResult:
+    """Replay a trace: the policy picks among the arms recorded at each step and sees that arm's record.
+    Efficiency is against the per-step best recorded arm (a hindsight oracle)."""
+    tokens = time_s = 0.0
+    eff, otime, changes, choices = [], [], [], {}
+    last = records[0].get("phase", 0)
+    for t, r in enumerate(records):
+        if r.get("phase", 0) != last:
+            changes.append(t)
+            last = r.get("phase", 0)
+        arms = {Strategy.parse(k): v for k, v in r["arms"].items()}
+        s = choose(r["batch_size"], list(arms))
+        if s not in arms:
+            raise ValueError(f"trace step {t}: policy chose {s}, which the trace did not record")
+        o = arms[s]
+        tokens += o["emitted"]
+        time_s += o["step_time"]
+        best = max(arms.values(), key=lambda v: v["emitted"] / v["step_time"])
+        eff.append((o["emitted"] / o["step_time"]) / (best["emitted"] / best["step_time"]))
+        otime.append(best["step_time"])
+        choices[str(s)] = choices.get(str(s), 0) + 1
+        if observe is not None:
+            observe(s, r["batch_size"], o["emitted"], o["step_time"], o.get("accepted"))
+    return RunResult(tokens, time_s, len(records), eff, otime, changes, choices)
+
+
+def replay_selector(records: List[dict], selector: StrategySelector) -> RunResult:
+    """Replay with a selector; arms missing from a record count as "no graph captured" for that step."""
+    current: set = set()
+    selector.available = lambda s, b: s in current
+
+    def choose(b, arms):
+        current.clear()
+        current.update(arms)
+        selector.invalidate_available()
+        return selector.select(b)
+
+    return replay_trace(records, choose, selector.update)
+
+
+# -- evaluation ----------------------------------------------------------------------------------
+def evaluate(workload: Workload, make_selector: Callable[[Sequence[Strategy], CostTable, int], StrategySelector],
+             arms: Sequence[Strategy] = DEFAULT_ARMS, seeds: Sequence[int] = (0,)) -> dict:
+    """Mean over seeds of throughput relative to the oracle, the best static arm and plain decoding;
+    the worst re-convergence; and the simulation's wall time per step (selector included).
+
+    Schedule workloads score the same work (:attr:`RunResult.oracle_fraction`); long tails score the
+    realized throughput of finishing every response (the work is the responses' total length)."""
+    rel_oracle, rel_static, rel_off, reconv, us, choices = [], [], [], [], [], {}
+    for seed in seeds:
+        table = measure_cost_table(workload, arms, seed)
+        sel = make_selector(arms, table, seed)
+        t0 = time.perf_counter()
+        res = run_selector(workload, sel, seed)
+        us.append((time.perf_counter() - t0) / max(res.steps, 1))
+        for k, v in res.choices.items():
+            choices[k] = choices.get(k, 0) + v
+        statics = {str(a): run_static(workload, a, arms, seed) for a in arms}
+        if workload.long_tail is not None:
+            orc = run_oracle(workload, arms, seed).throughput
+            score = {k: r.throughput / orc for k, r in statics.items()}
+            mine = res.throughput / orc
+        else:
+            score = {k: r.oracle_fraction for k, r in statics.items()}
+            mine = res.oracle_fraction
+        rel_oracle.append(mine)
+        rel_static.append(mine / max(score.values()))
+        rel_off.append(mine / score["off"])
+        r = reconvergence_steps(res)
+        if r is not None:
+            reconv.append(r)
+    return {
+        "vs_oracle": float(np.mean(rel_oracle)),
+        "vs_best_static": float(np.mean(rel_static)),
+        "vs_off": float(np.mean(rel_off)),
+        "reconverge_steps": max(reconv) if reconv else None,
+        "sim_us_per_step": float(np.mean(us)) * 1e6,
+        "choices": choices,
+    }
