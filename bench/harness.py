@@ -330,7 +330,7 @@ def render_markdown(result: Dict[str, Any]) -> str:
             cells = [_fmt(r["case"].get(c)) for c in case_cols]
             cells += [r["impl"], _fmt(r["ms"]), _fmt(r["gbps"]), f"{pct:.1f}" if pct is not None else ""]
             cells += [_fmt(r.get(c)) for c in extra_cols]
-            cells.append("; ".join(speedup_text(v, k) for k, v in r["speedup_vs"].items()))
+            cells.append(_comparisons(r))
             lines.append("| " + " | ".join(cells) + " |")
         summary = _peer_summary(rows)
         if summary:
@@ -343,6 +343,22 @@ def render_markdown(result: Dict[str, Any]) -> str:
     if result["status"] != "ok":
         lines += ["", f"**Suite FAILED** after {result['seconds']:.1f} s:", "", "```", result["error"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+MAX_COMPARISONS = 6
+
+
+def _comparisons(row: Dict[str, Any]) -> str:
+    """The row's speed-ups, ours against peers: a tlt-* row lists the non-tlt impls of its case and
+    vice versa (all others when that leaves none); at most MAX_COMPARISONS, the JSON has every one."""
+    sv = row["speedup_vs"]
+    mine = row["impl"].startswith("tlt")
+    shown = {k: v for k, v in sv.items() if k.startswith("tlt") != mine} or sv
+    items = list(shown.items())
+    text = "; ".join(speedup_text(v, k) for k, v in items[:MAX_COMPARISONS])
+    if len(items) > MAX_COMPARISONS:
+        text += f"; ... {len(items) - MAX_COMPARISONS} more in the JSON"
+    return text
 
 
 def _peer_summary(rows: List[Dict[str, Any]]) -> List[str]:

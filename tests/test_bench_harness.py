@@ -113,6 +113,21 @@ def test_run_suite_writes_json_and_markdown(tmp_path):
     assert "FAILED" not in md
 
 
+def test_markdown_comparisons_put_ours_against_peers():
+    def suite(ctx):
+        ctx.add({"T": 1}, "tlt-triton", 1.0)
+        ctx.add({"T": 1}, "tlt-cuda", 0.5)
+        ctx.add({"T": 1}, "torch-sdpa", 2.0)
+        for i in range(8):
+            ctx.add({"T": 2}, f"peer{i}", 1.0 + i)
+
+    md = run_suite("cmp", suite, torch.device("cpu"), torch.bfloat16, small=True).markdown
+    lines = {line.split(" | ")[1]: line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")}
+    assert lines["tlt-triton"].endswith("| 2.00x faster than torch-sdpa |")  # not compared with tlt-cuda
+    assert lines["torch-sdpa"].endswith("| 2.00x slower than tlt-triton; 4.00x slower than tlt-cuda |")
+    assert "2 more in the JSON" in lines["peer0"]  # no tlt impl in the case: all others, capped
+
+
 def test_run_suite_records_failure_with_traceback(tmp_path):
     res = run_suite("boom", _suite_fails, torch.device("cpu"), torch.float16, small=True, out_dir=tmp_path)
     assert res.status == "failed"

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HAS_CUDA
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -192,6 +192,20 @@ def test_triton_matches_reference(device, B, N, V, cumulative, gen):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("device", kernel_devices())
+def test_triton_signed_zero_and_infinite_ties(device):
+    parents = torch.full((1, 6), -1, dtype=torch.int32, device=device)
+    scores = torch.tensor([[-1.0, -0.0, 0.0, float("inf"), -0.0, float("inf")]], device=device)
+    tokens = torch.arange(6, device=device).unsqueeze(0)
+    root = torch.zeros(1, dtype=torch.int64, device=device)
+    for V in (2, 3, 4, 6):
+        ref = build_draft_tree(parents, tokens, scores, V, root, backend="torch")
+        out = build_draft_tree(parents, tokens, scores, V, root, backend="triton")
+        assert torch.equal(out.cand_index, ref.cand_index), V
+    assert ref.cand_index.tolist() == [[-1, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
 def test_triton_writes_every_output(device, gen):
     from tlt_kernels._triton.build_draft_tree import build_draft_tree_out
 
@@ -213,5 +227,27 @@ def test_triton_large_gpu(B, N, V, gen):
     args = [x.cuda() for x in (parents, tokens, scores)]
     ref = build_draft_tree(*args, V, root.cuda(), return_mask=True, backend="torch")
     out = build_draft_tree(*args, V, root.cuda(), return_mask=True, backend="triton")
+    for name in ref._fields:
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
+
+
+@pytest.mark.triton
+def test_triton_custom_op_opcheck(gen):
+    import tlt_kernels._triton.build_draft_tree  # noqa: F401  (registers tlt::build_draft_tree)
+
+    parents, tokens, scores, root = random_candidates(2, 10, gen)
+    torch.library.opcheck(torch.ops.tlt.build_draft_tree.default, (parents, tokens, scores, 5, root, True))
+
+
+@pytest.mark.cuda
+def test_triton_cuda_graph(gen):
+    parents, tokens, scores, root = (x.cuda() for x in random_candidates(16, 200, gen))
+    ref = build_draft_tree(parents, tokens, scores, 32, root, return_mask=True, backend="torch")
+    build_draft_tree(parents, tokens, scores, 32, root, return_mask=True, backend="triton")  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = build_draft_tree(parents, tokens, scores, 32, root, return_mask=True, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
     for name in ref._fields:
         assert torch.equal(getattr(out, name), getattr(ref, name)), name

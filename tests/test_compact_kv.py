@@ -163,3 +163,11 @@ def test_triton_cuda_graph(gen):
     torch.cuda.synchronize()
     for l in range(2):
         assert torch.equal(dk[l].cpu(), ref_k[l]) and torch.equal(dv[l].cpu(), ref_v[l])
+
+
+@pytest.mark.triton
+def test_triton_custom_op_opcheck(gen):
+    import tlt_kernels._triton.compact_kv  # noqa: F401  (registers tlt::compact_kv)
+
+    ks, vs, table, ctx, nodes, nacc = make_case(2, 4, 2, gen)
+    torch.library.opcheck(torch.ops.tlt.compact_kv.default, (ks, vs, table, ctx, nodes, nacc))

@@ -339,12 +339,17 @@ def test_corpus_mixes_differ():
 def test_train_tiny_target_loss_decreases():
     corpus = load_corpus("base", 300_000)
     losses = []
-    model = train_tiny_target(ModelConfig.tiny(), steps=40, seed=0, batch_size=8, seq_len=48, lr=1e-2, corpus=corpus, losses=losses)
-    assert len(losses) == 40 and not model.training
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
-    assert eval_loss(model, corpus, num=4, seq_len=48) < losses[0] - 1.0
+    model = train_tiny_target(ModelConfig.tiny(), steps=15, seed=0, batch_size=8, seq_len=32, lr=1e-2, corpus=corpus, losses=losses)
+    assert len(losses) == 15 and not model.training
+    # From ~ln(256) = 5.5 nats (uniform bytes) to well under it.
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.5, losses
+    assert eval_loss(model, corpus, num=4, seq_len=32) < losses[0] - 1.5
     windows = sample_windows(corpus, 3, 10, torch.Generator().manual_seed(0))
     assert windows.shape == (3, 10)
+    # Deterministic for a seed.
+    again = []
+    train_tiny_target(ModelConfig.tiny(), steps=2, seed=0, batch_size=8, seq_len=32, lr=1e-2, corpus=corpus, losses=again)
+    assert again == losses[:2] or torch.allclose(torch.tensor(again), torch.tensor(losses[:2]))
 
 
 # -- GPU -----------------------------------------------------------------------------------------

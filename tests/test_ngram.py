@@ -198,3 +198,26 @@ def test_triton_large_gpu(B, L, vocab, gen):
     out_t = ngram_propose_tree(tokens, lengths, 4, 4, 1, 4, backend="triton")
     for name in ref_t._fields:
         assert torch.equal(getattr(out_t, name), getattr(ref_t, name)), name
+
+
+@pytest.mark.triton
+def test_triton_custom_ops_opcheck(gen):
+    import tlt_kernels._triton.ngram  # noqa: F401  (registers tlt::ngram_propose*)
+
+    tokens, lengths = random_histories(2, 20, 3, gen, min_len=5)
+    torch.library.opcheck(torch.ops.tlt.ngram_propose.default, (tokens, lengths, 3, 1, 3))
+    torch.library.opcheck(torch.ops.tlt.ngram_propose_tree.default, (tokens, lengths, 2, 2, 1, 3))
+
+
+@pytest.mark.cuda
+def test_triton_cuda_graph(gen):
+    tokens, lengths = random_histories(8, 500, 4, gen)
+    tokens, lengths = tokens.cuda(), lengths.cuda()
+    ref = ngram_propose(tokens, lengths, 6, 1, 4, backend="torch")
+    ngram_propose(tokens, lengths, 6, 1, 4, backend="triton")  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ngram_propose(tokens, lengths, 6, 1, 4, backend="triton")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.drafts, ref.drafts) and torch.equal(out.num_drafts, ref.num_drafts)

@@ -1,5 +1,4 @@
 """tree_attention: every backend against the fp32 reference, plan reuse, capture, validation."""
-import math
 
 import pytest
 import torch

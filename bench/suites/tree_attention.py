@@ -20,6 +20,8 @@ entries, ``4 * B * Hq * T * (L + T) * D``; the T=64, G=7 cases have 448 query ro
 bounded by tensor-core throughput rather than HBM) and, on the tlt rows, ``decode_ms`` (the same kernel
 with T=1 over the same context), ``tree_over_decode`` (time ratio) and ``ideal_ratio`` (bytes ratio:
 what the tree would cost if both were at the HBM floor).
+
+``TLT_TREE_ATTENTION_SWEEP=1`` adds tuning rows for the Triton kernel (see docs/TREE_ATTENTION.md).
 """
 from __future__ import annotations
 

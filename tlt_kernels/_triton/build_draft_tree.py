@@ -1,14 +1,15 @@
 """Triton EAGLE-2 draft-tree selection: one program per request, tree and packed mask in one launch.
 
 The candidate vector (N <= a few thousand) lives in registers. Greedy frontier selection runs as
-``num_verify - 1`` rounds of argmax over the eligible scores; eligibility is maintained
+``num_verify - 1`` rounds of one max-reduction over packed (score, index) keys of the eligible
+candidates; eligibility is maintained
 incrementally (taking candidate c makes its children eligible: ``elig |= parent == c``), so no
 gather is needed inside the loop. Then:
 
 * node ids: kept candidates in index order, ``node = inclusive cumsum(kept)``;
 * parent node of a kept candidate: ``node[parent]`` via an in-register gather;
-* ancestor mask: every kept candidate walks up its parent chain (at most ``num_verify - 1`` hops,
-  all candidates in lockstep), OR-ing ``1 << (node % 32)`` into word ``node // 32`` of its row.
+* ancestor mask: every kept candidate walks up its parent chain (all candidates in lockstep, as many
+  rounds as the deepest path), OR-ing ``1 << (node % 32)`` into word ``node // 32`` of its row.
 Every output element (nodes, padding and root) is written exactly once.
 """
 from __future__ import annotations
@@ -35,19 +36,25 @@ def _build_draft_tree_kernel(
     score = tl.load(CandScores_ptr + b * stride_cs + c, mask=in_range, other=float("-inf")).to(tl.float32)
     usable = in_range & (score != float("-inf"))
 
+    # One int64 max per round finds the best score *and* breaks ties to the lowest index: the key is
+    # (order-preserving int32 image of the score) << 32 | (BLOCK_N - 1 - c). Flipping the magnitude
+    # bits of negative floats makes their signed-int order match the float order.
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with +0.0 as floats; make the bits agree
+    bits = score.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (BLOCK_N - 1 - c).to(tl.int64)
+    NO_KEY: tl.constexpr = -9223372036854775808
     elig = usable & (par == -1)
     taken = c < 0
     # A while loop rather than range(V - 1): the CPU interpreter cannot take a runtime range bound.
     step = 0
     while step < V - 1:
         step += 1
-        cand = elig & (taken == 0)
-        any_left = tl.max(cand.to(tl.int32), axis=0) > 0
-        # tie_break_left: among equal scores the lowest candidate index wins.
-        best = tl.argmax(tl.where(cand, score, float("-inf")), axis=0, tie_break_left=True)
-        pick = any_left & (c == best)
-        taken = taken | pick
-        elig = elig | (any_left & usable & (par == best))
+        k_max = tl.max(tl.where(elig & (taken == 0), key, NO_KEY), axis=0)
+        found = k_max != NO_KEY  # eligible scores are > -inf, so their keys are > NO_KEY
+        best = (BLOCK_N - 1 - (k_max & 0xFFFFFFFF)).to(tl.int32)
+        taken = taken | (found & (c == best))
+        elig = elig | (found & usable & (par == best))
 
     kept = taken.to(tl.int32)
     node = tl.cumsum(kept, axis=0) * kept  # node id (1-based) of kept candidates, else 0
@@ -73,19 +80,19 @@ def _build_draft_tree_kernel(
         w = tl.arange(0, WORDS_POW2)
         one = tl.full([BLOCK_N, WORDS_POW2], 1, tl.int32)
         # Row of candidate c: itself, its ancestors, and the root (bit 0 of word 0).
-        bits = tl.where(w[None, :] == 0, one, 0)
+        row_bits = tl.where(w[None, :] == 0, one, 0)
         cur = tl.where(taken, c, -1)
-        step = 0
-        while step < V - 1:
-            step += 1
+        walking = num_nodes > 1
+        while walking:  # as many rounds as the deepest path is long
             on = cur >= 0
             cur_node = tl.gather(node, tl.maximum(cur, 0), axis=0)
             bit = one << (cur_node % 32)[:, None]
-            bits = bits | tl.where(on[:, None] & (w[None, :] == (cur_node // 32)[:, None]), bit, 0)
+            row_bits = row_bits | tl.where(on[:, None] & (w[None, :] == (cur_node // 32)[:, None]), bit, 0)
             cur = tl.where(on, tl.gather(par, tl.maximum(cur, 0), axis=0), -1)
+            walking = tl.max(cur, axis=0) >= 0
         mrow = Mask_ptr + b * stride_mb
         m_ok = taken[:, None] & (w[None, :] < WORDS)
-        tl.store(mrow + node[:, None].to(tl.int64) * stride_mr + w[None, :], bits, mask=m_ok)
+        tl.store(mrow + node[:, None].to(tl.int64) * stride_mr + w[None, :], row_bits, mask=m_ok)
         # Root row: only bit 0; padding rows: zero.
         root_row = tl.where(w[None, :] == 0, tl.where(p[:, None] == 0, 1, 0), 0)
         p_ok = fill[:, None] & (w[None, :] < WORDS)

@@ -5,10 +5,10 @@ The program reads only the rows the walk visits (the root, then each accepted no
 ``(thr, m, Z)``: ``p(t) = [key(l_t) >= thr] * exp(l_t / T - m) / Z`` where ``key`` maps a float to
 an int32 with the same order. Then
 
-* the top-k threshold is the largest key with ``count(key >= thr) >= k``, found by bisection on the
-  key (one counting pass per step, <= 32 steps, no sort; boundary ties are kept);
-* the top-p threshold is the largest key with ``mass(key >= thr) >= top_p * Z`` (same bisection on
-  the mass; equivalent to the probability threshold because p is monotone in the logit);
+* the top-k threshold is the largest key with ``count(key >= thr) >= k``, found by radix select on
+  the key (8 histogram passes of 4 bits, exact, no sort; boundary ties are kept);
+* the top-p threshold is the largest key with ``mass(key >= thr) >= top_p * Z`` (the same select
+  weighted by mass; equivalent to the probability threshold because p is monotone in the logit);
 * accepting a child needs only ``p(x)`` (one element) and its coin;
 * a rejection writes the residual ``max(p - q, 0)`` (or ``p`` with ``x`` zeroed without draft
   probabilities) into a per-request fp32 scratch row, which later tests and the final inverse-CDF
@@ -38,7 +38,11 @@ def _philox_uniform(seed, offset, node, purpose: tl.constexpr):
     c0 = (offset & 0xFFFFFFFF).to(tl.uint32)
     c1 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c2 = node.to(tl.uint32)
-    c3 = (c2 * 0 + purpose).to(tl.uint32)
+    c3 = c2 * 0 + purpose
+    k0 = c2 * 0 + k0
+    k1 = c2 * 0 + k1
+    c0 = c2 * 0 + c0
+    c1 = c2 * 0 + c1
     for _ in tl.static_range(10):
         hi0 = tl.umulhi(c0, 0xD2511F53)
         lo0 = c0 * 0xD2511F53
@@ -72,28 +76,75 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, node: torch.Tensor,
 
 
 @triton.jit
-def _ordered_key(x):
-    """int32 with the order of the fp32 ``x`` (flip the magnitude bits of negatives)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+def _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """sum over tokens with key(l) >= thr of exp(l / temp - m)."""
+    acc = 0.0
+    for tile in range(NUM_TILES):
+        start = tile * BLOCK_SIZE
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        mask = offs < V
+        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        key = x.to(tl.int32, bitcast=True)
+        key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
+        w = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0)
+        acc += tl.sum(w, axis=0)
+    return acc
 
 
 @triton.jit
-def _load_row(row_ptr, start, V, BLOCK_SIZE: tl.constexpr):
-    offs = start + tl.arange(0, BLOCK_SIZE)
-    mask = offs < V
-    x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    return offs, mask, x
+def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_TILES: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr):
+    """Largest key K with W(key >= K) >= need, and W(key >= K); W counts tokens (or sums their
+    exp(l / temp - m) when BY_MASS) among those with key >= floor.
+
+    Radix select on the unsigned key, 4 bits per pass (8 passes, exact, no sort): at each level
+    a 16-bin histogram of the next digit among tokens sharing the prefix picks the largest digit
+    whose suffix still reaches ``need``.
+    """
+    bins = tl.arange(0, 16)
+    prefix = (floor * 0).to(tl.int64)
+    above = 0.0
+    at = 0.0
+    for level in tl.static_range(8):
+        shift: tl.constexpr = 28 - 4 * level
+        hist = tl.zeros([16], dtype=tl.float32)
+        for tile in range(NUM_TILES):
+            start = tile * BLOCK_SIZE
+            offs = start + tl.arange(0, BLOCK_SIZE)
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            key = x.to(tl.int32, bitcast=True)
+            key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
+            key = key
+            ukey = key.to(tl.int64) + 2147483648
+            live = mask & (key >= floor) & ((ukey >> (shift + 4)) == prefix)
+            if BY_MASS:
+                w = tl.where(live, tl.exp(x / temp - m), 0.0)
+            else:
+                w = live.to(tl.float32)
+            digit = ((ukey >> shift) & 15).to(tl.int32)
+            hist += tl.sum(tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0), axis=0)
+        # suffix[d] = sum of hist[d'] for d' >= d
+        suffix = tl.sum(tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0.0), axis=1)
+        d = tl.maximum(tl.max(tl.where(above + suffix >= need, bins, -1), axis=0), 0)
+        at = tl.sum(tl.where(bins == d, hist, 0.0), axis=0)
+        above += tl.sum(tl.where(bins > d, hist, 0.0), axis=0)
+        prefix = prefix * 16 + d
+    return (prefix - 2147483648).to(tl.int32), above + at
 
 
 @triton.jit
-def _scan_row(row_ptr, V, BLOCK_SIZE: tl.constexpr):
-    """(bad, max, argmax): bad = NaN/+inf present or every entry -inf; argmax = lowest id of the max."""
+def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(bad, argmax, thr, m, Z) of one row; thr/m/Z are only meaningful for sampled requests."""
+    # bad: NaN/+inf present or every entry -inf; arg: lowest id of the max.
     best = float("-inf")
     arg = 0
     bad = 0
-    for start in range(0, V, BLOCK_SIZE):
-        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
+    for tile in range(NUM_TILES):
+        start = tile * BLOCK_SIZE
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        mask = offs < V
+        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
         bad = bad | tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
         xm = tl.where(x != x, float("-inf"), x)
         tile_best = tl.max(xm, axis=0)
@@ -102,85 +153,36 @@ def _scan_row(row_ptr, V, BLOCK_SIZE: tl.constexpr):
         arg = tl.where(better, tile_arg, arg)
         best = tl.where(better, tile_best, best)
     bad = bad | (best == float("-inf")).to(tl.int32)
-    return bad, best, arg
 
 
-@triton.jit
-def _count_ge(row_ptr, V, thr, BLOCK_SIZE: tl.constexpr):
-    cnt = 0
-    for start in range(0, V, BLOCK_SIZE):
-        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
-        cnt += tl.sum(((_ordered_key(x) >= thr) & mask).to(tl.int32), axis=0)
-    return cnt
-
-
-@triton.jit
-def _mass_ge(row_ptr, V, thr, temp, m, BLOCK_SIZE: tl.constexpr):
-    """sum over tokens with key(l) >= thr of exp(l / temp - m)."""
-    acc = 0.0
-    for start in range(0, V, BLOCK_SIZE):
-        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
-        w = tl.where((_ordered_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0)
-        acc += tl.sum(w, axis=0)
-    return acc
-
-
-@triton.jit
-def _row_state(row_ptr, V, greedy, temp, top_k, top_p, BLOCK_SIZE: tl.constexpr):
-    """(bad, argmax, thr, m, Z) of one row; thr/m/Z are only meaningful for sampled requests."""
-    bad, best, arg = _scan_row(row_ptr, V, BLOCK_SIZE)
     thr = arg * 0 - 2139095041  # _ordered_key(-inf): keeps everything
     m = best / temp
     Z = 1.0
     if (bad == 0) & (greedy == 0):
-        top = _ordered_key(best)
         if (top_k > 0) & (top_k < V):
-            # Invariant: count(key >= lo) >= k > count(key >= hi).
-            lo = thr.to(tl.int64)
-            hi = top.to(tl.int64) + 1
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                ok = _count_ge(row_ptr, V, mid, BLOCK_SIZE) >= top_k
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            thr = lo.to(tl.int32)
-        Z = _mass_ge(row_ptr, V, thr, temp, m, BLOCK_SIZE)
+            thr, _ = _radix_select(row_ptr, V, thr, temp, m, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
+        Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
         if top_p < 1.0:
-            # Invariant: mass(key >= lo) >= top_p * Z > mass(key >= hi).
-            need = top_p * Z
-            lo = thr.to(tl.int64)
-            lo_mass = Z
-            hi = top.to(tl.int64) + 1
-            while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                mass = _mass_ge(row_ptr, V, mid, temp, m, BLOCK_SIZE)
-                ok = mass >= need
-                lo = tl.where(ok, mid, lo)
-                lo_mass = tl.where(ok, mass, lo_mass)
-                hi = tl.where(ok, hi, mid)
-            thr = lo.to(tl.int32)
-            Z = lo_mass
+            thr, Z = _radix_select(row_ptr, V, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
     return bad, arg, thr, m, Z
 
 
 @triton.jit
-def _p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x):
-    """Unnormalized current p over one tile (the residual if there is one, else the target)."""
-    if has_res != 0:
-        p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
-    else:
-        p = tl.where((_ordered_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
-    return p
-
-
-@triton.jit
 def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok, px,
-                   WRITE: tl.constexpr, HAS_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                   WRITE: tl.constexpr, HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Mass of max(p - q, 0) (q = draft row, or p(x) at the rejected token x); WRITE stores it."""
     acc = 0.0
-    for start in range(0, V, BLOCK_SIZE):
-        offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
-        p = _p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x)
+    for tile in range(NUM_TILES):
+        start = tile * BLOCK_SIZE
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        mask = offs < V
+        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        if has_res != 0:
+            p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
+        else:
+            key = x.to(tl.int32, bitcast=True)
+            key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
+            p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
         if HAS_Q:
             q = tl.load(dq_ptr + offs, mask=mask, other=0.0).to(tl.float32) / qsum
         else:
@@ -200,7 +202,7 @@ def _verify_tree_kernel(
     T, V, max_depth,
     stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb,
     HAS_Q: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    STATS: tl.constexpr, DEPTH_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STATS: tl.constexpr, NODE_BLOCK: tl.constexpr, DEPTH_BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     zero = tl.program_id(0) * 0  # an int32 tensor, so loop indices can be used as tensors
@@ -226,18 +228,25 @@ def _verify_tree_kernel(
     tried = tl.zeros([DEPTH_BLOCK], tl.int32)
     took = tl.zeros([DEPTH_BLOCK], tl.int32)
 
+    # Every coin of the request at once, across lanes, off the walk's serial path.
+    t_idx = tl.arange(0, NODE_BLOCK)
+    coin_accept = _philox_uniform(seed, offset, t_idx, 0)
+    coin_sample = _philox_uniform(seed, offset, t_idx, 1)
+
     cur = zero
     depth = zero
     row_ptr = logits_ptr + b * stride_lb
-    err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, BLOCK_SIZE)
+    err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES, BLOCK_SIZE)
     has_res = 0
     S = 1.0
     q_ready = 0
     qsum = 1.0
+    # A while loop: the CPU interpreter cannot take a tensor bound in range(); the tile loops use
+    # constexpr trip counts (NUM_TILES) so the GPU keeps pipelined for loops there.
     # Nodes are topologically ordered, so one scan over node indices meets every child of the
     # current node in increasing order, and the children of an accepted node all come after it.
-    for j in range(1, n):
-        j = zero + j
+    j = zero + 1
+    while j < n:
         par = tl.load(parents_ptr + b * stride_pb + j)
         if (par == cur) & (depth < max_depth) & (err == 0):
             x = tl.load(tokens_ptr + b * stride_tb + j).to(tl.int32)
@@ -251,7 +260,8 @@ def _verify_tree_kernel(
                 if HAS_Q:
                     if q_ready == 0:
                         qsum = 0.0
-                        for start in range(0, V, BLOCK_SIZE):
+                        for tile in range(NUM_TILES):
+                            start = tile * BLOCK_SIZE
                             qoffs = start + tl.arange(0, BLOCK_SIZE)
                             qsum += tl.sum(tl.load(dq_ptr + qoffs, mask=qoffs < V, other=0.0).to(tl.float32), axis=0)
                         err = err | ((qsum <= 0.0) | (qsum != qsum) | (qsum == float("inf"))).to(tl.int32)
@@ -260,8 +270,10 @@ def _verify_tree_kernel(
                     px = tl.load(scr_ptr + x) / S
                 else:
                     lx = tl.load(row_ptr + x).to(tl.float32)
-                    px = tl.where(_ordered_key(lx) >= thr, tl.exp(lx / temp - m), 0.0) / Z
-                u = _philox_uniform(seed, offset, j, 0)
+                    kx = lx.to(tl.int32, bitcast=True)
+                    kx = tl.where(kx >= 0, kx, kx ^ 0x7FFFFFFF)  # order-preserving int key
+                    px = tl.where(kx >= thr, tl.exp(lx / temp - m), 0.0) / Z
+                u = tl.sum(tl.where(t_idx == j, coin_accept, 0.0), axis=0)
                 if HAS_Q:
                     qx = tl.load(dq_ptr + x).to(tl.float32) / qsum
                     accept = u * qx < px
@@ -275,38 +287,56 @@ def _verify_tree_kernel(
                 path_nodes = tl.where(d_idx == depth, j, path_nodes)
                 cur = j
                 row_ptr = logits_ptr + b * stride_lb + j.to(tl.int64) * stride_lt
-                err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, BLOCK_SIZE)
+                err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES, BLOCK_SIZE)
                 has_res = 0
                 S = 1.0
                 q_ready = 0
             else:
                 if (greedy == 0) & (err == 0):
                     R = _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x, px,
-                                       False, HAS_Q, BLOCK_SIZE)
+                                       False, HAS_Q, NUM_TILES, BLOCK_SIZE)
                     if R > 0.0:
                         # A pass reads and writes each slot from the same thread; the barriers order
                         # the write against every thread's single-element reads of scratch[x].
                         tl.debug_barrier()
                         _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x, px,
-                                       True, HAS_Q, BLOCK_SIZE)
+                                       True, HAS_Q, NUM_TILES, BLOCK_SIZE)
                         tl.debug_barrier()
                         has_res = 1
                         S = R
+        j += 1
 
     final = arg
     if (greedy == 0) & (err == 0):
-        u = _philox_uniform(seed, offset, cur, 1)
+        u = tl.sum(tl.where(t_idx == cur, coin_sample, 0.0), axis=0)
         total = 0.0
-        for start in range(0, V, BLOCK_SIZE):
-            offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
-            total += tl.sum(_p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x), axis=0)
+        for tile in range(NUM_TILES):
+            start = tile * BLOCK_SIZE
+            offs = start + tl.arange(0, BLOCK_SIZE)
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            if has_res != 0:
+                p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
+            else:
+                key = x.to(tl.int32, bitcast=True)
+                key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
+                p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+            total += tl.sum(p, axis=0)
         target = u * total
         carry = 0.0
         found = V
         last = V
-        for start in range(0, V, BLOCK_SIZE):
-            offs, mask, x = _load_row(row_ptr, start, V, BLOCK_SIZE)
-            p = _p_of(scr_ptr, has_res, S, thr, temp, m, Z, offs, mask, x)
+        for tile in range(NUM_TILES):
+            start = tile * BLOCK_SIZE
+            offs = start + tl.arange(0, BLOCK_SIZE)
+            mask = offs < V
+            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            if has_res != 0:
+                p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
+            else:
+                key = x.to(tl.int32, bitcast=True)
+                key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
+                p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
             cdf = tl.cumsum(p, axis=0) + carry
             found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, offs, V), axis=0))
             last = tl.where(tl.max(p, axis=0) > 0.0, tl.max(tl.where(p > 0.0, offs, -1), axis=0), last)
@@ -360,7 +390,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             draft_tokens.stride(0), parents.stride(0),
             HAS_Q=has_q, HAS_TEMP=temperature is not None, HAS_TOP_K=top_k is not None,
             HAS_TOP_P=top_p is not None, STATS=bool(return_stats),
-            DEPTH_BLOCK=triton.next_power_of_2(max_depth + 1), BLOCK_SIZE=block_size,
+            NODE_BLOCK=triton.next_power_of_2(T), DEPTH_BLOCK=triton.next_power_of_2(max_depth + 1), NUM_TILES=triton.cdiv(V, block_size), BLOCK_SIZE=block_size,
         )
     return out_tokens, out_num, out_nodes, out_err, out_stats
 

@@ -12,7 +12,8 @@ _SUPPORTED_ROPE = ("default", "linear", "llama3")
 class ModelConfig:
     """Everything :class:`~tlt_kernels.models.llama.LlamaForCausalLM` needs to build its weights.
 
-    ``attention_bias`` adds biases to the q/k/v projections (Qwen2 always has them; Llama has a flag).
+    ``attention_bias`` adds biases to the q/k/v projections (Qwen2 always has them; Llama has a flag),
+    ``attention_out_bias`` to the output projection (Llama's ``attention_bias`` flag sets both).
     ``rope_scaling`` is ``None`` (plain RoPE) or a transformers-style dict with ``rope_type`` in
     ``("default", "linear", "llama3")`` and that type's parameters.
     """
@@ -29,6 +30,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+    attention_out_bias: bool = False
     rope_scaling: Optional[Dict[str, Any]] = None
 
     def __post_init__(self):
@@ -121,6 +123,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
             # Qwen2 always carries q/k/v biases and has no flag for them.
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_out_bias=False if model_type == "qwen2" else bool(d.get("attention_bias", False)),
             rope_scaling=scaling,
         )
 

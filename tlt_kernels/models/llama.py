@@ -94,7 +94,7 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(H, config.num_q_heads * D, bias=config.attention_bias)
         self.k_proj = nn.Linear(H, config.num_kv_heads * D, bias=config.attention_bias)
         self.v_proj = nn.Linear(H, config.num_kv_heads * D, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_q_heads * D, H, bias=False)
+        self.o_proj = nn.Linear(config.num_q_heads * D, H, bias=config.attention_out_bias)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x: [B, T, H]`` -> rotated ``q: [B, T, Hq, D]``, rotated ``k`` and ``v: [B, T, Hkv, D]``."""

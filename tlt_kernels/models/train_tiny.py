@@ -12,6 +12,7 @@ by byte 0 (:data:`SEPARATOR`, never present in source). Two mixes:
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 from pathlib import Path
 from typing import List, Optional
@@ -33,7 +34,12 @@ def corpus_files(kind: str = "base") -> List[Path]:
     if kind == "base":
         files = root.glob("*.py")
     elif kind == "shifted":
-        files = (p for p in root.glob("*/**/*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1]))
+        files = []
+        for top in sorted(d for d in root.iterdir() if d.is_dir() and d.name not in _SKIP_DIRS):
+            for dirpath, dirnames, filenames in os.walk(top):
+                # Prune in place so test suites (and site-packages, which lives here) are never walked.
+                dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+                files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
     else:
         raise ValueError(f"kind must be 'base' or 'shifted', got {kind!r}")
     out = sorted(files)

@@ -115,9 +115,9 @@ def default_split_len(
 ) -> int:
     """Context tokens per split so that the partial kernel fills the GPU without needless splitting.
 
-    A program owns one split of one KV head and up to ``ROWS_PER_PROGRAM`` of the ``num_rows = T * G``
-    query rows, so one split gives ``B * Hkv * ceil(num_rows / ROWS_PER_PROGRAM)`` programs. Take the
-    fewest splits that reach ``SPLIT_WAVES * sm_count`` programs: every extra split writes and re-reads
+    A program owns one split of one KV head and up to ``R`` of the ``num_rows = T * G`` query rows
+    (``R`` = 128, or 64 for ``head_dim`` 256: the kernels' largest row tile), so one split gives
+    ``B * Hkv * ceil(num_rows / R)`` programs. Take about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs: every extra split writes and re-reads
     ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes), while one program
     per SM already keeps enough K/V loads in flight to saturate HBM. Never below ``MIN_SPLIT_LEN``
     tokens per split; the result is a multiple of ``SPLIT_ALIGN``.
@@ -126,8 +126,10 @@ def default_split_len(
     programs = batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program)
     want = max(1, -(-SPLIT_WAVES * sm_count // max(programs, 1)))
     want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
-    per_split = -(-max(max_context_len, 1) // want)
-    return max(SPLIT_ALIGN, -(-per_split // SPLIT_ALIGN) * SPLIT_ALIGN)
+    if want == 1:
+        return max(SPLIT_ALIGN, -(-max_context_len // SPLIT_ALIGN) * SPLIT_ALIGN)
+    # Round down to whole tiles so the split count stays >= want.
+    return max(MIN_SPLIT_LEN, max_context_len // want // SPLIT_ALIGN * SPLIT_ALIGN)
 
 
 def _capturing() -> bool:

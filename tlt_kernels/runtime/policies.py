@@ -423,8 +423,12 @@ class CostModelPolicy(Policy):
         self.t_glob = step
         self.t_arm[arm] = step
         self.t_pool[ga] = step
+        # The arm's own group changed a lot; other groups only through the slowly-moving global pool.
+        self._updates = getattr(self, "_updates", 0) + 1
+        every = self._updates % 8 == 0
         for a in range(len(self.arms)):
-            self._refresh(a, step)
+            if every or self.group_of[a] == ga:
+                self._refresh(a, step)
 
 
 POLICIES = {

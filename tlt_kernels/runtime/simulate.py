@@ -362,41 +362,64 @@ def replay_selector(records: List[dict], selector: StrategySelector) -> RunResul
 
 
 # -- evaluation ----------------------------------------------------------------------------------
-def evaluate(workload: Workload, make_selector: Callable[[Sequence[Strategy], CostTable, int], StrategySelector],
-             arms: Sequence[Strategy] = DEFAULT_ARMS, seeds: Sequence[int] = (0,)) -> dict:
-    """Mean over seeds of throughput relative to the oracle, the best static arm and plain decoding;
-    the worst re-convergence; and the simulation's wall time per step (selector included).
+def evaluate(workload: Workload, make_selector, arms: Sequence[Strategy] = DEFAULT_ARMS,
+             seeds: Sequence[int] = (0,)) -> dict:
+    """Score one selector factory ``make_selector(arms, cost_table, seed)`` (or a ``{name: factory}``
+    dict, returning ``{name: scores}``; baselines are simulated once per seed).
 
-    Schedule workloads score the same work (:attr:`RunResult.oracle_fraction`); long tails score the
-    realized throughput of finishing every response (the work is the responses' total length)."""
-    rel_oracle, rel_static, rel_off, reconv, us, choices = [], [], [], [], [], {}
+    Scores (means over seeds): throughput relative to the oracle, the best static arm and plain
+    decoding; the worst re-convergence; the simulation's wall time per step (selector included);
+    ``sim_s``: simulated seconds for the work. Schedule workloads score the same work
+    (:attr:`RunResult.oracle_fraction`); long tails score the realized throughput of finishing every
+    response (the work is the responses' total length)."""
+    single = not isinstance(make_selector, dict)
+    makers = {"_": make_selector} if single else make_selector
+    acc = {k: {"vs_oracle": [], "vs_best_static": [], "vs_off": [], "reconv": [], "us": [], "sim_s": [],
+               "choices": {}} for k in makers}
+    base = {"oracle": [], "best-static": [], "off": []}
     for seed in seeds:
         table = measure_cost_table(workload, arms, seed)
-        sel = make_selector(arms, table, seed)
-        t0 = time.perf_counter()
-        res = run_selector(workload, sel, seed)
-        us.append((time.perf_counter() - t0) / max(res.steps, 1))
-        for k, v in res.choices.items():
-            choices[k] = choices.get(k, 0) + v
         statics = {str(a): run_static(workload, a, arms, seed) for a in arms}
+        orc_run = run_oracle(workload, arms, seed)
         if workload.long_tail is not None:
-            orc = run_oracle(workload, arms, seed).throughput
+            orc = orc_run.throughput
             score = {k: r.throughput / orc for k, r in statics.items()}
-            mine = res.throughput / orc
+            work_s = orc_run.time_s
         else:
             score = {k: r.oracle_fraction for k, r in statics.items()}
-            mine = res.oracle_fraction
-        rel_oracle.append(mine)
-        rel_static.append(mine / max(score.values()))
-        rel_off.append(mine / score["off"])
-        r = reconvergence_steps(res)
-        if r is not None:
-            reconv.append(r)
-    return {
-        "vs_oracle": float(np.mean(rel_oracle)),
-        "vs_best_static": float(np.mean(rel_static)),
-        "vs_off": float(np.mean(rel_off)),
-        "reconverge_steps": max(reconv) if reconv else None,
-        "sim_us_per_step": float(np.mean(us)) * 1e6,
-        "choices": choices,
-    }
+            work_s = float(np.sum(orc_run.oracle_time))
+        best_static = max(score.values())
+        base["oracle"].append(work_s)
+        base["best-static"].append(work_s / best_static)
+        base["off"].append(work_s / score["off"])
+        for name, mk in makers.items():
+            sel = mk(arms, table, seed)
+            t0 = time.perf_counter()
+            res = run_selector(workload, sel, seed)
+            a = acc[name]
+            a["us"].append((time.perf_counter() - t0) / max(res.steps, 1))
+            for k, v in res.choices.items():
+                a["choices"][k] = a["choices"].get(k, 0) + v
+            mine = res.throughput / orc if workload.long_tail is not None else res.oracle_fraction
+            a["vs_oracle"].append(mine)
+            a["vs_best_static"].append(mine / best_static)
+            a["vs_off"].append(mine / score["off"])
+            a["sim_s"].append(work_s / mine)
+            r = reconvergence_steps(res)
+            if r is not None:
+                a["reconv"].append(r)
+    out = {}
+    for name, a in acc.items():
+        out[name] = {
+            "vs_oracle": float(np.mean(a["vs_oracle"])),
+            "vs_best_static": float(np.mean(a["vs_best_static"])),
+            "vs_off": float(np.mean(a["vs_off"])),
+            "reconverge_steps": max(a["reconv"]) if a["reconv"] else None,
+            "sim_us_per_step": float(np.mean(a["us"])) * 1e6,
+            "sim_s": float(np.mean(a["sim_s"])),
+            "choices": a["choices"],
+        }
+    if single:
+        return out["_"]
+    out["_baselines"] = {k: float(np.mean(v)) for k, v in base.items()}
+    return out

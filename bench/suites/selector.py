@@ -1,0 +1,72 @@
+"""Strategy selector on simulated workloads (a CPU simulation, so it runs anywhere).
+
+Rows per workload: the oracle, the best static arm, plain decoding and each policy; ``ms`` is the
+simulated time for the same work, so the harness's ratios are throughput ratios. Extras give the
+fraction of the oracle, the gain over the best static arm and over plain decoding, and the worst
+re-convergence after a phase change (steps until the 20-step mean reaches 95% of the oracle).
+A last case times ``select + update`` per policy on this CPU.
+
+Sizes: 600 steps and one seed with ``--small`` (always on a CPU device), 2400 steps and three seeds
+otherwise; ``TLT_SELECTOR_FULL=1`` forces the full run on a CPU.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+SUITE = "selector"
+
+POLICIES = ("beg", "ucb", "thompson", "cost")
+
+
+def _factory(policy):
+    from tlt_kernels.runtime import StrategySelector
+
+    def make(arms, table, seed):
+        kw = {"cost_table": table} if policy == "cost" else {}
+        return StrategySelector(arms, policy=policy, seed=seed, **kw)
+    return make
+
+
+def _cpu_cost_us(policy, steps=20000):
+    from tlt_kernels.runtime import CostTable, StrategySelector
+    from tlt_kernels.runtime.simulate import DEFAULT_ARMS, StepCost
+
+    cost = StepCost()
+    table = CostTable({s: [(b, cost(s, b)) for b in (1, 16, 64, 256)] for s in DEFAULT_ARMS})
+    kw = {"cost_table": table} if policy == "cost" else {}
+    sel = StrategySelector(DEFAULT_ARMS, policy=policy, seed=0, **kw)
+    sizes = (1, 16, 64, 256)
+    chunks = []
+    for c in range(steps // 100):  # median over 100-step chunks: robust to other processes on the CPU
+        t0 = time.perf_counter()
+        for i in range(c * 100, c * 100 + 100):
+            b = sizes[i & 3]
+            s = sel.select(b)
+            sel.update(s, b, 2 * b, 0.01 + 1e-5 * (i & 7), [max(1, b // 2)] * s.num_steps if s.num_steps else None)
+        chunks.append((time.perf_counter() - t0) / 100)
+    chunks.sort()
+    return chunks[len(chunks) // 2] * 1e6
+
+
+def run(ctx) -> None:
+    from tlt_kernels.runtime import DEFAULT_POLICY
+    from tlt_kernels.runtime.simulate import DEFAULT_ARMS, evaluate, standard_workloads
+
+    full = not ctx.small or os.environ.get("TLT_SELECTOR_FULL", "0") not in ("", "0")
+    seeds = (0, 1, 2) if full else (0,)
+    ctx.note(f"arms: {[str(a) for a in DEFAULT_ARMS]}; {'2400' if full else '600'} steps per workload, "
+             f"seeds {list(seeds)}; default policy: {DEFAULT_POLICY}")
+    for wl in standard_workloads(small=not full):
+        res = evaluate(wl, {p: _factory(p) for p in POLICIES}, DEFAULT_ARMS, seeds)
+        case = {"workload": wl.name}
+        base = res.pop("_baselines")
+        for name, sec in base.items():
+            ctx.add(case, name, sec * 1e3)
+        for p in POLICIES:
+            r = res[p]
+            ctx.add(case, p, r["sim_s"] * 1e3, vs_oracle=round(r["vs_oracle"], 4),
+                    vs_best_static=round(r["vs_best_static"], 4), vs_off=round(r["vs_off"], 4),
+                    reconverge_steps=r["reconverge_steps"])
+    for p in POLICIES:
+        ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
