@@ -106,7 +106,7 @@ def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
     above = 0.0
     at = 0.0
     for level in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * level
+        shift = 28 - 4 * level
         hist = tl.zeros([16], dtype=tl.float32)
         for tile in range(NUM_TILES):
             start = tile * BLOCK_SIZE

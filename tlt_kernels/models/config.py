@@ -66,10 +66,14 @@ class ModelConfig:
 
     @classmethod
     def small(cls, vocab_size: int = 256, **overrides) -> "ModelConfig":
-        """A 4-layer, 256-wide model (about 3M parameters): trains to useful acceptance rates on a GPU in minutes."""
+        """A 4-layer, 256-wide model (about 3M parameters): trains to useful acceptance rates on a GPU in minutes.
+
+        ``head_dim=64`` so the tree-attention kernels (head dims 64/128/256) run it; :meth:`tiny`'s 16
+        runs on their torch path only.
+        """
         base = dict(
             vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_layers=4,
-            num_q_heads=8, num_kv_heads=2, head_dim=32, max_position_embeddings=4096,
+            num_q_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
         )
         base.update(overrides)
         return cls(**base)

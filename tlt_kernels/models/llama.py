@@ -20,7 +20,7 @@ cast to the activation dtype), so :meth:`from_hf` reproduces a transformers mode
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
