@@ -322,13 +322,17 @@ def render_markdown(result: Dict[str, Any]) -> str:
         for r in rows:
             case_cols += [k for k in r["case"] if k not in case_cols]
             extra_cols += [k for k in r if k not in fixed and k not in extra_cols]
-        header = case_cols + ["impl", "ms", "GB/s", "% HBM floor"] + extra_cols + ["vs others (same case)"]
+        has_bytes = any(r["gbps"] is not None for r in rows)
+        has_floor = any(r["pct_hbm_floor"] is not None for r in rows)
+        header = case_cols + ["impl", "ms"] + ["GB/s"] * has_bytes + ["% HBM floor"] * has_floor
+        header += extra_cols + ["vs others (same case)"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
             pct = r["pct_hbm_floor"]
             cells = [_fmt(r["case"].get(c)) for c in case_cols]
-            cells += [r["impl"], _fmt(r["ms"]), _fmt(r["gbps"]), f"{pct:.1f}" if pct is not None else ""]
+            cells += [r["impl"], _fmt(r["ms"])] + [_fmt(r["gbps"])] * has_bytes
+            cells += [f"{pct:.1f}" if pct is not None else ""] * has_floor
             cells += [_fmt(r.get(c)) for c in extra_cols]
             cells.append(_comparisons(r))
             lines.append("| " + " | ".join(cells) + " |")
@@ -374,7 +378,8 @@ def _peer_summary(rows: List[Dict[str, Any]]) -> List[str]:
             if not ratios:
                 continue
             g = geomean(ratios)
-            out.append(f"- {mine}: {speedup_text(g, other)} (range {min(ratios):.2f}x..{max(ratios):.2f}x as ms({other})/ms({mine}), {len(ratios)} cases)")
+            n = len(ratios)
+            out.append(f"- {mine}: {speedup_text(g, other)} (ms({other}) / ms({mine}) from {min(ratios):.2f} to {max(ratios):.2f} over {n} case{'s' * (n > 1)})")
     return out
 
 

@@ -37,7 +37,10 @@ void launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(Cfg::kSmemBytes);
   // Needed above 48 KiB; cheap and allowed during stream capture, and per device, so set every call.
   TLT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(p.num_splits + 1, p.batch, p.num_kv_heads);
+  // One CTA per (split, 64-row chunk of the T * G rows, request, KV head); see the kernel.
+  const int64_t chunks = (int64_t(p.num_tree) * p.group + tree_attn::kBlockM - 1) / tree_attn::kBlockM;
+  TLT_CHECK_ARG((p.num_splits + 1) * chunks <= 0x7fffffff, "too many splits x row chunks for one launch");
+  const dim3 grid(static_cast<unsigned>((p.num_splits + 1) * chunks), p.batch, p.num_kv_heads);
   kernel<<<grid, tree_attn::kNumThreads, smem, stream>>>(p);
   TLT_CHECK_LAUNCH();
 }

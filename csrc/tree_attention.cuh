@@ -175,7 +175,11 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
   T* k_s = q_s + kBlockM * LDS;       // [2][BN][LDS]
   T* v_s = k_s + 2 * BN * LDS;        // [2][BN][LDS]
 
-  const int split = blockIdx.x;
+  // Row chunks of one split are adjacent in launch order: they run concurrently and read the same
+  // K/V tiles, so only the first of them fetches a tile from HBM and the others hit L2.
+  const int num_row_chunks = gridDim.x / (p.num_splits + 1);
+  const int split = blockIdx.x / num_row_chunks;
+  const int m0 = (blockIdx.x % num_row_chunks) * kBlockM;
   const int b = blockIdx.y;
   const int h = blockIdx.z;
   const int tid = threadIdx.x;
@@ -201,15 +205,16 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
   float* lse_out = p.partial_lse + row_base;
   float* o_out = p.partial_out + row_base * D;
 
+  if (m0 >= M) return;  // a chunk past this request's rows (num_nodes[b] < T)
   if (kv_begin >= kv_end) {  // empty context split: the merge skips lse == -inf
-    for (int r = tid; r < M; r += kNumThreads) lse_out[r] = -INFINITY;
+    for (int r = m0 + tid; r < min(M, m0 + kBlockM); r += kNumThreads) lse_out[r] = -INFINITY;
     return;
   }
   const int num_tiles = (kv_end - kv_begin + BN - 1) / BN;
   const float scale_log2 = p.sm_scale * kLog2e;
   const int32_t* mask_b = p.tree_mask + int64_t(b) * p.num_tree * p.mask_words;
 
-  for (int m0 = 0; m0 < M; m0 += kBlockM) {
+  {
     // Prologue: Q chunk and the first K/V tile share one commit group.
     load_q_chunk<T, D>(p, q_s, b, h, m0, M, tid);
     load_kv_tile<T, D>(p, k_s, v_s, b, h, kv_begin, kv_end, tid);

@@ -122,6 +122,7 @@ def test_markdown_comparisons_put_ours_against_peers():
             ctx.add({"T": 2}, f"peer{i}", 1.0 + i)
 
     md = run_suite("cmp", suite, torch.device("cpu"), torch.bfloat16, small=True).markdown
+    assert "| T | impl | ms | vs others (same case) |" in md  # no bytes: no GB/s or floor columns
     lines = {line.split(" | ")[1]: line for line in md.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")}
     assert lines["tlt-triton"].endswith("| 2.00x faster than torch-sdpa |")  # not compared with tlt-cuda
     assert lines["torch-sdpa"].endswith("| 2.00x slower than tlt-triton; 4.00x slower than tlt-cuda |")

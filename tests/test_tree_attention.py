@@ -136,6 +136,54 @@ def test_matches_reference(backend, name):
     check_against_reference(out, case)
 
 
+def fill_unused_slots_with_nan_(case) -> int:
+    """Set every cache slot no request uses (spare pages, page tails, slots of padding nodes) to NaN.
+
+    Engines reuse freed pages without clearing them, so those slots may hold anything; a backend that
+    multiplies a zero softmax weight by such a V row (0 * NaN = NaN) poisons the whole output row.
+    Returns the number of NaN-filled slots.
+    """
+    k, v, table = case["k_cache"], case["v_cache"], case["block_table"].cpu().long()
+    bs = k.shape[1]
+    used = torch.zeros(k.shape[0] * bs, dtype=torch.bool)
+    for b, (c, n) in enumerate(zip(case["context_lens"].tolist(), case["num_nodes"].tolist())):
+        slots = torch.arange(c + n)
+        used[table[b, slots // bs] * bs + slots % bs] = True
+    unused = (~used).view(k.shape[0], bs).to(k.device)
+    k.masked_fill_(unused[:, :, None, None], float("nan"))
+    v.masked_fill_(unused[:, :, None, None], float("nan"))
+    return int((~used).sum())
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["deep-splits-merge", "random-gqa7-d128-bs128-ragged"])
+def test_nan_in_unused_cache_slots(backend, name):
+    """Garbage (NaN) in freed pages, page tails and padding-node slots must not reach the output."""
+    _need(backend)
+    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = CPU_CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
+    assert fill_unused_slots_with_nan_(case) > 0
+    plan = make_plan(case, split_len=split_len)
+    out = poison_(torch.empty_like(case["q"]))
+    run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
+    check_against_reference(out, case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["qwen7b-t16", "qwen7b-t64-chunks", "d256-fp16"])
+def test_nan_in_unused_cache_slots_gpu(backend, name):
+    _need(backend)
+    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = GPU_CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
+    assert fill_unused_slots_with_nan_(case) > 0
+    plan = make_plan(case, split_len=split_len)
+    out = poison_(torch.empty_like(case["q"]))
+    run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
+    check_against_reference(out, case)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(GPU_CASES))

@@ -165,8 +165,15 @@ def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nb
         split_len = max(SPLIT_ALIGN, int(base.split_len * factor) // SPLIT_ALIGN * SPLIT_ALIGN)
         if split_len != base.split_len and (factor < 1 or base.num_splits > 1):
             plans[label] = plan_for(parents, split_len=split_len)
+    quarter = max(SPLIT_ALIGN, base.split_len // 4 // SPLIT_ALIGN * SPLIT_ALIGN)
+    if quarter >= 256 and quarter not in {p.split_len for p in plans.values()}:
+        plans["split/4"] = plan_for(parents, split_len=quarter)
+    M = q.shape[1] * (q.shape[2] // k_cache.shape[2])
+    grid = [(bn, w, s, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    if M > 64:  # row chunks of 64: half the registers per program, the chunks share K/V through L2
+        grid += [(bn, 4, s, 64) for bn in (64, 128) for s in (2, 3, 4)]
     try:
-        for (label, plan), cfg in itertools.product(plans.items(), itertools.product((32, 64, 128), (4, 8), (2, 3, 4))):
+        for (label, plan), cfg in itertools.product(plans.items(), grid):
             tk.CONFIG_OVERRIDE = cfg
             try:
                 plan.run(q, k_cache, v_cache, out=out, backend="triton")
@@ -175,7 +182,7 @@ def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nb
                 continue
             _check(f"sweep {cfg}", out, reference, case)
             ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"))
-            ctx.add(case, f"sweep bn={cfg[0]} w={cfg[1]} s={cfg[2]} {label}", ms, bytes_moved=nbytes,
+            ctx.add(case, f"sweep bn={cfg[0]} w={cfg[1]} s={cfg[2]} bm={cfg[3]} {label}", ms, bytes_moved=nbytes,
                     num_splits=plan.num_splits, split_len=plan.split_len, **extra(ms))
     finally:
         tk.CONFIG_OVERRIDE = None

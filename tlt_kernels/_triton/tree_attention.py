@@ -44,8 +44,8 @@ PARTIAL_CONFIGS = {
     (256, 64): (32, 8, 2),
 }
 MERGE_BLOCK_R = 16
-# (BLOCK_N, num_warps, num_stages) forced for every shape when set; the benchmark's tuning sweep
-# (TLT_TREE_ATTENTION_SWEEP=1 python -m bench tree-attention) sets it.
+# (BLOCK_N, num_warps, num_stages[, BLOCK_M]) forced for every shape when set; the benchmark's tuning
+# sweep (TLT_TREE_ATTENTION_SWEEP=1 python -m bench tree-attention) sets it.
 CONFIG_OVERRIDE = None
 
 
@@ -270,7 +270,12 @@ def _tree_attn_merge_kernel(
 def kernel_config(head_dim: int, num_rows: int):
     """``(BLOCK_M, num_row_chunks, BLOCK_N, num_warps, num_stages)`` for ``num_rows = T * G``."""
     block_m = min(MAX_BLOCK_M[head_dim], max(16, _next_pow2(num_rows)))
-    block_n, warps, stages = CONFIG_OVERRIDE or PARTIAL_CONFIGS[(head_dim, block_m)]
+    if CONFIG_OVERRIDE is not None:
+        block_n, warps, stages = CONFIG_OVERRIDE[:3]
+        if len(CONFIG_OVERRIDE) > 3:
+            block_m = min(block_m, CONFIG_OVERRIDE[3])
+    else:
+        block_n, warps, stages = PARTIAL_CONFIGS[(head_dim, block_m)]
     return block_m, -(-num_rows // block_m), block_n, warps, stages
 
 

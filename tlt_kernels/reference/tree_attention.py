@@ -94,7 +94,8 @@ def run_torch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     No host synchronization: the context is padded to ``plan.num_splits * plan.split_len`` slots and
     masked by ``plan.context_lens``; block-table entries past a request's used range are clamped
-    before the gather (they may hold anything) and masked out.
+    before the gather (they may hold anything) and masked out; K/V of unused slots are zeroed, so NaN
+    or garbage in freed pages never reaches the output.
     """
     B, T, Hq, D = q.shape
     Hkv, G, bs = plan.num_kv_heads, plan.group, plan.block_size
@@ -115,6 +116,12 @@ def run_torch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     v = v_cache.reshape(-1, Hkv, D)[flat].float()
 
     ctx_ok = (cols[None, :] < ctx[:, None]) & (cols[None, :] < L)  # [B, L+T]
+    node_ok = torch.arange(T, device=dev)[None, :] < plan.num_nodes.long()[:, None]  # [B, T]
+    # Unused slots (freed pages, padding nodes) may hold anything, NaN included: a zero softmax weight
+    # times a NaN V is still NaN, so zero their K/V before the matmuls instead of only masking scores.
+    slot_ok = torch.cat([ctx_ok[:, :L], node_ok], dim=1)[:, :, None, None]  # [B, L+T, 1, 1]
+    k = torch.where(slot_ok, k, 0.0)
+    v = torch.where(slot_ok, v, 0.0)
     tree_ok = unpack_tree_mask(plan.tree_mask, T)  # [B, T, T]
     mask = torch.cat([ctx_ok[:, None, :L].expand(B, T, L), tree_ok], dim=2)  # [B, T, L+T]
 
@@ -124,6 +131,5 @@ def run_torch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Padding rows are fully masked: softmax gives NaN there, replaced by the contract's zeros.
     p = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
     o = torch.einsum("bkgts,bskd->btkgd", p, v).reshape(B, T, Hq, D)
-    valid = torch.arange(T, device=dev)[None, :] < plan.num_nodes.long()[:, None]
-    out.copy_(torch.where(valid[:, :, None, None], o, torch.zeros((), device=dev)).to(out.dtype))
+    out.copy_(torch.where(node_ok[:, :, None, None], o, torch.zeros((), device=dev)).to(out.dtype))
     return out
