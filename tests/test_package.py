@@ -282,7 +282,6 @@ def test_padding_is_ignored(gen):
         assert not mask[b, int(n[b]):].any() and not mask[b, :, int(n[b]):].any()
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason="tree_ancestor_mask indexes with padding parents >= T (tlt_kernels/tree.py; reported to the lead)")
 def test_padding_out_of_range_is_ignored(gen):
     parents, n = random_trees(4, 6, gen, pad_value=99)
     n[0] = 3  # make sure request 0 has padding

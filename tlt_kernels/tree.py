@@ -82,7 +82,7 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
     # Invariant: depth[i] = hops from i to anc[i] (or to the root once anc[i] == -1).
     for _ in range(max(1, (T - 1).bit_length())):
         has = anc >= 0
-        safe = anc.clamp(min=0)
+        safe = anc.clamp(0, T - 1)
         depth = depth + torch.where(has, depth.gather(1, safe), torch.zeros_like(depth))
         anc = torch.where(has, anc.gather(1, safe), anc)
     return depth.to(torch.int32)
@@ -105,7 +105,7 @@ def tree_ancestor_mask(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] 
     valid = idx.unsqueeze(0) < n.unsqueeze(1).to(idx.dtype)
     mask = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
     mask[:, idx, idx] = valid
-    par = parents.to(torch.int64).clamp(min=0)
+    par = parents.to(torch.int64).clamp(0, T - 1)
     # Topological order: node i's row is its parent's row plus itself, filled in increasing i.
     for i in range(1, T):
         inherit = mask[torch.arange(B, device=parents.device), par[:, i]] & valid[:, i : i + 1]

@@ -21,7 +21,12 @@ bounded by tensor-core throughput rather than HBM) and, on the tlt rows, ``decod
 with T=1 over the same context), ``tree_over_decode`` (time ratio) and ``ideal_ratio`` (bytes ratio:
 what the tree would cost if both were at the HBM floor).
 
-``TLT_TREE_ATTENTION_SWEEP=1`` adds tuning rows for the Triton kernel (see docs/TREE_ATTENTION.md).
+``pct_roofline``: percent of max(HBM floor, tensor-core floor), the floor FLOPs taken at the dense
+matmul peak measured in the same run -- the honest target for the compute-bound T=64 rows.
+
+``TLT_TREE_ATTENTION_SWEEP=1`` adds tuning rows for the Triton kernel (see docs/TREE_ATTENTION.md);
+``TLT_TREE_ATTENTION_CASES=7b:64x4096x16,...`` restricts the cases and ``TLT_TREE_ATTENTION_PEERS=0``
+skips the non-tlt rows (both for tuning runs on a time budget).
 """
 from __future__ import annotations
 
@@ -105,7 +110,16 @@ def _bench_case(ctx, model, B, L, T):
         return B * (L + t_nodes) * Hkv * D * 2 * elt + 2 * B * t_nodes * Hq * D * elt
 
     flops = 4 * B * Hq * T * (L + T) * D
-    extra = lambda ms: {"tflops": flops / (ms * 1e-3) / 1e12}  # noqa: E731
+    peak = _matmul_peak_flops(ctx)
+    bw = ctx.copy_bandwidth
+
+    def extra(ms):
+        row = {"tflops": flops / (ms * 1e-3) / 1e12}
+        if peak and bw:
+            # The roofline floor: the larger of the HBM floor and the tensor-core floor (T=64, G=7 rows
+            # have ~2.4x more MMA time than HBM time, so 80% of the byte floor is out of reach there).
+            row["pct_roofline"] = 100.0 * max(nbytes(T) / bw, flops / peak) / (ms * 1e-3)
+        return row
 
     def plan_for(p, split_len=None):
         return plan_tree_attention(p, inp["context_lens"], table, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
@@ -128,11 +142,17 @@ def _bench_case(ctx, model, B, L, T):
             _check(f"tlt-{backend}", out, reference, case)
         ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
         ms1 = ctx.time_ms(lambda: decode_plan.run(q1, k_cache, v_cache, out=out1, backend=backend))
+        row = extra(ms)
         ctx.add(case, f"tlt-{backend}", ms, bytes_moved=nbytes(T), num_splits=plan.num_splits, split_len=plan.split_len,
-                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes(T) / nbytes(1), **extra(ms))
+                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes(T) / nbytes(1), **row)
+        if ctx.copy_bandwidth:
+            print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes(T) / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
+                  f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
     if reference is not None and os.environ.get("TLT_TREE_ATTENTION_SWEEP", "0") not in ("", "0") and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes(T), extra)
 
+    if os.environ.get("TLT_TREE_ATTENTION_PEERS", "1") in ("", "0"):
+        return
     mask = _dense_mask(parents, L)
     ms = ctx.time_ms(lambda: _sdpa(q, *_gather_dense(k_cache, v_cache, table, L + T), mask))
     ctx.add(case, "torch-sdpa", ms, bytes_moved=nbytes(T), **extra(ms))
@@ -149,6 +169,38 @@ def _bench_case(ctx, model, B, L, T):
     fi = ctx.try_import("flashinfer")
     if fi is not None and dev.type == "cuda":
         _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nbytes(T), extra)
+
+
+_PEAK = {}
+
+
+def _matmul_peak_flops(ctx):
+    """Dense tensor-core FLOP/s of this GPU in ``ctx.dtype``, measured in this run (None on CPU)."""
+    if ctx.device.type != "cuda":
+        return None
+    key = (str(ctx.device), ctx.dtype)
+    if key not in _PEAK:
+        n = 8192
+        a = torch.randn(n, n, dtype=ctx.dtype, device=ctx.device)
+        b = torch.randn(n, n, dtype=ctx.dtype, device=ctx.device)
+        ms = ctx.time_ms(lambda: a @ b)
+        _PEAK[key] = 2 * n**3 / (ms * 1e-3)
+        ctx.note(f"dense {ctx.dtype} matmul peak measured for pct_roofline: {_PEAK[key] / 1e12:.0f} TFLOP/s")
+        del a, b
+    return _PEAK[key]
+
+
+def _selected_cases(models, cases):
+    """``TLT_TREE_ATTENTION_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the run (tuning on a budget)."""
+    spec = os.environ.get("TLT_TREE_ATTENTION_CASES", "").strip()
+    if not spec:
+        return [(m, *c) for m in models for c in cases]
+    out = []
+    for item in spec.split(","):
+        tag, shape = item.strip().split(":")
+        model = next(m for m in MODELS if m.endswith("-" + tag.lower()))
+        out.append((model, *(int(x) for x in shape.lower().split("x"))))
+    return out
 
 
 def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes, extra):
@@ -182,8 +234,12 @@ def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nb
                 continue
             _check(f"sweep {cfg}", out, reference, case)
             ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"))
+            row = extra(ms)
             ctx.add(case, f"sweep bn={cfg[0]} w={cfg[1]} s={cfg[2]} bm={cfg[3]} {label}", ms, bytes_moved=nbytes,
-                    num_splits=plan.num_splits, split_len=plan.split_len, **extra(ms))
+                    num_splits=plan.num_splits, split_len=plan.split_len, **row)
+            # Also printed as it goes, so a sweep cut short by a time limit still leaves its rows.
+            pct = f"{100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}%" if ctx.copy_bandwidth else "-"
+            print(f"sweep {case} {cfg} {label} S={plan.num_splits}: {ms:.4f} ms {pct} floor", flush=True)
     finally:
         tk.CONFIG_OVERRIDE = None
 
@@ -254,8 +310,7 @@ def run(ctx) -> None:
     else:
         cases, models = CASES, list(MODELS)
     ctx.note("torch-sdpa includes gathering K/V out of the pages; the '(pre-gathered)' rows start from contiguous K/V")
-    for model in models:
-        for B, L, T in cases:
-            _bench_case(ctx, model, B, L, T)
-            if ctx.device.type == "cuda":
-                torch.cuda.empty_cache()
+    for model, B, L, T in _selected_cases(models, cases):
+        _bench_case(ctx, model, B, L, T)
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,575 @@
+"""``SpeculativeEngine``: adaptive speculative decoding of a rollout batch with a long tail.
+
+One decoding step over the ``b`` requests still running::
+
+    s = selector.select(b)                                   # strategy for this batch size
+    tree = drafter(s)                                        # n-gram or EAGLE token tree, width T(s)
+    logits, hidden = target.forward_tree(tree)               # replayed from the GraphPool (T, padded b)
+    res = verify_tree(logits, tree, seed, offset)            # lossless acceptance, counter-based RNG
+    ctx = compact_kv(cache, res.accepted_nodes)              # accepted path -> contiguous slots
+    drafter.commit(hidden[accepted], res.tokens)             # EAGLE: target features of the path
+    selector.update(s, b, emitted, step_seconds, accepted_per_position)
+
+Requests leave the batch when they reach their own ``max_new_tokens`` (or EOS), so the batch
+shrinks over the rollout; the selector re-decides every step, which is what makes the tail fast
+(small batches verify wide trees almost for free, large batches do not).
+
+Randomness: request ``b`` uses Philox key ``seed[b]`` and counter offset ``offset[b]``, which starts
+at 0 (the first token, drawn from the prefill logits) and advances by one per decoding step. With
+plain decoding this is exactly :func:`tlt_kernels.models.reference_generate`'s stream, so the
+engine's plain path reproduces it token for token; speculative steps match it in distribution
+(verify_tree is lossless). A request's output depends only on its own seed, prompt and the
+sequence of strategies it was verified with -- not on the other requests of the batch.
+
+Spot training: finished requests' target features (last layer, before the final norm) and tokens go
+to a :class:`~tlt_kernels.drafter.RolloutBuffer`; once the batch falls below
+``spot_batch_fraction`` of its start (the tail, where most of the GPU idles), a
+:class:`~tlt_kernels.drafter.SpotTrainer` trains a copy of the drafter on a side thread/stream until
+the rollout ends, and the rollout's drafter loads each published version between steps.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from ..models.kv_cache import PagedKVCache
+from ..ops.compact_kv import compact_kv
+from ..ops.verify_tree import verify_tree
+from ..runtime.strategy import Strategy
+
+log = logging.getLogger("tlt_kernels.engine")
+
+Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
+
+
+def tree_width(strategy: Strategy, drafter_kind: str) -> int:
+    """Nodes ``T`` of the tree verified per request under ``strategy`` (root included).
+
+    ``"eagle"``: ``num_verify`` (EAGLE-2 selection keeps exactly that many). ``"ngram"``: a chain of
+    ``min(num_steps, num_verify - 1)`` drafts for ``topk == 1``, else ``topk`` branches of
+    ``(num_verify - 1) // topk`` drafts each. ``"none"`` or plain decoding: 1.
+    """
+    if strategy.is_off or drafter_kind == "none":
+        return 1
+    if drafter_kind == "eagle":
+        return strategy.num_verify
+    if strategy.topk <= 1:
+        return 1 + min(strategy.num_steps, strategy.num_verify - 1)
+    per = max(1, (strategy.num_verify - 1) // strategy.topk)
+    return 1 + strategy.topk * per
+
+
+@dataclass
+class StepLog:
+    """One decoding step: ``batch_size`` requests, ``strategy``, ``tree_width`` nodes each,
+    ``emitted`` tokens in all, ``accepted_length`` = emitted / batch_size (drafts accepted + 1),
+    ``seconds`` of wall time, ``elapsed_s`` since the rollout started, ``graph`` (replayed or eager)."""
+
+    step: int
+    batch_size: int
+    strategy: str
+    tree_width: int
+    emitted: int
+    accepted_length: float
+    seconds: float
+    elapsed_s: float
+    graph: bool
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.emitted / self.seconds if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class GenerateOutput:
+    """Result of :meth:`SpeculativeEngine.generate`.
+
+    ``tokens``: one list of generated ids per request (EOS included when hit). ``lengths``: int64
+    ``[B]``. ``finish_s``: seconds from the start at which each request finished. ``steps``: the
+    per-step log. ``wall_s``: rollout wall time (prefill included). ``spot``: spot-trainer stats
+    (None when it did not run).
+    """
+
+    tokens: List[List[int]]
+    lengths: torch.Tensor
+    finish_s: List[float]
+    steps: List[StepLog]
+    wall_s: float
+    prefill_s: float
+    spot: Optional[dict] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_s if self.wall_s > 0 else float("inf")
+
+    def strategies_by_batch(self) -> Dict[int, Dict[str, int]]:
+        """``{batch_size: {strategy: steps}}`` over the rollout."""
+        out: Dict[int, Dict[str, int]] = {}
+        for s in self.steps:
+            d = out.setdefault(s.batch_size, {})
+            d[s.strategy] = d.get(s.strategy, 0) + 1
+        return out
+
+    def mean_accepted_length(self) -> float:
+        """Tokens per request-step over the whole rollout (1.0 for plain decoding)."""
+        rows = sum(s.batch_size for s in self.steps)
+        return sum(s.emitted for s in self.steps) / rows if rows else 0.0
+
+
+class _Progress:
+    """A one-line progress bar on stderr, redrawn at most every ``interval`` seconds."""
+
+    def __init__(self, total: int, enabled: bool, interval: float = 0.25):
+        self.total, self.enabled, self.interval = total, enabled, interval
+        self.last = 0.0
+
+    def update(self, done: int, rec: StepLog, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self.last < self.interval:
+            return
+        self.last = now
+        frac = done / max(1, self.total)
+        bar = "#" * int(frac * 24)
+        sys.stderr.write(
+            f"\r[{bar:<24}] {done}/{self.total} tok | batch {rec.batch_size:>4} | {rec.strategy:<10} | "
+            f"acc {rec.accepted_length:4.2f} | {rec.tokens_per_s:8.0f} tok/s"
+        )
+        if force:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+class SpeculativeEngine:
+    """Adaptive speculative decoding over a paged KV cache.
+
+    Args:
+        target: :class:`~tlt_kernels.models.LlamaForCausalLM` (or anything with the same
+            ``prefill`` / ``forward_tree`` / ``config`` / ``dtype`` / ``device``).
+        drafter: ``None`` (plain decoding only), ``"ngram"``, an
+            :class:`~tlt_kernels.drafter.NGramDrafter` (its ``min_n``/``max_n`` are used; the
+            engine makes a fresh one per rollout), or an :class:`~tlt_kernels.drafter.EagleDrafter`.
+        selector: a :class:`~tlt_kernels.runtime.StrategySelector`, a fixed :class:`Strategy`, or
+            ``None`` (plain decoding).
+        graph_pool: a :class:`~tlt_kernels.runtime.GraphPool`; :meth:`capture_graphs` records the
+            verify forward of every tree width and padded batch size into it. ``None``: eager.
+        max_batch_size, max_seq_len: capacity of the paged cache (prompt + generated tokens per
+            request); fixed at construction so captured graphs stay valid.
+        block_size: tokens per KV block.
+        spot_trainer, rollout_buffer: optional :class:`~tlt_kernels.drafter.SpotTrainer` (training
+            its own copy of the drafter) and the :class:`~tlt_kernels.drafter.RolloutBuffer` it samples;
+            the engine fills the buffer with finished requests and trains in the tail.
+        spot_batch_fraction: the tail starts when the batch is below this fraction of its start.
+        backend: tree-attention backend of the verify forward (``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``).
+        progress: draw a progress bar on stderr. Per-step records go to the ``tlt_kernels.engine``
+            logger (DEBUG) and to :attr:`GenerateOutput.steps`.
+    """
+
+    def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
+                 max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
+                 spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False):
+        from ..drafter import EagleDrafter, NGramDrafter
+
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        self.target = target
+        self.device = target.device
+        if drafter is None:
+            self.drafter_kind, self.drafter = "none", None
+            self._ngram_n = (1, 4)
+        elif isinstance(drafter, str):
+            if drafter != "ngram":
+                raise ValueError(f"drafter must be None, 'ngram', an NGramDrafter or an EagleDrafter, got {drafter!r}")
+            self.drafter_kind, self.drafter, self._ngram_n = "ngram", None, (1, 4)
+        elif isinstance(drafter, NGramDrafter):
+            self.drafter_kind, self.drafter, self._ngram_n = "ngram", None, (drafter.min_n, drafter.max_n)
+        elif isinstance(drafter, EagleDrafter):
+            self.drafter_kind, self.drafter = "eagle", drafter
+        else:
+            raise TypeError(f"drafter must be None, 'ngram', an NGramDrafter or an EagleDrafter, got {type(drafter).__name__}")
+        if selector is None:
+            selector = Strategy.off()
+        if isinstance(selector, Strategy):
+            self.selector, self.static = None, selector
+            strategies = [selector]
+        else:
+            self.selector, self.static = selector, None
+            strategies = list(selector.strategies)
+        if self.drafter_kind == "none" and any(not s.is_off for s in strategies):
+            raise ValueError(f"strategies {[str(s) for s in strategies if not s.is_off]} need a drafter; pass drafter='ngram' or an EagleDrafter")
+        self.strategies = strategies
+        self.widths = sorted({1} | {tree_width(s, self.drafter_kind) for s in strategies})
+        self.max_width = self.widths[-1]
+        self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
+        self.backend = backend
+        self.progress = progress
+        self.spot_trainer, self.rollout_buffer = spot_trainer, rollout_buffer
+        self.spot_batch_fraction = spot_batch_fraction
+        self.rollout_step = 0
+
+        # Every request row covers prompt + generated + the widest tree (tree nodes sit past the context).
+        self.slots_per_request = max_seq_len + self.max_width + 1
+        blocks = -(-self.slots_per_request // block_size)
+        # +1 row: a sink request that padded graph rows write into, so they never touch a live request.
+        self.cache = PagedKVCache(target.config, (max_batch_size + 1) * blocks, block_size, device=self.device, dtype=target.dtype)
+        self.sink_table, _ = self.cache.allocate(1, self.slots_per_request)
+        if self.drafter_kind == "eagle":
+            from ..drafter import DrafterKVCache
+
+            dd = next(self.drafter.parameters()).dtype
+            self.drafter_cache = DrafterKVCache(self.drafter.config, 1 + max_batch_size * blocks, block_size, device=self.device, dtype=dd)
+        self.graph_pool = graph_pool
+        self.graph_error: Optional[str] = None
+        self._captured = False
+
+    # -- CUDA graphs --------------------------------------------------------------------------------
+    def _verify_fn(self, tokens, parents, num_nodes, block_table, context_lens):
+        return self.target.forward_tree(tokens, parents, num_nodes, self.cache, block_table, context_lens,
+                                        validate=False, backend=self.backend)
+
+    def _pad_inputs(self, T: int, p: int, tokens=None, parents=None, num_nodes=None, table=None, ctx=None):
+        """Inputs of a batch of ``p`` rows: the given rows first, then sink rows (a 1-node tree at slot 0
+        of the sink request, whose K/V nobody reads)."""
+        b = 0 if tokens is None else tokens.shape[0]
+        dev = self.device
+        tk = torch.zeros(p, T, dtype=torch.int64, device=dev)
+        pa = torch.zeros(p, T, dtype=torch.int32, device=dev)
+        pa[:, 0] = -1
+        nn_ = torch.ones(p, dtype=torch.int32, device=dev)
+        tb = self.sink_table.expand(p, -1).clone()
+        cl = torch.zeros(p, dtype=torch.int32, device=dev)
+        if b:
+            tk[:b], pa[:b], nn_[:b], tb[:b], cl[:b] = tokens, parents, num_nodes, table, ctx
+        return tk, pa, nn_, tb, cl
+
+    def capture_graphs(self, batch_sizes: Optional[Sequence[int]] = None) -> dict:
+        """Capture the verify forward of every tree width for ``batch_sizes`` (default: powers of two up
+        to ``max_batch_size``, and ``max_batch_size``) into the graph pool.
+
+        Failures are not fatal: the engine falls back to eager verification and records why in
+        :attr:`graph_error`. Returns the pool's ``stats()`` (or ``{"error": ...}``).
+        """
+        if self.graph_pool is None:
+            raise ValueError("capture_graphs needs a graph_pool (SpeculativeEngine(..., graph_pool=GraphPool()))")
+        if batch_sizes is None:
+            batch_sizes = sorted({1 << i for i in range(int(math.log2(self.max_batch_size)) + 1)} | {self.max_batch_size})
+        sizes = [b for b in batch_sizes if 1 <= b <= self.max_batch_size]
+        try:
+            for T in self.widths:
+                name = ("verify", T)
+                if name not in getattr(self.graph_pool, "_entries", {}):
+                    self.graph_pool.add(name, self._verify_fn, sizes, lambda B, T=T: self._pad_inputs(T, B))
+            self.graph_pool.capture()
+            self._captured = True
+        except Exception as exc:  # pragma: no cover - depends on the device and backends
+            self.graph_error = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, verifying eagerly: %s", self.graph_error)
+            self._captured = False
+            return {"error": self.graph_error}
+        if self.selector is not None and self.selector.available is None:
+            self.selector.available = self.covers
+            self.selector.invalidate_available()
+        return self.graph_pool.stats()
+
+    def covers(self, strategy: Strategy, batch_size: int) -> bool:
+        """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""
+        if not self._captured:
+            return True
+        return self.graph_pool.covers(("verify", tree_width(strategy, self.drafter_kind)), batch_size)
+
+    def _verify_forward(self, tokens, parents, num_nodes, table, ctx):
+        b, T = tokens.shape
+        if self._captured:
+            p = self.graph_pool.padded_size(("verify", T), b)
+            if p is not None:
+                inputs = self._pad_inputs(T, p, tokens, parents, num_nodes, table, ctx)
+                logits, hidden = self.graph_pool.run(("verify", T), inputs, batch_size=p)
+                return logits[:b], hidden[:b], True
+        logits, hidden = self._verify_fn(tokens, parents, num_nodes, table, ctx)
+        return logits, hidden, False
+
+    # -- drafting -----------------------------------------------------------------------------------
+    def _draft(self, s: Strategy, act: torch.Tensor, roots: torch.Tensor, ngram, eagle_state):
+        b = act.shape[0]
+        dev = self.device
+        T = tree_width(s, self.drafter_kind)
+        if T == 1:
+            parents = torch.full((b, 1), -1, dtype=torch.int32, device=dev)
+            return roots[act].unsqueeze(1), parents, torch.ones(b, dtype=torch.int32, device=dev)
+        if self.drafter_kind == "ngram":
+            if s.topk <= 1:
+                tree = ngram.propose_chain_tree(T - 1)
+            else:
+                tree = ngram.propose_tree((T - 1) // s.topk, s.topk)
+            tokens, parents, n = tree.draft_tokens[act], tree.parents[act], tree.num_nodes[act]
+        else:
+            from ..drafter.eagle import EagleState
+
+            sub = EagleState(*(getattr(eagle_state, f)[act] for f in ("block_table", "context_lens", "last_hidden", "root_tokens")))
+            tree = self.drafter.draft(sub, self.drafter_cache, s.num_steps, s.topk, s.num_verify).tree
+            tokens, parents, n = tree.draft_tokens, tree.parents, tree.num_nodes
+        tokens = tokens.clone()
+        tokens[:, 0] = roots[act]
+        return tokens, parents.to(torch.int32), n.to(torch.int32)
+
+    # -- spot training ------------------------------------------------------------------------------
+    def _start_spot(self, stop: threading.Event, result: dict) -> threading.Thread:
+        trainer = self.spot_trainer
+
+        def body():
+            try:
+                if trainer.device.type == "cuda":
+                    side = torch.cuda.Stream(trainer.device)
+                    with torch.cuda.stream(side):
+                        st = trainer.run(stop=stop)
+                else:
+                    st = trainer.run(stop=stop)
+                result.update(micro_steps=st.micro_steps, optimizer_steps=st.optimizer_steps, tokens=st.tokens,
+                              seconds=st.elapsed_s, last_loss=st.last_loss, version=st.published_version)
+            except Exception as exc:  # pragma: no cover - reported, never kills the rollout
+                result["error"] = f"{type(exc).__name__}: {exc}"
+
+        th = threading.Thread(target=body, name="tlt-spot-trainer", daemon=True)
+        th.start()
+        return th
+
+    # -- generation ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
+                 eos_token_id: Optional[int] = None) -> GenerateOutput:
+        """Generate a rollout batch.
+
+        Args:
+            prompts: int64 ``[B, L]`` or a list of ``B`` 1-D token sequences (lengths >= 1).
+            max_new_tokens: int, or one int per request (requests leave the batch when done).
+            temperature: float or per-request list; 0 = greedy. top_k / top_p: None (off), a scalar or a
+                per-request list (see :func:`tlt_kernels.verify_tree`).
+            seed: int, list or int64 ``[B]``: per-request Philox seeds (outputs are reproducible per request).
+            eos_token_id: a request also stops after emitting it.
+        Returns:
+            :class:`GenerateOutput`.
+        """
+        from ..models.reference_decode import _as_padded
+
+        dev = self.device
+        tokens_in, lens = _as_padded(prompts, dev)
+        B, L = tokens_in.shape
+        if B > self.max_batch_size:
+            raise ValueError(f"{B} prompts exceed max_batch_size={self.max_batch_size}")
+        max_new = torch.as_tensor(max_new_tokens, dtype=torch.int64).flatten()
+        if max_new.numel() == 1:
+            max_new = max_new.expand(B).clone()
+        if max_new.numel() != B or bool((max_new < 1).any()):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
+        need = int((lens.cpu() + max_new).max())
+        if need > self.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens reaches {need} tokens, above max_seq_len={self.max_seq_len}")
+        max_new_dev = max_new.to(dev)
+
+        def per_req(name, v, dtype):
+            if v is None:
+                return None
+            t = torch.as_tensor(v, dtype=dtype).flatten()
+            if t.numel() == 1:
+                t = t.expand(B).clone()
+            if t.numel() != B:
+                raise ValueError(f"{name} must be a scalar or have one entry per request ({B}), got {t.numel()}")
+            return t.to(dev)
+
+        temp = per_req("temperature", temperature, torch.float32)
+        greedy = bool((temp == 0).all())
+        topk_t = per_req("top_k", top_k, torch.int32)
+        topp_t = per_req("top_p", top_p, torch.float32)
+        seeds = per_req("seed", seed, torch.int64)
+        offsets = torch.zeros(B, dtype=torch.int64, device=dev)
+
+        def sampling(idx):
+            pick = (lambda t: None if t is None else t[idx])
+            return dict(temperature=None if greedy else temp[idx], top_k=pick(topk_t), top_p=pick(topp_t),
+                        seed=seeds[idx], offset=offsets[idx])
+
+        table, _ = self.cache.allocate(B, self.slots_per_request)
+        ngram = eagle_state = None
+        t_start = time.perf_counter()
+        try:
+            # Prefill, then the first token from the prompt's last logits (offset 0, node 0).
+            ctx = torch.zeros(B, dtype=torch.int32, device=dev)
+            logits, hidden = self.target.prefill(tokens_in, lens.to(torch.int32), self.cache, table, ctx)
+            ctx = lens.to(torch.int32).clone()
+            all_idx = torch.arange(B, device=dev)
+            first = verify_tree(logits.unsqueeze(1), torch.zeros(B, 1, dtype=torch.int64, device=dev),
+                                torch.full((B, 1), -1, dtype=torch.int32, device=dev), **sampling(all_idx)).tokens[:, 0].to(torch.int64)
+            offsets += 1
+            roots = first.clone()
+            width = int(max_new.max()) + self.max_width + 1
+            out = torch.full((B, width), -1, dtype=torch.int64, device=dev)
+            out[:, 0] = first
+            n_gen = torch.ones(B, dtype=torch.int64, device=dev)
+            done = n_gen >= max_new_dev
+            if eos_token_id is not None:
+                done |= first == eos_token_id
+
+            if self.drafter_kind == "ngram":
+                from ..drafter import NGramDrafter
+
+                ngram = NGramDrafter(B, self.max_seq_len + self.max_width + 1, dev, *self._ngram_n)
+                ngram.reset(all_idx, tokens_in, lens)
+                ngram.append(first.unsqueeze(1), torch.ones(B, dtype=torch.int32, device=dev))
+            elif self.drafter_kind == "eagle":
+                eagle_state = self.drafter.new_state(self.drafter_cache, B, self.slots_per_request)
+                nxt = torch.zeros(B, L, dtype=torch.int64, device=dev)
+                nxt[:, :-1] = tokens_in[:, 1:]
+                nxt[all_idx, lens - 1] = first
+                dd = eagle_state.last_hidden.dtype
+                self.drafter.extend(eagle_state, self.drafter_cache, hidden.to(dd), nxt, lens.to(torch.int32))
+
+            capture = self.rollout_buffer is not None
+            if capture:
+                S = self.max_seq_len + self.max_width + 2  # last column: write sink for masked scatters
+                feats = torch.zeros(B, S, hidden.shape[-1], dtype=hidden.dtype, device=dev)
+                ftoks = torch.zeros(B, S, dtype=torch.int64, device=dev)
+                feats[:, :L] = hidden
+                ftoks[:, :L] = tokens_in
+            prefill_s = time.perf_counter() - t_start
+
+            finish_s = [0.0] * B
+            steps: List[StepLog] = []
+            deferred: List[int] = []
+            spot_stop, spot_result, spot_thread = threading.Event(), {}, None
+            done_host = done.cpu()
+            for b_ in done_host.nonzero().flatten().tolist():
+                finish_s[b_] = prefill_s
+            active = (~done_host).nonzero().flatten()
+            bar = _Progress(int(max_new.sum()), self.progress)
+            B0 = B
+            step = 0
+            while active.numel():
+                t0 = time.perf_counter()
+                b = active.numel()
+                act = active.to(dev)
+                s = self.static if self.selector is None else self.selector.select(b)
+                if self.drafter_kind == "eagle" and self.spot_trainer is not None:
+                    self.drafter.maybe_update(self.spot_trainer.holder)
+                tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_state)
+                T = tok.shape[1]
+                lg, hid, replayed = self._verify_forward(tok, par, nn_, table[act], ctx[act])
+                res = verify_tree(lg, tok, par, nn_, max_depth=T - 1, validate=False, **sampling(act))
+                nacc = res.num_accepted.to(torch.int64)
+                ctx_old = ctx[act]
+                ctx[act] = compact_kv(self.cache.k, self.cache.v, table[act], ctx_old, res.accepted_nodes, res.num_accepted,
+                                      validate=False)
+                offsets[act] += 1
+
+                # Emit up to each request's budget; cut after EOS.
+                emitted = res.tokens.to(torch.int64)
+                j = torch.arange(T, device=dev).unsqueeze(0)
+                n_emit = torch.minimum(nacc + 1, max_new_dev[act] - n_gen[act])
+                if eos_token_id is not None:
+                    is_eos = (emitted == eos_token_id) & (j < n_emit.unsqueeze(1))
+                    first_eos = torch.where(is_eos, j, torch.full_like(j, T)).min(1).values
+                    n_emit = torch.minimum(n_emit, first_eos + 1)
+                    hit_eos = first_eos < T
+                keep = j < n_emit.unsqueeze(1)
+                pos = torch.where(keep, n_gen[act].unsqueeze(1) + j, torch.full_like(j, width - 1))
+                rows = out[act]
+                rows.scatter_(1, pos, emitted.clamp(min=0))
+                rows[:, width - 1] = -1
+                out[act] = rows
+                n_gen[act] += n_emit
+                roots[act] = emitted.gather(1, nacc.unsqueeze(1)).squeeze(1)
+
+                full_new = torch.zeros(B, T, dtype=torch.int64, device=dev)
+                full_num = torch.zeros(B, dtype=torch.int32, device=dev)
+                full_new[act] = emitted.clamp(min=0)
+                full_num[act] = (nacc + 1).to(torch.int32)
+                if ngram is not None:
+                    ngram.append(full_new, full_num)
+                path = res.accepted_nodes.to(torch.int64).clamp(min=0)  # [b, T]
+                path_hidden = hid.gather(1, path.unsqueeze(2).expand(-1, -1, hid.shape[-1]))
+                if eagle_state is not None:
+                    from ..drafter.eagle import EagleState
+
+                    fields = ("block_table", "context_lens", "last_hidden", "root_tokens")
+                    sub = EagleState(*(getattr(eagle_state, f)[act] for f in fields))
+                    self.drafter.extend(sub, self.drafter_cache, path_hidden.to(sub.last_hidden.dtype), emitted.clamp(min=0),
+                                        (nacc + 1).to(torch.int32))
+                    for f in fields:
+                        getattr(eagle_state, f)[act] = getattr(sub, f)
+                if capture:
+                    # Committed positions ctx_old + j (j <= nacc) hold the path's features and tokens.
+                    ok = j <= nacc.unsqueeze(1)
+                    fpos = torch.where(ok, ctx_old.to(torch.int64).unsqueeze(1) + j, torch.full_like(j, S - 1))
+                    fr, tr = feats[act], ftoks[act]
+                    fr.scatter_(1, fpos.unsqueeze(2).expand(-1, -1, fr.shape[-1]), path_hidden.to(fr.dtype))
+                    tr.scatter_(1, fpos, tok.gather(1, path))
+                    feats[act], ftoks[act] = fr, tr
+
+                fin = n_gen[act] >= max_new_dev[act]
+                if eos_token_id is not None:
+                    fin |= hit_eos
+                fin_host = fin.cpu()
+                total = int(n_emit.sum())
+                dt = time.perf_counter() - t0
+                elapsed = time.perf_counter() - t_start
+                if self.selector is not None:
+                    acc_pos = None
+                    if s.num_steps > 0:
+                        acc_pos = (nacc.unsqueeze(1) >= torch.arange(1, s.num_steps + 1, device=dev)).sum(0)
+                    self.selector.update(s, b, int((nacc + 1).sum()), dt, acc_pos)
+                rec = StepLog(step, b, str(s), T, total, total / b, dt, elapsed, replayed)
+                steps.append(rec)
+                log.debug("step %d batch %d %s T=%d emitted %d acc %.2f %.0f tok/s", step, b, s, T, total, total / b, rec.tokens_per_s)
+                bar.update(int(n_gen.sum()), rec)
+                step += 1
+                if bool(fin_host.any()):
+                    finished = active[fin_host]
+                    for r in finished.tolist():
+                        finish_s[r] = elapsed
+                    if capture:
+                        if spot_thread is None:
+                            self._add_to_buffer(finished.tolist(), feats, ftoks, ctx)
+                        else:
+                            deferred += finished.tolist()
+                    active = active[~fin_host]
+                if (self.spot_trainer is not None and spot_thread is None and active.numel()
+                        and active.numel() < self.spot_batch_fraction * B0 and self.spot_trainer.buffer.num_tokens > 0):
+                    spot_thread = self._start_spot(spot_stop, spot_result)
+            if steps:
+                bar.update(int(n_gen.sum()), steps[-1], force=True)
+            if spot_thread is not None:
+                spot_stop.set()
+                spot_thread.join()
+            wall = time.perf_counter() - t_start
+            if capture and deferred:
+                self._add_to_buffer(deferred, feats, ftoks, ctx)
+            if self.drafter_kind == "eagle" and self.spot_trainer is not None:
+                self.drafter.maybe_update(self.spot_trainer.holder)
+        finally:
+            self.cache.free(table)
+            if eagle_state is not None:
+                self.drafter_cache.free(eagle_state.block_table)
+        self.rollout_step += 1
+        lengths = n_gen.cpu()
+        out_h = out.cpu()
+        return GenerateOutput([out_h[b, : int(lengths[b])].tolist() for b in range(B)], lengths, finish_s, steps, wall,
+                              prefill_s, spot_result or None)
+
+    def _add_to_buffer(self, reqs: List[int], feats, ftoks, ctx) -> None:
+        if not reqs:
+            return
+        idx = torch.tensor(reqs, device=feats.device)
+        n = ctx[idx].to(torch.int64)
+        m = int(n.max())
+        self.rollout_buffer.add(feats[idx, :m], ftoks[idx, :m], step=self.rollout_step, lengths=n.cpu())
