@@ -9,7 +9,7 @@
 #               GPU_CHECK_BENCH=0 skips).
 # Results land in $OUT (at most 6 files): install.log, nvidia-smi.log, pytest.log, flashinfer.log,
 # bench.tar.gz (every suite's .json/.md) and summary.md (phase table + every suite's table).
-# Knobs: GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
+# Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
 # pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small).
 set -uo pipefail
 
@@ -95,7 +95,7 @@ fi
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo
-  echo "$GPU; commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$([ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo ' (+ uncommitted changes)')"
+  echo "$GPU; commit ${TLT_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}$([ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && echo ' (+ uncommitted changes)')"
   echo
   echo "| phase | status | seconds | detail |"
   echo "|---|---|---|---|"

@@ -108,6 +108,9 @@ def time_cuda_events_ms(fn: Callable[[], Any], warmup: int = 10, reps: int = 50)
 
 
 def _git_commit() -> Optional[str]:
+    # The GPU machine gets a copy of the working tree without .git: the caller passes the commit.
+    if os.environ.get("TLT_GIT_COMMIT"):
+        return os.environ["TLT_GIT_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
