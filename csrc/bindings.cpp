@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "cuda_check.h"
@@ -71,7 +72,19 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
       py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),         \
       py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream")
 
-template <void (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t)>
+// Launcher statuses become Python exceptions here, in host-compiler code: std::invalid_argument ->
+// ValueError, tlt::CudaError (a std::runtime_error) -> RuntimeError. See tree_attention.cu for why
+// the launchers return a status instead of throwing.
+void raise_if_failed(const tlt::LaunchStatus& st) {
+  switch (st.code) {
+    case tlt::LaunchStatus::kOk: return;
+    case tlt::LaunchStatus::kInvalidArgument: throw std::invalid_argument(st.message);
+    case tlt::LaunchStatus::kCudaError: throw tlt::CudaError(st.message);
+  }
+  throw std::runtime_error("unknown launch status " + std::to_string(static_cast<int>(st.code)) + ": " + st.message);
+}
+
+template <tlt::LaunchStatus (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t) noexcept>
 void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,
                           uintptr_t context_lens, uintptr_t num_nodes, uintptr_t tree_mask, uintptr_t partial_out,
                           uintptr_t partial_lse, uintptr_t out, const py::tuple& q_strides, const py::tuple& k_strides,
@@ -83,7 +96,7 @@ void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uin
                   q_strides, k_strides, v_strides, out_strides, bt_stride_b, batch, num_tree, num_q_heads,
                   num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype);
   // Launches are asynchronous and cheap; keep the GIL (no Python work runs meanwhile anyway).
-  Launch(p, reinterpret_cast<cudaStream_t>(stream));
+  raise_if_failed(Launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 py::dict build_info() {

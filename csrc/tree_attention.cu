@@ -1,21 +1,56 @@
 // Launchers of the tree-attention kernels: argument checks, dtype / head-dim dispatch, launch on the
 // caller's stream, launch-error check. Torch-free.
+//
+// No C++ exception leaves this (nvcc-compiled) translation unit: every launcher returns a
+// LaunchStatus and the pybind11 layer (bindings.cpp, compiled by the host compiler) raises. On the
+// GPU machine (GCC 13.3, Python 3.12, pybind11 3.1, LTO link) an exception thrown here and caught
+// by pybind11's dispatcher crashed the process with SIGSEGV before any CUDA call; returning a
+// status sidesteps unwinding through nvcc-generated host frames altogether, and is the natural
+// C API for a torch-free library anyway.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <sstream>
+#include <string>
 
-#include "cuda_check.h"
 #include "tree_attention.cuh"
 #include "tree_attention.h"
+
+// Status-returning counterparts of cuda_check.h's throwing macros (same messages).
+#define TLT_CHECK_ARG(cond, msg)                                                           \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      std::ostringstream tlt_msg_;                                                         \
+      tlt_msg_ << msg << " (at " << __FILE__ << ":" << __LINE__ << ")";                    \
+      return ::tlt::LaunchStatus{::tlt::LaunchStatus::kInvalidArgument, tlt_msg_.str()};  \
+    }                                                                                      \
+  } while (0)
+#define TLT_CUDA_CHECK(expr)                                                                               \
+  do {                                                                                                     \
+    const cudaError_t tlt_err_ = (expr);                                                                   \
+    if (tlt_err_ != cudaSuccess) {                                                                         \
+      std::ostringstream tlt_msg_;                                                                         \
+      tlt_msg_ << "CUDA error " << cudaGetErrorName(tlt_err_) << " (" << static_cast<int>(tlt_err_)       \
+               << "): " << cudaGetErrorString(tlt_err_) << "\n  in " #expr "\n  at " << __FILE__ << ":"   \
+               << __LINE__;                                                                                \
+      return ::tlt::LaunchStatus{::tlt::LaunchStatus::kCudaError, tlt_msg_.str()};                        \
+    }                                                                                                      \
+  } while (0)
+#define TLT_CHECK_LAUNCH() TLT_CUDA_CHECK(cudaGetLastError())
+#define TLT_RETURN_IF_FAILED(expr)             \
+  do {                                         \
+    ::tlt::LaunchStatus tlt_st_ = (expr);      \
+    if (!tlt_st_.ok()) return tlt_st_;         \
+  } while (0)
 
 namespace tlt {
 namespace {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-void check_common(const TreeAttentionParams& p) {
+LaunchStatus check_common(const TreeAttentionParams& p) {
   TLT_CHECK_ARG(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
                 "head_dim must be 64, 128 or 256 for the CUDA backend, got " << p.head_dim);
   TLT_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
@@ -28,10 +63,11 @@ void check_common(const TreeAttentionParams& p) {
   TLT_CHECK_ARG(p.num_q_heads > 0 && p.partial_lse != nullptr && p.partial_out != nullptr && p.num_nodes != nullptr,
                 "partial_out, partial_lse and num_nodes must be device pointers");
   TLT_CHECK_ARG(reinterpret_cast<uintptr_t>(p.partial_out) % 8 == 0, "partial_out must be 8-byte aligned");
+  return {};
 }
 
 template <typename T, int D>
-void launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
+LaunchStatus launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
   using Cfg = tree_attn::TileConfig<D>;
   auto kernel = tree_attn::tree_attention_partial_kernel<T, D>;
   const int smem = static_cast<int>(Cfg::kSmemBytes);
@@ -43,19 +79,21 @@ void launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.num_splits + 1) * chunks), p.batch, p.num_kv_heads);
   kernel<<<grid, tree_attn::kNumThreads, smem, stream>>>(p);
   TLT_CHECK_LAUNCH();
+  return {};
 }
 
 template <typename T, int D>
-void launch_merge(const TreeAttentionParams& p, cudaStream_t stream) {
+LaunchStatus launch_merge(const TreeAttentionParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.num_tree * p.num_q_heads;
   const int64_t blocks = (rows + tree_attn::kNumWarps - 1) / tree_attn::kNumWarps;
   TLT_CHECK_ARG(blocks <= 0x7fffffff, "too many output rows for one launch: " << rows);
   tree_attn::tree_attention_merge_kernel<T, D><<<static_cast<unsigned>(blocks), tree_attn::kNumThreads, 0, stream>>>(p);
   TLT_CHECK_LAUNCH();
+  return {};
 }
 
 template <template <typename, int> class Launch>
-void dispatch(const TreeAttentionParams& p, cudaStream_t stream) {
+LaunchStatus dispatch(const TreeAttentionParams& p, cudaStream_t stream) {
 #define TLT_DISPATCH_D(T)                                 \
   switch (p.head_dim) {                                   \
     case 64: return Launch<T, 64>::run(p, stream);        \
@@ -73,17 +111,17 @@ void dispatch(const TreeAttentionParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 struct PartialLaunch {
-  static void run(const TreeAttentionParams& p, cudaStream_t s) { launch_partial<T, D>(p, s); }
+  static LaunchStatus run(const TreeAttentionParams& p, cudaStream_t s) { return launch_partial<T, D>(p, s); }
 };
 template <typename T, int D>
 struct MergeLaunch {
-  static void run(const TreeAttentionParams& p, cudaStream_t s) { launch_merge<T, D>(p, s); }
+  static LaunchStatus run(const TreeAttentionParams& p, cudaStream_t s) { return launch_merge<T, D>(p, s); }
 };
 
 }  // namespace
 
-void launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) {
-  check_common(p);
+LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
+  TLT_RETURN_IF_FAILED(check_common(p));
   TLT_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens && p.tree_mask,
                 "q, k_cache, v_cache, block_table, context_lens and tree_mask must be device pointers");
   TLT_CHECK_ARG(aligned16(p.q) && aligned16(p.k_cache) && aligned16(p.v_cache),
@@ -97,15 +135,15 @@ void launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t st
   TLT_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
   TLT_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32,
                 "mask_words must be ceil(num_tree / 32) = " << (p.num_tree + 31) / 32 << ", got " << p.mask_words);
-  if (p.batch == 0) return;
-  dispatch<PartialLaunch>(p, stream);
+  if (p.batch == 0) return {};
+  return dispatch<PartialLaunch>(p, stream);
 }
 
-void launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) {
-  check_common(p);
+LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
+  TLT_RETURN_IF_FAILED(check_common(p));
   TLT_CHECK_ARG(p.out != nullptr, "out must be a device pointer");
-  if (p.batch == 0) return;
-  dispatch<MergeLaunch>(p, stream);
+  if (p.batch == 0) return {};
+  return dispatch<MergeLaunch>(p, stream);
 }
 
 }  // namespace tlt

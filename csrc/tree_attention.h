@@ -4,8 +4,19 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 namespace tlt {
+
+// Result of a launcher: ok() or a code and a message naming the argument (expected vs got) or the
+// failing CUDA call. Launchers never throw; the caller decides how to report (the pybind11 layer
+// raises ValueError / RuntimeError).
+struct LaunchStatus {
+  enum Code : int { kOk = 0, kInvalidArgument = 1, kCudaError = 2 };
+  Code code = kOk;
+  std::string message;
+  bool ok() const { return code == kOk; }
+};
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 
@@ -53,9 +64,9 @@ struct TreeAttentionParams {
 };
 
 // Step 1: grid (S + 1, B, Hkv); writes partial_out / partial_lse for rows r < num_nodes[b] * G.
-void launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream);
+LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 // Step 2: combines the S + 1 partials of every (b, t, h) with log-sum-exp; writes out (zeros for
 // rows t >= num_nodes[b]).
-void launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream);
+LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

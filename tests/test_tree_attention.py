@@ -253,9 +253,14 @@ def test_default_split_len():
     # A small batch gets >= one program per SM, in whole 64-token tiles of >= 256 tokens.
     s = default_split_len(1, 4, 32768, num_rows=1 * 7)
     assert s % 64 == 0 and s >= 256 and 4 * -(-32768 // s) >= 132
-    # Row chunks count as programs: 448 rows = 4 chunks of 128, so fewer splits are needed.
+    # Row chunks count as programs: 448 rows = 7 chunks of 64, so fewer splits are needed.
     s64 = default_split_len(1, 4, 32768, num_rows=64 * 7)
-    assert 16 * -(-32768 // s64) >= 132 and s64 > s
+    assert 28 * -(-32768 // s64) >= 132 and s64 > s
+    # Chunked rows (T * G > 128) cap a split at 4096 tokens even when the batch fills the GPU...
+    assert default_split_len(32, 4, 8192, num_rows=64 * 7) == 4096
+    assert default_split_len(8, 4, 32768, num_rows=32 * 7) <= 4096
+    # ...while a single row tile keeps long splits (extra splits only add partial traffic).
+    assert default_split_len(64, 4, 16384, num_rows=16 * 7) >= 16384
     assert default_split_len(1, 1, 100) == 128  # never more splits than 256-token chunks
     assert default_split_len(2, 2, 0) == 64
 

@@ -67,14 +67,16 @@ def make_case(B, T, Hkv, G, D, block_size, ctx_lens, dtype, seed, *, ragged_node
         last = int(ctx[b]) + T
         if last % block_size:
             kv[:, int(table[b, last // block_size]), last % block_size :] = float("nan")
+    dev = torch.device("cuda")
+    # Slice on the device: .to() of a strided (non-dense) view would hand back a contiguous copy.
+    kv = kv.to(dev)
     if combined_kv:  # vLLM-style [num_blocks, block_size, 2*Hkv, D] storage: strided K and V views
         k_cache, v_cache = kv[0][:, :, :Hkv], kv[1][:, :, Hkv:]
     else:
         k_cache, v_cache = kv[0], kv[1]
     q = torch.randn(B, T, Hkv * G, D, generator=g).to(dtype)
-    dev = torch.device("cuda")
     return dict(
-        q=q.to(dev), k_cache=k_cache.to(dev), v_cache=v_cache.to(dev), block_table=table.to(dev),
+        q=q.to(dev), k_cache=k_cache, v_cache=v_cache, block_table=table.to(dev),
         context_lens=ctx.to(dev), parents=parents.to(dev), num_nodes=n.to(dev),
     )
 

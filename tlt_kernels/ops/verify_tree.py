@@ -17,6 +17,7 @@ _BACKENDS = register_op(
     "verify_tree",
     {
         "torch": "tlt_kernels.reference.verify_tree:verify_tree_reference",
+        "triton": "tlt_kernels._triton.verify_tree:verify_tree_triton",
     },
     preference=("triton", "torch"),
 )

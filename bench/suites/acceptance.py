@@ -1,0 +1,115 @@
+"""Suite "acceptance": lossless verification of draft chains and trees (``verify_tree``).
+
+Cases: B in {1, 16, 64, 256}, V in {32000, 152064}, chains of 3/7/15 drafts and binary trees of
+16/32/64 nodes, temperature 0.7 with and without top-p 0.9, draft probabilities given. Target rows
+are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logits / 0.7 + 0.8 * noise)``
+of their parent's row, which accepts roughly 60-80% of tried drafts (the achieved rate is reported per
+case as ``accept_rate`` = accepted / tried children, and ``mean_accepted`` drafts per request).
+
+Impls: ``tlt-triton`` (the fused kernel), ``torch-composed`` (softmax + top-p + rejection in torch:
+the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a softmax of every row
+(chains only) when FlashInfer is importable.
+
+``bytes_moved`` = the rows the walk actually visits: ``(num_accepted + 1)`` logits rows per request
+plus one draft-probability row per node whose children were tried. The fused kernel re-reads a
+visited row once per pass (max, radix-select levels, normalizer, sample) and writes a scratch row on
+rejections; those re-reads mostly hit L2 and are not counted, so the HBM percentage is a ratio to the
+ideal one-read floor.
+"""
+from __future__ import annotations
+
+import torch
+
+from tlt_kernels import BackendUnavailableError, verify_tree
+
+SUITE = "acceptance"
+
+TEMPERATURE = 0.7
+NOISE = 0.8
+
+
+def _parents(kind: str, n: int, B: int, device) -> torch.Tensor:
+    if kind == "chain":
+        row = torch.arange(-1, n - 1)
+    else:  # binary heap: node i's parent is (i - 1) // 2
+        row = torch.div(torch.arange(n) - 1, 2, rounding_mode="floor")
+        row[0] = -1
+    return row.to(torch.int32).to(device).expand(B, n).contiguous()
+
+
+def _case(B, T, V, parents, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g, device=device) * 3
+    q = torch.softmax(logits / TEMPERATURE + NOISE * torch.randn(B, T, V, generator=g, device=device), -1)
+    tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
+    par = parents.long()
+    for i in range(1, T):  # children of a node are i.i.d. draws from the parent's q row
+        rows = q[torch.arange(B, device=device), par[:, i]]
+        tokens[:, i] = torch.multinomial(rows, 1, generator=g).squeeze(1)
+    return logits.to(dtype), tokens, q
+
+
+def _bytes(res, V, logit_bytes, q_bytes):
+    rows = (res.num_accepted.long() + 1).sum().item()
+    q_rows = (res.stats[:, :, 0] > 0).sum().item()
+    return int(rows * V * logit_bytes + q_rows * V * q_bytes)
+
+
+def _flashinfer_chain(fi, logits, tokens, q, top_p):
+    """FlashInfer chain verification: softmax every row, then chain_speculative_sampling."""
+    probs = torch.softmax(logits.float() / TEMPERATURE, -1)
+    if top_p is not None:
+        probs = fi.sampling.top_p_renorm_probs(probs.view(-1, probs.shape[-1]), top_p).view_as(probs)
+    return fi.sampling.chain_speculative_sampling(q[:, :-1].contiguous(), tokens[:, 1:].to(torch.int32).contiguous(), probs)
+
+
+def run(ctx) -> None:
+    dev, dtype = ctx.device, ctx.dtype
+    if ctx.small:
+        Bs, Vs, shapes = [2], [257], [("chain", 4), ("tree", 8)]
+    else:
+        Bs, Vs = [1, 16, 64, 256], [32000, 152064]
+        shapes = [("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64)]
+    fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
+    triton_ok = True
+    for V in Vs:
+        for kind, T in shapes:
+            for B in Bs:
+                parents = _parents(kind, T, B, dev)
+                logits, tokens, q = _case(B, T, V, parents, dtype, dev)
+                seeds = torch.arange(B, dtype=torch.int64, device=dev)
+                for top_p in (None, 0.9):
+                    case = {"shape": f"{kind}{T}", "B": B, "V": V, "top_p": top_p or 1.0}
+                    kw = dict(draft_probs=q, temperature=TEMPERATURE, top_p=top_p, seed=seeds, validate=False)
+                    ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
+                    tried = ref.stats[:, :, 0].sum().item()
+                    extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
+                                 mean_accepted=round(ref.num_accepted.float().mean().item(), 3))
+                    nbytes = _bytes(ref, V, logits.element_size(), q.element_size())
+                    heavy = B * T * V > 64 * 16 * 152064 and not ctx.small
+                    if not heavy:
+                        ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
+                        ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
+                    if triton_ok:
+                        try:
+                            got = verify_tree(logits, tokens, parents, return_stats=True, backend="triton", **kw)
+                        except BackendUnavailableError as exc:
+                            ctx.note(f"tlt-triton skipped: {exc}")
+                            triton_ok = False
+                        else:
+                            same = (got.tokens == ref.tokens).all(1).float().mean().item()
+                            ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="triton", **kw))
+                            ctx.add(case, "tlt-triton", ms, bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+                    if fi is not None and kind == "chain":
+                        try:
+                            _flashinfer_chain(fi, logits, tokens, q, top_p)
+                            ms = ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
+                        except Exception as exc:  # API differences between FlashInfer versions
+                            ctx.note(f"flashinfer chain_speculative_sampling failed on {case}: {type(exc).__name__}: {exc}")
+                            fi = None
+                        else:
+                            # FlashInfer reads every row of the chain (it does not skip rejected ones).
+                            full = B * T * V * logits.element_size() + B * (T - 1) * V * q.element_size()
+                            ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
+                    if heavy:
+                        ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")

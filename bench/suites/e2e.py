@@ -1,0 +1,198 @@
+"""Suite "e2e": a long-tailed rollout, plain decoding vs the best static strategy vs the adaptive engine.
+
+1. A byte-level target is trained here on the stdlib corpus (no downloads) so acceptance is real.
+2. A "previous RL step": a plain rollout fills a RolloutBuffer and the EAGLE drafter is spot-trained
+   on it for a fixed budget (the warm drafter every run below starts from).
+3. The rollout: ``B`` prompts with log-normal response lengths (most short, a few ~10x longer, like
+   reasoning RL rollouts), greedy, run by
+   * ``plain``: plain decoding, the verify forward replayed from CUDA graphs (GPU);
+   * ``static-<s>``: each static speculative strategy with the EAGLE drafter (same graphs);
+   * ``adaptive``: the StrategySelector (cost policy) over the same arms plus spot training in the tail.
+   Every run's tokens must equal the plain run's (greedy identity); the row records whether they do.
+
+Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with batch < B/4), mean
+accepted length, speedups vs plain (whole rollout and tail) and vs the best static strategy.
+Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
+``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
+``TLT_E2E_TRAIN_STEPS`` override the GPU defaults.
+Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+SUITE = "e2e"
+
+
+def _sizes(small: bool) -> dict:
+    if small:
+        return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
+                    warm_budget_s=3.0, train_window=(8, 32), arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
+    return dict(cfg="medium", train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
+                B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896, warm_budget_s=40.0,
+                train_window=(16, 128), arms=((2, 1, 3), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24)))
+
+
+def _lengths(B: int, median: int, max_len: int, gen: torch.Generator) -> list:
+    """Log-normal response lengths (sigma 1: the longest few are ~10x the median), clamped."""
+    z = torch.randn(B, generator=gen)
+    return [int(min(max_len, max(2, round(median * math.exp(float(v)))))) for v in z]
+
+
+def _tail_seconds(out, B0: int) -> float:
+    return sum(s.seconds for s in out.steps if s.batch_size < B0 / 4)
+
+
+def _ascii_curve(outs: dict, width: int = 60) -> str:
+    """Tokens/s over normalized time, one row per run (8 levels), so the tail is visible in text."""
+    levels = " .:-=+*#"
+    peak = max(max((s.tokens_per_s for s in o.steps), default=1.0) for o in outs.values())
+    lines = [f"tokens/s over time (each row spans its own wall time; peak {peak:,.0f} tok/s = '#')"]
+    for name, o in outs.items():
+        cells = [0.0] * width
+        for s in o.steps:
+            i = min(width - 1, int(width * s.elapsed_s / max(o.wall_s, 1e-9)))
+            cells[i] = max(cells[i], s.tokens_per_s)
+        lines.append(f"{name:>18} |" + "".join(levels[min(7, int(8 * c / peak))] for c in cells) + f"| {o.wall_s:.2f}s")
+    return "\n".join(lines)
+
+
+def _plot(outs: dict, path: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:  # optional
+        return f"plot skipped ({exc})"
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, o in outs.items():
+        ax.plot([s.elapsed_s for s in o.steps], [s.tokens_per_s for s in o.steps], label=name, lw=1)
+    ax.set_xlabel("seconds since rollout start")
+    ax.set_ylabel("tokens/s (per step)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot written to {path}"
+
+
+def run(ctx) -> None:
+    from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.models import ModelConfig, load_corpus, train_tiny_target
+    from tlt_kernels.models.train_tiny import sample_windows
+    from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
+
+    z = _sizes(ctx.small)
+    dev = ctx.device
+    cuda = dev.type == "cuda"
+    gen = torch.Generator().manual_seed(0)
+
+    # 1. target
+    t0 = time.perf_counter()
+    if z["cfg"] == "tiny":
+        cfg = ModelConfig.tiny()
+    else:
+        cfg = ModelConfig.small(hidden_size=512, intermediate_size=1536, num_layers=6, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
+    if cuda:
+        target = target.to(ctx.dtype)
+    ctx.note(f"target {z['cfg']} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
+             f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s")
+
+    corpus = load_corpus("base")
+    B = z["B"]
+    prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
+    lens = _lengths(B, z["median"], z["max_len"], gen)
+    max_seq = z["prompt_len"] + max(lens)
+    arms = [Strategy(*a) for a in z["arms"]]
+    ctx.note(f"rollout: B={B}, prompt {z['prompt_len']} tokens, response lengths median {sorted(lens)[B // 2]}, "
+             f"max {max(lens)}, total {sum(lens)} tokens (log-normal, sigma 1)")
+
+    def make_pool():
+        return GraphPool() if cuda else None
+
+    graph_sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, B} & set(range(1, B + 1)))
+
+    def engine(drafter, sel, **kw):
+        eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, **kw)
+        if cuda:
+            st = eng.capture_graphs(graph_sizes)
+            if eng.graph_error:
+                ctx.note(f"graph capture failed ({eng.graph_error}); that run verified eagerly")
+            else:
+                ctx.note(f"graphs for {sel}: {st['graphs']} captured in {st['capture_seconds']:.1f}s")
+        # Warm-up (lazy imports, kernel compilation, allocator) so the timed rollout is steady state.
+        buf_, eng.rollout_buffer = eng.rollout_buffer, None
+        eng.generate(prompts[:2], 4)
+        eng.rollout_buffer = buf_
+        return eng
+
+    # 2. warm drafter: spot-trained on a previous rollout (a "previous RL step")
+    buf = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.float32 if not cuda else torch.bfloat16)
+    prev_prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
+    plain_eng = engine(None, Strategy.off(), rollout_buffer=buf)
+    plain_eng.generate(prev_prompts, lens)
+    train_drafter = EagleDrafter.for_target(target)
+    trainer = SpotTrainer(train_drafter, buf, lr=1e-3, warmup_steps=20, batch_size=z["train_window"][0],
+                          seq_len=z["train_window"][1], autocast_dtype=torch.bfloat16 if cuda else None)
+    st = trainer.run(time_budget_s=z["warm_budget_s"])
+    ctx.note(f"drafter warm-up: {st.optimizer_steps} steps in {st.elapsed_s:.1f}s, loss {st.last_loss}")
+
+    def drafter_copy():
+        d = EagleDrafter.for_target(target)
+        d.load_state_dict(train_drafter.state_dict())
+        return d
+
+    # 3. the rollout, every configuration on the same prompts
+    plain_eng.rollout_buffer = None
+    outs = {"plain": plain_eng.generate(prompts, lens)}
+    ref = outs["plain"].tokens
+    for s in arms:
+        outs[f"static-{s}"] = engine(drafter_copy(), s).generate(prompts, lens)
+    sel = StrategySelector(arms, seed=0)
+    adaptive = engine(drafter_copy(), sel, spot_trainer=trainer, rollout_buffer=buf)
+    outs["adaptive"] = adaptive.generate(prompts, lens)
+
+    plain = outs["plain"]
+    statics = {k: v for k, v in outs.items() if k.startswith("static-")}
+    best_name = min(statics, key=lambda k: statics[k].wall_s)
+    best = statics[best_name]
+    tail_plain = _tail_seconds(plain, B)
+    case = {"B": B, "tokens": sum(lens), "max_len": max(lens)}
+    for name, o in outs.items():
+        tail = _tail_seconds(o, B)
+        extra = dict(
+            tokens_per_s=round(o.tokens_per_s, 1), tail_s=round(tail, 4), accepted_length=round(o.mean_accepted_length(), 3),
+            steps=len(o.steps), greedy_identical=o.tokens == ref,
+            speedup_vs_plain=round(plain.wall_s / o.wall_s, 3),
+            tail_speedup_vs_plain=round(tail_plain / tail, 3) if tail > 0 else None,
+            graph_steps=sum(s.graph for s in o.steps),
+        )
+        if name == "adaptive":
+            extra["speedup_vs_best_static"] = round(best.wall_s / o.wall_s, 3)
+            extra["best_static"] = best_name
+            if o.spot:
+                extra["spot_steps"] = o.spot.get("optimizer_steps")
+        ctx.add(case, name, o.wall_s * 1e3, **extra)
+
+    a = outs["adaptive"]
+    ctx.note(
+        f"adaptive vs plain: {plain.wall_s / a.wall_s:.2f}x rollout (target 2x), "
+        f"{tail_plain / max(_tail_seconds(a, B), 1e-9):.2f}x tail (target 2.5x); vs best static ({best_name}): "
+        f"{best.wall_s / a.wall_s:.2f}x (target 1.1x); greedy identical: {all(o.tokens == ref for o in outs.values())}"
+    )
+    by_batch = a.strategies_by_batch()
+    lines = ["adaptive: strategies chosen per batch size (steps)"]
+    for bsz in sorted(by_batch, reverse=True):
+        lines.append(f"  B={bsz:>4}: " + ", ".join(f"{k} x{v}" for k, v in sorted(by_batch[bsz].items(), key=lambda kv: -kv[1])))
+    ctx.note("\n".join(lines))
+    ctx.note(_ascii_curve(outs))
+    path = os.environ.get("TLT_E2E_PLOT")
+    if path:
+        ctx.note(_plot(outs, path))

@@ -1,0 +1,247 @@
+"""Fused Triton verify_tree: bit-exact Philox, same tokens as the reference, error flags, distribution.
+
+On the CPU these run in the Triton interpreter (slow per op), so batches are tiny there; the GPU
+runs the full-size Monte Carlo.
+"""
+import numpy as np
+import pytest
+import torch
+
+from conftest import HAS_CUDA, kernel_devices, poison_
+from test_verify_tree import ALPHA, MC_B, biased, chi2_pvalue, monte_carlo_first_two
+from tlt_kernels import rng, verify_tree
+
+pytestmark = pytest.mark.triton
+DEV = kernel_devices()[0]
+
+
+def _tri():
+    from tlt_kernels._triton import verify_tree as tv
+
+    return tv
+
+
+def test_philox_bit_exact():
+    seeds = torch.tensor([0, 1, -1, 2**32 + 7, 2**40 + 3, -(2**63), 2**63 - 1, 12345678901, -987654321], dtype=torch.int64)
+    offsets = torch.tensor([0, 5, 2**32, 2**33 + 1, -1, 7, 2**62, 3, 1], dtype=torch.int64)
+    nodes = torch.tensor([0, 1, 2, 63, 64, 1000, 2**20, 5, 2**31 - 1], dtype=torch.int32)
+    for purpose in (rng.PURPOSE_ACCEPT, rng.PURPOSE_SAMPLE):
+        got = _tri().philox_uniform(seeds.to(DEV), offsets.to(DEV), nodes.to(DEV), purpose).cpu()
+        want = rng.uniform(seeds, offsets, nodes.to(torch.int64), purpose)
+        assert torch.equal(got, want)
+        assert ((got > 0) & (got < 1)).all()
+
+
+def _inputs(B, T, V, parents, seed, use_q, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    lg = torch.randn(B, T, V, generator=g) * 2
+    toks = torch.randint(0, V, (B, T), generator=g)
+    # Make acceptances likely: the first child of the root usually proposes the argmax.
+    if T > 1:
+        toks[:, 1] = torch.where(torch.rand(B, generator=g) < 0.7, lg[:, 0].argmax(-1), toks[:, 1])
+    par = torch.tensor(parents, dtype=torch.int32).expand(B, T).contiguous()
+    q = torch.softmax(lg + 0.7 * torch.randn(B, T, V, generator=g), -1) if use_q else None
+    return lg.to(dtype), toks, par, q
+
+
+TREE = [-1, 0, 0, 1, 1, 2, 3]
+CHAIN = [-1, 0, 1, 2, 3]
+CONFIGS = {
+    "greedy-tree": (TREE, False, dict()),
+    "temp-tree": (TREE, False, dict(temperature=0.9)),
+    "topk-tree": (TREE, False, dict(temperature=0.7, top_k=3)),
+    "topp-chain": (CHAIN, False, dict(temperature=1.1, top_p=0.8)),
+    "topk-topp-q-tree": (TREE, True, dict(temperature=0.8, top_k=6, top_p=0.9)),
+    "q-chain": (CHAIN, True, dict(temperature=1.0)),
+    "mixed-q-tree": (TREE, True, dict(temperature=[0.0, 0.7, None, 1.3], top_k=[0, 2, 5, None], top_p=[1.0, 0.95, 0.5, 0.7])),
+}
+
+
+def _compare(a, b):
+    for name, x, y in zip(("tokens", "num_accepted", "accepted_nodes", "error", "stats"), a, b):
+        if x is None:
+            assert y is None
+            continue
+        assert torch.equal(x.cpu(), y.cpu()), f"{name} differs:\nreference {x}\ntriton    {y}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("V", [37, 5])
+def test_same_tokens_as_reference(name, V):
+    parents, use_q, kw = CONFIGS[name]
+    B, T = 4, len(parents)
+    lg, toks, par, q = _inputs(B, T, V, parents, seed=V, use_q=use_q)
+    args = dict(draft_probs=q, seed=torch.arange(B) * 31 + 7, offset=11, return_stats=True, **kw)
+    ref = verify_tree(lg, toks, par, backend="torch", **args)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = verify_tree(dev(lg), dev(toks), dev(par), backend="triton", **{**args, "draft_probs": dev(q), "seed": dev(args["seed"])})
+    _compare(ref, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_and_multi_tile(dtype):
+    # block_size 16 over V = 45 exercises several tiles and a ragged last tile.
+    B, V = 3, 45
+    lg, toks, par, q = _inputs(B, len(TREE), V, TREE, seed=3, use_q=True, dtype=dtype)
+    kw = dict(temperature=0.8, top_k=9, top_p=0.85)
+    ref = verify_tree(lg, toks, par, draft_probs=q.to(dtype), seed=torch.arange(B), return_stats=True, backend="torch", **kw)
+    tv = _tri()
+    n = torch.full((B,), len(TREE), dtype=torch.int32)
+    temp, k, p = torch.full((B,), 0.8), torch.full((B,), 9, dtype=torch.int32), torch.full((B,), 0.85)
+    out = tv._launch(*(t.to(DEV) for t in (lg, toks, par, n, q.to(dtype), temp, k, p, torch.arange(B), torch.zeros(B, dtype=torch.int64))),
+                     max_depth=len(TREE) - 1, return_stats=True, block_size=16)
+    _compare(ref, out)
+
+
+def test_poisoned_outputs_fully_written_and_padding():
+    B, T, V = 4, len(TREE), 11
+    lg, toks, par, q = _inputs(B, T, V, TREE, seed=9, use_q=True)
+    n = torch.tensor([1, 3, 5, 7], dtype=torch.int32)
+    for b in range(B):
+        lg[b, n[b]:] = float("nan")  # padding is never read
+        toks[b, n[b]:] = -7
+    max_depth = 4
+    out = tuple(poison_(torch.empty(shape, dtype=torch.int32, device=DEV)) for shape in ((B, max_depth + 1), (B,), (B, max_depth + 1), (B,), (B, max_depth, 2)))
+    seeds = torch.arange(B)
+    tv = _tri()
+    args = (lg, toks, par, n, q, torch.full((B,), 1.0), None, None, seeds, torch.zeros(B, dtype=torch.int64))
+    tv._launch(*(None if t is None else t.to(DEV) for t in args), max_depth=max_depth, return_stats=True, out=out)
+    for t in out:
+        assert not (t == -12345).any()
+    ref = verify_tree(lg, toks, par, num_nodes=n, draft_probs=q, temperature=1.0, seed=seeds, max_depth=max_depth, return_stats=True)
+    _compare(ref, out)
+
+
+def test_error_flags_are_per_request():
+    B, T, V = 5, len(CHAIN), 9
+    lg, toks, par, _ = _inputs(B, T, V, CHAIN, seed=4, use_q=False)
+    toks[:, 1] = lg[:, 0].argmax(-1)  # node 1 always accepted (greedy)
+    bad = lg.clone()
+    bad[0, 0, 3] = float("nan")  # root row NaN
+    bad[1, 1, 0] = float("inf")  # accepted row +inf
+    bad[2, 0] = float("-inf")  # root row all -inf
+    bad[3, 4] = float("nan")  # node 4: visited only if the walk gets there
+    toks_bad = toks.clone()
+    toks_bad[4, 2] = V + 3  # out-of-range token, reached after node 1 is accepted
+    kw = dict(seed=torch.arange(B), return_stats=True)
+    got = verify_tree(bad.to(DEV), toks_bad.to(DEV), par.to(DEV), backend="triton", validate=False, **{**kw, "seed": kw["seed"].to(DEV)})
+    err = got.error.cpu().tolist()
+    assert err[:3] == [1, 1, 1] and err[4] == 1
+    for b in (0, 1, 2, 4):
+        assert got.num_accepted[b] == 0
+        assert (got.tokens[b] == -1).all()
+        assert got.accepted_nodes[b].tolist() == [0] + [-1] * (T - 1)
+        assert (got.stats[b] == 0).all()
+    ref = verify_tree(lg[3:4], toks[3:4], par[3:4], seed=torch.tensor([3]), return_stats=True)
+    if ref.num_accepted[0] < 4:  # node 4's NaN row was not visited: request 3 is unaffected
+        assert err[3] == 0
+        _compare(ref, tuple(t[3:4] for t in got))
+    else:
+        assert err[3] == 1
+
+
+def test_root_only_and_zero_depth():
+    B, V = 3, 7
+    lg, toks, par, _ = _inputs(B, 1, V, [-1], seed=1, use_q=False)
+    for kw in (dict(), dict(temperature=0.8, top_p=0.9)):
+        ref = verify_tree(lg, toks, par, seed=torch.arange(B), **kw)
+        got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), seed=torch.arange(B).to(DEV), backend="triton", **kw)
+        _compare(ref, got)
+    lg, toks, par, _ = _inputs(B, len(TREE), V, TREE, seed=2, use_q=False)
+    kw = dict(temperature=1.0, seed=torch.arange(B), max_depth=0, validate=False)
+    ref = verify_tree(lg, toks, par, **kw)
+    got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), backend="triton", **{**kw, "seed": kw["seed"].to(DEV)})
+    _compare(ref, got)
+    assert got.tokens.shape == (B, 1) and (got.num_accepted == 0).all()
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tv = _tri()
+    with FakeTensorMode():
+        lg = torch.empty(4, 6, 100)
+        toks = torch.empty(4, 6, dtype=torch.int64)
+        par = torch.empty(4, 6, dtype=torch.int32)
+        n = torch.empty(4, dtype=torch.int32)
+        s = torch.empty(4, dtype=torch.int64)
+        out = tv._verify_tree_op(lg, toks, par, n, None, torch.empty(4), None, None, s, s, 3, True)
+        assert [tuple(t.shape) for t in out] == [(4, 4), (4,), (4, 4), (4,), (4, 3, 2)]
+        assert all(t.dtype == torch.int32 for t in out)
+
+
+def _triton_verify(*args, **kw):
+    dev = lambda t: t.to(DEV) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    res = verify_tree(*(dev(a) for a in args), backend="triton", **{k: dev(v) for k, v in kw.items()})
+    return type(res)(*(None if t is None else t.cpu() for t in res))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["chain-q-topk-topp", "tree-q-topk", "tree-cand-topk-topp", "tree-q-topp"])
+def test_triton_monte_carlo_matches_exact_gpu(case):
+    counts, exact, res = monte_carlo_first_two(_triton_verify, case, MC_B)
+    assert (res.error == 0).all()
+    assert chi2_pvalue(counts, exact) > ALPHA
+    bad_counts = np.random.default_rng(1).multinomial(MC_B, biased(exact).ravel())
+    assert chi2_pvalue(bad_counts, exact) < ALPHA
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the full-size version")
+def test_triton_monte_carlo_interpreter_small():
+    """A small chi-square under the interpreter (catches gross errors only; the GPU test has power)."""
+    counts, exact, res = monte_carlo_first_two(_triton_verify, "chain-q-t1", 128)
+    assert (res.error == 0).all()
+    assert chi2_pvalue(counts, exact) > ALPHA
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_torch_compile():
+    B, T, V = 64, len(TREE), 32000
+    lg, toks, par, q = (t.cuda() if t is not None else None for t in _inputs(B, T, V, TREE, seed=5, use_q=True))
+    seeds = torch.arange(B, device="cuda")
+    offset = torch.zeros(B, dtype=torch.int64, device="cuda")
+    kw = dict(draft_probs=q, temperature=0.8, top_p=0.9, offset=offset, backend="triton", return_stats=True)
+    eager = verify_tree(lg, toks, par, seed=seeds, **kw)
+    static_seed = seeds.clone()
+    verify_tree(lg, toks, par, seed=static_seed, validate=False, **kw)  # warm-up / compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = verify_tree(lg, toks, par, seed=static_seed, **kw)  # validation is skipped while capturing
+    static_seed.copy_(seeds + 1000)
+    graph.replay()
+    again = verify_tree(lg, toks, par, seed=seeds + 1000, **kw)
+    _compare(again, out)
+    compiled = torch.compile(lambda l, s: verify_tree(l, toks, par, seed=s, validate=False, **kw))
+    _compare(eager, compiled(lg, seeds))
+
+
+_COMPILE_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tlt_kernels._triton import verify_tree as m
+names = m._verify_tree_kernel.arg_names
+types = ["*bf16", "*fp32", "*i64", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*i64", "*i64", "*fp32"] + ["*i32"] * 5 + ["i32"] * 9
+consts = dict(HAS_Q=True, HAS_TEMP=True, HAS_TOP_K=True, HAS_TOP_P=True, STATS=True, NODE_BLOCK=64, DEPTH_BLOCK=64,
+              NUM_TILES=149, BLOCK_SIZE=1024)
+sig = dict(zip(names, types), **{k: "constexpr" for k in consts})
+src = ASTSource(m._verify_tree_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile the full-featured kernel for sm_90."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("ptxas") is None and not os.environ.get("TRITON_PTXAS_PATH"):
+        pytest.skip("ptxas not found")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
