@@ -287,6 +287,9 @@ def test_validation_errors(gen):
     other = PagedKVCache(ModelConfig.tiny(num_kv_heads=4), 8, 4)
     with pytest.raises(ValueError, match="num_kv_heads=2"):
         model.forward_tree(tokens, parents, None, other, table, lens)
+    half = PagedKVCache(model.config, cache.num_blocks, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cache is torch.bfloat16 on cpu but the model is torch.float32"):
+        model.forward_tree(tokens, parents, None, half, table, lens)
 
 
 # -- reference decoding --------------------------------------------------------------------------

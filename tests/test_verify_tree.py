@@ -211,14 +211,23 @@ def build_batch(M, parents, root, use_q, B, gen, dtype=torch.float32):
     return logits, toks, par, dprobs
 
 
-def chi2_pvalue(counts, probs):
-    """Chi-square p-value of counts against exact probabilities (zero-probability cells must be empty)."""
+def chi2_pvalue(counts, probs, min_expected=5.0):
+    """Chi-square p-value of counts against exact probabilities.
+
+    Zero-probability cells must be empty; cells expecting fewer than ``min_expected`` samples are
+    pooled into one (the chi-square approximation needs a handful of expected counts per cell).
+    """
     counts = np.asarray(counts, dtype=np.float64).ravel()
     probs = np.asarray(probs, dtype=np.float64).ravel()
     assert counts[probs < 1e-15].sum() == 0, "emitted an outcome of probability 0"
     keep = probs >= 1e-15
-    n = counts.sum()
-    return sstats.chisquare(counts[keep], probs[keep] / probs[keep].sum() * n).pvalue
+    counts, probs = counts[keep], probs[keep] / probs[keep].sum()
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    if small.any():
+        counts = np.append(counts[~small], counts[small].sum())
+        expected = np.append(expected[~small], expected[small].sum())
+    return sstats.chisquare(counts, expected).pvalue
 
 
 def biased(probs, tv=0.01):

@@ -191,7 +191,9 @@ def test_triton_monte_carlo_matches_exact_gpu(case):
 def test_triton_monte_carlo_interpreter_small():
     """A small chi-square under the interpreter (catches gross errors only; the GPU test has power)."""
     counts, exact, res = monte_carlo_first_two(_triton_verify, "chain-q-t1", 128)
+    ref_counts, _, ref = monte_carlo_first_two(verify_tree, "chain-q-t1", 128)
     assert (res.error == 0).all()
+    assert torch.equal(res.tokens, ref.tokens)
     assert chi2_pvalue(counts, exact) > ALPHA
 
 

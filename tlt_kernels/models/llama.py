@@ -207,8 +207,9 @@ class LlamaForCausalLM(nn.Module):
                 f"cache holds {cache.config.num_layers} layers of [.., .., {cache.k[0].shape[2]}, {cache.k[0].shape[3]}] "
                 f"but the model needs {c.num_layers} layers of [.., .., num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]"
             )
-        if cache.device != self.device:
-            raise ValueError(f"cache is on {cache.device} but the model is on {self.device}")
+        if cache.device != self.device or cache.dtype != self.dtype:
+            raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {self.dtype} on {self.device}; "
+                             "build the PagedKVCache with the model's device and dtype")
         cache.check_block_table(block_table, context_lens, batch)
 
     @torch.no_grad()
