@@ -2,27 +2,27 @@
 // caller's stream, launch-error check. Torch-free.
 //
 // No C++ exception leaves this (nvcc-compiled) translation unit: every launcher returns a
-// LaunchStatus and the pybind11 layer (bindings.cpp, compiled by the host compiler) raises. On the
-// GPU machine (GCC 13.3, Python 3.12, pybind11 3.1, LTO link) an exception thrown here and caught
-// by pybind11's dispatcher crashed the process with SIGSEGV before any CUDA call; returning a
-// status sidesteps unwinding through nvcc-generated host frames altogether, and is the natural
-// C API for a torch-free library anyway.
+// LaunchStatus and the pybind11 layer (bindings.cpp) raises, so the library is usable as a plain C++
+// API too. Messages are built with tlt::Message (cuda_check.h), never an iostream: see there.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <sstream>
 #include <string>
 
+#include "cuda_check.h"
 #include "tree_attention.cuh"
 #include "tree_attention.h"
 
 // Status-returning counterparts of cuda_check.h's throwing macros (same messages).
+#undef TLT_CHECK_ARG
+#undef TLT_CUDA_CHECK
+#undef TLT_CHECK_LAUNCH
 #define TLT_CHECK_ARG(cond, msg)                                                           \
   do {                                                                                     \
     if (!(cond)) {                                                                         \
-      std::ostringstream tlt_msg_;                                                         \
+      ::tlt::Message tlt_msg_;                                                             \
       tlt_msg_ << msg << " (at " << __FILE__ << ":" << __LINE__ << ")";                    \
       return ::tlt::LaunchStatus{::tlt::LaunchStatus::kInvalidArgument, tlt_msg_.str()};  \
     }                                                                                      \
@@ -31,7 +31,7 @@
   do {                                                                                                     \
     const cudaError_t tlt_err_ = (expr);                                                                   \
     if (tlt_err_ != cudaSuccess) {                                                                         \
-      std::ostringstream tlt_msg_;                                                                         \
+      ::tlt::Message tlt_msg_;                                                                             \
       tlt_msg_ << "CUDA error " << cudaGetErrorName(tlt_err_) << " (" << static_cast<int>(tlt_err_)       \
                << "): " << cudaGetErrorString(tlt_err_) << "\n  in " #expr "\n  at " << __FILE__ << ":"   \
                << __LINE__;                                                                                \

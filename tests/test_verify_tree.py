@@ -8,7 +8,6 @@ implementation itself on >= 100k requests and chi-square the first two emitted t
 brute force. Helpers here are reused by ``test_verify_tree_triton.py``.
 """
 import itertools
-import math
 from collections import defaultdict
 
 import numpy as np
@@ -18,7 +17,6 @@ from scipy import stats as sstats
 
 import tlt_kernels
 from tlt_kernels import chain_parents, verify_tree
-from tlt_kernels.reference.sampling import target_probs
 
 NEG = float("-inf")
 

@@ -11,8 +11,8 @@ an int32 with the same order. Then
   weighted by mass; equivalent to the probability threshold because p is monotone in the logit);
 * accepting a child needs only ``p(x)`` (one element) and its coin;
 * a rejection writes the residual ``max(p - q, 0)`` (or ``p`` with ``x`` zeroed without draft
-  probabilities) into a per-request fp32 scratch row, which later tests and the final inverse-CDF
-  sample read instead.
+  probabilities) into a per-request fp32 scratch row (``[B, V]`` workspace), which later tests and
+  the final inverse-CDF sample read instead.
 
 The coins are Philox4x32-10, bit-identical to :mod:`tlt_kernels.rng`. Nothing synchronizes with
 the host; a request whose visited row holds NaN/+inf, is all -inf, or whose draft token / draft row is
@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from ..reference.verify_tree import VerifyResult
-
 
 
 @triton.jit
@@ -154,8 +153,7 @@ def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, 
         best = tl.where(better, tile_best, best)
     bad = bad | (best == float("-inf")).to(tl.int32)
 
-
-    thr = arg * 0 - 2139095041  # _ordered_key(-inf): keeps everything
+    thr = arg * 0 - 2139095041  # key(-inf): keeps every token
     m = best / temp
     Z = 1.0
     if (bad == 0) & (greedy == 0):
@@ -168,9 +166,10 @@ def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, 
 
 
 @triton.jit
-def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok, px,
+def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok,
                    WRITE: tl.constexpr, HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Mass of max(p - q, 0) (q = draft row, or p(x) at the rejected token x); WRITE stores it."""
+    """Mass of the residual after rejecting ``tok``: max(p - q, 0) with the draft row q, or p with
+    ``tok`` zeroed without one. WRITE also stores it (unnormalized) into the scratch row."""
     acc = 0.0
     for tile in range(NUM_TILES):
         start = tile * BLOCK_SIZE
@@ -185,9 +184,9 @@ def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsu
             p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
         if HAS_Q:
             q = tl.load(dq_ptr + offs, mask=mask, other=0.0).to(tl.float32) / qsum
+            r = tl.where(mask, tl.maximum(p - q, 0.0), 0.0)
         else:
-            q = tl.where(offs == tok, px, 0.0)
-        r = tl.where(mask, tl.maximum(p - q, 0.0), 0.0)
+            r = tl.where(mask & (offs != tok), p, 0.0)
         acc += tl.sum(r, axis=0)
         if WRITE:
             tl.store(scr_ptr + offs, r, mask=mask)
@@ -293,13 +292,13 @@ def _verify_tree_kernel(
                 q_ready = 0
             else:
                 if (greedy == 0) & (err == 0):
-                    R = _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x, px,
+                    R = _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
                                        False, HAS_Q, NUM_TILES, BLOCK_SIZE)
                     if R > 0.0:
                         # A pass reads and writes each slot from the same thread; the barriers order
                         # the write against every thread's single-element reads of scratch[x].
                         tl.debug_barrier()
-                        _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x, px,
+                        _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
                                        True, HAS_Q, NUM_TILES, BLOCK_SIZE)
                         tl.debug_barrier()
                         has_res = 1

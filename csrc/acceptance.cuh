@@ -1,0 +1,847 @@
+// Acceptance-side kernels of speculative decoding (torch-free): the fused tree verification
+// (`verify_tree`), the KV compaction of the accepted path (`compact_kv`) and EAGLE-2 draft-tree
+// selection (`build_draft_tree`). The contracts are the pure-torch references in
+// tlt_kernels/reference/{verify_tree,sampling,compact_kv,build_draft_tree}.py.
+//
+// The first part (parameter structs, launcher declarations, Philox) is plain C++ so the host-compiled
+// bindings can include it; the kernels follow under __CUDACC__.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tree_attention.h"  // tlt::LaunchStatus
+
+#if defined(__CUDACC__)
+#define TLT_HD __host__ __device__ __forceinline__
+#else
+#define TLT_HD inline
+#endif
+
+namespace tlt {
+
+// Element types of logits / draft_probs (codes shared with tlt_kernels/_cuda/verify_tree.py).
+enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// One fused verification of B draft trees. Strides are in elements; the vocabulary dim is contiguous.
+//
+//   logits        [B, T, V] fp32/fp16/bf16 (logits_stride_{b,t})
+//   draft_probs   [B, T, V] fp32/fp16/bf16 or null (q_stride_{b,t}); null = deterministic candidates
+//   draft_tokens  int64 (tokens_int64) or int32 [B, >= T] (tokens_stride_b)
+//   parents       int32 [B, >= T] (parents_stride_b); num_nodes int32 [B]
+//   temperature   float32 [B] or null (all greedy); top_k int32 [B] or null; top_p float32 [B] or null
+//   seed, offset  int64 [B]
+//   scratch       float32 [B, V] contiguous (residual rows; only touched after a rejection)
+//   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
+//   out_stats     int32 [B, max_depth, 2] or null
+struct VerifyTreeParams {
+  const void* logits = nullptr;
+  const void* draft_probs = nullptr;
+  const void* draft_tokens = nullptr;
+  const int32_t* parents = nullptr;
+  const int32_t* num_nodes = nullptr;
+  const float* temperature = nullptr;
+  const int32_t* top_k = nullptr;
+  const float* top_p = nullptr;
+  const int64_t* seed = nullptr;
+  const int64_t* offset = nullptr;
+  float* scratch = nullptr;
+  int32_t* out_tokens = nullptr;
+  int32_t* out_num = nullptr;
+  int32_t* out_nodes = nullptr;
+  int32_t* out_error = nullptr;
+  int32_t* out_stats = nullptr;
+
+  int64_t logits_stride_b = 0, logits_stride_t = 0;
+  int64_t q_stride_b = 0, q_stride_t = 0;
+  int64_t tokens_stride_b = 0, parents_stride_b = 0;
+
+  int batch = 0;      // B
+  int num_tree = 0;   // T
+  int vocab = 0;      // V
+  int max_depth = 0;  // deepest node the walk may accept
+  bool tokens_int64 = true;
+  ElemType logits_type = ElemType::kFloat32;
+  ElemType q_type = ElemType::kFloat32;
+};
+
+// In-place move of every request's accepted path, every cache (K and V of every layer), one launch.
+//
+//   cache_ptrs     uint64 [num_caches] device addresses of [num_blocks, block_size, row] caches
+//   block_table    int32 [B, >= max_blocks] (bt_stride_b); context_lens, num_accepted int32 [B]
+//   accepted_nodes int32 [B, path_len] (nodes_stride_b)
+struct CompactKVParams {
+  const uint64_t* cache_ptrs = nullptr;
+  const int32_t* block_table = nullptr;
+  const int32_t* context_lens = nullptr;
+  const int32_t* accepted_nodes = nullptr;
+  const int32_t* num_accepted = nullptr;
+  int64_t bt_stride_b = 0, nodes_stride_b = 0;
+  int64_t row_bytes = 0;  // bytes of one slot (Hkv * D * itemsize)
+  int num_caches = 0;
+  int batch = 0;
+  int path_len = 0;    // P
+  int block_size = 0;  // tokens per page
+  int unit = 16;       // bytes per access: 16, 8, 4, 2 or 1 (divides row_bytes and every cache address)
+};
+
+// Greedy frontier selection of num_verify - 1 candidates per request, laid out as a token tree.
+//
+//   cand_parents int32 [B, N] (cp_stride_b); cand_tokens int64 [B, N] (ct_stride_b);
+//   cand_scores float32 [B, N] (cs_stride_b); root_tokens int64 [B]
+//   parents, cand_index int32 [B, num_verify]; draft_tokens int64 [B, num_verify]; num_nodes int32 [B];
+//   tree_mask int32 [B, num_verify, ceil(num_verify / 32)] or null (all outputs contiguous)
+struct BuildDraftTreeParams {
+  const int32_t* cand_parents = nullptr;
+  const int64_t* cand_tokens = nullptr;
+  const float* cand_scores = nullptr;
+  const int64_t* root_tokens = nullptr;
+  int32_t* parents = nullptr;
+  int64_t* draft_tokens = nullptr;
+  int32_t* cand_index = nullptr;
+  int32_t* num_nodes = nullptr;
+  int32_t* tree_mask = nullptr;
+  int64_t cp_stride_b = 0, ct_stride_b = 0, cs_stride_b = 0;
+  int batch = 0;
+  int num_cand = 0;    // N
+  int num_verify = 0;  // tree size, root included
+};
+
+// Limits of the CUDA kernels (the Python glue reports them before launching).
+constexpr int kBuildTreeMaxCandidates = 2048;
+constexpr int kVerifyMaxDepthSmem = 4096;
+
+LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
+LaunchStatus launch_compact_kv(const CompactKVParams& p, cudaStream_t stream) noexcept;
+LaunchStatus launch_build_draft_tree(const BuildDraftTreeParams& p, cudaStream_t stream) noexcept;
+
+// ---------------------------------------------------------------------------------------------
+// Philox4x32-10, bit-identical to tlt_kernels/rng.py: key = (seed lo, seed hi), counter =
+// (offset lo, offset hi, node, purpose), uniform = ((word0 >> 9) + 0.5) * 2^-23. The uniform is
+// exact in float32 (23 significant bits plus the half), so every backend produces the same bits.
+// ---------------------------------------------------------------------------------------------
+constexpr uint32_t kPurposeAccept = 0;
+constexpr uint32_t kPurposeSample = 1;
+
+TLT_HD uint32_t philox4x32_10_word0(uint64_t seed, uint64_t offset, uint32_t node, uint32_t purpose) {
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = node, c3 = purpose;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
+    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
+    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
+    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
+    c1 = static_cast<uint32_t>(p1);
+    c3 = static_cast<uint32_t>(p0);
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return c0;
+}
+
+TLT_HD float philox_uniform(int64_t seed, int64_t offset, uint32_t node, uint32_t purpose) {
+  const uint32_t w = philox4x32_10_word0(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), node, purpose);
+  return (static_cast<float>(w >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
+}
+
+}  // namespace tlt
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace tlt {
+namespace accept {
+
+// ============================================================================================
+// Block-wide helpers (deterministic: fixed element-to-thread partition, fixed reduction trees).
+// ============================================================================================
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+struct SumF { __device__ float operator()(float a, float b) const { return a + b; } };
+struct MaxU64 { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a > b ? a : b; } };
+struct MinI { __device__ int operator()(int a, int b) const { return a < b ? a : b; } };
+struct MaxI { __device__ int operator()(int a, int b) const { return a > b ? a : b; } };
+struct OrI { __device__ int operator()(int a, int b) const { return a | b; } };
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Every thread gets the result. `red` holds >= NT / 32 elements of T; reusable on return.
+template <int NT, typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
+  v = warp_reduce(v, op);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  T r = red[0];
+#pragma unroll
+  for (int w = 1; w < NT / 32; ++w) r = op(r, red[w]);
+  __syncthreads();
+  return r;
+}
+
+// Exclusive prefix sum over the block in thread order; `total` gets the block's sum.
+template <int NT>
+__device__ __forceinline__ float block_exclusive_scan(float v, float& total, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  if (lane == 31) red[warp] = incl;
+  __syncthreads();
+  float before = 0.f;
+  total = 0.f;
+#pragma unroll
+  for (int w = 0; w < NT / 32; ++w) {
+    if (w < warp) before += red[w];
+    total += red[w];
+  }
+  __syncthreads();
+  return before + incl - v;
+}
+
+// ============================================================================================
+// verify_tree
+// ============================================================================================
+
+constexpr int kVerifyThreads = 512;
+constexpr int kVec = 8;                            // elements per thread per chunk
+constexpr int kChunk = kVerifyThreads * kVec;      // elements per block-wide chunk
+constexpr float kFixedScale = 4294967296.0f;       // 2^32: weights in (0, 1] as 32.32 fixed point
+constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps every token
+
+// Order-preserving int32 image of a float (NaN excluded); -0.0 maps like +0.0 so that ties at zero
+// behave as float comparisons do in the reference.
+__device__ __forceinline__ int ordered_key(float x) {
+  const int k = __float_as_int(x == 0.f ? 0.f : x);
+  return k >= 0 ? k : k ^ 0x7FFFFFFF;
+}
+
+__device__ __forceinline__ float key_to_float(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7FFFFFFF); }
+
+// Loads kVec consecutive elements [base, base + kVec) of a row as fp32; `fill` past V. Rows whose
+// start is 16-byte aligned take 16-byte vector loads (base is a multiple of kVec, so every vector
+// is aligned too); `NC` selects the read-only (non-coherent) path for rows the kernel never writes.
+template <typename T, bool NC>
+__device__ __forceinline__ void load_vec(const T* row, int base, int V, bool aligned, float fill, float (&x)[kVec]) {
+  if (aligned && base + kVec <= V) {
+    constexpr int kWords = static_cast<int>(sizeof(T)) * kVec / 16;
+    static_assert(kWords >= 1, "vector of at least 16 bytes");
+    union {
+      uint4 raw[kWords];
+      T val[kVec];
+    } u;
+    const uint4* src = reinterpret_cast<const uint4*>(row + base);
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) u.raw[w] = NC ? __ldg(src + w) : src[w];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) x[i] = to_float(u.val[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) x[i] = base + i < V ? to_float(NC ? __ldg(row + base + i) : row[base + i]) : fill;
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// The target distribution of a visited row, kept implicit: p(t) = [key(l_t) >= thr] exp(l_t / temp - m) / Z.
+struct RowState {
+  int bad;    // NaN/+inf present, or every entry -inf
+  int arg;    // argmax, lowest id among ties (greedy token)
+  int thr;    // ordered-key threshold of top-k / top-p (kNegInfKey: keep all)
+  float m;    // max / temp
+  float Z;    // normalizer of the kept weights
+};
+
+struct VerifySmem {
+  uint64_t hist[256];
+  uint64_t red64[32];
+  float redf[32];
+  int redi[32];
+  uint64_t sel[3];  // radix-select decision broadcast: digit, above, at
+  double need;
+};
+
+__device__ __forceinline__ float target_weight(float x, int thr, float temp, float m) {
+  return ordered_key(x) >= thr ? expf(x / temp - m) : 0.f;
+}
+
+// Radix select over the row's ordered keys, 8 bits per pass (4 passes, exact, no sort): returns
+// the largest key K with W(key >= K) >= need and sets `w_at` = W(key >= K), where W counts tokens
+// (BY_MASS = false) or sums exp(l / temp - m) in 32.32 fixed point (BY_MASS = true) over tokens
+// with key >= floor. Integer histograms make the result independent of the atomics' order, so the
+// kernel is deterministic run to run. With `need_fraction`, need is a fraction of the total W.
+template <typename T, bool BY_MASS>
+__device__ int radix_select(const T* row, int V, bool aligned, int floor, float temp, float m, double need,
+                            bool need_fraction, uint64_t& w_at, VerifySmem& sm) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  uint32_t prefix = 0;
+  uint64_t above = 0;
+#pragma unroll 1
+  for (int level = 0; level < 4; ++level) {
+    const int shift = 24 - 8 * level;
+    for (int i = tid; i < 256; i += kVerifyThreads) sm.hist[i] = 0;
+    __syncthreads();
+    for (int base0 = 0; base0 < V; base0 += kChunk) {
+      const int base = base0 + tid * kVec;
+      float x[kVec];
+      load_vec<T, true>(row, base, V, aligned, -INFINITY, x);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const int k = ordered_key(x[i]);
+        const uint32_t uk = static_cast<uint32_t>(k) ^ 0x80000000u;
+        const bool live = base + i < V && k >= floor &&
+                          (level == 0 || (static_cast<uint64_t>(uk) >> (shift + 8)) == prefix);
+        const uint32_t digit = live ? (uk >> shift) & 255u : 256u;
+        uint64_t w = 0;
+        if (live) w = BY_MASS ? __float2ull_rn(expf(x[i] / temp - m) * kFixedScale) : 1ull;
+        // Early levels put most tokens of a warp into one bin: aggregate those in registers.
+        const unsigned peers = __match_any_sync(0xffffffffu, digit);
+        if (peers == 0xffffffffu) {
+          w = warp_reduce(w, [](uint64_t a, uint64_t b) { return a + b; });
+          if (lane == 0 && digit < 256u) atomicAdd(reinterpret_cast<unsigned long long*>(&sm.hist[digit]), w);
+        } else if (live && w != 0) {
+          atomicAdd(reinterpret_cast<unsigned long long*>(&sm.hist[digit]), w);
+        }
+      }
+    }
+    __syncthreads();
+    if (tid < 32) {
+      uint64_t h[8];
+      uint64_t local = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        h[j] = sm.hist[lane * 8 + j];
+        local += h[j];
+      }
+      uint64_t incl = local;  // suffix sum over lanes >= lane
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint64_t v = __shfl_down_sync(0xffffffffu, incl, o);
+        if (lane + o < 32) incl += v;
+      }
+      double nd = need;
+      if (level == 0 && need_fraction) nd = need * static_cast<double>(__shfl_sync(0xffffffffu, incl, 0));
+      if (level == 0) sm.need = nd;  // every lane writes the same value
+      nd = level == 0 ? nd : sm.need;
+      // Suffix sums are non-increasing in the digit: the hits are digits 0..d; take the largest.
+      int hit = -1;
+      uint64_t s = incl - local;
+#pragma unroll
+      for (int j = 7; j >= 0; --j) {
+        s += h[j];
+        if (hit < 0 && static_cast<double>(above + s) >= nd) hit = lane * 8 + j;
+      }
+      const int d = max(warp_reduce(hit, MaxI()), 0);
+      uint64_t gt = 0, at = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int dd = lane * 8 + j;
+        gt += dd > d ? h[j] : 0;
+        at += dd == d ? h[j] : 0;
+      }
+      gt = warp_reduce(gt, [](uint64_t a, uint64_t b) { return a + b; });
+      at = warp_reduce(at, [](uint64_t a, uint64_t b) { return a + b; });
+      if (lane == 0) {
+        sm.sel[0] = static_cast<uint64_t>(d);
+        sm.sel[1] = above + gt;
+        sm.sel[2] = at;
+      }
+    }
+    __syncthreads();
+    prefix = (prefix << 8) | static_cast<uint32_t>(sm.sel[0]);
+    above = sm.sel[1];
+    w_at = above + sm.sel[2];
+    __syncthreads();  // sel / hist are rewritten by the next level
+  }
+  return static_cast<int>(prefix ^ 0x80000000u);
+}
+
+// (bad, argmax) in one pass; for sampled requests also the top-k / top-p threshold and Z.
+template <typename T>
+__device__ RowState row_state(const T* row, int V, bool greedy, float temp, int top_k, float top_p, VerifySmem& sm) {
+  const int tid = threadIdx.x;
+  const bool aligned = aligned16(row);
+  uint64_t best = 0;  // (ordered key ^ sign) << 32 | (~index): max = largest value, lowest index
+  int bad = 0;
+  for (int base0 = 0; base0 < V; base0 += kChunk) {
+    const int base = base0 + tid * kVec;
+    float x[kVec];
+    load_vec<T, true>(row, base, V, aligned, -INFINITY, x);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      if (base + i >= V) continue;
+      const float v = x[i];
+      bad |= (v != v) || v == INFINITY;
+      const float vm = v != v ? -INFINITY : v;
+      const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ordered_key(vm)) ^ 0x80000000u) << 32) |
+                           static_cast<uint32_t>(~static_cast<uint32_t>(base + i));
+      best = key > best ? key : best;
+    }
+  }
+  best = block_reduce<kVerifyThreads>(best, MaxU64(), sm.red64);
+  bad = block_reduce<kVerifyThreads>(bad, OrI(), sm.redi);
+  RowState s;
+  s.arg = static_cast<int>(~static_cast<uint32_t>(best));
+  const float vmax = key_to_float(static_cast<int>(static_cast<uint32_t>(best >> 32) ^ 0x80000000u));
+  s.bad = bad | (vmax == -INFINITY);
+  s.thr = kNegInfKey;
+  s.m = vmax / temp;
+  s.Z = 1.f;
+  if (s.bad || greedy) return s;
+  uint64_t w = 0;
+  if (top_k > 0 && top_k < V) {
+    s.thr = radix_select<T, false>(row, V, aligned, s.thr, temp, s.m, static_cast<double>(top_k), false, w, sm);
+  }
+  if (top_p < 1.f) {
+    s.thr = radix_select<T, true>(row, V, aligned, s.thr, temp, s.m, static_cast<double>(top_p), true, w, sm);
+    s.Z = static_cast<float>(static_cast<double>(w) * (1.0 / 4294967296.0));
+  } else {
+    float z = 0.f;
+    for (int base0 = 0; base0 < V; base0 += kChunk) {
+      const int base = base0 + tid * kVec;
+      float x[kVec];
+      load_vec<T, true>(row, base, V, aligned, -INFINITY, x);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) z += target_weight(x[i], s.thr, temp, s.m);
+    }
+    s.Z = block_reduce<kVerifyThreads>(z, SumF(), sm.redf);
+  }
+  return s;
+}
+
+// Probabilities of elements [base, base + kVec) of the current (possibly residual) distribution.
+template <typename T>
+__device__ __forceinline__ void probs_vec(const T* row, const float* res, bool has_res, float S, const RowState& s,
+                                          float temp, int base, int V, bool row_aligned, bool res_aligned,
+                                          float (&p)[kVec]) {
+  if (has_res) {
+    load_vec<float, false>(res, base, V, res_aligned, 0.f, p);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) p[i] /= S;
+  } else {
+    load_vec<T, true>(row, base, V, row_aligned, -INFINITY, p);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) p[i] = target_weight(p[i], s.thr, temp, s.m) / s.Z;
+  }
+}
+
+// One verification walk per CTA (see tlt_kernels/reference/verify_tree.py for the contract).
+template <typename TL, typename TQ, bool HAS_Q>
+__global__ void __launch_bounds__(kVerifyThreads) verify_tree_kernel(const VerifyTreeParams p) {
+  __shared__ VerifySmem sm;
+  extern __shared__ int dyn[];  // path_tok[D + 1], path_node[D + 1], tried[D], took[D]; D = max depth held
+  const int b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int V = p.vocab;
+  const int depth_cap = min(p.max_depth, p.num_tree - 1);
+  int* path_tok = dyn;
+  int* path_node = path_tok + depth_cap + 1;
+  int* tried = path_node + depth_cap + 1;
+  int* took = tried + depth_cap;
+  for (int i = tid; i < depth_cap; i += kVerifyThreads) tried[i] = took[i] = 0;
+
+  const int n = min(p.num_nodes[b], p.num_tree);
+  float temp = p.temperature ? p.temperature[b] : 0.f;
+  const bool greedy = !(temp > 0.f);
+  if (greedy) temp = 1.f;
+  const int top_k = p.top_k ? p.top_k[b] : 0;
+  const float top_p = p.top_p ? p.top_p[b] : 1.f;
+  const int64_t seed = p.seed[b], offset = p.offset[b];
+  const TL* logits_b = static_cast<const TL*>(p.logits) + b * p.logits_stride_b;
+  const TQ* q_b = HAS_Q ? static_cast<const TQ*>(p.draft_probs) + b * p.q_stride_b : nullptr;
+  const int32_t* parents_b = p.parents + b * p.parents_stride_b;
+  float* res = p.scratch + static_cast<int64_t>(b) * V;
+  const bool res_aligned = aligned16(res);
+
+  int cur = 0, depth = 0;
+  const TL* row = logits_b;
+  bool row_aligned = aligned16(row);
+  RowState s = row_state(row, V, greedy, temp, top_k, top_p, sm);
+  int err = s.bad;
+  bool has_res = false, q_ready = false;
+  float S = 1.f, qsum = 1.f;
+
+  // Nodes are topologically ordered, so one scan over node indices meets the children of the
+  // current node in increasing order, and the children of an accepted node all come after it.
+  // Every value below is block-uniform (same loads, same reductions), so control flow is too.
+  for (int j = 1; j < n; ++j) {
+    if (err || depth >= p.max_depth) break;
+    if (__ldg(parents_b + j) != cur) continue;
+    const int64_t x64 = p.tokens_int64 ? __ldg(static_cast<const int64_t*>(p.draft_tokens) + b * p.tokens_stride_b + j)
+                                       : __ldg(static_cast<const int32_t*>(p.draft_tokens) + b * p.tokens_stride_b + j);
+    const int x = (x64 < 0 || x64 >= V) ? -1 : static_cast<int>(x64);
+    if (tid == 0) tried[depth] += 1;
+    if (x < 0 || x >= V) {
+      err = 1;
+      break;
+    }
+    const TQ* q_row = HAS_Q ? q_b + cur * p.q_stride_t : nullptr;
+    bool accept = x == s.arg;
+    float px = 0.f;
+    if (!greedy) {
+      if (HAS_Q && !q_ready) {
+        const bool qa = aligned16(q_row);
+        float acc = 0.f;
+        for (int base0 = 0; base0 < V; base0 += kChunk) {
+          float qv[kVec];
+          load_vec<TQ, true>(q_row, base0 + tid * kVec, V, qa, 0.f, qv);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) acc += qv[i];
+        }
+        qsum = block_reduce<kVerifyThreads>(acc, SumF(), sm.redf);
+        q_ready = true;
+        if (!(qsum > 0.f) || qsum == INFINITY) {
+          err = 1;
+          break;
+        }
+      }
+      px = has_res ? res[x] / S : target_weight(to_float(__ldg(row + x)), s.thr, temp, s.m) / s.Z;
+      const float u = philox_uniform(seed, offset, static_cast<uint32_t>(j), kPurposeAccept);
+      if (HAS_Q) {
+        const float qx = to_float(__ldg(q_row + x)) / qsum;
+        accept = u * qx < px;
+      } else {
+        accept = u < px;
+      }
+    }
+    if (accept) {
+      if (tid == 0) {
+        path_tok[depth] = x;
+        took[depth] = 1;
+        path_node[depth + 1] = j;
+      }
+      ++depth;
+      cur = j;
+      row = logits_b + j * p.logits_stride_t;
+      row_aligned = aligned16(row);
+      s = row_state(row, V, greedy, temp, top_k, top_p, sm);
+      err = s.bad;
+      has_res = false;
+      q_ready = false;
+      S = 1.f;
+    } else if (!greedy) {
+      // Residual r = max(p - q, 0) (q = draft row, or p(x) at x alone). The first rejection at a
+      // node writes r in the same pass that sums it: p is still implicit in the logits, so R == 0
+      // loses nothing. Later ones sum first and rewrite the scratch row in place only if R > 0.
+      float R = 0.f;
+      for (int pass = has_res ? 0 : 1; pass < 2; ++pass) {
+        const bool write = pass == 1;
+        float acc = 0.f;
+        for (int base0 = 0; base0 < V; base0 += kChunk) {
+          const int base = base0 + tid * kVec;
+          float pv[kVec], qv[kVec];
+          probs_vec(row, res, has_res, S, s, temp, base, V, row_aligned, res_aligned, pv);
+          if (HAS_Q) {
+            load_vec<TQ, true>(q_row, base, V, aligned16(q_row), 0.f, qv);
+          }
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) {
+            const float qq = HAS_Q ? qv[i] / qsum : (base + i == x ? px : 0.f);
+            const float r = base + i < V ? fmaxf(pv[i] - qq, 0.f) : 0.f;
+            pv[i] = r;
+            acc += r;
+          }
+          if (write) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i)
+              if (base + i < V) res[base + i] = pv[i];
+          }
+        }
+        // The reduction's barriers also order this pass's scratch writes before any later read.
+        R = block_reduce<kVerifyThreads>(acc, SumF(), sm.redf);
+        if (!(R > 0.f)) break;
+      }
+      if (R > 0.f) {
+        has_res = true;
+        S = R;
+      }
+    }
+  }
+
+  int final_tok = s.arg;
+  if (!greedy && !err) {
+    const float u = philox_uniform(seed, offset, static_cast<uint32_t>(cur), kPurposeSample);
+    float acc = 0.f;
+    for (int base0 = 0; base0 < V; base0 += kChunk) {
+      float pv[kVec];
+      probs_vec(row, res, has_res, S, s, temp, base0 + tid * kVec, V, row_aligned, res_aligned, pv);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) acc += pv[i];
+    }
+    const float target = u * block_reduce<kVerifyThreads>(acc, SumF(), sm.redf);
+    // Inverse CDF in token order: chunk by chunk, a block scan gives each thread's running sum.
+    float carry = 0.f;
+    int found = V, last = -1;
+    for (int base0 = 0; base0 < V; base0 += kChunk) {
+      const int base = base0 + tid * kVec;
+      float pv[kVec];
+      probs_vec(row, res, has_res, S, s, temp, base, V, row_aligned, res_aligned, pv);
+      float local = 0.f;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) local += pv[i];
+      float chunk_total;
+      float c = carry + block_exclusive_scan<kVerifyThreads>(local, chunk_total, sm.redf);
+      int mine = V;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        c += pv[i];
+        if (base + i < V && c > target && mine == V) mine = base + i;
+        if (base + i < V && pv[i] > 0.f) last = base + i;
+      }
+      found = block_reduce<kVerifyThreads>(mine, MinI(), sm.redi);
+      if (found < V) break;
+      carry += chunk_total;
+    }
+    last = block_reduce<kVerifyThreads>(last, MaxI(), sm.redi);
+    final_tok = found < V ? found : last;
+  }
+  __syncthreads();  // path_* / tried / took written by thread 0
+
+  const bool ok = !err;
+  const int W = p.max_depth + 1;
+  int32_t* out_tok = p.out_tokens + static_cast<int64_t>(b) * W;
+  int32_t* out_node = p.out_nodes + static_cast<int64_t>(b) * W;
+  for (int d = tid; d < W; d += kVerifyThreads) {
+    out_tok[d] = !ok ? -1 : d < depth ? path_tok[d] : d == depth ? final_tok : -1;
+    out_node[d] = d == 0 ? 0 : (ok && d <= depth) ? path_node[d] : -1;
+  }
+  if (p.out_stats) {
+    int32_t* st = p.out_stats + static_cast<int64_t>(b) * p.max_depth * 2;
+    for (int d = tid; d < p.max_depth; d += kVerifyThreads) {
+      st[2 * d] = ok && d < depth_cap ? tried[d] : 0;
+      st[2 * d + 1] = ok && d < depth_cap ? took[d] : 0;
+    }
+  }
+  if (tid == 0) {
+    p.out_num[b] = ok ? depth : 0;
+    p.out_error[b] = err;
+  }
+}
+
+// ============================================================================================
+// compact_kv
+// ============================================================================================
+
+constexpr int kCompactThreads = 256;
+constexpr int kCompactStageBytes = 16384;  // staging tile budget: path_len x slab bytes
+
+template <int U>
+struct UnitType;
+template <> struct UnitType<16> { using type = uint4; };
+template <> struct UnitType<8> { using type = uint2; };
+template <> struct UnitType<4> { using type = uint32_t; };
+template <> struct UnitType<2> { using type = uint16_t; };
+template <> struct UnitType<1> { using type = uint8_t; };
+
+// Grid (B, num_caches, slabs). A CTA moves one column slab (`slab` bytes) of every depth of one
+// request's path in one cache. Race freedom: a destination slot ctx + d may be the source slot
+// ctx + node[d'] of another depth d' (node[d'] == d), so the CTA gathers the slab of *every* depth
+// into shared memory, synchronizes, then scatters (the launcher sizes the slab so that path_len x
+// slab bytes fit). CTAs never overlap: different requests own different tail slots (ctx + 0 .. ctx +
+// max node), caches are distinct tensors, slabs are distinct columns. Depths already in place
+// (node[d] == d, e.g. the whole of a chain) are skipped: no traffic.
+//
+// Dynamic shared memory: src_row[P], dst_row[P] (int64), then the staging tile [P, slab].
+template <int U>
+__global__ void __launch_bounds__(kCompactThreads) compact_kv_kernel(const CompactKVParams p, int slab) {
+  using Unit = typename UnitType<U>::type;
+  extern __shared__ __align__(16) unsigned char csm[];
+  int64_t* src_row = reinterpret_cast<int64_t*>(csm);
+  int64_t* dst_row = src_row + p.path_len;
+  Unit* stage = reinterpret_cast<Unit*>(dst_row + p.path_len);  // 16-byte aligned: 16 * P bytes before
+  const int b = blockIdx.x;
+  unsigned char* cache = reinterpret_cast<unsigned char*>(p.cache_ptrs[blockIdx.y]);
+  const int64_t col0 = static_cast<int64_t>(blockIdx.z) * slab;
+  const int64_t left = p.row_bytes - col0;
+  const int units = static_cast<int>((left < slab ? left : static_cast<int64_t>(slab)) / U);
+  const int depths = min(p.num_accepted[b] + 1, p.path_len);
+  const int64_t ctx = p.context_lens[b];
+  const int32_t* table = p.block_table + b * p.bt_stride_b;
+  const int32_t* nodes = p.accepted_nodes + b * p.nodes_stride_b;
+
+  for (int d = threadIdx.x; d < depths; d += kCompactThreads) {
+    const int node = nodes[d];
+    if (node == d) {
+      src_row[d] = -1;
+    } else {
+      const int64_t ss = ctx + node, ds = ctx + d;
+      src_row[d] = static_cast<int64_t>(table[ss / p.block_size]) * p.block_size + ss % p.block_size;
+      dst_row[d] = static_cast<int64_t>(table[ds / p.block_size]) * p.block_size + ds % p.block_size;
+    }
+  }
+  __syncthreads();
+  const int total = depths * units;
+  for (int i = threadIdx.x; i < total; i += kCompactThreads) {
+    const int r = i / units, c = i - r * units;
+    if (src_row[r] >= 0)
+      stage[i] = *reinterpret_cast<const Unit*>(cache + src_row[r] * p.row_bytes + col0 + static_cast<int64_t>(c) * U);
+  }
+  __syncthreads();  // every source of this slab is read before any destination is written
+  for (int i = threadIdx.x; i < total; i += kCompactThreads) {
+    const int r = i / units, c = i - r * units;
+    if (src_row[r] >= 0)
+      *reinterpret_cast<Unit*>(cache + dst_row[r] * p.row_bytes + col0 + static_cast<int64_t>(c) * U) = stage[i];
+  }
+}
+
+// ============================================================================================
+// build_draft_tree
+// ============================================================================================
+
+constexpr int kBuildThreads = 128;
+
+// One CTA per request; candidate c = tid * ITEMS + i lives in registers of thread tid. Greedy
+// frontier selection takes num_verify - 1 rounds of one block-wide max over packed keys
+// (score's ordered image << 32 | ~c: the max is the best score, ties to the lowest index);
+// taking c makes its usable children eligible. Then node ids (block scan of the kept flags, so kept
+// candidates become nodes 1.. in index order), the outputs, and the packed ancestor mask: each kept
+// candidate walks up its parent chain, whose node ids decrease, emitting mask words high to low.
+template <int ITEMS>
+__global__ void __launch_bounds__(kBuildThreads) build_draft_tree_kernel(const BuildDraftTreeParams p) {
+  extern __shared__ int bsm[];  // par[N], node_of[N]
+  __shared__ uint64_t red[2][kBuildThreads / 32];
+  __shared__ int scan[kBuildThreads / 32];
+  const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int N = p.num_cand, NV = p.num_verify;
+  int* par_s = bsm;
+  int* node_s = bsm + N;
+
+  uint64_t key[ITEMS];
+  int par[ITEMS];
+  bool usable[ITEMS], elig[ITEMS], taken[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int c = tid * ITEMS + i;
+    const bool in = c < N;
+    par[i] = in ? p.cand_parents[b * p.cp_stride_b + c] : -1;
+    const float sc = in ? p.cand_scores[b * p.cs_stride_b + c] : -INFINITY;
+    usable[i] = in && sc != -INFINITY;
+    const uint32_t uk = static_cast<uint32_t>(ordered_key(sc)) ^ 0x80000000u;
+    key[i] = (static_cast<uint64_t>(uk) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(c));
+    elig[i] = usable[i] && par[i] < 0;
+    taken[i] = false;
+    if (in) par_s[c] = par[i];
+  }
+
+  // Usable scores are > -inf, so their keys are > 0: 0 means "nothing eligible".
+  for (int round = 0; round < NV - 1; ++round) {
+    uint64_t best = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+      if (elig[i] && !taken[i] && key[i] > best) best = key[i];
+    best = warp_reduce(best, MaxU64());
+    if (lane == 0) red[round & 1][warp] = best;  // double buffer: one barrier per round
+    __syncthreads();
+    best = red[round & 1][0];
+#pragma unroll
+    for (int w = 1; w < kBuildThreads / 32; ++w) best = red[round & 1][w] > best ? red[round & 1][w] : best;
+    if (best == 0) break;  // block-uniform
+    const int c_best = static_cast<int>(~static_cast<uint32_t>(best));
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int c = tid * ITEMS + i;
+      taken[i] |= c == c_best;
+      elig[i] |= usable[i] && par[i] == c_best;
+    }
+  }
+
+  // Node ids: inclusive scan of kept flags in candidate order.
+  int cnt = 0;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) cnt += taken[i];
+  int incl = cnt;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  if (lane == 31) scan[warp] = incl;
+  __syncthreads();
+  int before = 0, kept_total = 0;
+#pragma unroll
+  for (int w = 0; w < kBuildThreads / 32; ++w) {
+    before += w < warp ? scan[w] : 0;
+    kept_total += scan[w];
+  }
+  int node[ITEMS];
+  int run = before + incl - cnt;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int c = tid * ITEMS + i;
+    run += taken[i];
+    node[i] = taken[i] ? run : 0;
+    if (c < N) node_s[c] = node[i];
+  }
+  __syncthreads();
+  const int num_nodes = 1 + kept_total;
+
+  int32_t* out_par = p.parents + static_cast<int64_t>(b) * NV;
+  int64_t* out_tok = p.draft_tokens + static_cast<int64_t>(b) * NV;
+  int32_t* out_ci = p.cand_index + static_cast<int64_t>(b) * NV;
+  const int words = (NV + 31) / 32;
+  int32_t* mask = p.tree_mask ? p.tree_mask + static_cast<int64_t>(b) * NV * words : nullptr;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!taken[i]) continue;
+    const int c = tid * ITEMS + i;
+    const int nd = node[i];
+    out_par[nd] = par[i] < 0 ? 0 : node_s[par[i]];
+    out_tok[nd] = p.cand_tokens[b * p.ct_stride_b + c];
+    out_ci[nd] = c;
+    if (mask) {
+      int32_t* mrow = mask + static_cast<int64_t>(nd) * words;
+      int w_cur = words - 1;
+      uint32_t acc = 0;
+      for (int a = c;; a = par_s[a]) {
+        const int id = a < 0 ? 0 : node_s[a];
+        const int w = id >> 5;
+        for (; w_cur > w; --w_cur) {
+          mrow[w_cur] = static_cast<int32_t>(acc);
+          acc = 0;
+        }
+        acc |= 1u << (id & 31);
+        if (a < 0) break;
+      }
+      for (; w_cur >= 0; --w_cur) {
+        mrow[w_cur] = static_cast<int32_t>(acc);
+        acc = 0;
+      }
+    }
+  }
+  // Root and padding positions (not owned by a kept candidate).
+  for (int q = tid; q < NV; q += kBuildThreads) {
+    if (q != 0 && q < num_nodes) continue;
+    out_par[q] = q == 0 ? -1 : 0;
+    out_tok[q] = q == 0 ? p.root_tokens[b] : 0;
+    out_ci[q] = -1;
+    if (mask)
+      for (int w = 0; w < words; ++w) mask[static_cast<int64_t>(q) * words + w] = (q == 0 && w == 0) ? 1 : 0;
+  }
+  if (tid == 0) p.num_nodes[b] = num_nodes;
+}
+
+}  // namespace accept
+}  // namespace tlt
+#endif  // __CUDACC__
