@@ -449,7 +449,7 @@ __device__ __forceinline__ void probs_vec(const T* row, const float* res, bool h
 
 // One verification walk per CTA (see tlt_kernels/reference/verify_tree.py for the contract).
 template <typename TL, typename TQ, bool HAS_Q>
-__global__ void __launch_bounds__(kVerifyThreads) verify_tree_kernel(const VerifyTreeParams p) {
+__global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const VerifyTreeParams p) {
   __shared__ VerifySmem sm;
   extern __shared__ int dyn[];  // path_tok[D + 1], path_node[D + 1], tried[D], took[D]; D = max depth held
   const int b = blockIdx.x;

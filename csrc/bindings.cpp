@@ -13,6 +13,8 @@
 
 namespace py = pybind11;
 
+void register_acceptance(pybind11::module_& m);  // bindings_acceptance.cpp
+
 namespace {
 
 template <typename P>
@@ -132,4 +134,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("tree_attention_merge", &tree_attention_entry<tlt::launch_tree_attention_merge>, TLT_TREE_ATTN_ARGS,
         "Step 2 of tree attention: log-sum-exp merge of the S+1 partials into out [B,T,Hq,D] (zeros for rows "
         "t >= num_nodes[b]).");
+  register_acceptance(m);
 }

@@ -7,15 +7,20 @@ behind ``backend="auto"``):
 * :func:`verify_tree` -- lossless acceptance of a draft tree from the target's logits;
 * :func:`compact_kv` -- move the accepted path's K/V to contiguous cache slots;
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
-* :func:`ngram_propose` -- model-free drafts from each request's own history.
+* :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history.
+
+Layers above the ops (each imports the ops, never the reverse): :mod:`tlt_kernels.runtime`
+(strategy selector, CUDA-graph pool), :mod:`tlt_kernels.models` (Llama/Qwen2-style target over a
+paged cache), :mod:`tlt_kernels.drafter` (n-gram and EAGLE drafters, spot trainer) and
+:mod:`tlt_kernels.engine` (the speculative rollout engine).
 
 Importing this package never imports Triton or the CUDA extension and never queries a GPU.
 """
 from ._backend import BACKENDS, BackendUnavailableError, available_backends, cuda_extension_available
 from .ops.build_draft_tree import DraftTree, build_draft_tree
 from .ops.compact_kv import compact_kv
-from .ops.ngram import NGramDrafts, ngram_propose
-from .ops.tree_attention import tree_attention
+from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
+from .ops.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from .ops.verify_tree import VerifyResult, verify_tree
 from .tree import (
     chain_parents,
@@ -35,6 +40,8 @@ __all__ = [
     "BackendUnavailableError",
     "DraftTree",
     "NGramDrafts",
+    "NGramTree",
+    "TreeAttentionPlan",
     "VerifyResult",
     "available_backends",
     "build_draft_tree",
@@ -42,6 +49,8 @@ __all__ = [
     "compact_kv",
     "cuda_extension_available",
     "ngram_propose",
+    "ngram_propose_tree",
+    "plan_tree_attention",
     "pack_tree_mask",
     "tree_ancestor_mask",
     "tree_ancestor_mask_packed",
