@@ -6,7 +6,7 @@ are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logi
 of their parent's row, which accepts roughly 60-80% of tried drafts (the achieved rate is reported per
 case as ``accept_rate`` = accepted / tried children, and ``mean_accepted`` drafts per request).
 
-Impls: ``tlt-triton`` (the fused kernel), ``torch-composed`` (softmax + top-p + rejection in torch:
+Impls: ``tlt-triton`` and ``tlt-cuda`` (the fused kernels), ``torch-composed`` (softmax + top-p + rejection in torch:
 the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a softmax of every row
 (chains only) when FlashInfer is importable.
 
@@ -73,7 +73,7 @@ def run(ctx) -> None:
         Bs, Vs = [1, 16, 64, 256], [32000, 152064]
         shapes = [("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64)]
     fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
-    triton_ok = True
+    unavailable: set = set()  # kernel backends that could not run here (noted once)
     for V in Vs:
         for kind, T in shapes:
             for B in Bs:
@@ -92,16 +92,18 @@ def run(ctx) -> None:
                     if not heavy:
                         ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
                         ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
-                    if triton_ok:
+                    for impl, name in (("triton", "tlt-triton"), ("cuda", "tlt-cuda")):
+                        if name in unavailable:
+                            continue
                         try:
-                            got = verify_tree(logits, tokens, parents, return_stats=True, backend="triton", **kw)
+                            got = verify_tree(logits, tokens, parents, return_stats=True, backend=impl, **kw)
                         except BackendUnavailableError as exc:
-                            ctx.note(f"tlt-triton skipped: {exc}")
-                            triton_ok = False
-                        else:
-                            same = (got.tokens == ref.tokens).all(1).float().mean().item()
-                            ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="triton", **kw))
-                            ctx.add(case, "tlt-triton", ms, bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+                            ctx.note(f"{name} skipped: {exc}")
+                            unavailable.add(name)
+                            continue
+                        same = (got.tokens == ref.tokens).all(1).float().mean().item()
+                        ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend=impl, **kw))
+                        ctx.add(case, name, ms, bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
                     if fi is not None and kind == "chain":
                         try:
                             _flashinfer_chain(fi, logits, tokens, q, top_p)

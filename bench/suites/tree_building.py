@@ -41,16 +41,16 @@ def _bench_build(ctx):
         case = {"op": "build_draft_tree", "B": B, "N": N, "V": V}
         ref = build_draft_tree(p, t, s, V, r, return_mask=True, validate=False, backend="torch")
         ctx.add(case, "torch-ref", ctx.time_ms(lambda: build_draft_tree(p, t, s, V, r, return_mask=True, validate=False, backend="torch")), bytes_moved=nbytes)
-        try:
-            out = build_draft_tree(p, t, s, V, r, return_mask=True, validate=False, backend="triton")
-        except BackendUnavailableError as exc:
-            ctx.note(f"build_draft_tree tlt-triton skipped: {exc}")
-            continue
-        if not all(torch.equal(a, b) for a, b in zip(out, ref)):
-            raise AssertionError(f"build_draft_tree triton != torch for {case}")
-        ms = ctx.time_ms(lambda: build_draft_tree(p, t, s, V, r, return_mask=True, validate=False, backend="triton"))
-        ctx.add(case, "tlt-triton", ms, bytes_moved=nbytes)
-
+        for impl in ("triton", "cuda"):
+            try:
+                out = build_draft_tree(p, t, s, V, r, return_mask=True, validate=False, backend=impl)
+            except BackendUnavailableError as exc:
+                ctx.note(f"build_draft_tree tlt-{impl} skipped: {exc}")
+                continue
+            if not all(torch.equal(a, b) for a, b in zip(out, ref)):
+                raise AssertionError(f"build_draft_tree {impl} != torch for {case}")
+            ms = ctx.time_ms(lambda: build_draft_tree(p, t, s, V, r, return_mask=True, validate=False, backend=impl))
+            ctx.add(case, f"tlt-{impl}", ms, bytes_moved=nbytes)
 
 def _kv_case(B, layers, hkv, dim, dtype, device):
     g = torch.Generator().manual_seed(1)
@@ -81,14 +81,14 @@ def _bench_compact(ctx):
         nbytes = 2 * moved * row_bytes * 2 * layers  # read + write, K and V, every layer
         case = {"op": "compact_kv", "B": B, "layers": layers, "Hkv": hkv, "D": dim}
         ctx.add(case, "torch-ref", ctx.time_ms(lambda: compact_kv(ks, vs, *args, validate=False, backend="torch")), bytes_moved=nbytes)
-        try:
-            compact_kv(ks, vs, *args, validate=False, backend="triton")
-        except BackendUnavailableError as exc:
-            ctx.note(f"compact_kv tlt-triton skipped: {exc}")
-            continue
-        ms = ctx.time_ms(lambda: compact_kv(ks, vs, *args, validate=False, backend="triton"))
-        ctx.add(case, "tlt-triton", ms, bytes_moved=nbytes, rows_moved_per_cache=moved)
-
+        for impl in ("triton", "cuda"):
+            try:
+                compact_kv(ks, vs, *args, validate=False, backend=impl)
+            except BackendUnavailableError as exc:
+                ctx.note(f"compact_kv tlt-{impl} skipped: {exc}")
+                continue
+            ms = ctx.time_ms(lambda: compact_kv(ks, vs, *args, validate=False, backend=impl))
+            ctx.add(case, f"tlt-{impl}", ms, bytes_moved=nbytes, rows_moved_per_cache=moved)
 
 def run(ctx) -> None:
     _bench_build(ctx)

@@ -22,8 +22,10 @@ _BUILD = register_op(
     {
         "torch": "tlt_kernels.reference.build_draft_tree:build_draft_tree",
         "triton": "tlt_kernels._triton.build_draft_tree:build_draft_tree",
+        "cuda": "tlt_kernels._cuda.build_draft_tree:build_draft_tree",
     },
-    preference=("triton", "torch"),
+    # Triton first until bench/suites/tree_building.py has measured both kernel backends on the GPU.
+    preference=("triton", "cuda", "torch"),
 )
 
 
@@ -78,7 +80,7 @@ def build_draft_tree(
         return_mask: also return the bit-packed ancestor mask (see :func:`tlt_kernels.pack_tree_mask`).
         validate: check the values of ``cand_parents``/``cand_scores`` (host sync; skipped under
             CUDA-graph capture).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"`` (``N <= 2048``).
 
     Returns:
         :class:`DraftTree` ``(parents int32 [B, V], draft_tokens int64 [B, V], cand_index int32 [B, V],

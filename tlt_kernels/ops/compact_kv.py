@@ -10,8 +10,13 @@ from .._validation import check_tensor
 
 _COMPACT = register_op(
     "compact_kv",
-    {"torch": "tlt_kernels.reference.compact_kv:compact_kv", "triton": "tlt_kernels._triton.compact_kv:compact_kv"},
-    preference=("triton", "torch"),
+    {
+        "torch": "tlt_kernels.reference.compact_kv:compact_kv",
+        "triton": "tlt_kernels._triton.compact_kv:compact_kv",
+        "cuda": "tlt_kernels._cuda.compact_kv:compact_kv",
+    },
+    # Triton first until bench/suites/acceptance.py has measured both kernel backends on the GPU.
+    preference=("triton", "cuda", "torch"),
 )
 
 Caches = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -96,7 +101,7 @@ def compact_kv(
             as returned by :func:`tlt_kernels.verify_tree`.
         num_accepted: ``int32 [B]`` accepted drafts; the path is ``accepted_nodes[b, :num_accepted[b]+1]``.
         validate: check the path and block ids (host sync; skipped under CUDA-graph capture).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``.
 
     Returns:
         ``int32 [B]`` new context lengths ``context_lens + num_accepted + 1`` (root and accepted drafts

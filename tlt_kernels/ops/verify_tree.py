@@ -18,8 +18,10 @@ _BACKENDS = register_op(
     {
         "torch": "tlt_kernels.reference.verify_tree:verify_tree_reference",
         "triton": "tlt_kernels._triton.verify_tree:verify_tree_triton",
+        "cuda": "tlt_kernels._cuda.verify_tree:verify_tree_cuda",
     },
-    preference=("triton", "torch"),
+    # Triton first until bench/suites/acceptance.py has measured both kernel backends on the GPU.
+    preference=("triton", "cuda", "torch"),
 )
 
 _TEMP_OK = "a finite value >= 0 (None or 0 = greedy)"
@@ -109,7 +111,7 @@ def verify_tree(
         return_stats: also return the per-depth tried/accepted counters.
         validate: check tree validity, token ids and value ranges (needs a host sync). Skipped
             automatically while a CUDA graph is being captured.
-        backend: "auto", "torch" or "triton".
+        backend: "auto", "torch", "triton" or "cuda".
 
     Returns:
         :class:`VerifyResult` ``(tokens int32 [B, max_depth+1], num_accepted int32 [B],

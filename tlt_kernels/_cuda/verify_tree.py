@@ -1,0 +1,126 @@
+"""CUDA backend of :func:`tlt_kernels.verify_tree`: one launch of ``_C.verify_tree``.
+
+Same entry point as the Triton backend (:func:`verify_tree_cuda` takes already-validated inputs).
+One CTA of 512 threads walks one request: it streams only the visited rows (root, then each accepted
+node) with 16-byte loads, finds the top-k / top-p thresholds by 8-bit radix select on the logits'
+order-preserving keys (integer histograms: deterministic run to run), and draws the coins with the
+same Philox4x32-10 as :mod:`tlt_kernels.rng`. No host synchronization: CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..reference.verify_tree import VerifyResult
+from . import extension, ptr, stream_handle
+
+__all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
+
+_ELEM = {torch.float32: "ELEM_FLOAT32", torch.float16: "ELEM_FLOAT16", torch.bfloat16: "ELEM_BFLOAT16"}
+MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shared memory
+
+
+def elem_code(dtype: torch.dtype) -> int:
+    """The extension's element-type code of a float32/float16/bfloat16 dtype."""
+    if dtype not in _ELEM:
+        raise TypeError(f"the CUDA verify_tree kernel reads float32, float16 or bfloat16, got {dtype}")
+    return getattr(extension(), _ELEM[dtype])
+
+
+def check_inputs(logits: torch.Tensor, draft_probs: Optional[torch.Tensor], max_depth: int) -> None:
+    """What the CUDA kernel adds to the op's validation (metadata only, no sync; works on CPU tensors)."""
+    B, T, V = logits.shape
+    if logits.dtype not in _ELEM:
+        raise TypeError(f"logits must be float32/float16/bfloat16 for the CUDA backend, got {logits.dtype}")
+    if draft_probs is not None and draft_probs.dtype not in _ELEM:
+        raise TypeError(f"draft_probs must be float32/float16/bfloat16 for the CUDA backend, got {draft_probs.dtype}")
+    if V >= 2**31 - 8 or B * T * V >= 2**62:
+        raise ValueError(f"logits shape {tuple(logits.shape)} is too large for int32 vocabulary indexing")
+    if min(max_depth, T - 1) > MAX_DEPTH:
+        raise ValueError(f"min(max_depth, T - 1) = {min(max_depth, T - 1)} exceeds the CUDA kernel's limit {MAX_DEPTH}")
+
+
+def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+            max_depth, return_stats, out=None):
+    """Launch ``_C.verify_tree``; ``out`` optionally supplies (tokens, num, nodes, error, stats) int32 buffers."""
+    B, T, V = logits.shape
+    dev = logits.device
+    if dev.type != "cuda":
+        raise ValueError(f"verify_tree (cuda backend) needs CUDA tensors, got logits on {dev}")
+    check_inputs(logits, draft_probs, max_depth)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if draft_probs is not None and draft_probs.stride(-1) != 1:
+        draft_probs = draft_probs.contiguous()
+    if draft_tokens.dtype not in (torch.int32, torch.int64):
+        draft_tokens = draft_tokens.to(torch.int64)
+    draft_tokens = draft_tokens if draft_tokens.stride(-1) == 1 else draft_tokens.contiguous()
+    parents = parents.to(torch.int32)
+    parents = parents if parents.stride(-1) == 1 else parents.contiguous()
+    num_nodes = num_nodes.to(torch.int32).contiguous()
+    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
+    temperature, top_p = f32(temperature), f32(top_p)
+    top_k = None if top_k is None else top_k.to(torch.int32).contiguous()
+    seed = seed.to(torch.int64).contiguous()
+    offset = offset.to(torch.int64).contiguous()
+    if out is None:
+        new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
+        out = (new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2))
+    out_tokens, out_num, out_nodes, out_err, out_stats = out
+    # Residual rows after rejections; never read before the kernel writes them.
+    scratch = torch.empty(B, V, dtype=torch.float32, device=dev)
+    if B == 0:
+        return out
+    ext = extension()
+    with torch.cuda.device(dev):
+        ext.verify_tree(
+            logits=ptr(logits), draft_probs=ptr(draft_probs), draft_tokens=ptr(draft_tokens), parents=ptr(parents),
+            num_nodes=ptr(num_nodes), temperature=ptr(temperature), top_k=ptr(top_k), top_p=ptr(top_p),
+            seed=ptr(seed), offset=ptr(offset), scratch=ptr(scratch), out_tokens=ptr(out_tokens),
+            out_num=ptr(out_num), out_nodes=ptr(out_nodes), out_error=ptr(out_err),
+            out_stats=ptr(out_stats) if return_stats and max_depth > 0 else 0,
+            logits_stride_b=int(logits.stride(0)), logits_stride_t=int(logits.stride(1)),
+            q_stride_b=int(draft_probs.stride(0)) if draft_probs is not None else 0,
+            q_stride_t=int(draft_probs.stride(1)) if draft_probs is not None else 0,
+            tokens_stride_b=int(draft_tokens.stride(0)), parents_stride_b=int(parents.stride(0)),
+            batch=B, num_tree=T, vocab=V, max_depth=int(max_depth),
+            tokens_int64=draft_tokens.dtype == torch.int64, logits_dtype=elem_code(logits.dtype),
+            q_dtype=elem_code(draft_probs.dtype) if draft_probs is not None else 0,
+            stream=stream_handle(dev),
+        )
+    return out
+
+
+@torch.library.custom_op("tlt::verify_tree_cuda", mutates_args=())
+def _verify_tree_op(
+    logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+    draft_probs: Optional[torch.Tensor], temperature: Optional[torch.Tensor], top_k: Optional[torch.Tensor],
+    top_p: Optional[torch.Tensor], seed: torch.Tensor, offset: torch.Tensor, max_depth: int, return_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed,
+                         offset, max_depth, return_stats))
+
+
+@_verify_tree_op.register_fake
+def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth, return_stats):
+    B = logits.shape[0]
+    new = lambda *shape: logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
+    return new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2)
+
+
+def verify_tree_cuda(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                     max_depth, return_stats=False) -> VerifyResult:
+    """CUDA backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op).
+
+    Args/returns as :func:`tlt_kernels.reference.verify_tree.verify_tree_reference`: ``logits [B, T, V]``
+    fp32/bf16/fp16, ``draft_tokens int32/int64 [B, T]``, ``parents int32 [B, T]``, ``num_nodes int32 [B]``
+    or None, ``draft_probs [B, T, V]`` fp32/bf16/fp16 or None, ``temperature float32 [B]`` / ``top_k
+    int32 [B]`` / ``top_p float32 [B]`` or None, ``seed, offset int64 [B]``. Visited rows with
+    NaN/+inf (or all -inf) set ``error[b] = 1`` instead of raising.
+    """
+    if num_nodes is None:
+        num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
+    tokens, num, nodes, err, stats = _verify_tree_op(
+        logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
+        seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
+    return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)
