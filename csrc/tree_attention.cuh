@@ -4,14 +4,15 @@
 //
 //   out[b, t, h*G+g] = softmax_j(scale * q . k_j) v_j   over   j in context[0, ctx_b)  U  {tree node j : j anc-or-self of t}
 //
-// Step 1 (partial kernel, one CTA per (split, b, h)): split s < S covers context tokens
-// [s * split_len, min((s+1) * split_len, ctx_b)) without a mask; split S covers the tree tokens at
-// cache slots ctx_b + j under the packed ancestor mask. Every CTA computes, for all M = num_nodes[b]
-// * G rows of its group at once (so each K/V tile is read from HBM once per 64 rows), the normalized
-// partial output O_s = sum_j p_j v_j / l_s and lse_s = log(l_s) with the usual online softmax.
+// Step 1 (partial kernel, one CTA per (split, 64-row chunk, b, h)): split s < S covers context
+// tokens [s * split_len, min((s+1) * split_len, ctx_b)) without a mask; split S covers the tree
+// tokens at cache slots ctx_b + j under the packed ancestor mask. Every CTA computes, for its 64 of
+// the M = num_nodes[b] * G rows of the group, the normalized partial output O_s = sum_j p_j v_j / l_s
+// and lse_s = log(l_s) with the usual online softmax. The chunks of a split are adjacent in launch
+// order, so they run together and each K/V tile comes from HBM about once (the others hit L2).
 // Step 2 (merge kernel) combines the S + 1 partials: out = sum_s exp(lse_s - m) O_s / sum_s exp(lse_s - m).
 //
-// Partial kernel layout: 4 warps, BLOCK_M = 64 query rows per pass (16 per warp), K/V tiles of
+// Partial kernel layout: 4 warps, BLOCK_M = 64 query rows per CTA (16 per warp), K/V tiles of
 // BLOCK_N tokens gathered through the block table with 16-byte cp.async (zero-filled past the end)
 // into a double-buffered, row-padded shared buffer. Tensor cores via mma.sync.m16n8k16 (fp16/bf16
 // in, fp32 accumulate); ldmatrix feeds Q and K, ldmatrix.trans feeds V; P goes from the S
@@ -36,21 +37,16 @@ constexpr int kBlockM = kNumWarps * 16;  // query rows per pass
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// K/V tile length and pipeline depth. The kernel is latency-bound (ncu on H200, 7B (64, 4096, 16):
-// 14% DRAM and 29% SM throughput at 12.5% occupancy -- 2 CTAs of 4 warps per SM, bounded by shared
-// memory and registers), so the loads in flight per CTA matter more than the tile size: kStages - 1
-// tiles are in flight while one is computed. D <= 128: 32-token tiles x 4 stages (3 tiles, 48 KB
-// for D = 128, in flight) in the same ~87 KB of shared memory that 64-token tiles x 2 stages used.
-// D = 256: 32 x 2 (more stages would drop to one CTA per SM).
+// K/V tile length: keeps the fp32 O accumulator (D/2 registers per thread) plus the S tile
+// (BLOCK_N/2 registers) under the register budget without spills.
 template <int D>
 struct TileConfig {
-  static constexpr int kBlockN = 32;
-  static constexpr int kStages = D >= 256 ? 2 : 4;
+  static constexpr int kBlockN = D >= 256 ? 32 : 64;
   // Rows are padded by 16 bytes so the 8 row addresses of one ldmatrix phase hit distinct banks.
   static constexpr int kRowStride = D + 8;  // elements
   static constexpr int kChunksPerRow = D * 2 / 16;  // 16-byte chunks per K/V/Q row
   static constexpr size_t kSmemBytes =
-      size_t(kBlockM + 2 * kStages * kBlockN) * kRowStride * 2;  // Q + kStages of (K, V)
+      size_t(kBlockM + 4 * kBlockN) * kRowStride * 2;  // Q + 2 stages of (K, V)
 };
 
 template <typename T>
@@ -177,8 +173,8 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* q_s = reinterpret_cast<T*>(smem_raw);
-  T* k_s = q_s + kBlockM * LDS;       // [kStages][BN][LDS]
-  T* v_s = k_s + Cfg::kStages * BN * LDS;  // [kStages][BN][LDS]
+  T* k_s = q_s + kBlockM * LDS;       // [2][BN][LDS]
+  T* v_s = k_s + 2 * BN * LDS;        // [2][BN][LDS]
 
   // Row chunks of one split are adjacent in launch order: they run concurrently and read the same
   // K/V tiles, so only the first of them fetches a tile from HBM and the others hit L2.
@@ -220,16 +216,10 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
   const int32_t* mask_b = p.tree_mask + int64_t(b) * p.num_tree * p.mask_words;
 
   {
-    // Prologue: tiles 0 .. kStages-2, one commit group each (Q joins tile 0's). A group is committed
-    // even when empty, so before iteration `it` exactly kStages - 1 + it groups exist and group k
-    // holds tile k: waiting until at most kStages - 2 are pending means tile `it` has landed.
-    constexpr int ST = Cfg::kStages;
+    // Prologue: Q chunk and the first K/V tile share one commit group.
     load_q_chunk<T, D>(p, q_s, b, h, m0, M, tid);
-#pragma unroll
-    for (int st = 0; st < ST - 1; ++st) {
-      if (st < num_tiles) load_kv_tile<T, D>(p, k_s + st * BN * LDS, v_s + st * BN * LDS, b, h, kv_begin + st * BN, kv_end, tid);
-      cp_async_commit();
-    }
+    load_kv_tile<T, D>(p, k_s, v_s, b, h, kv_begin, kv_end, tid);
+    cp_async_commit();
 
     const int wrow0 = m0 + warp * 16;  // first query row of this warp
     const bool warp_active = wrow0 < M;
@@ -240,18 +230,16 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
     float row_sum[2] = {0.f, 0.f};              // this lane's share; reduced over the quad at the end
 
     for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % ST;
-      cp_async_wait<ST - 2>();
-      // Every warp is done with iteration it-1, so its stage, (it + ST - 1) % ST, can be refilled.
-      __syncthreads();
-      {
-        const int next = it + ST - 1;
-        if (next < num_tiles) {
-          const int ns = next % ST;
-          load_kv_tile<T, D>(p, k_s + ns * BN * LDS, v_s + ns * BN * LDS, b, h, kv_begin + next * BN, kv_end, tid);
-        }
+      const int stage = it & 1;
+      if (it + 1 < num_tiles) {
+        load_kv_tile<T, D>(p, k_s + (stage ^ 1) * BN * LDS, v_s + (stage ^ 1) * BN * LDS, b, h,
+                           kv_begin + (it + 1) * BN, kv_end, tid);
         cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
       }
+      __syncthreads();
 
       if (warp_active) {
         const T* ks = k_s + stage * BN * LDS;
@@ -346,6 +334,7 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
           }
         }
       }
+      __syncthreads();  // the next iteration refills the stage just read
     }
 
     if (warp_active) {
