@@ -8,7 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <sstream>
+#include "cuda_check.h"  // tlt::Message: no iostreams (std::ostringstream crashed on the GPU machine)
 #include <string>
 
 #include "acceptance.cuh"
@@ -16,7 +16,7 @@
 #define TLT_ACC_CHECK_ARG(cond, msg)                                                       \
   do {                                                                                     \
     if (!(cond)) {                                                                         \
-      std::ostringstream tlt_msg_;                                                         \
+      ::tlt::Message tlt_msg_;                                                              \
       tlt_msg_ << msg << " (at " << __FILE__ << ":" << __LINE__ << ")";                    \
       return ::tlt::LaunchStatus{::tlt::LaunchStatus::kInvalidArgument, tlt_msg_.str()};  \
     }                                                                                      \
@@ -25,7 +25,7 @@
   do {                                                                                                     \
     const cudaError_t tlt_err_ = (expr);                                                                   \
     if (tlt_err_ != cudaSuccess) {                                                                         \
-      std::ostringstream tlt_msg_;                                                                         \
+      ::tlt::Message tlt_msg_;                                                                              \
       tlt_msg_ << "CUDA error " << cudaGetErrorName(tlt_err_) << " (" << static_cast<int>(tlt_err_)       \
                << "): " << cudaGetErrorString(tlt_err_) << "\n  in " #expr "\n  at " << __FILE__ << ":"   \
                << __LINE__;                                                                                \
