@@ -235,7 +235,9 @@ def test_triton_large_gpu(B, N, V, gen):
 def test_triton_custom_op_opcheck(gen):
     import tlt_kernels._triton.build_draft_tree  # noqa: F401  (registers tlt::build_draft_tree)
 
-    parents, tokens, scores, root = random_candidates(2, 10, gen)
+    # Kernel tensors live where Triton can run them: the GPU, or the CPU under the interpreter.
+    dev = kernel_devices()[0]
+    parents, tokens, scores, root = (x.to(dev) for x in random_candidates(2, 10, gen))
     torch.library.opcheck(torch.ops.tlt.build_draft_tree.default, (parents, tokens, scores, 5, root, True))
 
 

@@ -169,5 +169,8 @@ def test_triton_cuda_graph(gen):
 def test_triton_custom_op_opcheck(gen):
     import tlt_kernels._triton.compact_kv  # noqa: F401  (registers tlt::compact_kv)
 
+    dev = kernel_devices()[0]  # the GPU, or the CPU under the interpreter
     ks, vs, table, ctx, nodes, nacc = make_case(2, 4, 2, gen)
+    ks, vs = [k.to(dev) for k in ks], [v.to(dev) for v in vs]
+    table, ctx, nodes, nacc = (x.to(dev) for x in (table, ctx, nodes, nacc))
     torch.library.opcheck(torch.ops.tlt.compact_kv.default, (ks, vs, table, ctx, nodes, nacc))

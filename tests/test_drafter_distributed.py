@@ -70,8 +70,9 @@ def _worker(rank, world, init_file, backend, out_dir):
 
 def _run(backend, tmp_path):
     init_file = str(tmp_path / "init")
-    # fork skips re-importing torch in the children (seconds on a loaded CI box); CUDA needs spawn.
-    method = "spawn" if backend == "nccl" else "fork"
+    # fork skips re-importing torch in the children (seconds on a loaded CI box); a process that has
+    # touched CUDA (any GPU machine: the harness and conftest query it) must spawn instead.
+    method = "spawn" if backend == "nccl" or torch.cuda.is_available() else "fork"
     mp.start_processes(_worker, args=(2, init_file, backend, str(tmp_path)), nprocs=2, join=True, start_method=method)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 

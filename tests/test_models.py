@@ -188,7 +188,9 @@ def _half_tree_check(model, gen, backend, lens=(9, 3), T=5):
     cache, table, prompt, lens_t, _, _ = prefilled(model, list(lens), gen, block_size=8, extra=T)
     parents, n = random_tree(len(lens), T, gen)
     tokens = torch.randint(0, model.config.vocab_size, (len(lens), T), generator=gen)
-    logits, _ = model.forward_tree(tokens, parents, n, cache, table, lens_t, backend=backend)
+    dev = model.device
+    logits, _ = model.forward_tree(tokens.to(dev), parents.to(dev), n.to(dev), cache, table, lens_t, backend=backend)
+    tokens = tokens.to(prompt.device)
     for b in range(len(lens)):
         for i in range(int(n[b])):
             ref, _ = dense(model, torch.cat([prompt[b, : lens[b]], tokens[b, path_to(parents, b, i)]]))

@@ -204,7 +204,8 @@ def test_triton_large_gpu(B, L, vocab, gen):
 def test_triton_custom_ops_opcheck(gen):
     import tlt_kernels._triton.ngram  # noqa: F401  (registers tlt::ngram_propose*)
 
-    tokens, lengths = random_histories(2, 20, 3, gen, min_len=5)
+    dev = kernel_devices()[0]  # the GPU, or the CPU under the interpreter
+    tokens, lengths = (x.to(dev) for x in random_histories(2, 20, 3, gen, min_len=5))
     torch.library.opcheck(torch.ops.tlt.ngram_propose.default, (tokens, lengths, 3, 1, 3))
     torch.library.opcheck(torch.ops.tlt.ngram_propose_tree.default, (tokens, lengths, 2, 2, 1, 3))
 

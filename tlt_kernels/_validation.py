@@ -12,6 +12,23 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def _normalize(device) -> torch.device:
+    """``cuda`` and ``cuda:<current>`` are the same device; compare them as such."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def devices_equal(a, b) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        return _normalize(a) == _normalize(b)
+    return a.index == b.index
+
+
 def check_tensor(
     name: str,
     t,
@@ -36,14 +53,14 @@ def check_tensor(
         for axis, (want, got) in enumerate(zip(shape, t.shape)):
             if want is not None and want != got:
                 raise ValueError(f"{name} has size {got} on dim {axis}, expected {want} (shape {tuple(t.shape)})")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not devices_equal(t.device, device):
         raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs must share one device)")
     return t
 
 
 def same_device(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
-        if t is not None and t.device != device:
+        if t is not None and not devices_equal(t.device, device):
             raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
 
 
@@ -56,7 +73,7 @@ def per_request(name: str, value, batch: int, device: torch.device, dtype: torch
             value = value.reshape(1).expand(batch)
         if value.dim() != 1 or value.shape[0] != batch:
             raise ValueError(f"{name} must be a scalar or a [B]={batch} tensor, got shape {tuple(value.shape)}")
-        if value.device != device:
+        if not devices_equal(value.device, device):
             raise ValueError(f"{name} is on {value.device} but the other inputs are on {device}")
         return value.to(dtype)
     if isinstance(value, (int, float)):
