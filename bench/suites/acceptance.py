@@ -18,6 +18,8 @@ ideal one-read floor.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tlt_kernels import BackendUnavailableError, verify_tree
@@ -71,6 +73,8 @@ def run(ctx) -> None:
         Bs, Vs, shapes = [2], [257], [("chain", 4), ("tree", 8)]
     else:
         Bs, Vs = [1, 16, 64, 256], [32000, 152064]
+        if os.environ.get("TLT_ACCEPTANCE_BS"):  # e.g. "1,16,64": a shorter run inside a time-limited lease
+            Bs = [int(b) for b in os.environ["TLT_ACCEPTANCE_BS"].split(",")]
         shapes = [("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64)]
     fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
     unavailable: set = set()  # kernel backends that could not run here (noted once)
