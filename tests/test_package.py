@@ -37,11 +37,14 @@ except ImportError:  # the GPU machine may lack it: skip the timings rather than
 # import hygiene and public names
 # ---------------------------------------------------------------------------------------------
 def test_import_touches_no_gpu_triton_or_extension():
-    # Our kernel modules load on first use. (torch itself may import triton, e.g. via torch._dynamo.)
+    # Our kernel modules load on first use, and nothing of ours pulls in torch._dynamo (which imports Triton).
     code = (
-        "import sys, torch, tlt_kernels\n"
+        "import sys, torch\n"
+        "before = 'triton' in sys.modules or 'torch._dynamo' in sys.modules\n"
+        "import tlt_kernels\n"
         "bad = [m for m in sys.modules if m.startswith(('tlt_kernels._triton.', 'tlt_kernels._cuda.', 'tlt_kernels._C'))]\n"
         "assert not bad, f'importing tlt_kernels imported kernel modules {bad}'\n"
+        "assert before or not ('triton' in sys.modules or 'torch._dynamo' in sys.modules), 'importing tlt_kernels imported Triton / torch._dynamo'\n"
         "assert not torch.cuda.is_initialized(), 'importing tlt_kernels initialized CUDA'\n"
         "print(tlt_kernels.__version__)\n"
     )
