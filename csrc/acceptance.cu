@@ -8,30 +8,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include "cuda_check.h"  // tlt::Message: no iostreams (std::ostringstream crashed on the GPU machine)
 #include <string>
 
-#include "acceptance.cuh"
+#include "launch_status.h"
 
-#define TLT_ACC_CHECK_ARG(cond, msg)                                                       \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      ::tlt::Message tlt_msg_;                                                              \
-      tlt_msg_ << msg << " (at " << __FILE__ << ":" << __LINE__ << ")";                    \
-      return ::tlt::LaunchStatus{::tlt::LaunchStatus::kInvalidArgument, tlt_msg_.str()};  \
-    }                                                                                      \
-  } while (0)
-#define TLT_ACC_CUDA_CHECK(expr)                                                                           \
-  do {                                                                                                     \
-    const cudaError_t tlt_err_ = (expr);                                                                   \
-    if (tlt_err_ != cudaSuccess) {                                                                         \
-      ::tlt::Message tlt_msg_;                                                                              \
-      tlt_msg_ << "CUDA error " << cudaGetErrorName(tlt_err_) << " (" << static_cast<int>(tlt_err_)       \
-               << "): " << cudaGetErrorString(tlt_err_) << "\n  in " #expr "\n  at " << __FILE__ << ":"   \
-               << __LINE__;                                                                                \
-      return ::tlt::LaunchStatus{::tlt::LaunchStatus::kCudaError, tlt_msg_.str()};                        \
-    }                                                                                                      \
-  } while (0)
+#include "acceptance.cuh"
 
 namespace tlt {
 namespace {
@@ -45,10 +26,10 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   const int smem = static_cast<int>(sizeof(int)) * (4 * depth_cap + 2);
   if (smem > 48 * 1024) {
     // Allowed during stream capture (not a stream operation); only deep trees need it.
-    TLT_ACC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
   kernel<<<p.batch, accept::kVerifyThreads, smem, stream>>>(p);
-  TLT_ACC_CUDA_CHECK(cudaGetLastError());
+  TLT_STATUS_CUDA_CHECK(cudaGetLastError());
   return {};
 }
 
@@ -60,7 +41,7 @@ LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream) {
     case ElemType::kFloat16: return launch_verify<TL, __half, true>(p, stream);
     case ElemType::kBFloat16: return launch_verify<TL, __nv_bfloat16, true>(p, stream);
   }
-  TLT_ACC_CHECK_ARG(false, "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
+  TLT_STATUS_CHECK_ARG(false, "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
 }
 
 template <int U>
@@ -70,17 +51,17 @@ LaunchStatus launch_compact(const CompactKVParams& p, cudaStream_t stream) {
   if (slab < U) slab = U;
   if (slab > p.row_bytes) slab = p.row_bytes;
   const int64_t slabs = (p.row_bytes + slab - 1) / slab;
-  TLT_ACC_CHECK_ARG(slabs <= 65535, "a cache slot of " << p.row_bytes << " bytes needs " << slabs
+  TLT_STATUS_CHECK_ARG(slabs <= 65535, "a cache slot of " << p.row_bytes << " bytes needs " << slabs
                                     << " slabs of " << slab << " bytes (grid z limit 65535)");
   const int64_t smem = 16 * static_cast<int64_t>(p.path_len) + p.path_len * slab;
   auto kernel = accept::compact_kv_kernel<U>;
   if (smem > 48 * 1024) {
-    TLT_ACC_CHECK_ARG(smem <= 227 * 1024, "accepted_nodes has " << p.path_len << " columns: too many for one CTA's staging tile");
-    TLT_ACC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    TLT_STATUS_CHECK_ARG(smem <= 227 * 1024, "accepted_nodes has " << p.path_len << " columns: too many for one CTA's staging tile");
+    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
   const dim3 grid(p.batch, p.num_caches, static_cast<unsigned>(slabs));
   kernel<<<grid, accept::kCompactThreads, static_cast<size_t>(smem), stream>>>(p, static_cast<int>(slab));
-  TLT_ACC_CUDA_CHECK(cudaGetLastError());
+  TLT_STATUS_CUDA_CHECK(cudaGetLastError());
   return {};
 }
 
@@ -88,23 +69,23 @@ template <int ITEMS>
 LaunchStatus launch_build(const BuildDraftTreeParams& p, cudaStream_t stream) {
   const size_t smem = 2 * sizeof(int) * static_cast<size_t>(p.num_cand);
   accept::build_draft_tree_kernel<ITEMS><<<p.batch, accept::kBuildThreads, smem, stream>>>(p);
-  TLT_ACC_CUDA_CHECK(cudaGetLastError());
+  TLT_STATUS_CUDA_CHECK(cudaGetLastError());
   return {};
 }
 
 }  // namespace
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept {
-  TLT_ACC_CHECK_ARG(p.batch >= 0 && p.batch <= 0x7fffffff, "batch must be >= 0, got " << p.batch);
-  TLT_ACC_CHECK_ARG(p.num_tree >= 1 && p.vocab >= 1, "need T >= 1 and V >= 1, got T=" << p.num_tree << " V=" << p.vocab);
-  TLT_ACC_CHECK_ARG(p.max_depth >= 0, "max_depth must be >= 0, got " << p.max_depth);
+  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.batch <= 0x7fffffff, "batch must be >= 0, got " << p.batch);
+  TLT_STATUS_CHECK_ARG(p.num_tree >= 1 && p.vocab >= 1, "need T >= 1 and V >= 1, got T=" << p.num_tree << " V=" << p.vocab);
+  TLT_STATUS_CHECK_ARG(p.max_depth >= 0, "max_depth must be >= 0, got " << p.max_depth);
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
-  TLT_ACC_CHECK_ARG(depth_cap <= kVerifyMaxDepthSmem,
+  TLT_STATUS_CHECK_ARG(depth_cap <= kVerifyMaxDepthSmem,
                     "min(max_depth, T - 1) = " << depth_cap << " exceeds the CUDA kernel's limit " << kVerifyMaxDepthSmem);
-  TLT_ACC_CHECK_ARG(valid_type(p.logits_type), "unknown logits dtype code " << static_cast<int>(p.logits_type));
-  TLT_ACC_CHECK_ARG(p.draft_probs == nullptr || valid_type(p.q_type), "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
+  TLT_STATUS_CHECK_ARG(valid_type(p.logits_type), "unknown logits dtype code " << static_cast<int>(p.logits_type));
+  TLT_STATUS_CHECK_ARG(p.draft_probs == nullptr || valid_type(p.q_type), "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
   if (p.batch == 0) return {};
-  TLT_ACC_CHECK_ARG(p.logits && p.draft_tokens && p.parents && p.num_nodes && p.seed && p.offset && p.scratch &&
+  TLT_STATUS_CHECK_ARG(p.logits && p.draft_tokens && p.parents && p.num_nodes && p.seed && p.offset && p.scratch &&
                         p.out_tokens && p.out_num && p.out_nodes && p.out_error,
                     "logits, draft_tokens, parents, num_nodes, seed, offset, scratch and the outputs must be device pointers");
   switch (p.logits_type) {
@@ -112,20 +93,20 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
     case ElemType::kFloat16: return dispatch_verify_q<__half>(p, stream);
     case ElemType::kBFloat16: return dispatch_verify_q<__nv_bfloat16>(p, stream);
   }
-  TLT_ACC_CHECK_ARG(false, "unknown logits dtype code " << static_cast<int>(p.logits_type));
+  TLT_STATUS_CHECK_ARG(false, "unknown logits dtype code " << static_cast<int>(p.logits_type));
 }
 
 LaunchStatus launch_compact_kv(const CompactKVParams& p, cudaStream_t stream) noexcept {
-  TLT_ACC_CHECK_ARG(p.batch >= 0 && p.batch <= 0x7fffffff, "batch must be >= 0, got " << p.batch);
-  TLT_ACC_CHECK_ARG(p.num_caches >= 1 && p.num_caches <= 65535, "num_caches must be in [1, 65535], got " << p.num_caches);
-  TLT_ACC_CHECK_ARG(p.path_len >= 1, "accepted_nodes needs >= 1 column, got " << p.path_len);
-  TLT_ACC_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
-  TLT_ACC_CHECK_ARG(p.unit == 16 || p.unit == 8 || p.unit == 4 || p.unit == 2 || p.unit == 1,
+  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.batch <= 0x7fffffff, "batch must be >= 0, got " << p.batch);
+  TLT_STATUS_CHECK_ARG(p.num_caches >= 1 && p.num_caches <= 65535, "num_caches must be in [1, 65535], got " << p.num_caches);
+  TLT_STATUS_CHECK_ARG(p.path_len >= 1, "accepted_nodes needs >= 1 column, got " << p.path_len);
+  TLT_STATUS_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
+  TLT_STATUS_CHECK_ARG(p.unit == 16 || p.unit == 8 || p.unit == 4 || p.unit == 2 || p.unit == 1,
                     "unit must be 16, 8, 4, 2 or 1 bytes, got " << p.unit);
-  TLT_ACC_CHECK_ARG(p.row_bytes >= 1 && p.row_bytes % p.unit == 0,
+  TLT_STATUS_CHECK_ARG(p.row_bytes >= 1 && p.row_bytes % p.unit == 0,
                     "row_bytes (" << p.row_bytes << ") must be a positive multiple of unit (" << p.unit << ")");
   if (p.batch == 0) return {};
-  TLT_ACC_CHECK_ARG(p.cache_ptrs && p.block_table && p.context_lens && p.accepted_nodes && p.num_accepted,
+  TLT_STATUS_CHECK_ARG(p.cache_ptrs && p.block_table && p.context_lens && p.accepted_nodes && p.num_accepted,
                     "cache_ptrs, block_table, context_lens, accepted_nodes and num_accepted must be device pointers");
   switch (p.unit) {
     case 16: return launch_compact<16>(p, stream);
@@ -137,12 +118,12 @@ LaunchStatus launch_compact_kv(const CompactKVParams& p, cudaStream_t stream) no
 }
 
 LaunchStatus launch_build_draft_tree(const BuildDraftTreeParams& p, cudaStream_t stream) noexcept {
-  TLT_ACC_CHECK_ARG(p.batch >= 0 && p.batch <= 0x7fffffff, "batch must be >= 0, got " << p.batch);
-  TLT_ACC_CHECK_ARG(p.num_cand >= 0 && p.num_cand <= kBuildTreeMaxCandidates,
+  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.batch <= 0x7fffffff, "batch must be >= 0, got " << p.batch);
+  TLT_STATUS_CHECK_ARG(p.num_cand >= 0 && p.num_cand <= kBuildTreeMaxCandidates,
                     "the CUDA kernel takes up to " << kBuildTreeMaxCandidates << " candidates per request, got N=" << p.num_cand);
-  TLT_ACC_CHECK_ARG(p.num_verify >= 1, "num_verify must be >= 1, got " << p.num_verify);
+  TLT_STATUS_CHECK_ARG(p.num_verify >= 1, "num_verify must be >= 1, got " << p.num_verify);
   if (p.batch == 0) return {};
-  TLT_ACC_CHECK_ARG((p.num_cand == 0 || (p.cand_parents && p.cand_tokens && p.cand_scores)) && p.root_tokens &&
+  TLT_STATUS_CHECK_ARG((p.num_cand == 0 || (p.cand_parents && p.cand_tokens && p.cand_scores)) && p.root_tokens &&
                         p.parents && p.draft_tokens && p.cand_index && p.num_nodes,
                     "candidate inputs and tree outputs must be device pointers");
   const int per_thread = (p.num_cand + accept::kBuildThreads - 1) / accept::kBuildThreads;

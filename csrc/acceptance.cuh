@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "tree_attention.h"  // tlt::LaunchStatus
+#include "launch_status.h"
 
 #if defined(__CUDACC__)
 #define TLT_HD __host__ __device__ __forceinline__

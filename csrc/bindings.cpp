@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_check.h"
+#include "bindings_common.h"
 #include "tree_attention.h"
 
 namespace py = pybind11;
@@ -17,10 +17,8 @@ void register_acceptance(pybind11::module_& m);  // bindings_acceptance.cpp
 
 namespace {
 
-template <typename P>
-P as_ptr(uintptr_t v) {
-  return reinterpret_cast<P>(v);
-}
+using tlt::bindings::as_ptr;
+using tlt::bindings::raise_if_failed;
 
 tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,
                                      uintptr_t context_lens, uintptr_t num_nodes, uintptr_t tree_mask,
@@ -73,18 +71,6 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
       py::arg("out_strides"), py::arg("bt_stride_b"), py::arg("batch"), py::arg("num_tree"),               \
       py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),         \
       py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream")
-
-// Launcher statuses become Python exceptions here, in host-compiler code: std::invalid_argument ->
-// ValueError, tlt::CudaError (a std::runtime_error) -> RuntimeError. See tree_attention.cu for why
-// the launchers return a status instead of throwing.
-void raise_if_failed(const tlt::LaunchStatus& st) {
-  switch (st.code) {
-    case tlt::LaunchStatus::kOk: return;
-    case tlt::LaunchStatus::kInvalidArgument: throw std::invalid_argument(st.message);
-    case tlt::LaunchStatus::kCudaError: throw tlt::CudaError(st.message);
-  }
-  throw std::runtime_error("unknown launch status " + std::to_string(static_cast<int>(st.code)) + ": " + st.message);
-}
 
 template <tlt::LaunchStatus (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t) noexcept>
 void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,

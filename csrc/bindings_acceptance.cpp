@@ -10,25 +10,14 @@
 #include <string>
 
 #include "acceptance.cuh"
-#include "cuda_check.h"
+#include "bindings_common.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <typename P>
-P as_ptr(uintptr_t v) {
-  return reinterpret_cast<P>(v);
-}
-
-void raise_status(const tlt::LaunchStatus& st) {
-  switch (st.code) {
-    case tlt::LaunchStatus::kOk: return;
-    case tlt::LaunchStatus::kInvalidArgument: throw std::invalid_argument(st.message);
-    case tlt::LaunchStatus::kCudaError: throw tlt::CudaError(st.message);
-  }
-  throw std::runtime_error("unknown launch status " + std::to_string(static_cast<int>(st.code)) + ": " + st.message);
-}
+using tlt::bindings::as_ptr;
+using tlt::bindings::raise_if_failed;
 
 void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_tokens, uintptr_t parents,
                        uintptr_t num_nodes, uintptr_t temperature, uintptr_t top_k, uintptr_t top_p, uintptr_t seed,
@@ -67,7 +56,7 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
   p.tokens_int64 = tokens_int64;
   p.logits_type = static_cast<tlt::ElemType>(logits_dtype);
   p.q_type = static_cast<tlt::ElemType>(q_dtype);
-  raise_status(tlt::launch_verify_tree(p, reinterpret_cast<cudaStream_t>(stream)));
+  raise_if_failed(tlt::launch_verify_tree(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 void compact_kv_entry(uintptr_t cache_ptrs, uintptr_t block_table, uintptr_t context_lens, uintptr_t accepted_nodes,
@@ -87,7 +76,7 @@ void compact_kv_entry(uintptr_t cache_ptrs, uintptr_t block_table, uintptr_t con
   p.path_len = path_len;
   p.block_size = block_size;
   p.unit = unit;
-  raise_status(tlt::launch_compact_kv(p, reinterpret_cast<cudaStream_t>(stream)));
+  raise_if_failed(tlt::launch_compact_kv(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 void build_draft_tree_entry(uintptr_t cand_parents, uintptr_t cand_tokens, uintptr_t cand_scores,
@@ -110,7 +99,7 @@ void build_draft_tree_entry(uintptr_t cand_parents, uintptr_t cand_tokens, uintp
   p.batch = batch;
   p.num_cand = num_cand;
   p.num_verify = num_verify;
-  raise_status(tlt::launch_build_draft_tree(p, reinterpret_cast<cudaStream_t>(stream)));
+  raise_if_failed(tlt::launch_build_draft_tree(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 }  // namespace

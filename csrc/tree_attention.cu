@@ -1,9 +1,6 @@
 // Launchers of the tree-attention kernels: argument checks, dtype / head-dim dispatch, launch on the
 // caller's stream, launch-error check. Torch-free.
-//
-// No C++ exception leaves this (nvcc-compiled) translation unit: every launcher returns a
-// LaunchStatus and the pybind11 layer (bindings.cpp) raises, so the library is usable as a plain C++
-// API too. Messages are built with tlt::Message (cuda_check.h), never an iostream: see there.
+// Launchers return a tlt::LaunchStatus (launch_status.h): no C++ exception leaves this translation unit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -11,39 +8,9 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda_check.h"
+#include "launch_status.h"
 #include "tree_attention.cuh"
 #include "tree_attention.h"
-
-// Status-returning counterparts of cuda_check.h's throwing macros (same messages).
-#undef TLT_CHECK_ARG
-#undef TLT_CUDA_CHECK
-#undef TLT_CHECK_LAUNCH
-#define TLT_CHECK_ARG(cond, msg)                                                           \
-  do {                                                                                     \
-    if (!(cond)) {                                                                         \
-      ::tlt::Message tlt_msg_;                                                             \
-      tlt_msg_ << msg << " (at " << __FILE__ << ":" << __LINE__ << ")";                    \
-      return ::tlt::LaunchStatus{::tlt::LaunchStatus::kInvalidArgument, tlt_msg_.str()};  \
-    }                                                                                      \
-  } while (0)
-#define TLT_CUDA_CHECK(expr)                                                                               \
-  do {                                                                                                     \
-    const cudaError_t tlt_err_ = (expr);                                                                   \
-    if (tlt_err_ != cudaSuccess) {                                                                         \
-      ::tlt::Message tlt_msg_;                                                                             \
-      tlt_msg_ << "CUDA error " << cudaGetErrorName(tlt_err_) << " (" << static_cast<int>(tlt_err_)       \
-               << "): " << cudaGetErrorString(tlt_err_) << "\n  in " #expr "\n  at " << __FILE__ << ":"   \
-               << __LINE__;                                                                                \
-      return ::tlt::LaunchStatus{::tlt::LaunchStatus::kCudaError, tlt_msg_.str()};                        \
-    }                                                                                                      \
-  } while (0)
-#define TLT_CHECK_LAUNCH() TLT_CUDA_CHECK(cudaGetLastError())
-#define TLT_RETURN_IF_FAILED(expr)             \
-  do {                                         \
-    ::tlt::LaunchStatus tlt_st_ = (expr);      \
-    if (!tlt_st_.ok()) return tlt_st_;         \
-  } while (0)
 
 namespace tlt {
 namespace {
@@ -51,18 +18,18 @@ namespace {
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 LaunchStatus check_common(const TreeAttentionParams& p) {
-  TLT_CHECK_ARG(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
+  TLT_STATUS_CHECK_ARG(p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
                 "head_dim must be 64, 128 or 256 for the CUDA backend, got " << p.head_dim);
-  TLT_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
+  TLT_STATUS_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
                 "dtype code must be 0 (float16) or 1 (bfloat16), got " << static_cast<int>(p.dtype));
-  TLT_CHECK_ARG(p.batch >= 0 && p.num_tree >= 1, "need batch >= 0 and num_tree >= 1, got " << p.batch << ", " << p.num_tree);
-  TLT_CHECK_ARG(p.num_kv_heads >= 1 && p.group >= 1 && p.num_q_heads == p.num_kv_heads * p.group,
+  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_tree >= 1, "need batch >= 0 and num_tree >= 1, got " << p.batch << ", " << p.num_tree);
+  TLT_STATUS_CHECK_ARG(p.num_kv_heads >= 1 && p.group >= 1 && p.num_q_heads == p.num_kv_heads * p.group,
                 "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads << ") * group (" << p.group << ")");
-  TLT_CHECK_ARG(p.num_splits >= 1, "num_splits must be >= 1, got " << p.num_splits);
-  TLT_CHECK_ARG(p.batch <= 65535 && p.num_kv_heads <= 65535, "batch and num_kv_heads must be <= 65535 (grid limits)");
-  TLT_CHECK_ARG(p.num_q_heads > 0 && p.partial_lse != nullptr && p.partial_out != nullptr && p.num_nodes != nullptr,
+  TLT_STATUS_CHECK_ARG(p.num_splits >= 1, "num_splits must be >= 1, got " << p.num_splits);
+  TLT_STATUS_CHECK_ARG(p.batch <= 65535 && p.num_kv_heads <= 65535, "batch and num_kv_heads must be <= 65535 (grid limits)");
+  TLT_STATUS_CHECK_ARG(p.num_q_heads > 0 && p.partial_lse != nullptr && p.partial_out != nullptr && p.num_nodes != nullptr,
                 "partial_out, partial_lse and num_nodes must be device pointers");
-  TLT_CHECK_ARG(reinterpret_cast<uintptr_t>(p.partial_out) % 8 == 0, "partial_out must be 8-byte aligned");
+  TLT_STATUS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.partial_out) % 8 == 0, "partial_out must be 8-byte aligned");
   return {};
 }
 
@@ -72,13 +39,13 @@ LaunchStatus launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
   auto kernel = tree_attn::tree_attention_partial_kernel<T, D>;
   const int smem = static_cast<int>(Cfg::kSmemBytes);
   // Needed above 48 KiB; cheap and allowed during stream capture, and per device, so set every call.
-  TLT_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // One CTA per (split, 64-row chunk of the T * G rows, request, KV head); see the kernel.
   const int64_t chunks = (int64_t(p.num_tree) * p.group + tree_attn::kBlockM - 1) / tree_attn::kBlockM;
-  TLT_CHECK_ARG((p.num_splits + 1) * chunks <= 0x7fffffff, "too many splits x row chunks for one launch");
+  TLT_STATUS_CHECK_ARG((p.num_splits + 1) * chunks <= 0x7fffffff, "too many splits x row chunks for one launch");
   const dim3 grid(static_cast<unsigned>((p.num_splits + 1) * chunks), p.batch, p.num_kv_heads);
   kernel<<<grid, tree_attn::kNumThreads, smem, stream>>>(p);
-  TLT_CHECK_LAUNCH();
+  TLT_STATUS_CHECK_LAUNCH();
   return {};
 }
 
@@ -86,9 +53,9 @@ template <typename T, int D>
 LaunchStatus launch_merge(const TreeAttentionParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.num_tree * p.num_q_heads;
   const int64_t blocks = (rows + tree_attn::kNumWarps - 1) / tree_attn::kNumWarps;
-  TLT_CHECK_ARG(blocks <= 0x7fffffff, "too many output rows for one launch: " << rows);
+  TLT_STATUS_CHECK_ARG(blocks <= 0x7fffffff, "too many output rows for one launch: " << rows);
   tree_attn::tree_attention_merge_kernel<T, D><<<static_cast<unsigned>(blocks), tree_attn::kNumThreads, 0, stream>>>(p);
-  TLT_CHECK_LAUNCH();
+  TLT_STATUS_CHECK_LAUNCH();
   return {};
 }
 
@@ -106,7 +73,7 @@ LaunchStatus dispatch(const TreeAttentionParams& p, cudaStream_t stream) {
     TLT_DISPATCH_D(__half)
   }
 #undef TLT_DISPATCH_D
-  TLT_CHECK_ARG(false, "unsupported head_dim " << p.head_dim);
+  TLT_STATUS_CHECK_ARG(false, "unsupported head_dim " << p.head_dim);
 }
 
 template <typename T, int D>
@@ -122,18 +89,18 @@ struct MergeLaunch {
 
 LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
   TLT_RETURN_IF_FAILED(check_common(p));
-  TLT_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens && p.tree_mask,
+  TLT_STATUS_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens && p.tree_mask,
                 "q, k_cache, v_cache, block_table, context_lens and tree_mask must be device pointers");
-  TLT_CHECK_ARG(aligned16(p.q) && aligned16(p.k_cache) && aligned16(p.v_cache),
+  TLT_STATUS_CHECK_ARG(aligned16(p.q) && aligned16(p.k_cache) && aligned16(p.v_cache),
                 "q, k_cache and v_cache must be 16-byte aligned (cp.async loads 16 bytes)");
-  TLT_CHECK_ARG(p.q_stride_b % 8 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0,
+  TLT_STATUS_CHECK_ARG(p.q_stride_b % 8 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0,
                 "q strides must be multiples of 8 elements (16 bytes)");
-  TLT_CHECK_ARG(p.k_stride_block % 8 == 0 && p.k_stride_token % 8 == 0 && p.k_stride_head % 8 == 0 &&
+  TLT_STATUS_CHECK_ARG(p.k_stride_block % 8 == 0 && p.k_stride_token % 8 == 0 && p.k_stride_head % 8 == 0 &&
                     p.v_stride_block % 8 == 0 && p.v_stride_token % 8 == 0 && p.v_stride_head % 8 == 0,
                 "k_cache / v_cache strides must be multiples of 8 elements (16 bytes)");
-  TLT_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
-  TLT_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
-  TLT_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32,
+  TLT_STATUS_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
+  TLT_STATUS_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
+  TLT_STATUS_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32,
                 "mask_words must be ceil(num_tree / 32) = " << (p.num_tree + 31) / 32 << ", got " << p.mask_words);
   if (p.batch == 0) return {};
   return dispatch<PartialLaunch>(p, stream);
@@ -141,7 +108,7 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
 
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
   TLT_RETURN_IF_FAILED(check_common(p));
-  TLT_CHECK_ARG(p.out != nullptr, "out must be a device pointer");
+  TLT_STATUS_CHECK_ARG(p.out != nullptr, "out must be a device pointer");
   if (p.batch == 0) return {};
   return dispatch<MergeLaunch>(p, stream);
 }

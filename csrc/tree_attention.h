@@ -6,17 +6,9 @@
 #include <cstdint>
 #include <string>
 
-namespace tlt {
+#include "launch_status.h"
 
-// Result of a launcher: ok() or a code and a message naming the argument (expected vs got) or the
-// failing CUDA call. Launchers never throw; the caller decides how to report (the pybind11 layer
-// raises ValueError / RuntimeError).
-struct LaunchStatus {
-  enum Code : int { kOk = 0, kInvalidArgument = 1, kCudaError = 2 };
-  Code code = kOk;
-  std::string message;
-  bool ok() const { return code == kOk; }
-};
+namespace tlt {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 

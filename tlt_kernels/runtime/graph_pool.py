@@ -1,9 +1,8 @@
 """A pool of CUDA graphs, one per (name, batch size), sharing one memory pool and one capture stream.
 
-Why one shared pool: graphs captured into private pools each keep their own activation memory
-(measured 4.8x the largest graph for 48 verify-shaped graphs of a 4-layer Qwen2.5-7B MLP stack), while
-graphs captured largest-first into one pool reuse the largest graph's blocks (1.13x). That reuse is
-only safe because nothing outside a graph reads its pool memory after the replay: every graph copies
+Why one shared pool: graphs captured into private pools each keep their own activation memory (the
+pool memory of N graphs is about the sum of theirs), while graphs captured largest-first into one pool
+reuse the largest graph's blocks (about the largest one's). That reuse is only safe because nothing outside a graph reads its pool memory after the replay: every graph copies
 its results into *static output buffers allocated outside the pool* (and reads *static input buffers*
 allocated outside it), so graphs may be replayed in any order.
 
@@ -13,6 +12,17 @@ constant ``k``, e.g. ``B`` or ``B * num_verify``; tensors whose dim 0 does not s
 shared whole). A batch is padded to the smallest captured size >= its size: the caller's inputs are
 copied into the prefix, the padded rows keep the last valid values (so page tables stay in bounds),
 and the outputs are returned as prefix views (valid until the next replay of that name).
+
+Memory accounting (``pool_bytes``): the growth of the device's reserved bytes across each capture
+(and the drop across each eviction), every reading taken after ``synchronize()`` and ``empty_cache()``.
+The emptying matters: warm-up leaves its eager blocks cached, and entering ``torch.cuda.graph`` empties
+the cache, so a baseline read with them still cached cancels the pool's growth. Static input/output
+buffers and warm-up memory are allocated (or released) before the first reading, so they are excluded;
+the pool counter ignores whatever else the process allocates later. ``estimated_bytes`` predicts the same
+quantity before capture: the keys run eagerly once more, in capture order, on the capture stream, from
+an emptied cache, and the peak growth of reserved bytes is taken (the caching allocator makes the same
+block decisions for a fresh graph pool as for that stream's empty regular pool); with private pools it
+is the sum of that peak per key.
 
 ``GraphPool(backend=FakeGraphBackend(...))`` runs the same bookkeeping on the CPU for tests.
 """
@@ -31,11 +41,16 @@ Inputs = Sequence[torch.Tensor]
 
 
 class CudaGraphBackend:
-    """Real backend: one ``torch.cuda.graph_pool_handle()`` and one capture stream for all graphs."""
+    """Real backend: one ``torch.cuda.graph_pool_handle()`` and one capture stream for all graphs.
 
-    def __init__(self, device=None):
+    ``shared_pool=False`` gives every graph torch's default private pool instead (the baseline the
+    benchmark compares against); everything else, the measurement included, is identical.
+    """
+
+    def __init__(self, device=None, *, shared_pool: bool = True):
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.shared_pool = shared_pool
+        self.pool = torch.cuda.graph_pool_handle() if shared_pool else None
         self.stream = torch.cuda.Stream(self.device)
 
     def reserved_bytes(self) -> int:
@@ -44,22 +59,44 @@ class CudaGraphBackend:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def warmup(self, fn: Callable[[], Any], iters: int) -> int:
-        """Run ``fn`` eagerly on the capture stream; return its peak extra allocated bytes."""
-        self.synchronize()
-        base = torch.cuda.memory_allocated(self.device)
+    def empty_cache(self) -> None:
+        # Releases cached blocks of the regular pools and of graph pools no live graph uses; the
+        # segments of a pool that live graphs still use stay reserved.
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+
+    def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def peak_reserved_bytes(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def run_eager(self, fn: Callable[[], Any], iters: int = 1) -> None:
+        """Run ``fn`` ``iters`` times on the capture stream (the stream its graph will be captured on,
+        so per-stream lazy state such as the cuBLAS workspace is created outside any graph pool)."""
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             for _ in range(iters):
                 out = fn()
                 del out
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        cur.wait_stream(self.stream)
+
+    def warmup(self, fn: Callable[[], Any], iters: int) -> int:
+        """Run ``fn`` eagerly ``iters`` times; return the peak extra allocated bytes of the last run
+        (earlier runs absorb lazy initialization)."""
+        if iters > 1:
+            self.run_eager(fn, iters - 1)
+        self.synchronize()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_eager(fn)
         self.synchronize()
         return torch.cuda.max_memory_allocated(self.device) - base
 
     def capture(self, fn: Callable[[], Any]):
         g = torch.cuda.CUDAGraph()
+        # Note: entering torch.cuda.graph synchronizes and empties the allocator cache.
         with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
             fn()
         return g
@@ -68,44 +105,80 @@ class CudaGraphBackend:
         g.replay()
 
     def release(self, g) -> None:
+        # reset() drops the graph's use of its pool; a pool's segments are freed (by empty_cache) only
+        # once no graph uses it, so evicting one graph of a shared pool frees nothing.
         g.reset()
         del g
         gc.collect()
-        torch.cuda.empty_cache()
+        self.empty_cache()
 
 
 class FakeGraphBackend:
-    """CPU stand-in: "capture" keeps the closure, "replay" calls it; memory is modeled.
+    """CPU stand-in: "capture" keeps the closure, "replay" calls it; device memory is modeled after
+    torch's caching allocator so the pool's accounting can be tested.
 
-    ``graph_bytes(key)`` gives the pool memory a graph needs. With ``shared=True`` graphs reuse each
-    other's blocks (reserved = the largest live graph), else they add up (private pools).
+    ``graph_bytes(key)`` gives the memory one eager run or one graph of ``key`` needs. Model:
+
+    * an eager run leaves its blocks cached (reserved) until ``empty_cache()``; later eager runs reuse
+      them, so the cache holds the largest run since the last ``empty_cache()``;
+    * ``capture`` first empties the cache (as entering ``torch.cuda.graph`` does), then the graph's
+      pool holds its bytes: one shared pool (``shared=True``) keeps the high-water mark of its graphs
+      until the last of them is released; private pools add up and go with their graph;
+    * ``external_bytes``: everything else the device holds (weights, static buffers); tests may change it.
     """
 
     def __init__(self, graph_bytes: Callable[[Hashable], int], shared: bool = True):
         self.graph_bytes = graph_bytes
         self.shared = shared
+        self.shared_pool = shared
         self.live: Dict[int, int] = {}
+        self.external_bytes = 0
+        self.cached_bytes = 0
+        self._shared_hwm = 0
+        self._peak = 0
         self.captures = 0
         self.replays = 0
         self._key: Hashable = None
 
     def reserved_bytes(self) -> int:
-        if not self.live:
-            return 0
-        return max(self.live.values()) if self.shared else sum(self.live.values())
+        pool = (self._shared_hwm if self.live else 0) if self.shared else sum(self.live.values())
+        return self.external_bytes + self.cached_bytes + pool
+
+    def _touch(self) -> None:
+        self._peak = max(self._peak, self.reserved_bytes())
 
     def synchronize(self) -> None:
         pass
 
-    def warmup(self, fn, iters):
+    def empty_cache(self) -> None:
+        self.cached_bytes = 0
+        if not self.live:
+            self._shared_hwm = 0
+
+    def reset_peak(self) -> None:
+        self._peak = self.reserved_bytes()
+
+    def peak_reserved_bytes(self) -> int:
+        return self._peak
+
+    def run_eager(self, fn, iters: int = 1) -> None:
         for _ in range(iters):
             fn()
+        self.cached_bytes = max(self.cached_bytes, self.graph_bytes(self._key))
+        self._touch()
+
+    def warmup(self, fn, iters):
+        self.run_eager(fn, iters)
         return self.graph_bytes(self._key)
 
     def capture(self, fn):
+        self.empty_cache()
         self.captures += 1
         handle = (self.captures, fn)
-        self.live[self.captures] = self.graph_bytes(self._key)
+        nbytes = self.graph_bytes(self._key)
+        self.live[self.captures] = nbytes
+        self._shared_hwm = max(self._shared_hwm, nbytes)
+        self._touch()
         return handle
 
     def replay(self, g) -> None:
@@ -114,6 +187,7 @@ class FakeGraphBackend:
 
     def release(self, g) -> None:
         self.live.pop(g[0], None)
+        self.empty_cache()
 
 
 @dataclass
@@ -176,7 +250,8 @@ class GraphPool:
         self._entries: Dict[Hashable, _Entry] = {}
         self._lru: "OrderedDict[Tuple[Hashable, int], None]" = OrderedDict()
         self._graph_bytes: Dict[Tuple[Hashable, int], int] = {}
-        self._base_reserved: Optional[int] = None
+        self._pool_bytes = 0
+        self._estimated_for: Optional[Tuple[Tuple[Hashable, int], ...]] = None
         self.hits = self.misses = self.evictions = 0
         self.capture_seconds = 0.0
         self._rows_used = self._rows_padded = 0
@@ -216,64 +291,101 @@ class GraphPool:
     def _inputs_for(self, e: _Entry, b: int) -> List[torch.Tensor]:
         return [_prefix(t, b, e.sizes[-1]) for t in self._static_inputs(e)]
 
-    def warmup(self) -> int:
-        """Run every registered key eagerly (largest first); returns the estimated pool bytes.
+    def _settled_reserved(self) -> int:
+        """Reserved device bytes once queued work is done and cached blocks nothing uses are released."""
+        self.backend.synchronize()
+        self.backend.empty_cache()
+        return self.backend.reserved_bytes()
 
-        The estimate is the largest eager peak of extra allocated memory over all keys: captured
-        largest-first into one pool, smaller graphs fit in the blocks of the largest.
+    def _static_outputs(self, e: _Entry, b: int) -> List[torch.Tensor]:
+        """Flat output buffers for batch ``b`` (allocated outside the pool, once, at the largest size)."""
+        big = e.sizes[-1]
+        if b not in e.static_out:
+            if big not in e.static_out:
+                # Shapes from one eager run at the largest size.
+                flat, rebuild = _flatten(e.fn(*self._inputs_for(e, big)))
+                e.static_out[big] = rebuild([torch.empty_like(t) for t in flat])
+            flat, rebuild = _flatten(e.static_out[big])
+            e.static_out[b] = rebuild([_prefix(t, b, big) for t in flat])
+        return _flatten(e.static_out[b])[0]
+
+    def _check_keys(self, keys: Optional[Sequence[Tuple[Hashable, int]]]) -> List[Tuple[Hashable, int]]:
+        keys = self.keys() if keys is None else list(keys)
+        for name, b in keys:
+            if name not in self._entries or b not in self._entries[name].sizes:
+                raise KeyError(f"({name!r}, {b}) is not registered; call add() first")
+        return keys
+
+    def warmup(self, keys: Optional[Sequence[Tuple[Hashable, int]]] = None) -> int:
+        """Prepare ``keys`` (default: all registered) for capture; returns the estimated pool bytes.
+
+        Runs each key eagerly ``warmup_iters`` times (lazy inits, autotuning, the capture stream's cuBLAS
+        workspace; the last run's peak allocation orders the capture), allocates the static buffers,
+        then estimates the pool: one more eager run per key, in capture order, from an emptied cache;
+        the estimate is the peak growth of reserved bytes (per key and summed for private pools), the
+        same quantity :meth:`pool_bytes` measures across capture into an empty pool.
         """
-        peak = 0
-        for name, b in self.keys():
+        keys = self._check_keys(keys)
+        for name, b in keys:
             e = self._entries[name]
             if b not in e.warm_peak:
                 inp = self._inputs_for(e, b)
                 self.backend._key = (name, b)
                 e.warm_peak[b] = self.backend.warmup(lambda: e.fn(*inp), self.warmup_iters)
-            peak = max(peak, e.warm_peak[b])
-        self.estimated_bytes = peak
-        return peak
+        for name, b in keys:
+            self._static_outputs(self._entries[name], b)
+        order = self._capture_order(keys)
+        if self._estimated_for != tuple(order):
+            groups = [order] if getattr(self.backend, "shared_pool", True) else [[k] for k in order]
+            self.estimated_bytes = sum(self._eager_reserved_growth(g) for g in groups)
+            self._estimated_for = tuple(order)
+            self.backend.empty_cache()
+        return self.estimated_bytes
+
+    def _capture_order(self, keys: Sequence[Tuple[Hashable, int]]) -> List[Tuple[Hashable, int]]:
+        # Largest eager peak first (ties: larger batch), so later graphs fit in blocks the pool holds.
+        return sorted(keys, key=lambda k: (-self._entries[k[0]].warm_peak[k[1]], -k[1]))
+
+    def _eager_reserved_growth(self, keys: Sequence[Tuple[Hashable, int]]) -> int:
+        base = self._settled_reserved()
+        self.backend.reset_peak()
+        for name, b in keys:
+            e = self._entries[name]
+            inp = self._inputs_for(e, b)
+            self.backend._key = (name, b)
+            self.backend.run_eager(lambda: e.fn(*inp))
+        self.backend.synchronize()
+        return max(0, self.backend.peak_reserved_bytes() - base)
 
     def capture(self, keys: Optional[Sequence[Tuple[Hashable, int]]] = None) -> None:
         """Capture ``keys`` (default: all registered) into the shared pool, largest first.
 
         "Largest" is the eager peak memory measured at warm-up (ties: larger batch), so every later
-        graph fits in blocks the pool already holds.
+        graph fits in blocks the pool already holds. Calls :meth:`warmup` first.
         """
-        keys = self.keys() if keys is None else list(keys)
-        for name, b in keys:
-            if name not in self._entries or b not in self._entries[name].sizes:
-                raise KeyError(f"({name!r}, {b}) is not registered; call add() first")
-        self.warmup()
-        keys.sort(key=lambda k: (-self._entries[k[0]].warm_peak[k[1]], -k[1]))
-        if self._base_reserved is None:
-            self.backend.synchronize()
-            self._base_reserved = self.backend.reserved_bytes()
+        keys = self._check_keys(keys)
+        self.warmup(keys)
         t0 = time.perf_counter()
-        for name, b in keys:
+        for name, b in self._capture_order(keys):
             e = self._entries[name]
             if b in e.graphs:
                 continue
             inp = self._inputs_for(e, b)
-            big = e.sizes[-1]
-            if b not in e.static_out:
-                # Output buffers live outside the pool: allocated once at the largest size (shapes from an
-                # eager run), smaller sizes take prefix views.
-                if big not in e.static_out:
-                    flat, rebuild = _flatten(e.fn(*self._inputs_for(e, big)))
-                    e.static_out[big] = rebuild([torch.empty_like(t) for t in flat])
-                flat, rebuild = _flatten(e.static_out[big])
-                e.static_out[b] = rebuild([_prefix(t, b, big) for t in flat])
-            out_flat, _ = _flatten(e.static_out[b])
+            out_flat = self._static_outputs(e, b)
 
             def body(e=e, inp=inp, out_flat=out_flat):
                 res, _ = _flatten(e.fn(*inp))
                 for dst, src in zip(out_flat, res):
                     dst.copy_(src)
 
-            before = self.backend.reserved_bytes()
+            # Both readings settled: capture empties the cache on entry, so an unsettled "before" would
+            # count cached blocks that vanish, cancelling the pool's growth.
+            before = self._settled_reserved()
             self.backend._key = (name, b)
             e.graphs[b] = self.backend.capture(body)
-            self._graph_bytes[(name, b)] = self.backend.reserved_bytes() - before
+            grown = self._settled_reserved() - before
+            self._graph_bytes[(name, b)] = grown
+            self._pool_bytes += grown
             self._lru[(name, b)] = None
             if self.memory_budget_bytes is not None and self.pool_bytes() > self.memory_budget_bytes:
                 self.evict((name, b))  # this graph pushed the pool over budget: it runs eagerly instead
@@ -282,10 +394,9 @@ class GraphPool:
 
     # -- budget ---------------------------------------------------------------------------------
     def pool_bytes(self) -> int:
-        """Bytes the device reserved since the first capture (the shared pool's footprint)."""
-        if self._base_reserved is None:
-            return 0
-        return max(0, self.backend.reserved_bytes() - self._base_reserved)
+        """Device memory the captured graphs hold: reserved-bytes growth across every capture minus the
+        drop across every eviction (see the module docstring); static buffers are not included."""
+        return max(0, self._pool_bytes)
 
     def set_memory_budget(self, memory_budget_bytes: Optional[int]) -> None:
         """Change the budget; evicts least-recently-replayed graphs until the pool fits (or none is left)."""
@@ -301,7 +412,10 @@ class GraphPool:
         g = self._entries[name].graphs.pop(b)
         self._lru.pop(key, None)
         self._graph_bytes.pop(key, None)
+        before = self._settled_reserved()
         self.backend.release(g)
+        del g
+        self._pool_bytes -= before - self._settled_reserved()
         self.evictions += 1
 
     # -- replay ---------------------------------------------------------------------------------

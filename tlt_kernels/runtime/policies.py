@@ -282,13 +282,22 @@ class CostModelPolicy(Policy):
     name = "cost"
 
     def __init__(self, cost_table=None, prior_accept: float = 0.7, prior_weight: float = 1.0,
-                 explore: float = 0.1):
+                 explore: float = 0.1, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
+                 min_trials: float = 8.0, keep_on_change: float = 0.05):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
+        if detect is not None and not detect > 0:
+            raise ValueError(f"detect must be a positive CUSUM threshold or None, got {detect}")
+        if not 0.0 <= keep_on_change <= 1.0:
+            raise ValueError(f"keep_on_change must be in [0, 1], got {keep_on_change}")
         self.cost_table = cost_table
         self.prior_accept = prior_accept
         self.prior_weight = prior_weight
         self.explore = explore
+        self.detect = detect
+        self.detect_shift = detect_shift
+        self.min_trials = min_trials
+        self.keep_on_change = keep_on_change
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -312,6 +321,9 @@ class CostModelPolicy(Policy):
         self.time_n = [[0.0] * A for _ in range(num_buckets)]
         self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
         self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
+        self.alphas = [[] for _ in range(A)]  # predicted conditional acceptance per position
+        self.cusum_hi = self.cusum_lo = 0.0
+        self.changes: List[int] = []  # steps at which a change in acceptance was detected
         self._pred_cache: Dict[Tuple[int, int], Optional[float]] = {}
         for a in range(A):
             self._refresh(a, 0)
@@ -337,11 +349,14 @@ class CostModelPolicy(Policy):
         k0 = self.prior_weight
         prev = self.prior_accept
         reach, total = 1.0, 1.0
+        al = self.alphas[a]
+        al.clear()
         # Three levels of shrinkage: arm -> arms of the same topk -> every arm -> the previous position.
         for j in range(1, d + 1):
             ga = (fg * gnum[j] + k0 * prev) / (fg * gden[j] + k0)
             pa = (fp * pnum[j] + k0 * ga) / (fp * pden[j] + k0)
             alpha = (fa * num[j] + k0 * pa) / (fa * den[j] + k0)
+            al.append(alpha)
             reach *= alpha
             total += reach
             prev = ga
@@ -399,6 +414,13 @@ class CostModelPolicy(Policy):
                 f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
             )
         inv_b = 1.0 / batch_size
+        # Test only against a prediction backed by enough of the arm's own trials (right after a reset
+        # the prediction is mostly prior and would alarm again).
+        changed = (self.detect is not None and self.den[arm][1] * g ** (step - self.t_arm[arm]) >= self.min_trials
+                   and self._changed(arm, accepted, batch_size))
+        if changed:
+            self._forget(step)
+            self.n_arm[arm] = 1.0
         ga = self.group_of[arm]
         fa = g ** (step - self.t_arm[arm])
         fp = g ** (step - self.t_pool[ga])
@@ -425,10 +447,58 @@ class CostModelPolicy(Policy):
         self.t_pool[ga] = step
         # The arm's own group changed a lot; other groups only through the slowly-moving global pool.
         self._updates = getattr(self, "_updates", 0) + 1
-        every = self._updates % 8 == 0
+        every = changed or self._updates % 8 == 0
         for a in range(len(self.arms)):
             if every or self.group_of[a] == ga:
                 self._refresh(a, step)
+
+
+    def _changed(self, arm: int, accepted: Sequence[float], batch_size: int) -> bool:
+        """Bernoulli CUSUM on the played arm's acceptance against its own prediction.
+
+        The step's draft tokens are ``n`` trials (requests reaching each position) with ``k`` accepted,
+        against the predicted rate ``p``. Two one-sided CUSUMs add the log-likelihood ratio of rates
+        ``p + shift`` and ``p - shift`` versus ``p`` (``k log(p1/p) + (n-k) log((1-p1)/(1-p))``) and alarm
+        above ``detect`` nats. A bias smaller than ``shift / 2`` has negative drift and never alarms,
+        so the model's own small errors are tolerated at any batch size, and the test is exact for the
+        handful of trials of a batch of one. It compares an arm with itself, so switching arms does not
+        fire it, while a change of drafter/target agreement is visible from whichever arm is playing.
+        """
+        al = self.alphas[arm]
+        n = k = e = 0.0
+        prev = float(batch_size)
+        for j, a in enumerate(al):
+            n += prev
+            e += prev * a
+            prev = float(accepted[j])
+            k += prev
+        if n <= 0.0:
+            return False
+        p = min(max(e / n, 0.02), 0.98)
+        d = self.detect_shift
+        hi, lo = min(p + d, 0.995), max(p - d, 0.005)
+        self.cusum_hi = max(0.0, self.cusum_hi + k * math.log(hi / p) + (n - k) * math.log((1 - hi) / (1 - p)))
+        self.cusum_lo = max(0.0, self.cusum_lo + k * math.log(lo / p) + (n - k) * math.log((1 - lo) / (1 - p)))
+        return self.cusum_hi > self.detect or self.cusum_lo > self.detect
+
+    def _forget(self, step: int) -> None:
+        """After a detected change, keep ``keep_on_change`` of every acceptance statistic: the fresh
+        observations then dominate every arm's estimate at once (stale arms included), instead of
+        fading in over ``window`` steps; the old estimates survive as a weak prior."""
+        f = self.keep_on_change
+        self.changes.append(step)
+        self.cusum_hi = self.cusum_lo = 0.0
+        for rows in (self.num, self.den, self.pnum, self.pden):
+            for r in rows:
+                for j in range(len(r)):
+                    r[j] *= f
+        for r in (self.gnum, self.gden):
+            for j in range(len(r)):
+                r[j] *= f
+        # Every other speculative arm is re-tried once: the pooled estimate they would otherwise fall back
+        # on comes from arms of other widths, which can hide the new best arm for a whole phase.
+        self.n_arm = [0.0] * len(self.arms)
+        self.obs_tokens = [None] * len(self.arms)
 
 
 POLICIES = {
