@@ -1,10 +1,11 @@
 """A pool of CUDA graphs, one per (name, batch size), sharing one memory pool and one capture stream.
 
-Why one shared pool: graphs captured into private pools each keep their own activation memory (the
-pool memory of N graphs is about the sum of theirs), while graphs captured largest-first into one pool
-reuse the largest graph's blocks (about the largest one's). That reuse is only safe because nothing outside a graph reads its pool memory after the replay: every graph copies
-its results into *static output buffers allocated outside the pool* (and reads *static input buffers*
-allocated outside it), so graphs may be replayed in any order.
+Why one shared pool: graphs captured into private pools each keep their own activation memory (N
+graphs hold about the sum of theirs), while graphs captured largest-first into one pool reuse the
+largest graph's blocks (about the largest one's). That reuse is only safe because nothing outside a
+graph reads its pool memory after the replay: every graph copies its results into *static output
+buffers allocated outside the pool* (and reads *static input buffers* allocated outside it), so graphs
+may be replayed in any order.
 
 Layout of static buffers: for each name, inputs and outputs are allocated once at the largest batch
 size; smaller sizes use prefix views (dim 0 of every tensor is ``batch_size * k`` for a per-tensor
