@@ -272,18 +272,28 @@ class CostModelPolicy(Policy):
       prediction gets an optimism bonus ``explore / sqrt(1 + n_eff)`` (relative), where ``n_eff`` is the
       arm's discounted observation count, so an arm not played for a few windows (e.g. a deep tree at a
       large batch running plain decoding) is re-tried once its prediction is within the bonus of the best.
+    * Change detection: a Bernoulli CUSUM compares the played arm's accepted draft tokens with its own
+      prediction (:meth:`_changed`); on an alarm every acceptance statistic is scaled by
+      ``keep_on_change`` (:meth:`_forget`), so re-convergence after a phase change takes the detection
+      delay (a few steps) plus a few plays, not ~``window`` steps. Steps of alarms: ``self.changes``.
 
     Args:
         cost_table: a :class:`CostTable`, a ``{strategy: [(B, s), ...]}`` dict, or None.
         prior_accept: acceptance assumed before any observation (optimistic, so arms get tried).
         prior_weight: pseudo-count of the pooled estimate in each arm's per-position estimate.
+        explore: relative optimism bonus scale.
+        detect: CUSUM alarm threshold in nats (None disables change detection).
+        detect_shift: smallest change of acceptance (absolute) the CUSUM is tuned to detect.
+        min_trials: the test runs only when the played arm's prediction rests on at least this many
+            (discounted) requests of its own.
+        keep_on_change: fraction of acceptance statistics kept after an alarm.
     """
 
     name = "cost"
 
     def __init__(self, cost_table=None, prior_accept: float = 0.7, prior_weight: float = 1.0,
                  explore: float = 0.1, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
-                 min_trials: float = 8.0, keep_on_change: float = 0.05):
+                 min_trials: float = 3.0, keep_on_change: float = 0.5):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
@@ -355,11 +365,11 @@ class CostModelPolicy(Policy):
         for j in range(1, d + 1):
             ga = (fg * gnum[j] + k0 * prev) / (fg * gden[j] + k0)
             pa = (fp * pnum[j] + k0 * ga) / (fp * pden[j] + k0)
+            prev = ga
             alpha = (fa * num[j] + k0 * pa) / (fa * den[j] + k0)
             al.append(alpha)
             reach *= alpha
             total += reach
-            prev = ga
         self.tokens[a] = total
 
     def _predict(self, bucket: int, a: int, batch_size: int) -> Optional[float]:
@@ -420,7 +430,6 @@ class CostModelPolicy(Policy):
                    and self._changed(arm, accepted, batch_size))
         if changed:
             self._forget(step)
-            self.n_arm[arm] = 1.0
         ga = self.group_of[arm]
         fa = g ** (step - self.t_arm[arm])
         fp = g ** (step - self.t_pool[ga])
@@ -482,9 +491,11 @@ class CostModelPolicy(Policy):
         return self.cusum_hi > self.detect or self.cusum_lo > self.detect
 
     def _forget(self, step: int) -> None:
-        """After a detected change, keep ``keep_on_change`` of every acceptance statistic: the fresh
-        observations then dominate every arm's estimate at once (stale arms included), instead of
-        fading in over ``window`` steps; the old estimates survive as a weak prior."""
+        """After a detected change keep ``keep_on_change`` of every acceptance statistic (arms, pools and
+        their exploration counts): post-change observations then outweigh the old phase within a few
+        steps instead of ~``window``, and stale arms lean on the fresh pools and get a larger bonus.
+        Keeping half rather than none matters: the pools are filled by whichever arms are played, so a
+        full reset lets a narrow arm's acceptance hide a wide tree for a whole phase."""
         f = self.keep_on_change
         self.changes.append(step)
         self.cusum_hi = self.cusum_lo = 0.0
@@ -495,9 +506,7 @@ class CostModelPolicy(Policy):
         for r in (self.gnum, self.gden):
             for j in range(len(r)):
                 r[j] *= f
-        # Every other speculative arm is re-tried once: the pooled estimate they would otherwise fall back
-        # on comes from arms of other widths, which can hide the new best arm for a whole phase.
-        self.n_arm = [0.0] * len(self.arms)
+        self.n_arm = [n * f for n in self.n_arm]
         self.obs_tokens = [None] * len(self.arms)
 
 

@@ -285,6 +285,27 @@ def reconvergence_steps(res: RunResult, level: float = 0.95, span: int = 20) -> 
     return worst
 
 
+def settle_steps(res: RunResult, tol: float = 0.01, run: int = 10) -> Optional[int]:
+    """Worst over phase changes of the steps until the choice is within ``tol`` of the oracle's
+    throughput (the oracle's arm or one as good) for ``run`` consecutive steps; the phase's length when
+    that never happens (None without phase changes). Stricter than :func:`reconvergence_steps`: a
+    persistently 4%-worse arm, or exploring every few steps, never settles."""
+    if not res.phase_changes:
+        return None
+    ok = np.asarray(res.efficiency) >= 1.0 - tol
+    bounds = res.phase_changes + [len(ok)]
+    worst = 0
+    for c, nxt in zip(res.phase_changes, bounds[1:]):
+        lag, streak = nxt - c, 0
+        for t in range(c, nxt):
+            streak = streak + 1 if ok[t] else 0
+            if streak == run:
+                lag = t - run + 1 - c
+                break
+        worst = max(worst, lag)
+    return worst
+
+
 # -- traces --------------------------------------------------------------------------------------
 def record_trace(workload: Workload, arms: Sequence[Strategy], seed: int = 0) -> List[dict]:
     """What an engine logs when it times every arm at every step (e.g. shadow runs): one record per step,
@@ -369,12 +390,13 @@ def evaluate(workload: Workload, make_selector, arms: Sequence[Strategy] = DEFAU
 
     Scores (means over seeds): throughput relative to the oracle, the best static arm and plain
     decoding; the worst re-convergence; the simulation's wall time per step (selector included);
-    ``sim_s``: simulated seconds for the work. Schedule workloads score the same work
+    ``reconverge_steps`` / ``settle_steps``: worst over seeds of :func:`reconvergence_steps` /
+    :func:`settle_steps`; ``sim_s``: simulated seconds for the work. Schedule workloads score the same work
     (:attr:`RunResult.oracle_fraction`); long tails score the realized throughput of finishing every
     response (the work is the responses' total length)."""
     single = not isinstance(make_selector, dict)
     makers = {"_": make_selector} if single else make_selector
-    acc = {k: {"vs_oracle": [], "vs_best_static": [], "vs_off": [], "reconv": [], "us": [], "sim_s": [],
+    acc = {k: {"vs_oracle": [], "vs_best_static": [], "vs_off": [], "reconv": [], "settle": [], "us": [], "sim_s": [],
                "choices": {}} for k in makers}
     base = {"oracle": [], "best-static": [], "off": []}
     for seed in seeds:
@@ -408,6 +430,7 @@ def evaluate(workload: Workload, make_selector, arms: Sequence[Strategy] = DEFAU
             r = reconvergence_steps(res)
             if r is not None:
                 a["reconv"].append(r)
+                a["settle"].append(settle_steps(res))
     out = {}
     for name, a in acc.items():
         out[name] = {
@@ -415,6 +438,7 @@ def evaluate(workload: Workload, make_selector, arms: Sequence[Strategy] = DEFAU
             "vs_best_static": float(np.mean(a["vs_best_static"])),
             "vs_off": float(np.mean(a["vs_off"])),
             "reconverge_steps": max(a["reconv"]) if a["reconv"] else None,
+            "settle_steps": max(a["settle"]) if a["settle"] else None,
             "sim_us_per_step": float(np.mean(a["us"])) * 1e6,
             "sim_s": float(np.mean(a["sim_s"])),
             "choices": a["choices"],
