@@ -186,3 +186,45 @@ def test_select_plus_update_cpu_cost(policy, benchmark):
     benchmark.pedantic(step, rounds=2000, iterations=1, warmup_rounds=100)
     # The claim (< 20 us) is checked in the benchmark suite; here only a generous bound for shared CI.
     assert benchmark.stats.stats.median < 200e-6
+
+
+def _feed(sel, s, b, p, steps, rng):
+    """Observations of a chain ``s`` whose every position is accepted with probability ``p``."""
+    for _ in range(steps):
+        reach = [0] * s.num_steps
+        for _r in range(b):
+            for j in range(s.num_steps):
+                if rng.random() >= p:
+                    break
+                reach[j] += 1
+        sel.select(b)
+        sel.update(s, b, b + sum(reach), 0.01, reach)
+
+
+@pytest.mark.parametrize("b", [1, 8, 64])
+def test_cost_policy_detects_acceptance_changes_quickly_and_only_then(b):
+    s = Strategy(5, 1, 6)
+    sel = StrategySelector([s], policy="cost", seed=0, cost_table={s: [(1, 0.01)], Strategy.off(): [(1, 0.01)]})
+    sel.available = lambda st, bb: st == s  # keep playing the chain so the test sees only detection
+    rng = random.Random(b)
+    _feed(sel, s, b, 0.8, 400, rng)
+    assert sel.policy.changes == [], "false alarm on a stationary stream"
+    _feed(sel, s, b, 0.4, 40, rng)
+    ch = sel.policy.changes
+    assert ch and 400 < ch[0] <= 400 + (25 if b == 1 else 5), ch
+    # After the alarm the estimate follows the new acceptance within a few steps.
+    assert sel.policy.tokens[sel._index[s]] < 1.0 + 0.4 / 0.6 + 0.3
+
+
+def test_change_detection_can_be_disabled_and_is_validated():
+    s = Strategy(3, 1, 4)
+    sel = StrategySelector([s], policy="cost", detect=None)
+    sel.available = lambda st, bb: st == s
+    rng = random.Random(0)
+    _feed(sel, s, 8, 0.9, 100, rng)
+    _feed(sel, s, 8, 0.2, 50, rng)
+    assert sel.policy.changes == []
+    with pytest.raises(ValueError, match="detect"):
+        StrategySelector([s], policy="cost", detect=0.0)
+    with pytest.raises(ValueError, match="keep_on_change"):
+        StrategySelector([s], policy="cost", keep_on_change=2.0)

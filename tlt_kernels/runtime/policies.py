@@ -293,7 +293,7 @@ class CostModelPolicy(Policy):
 
     def __init__(self, cost_table=None, prior_accept: float = 0.7, prior_weight: float = 1.0,
                  explore: float = 0.1, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
-                 min_trials: float = 3.0, keep_on_change: float = 0.5):
+                 min_trials: float = 8.0, keep_on_change: float = 0.5):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
@@ -491,9 +491,10 @@ class CostModelPolicy(Policy):
         return self.cusum_hi > self.detect or self.cusum_lo > self.detect
 
     def _forget(self, step: int) -> None:
-        """After a detected change keep ``keep_on_change`` of every acceptance statistic (arms, pools and
-        their exploration counts): post-change observations then outweigh the old phase within a few
-        steps instead of ~``window``, and stale arms lean on the fresh pools and get a larger bonus.
+        """After a detected change keep ``keep_on_change`` of every acceptance statistic (arms and pools):
+        post-change observations then outweigh the old phase within a few steps instead of ~``window``
+        (repeated alarms right after a change halve the old phase again), and stale arms lean on the
+        fresh pools.
         Keeping half rather than none matters: the pools are filled by whichever arms are played, so a
         full reset lets a narrow arm's acceptance hide a wide tree for a whole phase."""
         f = self.keep_on_change
@@ -506,7 +507,8 @@ class CostModelPolicy(Policy):
         for r in (self.gnum, self.gden):
             for j in range(len(r)):
                 r[j] *= f
-        self.n_arm = [n * f for n in self.n_arm]
+        # Exploration counts are kept: a larger bonus for every arm after each alarm re-tries deep trees
+        # at large batches, which costs more than it finds (measured on phase-shift-mixed).
         self.obs_tokens = [None] * len(self.arms)
 
 
