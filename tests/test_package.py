@@ -357,3 +357,18 @@ def test_bench_uniform_b64_t16(benchmark):
     seeds = torch.arange(64).view(64, 1)
     u = _bench(benchmark, uniform, seeds, torch.tensor(3), torch.arange(16).view(1, 16), PURPOSE_ACCEPT)
     assert u.shape == (64, 16)
+
+
+def test_bench_plan_tree_attention_b64_t16(benchmark, gen):
+    """Planning cost of one decoding step (built once, reused by every layer): 7B geometry, 4k context."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    parents, n = random_trees(64, 16, gen)
+    ctx = torch.full((64,), 4096, dtype=torch.int32)
+    table = torch.arange(64 * 258, dtype=torch.int32).view(64, 258)
+    plan = _bench(
+        benchmark, lambda: plan_tree_attention(parents, ctx, table, n, num_q_heads=28, num_kv_heads=4, head_dim=128,
+                                               block_size=16, max_context_len=4096)
+    )
+    assert plan.tree_mask.shape == (64, 16, 1) and plan.num_splits >= 1
+    assert torch.equal(plan.tree_mask, tree_ancestor_mask_packed(parents, n))
