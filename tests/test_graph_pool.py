@@ -180,7 +180,63 @@ def test_selector_availability_hook():
 
 
 # -- GPU ---------------------------------------------------------------------------------------
-def _decoder_stack(layers, hidden, inter, hq, hkv, d, device, dtype, gen):
+def _tree_parents(s):
+    """Fixed tree of ``s.num_verify`` nodes, breadth-first: node i's parent is ``(i - 1) // topk``."""
+    k = max(s.topk, 1)
+    return [-1] + [(i - 1) // k for i in range(1, s.num_verify)]
+
+
+class _TreeAttention:
+    """Attention through ``tlt_kernels.tree_attention`` (plan/run, backend auto) over one paged KV
+    cache per layer, for a model-like step captured per (strategy, batch size).
+
+    Request r owns pages ``perm[r * P:(r + 1) * P]`` of each layer's cache: ``context_lens[r]`` random
+    context tokens (never written; lengths differ per request, not page-aligned) followed by its tree's
+    slots, which each layer writes before attending. Every key's plan is built by :meth:`prepare`
+    before capture (outside the graph pool) and reused by every layer inside the captured step.
+    """
+
+    def __init__(self, layers, max_batch, max_tree, hq, hkv, d, context_len, device, dtype, gen, block_size=16):
+        self.hq, self.hkv, self.d, self.block_size = hq, hkv, d, block_size
+        self.context_lens = (context_len - (torch.arange(max_batch, device=device) * 37) % 64).to(torch.int32)
+        pages = -(-(context_len + max_tree) // block_size)
+        perm = torch.randperm(max_batch * pages, device=device, generator=gen)
+        self.block_table = perm.view(max_batch, pages).to(torch.int32)
+        shape = (max_batch * pages, block_size, hkv, d)
+        self.k_cache = [torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(layers)]
+        self.v_cache = [torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(layers)]
+        self.context_len = context_len
+        self.state = {}
+
+    def prepare(self, s, b):
+        from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+        if (s, b) in self.state:
+            return
+        T, dev, bs = s.num_verify, self.block_table.device, self.block_size
+        table, ctx = self.block_table[:b], self.context_lens[:b]
+        parents = torch.tensor(_tree_parents(s), dtype=torch.int32, device=dev).expand(b, T).contiguous()
+        plan = plan_tree_attention(parents, ctx, table, T, num_q_heads=self.hq, num_kv_heads=self.hkv, head_dim=self.d,
+                                   block_size=bs, max_context_len=self.context_len, num_blocks=self.k_cache[0].shape[0])
+        slot = ctx.long()[:, None] + torch.arange(T, device=dev)  # node j of request r: logical slot C_r + j
+        rows = table.long().gather(1, slot // bs) * bs + slot % bs
+        self.state[(s, b)] = (plan, rows.reshape(-1))
+
+    def __call__(self, layer, s, b, q, k, v):
+        """q ``[b * T, Hq * D]``, k / v ``[b * T, Hkv * D]`` -> ``[b * T, Hq * D]``."""
+        if (s, b) not in self.state:
+            assert not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()), (s, b)
+            self.prepare(s, b)
+        plan, rows = self.state[(s, b)]
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        kc.view(-1, self.hkv, self.d).index_copy_(0, rows, k.reshape(-1, self.hkv, self.d))
+        vc.view(-1, self.hkv, self.d).index_copy_(0, rows, v.reshape(-1, self.hkv, self.d))
+        return plan.run(q.view(b, s.num_verify, self.hq, self.d), kc, vc).view(b * s.num_verify, self.hq * self.d)
+
+
+def _decoder_stack(layers, hidden, inter, hq, hkv, d, device, dtype, gen, attention=None):
+    """``make(strategy)`` -> step ``x [B * num_verify, hidden] -> same``. ``attention``: a
+    :class:`_TreeAttention`, or None for torch SDPA over each request's verified tokens (causal)."""
     ws = []
     for _ in range(layers):
         ws.append(dict(
@@ -194,21 +250,22 @@ def _decoder_stack(layers, hidden, inter, hq, hkv, d, device, dtype, gen):
     def rms(x, w):
         return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
 
+    def sdpa(b, nv, q, k, v):
+        q = q.reshape(b, nv, hq, d).transpose(1, 2)
+        k = k.reshape(b, nv, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+        v = v.reshape(b, nv, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return a.transpose(1, 2).reshape(b * nv, hq * d)
+
     def make(s):
         nv = s.num_verify
 
         def fn(x):
-            # x: [B * nv, hidden]; attention over the request's own verified tokens (causal within the
-            # request) via SDPA -- a stand-in until tree_attention's plan/run API lands.
             b = x.shape[0] // nv
-            for w in ws:
-                h = rms(x, w["n1"]) @ w["qkv"]
-                q, k, v = h.split([hq * d, hkv * d, hkv * d], dim=-1)
-                q = q.view(b, nv, hq, d).transpose(1, 2)
-                k = k.view(b, nv, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
-                v = v.view(b, nv, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
-                a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                x = x + a.transpose(1, 2).reshape(b * nv, hq * d) @ w["o"]
+            for i, w in enumerate(ws):
+                q, k, v = (rms(x, w["n1"]) @ w["qkv"]).split([hq * d, hkv * d, hkv * d], dim=-1)
+                a = sdpa(b, nv, q, k, v) if attention is None else attention(i, s, b, q, k, v)
+                x = x + a @ w["o"]
                 g, u = (rms(x, w["n2"]) @ w["up"]).chunk(2, dim=-1)
                 x = x + (torch.nn.functional.silu(g) * u) @ w["down"]
             return x
@@ -216,25 +273,58 @@ def _decoder_stack(layers, hidden, inter, hq, hkv, d, device, dtype, gen):
     return make
 
 
+def test_tree_attention_helper_matches_dense_attention():
+    # The model's attention (CPU: torch backend) against dense math: context from the shuffled pages,
+    # then the tree's own K/V where the node is an ancestor (or itself).
+    from tlt_kernels.tree import tree_ancestor_mask
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    hq, hkv, d, s, b = 4, 2, 64, Strategy(4, 4, 8), 3
+    attn = _TreeAttention(2, 4, 8, hq, hkv, d, 40, "cpu", torch.bfloat16, gen)
+    T = s.num_verify
+    q, k, v = (torch.randn(b * T, n * d, dtype=torch.bfloat16) for n in (hq, hkv, hkv))
+    out = attn(1, s, b, q, k, v).float().view(b, T, hq, d)
+    anc = tree_ancestor_mask(torch.tensor([_tree_parents(s)]))[0]
+    for r in range(b):
+        C = int(attn.context_lens[r])
+        slots = torch.arange(C)
+        pages = attn.block_table[r].long()[slots // 16]
+        kk = torch.cat([attn.k_cache[1][pages, slots % 16], k.view(b, T, hkv, d)[r]]).float()
+        vv = torch.cat([attn.v_cache[1][pages, slots % 16], v.view(b, T, hkv, d)[r]]).float()
+        mask = torch.cat([torch.ones(T, C, dtype=torch.bool), anc], dim=1)
+        for h in range(hq):
+            sc = (q.view(b, T, hq, d)[r, :, h].float() @ kk[:, h // (hq // hkv)].T) * d ** -0.5
+            ref = sc.masked_fill(~mask, float("-inf")).softmax(-1) @ vv[:, h // (hq // hkv)]
+            torch.testing.assert_close(out[r, :, h], ref, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.cuda
 def test_gpu_capture_replay_random_order_bit_exact_and_no_growth():
+    # A model-like step (matmuls, norms, tree attention through our ops over a paged KV cache) captured
+    # for every (strategy, batch size), replayed in random order, bit-exact against eager at the padded size.
     dev, dt = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
-    make = _decoder_stack(2, 512, 1024, 8, 2, 64, dev, dt, gen)
     strats = [Strategy.off(), Strategy(3, 1, 4), Strategy(4, 4, 8), Strategy(6, 4, 16)]
     sizes = [1, 2, 4, 8, 16, 32]
+    attn = _TreeAttention(2, sizes[-1], 16, 8, 2, 64, 300, dev, dt, gen)
+    make = _decoder_stack(2, 512, 1024, 8, 2, 64, dev, dt, gen, attention=attn)
     pool = GraphPool()
     fns = {}
     for s in strats:
         fns[s] = make(s)
+        for b in sizes:
+            attn.prepare(s, b)
         pool.add(s, fns[s], sizes, lambda b, s=s: (torch.randn(b * s.num_verify, 512, device=dev, dtype=dt),))
     pool.capture()
     assert pool.stats()["graphs"] == len(strats) * len(sizes)
+    assert len(attn.state) == len(strats) * len(sizes)  # no plan was built during capture
     rng = random.Random(0)
     for i in range(300):
         s, b = rng.choice(strats), rng.randint(1, 32)
         x = torch.randn(b * s.num_verify, 512, device=dev, dtype=dt)
         out = pool.run(s, (x,), batch_size=b).clone()
+        assert torch.isfinite(out).all()
         if i % 10 == 0:
             p = pool.padded_size(s, b)
             xp = torch.cat([x, pool._inputs_for(pool._entries[s], p)[0][x.shape[0]:]])
