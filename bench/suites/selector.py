@@ -3,7 +3,9 @@
 Rows per workload: the oracle, the best static arm, plain decoding and each policy; ``ms`` is the
 simulated time for the same work, so the harness's ratios are throughput ratios. Extras give the
 fraction of the oracle, the gain over the best static arm and over plain decoding, and the worst
-re-convergence after a phase change (steps until the 20-step mean reaches 95% of the oracle).
+re-convergence after a phase change: ``reconverge_steps`` (steps until the 20-step mean reaches 95% of
+the oracle) and the stricter ``settle_steps`` (steps until 10 consecutive choices are within 1% of the
+oracle's throughput).
 A last case times ``select + update`` per policy on this CPU.
 
 Sizes: 600 steps and one seed with ``--small`` (always on a CPU device), 2400 steps and three seeds
@@ -67,6 +69,6 @@ def run(ctx) -> None:
             r = res[p]
             ctx.add(case, p, r["sim_s"] * 1e3, vs_oracle=round(r["vs_oracle"], 4),
                     vs_best_static=round(r["vs_best_static"], 4), vs_off=round(r["vs_off"], 4),
-                    reconverge_steps=r["reconverge_steps"])
+                    reconverge_steps=r["reconverge_steps"], settle_steps=r["settle_steps"])
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
