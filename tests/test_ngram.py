@@ -222,3 +222,154 @@ def test_triton_cuda_graph(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.drafts, ref.drafts) and torch.equal(out.num_drafts, ref.num_drafts)
+
+
+# ----------------------------------------------------------------------------- chunked Triton kernel
+# ngram_propose splits every history into chunks of `chunk` ends (one program each) and combines the
+# per-chunk (m, e) maxima; small chunks put many chunk boundaries into CPU-sized histories.
+
+
+def history_kinds(B, L, gen):
+    """(name, tokens int64 [B, L], lengths int32 [B]) covering the cases the chunk split can get wrong."""
+    rand, rand_len = random_histories(B, L, 50, gen)
+    rep, rep_len = random_histories(B, L, 2, gen, min_len=L // 2)
+    period = torch.arange(L).remainder(3).expand(B, L).clone()  # "0 1 2 0 1 2": overlapping occurrences
+    period_len = torch.randint(L // 2, L + 1, (B,), generator=gen).to(torch.int32)
+    short_len = torch.tensor([0, 1, 2, 3, 4, 5][:B] + [2] * max(0, B - 6), dtype=torch.int32)  # < min_n + 1 and just above
+    short = torch.randint(0, 2, (B, L), generator=gen)
+    return [("random", rand, rand_len), ("repetitive", rep, rep_len), ("periodic", period, period_len), ("short", short, short_len)]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
+@pytest.mark.parametrize("chunk,num_warps", [(16, 1), (32, 2), (64, 1)])
+@pytest.mark.parametrize("k,min_n,max_n", [(1, 1, 1), (8, 1, 4), (3, 2, 5), (4, 3, 3)])
+def test_triton_chunked_matches_reference(device, chunk, num_warps, k, min_n, max_n, gen):
+    from tlt_kernels._triton.ngram import ngram_propose_out
+
+    for name, tokens, lengths in history_kinds(6, 99, gen):
+        ref = ngram_propose(tokens, lengths, k, min_n, max_n, backend="torch")
+        for dtype in (torch.int64, torch.int32):
+            drafts = poison_(torch.empty(6, k, dtype=torch.int64, device=device))
+            num = poison_(torch.empty(6, dtype=torch.int32, device=device))
+            ngram_propose_out(tokens.to(device, dtype), lengths.to(device), min_n, max_n, drafts, num, chunk=chunk, num_warps=num_warps)
+            assert torch.equal(drafts.cpu(), ref.drafts), (name, dtype)
+            assert torch.equal(num.cpu(), ref.num_drafts), (name, dtype)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
+def test_triton_chunk_boundaries(device):
+    """Longest n beats a more recent shorter n across chunks; an occurrence straddling a boundary is found."""
+    from tlt_kernels._triton.ngram import ngram_propose_out
+
+    L = 64
+    # Row 0: "7 8 9" ends at 10 (chunk 0), "8 9" recurs at 40-41 (chunk 2); suffix "7 8 9" -> ends at 10 win.
+    # Row 1: the only earlier "5 6 7" occupies 15-17, across the chunk 0 / chunk 1 boundary.
+    # Row 2: the suffix "4 4" occurs (overlapping) at 61-62 inside the suffix's own chunk, and at 20-21.
+    tokens = torch.zeros(3, L, dtype=torch.int64)
+    tokens[0, 8:11] = torch.tensor([7, 8, 9])
+    tokens[0, 11] = 3
+    tokens[0, 40:42] = torch.tensor([8, 9])
+    tokens[0, 42] = 2
+    tokens[0, 61:64] = torch.tensor([7, 8, 9])
+    tokens[1, 15:19] = torch.tensor([5, 6, 7, 1])
+    tokens[1, 61:64] = torch.tensor([5, 6, 7])
+    tokens[2] = torch.arange(L) + 10
+    tokens[2, 20:23] = torch.tensor([4, 4, 6])
+    tokens[2, 61:64] = 4
+    lengths = torch.full((3,), L, dtype=torch.int32)
+    ref = ngram_propose(tokens, lengths, 2, 1, 3, backend="torch")
+    assert ref.drafts.tolist() == [[3, 0], [1, 0], [4, -1]] and ref.num_drafts.tolist() == [2, 2, 1]
+    for chunk in (16, 32, 64):
+        drafts = poison_(torch.empty(3, 2, dtype=torch.int64, device=device))
+        num = poison_(torch.empty(3, dtype=torch.int32, device=device))
+        ngram_propose_out(tokens.to(device), lengths.to(device), 1, 3, drafts, num, chunk=chunk)
+        assert torch.equal(drafts.cpu(), ref.drafts) and torch.equal(num.cpu(), ref.num_drafts), chunk
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("device", kernel_devices())
+def test_triton_strided_rows_and_baseline(device, gen):
+    """Row views of a wider buffer (the drafter's [B, max_len + 1] layout), and the rowscan baseline."""
+    from tlt_kernels._triton.ngram import ngram_propose_out, ngram_propose_rowscan_out
+
+    buf, lengths = random_histories(5, 77, 3, gen)
+    tokens = buf.to(device)[:, :70]
+    lengths = lengths.clamp(max=70)
+    assert tokens.stride(0) == 77
+    ref = ngram_propose(tokens.cpu().contiguous(), lengths, 4, 1, 4, backend="torch")
+    for run in (lambda d, n: ngram_propose_out(tokens, lengths.to(device), 1, 4, d, n, chunk=16),
+                lambda d, n: ngram_propose_rowscan_out(tokens, lengths.to(device), 1, 4, d, n)):
+        drafts = poison_(torch.empty(5, 4, dtype=torch.int64, device=device))
+        num = poison_(torch.empty(5, dtype=torch.int32, device=device))
+        run(drafts, num)
+        assert torch.equal(drafts.cpu(), ref.drafts) and torch.equal(num.cpu(), ref.num_drafts)
+
+
+def test_chunk_config():
+    from tlt_kernels._triton import ngram as m
+
+    assert m.chunk_config(256, 8192) == (m.CHUNK, m.NUM_WARPS)
+    chunk, warps = m.chunk_config(1, 8192)  # a lone request is split finer to reach more SMs
+    assert chunk == m.MIN_CHUNK and warps >= 1
+    assert m.chunk_config(4, 20)[0] == 32  # never wider than the history (rounded up to a power of two)
+    assert m.chunk_config(256, 8192, chunk=2048, num_warps=8) == (2048, 8)
+    with pytest.raises(ValueError, match="chunk must be a power of two >= 16, got 100"):
+        m.chunk_config(2, 100, chunk=100)
+    with pytest.raises(ValueError, match="num_warps must be a power of two >= 1, got 3"):
+        m.chunk_config(2, 100, num_warps=3)
+
+
+_COMPILE_NGRAM_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tlt_kernels._triton import ngram as m
+
+def compile_sm90(fn, types, consts, num_warps):
+    names = fn.arg_names
+    runtime = [n for n in names if n not in consts]
+    sig = dict(zip(runtime, types), **{k: "constexpr" for k in consts})
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+for tok in ("*i64", "*i32"):
+    for chunk, warps, max_n in ((m.CHUNK, m.NUM_WARPS, 4), (2048, 8, 5), (128, 1, 1)):
+        compile_sm90(m._ngram_chunk_kernel, [tok, "*i32", "*i64", "i64", "i32"],
+                     dict(MIN_N=1, MAX_N=max_n, N_POW2=triton.next_power_of_2(max_n), CHUNK=chunk, KEY_SHIFT=m.KEY_SHIFT), warps)
+    compile_sm90(m._ngram_combine_kernel, [tok, "*i64", "*i64", "*i64", "*i32", "i64", "i64", "i32", "i32"],
+                 dict(KEY_SHIFT=m.KEY_SHIFT, BLOCK_C=8, BLOCK_K=8), m.FINAL_WARPS)
+"""
+
+
+@pytest.mark.slow
+def test_chunked_kernels_compile_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile the chunk and combine kernels for sm_90."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("ptxas") is None and not os.environ.get("TRITON_PTXAS_PATH"):
+        pytest.skip("ptxas not found")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_NGRAM_SM90], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B,L", [(256, 8192), (1, 32768), (3, 5000), (64, 2048)])
+@pytest.mark.parametrize("chunk,num_warps", [(None, None), (512, 4), (2048, 8)])
+def test_triton_chunked_large_gpu(B, L, chunk, num_warps, gen):
+    from tlt_kernels._triton.ngram import ngram_propose_out
+
+    for vocab in (32000, 50, 2):
+        tokens, lengths = random_histories(B, L, vocab, gen, min_len=L // 2)
+        tokens, lengths = tokens.cuda(), lengths.cuda()
+        ref = ngram_propose(tokens, lengths, 8, 1, 4, backend="torch")
+        drafts = poison_(torch.empty(B, 8, dtype=torch.int64, device="cuda"))
+        num = poison_(torch.empty(B, dtype=torch.int32, device="cuda"))
+        ngram_propose_out(tokens, lengths, 1, 4, drafts, num, chunk=chunk, num_warps=num_warps)
+        assert torch.equal(drafts, ref.drafts) and torch.equal(num, ref.num_drafts), vocab

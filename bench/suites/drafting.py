@@ -1,12 +1,28 @@
 """Suite "ngram": n-gram (prompt-lookup) proposal over a batch of histories.
 
 ``bytes_moved`` = the valid histories read once (``sum(lengths) * itemsize``) plus the drafts
-written: the kernel's floor when no early exit happens. Two history kinds bracket the kernel:
-``random`` (a 32k vocabulary, so long n-grams rarely recur and the whole history is scanned) and
-``repetitive`` (a 16-token vocabulary: the longest n matches near the end and the backward scan
-stops after a tile, so the row can beat the "floor"). ``torch-ref`` is the vectorized reference.
+written: the floor of a kernel that reads every history. Two history kinds: ``random`` (a 32k
+vocabulary, so long n-grams rarely recur) and ``repetitive`` (a 16-token vocabulary: the longest n
+matches near the end, where the tree kernel's backward scan stops early). ``torch-ref`` is the
+vectorized reference.
+
+Rows per case (impl):
+
+* ``tlt-triton``: the public op (validation off), host overhead included when the GPU outruns it;
+* ``tlt-triton-graph`` (CUDA): the same op captured in a CUDA graph and replayed: GPU time only,
+  the number to hold against the issue-6 target (B=256, L=8192, k=8, n in [1,4] under 20 us);
+* ``tlt-triton-rowscan-graph`` (CUDA): the previous one-program-per-request kernel, replayed the same
+  way: the same-machine baseline for the chunked design;
+* tree rows: ``ngram_propose_tree`` (one program per request, unchanged design).
+
+Sweep: ``TLT_NGRAM_SWEEP=1 python -m bench ngram`` also times the chunked kernel for every
+``CHUNKxWARPS`` config of ``TLT_NGRAM_SWEEP_CONFIGS`` (default below) on the ``random`` histories,
+as graph replays on CUDA (rows ``chunk<C>-w<W>``, with ``chunk`` / ``warps`` columns). The winner
+goes into ``tlt_kernels/_triton/ngram.py`` (``CHUNK``, ``NUM_WARPS``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -14,6 +30,9 @@ from tlt_kernels import BackendUnavailableError
 from tlt_kernels.ops.ngram import ngram_propose, ngram_propose_tree
 
 SUITE = "ngram"
+
+SWEEP_CONFIGS = "256x2,512x2,512x4,1024x4,1024x8,2048x4,2048x8,4096x8,4096x16"
+SWEEP_CONFIGS_SMALL = "16x1,32x1"  # CPU / --small: exercises the sweep path only
 
 
 def _histories(B, L, vocab, device):
@@ -23,11 +42,61 @@ def _histories(B, L, vocab, device):
     return tokens.to(device), lengths.to(device)
 
 
+def _graph_ms(ctx, fn):
+    """Median ms of replaying a CUDA graph of ``fn`` (compiled and warmed up outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return ctx.time_ms(graph.replay)
+
+
+def _parse_configs(spec):
+    configs = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            chunk, warps = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"TLT_NGRAM_SWEEP_CONFIGS entries must look like 1024x4 (CHUNKxWARPS), got {item!r}") from None
+        configs.append((chunk, warps))
+    return configs
+
+
+def _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes):
+    from tlt_kernels._triton.ngram import ngram_propose_out
+
+    B = tokens.shape[0]
+    spec = os.environ.get("TLT_NGRAM_SWEEP_CONFIGS", SWEEP_CONFIGS_SMALL if ctx.small else SWEEP_CONFIGS)
+    drafts = torch.empty(B, k, dtype=torch.int64, device=ctx.device)
+    num = torch.empty(B, dtype=torch.int32, device=ctx.device)
+    for chunk, warps in _parse_configs(spec):
+        def fn(chunk=chunk, warps=warps):
+            ngram_propose_out(tokens, lengths, 1, max_n, drafts, num, chunk=chunk, num_warps=warps)
+
+        drafts.fill_(-12345)
+        num.fill_(-12345)
+        fn()
+        if not (torch.equal(drafts, ref.drafts) and torch.equal(num, ref.num_drafts)):
+            raise AssertionError(f"ngram chunked kernel != torch for {case}, chunk={chunk}, num_warps={warps}")
+        ms = _graph_ms(ctx, fn) if ctx.device.type == "cuda" else ctx.time_ms(fn)
+        ctx.add(case, f"chunk{chunk}-w{warps}", ms, bytes_moved=nbytes, chunk=chunk, warps=warps)
+
+
 def run(ctx) -> None:
     if ctx.small:
         cases = [(4, 256, 8, 4)]
     else:
         cases = [(64, 2048, 8, 4), (256, 8192, 8, 4), (256, 32768, 8, 4)]
+    cuda = ctx.device.type == "cuda"
+    sweep = os.environ.get("TLT_NGRAM_SWEEP", "0") not in ("", "0")
     for B, L, k, max_n in cases:
         for kind, vocab in (("random", 32000), ("repetitive", 16)):
             tokens, lengths = _histories(B, L, vocab, ctx.device)
@@ -42,8 +111,21 @@ def run(ctx) -> None:
                 continue
             if not (torch.equal(out.drafts, ref.drafts) and torch.equal(out.num_drafts, ref.num_drafts)):
                 raise AssertionError(f"ngram_propose triton != torch for {case}")
-            ms = ctx.time_ms(lambda: ngram_propose(tokens, lengths, k, 1, max_n, validate=False, backend="triton"))
-            ctx.add(case, "tlt-triton", ms, bytes_moved=nbytes, mean_drafts=float(out.num_drafts.float().mean()))
+            op = lambda: ngram_propose(tokens, lengths, k, 1, max_n, validate=False, backend="triton")  # noqa: E731
+            ctx.add(case, "tlt-triton", ctx.time_ms(op), bytes_moved=nbytes, mean_drafts=float(out.num_drafts.float().mean()))
+            if cuda:
+                from tlt_kernels._triton.ngram import ngram_propose_rowscan_out
+
+                ctx.add(case, "tlt-triton-graph", _graph_ms(ctx, op), bytes_moved=nbytes)
+                d = torch.empty(B, k, dtype=torch.int64, device=ctx.device)
+                n = torch.empty(B, dtype=torch.int32, device=ctx.device)
+                ngram_propose_rowscan_out(tokens, lengths, 1, max_n, d, n)
+                if not (torch.equal(d, ref.drafts) and torch.equal(n, ref.num_drafts)):
+                    raise AssertionError(f"ngram rowscan baseline != torch for {case}")
+                ctx.add(case, "tlt-triton-rowscan-graph", _graph_ms(ctx, lambda: ngram_propose_rowscan_out(tokens, lengths, 1, max_n, d, n)),
+                        bytes_moved=nbytes)
+            if sweep and kind == "random":
+                _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes)
             R = 4
             tcase = dict(case, k=k // 2, branches=R)
             tree_args = (tokens, lengths, k // 2, R, 1, max_n)
@@ -54,5 +136,8 @@ def run(ctx) -> None:
             ctx.add(tcase, "torch-ref-tree", ctx.time_ms(lambda: ngram_propose_tree(*tree_args, validate=False, backend="torch")), bytes_moved=nbytes)
             ctx.add(tcase, "tlt-triton-tree", ctx.time_ms(lambda: ngram_propose_tree(*tree_args, validate=False, backend="triton")), bytes_moved=nbytes,
                     mean_nodes=float(out_t.num_nodes.float().mean()))
-    if ctx.device.type == "cuda":
-        ctx.note("ngram target (issue 6): B=256, L=8192, k=8, n in [1,4] under 20 us on H100/H200.")
+    if cuda:
+        from tlt_kernels._triton import ngram as kern
+
+        ctx.note(f"ngram target (issue 6): B=256, L=8192, k=8, n in [1,4] under 20 us on H100/H200 (compare the tlt-triton-graph row). "
+                 f"Chunked kernel defaults: CHUNK={kern.CHUNK}, NUM_WARPS={kern.NUM_WARPS}, MIN_PROGRAMS={kern.MIN_PROGRAMS}.")

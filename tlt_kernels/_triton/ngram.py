@@ -1,19 +1,101 @@
-"""Triton n-gram (prompt-lookup) drafting: one program per request, the history scanned once.
+"""Triton n-gram (prompt-lookup) drafting.
 
 Matching is indexed by the *end* ``e`` of an earlier occurrence: ``m(e)`` = length of the common
 suffix of ``h[:e+1]`` and ``h`` (capped at MAX_N), so position ``e <= len-2`` ends an occurrence of
-every ``n <= m(e)``. A tile of ends needs only the MAX_N tokens before each end (shifted loads that hit
-L1), and one comparison pass serves every n at once. Tiles run from the end of the history backwards
-and stop as soon as MAX_N has matched (the most recent occurrence of the longest n is then known);
-otherwise the whole history is read about once.
+every ``n <= m(e)``. One comparison pass over the MAX_N tokens before each end serves every n.
+
+Because ``m`` is capped at MAX_N, the longest matching n is ``n* = max_e m(e)`` (when ``>= MIN_N``)
+and its most recent occurrence is the largest ``e`` with ``m(e) = n*``: the lexicographic maximum
+of ``(m(e), e)``. That maximum is associative, so ``ngram_propose`` splits each history into CHUNK
+positions per program (grid ``(num_chunks, B)``: thousands of independent programs keep enough loads
+in flight to stream HBM) and each program writes one int64 key ``m << 40 | e`` (-1: no occurrence
+with ``m >= MIN_N``) to a ``[B, num_chunks]`` scratch that every program writes, so it needs no
+initialization. A second one-program-per-request kernel takes the maximum key and gathers the k
+drafts. Two launches, no atomics, no host synchronization: CUDA-graph safe and deterministic.
+
+Sizing (H100/H200, 132 SMs, ~4 TB/s, ~0.6-0.8 us DRAM latency): Little's law wants ~3 MB in flight,
+i.e. >= ~24 KB per SM; we aim for 32-64 KB. A CHUNK=1024, 4-warp program issues all its tile loads
+(8 KB of int64 from DRAM; every warp instruction reads 256 contiguous bytes) before any compare. The
+sm_90 build takes 61 registers per thread at MAX_N=4 (int64; 38 for int32), so 8 programs fit per
+SM: ~64 KB in flight per SM, and B=256, L=8192 is 2048 programs, ~2 waves. The MAX_N-1 shifted
+reloads of the tile should hit L1. CHUNK, NUM_WARPS and MIN_PROGRAMS are module constants so they can
+be swept on the GPU (``TLT_NGRAM_SWEEP=1 python -m bench ngram``).
+
+``ngram_propose_tree`` (and the ``rowscan`` baseline of ``ngram_propose``, kept for same-machine
+comparisons) use one program per request that scans its history backwards in tiles and stops once
+MAX_N has matched.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+# Tuning knobs of the chunked ngram_propose (see the module docstring for the reasoning).
+CHUNK = 1024  # history positions (ends) per program; a power of two
+NUM_WARPS = 4  # warps per chunk program
+MIN_CHUNK = 128  # CHUNK is halved down to this while the grid has fewer than MIN_PROGRAMS programs
+MIN_PROGRAMS = 1024  # ~8 programs per SM on 132 SMs: small batches still spread over the GPU
+FINAL_WARPS = 1  # the per-request combine kernel only reduces num_chunks keys and gathers k tokens
+KEY_SHIFT = 40  # key = m << KEY_SHIFT | e; positions below 2**40
+
+
+@triton.jit
+def _ngram_chunk_kernel(
+    Tokens_ptr, Lengths_ptr, Keys_ptr,
+    stride_tb, num_chunks,
+    MIN_N: tl.constexpr, MAX_N: tl.constexpr, N_POW2: tl.constexpr, CHUNK: tl.constexpr, KEY_SHIFT: tl.constexpr,
+):
+    """Keys[b, c] = max over ends e of chunk c with m(e) >= MIN_N of ``m(e) << KEY_SHIFT | e``; -1 if none."""
+    c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    row_ptr = Tokens_ptr + b * stride_tb
+    length = tl.load(Lengths_ptr + b).to(tl.int64)
+    start = c.to(tl.int64) * CHUNK
+    j = tl.arange(0, CHUNK)  # local end index; int32 keeps the per-element registers small
+    i = tl.arange(0, N_POW2)  # distance back from the end
+    ok = j <= length - 2 - start  # the end leaves at least one token to propose
+    # One [N_POW2, CHUNK] load: row i holds h[e - i]. It depends only on bounds, never on a compare,
+    # so every load of the tile is in flight at once; rows i > 0 re-read the tile shifted (L1/L2 hits).
+    # Only chunk 0 can reach before the row start.
+    in_row = ok[None, :] & (i[:, None] < MAX_N) & ((j[None, :] >= i[:, None]) | (c > 0))
+    tile = tl.load(row_ptr + start + (j[None, :] - i[:, None]), mask=in_row, other=0)
+    suf_pos = length - 1 - i  # the suffix read backwards: h[len - 1 - i]
+    suf = tl.load(row_ptr + tl.maximum(suf_pos, 0), mask=i < MAX_N, other=0)
+    eq = in_row & (suf_pos >= 0)[:, None] & (tile == suf[:, None])
+    # m(e) = index of the first mismatching row (rows >= MAX_N never match, capping m at MAX_N).
+    m = tl.min(tl.where(eq, N_POW2, i[:, None]), axis=0)
+    # m * CHUNK + j orders (m, e) lexicographically within the chunk, in int32.
+    local = tl.max(tl.where(ok & (m >= MIN_N), m * CHUNK + j, -1), axis=0)
+    key = (local // CHUNK).to(tl.int64) << KEY_SHIFT | (start + local % CHUNK)
+    tl.store(Keys_ptr + b * num_chunks + c, tl.where(local >= 0, key, -1))
+
+
+@triton.jit
+def _ngram_combine_kernel(
+    Tokens_ptr, Lengths_ptr, Keys_ptr, Drafts_ptr, NumDrafts_ptr,
+    stride_tb, stride_db, num_chunks, K,
+    KEY_SHIFT: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Per request: (n*, e*) = max key over chunks; drafts = h[e*+1 : min(e*+1+K, len)], -1 padded."""
+    b = tl.program_id(0).to(tl.int64)
+    row_ptr = Tokens_ptr + b * stride_tb
+    length = tl.load(Lengths_ptr + b).to(tl.int64)
+    cs = tl.arange(0, BLOCK_C)
+    best = tl.full([BLOCK_C], -1, dtype=tl.int64)
+    c0 = 0
+    while c0 < num_chunks:  # a while loop: the CPU interpreter cannot range() over a runtime bound
+        best = tl.maximum(best, tl.load(Keys_ptr + b * num_chunks + c0 + cs, mask=c0 + cs < num_chunks, other=-1))
+        c0 += BLOCK_C
+    key = tl.max(best, axis=0)
+    e_star = tl.where(key >= 0, key & ((1 << KEY_SHIFT) - 1), -1)
+    count = tl.where(e_star >= 0, tl.minimum(length - e_star - 1, K), 0)
+    j = tl.arange(0, BLOCK_K).to(tl.int64)
+    tok = tl.load(row_ptr + e_star + 1 + j, mask=j < count, other=-1).to(tl.int64)
+    tl.store(Drafts_ptr + b * stride_db + j, tl.where(j < count, tok, -1), mask=j < K)
+    tl.store(NumDrafts_ptr + b, count.to(tl.int32))
 
 
 @triton.jit
@@ -23,10 +105,11 @@ def _match_tile(row_ptr, length, e, MAX_N: tl.constexpr):
     m = tl.zeros(e.shape, dtype=tl.int32)
     run = ok
     for i in tl.static_range(MAX_N):
-        # h[len-1-i] (the suffix read backwards) vs h[e-i]; a mismatch ends the run for good.
+        # h[len-1-i] (the suffix read backwards) vs h[e-i]; a mismatch ends the run for good. The load
+        # is masked by bounds only (not by `run`) so the MAX_N loads do not wait on each other.
         suf_pos = length - 1 - i
-        suf = tl.load(row_ptr + tl.maximum(suf_pos, 0)).to(tl.int64)
-        tok = tl.load(row_ptr + (e - i), mask=run & (e - i >= 0), other=0).to(tl.int64)
+        suf = tl.load(row_ptr + tl.maximum(suf_pos, 0))
+        tok = tl.load(row_ptr + (e - i), mask=ok & (e - i >= 0), other=0)
         run = run & (e - i >= 0) & (suf_pos >= 0) & (tok == suf)
         m += run.to(tl.int32)
     return m
@@ -57,7 +140,7 @@ def _longest_match(row_ptr, length, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BL
 
 
 @triton.jit
-def _ngram_propose_kernel(
+def _ngram_rowscan_kernel(
     Tokens_ptr, Lengths_ptr, Drafts_ptr, NumDrafts_ptr,
     stride_tb, stride_db, K,
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_POW2: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -154,13 +237,65 @@ def _scan_warps(L: int) -> int:
     return 8 if L >= 2048 else 4
 
 
-def ngram_propose_out(tokens: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int, drafts: torch.Tensor, num_drafts: torch.Tensor) -> None:
-    """Write into ``drafts int64 [B, k]`` and ``num_drafts int32 [B]`` (inputs as in :func:`ngram_propose`)."""
+def chunk_config(B: int, L: int, chunk: Optional[int] = None, num_warps: Optional[int] = None) -> Tuple[int, int]:
+    """``(chunk, num_warps)`` for the chunked kernel: the module defaults unless given.
+
+    The default chunk is CHUNK, capped at the history length (rounded up to a power of two) and
+    halved down to MIN_CHUNK while ``B * ceil(L / chunk) < MIN_PROGRAMS``, so a small batch of
+    long histories still spreads over every SM.
+    """
+    if chunk is None:
+        chunk = min(CHUNK, max(16, triton.next_power_of_2(L)))
+        while chunk > MIN_CHUNK and B * triton.cdiv(L, chunk) < MIN_PROGRAMS:
+            chunk //= 2
+    elif chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+    if num_warps is None:
+        num_warps = NUM_WARPS if chunk >= 128 * NUM_WARPS else max(1, chunk // 128)
+    elif num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two >= 1, got {num_warps}")
+    return chunk, num_warps
+
+
+def ngram_propose_out(
+    tokens: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int, drafts: torch.Tensor, num_drafts: torch.Tensor,
+    chunk: Optional[int] = None, num_warps: Optional[int] = None,
+) -> None:
+    """Write into ``drafts int64 [B, k]`` and ``num_drafts int32 [B]`` (inputs as in :func:`ngram_propose`).
+
+    ``chunk`` (a power of two >= 16) and ``num_warps`` override :func:`chunk_config` (for sweeps).
+    Allocates an ``int64 [B, ceil(L / chunk)]`` scratch from the caching allocator (graph-safe).
+    """
     B, L = tokens.shape
     k = drafts.shape[1]
     if tokens.stride(1) != 1:
         tokens = tokens.contiguous()
-    _ngram_propose_kernel[(B,)](
+    chunk, num_warps = chunk_config(B, L, chunk, num_warps)
+    if chunk * (max_n + 1) >= 2**31 or L >= 2**KEY_SHIFT:
+        raise ValueError(f"chunk * (max_n + 1) must be < 2**31 and L < 2**{KEY_SHIFT}, got chunk={chunk}, max_n={max_n}, L={L}")
+    if B > 65535:  # grid axis 1 holds the batch
+        raise ValueError(f"ngram_propose supports at most 65535 requests per call, got B={B}")
+    num_chunks = triton.cdiv(L, chunk)
+    keys = torch.empty(B, num_chunks, dtype=torch.int64, device=tokens.device)
+    _ngram_chunk_kernel[(num_chunks, B)](
+        tokens, lengths, keys, tokens.stride(0), num_chunks,
+        MIN_N=min_n, MAX_N=max_n, N_POW2=triton.next_power_of_2(max_n), CHUNK=chunk, KEY_SHIFT=KEY_SHIFT,
+        num_warps=num_warps,
+    )
+    _ngram_combine_kernel[(B,)](
+        tokens, lengths, keys, drafts, num_drafts, tokens.stride(0), drafts.stride(0), num_chunks, k,
+        KEY_SHIFT=KEY_SHIFT, BLOCK_C=min(triton.next_power_of_2(num_chunks), 1024), BLOCK_K=triton.next_power_of_2(k),
+        num_warps=FINAL_WARPS,
+    )
+
+
+def ngram_propose_rowscan_out(tokens: torch.Tensor, lengths: torch.Tensor, min_n: int, max_n: int, drafts: torch.Tensor, num_drafts: torch.Tensor) -> None:
+    """The previous design (one program per request, backward tile scan with early exit), as a baseline."""
+    B, L = tokens.shape
+    k = drafts.shape[1]
+    if tokens.stride(1) != 1:
+        tokens = tokens.contiguous()
+    _ngram_rowscan_kernel[(B,)](
         tokens, lengths, drafts, num_drafts, tokens.stride(0), drafts.stride(0), k,
         MIN_N=min_n, MAX_N=max_n, BLOCK_SIZE=_scan_block(L), N_POW2=triton.next_power_of_2(max_n + 1),
         BLOCK_K=triton.next_power_of_2(k), num_warps=_scan_warps(L),
