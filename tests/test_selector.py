@@ -230,3 +230,46 @@ def test_change_detection_can_be_disabled_and_is_validated():
         StrategySelector([s], policy="cost", detect=0.0)
     with pytest.raises(ValueError, match="keep_on_change"):
         StrategySelector([s], policy="cost", keep_on_change=2.0)
+
+
+def _feed_tree(sel, s, b, p, steps, rng, width):
+    """Observations of ``s`` whose every level is accepted with ``1 - (1 - p)**width``."""
+    _feed(sel, s, b, 1.0 - (1.0 - p) ** width, steps, rng)
+
+
+def test_shared_acceptance_moves_unplayed_arms_with_the_level():
+    """A change seen only through a chain moves a tree's prediction too, and the learned offsets keep
+    the tree above the chain (the pooled estimate it replaced let the chain's acceptance hide the tree)."""
+    chain, tree = Strategy(4, 1, 5), Strategy(4, 4, 13)
+    table = {s: [(1, 0.01)] for s in (Strategy.off(), chain, tree)}
+    sel = StrategySelector([chain, tree], policy="cost", seed=0, cost_table=table)
+    pol = sel.policy
+    ic, it = sel._index[chain], sel._index[tree]
+    rng = random.Random(0)
+    play = {"arm": chain}
+    sel.available = lambda st, bb: st == play["arm"]
+    for _ in range(20):  # alternate so the offsets are identified: the tree has 3 independent candidates
+        play["arm"] = chain
+        _feed(sel, chain, 16, 0.7, 10, rng)
+        play["arm"] = tree
+        _feed_tree(sel, tree, 16, 0.7, 10, rng, 3.0)
+    assert pol.off[pol.grp[it]] - pol.off[pol.grp[ic]] == pytest.approx(math.log(3.0), abs=0.25)
+    before = pol._alphas(it, sel.step)[0]
+    play["arm"] = chain
+    # The drafter got worse; only the chain sees it. The tree's own counts fade within ~window steps,
+    # after which its prediction is the shared level plus its offset.
+    _feed(sel, chain, 16, 0.3, 150, rng)
+    after = pol._alphas(it, sel.step)[0]
+    assert before == pytest.approx(1.0 - 0.3 ** 3.0, abs=0.05)
+    assert after == pytest.approx(1.0 - 0.7 ** 3.0, abs=0.06), (before, after)
+
+
+def test_arms_of_equal_width_share_an_offset():
+    sel = StrategySelector([Strategy(1, 1, 2), Strategy(5, 1, 6), Strategy(4, 4, 8), Strategy(6, 4, 16)], policy="cost")
+    g = sel.policy.grp
+    assert g[0] == -1  # plain decoding
+    assert g[1] == g[2] != g[3] != g[4]  # chains share; 1.75 and 2.5 candidates per level differ
+    with pytest.raises(ValueError, match="slow"):
+        StrategySelector(ARMS, policy="cost", slow=0.5)
+    with pytest.raises(ValueError, match="offset_prior"):
+        StrategySelector(ARMS, policy="cost", ucb=-1.0)

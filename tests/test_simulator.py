@@ -116,14 +116,17 @@ def test_settle_metric():
     assert settle_steps(never) == 100  # a 5%-worse arm never settles: the phase's length
 
 
-@pytest.mark.parametrize("name", ["phase-shift-B64", "phase-shift-B128", "phase-shift-mixed"])
+@pytest.mark.parametrize("name", ["phase-shift-B64", "phase-shift-B128", "phase-shift-mixed",
+                                  "drafter-warmup-B16", "target-drift-B48", "long-tail-256"])
 def test_issue5_targets_on_short_runs(name):
-    """Issue 5's targets where a 600-step, one-seed CPU run can show them (batch 1-8 need the
+    """Issue 5's targets where a 600-step, one-seed CPU run can show them (batch 1-32 need the
     2400-step benchmark: start-up exploration weighs too much in 600 steps)."""
     wl = [w for w in standard_workloads(small=True) if w.name == name][0]
     r = evaluate(wl, _mk("cost"))
     assert r["vs_oracle"] >= 0.97, r
     assert r["vs_off"] >= 0.98, r
+    if r["reconverge_steps"] is None:  # no phase changes
+        return
     assert r["reconverge_steps"] <= 50, r
     if name == "phase-shift-mixed":
         assert r["vs_best_static"] >= 1.10, r

@@ -255,51 +255,77 @@ class CostTable:
         return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
 
 
+def _cloglog(p: float) -> float:
+    return math.log(-math.log(1.0 - p))
+
+
 class CostModelPolicy(Policy):
     """Pick the arm maximizing ``B * E[tokens per request] / predicted step time``.
 
-    * Acceptance: for each arm, the conditional probability ``alpha_j`` that a request that accepted
-      ``j-1`` draft tokens also accepts the ``j``-th, from ``accepted_per_position`` of its own steps,
-      shrunk toward the estimate pooled over arms of the same ``topk`` (which also extrapolates past the
-      deepest observed position). Acceptance does not depend on batch size, so it is shared by all buckets:
-      what a small batch learns helps a large one. Statistics decay with ``gamma = 1 - 1/window`` per
-      step, so after a phase change stale arms fall back to the fresh pooled estimate within ~window steps.
+    * Acceptance: one model shared by every arm and every bucket (acceptance does not depend on batch
+      size). The probability that a request which accepted ``j-1`` draft tokens of arm ``a`` also
+      accepts the ``j``-th is ``alpha_aj = 1 - (1 - c_j)**E_a``: ``c_j`` is the acceptance of one
+      candidate at depth ``j`` and ``E_a`` the arm's effective number of independent candidates per
+      level (a tree fails at a level only when every candidate does). On the complementary log-log
+      scale this is additive, ``cloglog(alpha_aj) = lvl + dep[j] + off[g(a)]``: ``lvl`` is one scalar
+      tracked fast (memory ~``window`` steps); the depth offsets and the width offsets (one per group of
+      arms with equal ``min(topk, (num_verify - 1) / num_steps)``, e.g. every chain) are kept (or
+      forgotten over ``slow * window`` steps). A phase change seen through the played arm moves ``lvl``, and with it
+      every other arm's prediction, instead of leaving stale arms on old (or narrower arms' pooled)
+      acceptance. Fitted online by Fisher scoring of the binomial likelihood of
+      ``accepted_per_position`` (:meth:`_fit`). Each arm's estimate is its own discounted per-position
+      counts shrunk toward the model (``prior_weight`` pseudo-requests).
       ``E[tokens] = 1 + sum_i prod_{j<=i} alpha_j``.
     * Step time: ``cost_table.predict(strategy, B)`` times a per-(bucket, arm) correction (discounted mean
       of observed / predicted); without a table, the discounted mean observed time of the (bucket, arm),
       exploring unobserved arms once.
-    * Exploration: each speculative arm is played once before its acceptance is trusted; after that the
-      prediction gets an optimism bonus ``explore / sqrt(1 + n_eff)`` (relative), where ``n_eff`` is the
-      arm's discounted observation count, so an arm not played for a few windows (e.g. a deep tree at a
-      large batch running plain decoding) is re-tried once its prediction is within the bonus of the best.
+    * Exploration: each speculative arm is played once; after that the choice uses optimistic tokens,
+      the arm's width offset raised by ``ucb`` conditional standard deviations given the level (small
+      once arms of that width were played alongside others; the level's own uncertainty, reset after an
+      alarm, is common to all arms and does not count). ``explore`` adds the older relative bonus
+      ``explore / sqrt(1 + n_eff)`` (off by default).
     * Change detection: a Bernoulli CUSUM compares the played arm's accepted draft tokens with its own
-      prediction (:meth:`_changed`); on an alarm every acceptance statistic is scaled by
-      ``keep_on_change`` (:meth:`_forget`), so re-convergence after a phase change takes the detection
-      delay (a few steps) plus a few plays, not ~``window`` steps. Steps of alarms: ``self.changes``.
+      prediction (:meth:`_changed`); on an alarm the arms' own counts are scaled by ``keep_on_change``
+      and the level's variance is reset to its prior (:meth:`_forget`), so the next observations move
+      the level at once. Steps of alarms: ``self.changes``.
 
     Args:
         cost_table: a :class:`CostTable`, a ``{strategy: [(B, s), ...]}`` dict, or None.
-        prior_accept: acceptance assumed before any observation (optimistic, so arms get tried).
-        prior_weight: pseudo-count of the pooled estimate in each arm's per-position estimate.
-        explore: relative optimism bonus scale.
+        prior_accept: single-candidate acceptance assumed before any observation.
+        prior_weight: pseudo-requests of the shared model in each arm's per-position estimate.
+        explore: relative optimism bonus scale (0 disables it; ``ucb`` explores).
         detect: CUSUM alarm threshold in nats (None disables change detection).
         detect_shift: smallest change of acceptance (absolute) the CUSUM is tuned to detect.
         min_trials: the test runs only when the played arm's prediction rests on at least this many
-            (discounted) requests of its own.
-        keep_on_change: fraction of acceptance statistics kept after an alarm.
+            (discounted) requests of its own (0: always; the shared model backs every prediction).
+        keep_on_change: fraction of the arms' own acceptance counts kept after an alarm.
+        slow: memory of the width and depth offsets, in windows (None: kept; measured better, since
+            how arms differ does not change when the drafter does).
+        offset_prior: prior standard deviation of the width and depth offsets (cloglog scale).
+        ucb: optimism of the choice, in conditional standard deviations of the arm's offset given the
+            level (0: greedy).
+        offset_mean: prior mean of a width group's offset, ``offset_mean * log(width)`` (1: ``width``
+            independent candidates, the optimistic bound; 0: every arm starts as a chain).
     """
 
     name = "cost"
 
     def __init__(self, cost_table=None, prior_accept: float = 0.7, prior_weight: float = 1.0,
-                 explore: float = 0.1, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
-                 min_trials: float = 8.0, keep_on_change: float = 0.5):
+                 explore: float = 0.0, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
+                 min_trials: float = 0.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
+                 offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
             raise ValueError(f"detect must be a positive CUSUM threshold or None, got {detect}")
         if not 0.0 <= keep_on_change <= 1.0:
             raise ValueError(f"keep_on_change must be in [0, 1], got {keep_on_change}")
+        if not 0.0 < prior_accept < 1.0:
+            raise ValueError(f"prior_accept must be in (0, 1), got {prior_accept}")
+        if slow is not None and not slow >= 1.0:
+            raise ValueError(f"slow must be >= 1 (windows) or None, got {slow}")
+        if not (offset_prior > 0 and ucb >= 0 and explore >= 0):
+            raise ValueError(f"offset_prior must be > 0 and ucb, explore >= 0; got {offset_prior}, {ucb}, {explore}")
         self.cost_table = cost_table
         self.prior_accept = prior_accept
         self.prior_weight = prior_weight
@@ -308,35 +334,59 @@ class CostModelPolicy(Policy):
         self.detect_shift = detect_shift
         self.min_trials = min_trials
         self.keep_on_change = keep_on_change
+        self.slow = slow
+        self.offset_prior = offset_prior
+        self.ucb = ucb
+        self.offset_mean = offset_mean
+        self.refresh_tol = 0.03
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
         A = len(arms)
         self.gamma = 1.0 - 1.0 / window
+        self.gamma_slow = 1.0 if self.slow is None else 1.0 - 1.0 / (window * self.slow)
         self.depth = [s.num_steps for s in arms]
-        topks = sorted({s.topk for s in arms if not s.is_off})
-        self.group_of = [topks.index(s.topk) if not s.is_off else -1 for s in arms]
         self.max_depth = max(self.depth)
         D = self.max_depth + 1
-        # Discounted sums over steps of per-request fractions: num[j] = P(reach j), den[j] = P(reach j-1).
+        # Each arm's own discounted sums over steps of per-request fractions: num[j] = P(reach j),
+        # den[j] = P(reach j-1).
         self.num = [[0.0] * D for _ in range(A)]
         self.den = [[0.0] * D for _ in range(A)]
         self.t_arm = [0] * A
-        self.pnum = [[0.0] * D for _ in topks]
-        self.pden = [[0.0] * D for _ in topks]
-        self.t_pool = [0] * len(topks)
-        self.gnum, self.gden, self.t_glob = [0.0] * D, [0.0] * D, 0  # pooled over every arm
-        self.tokens = [1.0] * A  # expected tokens per request per step
+        # Shared model: cloglog(alpha_aj) = lvl + dep[j] + off[a].
+        self.var_prior = 1.0
+        self.lvl, self.t_lvl = _cloglog(self.prior_accept), 0
+        v0 = self.offset_prior ** 2
+        self.dep = [0.0] * D
+        self.var_dep = [0.0, 0.0] + [v0] * (D - 2)  # depth 1 anchors the level
+        self.t_dep = [0] * D
+        # Arms with the same candidates per level, min(topk, (num_verify - 1) / num_steps), share an
+        # offset: e.g. every chain, whatever its depth.
+        widths = sorted({self._width(s) for s in arms if not s.is_off})
+        self.grp = [widths.index(self._width(s)) if not s.is_off else -1 for s in arms]
+        G = len(widths)
+        # Prior mean: w independent candidates, E = w (the optimistic bound; data pulls it down).
+        self.off = [self.offset_mean * math.log(w) for w in widths]
+        self._v0 = v0
+        # Covariance of (lvl, off_0..off_{G-1}).
+        self.P = [[0.0] * (G + 1) for _ in range(G + 1)]
+        self.P[0][0] = self.var_prior
+        for g in range(G):
+            self.P[g + 1][g + 1] = v0
+        self.tokens = [1.0] * A  # optimistic expected tokens per request per step (for the choice)
         self.obs_tokens = [None] * A  # fallback when accepted_per_position is not given
         self.time_n = [[0.0] * A for _ in range(num_buckets)]
         self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
         self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
-        self.alphas = [[] for _ in range(A)]  # predicted conditional acceptance per position
         self.cusum_hi = self.cusum_lo = 0.0
         self.changes: List[int] = []  # steps at which a change in acceptance was detected
         self._pred_cache: Dict[Tuple[int, int], Optional[float]] = {}
-        for a in range(A):
-            self._refresh(a, 0)
+        self._lvl_refreshed = self.lvl
+        self._refresh_all(0)
+
+    @staticmethod
+    def _width(s: Strategy) -> float:
+        return round(min(s.topk, max(1.0, (s.num_verify - 1) / s.num_steps)), 6)
 
     def _table(self, a: int, batch_size: int) -> Optional[float]:
         key = (a, batch_size)
@@ -346,31 +396,37 @@ class CostModelPolicy(Policy):
             self._pred_cache[key] = v
         return v
 
+    def _refresh_all(self, step: int) -> None:
+        # exp(lvl + dep[j]): the single-candidate hazard per depth, shared by every arm's refresh.
+        lvl = self.lvl
+        self._haz = [math.exp(min(lvl + d, 3.0)) for d in self.dep]
+        self._lvl_refreshed = lvl
+        for a in range(len(self.arms)):
+            self._refresh(a, step)
+
     def _refresh(self, a: int, step: int) -> None:
+        """Optimistic expected tokens of arm ``a``: its width offset raised by ``ucb`` standard deviations
+        of that offset given the level (``Var(off) - Cov(lvl, off)^2 / Var(lvl)``)."""
         d = self.depth[a]
         if d == 0:
-            self.tokens[a] = 1.0
             return
-        g = self.group_of[a]
-        fa = self.gamma ** (step - self.t_arm[a])
-        fp = self.gamma ** (step - self.t_pool[g])
-        fg = self.gamma ** (step - self.t_glob)
-        num, den, pnum, pden, gnum, gden = self.num[a], self.den[a], self.pnum[g], self.pden[g], self.gnum, self.gden
-        k0 = self.prior_weight
-        prev = self.prior_accept
-        reach, total = 1.0, 1.0
-        al = self.alphas[a]
-        al.clear()
-        # Three levels of shrinkage: arm -> arms of the same topk -> every arm -> the previous position.
-        for j in range(1, d + 1):
-            ga = (fg * gnum[j] + k0 * prev) / (fg * gden[j] + k0)
-            pa = (fp * pnum[j] + k0 * ga) / (fp * pden[j] + k0)
-            prev = ga
-            alpha = (fa * num[j] + k0 * pa) / (fa * den[j] + k0)
-            al.append(alpha)
+        P, i = self.P, self.grp[a] + 1
+        u = self.ucb * math.sqrt(max(P[i][i] - P[0][i] * P[0][i] / P[0][0], 0.0)) if self.ucb else 0.0
+        reach = total = 1.0
+        for alpha in self._alphas(a, step, u):
             reach *= alpha
             total += reach
         self.tokens[a] = total
+
+    def _alphas(self, a: int, step: int, up: float = 0.0) -> List[float]:
+        """Per-position acceptance of arm ``a``: its own discounted counts shrunk toward the shared model
+        (``prior_weight`` pseudo-requests), with the arm's offset raised by ``up``."""
+        fa = self.gamma ** (step - self.t_arm[a])
+        num, den, haz = self.num[a], self.den[a], self._haz
+        k0 = self.prior_weight
+        E = math.exp(self.off[self.grp[a]] + up)
+        return [(fa * num[j] + k0 * (1.0 - math.exp(-haz[j] * E))) / (fa * den[j] + k0)
+                for j in range(1, self.depth[a] + 1)]
 
     def _predict(self, bucket: int, a: int, batch_size: int) -> Optional[float]:
         """Predicted throughput (tokens/s), or None when the arm must be explored first."""
@@ -423,46 +479,95 @@ class CostModelPolicy(Policy):
             raise ValueError(
                 f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
             )
-        inv_b = 1.0 / batch_size
         # Test only against a prediction backed by enough of the arm's own trials (right after a reset
         # the prediction is mostly prior and would alarm again).
         changed = (self.detect is not None and self.den[arm][1] * g ** (step - self.t_arm[arm]) >= self.min_trials
-                   and self._changed(arm, accepted, batch_size))
+                   and self._changed(arm, accepted, batch_size, step))
         if changed:
             self._forget(step)
-        ga = self.group_of[arm]
+        self._fit(arm, accepted, batch_size, step)
         fa = g ** (step - self.t_arm[arm])
-        fp = g ** (step - self.t_pool[ga])
-        num, den, pnum, pden = self.num[arm], self.den[arm], self.pnum[ga], self.pden[ga]
-        fg = g ** (step - self.t_glob)
-        gnum, gden = self.gnum, self.gden
+        num, den = self.num[arm], self.den[arm]
+        inv_b = 1.0 / batch_size
         prev = 1.0
         for j in range(1, d + 1):
             r = accepted[j - 1] * inv_b
             num[j] = num[j] * fa + r
             den[j] = den[j] * fa + prev
-            pnum[j] = pnum[j] * fp + r
-            pden[j] = pden[j] * fp + prev
-            gnum[j] = gnum[j] * fg + r
-            gden[j] = gden[j] * fg + prev
             prev = r
-        for j in range(d + 1, self.max_depth + 1):  # keep the deeper pooled positions on the same clock
-            pnum[j] *= fp
-            pden[j] *= fp
-            gnum[j] *= fg
-            gden[j] *= fg
-        self.t_glob = step
         self.t_arm[arm] = step
-        self.t_pool[ga] = step
-        # The arm's own group changed a lot; other groups only through the slowly-moving global pool.
-        self._updates = getattr(self, "_updates", 0) + 1
-        every = changed or self._updates % 8 == 0
-        for a in range(len(self.arms)):
-            if every or self.group_of[a] == ga:
-                self._refresh(a, step)
+        # Other arms move only through the shared model: refresh them all when the level moved enough
+        # to matter (or on an alarm), else only the played arm, on the per-depth hazards of the last full
+        # refresh (keeps select+update cheap).
+        if changed or abs(self.lvl - self._lvl_refreshed) > self.refresh_tol:
+            self._refresh_all(step)
+        else:
+            self._refresh(arm, step)
 
+    def _fit(self, arm: int, accepted: Sequence[float], batch_size: int, step: int) -> None:
+        """One Fisher-scoring step of the shared model on the played arm's per-position counts.
 
-    def _changed(self, arm: int, accepted: Sequence[float], batch_size: int) -> bool:
+        Position ``j`` is ``n`` trials (requests that reached ``j-1``) with ``k`` successes. With
+        ``eta = lvl + dep[j] + off[arm]``, ``e = exp(eta)`` and ``p = 1 - exp(-e)``, the Newton step in
+        ``eta`` is ``r_j = (k - n p) / (n e (1-p))`` with precision ``w_j = n e^2 (1-p) / p``.
+        The precision-weighted mean of the ``r_j`` updates ``(lvl, off)`` by a Kalman step with their
+        full covariance ``P`` (the level and an arm's offset are only identified jointly, through plays
+        of different arms; a diagonal covariance would let whichever arm is explored first absorb the
+        prior's error into its offset). ``r_j - r_1`` updates ``dep[j]`` (depth 1 is the anchor).
+        """
+        P, vp = self.P, self.var_prior
+        dt = step - self.t_lvl
+        if dt:
+            # The level's variance grows as the memory decays, the offsets' far more slowly.
+            P[0][0] = min(P[0][0] / self.gamma ** dt, vp)
+            gs = self.gamma_slow ** dt
+            v0 = self._v0
+            for i in range(1, len(P)):
+                P[i][i] = min(P[i][i] / gs, v0)
+            self.t_lvl = step
+        dep, var_dep, t_dep, gs, v0 = self.dep, self.var_dep, self.t_dep, self.gamma_slow, self._v0
+        g = self.grp[arm]
+        base = self.lvl + self.off[g]
+        W = R = r1 = w1 = 0.0
+        prev = float(batch_size)
+        for j in range(1, self.depth[arm] + 1):
+            n = prev
+            k = float(accepted[j - 1])
+            prev = k
+            if n <= 0.0:
+                break
+            eta = min(max(base + dep[j], -5.0), 3.0)
+            e = math.exp(eta)
+            q = max(math.exp(-e), 1e-6)
+            p = 1.0 - q
+            r = min(max((k - n * p) / (n * e * q), -2.0), 2.0)
+            w = n * e * e * q / p
+            W += w
+            R += w * r
+            if j == 1:
+                r1, w1 = r, w
+            else:  # depth offsets: r_j - r_1 is what the level and the arm's offset do not explain
+                vd = min(var_dep[j] / gs ** (step - t_dep[j]), v0)
+                t_dep[j] = step
+                vt = vd + 1.0 / w + 1.0 / w1
+                dep[j] = min(max(dep[j] + vd / vt * (r - r1), -3.0), 3.0)
+                var_dep[j] = vd - vd * vd / vt
+        if W <= 0.0:
+            return
+        rbar = R / W
+        # Kalman update of x = (lvl, off_0..off_{G-1}) with observation h.x, h = e_0 + e_{1+g}.
+        i = 1 + g
+        Ph = [row[0] + row[i] for row in P]
+        S = Ph[0] + Ph[i] + 1.0 / W
+        K = [v / S for v in Ph]
+        self.lvl += K[0] * rbar
+        off = self.off
+        for c in range(len(off)):
+            off[c] = min(max(off[c] + K[c + 1] * rbar, -3.0), 3.0)
+        for r_, kr in enumerate(K):
+            P[r_] = [x - kr * ph for x, ph in zip(P[r_], Ph)]
+
+    def _changed(self, arm: int, accepted: Sequence[float], batch_size: int, step: int) -> bool:
         """Bernoulli CUSUM on the played arm's acceptance against its own prediction.
 
         The step's draft tokens are ``n`` trials (requests reaching each position) with ``k`` accepted,
@@ -473,7 +578,7 @@ class CostModelPolicy(Policy):
         handful of trials of a batch of one. It compares an arm with itself, so switching arms does not
         fire it, while a change of drafter/target agreement is visible from whichever arm is playing.
         """
-        al = self.alphas[arm]
+        al = self._alphas(arm, step)
         n = k = e = 0.0
         prev = float(batch_size)
         for j, a in enumerate(al):
@@ -491,22 +596,18 @@ class CostModelPolicy(Policy):
         return self.cusum_hi > self.detect or self.cusum_lo > self.detect
 
     def _forget(self, step: int) -> None:
-        """After a detected change keep ``keep_on_change`` of every acceptance statistic (arms and pools):
-        post-change observations then outweigh the old phase within a few steps instead of ~``window``
-        (repeated alarms right after a change halve the old phase again), and stale arms lean on the
-        fresh pools.
-        Keeping half rather than none matters: the pools are filled by whichever arms are played, so a
-        full reset lets a narrow arm's acceptance hide a wide tree for a whole phase."""
+        """After a detected change keep ``keep_on_change`` of the arms' own counts and reset the level's
+        variance to its prior: the next observations move the shared level (and with it every arm's
+        prediction) at once, while the per-arm and per-depth offsets -- how arms differ, which a change
+        of drafter/target agreement does not alter -- are kept."""
         f = self.keep_on_change
         self.changes.append(step)
         self.cusum_hi = self.cusum_lo = 0.0
-        for rows in (self.num, self.den, self.pnum, self.pden):
+        for rows in (self.num, self.den):
             for r in rows:
                 for j in range(len(r)):
                     r[j] *= f
-        for r in (self.gnum, self.gden):
-            for j in range(len(r)):
-                r[j] *= f
+        self.P[0][0] = max(self.P[0][0], self.var_prior)
         # Exploration counts are kept: a larger bonus for every arm after each alarm re-tries deep trees
         # at large batches, which costs more than it finds (measured on phase-shift-mixed).
         self.obs_tokens = [None] * len(self.arms)
