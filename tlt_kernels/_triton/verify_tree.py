@@ -75,6 +75,25 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, node: torch.Tensor,
 
 
 @triton.jit
+def _order_key(x):
+    """Order-preserving int32 key of fp32 values: the radix select and the top-k/top-p thresholds work on it."""
+    key = x.to(tl.int32, bitcast=True)
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z):
+    """Normalized probabilities of one tile of the current distribution: the residual kept in the
+    scratch row once a child was rejected (mass S), else the filtered softmax of the logits (mass Z)."""
+    x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    if has_res != 0:
+        p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
+    else:
+        p = tl.where((_order_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+    return p
+
+
+@triton.jit
 def _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """sum over tokens with key(l) >= thr of exp(l / temp - m)."""
     acc = 0.0
@@ -83,9 +102,7 @@ def _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.c
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < V
         x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        key = x.to(tl.int32, bitcast=True)
-        key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
-        w = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0)
+        w = tl.where((_order_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0)
         acc += tl.sum(w, axis=0)
     return acc
 
@@ -112,9 +129,7 @@ def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
             offs = start + tl.arange(0, BLOCK_SIZE)
             mask = offs < V
             x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            key = x.to(tl.int32, bitcast=True)
-            key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
-            key = key
+            key = _order_key(x)
             ukey = key.to(tl.int64) + 2147483648
             live = mask & (key >= floor) & ((ukey >> (shift + 4)) == prefix)
             if BY_MASS:
@@ -175,13 +190,7 @@ def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsu
         start = tile * BLOCK_SIZE
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        if has_res != 0:
-            p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
-        else:
-            key = x.to(tl.int32, bitcast=True)
-            key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
-            p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+        p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
         if HAS_Q:
             q = tl.load(dq_ptr + offs, mask=mask, other=0.0).to(tl.float32) / qsum
             r = tl.where(mask, tl.maximum(p - q, 0.0), 0.0)
@@ -269,9 +278,7 @@ def _verify_tree_kernel(
                     px = tl.load(scr_ptr + x) / S
                 else:
                     lx = tl.load(row_ptr + x).to(tl.float32)
-                    kx = lx.to(tl.int32, bitcast=True)
-                    kx = tl.where(kx >= 0, kx, kx ^ 0x7FFFFFFF)  # order-preserving int key
-                    px = tl.where(kx >= thr, tl.exp(lx / temp - m), 0.0) / Z
+                    px = tl.where(_order_key(lx) >= thr, tl.exp(lx / temp - m), 0.0) / Z
                 u = tl.sum(tl.where(t_idx == j, coin_accept, 0.0), axis=0)
                 if HAS_Q:
                     qx = tl.load(dq_ptr + x).to(tl.float32) / qsum
@@ -313,13 +320,7 @@ def _verify_tree_kernel(
             start = tile * BLOCK_SIZE
             offs = start + tl.arange(0, BLOCK_SIZE)
             mask = offs < V
-            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            if has_res != 0:
-                p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
-            else:
-                key = x.to(tl.int32, bitcast=True)
-                key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
-                p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+            p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
             total += tl.sum(p, axis=0)
         target = u * total
         carry = 0.0
@@ -329,13 +330,7 @@ def _verify_tree_kernel(
             start = tile * BLOCK_SIZE
             offs = start + tl.arange(0, BLOCK_SIZE)
             mask = offs < V
-            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            if has_res != 0:
-                p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
-            else:
-                key = x.to(tl.int32, bitcast=True)
-                key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # order-preserving int key
-                p = tl.where((key >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+            p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
             cdf = tl.cumsum(p, axis=0) + carry
             found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, offs, V), axis=0))
             last = tl.where(tl.max(p, axis=0) > 0.0, tl.max(tl.where(p > 0.0, offs, -1), axis=0), last)
