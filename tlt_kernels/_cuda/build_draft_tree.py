@@ -12,6 +12,7 @@ from typing import Tuple
 
 import torch
 
+from ..reference.build_draft_tree import empty_draft_tree_outputs
 from . import extension, ptr, stream_handle
 
 __all__ = ["build_draft_tree", "build_draft_tree_out", "check_inputs", "MAX_CANDIDATES"]
@@ -63,14 +64,7 @@ def _build_draft_tree_op(
     cand_parents: torch.Tensor, cand_tokens: torch.Tensor, cand_scores: torch.Tensor, num_verify: int,
     root_tokens: torch.Tensor, return_mask: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    B = cand_scores.shape[0]
-    dev = cand_scores.device
-    V = num_verify
-    parents = torch.empty(B, V, dtype=torch.int32, device=dev)
-    tokens = torch.empty(B, V, dtype=torch.int64, device=dev)
-    cand_index = torch.empty(B, V, dtype=torch.int32, device=dev)
-    num_nodes = torch.empty(B, dtype=torch.int32, device=dev)
-    mask = torch.empty(B, V if return_mask else 0, (V + 31) // 32, dtype=torch.int32, device=dev)
+    parents, tokens, cand_index, num_nodes, mask = empty_draft_tree_outputs(cand_scores, num_verify, return_mask)
     build_draft_tree_out(cand_parents, cand_tokens, cand_scores, root_tokens, parents, tokens, cand_index, num_nodes,
                          mask if return_mask else None)
     return parents, tokens, cand_index, num_nodes, mask
@@ -78,11 +72,7 @@ def _build_draft_tree_op(
 
 @_build_draft_tree_op.register_fake
 def _(cand_parents, cand_tokens, cand_scores, num_verify, root_tokens, return_mask):
-    B = cand_scores.shape[0]
-    V = num_verify
-    new = cand_scores.new_empty
-    return (new(B, V, dtype=torch.int32), new(B, V, dtype=torch.int64), new(B, V, dtype=torch.int32),
-            new(B, dtype=torch.int32), new(B, V if return_mask else 0, (V + 31) // 32, dtype=torch.int32))
+    return empty_draft_tree_outputs(cand_scores, num_verify, return_mask)
 
 
 def build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, root_tokens, return_mask=False):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.verify_tree import VerifyResult
+from ..reference.verify_tree import VerifyResult, empty_verify_outputs
 from . import extension, ptr, stream_handle
 
 __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
@@ -64,8 +64,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     seed = seed.to(torch.int64).contiguous()
     offset = offset.to(torch.int64).contiguous()
     if out is None:
-        new = lambda *shape: torch.empty(shape, dtype=torch.int32, device=dev)  # noqa: E731
-        out = (new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2))
+        out = empty_verify_outputs(logits, max_depth, return_stats)
     out_tokens, out_num, out_nodes, out_err, out_stats = out
     # Residual rows after rejections; never read before the kernel writes them.
     scratch = torch.empty(B, V, dtype=torch.float32, device=dev)
@@ -103,9 +102,7 @@ def _verify_tree_op(
 
 @_verify_tree_op.register_fake
 def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth, return_stats):
-    B = logits.shape[0]
-    new = lambda *shape: logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
-    return new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2)
+    return empty_verify_outputs(logits, max_depth, return_stats)
 
 
 def verify_tree_cuda(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.verify_tree import VerifyResult
+from ..reference.verify_tree import VerifyResult, empty_verify_outputs
 
 
 @triton.jit
@@ -362,9 +362,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     draft_tokens = draft_tokens.contiguous()
     parents = parents.to(torch.int32).contiguous()
     if out is None:
-        out = (torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int32, device=dev),
-               torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int32, device=dev),
-               torch.empty(B, max_depth if return_stats else 0, 2, dtype=torch.int32, device=dev))
+        out = empty_verify_outputs(logits, max_depth, return_stats)
     out_tokens, out_num, out_nodes, out_err, out_stats = out
     scratch = torch.empty(B, V, dtype=torch.float32, device=dev)
     has_q = draft_probs is not None
@@ -405,9 +403,7 @@ def _verify_tree_op(
 
 @_verify_tree_op.register_fake
 def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth, return_stats):
-    B = logits.shape[0]
-    new = lambda *shape: logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
-    return new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2)
+    return empty_verify_outputs(logits, max_depth, return_stats)
 
 
 def verify_tree_triton(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,

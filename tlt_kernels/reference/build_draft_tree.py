@@ -16,6 +16,16 @@ import torch
 from ..tree import tree_ancestor_mask_packed
 
 
+def empty_draft_tree_outputs(cand_scores: torch.Tensor, num_verify: int, return_mask: bool):
+    """Uninitialized kernel outputs on ``cand_scores``' device (also the fake-tensor shapes):
+    ``parents int32 [B, V]``, ``draft_tokens int64 [B, V]``, ``cand_index int32 [B, V]``,
+    ``num_nodes int32 [B]``, ``tree_mask int32 [B, V or 0, ceil(V/32)]`` with V = num_verify."""
+    B, V = cand_scores.shape[0], num_verify
+    new = cand_scores.new_empty
+    return (new(B, V, dtype=torch.int32), new(B, V, dtype=torch.int64), new(B, V, dtype=torch.int32),
+            new(B, dtype=torch.int32), new(B, V if return_mask else 0, (V + 31) // 32, dtype=torch.int32))
+
+
 def select_candidates(cand_parents: torch.Tensor, cand_scores: torch.Tensor, num_select: int) -> torch.Tensor:
     """``bool [B, N]``: which candidates greedy frontier selection keeps (at most ``num_select``)."""
     B, N = cand_scores.shape

@@ -55,6 +55,15 @@ class VerifyResult(NamedTuple):
     stats: Optional[torch.Tensor] = None
 
 
+def empty_verify_outputs(logits: torch.Tensor, max_depth: int, return_stats: bool):
+    """Uninitialized int32 kernel outputs (also the fake-tensor shapes): ``tokens [B, max_depth+1]``,
+    ``num_accepted [B]``, ``accepted_nodes [B, max_depth+1]``, ``error [B]``,
+    ``stats [B, max_depth or 0, 2]``."""
+    B = logits.shape[0]
+    new = lambda *shape: logits.new_empty(shape, dtype=torch.int32)  # noqa: E731
+    return new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2)
+
+
 def _check_rows(rows: torch.Tensor, active: torch.Tensor, node: torch.Tensor) -> None:
     bad = row_errors(rows) & active
     if bad.any():
