@@ -245,6 +245,9 @@ class BenchContext:
             raise ValueError(f"duplicate row: impl {impl!r} already recorded for case {case}")
         self._keys.add(key)
         self.rows.append(Row(case, impl, ms, bytes_moved, {k: _json_value(v) for k, v in extra.items()}))
+        if os.environ.get("TLT_BENCH_PROGRESS", "0") not in ("", "0"):
+            # A run cut off by a time limit keeps what it measured in the log (the JSON is written at the end).
+            print(f"   [{self.suite}] {impl} {case} {ms:.4g} ms", flush=True)
 
     def note(self, text: str) -> None:
         self.notes.append(str(text))

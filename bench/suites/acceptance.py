@@ -73,9 +73,19 @@ def run(ctx) -> None:
         Bs, Vs, shapes = [2], [257], [("chain", 4), ("tree", 8)]
     else:
         Bs, Vs = [1, 16, 64, 256], [32000, 152064]
-        if os.environ.get("TLT_ACCEPTANCE_BS"):  # e.g. "1,16,64": a shorter run inside a time-limited lease
-            Bs = [int(b) for b in os.environ["TLT_ACCEPTANCE_BS"].split(",")]
         shapes = [("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64)]
+        # Shorter runs inside a time-limited lease: TLT_ACCEPTANCE_BS="1,16,64", TLT_ACCEPTANCE_VS="152064",
+        # TLT_ACCEPTANCE_SHAPES="chain8,tree16".
+        if os.environ.get("TLT_ACCEPTANCE_BS"):
+            Bs = [int(b) for b in os.environ["TLT_ACCEPTANCE_BS"].split(",")]
+        if os.environ.get("TLT_ACCEPTANCE_VS"):
+            Vs = [int(v) for v in os.environ["TLT_ACCEPTANCE_VS"].split(",")]
+        if os.environ.get("TLT_ACCEPTANCE_SHAPES"):
+            wanted = {w.strip() for w in os.environ["TLT_ACCEPTANCE_SHAPES"].split(",")}
+            unknown = wanted - {f"{k}{t}" for k, t in shapes}
+            if unknown:
+                raise ValueError(f"TLT_ACCEPTANCE_SHAPES: unknown shapes {sorted(unknown)}; known: chain4, chain8, chain16, tree16, tree32, tree64")
+            shapes = [(k, t) for k, t in shapes if f"{k}{t}" in wanted]
     fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
     unavailable: set = set()  # kernel backends that could not run here (noted once)
     for V in Vs:

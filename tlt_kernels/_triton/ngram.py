@@ -34,7 +34,9 @@ import triton
 import triton.language as tl
 
 # Tuning knobs of the chunked ngram_propose (see the module docstring for the reasoning).
-CHUNK = 1024  # history positions (ends) per program; a power of two
+# Swept on an H200 (bench/RESULTS.md, 2026-11-26 03:2x, graph replays, B=256, k=8, n<=4): 512x4 was the fastest
+# or within 5% of it at L = 2k/8k/32k (8.5/14.3/34.1 us); 1024x4 took 9.7/17.2/41.8 us.
+CHUNK = 512  # history positions (ends) per program; a power of two
 NUM_WARPS = 4  # warps per chunk program
 MIN_CHUNK = 128  # CHUNK is halved down to this while the grid has fewer than MIN_PROGRAMS programs
 MIN_PROGRAMS = 1024  # ~8 programs per SM on 132 SMs: small batches still spread over the GPU
