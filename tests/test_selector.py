@@ -1,4 +1,4 @@
-"""StrategySelector: API contract, determinism, lazy observations, availability, and CPU cost."""
+"""StrategySelector: API contract, determinism, lazy observations, availability (CPU cost: test_selector_overhead)."""
 import math
 import random
 
@@ -169,25 +169,6 @@ def test_cost_model_combines_table_and_learned_acceptance():
         sel.update(Strategy(3, 1, 4), 1, 3, 0.01, [1, 1])
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_select_plus_update_cpu_cost(policy, benchmark):
-    kw = {"cost_table": CostTable({Strategy.off(): [(1, 0.01), (256, 0.02)]})} if policy == "cost" else {}
-    sel = StrategySelector(ARMS + [Strategy(6, 4, 16), Strategy(8, 8, 32)], policy=policy, seed=0, **kw)
-    _drive(sel, 100, [16])
-    sizes = [1, 16, 64, 256]
-    state = {"i": 0}
-
-    def step():
-        i = state["i"] = state["i"] + 1
-        b = sizes[i & 3]
-        s = sel.select(b)
-        sel.update(s, b, 2 * b, 0.01 + 1e-6 * (i & 7), [b // 2] * s.num_steps if s.num_steps else None)
-
-    benchmark.pedantic(step, rounds=2000, iterations=1, warmup_rounds=100)
-    # The claim (< 20 us) is checked in the benchmark suite; here only a generous bound for shared CI.
-    assert benchmark.stats.stats.median < 200e-6
-
-
 def _feed(sel, s, b, p, steps, rng):
     """Observations of a chain ``s`` whose every position is accepted with probability ``p``."""
     for _ in range(steps):
@@ -209,12 +190,18 @@ def test_cost_policy_detects_acceptance_changes_quickly_and_only_then(b):
     rng = random.Random(b)
     _feed(sel, s, b, 0.8, 400, rng)
     assert sel.policy.changes == [], "false alarm on a stationary stream"
-    _feed(sel, s, b, 0.4, 40, rng)
+    _feed(sel, s, b, 0.4, 15, rng)
+    mid = 0.5 * (1.66 + 3.69)  # between the new (1.66) and the old (3.69) expected tokens
+    # The shared level follows the played arm within a few steps, and the arm's own counts follow the
+    # level, so the estimate adapts with or without an alarm.
+    assert sel.policy.tokens[sel._index[s]] < mid
+    _feed(sel, s, b, 0.4, 25, rng)
     ch = sel.policy.changes
-    # A batch of 2 tries ~3 draft tokens per step, so the evidence takes longer to pile up (and a batch
-    # of 1 with a chain may miss this change entirely; the decay still adapts within ~window steps).
-    assert ch and 400 < ch[0] <= 400 + (25 if b < 8 else 5), ch
-    # By the end the estimate is nearer the new expected tokens (1.66) than the old (3.69).
+    # A batch of 2 tries ~3 draft tokens per step, and its prediction tracks the change through the level
+    # before the CUSUM accumulates 8 nats: an alarm is not needed there. From batch 8 it fires at once.
+    if b >= 8:
+        assert ch and 400 < ch[0] <= 405, ch
+    assert all(c > 400 for c in ch), ch
     assert sel.policy.tokens[sel._index[s]] < 0.5 * (1.66 + 3.69)
 
 
@@ -273,3 +260,34 @@ def test_arms_of_equal_width_share_an_offset():
         StrategySelector(ARMS, policy="cost", slow=0.5)
     with pytest.raises(ValueError, match="offset_prior"):
         StrategySelector(ARMS, policy="cost", ucb=-1.0)
+
+
+def test_stale_arm_follows_the_level_up():
+    """The up-shift case of issue 5: a tree played through a low-acceptance phase keeps its own counts;
+    when acceptance rises and only a chain is played, the tree's estimate must follow the shared level
+    up. The model weighs ``1 / (model_sd^2 I)`` steps against the arm's own (at most ~window) steps, so
+    stale counts no longer hold the arm down until they fade (``model_sd=10``: counts dominate, the old
+    behaviour)."""
+    chain, tree = Strategy(4, 1, 5), Strategy(4, 2, 9)
+    table = {s: [(1, 0.01)] for s in (Strategy.off(), chain, tree)}
+    got = {}
+    for sd in (0.1, 10.0):
+        rng = random.Random(1)
+        sel = StrategySelector([chain, tree], policy="cost", seed=0, cost_table=table, model_sd=sd)
+        pol, play = sel.policy, {"arm": chain}
+        it = sel._index[tree]
+        sel.available = lambda st, bb: st == play["arm"]
+        for _ in range(10):  # identify the offsets at the low level
+            play["arm"] = chain
+            _feed(sel, chain, 8, 0.2, 5, rng)
+            play["arm"] = tree
+            _feed_tree(sel, tree, 8, 0.2, 5, rng, 2.0)
+        _feed_tree(sel, tree, 8, 0.2, 40, rng, 2.0)  # the tree is what was played through the low phase
+        play["arm"] = chain
+        _feed(sel, chain, 8, 0.6, 15, rng)
+        got[sd] = pol._alphas(it, sel.step)[0]
+    truth = 1.0 - 0.4 ** 2.0
+    assert got[0.1] == pytest.approx(truth, abs=0.05), got
+    assert got[10.0] < truth - 0.15, got  # own counts dominating: still near the low phase
+    with pytest.raises(ValueError, match="model_sd"):
+        StrategySelector([chain], policy="cost", model_sd=0.0)

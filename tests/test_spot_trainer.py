@@ -44,7 +44,8 @@ class PermutationTarget(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.normal_(generator=g)
             self.lm_head.weight.normal_(generator=g)
-        self.perm = torch.randperm(vocab, generator=g)
+        # A buffer, so .to(device) moves it with the weights (the NCCL test runs this on cuda:rank).
+        self.register_buffer("perm", torch.randperm(vocab, generator=g))
         feats = self.lm_head(self.norm(3.0 * self.lm_head.weight[self.perm])).argmax(-1)
         assert torch.equal(feats, self.perm)
 

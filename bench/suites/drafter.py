@@ -62,8 +62,15 @@ def _bench_ngram(ctx) -> None:
             continue
         if not (torch.equal(out.drafts, ref.drafts) and torch.equal(out.num_drafts, ref.num_drafts)):
             raise AssertionError(f"ngram_propose backend {backend} disagrees with torch for {case}")
-        ms = ctx.time_ms(lambda: ngram_propose(tokens, lengths, k, 1, max_n, validate=False, backend=backend))
-        ctx.add(case, f"tlt-{backend}", ms, bytes_moved=nbytes, target_us=20.0, meets_target=ms * 1e3 < 20.0)
+        op = lambda: ngram_propose(tokens, lengths, k, 1, max_n, validate=False, backend=backend)  # noqa: E731
+        # The eager row includes Python dispatch; the graph row (GPU time, how an engine runs it) is the one the
+        # issue-6 target (< 20 us) is held against.
+        ctx.add(case, f"tlt-{backend}", ctx.time_ms(op), bytes_moved=nbytes)
+        if ctx.device.type == "cuda":
+            from .drafting import _graph_ms
+
+            ms = _graph_ms(ctx, op)
+            ctx.add(case, f"tlt-{backend}-graph", ms, bytes_moved=nbytes, target_us=20.0, meets_target=ms * 1e3 < 20.0)
 
 
 # ---------------------------------------------------------------------------------------------

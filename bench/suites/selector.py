@@ -6,7 +6,10 @@ fraction of the oracle, the gain over the best static arm and over plain decodin
 re-convergence after a phase change: ``reconverge_steps`` (steps until the 20-step mean reaches 95% of
 the oracle) and the stricter ``settle_steps`` (steps until 10 consecutive choices are within 1% of the
 oracle's throughput).
-A last case times ``select + update`` per policy on this CPU.
+The last cases time ``select + update`` per policy on this CPU (``ms`` is milliseconds per step: the
+median over 100-step chunks of 20000 steps, robust to other processes): ``cpu: select+update`` on a
+stationary stream (the method of the earlier numbers), ``cpu: select+update, drifting`` on a stream whose
+acceptance keeps moving, so the cost policy also recomputes every arm's prediction often (its worst case).
 
 Sizes: 600 steps and one seed with ``--small`` (always on a CPU device), 2400 steps and three seeds
 otherwise; ``TLT_SELECTOR_FULL=1`` forces the full run on a CPU and ``TLT_SELECTOR_SEEDS=8`` runs seeds
@@ -31,7 +34,9 @@ def _factory(policy):
     return make
 
 
-def _cpu_cost_us(policy, steps=20000):
+def _cpu_cost_us(policy, steps=20000, drifting=False):
+    import math
+
     from tlt_kernels.runtime import CostTable, StrategySelector
     from tlt_kernels.runtime.simulate import DEFAULT_ARMS, StepCost
 
@@ -40,13 +45,34 @@ def _cpu_cost_us(policy, steps=20000):
     kw = {"cost_table": table} if policy == "cost" else {}
     sel = StrategySelector(DEFAULT_ARMS, policy=policy, seed=0, **kw)
     sizes = (1, 16, 64, 256)
+    obs = {}  # precomputed, so only the selector is timed
+
+    def observation(i, s, b):
+        if not drifting:
+            return 2 * b, 0.01 + 1e-5 * (i & 7), [max(1, b // 2)] * s.num_steps if s.num_steps else None
+        key = (i % 1000, s, b)
+        o = obs.get(key)
+        if o is None:
+            p, acc, reach = 0.55 + 0.35 * math.sin(i / 40.0), [], float(b)
+            for _ in range(s.num_steps):
+                reach = float(int(reach * p + 0.5))
+                acc.append(reach)
+            o = obs[key] = (b + sum(acc), cost(s, b) * (1.0 + 0.01 * ((i * 7) % 5)), acc if s.num_steps else None)
+        return o
+
+    for i in range(1000):  # warm-up, and fills the observation cache
+        b = sizes[i & 3]
+        s = sel.select(b)
+        sel.update(s, b, *observation(i, s, b))
+        for a in DEFAULT_ARMS:
+            observation(i, a, b)
     chunks = []
     for c in range(steps // 100):  # median over 100-step chunks: robust to other processes on the CPU
         t0 = time.perf_counter()
         for i in range(c * 100, c * 100 + 100):
             b = sizes[i & 3]
             s = sel.select(b)
-            sel.update(s, b, 2 * b, 0.01 + 1e-5 * (i & 7), [max(1, b // 2)] * s.num_steps if s.num_steps else None)
+            sel.update(s, b, *observation(i, s, b))
         chunks.append((time.perf_counter() - t0) / 100)
     chunks.sort()
     return chunks[len(chunks) // 2] * 1e6
@@ -73,3 +99,5 @@ def run(ctx) -> None:
                     reconverge_steps=r["reconverge_steps"], settle_steps=r["settle_steps"])
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
+    for p in POLICIES:
+        ctx.add({"workload": "cpu: select+update, drifting"}, p, _cpu_cost_us(p, drifting=True) * 1e-3)

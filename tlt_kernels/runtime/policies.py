@@ -270,29 +270,42 @@ class CostModelPolicy(Policy):
       scale this is additive, ``cloglog(alpha_aj) = lvl + dep[j] + off[g(a)]``: ``lvl`` is one scalar
       tracked fast (memory ~``window`` steps); the depth offsets and the width offsets (one per group of
       arms with equal ``min(topk, (num_verify - 1) / num_steps)``, e.g. every chain) are kept (or
-      forgotten over ``slow * window`` steps). A phase change seen through the played arm moves ``lvl``, and with it
-      every other arm's prediction, instead of leaving stale arms on old (or narrower arms' pooled)
-      acceptance. Fitted online by Fisher scoring of the binomial likelihood of
-      ``accepted_per_position`` (:meth:`_fit`). Each arm's estimate is its own discounted per-position
-      counts shrunk toward the model (``prior_weight`` pseudo-requests).
+      forgotten over ``slow * window`` steps). A phase change seen through the played arm moves ``lvl``,
+      and with it every other arm's prediction. Fitted online by Fisher scoring of the binomial
+      likelihood of ``accepted_per_position`` (:meth:`observe`).
       ``E[tokens] = 1 + sum_i prod_{j<=i} alpha_j``.
+    * Each arm's own discounted per-position counts correct the model where it is misspecified
+      (:meth:`_alphas`), combined by precision: the model counts as ``k_j = 1 / (model_sd^2 * I_j)``
+      requests, ``I_j = e^2 q / p`` the Fisher information of one request on the cloglog scale
+      (``e = exp(eta)``, ``q = 1 - p``), so it weighs a lot where it is sharp and little near saturation.
+      The counts are evidence about the model's state when they were collected: when the model's
+      ``lvl + off`` for the arm has moved by ``d`` since, their variance ``1 / (I n)`` gains ``d^2``, i.e.
+      ``n`` requests are worth ``n / (1 + follow * n * d^2)`` (``follow`` ~ ``I``). Applied on reading
+      (for arms not played since) and for good on the arm's next play, this lets an arm played through
+      a low-acceptance phase follow the level up at once instead of waiting for its counts to fade.
     * Step time: ``cost_table.predict(strategy, B)`` times a per-(bucket, arm) correction (discounted mean
       of observed / predicted); without a table, the discounted mean observed time of the (bucket, arm),
       exploring unobserved arms once.
     * Exploration: each speculative arm is played once; after that the choice uses optimistic tokens,
-      the arm's width offset raised by ``ucb`` conditional standard deviations given the level (small
-      once arms of that width were played alongside others; the level's own uncertainty, reset after an
-      alarm, is common to all arms and does not count). ``explore`` adds the older relative bonus
-      ``explore / sqrt(1 + n_eff)`` (off by default).
+      the arm's width offset raised by ``ucb`` standard deviations: the offset's conditional sd given the
+      level plus a random walk of ``drift`` per step since the arm was last played (capped at the prior),
+      so a mis-ranked arm is re-tried after ~``(sd / ucb)^2 / drift`` steps rather than never.
+      ``explore`` adds the older relative bonus ``explore / sqrt(1 + n_eff)`` (off by default).
     * Change detection: a Bernoulli CUSUM compares the played arm's accepted draft tokens with its own
-      prediction (:meth:`_changed`); on an alarm the arms' own counts are scaled by ``keep_on_change``
-      and the level's variance is reset to its prior (:meth:`_forget`), so the next observations move
-      the level at once. Steps of alarms: ``self.changes``.
+      prediction; on an alarm the arms' own counts are scaled by ``keep_on_change`` and the level's
+      variance is reset to its prior (:meth:`_forget`), so the next observations move the level at once.
+      Steps of alarms: ``self.changes``.
+
+    Per step, ``choose`` is one pass over the allowed arms on cached tables (no allocation) and
+    ``observe`` one pass over the played arm's positions that does the CUSUM, the Fisher scoring and
+    the depth offsets together; other arms' optimistic tokens are recomputed only when the level moved by
+    more than ``refresh_tol`` (or on an alarm).
 
     Args:
         cost_table: a :class:`CostTable`, a ``{strategy: [(B, s), ...]}`` dict, or None.
         prior_accept: single-candidate acceptance assumed before any observation.
-        prior_weight: pseudo-requests of the shared model in each arm's per-position estimate.
+        model_sd: how far (cloglog sd) the shared model may be from an arm's true acceptance; sets the
+            model's weight against the arm's own counts (smaller: trust the model more).
         explore: relative optimism bonus scale (0 disables it; ``ucb`` explores).
         detect: CUSUM alarm threshold in nats (None disables change detection).
         detect_shift: smallest change of acceptance (absolute) the CUSUM is tuned to detect.
@@ -302,18 +315,20 @@ class CostModelPolicy(Policy):
         slow: memory of the width and depth offsets, in windows (None: kept; measured better, since
             how arms differ does not change when the drafter does).
         offset_prior: prior standard deviation of the width and depth offsets (cloglog scale).
-        ucb: optimism of the choice, in conditional standard deviations of the arm's offset given the
-            level (0: greedy).
+        ucb: optimism of the choice, in standard deviations of the arm's offset (0: greedy).
         offset_mean: prior mean of a width group's offset, ``offset_mean * log(width)`` (1: ``width``
             independent candidates, the optimistic bound; 0: every arm starts as a chain).
+        follow: weight of the model's movement in discounting an arm's own counts (0: time decay only).
+        drift: variance per step (cloglog^2) added to an unplayed arm's optimism (0: none).
     """
 
     name = "cost"
 
-    def __init__(self, cost_table=None, prior_accept: float = 0.7, prior_weight: float = 1.0,
+    def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
                  explore: float = 0.0, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
                  min_trials: float = 0.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
-                 offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0):
+                 offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
+                 follow: float = 0.0, drift: float = 1e-4):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
@@ -326,9 +341,11 @@ class CostModelPolicy(Policy):
             raise ValueError(f"slow must be >= 1 (windows) or None, got {slow}")
         if not (offset_prior > 0 and ucb >= 0 and explore >= 0):
             raise ValueError(f"offset_prior must be > 0 and ucb, explore >= 0; got {offset_prior}, {ucb}, {explore}")
+        if not (model_sd > 0 and follow >= 0 and drift >= 0):
+            raise ValueError(f"model_sd must be > 0 and follow, drift >= 0; got {model_sd}, {follow}, {drift}")
         self.cost_table = cost_table
         self.prior_accept = prior_accept
-        self.prior_weight = prior_weight
+        self.model_sd = model_sd
         self.explore = explore
         self.detect = detect
         self.detect_shift = detect_shift
@@ -338,6 +355,8 @@ class CostModelPolicy(Policy):
         self.offset_prior = offset_prior
         self.ucb = ucb
         self.offset_mean = offset_mean
+        self.follow = follow
+        self.drift = drift
         self.refresh_tol = 0.03
 
     def bind(self, arms, num_buckets, rng, window):
@@ -345,14 +364,16 @@ class CostModelPolicy(Policy):
         A = len(arms)
         self.gamma = 1.0 - 1.0 / window
         self.gamma_slow = 1.0 if self.slow is None else 1.0 - 1.0 / (window * self.slow)
+        self._t2 = self.model_sd ** 2
         self.depth = [s.num_steps for s in arms]
         self.max_depth = max(self.depth)
         D = self.max_depth + 1
         # Each arm's own discounted sums over steps of per-request fractions: num[j] = P(reach j),
-        # den[j] = P(reach j-1).
+        # den[j] = P(reach j-1); eta_last[a] = the model's lvl + off for the arm when they were last updated.
         self.num = [[0.0] * D for _ in range(A)]
         self.den = [[0.0] * D for _ in range(A)]
         self.t_arm = [0] * A
+        self.eta_last = [0.0] * A
         # Shared model: cloglog(alpha_aj) = lvl + dep[j] + off[a].
         self.var_prior = 1.0
         self.lvl, self.t_lvl = _cloglog(self.prior_accept), 0
@@ -373,28 +394,51 @@ class CostModelPolicy(Policy):
         self.P[0][0] = self.var_prior
         for g in range(G):
             self.P[g + 1][g + 1] = v0
-        self.tokens = [1.0] * A  # optimistic expected tokens per request per step (for the choice)
+        self.tokens = [1.0] * A  # expected tokens per request per step used by the choice (optimistic)
         self.obs_tokens = [None] * A  # fallback when accepted_per_position is not given
         self.time_n = [[0.0] * A for _ in range(num_buckets)]
         self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
         self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
         self.cusum_hi = self.cusum_lo = 0.0
         self.changes: List[int] = []  # steps at which a change in acceptance was detected
-        self._pred_cache: Dict[Tuple[int, int], Optional[float]] = {}
-        self._lvl_refreshed = self.lvl
+        self._rate: Dict[int, List[float]] = {}  # batch size -> [B / table seconds] per arm (0: no entry)
+        self._secs: Dict[int, List[float]] = {}  # batch size -> [table seconds] per arm (0: no entry)
         self._refresh_all(0)
 
     @staticmethod
     def _width(s: Strategy) -> float:
         return round(min(s.topk, max(1.0, (s.num_verify - 1) / s.num_steps)), 6)
 
-    def _table(self, a: int, batch_size: int) -> Optional[float]:
-        key = (a, batch_size)
-        v = self._pred_cache.get(key, -1.0)
-        if v == -1.0:
-            v = self.cost_table.predict(self.arms[a], batch_size) if self.cost_table is not None else None
-            self._pred_cache[key] = v
-        return v
+    def _tables(self, batch_size: int) -> List[float]:
+        secs = [0.0] * len(self.arms)
+        if self.cost_table is not None:
+            for a, s in enumerate(self.arms):
+                secs[a] = self.cost_table.predict(s, batch_size) or 0.0
+        self._secs[batch_size] = secs
+        rate = self._rate[batch_size] = [batch_size / t if t else 0.0 for t in secs]
+        return rate
+
+    def _own_weight(self, a: int, step: int) -> float:
+        """Discount of arm ``a``'s own counts: time (``gamma`` per step) and the model's movement since."""
+        fa = self.gamma ** (step - self.t_arm[a])
+        d = self.lvl + self.off[self.grp[a]] - self.eta_last[a]
+        return fa / (1.0 + self.follow * fa * self.den[a][1] * d * d)
+
+    def _alphas(self, a: int, step: int, up: float = 0.0) -> List[float]:
+        """Per-position acceptance of arm ``a`` (the readable form of what :meth:`_refresh` computes): its
+        own counts and the shared model (offset raised by ``up``; level as of the last full refresh)
+        combined by precision."""
+        fs = self._own_weight(a, step)
+        num, den, t2 = self.num[a], self.den[a], self._t2
+        E = math.exp(self.off[self.grp[a]] + up)
+        out = []
+        for j in range(1, self.depth[a] + 1):
+            e = self._haz[j] * E  # exp(lvl + dep[j]) as of the last full refresh
+            q = math.exp(-e)
+            p = 1.0 - q
+            k = min(p / (t2 * e * e * q + 1e-12), 1000.0)  # the model's weight in requests, 1 / (sd^2 I)
+            out.append((fs * num[j] + k * p) / (fs * den[j] + k))
+        return out
 
     def _refresh_all(self, step: int) -> None:
         # exp(lvl + dep[j]): the single-candidate hazard per depth, shared by every arm's refresh.
@@ -405,89 +449,107 @@ class CostModelPolicy(Policy):
             self._refresh(a, step)
 
     def _refresh(self, a: int, step: int) -> None:
-        """Optimistic expected tokens of arm ``a``: its width offset raised by ``ucb`` standard deviations
-        of that offset given the level (``Var(off) - Cov(lvl, off)^2 / Var(lvl)``)."""
+        """Optimistic expected tokens of arm ``a`` (:meth:`_alphas` with the offset raised by ``ucb``
+        standard deviations: ``Var(off | lvl) + drift * steps since played``, capped at the prior)."""
         d = self.depth[a]
         if d == 0:
             return
+        if self.obs_tokens[a] is not None:
+            self.tokens[a] = self.obs_tokens[a]
+            return
         P, i = self.P, self.grp[a] + 1
-        u = self.ucb * math.sqrt(max(P[i][i] - P[0][i] * P[0][i] / P[0][0], 0.0)) if self.ucb else 0.0
+        dt = step - self.t_arm[a]
+        u = 0.0
+        if self.ucb:
+            var = P[i][i] - P[0][i] * P[0][i] / P[0][0]
+            u = self.ucb * math.sqrt(min((var if var > 0.0 else 0.0) + self.drift * dt, self._v0))
+        fa = self.gamma ** dt
+        num, den, haz, t2 = self.num[a], self.den[a], self._haz, self._t2
+        dd = self.lvl + self.off[i - 1] - self.eta_last[a]
+        fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
+        E = math.exp(self.off[i - 1] + u)
+        exp = math.exp
         reach = total = 1.0
-        for alpha in self._alphas(a, step, u):
-            reach *= alpha
+        for j in range(1, d + 1):
+            e = haz[j] * E
+            q = exp(-e)
+            p = 1.0 - q
+            k = p / (t2 * e * e * q + 1e-12)
+            if k > 1000.0:
+                k = 1000.0
+            reach *= (fs * num[j] + k * p) / (fs * den[j] + k)
             total += reach
         self.tokens[a] = total
 
-    def _alphas(self, a: int, step: int, up: float = 0.0) -> List[float]:
-        """Per-position acceptance of arm ``a``: its own discounted counts shrunk toward the shared model
-        (``prior_weight`` pseudo-requests), with the arm's offset raised by ``up``."""
-        fa = self.gamma ** (step - self.t_arm[a])
-        num, den, haz = self.num[a], self.den[a], self._haz
-        k0 = self.prior_weight
-        E = math.exp(self.off[self.grp[a]] + up)
-        return [(fa * num[j] + k0 * (1.0 - math.exp(-haz[j] * E))) / (fa * den[j] + k0)
-                for j in range(1, self.depth[a] + 1)]
-
     def _predict(self, bucket: int, a: int, batch_size: int) -> Optional[float]:
-        """Predicted throughput (tokens/s), or None when the arm must be explored first."""
-        base = self._table(a, batch_size)
-        n = self.time_n[bucket][a]
-        if base is None:
-            if n == 0:
-                return None
-            t = self.time_v[bucket][a]
-        else:
-            t = base * (self.time_v[bucket][a] if n > 0 else 1.0)
-        tok = self.tokens[a] if self.obs_tokens[a] is None else self.obs_tokens[a]
-        return batch_size * tok / t
+        """Predicted throughput (tokens/s), or None when the arm must be explored first (readable form of
+        what :meth:`choose` computes)."""
+        rate = self._rate.get(batch_size) or self._tables(batch_size)
+        n, v = self.time_n[bucket][a], self.time_v[bucket][a]
+        if not rate[a]:
+            return batch_size * self.tokens[a] / v if n > 0 else None
+        return rate[a] * self.tokens[a] / (v if n > 0 else 1.0)
 
     def choose(self, bucket, batch_size, allowed, step):
+        rate = self._rate.get(batch_size) or self._tables(batch_size)
+        tn, tv = self.time_n[bucket], self.time_v[bucket]
+        tokens, n_arm, depth = self.tokens, self.n_arm, self.depth
         best, best_v = -1, -1.0
-        g, n_arm, t_arm, depth, k = self.gamma, self.n_arm, self.t_arm, self.depth, self.explore
+        k = self.explore
         for a in allowed:
             if depth[a] and n_arm[a] == 0.0:
                 return a
-            v = self._predict(bucket, a, batch_size)
-            if v is None:
+            r = rate[a]
+            if r:
+                v = r * tokens[a] / tv[a] if tn[a] > 0 else r * tokens[a]
+            elif tn[a] > 0:
+                v = batch_size * tokens[a] / tv[a]
+            else:
                 return a
-            if depth[a]:
-                v *= 1.0 + k / math.sqrt(1.0 + n_arm[a] * g ** (step - t_arm[a]))
+            if k and depth[a]:
+                v *= 1.0 + k / math.sqrt(1.0 + n_arm[a] * self.gamma ** (step - self.t_arm[a]))
             if v > best_v:
                 best, best_v = a, v
         return best
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
         g = self.gamma
-        base = self._table(arm, batch_size)
-        v = elapsed / base if base is not None else elapsed
-        n = self.time_n[bucket][arm]
+        secs = self._secs.get(batch_size)
+        if secs is None:
+            self._tables(batch_size)
+            secs = self._secs[batch_size]
+        base = secs[arm]
+        v = elapsed / base if base else elapsed
+        tn, tv = self.time_n[bucket], self.time_v[bucket]
+        n = tn[arm]
         # Discounted mean with a fast start: the first observation replaces the prior.
-        w = 1.0 / (n * g + 1.0)
-        self.time_v[bucket][arm] = v if n == 0 else (1 - w) * self.time_v[bucket][arm] + w * v
-        self.time_n[bucket][arm] = n * g + 1.0
+        if n == 0:
+            tv[arm] = v
+        else:
+            w = 1.0 / (n * g + 1.0)
+            tv[arm] += w * (v - tv[arm])
+        tn[arm] = n * g + 1.0
         d = self.depth[arm]
         if d == 0:
             return
-        self.n_arm[arm] = self.n_arm[arm] * g ** (step - self.t_arm[arm]) + 1.0
+        fa = g ** (step - self.t_arm[arm])
+        self.n_arm[arm] = self.n_arm[arm] * fa + 1.0
         if accepted is None:
             self.t_arm[arm] = step
             t = emitted / batch_size
             o = self.obs_tokens[arm]
-            self.obs_tokens[arm] = t if o is None else (1 - 1 / self.window) * o + t / self.window
+            self.obs_tokens[arm] = self.tokens[arm] = t if o is None else (1 - 1 / self.window) * o + t / self.window
             return
         if len(accepted) != d:
             raise ValueError(
                 f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
             )
-        # Test only against a prediction backed by enough of the arm's own trials (right after a reset
-        # the prediction is mostly prior and would alarm again).
-        changed = (self.detect is not None and self.den[arm][1] * g ** (step - self.t_arm[arm]) >= self.min_trials
-                   and self._changed(arm, accepted, batch_size, step))
-        if changed:
-            self._forget(step)
-        self._fit(arm, accepted, batch_size, step)
-        fa = g ** (step - self.t_arm[arm])
+        changed = self._score(arm, accepted, batch_size, step, fa)
+        # Own counts: discounted by time and by how far the model moved since they were last updated.
+        eta = self.lvl + self.off[self.grp[arm]]
         num, den = self.num[arm], self.den[arm]
+        dd = eta - self.eta_last[arm]
+        fa = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
         inv_b = 1.0 / batch_size
         prev = 1.0
         for j in range(1, d + 1):
@@ -495,6 +557,7 @@ class CostModelPolicy(Policy):
             num[j] = num[j] * fa + r
             den[j] = den[j] * fa + prev
             prev = r
+        self.eta_last[arm] = eta
         self.t_arm[arm] = step
         # Other arms move only through the shared model: refresh them all when the level moved enough
         # to matter (or on an alarm), else only the played arm, on the per-depth hazards of the last full
@@ -504,8 +567,9 @@ class CostModelPolicy(Policy):
         else:
             self._refresh(arm, step)
 
-    def _fit(self, arm: int, accepted: Sequence[float], batch_size: int, step: int) -> None:
-        """One Fisher-scoring step of the shared model on the played arm's per-position counts.
+    def _score(self, arm: int, accepted: Sequence[float], batch_size: int, step: int, fa: float) -> bool:
+        """One pass over the played arm's positions: change detection, then one Fisher-scoring step of the
+        shared model. Returns whether the CUSUM alarmed.
 
         Position ``j`` is ``n`` trials (requests that reached ``j-1``) with ``k`` successes. With
         ``eta = lvl + dep[j] + off[arm]``, ``e = exp(eta)`` and ``p = 1 - exp(-e)``, the Newton step in
@@ -514,46 +578,88 @@ class CostModelPolicy(Policy):
         full covariance ``P`` (the level and an arm's offset are only identified jointly, through plays
         of different arms; a diagonal covariance would let whichever arm is explored first absorb the
         prior's error into its offset). ``r_j - r_1`` updates ``dep[j]`` (depth 1 is the anchor).
+
+        Change detection (Bernoulli CUSUM): the step's draft tokens are ``n`` trials with ``k`` accepted
+        against the arm's own predicted rate ``p`` (:meth:`_alphas` before this step). Two one-sided
+        CUSUMs add the log-likelihood ratio of rates ``p + shift`` and ``p - shift`` versus ``p``
+        (``k log(p1/p) + (n-k) log((1-p1)/(1-p))``) and alarm above ``detect`` nats. A bias smaller than
+        ``shift / 2`` has negative drift and never alarms, so the model's own small errors are tolerated
+        at any batch size. It compares an arm with itself, so switching arms does not fire it.
         """
-        P, vp = self.P, self.var_prior
-        dt = step - self.t_lvl
-        if dt:
-            # The level's variance grows as the memory decays, the offsets' far more slowly.
-            P[0][0] = min(P[0][0] / self.gamma ** dt, vp)
-            gs = self.gamma_slow ** dt
-            v0 = self._v0
-            for i in range(1, len(P)):
-                P[i][i] = min(P[i][i] / gs, v0)
-            self.t_lvl = step
         dep, var_dep, t_dep, gs, v0 = self.dep, self.var_dep, self.t_dep, self.gamma_slow, self._v0
+        num, den, t2 = self.num[arm], self.den[arm], self._t2
         g = self.grp[arm]
         base = self.lvl + self.off[g]
+        dd = base - self.eta_last[arm]
+        fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
+        exp = math.exp
         W = R = r1 = w1 = 0.0
+        tn = tk = te = 0.0  # CUSUM: trials, accepted, predicted accepted
         prev = float(batch_size)
-        for j in range(1, self.depth[arm] + 1):
+        j = 0
+        for k in accepted:
+            j += 1
             n = prev
-            k = float(accepted[j - 1])
-            prev = k
+            prev = k = float(k)
             if n <= 0.0:
                 break
-            eta = min(max(base + dep[j], -5.0), 3.0)
-            e = math.exp(eta)
-            q = max(math.exp(-e), 1e-6)
+            eta = base + dep[j]
+            eta = -5.0 if eta < -5.0 else (3.0 if eta > 3.0 else eta)
+            e = exp(eta)
+            q = exp(-e)
+            if q < 1e-6:
+                q = 1e-6
             p = 1.0 - q
-            r = min(max((k - n * p) / (n * e * q), -2.0), 2.0)
+            # the arm's own prediction (model and own counts by precision), for the CUSUM
+            km = p / (t2 * e * e * q)
+            if km > 1000.0:
+                km = 1000.0
+            tn += n
+            tk += k
+            te += n * (fs * num[j] + km * p) / (fs * den[j] + km)
+            r = (k - n * p) / (n * e * q)
+            r = -2.0 if r < -2.0 else (2.0 if r > 2.0 else r)
             w = n * e * e * q / p
             W += w
             R += w * r
             if j == 1:
                 r1, w1 = r, w
             else:  # depth offsets: r_j - r_1 is what the level and the arm's offset do not explain
-                vd = min(var_dep[j] / gs ** (step - t_dep[j]), v0)
-                t_dep[j] = step
+                vd = var_dep[j]
+                if gs != 1.0:
+                    vd = min(vd / gs ** (step - t_dep[j]), v0)
+                    t_dep[j] = step
                 vt = vd + 1.0 / w + 1.0 / w1
-                dep[j] = min(max(dep[j] + vd / vt * (r - r1), -3.0), 3.0)
+                x = dep[j] + vd / vt * (r - r1)
+                dep[j] = -3.0 if x < -3.0 else (3.0 if x > 3.0 else x)
                 var_dep[j] = vd - vd * vd / vt
+        changed = False
+        if self.detect is not None and tn > 0.0 and (not self.min_trials or den[1] * fa >= self.min_trials):
+            p = te / tn
+            p = 0.02 if p < 0.02 else (0.98 if p > 0.98 else p)
+            s = self.detect_shift
+            hi = p + s if p + s < 0.995 else 0.995
+            lo = p - s if p - s > 0.005 else 0.005
+            log = math.log
+            ch = self.cusum_hi + tk * log(hi / p) + (tn - tk) * log((1 - hi) / (1 - p))
+            cl = self.cusum_lo + tk * log(lo / p) + (tn - tk) * log((1 - lo) / (1 - p))
+            self.cusum_hi = ch if ch > 0.0 else 0.0
+            self.cusum_lo = cl if cl > 0.0 else 0.0
+            if ch > self.detect or cl > self.detect:
+                changed = True
+                self._forget(step)
+        P, vp = self.P, self.var_prior
+        dt = step - self.t_lvl
+        if dt:
+            # The level's variance grows as the memory decays, the offsets' far more slowly.
+            P[0][0] = min(P[0][0] / self.gamma ** dt, vp)
+            if gs != 1.0:
+                f = gs ** dt
+                for i in range(1, len(P)):
+                    P[i][i] = min(P[i][i] / f, v0)
+            self.t_lvl = step
         if W <= 0.0:
-            return
+            return changed
         rbar = R / W
         # Kalman update of x = (lvl, off_0..off_{G-1}) with observation h.x, h = e_0 + e_{1+g}.
         i = 1 + g
@@ -563,37 +669,11 @@ class CostModelPolicy(Policy):
         self.lvl += K[0] * rbar
         off = self.off
         for c in range(len(off)):
-            off[c] = min(max(off[c] + K[c + 1] * rbar, -3.0), 3.0)
+            x = off[c] + K[c + 1] * rbar
+            off[c] = -3.0 if x < -3.0 else (3.0 if x > 3.0 else x)
         for r_, kr in enumerate(K):
             P[r_] = [x - kr * ph for x, ph in zip(P[r_], Ph)]
-
-    def _changed(self, arm: int, accepted: Sequence[float], batch_size: int, step: int) -> bool:
-        """Bernoulli CUSUM on the played arm's acceptance against its own prediction.
-
-        The step's draft tokens are ``n`` trials (requests reaching each position) with ``k`` accepted,
-        against the predicted rate ``p``. Two one-sided CUSUMs add the log-likelihood ratio of rates
-        ``p + shift`` and ``p - shift`` versus ``p`` (``k log(p1/p) + (n-k) log((1-p1)/(1-p))``) and alarm
-        above ``detect`` nats. A bias smaller than ``shift / 2`` has negative drift and never alarms,
-        so the model's own small errors are tolerated at any batch size, and the test is exact for the
-        handful of trials of a batch of one. It compares an arm with itself, so switching arms does not
-        fire it, while a change of drafter/target agreement is visible from whichever arm is playing.
-        """
-        al = self._alphas(arm, step)
-        n = k = e = 0.0
-        prev = float(batch_size)
-        for j, a in enumerate(al):
-            n += prev
-            e += prev * a
-            prev = float(accepted[j])
-            k += prev
-        if n <= 0.0:
-            return False
-        p = min(max(e / n, 0.02), 0.98)
-        d = self.detect_shift
-        hi, lo = min(p + d, 0.995), max(p - d, 0.005)
-        self.cusum_hi = max(0.0, self.cusum_hi + k * math.log(hi / p) + (n - k) * math.log((1 - hi) / (1 - p)))
-        self.cusum_lo = max(0.0, self.cusum_lo + k * math.log(lo / p) + (n - k) * math.log((1 - lo) / (1 - p)))
-        return self.cusum_hi > self.detect or self.cusum_lo > self.detect
+        return changed
 
     def _forget(self, step: int) -> None:
         """After a detected change keep ``keep_on_change`` of the arms' own counts and reset the level's

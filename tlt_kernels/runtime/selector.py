@@ -30,6 +30,7 @@ from .strategy import Pending, Strategy, as_pending
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 DEFAULT_POLICY = "cost"
+_NUMBER = (int, float)
 
 
 class StrategySelector:
@@ -83,12 +84,16 @@ class StrategySelector:
         self._pending: deque = deque()
         self._all = list(range(len(arms)))
         self._allowed_cache: Dict[int, List[int]] = {}
+        self._bucket_cache: Dict[int, int] = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket holding ``batch_size``."""
-        i = bisect.bisect_left(self.batch_buckets, batch_size)
-        return i if i < len(self.batch_buckets) else len(self.batch_buckets) - 1
+        i = self._bucket_cache.get(batch_size)
+        if i is None:
+            i = bisect.bisect_left(self.batch_buckets, batch_size)
+            i = self._bucket_cache[batch_size] = i if i < len(self.batch_buckets) else len(self.batch_buckets) - 1
+        return i
 
     def _allowed(self, batch_size: int) -> List[int]:
         if self.available is None:
@@ -134,6 +139,14 @@ class StrategySelector:
         arm = self._index.get(strategy)
         if arm is None:
             raise ValueError(f"update got strategy {strategy}, which is not one of the selector's strategies")
+        # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
+        if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
+                and (accepted_per_position is None or type(accepted_per_position) is list)):
+            if not elapsed_s > 0:
+                raise ValueError(f"elapsed_s must be > 0 seconds, got {elapsed_s} for {strategy}")
+            self.policy.observe(self.bucket(batch_size), arm, batch_size, float(emitted_tokens), float(elapsed_s),
+                                accepted_per_position, self.step)
+            return
         obs = (arm, batch_size, as_pending(emitted_tokens), as_pending(elapsed_s),
                as_pending(accepted_per_position), self.step)
         self._pending.append(obs)
