@@ -49,6 +49,10 @@ log = logging.getLogger("tlt_kernels.engine")
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
 
 
+# EagleState's fields, in the order the drafter graphs take them.
+EAGLE_FIELDS = ("block_table", "context_lens", "last_hidden", "root_tokens")
+
+
 def tree_width(strategy: Strategy, drafter_kind: str) -> int:
     """Nodes ``T`` of the tree verified per request under ``strategy`` (root included).
 
@@ -254,6 +258,52 @@ class SpeculativeEngine:
             tk[:b], pa[:b], nn_[:b], tb[:b], cl[:b] = tokens, parents, num_nodes, table, ctx
         return tk, pa, nn_, tb, cl
 
+    # EAGLE drafter graphs: inputs are the drafter state rows (block_table, context_lens, last_hidden,
+    # root_tokens), plus (features, next_tokens, num_new) for extend. Padded rows point at the drafter
+    # cache's write-sink block 0 with zero context and num_new = 0, so they read garbage nobody uses and
+    # write only the sink.
+    def _draft_key(self, s: Strategy):
+        return None if tree_width(s, self.drafter_kind) == 1 else ("draft", s.num_steps, s.topk, s.num_verify)
+
+    def _draft_fn(self, s: Strategy):
+        from ..drafter.eagle import EagleState
+
+        def fn(block_table, context_lens, last_hidden, root_tokens):
+            tree = self.drafter.draft(EagleState(block_table, context_lens, last_hidden, root_tokens), self.drafter_cache,
+                                      s.num_steps, s.topk, s.num_verify).tree
+            return tree.draft_tokens, tree.parents.to(torch.int32), tree.num_nodes.to(torch.int32)
+
+        return fn
+
+    def _extend_fn(self, block_table, context_lens, last_hidden, root_tokens, features, next_tokens, num_new):
+        from ..drafter.eagle import EagleState
+
+        st = EagleState(block_table, context_lens, last_hidden, root_tokens)
+        self.drafter.extend(st, self.drafter_cache, features, next_tokens, num_new)
+        return st.context_lens, st.last_hidden, st.root_tokens
+
+    def _pad_eagle(self, p: int, rows=None, T: Optional[int] = None, features=None, next_tokens=None, num_new=None):
+        """``p`` padded rows of drafter state (``rows``: the live rows' 4 fields), plus extend's inputs when ``T``."""
+        dev = self.device
+        H = self.drafter.config.hidden_size
+        dd = next(self.drafter.parameters()).dtype
+        nb = -(-self.slots_per_request // self.drafter_cache.block_size)
+        out = [torch.zeros(p, nb, dtype=torch.int32, device=dev), torch.zeros(p, dtype=torch.int32, device=dev),
+               torch.zeros(p, H, dtype=dd, device=dev), torch.zeros(p, dtype=torch.int64, device=dev)]
+        if T is not None:
+            out += [torch.zeros(p, T, H, dtype=dd, device=dev), torch.zeros(p, T, dtype=torch.int64, device=dev),
+                    torch.zeros(p, dtype=torch.int32, device=dev)]
+        b = 0 if rows is None else rows[0].shape[0]
+        if b:
+            for dst, src in zip(out, list(rows) + ([features, next_tokens, num_new] if T is not None else [])):
+                dst[:b] = src
+        return out
+
+    def _graph_size(self, name, b: int) -> Optional[int]:
+        if not self._captured or name is None or not self.graph_pool.covers(name, b):
+            return None
+        return self.graph_pool.padded_size(name, b)
+
     def capture_graphs(self, batch_sizes: Optional[Sequence[int]] = None) -> dict:
         """Capture the verify forward of every tree width for ``batch_sizes`` (default: powers of two up
         to ``max_batch_size``, and ``max_batch_size``) into the graph pool.
@@ -267,10 +317,23 @@ class SpeculativeEngine:
             batch_sizes = sorted({1 << i for i in range(int(math.log2(self.max_batch_size)) + 1)} | {self.max_batch_size})
         sizes = [b for b in batch_sizes if 1 <= b <= self.max_batch_size]
         try:
+            registered = getattr(self.graph_pool, "_entries", {})
             for T in self.widths:
                 name = ("verify", T)
-                if name not in getattr(self.graph_pool, "_entries", {}):
+                if name not in registered:
                     self.graph_pool.add(name, self._verify_fn, sizes, lambda B, T=T: self._pad_inputs(T, B))
+            if self.drafter_kind == "eagle":
+                # The drafter's multi-step tree draft and its KV extension are dozens of small kernels each:
+                # eager, they cost more than the verify forward itself. One graph per strategy (draft) and per
+                # tree width (extend: the accepted path is at most T pairs), padded like the verify graphs.
+                for st in self.strategies:
+                    name = self._draft_key(st)
+                    if name is not None and name not in registered:
+                        self.graph_pool.add(name, self._draft_fn(st), sizes, self._pad_eagle)
+                for T in self.widths:
+                    name = ("extend", T)
+                    if name not in registered:
+                        self.graph_pool.add(name, self._extend_fn, sizes, lambda B, T=T: self._pad_eagle(B, T=T))
             self.graph_pool.capture()
             self._captured = True
         except Exception as exc:  # pragma: no cover - depends on the device and backends
@@ -301,7 +364,7 @@ class SpeculativeEngine:
         return logits, hidden, False
 
     # -- drafting -----------------------------------------------------------------------------------
-    def _draft(self, s: Strategy, act: torch.Tensor, roots: torch.Tensor, ngram, eagle_state):
+    def _draft(self, s: Strategy, act: torch.Tensor, roots: torch.Tensor, ngram, eagle_rows):
         b = act.shape[0]
         dev = self.device
         T = tree_width(s, self.drafter_kind)
@@ -315,11 +378,12 @@ class SpeculativeEngine:
                 tree = ngram.propose_tree((T - 1) // s.topk, s.topk)
             tokens, parents, n = tree.draft_tokens[act], tree.parents[act], tree.num_nodes[act]
         else:
-            from ..drafter.eagle import EagleState
-
-            sub = EagleState(*(getattr(eagle_state, f)[act] for f in ("block_table", "context_lens", "last_hidden", "root_tokens")))
-            tree = self.drafter.draft(sub, self.drafter_cache, s.num_steps, s.topk, s.num_verify).tree
-            tokens, parents, n = tree.draft_tokens, tree.parents, tree.num_nodes
+            name = self._draft_key(s)
+            p = self._graph_size(name, b)
+            if p is not None:
+                tokens, parents, n = (t[:b] for t in self.graph_pool.run(name, self._pad_eagle(p, eagle_rows), batch_size=p))
+            else:
+                tokens, parents, n = self._draft_fn(s)(*eagle_rows)
         tokens = tokens.clone()
         tokens[:, 0] = roots[act]
         return tokens, parents.to(torch.int32), n.to(torch.int32)
@@ -462,7 +526,8 @@ class SpeculativeEngine:
                 s = self.static if self.selector is None else self.selector.select(b)
                 if self.drafter_kind == "eagle" and self.spot_trainer is not None:
                     self.drafter.maybe_update(self.spot_trainer.holder)
-                tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_state)
+                eagle_rows = None if eagle_state is None else [getattr(eagle_state, f)[act] for f in EAGLE_FIELDS]
+                tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
                 T = tok.shape[1]
                 lg, hid, replayed = self._verify_forward(tok, par, nn_, table[act], ctx[act])
                 res = verify_tree(lg, tok, par, nn_, max_depth=T - 1, validate=False, **sampling(act))
@@ -499,14 +564,14 @@ class SpeculativeEngine:
                 path = res.accepted_nodes.to(torch.int64).clamp(min=0)  # [b, T]
                 path_hidden = hid.gather(1, path.unsqueeze(2).expand(-1, -1, hid.shape[-1]))
                 if eagle_state is not None:
-                    from ..drafter.eagle import EagleState
-
-                    fields = ("block_table", "context_lens", "last_hidden", "root_tokens")
-                    sub = EagleState(*(getattr(eagle_state, f)[act] for f in fields))
-                    self.drafter.extend(sub, self.drafter_cache, path_hidden.to(sub.last_hidden.dtype), emitted.clamp(min=0),
-                                        (nacc + 1).to(torch.int32))
-                    for f in fields:
-                        getattr(eagle_state, f)[act] = getattr(sub, f)
+                    ext = (path_hidden.to(eagle_state.last_hidden.dtype), emitted.clamp(min=0), (nacc + 1).to(torch.int32))
+                    p = self._graph_size(("extend", T), b)
+                    if p is not None:
+                        new_state = self.graph_pool.run(("extend", T), self._pad_eagle(p, eagle_rows, T, *ext), batch_size=p)
+                    else:
+                        new_state = self._extend_fn(*eagle_rows, *ext)
+                    for f, v in zip(EAGLE_FIELDS[1:], new_state):
+                        getattr(eagle_state, f)[act] = v[:b]
                 if capture:
                     # Committed positions ctx_old + j (j <= nacc) hold the path's features and tokens.
                     ok = j <= nacc.unsqueeze(1)
