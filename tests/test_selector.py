@@ -265,9 +265,9 @@ def test_arms_of_equal_width_share_an_offset():
 def test_stale_arm_follows_the_level_up():
     """The up-shift case of issue 5: a tree played through a low-acceptance phase keeps its own counts;
     when acceptance rises and only a chain is played, the tree's estimate must follow the shared level
-    up. The model weighs ``1 / (model_sd^2 I)`` steps against the arm's own (at most ~window) steps, so
-    stale counts no longer hold the arm down until they fade (``model_sd=10``: counts dominate, the old
-    behaviour)."""
+    up. The model weighs ``1 / ((model_sd^2 + Var(lvl)) I)`` steps against the arm's own (at most
+    ~window) steps, so stale counts no longer hold the arm down until they fade (``model_sd=10``: counts
+    dominate, the old behaviour)."""
     chain, tree = Strategy(4, 1, 5), Strategy(4, 2, 9)
     table = {s: [(1, 0.01)] for s in (Strategy.off(), chain, tree)}
     got = {}
@@ -286,8 +286,10 @@ def test_stale_arm_follows_the_level_up():
         play["arm"] = chain
         _feed(sel, chain, 8, 0.6, 15, rng)
         got[sd] = pol._alphas(it, sel.step)[0]
-    truth = 1.0 - 0.4 ** 2.0
-    assert got[0.1] == pytest.approx(truth, abs=0.05), got
-    assert got[10.0] < truth - 0.15, got  # own counts dominating: still near the low phase
+    low, truth = 1.0 - 0.8 ** 2.0, 1.0 - 0.4 ** 2.0
+    # The alarm at the shift resets the level's variance, which lowers the model's weight until the level
+    # is re-learned; still, after 15 steps the tree is past halfway to its new acceptance.
+    assert 0.5 * (low + truth) < got[0.1] <= truth + 0.05, got
+    assert got[10.0] < low + 0.05, got  # own counts dominating: still at the low phase
     with pytest.raises(ValueError, match="model_sd"):
         StrategySelector([chain], policy="cost", model_sd=0.0)

@@ -275,14 +275,16 @@ class CostModelPolicy(Policy):
       likelihood of ``accepted_per_position`` (:meth:`observe`).
       ``E[tokens] = 1 + sum_i prod_{j<=i} alpha_j``.
     * Each arm's own discounted per-position counts correct the model where it is misspecified
-      (:meth:`_alphas`), combined by precision: the model counts as ``k_j = 1 / (model_sd^2 * I_j)``
-      requests, ``I_j = e^2 q / p`` the Fisher information of one request on the cloglog scale
-      (``e = exp(eta)``, ``q = 1 - p``), so it weighs a lot where it is sharp and little near saturation.
-      The counts are evidence about the model's state when they were collected: when the model's
-      ``lvl + off`` for the arm has moved by ``d`` since, their variance ``1 / (I n)`` gains ``d^2``, i.e.
-      ``n`` requests are worth ``n / (1 + follow * n * d^2)`` (``follow`` ~ ``I``). Applied on reading
-      (for arms not played since) and for good on the arm's next play, this lets an arm played through
-      a low-acceptance phase follow the level up at once instead of waiting for its counts to fade.
+      (:meth:`_alphas`), combined by precision: the model counts as
+      ``k_j = 1 / ((model_sd^2 + Var(lvl)) * I_j)`` units, ``I_j = e^2 q / p`` the Fisher information on
+      the cloglog scale (``e = exp(eta)``, ``q = 1 - p``), against the arm's counts, in which each step's
+      per-request fractions weigh one unit (at most ~``window``). With ``model_sd = 0.1`` the model
+      carries the prediction, so an arm played through a low-acceptance phase follows the level up at
+      once instead of waiting ~100 steps for its stale counts to fade (the old fixed weight of one unit
+      did). ``Var(lvl)`` (:meth:`_model_var`) grows while no speculative arm is played and is reset by an
+      alarm, so a model that lost track of the level yields to the counts. Optionally (``follow > 0``)
+      the counts are also discounted by how far the model's ``lvl + off`` moved since they were
+      collected, ``n -> n / (1 + follow * n * d^2)`` (measured no better; off by default).
     * Step time: ``cost_table.predict(strategy, B)`` times a per-(bucket, arm) correction (discounted mean
       of observed / predicted); without a table, the discounted mean observed time of the (bucket, arm),
       exploring unobserved arms once.
@@ -305,7 +307,8 @@ class CostModelPolicy(Policy):
         cost_table: a :class:`CostTable`, a ``{strategy: [(B, s), ...]}`` dict, or None.
         prior_accept: single-candidate acceptance assumed before any observation.
         model_sd: how far (cloglog sd) the shared model may be from an arm's true acceptance; sets the
-            model's weight against the arm's own counts (smaller: trust the model more).
+            model's weight against the arm's own counts (smaller: trust the model more). Replaces the
+            former fixed ``prior_weight``.
         explore: relative optimism bonus scale (0 disables it; ``ucb`` explores).
         detect: CUSUM alarm threshold in nats (None disables change detection).
         detect_shift: smallest change of acceptance (absolute) the CUSUM is tuned to detect.
@@ -318,7 +321,9 @@ class CostModelPolicy(Policy):
         ucb: optimism of the choice, in standard deviations of the arm's offset (0: greedy).
         offset_mean: prior mean of a width group's offset, ``offset_mean * log(width)`` (1: ``width``
             independent candidates, the optimistic bound; 0: every arm starts as a chain).
-        follow: weight of the model's movement in discounting an arm's own counts (0: time decay only).
+        follow: weight of the model's movement in discounting an arm's own counts (0, the default: time
+            decay only).
+        level_in_weight: count the level's current variance in the model's weight (see above).
         drift: variance per step (cloglog^2) added to an unplayed arm's optimism (0: none).
     """
 
@@ -328,7 +333,7 @@ class CostModelPolicy(Policy):
                  explore: float = 0.0, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
                  min_trials: float = 0.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
                  offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
-                 follow: float = 0.0, drift: float = 1e-4):
+                 follow: float = 0.0, drift: float = 1e-4, level_in_weight: bool = True):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
@@ -357,6 +362,7 @@ class CostModelPolicy(Policy):
         self.offset_mean = offset_mean
         self.follow = follow
         self.drift = drift
+        self.level_in_weight = level_in_weight
         self.refresh_tol = 0.03
 
     def bind(self, arms, num_buckets, rng, window):
@@ -418,6 +424,15 @@ class CostModelPolicy(Policy):
         rate = self._rate[batch_size] = [batch_size / t if t else 0.0 for t in secs]
         return rate
 
+    def _model_var(self, step: int) -> float:
+        """Variance (cloglog^2) of the model's prediction for an arm: its misfit ``model_sd^2`` plus the
+        level's current variance (which grows while no speculative arm is played, and is reset by an
+        alarm), so a model that has lost track of the level yields to the arms' own counts."""
+        if not self.level_in_weight:
+            return self._t2
+        v = self.P[0][0] / self.gamma ** (step - self.t_lvl)
+        return self._t2 + (v if v < self.var_prior else self.var_prior)
+
     def _own_weight(self, a: int, step: int) -> float:
         """Discount of arm ``a``'s own counts: time (``gamma`` per step) and the model's movement since."""
         fa = self.gamma ** (step - self.t_arm[a])
@@ -429,7 +444,7 @@ class CostModelPolicy(Policy):
         own counts and the shared model (offset raised by ``up``; level as of the last full refresh)
         combined by precision."""
         fs = self._own_weight(a, step)
-        num, den, t2 = self.num[a], self.den[a], self._t2
+        num, den, t2 = self.num[a], self.den[a], self._model_var(step)
         E = math.exp(self.off[self.grp[a]] + up)
         out = []
         for j in range(1, self.depth[a] + 1):
@@ -464,7 +479,7 @@ class CostModelPolicy(Policy):
             var = P[i][i] - P[0][i] * P[0][i] / P[0][0]
             u = self.ucb * math.sqrt(min((var if var > 0.0 else 0.0) + self.drift * dt, self._v0))
         fa = self.gamma ** dt
-        num, den, haz, t2 = self.num[a], self.den[a], self._haz, self._t2
+        num, den, haz, t2 = self.num[a], self.den[a], self._haz, self._model_var(step)
         dd = self.lvl + self.off[i - 1] - self.eta_last[a]
         fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
         E = math.exp(self.off[i - 1] + u)
@@ -587,7 +602,7 @@ class CostModelPolicy(Policy):
         at any batch size. It compares an arm with itself, so switching arms does not fire it.
         """
         dep, var_dep, t_dep, gs, v0 = self.dep, self.var_dep, self.t_dep, self.gamma_slow, self._v0
-        num, den, t2 = self.num[arm], self.den[arm], self._t2
+        num, den, t2 = self.num[arm], self.den[arm], self._model_var(step)
         g = self.grp[arm]
         base = self.lvl + self.off[g]
         dd = base - self.eta_last[arm]
