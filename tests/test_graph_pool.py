@@ -390,3 +390,22 @@ def test_gpu_shared_pool_vs_largest_graph_private_pools_and_estimate():
     assert 0 < single <= shared < private, (single, shared, private)
     for got, est in ((single, single_est), (shared, shared_est), (private, private_est)):
         assert abs(est - got) <= 0.1 * got, (est, got)
+
+
+def test_run_fill_rest_resets_padding_rows_to_the_example_inputs():
+    """With fill_rest=True, rows past the given inputs get the example inputs' rows (the harmless padding a
+    caller registered), not whatever an earlier, larger replay left in the static buffers."""
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    pad_value = -7.0
+    pool.add("double", lambda x: 2 * x, [4], lambda B: (torch.full((B, 3), pad_value),))
+    pool.capture()
+    full = torch.arange(12, dtype=torch.float32).view(4, 3)
+    assert torch.equal(pool.run("double", (full,), batch_size=4), 2 * full)
+    out = pool.run("double", (full[:1] + 100,), batch_size=4, fill_rest=True)
+    assert torch.equal(out[:1], 2 * (full[:1] + 100))
+    assert torch.equal(out[1:], torch.full((3, 3), 2 * pad_value))  # not 2 * full[1:] from the previous replay
+    out = pool.run("double", (full[:2],), batch_size=4)  # without fill_rest the old rows stay (documented)
+    assert torch.equal(out[2:], torch.full((2, 3), 2 * pad_value))
+    with pytest.raises(ValueError, match="takes at most"):
+        pool.run("double", (torch.zeros(5, 3),), batch_size=4, fill_rest=True)
+    assert pool.stats()["misses"] == 0

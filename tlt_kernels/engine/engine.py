@@ -357,8 +357,8 @@ class SpeculativeEngine:
         if self._captured:
             p = self.graph_pool.padded_size(("verify", T), b)
             if p is not None:
-                inputs = self._pad_inputs(T, p, tokens, parents, num_nodes, table, ctx)
-                logits, hidden = self.graph_pool.run(("verify", T), inputs, batch_size=p)
+                logits, hidden = self.graph_pool.run(("verify", T), (tokens, parents, num_nodes, table, ctx), batch_size=p,
+                                                     fill_rest=True)
                 return logits[:b], hidden[:b], True
         logits, hidden = self._verify_fn(tokens, parents, num_nodes, table, ctx)
         return logits, hidden, False
@@ -381,7 +381,7 @@ class SpeculativeEngine:
             name = self._draft_key(s)
             p = self._graph_size(name, b)
             if p is not None:
-                tokens, parents, n = (t[:b] for t in self.graph_pool.run(name, self._pad_eagle(p, eagle_rows), batch_size=p))
+                tokens, parents, n = (t[:b] for t in self.graph_pool.run(name, eagle_rows, batch_size=p, fill_rest=True))
             else:
                 tokens, parents, n = self._draft_fn(s)(*eagle_rows)
         tokens = tokens.clone()
@@ -567,7 +567,7 @@ class SpeculativeEngine:
                     ext = (path_hidden.to(eagle_state.last_hidden.dtype), emitted.clamp(min=0), (nacc + 1).to(torch.int32))
                     p = self._graph_size(("extend", T), b)
                     if p is not None:
-                        new_state = self.graph_pool.run(("extend", T), self._pad_eagle(p, eagle_rows, T, *ext), batch_size=p)
+                        new_state = self.graph_pool.run(("extend", T), [*eagle_rows, *ext], batch_size=p, fill_rest=True)
                     else:
                         new_state = self._extend_fn(*eagle_rows, *ext)
                     for f, v in zip(EAGLE_FIELDS[1:], new_state):
@@ -584,19 +584,24 @@ class SpeculativeEngine:
                 fin = n_gen[act] >= max_new_dev[act]
                 if eos_token_id is not None:
                     fin |= hit_eos
-                fin_host = fin.cpu()
-                total = int(n_emit.sum())
+                # One device-to-host transfer per step (each sync stalls the CPU until the GPU drains, so the
+                # next step's launches cannot overlap this step's kernels): finished flags, emitted tokens,
+                # accepted + 1, tokens generated so far, and the per-depth acceptance counts for the selector.
+                nd = s.num_steps if self.selector is not None else 0
+                parts = [fin.to(torch.int64), n_emit.sum().view(1), (nacc + 1).sum().view(1), n_gen.sum().view(1)]
+                if nd > 0:
+                    parts.append((nacc.unsqueeze(1) >= torch.arange(1, nd + 1, device=dev)).sum(0))
+                host = torch.cat(parts).tolist()
+                fin_host = torch.tensor(host[:b], dtype=torch.bool)
+                total, tried_total, generated = host[b], host[b + 1], host[b + 2]
                 dt = time.perf_counter() - t0
                 elapsed = time.perf_counter() - t_start
                 if self.selector is not None:
-                    acc_pos = None
-                    if s.num_steps > 0:
-                        acc_pos = (nacc.unsqueeze(1) >= torch.arange(1, s.num_steps + 1, device=dev)).sum(0)
-                    self.selector.update(s, b, int((nacc + 1).sum()), dt, acc_pos)
+                    self.selector.update(s, b, tried_total, dt, host[b + 3:] if nd > 0 else None)
                 rec = StepLog(step, b, str(s), T, total, total / b, dt, elapsed, replayed)
                 steps.append(rec)
                 log.debug("step %d batch %d %s T=%d emitted %d acc %.2f %.0f tok/s", step, b, s, T, total, total / b, rec.tokens_per_s)
-                bar.update(int(n_gen.sum()), rec)
+                bar.update(generated, rec)
                 step += 1
                 if bool(fin_host.any()):
                     finished = active[fin_host]

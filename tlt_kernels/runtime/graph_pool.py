@@ -198,6 +198,7 @@ class _Entry:
     example_inputs: Callable[[int], Inputs]
     sizes: List[int]
     static_in: Optional[List[torch.Tensor]] = None  # allocated at the largest size
+    fill_in: Optional[List[torch.Tensor]] = None  # pristine copy of the example inputs (run(fill_rest=True))
     static_out: Dict[int, Any] = field(default_factory=dict)  # batch size -> output structure (views)
     graphs: Dict[int, Any] = field(default_factory=dict)
     warm_peak: Dict[int, int] = field(default_factory=dict)
@@ -288,6 +289,11 @@ class GraphPool:
             # Allocated with the regular allocator (we are not capturing), i.e. outside the graph pool.
             e.static_in = [t.clone() for t in ex]
         return e.static_in
+
+    def _pristine(self, e: _Entry) -> List[torch.Tensor]:
+        """The example inputs at the largest size, freshly made (the static buffers may hold replayed data)."""
+        ex = e.example_inputs(e.sizes[-1])
+        return [t.clone() for t in ([ex] if isinstance(ex, torch.Tensor) else list(ex))]
 
     def _inputs_for(self, e: _Entry, b: int) -> List[torch.Tensor]:
         return [_prefix(t, b, e.sizes[-1]) for t in self._static_inputs(e)]
@@ -433,12 +439,16 @@ class GraphPool:
         """Whether a captured graph can run this batch (for ``StrategySelector(available=pool.covers)``)."""
         return self.padded_size(name, batch_size) is not None
 
-    def run(self, name: Hashable, inputs: Inputs, batch_size: Optional[int] = None):
+    def run(self, name: Hashable, inputs: Inputs, batch_size: Optional[int] = None, fill_rest: bool = False):
         """Run ``name`` on ``inputs`` (a batch of ``batch_size``, default ``inputs[0].shape[0]``).
 
         Replays the smallest captured graph >= the batch (a hit) after copying the inputs into the
         prefix of its static buffers, and returns prefix views of its static outputs; without one
         (never captured, evicted, too large) it calls the function eagerly (a miss).
+
+        ``fill_rest``: inputs may have fewer rows than ``batch_size``; the static rows past them are
+        reset to the example inputs' rows (e.g. harmless padding requests) instead of keeping whatever
+        an earlier replay left there. On a miss the function then runs on the given rows only.
         """
         e = self._entries.get(name)
         if e is None:
@@ -452,13 +462,18 @@ class GraphPool:
         static = self._inputs_for(e, p)
         if len(inputs) != len(static):
             raise ValueError(f"{name!r} was registered with {len(static)} inputs, got {len(inputs)}")
+        if fill_rest and e.fill_in is None:
+            e.fill_in = self._pristine(e)
         for i, (dst, src) in enumerate(zip(static, inputs)):
             if src.shape[1:] != dst.shape[1:] or src.shape[0] > dst.shape[0]:
                 raise ValueError(
                     f"input {i} of {name!r} has shape {tuple(src.shape)}; the graph for batch {p} takes at most "
                     f"{tuple(dst.shape)}"
                 )
-            dst[: src.shape[0]].copy_(src)
+            n = src.shape[0]
+            dst[:n].copy_(src)
+            if fill_rest and n < p:
+                dst[n:].copy_(e.fill_in[i][n:p])
         self.backend.replay(e.graphs[p])
         self.hits += 1
         self._rows_used += b
