@@ -20,7 +20,7 @@ SIZES = (1, 16, 64, 256)
 class _ReferenceCost(CostModelPolicy):
     """Same model, every prediction recomputed from the readable formulas."""
 
-    def _refresh(self, a, step):
+    def _refresh(self, a, step, t2=None, cv=None):  # recomputes both from the formulas
         if self.depth[a] == 0:
             return
         if self.obs_tokens[a] is not None:

@@ -311,7 +311,10 @@ class CostModelPolicy(Policy):
             former fixed ``prior_weight``.
         explore: relative optimism bonus scale (0 disables it; ``ucb`` explores).
         detect: CUSUM alarm threshold in nats (None disables change detection).
-        detect_shift: smallest change of acceptance (absolute) the CUSUM is tuned to detect.
+        detect_shift: change of acceptance (absolute) the CUSUM is tuned to detect, or a tuple of them: one
+            pair of one-sided sums per shift (a CUSUM bank). The small shift catches small changes; the
+            large one alarms several times sooner on large ones (at batch 1 a step tries only a few
+            draft tokens, so a 0.1-tuned sum needs ~50 steps to reach ``detect`` after a 0.45 -> 0.9 jump).
         min_trials: the test runs only when the played arm's prediction rests on at least this many
             (discounted) requests of its own (0: always; the shared model backs every prediction).
         keep_on_change: fraction of the arms' own acceptance counts kept after an alarm.
@@ -325,15 +328,18 @@ class CostModelPolicy(Policy):
             decay only).
         level_in_weight: count the level's current variance in the model's weight (see above).
         drift: variance per step (cloglog^2) added to an unplayed arm's optimism (0: none).
+        refresh_tol: how far (cloglog) the level may move before every arm's prediction is recomputed;
+            in between only the played arm's is (0: every step). The CPU cost's main knob.
     """
 
     name = "cost"
 
     def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
-                 explore: float = 0.0, detect: Optional[float] = 8.0, detect_shift: float = 0.1,
+                 explore: float = 0.0, detect: Optional[float] = 8.0, detect_shift=(0.1, 0.3),
                  min_trials: float = 0.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
                  offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
-                 follow: float = 0.0, drift: float = 1e-4, level_in_weight: bool = True):
+                 follow: float = 0.0, drift: float = 1e-4, level_in_weight: bool = True,
+                 refresh_tol: float = 0.03):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
@@ -353,7 +359,10 @@ class CostModelPolicy(Policy):
         self.model_sd = model_sd
         self.explore = explore
         self.detect = detect
-        self.detect_shift = detect_shift
+        shifts = tuple(detect_shift) if isinstance(detect_shift, (tuple, list)) else (detect_shift,)
+        if not shifts or not all(0.0 < x < 1.0 for x in shifts):
+            raise ValueError(f"detect_shift must be in (0, 1) (a float or a non-empty tuple), got {detect_shift!r}")
+        self.detect_shift = shifts
         self.min_trials = min_trials
         self.keep_on_change = keep_on_change
         self.slow = slow
@@ -363,7 +372,9 @@ class CostModelPolicy(Policy):
         self.follow = follow
         self.drift = drift
         self.level_in_weight = level_in_weight
-        self.refresh_tol = 0.03
+        if not refresh_tol >= 0:
+            raise ValueError(f"refresh_tol must be >= 0 (cloglog units), got {refresh_tol}")
+        self.refresh_tol = refresh_tol
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -405,7 +416,7 @@ class CostModelPolicy(Policy):
         self.time_n = [[0.0] * A for _ in range(num_buckets)]
         self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
         self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
-        self.cusum_hi = self.cusum_lo = 0.0
+        self.cusum = [0.0] * (2 * len(self.detect_shift))  # one-sided sums: (up, down) per shift
         self.changes: List[int] = []  # steps at which a change in acceptance was detected
         self._rate: Dict[int, List[float]] = {}  # batch size -> [B / table seconds] per arm (0: no entry)
         self._secs: Dict[int, List[float]] = {}  # batch size -> [table seconds] per arm (0: no entry)
@@ -460,28 +471,43 @@ class CostModelPolicy(Policy):
         lvl = self.lvl
         self._haz = [math.exp(min(lvl + d, 3.0)) for d in self.dep]
         self._lvl_refreshed = lvl
+        # What every arm's refresh shares, computed once: the model's variance and Var(off_g | lvl).
+        t2, P = self._model_var(step), self.P
+        p00, p0 = P[0][0], P[0]
+        cv = [P[i][i] - p0[i] * p0[i] / p00 for i in range(1, len(P))]
         for a in range(len(self.arms)):
-            self._refresh(a, step)
+            self._refresh(a, step, t2, cv)
 
-    def _refresh(self, a: int, step: int) -> None:
+    def _refresh(self, a: int, step: int, t2: Optional[float] = None, cv: Optional[List[float]] = None) -> None:
         """Optimistic expected tokens of arm ``a`` (:meth:`_alphas` with the offset raised by ``ucb``
-        standard deviations: ``Var(off | lvl) + drift * steps since played``, capped at the prior)."""
+        standard deviations: ``Var(off | lvl) + drift * steps since played``, capped at the prior).
+        ``t2`` (:meth:`_model_var`) and ``cv`` (``Var(off_g | lvl)`` per group) are passed by
+        :meth:`_refresh_all`, which shares them across arms."""
         d = self.depth[a]
         if d == 0:
             return
         if self.obs_tokens[a] is not None:
             self.tokens[a] = self.obs_tokens[a]
             return
-        P, i = self.P, self.grp[a] + 1
+        i = self.grp[a] + 1
         dt = step - self.t_arm[a]
         u = 0.0
         if self.ucb:
-            var = P[i][i] - P[0][i] * P[0][i] / P[0][0]
+            if cv is None:
+                P = self.P
+                var = P[i][i] - P[0][i] * P[0][i] / P[0][0]
+            else:
+                var = cv[i - 1]
             u = self.ucb * math.sqrt(min((var if var > 0.0 else 0.0) + self.drift * dt, self._v0))
         fa = self.gamma ** dt
-        num, den, haz, t2 = self.num[a], self.den[a], self._haz, self._model_var(step)
-        dd = self.lvl + self.off[i - 1] - self.eta_last[a]
-        fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
+        num, den, haz = self.num[a], self.den[a], self._haz
+        if t2 is None:
+            t2 = self._model_var(step)
+        if self.follow:
+            dd = self.lvl + self.off[i - 1] - self.eta_last[a]
+            fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
+        else:
+            fs = fa
         E = math.exp(self.off[i - 1] + u)
         exp = math.exp
         reach = total = 1.0
@@ -563,8 +589,9 @@ class CostModelPolicy(Policy):
         # Own counts: discounted by time and by how far the model moved since they were last updated.
         eta = self.lvl + self.off[self.grp[arm]]
         num, den = self.num[arm], self.den[arm]
-        dd = eta - self.eta_last[arm]
-        fa = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
+        if self.follow:
+            dd = eta - self.eta_last[arm]
+            fa = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
         inv_b = 1.0 / batch_size
         prev = 1.0
         for j in range(1, d + 1):
@@ -596,7 +623,7 @@ class CostModelPolicy(Policy):
 
         Change detection (Bernoulli CUSUM): the step's draft tokens are ``n`` trials with ``k`` accepted
         against the arm's own predicted rate ``p`` (:meth:`_alphas` before this step). Two one-sided
-        CUSUMs add the log-likelihood ratio of rates ``p + shift`` and ``p - shift`` versus ``p``
+        CUSUMs per shift of ``detect_shift`` add the log-likelihood ratio of rates ``p + shift`` and ``p - shift`` versus ``p``
         (``k log(p1/p) + (n-k) log((1-p1)/(1-p))``) and alarm above ``detect`` nats. A bias smaller than
         ``shift / 2`` has negative drift and never alarms, so the model's own small errors are tolerated
         at any batch size. It compares an arm with itself, so switching arms does not fire it.
@@ -605,8 +632,10 @@ class CostModelPolicy(Policy):
         num, den, t2 = self.num[arm], self.den[arm], self._model_var(step)
         g = self.grp[arm]
         base = self.lvl + self.off[g]
-        dd = base - self.eta_last[arm]
-        fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
+        fs = fa
+        if self.follow:
+            dd = base - self.eta_last[arm]
+            fs = fa / (1.0 + self.follow * fa * den[1] * dd * dd)
         exp = math.exp
         W = R = r1 = w1 = 0.0
         tn = tk = te = 0.0  # CUSUM: trials, accepted, predicted accepted
@@ -652,16 +681,19 @@ class CostModelPolicy(Policy):
         if self.detect is not None and tn > 0.0 and (not self.min_trials or den[1] * fa >= self.min_trials):
             p = te / tn
             p = 0.02 if p < 0.02 else (0.98 if p > 0.98 else p)
-            s = self.detect_shift
-            hi = p + s if p + s < 0.995 else 0.995
-            lo = p - s if p - s > 0.005 else 0.005
-            log = math.log
-            ch = self.cusum_hi + tk * log(hi / p) + (tn - tk) * log((1 - hi) / (1 - p))
-            cl = self.cusum_lo + tk * log(lo / p) + (tn - tk) * log((1 - lo) / (1 - p))
-            self.cusum_hi = ch if ch > 0.0 else 0.0
-            self.cusum_lo = cl if cl > 0.0 else 0.0
-            if ch > self.detect or cl > self.detect:
-                changed = True
+            log, cs, h, i = math.log, self.cusum, self.detect, 0
+            lp, lq, tf = log(p), log(1.0 - p), tn - tk
+            for s in self.detect_shift:
+                hi = p + s if p + s < 0.995 else 0.995
+                lo = p - s if p - s > 0.005 else 0.005
+                ch = cs[i] + tk * (log(hi) - lp) + tf * (log(1.0 - hi) - lq)
+                cl = cs[i + 1] + tk * (log(lo) - lp) + tf * (log(1.0 - lo) - lq)
+                cs[i] = ch if ch > 0.0 else 0.0
+                cs[i + 1] = cl if cl > 0.0 else 0.0
+                if ch > h or cl > h:
+                    changed = True
+                i += 2
+            if changed:
                 self._forget(step)
         P, vp = self.P, self.var_prior
         dt = step - self.t_lvl
@@ -697,7 +729,7 @@ class CostModelPolicy(Policy):
         of drafter/target agreement does not alter -- are kept."""
         f = self.keep_on_change
         self.changes.append(step)
-        self.cusum_hi = self.cusum_lo = 0.0
+        self.cusum = [0.0] * len(self.cusum)
         for rows in (self.num, self.den):
             for r in rows:
                 for j in range(len(r)):
