@@ -19,6 +19,85 @@ namespace {
 
 bool valid_type(ElemType t) { return t == ElemType::kFloat32 || t == ElemType::kFloat16 || t == ElemType::kBFloat16; }
 
+// Compute capability major and SM count of the current device, cached per device (attribute
+// queries are not stream operations, so this is fine during graph capture).
+LaunchStatus device_info(int& major, int& sms) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices][2] = {};  // 0 = not queried yet; benign race: same values
+  int dev = 0;
+  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 0 && dev < kMaxDevices && cached[dev][1] > 0) {
+    major = cached[dev][0];
+    sms = cached[dev][1];
+    return {};
+  }
+  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (dev >= 0 && dev < kMaxDevices) {
+    cached[dev][0] = major;
+    cached[dev][1] = sms;
+  }
+  return {};
+}
+
+cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int smem, cudaStream_t stream,
+                                 cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.batch) * C));
+  cfg.blockDim = dim3(accept::kVerifyThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// CTAs per request. One CTA cannot stream HBM fast, so small batches split each row over a cluster:
+// the largest C in {8, 4, 2} whose B clusters are all co-resident (cudaOccupancyMaxActiveClusters:
+// one 512-thread CTA per SM at 128 registers, and clusters must fit in a GPC) and whose slices keep
+// >= 2048 tokens. The occupancy query (not a stream operation) is cached per device and C: every
+// instantiation has the same footprint (512 threads, <= 128 registers, ~7 KB of shared memory).
+template <typename Kernel>
+LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int& C) {
+  C = 1;
+  if (p.cluster == 1) return {};
+  int major = 0, sms = 0;
+  TLT_RETURN_IF_FAILED(device_info(major, sms));
+  (void)sms;
+  if (p.cluster > 1) {
+    TLT_STATUS_CHECK_ARG(major >= 9, "cluster = " << p.cluster << " needs thread-block clusters (sm_90+), the device has compute capability " << major << ".x");
+    C = p.cluster;
+    return {};
+  }
+  if (major < 9) return {};
+  constexpr int kMaxDevices = 64;
+  static int active[kMaxDevices][4] = {};  // [device][log2 C]; 0 = not queried yet
+  int dev = 0;
+  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
+  for (int c = kVerifyMaxCluster, lg = 3; c > 1; c /= 2, --lg) {
+    if (p.vocab < c * 2048) continue;
+    int n = dev >= 0 && dev < kMaxDevices ? active[dev][lg] : 0;
+    if (n == 0) {
+      cudaLaunchAttribute attr[1];
+      VerifyTreeParams one = p;
+      one.batch = 1;
+      const cudaLaunchConfig_t cfg = verify_config(one, c, smem, stream, attr);
+      TLT_STATUS_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+      n = n > 0 ? n : -1;  // -1: cannot run (cached too)
+      if (dev >= 0 && dev < kMaxDevices) active[dev][lg] = n;
+    }
+    if (p.batch <= n) {
+      C = c;
+      return {};
+    }
+  }
+  return {};
+}
+
 template <typename TL, typename TQ, bool HAS_Q>
 LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q>;
@@ -28,7 +107,18 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
     // Allowed during stream capture (not a stream operation); only deep trees need it.
     TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
-  kernel<<<p.batch, accept::kVerifyThreads, smem, stream>>>(p);
+  int C = 1;
+  TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, C));
+  TLT_STATUS_CHECK_ARG(static_cast<int64_t>(p.batch) * C <= 0x7fffffff,
+                       "batch " << p.batch << " x cluster " << C << " CTAs exceeds the grid limit");
+  if (C == 1) {
+    kernel<<<p.batch, accept::kVerifyThreads, smem, stream>>>(p, 1);
+    TLT_STATUS_CUDA_CHECK(cudaGetLastError());
+    return {};
+  }
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = verify_config(p, C, smem, stream, attr);
+  TLT_STATUS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, C));
   TLT_STATUS_CUDA_CHECK(cudaGetLastError());
   return {};
 }
@@ -80,6 +170,9 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
   TLT_STATUS_CHECK_ARG(p.num_tree >= 1 && p.vocab >= 1, "need T >= 1 and V >= 1, got T=" << p.num_tree << " V=" << p.vocab);
   TLT_STATUS_CHECK_ARG(p.max_depth >= 0, "max_depth must be >= 0, got " << p.max_depth);
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
+  TLT_STATUS_CHECK_ARG(p.vocab <= kVerifyMaxVocab, "V = " << p.vocab << " exceeds the CUDA kernel's limit " << kVerifyMaxVocab);
+  TLT_STATUS_CHECK_ARG(p.cluster == 0 || p.cluster == 1 || p.cluster == 2 || p.cluster == 4 || p.cluster == 8,
+                    "cluster must be 0 (auto), 1, 2, 4 or 8, got " << p.cluster);
   TLT_STATUS_CHECK_ARG(depth_cap <= kVerifyMaxDepthSmem,
                     "min(max_depth, T - 1) = " << depth_cap << " exceeds the CUDA kernel's limit " << kVerifyMaxDepthSmem);
   TLT_STATUS_CHECK_ARG(valid_type(p.logits_type), "unknown logits dtype code " << static_cast<int>(p.logits_type));

@@ -32,7 +32,7 @@ enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 //   parents       int32 [B, >= T] (parents_stride_b); num_nodes int32 [B]
 //   temperature   float32 [B] or null (all greedy); top_k int32 [B] or null; top_p float32 [B] or null
 //   seed, offset  int64 [B]
-//   scratch       float32 [B, V] contiguous (residual rows; only touched after a rejection)
+//   scratch       float32 [B, 2, V] contiguous (ping-pong residual rows; only touched after a rejection)
 //   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
 //   out_stats     int32 [B, max_depth, 2] or null
 struct VerifyTreeParams {
@@ -61,6 +61,7 @@ struct VerifyTreeParams {
   int num_tree = 0;   // T
   int vocab = 0;      // V
   int max_depth = 0;  // deepest node the walk may accept
+  int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4 or 8
   bool tokens_int64 = true;
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
@@ -111,6 +112,8 @@ struct BuildDraftTreeParams {
 // Limits of the CUDA kernels (the Python glue reports them before launching).
 constexpr int kBuildTreeMaxCandidates = 2048;
 constexpr int kVerifyMaxDepthSmem = 4096;
+constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
+constexpr int kVerifyMaxCluster = 8;  // portable cluster size (16 needs the non-portable attribute)
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
 LaunchStatus launch_compact_kv(const CompactKVParams& p, cudaStream_t stream) noexcept;
@@ -153,6 +156,7 @@ TLT_HD float philox_uniform(int64_t seed, int64_t offset, uint32_t node, uint32_
 }  // namespace tlt
 
 #if defined(__CUDACC__)
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -224,12 +228,32 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 // ============================================================================================
 // verify_tree
 // ============================================================================================
+//
+// Work split. Request b is walked by a cluster of C CTAs (grid B * C, cluster (C, 1, 1); C = 1 is
+// a plain launch and needs no Hopper). CTA `rank` owns the vocabulary slice [lo, hi) = [rank * S,
+// min(V, (rank + 1) * S)) with S = ceil(V / C) rounded up to kVec, so every vector load of a slice
+// stays aligned; slices past V are empty and contribute identity partials. Each row statistic is
+// reduced in the CTA, published in shared memory, and after one cluster barrier every CTA folds the
+// C partials itself *in rank order* (distributed shared memory): all CTAs hold bit-identical values,
+// so the walk's control flow is cluster-uniform and every CTA reaches every cluster barrier.
+//
+// Passes per visited row (sampled, no top-k/top-p): one fused pass for (bad, argmax, online
+// max/normalizer, draft-row sum), one residual pass per rejection (writes the residual and its
+// slice sums), and the final sample scans one slice only (the CTA whose mass range holds u * total).
 
 constexpr int kVerifyThreads = 512;
 constexpr int kVec = 8;                            // elements per thread per chunk
 constexpr int kChunk = kVerifyThreads * kVec;      // elements per block-wide chunk
+constexpr int kUnroll = 2;                         // chunks loaded before any is processed
 constexpr float kFixedScale = 4294967296.0f;       // 2^32: weights in (0, 1] as 32.32 fixed point
 constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps every token
+constexpr int kNoToken = 0x7fffffff;               // "not found" of the sample scan's min-reduction
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define TLT_VERIFY_CLUSTERS 1
+#else
+#define TLT_VERIFY_CLUSTERS 0
+#endif
 
 // Order-preserving int32 image of a float (NaN excluded); -0.0 maps like +0.0 so that ties at zero
 // behave as float comparisons do in the reference.
@@ -240,12 +264,24 @@ __device__ __forceinline__ int ordered_key(float x) {
 
 __device__ __forceinline__ float key_to_float(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7FFFFFFF); }
 
-// Loads kVec consecutive elements [base, base + kVec) of a row as fp32; `fill` past V. Rows whose
-// start is 16-byte aligned take 16-byte vector loads (base is a multiple of kVec, so every vector
-// is aligned too); `NC` selects the read-only (non-coherent) path for rows the kernel never writes.
-template <typename T, bool NC>
-__device__ __forceinline__ void load_vec(const T* row, int base, int V, bool aligned, float fill, float (&x)[kVec]) {
-  if (aligned && base + kVec <= V) {
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Load paths: kNC = read-only cache (inputs the kernel never writes); kCG = L2 only (scratch rows,
+// whose elements other CTAs of the cluster wrote: L1 is not coherent across SMs).
+enum class Ld { kNC, kCG };
+
+template <Ld M, typename T>
+__device__ __forceinline__ T ld(const T* p) {
+  if constexpr (M == Ld::kNC) return __ldg(p);
+  else return __ldcg(p);
+}
+
+// Loads kVec consecutive elements [base, base + kVec) of a row as fp32; `fill` at or past `end`.
+// Rows whose start is 16-byte aligned take 16-byte vector loads (base is a multiple of kVec, so
+// every vector is aligned too).
+template <Ld M, typename T>
+__device__ __forceinline__ void load_vec(const T* row, int base, int end, bool aligned, float fill, float (&x)[kVec]) {
+  if (aligned && base + kVec <= end) {
     constexpr int kWords = static_cast<int>(sizeof(T)) * kVec / 16;
     static_assert(kWords >= 1, "vector of at least 16 bytes");
     union {
@@ -254,16 +290,169 @@ __device__ __forceinline__ void load_vec(const T* row, int base, int V, bool ali
     } u;
     const uint4* src = reinterpret_cast<const uint4*>(row + base);
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) u.raw[w] = NC ? __ldg(src + w) : src[w];
+    for (int w = 0; w < kWords; ++w) u.raw[w] = ld<M>(src + w);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) x[i] = to_float(u.val[i]);
   } else {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) x[i] = base + i < V ? to_float(NC ? __ldg(row + base + i) : row[base + i]) : fill;
+    for (int i = 0; i < kVec; ++i) x[i] = base + i < end ? to_float(ld<M>(row + base + i)) : fill;
   }
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__device__ __forceinline__ void store_vec(float* row, int base, int end, bool aligned, const float (&x)[kVec]) {
+  if (aligned && base + kVec <= end) {
+    float4* dst = reinterpret_cast<float4*>(row + base);
+    __stcg(dst, make_float4(x[0], x[1], x[2], x[3]));
+    __stcg(dst + 1, make_float4(x[4], x[5], x[6], x[7]));
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i)
+      if (base + i < end) __stcg(row + base + i, x[i]);
+  }
+}
+
+// f(base, a, b) for every vector [base, base + kVec) of this thread in the slice [lo, hi): a from
+// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). kUnroll chunks are loaded before
+// any is processed, so each thread keeps 2-4 16-byte loads in flight.
+template <Ld MA, typename TA, typename TB, typename F>
+__device__ __forceinline__ void sweep(const TA* a, bool a_aligned, float fill_a, const TB* b, bool b_aligned, bool use_b,
+                                      int lo, int hi, F&& f) {
+  // The trip count is CTA-uniform (warp collectives inside f need every lane); vectors past hi
+  // read nothing.
+  for (int c0 = lo; c0 < hi; c0 += kUnroll * kChunk) {
+    const int b0 = c0 + static_cast<int>(threadIdx.x) * kVec;
+    float xa[kUnroll][kVec], xb[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      load_vec<MA>(a, b0 + u * kChunk, hi, a_aligned, fill_a, xa[u]);
+      if (use_b) {
+        load_vec<Ld::kNC>(b, b0 + u * kChunk, hi, b_aligned, 0.f, xb[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) xb[u][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) f(b0 + u * kChunk, xa[u], xb[u]);
+  }
+}
+
+// A thread's, warp's, CTA's or cluster's share of one row's statistics. The weights sum to
+// z * exp(m) (online-softmax form); plain sums use m = 0, where exp(0) = 1 keeps them exact.
+struct Partial {
+  uint64_t best;  // max of (ordered key ^ sign) << 32 | ~index: largest value, lowest index
+  float m, z;
+  float q;        // draft-row sum
+  int bad;        // NaN / +inf seen
+};
+
+__device__ __forceinline__ Partial partial_identity(float m) { return Partial{0ull, m, 0.f, 0.f, 0}; }
+
+__device__ __forceinline__ Partial combine(const Partial& a, const Partial& b) {
+  Partial r;
+  r.best = a.best > b.best ? a.best : b.best;
+  r.bad = a.bad | b.bad;
+  r.q = a.q + b.q;
+  r.m = fmaxf(a.m, b.m);
+  r.z = r.m == -INFINITY ? 0.f : a.z * expf(a.m - r.m) + b.z * expf(b.m - r.m);
+  return r;
+}
+
+// z rescaled to the frame of max M (0 for empty partials).
+__device__ __forceinline__ float scaled_z(const Partial& a, float M) { return a.z > 0.f ? a.z * expf(a.m - M) : 0.f; }
+
+__device__ __forceinline__ Partial shfl_xor(const Partial& v, int o) {
+  Partial r;
+  r.best = __shfl_xor_sync(0xffffffffu, v.best, o);
+  r.m = __shfl_xor_sync(0xffffffffu, v.m, o);
+  r.z = __shfl_xor_sync(0xffffffffu, v.z, o);
+  r.q = __shfl_xor_sync(0xffffffffu, v.q, o);
+  r.bad = __shfl_xor_sync(0xffffffffu, v.bad, o);
+  return r;
+}
+
+// This CTA's place in the mass of the current distribution, for the inverse-CDF sample: the sum of
+// ranks before it (pre), through it (end), of all (total), and the last rank with mass (-1: none).
+struct Plan {
+  float pre, end, total;
+  int last;
+};
+
+struct Cluster {
+  int rank;  // CTA rank in the cluster = vocabulary slice index
+  int size;  // C
+  int pub;   // publish slot in use next (double-buffered: one cluster barrier per fold)
+  int hist;  // radix histogram buffer in use next (same scheme)
+};
+
+struct VerifySmem {
+  uint64_t hist[2][256];
+  uint64_t hsum[256];
+  Partial red[kVerifyThreads / 32];
+  Partial pub[2];
+  float redf[32];
+  int redi[32];
+  uint64_t sel[3];  // radix-select decision broadcast: digit, above, at
+  double need;
+};
+
+// Every thread gets the CTA's fold (fixed tree: deterministic).
+__device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = combine(v, shfl_xor(v, o));
+  if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  Partial r = sm.red[0];
+#pragma unroll
+  for (int w = 1; w < kVerifyThreads / 32; ++w) r = combine(r, sm.red[w]);
+  __syncthreads();
+  return r;
+}
+
+// Cluster-wide fold of a CTA-uniform partial, in rank order (bit-identical in every CTA). Double
+// buffering makes one barrier per fold enough: a slot is rewritten two folds later, after a barrier
+// that every CTA reaches only once it has read the slot. With `plan`, also fills this CTA's place in
+// the mass z (rescaled to the fold's m).
+__device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan) {
+#if TLT_VERIFY_CLUSTERS
+  if (cl.size > 1) {
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    Partial* slot = &sm.pub[cl.pub];
+    cl.pub ^= 1;
+    if (threadIdx.x == 0) *slot = mine;
+    cluster.sync();  // arrive.release / wait.acquire: the slot is visible cluster-wide
+    Partial acc = *cluster.map_shared_rank(slot, 0);
+    for (int r = 1; r < cl.size; ++r) acc = combine(acc, *cluster.map_shared_rank(slot, r));
+    if (plan) {
+      float run = 0.f;
+      plan->last = -1;
+      plan->pre = plan->end = 0.f;
+      for (int r = 0; r < cl.size; ++r) {
+        const float part = scaled_z(*cluster.map_shared_rank(slot, r), acc.m);
+        if (r == cl.rank) plan->pre = run;
+        run += part;
+        if (r == cl.rank) plan->end = run;
+        if (part > 0.f) plan->last = r;
+      }
+      plan->total = run;
+    }
+    return acc;
+  }
+#else
+  if (cl.size > 1) __trap();  // the launcher never asks for clusters below sm_90
+#endif
+  if (plan) {
+    const float part = scaled_z(mine, mine.m);
+    *plan = Plan{0.f, part, part, part > 0.f ? 0 : -1};
+  }
+  return mine;
+}
+
+__device__ __forceinline__ void cluster_barrier(const Cluster& cl) {
+#if TLT_VERIFY_CLUSTERS
+  if (cl.size > 1) cooperative_groups::this_cluster().sync();
+#endif
+}
 
 // The target distribution of a visited row, kept implicit: p(t) = [key(l_t) >= thr] exp(l_t / temp - m) / Z.
 struct RowState {
@@ -272,15 +461,7 @@ struct RowState {
   int thr;    // ordered-key threshold of top-k / top-p (kNegInfKey: keep all)
   float m;    // max / temp
   float Z;    // normalizer of the kept weights
-};
-
-struct VerifySmem {
-  uint64_t hist[256];
-  uint64_t red64[32];
-  float redf[32];
-  int redi[32];
-  uint64_t sel[3];  // radix-select decision broadcast: digit, above, at
-  double need;
+  float qsum; // sum of this node's draft row (when `want_q`)
 };
 
 __device__ __forceinline__ float target_weight(float x, int thr, float temp, float m) {
@@ -288,51 +469,68 @@ __device__ __forceinline__ float target_weight(float x, int thr, float temp, flo
 }
 
 // Radix select over the row's ordered keys, 8 bits per pass (4 passes, exact, no sort): returns
-// the largest key K with W(key >= K) >= need and sets `w_at` = W(key >= K), where W counts tokens
-// (BY_MASS = false) or sums exp(l / temp - m) in 32.32 fixed point (BY_MASS = true) over tokens
-// with key >= floor. Integer histograms make the result independent of the atomics' order, so the
-// kernel is deterministic run to run. With `need_fraction`, need is a fraction of the total W.
+// the largest key K with W(key >= K) >= need, where W counts tokens (BY_MASS = false) or sums
+// exp(l / temp - m) in 32.32 fixed point (BY_MASS = true) over tokens with key >= floor. Each CTA
+// histograms its slice; the cluster's histograms are summed per bin. Integer histograms make the
+// result independent of the atomics' order (and of the summation order over ranks), so it is
+// deterministic and identical in every CTA. With `need_fraction`, need is a fraction of the total W.
 template <typename T, bool BY_MASS>
-__device__ int radix_select(const T* row, int V, bool aligned, int floor, float temp, float m, double need,
-                            bool need_fraction, uint64_t& w_at, VerifySmem& sm) {
+__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, float temp, float m, double need,
+                            bool need_fraction, Cluster& cl, VerifySmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31;
   uint32_t prefix = 0;
   uint64_t above = 0;
 #pragma unroll 1
   for (int level = 0; level < 4; ++level) {
     const int shift = 24 - 8 * level;
-    for (int i = tid; i < 256; i += kVerifyThreads) sm.hist[i] = 0;
+    uint64_t* hist = sm.hist[cl.hist];
+    cl.hist ^= 1;
+    for (int i = tid; i < 256; i += kVerifyThreads) hist[i] = 0;
     __syncthreads();
-    for (int base0 = 0; base0 < V; base0 += kChunk) {
-      const int base = base0 + tid * kVec;
-      float x[kVec];
-      load_vec<T, true>(row, base, V, aligned, -INFINITY, x);
+    sweep<Ld::kNC>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const int k = ordered_key(x[i]);
         const uint32_t uk = static_cast<uint32_t>(k) ^ 0x80000000u;
-        const bool live = base + i < V && k >= floor &&
+        const bool live = base + i < hi && k >= floor &&
                           (level == 0 || (static_cast<uint64_t>(uk) >> (shift + 8)) == prefix);
+        // Past level 0 few tokens match the prefix: most warps have nothing to count.
+        if (__ballot_sync(0xffffffffu, live) == 0u) continue;
         const uint32_t digit = live ? (uk >> shift) & 255u : 256u;
         uint64_t w = 0;
         if (live) w = BY_MASS ? __float2ull_rn(expf(x[i] / temp - m) * kFixedScale) : 1ull;
-        // Early levels put most tokens of a warp into one bin: aggregate those in registers.
+        // Warp aggregation: lanes with the same digit sum their weights and the group's first lane
+        // adds once (one shared atomic per distinct bin instead of one per lane). w <= 2^32, so its
+        // 16-bit halves summed over 32 lanes fit the 32-bit reduction.
         const unsigned peers = __match_any_sync(0xffffffffu, digit);
-        if (peers == 0xffffffffu) {
-          w = warp_reduce(w, [](uint64_t a, uint64_t b) { return a + b; });
-          if (lane == 0 && digit < 256u) atomicAdd(reinterpret_cast<unsigned long long*>(&sm.hist[digit]), w);
-        } else if (live && w != 0) {
-          atomicAdd(reinterpret_cast<unsigned long long*>(&sm.hist[digit]), w);
-        }
+        const uint32_t lo16 = __reduce_add_sync(peers, static_cast<uint32_t>(w & 0xffffu));
+        const uint32_t hi16 = __reduce_add_sync(peers, static_cast<uint32_t>(w >> 16));
+        const uint64_t sum = (static_cast<uint64_t>(hi16) << 16) + lo16;
+        if (live && lane == __ffs(peers) - 1 && sum != 0)
+          atomicAdd(reinterpret_cast<unsigned long long*>(&hist[digit]), static_cast<unsigned long long>(sum));
       }
-    }
+    });
     __syncthreads();
+    const uint64_t* h_all = hist;
+#if TLT_VERIFY_CLUSTERS
+    if (cl.size > 1) {
+      cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+      cluster.sync();  // every CTA's histogram is complete
+      if (tid < 256) {
+        uint64_t s = 0;
+        for (int r = 0; r < cl.size; ++r) s += cluster.map_shared_rank(hist, r)[tid];
+        sm.hsum[tid] = s;
+      }
+      __syncthreads();
+      h_all = sm.hsum;
+    }
+#endif
     if (tid < 32) {
       uint64_t h[8];
       uint64_t local = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        h[j] = sm.hist[lane * 8 + j];
+        h[j] = h_all[lane * 8 + j];
         local += h[j];
       }
       uint64_t incl = local;  // suffix sum over lanes >= lane
@@ -372,89 +570,115 @@ __device__ int radix_select(const T* row, int V, bool aligned, int floor, float 
     __syncthreads();
     prefix = (prefix << 8) | static_cast<uint32_t>(sm.sel[0]);
     above = sm.sel[1];
-    w_at = above + sm.sel[2];
-    __syncthreads();  // sel / hist are rewritten by the next level
+    __syncthreads();  // sel / hsum are rewritten by the next level
   }
   return static_cast<int>(prefix ^ 0x80000000u);
 }
 
-// (bad, argmax) in one pass; for sampled requests also the top-k / top-p threshold and Z.
-template <typename T>
-__device__ RowState row_state(const T* row, int V, bool greedy, float temp, int top_k, float top_p, VerifySmem& sm) {
-  const int tid = threadIdx.x;
-  const bool aligned = aligned16(row);
-  uint64_t best = 0;  // (ordered key ^ sign) << 32 | (~index): max = largest value, lowest index
-  int bad = 0;
-  for (int base0 = 0; base0 < V; base0 += kChunk) {
-    const int base = base0 + tid * kVec;
-    float x[kVec];
-    load_vec<T, true>(row, base, V, aligned, -INFINITY, x);
+// Statistics of a visited row over this CTA's slice, folded over the cluster: (bad, argmax) always;
+// for sampled requests m, Z and `plan` (online max/normalizer in the same pass when there is no
+// top-k / top-p; otherwise radix selects, then one normalizer pass); the draft-row sum when `want_q`.
+template <typename TL, typename TQ>
+__device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int lo, int hi, int V, bool greedy,
+                              float temp, int top_k, float top_p, Cluster& cl, VerifySmem& sm, Plan& plan) {
+  const bool row_al = aligned16(row), q_al = want_q && aligned16(q_row);
+  const bool cut_k = top_k > 0 && top_k < V, cut_p = top_p < 1.f;
+  const bool online = !greedy && !cut_k && !cut_p;
+  Partial t = partial_identity(-INFINITY);
+  sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, q_al, want_q, lo, hi,
+                 [&](int base, const float (&x)[kVec], const float (&qv)[kVec]) {
+    float ym = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
-      if (base + i >= V) continue;
-      const float v = x[i];
-      bad |= (v != v) || v == INFINITY;
+      const float v = x[i];  // -inf past hi
+      t.bad |= (v != v) || v == INFINITY;
       const float vm = v != v ? -INFINITY : v;
       const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ordered_key(vm)) ^ 0x80000000u) << 32) |
                            static_cast<uint32_t>(~static_cast<uint32_t>(base + i));
-      best = key > best ? key : best;
+      t.best = base + i < hi && key > t.best ? key : t.best;
+      t.q += qv[i];  // 0 unless want_q
     }
-  }
-  best = block_reduce<kVerifyThreads>(best, MaxU64(), sm.red64);
-  bad = block_reduce<kVerifyThreads>(bad, OrI(), sm.redi);
-  RowState s;
-  s.arg = static_cast<int>(~static_cast<uint32_t>(best));
-  const float vmax = key_to_float(static_cast<int>(static_cast<uint32_t>(best >> 32) ^ 0x80000000u));
-  s.bad = bad | (vmax == -INFINITY);
-  s.thr = kNegInfKey;
-  s.m = vmax / temp;
-  s.Z = 1.f;
-  if (s.bad || greedy) return s;
-  uint64_t w = 0;
-  if (top_k > 0 && top_k < V) {
-    s.thr = radix_select<T, false>(row, V, aligned, s.thr, temp, s.m, static_cast<double>(top_k), false, w, sm);
-  }
-  if (top_p < 1.f) {
-    s.thr = radix_select<T, true>(row, V, aligned, s.thr, temp, s.m, static_cast<double>(top_p), true, w, sm);
-    s.Z = static_cast<float>(static_cast<double>(w) * (1.0 / 4294967296.0));
-  } else {
-    float z = 0.f;
-    for (int base0 = 0; base0 < V; base0 += kChunk) {
-      const int base = base0 + tid * kVec;
-      float x[kVec];
-      load_vec<T, true>(row, base, V, aligned, -INFINITY, x);
+    if (online) {
+      // Online normalizer: rescale z once per vector when the running max grows.
+      float y[kVec];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) z += target_weight(x[i], s.thr, temp, s.m);
+      for (int i = 0; i < kVec; ++i) {
+        y[i] = x[i] / temp;
+        ym = fmaxf(ym, y[i]);  // ignores NaN (the row is bad then anyway)
+      }
+      if (ym > t.m) {
+        t.z *= expf(t.m - ym);  // t.m = -inf: z is 0 and stays 0
+        t.m = ym;
+      }
+      if (t.m > -INFINITY) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) t.z += expf(y[i] - t.m);
+      }
     }
-    s.Z = block_reduce<kVerifyThreads>(z, SumF(), sm.redf);
+  });
+  if (!online) t.m = 0.f;  // (m, z) unused: keep the fold's rescale trivially exact
+  const Partial c = cluster_fold(block_fold(t, sm), cl, sm, online ? &plan : nullptr);
+  RowState s;
+  s.arg = static_cast<int>(~static_cast<uint32_t>(c.best));
+  const float vmax = key_to_float(static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u));
+  s.bad = c.bad | (c.best == 0ull) | (vmax == -INFINITY);
+  s.thr = kNegInfKey;
+  s.m = online ? c.m : vmax / temp;
+  s.Z = online ? c.z : 1.f;
+  s.qsum = c.q;
+  if (s.bad || greedy || online) return s;
+  if (cut_k) {
+    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, temp, s.m, static_cast<double>(top_k), false, cl, sm);
   }
+  if (cut_p) {
+    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, temp, s.m, static_cast<double>(top_p), true, cl, sm);
+  }
+  Partial z = partial_identity(0.f);
+  sweep<Ld::kNC>(row, row_al, -INFINITY, row, false, false, lo, hi,
+                 [&](int, const float (&x)[kVec], const float (&)[kVec]) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) z.z += target_weight(x[i], s.thr, temp, s.m);
+  });
+  s.Z = cluster_fold(block_fold(z, sm), cl, sm, &plan).z;
   return s;
 }
 
-// Probabilities of elements [base, base + kVec) of the current (possibly residual) distribution.
+// Unnormalized weights of elements [base, base + kVec) of the current distribution: the residual
+// row (total S) after a rejection, else the kept exp(l / temp - m) (total Z).
 template <typename T>
-__device__ __forceinline__ void probs_vec(const T* row, const float* res, bool has_res, float S, const RowState& s,
-                                          float temp, int base, int V, bool row_aligned, bool res_aligned,
-                                          float (&p)[kVec]) {
+__device__ __forceinline__ void weights_vec(const T* row, const float* res, bool has_res, const RowState& s, float temp,
+                                            int base, int hi, bool row_aligned, bool res_aligned, float (&w)[kVec]) {
   if (has_res) {
-    load_vec<float, false>(res, base, V, res_aligned, 0.f, p);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) p[i] /= S;
+    load_vec<Ld::kCG>(res, base, hi, res_aligned, 0.f, w);
   } else {
-    load_vec<T, true>(row, base, V, row_aligned, -INFINITY, p);
+    load_vec<Ld::kNC>(row, base, hi, row_aligned, -INFINITY, w);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) p[i] = target_weight(p[i], s.thr, temp, s.m) / s.Z;
+    for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, temp, s.m);
   }
 }
 
-// One verification walk per CTA (see tlt_kernels/reference/verify_tree.py for the contract).
+// Does node `cur` have a child among nodes (cur, n)? (Decides whether its draft row is summed.)
+__device__ __forceinline__ bool has_child(const int32_t* parents, int cur, int n) {
+  for (int j = cur + 1; j < n; ++j)
+    if (__ldg(parents + j) == cur) return true;
+  return false;
+}
+
+// One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
+// `csize` = C, the cluster size the launcher chose (1: no cluster).
 template <typename TL, typename TQ, bool HAS_Q>
-__global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const VerifyTreeParams p) {
+__global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const VerifyTreeParams p, int csize) {
   __shared__ VerifySmem sm;
   extern __shared__ int dyn[];  // path_tok[D + 1], path_node[D + 1], tried[D], took[D]; D = max depth held
-  const int b = blockIdx.x;
+  Cluster cl{0, csize, 0, 0};
+#if TLT_VERIFY_CLUSTERS
+  if (csize > 1) cl.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+#endif
+  const int b = blockIdx.x / csize;
   const int tid = threadIdx.x;
   const int V = p.vocab;
+  const int slice = ((V + csize - 1) / csize + kVec - 1) / kVec * kVec;
+  const int lo = min(cl.rank * slice, V), hi = min(lo + slice, V);
   const int depth_cap = min(p.max_depth, p.num_tree - 1);
   int* path_tok = dyn;
   int* path_node = path_tok + depth_cap + 1;
@@ -472,20 +696,27 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
   const TL* logits_b = static_cast<const TL*>(p.logits) + b * p.logits_stride_b;
   const TQ* q_b = HAS_Q ? static_cast<const TQ*>(p.draft_probs) + b * p.q_stride_b : nullptr;
   const int32_t* parents_b = p.parents + b * p.parents_stride_b;
-  float* res = p.scratch + static_cast<int64_t>(b) * V;
-  const bool res_aligned = aligned16(res);
+  // Two residual rows per request, ping-pong: a rejection writes the other row, so a zero residual
+  // (which keeps the current distribution) costs no second pass.
+  float* res_rows[2] = {p.scratch + static_cast<int64_t>(b) * 2 * V, p.scratch + (static_cast<int64_t>(b) * 2 + 1) * V};
+  int res_i = 0;
 
   int cur = 0, depth = 0;
   const TL* row = logits_b;
-  bool row_aligned = aligned16(row);
-  RowState s = row_state(row, V, greedy, temp, top_k, top_p, sm);
+  Plan plan{0.f, 0.f, 0.f, -1};
+  auto visit = [&](int node) {
+    const bool want_q = HAS_Q && !greedy && depth < p.max_depth && has_child(parents_b, node, n);
+    return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
+                     greedy, temp, top_k, top_p, cl, sm, plan);
+  };
+  RowState s = visit(0);
   int err = s.bad;
-  bool has_res = false, q_ready = false;
-  float S = 1.f, qsum = 1.f;
+  bool has_res = false, q_checked = false;
+  float S = 1.f;
 
   // Nodes are topologically ordered, so one scan over node indices meets the children of the
   // current node in increasing order, and the children of an accepted node all come after it.
-  // Every value below is block-uniform (same loads, same reductions), so control flow is too.
+  // Every value below is cluster-uniform (same loads, same folds), so control flow is too.
   for (int j = 1; j < n; ++j) {
     if (err || depth >= p.max_depth) break;
     if (__ldg(parents_b + j) != cur) continue;
@@ -501,26 +732,17 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
     bool accept = x == s.arg;
     float px = 0.f;
     if (!greedy) {
-      if (HAS_Q && !q_ready) {
-        const bool qa = aligned16(q_row);
-        float acc = 0.f;
-        for (int base0 = 0; base0 < V; base0 += kChunk) {
-          float qv[kVec];
-          load_vec<TQ, true>(q_row, base0 + tid * kVec, V, qa, 0.f, qv);
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) acc += qv[i];
-        }
-        qsum = block_reduce<kVerifyThreads>(acc, SumF(), sm.redf);
-        q_ready = true;
-        if (!(qsum > 0.f) || qsum == INFINITY) {
+      if (HAS_Q && !q_checked) {
+        q_checked = true;
+        if (!(s.qsum > 0.f) || s.qsum == INFINITY) {
           err = 1;
           break;
         }
       }
-      px = has_res ? res[x] / S : target_weight(to_float(__ldg(row + x)), s.thr, temp, s.m) / s.Z;
+      px = has_res ? __ldcg(res_rows[res_i] + x) / S : target_weight(to_float(__ldg(row + x)), s.thr, temp, s.m) / s.Z;
       const float u = philox_uniform(seed, offset, static_cast<uint32_t>(j), kPurposeAccept);
       if (HAS_Q) {
-        const float qx = to_float(__ldg(q_row + x)) / qsum;
+        const float qx = to_float(__ldg(q_row + x)) / s.qsum;
         accept = u * qx < px;
       } else {
         accept = u < px;
@@ -535,87 +757,85 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
       ++depth;
       cur = j;
       row = logits_b + j * p.logits_stride_t;
-      row_aligned = aligned16(row);
-      s = row_state(row, V, greedy, temp, top_k, top_p, sm);
+      s = visit(j);
       err = s.bad;
       has_res = false;
-      q_ready = false;
+      q_checked = false;
       S = 1.f;
     } else if (!greedy) {
-      // Residual r = max(p - q, 0) (q = draft row, or p(x) at x alone). The first rejection at a
-      // node writes r in the same pass that sums it: p is still implicit in the logits, so R == 0
-      // loses nothing. Later ones sum first and rewrite the scratch row in place only if R > 0.
-      float R = 0.f;
-      for (int pass = has_res ? 0 : 1; pass < 2; ++pass) {
-        const bool write = pass == 1;
-        float acc = 0.f;
-        for (int base0 = 0; base0 < V; base0 += kChunk) {
-          const int base = base0 + tid * kVec;
-          float pv[kVec], qv[kVec];
-          probs_vec(row, res, has_res, S, s, temp, base, V, row_aligned, res_aligned, pv);
-          if (HAS_Q) {
-            load_vec<TQ, true>(q_row, base, V, aligned16(q_row), 0.f, qv);
-          }
+      // Residual r = max(p - q, 0) (q = draft row, or p(x) at x alone), written to the other
+      // scratch row in the pass that sums it; adopted only if its mass R is positive.
+      const float* src = res_rows[res_i];
+      float* dst = res_rows[res_i ^ 1];
+      const bool src_al = aligned16(src), dst_al = aligned16(dst), row_al = aligned16(row);
+      const float W = has_res ? S : s.Z;
+      Partial r = partial_identity(0.f);
+      auto body = [&](int base, const float (&a)[kVec], const float (&qv)[kVec]) {
+        float pv[kVec];
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) {
-            const float qq = HAS_Q ? qv[i] / qsum : (base + i == x ? px : 0.f);
-            const float r = base + i < V ? fmaxf(pv[i] - qq, 0.f) : 0.f;
-            pv[i] = r;
-            acc += r;
-          }
-          if (write) {
-#pragma unroll
-            for (int i = 0; i < kVec; ++i)
-              if (base + i < V) res[base + i] = pv[i];
-          }
+        for (int i = 0; i < kVec; ++i) {
+          const float w = has_res ? a[i] : target_weight(a[i], s.thr, temp, s.m);
+          const float qq = HAS_Q ? qv[i] / s.qsum : (base + i == x ? px : 0.f);
+          pv[i] = base + i < hi ? fmaxf(w / W - qq, 0.f) : 0.f;
+          r.z += pv[i];
         }
-        // The reduction's barriers also order this pass's scratch writes before any later read.
-        R = block_reduce<kVerifyThreads>(acc, SumF(), sm.redf);
-        if (!(R > 0.f)) break;
+        store_vec(dst, base, hi, dst_al, pv);
+      };
+      if (has_res) {
+        sweep<Ld::kCG>(src, src_al, 0.f, q_row, HAS_Q && aligned16(q_row), HAS_Q, lo, hi, body);
+      } else {
+        sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, HAS_Q && aligned16(q_row), HAS_Q, lo, hi, body);
       }
+      // The fold's barriers order every CTA's residual writes before any later read of them.
+      Plan next;
+      const float R = cluster_fold(block_fold(r, sm), cl, sm, &next).z;
       if (R > 0.f) {
         has_res = true;
         S = R;
+        res_i ^= 1;
+        plan = next;
       }
     }
   }
 
-  int final_tok = s.arg;
-  if (!greedy && !err) {
+  // Final token: greedy = argmax; sampled = inverse CDF of the current distribution. The CTA whose
+  // mass range [pre, end) holds u * total (the last CTA with mass if rounding puts it past the end)
+  // scans its slice; the others only wait at the exit barrier.
+  int final_tok = greedy ? s.arg : -1;
+  bool owner = false;
+  if (!greedy && !err && plan.last >= 0) {
     const float u = philox_uniform(seed, offset, static_cast<uint32_t>(cur), kPurposeSample);
-    float acc = 0.f;
-    for (int base0 = 0; base0 < V; base0 += kChunk) {
-      float pv[kVec];
-      probs_vec(row, res, has_res, S, s, temp, base0 + tid * kVec, V, row_aligned, res_aligned, pv);
+    const float target = u * plan.total;
+    owner = target < plan.total ? (plan.pre <= target && target < plan.end) : cl.rank == plan.last;
+    if (owner) {
+      const float* res = res_rows[res_i];
+      const bool res_al = aligned16(res), row_al = aligned16(row);
+      float carry = plan.pre;
+      int found = kNoToken, last = -1;
+      for (int base0 = lo; base0 < hi; base0 += kChunk) {
+        const int base = base0 + tid * kVec;
+        float w[kVec];
+        weights_vec(row, res, has_res, s, temp, base, hi, row_al, res_al, w);
+        float local = 0.f;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc += pv[i];
-    }
-    const float target = u * block_reduce<kVerifyThreads>(acc, SumF(), sm.redf);
-    // Inverse CDF in token order: chunk by chunk, a block scan gives each thread's running sum.
-    float carry = 0.f;
-    int found = V, last = -1;
-    for (int base0 = 0; base0 < V; base0 += kChunk) {
-      const int base = base0 + tid * kVec;
-      float pv[kVec];
-      probs_vec(row, res, has_res, S, s, temp, base, V, row_aligned, res_aligned, pv);
-      float local = 0.f;
+        for (int i = 0; i < kVec; ++i) local += w[i];
+        float chunk_total;
+        float c = carry + block_exclusive_scan<kVerifyThreads>(local, chunk_total, sm.redf);
+        int mine = kNoToken;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) local += pv[i];
-      float chunk_total;
-      float c = carry + block_exclusive_scan<kVerifyThreads>(local, chunk_total, sm.redf);
-      int mine = V;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        c += pv[i];
-        if (base + i < V && c > target && mine == V) mine = base + i;
-        if (base + i < V && pv[i] > 0.f) last = base + i;
+        for (int i = 0; i < kVec; ++i) {
+          c += w[i];
+          if (base + i < hi && c > target && mine == kNoToken) mine = base + i;
+          if (base + i < hi && w[i] > 0.f) last = base + i;
+        }
+        found = block_reduce<kVerifyThreads>(mine, MinI(), sm.redi);
+        if (found != kNoToken) break;
+        carry += chunk_total;
       }
-      found = block_reduce<kVerifyThreads>(mine, MinI(), sm.redi);
-      if (found < V) break;
-      carry += chunk_total;
+      last = block_reduce<kVerifyThreads>(last, MaxI(), sm.redi);
+      // `last` < 0 only if the slice's recomputed weights all underflowed: keep the argmax then.
+      final_tok = found != kNoToken ? found : last >= 0 ? last : s.arg;
     }
-    last = block_reduce<kVerifyThreads>(last, MaxI(), sm.redi);
-    final_tok = found < V ? found : last;
   }
   __syncthreads();  // path_* / tried / took written by thread 0
 
@@ -623,21 +843,28 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
   const int W = p.max_depth + 1;
   int32_t* out_tok = p.out_tokens + static_cast<int64_t>(b) * W;
   int32_t* out_node = p.out_nodes + static_cast<int64_t>(b) * W;
-  for (int d = tid; d < W; d += kVerifyThreads) {
-    out_tok[d] = !ok ? -1 : d < depth ? path_tok[d] : d == depth ? final_tok : -1;
-    out_node[d] = d == 0 ? 0 : (ok && d <= depth) ? path_node[d] : -1;
-  }
-  if (p.out_stats) {
-    int32_t* st = p.out_stats + static_cast<int64_t>(b) * p.max_depth * 2;
-    for (int d = tid; d < p.max_depth; d += kVerifyThreads) {
-      st[2 * d] = ok && d < depth_cap ? tried[d] : 0;
-      st[2 * d + 1] = ok && d < depth_cap ? took[d] : 0;
+  // Rank 0 writes the outputs, except the sampled final token, which its owner writes.
+  const bool sampled_tok = !greedy && ok && plan.last >= 0;
+  if (owner && tid == 0) out_tok[depth] = final_tok;
+  if (cl.rank == 0) {
+    for (int d = tid; d < W; d += kVerifyThreads) {
+      if (!(d == depth && sampled_tok)) out_tok[d] = !ok ? -1 : d < depth ? path_tok[d] : d == depth ? final_tok : -1;
+      out_node[d] = d == 0 ? 0 : (ok && d <= depth) ? path_node[d] : -1;
+    }
+    if (p.out_stats) {
+      int32_t* st = p.out_stats + static_cast<int64_t>(b) * p.max_depth * 2;
+      for (int d = tid; d < p.max_depth; d += kVerifyThreads) {
+        st[2 * d] = ok && d < depth_cap ? tried[d] : 0;
+        st[2 * d + 1] = ok && d < depth_cap ? took[d] : 0;
+      }
+    }
+    if (tid == 0) {
+      p.out_num[b] = ok ? depth : 0;
+      p.out_error[b] = err;
     }
   }
-  if (tid == 0) {
-    p.out_num[b] = ok ? depth : 0;
-    p.out_error[b] = err;
-  }
+  // No CTA may exit while another still reads its shared memory (the last fold's slot).
+  cluster_barrier(cl);
 }
 
 // ============================================================================================

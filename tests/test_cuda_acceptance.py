@@ -84,7 +84,12 @@ def test_launcher_argument_checks_need_no_gpu():
         ext.verify_tree(**_verify_args(logits_dtype=7))
     with pytest.raises(ValueError, match="need T >= 1"):
         ext.verify_tree(**_verify_args(num_tree=0))
+    with pytest.raises(ValueError, match="cluster must be 0 .auto., 1, 2, 4 or 8, got 3"):
+        ext.verify_tree(**_verify_args(cluster_size=3))
+    with pytest.raises(ValueError, match="exceeds the CUDA kernel's limit"):
+        ext.verify_tree(**_verify_args(vocab=2**31 - 2))
     ext.verify_tree(**_verify_args(batch=0))  # nothing to do: no launch, no error
+    ext.verify_tree(**_verify_args(batch=0, cluster_size=8))
     cargs = dict(cache_ptrs=0, block_table=0, context_lens=0, accepted_nodes=0, num_accepted=0, bt_stride_b=4,
                  nodes_stride_b=3, row_bytes=64, num_caches=2, batch=1, path_len=3, block_size=16, unit=16, stream=0)
     with pytest.raises(ValueError, match="unit must be"):
@@ -257,6 +262,68 @@ def test_verify_same_tokens_as_reference_and_triton(rule, use_q, V, T, B, dtype)
     _check_close(tri, got, label + " cuda vs triton")
     again = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **_to("cuda", kw))
     assert not _diff_requests(got, again, label + " rerun"), "the CUDA kernel must be deterministic"
+
+
+# The cluster path: each request's vocabulary split over C CTAs (slices of ceil(V / C) rounded up to 8).
+# V = 5 with C = 8 leaves most slices empty; 4099 and 32003 are not multiples of any slice; B is odd.
+CLUSTER_CASES = [
+    # (rule, use_q, V, T, B)
+    ("topk-topp", True, 32003, 9, 7),
+    ("mixed", True, 4099, 13, 9),
+    ("temp", True, 20011, 11, 5),
+    ("topp", False, 8191, 7, 3),
+    ("greedy", False, 20011, 9, 5),
+    ("mixed", False, 5, 6, 11),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rule,use_q,V,T,B", CLUSTER_CASES)
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, cluster):
+    _need_gpu_ext()
+    from tlt_kernels._cuda import verify_tree as cv
+
+    g = torch.Generator().manual_seed(V + T + 1)
+    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V * 3 + T, use_q=use_q)
+    kw = dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 31 + 7, offset=torch.arange(B) * 5,
+              return_stats=True, **_sampling_kw(rule, B, g))
+    ref = verify_tree(lg, toks, par, backend="torch", **kw)
+    dkw = _to("cuda", kw)
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+    label = f"verify[C={cluster} {rule} q={use_q} V={V} T={T} B={B}]"
+    _check_close(ref, got, label + " cuda vs reference")
+    for _ in range(2):
+        again = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+        assert not _diff_requests(got, again, label + " rerun"), "the cluster kernel must be deterministic"
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", 1)
+    single = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+    _check_close(single, got, label + " vs C=1")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [2, 8])
+def test_verify_cluster_graph_capture_and_bf16(monkeypatch, cluster):
+    _need_gpu_ext()
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    B, T, V = 5, 9, 12347
+    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=21, use_q=True, dtype=torch.bfloat16, q_dtype=torch.bfloat16)
+    kw = dict(num_nodes=n, draft_probs=q, temperature=0.8, top_k=40, top_p=0.9, seed=torch.arange(B), return_stats=True)
+    ref = verify_tree(lg, toks, par, backend="torch", **kw)
+    dev = [t.cuda() for t in (lg, toks, par)]
+    dkw = _to("cuda", kw)
+    got = verify_tree(*dev, backend="cuda", **dkw)
+    _check_close(ref, got, f"verify[C={cluster} bf16]")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = verify_tree(*dev, backend="cuda", validate=False, **dkw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not _diff_requests(got, out, f"C={cluster} graph replay"), "replayed graph differs from eager"
 
 
 @pytest.mark.cuda

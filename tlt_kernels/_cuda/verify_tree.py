@@ -1,13 +1,17 @@
 """CUDA backend of :func:`tlt_kernels.verify_tree`: one launch of ``_C.verify_tree``.
 
 Same entry point as the Triton backend (:func:`verify_tree_cuda` takes already-validated inputs).
-One CTA of 512 threads walks one request: it streams only the visited rows (root, then each accepted
-node) with 16-byte loads, finds the top-k / top-p thresholds by 8-bit radix select on the logits'
-order-preserving keys (integer histograms: deterministic run to run), and draws the coins with the
-same Philox4x32-10 as :mod:`tlt_kernels.rng`. No host synchronization: CUDA-graph capturable.
+A cluster of C CTAs (512 threads each; C = 1, 2, 4 or 8, picked by the launcher from B, V and the SM
+count) walks one request, each CTA owning a slice of the vocabulary: it streams only the visited rows
+(root, then each accepted node) with 16-byte loads, finds the top-k / top-p thresholds by 8-bit radix
+select on the logits' order-preserving keys (integer histograms: deterministic run to run), folds
+every statistic over the cluster in rank order (bit-identical in every CTA), and draws the coins with
+the same Philox4x32-10 as :mod:`tlt_kernels.rng`. No host synchronization: CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -19,6 +23,9 @@ __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
 
 _ELEM = {torch.float32: "ELEM_FLOAT32", torch.float16: "ELEM_FLOAT16", torch.bfloat16: "ELEM_BFLOAT16"}
 MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shared memory
+# CTAs per request: 0 = the launcher's choice; 1, 2, 4 or 8 force it (tests and tuning only; read at
+# import from TLT_VERIFY_CLUSTER, tests monkeypatch it).
+CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
 
 
 def elem_code(dtype: torch.dtype) -> int:
@@ -35,7 +42,7 @@ def check_inputs(logits: torch.Tensor, draft_probs: Optional[torch.Tensor], max_
         raise TypeError(f"logits must be float32/float16/bfloat16 for the CUDA backend, got {logits.dtype}")
     if draft_probs is not None and draft_probs.dtype not in _ELEM:
         raise TypeError(f"draft_probs must be float32/float16/bfloat16 for the CUDA backend, got {draft_probs.dtype}")
-    if V >= 2**31 - 8 or B * T * V >= 2**62:
+    if V > 2**31 - 1 - 2**16 or B * T * V >= 2**62:  # _C's kVerifyMaxVocab: int32 offsets plus a sweep step
         raise ValueError(f"logits shape {tuple(logits.shape)} is too large for int32 vocabulary indexing")
     if min(max_depth, T - 1) > MAX_DEPTH:
         raise ValueError(f"min(max_depth, T - 1) = {min(max_depth, T - 1)} exceeds the CUDA kernel's limit {MAX_DEPTH}")
@@ -66,12 +73,14 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     if out is None:
         out = empty_verify_outputs(logits, max_depth, return_stats)
     out_tokens, out_num, out_nodes, out_err, out_stats = out
-    # Residual rows after rejections; never read before the kernel writes them.
-    scratch = torch.empty(B, V, dtype=torch.float32, device=dev)
+    # Two residual rows per request (ping-pong after rejections); never read before the kernel writes them.
+    scratch = torch.empty(B, 2, V, dtype=torch.float32, device=dev)
     if B == 0:
         return out
     ext = extension()
-    with torch.cuda.device(dev):
+    # The device guard costs two device switches per call: skip it when dev is already current.
+    same = dev.index is None or dev.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(dev):
         ext.verify_tree(
             logits=ptr(logits), draft_probs=ptr(draft_probs), draft_tokens=ptr(draft_tokens), parents=ptr(parents),
             num_nodes=ptr(num_nodes), temperature=ptr(temperature), top_k=ptr(top_k), top_p=ptr(top_p),
@@ -85,7 +94,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             batch=B, num_tree=T, vocab=V, max_depth=int(max_depth),
             tokens_int64=draft_tokens.dtype == torch.int64, logits_dtype=elem_code(logits.dtype),
             q_dtype=elem_code(draft_probs.dtype) if draft_probs is not None else 0,
-            stream=stream_handle(dev),
+            stream=stream_handle(dev), cluster_size=CLUSTER_SIZE,
         )
     return out
 
