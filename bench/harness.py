@@ -202,6 +202,22 @@ class BenchContext:
                 return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
         return time_cpu_ms(fn)
 
+    def time_graph_ms(self, fn: Callable[[], Any]) -> float:
+        """Median ms of replaying a CUDA graph of ``fn`` (warmed up on a side stream, then captured): the GPU
+        time an engine sees when it replays the op inside its step graph, without Python dispatch."""
+        if self.device.type != "cuda":
+            raise RuntimeError("time_graph_ms needs a CUDA device")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return self.time_ms(graph.replay)
+
     @property
     def copy_bytes(self) -> int:
         return COPY_BYTES_SMALL if self.small else COPY_BYTES

@@ -6,7 +6,9 @@ are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logi
 of their parent's row, which accepts roughly 60-80% of tried drafts (the achieved rate is reported per
 case as ``accept_rate`` = accepted / tried children, and ``mean_accepted`` drafts per request).
 
-Impls: ``tlt-triton`` and ``tlt-cuda`` (the fused kernels), ``torch-composed`` (softmax + top-p + rejection in torch:
+Impls: ``tlt-triton`` and ``tlt-cuda`` (the fused kernels; ``-graph`` rows: the same call replayed from a CUDA
+graph, i.e. GPU time without Python dispatch; FlashInfer is timed eagerly only: a failed capture of its sampling
+ops could leave the CUDA context unusable for the rest of the run), ``torch-composed`` (softmax + top-p + rejection in torch:
 the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a softmax of every row
 (chains only) when FlashInfer is importable.
 
@@ -87,6 +89,8 @@ def run(ctx) -> None:
                 raise ValueError(f"TLT_ACCEPTANCE_SHAPES: unknown shapes {sorted(unknown)}; known: chain4, chain8, chain16, tree16, tree32, tree64")
             shapes = [(k, t) for k, t in shapes if f"{k}{t}" in wanted]
     fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
+    # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
+    graphs = dev.type == "cuda" and os.environ.get("TLT_ACCEPTANCE_GRAPHS", "1") not in ("", "0")
     unavailable: set = set()  # kernel backends that could not run here (noted once)
     for V in Vs:
         for kind, T in shapes:
@@ -116,8 +120,10 @@ def run(ctx) -> None:
                             unavailable.add(name)
                             continue
                         same = (got.tokens == ref.tokens).all(1).float().mean().item()
-                        ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend=impl, **kw))
-                        ctx.add(case, name, ms, bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+                        op = lambda: verify_tree(logits, tokens, parents, backend=impl, **kw)  # noqa: E731
+                        ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+                        if graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
+                            ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
                     if fi is not None and kind == "chain":
                         try:
                             _flashinfer_chain(fi, logits, tokens, q, top_p)

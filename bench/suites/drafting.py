@@ -42,20 +42,6 @@ def _histories(B, L, vocab, device):
     return tokens.to(device), lengths.to(device)
 
 
-def _graph_ms(ctx, fn):
-    """Median ms of replaying a CUDA graph of ``fn`` (compiled and warmed up outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return ctx.time_ms(graph.replay)
-
-
 def _parse_configs(spec):
     configs = []
     for item in spec.split(","):
@@ -86,7 +72,7 @@ def _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes):
         fn()
         if not (torch.equal(drafts, ref.drafts) and torch.equal(num, ref.num_drafts)):
             raise AssertionError(f"ngram chunked kernel != torch for {case}, chunk={chunk}, num_warps={warps}")
-        ms = _graph_ms(ctx, fn) if ctx.device.type == "cuda" else ctx.time_ms(fn)
+        ms = ctx.time_graph_ms(fn) if ctx.device.type == "cuda" else ctx.time_ms(fn)
         ctx.add(case, f"chunk{chunk}-w{warps}", ms, bytes_moved=nbytes, chunk=chunk, warps=warps)
 
 
@@ -116,13 +102,13 @@ def run(ctx) -> None:
             if cuda:
                 from tlt_kernels._triton.ngram import ngram_propose_rowscan_out
 
-                ctx.add(case, "tlt-triton-graph", _graph_ms(ctx, op), bytes_moved=nbytes)
+                ctx.add(case, "tlt-triton-graph", ctx.time_graph_ms(op), bytes_moved=nbytes)
                 d = torch.empty(B, k, dtype=torch.int64, device=ctx.device)
                 n = torch.empty(B, dtype=torch.int32, device=ctx.device)
                 ngram_propose_rowscan_out(tokens, lengths, 1, max_n, d, n)
                 if not (torch.equal(d, ref.drafts) and torch.equal(n, ref.num_drafts)):
                     raise AssertionError(f"ngram rowscan baseline != torch for {case}")
-                ctx.add(case, "tlt-triton-rowscan-graph", _graph_ms(ctx, lambda: ngram_propose_rowscan_out(tokens, lengths, 1, max_n, d, n)),
+                ctx.add(case, "tlt-triton-rowscan-graph", ctx.time_graph_ms(lambda: ngram_propose_rowscan_out(tokens, lengths, 1, max_n, d, n)),
                         bytes_moved=nbytes)
             if sweep and kind == "random":
                 _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes)

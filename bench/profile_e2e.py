@@ -1,0 +1,71 @@
+"""Where a rollout step's time goes: ``python -m bench.profile_e2e [--out DIR]`` (GPU).
+
+Trains a small target briefly (the e2e suite's model shape), then for plain decoding and one static
+EAGLE strategy runs a graphed rollout under ``torch.profiler`` and prints, per configuration, the mean
+step time and the top operators by self CUDA time and by self CPU time. A developer tool: the numbers
+steer the engine's optimization; benchmark figures come from ``python -m bench e2e``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None, help="write the tables here too")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from tlt_kernels.drafter import EagleDrafter
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.models import ModelConfig, load_corpus, train_tiny_target
+    from tlt_kernels.models.train_tiny import sample_windows
+    from tlt_kernels.runtime import GraphPool, Strategy
+
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    dev = torch.device("cuda")
+    cfg = ModelConfig.small(hidden_size=512, intermediate_size=1536, num_layers=6, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    target = train_tiny_target(cfg, steps=200, device=dev, batch_size=32, seq_len=256)
+    target = target.to({"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+    prompts = sample_windows(load_corpus("base"), args.batch, 64, torch.Generator().manual_seed(0)).to(dev)
+    lines = []
+    for name, strategy in (("plain", Strategy.off()), ("s2k1v3", Strategy(2, 1, 3)), ("s5k4v16", Strategy(5, 4, 16))):
+        drafter = None if strategy.is_off else EagleDrafter.for_target(target)
+        eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=args.batch, max_seq_len=64 + args.new + 8)
+        eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, args.batch}))
+        eng.generate(prompts, 4)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, args.new)
+        wall = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eng.generate(prompts, args.new)
+            torch.cuda.synchronize()
+        n = len(out.steps)
+        lines.append(f"## {name}: {n} steps, {1e3 * wall / n:.2f} ms/step, accepted length {out.mean_accepted_length():.2f}")
+        ka = prof.key_averages()
+        lines.append("### by self CUDA time (per step)")
+        for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:18]:
+            lines.append(f"{e.key[:70]:70s} calls/step {e.count / n:6.1f}  cuda {e.self_device_time_total / n / 1e3:7.3f} ms  cpu {e.self_cpu_time_total / n / 1e3:7.3f} ms")
+        lines.append("### by self CPU time (per step)")
+        for e in sorted(ka, key=lambda e: -e.self_cpu_time_total)[:18]:
+            lines.append(f"{e.key[:70]:70s} calls/step {e.count / n:6.1f}  cpu {e.self_cpu_time_total / n / 1e3:7.3f} ms")
+        total_ops = sum(e.count for e in ka if e.key.startswith("aten::"))
+        lines.append(f"aten ops per step: {total_ops / n:.0f}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_e2e.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
