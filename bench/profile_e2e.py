@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
+    ap.add_argument("--fuse", action="store_true", help="SpeculativeEngine(fuse_step=True): one graph per step")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -39,7 +40,8 @@ def main() -> None:
     lines = []
     for name, strategy in (("plain", Strategy.off()), ("s2k1v3", Strategy(2, 1, 3)), ("s5k4v16", Strategy(5, 4, 16))):
         drafter = None if strategy.is_off else EagleDrafter.for_target(target)
-        eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=args.batch, max_seq_len=64 + args.new + 8)
+        eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=args.batch, max_seq_len=64 + args.new + 8,
+                                fuse_step=args.fuse)
         eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, args.batch}))
         eng.generate(prompts, 4)
         torch.cuda.synchronize()

@@ -223,6 +223,24 @@ def test_gpu_graphs_greedy_matches_plain_decoding(target, prompts, kind):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["none", "eagle"])
+def test_gpu_fused_step_graphs_greedy_matches_plain_decoding(target, prompts, kind):
+    from tlt_kernels.runtime import GraphPool
+
+    gpu = train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0).cuda()
+    sel = StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 7)], seed=0) if kind == "eagle" else Strategy.off()
+    eng = SpeculativeEngine(gpu, _drafter(kind, gpu), sel, GraphPool(), max_batch_size=8, max_seq_len=64, fuse_step=True)
+    eng.capture_graphs([1, 2, 4, 8])
+    assert eng.graph_error is None, eng.graph_error
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(gpu, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist()
+    assert all(s.graph for s in out.steps)
+    assert eng.graph_pool.stats()["misses"] == 0
+
+
+@pytest.mark.cuda
 def test_gpu_bf16_kernels_with_graphs():
     """bf16 small target on the tree-attention kernels: runs under graphs; greedy agrees with plain
     bf16 decoding except after floating-point near-ties (checked on the first tokens)."""
@@ -262,3 +280,43 @@ def test_eagle_graph_paths_on_cpu_fake_backend(target, prompts):
     assert all(s.graph for s in out.steps)
     st = pool.stats()
     assert st["misses"] == 0 and st["hits"] >= 3 * len(out.steps) - sum(s.strategy == "off" for s in out.steps)
+
+
+@pytest.mark.parametrize("kind", ["none", "eagle"])
+def test_fused_step_graphs_on_cpu_fake_backend(target, prompts, kind):
+    """fuse_step=True: one "graph" per (strategy, padded size) runs draft, verify, accept, compaction and the
+    drafter's extension. Greedy equals plain decoding; sampling equals the unfused engine token for token
+    (same seeds, same counter-based coins); every step replays a step graph and nothing else."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    def make(fuse, static=False):
+        pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+        if kind == "none":
+            sel = Strategy.off()
+        else:  # the selector's choices depend on wall-clock step times: compare sampled tokens under a fixed arm
+            sel = Strategy(3, 2, 6) if static else StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 6)], seed=0)
+        torch.manual_seed(0)  # the same drafter weights for both engines
+        eng = SpeculativeEngine(target, _drafter(kind, target), sel, pool, max_batch_size=8, max_seq_len=64, fuse_step=fuse)
+        eng.capture_graphs([2, 8])
+        assert eng.graph_error is None, eng.graph_error
+        return eng, pool
+
+    eng, pool = make(True)
+    assert {k[0][0] for k in pool.keys()} == {"step"}
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    assert all(s.graph for s in out.steps)
+    assert pool.stats()["hits"] == len(out.steps) and pool.stats()["misses"] == 0
+    seeds = [3, 1, 4, 1, 5, 9, 2]
+    fused = make(True, static=True)[0].generate(prompts, MAX_NEW, temperature=0.8, top_p=0.9, seed=seeds)
+    unfused = make(False, static=True)[0].generate(prompts, MAX_NEW, temperature=0.8, top_p=0.9, seed=seeds)
+    assert fused.tokens == unfused.tokens
+    assert fused.lengths.tolist() == MAX_NEW
+
+
+def test_fuse_step_rejects_the_ngram_drafter(target):
+    with pytest.raises(ValueError, match="fuse_step"):
+        SpeculativeEngine(target, "ngram", Strategy(4, 1, 5), max_batch_size=2, max_seq_len=32, fuse_step=True)

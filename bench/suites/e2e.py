@@ -14,7 +14,8 @@ Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with bat
 accepted length, speedups vs plain (whole rollout and tail) and vs the best static strategy.
 Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
 ``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
-``TLT_E2E_TRAIN_STEPS`` override the GPU defaults.
+``TLT_E2E_TRAIN_STEPS`` override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
+``TLT_E2E_FUSE=1`` captures each decoding step as one graph (``SpeculativeEngine(fuse_step=True)``).
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
@@ -123,8 +124,12 @@ def run(ctx) -> None:
 
     graph_sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, B} & set(range(1, B + 1)))
 
+    # TLT_E2E_FUSE=1: one graph per decoding step (SpeculativeEngine(fuse_step=True)) for every run, plain included.
+    fuse = cuda and os.environ.get("TLT_E2E_FUSE", "0") not in ("", "0")
+    ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (TLT_E2E_FUSE)")
+
     def engine(drafter, sel, **kw):
-        eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, **kw)
+        eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, fuse_step=fuse, **kw)
         if cuda:
             st = eng.capture_graphs(graph_sizes)
             if eng.graph_error:

@@ -177,13 +177,16 @@ class SpeculativeEngine:
             the engine fills the buffer with finished requests and trains in the tail.
         spot_batch_fraction: the tail starts when the batch is below this fraction of its start.
         backend: tree-attention backend of the verify forward (``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``).
+        fuse_step: capture the whole decoding step (draft, verify forward, accept, KV compaction, drafter
+            extension) as one graph per (strategy, padded batch size) instead of one graph per part:
+            one launch per step instead of three. Plain decoding and the EAGLE drafter only.
         progress: draw a progress bar on stderr. Per-step records go to the ``tlt_kernels.engine``
             logger (DEBUG) and to :attr:`GenerateOutput.steps`.
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
-                 spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False):
+                 spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False):
         from ..drafter import EagleDrafter, NGramDrafter
 
         if max_batch_size < 1 or max_seq_len < 2:
@@ -237,6 +240,10 @@ class SpeculativeEngine:
         self.graph_pool = graph_pool
         self.graph_error: Optional[str] = None
         self._captured = False
+        if fuse_step and self.drafter_kind == "ngram":
+            raise ValueError("fuse_step=True supports plain decoding and the EAGLE drafter (the n-gram drafter's "
+                             "histories are updated outside the step); use fuse_step=False with drafter='ngram'")
+        self.fuse_step = fuse_step
 
     # -- CUDA graphs --------------------------------------------------------------------------------
     def _verify_fn(self, tokens, parents, num_nodes, block_table, context_lens):
@@ -318,6 +325,14 @@ class SpeculativeEngine:
         sizes = [b for b in batch_sizes if 1 <= b <= self.max_batch_size]
         try:
             registered = getattr(self.graph_pool, "_entries", {})
+            if self.fuse_step:
+                for st in self.strategies:
+                    name = self._step_key(st)
+                    if name not in registered:
+                        self.graph_pool.add(name, self._step_fn(st), sizes, lambda B, st=st: self._pad_step(B, st))
+                self.graph_pool.capture()
+                self._captured = True
+                return self._after_capture()
             for T in self.widths:
                 name = ("verify", T)
                 if name not in registered:
@@ -341,6 +356,9 @@ class SpeculativeEngine:
             log.warning("CUDA graph capture failed, verifying eagerly: %s", self.graph_error)
             self._captured = False
             return {"error": self.graph_error}
+        return self._after_capture()
+
+    def _after_capture(self) -> dict:
         if self.selector is not None and self.selector.available is None:
             self.selector.available = self.covers
             self.selector.invalidate_available()
@@ -350,7 +368,60 @@ class SpeculativeEngine:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""
         if not self._captured:
             return True
+        if self.fuse_step:
+            return self.graph_pool.covers(self._step_key(strategy), batch_size)
         return self.graph_pool.covers(("verify", tree_width(strategy, self.drafter_kind)), batch_size)
+
+    # -- the fused step ----------------------------------------------------------------------------
+    @staticmethod
+    def _step_key(s: Strategy):
+        return ("step", s.num_steps, s.topk, s.num_verify)
+
+    def _accept(self, tokens, parents, num_nodes, logits, hidden, table, ctx, samp):
+        """verify_tree + compact_kv + the accepted path's features: ``(emitted int64 [b, T], num_accepted int32 [b],
+        new context_lens int32 [b], path_hidden [b, T, H], path_tokens int64 [b, T])``."""
+        T = tokens.shape[1]
+        res = verify_tree(logits, tokens, parents, num_nodes, max_depth=T - 1, validate=False, **samp)
+        new_ctx = compact_kv(self.cache.k, self.cache.v, table, ctx, res.accepted_nodes, res.num_accepted, validate=False)
+        path = res.accepted_nodes.to(torch.int64).clamp(min=0)  # [b, T]
+        path_hidden = hidden.gather(1, path.unsqueeze(2).expand(-1, -1, hidden.shape[-1]))
+        return res.tokens.to(torch.int64), res.num_accepted, new_ctx, path_hidden, tokens.gather(1, path)
+
+    def _step_fn(self, s: Strategy):
+        T = tree_width(s, self.drafter_kind)
+        draft = self._draft_fn(s) if T > 1 else None
+
+        def fn(table, ctx, roots, temperature, top_k, top_p, seed, offset, *eagle_rows):
+            b = roots.shape[0]
+            if draft is None:
+                tokens = roots.unsqueeze(1)
+                parents = torch.full((b, 1), -1, dtype=torch.int32, device=roots.device)
+                n = torch.ones(b, dtype=torch.int32, device=roots.device)
+            else:
+                tokens, parents, n = draft(*eagle_rows)
+                tokens = tokens.clone()
+                tokens[:, 0] = roots
+            logits, hidden = self._verify_fn(tokens, parents, n, table, ctx)
+            samp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
+            outs = list(self._accept(tokens, parents, n, logits, hidden, table, ctx, samp))
+            if eagle_rows:
+                emitted, num_acc, _, path_hidden, _ = outs
+                outs += list(self._extend_fn(*eagle_rows, path_hidden.to(eagle_rows[2].dtype), emitted.clamp(min=0),
+                                             (num_acc + 1).to(torch.int32)))
+            return outs
+
+        return fn
+
+    def _pad_step(self, p: int, s: Strategy):
+        """Example inputs of a fused step: sink rows (the verify padding), neutral sampling (greedy), drafter sink rows."""
+        dev = self.device
+        _, _, _, table, ctx = self._pad_inputs(1, p)
+        out = [table, ctx, torch.zeros(p, dtype=torch.int64, device=dev), torch.zeros(p, dtype=torch.float32, device=dev),
+               torch.zeros(p, dtype=torch.int32, device=dev), torch.ones(p, dtype=torch.float32, device=dev),
+               torch.zeros(p, dtype=torch.int64, device=dev), torch.zeros(p, dtype=torch.int64, device=dev)]
+        if self.drafter_kind == "eagle":
+            out += self._pad_eagle(p)
+        return out
 
     def _verify_forward(self, tokens, parents, num_nodes, table, ctx):
         b, T = tokens.shape
@@ -464,6 +535,13 @@ class SpeculativeEngine:
             return dict(temperature=None if greedy else temp[idx], top_k=pick(topk_t), top_p=pick(topp_t),
                         seed=seeds[idx], offset=offsets[idx])
 
+        # The fused step graph always takes tensors: temperature 0 = greedy, top_k 0 and top_p 1 = off.
+        topk_all = topk_t if topk_t is not None else torch.zeros(B, dtype=torch.int32, device=dev)
+        topp_all = topp_t if topp_t is not None else torch.ones(B, dtype=torch.float32, device=dev)
+
+        def step_sampling(idx):
+            return temp[idx], topk_all[idx], topp_all[idx], seeds[idx], offsets[idx]
+
         table, _ = self.cache.allocate(B, self.slots_per_request)
         ngram = eagle_state = None
         t_start = time.perf_counter()
@@ -527,18 +605,26 @@ class SpeculativeEngine:
                 if self.drafter_kind == "eagle" and self.spot_trainer is not None:
                     self.drafter.maybe_update(self.spot_trainer.holder)
                 eagle_rows = None if eagle_state is None else [getattr(eagle_state, f)[act] for f in EAGLE_FIELDS]
-                tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
-                T = tok.shape[1]
-                lg, hid, replayed = self._verify_forward(tok, par, nn_, table[act], ctx[act])
-                res = verify_tree(lg, tok, par, nn_, max_depth=T - 1, validate=False, **sampling(act))
-                nacc = res.num_accepted.to(torch.int64)
                 ctx_old = ctx[act]
-                ctx[act] = compact_kv(self.cache.k, self.cache.v, table[act], ctx_old, res.accepted_nodes, res.num_accepted,
-                                      validate=False)
+                T = tree_width(s, self.drafter_kind)
+                fused = self.fuse_step and self._graph_size(self._step_key(s), b)
+                new_eagle = None
+                if fused:
+                    inputs = [table[act], ctx_old, roots[act], *step_sampling(act), *(eagle_rows or [])]
+                    outs = self.graph_pool.run(self._step_key(s), inputs, batch_size=fused, fill_rest=True)
+                    emitted, num_acc, new_ctx, path_hidden, path_tokens, *new_eagle = (o[:b] for o in outs)
+                    replayed = True
+                else:
+                    tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
+                    T = tok.shape[1]
+                    lg, hid, replayed = self._verify_forward(tok, par, nn_, table[act], ctx_old)
+                    emitted, num_acc, new_ctx, path_hidden, path_tokens = self._accept(tok, par, nn_, lg, hid, table[act], ctx_old,
+                                                                                       sampling(act))
+                nacc = num_acc.to(torch.int64)
+                ctx[act] = new_ctx
                 offsets[act] += 1
 
                 # Emit up to each request's budget; cut after EOS.
-                emitted = res.tokens.to(torch.int64)
                 j = torch.arange(T, device=dev).unsqueeze(0)
                 n_emit = torch.minimum(nacc + 1, max_new_dev[act] - n_gen[act])
                 if eos_token_id is not None:
@@ -561,16 +647,15 @@ class SpeculativeEngine:
                 full_num[act] = (nacc + 1).to(torch.int32)
                 if ngram is not None:
                     ngram.append(full_new, full_num)
-                path = res.accepted_nodes.to(torch.int64).clamp(min=0)  # [b, T]
-                path_hidden = hid.gather(1, path.unsqueeze(2).expand(-1, -1, hid.shape[-1]))
                 if eagle_state is not None:
-                    ext = (path_hidden.to(eagle_state.last_hidden.dtype), emitted.clamp(min=0), (nacc + 1).to(torch.int32))
-                    p = self._graph_size(("extend", T), b)
-                    if p is not None:
-                        new_state = self.graph_pool.run(("extend", T), [*eagle_rows, *ext], batch_size=p, fill_rest=True)
-                    else:
-                        new_state = self._extend_fn(*eagle_rows, *ext)
-                    for f, v in zip(EAGLE_FIELDS[1:], new_state):
+                    if new_eagle is None:
+                        ext = (path_hidden.to(eagle_state.last_hidden.dtype), emitted.clamp(min=0), (nacc + 1).to(torch.int32))
+                        p = self._graph_size(("extend", T), b)
+                        if p is not None:
+                            new_eagle = self.graph_pool.run(("extend", T), [*eagle_rows, *ext], batch_size=p, fill_rest=True)
+                        else:
+                            new_eagle = self._extend_fn(*eagle_rows, *ext)
+                    for f, v in zip(EAGLE_FIELDS[1:], new_eagle):
                         getattr(eagle_state, f)[act] = v[:b]
                 if capture:
                     # Committed positions ctx_old + j (j <= nacc) hold the path's features and tokens.
@@ -578,7 +663,7 @@ class SpeculativeEngine:
                     fpos = torch.where(ok, ctx_old.to(torch.int64).unsqueeze(1) + j, torch.full_like(j, S - 1))
                     fr, tr = feats[act], ftoks[act]
                     fr.scatter_(1, fpos.unsqueeze(2).expand(-1, -1, fr.shape[-1]), path_hidden.to(fr.dtype))
-                    tr.scatter_(1, fpos, tok.gather(1, path))
+                    tr.scatter_(1, fpos, path_tokens)
                     feats[act], ftoks[act] = fr, tr
 
                 fin = n_gen[act] >= max_new_dev[act]
