@@ -320,3 +320,16 @@ def test_fused_step_graphs_on_cpu_fake_backend(target, prompts, kind):
 def test_fuse_step_rejects_the_ngram_drafter(target):
     with pytest.raises(ValueError, match="fuse_step"):
         SpeculativeEngine(target, "ngram", Strategy(4, 1, 5), max_batch_size=2, max_seq_len=32, fuse_step=True)
+
+
+def test_bf16_drafter_keeps_greedy_output(target, prompts):
+    """Drafting precision changes only which drafts are proposed, never the output: a bf16 EAGLE drafter over an
+    fp32 target still reproduces plain greedy decoding."""
+    d = EagleDrafter.for_target(target, dtype=torch.bfloat16)
+    assert next(d.parameters()).dtype == torch.bfloat16
+    eng = SpeculativeEngine(target, d, Strategy(3, 2, 6), max_batch_size=8, max_seq_len=64)
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    assert out.mean_accepted_length() > 1.0

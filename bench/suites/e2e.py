@@ -153,8 +153,13 @@ def run(ctx) -> None:
     st = trainer.run(time_budget_s=z["warm_budget_s"])
     ctx.note(f"drafter warm-up: {st.optimizer_steps} steps in {st.elapsed_s:.1f}s, loss {st.last_loss}")
 
+    # The rollout's drafter copy drafts in bf16 on the GPU (TLT_E2E_DRAFTER_DTYPE=fp32 to change): drafts never
+    # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.
+    draft_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[os.environ.get("TLT_E2E_DRAFTER_DTYPE", "bf16" if cuda else "fp32")]
+    ctx.note(f"rollout drafter dtype {draft_dtype} (TLT_E2E_DRAFTER_DTYPE); trainer weights float32")
+
     def drafter_copy():
-        d = EagleDrafter.for_target(target)
+        d = EagleDrafter.for_target(target, dtype=draft_dtype)
         d.load_state_dict(train_drafter.state_dict())
         return d
 

@@ -305,14 +305,28 @@ class EagleDrafter(nn.Module):
         m = self.post_norm(h)
         return h + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
 
-    def _attend(self, q, k, v, mask):
-        """``q [B, Tq, Hq, D]``, ``k, v [B, Tk, Hkv, D]``, ``mask bool [B, Tq, Tk]`` -> ``[B, Tq, Hq, D]``."""
-        G = self.config.num_q_heads // self.config.num_kv_heads
-        qh = q.transpose(1, 2)
-        kh = k.transpose(1, 2).repeat_interleave(G, dim=1)
-        vh = v.transpose(1, 2).repeat_interleave(G, dim=1)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1))
-        return out.transpose(1, 2)
+    def _attend_parts(self, q, parts):
+        """Attention of ``q [B, Tq, Hq, D]`` over the union of key parts, without concatenating K/V or repeating
+        them per query head: ``parts`` = ``[(k_t [B, Hkv, D, L], v [B, Hkv, L, D], mask bool [B, Tq, L]), ...]``.
+        The query heads of a KV group become extra rows (``[B, Hkv, G * Tq, D]``), the scores of every part
+        are concatenated (``L`` columns: small next to K/V) and one softmax in fp32 spans them. Every query
+        row must see at least one key (the drafter's rows always see themselves)."""
+        B, Tq, Hq, D = q.shape
+        Hkv = parts[0][0].shape[1]
+        G = Hq // Hkv
+        qg = (q * D**-0.5).view(B, Tq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
+        scores, widths = [], []
+        for k_t, _, mask in parts:
+            sc = torch.matmul(qg, k_t.to(q.dtype)).float()  # [B, Hkv, G*Tq, L]
+            rows = mask.unsqueeze(1).unsqueeze(2).expand(B, 1, G, Tq, mask.shape[-1]).reshape(B, 1, G * Tq, -1)
+            scores.append(sc.masked_fill(~rows, float("-inf")))
+            widths.append(mask.shape[-1])
+        prob = torch.softmax(torch.cat(scores, -1), -1).to(q.dtype)
+        out = None
+        for (_, v, _), pr in zip(parts, prob.split(widths, -1)):
+            o = torch.matmul(pr, v.to(q.dtype))
+            out = o if out is None else out + o
+        return out.view(B, Hkv, G, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -389,7 +403,7 @@ class EagleDrafter(nn.Module):
         key_slot = torch.arange(ck.shape[1], device=dev)
         # Pair i sees every cached slot up to and including its own.
         mask = key_slot.view(1, 1, -1) <= slot.unsqueeze(2)
-        g = self._finish(x, self._attend(q, ck.to(q.dtype), cv.to(q.dtype), mask))
+        g = self._finish(x, self._attend_parts(q, [(ck.permute(0, 2, 3, 1), cv.transpose(1, 2), mask)]))
         last = (num_new.to(torch.int64) - 1).clamp(min=0)
         has = (num_new > 0).unsqueeze(1)
         rows = torch.arange(B, device=dev)
@@ -420,6 +434,8 @@ class EagleDrafter(nn.Module):
         ck, cv = self._gather_context(cache, state.block_table)
         ctx = state.context_lens.to(torch.int64)
         ctx_mask = torch.arange(ck.shape[1], device=dev).unsqueeze(0) < ctx.unsqueeze(1)  # [B, Lc]
+        # The context part in the layout every depth's attention reads, made once per draft.
+        ck_t, cv_h = ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous()
 
         logp = torch.log_softmax(self.head_logits(state.last_hidden).float(), -1)
         score, tok = logp.topk(K, dim=-1)  # [B, K]
@@ -447,10 +463,10 @@ class EagleDrafter(nn.Module):
             else:
                 anc = new
             anc[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
-            keys = torch.cat([ck.to(q.dtype), torch.cat(tk, 1)], 1)
-            vals = torch.cat([cv.to(q.dtype), torch.cat(tv, 1)], 1)
-            mask = torch.cat([ctx_mask.unsqueeze(1).expand(B, K, -1), anc[:, P - K :]], 2)
-            g = self._finish(x, self._attend(q, keys, vals, mask))  # [B, K, H]
+            tree_k, tree_v = torch.cat(tk, 1), torch.cat(tv, 1)  # [B, P, Hkv, D]: this draft's nodes so far
+            parts = [(ck_t, cv_h, ctx_mask.unsqueeze(1).expand(B, K, -1)),
+                     (tree_k.permute(0, 2, 3, 1), tree_v.transpose(1, 2), anc[:, P - K :])]
+            g = self._finish(x, self._attend_parts(q, parts))  # [B, K, H]
             clogp = torch.log_softmax(self.head_logits(g).float(), -1)
             c_score, c_tok = clogp.topk(K, dim=-1)  # [B, K, K]
             c_score = (f_score.unsqueeze(2) + c_score).reshape(B, K * K)
