@@ -333,3 +333,31 @@ def test_bf16_drafter_keeps_greedy_output(target, prompts):
     for b, n in enumerate(MAX_NEW):
         assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
     assert out.mean_accepted_length() > 1.0
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_measure_cost_table_times_every_strategy_and_size(target, prompts, fuse):
+    """The start-up cost table replays each strategy's graphs at every captured size; a selector built from it
+    drives the engine, whose greedy output is still plain decoding."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+    from tlt_kernels.runtime.policies import CostTable
+
+    arms = [Strategy(2, 1, 3), Strategy(3, 2, 6)]
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    eng = SpeculativeEngine(target, EagleDrafter.for_target(target), StrategySelector(arms, seed=0), pool,
+                            max_batch_size=8, max_seq_len=64, fuse_step=fuse)
+    with pytest.raises(ValueError, match="capture_graphs"):
+        eng.measure_cost_table()
+    eng.capture_graphs([2, 8])
+    hits = pool.stats()["hits"]
+    table = eng.measure_cost_table(repeats=3)
+    assert isinstance(table, CostTable) and pool.stats()["hits"] == hits  # timing replays are not hits
+    for s in eng.strategies:
+        assert [b for b in table.table[s][0]] == [2, 8]
+        assert all(t > 0 for t in table.table[s][1])
+    eng.selector = StrategySelector(arms, seed=0, cost_table=table, available=eng.covers)
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist()

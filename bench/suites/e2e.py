@@ -7,7 +7,8 @@
    reasoning RL rollouts), greedy, run by
    * ``plain``: plain decoding, the verify forward replayed from CUDA graphs (GPU);
    * ``static-<s>``: each static speculative strategy with the EAGLE drafter (same graphs);
-   * ``adaptive``: the StrategySelector (cost policy) over the same arms plus spot training in the tail.
+   * ``adaptive``: the StrategySelector (cost policy, its start-up cost table from ``measure_cost_table``) over
+     the same arms with the spot-trained drafter; ``adaptive+spot-in-tail`` also trains during the rollout.
    Every run's tokens must equal the plain run's (greedy identity); the row records whether they do.
 
 Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with batch < B/4), mean
@@ -172,8 +173,15 @@ def run(ctx) -> None:
     # The adaptive engine: selector + the spot-trained drafter. TLT trains the drafter on GPUs the long tail
     # leaves idle (other ranks); on this one GPU, training during the rollout competes with it (and with its
     # Python thread for the GIL), so that is a separate row.
-    outs["adaptive"] = engine(drafter_copy(), StrategySelector(arms, seed=0)).generate(prompts, lens)
-    adaptive = engine(drafter_copy(), StrategySelector(arms, seed=0), spot_trainer=trainer, rollout_buffer=buf)
+    def calibrated(eng):
+        # The cost policy's start-up table: each arm's graphs replayed at every captured size (GPU only).
+        if cuda and not eng.graph_error:
+            table = eng.measure_cost_table()
+            eng.selector = StrategySelector(arms, seed=0, cost_table=table, available=eng.covers)
+        return eng
+
+    outs["adaptive"] = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0))).generate(prompts, lens)
+    adaptive = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0), spot_trainer=trainer, rollout_buffer=buf))
     outs["adaptive+spot-in-tail"] = adaptive.generate(prompts, lens)
 
     plain = outs["plain"]

@@ -372,6 +372,59 @@ class SpeculativeEngine:
             return self.graph_pool.covers(self._step_key(strategy), batch_size)
         return self.graph_pool.covers(("verify", tree_width(strategy, self.drafter_kind)), batch_size)
 
+    def _graph_names(self, s: Strategy) -> list:
+        """The graphs one step of strategy ``s`` replays."""
+        if self.fuse_step:
+            return [self._step_key(s)]
+        T = tree_width(s, self.drafter_kind)
+        names = [("verify", T)]
+        if self.drafter_kind == "eagle":
+            if self._draft_key(s) is not None:
+                names.insert(0, self._draft_key(s))
+            names.append(("extend", T))
+        return names
+
+    def measure_cost_table(self, batch_sizes: Optional[Sequence[int]] = None, repeats: int = 5):
+        """Step time of every strategy at every captured batch size, measured now by replaying the step's graphs
+        on padding rows (median of ``repeats``, wall clock between device synchronizations, so launch costs are
+        in): the start-up table of the ``"cost"`` selector policy, e.g.
+        ``StrategySelector(arms, cost_table=engine.measure_cost_table(), available=engine.covers)``.
+        Padding rows attend to an empty context, so long-context attention is not in the figures; the policy's
+        online per-(bucket, arm) correction absorbs the difference. Returns a
+        :class:`~tlt_kernels.runtime.policies.CostTable`."""
+        from ..runtime.policies import CostTable
+
+        if not self._captured:
+            raise ValueError("measure_cost_table needs captured graphs: call capture_graphs() first")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        cuda = self.device.type == "cuda"
+        table = {}
+        for s in self.strategies:
+            names = self._graph_names(s)
+            sizes = batch_sizes or self.graph_pool.captured_sizes(names[0])
+            pts = []
+            for b in sizes:
+                if not all(self.graph_pool.covers(n, b) for n in names):
+                    continue
+                times = []
+                for _ in range(repeats + 1):  # the first replay warms up
+                    if cuda:
+                        torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    for n in names:
+                        self.graph_pool.replay_padding(n, b)
+                    if cuda:
+                        torch.cuda.synchronize(self.device)
+                    times.append(time.perf_counter() - t0)
+                times = sorted(times[1:])
+                pts.append((b, max(times[len(times) // 2], 1e-9)))
+            if pts:
+                table[s] = pts
+        if not table:
+            raise ValueError("no strategy has a captured graph at the requested batch sizes")
+        return CostTable(table)
+
     # -- the fused step ----------------------------------------------------------------------------
     @staticmethod
     def _step_key(s: Strategy):

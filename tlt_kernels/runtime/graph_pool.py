@@ -435,6 +435,24 @@ class GraphPool:
         i = bisect.bisect_left(sizes, batch_size)
         return sizes[i] if i < len(sizes) else None
 
+    def captured_sizes(self, name: Hashable) -> List[int]:
+        """Batch sizes with a live graph for ``name`` (ascending)."""
+        e = self._entries.get(name)
+        return sorted(e.graphs) if e is not None else []
+
+    def replay_padding(self, name: Hashable, batch_size: int) -> None:
+        """Replay the graph a batch of ``batch_size`` would use on its registered example inputs (every row
+        padding), e.g. to time it at start-up. Not counted as a hit."""
+        e = self._entries.get(name)
+        p = self.padded_size(name, batch_size)
+        if p is None:
+            raise KeyError(f"no captured graph of {name!r} covers batch size {batch_size}")
+        if e.fill_in is None:
+            e.fill_in = self._pristine(e)
+        for dst, src in zip(self._inputs_for(e, p), e.fill_in):
+            dst.copy_(src[:p])
+        self.backend.replay(e.graphs[p])
+
     def covers(self, name: Hashable, batch_size: int) -> bool:
         """Whether a captured graph can run this batch (for ``StrategySelector(available=pool.covers)``)."""
         return self.padded_size(name, batch_size) is not None
