@@ -14,6 +14,7 @@ from typing import List, Sequence
 
 import torch
 
+from ..reference.compact_kv import make_compact_kv_op
 from . import extension, ptr, stream_handle
 
 __all__ = ["compact_kv", "access_unit"]
@@ -81,20 +82,4 @@ def compact_kv_(k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], bloc
         )
 
 
-@torch.library.custom_op("tlt::compact_kv_cuda", mutates_args=("k_caches", "v_caches"))
-def _compact_kv_op(
-    k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], block_table: torch.Tensor,
-    context_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor,
-) -> torch.Tensor:
-    compact_kv_(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted)
-    return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
-
-
-@_compact_kv_op.register_fake
-def _(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted):
-    return context_lens.new_empty(context_lens.shape, dtype=torch.int32)
-
-
-def compact_kv(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted) -> torch.Tensor:
-    """CUDA backend of :func:`tlt_kernels.compact_kv`: moves in place, returns ``int32 [B]`` new context lengths."""
-    return _compact_kv_op(list(k_caches), list(v_caches), block_table, context_lens, accepted_nodes, num_accepted)
+compact_kv = make_compact_kv_op("tlt::compact_kv_cuda", compact_kv_)

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.compact_kv import make_compact_kv_op
+
 
 @triton.jit
 def _compact_kv_kernel(
@@ -100,19 +102,4 @@ def compact_kv_(k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], bloc
     )
 
 
-@torch.library.custom_op("tlt::compact_kv", mutates_args=("k_caches", "v_caches"))
-def _compact_kv_op(
-    k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], block_table: torch.Tensor,
-    context_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor,
-) -> torch.Tensor:
-    compact_kv_(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted)
-    return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
-
-
-@_compact_kv_op.register_fake
-def _(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted):
-    return context_lens.new_empty(context_lens.shape, dtype=torch.int32)
-
-
-def compact_kv(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted):
-    return _compact_kv_op(list(k_caches), list(v_caches), block_table, context_lens, accepted_nodes, num_accepted)
+compact_kv = make_compact_kv_op("tlt::compact_kv", compact_kv_)

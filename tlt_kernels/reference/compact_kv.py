@@ -8,7 +8,7 @@ next step sees an ordinary prefix. Slot ``s`` of request ``b`` is
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -63,3 +63,27 @@ def compact_kv(
             rows = cache.view(num_blocks * block_size, *cache.shape[2:])
             rows[dst] = rows[src]  # advanced indexing copies: a gather, then the scatter
     return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
+
+
+def make_compact_kv_op(op_name: str, move_: Callable[..., None]) -> Callable[..., torch.Tensor]:
+    """A kernel backend's ``compact_kv``: ``move_(k_caches, v_caches, block_table, context_lens, accepted_nodes,
+    num_accepted)`` moves the paths in place; the returned function runs it as the ``torch.library`` custom op
+    ``op_name`` (mutating the caches, fake implementation for ``torch.compile``) and returns the new context
+    lengths ``int32 [B] = context_lens + num_accepted + 1``."""
+
+    @torch.library.custom_op(op_name, mutates_args=("k_caches", "v_caches"))
+    def op(k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], block_table: torch.Tensor,
+           context_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+        move_(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted)
+        return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
+
+    @op.register_fake
+    def _(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted):
+        return context_lens.new_empty(context_lens.shape, dtype=torch.int32)
+
+    def compact_kv(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted) -> torch.Tensor:
+        return op(list(k_caches), list(v_caches), block_table, context_lens, accepted_nodes, num_accepted)
+
+    compact_kv.__doc__ = f"Backend of :func:`tlt_kernels.compact_kv` (custom op ``{op_name}``): moves in place, returns " \
+                         "``int32 [B]`` new context lengths."
+    return compact_kv
