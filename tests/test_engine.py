@@ -361,3 +361,34 @@ def test_measure_cost_table_times_every_strategy_and_size(target, prompts, fuse)
     ref = reference_generate(target, prompts, max(MAX_NEW))
     for b, n in enumerate(MAX_NEW):
         assert out.tokens[b] == ref.tokens[b, :n].tolist()
+
+
+def test_trace_probes_every_arm_without_changing_the_output(target, prompts, tmp_path):
+    """generate(trace=...) records every arm's counterfactual outcome per step (the format the simulator
+    replays) and still emits plain decoding's tokens; the trace round-trips through JSON and replays."""
+    import json
+
+    from tlt_kernels.runtime.simulate import load_trace, replay_selector
+
+    arms = [Strategy(2, 1, 3), Strategy(3, 2, 6)]
+    eng = SpeculativeEngine(target, EagleDrafter.for_target(target), StrategySelector(arms, seed=0), max_batch_size=8,
+                            max_seq_len=64)
+    trace = []
+    out = eng.generate(prompts, MAX_NEW, trace=trace)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist()
+    assert len(trace) == len(out.steps)
+    for rec, st in zip(trace, out.steps):
+        assert rec["batch_size"] == st.batch_size
+        assert set(rec["arms"]) == {"off", "s2k1v3", "s3k2v6"}
+        assert rec["arms"]["off"]["emitted"] == st.batch_size  # plain decoding emits one token per request
+        for name, r in rec["arms"].items():
+            acc = r["accepted"]
+            assert r["step_time"] > 0
+            assert all(a >= b_ for a, b_ in zip(acc, acc[1:]))  # reaching depth j+1 implies depth j
+            assert r["emitted"] == st.batch_size + sum(acc)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    res = replay_selector(load_trace(str(path)), StrategySelector(arms, seed=0))
+    assert 0 < res.oracle_fraction <= 1.0

@@ -6,6 +6,8 @@ fraction of the oracle, the gain over the best static arm and over plain decodin
 re-convergence after a phase change: ``reconverge_steps`` (steps until the 20-step mean reaches 95% of
 the oracle) and the stricter ``settle_steps`` (steps until 10 consecutive choices are within 1% of the
 oracle's throughput).
+The ``engine trace`` case replays every policy (and every static arm) on a trace of a real rollout in which the
+engine probed every arm at every step (``TLT_SELECTOR_TRACE=path.json`` to replay a recorded one).
 The last cases time ``select + update`` per policy on this CPU (``ms`` is milliseconds per step: the
 median over 100-step chunks of 20000 steps, robust to other processes): ``cpu: select+update`` on a
 stationary stream (the method of the earlier numbers), ``cpu: select+update, drifting`` on a stream whose
@@ -78,6 +80,66 @@ def _cpu_cost_us(policy, steps=20000, drifting=False):
     return chunks[len(chunks) // 2] * 1e6
 
 
+def _record_engine_trace(ctx):
+    """A real rollout's trace: a small target trained here, the n-gram drafter, every arm probed at every step
+    (``SpeculativeEngine.generate(trace=...)``), long-tailed response lengths."""
+    import math
+
+    import torch
+
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.models import ModelConfig, load_corpus, train_tiny_target
+    from tlt_kernels.models.train_tiny import sample_windows
+    from tlt_kernels.runtime import Strategy, StrategySelector
+
+    small = ctx.small
+    cfg = ModelConfig.tiny() if small else ModelConfig.small()
+    target = train_tiny_target(cfg, steps=30 if small else 300, device=ctx.device, batch_size=8 if small else 32,
+                               seq_len=64 if small else 256)
+    B, median, cap = (12, 32, 96) if small else (64, 48, 320)
+    g = torch.Generator().manual_seed(0)
+    prompts = sample_windows(load_corpus("base"), B, 32, g).to(ctx.device)
+    lens = [int(min(cap, max(2, round(median * math.exp(float(z)))))) for z in torch.randn(B, generator=g)]
+    arms = [Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(3, 2, 7)]
+    eng = SpeculativeEngine(target, "ngram", StrategySelector(arms, seed=0), max_batch_size=B, max_seq_len=32 + cap)
+    trace = []
+    eng.generate(prompts, lens, trace=trace)
+    return trace, f"recorded now: {cfg.num_layers}-layer target, n-gram drafter, B={B}, lengths median {median} max {max(lens)}, {ctx.device}"
+
+
+def _engine_trace(ctx) -> None:
+    """Policies replayed on a recorded engine trace (``TLT_SELECTOR_TRACE=path.json``, or one recorded now)."""
+    from tlt_kernels.runtime import Strategy, StrategySelector
+    from tlt_kernels.runtime.simulate import load_trace, replay_selector, replay_trace
+
+    path = os.environ.get("TLT_SELECTOR_TRACE")
+    if path:
+        trace, origin = load_trace(path), f"loaded from {path}"
+    else:
+        trace, origin = _record_engine_trace(ctx)
+    arms = sorted({Strategy.parse(k) for r in trace for k in r["arms"]}, key=str)
+    case = {"workload": f"engine trace ({len(trace)} steps)"}
+    statics = {}
+    for a in arms:
+        res = replay_trace(trace, lambda b, avail, a=a: a if a in avail else Strategy.off())
+        statics[str(a)] = res
+    def same_work_ms(res):  # time to emit the oracle's tokens of every step at this run's per-step efficiency
+        return 1e3 * sum(t / e for t, e in zip(res.oracle_time, res.efficiency))
+
+    best = min(statics.values(), key=same_work_ms)
+    off = statics.get("off")
+    for name, res in statics.items():
+        ctx.add(case, f"static {name}", same_work_ms(res), vs_oracle=round(res.oracle_fraction, 4))
+    for p in POLICIES:
+        res = replay_selector(trace, StrategySelector([a for a in arms if not a.is_off], policy=p, seed=0))
+        ms = same_work_ms(res)
+        ctx.add(case, p, ms, vs_oracle=round(res.oracle_fraction, 4), vs_best_static=round(same_work_ms(best) / ms, 4),
+                vs_off=round(same_work_ms(off) / ms, 4) if off else None, choices=str(res.choices))
+    ctx.note(f"engine trace: {origin}; every arm probed at every step, so each policy is replayed against the "
+             "per-step hindsight oracle of the trace (no start-up cost table: the policies learn online); ms = time "
+             "to emit the oracle's tokens of every step at the run's per-step efficiency (the same work for every row)")
+
+
 def run(ctx) -> None:
     from tlt_kernels.runtime import DEFAULT_POLICY
     from tlt_kernels.runtime.simulate import DEFAULT_ARMS, evaluate, standard_workloads
@@ -97,6 +159,7 @@ def run(ctx) -> None:
             ctx.add(case, p, r["sim_s"] * 1e3, vs_oracle=round(r["vs_oracle"], 4),
                     vs_best_static=round(r["vs_best_static"], 4), vs_off=round(r["vs_off"], 4),
                     reconverge_steps=r["reconverge_steps"], settle_steps=r["settle_steps"])
+    _engine_trace(ctx)
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
     for p in POLICIES:

@@ -425,6 +425,30 @@ class SpeculativeEngine:
             raise ValueError("no strategy has a captured graph at the requested batch sizes")
         return CostTable(table)
 
+    def _probe_arms(self, act, roots, ngram, eagle_rows, table, ctx, samp) -> dict:
+        """One trace record: every strategy drafted, verified and accepted on the live rows without committing.
+        Only cache slots past each request's context are written (tree nodes, then their compaction), and the
+        real step rewrites them before anything reads them."""
+        b = act.shape[0]
+        cuda = self.device.type == "cuda"
+        arms = {}
+        for s in self.strategies:
+            if self._captured and not self.covers(s, b):
+                continue
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
+            lg, hid, _ = self._verify_forward(tok, par, nn_, table, ctx)
+            _, num_acc, _, _, _ = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)
+            nacc = num_acc.to(torch.int64)
+            counts = [(nacc + 1).sum().view(1)] + [(nacc > j).sum().view(1) for j in range(s.num_steps)]
+            host = torch.cat(counts).tolist()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            arms[str(s)] = {"step_time": time.perf_counter() - t0, "emitted": host[0], "accepted": host[1:]}
+        return {"batch_size": b, "arms": arms}
+
     # -- the fused step ----------------------------------------------------------------------------
     @staticmethod
     def _step_key(s: Strategy):
@@ -536,7 +560,7 @@ class SpeculativeEngine:
     # -- generation ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: Prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 eos_token_id: Optional[int] = None) -> GenerateOutput:
+                 eos_token_id: Optional[int] = None, trace: Optional[list] = None) -> GenerateOutput:
         """Generate a rollout batch.
 
         Args:
@@ -546,6 +570,10 @@ class SpeculativeEngine:
                 per-request list (see :func:`tlt_kernels.verify_tree`).
             seed: int, list or int64 ``[B]``: per-request Philox seeds (outputs are reproducible per request).
             eos_token_id: a request also stops after emitting it.
+            trace: a list to append one record per step to, in :func:`tlt_kernels.runtime.simulate.load_trace`'s
+                format: before each step every strategy is *probed* on the live batch (drafted, verified and
+                accepted without committing; the real step then overwrites the probed KV slots) and timed, so the
+                selector can be replayed against the trace's hindsight oracle. Slow (one probe per arm per step).
         Returns:
             :class:`GenerateOutput`.
         """
@@ -659,6 +687,8 @@ class SpeculativeEngine:
                     self.drafter.maybe_update(self.spot_trainer.holder)
                 eagle_rows = None if eagle_state is None else [getattr(eagle_state, f)[act] for f in EAGLE_FIELDS]
                 ctx_old = ctx[act]
+                if trace is not None:
+                    trace.append(self._probe_arms(act, roots, ngram, eagle_rows, table[act], ctx_old, sampling(act)))
                 T = tree_width(s, self.drafter_kind)
                 fused = self.fuse_step and self._graph_size(self._step_key(s), b)
                 new_eagle = None
