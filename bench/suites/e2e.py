@@ -16,7 +16,8 @@ accepted length, speedups vs plain (whole rollout and tail) and vs the best stat
 Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
 ``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
 ``TLT_E2E_TRAIN_STEPS`` override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
-``TLT_E2E_FUSE=1`` captures each decoding step as one graph (``SpeculativeEngine(fuse_step=True)``).
+``TLT_E2E_FUSE=1`` captures each decoding step as one graph (``SpeculativeEngine(fuse_step=True)``);
+``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
@@ -183,6 +184,16 @@ def run(ctx) -> None:
     outs["adaptive"] = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0))).generate(prompts, lens)
     adaptive = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0), spot_trainer=trainer, rollout_buffer=buf))
     outs["adaptive+spot-in-tail"] = adaptive.generate(prompts, lens)
+
+    trace_path = os.environ.get("TLT_E2E_TRACE")
+    if trace_path:  # a recorded trace for the selector suite (TLT_SELECTOR_TRACE=...): every arm probed per step
+        import json
+
+        records = []
+        engine(drafter_copy(), StrategySelector(arms, seed=0)).generate(prompts, lens, trace=records)
+        with open(trace_path, "w") as f:
+            json.dump(records, f)
+        ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: TLT_SELECTOR_TRACE={trace_path} python -m bench selector)")
 
     plain = outs["plain"]
     statics = {k: v for k, v in outs.items() if k.startswith("static-")}
