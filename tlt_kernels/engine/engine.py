@@ -675,13 +675,15 @@ class SpeculativeEngine:
             for b_ in done_host.nonzero().flatten().tolist():
                 finish_s[b_] = prefill_s
             active = (~done_host).nonzero().flatten()
+            act = None
             bar = _Progress(int(max_new.sum()), self.progress)
             B0 = B
             step = 0
             while active.numel():
                 t0 = time.perf_counter()
                 b = active.numel()
-                act = active.to(dev)
+                if act is None:  # the device copy of the active rows changes only when requests finish
+                    act = active.to(dev)
                 s = self.static if self.selector is None else self.selector.select(b)
                 if self.drafter_kind == "eagle" and self.spot_trainer is not None:
                     self.drafter.maybe_update(self.spot_trainer.holder)
@@ -724,11 +726,11 @@ class SpeculativeEngine:
                 n_gen[act] += n_emit
                 roots[act] = emitted.gather(1, nacc.unsqueeze(1)).squeeze(1)
 
-                full_new = torch.zeros(B, T, dtype=torch.int64, device=dev)
-                full_num = torch.zeros(B, dtype=torch.int32, device=dev)
-                full_new[act] = emitted.clamp(min=0)
-                full_num[act] = (nacc + 1).to(torch.int32)
-                if ngram is not None:
+                if ngram is not None:  # the n-gram histories are kept for the whole batch
+                    full_new = torch.zeros(B, T, dtype=torch.int64, device=dev)
+                    full_num = torch.zeros(B, dtype=torch.int32, device=dev)
+                    full_new[act] = emitted.clamp(min=0)
+                    full_num[act] = (nacc + 1).to(torch.int32)
                     ngram.append(full_new, full_num)
                 if eagle_state is not None:
                     if new_eagle is None:
@@ -781,6 +783,7 @@ class SpeculativeEngine:
                         else:
                             deferred += finished.tolist()
                     active = active[~fin_host]
+                    act = None
                 if (self.spot_trainer is not None and spot_thread is None and active.numel()
                         and active.numel() < self.spot_batch_fraction * B0 and self.spot_trainer.buffer.num_tokens > 0):
                     spot_thread = self._start_spot(spot_stop, spot_result)
