@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.verify_tree import VerifyResult, empty_verify_outputs
+from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op
 from . import extension, ptr, stream_handle
 
 __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
@@ -99,24 +99,8 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     return out
 
 
-@torch.library.custom_op("tlt::verify_tree_cuda", mutates_args=())
-def _verify_tree_op(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-    draft_probs: Optional[torch.Tensor], temperature: Optional[torch.Tensor], top_k: Optional[torch.Tensor],
-    top_p: Optional[torch.Tensor], seed: torch.Tensor, offset: torch.Tensor, max_depth: int, return_stats: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(_launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed,
-                         offset, max_depth, return_stats))
-
-
-@_verify_tree_op.register_fake
-def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth, return_stats):
-    return empty_verify_outputs(logits, max_depth, return_stats)
-
-
-def verify_tree_cuda(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                     max_depth, return_stats=False) -> VerifyResult:
-    """CUDA backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op).
+_verify_tree_op, verify_tree_cuda = make_verify_tree_op("tlt::verify_tree_cuda", _launch)
+verify_tree_cuda.__doc__ = """CUDA backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op).
 
     Args/returns as :func:`tlt_kernels.reference.verify_tree.verify_tree_reference`: ``logits [B, T, V]``
     fp32/bf16/fp16, ``draft_tokens int32/int64 [B, T]``, ``parents int32 [B, T]``, ``num_nodes int32 [B]``
@@ -124,9 +108,3 @@ def verify_tree_cuda(logits, draft_tokens, parents, num_nodes, draft_probs, temp
     int32 [B]`` / ``top_p float32 [B]`` or None, ``seed, offset int64 [B]``. Visited rows with
     NaN/+inf (or all -inf) set ``error[b] = 1`` instead of raising.
     """
-    if num_nodes is None:
-        num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
-    tokens, num, nodes, err, stats = _verify_tree_op(
-        logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-        seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
-    return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)

@@ -20,13 +20,12 @@ unusable gets ``error = 1`` and an empty result, other requests are unaffected.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ..reference.verify_tree import VerifyResult, empty_verify_outputs
+from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op
 
 
 @triton.jit
@@ -391,27 +390,5 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     return out_tokens, out_num, out_nodes, out_err, out_stats
 
 
-@torch.library.custom_op("tlt::verify_tree_triton", mutates_args=())
-def _verify_tree_op(
-    logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-    draft_probs: Optional[torch.Tensor], temperature: Optional[torch.Tensor], top_k: Optional[torch.Tensor],
-    top_p: Optional[torch.Tensor], seed: torch.Tensor, offset: torch.Tensor, max_depth: int, return_stats: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                   max_depth, return_stats)
-
-
-@_verify_tree_op.register_fake
-def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth, return_stats):
-    return empty_verify_outputs(logits, max_depth, return_stats)
-
-
-def verify_tree_triton(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                       max_depth, return_stats=False) -> VerifyResult:
-    """Triton backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op)."""
-    if num_nodes is None:
-        num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
-    tokens, num, nodes, err, stats = _verify_tree_op(
-        logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-        seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
-    return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)
+_verify_tree_op, verify_tree_triton = make_verify_tree_op("tlt::verify_tree_triton", _launch)
+verify_tree_triton.__doc__ = """Triton backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op)."""

@@ -64,6 +64,39 @@ def empty_verify_outputs(logits: torch.Tensor, max_depth: int, return_stats: boo
     return new(B, max_depth + 1), new(B), new(B, max_depth + 1), new(B), new(B, max_depth if return_stats else 0, 2)
 
 
+
+def make_verify_tree_op(op_name: str, launch):
+    """A kernel backend's ``verify_tree``: ``launch(logits, draft_tokens, parents, num_nodes, draft_probs,
+    temperature, top_k, top_p, seed, offset, max_depth, return_stats)`` returns ``(tokens, num_accepted,
+    accepted_nodes, error, stats)``. Returns ``(op, verify)``: the ``torch.library`` custom op ``op_name`` (fake
+    implementation from :func:`empty_verify_outputs`, for ``torch.compile``) and the backend entry point, which
+    takes already-validated inputs and returns a :class:`VerifyResult`."""
+
+    @torch.library.custom_op(op_name, mutates_args=())
+    def op(
+        logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
+        draft_probs: Optional[torch.Tensor], temperature: Optional[torch.Tensor], top_k: Optional[torch.Tensor],
+        top_p: Optional[torch.Tensor], seed: torch.Tensor, offset: torch.Tensor, max_depth: int, return_stats: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed,
+                            offset, max_depth, return_stats))
+
+    @op.register_fake
+    def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth,
+          return_stats):
+        return empty_verify_outputs(logits, max_depth, return_stats)
+
+    def verify(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+               max_depth, return_stats=False) -> VerifyResult:
+        if num_nodes is None:
+            num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
+        tokens, num, nodes, err, stats = op(
+            logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
+            seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
+        return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)
+
+    return op, verify
+
 def _check_rows(rows: torch.Tensor, active: torch.Tensor, node: torch.Tensor) -> None:
     bad = row_errors(rows) & active
     if bad.any():
