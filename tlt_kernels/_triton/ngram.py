@@ -76,6 +76,16 @@ def _ngram_chunk_kernel(
 
 
 @triton.jit
+def _store_continuation(row_ptr, length, e_star, drafts_ptr, num_ptr, K, BLOCK_K: tl.constexpr):
+    """Write the up-to-K tokens after end ``e_star`` (-1 = no occurrence) as one request's drafts, -1 padded."""
+    count = tl.where(e_star >= 0, tl.minimum(length - e_star - 1, K), 0)
+    j = tl.arange(0, BLOCK_K).to(tl.int64)
+    tok = tl.load(row_ptr + e_star + 1 + j, mask=j < count, other=-1).to(tl.int64)
+    tl.store(drafts_ptr + j, tl.where(j < count, tok, -1), mask=j < K)
+    tl.store(num_ptr, count.to(tl.int32))
+
+
+@triton.jit
 def _ngram_combine_kernel(
     Tokens_ptr, Lengths_ptr, Keys_ptr, Drafts_ptr, NumDrafts_ptr,
     stride_tb, stride_db, num_chunks, K,
@@ -93,11 +103,7 @@ def _ngram_combine_kernel(
         c0 += BLOCK_C
     key = tl.max(best, axis=0)
     e_star = tl.where(key >= 0, key & ((1 << KEY_SHIFT) - 1), -1)
-    count = tl.where(e_star >= 0, tl.minimum(length - e_star - 1, K), 0)
-    j = tl.arange(0, BLOCK_K).to(tl.int64)
-    tok = tl.load(row_ptr + e_star + 1 + j, mask=j < count, other=-1).to(tl.int64)
-    tl.store(Drafts_ptr + b * stride_db + j, tl.where(j < count, tok, -1), mask=j < K)
-    tl.store(NumDrafts_ptr + b, count.to(tl.int32))
+    _store_continuation(row_ptr, length, e_star, Drafts_ptr + b * stride_db, NumDrafts_ptr + b, K, BLOCK_K)
 
 
 @triton.jit
@@ -151,11 +157,7 @@ def _ngram_rowscan_kernel(
     row_ptr = Tokens_ptr + b * stride_tb
     length = tl.load(Lengths_ptr + b).to(tl.int64)
     n_star, e_star = _longest_match(row_ptr, length, MIN_N, MAX_N, BLOCK_SIZE, N_POW2)
-    count = tl.where(e_star >= 0, tl.minimum(length - e_star - 1, K), 0)
-    j = tl.arange(0, BLOCK_K).to(tl.int64)
-    tok = tl.load(row_ptr + e_star + 1 + j, mask=j < count, other=-1).to(tl.int64)
-    tl.store(Drafts_ptr + b * stride_db + j, tl.where(j < count, tok, -1), mask=j < K)
-    tl.store(NumDrafts_ptr + b, count.to(tl.int32))
+    _store_continuation(row_ptr, length, e_star, Drafts_ptr + b * stride_db, NumDrafts_ptr + b, K, BLOCK_K)
 
 
 @triton.jit
