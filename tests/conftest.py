@@ -45,3 +45,13 @@ def gen():
     g = torch.Generator()
     g.manual_seed(1234)
     return g
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny CPU matmuls: intra-op threads only add contention on the shared CI cores (100x slower
+    there). Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

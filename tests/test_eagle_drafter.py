@@ -9,13 +9,7 @@ from tlt_kernels.models.llama import LlamaForCausalLM
 from tlt_kernels.tree import validate_tree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: intra-op threads only add contention on the shared CI cores (100x slower here).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _target(vocab=64, **over):

@@ -10,13 +10,7 @@ from tlt_kernels.models.train_tiny import corpus_files, eval_loss, load_corpus, 
 from tlt_kernels.rng import PURPOSE_SAMPLE, uniform
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add synchronization (and stall badly on a shared CPU)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(cfg=None, seed=0, device="cpu", dtype=torch.float32):
