@@ -250,10 +250,9 @@ class SpeculativeEngine:
         return self.target.forward_tree(tokens, parents, num_nodes, self.cache, block_table, context_lens,
                                         validate=False, backend=self.backend)
 
-    def _pad_inputs(self, T: int, p: int, tokens=None, parents=None, num_nodes=None, table=None, ctx=None):
-        """Inputs of a batch of ``p`` rows: the given rows first, then sink rows (a 1-node tree at slot 0
-        of the sink request, whose K/V nobody reads)."""
-        b = 0 if tokens is None else tokens.shape[0]
+    def _pad_inputs(self, T: int, p: int):
+        """Padding rows of the verify graph (its example inputs): a 1-node tree at slot 0 of the sink
+        request, whose K/V nobody reads."""
         dev = self.device
         tk = torch.zeros(p, T, dtype=torch.int64, device=dev)
         pa = torch.zeros(p, T, dtype=torch.int32, device=dev)
@@ -261,8 +260,6 @@ class SpeculativeEngine:
         nn_ = torch.ones(p, dtype=torch.int32, device=dev)
         tb = self.sink_table.expand(p, -1).clone()
         cl = torch.zeros(p, dtype=torch.int32, device=dev)
-        if b:
-            tk[:b], pa[:b], nn_[:b], tb[:b], cl[:b] = tokens, parents, num_nodes, table, ctx
         return tk, pa, nn_, tb, cl
 
     # EAGLE drafter graphs: inputs are the drafter state rows (block_table, context_lens, last_hidden,
@@ -289,8 +286,8 @@ class SpeculativeEngine:
         self.drafter.extend(st, self.drafter_cache, features, next_tokens, num_new)
         return st.context_lens, st.last_hidden, st.root_tokens
 
-    def _pad_eagle(self, p: int, rows=None, T: Optional[int] = None, features=None, next_tokens=None, num_new=None):
-        """``p`` padded rows of drafter state (``rows``: the live rows' 4 fields), plus extend's inputs when ``T``."""
+    def _pad_eagle(self, p: int, T: Optional[int] = None):
+        """``p`` padding rows of drafter state (the drafter graphs' example inputs), plus extend's inputs when ``T``."""
         dev = self.device
         H = self.drafter.config.hidden_size
         dd = next(self.drafter.parameters()).dtype
@@ -300,10 +297,6 @@ class SpeculativeEngine:
         if T is not None:
             out += [torch.zeros(p, T, H, dtype=dd, device=dev), torch.zeros(p, T, dtype=torch.int64, device=dev),
                     torch.zeros(p, dtype=torch.int32, device=dev)]
-        b = 0 if rows is None else rows[0].shape[0]
-        if b:
-            for dst, src in zip(out, list(rows) + ([features, next_tokens, num_new] if T is not None else [])):
-                dst[:b] = src
         return out
 
     def _graph_size(self, name, b: int) -> Optional[int]:
