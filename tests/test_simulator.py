@@ -72,6 +72,8 @@ def test_trace_record_json_replay(tmp_path):
     res = replay_selector(back, sel)
     assert res.steps == 120 and res.phase_changes == [60]
     assert 0.5 < res.oracle_fraction <= 1.0
+    assert len(res.picks) == 120 and all(p in r["arms"] for p, r in zip(res.picks, back))
+    assert {k: res.picks.count(k) for k in set(res.picks)} == res.choices
     with pytest.raises(ValueError, match="non-empty"):
         bad = tmp_path / "bad.json"
         bad.write_text("[]")

@@ -158,22 +158,17 @@ def _engine_trace(ctx) -> None:
     best = min(statics.values(), key=same_work_ms)
     off = statics.get("off")
     for name, res in statics.items():
-        picks = [name if name in r["arms"] else "off" for r in trace]
         ctx.add(case, f"static {name}", same_work_ms(res), vs_oracle=round(res.oracle_fraction, 4),
-                vs_size_oracle=vs_size_oracle(picks))
+                vs_size_oracle=vs_size_oracle(res.picks))
     # The start-up table the engine measures (SpeculativeEngine.measure_cost_table) before a rollout, as the
     # simulated workloads get theirs: here the median probed step time per (arm, batch size) of the trace. The
     # policies still learn acceptance online.
     table = _trace_cost_table(trace)
     for p in POLICIES:
         kw = {"cost_table": table} if p == "cost" else {}
-        sel = StrategySelector([a for a in arms if not a.is_off], policy=p, seed=0, **kw)
-        picks = []  # the policy's choice at every step (replay_selector only reports counts)
-        select = sel.select
-        sel.select = lambda b, select=select, picks=picks: picks.append(select(b)) or picks[-1]
-        res = replay_selector(trace, sel)
+        res = replay_selector(trace, StrategySelector([a for a in arms if not a.is_off], policy=p, seed=0, **kw))
         ms = same_work_ms(res)
-        ctx.add(case, p, ms, vs_oracle=round(res.oracle_fraction, 4), vs_size_oracle=vs_size_oracle([str(x) for x in picks]),
+        ctx.add(case, p, ms, vs_oracle=round(res.oracle_fraction, 4), vs_size_oracle=vs_size_oracle(res.picks),
                 vs_best_static=round(same_work_ms(best) / ms, 4),
                 vs_off=round(same_work_ms(off) / ms, 4) if off else None, choices=str(res.choices))
     ctx.note(f"engine trace: {origin}; every arm probed at every step, so each policy is replayed against the "

@@ -159,6 +159,7 @@ class RunResult:
     oracle_time: List[float]  # per step: the oracle's expected step time (weights for fixed-work scoring)
     phase_changes: List[int]
     choices: Dict[str, int]
+    picks: List[str] = field(default_factory=list)  # trace replays: the arm chosen at every step
 
     @property
     def throughput(self) -> float:
@@ -346,7 +347,7 @@ def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], St
     """Replay a trace: the policy picks among the arms recorded at each step and sees that arm's record.
     Efficiency is against the per-step best recorded arm (a hindsight oracle)."""
     tokens = time_s = 0.0
-    eff, otime, changes, choices = [], [], [], {}
+    eff, otime, changes, choices, picks = [], [], [], {}, []
     last = records[0].get("phase", 0)
     for t, r in enumerate(records):
         if r.get("phase", 0) != last:
@@ -363,9 +364,10 @@ def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], St
         eff.append((o["emitted"] / o["step_time"]) / (best["emitted"] / best["step_time"]))
         otime.append(best["step_time"])
         choices[str(s)] = choices.get(str(s), 0) + 1
+        picks.append(str(s))
         if observe is not None:
             observe(s, r["batch_size"], o["emitted"], o["step_time"], o.get("accepted"))
-    return RunResult(tokens, time_s, len(records), eff, otime, changes, choices)
+    return RunResult(tokens, time_s, len(records), eff, otime, changes, choices, picks)
 
 
 def replay_selector(records: List[dict], selector: StrategySelector) -> RunResult:
