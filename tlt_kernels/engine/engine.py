@@ -377,6 +377,16 @@ class SpeculativeEngine:
             names.append(("extend", T))
         return names
 
+    def _synced_seconds(self, fn):
+        """``(seconds, fn())``: wall time between device synchronizations, so queued GPU work and launch costs are in."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        out = fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0, out
+
     def measure_cost_table(self, batch_sizes: Optional[Sequence[int]] = None, repeats: int = 5):
         """Step time of every strategy at every captured batch size, measured now by replaying the step's graphs
         on padding rows (median of ``repeats``, wall clock between device synchronizations, so launch costs are
@@ -391,7 +401,6 @@ class SpeculativeEngine:
             raise ValueError("measure_cost_table needs captured graphs: call capture_graphs() first")
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        cuda = self.device.type == "cuda"
         table = {}
         for s in self.strategies:
             names = self._graph_names(s)
@@ -400,17 +409,13 @@ class SpeculativeEngine:
             for b in sizes:
                 if not all(self.graph_pool.covers(n, b) for n in names):
                     continue
-                times = []
-                for _ in range(repeats + 1):  # the first replay warms up
-                    if cuda:
-                        torch.cuda.synchronize(self.device)
-                    t0 = time.perf_counter()
+
+                def replay(names=names, b=b):
                     for n in names:
                         self.graph_pool.replay_padding(n, b)
-                    if cuda:
-                        torch.cuda.synchronize(self.device)
-                    times.append(time.perf_counter() - t0)
-                times = sorted(times[1:])
+
+                times = [self._synced_seconds(replay)[0] for _ in range(repeats + 1)]
+                times = sorted(times[1:])  # the first replay warms up
                 pts.append((b, max(times[len(times) // 2], 1e-9)))
             if pts:
                 table[s] = pts
@@ -423,23 +428,21 @@ class SpeculativeEngine:
         Only cache slots past each request's context are written (tree nodes, then their compaction), and the
         real step rewrites them before anything reads them."""
         b = act.shape[0]
-        cuda = self.device.type == "cuda"
         arms = {}
         for s in self.strategies:
             if self._captured and not self.covers(s, b):
                 continue
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
-            lg, hid, _ = self._verify_forward(tok, par, nn_, table, ctx)
-            _, num_acc, _, _, _ = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)
-            nacc = num_acc.to(torch.int64)
-            counts = [(nacc + 1).sum().view(1)] + [(nacc > j).sum().view(1) for j in range(s.num_steps)]
-            host = torch.cat(counts).tolist()
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            arms[str(s)] = {"step_time": time.perf_counter() - t0, "emitted": host[0], "accepted": host[1:]}
+
+            def probe(s=s):
+                tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
+                lg, hid, _ = self._verify_forward(tok, par, nn_, table, ctx)
+                _, num_acc, _, _, _ = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)
+                nacc = num_acc.to(torch.int64)
+                counts = [(nacc + 1).sum().view(1)] + [(nacc > j).sum().view(1) for j in range(s.num_steps)]
+                return torch.cat(counts).tolist()
+
+            seconds, host = self._synced_seconds(probe)
+            arms[str(s)] = {"step_time": seconds, "emitted": host[0], "accepted": host[1:]}
         return {"batch_size": b, "arms": arms}
 
     # -- the fused step ----------------------------------------------------------------------------
