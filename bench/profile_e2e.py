@@ -53,6 +53,10 @@ def main() -> None:
             torch.cuda.synchronize()
         n = len(out.steps)
         lines.append(f"## {name}: {n} steps, {1e3 * wall / n:.2f} ms/step, accepted length {out.mean_accepted_length():.2f}")
+        # The step's graphs alone (replayed on padding rows): the rest of ms/step is the engine's host-side work.
+        table = eng.measure_cost_table(repeats=20)
+        lines.append("graphs only, ms per step by batch size: " + ", ".join(
+            f"B={b}: {1e3 * t:.3f}" for b, t in zip(*table.table[strategy])))
         ka = prof.key_averages()
         lines.append("### by self CUDA time (per step)")
         for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:18]:
