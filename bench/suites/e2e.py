@@ -15,7 +15,8 @@ Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with bat
 accepted length, speedups vs plain (whole rollout and tail) and vs the best static strategy.
 Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
 ``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
-``TLT_E2E_TRAIN_STEPS`` override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
+``TLT_E2E_TRAIN_STEPS``, ``TLT_E2E_LAYERS`` (target depth, default 24: real targets have 28-64 layers against
+the drafter's one) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
 ``TLT_E2E_FUSE=1`` captures each decoding step as one graph (``SpeculativeEngine(fuse_step=True)``);
 ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
@@ -35,7 +36,8 @@ def _sizes(small: bool) -> dict:
     if small:
         return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
                     warm_budget_s=3.0, train_window=(8, 32), arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
-    return dict(cfg="medium", train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
+    return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)),
+                train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
                 B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896, warm_budget_s=40.0,
                 train_window=(16, 128), arms=((2, 1, 3), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24)))
 
@@ -101,7 +103,10 @@ def run(ctx) -> None:
     if z["cfg"] == "tiny":
         cfg = ModelConfig.tiny()
     else:
-        cfg = ModelConfig.small(hidden_size=512, intermediate_size=1536, num_layers=6, num_q_heads=8, num_kv_heads=2, head_dim=64)
+        # Depth matters more than width here: the EAGLE drafter is one decoder layer, so what one draft step costs
+        # next to a target pass is about 1 / num_layers (a real 7B target has 28 layers). TLT_E2E_LAYERS overrides.
+        cfg = ModelConfig.small(hidden_size=512, intermediate_size=1536, num_layers=z["layers"], num_q_heads=8, num_kv_heads=2,
+                                head_dim=64)
     target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
@@ -109,7 +114,7 @@ def run(ctx) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("TLT_E2E_DTYPE", "fp32")]
     if cuda:
         target = target.to(dtype)
-    ctx.note(f"target {z['cfg']} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
+    ctx.note(f"target {z['cfg']} ({cfg.num_layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
              f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s")
 
     corpus = load_corpus("base")
