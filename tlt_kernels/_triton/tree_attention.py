@@ -48,6 +48,10 @@ MERGE_BLOCK_R = 16
 # (BLOCK_N, num_warps, num_stages[, BLOCK_M]) forced for every shape when set; the benchmark's tuning
 # sweep (TLT_TREE_ATTENTION_SWEEP=1 python -m bench tree-attention) sets it.
 CONFIG_OVERRIDE = None
+# Context-loop structure: 1 = unmasked whole tiles with the page ids prefetched one trip ahead, then a
+# masked tail (default); 0 = the previous every-tile-masked loop, kept only as the baseline of
+# bench/tree_attention_variants.py.
+PIPELINE = 1
 
 
 def _next_pow2(x: int) -> int:
@@ -66,6 +70,27 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.conste
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr):
+    """``_attend_tile`` for a tile whose keys are all visible: no mask, and the scale folded into the
+    exponent's FMA (``m`` is tracked on the raw scores, ``qk_scale > 0`` keeps the max the same)."""
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return _softmax_pv(tl.dot(q, tl.trans(k)), v, m_i, l_i, acc, qk_scale)
+
+
+@triton.jit
+def _softmax_pv(qk, v, m_i, l_i, acc, qk_scale):
+    """Online-softmax update with raw scores ``qk [BM, BN]`` (all visible) and the tile's ``v [BN, D]``."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
@@ -96,6 +121,17 @@ def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
 
 
 @triton.jit
+def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                       m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks."""
+    page = pages.to(tl.int64)
+    in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
+    k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
+    return _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET)
+
+
+@triton.jit
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
@@ -117,6 +153,7 @@ def _tree_attn_partial_kernel(
     NUM_M_CHUNKS: tl.constexpr,
     INTERPRET: tl.constexpr,
     DROP_BITS: tl.constexpr,
+    PIPELINE: tl.constexpr = 1,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -155,17 +192,48 @@ def _tree_attn_partial_kernel(
     # Context part of this split: no mask besides the split's end.
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
-    if INTERPRET:
-        # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
-        # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
-        n0 = start
-        while n0 < end:
-            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
-                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
-            n0 += BLOCK_N
+    if PIPELINE == 0:
+        # Legacy loop (kept for bench/tree_attention_variants.py): every tile masked, page ids looked up
+        # inside the tile. The pipeliner turns that lookup into an async copy too, and its wait for the
+        # lookup of tile i+1 (the newest group) drains the K/V copies of tile i+1 as well, so the loads
+        # of a tile never overlap the math of the previous one.
+        if INTERPRET:
+            n0 = start
+            while n0 < end:
+                m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
+                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
+                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
     else:
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
+        # Whole tiles first, unmasked, then at most one masked tail tile. The page ids of tile i+1 are a
+        # plain load issued during tile i and carried to the next trip, so the K/V loads' addresses do
+        # not depend on a load of their own trip and the pipeliner keeps their async copies in flight
+        # across the previous tile's math.
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
+        if INTERPRET:
+            # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
+            # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
+            n0 = start
+            while n0 < full_end:
+                nxt = n0 + BLOCK_N + offs_n
+                pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
+                m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
+                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                pages = pages_next
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, full_end, BLOCK_N):
+                nxt = n0 + BLOCK_N + offs_n
+                pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
+                m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
+                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                pages = pages_next
+        if full_end < end:
+            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp, stride_ks,
                                           stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
@@ -321,7 +389,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        num_warps=warps, num_stages=stages,
+        PIPELINE=PIPELINE, num_warps=warps, num_stages=stages,
     )
     if plan.num_splits > 1:
         _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](

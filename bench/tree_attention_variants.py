@@ -1,0 +1,173 @@
+"""Variant microbenchmark of the Triton tree-attention kernel (issue 3): ``python bench/tree_attention_variants.py``.
+
+Times every variant of ``tlt_kernels/_triton/tree_attention.py`` on the HBM-bound cases of the
+``tree-attention`` suite (Qwen2.5-7B / 32B geometry, D=128, page 16, bf16) in one process, next to the
+baseline (the previous context loop, ``PIPELINE = 0``, with today's config), and checks each against
+the baseline's output (max abs error). A variant is ``(label, PIPELINE, CONFIG_OVERRIDE or None,
+split factor)``; ``CONFIG_OVERRIDE`` is ``(BLOCK_N, num_warps, num_stages[, BLOCK_M])``.
+
+Percent of floor: ``bytes_moved`` (K/V of context + tree, q and out, each once; the suite's formula)
+over the bandwidth of a large device-to-device copy measured in the same run.
+
+Env: ``TLT_VARIANT_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the cases, ``TLT_VARIANT_ONLY=pipe`` the
+variants (exact labels; the baseline always runs), ``TLT_VARIANT_REPS`` the timed runs (default 100), ``TLT_VARIANT_JSON`` a
+path for the raw rows. On CPU (no GPU) it runs one tiny case under the Triton interpreter as a smoke test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs  # noqa: E402
+from tlt_kernels._triton import tree_attention as tk  # noqa: E402
+from tlt_kernels.ops.tree_attention import SPLIT_ALIGN, plan_tree_attention  # noqa: E402
+
+GPU_CASES = [
+    ("qwen2.5-7b", 64, 4096, 16), ("qwen2.5-7b", 64, 16384, 16), ("qwen2.5-7b", 256, 2048, 8),
+    ("qwen2.5-32b", 64, 4096, 16), ("qwen2.5-32b", 64, 16384, 16), ("qwen2.5-32b", 256, 2048, 8),
+    # Compute-bound rows: only checked for "no slower than before".
+    ("qwen2.5-7b", 32, 8192, 64), ("qwen2.5-7b", 8, 32768, 32), ("qwen2.5-7b", 1, 32768, 64),
+    ("qwen2.5-32b", 32, 8192, 64), ("qwen2.5-32b", 8, 32768, 32), ("qwen2.5-32b", 1, 32768, 64),
+]
+CPU_CASES = [("qwen2.5-7b", 2, 300, 8)]
+
+
+def variants_for(rows: int):
+    """Variants for ``rows = T * G`` query rows per KV head."""
+    v = [("base", 0, None, 1.0), ("pipe", 1, None, 1.0)]
+    if rows <= 64:
+        v += [("pipe bn=64 w4 s4", 1, (64, 4, 4), 1.0), ("pipe bn=128 w4 s3", 1, (128, 4, 3), 1.0),
+              ("pipe bn=64 w4 s2", 1, (64, 4, 2), 1.0), ("pipe bn=128 w8 s3", 1, (128, 8, 3), 1.0)]
+    elif rows <= 128:
+        v += [("pipe bn=64 w8 s3", 1, (64, 8, 3), 1.0), ("pipe bn=64 w8 s4", 1, (64, 8, 4), 1.0),
+              ("pipe bn=64 w8 s5", 1, (64, 8, 5), 1.0), ("pipe bn=128 w8 s2", 1, (128, 8, 2), 1.0),
+              ("pipe bm=64 bn=64 w4 s3", 1, (64, 4, 3, 64), 1.0), ("pipe bm=64 bn=128 w4 s3", 1, (128, 4, 3, 64), 1.0),
+              ("pipe split/2", 1, None, 0.5), ("pipe bn=64 w8 s4 split/2", 1, (64, 8, 4), 0.5)]
+    else:
+        v += [("pipe bn=64 w4 s4", 1, (64, 4, 4, 64), 1.0), ("pipe bn=128 w4 s3", 1, (128, 4, 3, 64), 1.0)]
+    return v
+
+
+def _selected(cases):
+    spec = os.environ.get("TLT_VARIANT_CASES", "").strip()
+    if not spec:
+        return cases
+    out = []
+    for item in spec.split(","):
+        tag, shape = item.strip().split(":")
+        model = next(m for m in MODELS if m.endswith("-" + tag.lower()))
+        out.append((model, *(int(x) for x in shape.lower().split("x"))))
+    return out
+
+
+def time_ms(fn, reps: int) -> float:
+    """Median ms over ``reps`` runs after warm-up (CUDA events per run on GPU, perf_counter on CPU)."""
+    for _ in range(5):
+        fn()
+    if not torch.cuda.is_available():
+        ts = []
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def copy_bandwidth(dev) -> float | None:
+    """Bytes/s (read + write) of a 1 GiB device-to-device copy."""
+    if dev.type != "cuda":
+        return None
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), 20)
+    del a, b
+    return 2 * (1 << 30) / (ms * 1e-3)
+
+
+def run_case(model, B, L, T, dev, reps, bw, rows_out):
+    Hq, Hkv = MODELS[model]
+    D = HEAD_DIM
+    inp = _make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, dev)
+    q, k_cache, v_cache = inp["q"], inp["k_cache"], inp["v_cache"]
+    elt = q.element_size()
+    nbytes = B * (L + T) * Hkv * D * 2 * elt + 2 * B * T * Hq * D * elt
+
+    def plan_for(factor):
+        base = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=D, block_size=PAGE, max_context_len=L)
+        if factor == 1.0:
+            return base
+        split_len = max(SPLIT_ALIGN, int(base.split_len * factor) // SPLIT_ALIGN * SPLIT_ALIGN)
+        return plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=D, block_size=PAGE, max_context_len=L, split_len=split_len)
+
+    only = [x.strip() for x in os.environ.get("TLT_VARIANT_ONLY", "").split(",") if x.strip()]
+    out = torch.empty_like(q)
+    reference = None
+    base_ms = None
+    for label, pipeline, cfg, factor in variants_for(T * (Hq // Hkv)):
+        if only and label != "base" and label not in only:
+            continue
+        plan = plan_for(factor)
+        tk.PIPELINE, tk.CONFIG_OVERRIDE = pipeline, cfg
+        try:
+            try:
+                out.fill_(float("nan"))
+                plan.run(q, k_cache, v_cache, out=out, backend="triton")
+                ms = time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"), reps)
+            except Exception as exc:  # e.g. out of shared memory for this config
+                print(f"{model:12s} ({B},{L},{T}) {label:28s} FAILED {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+        finally:
+            tk.PIPELINE, tk.CONFIG_OVERRIDE = 1, None
+        if reference is None:
+            reference = out.clone()
+        err = (out.float() - reference.float()).abs().max().item()
+        base_ms = base_ms or ms
+        pct = 100.0 * nbytes / bw / (ms * 1e-3) if bw else float("nan")
+        row = dict(model=model, B=B, L=L, T=T, variant=label, ms=ms, pct_floor=pct, speedup=base_ms / ms,
+                   max_abs_err=err, num_splits=plan.num_splits, split_len=plan.split_len, bytes_moved=nbytes)
+        rows_out.append(row)
+        print(f"{model:12s} ({B},{L},{T}) {label:28s} S={plan.num_splits:<2d} {ms:8.4f} ms {pct:6.1f}% floor "
+              f"x{base_ms / ms:5.2f} vs base  err {err:.2e}", flush=True)
+    del inp, q, k_cache, v_cache, out, reference
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reps = int(os.environ.get("TLT_VARIANT_REPS", "100" if dev.type == "cuda" else "1"))
+    bw = copy_bandwidth(dev)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
+    print(f"device: {name}; copy bandwidth: {bw / 1e9:.0f} GB/s" if bw else f"device: {name}", flush=True)
+    rows = []
+    for model, B, L, T in _selected(GPU_CASES if dev.type == "cuda" else CPU_CASES):
+        run_case(model, B, L, T, dev, reps, bw, rows)
+    path = os.environ.get("TLT_VARIANT_JSON")
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(dict(device=name, copy_bandwidth=bw, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
