@@ -317,6 +317,32 @@ def test_fused_step_graphs_on_cpu_fake_backend(target, prompts, kind):
     assert fused.lengths.tolist() == MAX_NEW
 
 
+def test_trace_probes_replay_the_fused_step_graphs(target, prompts):
+    """With fuse_step, every arm's probe replays that arm's step graph (so trace step times are graph times),
+    the output is still plain decoding's, and the chosen arm's probe saw at least the tokens the step emitted
+    (the step may cut them at a request's budget)."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    arms = [Strategy(2, 1, 3), Strategy(3, 2, 6)]
+    eng = SpeculativeEngine(target, EagleDrafter.for_target(target), StrategySelector(arms, seed=0), pool, max_batch_size=8,
+                            max_seq_len=64, fuse_step=True)
+    eng.capture_graphs([2, 8])
+    assert eng.graph_error is None, eng.graph_error
+    trace = []
+    out = eng.generate(prompts, MAX_NEW, trace=trace)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    assert len(trace) == len(out.steps)
+    for rec, st in zip(trace, out.steps):
+        assert set(rec["arms"]) == {"off", "s2k1v3", "s3k2v6"}
+        assert rec["arms"][st.strategy]["emitted"] >= st.emitted
+    # Three probes and the real step per decoding step, all from step graphs.
+    assert pool.stats()["hits"] == 4 * len(out.steps) and pool.stats()["misses"] == 0
+
+
 def test_fuse_step_rejects_the_ngram_drafter(target):
     with pytest.raises(ValueError, match="fuse_step"):
         SpeculativeEngine(target, "ngram", Strategy(4, 1, 5), max_batch_size=2, max_seq_len=32, fuse_step=True)

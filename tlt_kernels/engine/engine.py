@@ -423,20 +423,26 @@ class SpeculativeEngine:
             raise ValueError("no strategy has a captured graph at the requested batch sizes")
         return CostTable(table)
 
-    def _probe_arms(self, act, roots, ngram, eagle_rows, table, ctx, samp) -> dict:
+    def _probe_arms(self, act, roots, ngram, eagle_rows, table, ctx, samp, step_samp) -> dict:
         """One trace record: every strategy drafted, verified and accepted on the live rows without committing.
-        Only cache slots past each request's context are written (tree nodes, then their compaction), and the
-        real step rewrites them before anything reads them."""
+        Only cache slots past each request's context are written (tree nodes, then their compaction; the
+        drafter's too), and the real step rewrites them before anything reads them. With ``fuse_step`` each
+        probe replays the strategy's step graph, so the recorded step times are those of the real steps."""
         b = act.shape[0]
         arms = {}
         for s in self.strategies:
             if self._captured and not self.covers(s, b):
                 continue
+            fused = self.fuse_step and self._graph_size(self._step_key(s), b)
 
-            def probe(s=s):
-                tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
-                lg, hid, _ = self._verify_forward(tok, par, nn_, table, ctx)
-                _, num_acc, _, _, _ = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)
+            def probe(s=s, fused=fused):
+                if fused:
+                    inputs = [table, ctx, roots[act], *step_samp, *(eagle_rows or [])]
+                    num_acc = self.graph_pool.run(self._step_key(s), inputs, batch_size=fused, fill_rest=True)[1][:b]
+                else:
+                    tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
+                    lg, hid, _ = self._verify_forward(tok, par, nn_, table, ctx)
+                    _, num_acc, _, _, _ = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)
                 nacc = num_acc.to(torch.int64)
                 counts = [(nacc + 1).sum().view(1)] + [(nacc > j).sum().view(1) for j in range(s.num_steps)]
                 return torch.cat(counts).tolist()
@@ -686,7 +692,8 @@ class SpeculativeEngine:
                 eagle_rows = None if eagle_state is None else [getattr(eagle_state, f)[act] for f in EAGLE_FIELDS]
                 ctx_old = ctx[act]
                 if trace is not None:
-                    trace.append(self._probe_arms(act, roots, ngram, eagle_rows, table[act], ctx_old, sampling(act)))
+                    trace.append(self._probe_arms(act, roots, ngram, eagle_rows, table[act], ctx_old, sampling(act),
+                                                  step_sampling(act)))
                 T = tree_width(s, self.drafter_kind)
                 fused = self.fuse_step and self._graph_size(self._step_key(s), b)
                 new_eagle = None
