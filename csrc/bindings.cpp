@@ -26,7 +26,8 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
                                      const py::tuple& q_strides, const py::tuple& k_strides,
                                      const py::tuple& v_strides, const py::tuple& out_strides, int64_t bt_stride_b,
                                      int batch, int num_tree, int num_q_heads, int num_kv_heads, int head_dim,
-                                     int block_size, int num_splits, int split_len, float sm_scale, int dtype) {
+                                     int block_size, int num_splits, int split_len, float sm_scale, int dtype,
+                                     int config) {
   auto strides3 = [](const py::tuple& t, const char* name, int64_t& a, int64_t& b, int64_t& c) {
     if (t.size() != 3) throw std::invalid_argument(std::string(name) + " must be a 3-tuple of element strides");
     a = t[0].cast<int64_t>();
@@ -61,6 +62,7 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
   p.mask_words = (num_tree + 31) / 32;
   p.sm_scale = sm_scale;
   p.dtype = static_cast<tlt::DType>(dtype);
+  p.config = config;
   return p;
 }
 
@@ -70,7 +72,8 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
       py::arg("out"), py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"),                    \
       py::arg("out_strides"), py::arg("bt_stride_b"), py::arg("batch"), py::arg("num_tree"),               \
       py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),         \
-      py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream")
+      py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream"), \
+      py::arg("config") = 0
 
 template <tlt::LaunchStatus (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t) noexcept>
 void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,
@@ -78,11 +81,11 @@ void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uin
                           uintptr_t partial_lse, uintptr_t out, const py::tuple& q_strides, const py::tuple& k_strides,
                           const py::tuple& v_strides, const py::tuple& out_strides, int64_t bt_stride_b, int batch,
                           int num_tree, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                          int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream) {
+                          int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream, int config) {
   const tlt::TreeAttentionParams p =
       make_params(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out,
                   q_strides, k_strides, v_strides, out_strides, bt_stride_b, batch, num_tree, num_q_heads,
-                  num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype);
+                  num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype, config);
   // Launches are asynchronous and cheap; keep the GIL (no Python work runs meanwhile anyway).
   raise_if_failed(Launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
@@ -115,10 +118,12 @@ PYBIND11_MODULE(_C, m) {
       "_cuda_check_selftest", [](int code) { TLT_CUDA_CHECK(static_cast<cudaError_t>(code)); },
       "Raise what TLT_CUDA_CHECK raises for the given cudaError_t code (tests the error path; needs no GPU).");
   m.def("tree_attention_partial", &tree_attention_entry<tlt::launch_tree_attention_partial>, TLT_TREE_ATTN_ARGS,
-        "Step 1 of tree attention: grid (S+1, B, Hkv) writes partial_out float32 [B,Hkv,S+1,T*G,D] and "
-        "partial_lse float32 [B,Hkv,S+1,T*G] (out is unused). dtype: DTYPE_FLOAT16 or DTYPE_BFLOAT16.");
+        "Step 1 of tree attention: writes out [B,T,Hq,D] for requests with at most one non-empty context split, "
+        "else partial_out float32 [B,Hkv,S+1,T*G,D] / partial_lse float32 [B,Hkv,S+1,T*G] at slots "
+        "s < ceil(context_lens[b] / split_len) (the last includes the tree). dtype: DTYPE_FLOAT16 or "
+        "DTYPE_BFLOAT16; config: 0 (per shape) or a tuning variant (csrc/tree_attention.cu).");
   m.def("tree_attention_merge", &tree_attention_entry<tlt::launch_tree_attention_merge>, TLT_TREE_ATTN_ARGS,
-        "Step 2 of tree attention: log-sum-exp merge of the S+1 partials into out [B,T,Hq,D] (zeros for rows "
-        "t >= num_nodes[b]).");
+        "Step 2 of tree attention: log-sum-exp merge of the used partial slots into out [B,T,Hq,D] for requests "
+        "with two or more non-empty splits (zeros for rows t >= num_nodes[b]); launches nothing when num_splits == 1.");
   register_acceptance(m);
 }

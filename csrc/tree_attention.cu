@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "launch_status.h"
 #include "tree_attention.cuh"
@@ -14,6 +15,8 @@
 
 namespace tlt {
 namespace {
+
+constexpr int kNumConfigs = 8;  // p.config values, see launch_partial
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -30,31 +33,74 @@ LaunchStatus check_common(const TreeAttentionParams& p) {
   TLT_STATUS_CHECK_ARG(p.num_q_heads > 0 && p.partial_lse != nullptr && p.partial_out != nullptr && p.num_nodes != nullptr,
                 "partial_out, partial_lse and num_nodes must be device pointers");
   TLT_STATUS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.partial_out) % 8 == 0, "partial_out must be 8-byte aligned");
+  TLT_STATUS_CHECK_ARG(p.out != nullptr, "out must be a device pointer");
+  // out is written two elements (4 bytes) at a time.
+  TLT_STATUS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride_b % 2 == 0 && p.out_stride_t % 2 == 0 &&
+                           p.out_stride_h % 2 == 0,
+                       "out must be 4-byte aligned with even strides, got strides (" << p.out_stride_b << ", "
+                                                                                      << p.out_stride_t << ", " << p.out_stride_h << ")");
+  TLT_STATUS_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
+  TLT_STATUS_CHECK_ARG(p.config >= 0 && p.config < kNumConfigs,
+                       "config must be in [0, " << kNumConfigs << "), got " << p.config);
   return {};
 }
 
-template <typename T, int D>
-LaunchStatus launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
-  using Cfg = tree_attn::TileConfig<D>;
-  auto kernel = tree_attn::tree_attention_partial_kernel<T, D>;
-  const int smem = static_cast<int>(Cfg::kSmemBytes);
+// Default configuration per head dim (kStages, kQInRegs); the row tile (4 or 8 warps) follows M.
+//   D=64/128: Q fragments in registers, 4 / 3 ring stages (64-token tiles).
+//   D=256: Q re-read from shared memory (the O accumulator alone is 128 registers), 3 stages of
+//   32-token tiles.
+//   8 warps at D=128: 2 stages. Two H200 sweeps (bf16) put 2 vs 3 stages within run-to-run noise
+//   (7B (64, 4096, 16): 0.308 vs 0.317 ms in one, 0.334 vs 0.313 in the other); config 6 (128-token
+//   tiles, Q in shared memory) was 2-5% faster on every 8-warp case of the second sweep: the next
+//   default candidate once confirmed.
+template <int D, int kWarps>
+using DefaultTraits = tree_attn::KernelTraits<D, kWarps, D == 64 ? 4 : (D == 128 && kWarps == 8 ? 2 : 3), D <= 128>;
+
+template <typename T, class KT>
+LaunchStatus launch_partial_with(const TreeAttentionParams& p, cudaStream_t stream) {
+  auto kernel = tree_attn::tree_attention_partial_kernel<T, KT>;
+  const int smem = static_cast<int>(KT::kSmemBytes);
   // Needed above 48 KiB; cheap and allowed during stream capture, and per device, so set every call.
   TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  // One CTA per (split, 64-row chunk of the T * G rows, request, KV head); see the kernel.
-  const int64_t chunks = (int64_t(p.num_tree) * p.group + tree_attn::kBlockM - 1) / tree_attn::kBlockM;
-  TLT_STATUS_CHECK_ARG((p.num_splits + 1) * chunks <= 0x7fffffff, "too many splits x row chunks for one launch");
-  const dim3 grid(static_cast<unsigned>((p.num_splits + 1) * chunks), p.batch, p.num_kv_heads);
-  kernel<<<grid, tree_attn::kNumThreads, smem, stream>>>(p);
+  const int64_t chunks = (int64_t(p.num_tree) * p.group + KT::kBlockM - 1) / KT::kBlockM;
+  TLT_STATUS_CHECK_ARG(int64_t(p.num_splits) * chunks <= 0x7fffffff, "too many splits x row chunks for one launch");
+  const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), p.batch, p.num_kv_heads);
+  kernel<<<grid, KT::kThreads, smem, stream>>>(p);
   TLT_STATUS_CHECK_LAUNCH();
   return {};
+}
+
+// p.config: 0 = per-shape default: one CTA of 4 warps (64 rows) when M = T * G <= 64, else 8 warps
+// (128 rows, chunks of 128 above that). Tuning variants (bf16, D=128 only, always 8 warps):
+// 1 = 3 stages, 2 = 4 stages, 3 = 3 stages with Q in shared memory, 4 = 2 stages with Q in shared
+// memory and <= 128 registers (2 CTAs per SM), 6 / 7 = 128-token tiles, 2 stages, Q in shared memory /
+// in registers; 5 = the default with 4 warps (64-row chunks), any shape.
+template <typename T, int D>
+LaunchStatus launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
+  if constexpr (D == 128 && std::is_same<T, __nv_bfloat16>::value) {
+    switch (p.config) {
+      case 1: return launch_partial_with<T, tree_attn::KernelTraits<128, 8, 3, true>>(p, stream);
+      case 2: return launch_partial_with<T, tree_attn::KernelTraits<128, 8, 4, true>>(p, stream);
+      case 3: return launch_partial_with<T, tree_attn::KernelTraits<128, 8, 3, false>>(p, stream);
+      case 4: return launch_partial_with<T, tree_attn::KernelTraits<128, 8, 2, false, 2>>(p, stream);
+      case 6: return launch_partial_with<T, tree_attn::KernelTraits<128, 8, 2, false, 1, 128>>(p, stream);
+      case 7: return launch_partial_with<T, tree_attn::KernelTraits<128, 8, 2, true, 1, 128>>(p, stream);
+      default: break;
+    }
+  } else {
+    TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 5,
+                         "config " << p.config << " is a tuning variant of bf16 / head_dim 128 only (use 0)");
+  }
+  if (p.config == 5 || p.num_tree * p.group <= 64) return launch_partial_with<T, DefaultTraits<D, 4>>(p, stream);
+  return launch_partial_with<T, DefaultTraits<D, 8>>(p, stream);
 }
 
 template <typename T, int D>
 LaunchStatus launch_merge(const TreeAttentionParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.num_tree * p.num_q_heads;
-  const int64_t blocks = (rows + tree_attn::kNumWarps - 1) / tree_attn::kNumWarps;
+  const int64_t blocks = (rows + tree_attn::kMergeWarps - 1) / tree_attn::kMergeWarps;
   TLT_STATUS_CHECK_ARG(blocks <= 0x7fffffff, "too many output rows for one launch: " << rows);
-  tree_attn::tree_attention_merge_kernel<T, D><<<static_cast<unsigned>(blocks), tree_attn::kNumThreads, 0, stream>>>(p);
+  tree_attn::tree_attention_merge_kernel<T, D><<<static_cast<unsigned>(blocks), tree_attn::kMergeWarps * 32, 0, stream>>>(p);
   TLT_STATUS_CHECK_LAUNCH();
   return {};
 }
@@ -99,17 +145,19 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
                     p.v_stride_block % 8 == 0 && p.v_stride_token % 8 == 0 && p.v_stride_head % 8 == 0,
                 "k_cache / v_cache strides must be multiples of 8 elements (16 bytes)");
   TLT_STATUS_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
-  TLT_STATUS_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
+  TLT_STATUS_CHECK_ARG(p.num_tree <= tree_attn::kMaxTree,
+                       "num_tree must be <= " << tree_attn::kMaxTree << " for the CUDA kernels, got " << p.num_tree);
   TLT_STATUS_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32,
                 "mask_words must be ceil(num_tree / 32) = " << (p.num_tree + 31) / 32 << ", got " << p.mask_words);
   if (p.batch == 0) return {};
-  return dispatch<PartialLaunch>(p, stream);
+  TreeAttentionParams q = p;
+  q.block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(p.block_size)) : -1;
+  return dispatch<PartialLaunch>(q, stream);
 }
 
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
   TLT_RETURN_IF_FAILED(check_common(p));
-  TLT_STATUS_CHECK_ARG(p.out != nullptr, "out must be a device pointer");
-  if (p.batch == 0) return {};
+  if (p.batch == 0 || p.num_splits == 1) return {};  // every request was finished by the partial kernel
   return dispatch<MergeLaunch>(p, stream);
 }
 

@@ -1,23 +1,36 @@
-// Tree attention over a paged KV cache (flash-decoding with a tree split). Torch-free.
+// Tree attention over a paged KV cache (flash-decoding with the tree folded in). Torch-free.
 //
 // For request b, KV head h and query row r = t * G + g (query head h * G + g of draft node t):
 //
 //   out[b, t, h*G+g] = softmax_j(scale * q . k_j) v_j   over   j in context[0, ctx_b)  U  {tree node j : j anc-or-self of t}
 //
-// Step 1 (partial kernel, one CTA per (split, 64-row chunk, b, h)): split s < S covers context
-// tokens [s * split_len, min((s+1) * split_len, ctx_b)) without a mask; split S covers the tree
-// tokens at cache slots ctx_b + j under the packed ancestor mask. Every CTA computes, for its 64 of
-// the M = num_nodes[b] * G rows of the group, the normalized partial output O_s = sum_j p_j v_j / l_s
-// and lse_s = log(l_s) with the usual online softmax. The chunks of a split are adjacent in launch
-// order, so they run together and each K/V tile comes from HBM about once (the others hit L2).
-// Step 2 (merge kernel) combines the S + 1 partials: out = sum_s exp(lse_s - m) O_s / sum_s exp(lse_s - m).
+// Work split. One CTA per (context split s, row chunk, request b, KV head h) owns up to BLOCK_M =
+// 16 * kWarps of the M = T * G query rows that read KV head h (every tree node times every query
+// head of the group), so each K/V tile goes to shared memory once and feeds an [M, D] x [D, BLOCK_N]
+// tensor-core product: the tree costs about the HBM traffic of one decode step. Row chunks exist
+// only for M > 128; the chunks of a split are adjacent in launch order and share tiles through L2.
 //
-// Partial kernel layout: 4 warps, BLOCK_M = 64 query rows per CTA (16 per warp), K/V tiles of
-// BLOCK_N tokens gathered through the block table with 16-byte cp.async (zero-filled past the end)
-// into a double-buffered, row-padded shared buffer. Tensor cores via mma.sync.m16n8k16 (fp16/bf16
-// in, fp32 accumulate); ldmatrix feeds Q and K, ldmatrix.trans feeds V; P goes from the S
-// accumulators straight into A fragments (the C layout of m16n8 equals the A layout of m16n8k16 for
-// two adjacent n-tiles). The online softmax runs in the log2 domain (exp2 with scale * log2(e)).
+// Per request, `used = ceil(ctx / split_len)` context splits are non-empty. The tree tokens (cache
+// slots ctx + j, masked by the packed ancestor bits) are one or two extra tiles of the *last*
+// non-empty split (split 0 when ctx == 0); later splits exit at once. A request with used <= 1 is
+// complete in split 0, which writes `out` directly in q's dtype (padding rows as zeros): no scratch,
+// no merge. Otherwise split s < used writes its normalized partial output and natural-log LSE at
+// scratch slot s, and the merge kernel combines exactly those `used` slots (slot S of the plan's
+// scratch is not used). The merge is not launched at all when the plan has one split.
+//
+// Pipeline. kStages-deep cp.async ring of K/V tiles (16-byte copies, zero-filled past the end);
+// one __syncthreads per tile: after `cp.async.wait_group kStages-2` + the barrier, tile `it` is
+// visible and every warp has finished tile it-1, so its stage is refilled with tile it+kStages-1
+// right away. The block-table entries of the next tile to issue are read one iteration ahead into
+// registers, so the dependent page-id load never stalls the copy issue. Only a split's last context
+// tile is bounds-masked and only tree tiles test ancestor bits; full tiles run unmasked.
+//
+// Math. mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate), 16 query rows per warp. Q fragments are
+// loaded once into registers (D <= 128; Q is staged in the ring's last stage, which the first
+// refill then overwrites) or re-read from a dedicated shared buffer (D = 256, where the fp32 O
+// accumulator alone takes 128 registers). ldmatrix feeds Q and K, ldmatrix.trans feeds V; the S
+// accumulators of two adjacent n-tiles are the A fragment of the PV product (the C layout of m16n8
+// equals the A layout of m16n8k16). Online softmax in base 2 (ex2 with scale * log2 e).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,22 +44,41 @@
 namespace tlt {
 namespace tree_attn {
 
-constexpr int kNumWarps = 4;
-constexpr int kNumThreads = kNumWarps * 32;
-constexpr int kBlockM = kNumWarps * 16;  // query rows per pass
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kMaxTree = 64;  // a row's ancestor bits are preloaded into one 64-bit register
 
-// K/V tile length: keeps the fp32 O accumulator (D/2 registers per thread) plus the S tile
-// (BLOCK_N/2 registers) under the register budget without spills.
-template <int D>
-struct TileConfig {
-  static constexpr int kBlockN = D >= 256 ? 32 : 64;
-  // Rows are padded by 16 bytes so the 8 row addresses of one ldmatrix phase hit distinct banks.
-  static constexpr int kRowStride = D + 8;  // elements
-  static constexpr int kChunksPerRow = D * 2 / 16;  // 16-byte chunks per K/V/Q row
-  static constexpr size_t kSmemBytes =
-      size_t(kBlockM + 4 * kBlockN) * kRowStride * 2;  // Q + 2 stages of (K, V)
+// Compile-time shape of the partial kernel.
+//   D: head dim; kWarps: 16 query rows each; kStages: K/V ring depth; kQInRegs: Q fragments in
+//   registers; kMinBlocks: __launch_bounds__ occupancy hint;
+//   kBlockN_: K/V tile length, 0 = 64 (32 at D = 256, which keeps the S tile small next to the
+//   128-register O accumulator).
+template <int D_, int kWarps_, int kStages_, bool kQInRegs_, int kMinBlocks_ = 1, int kBlockN_ = 0>
+struct KernelTraits {
+  static constexpr int D = D_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = kBlockN_ ? kBlockN_ : (D >= 256 ? 32 : 64);
+  static constexpr int kStages = kStages_;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  // Rows padded by 16 bytes so the 8 row addresses of one ldmatrix phase hit distinct banks.
+  static constexpr int kRowStride = D + 8;
+  static constexpr int kChunksPerRow = D / 8;  // 16-byte chunks per row
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kKVLoads = kBlockN / kRowsPerPass;  // K (and V) rows each thread copies per tile
+  static constexpr int kQLoads = kBlockM / kRowsPerPass;
+  static constexpr int kTileElems = kBlockN * kRowStride;
+  static constexpr int kStageElems = 2 * kTileElems;  // K then V
+  static constexpr int kQElems = kQInRegs ? 0 : kBlockM * kRowStride;
+  static constexpr size_t kSmemBytes = size_t(kStages * kStageElems + kQElems) * 2;
+
+  static_assert(kStages >= 2, "the ring needs at least two stages");
+  static_assert(kThreads % kChunksPerRow == 0 && kKVLoads >= 1 && kBlockN % kRowsPerPass == 0,
+                "K/V tile rows must split evenly over the threads");
+  static_assert(kBlockM % kRowsPerPass == 0, "Q rows must split evenly over the threads");
+  static_assert(!kQInRegs || kBlockM * kRowStride <= kStageElems, "Q is staged in one ring stage");
 };
 
 template <typename T>
@@ -63,7 +95,6 @@ struct TypeTraits<__half> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ __forceinline__ static __half from_float(float x) { return __float2half_rn(x); }
 };
 template <>
 struct TypeTraits<__nv_bfloat16> {
@@ -77,7 +108,6 @@ struct TypeTraits<__nv_bfloat16> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ __forceinline__ static __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -106,81 +136,155 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
-// Gather BLOCK_N K and V rows (cache slots [tile_begin, tile_begin + BLOCK_N), valid below kv_end)
-// of KV head `h` of request `b` into shared memory. Thread `tid` copies chunk tid % CPR of rows
-// tid / CPR, tid / CPR + ROWS_PER_PASS, ...
+// 2^x on the SFU; ex2.approx(-inf) = +0, which the masking relies on.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Zeros for out rows [r_begin, r_end) of (b, KV head h); rows are r = t * G + g.
 template <typename T, int D>
-__device__ __forceinline__ void load_kv_tile(const TreeAttentionParams& p, T* k_s, T* v_s, int b, int h, int tile_begin,
-                                             int kv_end, int tid) {
-  using Cfg = TileConfig<D>;
-  constexpr int kRowsPerPass = kNumThreads / Cfg::kChunksPerRow;
-  const int chunk = tid % Cfg::kChunksPerRow;
-  const int32_t* bt = p.block_table + int64_t(b) * p.bt_stride_b;
-  const T* k_base = static_cast<const T*>(p.k_cache) + int64_t(h) * p.k_stride_head + chunk * 8;
-  const T* v_base = static_cast<const T*>(p.v_cache) + int64_t(h) * p.v_stride_head + chunk * 8;
-  static_assert(Cfg::kBlockN % kRowsPerPass == 0, "K/V tile rows must split evenly over the threads");
-#pragma unroll
-  for (int i = 0; i < Cfg::kBlockN / kRowsPerPass; ++i) {
-    const int n = tid / Cfg::kChunksPerRow + i * kRowsPerPass;
-    const int slot = tile_begin + n;
-    const bool valid = slot < kv_end;
-    const T* k_src = k_base;
-    const T* v_src = v_base;
-    if (valid) {
-      const int64_t page = bt[slot / p.block_size];
-      const int64_t off = slot % p.block_size;
-      k_src += page * p.k_stride_block + off * p.k_stride_token;
-      v_src += page * p.v_stride_block + off * p.v_stride_token;
-    }
-    const int dst = n * Cfg::kRowStride + chunk * 8;
-    cp_async_16(k_s + dst, k_src, valid ? 16 : 0);
-    cp_async_16(v_s + dst, v_src, valid ? 16 : 0);
+__device__ __forceinline__ void write_zero_rows(const TreeAttentionParams& p, int b, int h, int r_begin, int r_end,
+                                                int tid, int nthreads) {
+  constexpr int kPairs = D / 2;
+  T* out_b = static_cast<T*>(p.out) + int64_t(b) * p.out_stride_b;
+  for (int i = tid; i < (r_end - r_begin) * kPairs; i += nthreads) {
+    const int r = r_begin + i / kPairs;
+    const int t = r / p.group;
+    const int hq = h * p.group + (r - t * p.group);
+    *reinterpret_cast<uint32_t*>(out_b + int64_t(t) * p.out_stride_t + int64_t(hq) * p.out_stride_h + 2 * (i % kPairs)) = 0u;
   }
 }
 
-// Q rows m0 .. m0 + BLOCK_M - 1 of group (b, h) into shared memory (zeros past M).
-template <typename T, int D>
-__device__ __forceinline__ void load_q_chunk(const TreeAttentionParams& p, T* q_s, int b, int h, int m0, int M,
-                                             int tid) {
-  using Cfg = TileConfig<D>;
-  constexpr int kRowsPerPass = kNumThreads / Cfg::kChunksPerRow;
-  const int chunk = tid % Cfg::kChunksPerRow;
-  const T* q_base = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + chunk * 8;
-  static_assert(kBlockM % kRowsPerPass == 0, "Q rows must split evenly over the threads");
-#pragma unroll
-  for (int k = 0; k < kBlockM / kRowsPerPass; ++k) {
-    const int i = tid / Cfg::kChunksPerRow + k * kRowsPerPass;
-    const int r = m0 + i;
-    const bool valid = r < M;
-    const T* src = q_base;
-    if (valid) {
-      const int t = r / p.group;
-      const int g = r - t * p.group;
-      src += int64_t(t) * p.q_stride_t + int64_t(h * p.group + g) * p.q_stride_h;
-    }
-    cp_async_16(q_s + i * Cfg::kRowStride + chunk * 8, src, valid ? 16 : 0);
-  }
-}
+enum TileMask : int { kNoMask = 0, kBoundMask = 1, kTreeMask = 2 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(const TreeAttentionParams p) {
-  using Cfg = TileConfig<D>;
+// One online-softmax step of a warp's 16 rows against the K/V tile in (ks, vs).
+//   kMode == kBoundMask: columns at slot >= limit are masked (the split's last context tile).
+//   kMode == kTreeMask: column j (tree node tree_col0 + j) is kept iff bit j of the row's mask words.
+template <typename T, class KT, int kMode>
+__device__ __forceinline__ void attend_tile(const T* __restrict__ ks, const T* __restrict__ vs, const T* q_warp_s,
+                                            const uint32_t (&qf)[KT::kQInRegs ? KT::D / 16 : 1][4],
+                                            float (&o)[KT::D / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                            int col0, int limit, int tree_col0, const uint64_t (&mrow)[2],
+                                            float scale_log2, int lane) {
   using Traits = TypeTraits<T>;
-  constexpr int BN = Cfg::kBlockN;
-  constexpr int LDS = Cfg::kRowStride;
-  constexpr int kNT = BN / 8;  // n-tiles of the S tile
-  constexpr int kDT = D / 8;   // n-tiles of the O tile
+  constexpr int D = KT::D;
+  constexpr int BN = KT::kBlockN;
+  constexpr int LDS = KT::kRowStride;
+  constexpr int kNT = BN / 8;
+  constexpr int kDT = D / 8;
+  const int tig = lane % 4;
+
+  // S = Q K^T: 16 rows x BN tokens.
+  float s[kNT][4];
+#pragma unroll
+  for (int i = 0; i < kNT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    if constexpr (KT::kQInRegs) {
+      a[0] = qf[kk][0];
+      a[1] = qf[kk][1];
+      a[2] = qf[kk][2];
+      a[3] = qf[kk][3];
+    } else {
+      ldmatrix_x4(a, q_warp_s + (lane & 15) * LDS + kk * 16 + (lane >> 4) * 8);
+    }
+#pragma unroll
+    for (int nj = 0; nj < kNT / 2; ++nj) {
+      uint32_t bk[4];
+      ldmatrix_x4(bk, ks + (nj * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
+      Traits::mma(s[2 * nj], a, bk[0], bk[1]);
+      Traits::mma(s[2 * nj + 1], a, bk[2], bk[3]);
+    }
+  }
+
+  // Scale into the log2 domain; masked entries become -inf (p = 0).
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = nt * 8 + 2 * tig + (e & 1);
+      bool ok = true;
+      if constexpr (kMode == kBoundMask) ok = col0 + c < limit;
+      if constexpr (kMode == kTreeMask) {
+        const int j = tree_col0 + c;  // tree node of this column; T <= 64
+        ok = (BN <= 64 || j < 64) && ((mrow[e >> 1] >> (j & 63)) & 1u);
+      }
+      s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
+    }
+  }
+
+  // Online softmax; the 4 lanes of a quad share a row.
+  float alpha[2];
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hi], s[nt][2 * hi + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_max[hi], mx);
+    // A row with nothing unmasked yet keeps m = -inf; subtract 0 then so ex2 gives 0, not NaN.
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    alpha[hi] = fast_exp2(row_max[hi] - m_use);
+    row_max[hi] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      s[nt][2 * hi] = fast_exp2(s[nt][2 * hi] - m_use);
+      s[nt][2 * hi + 1] = fast_exp2(s[nt][2 * hi + 1] - m_use);
+      sum += s[nt][2 * hi] + s[nt][2 * hi + 1];
+    }
+    row_sum[hi] = row_sum[hi] * alpha[hi] + sum;
+  }
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    o[dt][0] *= alpha[0];
+    o[dt][1] *= alpha[0];
+    o[dt][2] *= alpha[1];
+    o[dt][3] *= alpha[1];
+  }
+
+  // O += P V (P rounded to the input dtype, as FlashAttention does).
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    uint32_t a[4];
+    a[0] = Traits::pack(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = Traits::pack(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = Traits::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = Traits::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+    for (int dj = 0; dj < D / 16; ++dj) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, vs + (kk * 16 + (lane & 15)) * LDS + dj * 16 + (lane >> 4) * 8);
+      Traits::mma(o[2 * dj], a, bv[0], bv[1]);
+      Traits::mma(o[2 * dj + 1], a, bv[2], bv[3]);
+    }
+  }
+}
+
+// Grid (num_splits * row_chunks, B, Hkv); chunk index fastest. See the file comment.
+template <typename T, class KT>
+__global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_partial_kernel(const TreeAttentionParams p) {
+  using Traits = TypeTraits<T>;
+  constexpr int D = KT::D;
+  constexpr int BN = KT::kBlockN;
+  constexpr int BM = KT::kBlockM;
+  constexpr int LDS = KT::kRowStride;
+  constexpr int kStages = KT::kStages;
+  constexpr int kDT = D / 8;
+  constexpr int CPR = KT::kChunksPerRow;
+  constexpr int RPP = KT::kRowsPerPass;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* q_s = reinterpret_cast<T*>(smem_raw);
-  T* k_s = q_s + kBlockM * LDS;       // [2][BN][LDS]
-  T* v_s = k_s + 2 * BN * LDS;        // [2][BN][LDS]
+  T* ring = reinterpret_cast<T*>(smem_raw);  // [kStages][K, V][BN][LDS]
+  T* q_s = ring + (KT::kQInRegs ? (kStages - 1) * KT::kStageElems : kStages * KT::kStageElems);
 
-  // Row chunks of one split are adjacent in launch order: they run concurrently and read the same
-  // K/V tiles, so only the first of them fetches a tile from HBM and the others hit L2.
-  const int num_row_chunks = gridDim.x / (p.num_splits + 1);
-  const int split = blockIdx.x / num_row_chunks;
-  const int m0 = (blockIdx.x % num_row_chunks) * kBlockM;
+  const int num_chunks = gridDim.x / p.num_splits;
+  const int split = blockIdx.x / num_chunks;
+  const int m0 = (blockIdx.x - split * num_chunks) * BM;
   const int b = blockIdx.y;
   const int h = blockIdx.z;
   const int tid = threadIdx.x;
@@ -189,206 +293,215 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_partial_kernel(con
   const int gid = lane / 4;  // row (and row + 8) of the mma fragments this lane holds
   const int tig = lane % 4;  // column pair 2*tig, 2*tig+1 within each n-tile
 
+  const int G = p.group;
   const int ctx = p.context_lens[b];
   const int nn = p.num_nodes[b];
-  const int M = nn * p.group;
-  const int TG = p.num_tree * p.group;
-  const bool is_tree = split == p.num_splits;
-  int kv_begin, kv_end;
-  if (is_tree) {
-    kv_begin = ctx;
-    kv_end = ctx + nn;
-  } else {
-    kv_begin = split * p.split_len;
-    kv_end = min(kv_begin + p.split_len, ctx);
-  }
-  const int64_t row_base = (int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) + split) * TG;
-  float* lse_out = p.partial_lse + row_base;
-  float* o_out = p.partial_out + row_base * D;
-
-  if (m0 >= M) return;  // a chunk past this request's rows (num_nodes[b] < T)
-  if (kv_begin >= kv_end) {  // empty context split: the merge skips lse == -inf
-    for (int r = m0 + tid; r < min(M, m0 + kBlockM); r += kNumThreads) lse_out[r] = -INFINITY;
+  const int M = nn * G;
+  const int TG = p.num_tree * G;
+  const int used = (ctx + p.split_len - 1) / p.split_len;  // non-empty context splits
+  const int last = max(used, 1) - 1;                        // the split that also covers the tree
+  if (split > last) return;
+  const bool direct = used <= 1;  // this CTA completes its rows: write out, skip the scratch
+  if (m0 >= M) {                  // a chunk of padding rows only (num_nodes[b] < T)
+    if (direct) write_zero_rows<T, D>(p, b, h, m0, min(m0 + BM, TG), tid, KT::kThreads);
     return;
   }
-  const int num_tiles = (kv_end - kv_begin + BN - 1) / BN;
+  const int kv_begin = split * p.split_len;
+  const int kv_end = min(kv_begin + p.split_len, ctx);
+  const int n_ctx_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
+  const bool ctx_tail = n_ctx_tiles > 0 && (kv_end - kv_begin) % BN != 0;
+  const int num_tiles = n_ctx_tiles + (split == last ? (nn + BN - 1) / BN : 0);
   const float scale_log2 = p.sm_scale * kLog2e;
-  const int32_t* mask_b = p.tree_mask + int64_t(b) * p.num_tree * p.mask_words;
 
-  {
-    // Prologue: Q chunk and the first K/V tile share one commit group.
-    load_q_chunk<T, D>(p, q_s, b, h, m0, M, tid);
-    load_kv_tile<T, D>(p, k_s, v_s, b, h, kv_begin, kv_end, tid);
-    cp_async_commit();
+  // This thread copies 16-byte chunk `chunk` of tile rows row0 + i * RPP (K and V alike).
+  const int chunk = tid % CPR;
+  const int row0 = tid / CPR;
+  const int32_t* bt = p.block_table + int64_t(b) * p.bt_stride_b;
+  const T* k_base = static_cast<const T*>(p.k_cache) + int64_t(h) * p.k_stride_head + chunk * 8;
+  const T* v_base = static_cast<const T*>(p.v_cache) + int64_t(h) * p.v_stride_head + chunk * 8;
+  const int shift = p.block_shift;  // log2(block_size), or -1 when it is not a power of two
 
-    const int wrow0 = m0 + warp * 16;  // first query row of this warp
-    const bool warp_active = wrow0 < M;
-    float o[kDT][4];
+  // Tile i covers slots [begin, begin + BN), valid below limit: context tiles of this split, then
+  // the tree tiles at ctx + j.
+  auto tile_begin = [&](int i) { return i < n_ctx_tiles ? kv_begin + i * BN : ctx + (i - n_ctx_tiles) * BN; };
+  auto tile_limit = [&](int i) { return i < n_ctx_tiles ? kv_end : ctx + nn; };
+  // Page ids of this thread's rows of tile i (-1: past the end, zero-filled).
+  auto fetch_pages = [&](int i, int (&pg)[KT::kKVLoads]) {
+    const int begin = tile_begin(i), limit = i < num_tiles ? tile_limit(i) : begin;
 #pragma unroll
-    for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY};  // rows gid and gid + 8, log2 domain
-    float row_sum[2] = {0.f, 0.f};              // this lane's share; reduced over the quad at the end
-
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it & 1;
-      if (it + 1 < num_tiles) {
-        load_kv_tile<T, D>(p, k_s + (stage ^ 1) * BN * LDS, v_s + (stage ^ 1) * BN * LDS, b, h,
-                           kv_begin + (it + 1) * BN, kv_end, tid);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();
-
-      if (warp_active) {
-        const T* ks = k_s + stage * BN * LDS;
-        const T* vs = v_s + stage * BN * LDS;
-        const int tile_begin = kv_begin + it * BN;
-
-        // S = Q K^T for this warp's 16 rows x BN tokens.
-        float s[kNT][4];
-#pragma unroll
-        for (int i = 0; i < kNT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          uint32_t a[4];
-          ldmatrix_x4(a, q_s + (warp * 16 + (lane & 15)) * LDS + kk * 16 + (lane >> 4) * 8);
-#pragma unroll
-          for (int nj = 0; nj < kNT / 2; ++nj) {
-            uint32_t bk[4];
-            ldmatrix_x4(bk, ks + (nj * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + kk * 16 + ((lane >> 3) & 1) * 8);
-            Traits::mma(s[2 * nj], a, bk[0], bk[1]);
-            Traits::mma(s[2 * nj + 1], a, bk[2], bk[3]);
-          }
-        }
-
-        // Scale into the log2 domain and mask: tokens past kv_end, and in the tree split the
-        // non-ancestors of each row's node (rows past M are never written; mask them all).
-        const bool need_bounds = tile_begin + BN > kv_end;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = tile_begin + nt * 8 + 2 * tig + (e & 1);
-            bool ok = !need_bounds || col < kv_end;
-            if (is_tree) {
-              const int r = wrow0 + gid + 8 * (e >> 1);
-              if (ok && r < M) {
-                const int j = col - ctx;  // tree node of this key, 0 <= j < num_nodes
-                const int t = r / p.group;
-                ok = (__ldg(mask_b + t * p.mask_words + (j >> 5)) >> (j & 31)) & 1;
-              } else {
-                ok = false;
-              }
-            }
-            s[nt][e] = ok ? s[nt][e] * scale_log2 : -INFINITY;
-          }
-        }
-
-        // Online softmax over the quad that shares a row.
-        float alpha[2];
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hi], s[nt][2 * hi + 1]));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(row_max[hi], mx);
-          // A row with nothing unmasked yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          alpha[hi] = exp2f(row_max[hi] - m_use);
-          row_max[hi] = m_new;
-          float sum = 0.f;
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) {
-            s[nt][2 * hi] = exp2f(s[nt][2 * hi] - m_use);
-            s[nt][2 * hi + 1] = exp2f(s[nt][2 * hi + 1] - m_use);
-            sum += s[nt][2 * hi] + s[nt][2 * hi + 1];
-          }
-          row_sum[hi] = row_sum[hi] * alpha[hi] + sum;
-        }
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          o[dt][0] *= alpha[0];
-          o[dt][1] *= alpha[0];
-          o[dt][2] *= alpha[1];
-          o[dt][3] *= alpha[1];
-        }
-
-        // O += P V. The accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          uint32_t a[4];
-          a[0] = Traits::pack(s[2 * kk][0], s[2 * kk][1]);
-          a[1] = Traits::pack(s[2 * kk][2], s[2 * kk][3]);
-          a[2] = Traits::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          a[3] = Traits::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-          for (int dj = 0; dj < D / 16; ++dj) {
-            uint32_t bv[4];
-            ldmatrix_x4_trans(bv, vs + (kk * 16 + (lane & 15)) * LDS + dj * 16 + (lane >> 4) * 8);
-            Traits::mma(o[2 * dj], a, bv[0], bv[1]);
-            Traits::mma(o[2 * dj + 1], a, bv[2], bv[3]);
-          }
-        }
-      }
-      __syncthreads();  // the next iteration refills the stage just read
+    for (int k = 0; k < KT::kKVLoads; ++k) {
+      const int slot = begin + row0 + k * RPP;
+      pg[k] = slot < limit ? __ldg(bt + (shift >= 0 ? slot >> shift : slot / p.block_size)) : -1;
     }
+  };
+  auto issue_tile = [&](int i, int stage, const int (&pg)[KT::kKVLoads]) {
+    const int begin = tile_begin(i);
+    T* k_s = ring + stage * KT::kStageElems;
+    T* v_s = k_s + KT::kTileElems;
+#pragma unroll
+    for (int k = 0; k < KT::kKVLoads; ++k) {
+      const int n = row0 + k * RPP;
+      const int slot = begin + n;
+      const int off = shift >= 0 ? slot & ((1 << shift) - 1) : slot % p.block_size;
+      const bool valid = pg[k] >= 0;
+      const int64_t page = valid ? pg[k] : 0;
+      const T* k_src = valid ? k_base + page * p.k_stride_block + off * p.k_stride_token : k_base;
+      const T* v_src = valid ? v_base + page * p.v_stride_block + off * p.v_stride_token : v_base;
+      cp_async_16(k_s + n * LDS + chunk * 8, k_src, valid ? 16 : 0);
+      cp_async_16(v_s + n * LDS + chunk * 8, v_src, valid ? 16 : 0);
+    }
+  };
 
-    if (warp_active) {
+  // Prologue: Q (its own commit group, the oldest), then tiles 0 .. kStages-2.
+  {
+    const T* q_base = static_cast<const T*>(p.q) + int64_t(b) * p.q_stride_b + chunk * 8;
 #pragma unroll
-      for (int hi = 0; hi < 2; ++hi) {
-        float l = row_sum[hi];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int r = wrow0 + gid + 8 * hi;
-        if (r < M) {
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          float* dst = o_out + int64_t(r) * D + 2 * tig;
-#pragma unroll
-          for (int dt = 0; dt < kDT; ++dt) {
-            *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
-          }
-          if (tig == 0) lse_out[r] = l > 0.f ? (row_max[hi] + __log2f(l)) * kLn2 : -INFINITY;
-        }
+    for (int k = 0; k < KT::kQLoads; ++k) {
+      const int i = row0 + k * RPP;
+      const int r = m0 + i;
+      const bool valid = r < M;
+      const T* src = q_base;
+      if (valid) {
+        const int t = r / G;
+        src += int64_t(t) * p.q_stride_t + int64_t(h * G + (r - t * G)) * p.q_stride_h;
       }
+      cp_async_16(q_s + i * LDS + chunk * 8, src, valid ? 16 : 0);
+    }
+    cp_async_commit();
+  }
+  int pg[KT::kKVLoads];
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    fetch_pages(i, pg);
+    if (i < num_tiles) issue_tile(i, i, pg);
+    cp_async_commit();
+  }
+  fetch_pages(kStages - 1, pg);
+
+  const int wrow0 = m0 + warp * 16;  // first query row of this warp
+  const bool warp_active = wrow0 < M;
+  const T* q_warp_s = q_s + warp * 16 * LDS;
+
+  uint32_t qf[KT::kQInRegs ? D / 16 : 1][4];
+  if constexpr (KT::kQInRegs) {
+    cp_async_wait<kStages - 1>();  // the Q group
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], q_warp_s + (lane & 15) * LDS + kk * 16 + (lane >> 4) * 8);
+    // The first refill (iteration 0, after its barrier) overwrites this stage.
+  }
+
+  // Ancestor bits of this lane's two rows, bit j = tree node j (zero for rows past M: fully masked,
+  // never written). A 64-bit word, not an array, so the per-tile bit pick stays in registers.
+  uint64_t mrow[2] = {0ull, 0ull};
+  if (split == last) {
+    const int32_t* mask_b = p.tree_mask + int64_t(b) * p.num_tree * p.mask_words;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int r = wrow0 + gid + 8 * hi;
+      if (r < M) {
+        const int32_t* w = mask_b + (r / G) * p.mask_words;
+        mrow[hi] = static_cast<uint32_t>(__ldg(w));
+        if (p.mask_words > 1) mrow[hi] |= uint64_t(static_cast<uint32_t>(__ldg(w + 1))) << 32;
+      }
+    }
+  }
+
+  float o[kDT][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // rows gid and gid + 8, log2 domain
+  float row_sum[2] = {0.f, 0.f};              // this lane's share; reduced over the quad at the end
+
+  for (int it = 0; it < num_tiles; ++it) {
+    cp_async_wait<kStages - 2>();  // tile `it` has landed (for this thread's copies) ...
+    __syncthreads();               // ... for every thread's, and tile it-1's stage is free
+    {
+      const int nxt = it + kStages - 1;
+      if (nxt < num_tiles) issue_tile(nxt, nxt % kStages, pg);
+      cp_async_commit();  // possibly empty: keeps the group count uniform for wait_group
+      fetch_pages(nxt + 1, pg);
+    }
+    if (warp_active) {
+      const T* ks = ring + (it % kStages) * KT::kStageElems;
+      const T* vs = ks + KT::kTileElems;
+      if (it < n_ctx_tiles) {
+        if (ctx_tail && it == n_ctx_tiles - 1) {
+          attend_tile<T, KT, kBoundMask>(ks, vs, q_warp_s, qf, o, row_max, row_sum, tile_begin(it), kv_end, 0, mrow,
+                                         scale_log2, lane);
+        } else {
+          attend_tile<T, KT, kNoMask>(ks, vs, q_warp_s, qf, o, row_max, row_sum, 0, 0, 0, mrow, scale_log2, lane);
+        }
+      } else {
+        attend_tile<T, KT, kTreeMask>(ks, vs, q_warp_s, qf, o, row_max, row_sum, 0, 0, (it - n_ctx_tiles) * BN, mrow,
+                                      scale_log2, lane);
+      }
+    }
+  }
+  cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
+
+  const int64_t slot_row = (int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) + split) * TG;
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float l = row_sum[hi];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = wrow0 + gid + 8 * hi;
+    // Rows past M saw zero-filled Q against real context keys: never write their O, zero them.
+    const float inv = (r < M && l > 0.f) ? 1.f / l : 0.f;
+    if (direct) {
+      if (r < TG) {
+        const int t = r / G;
+        T* dst = static_cast<T*>(p.out) + int64_t(b) * p.out_stride_b + int64_t(t) * p.out_stride_t +
+                 int64_t(h * G + (r - t * G)) * p.out_stride_h + 2 * tig;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+          *reinterpret_cast<uint32_t*>(dst + dt * 8) = Traits::pack(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
+      }
+    } else if (r < M) {
+      float* dst = p.partial_out + (slot_row + r) * D + 2 * tig;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+        *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
+      if (tig == 0) p.partial_lse[slot_row + r] = l > 0.f ? (row_max[hi] + __log2f(l)) * kLn2 : -INFINITY;
     }
   }
 }
 
-// One warp per output row (b, t, head); each lane owns D/32 contiguous elements.
+constexpr int kMergeWarps = 4;
+
+// One warp per output row (b, t, query head) of a request with more than one used split; each lane
+// owns D/32 contiguous elements. Requests with one used split were written by the partial kernel.
 template <typename T, int D>
-__global__ void __launch_bounds__(kNumThreads) tree_attention_merge_kernel(const TreeAttentionParams p) {
+__global__ void __launch_bounds__(kMergeWarps * 32) tree_attention_merge_kernel(const TreeAttentionParams p) {
   constexpr int kPerLane = D / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kNumWarps + threadIdx.x / 32;
+  const int64_t row = int64_t(blockIdx.x) * kMergeWarps + threadIdx.x / 32;
   const int64_t total = int64_t(p.batch) * p.num_tree * p.num_q_heads;
   if (row >= total) return;
   const int hq = int(row % p.num_q_heads);
   const int t = int((row / p.num_q_heads) % p.num_tree);
   const int b = int(row / (int64_t(p.num_q_heads) * p.num_tree));
+  const int used = (p.context_lens[b] + p.split_len - 1) / p.split_len;
+  if (used <= 1) return;
   T* dst = static_cast<T*>(p.out) + int64_t(b) * p.out_stride_b + int64_t(t) * p.out_stride_t +
            int64_t(hq) * p.out_stride_h + lane * kPerLane;
 
   float acc[kPerLane];
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) acc[i] = 0.f;
-
   if (t < p.num_nodes[b]) {
     const int h = hq / p.group;
-    const int g = hq - h * p.group;
     const int TG = p.num_tree * p.group;
-    const int64_t base = int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) * TG + t * p.group + g;
+    const int64_t base = int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) * TG + t * p.group + (hq - h * p.group);
     float m = -INFINITY;
-    for (int s = 0; s <= p.num_splits; ++s) m = fmaxf(m, p.partial_lse[base + int64_t(s) * TG]);
+    for (int s = 0; s < used; ++s) m = fmaxf(m, p.partial_lse[base + int64_t(s) * TG]);
     if (m != -INFINITY) {
       float wsum = 0.f;
-      for (int s = 0; s <= p.num_splits; ++s) {
+      for (int s = 0; s < used; ++s) {
         const int64_t idx = base + int64_t(s) * TG;
         const float lse = p.partial_lse[idx];
-        if (lse == -INFINITY) continue;  // empty split: its partial_out was never written
+        if (lse == -INFINITY) continue;  // (cannot happen for a non-empty split; never read its O)
         const float w = __expf(lse - m);
         wsum += w;
         const float* src = p.partial_out + idx * D + lane * kPerLane;
@@ -405,7 +518,8 @@ __global__ void __launch_bounds__(kNumThreads) tree_attention_merge_kernel(const
     }
   }
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) dst[i] = TypeTraits<T>::from_float(acc[i]);
+  for (int i = 0; i < kPerLane; i += 2)
+    *reinterpret_cast<uint32_t*>(dst + i) = TypeTraits<T>::pack(acc[i], acc[i + 1]);
 }
 
 }  // namespace tree_attn

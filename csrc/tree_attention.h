@@ -22,7 +22,9 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 //   tree_mask    int32 [B, T, mask_words], mask_words = ceil(T / 32), bit j%32 of word j/32 of row i
 //                set iff node j is node i or an ancestor of it
 //   partial_out  float32 [B, Hkv, S + 1, T * G, D] (contiguous); partial_lse float32 [B, Hkv, S + 1, T * G]
-//   out          [B, T, Hq, D] fp16/bf16 (strides out_stride_{b,t,h})
+//                Only slots s < ceil(context_lens[b] / split_len) of requests with two or more such
+//                slots are written (the last of them includes the tree); slot S is unused.
+//   out          [B, T, Hq, D] fp16/bf16 (strides out_stride_{b,t,h}; 4-byte aligned, even strides)
 struct TreeAttentionParams {
   const void* q = nullptr;
   const void* k_cache = nullptr;
@@ -53,12 +55,18 @@ struct TreeAttentionParams {
   int mask_words = 0;    // ceil(T / 32)
   float sm_scale = 0.f;  // softmax scale (natural units)
   DType dtype = DType::kBFloat16;
+  // Kernel configuration: 0 picks per shape; 1.. force a tuning variant (tree_attention.cu lists them).
+  int config = 0;
+  // Set by the launcher: log2(block_size) when it is a power of two, else -1 (divide).
+  int block_shift = -1;
 };
 
-// Step 1: grid (S + 1, B, Hkv); writes partial_out / partial_lse for rows r < num_nodes[b] * G.
+// Step 1: grid (S * row_chunks, B, Hkv). A request with at most one non-empty context split is
+// finished here (out written, padding rows zeroed); otherwise each non-empty split s writes its
+// partial_out / partial_lse slot for rows r < num_nodes[b] * G, the last one including the tree.
 LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
-// Step 2: combines the S + 1 partials of every (b, t, h) with log-sum-exp; writes out (zeros for
-// rows t >= num_nodes[b]).
+// Step 2: for requests with two or more non-empty splits, combines those slots with log-sum-exp and
+// writes out (zeros for rows t >= num_nodes[b]). A no-op (nothing launched) when num_splits == 1.
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

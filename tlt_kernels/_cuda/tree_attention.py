@@ -1,4 +1,11 @@
-"""CUDA backend of tree attention: launches ``_C.tree_attention_partial`` then ``_C.tree_attention_merge``.
+"""CUDA backend of tree attention: launches ``_C.tree_attention_partial`` (and ``_C.tree_attention_merge``
+when the plan has more than one context split).
+
+Scratch use (narrower than the plan's table, like the Triton backend): the tree is folded into each
+request's last non-empty context split; a request whose context fits one split is finished by the
+partial kernel, which writes ``out`` directly; otherwise slots ``s < ceil(context_lens[b] / split_len)``
+of ``partial_out`` / ``partial_lse`` are written (the last one includes the tree) and merged. Slot
+``S`` is never used. See ``docs/TREE_ATTENTION.md`` ("CUDA backend").
 
 Called by :func:`tlt_kernels.ops.tree_attention.run` (inside the ``tlt::tree_attention_run`` custom
 op) after shape / dtype / device validation; it only checks what the CUDA kernels add (head dim,
@@ -15,6 +22,9 @@ from . import dtype_code, extension, ptr, stream_handle, strides
 __all__ = ["run_cuda", "unsupported_reason"]
 
 HEAD_DIMS = (64, 128, 256)
+# Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
+# in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
+CONFIG_OVERRIDE = 0
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -56,6 +66,10 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q = q.contiguous()  # q is small (T * Hq * D per request); the caches are never copied
     if out.stride(-1) != 1:
         raise ValueError(f"out must be contiguous along head_dim (stride(-1) == 1), got strides {tuple(out.stride())}")
+    if out.data_ptr() % 4 or any(out.stride(d) % 2 for d in (0, 1, 2)):
+        # The kernels store two elements (4 bytes) at a time; an odd view goes through a temporary.
+        out.copy_(run_cuda(plan, q, k_cache, v_cache, torch.empty_like(out, memory_format=torch.contiguous_format), sm_scale))
+        return out
     for name in ("partial_out", "partial_lse", "tree_mask", "block_table", "context_lens", "num_nodes"):
         t = getattr(plan, name)
         if not t.is_contiguous() or t.device != q.device:
@@ -73,10 +87,11 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         bt_stride_b=int(plan.block_table.stride(0)), batch=B, num_tree=plan.num_tree,
         num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
         block_size=plan.block_size, num_splits=plan.num_splits, split_len=plan.split_len,
-        sm_scale=float(sm_scale), dtype=dtype_code(q.dtype),
+        sm_scale=float(sm_scale), dtype=dtype_code(q.dtype), config=int(CONFIG_OVERRIDE),
     )
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
         ext.tree_attention_partial(**args)
-        ext.tree_attention_merge(**args)
+        if plan.num_splits > 1:  # with one split every request is finished by the partial kernel
+            ext.tree_attention_merge(**args)
     return out

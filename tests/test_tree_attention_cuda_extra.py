@@ -1,0 +1,92 @@
+"""CUDA tree attention: the paths the kernel rework added (direct write vs partials + merge, row
+chunks made only of padding rows, non-power-of-two pages, the tuning variants, odd ``out`` views).
+
+Reuses the case builder and checker of tests/test_tree_attention_cuda.py (NaN-trapped pages,
+poisoned scratch and output, per-split scratch check).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from test_tree_attention_cuda import check_case, make_case
+
+pytestmark = pytest.mark.cuda
+
+if HAS_CUDA:
+    from tlt_kernels import cuda_extension_available
+
+
+@pytest.fixture(autouse=True)
+def _need_extension():
+    if HAS_CUDA and not cuda_extension_available():
+        pytest.skip("tlt_kernels._C is not built (pip install -e . with nvcc on PATH)")
+
+
+def _with_nodes(c, nodes):
+    c["num_nodes"] = torch.tensor(nodes, dtype=torch.int32, device="cuda")
+    return c
+
+
+# (B, T, Hkv, G, D, block_size, context lengths, num_nodes, dtype, split_len)
+CASES = [
+    # M = 448 rows in 4 chunks of 128; request 1 has 5 nodes (35 rows), so 3 of its chunks hold only
+    # padding rows: zeros written by the chunk in the direct (one split) path ...
+    (2, 64, 1, 7, 128, 16, [300, 200], [64, 5], torch.bfloat16, None),
+    # ... and by the merge in the multi-split path (request 0 spans 3 splits, request 1 one).
+    (2, 64, 1, 7, 128, 16, [700, 100], [64, 5], torch.bfloat16, 256),
+    # Non-power-of-two pages (divide instead of shift), tails in every split, tree spanning 2 pages.
+    (3, 20, 2, 4, 128, 24, [1000, 47, 0], [20, 13, 1], torch.float16, 320),
+    (2, 33, 2, 7, 64, 3, [129, 64], [33, 2], torch.bfloat16, 64),
+    # D=256 (32-token tiles): the tree of 40 nodes takes two tree tiles; 64 rows per CTA.
+    (2, 40, 2, 1, 256, 16, [500, 1], [40, 31], torch.bfloat16, 128),
+    # Context an exact multiple of the tile and of the split: no bounds-masked tile at all.
+    (2, 16, 2, 7, 128, 16, [1024, 512], [16, 16], torch.bfloat16, 512),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-G{c[3]}-D{c[4]}-bs{c[5]}-sl{c[9]}-n{c[7]}")
+def test_paths_match_reference(case):
+    B, T, Hkv, G, D, bs, ctx, nodes, dtype, split_len = case
+    c = _with_nodes(make_case(B, T, Hkv, G, D, bs, ctx, dtype, seed=sum(ctx) + T + D + bs), nodes)
+    check_case(f"extra {case}", c, dtype, split_len=split_len)
+
+
+@pytest.mark.parametrize("config", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("shape", [(2, 16, 7, [1500, 33], 512), (2, 64, 7, [900, 0], None), (3, 8, 7, [64, 65, 2], 64)])
+def test_tuning_variants_match_reference(config, shape, monkeypatch):
+    """Every kernel variant the benchmark sweep can force (bf16, D=128) computes the same thing."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    B, T, G, ctx, split_len = shape
+    monkeypatch.setattr(cuda_ta, "CONFIG_OVERRIDE", config)
+    c = make_case(B, T, 2, G, 128, 16, ctx, torch.bfloat16, seed=config + T)
+    check_case(f"config {config} {shape}", c, torch.bfloat16, split_len=split_len)
+
+
+def test_variant_rejected_for_other_shapes(monkeypatch):
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    monkeypatch.setattr(cuda_ta, "CONFIG_OVERRIDE", 2)
+    c = make_case(1, 4, 1, 2, 64, 16, [10], torch.bfloat16, seed=5)
+    with pytest.raises(ValueError, match="config 2 is a tuning variant of bf16 / head_dim 128 only"):
+        check_case("bad config", c, torch.bfloat16)
+
+
+def test_odd_out_view_goes_through_a_temporary():
+    """An ``out`` view at an odd element offset cannot take the kernels' 4-byte stores; still correct."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+    from tlt_kernels.reference.tree_attention import tree_attention_reference
+
+    c = make_case(2, 5, 1, 2, 64, 16, [40, 3], torch.float16, seed=9)
+    B, T, Hq, D = c["q"].shape
+    flat = torch.full((B * T * Hq * D + 1,), float("nan"), dtype=torch.float16, device="cuda")
+    out = flat[1:].view(B, T, Hq, D)
+    assert out.data_ptr() % 4 != 0
+    plan = plan_tree_attention(c["parents"], c["context_lens"], c["block_table"], c["num_nodes"],
+                               num_q_heads=Hq, num_kv_heads=1, head_dim=D, block_size=16)
+    plan.run(c["q"], c["k_cache"], c["v_cache"], out=out, backend="cuda")
+    ref = tree_attention_reference(c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["context_lens"],
+                                   c["parents"], c["num_nodes"], out_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
