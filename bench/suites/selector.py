@@ -119,18 +119,36 @@ def _trace_cost_table(trace):
     return CostTable({s: [(b, median(ts)) for b, ts in by_b.items()] for s, by_b in times.items()})
 
 
-def _engine_trace(ctx) -> None:
-    """Policies replayed on a recorded engine trace (``TLT_SELECTOR_TRACE=path.json``, or one recorded now)."""
-    from tlt_kernels.runtime import Strategy, StrategySelector
-    from tlt_kernels.runtime.simulate import load_trace, replay_selector, replay_trace
+# Engine traces recorded on a GPU and kept in the repository (every arm probed at every step by replaying its
+# step graph): the selector suite replays them on any machine. See bench/RESULTS.md for how each was recorded.
+TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces")
+RECORDED_TRACES = {
+    "h200_e2e_b128_24layer.json": "H200 e2e rollout 2026-11-26 05:25 UTC (24-layer fp32 target, EAGLE drafter, B=128, "
+                                  "TLT_E2E_FUSE=1: step times are graph replays)",
+}
 
+
+def _engine_traces(ctx) -> None:
+    """Policies replayed on the recorded GPU traces of ``bench/traces`` and on one more trace:
+    ``TLT_SELECTOR_TRACE=path.json``, or one recorded now."""
+    from tlt_kernels.runtime.simulate import load_trace
+
+    for name, origin in RECORDED_TRACES.items():
+        _engine_trace(ctx, load_trace(os.path.join(TRACES_DIR, name)), f"bench/traces/{name}: {origin}", name[:-5])
     path = os.environ.get("TLT_SELECTOR_TRACE")
     if path:
-        trace, origin = load_trace(path), f"loaded from {path}"
+        _engine_trace(ctx, load_trace(path), f"loaded from {path}", os.path.basename(path))
     else:
-        trace, origin = _record_engine_trace(ctx)
+        _engine_trace(ctx, *_record_engine_trace(ctx), "recorded now")
+
+
+def _engine_trace(ctx, trace, origin: str, label: str) -> None:
+    """Every policy and static arm replayed on one engine trace."""
+    from tlt_kernels.runtime import Strategy, StrategySelector
+    from tlt_kernels.runtime.simulate import replay_selector, replay_trace
+
     arms = sorted({Strategy.parse(k) for r in trace for k in r["arms"]}, key=str)
-    case = {"workload": f"engine trace ({len(trace)} steps)"}
+    case = {"workload": f"engine trace {label} ({len(trace)} steps)"}
     statics = {}
     for a in arms:
         res = replay_trace(trace, lambda b, avail, a=a: a if a in avail else Strategy.off())
@@ -195,7 +213,7 @@ def run(ctx) -> None:
             ctx.add(case, p, r["sim_s"] * 1e3, vs_oracle=round(r["vs_oracle"], 4),
                     vs_best_static=round(r["vs_best_static"], 4), vs_off=round(r["vs_off"], 4),
                     reconverge_steps=r["reconverge_steps"], settle_steps=r["settle_steps"])
-    _engine_trace(ctx)
+    _engine_traces(ctx)
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
     for p in POLICIES:
