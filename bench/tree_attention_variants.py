@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs  # noqa: E402
+from bench.harness import time_cuda_events_ms  # noqa: E402
+from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, parse_cases  # noqa: E402
 from tlt_kernels._triton import tree_attention as tk  # noqa: E402
 from tlt_kernels.ops.tree_attention import SPLIT_ALIGN, plan_tree_attention  # noqa: E402
 
@@ -60,36 +61,21 @@ def variants_for(rows: int):
 
 def _selected(cases):
     spec = os.environ.get("TLT_VARIANT_CASES", "").strip()
-    if not spec:
-        return cases
-    out = []
-    for item in spec.split(","):
-        tag, shape = item.strip().split(":")
-        model = next(m for m in MODELS if m.endswith("-" + tag.lower()))
-        out.append((model, *(int(x) for x in shape.lower().split("x"))))
-    return out
+    return parse_cases(spec) if spec else cases
 
 
 def time_ms(fn, reps: int) -> float:
     """Median ms over ``reps`` runs after warm-up (CUDA events per run on GPU, perf_counter on CPU)."""
+    if torch.cuda.is_available():
+        return time_cuda_events_ms(fn, warmup=5, reps=reps)
     for _ in range(5):
         fn()
-    if not torch.cuda.is_available():
-        ts = []
-        for _ in range(max(1, reps)):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
+    ts = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
         fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
 
 
 def copy_bandwidth(dev) -> float | None:

@@ -193,8 +193,11 @@ def _matmul_peak_flops(ctx):
 def _selected_cases(models, cases):
     """``TLT_TREE_ATTENTION_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the run (tuning on a budget)."""
     spec = os.environ.get("TLT_TREE_ATTENTION_CASES", "").strip()
-    if not spec:
-        return [(m, *c) for m in models for c in cases]
+    return parse_cases(spec) if spec else [(m, *c) for m in models for c in cases]
+
+
+def parse_cases(spec: str):
+    """``"7b:64x4096x16,32b:256x2048x8"`` -> ``[(model, B, L, T), ...]``."""
     out = []
     for item in spec.split(","):
         tag, shape = item.strip().split(":")
