@@ -9,7 +9,9 @@
 #               GPU_CHECK_BENCH=0 skips).
 # Results land in $OUT (at most 6 files): install.log, nvidia-smi.log, pytest.log, flashinfer.log,
 # bench.tar.gz (every suite's .json/.md) and summary.md (phase table + every suite's table).
-# Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
+# Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine; the built
+# tlt_kernels/_C*.so lives in the tree, so a copy of the tree sent again through the device tool's `carry` loses it: the
+# suites then fall back to Triton, and the install row says '_C NOT built'), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
 # pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small).
 set -uo pipefail
 
