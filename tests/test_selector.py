@@ -293,3 +293,54 @@ def test_stale_arm_follows_the_level_up():
     assert got[10.0] < low + 0.05, got  # own counts dominating: still at the low phase
     with pytest.raises(ValueError, match="model_sd"):
         StrategySelector([chain], policy="cost", model_sd=0.0)
+
+
+@pytest.mark.parametrize("min_trials", [0.0, 1.0])
+def test_first_play_of_a_misfit_arm_does_not_move_a_measured_arm(min_trials):
+    """The H200 engine-trace failure (issue 5): a chain measured for 40 steps, then the first play of a
+    deep tree that accepts far less than its prior width suggests. That surprise says the shared model
+    misfits the tree, not that acceptance changed: with ``min_trials=1`` (the default; the level rests on
+    40 > ``min_support`` steps) it does not alarm, so the level keeps its small variance, the tree's own
+    offset takes the surprise and the chain keeps its prediction (and is chosen again). Testing from the
+    first play (``min_trials=0``) alarms, resets the level's variance, and the level's drop pushes the
+    chain below the tree."""
+    chain, tree = Strategy(4, 1, 5), Strategy(5, 4, 16)
+    table = {s: [(64, 0.01)] for s in (Strategy.off(), chain, tree)}  # equal step times: tokens decide
+    sel = StrategySelector([chain, tree], policy="cost", seed=0, cost_table=table, min_trials=min_trials)
+    pol, play = sel.policy, {"arm": chain}
+    ic, it = sel._index[chain], sel._index[tree]
+    sel.available = lambda st, bb: st == play["arm"]
+    rng = random.Random(0)
+    _feed(sel, chain, 64, 0.75, 40, rng)
+    chain_before, tree_before = pol.tokens[ic], pol.tokens[it]
+    assert chain_before == pytest.approx(1 + 0.75 + 0.75 ** 2 + 0.75 ** 3 + 0.75 ** 4, abs=0.1)
+    play["arm"] = tree
+    _feed_tree(sel, tree, 64, 0.75, 1, rng, 1.3)  # ~2.7 tokens, against ~6 predicted
+    assert pol.tokens[it] < tree_before - 2.0  # the tree's own prediction takes the surprise either way
+    sel.available = None
+    if min_trials:
+        assert pol.changes == []
+        assert pol.tokens[ic] == pytest.approx(chain_before, abs=0.05)
+        assert sel.select(64) == chain
+    else:
+        assert pol.changes == [41]
+        assert pol.tokens[ic] < chain_before - 0.4
+        assert sel.select(64) == tree
+    with pytest.raises(ValueError, match="min_trials"):
+        StrategySelector([chain], policy="cost", min_trials=-1.0)
+    with pytest.raises(ValueError, match="min_support"):
+        StrategySelector([chain], policy="cost", min_support=-1.0)
+
+
+def test_early_alarm_on_a_first_play_still_corrects_the_prior():
+    """Before the level rests on ``min_support`` steps, a first play is still tested: a prior far above the
+    truth is corrected by an alarm (the simulated long tails need it), and after the alarm the support
+    restarts from zero."""
+    chain, tree = Strategy(4, 1, 5), Strategy(5, 4, 16)
+    table = {s: [(64, 0.01)] for s in (Strategy.off(), chain, tree)}
+    sel = StrategySelector([chain, tree], policy="cost", seed=0, cost_table=table, prior_accept=0.95)
+    pol = sel.policy
+    sel.available = lambda st, bb: st == chain
+    _feed(sel, chain, 64, 0.2, 3, random.Random(0))  # acceptance far below the prior, from the first plays
+    assert pol.changes and pol.changes[0] < 3
+    assert pol.support < 3.0

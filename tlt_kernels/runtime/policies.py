@@ -296,7 +296,10 @@ class CostModelPolicy(Policy):
     * Change detection: a Bernoulli CUSUM compares the played arm's accepted draft tokens with its own
       prediction; on an alarm the arms' own counts are scaled by ``keep_on_change`` and the level's
       variance is reset to its prior (:meth:`_forget`), so the next observations move the level at once.
-      Steps of alarms: ``self.changes``.
+      Once the level rests on ``min_support`` steps, an arm with fewer than ``min_trials`` steps of its
+      own in memory is not tested: its prediction is the shared model's, so its surprise is the model's
+      misfit for that arm (e.g. tree offsets learned at B=128 do not hold for the requests left at
+      B=64), which an alarm would turn into a level shift of every arm. Steps of alarms: ``self.changes``.
 
     Per step, ``choose`` is one pass over the allowed arms on cached tables (no allocation) and
     ``observe`` one pass over the played arm's positions that does the CUSUM, the Fisher scoring and
@@ -315,8 +318,20 @@ class CostModelPolicy(Policy):
             pair of one-sided sums per shift (a CUSUM bank). The small shift catches small changes; the
             large one alarms several times sooner on large ones (at batch 1 a step tries only a few
             draft tokens, so a 0.1-tuned sum needs ~50 steps to reach ``detect`` after a 0.45 -> 0.9 jump).
-        min_trials: the test runs only when the played arm's prediction rests on at least this many
-            (discounted) requests of its own (0: always; the shared model backs every prediction).
+        min_trials: the test skips an arm with fewer than this many (discounted) steps of its own in
+            memory, once the level rests on ``min_support`` steps (0: always test). Such an arm's prediction
+            is the shared model's, so its surprise says the model misfits this arm, not that acceptance
+            changed over time; an alarm would reset the level's variance and one arm's misfit would move
+            every arm (on the H200 engine trace, s5k4v16's second play at B=64, 14 steps after its first
+            at B=128, alarmed, the level fell 0.7 cloglog and the well-measured s4k1v5 dropped below the
+            deep trees: .956 of the per-batch-size oracle without the skip, .970 with these defaults).
+            The surprise still updates the model by its Kalman gain.
+        min_support: discounted speculative steps observed since the last alarm (or the start) below
+            which ``min_trials`` does not apply: early on the level itself rests on the prior, and alarms
+            on first plays are what corrects a wrong ``prior_accept`` (skipping them from the start,
+            ``min_support=0``, gave the trace .979 but cost the simulated 600-step long tail .988 ->
+            .973 over seeds 0-7; 6-8 keep every simulated workload where it was; see
+            ``bench/selector_trace_sweep.py``).
         keep_on_change: fraction of the arms' own acceptance counts kept after an alarm.
         slow: memory of the width and depth offsets, in windows (None: kept; measured better, since
             how arms differ does not change when the drafter does).
@@ -336,7 +351,7 @@ class CostModelPolicy(Policy):
 
     def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
                  explore: float = 0.0, detect: Optional[float] = 8.0, detect_shift=(0.1, 0.3),
-                 min_trials: float = 0.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
+                 min_trials: float = 1.0, min_support: float = 8.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
                  offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
                  follow: float = 0.0, drift: float = 1e-4, level_in_weight: bool = True,
                  refresh_tol: float = 0.03):
@@ -364,6 +379,7 @@ class CostModelPolicy(Policy):
             raise ValueError(f"detect_shift must be in (0, 1) (a float or a non-empty tuple), got {detect_shift!r}")
         self.detect_shift = shifts
         self.min_trials = min_trials
+        self.min_support = min_support
         self.keep_on_change = keep_on_change
         self.slow = slow
         self.offset_prior = offset_prior
@@ -372,6 +388,10 @@ class CostModelPolicy(Policy):
         self.follow = follow
         self.drift = drift
         self.level_in_weight = level_in_weight
+        if not min_trials >= 0:
+            raise ValueError(f"min_trials must be >= 0 (discounted steps of the arm's own), got {min_trials}")
+        if not min_support >= 0:
+            raise ValueError(f"min_support must be >= 0 (discounted steps since the last alarm), got {min_support}")
         if not refresh_tol >= 0:
             raise ValueError(f"refresh_tol must be >= 0 (cloglog units), got {refresh_tol}")
         self.refresh_tol = refresh_tol
@@ -417,6 +437,7 @@ class CostModelPolicy(Policy):
         self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
         self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
         self.cusum = [0.0] * (2 * len(self.detect_shift))  # one-sided sums: (up, down) per shift
+        self.support, self.t_support = 0.0, 0  # discounted speculative steps observed since the last alarm
         self.changes: List[int] = []  # steps at which a change in acceptance was detected
         self._rate: Dict[int, List[float]] = {}  # batch size -> [B / table seconds] per arm (0: no entry)
         self._secs: Dict[int, List[float]] = {}  # batch size -> [table seconds] per arm (0: no entry)
@@ -678,7 +699,10 @@ class CostModelPolicy(Policy):
                 dep[j] = -3.0 if x < -3.0 else (3.0 if x > 3.0 else x)
                 var_dep[j] = vd - vd * vd / vt
         changed = False
-        if self.detect is not None and tn > 0.0 and (not self.min_trials or den[1] * fa >= self.min_trials):
+        sup = self.support * self.gamma ** (step - self.t_support)
+        self.support, self.t_support = sup + 1.0, step
+        if self.detect is not None and tn > 0.0 and (
+                not self.min_trials or den[1] * fa >= self.min_trials or sup < self.min_support):
             p = te / tn
             p = 0.02 if p < 0.02 else (0.98 if p > 0.98 else p)
             log, cs, h, i = math.log, self.cusum, self.detect, 0
@@ -730,6 +754,7 @@ class CostModelPolicy(Policy):
         f = self.keep_on_change
         self.changes.append(step)
         self.cusum = [0.0] * len(self.cusum)
+        self.support = 0.0
         for rows in (self.num, self.den):
             for r in rows:
                 for j in range(len(r)):
