@@ -37,11 +37,11 @@ class _ReferenceCost(CostModelPolicy):
 
     def choose(self, bucket, batch_size, allowed, step):
         for a in allowed:
-            if self.depth[a] and self.n_arm[a] == 0.0:
-                return a
             if self._predict(bucket, a, batch_size) is None:
                 return a
-        return max(allowed, key=lambda a: self._predict(bucket, a, batch_size))
+        # Every speculative arm is played once, the best predicted first; then the best prediction wins.
+        new = [a for a in allowed if self.depth[a] and self.n_arm[a] == 0.0]
+        return max(new or allowed, key=lambda a: self._predict(bucket, a, batch_size))
 
 
 def _table():

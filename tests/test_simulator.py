@@ -124,7 +124,9 @@ def test_issue5_targets_on_short_runs(name):
     """Issue 5's targets where a 600-step, one-seed CPU run can show them (batch 1-32 need the
     2400-step benchmark: start-up exploration weighs too much in 600 steps)."""
     wl = [w for w in standard_workloads(small=True) if w.name == name][0]
-    r = evaluate(wl, _mk("cost"))
+    # The benchmark's targets are means over seeds; one 600-step seed of the long tail swings +-3% (0.95-1.02
+    # over seeds 0-7), so that workload is averaged over four seeds here.
+    r = evaluate(wl, _mk("cost"), seeds=(0, 1, 2, 3) if name == "long-tail-256" else (0,))
     assert r["vs_oracle"] >= 0.97, r
     assert r["vs_off"] >= 0.98, r
     if r["reconverge_steps"] is None:  # no phase changes

@@ -288,7 +288,10 @@ class CostModelPolicy(Policy):
     * Step time: ``cost_table.predict(strategy, B)`` times a per-(bucket, arm) correction (discounted mean
       of observed / predicted); without a table, the discounted mean observed time of the (bucket, arm),
       exploring unobserved arms once.
-    * Exploration: each speculative arm is played once; after that the choice uses optimistic tokens,
+    * Exploration: each speculative arm is played once, the one with the best predicted throughput first
+      (each play moves the shared level, so the arms tried later start from a better prediction; on the
+      H200 engine trace this order, against the arms' list order, took the cost policy from .970 to .973 of
+      the per-batch-size oracle); after that the choice uses optimistic tokens,
       the arm's width offset raised by ``ucb`` standard deviations: the offset's conditional sd given the
       level plus a random walk of ``drift`` per step since the arm was last played (capped at the prior),
       so a mis-ranked arm is re-tried after ~``(sd / ucb)^2 / drift`` steps rather than never.
@@ -557,10 +560,9 @@ class CostModelPolicy(Policy):
         tn, tv = self.time_n[bucket], self.time_v[bucket]
         tokens, n_arm, depth = self.tokens, self.n_arm, self.depth
         best, best_v = -1, -1.0
+        new, new_v = -1, -1.0  # the never-played speculative arm with the best (prior) prediction
         k = self.explore
         for a in allowed:
-            if depth[a] and n_arm[a] == 0.0:
-                return a
             r = rate[a]
             if r:
                 v = r * tokens[a] / tv[a] if tn[a] > 0 else r * tokens[a]
@@ -568,11 +570,15 @@ class CostModelPolicy(Policy):
                 v = batch_size * tokens[a] / tv[a]
             else:
                 return a
+            if depth[a] and n_arm[a] == 0.0:
+                if v > new_v:
+                    new, new_v = a, v
+                continue
             if k and depth[a]:
                 v *= 1.0 + k / math.sqrt(1.0 + n_arm[a] * self.gamma ** (step - self.t_arm[a]))
             if v > best_v:
                 best, best_v = a, v
-        return best
+        return new if new >= 0 else best
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
         g = self.gamma
