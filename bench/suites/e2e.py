@@ -20,7 +20,7 @@ Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG to
 the drafter's one) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
 each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``TLT_E2E_FUSE=0`` captures
 verify, draft and extend separately);
-``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
+``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
@@ -96,6 +96,11 @@ def run(ctx) -> None:
     from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
     z = _sizes(ctx.small)
+    # TLT_E2E_ARMS="s2k1v3,s4k1v5,...": the speculative arms every static row and the selector use (off is always in).
+    spec = os.environ.get("TLT_E2E_ARMS", "").strip()
+    arms = [Strategy.parse(a.strip()) for a in spec.split(",") if a.strip()] if spec else [Strategy(*a) for a in z["arms"]]
+    if not arms or any(a.is_off for a in arms):
+        raise ValueError(f"TLT_E2E_ARMS must list speculative strategies like 's4k1v5' (off is always an arm), got {spec!r}")
     dev = ctx.device
     cuda = dev.type == "cuda"
     gen = torch.Generator().manual_seed(0)
@@ -124,7 +129,6 @@ def run(ctx) -> None:
     prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
     lens = _lengths(B, z["median"], z["max_len"], gen)
     max_seq = z["prompt_len"] + max(lens)
-    arms = [Strategy(*a) for a in z["arms"]]
     ctx.note(f"rollout: B={B}, prompt {z['prompt_len']} tokens, response lengths median {sorted(lens)[B // 2]}, "
              f"max {max(lens)}, total {sum(lens)} tokens (log-normal, sigma 1)")
 
