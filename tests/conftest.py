@@ -40,6 +40,21 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(-12345 if t.dtype != torch.bool else True)
 
 
+def compile_for_sm90(script: str) -> None:
+    """Run ``script`` (it calls ``triton.compile`` for sm_90) in a fresh interpreter with ``TRITON_INTERPRET=0``:
+    the interpreter accepts code the compiler rejects. Skips when ptxas is missing; fails with its stderr."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("ptxas") is None and not os.environ.get("TRITON_PTXAS_PATH"):
+        pytest.skip("ptxas not found")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 @pytest.fixture
 def gen():
     g = torch.Generator()

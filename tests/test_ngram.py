@@ -1,7 +1,7 @@
 """ngram_propose / ngram_propose_tree: hand-worked histories, brute-force oracles, bad inputs, Triton parity."""
 import pytest
 import torch
-from conftest import kernel_devices, poison_
+from conftest import compile_for_sm90, kernel_devices, poison_
 
 from tlt_kernels import ngram_propose, validate_tree
 from tlt_kernels.ops.ngram import ngram_propose_tree
@@ -346,17 +346,7 @@ for tok in ("*i64", "*i32"):
 @pytest.mark.slow
 def test_chunked_kernels_compile_for_sm90():
     """The interpreter accepts code the compiler rejects: compile the chunk and combine kernels for sm_90."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    if shutil.which("ptxas") is None and not os.environ.get("TRITON_PTXAS_PATH"):
-        pytest.skip("ptxas not found")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_NGRAM_SM90], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_sm90(_COMPILE_NGRAM_SM90)
 
 
 @pytest.mark.cuda

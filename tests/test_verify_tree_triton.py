@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import HAS_CUDA, kernel_devices, poison_
+from conftest import HAS_CUDA, compile_for_sm90, kernel_devices, poison_
 from test_verify_tree import ALPHA, MC_B, biased, chi2_pvalue, monte_carlo_first_two
 from tlt_kernels import rng, verify_tree
 
@@ -236,17 +236,7 @@ triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 @pytest.mark.slow
 def test_kernel_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects: compile the full-featured kernel for sm_90."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    if shutil.which("ptxas") is None and not os.environ.get("TRITON_PTXAS_PATH"):
-        pytest.skip("ptxas not found")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_sm90(_COMPILE_SM90)
 
 
 @pytest.mark.cuda
