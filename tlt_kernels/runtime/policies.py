@@ -374,6 +374,12 @@ class CostModelPolicy(Policy):
             raise ValueError(f"offset_prior must be > 0 and ucb, explore >= 0; got {offset_prior}, {ucb}, {explore}")
         if not (model_sd > 0 and follow >= 0 and drift >= 0):
             raise ValueError(f"model_sd must be > 0 and follow, drift >= 0; got {model_sd}, {follow}, {drift}")
+        if not min_trials >= 0:
+            raise ValueError(f"min_trials must be >= 0 (discounted steps of the arm's own), got {min_trials}")
+        if not min_support >= 0:
+            raise ValueError(f"min_support must be >= 0 (discounted steps since the last alarm), got {min_support}")
+        if not refresh_tol >= 0:
+            raise ValueError(f"refresh_tol must be >= 0 (cloglog units), got {refresh_tol}")
         self.cost_table = cost_table
         self.prior_accept = prior_accept
         self.model_sd = model_sd
@@ -393,12 +399,6 @@ class CostModelPolicy(Policy):
         self.follow = follow
         self.drift = drift
         self.level_in_weight = level_in_weight
-        if not min_trials >= 0:
-            raise ValueError(f"min_trials must be >= 0 (discounted steps of the arm's own), got {min_trials}")
-        if not min_support >= 0:
-            raise ValueError(f"min_support must be >= 0 (discounted steps since the last alarm), got {min_support}")
-        if not refresh_tol >= 0:
-            raise ValueError(f"refresh_tol must be >= 0 (cloglog units), got {refresh_tol}")
         self.refresh_tol = refresh_tol
 
     def bind(self, arms, num_buckets, rng, window):
