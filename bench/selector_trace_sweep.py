@@ -58,26 +58,14 @@ def _jittered(trace, seed: int, sigma: float):
 def vs_size_oracle(trace, kw: dict) -> float:
     """Cost policy with options ``kw`` replayed on ``trace`` (start-up table = the trace's median step time per
     (arm, batch size)), as a fraction of the best arm per batch size over the trace in hindsight."""
-    from bench.suites.selector import _trace_cost_table
+    from bench.suites.selector import _trace_cost_table, size_oracle_fraction
     from tlt_kernels.runtime import Strategy, StrategySelector
     from tlt_kernels.runtime.simulate import replay_selector
 
     arms = sorted({Strategy.parse(k) for r in trace for k in r["arms"]}, key=str)
-    totals: Dict[int, Dict[str, tuple]] = {}
-    for r in trace:
-        for k, o in r["arms"].items():
-            e, t = totals.setdefault(r["batch_size"], {}).get(k, (0.0, 0.0))
-            totals[r["batch_size"]][k] = (e + o["emitted"], t + o["step_time"])
-    size_best = {b: max(v, key=lambda k: v[k][0] / v[k][1]) for b, v in totals.items()}
     sel = StrategySelector([a for a in arms if not a.is_off], policy="cost", seed=0,
                            cost_table=_trace_cost_table(trace), **kw)
-    res = replay_selector(trace, sel)
-    own = need = 0.0
-    for r, pick in zip(trace, res.picks):
-        o, c = r["arms"][size_best[r["batch_size"]]], r["arms"][pick]
-        own += o["step_time"]
-        need += o["emitted"] * c["step_time"] / c["emitted"]
-    return own / need
+    return size_oracle_fraction(trace, replay_selector(trace, sel).picks)
 
 
 def trace_scores(kw: dict, jitter: int = 0, sigma: float = 0.02) -> Dict[str, tuple]:
@@ -136,21 +124,13 @@ def sim_scores(configs: Dict[str, dict], seeds, workers: int = 1) -> Dict[str, D
 
 def cpu_cost(configs: Dict[str, dict], rounds: int = 3, steps: int = 20000) -> Dict[str, Dict[str, float]]:
     """Median ``select + update`` microseconds (stationary and drifting streams), configs interleaved."""
-    from bench.suites import selector as suite
-    from tlt_kernels.runtime import StrategySelector
+    from bench.suites.selector import _cpu_cost_us
 
     results = {n: {"stationary": [], "drifting": []} for n in configs}
-    real = StrategySelector.__init__
-    try:
-        for _ in range(rounds):
-            for n, kw in configs.items():
-                def init(self, *a, _kw=kw, **k):
-                    real(self, *a, **{**_kw, **k})
-                StrategySelector.__init__ = init
-                results[n]["stationary"].append(suite._cpu_cost_us("cost", steps))
-                results[n]["drifting"].append(suite._cpu_cost_us("cost", steps, drifting=True))
-    finally:
-        StrategySelector.__init__ = real
+    for _ in range(rounds):
+        for n, kw in configs.items():
+            results[n]["stationary"].append(_cpu_cost_us("cost", steps, **kw))
+            results[n]["drifting"].append(_cpu_cost_us("cost", steps, drifting=True, **kw))
     return {n: {k: sorted(v)[len(v) // 2] for k, v in d.items()} for n, d in results.items()}
 
 

@@ -36,7 +36,7 @@ def _factory(policy):
     return make
 
 
-def _cpu_cost_us(policy, steps=20000, drifting=False):
+def _cpu_cost_us(policy, steps=20000, drifting=False, **policy_kwargs):
     import math
 
     from tlt_kernels.runtime import CostTable, StrategySelector
@@ -45,7 +45,7 @@ def _cpu_cost_us(policy, steps=20000, drifting=False):
     cost = StepCost()
     table = CostTable({s: [(b, cost(s, b)) for b in (1, 16, 64, 256)] for s in DEFAULT_ARMS})
     kw = {"cost_table": table} if policy == "cost" else {}
-    sel = StrategySelector(DEFAULT_ARMS, policy=policy, seed=0, **kw)
+    sel = StrategySelector(DEFAULT_ARMS, policy=policy, seed=0, **kw, **policy_kwargs)
     sizes = (1, 16, 64, 256)
     obs = {}  # precomputed, so only the selector is timed
 
@@ -142,6 +142,24 @@ def _engine_traces(ctx) -> None:
         _engine_trace(ctx, *_record_engine_trace(ctx), "recorded now")
 
 
+def size_oracle_fraction(trace, picks) -> float:
+    """The issue's oracle for a trace: the best arm per batch size over the whole trace in hindsight (no per-step
+    noise to exploit). Returns its time for its own tokens / the time the run that picked ``picks`` (one arm name
+    per record) needs for the same tokens, at each step's efficiency."""
+    totals = {}
+    for r in trace:
+        for k, o in r["arms"].items():
+            e, t = totals.setdefault(r["batch_size"], {}).get(k, (0.0, 0.0))
+            totals[r["batch_size"]][k] = (e + o["emitted"], t + o["step_time"])
+    size_best = {b: max(v, key=lambda k: v[k][0] / v[k][1]) for b, v in totals.items()}
+    own = need = 0.0
+    for r, name in zip(trace, picks):
+        o, c = r["arms"][size_best[r["batch_size"]]], r["arms"][str(name)]
+        own += o["step_time"]
+        need += o["emitted"] * c["step_time"] / c["emitted"]
+    return own / need
+
+
 def _engine_trace(ctx, trace, origin: str, label: str) -> None:
     """Every policy and static arm replayed on one engine trace."""
     from tlt_kernels.runtime import Strategy, StrategySelector
@@ -156,22 +174,8 @@ def _engine_trace(ctx, trace, origin: str, label: str) -> None:
     def same_work_ms(res):  # time to emit the oracle's tokens of every step at this run's per-step efficiency
         return 1e3 * sum(t / e for t, e in zip(res.oracle_time, res.efficiency))
 
-    # The issue's oracle for a trace: the best arm per batch size over the whole trace (no per-step noise to
-    # exploit). vs_size_oracle = its time for its own tokens / the time a run needs for the same tokens.
-    totals = {}
-    for r in trace:
-        for k, o in r["arms"].items():
-            e, t = totals.setdefault(r["batch_size"], {}).get(k, (0.0, 0.0))
-            totals[r["batch_size"]][k] = (e + o["emitted"], t + o["step_time"])
-    size_best = {b: max(v, key=lambda k: v[k][0] / v[k][1]) for b, v in totals.items()}
-
     def vs_size_oracle(picks):
-        own = need = 0.0
-        for r, name in zip(trace, picks):
-            o, c = r["arms"][size_best[r["batch_size"]]], r["arms"][name]
-            own += o["step_time"]
-            need += o["emitted"] * c["step_time"] / c["emitted"]
-        return round(own / need, 4)
+        return round(size_oracle_fraction(trace, picks), 4)
 
     best = min(statics.values(), key=same_work_ms)
     off = statics.get("off")
