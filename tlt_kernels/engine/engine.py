@@ -690,23 +690,23 @@ class SpeculativeEngine:
                 if self.drafter_kind == "eagle" and self.spot_trainer is not None:
                     self.drafter.maybe_update(self.spot_trainer.holder)
                 eagle_rows = None if eagle_state is None else [getattr(eagle_state, f)[act] for f in EAGLE_FIELDS]
-                ctx_old = ctx[act]
+                ctx_old, table_act, max_new_act = ctx[act], table[act], max_new_dev[act]
                 if trace is not None:
-                    trace.append(self._probe_arms(act, roots, ngram, eagle_rows, table[act], ctx_old, sampling(act),
+                    trace.append(self._probe_arms(act, roots, ngram, eagle_rows, table_act, ctx_old, sampling(act),
                                                   step_sampling(act)))
                 T = tree_width(s, self.drafter_kind)
                 fused = self.fuse_step and self._graph_size(self._step_key(s), b)
                 new_eagle = None
                 if fused:
-                    inputs = [table[act], ctx_old, roots[act], *step_sampling(act), *(eagle_rows or [])]
+                    inputs = [table_act, ctx_old, roots[act], *step_sampling(act), *(eagle_rows or [])]
                     outs = self.graph_pool.run(self._step_key(s), inputs, batch_size=fused, fill_rest=True)
                     emitted, num_acc, new_ctx, path_hidden, path_tokens, *new_eagle = (o[:b] for o in outs)
                     replayed = True
                 else:
                     tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
                     T = tok.shape[1]
-                    lg, hid, replayed = self._verify_forward(tok, par, nn_, table[act], ctx_old)
-                    emitted, num_acc, new_ctx, path_hidden, path_tokens = self._accept(tok, par, nn_, lg, hid, table[act], ctx_old,
+                    lg, hid, replayed = self._verify_forward(tok, par, nn_, table_act, ctx_old)
+                    emitted, num_acc, new_ctx, path_hidden, path_tokens = self._accept(tok, par, nn_, lg, hid, table_act, ctx_old,
                                                                                        sampling(act))
                 nacc = num_acc.to(torch.int64)
                 ctx[act] = new_ctx
@@ -714,7 +714,7 @@ class SpeculativeEngine:
 
                 # Emit up to each request's budget; cut after EOS.
                 j = torch.arange(T, device=dev).unsqueeze(0)
-                n_emit = torch.minimum(nacc + 1, max_new_dev[act] - n_gen[act])
+                n_emit = torch.minimum(nacc + 1, max_new_act - n_gen[act])
                 if eos_token_id is not None:
                     is_eos = (emitted == eos_token_id) & (j < n_emit.unsqueeze(1))
                     first_eos = torch.where(is_eos, j, torch.full_like(j, T)).min(1).values
@@ -754,7 +754,7 @@ class SpeculativeEngine:
                     tr.scatter_(1, fpos, path_tokens)
                     feats[act], ftoks[act] = fr, tr
 
-                fin = n_gen[act] >= max_new_dev[act]
+                fin = n_gen[act] >= max_new_act
                 if eos_token_id is not None:
                     fin |= hit_eos
                 # One device-to-host transfer per step (each sync stalls the CPU until the GPU drains, so the
