@@ -92,6 +92,16 @@ def time_cpu_ms(fn: Callable[[], Any], reps: int = 5, budget_s: float = 1.0) -> 
     return statistics.median(times)
 
 
+def measure_copy_bandwidth(device: torch.device, nbytes: int, time_ms: Callable[[Callable[[], Any]], float]) -> float:
+    """Bytes/s (read + write) of an ``nbytes`` device-to-device copy timed by ``time_ms`` (median ms of a callable)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
 def time_cuda_events_ms(fn: Callable[[], Any], warmup: int = 10, reps: int = 50) -> float:
     """Median of ``reps`` runs timed with CUDA events, after ``warmup`` calls (used without Triton)."""
     for _ in range(warmup):
@@ -229,12 +239,7 @@ class BenchContext:
             return self._copy_bw
         key = f"{self.device}:{self.copy_bytes}"
         if key not in _COPY_BW_CACHE:
-            src = torch.empty(self.copy_bytes, dtype=torch.uint8, device=self.device)
-            dst = torch.empty_like(src)
-            ms = self.time_ms(lambda: dst.copy_(src))
-            _COPY_BW_CACHE[key] = 2 * self.copy_bytes / (ms * 1e-3)
-            del src, dst
-            torch.cuda.empty_cache()
+            _COPY_BW_CACHE[key] = measure_copy_bandwidth(self.device, self.copy_bytes, self.time_ms)
         self._copy_bw = _COPY_BW_CACHE[key]
         return self._copy_bw
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench.harness import time_cuda_events_ms  # noqa: E402
+from bench.harness import COPY_BYTES, measure_copy_bandwidth, time_cuda_events_ms  # noqa: E402
 from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, parse_cases  # noqa: E402
 from tlt_kernels._triton import tree_attention as tk  # noqa: E402
 from tlt_kernels.ops.tree_attention import SPLIT_ALIGN, plan_tree_attention  # noqa: E402
@@ -79,14 +79,8 @@ def time_ms(fn, reps: int) -> float:
 
 
 def copy_bandwidth(dev) -> float | None:
-    """Bytes/s (read + write) of a 1 GiB device-to-device copy."""
-    if dev.type != "cuda":
-        return None
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    ms = time_ms(lambda: b.copy_(a), 20)
-    del a, b
-    return 2 * (1 << 30) / (ms * 1e-3)
+    """Bytes/s (read + write) of a 1 GiB device-to-device copy, as the harness measures it."""
+    return measure_copy_bandwidth(dev, COPY_BYTES, lambda fn: time_ms(fn, 20)) if dev.type == "cuda" else None
 
 
 def run_case(model, B, L, T, dev, reps, bw, rows_out):
