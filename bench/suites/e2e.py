@@ -41,7 +41,10 @@ def _sizes(small: bool) -> dict:
     return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)),
                 train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
                 B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896, warm_budget_s=40.0,
-                train_window=(16, 128), arms=((2, 1, 3), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24)))
+                train_window=(16, 128),
+                # Cheap chains win at large batch sizes, deep trees in the tail (H200 traces in bench/traces): the
+                # arm set spans both so that the selector has a choice to make.
+                arms=((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24), (8, 4, 32)))
 
 
 def _lengths(B: int, median: int, max_len: int, gen: torch.Generator) -> list:
