@@ -1,17 +1,18 @@
 """Variant microbenchmark of the Triton tree-attention kernel (issue 3): ``python bench/tree_attention_variants.py``.
 
-Times every variant of ``tlt_kernels/_triton/tree_attention.py`` on the HBM-bound cases of the
+Times candidate variants of ``tlt_kernels/_triton/tree_attention.py`` on the cases of the
 ``tree-attention`` suite (Qwen2.5-7B / 32B geometry, D=128, page 16, bf16) in one process, next to the
-baseline (the previous context loop, ``PIPELINE = 0``, with today's config), and checks each against
-the baseline's output (max abs error). A variant is ``(label, PIPELINE, CONFIG_OVERRIDE or None,
-split factor)``; ``CONFIG_OVERRIDE`` is ``(BLOCK_N, num_warps, num_stages[, BLOCK_M])``.
+current default (timed first, and again last so its drift shows the noise), and checks each against
+the default's output (max abs error). A :class:`Variant` sets ``CONFIG_OVERRIDE`` (``(BLOCK_N,
+num_warps, num_stages[, BLOCK_M[, maxnreg]])``), ``LAZY_RESCALE``, ``PIPELINE`` and a split-length factor.
 
 Percent of floor: ``bytes_moved`` (K/V of context + tree, q and out, each once; the suite's formula)
 over the bandwidth of a large device-to-device copy measured in the same run.
 
-Env: ``TLT_VARIANT_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the cases, ``TLT_VARIANT_ONLY=pipe`` the
-variants (exact labels; the baseline always runs), ``TLT_VARIANT_REPS`` the timed runs (default 100), ``TLT_VARIANT_JSON`` a
-path for the raw rows. On CPU (no GPU) it runs one tiny case under the Triton interpreter as a smoke test.
+Env: ``TLT_VARIANT_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the cases, ``TLT_VARIANT_ONLY="lazy8,..."``
+the variants (exact labels; the default always runs; ``legacy`` adds the pre-pipelining loop),
+``TLT_VARIANT_REPS`` the timed runs (default 100), ``TLT_VARIANT_JSON`` a path for the raw rows. On CPU (no
+GPU) it runs two tiny cases under the Triton interpreter as a smoke test.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -27,6 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
 
 from bench.harness import COPY_BYTES, measure_copy_bandwidth, time_cuda_events_ms  # noqa: E402
 from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, parse_cases  # noqa: E402
@@ -40,23 +45,51 @@ GPU_CASES = [
     ("qwen2.5-7b", 32, 8192, 64), ("qwen2.5-7b", 8, 32768, 32), ("qwen2.5-7b", 1, 32768, 64),
     ("qwen2.5-32b", 32, 8192, 64), ("qwen2.5-32b", 8, 32768, 32), ("qwen2.5-32b", 1, 32768, 64),
 ]
-CPU_CASES = [("qwen2.5-7b", 2, 300, 8)]
+CPU_CASES = [("qwen2.5-7b", 2, 300, 8), ("qwen2.5-7b", 1, 200, 16)]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One kernel variant: ``config`` is ``tk.CONFIG_OVERRIDE`` (``(BLOCK_N, num_warps, num_stages[, BLOCK_M[,
+    maxnreg]])``, None = the default table), ``split`` scales the plan's default split length, ``lazy`` is
+    ``tk.LAZY_RESCALE`` and ``pipeline`` ``tk.PIPELINE`` (0 = the legacy loop)."""
+
+    label: str
+    config: tuple | None = None
+    split: float = 1.0
+    lazy: float = 0.0
+    pipeline: int = 1
+
+
+DEFAULT = Variant("default")
 
 
 def variants_for(rows: int):
-    """Variants for ``rows = T * G`` query rows per KV head."""
-    v = [("base", 0, None, 1.0), ("pipe", 1, None, 1.0)]
-    if rows <= 64:
-        v += [("pipe bn=64 w4 s4", 1, (64, 4, 4), 1.0), ("pipe bn=128 w4 s3", 1, (128, 4, 3), 1.0),
-              ("pipe bn=64 w4 s2", 1, (64, 4, 2), 1.0), ("pipe bn=128 w8 s3", 1, (128, 8, 3), 1.0)]
-    elif rows <= 128:
-        v += [("pipe bn=64 w8 s3", 1, (64, 8, 3), 1.0), ("pipe bn=64 w8 s4", 1, (64, 8, 4), 1.0),
-              ("pipe bn=64 w8 s5", 1, (64, 8, 5), 1.0), ("pipe bn=128 w8 s2", 1, (128, 8, 2), 1.0),
-              ("pipe bm=64 bn=64 w4 s3", 1, (64, 4, 3, 64), 1.0), ("pipe bm=64 bn=128 w4 s3", 1, (128, 4, 3, 64), 1.0),
-              ("pipe split/2", 1, None, 0.5), ("pipe bn=64 w8 s4 split/2", 1, (64, 8, 4), 0.5)]
-    else:
-        v += [("pipe bn=64 w4 s4", 1, (64, 4, 4, 64), 1.0), ("pipe bn=128 w4 s3", 1, (128, 4, 3, 64), 1.0)]
-    return v
+    """Candidates for ``rows = T * G`` query rows per KV head; the default first (the reference) and again last
+    (its drift over the case is the noise floor of the comparison)."""
+    if rows <= 64:  # BLOCK_M = 64, 4 warps: the default runs 2 programs per SM (112 KB of shared memory)
+        v = [Variant("lazy8", lazy=8.0),
+             Variant("bn=32 w4 s3 (3/SM)", (32, 4, 3)), Variant("bn=32 w4 s4", (32, 4, 4)),
+             Variant("bn=32 w4 s3 lazy8", (32, 4, 3), lazy=8.0)]
+    elif rows <= 128:  # BLOCK_M = 128: the default (128, 8, 3) fills the SM's shared memory (1 program per SM)
+        # BLOCK_N = 32 at 8 warps compiles to <= 128 registers (ptxas, sm_90a) and 80-112 KB of shared
+        # memory, so two programs share an SM: one's MMAs overlap the other's softmax.
+        v = [Variant("lazy8", lazy=8.0)]
+        for st in (3, 4, 5):
+            v.append(Variant(f"bn=32 w8 s{st} r128 (2/SM)", (32, 8, st, None, 128)))
+        v += [Variant("bn=32 w8 s4 r128 lazy8", (32, 8, 4, None, 128), lazy=8.0),
+              Variant("bn=32 w8 s5 r128 lazy8", (32, 8, 5, None, 128), lazy=8.0),
+              Variant("bn=32 w8 s4 r128 split/2", (32, 8, 4, None, 128), split=0.5),
+              Variant("bn=64 w8 s2 r128", (64, 8, 2, None, 128)),
+              Variant("bn=32 w4 s3", (32, 4, 3))]
+    else:  # chunked rows (64-row programs)
+        v = [Variant("lazy8", lazy=8.0), Variant("bn=32 w4 s4", (32, 4, 4, 64))]
+    only = [x.strip() for x in os.environ.get("TLT_VARIANT_ONLY", "").split(",") if x.strip()]
+    if only:
+        v = [x for x in v if x.label in only]
+        if "legacy" in only:
+            v.append(Variant("legacy", pipeline=0))
+    return [DEFAULT] + v + [Variant("default (again)")]
 
 
 def _selected(cases):
@@ -100,38 +133,56 @@ def run_case(model, B, L, T, dev, reps, bw, rows_out):
         return plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                    num_kv_heads=Hkv, head_dim=D, block_size=PAGE, max_context_len=L, split_len=split_len)
 
-    only = [x.strip() for x in os.environ.get("TLT_VARIANT_ONLY", "").split(",") if x.strip()]
+    defaults = (tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE)
     out = torch.empty_like(q)
     reference = None
     base_ms = None
-    for label, pipeline, cfg, factor in variants_for(T * (Hq // Hkv)):
-        if only and label != "base" and label not in only:
-            continue
-        plan = plan_for(factor)
-        tk.PIPELINE, tk.CONFIG_OVERRIDE = pipeline, cfg
+    for var in variants_for(T * (Hq // Hkv)):
+        plan = plan_for(var.split)
+        tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE = var.pipeline, var.config, var.lazy
         try:
             try:
                 out.fill_(float("nan"))
                 plan.run(q, k_cache, v_cache, out=out, backend="triton")
                 ms = time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"), reps)
             except Exception as exc:  # e.g. out of shared memory for this config
-                print(f"{model:12s} ({B},{L},{T}) {label:28s} FAILED {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                print(f"{model:12s} ({B},{L},{T}) {var.label:28s} FAILED {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                 continue
         finally:
-            tk.PIPELINE, tk.CONFIG_OVERRIDE = 1, None
+            tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE = defaults
         if reference is None:
             reference = out.clone()
         err = (out.float() - reference.float()).abs().max().item()
         base_ms = base_ms or ms
         pct = 100.0 * nbytes / bw / (ms * 1e-3) if bw else float("nan")
-        row = dict(model=model, B=B, L=L, T=T, variant=label, ms=ms, pct_floor=pct, speedup=base_ms / ms,
+        row = dict(model=model, B=B, L=L, T=T, variant=var.label, ms=ms, pct_floor=pct, speedup=base_ms / ms,
                    max_abs_err=err, num_splits=plan.num_splits, split_len=plan.split_len, bytes_moved=nbytes)
         rows_out.append(row)
-        print(f"{model:12s} ({B},{L},{T}) {label:28s} S={plan.num_splits:<2d} {ms:8.4f} ms {pct:6.1f}% floor "
-              f"x{base_ms / ms:5.2f} vs base  err {err:.2e}", flush=True)
+        print(f"{model:12s} ({B},{L},{T}) {var.label:28s} S={plan.num_splits:<2d} {ms:8.4f} ms {pct:6.1f}% floor "
+              f"x{base_ms / ms:5.2f} vs default  err {err:.2e}", flush=True)
     del inp, q, k_cache, v_cache, out, reference
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def summary(rows) -> str:
+    """Markdown: per case the default, the fastest other variant, and its speedup / error."""
+    lines = ["| model | B | L | T | default ms (% floor) | default again | best variant | ms (% floor) | speedup | max err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["model"], r["B"], r["L"], r["T"]), []).append(r)
+    for (model, B, L, T), rs in cases.items():
+        d = rs[0]
+        again = [r for r in rs if r["variant"] == "default (again)"]
+        others = [r for r in rs[1:] if not r["variant"].startswith("default")]
+        best = min(others, key=lambda r: r["ms"]) if others else d
+        lines.append(f"| {model} | {B} | {L} | {T} | {d['ms']:.4f} ({d['pct_floor']:.1f}) | "
+                     f"{again[0]['ms']:.4f} | {best['variant']} | {best['ms']:.4f} ({best['pct_floor']:.1f}) | "
+                     f"{d['ms'] / best['ms']:.3f}x | {best['max_abs_err']:.1e} |" if again else
+                     f"| {model} | {B} | {L} | {T} | {d['ms']:.4f} ({d['pct_floor']:.1f}) | - | {best['variant']} | "
+                     f"{best['ms']:.4f} ({best['pct_floor']:.1f}) | {d['ms'] / best['ms']:.3f}x | {best['max_abs_err']:.1e} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -140,9 +191,13 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
     print(f"device: {name}; copy bandwidth: {bw / 1e9:.0f} GB/s" if bw else f"device: {name}", flush=True)
+    print(f"start {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC; torch {torch.__version__}, triton {triton.__version__}",
+          flush=True)
     rows = []
     for model, B, L, T in _selected(GPU_CASES if dev.type == "cuda" else CPU_CASES):
         run_case(model, B, L, T, dev, reps, bw, rows)
+    print(summary(rows))
+    print(f"end {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC", flush=True)
     path = os.environ.get("TLT_VARIANT_JSON")
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

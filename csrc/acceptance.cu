@@ -56,11 +56,14 @@ cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int smem, cud
   return cfg;
 }
 
-// CTAs per request. One CTA cannot stream HBM fast, so small batches split each row over a cluster:
-// the largest C in {8, 4, 2} whose B clusters are all co-resident (cudaOccupancyMaxActiveClusters:
-// one 512-thread CTA per SM at 128 registers, and clusters must fit in a GPC) and whose slices keep
-// >= 2048 tokens. The occupancy query (not a stream operation) is cached per device and C: every
-// instantiation has the same footprint (512 threads, <= 128 registers, ~7 KB of shared memory).
+// CTAs per request. The kernel time is the longest walk of the batch, and a walk's rows are
+// streamed by its C CTAs only (even after the other walks are done), so C is the largest of
+// {16, 8, 4, 2} whose B clusters are all co-resident (cudaOccupancyMaxActiveClusters: two 256-thread
+// CTAs per SM at <= 128 registers, and a cluster must fit in one GPC; a grid of several waves would
+// serialize walks) and whose slices keep >= 2048 tokens. 16 needs the non-portable cluster size; a
+// device that refuses it is skipped. The occupancy query (not a stream operation) is cached per
+// device and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of
+// static shared memory; the dynamic part is small).
 template <typename Kernel>
 LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int& C) {
   C = 1;
@@ -75,10 +78,10 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
   }
   if (major < 9) return {};
   constexpr int kMaxDevices = 64;
-  static int active[kMaxDevices][4] = {};  // [device][log2 C]; 0 = not queried yet
+  static int active[kMaxDevices][5] = {};  // [device][log2 C]; 0 = not queried yet
   int dev = 0;
   TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
-  for (int c = kVerifyMaxCluster, lg = 3; c > 1; c /= 2, --lg) {
+  for (int c = kVerifyMaxCluster, lg = 4; c > 1; c /= 2, --lg) {
     if (p.vocab < c * 2048) continue;
     int n = dev >= 0 && dev < kMaxDevices ? active[dev][lg] : 0;
     if (n == 0) {
@@ -86,7 +89,12 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
       VerifyTreeParams one = p;
       one.batch = 1;
       const cudaLaunchConfig_t cfg = verify_config(one, c, smem, stream, attr);
-      TLT_STATUS_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+      const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+      if (e != cudaSuccess) {
+        if (c <= 8) TLT_STATUS_CUDA_CHECK(e);
+        (void)cudaGetLastError();  // a refused non-portable size is not sticky: clear it and go on
+        n = 0;
+      }
       n = n > 0 ? n : -1;  // -1: cannot run (cached too)
       if (dev >= 0 && dev < kMaxDevices) active[dev][lg] = n;
     }
@@ -102,10 +110,21 @@ template <typename TL, typename TQ, bool HAS_Q>
 LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q>;
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
-  const int smem = static_cast<int>(sizeof(int)) * (4 * depth_cap + 2);
+  // Path bookkeeping, plus parents and tokens of trees small enough to stage (see the kernel).
+  const int staged = p.num_tree <= accept::kStageNodes ? 2 * p.num_tree : 0;
+  const int smem = static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
   if (smem > 48 * 1024) {
     // Allowed during stream capture (not a stream operation); only deep trees need it.
     TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  static bool non_portable = false;  // per instantiation; a benign race sets the same attribute twice
+  if (!non_portable && p.cluster != 1) {
+    int major = 0, sms = 0;
+    TLT_RETURN_IF_FAILED(device_info(major, sms));
+    // Cluster size 16 (sm_90+): a function attribute, not a stream operation (fine during capture).
+    if (major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+      (void)cudaGetLastError();  // then 16 is refused by the occupancy query / launch instead
+    non_portable = true;
   }
   int C = 1;
   TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, C));
@@ -171,8 +190,9 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
   TLT_STATUS_CHECK_ARG(p.max_depth >= 0, "max_depth must be >= 0, got " << p.max_depth);
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
   TLT_STATUS_CHECK_ARG(p.vocab <= kVerifyMaxVocab, "V = " << p.vocab << " exceeds the CUDA kernel's limit " << kVerifyMaxVocab);
-  TLT_STATUS_CHECK_ARG(p.cluster == 0 || p.cluster == 1 || p.cluster == 2 || p.cluster == 4 || p.cluster == 8,
-                    "cluster must be 0 (auto), 1, 2, 4 or 8, got " << p.cluster);
+  TLT_STATUS_CHECK_ARG(p.cluster == 0 || p.cluster == 1 || p.cluster == 2 || p.cluster == 4 || p.cluster == 8 ||
+                        p.cluster == 16,
+                    "cluster must be 0 (auto), 1, 2, 4, 8 or 16, got " << p.cluster);
   TLT_STATUS_CHECK_ARG(depth_cap <= kVerifyMaxDepthSmem,
                     "min(max_depth, T - 1) = " << depth_cap << " exceeds the CUDA kernel's limit " << kVerifyMaxDepthSmem);
   TLT_STATUS_CHECK_ARG(valid_type(p.logits_type), "unknown logits dtype code " << static_cast<int>(p.logits_type));

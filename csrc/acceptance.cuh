@@ -61,7 +61,7 @@ struct VerifyTreeParams {
   int num_tree = 0;   // T
   int vocab = 0;      // V
   int max_depth = 0;  // deepest node the walk may accept
-  int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4 or 8
+  int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4, 8 or 16
   bool tokens_int64 = true;
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
@@ -113,7 +113,7 @@ struct BuildDraftTreeParams {
 constexpr int kBuildTreeMaxCandidates = 2048;
 constexpr int kVerifyMaxDepthSmem = 4096;
 constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
-constexpr int kVerifyMaxCluster = 8;  // portable cluster size (16 needs the non-portable attribute)
+constexpr int kVerifyMaxCluster = 16;  // 16 needs the non-portable cluster attribute (Hopper)
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
 LaunchStatus launch_compact_kv(const CompactKVParams& p, cudaStream_t stream) noexcept;
@@ -234,17 +234,28 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 // min(V, (rank + 1) * S)) with S = ceil(V / C) rounded up to kVec, so every vector load of a slice
 // stays aligned; slices past V are empty and contribute identity partials. Each row statistic is
 // reduced in the CTA, published in shared memory, and after one cluster barrier every CTA folds the
-// C partials itself *in rank order* (distributed shared memory): all CTAs hold bit-identical values,
-// so the walk's control flow is cluster-uniform and every CTA reaches every cluster barrier.
+// C partials itself with a fixed butterfly over lanes (distributed shared memory; `combine` is
+// commutative bit for bit, so every lane and every CTA gets bit-identical values): the walk's control
+// flow is cluster-uniform and every CTA reaches every cluster barrier.
 //
 // Passes per visited row (sampled, no top-k/top-p): one fused pass for (bad, argmax, online
 // max/normalizer, draft-row sum), one residual pass per rejection (writes the residual and its
 // slice sums), and the final sample scans one slice only (the CTA whose mass range holds u * total).
+//
+// Why small CTAs: the kernel time is the longest walk of the batch, and once the short walks are done
+// that walker's row is streamed by its C CTAs alone. 256-thread CTAs, two per SM, double the C that
+// stays co-resident at a given B (C = 4 at B = 64 instead of 2; 16 at B = 1), and each row costs few
+// instructions per element (float argmax, exp2 with a premultiplied 1 / temp, no per-element range
+// checks: padding loads -inf), so a lone walker's row is bound by its bytes in flight, not by issue.
+// Weights are exp2(l * log2(e) / temp - m) with m the row max in the same scaled units.
 
-constexpr int kVerifyThreads = 512;
+constexpr int kVerifyThreads = 256;
+constexpr int kVerifyMinBlocks = 2;                // CTAs per SM the registers allow (<= 128 per thread)
 constexpr int kVec = 8;                            // elements per thread per chunk
 constexpr int kChunk = kVerifyThreads * kVec;      // elements per block-wide chunk
-constexpr int kUnroll = 2;                         // chunks loaded before any is processed
+constexpr int kLoadBytes = 160;                    // bytes a thread loads before processing any
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kStageNodes = 2048;                  // trees up to this size keep parents/tokens in smem
 constexpr float kFixedScale = 4294967296.0f;       // 2^32: weights in (0, 1] as 32.32 fixed point
 constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps every token
 constexpr int kNoToken = 0x7fffffff;               // "not found" of the sample scan's min-reduction
@@ -276,27 +287,55 @@ __device__ __forceinline__ T ld(const T* p) {
   else return __ldcg(p);
 }
 
-// Loads kVec consecutive elements [base, base + kVec) of a row as fp32; `fill` at or past `end`.
-// Rows whose start is 16-byte aligned take 16-byte vector loads (base is a multiple of kVec, so
-// every vector is aligned too).
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// kVec elements of a row as loaded (16-bit types stay packed until processed: half the registers
+// per load in flight).
+template <typename T>
+struct RawVec {
+  static constexpr int kWords = static_cast<int>(sizeof(T)) * kVec / 16;
+  static_assert(kWords >= 1, "vector of at least 16 bytes");
+  union {
+    uint4 raw[kWords];
+    T val[kVec];
+  };
+  __device__ __forceinline__ RawVec() {}
+};
+
+// Loads [base, base + kVec) of a row; `fill` (+-inf or 0: exact in every element type) at or past
+// `end`. Rows whose start is 16-byte aligned take 16-byte vector loads (base is a multiple of kVec,
+// so every vector is aligned too).
 template <Ld M, typename T>
-__device__ __forceinline__ void load_vec(const T* row, int base, int end, bool aligned, float fill, float (&x)[kVec]) {
+__device__ __forceinline__ void load_raw(const T* row, int base, int end, bool aligned, float fill, RawVec<T>& r) {
   if (aligned && base + kVec <= end) {
-    constexpr int kWords = static_cast<int>(sizeof(T)) * kVec / 16;
-    static_assert(kWords >= 1, "vector of at least 16 bytes");
-    union {
-      uint4 raw[kWords];
-      T val[kVec];
-    } u;
     const uint4* src = reinterpret_cast<const uint4*>(row + base);
 #pragma unroll
-    for (int w = 0; w < kWords; ++w) u.raw[w] = ld<M>(src + w);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) x[i] = to_float(u.val[i]);
+    for (int w = 0; w < RawVec<T>::kWords; ++w) r.raw[w] = ld<M>(src + w);
   } else {
+    const T f = from_float<T>(fill);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) x[i] = base + i < end ? to_float(ld<M>(row + base + i)) : fill;
+    for (int i = 0; i < kVec; ++i) r.val[i] = base + i < end ? ld<M>(row + base + i) : f;
   }
+}
+
+template <typename T>
+__device__ __forceinline__ void to_floats(const RawVec<T>& r, float (&x)[kVec]) {
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) x[i] = to_float(r.val[i]);
+}
+
+template <Ld M, typename T>
+__device__ __forceinline__ void load_vec(const T* row, int base, int end, bool aligned, float fill, float (&x)[kVec]) {
+  RawVec<T> r;
+  load_raw<M>(row, base, end, aligned, fill, r);
+  to_floats(r, x);
 }
 
 __device__ __forceinline__ void store_vec(float* row, int base, int end, bool aligned, const float (&x)[kVec]) {
@@ -312,33 +351,43 @@ __device__ __forceinline__ void store_vec(float* row, int base, int end, bool al
 }
 
 // f(base, a, b) for every vector [base, base + kVec) of this thread in the slice [lo, hi): a from
-// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). kUnroll chunks are loaded before
-// any is processed, so each thread keeps 2-4 16-byte loads in flight.
+// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). U chunks of both rows are loaded
+// (raw) before any is processed: 9 16-byte loads in flight per thread for bf16 logits with fp32
+// draft probabilities (U = 3; 4 spills at 128 registers), 4 for 16-bit rows alone. A thread meets
+// its elements in increasing index order (first-max argmax ties rely on it).
 template <Ld MA, typename TA, typename TB, typename F>
 __device__ __forceinline__ void sweep(const TA* a, bool a_aligned, float fill_a, const TB* b, bool b_aligned, bool use_b,
                                       int lo, int hi, F&& f) {
   // The trip count is CTA-uniform (warp collectives inside f need every lane); vectors past hi
   // read nothing.
-  for (int c0 = lo; c0 < hi; c0 += kUnroll * kChunk) {
+  constexpr int kVecBytes = kVec * static_cast<int>(sizeof(TA) + sizeof(TB));
+  constexpr int U = kLoadBytes / kVecBytes < 1 ? 1 : kLoadBytes / kVecBytes > 4 ? 4 : kLoadBytes / kVecBytes;
+  for (int c0 = lo; c0 < hi; c0 += U * kChunk) {
     const int b0 = c0 + static_cast<int>(threadIdx.x) * kVec;
-    float xa[kUnroll][kVec], xb[kUnroll][kVec];
+    RawVec<TA> ra[U];
+    RawVec<TB> rb[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      load_vec<MA>(a, b0 + u * kChunk, hi, a_aligned, fill_a, xa[u]);
-      if (use_b) {
-        load_vec<Ld::kNC>(b, b0 + u * kChunk, hi, b_aligned, 0.f, xb[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) xb[u][i] = 0.f;
-      }
+    for (int u = 0; u < U; ++u) {
+      load_raw<MA>(a, b0 + u * kChunk, hi, a_aligned, fill_a, ra[u]);
+      if (use_b) load_raw<Ld::kNC>(b, b0 + u * kChunk, hi, b_aligned, 0.f, rb[u]);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) f(b0 + u * kChunk, xa[u], xb[u]);
+    for (int u = 0; u < U; ++u) {
+      float xa[kVec], xb[kVec];
+      to_floats(ra[u], xa);
+      if (use_b) {
+        to_floats(rb[u], xb);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) xb[i] = 0.f;
+      }
+      f(b0 + u * kChunk, xa, xb);
+    }
   }
 }
 
 // A thread's, warp's, CTA's or cluster's share of one row's statistics. The weights sum to
-// z * exp(m) (online-softmax form); plain sums use m = 0, where exp(0) = 1 keeps them exact.
+// z * 2^m (online-softmax form, base 2); plain sums use m = 0, where 2^0 = 1 keeps them exact.
 struct Partial {
   uint64_t best;  // max of (ordered key ^ sign) << 32 | ~index: largest value, lowest index
   float m, z;
@@ -354,12 +403,23 @@ __device__ __forceinline__ Partial combine(const Partial& a, const Partial& b) {
   r.bad = a.bad | b.bad;
   r.q = a.q + b.q;
   r.m = fmaxf(a.m, b.m);
-  r.z = r.m == -INFINITY ? 0.f : a.z * expf(a.m - r.m) + b.z * expf(b.m - r.m);
+  // Commutative bit for bit (max, |, and IEEE + are): the butterfly folds rely on it.
+  r.z = r.m == -INFINITY ? 0.f : a.z * exp2f(a.m - r.m) + b.z * exp2f(b.m - r.m);
   return r;
 }
 
 // z rescaled to the frame of max M (0 for empty partials).
-__device__ __forceinline__ float scaled_z(const Partial& a, float M) { return a.z > 0.f ? a.z * expf(a.m - M) : 0.f; }
+__device__ __forceinline__ float scaled_z(const Partial& a, float M) { return a.z > 0.f ? a.z * exp2f(a.m - M) : 0.f; }
+
+__device__ __forceinline__ Partial shfl_idx(const Partial& v, int l) {
+  Partial r;
+  r.best = __shfl_sync(0xffffffffu, v.best, l);
+  r.m = __shfl_sync(0xffffffffu, v.m, l);
+  r.z = __shfl_sync(0xffffffffu, v.z, l);
+  r.q = __shfl_sync(0xffffffffu, v.q, l);
+  r.bad = __shfl_sync(0xffffffffu, v.bad, l);
+  return r;
+}
 
 __device__ __forceinline__ Partial shfl_xor(const Partial& v, int o) {
   Partial r;
@@ -409,10 +469,13 @@ __device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm) {
   return r;
 }
 
-// Cluster-wide fold of a CTA-uniform partial, in rank order (bit-identical in every CTA). Double
-// buffering makes one barrier per fold enough: a slot is rewritten two folds later, after a barrier
-// that every CTA reaches only once it has read the slot. With `plan`, also fills this CTA's place in
-// the mass z (rescaled to the fold's m).
+// Cluster-wide fold of a CTA-uniform partial (bit-identical in every CTA). Lane r of every warp
+// reads rank r's partial (C <= 32 parallel DSMEM loads instead of C dependent ones), then a fixed
+// butterfly over the first C lanes folds them; every thread ends with the same bits. Double buffering
+// makes one barrier per fold enough: a slot is rewritten two folds later, after a barrier that every
+// CTA reaches only once it has read the slot. With `plan`, also fills this CTA's place in the mass z
+// (rescaled to the fold's m) from an inclusive scan over ranks that every CTA computes identically,
+// so rank r's `end` and rank r + 1's `pre` are the same float.
 __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan) {
 #if TLT_VERIFY_CLUSTERS
   if (cl.size > 1) {
@@ -421,20 +484,24 @@ __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm
     cl.pub ^= 1;
     if (threadIdx.x == 0) *slot = mine;
     cluster.sync();  // arrive.release / wait.acquire: the slot is visible cluster-wide
-    Partial acc = *cluster.map_shared_rank(slot, 0);
-    for (int r = 1; r < cl.size; ++r) acc = combine(acc, *cluster.map_shared_rank(slot, r));
+    const int lane = threadIdx.x & 31;
+    const Partial part = lane < cl.size ? *cluster.map_shared_rank(slot, lane) : partial_identity(-INFINITY);
+    Partial acc = part;
+    for (int o = 1; o < cl.size; o <<= 1) acc = combine(acc, shfl_xor(acc, o));  // lanes < C stay among themselves
+    acc = shfl_idx(acc, 0);
     if (plan) {
-      float run = 0.f;
-      plan->last = -1;
-      plan->pre = plan->end = 0.f;
-      for (int r = 0; r < cl.size; ++r) {
-        const float part = scaled_z(*cluster.map_shared_rank(slot, r), acc.m);
-        if (r == cl.rank) plan->pre = run;
-        run += part;
-        if (r == cl.rank) plan->end = run;
-        if (part > 0.f) plan->last = r;
+      const float z = lane < cl.size ? scaled_z(part, acc.m) : 0.f;
+      float incl = z;
+      for (int o = 1; o < cl.size; o <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
       }
-      plan->total = run;
+      const unsigned with_mass = __ballot_sync(0xffffffffu, lane < cl.size && z > 0.f);
+      const float before = __shfl_sync(0xffffffffu, incl, cl.rank > 0 ? cl.rank - 1 : 0);
+      plan->pre = cl.rank > 0 ? before : 0.f;
+      plan->end = __shfl_sync(0xffffffffu, incl, cl.rank);
+      plan->total = __shfl_sync(0xffffffffu, incl, cl.size - 1);
+      plan->last = with_mass ? 31 - __clz(static_cast<int>(with_mass)) : -1;
     }
     return acc;
   }
@@ -454,28 +521,29 @@ __device__ __forceinline__ void cluster_barrier(const Cluster& cl) {
 #endif
 }
 
-// The target distribution of a visited row, kept implicit: p(t) = [key(l_t) >= thr] exp(l_t / temp - m) / Z.
+// The target distribution of a visited row, kept implicit: p(t) = [key(l_t) >= thr] 2^(l_t * ks - m) / Z
+// with ks = log2(e) / temp (so 2^(l * ks) = exp(l / temp)).
 struct RowState {
   int bad;    // NaN/+inf present, or every entry -inf
   int arg;    // argmax, lowest id among ties (greedy token)
   int thr;    // ordered-key threshold of top-k / top-p (kNegInfKey: keep all)
-  float m;    // max / temp
+  float m;    // max * ks
   float Z;    // normalizer of the kept weights
   float qsum; // sum of this node's draft row (when `want_q`)
 };
 
-__device__ __forceinline__ float target_weight(float x, int thr, float temp, float m) {
-  return ordered_key(x) >= thr ? expf(x / temp - m) : 0.f;
+__device__ __forceinline__ float target_weight(float x, int thr, float ks, float m) {
+  return ordered_key(x) >= thr ? exp2f(x * ks - m) : 0.f;
 }
 
 // Radix select over the row's ordered keys, 8 bits per pass (4 passes, exact, no sort): returns
 // the largest key K with W(key >= K) >= need, where W counts tokens (BY_MASS = false) or sums
-// exp(l / temp - m) in 32.32 fixed point (BY_MASS = true) over tokens with key >= floor. Each CTA
+// 2^(l * ks - m) in 32.32 fixed point (BY_MASS = true) over tokens with key >= floor. Each CTA
 // histograms its slice; the cluster's histograms are summed per bin. Integer histograms make the
 // result independent of the atomics' order (and of the summation order over ranks), so it is
 // deterministic and identical in every CTA. With `need_fraction`, need is a fraction of the total W.
 template <typename T, bool BY_MASS>
-__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, float temp, float m, double need,
+__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, double need,
                             bool need_fraction, Cluster& cl, VerifySmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31;
   uint32_t prefix = 0;
@@ -498,7 +566,7 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
         if (__ballot_sync(0xffffffffu, live) == 0u) continue;
         const uint32_t digit = live ? (uk >> shift) & 255u : 256u;
         uint64_t w = 0;
-        if (live) w = BY_MASS ? __float2ull_rn(expf(x[i] / temp - m) * kFixedScale) : 1ull;
+        if (live) w = BY_MASS ? __float2ull_rn(exp2f(x[i] * ks - m) * kFixedScale) : 1ull;
         // Warp aggregation: lanes with the same digit sum their weights and the group's first lane
         // adds once (one shared atomic per distinct bin instead of one per lane). w <= 2^32, so its
         // 16-bit halves summed over 32 lanes fit the 32-bit reduction.
@@ -578,98 +646,105 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
 // Statistics of a visited row over this CTA's slice, folded over the cluster: (bad, argmax) always;
 // for sampled requests m, Z and `plan` (online max/normalizer in the same pass when there is no
 // top-k / top-p; otherwise radix selects, then one normalizer pass); the draft-row sum when `want_q`.
+// Per element: one compare-and-select for the argmax (a thread meets its elements in increasing
+// index order, so strict > keeps the lowest index among ties; -0.0 == +0.0 as in the reference), a
+// NaN flag (+inf shows up as the max), an FMA and an exp2. Padding past hi loads -inf, which neither
+// wins the argmax nor adds weight.
 template <typename TL, typename TQ>
 __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int lo, int hi, int V, bool greedy,
-                              float temp, int top_k, float top_p, Cluster& cl, VerifySmem& sm, Plan& plan) {
+                              float ks, int top_k, float top_p, Cluster& cl, VerifySmem& sm, Plan& plan) {
   const bool row_al = aligned16(row), q_al = want_q && aligned16(q_row);
   const bool cut_k = top_k > 0 && top_k < V, cut_p = top_p < 1.f;
   const bool online = !greedy && !cut_k && !cut_p;
-  Partial t = partial_identity(-INFINITY);
+  float bv = -INFINITY, m = -INFINITY, z = 0.f, qs = 0.f;
+  int bi = -1;
+  bool nan = false;
   sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, q_al, want_q, lo, hi,
                  [&](int base, const float (&x)[kVec], const float (&qv)[kVec]) {
-    float ym = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
-      const float v = x[i];  // -inf past hi
-      t.bad |= (v != v) || v == INFINITY;
-      const float vm = v != v ? -INFINITY : v;
-      const uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(ordered_key(vm)) ^ 0x80000000u) << 32) |
-                           static_cast<uint32_t>(~static_cast<uint32_t>(base + i));
-      t.best = base + i < hi && key > t.best ? key : t.best;
-      t.q += qv[i];  // 0 unless want_q
+      nan |= x[i] != x[i];
+      if (x[i] > bv) {
+        bv = x[i];
+        bi = base + i;
+      }
+      qs += qv[i];  // 0 unless want_q
     }
     if (online) {
       // Online normalizer: rescale z once per vector when the running max grows.
-      float y[kVec];
+      float y[kVec], ym = -INFINITY;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
-        y[i] = x[i] / temp;
+        y[i] = x[i] * ks;
         ym = fmaxf(ym, y[i]);  // ignores NaN (the row is bad then anyway)
       }
-      if (ym > t.m) {
-        t.z *= expf(t.m - ym);  // t.m = -inf: z is 0 and stays 0
-        t.m = ym;
+      if (ym > m) {
+        z *= exp2f(m - ym);  // m = -inf: z is 0 and stays 0
+        m = ym;
       }
-      if (t.m > -INFINITY) {
+      if (m > -INFINITY) {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) t.z += expf(y[i] - t.m);
+        for (int i = 0; i < kVec; ++i) z += exp2f(y[i] - m);
       }
     }
   });
-  if (!online) t.m = 0.f;  // (m, z) unused: keep the fold's rescale trivially exact
+  Partial t;
+  t.best = bi < 0 ? 0ull
+                  : (static_cast<uint64_t>(static_cast<uint32_t>(ordered_key(bv)) ^ 0x80000000u) << 32) |
+                        static_cast<uint32_t>(~static_cast<uint32_t>(bi));
+  t.bad = nan || bv == INFINITY;
+  t.q = qs;
+  t.m = online ? m : 0.f;  // (m, z) unused otherwise: keep the fold's rescale trivially exact
+  t.z = online ? z : 0.f;
   const Partial c = cluster_fold(block_fold(t, sm), cl, sm, online ? &plan : nullptr);
   RowState s;
   s.arg = static_cast<int>(~static_cast<uint32_t>(c.best));
   const float vmax = key_to_float(static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u));
   s.bad = c.bad | (c.best == 0ull) | (vmax == -INFINITY);
   s.thr = kNegInfKey;
-  s.m = online ? c.m : vmax / temp;
+  s.m = online ? c.m : vmax * ks;
   s.Z = online ? c.z : 1.f;
   s.qsum = c.q;
   if (s.bad || greedy || online) return s;
   if (cut_k) {
-    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, temp, s.m, static_cast<double>(top_k), false, cl, sm);
+    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_k), false, cl, sm);
   }
   if (cut_p) {
-    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, temp, s.m, static_cast<double>(top_p), true, cl, sm);
+    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_p), true, cl, sm);
   }
-  Partial z = partial_identity(0.f);
+  Partial zp = partial_identity(0.f);
   sweep<Ld::kNC>(row, row_al, -INFINITY, row, false, false, lo, hi,
                  [&](int, const float (&x)[kVec], const float (&)[kVec]) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) z.z += target_weight(x[i], s.thr, temp, s.m);
+    for (int i = 0; i < kVec; ++i) zp.z += target_weight(x[i], s.thr, ks, s.m);
   });
-  s.Z = cluster_fold(block_fold(z, sm), cl, sm, &plan).z;
+  s.Z = cluster_fold(block_fold(zp, sm), cl, sm, &plan).z;
   return s;
 }
 
 // Unnormalized weights of elements [base, base + kVec) of the current distribution: the residual
-// row (total S) after a rejection, else the kept exp(l / temp - m) (total Z).
+// row (total S) after a rejection, else the kept 2^(l * ks - m) (total Z).
 template <typename T>
-__device__ __forceinline__ void weights_vec(const T* row, const float* res, bool has_res, const RowState& s, float temp,
+__device__ __forceinline__ void weights_vec(const T* row, const float* res, bool has_res, const RowState& s, float ks,
                                             int base, int hi, bool row_aligned, bool res_aligned, float (&w)[kVec]) {
   if (has_res) {
     load_vec<Ld::kCG>(res, base, hi, res_aligned, 0.f, w);
   } else {
     load_vec<Ld::kNC>(row, base, hi, row_aligned, -INFINITY, w);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, temp, s.m);
+    for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, ks, s.m);
   }
 }
 
-// Does node `cur` have a child among nodes (cur, n)? (Decides whether its draft row is summed.)
-__device__ __forceinline__ bool has_child(const int32_t* parents, int cur, int n) {
-  for (int j = cur + 1; j < n; ++j)
-    if (__ldg(parents + j) == cur) return true;
-  return false;
-}
 
 // One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
 // `csize` = C, the cluster size the launcher chose (1: no cluster).
 template <typename TL, typename TQ, bool HAS_Q>
-__global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const VerifyTreeParams p, int csize) {
+__global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_kernel(const VerifyTreeParams p, int csize) {
   __shared__ VerifySmem sm;
-  extern __shared__ int dyn[];  // path_tok[D + 1], path_node[D + 1], tried[D], took[D]; D = max depth held
+  // path_tok[D + 1], path_node[D + 1], tried[D], took[D] (D = max depth held), then, for T <=
+  // kStageNodes, par_s[T] and tok_s[T] (token or -1 if outside [0, V)).
+  extern __shared__ int dyn[];
   Cluster cl{0, csize, 0, 0};
 #if TLT_VERIFY_CLUSTERS
   if (csize > 1) cl.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
@@ -689,7 +764,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
   const int n = min(p.num_nodes[b], p.num_tree);
   float temp = p.temperature ? p.temperature[b] : 0.f;
   const bool greedy = !(temp > 0.f);
-  if (greedy) temp = 1.f;
+  const float ks = greedy ? kLog2e : kLog2e / temp;
   const int top_k = p.top_k ? p.top_k[b] : 0;
   const float top_p = p.top_p ? p.top_p[b] : 1.f;
   const int64_t seed = p.seed[b], offset = p.offset[b];
@@ -701,13 +776,47 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
   float* res_rows[2] = {p.scratch + static_cast<int64_t>(b) * 2 * V, p.scratch + (static_cast<int64_t>(b) * 2 + 1) * V};
   int res_i = 0;
 
+  // The walk's scalar loads (parent, then token, then the logit and draft probability at the token)
+  // form a dependent chain per tried node: small trees are staged in shared memory with one parallel
+  // load, and the first child's two values are fetched before the row pass that precedes its test.
+  const bool staged = p.num_tree <= kStageNodes;
+  int* par_s = took + depth_cap;
+  int* tok_s = par_s + (staged ? p.num_tree : 0);
+  auto token_global = [&](int j) {
+    const int64_t x64 = p.tokens_int64 ? __ldg(static_cast<const int64_t*>(p.draft_tokens) + b * p.tokens_stride_b + j)
+                                       : __ldg(static_cast<const int32_t*>(p.draft_tokens) + b * p.tokens_stride_b + j);
+    return (x64 < 0 || x64 >= V) ? -1 : static_cast<int>(x64);
+  };
+  if (staged) {
+    for (int i = tid; i < n; i += kVerifyThreads) {
+      par_s[i] = __ldg(parents_b + i);
+      tok_s[i] = token_global(i);
+    }
+  }
+  __syncthreads();
+  auto parent_at = [&](int j) { return staged ? par_s[j] : __ldg(parents_b + j); };
+  auto token_at = [&](int j) { return staged ? tok_s[j] : token_global(j); };
+
   int cur = 0, depth = 0;
   const TL* row = logits_b;
   Plan plan{0.f, 0.f, 0.f, -1};
+  int pf_j = -1;  // first child of the visited node, whose row values below were prefetched
+  float pf_l = 0.f, pf_q = 0.f;
   auto visit = [&](int node) {
-    const bool want_q = HAS_Q && !greedy && depth < p.max_depth && has_child(parents_b, node, n);
+    int child = -1;
+    for (int j = node + 1; j < n && child < 0; ++j)
+      if (parent_at(j) == node) child = j;
+    pf_j = child;
+    if (child >= 0 && !greedy) {
+      const int x = token_at(child);
+      if (x >= 0) {
+        pf_l = to_float(__ldg(row + x));
+        if (HAS_Q) pf_q = to_float(__ldg(q_b + node * p.q_stride_t + x));
+      }
+    }
+    const bool want_q = HAS_Q && !greedy && depth < p.max_depth && child >= 0;
     return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
-                     greedy, temp, top_k, top_p, cl, sm, plan);
+                     greedy, ks, top_k, top_p, cl, sm, plan);
   };
   RowState s = visit(0);
   int err = s.bad;
@@ -719,12 +828,10 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
   // Every value below is cluster-uniform (same loads, same folds), so control flow is too.
   for (int j = 1; j < n; ++j) {
     if (err || depth >= p.max_depth) break;
-    if (__ldg(parents_b + j) != cur) continue;
-    const int64_t x64 = p.tokens_int64 ? __ldg(static_cast<const int64_t*>(p.draft_tokens) + b * p.tokens_stride_b + j)
-                                       : __ldg(static_cast<const int32_t*>(p.draft_tokens) + b * p.tokens_stride_b + j);
-    const int x = (x64 < 0 || x64 >= V) ? -1 : static_cast<int>(x64);
+    if (parent_at(j) != cur) continue;
+    const int x = token_at(j);
     if (tid == 0) tried[depth] += 1;
-    if (x < 0 || x >= V) {
+    if (x < 0) {
       err = 1;
       break;
     }
@@ -739,10 +846,12 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
           break;
         }
       }
-      px = has_res ? __ldcg(res_rows[res_i] + x) / S : target_weight(to_float(__ldg(row + x)), s.thr, temp, s.m) / s.Z;
+      const bool pre = j == pf_j;  // the row's first child: values fetched during its pass
+      px = has_res ? __ldcg(res_rows[res_i] + x) / S
+                   : target_weight(pre ? pf_l : to_float(__ldg(row + x)), s.thr, ks, s.m) / s.Z;
       const float u = philox_uniform(seed, offset, static_cast<uint32_t>(j), kPurposeAccept);
       if (HAS_Q) {
-        const float qx = to_float(__ldg(q_row + x)) / s.qsum;
+        const float qx = (pre ? pf_q : to_float(__ldg(q_row + x))) / s.qsum;
         accept = u * qx < px;
       } else {
         accept = u < px;
@@ -774,7 +883,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
         float pv[kVec];
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          const float w = has_res ? a[i] : target_weight(a[i], s.thr, temp, s.m);
+          const float w = has_res ? a[i] : target_weight(a[i], s.thr, ks, s.m);
           const float qq = HAS_Q ? qv[i] / s.qsum : (base + i == x ? px : 0.f);
           pv[i] = base + i < hi ? fmaxf(w / W - qq, 0.f) : 0.f;
           r.z += pv[i];
@@ -815,7 +924,7 @@ __global__ void __launch_bounds__(kVerifyThreads, 1) verify_tree_kernel(const Ve
       for (int base0 = lo; base0 < hi; base0 += kChunk) {
         const int base = base0 + tid * kVec;
         float w[kVec];
-        weights_vec(row, res, has_res, s, temp, base, hi, row_al, res_al, w);
+        weights_vec(row, res, has_res, s, ks, base, hi, row_al, res_al, w);
         float local = 0.f;
 #pragma unroll
         for (int i = 0; i < kVec; ++i) local += w[i];

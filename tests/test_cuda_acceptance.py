@@ -84,12 +84,15 @@ def test_launcher_argument_checks_need_no_gpu():
         ext.verify_tree(**_verify_args(logits_dtype=7))
     with pytest.raises(ValueError, match="need T >= 1"):
         ext.verify_tree(**_verify_args(num_tree=0))
-    with pytest.raises(ValueError, match="cluster must be 0 .auto., 1, 2, 4 or 8, got 3"):
+    with pytest.raises(ValueError, match="cluster must be 0 .auto., 1, 2, 4, 8 or 16, got 3"):
         ext.verify_tree(**_verify_args(cluster_size=3))
     with pytest.raises(ValueError, match="exceeds the CUDA kernel's limit"):
         ext.verify_tree(**_verify_args(vocab=2**31 - 2))
     ext.verify_tree(**_verify_args(batch=0))  # nothing to do: no launch, no error
     ext.verify_tree(**_verify_args(batch=0, cluster_size=8))
+    ext.verify_tree(**_verify_args(batch=0, cluster_size=16))
+    with pytest.raises(ValueError, match="got 32"):
+        ext.verify_tree(**_verify_args(cluster_size=32))
     cargs = dict(cache_ptrs=0, block_table=0, context_lens=0, accepted_nodes=0, num_accepted=0, bt_stride_b=4,
                  nodes_stride_b=3, row_bytes=64, num_caches=2, batch=1, path_len=3, block_size=16, unit=16, stream=0)
     with pytest.raises(ValueError, match="unit must be"):
@@ -265,7 +268,8 @@ def test_verify_same_tokens_as_reference_and_triton(rule, use_q, V, T, B, dtype)
 
 
 # The cluster path: each request's vocabulary split over C CTAs (slices of ceil(V / C) rounded up to 8).
-# V = 5 with C = 8 leaves most slices empty; 4099 and 32003 are not multiples of any slice; B is odd.
+# V = 5 with C = 8 or 16 leaves most slices empty; 4099 and 32003 are not multiples of any slice; B is odd.
+# C = 16 is the non-portable cluster size (Hopper).
 CLUSTER_CASES = [
     # (rule, use_q, V, T, B)
     ("topk-topp", True, 32003, 9, 7),
@@ -279,7 +283,7 @@ CLUSTER_CASES = [
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule,use_q,V,T,B", CLUSTER_CASES)
-@pytest.mark.parametrize("cluster", [1, 2, 4, 8])
+@pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
 def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, cluster):
     _need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
@@ -303,7 +307,7 @@ def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, clu
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cluster", [2, 8])
+@pytest.mark.parametrize("cluster", [2, 8, 16])
 def test_verify_cluster_graph_capture_and_bf16(monkeypatch, cluster):
     _need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
@@ -324,6 +328,51 @@ def test_verify_cluster_graph_capture_and_bf16(monkeypatch, cluster):
     graph.replay()
     torch.cuda.synchronize()
     assert not _diff_requests(got, out, f"C={cluster} graph replay"), "replayed graph differs from eager"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("use_q", [False, True])
+def test_verify_auto_cluster_large_vocab(monkeypatch, use_q):
+    """The launcher's own C (16 at B = 1 on an H100/H200, slices of 9504 tokens) against C = 1 and the reference,
+    bf16 logits with fp32 draft probabilities as in the benchmark, odd strides of the kernel's loads."""
+    _need_gpu_ext()
+    from tlt_kernels._cuda import verify_tree as cv
+
+    B, T, V = 3, 7, 152064
+    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=99, use_q=use_q, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    for rule in ("temp", "topp", "greedy"):
+        kw = dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) + 11, return_stats=True, **_sampling_kw(rule, B, g))
+        ref = verify_tree(lg, toks, par, backend="torch", **kw)
+        dkw = _to("cuda", kw)
+        monkeypatch.setattr(cv, "CLUSTER_SIZE", 0)
+        got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+        label = f"verify[auto C {rule} q={use_q} V={V}]"
+        _check_close(ref, got, label + " vs reference")
+        monkeypatch.setattr(cv, "CLUSTER_SIZE", 1)
+        single = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+        _check_close(single, got, label + " vs C=1")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_verify_large_tree_not_staged(monkeypatch, cluster):
+    """T above the kernel's shared-memory staging limit (2048 nodes): parents and tokens are read from global
+    memory during the walk. Some requests are chains of 2099 drafts (deep walks), others random trees."""
+    _need_gpu_ext()
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    B, T, V = 4, 2100, 23
+    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=7, use_q=True)
+    par[1, 1:] = torch.arange(T - 1, dtype=torch.int32)  # at least one chain
+    n[1] = T
+    for rule in ("greedy", "temp"):
+        kw = dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 3, return_stats=True,
+                  **_sampling_kw(rule, B, torch.Generator().manual_seed(1)))
+        ref = verify_tree(lg, toks, par, backend="torch", **kw)
+        got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **_to("cuda", kw))
+        _check_close(ref, got, f"verify[T={T} C={cluster} {rule}]")
 
 
 @pytest.mark.cuda

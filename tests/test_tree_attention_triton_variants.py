@@ -67,3 +67,106 @@ def test_pipelined_loop_matches_previous_loop(name, monkeypatch):
         outs.append(out.float())
     # Same math up to where the scale is applied (one fp32 rounding) and bf16 rounding of p.
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=0)
+
+
+def _growing_scores_case(device):
+    """Keys scaled up along the context (x0.25 at slot 0 to x4 at the end), so each request's running max grows
+    across tiles by small and by large steps: lazy rescaling must take both branches (keep a stale max, rescale)."""
+    case = make_case([700, 333], 8, 4, 2, 64, 16, torch.bfloat16, num_nodes=[8, 5], device=device)
+    k = case["k_cache"].float()
+    table, bs = case["block_table"].cpu(), k.shape[1]
+    for b, C in enumerate(case["context_lens"].tolist()):
+        for i in range(C):
+            k[int(table[b, i // bs]), i % bs] *= 0.25 + 3.75 * i / C
+    case["k_cache"] = k.to(torch.bfloat16)
+    return case
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("tau", [1.0, 8.0])
+@pytest.mark.parametrize("name", ["multi-tile-bs16", "splits-of-three-tiles", "d128-bm128-unaligned-splits", "growing"])
+def test_lazy_rescale_matches_reference(name, tau, monkeypatch):
+    """FA4-style lazy rescaling (stale running max unless it grows by more than tau): same attention, any tau."""
+    _need_triton()
+    if name == "growing":
+        case, split = _growing_scores_case(DEVICE), 256
+    else:
+        case, split = _case(name)
+    plan = make_plan(case, split_len=split)
+    monkeypatch.setattr(tk, "LAZY_RESCALE", tau)
+    out = torch.full_like(case["q"], float("nan"))
+    plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="triton")
+    check_against_reference(out, case)
+
+
+def test_kernel_config_table_and_override(monkeypatch):
+    """``kernel_config`` reads an optional ``maxnreg`` from the table and from a 5-element override."""
+    block_m, chunks, block_n, warps, stages, maxnreg = tk.kernel_config(128, 112)
+    assert (block_m, chunks) == (128, 1)
+    entry = tk.PARTIAL_CONFIGS[(128, 128)]
+    assert (block_n, warps, stages) == tuple(entry[:3]) and maxnreg == (entry[3] if len(entry) > 3 else None)
+    monkeypatch.setattr(tk, "CONFIG_OVERRIDE", (32, 8, 4, None, 128))
+    assert tk.kernel_config(128, 112) == (128, 1, 32, 8, 4, 128)
+    monkeypatch.setattr(tk, "CONFIG_OVERRIDE", (64, 4, 3, 64))
+    assert tk.kernel_config(128, 112) == (64, 2, 64, 4, 3, None)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("cfg", [(32, 8, 4, None, 128), (32, 8, 5, None, 128), (32, 4, 3)])
+def test_two_programs_per_sm_configs_match_reference(cfg, monkeypatch):
+    """The 32-token-tile configs measured for T=16 (several whole tiles and a tail per split, 128-row tile)."""
+    _need_triton()
+    case, split = _case("d128-bm128-unaligned-splits")
+    plan = make_plan(case, split_len=split)
+    monkeypatch.setattr(tk, "CONFIG_OVERRIDE", cfg)
+    out = torch.full_like(case["q"], float("nan"))
+    plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="triton")
+    check_against_reference(out, case)
+
+
+_COMPILE_SM90 = r"""
+import re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tlt_kernels._triton import tree_attention as m
+
+block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(128, 112)  # 7B, T=16
+k = m._tree_attn_partial_kernel
+names = k.arg_names
+ptrs = {"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
+        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}
+consts = dict(NUM_KV_HEADS=4, T=16, G=7, W=1, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16,
+              NUM_M_CHUNKS=chunks, INTERPRET=False, DROP_BITS=16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE)
+sig = {n: "constexpr" if n in consts else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
+       for n in names}
+# What a launch specializes on: 16-byte aligned pointers, strides and split_len divisible by 16.
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+         if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}
+src = ASTSource(k, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
+opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+ttgir = c.asm["ttgir"]
+waits = [int(x) for x in re.findall(r"async_wait.*?num = (\d+)", ttgir)]
+assert waits and max(waits) >= 2, f"K/V copies not kept in flight across the math: async_wait nums {waits}"
+with tempfile.TemporaryDirectory() as d:
+    open(d + "/k.ptx", "w").write(c.asm["ptx"])
+    r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+smem = c.metadata.shared
+print(regs, spills, smem)
+if maxnreg is not None:
+    # The point of the cap: two programs of `warps` warps per SM (65536 registers, 228 KB shared memory).
+    assert regs * 32 * warps * 2 <= 65536 and spills == 0, (regs, spills)
+    assert 2 * (smem + 1024) <= 228 * 1024, smem
+"""
+
+
+def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
+    """The T=16 default compiles for sm_90 with K/V copies in flight across the math (``async_wait num >= 2``)
+    and, when it caps registers, fits two programs per SM without spills (the premise of its speed)."""
+    from conftest import compile_for_sm90
+
+    compile_for_sm90(_COMPILE_SM90)

@@ -125,8 +125,8 @@ TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 RECORDED_TRACES = {
     "h200_e2e_b128_24layer.json": "H200 e2e rollout 2026-11-26 05:25 UTC (24-layer fp32 target, EAGLE drafter, B=128, "
                                   "TLT_E2E_FUSE=1: step times are graph replays)",
-    "h200_e2e_b128_24layer_8arms.json": "H200 e2e rollout 2026-11-26 06:37 UTC (as above, eight arms s1k1v2..s8k4v32)",
-    "h200_e2e_b256_24layer_8arms.json": "H200 e2e rollout 2026-11-26 06:45 UTC (as above, B=256, lengths up to 896)",
+    "h200_e2e_b128_24layer_8arms.json": "H200 e2e rollout 2026-11-26 ~06:35 UTC (as above, eight arms s1k1v2..s8k4v32)",
+    "h200_e2e_b256_24layer_8arms.json": "H200 e2e rollout 2026-11-26 ~06:43 UTC (as above, B=256, lengths up to 896)",
 }
 
 

@@ -52,6 +52,8 @@ CONFIG_OVERRIDE = None
 # masked tail (default); 0 = the previous every-tile-masked loop, kept only as the baseline of
 # bench/tree_attention_variants.py.
 PIPELINE = 1
+# FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
+LAZY_RESCALE = 0.0
 
 
 def _next_pow2(x: int) -> int:
@@ -76,24 +78,43 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.conste
 
 
 @triton.jit
-def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr):
+def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr):
     """``_attend_tile`` for a tile whose keys are all visible: no mask, and the scale folded into the
     exponent's FMA (``m`` is tracked on the raw scores, ``qk_scale > 0`` keeps the max the same)."""
     if INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return _softmax_pv(tl.dot(q, tl.trans(k)), v, m_i, l_i, acc, qk_scale)
+    return _softmax_pv(tl.dot(q, tl.trans(k)), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE)
 
 
 @triton.jit
-def _softmax_pv(qk, v, m_i, l_i, acc, qk_scale):
-    """Online-softmax update with raw scores ``qk [BM, BN]`` (all visible) and the tile's ``v [BN, D]``."""
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return m_new, l_i, acc
+def _softmax_pv(qk, v, m_i, l_i, acc, qk_scale, LAZY_RESCALE: tl.constexpr):
+    """Online-softmax update with raw scores ``qk [BM, BN]`` (all visible) and the tile's ``v [BN, D]``.
+
+    ``LAZY_RESCALE = tau > 0`` (FA4): keep the stale running max unless some row's tile max exceeds it
+    by more than ``tau`` (log2 units), so after the first tiles the ``acc`` / ``l`` rescale is skipped
+    for the whole tile. Exact: ``p <= 2^tau`` (fine in fp32 and bf16), and ``o = acc / l``,
+    ``lse = m + log2(l)`` hold for any ``m`` both were accumulated against.
+    """
+    m_tile = tl.max(qk, 1) * qk_scale
+    if LAZY_RESCALE > 0:
+        if tl.max(m_tile - m_i, 0) > LAZY_RESCALE:
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        p = tl.exp2(qk * qk_scale - m_i[:, None])
+        l_i = l_i + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return m_i, l_i, acc
+    else:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        return m_new, l_i, acc
 
 
 @triton.jit
@@ -122,13 +143,14 @@ def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
 
 @triton.jit
 def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                       m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+                       m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                       LAZY_RESCALE: tl.constexpr):
     """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks."""
     page = pages.to(tl.int64)
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
-    return _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET)
+    return _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE)
 
 
 @triton.jit
@@ -154,6 +176,7 @@ def _tree_attn_partial_kernel(
     INTERPRET: tl.constexpr,
     DROP_BITS: tl.constexpr,
     PIPELINE: tl.constexpr = 1,
+    LAZY_RESCALE: tl.constexpr = 0.0,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -222,7 +245,8 @@ def _tree_attn_partial_kernel(
                 nxt = n0 + BLOCK_N + offs_n
                 pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
                 m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
+                                                   LAZY_RESCALE)
                 pages = pages_next
                 n0 += BLOCK_N
         else:
@@ -230,7 +254,8 @@ def _tree_attn_partial_kernel(
                 nxt = n0 + BLOCK_N + offs_n
                 pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
                 m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
+                                                   LAZY_RESCALE)
                 pages = pages_next
         if full_end < end:
             m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp, stride_ks,
@@ -351,15 +376,17 @@ def row_tile(head_dim: int, num_rows: int) -> int:
 
 
 def kernel_config(head_dim: int, num_rows: int):
-    """``(BLOCK_M, num_row_chunks, BLOCK_N, num_warps, num_stages)`` for ``num_rows = T * G``."""
+    """``(BLOCK_M, num_row_chunks, BLOCK_N, num_warps, num_stages, maxnreg)`` for ``num_rows = T * G``."""
     block_m = row_tile(head_dim, num_rows)
     if CONFIG_OVERRIDE is not None:
         block_n, warps, stages = CONFIG_OVERRIDE[:3]
-        if len(CONFIG_OVERRIDE) > 3:
+        if len(CONFIG_OVERRIDE) > 3 and CONFIG_OVERRIDE[3] is not None:
             block_m = min(block_m, CONFIG_OVERRIDE[3])
+        maxnreg = CONFIG_OVERRIDE[4] if len(CONFIG_OVERRIDE) > 4 else None
     else:
-        block_n, warps, stages = PARTIAL_CONFIGS[(head_dim, block_m)]
-    return block_m, -(-num_rows // block_m), block_n, warps, stages
+        block_n, warps, stages, *rest = PARTIAL_CONFIGS[(head_dim, block_m)]
+        maxnreg = rest[0] if rest else None
+    return block_m, -(-num_rows // block_m), block_n, warps, stages, maxnreg
 
 
 def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -374,9 +401,11 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if B == 0:
         return out
     M = T * G
-    block_m, chunks, block_n, warps, stages = kernel_config(D, M)
-    block_t = max(16, _next_pow2(T))
     interp = triton_interpret_enabled()
+    block_m, chunks, block_n, warps, stages, maxnreg = kernel_config(D, M)
+    # maxnreg is a compile option of the GPU backend only; the interpreter has no registers to cap.
+    reg_cap = {} if (maxnreg is None or interp) else {"maxnreg": maxnreg}
+    block_t = max(16, _next_pow2(T))
     drop_bits = 16 if out.dtype == torch.bfloat16 else 13
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
@@ -389,7 +418,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        PIPELINE=PIPELINE, num_warps=warps, num_stages=stages,
+        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1:
         _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](
