@@ -344,3 +344,47 @@ def test_early_alarm_on_a_first_play_still_corrects_the_prior():
     _feed(sel, chain, 64, 0.2, 3, random.Random(0))  # acceptance far below the prior, from the first plays
     assert pol.changes and pol.changes[0] < 3
     assert pol.support < 3.0
+
+
+def _chain_run(sel, b, p, steps, rng):
+    """Let the selector choose among chains for ``steps`` steps; every position accepted with ``p``."""
+    picks = []
+    for _ in range(steps):
+        s = sel.select(b)
+        reach = [0] * s.num_steps
+        for _r in range(b):
+            for j in range(s.num_steps):
+                if rng.random() >= p:
+                    break
+                reach[j] += 1
+        sel.update(s, b, b + sum(reach), 0.01, reach)
+        picks.append(s)
+    return picks
+
+
+@pytest.mark.parametrize("per_group", [True, False])
+def test_first_plays_only_where_the_model_learns_something(per_group):
+    """Chains share one width offset and the depth offsets: once the deepest chain is measured, a shallower
+    one's prediction rests on measured parameters, so (``explore_per_group``, the default) it is not forced
+    into a first play; it would lose here (equal step times, fewer tokens). Forcing every arm plays each once."""
+    chains = [Strategy(2, 1, 3), Strategy(3, 1, 4), Strategy(4, 1, 5)]
+    table = {s: [(32, 0.01)] for s in [Strategy.off(), *chains]}
+    sel = StrategySelector(chains, policy="cost", seed=0, cost_table=table, explore_per_group=per_group)
+    picks = _chain_run(sel, 32, 0.8, 30, random.Random(0))
+    assert picks[0] == Strategy(4, 1, 5)  # best predicted first
+    played = set(picks)
+    assert played == ({Strategy(4, 1, 5)} if per_group else set(chains)), picks
+    assert picks[-5:] == [Strategy(4, 1, 5)] * 5
+
+
+def test_an_arm_deeper_than_every_played_arm_is_still_tried():
+    """The depth offsets past the deepest played arm are unmeasured: a deeper chain gets its first play even
+    when its (prior) prediction is worse, here because its table step time is twice the short chain's."""
+    short, deep = Strategy(2, 1, 3), Strategy(5, 1, 6)
+    table = {Strategy.off(): [(32, 0.01)], short: [(32, 0.01)], deep: [(32, 0.02)]}
+    sel = StrategySelector([short, deep], policy="cost", seed=0, cost_table=table)
+    play = {"arm": short}
+    sel.available = lambda st, bb: st == play["arm"]
+    _feed(sel, short, 32, 0.5, 5, random.Random(0))
+    sel.available = None
+    assert sel.select(32) == deep

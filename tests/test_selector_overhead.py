@@ -39,8 +39,13 @@ class _ReferenceCost(CostModelPolicy):
         for a in allowed:
             if self._predict(bucket, a, batch_size) is None:
                 return a
-        # Every speculative arm is played once, the best predicted first; then the best prediction wins.
-        new = [a for a in allowed if self.depth[a] and self.n_arm[a] == 0.0]
+        # A never-played speculative arm is played once, the best predicted first, if it brings the model a
+        # new width group or depth (or always, without explore_per_group); then the best prediction wins.
+        played = [b for b in range(len(self.arms)) if self.depth[b] and self.n_arm[b] > 0.0]
+        groups = {self.grp[b] for b in played}
+        deepest = max((self.depth[b] for b in played), default=0)
+        new = [a for a in allowed if self.depth[a] and self.n_arm[a] == 0.0
+               and (not self.explore_per_group or self.grp[a] not in groups or self.depth[a] > deepest)]
         return max(new or allowed, key=lambda a: self._predict(bucket, a, batch_size))
 
 

@@ -288,10 +288,14 @@ class CostModelPolicy(Policy):
     * Step time: ``cost_table.predict(strategy, B)`` times a per-(bucket, arm) correction (discounted mean
       of observed / predicted); without a table, the discounted mean observed time of the (bucket, arm),
       exploring unobserved arms once.
-    * Exploration: each speculative arm is played once, the one with the best predicted throughput first
-      (each play moves the shared level, so the arms tried later start from a better prediction; on the
+    * Exploration: a never-played speculative arm is played once, the one with the best predicted throughput
+      first (each play moves the shared level, so the arms tried later start from a better prediction; on the
       H200 engine trace this order, against the arms' list order, took the cost policy from .970 to .973 of
-      the per-batch-size oracle); after that the choice uses optimistic tokens,
+      the per-batch-size oracle), if it is the first of its width group or deeper than every arm played so
+      far (``explore_per_group``): an arm whose group offset and depth offsets are already measured adds
+      nothing to the model by a forced play, so it competes on its optimistic prediction instead (forcing
+      every arm cost the H200 traces 1-4% at B=128-256, where a deep tree's step is twice a chain's). After
+      that the choice uses optimistic tokens,
       the arm's width offset raised by ``ucb`` standard deviations: the offset's conditional sd given the
       level plus a random walk of ``drift`` per step since the arm was last played (capped at the prior),
       so a mis-ranked arm is re-tried after ~``(sd / ucb)^2 / drift`` steps rather than never.
@@ -346,6 +350,10 @@ class CostModelPolicy(Policy):
             decay only).
         level_in_weight: count the level's current variance in the model's weight (see above).
         drift: variance per step (cloglog^2) added to an unplayed arm's optimism (0: none).
+        explore_per_group: force a first play only of an arm that brings the model a new width group or a new
+            depth (False: of every arm). On the three H200 traces .973/.957/.949 -> .977/.970/.957 of the
+            per-batch-size oracle; simulated drafter warm-up .994 -> .986, the other workloads equal or better
+            (``bench/selector_trace_sweep.py``).
         refresh_tol: how far (cloglog) the level may move before every arm's prediction is recomputed;
             in between only the played arm's is (0: every step). The CPU cost's main knob: 0.05 against
             0.03 saved ~1 us per step on the drifting stream with every simulated workload and the H200
@@ -359,7 +367,7 @@ class CostModelPolicy(Policy):
                  min_trials: float = 1.0, min_support: float = 8.0, keep_on_change: float = 0.5, slow: Optional[float] = None,
                  offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
                  follow: float = 0.0, drift: float = 1e-4, level_in_weight: bool = True,
-                 refresh_tol: float = 0.05):
+                 refresh_tol: float = 0.05, explore_per_group: bool = True):
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         if detect is not None and not detect > 0:
@@ -400,6 +408,7 @@ class CostModelPolicy(Policy):
         self.drift = drift
         self.level_in_weight = level_in_weight
         self.refresh_tol = refresh_tol
+        self.explore_per_group = explore_per_group
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -440,6 +449,8 @@ class CostModelPolicy(Policy):
         self.obs_tokens = [None] * A  # fallback when accepted_per_position is not given
         self.time_n = [[0.0] * A for _ in range(num_buckets)]
         self.time_v = [[0.0] * A for _ in range(num_buckets)]  # correction ratio, or seconds without table
+        self.grp_played = [False] * G
+        self.depth_played = 0
         self.n_arm = [0.0] * A  # discounted count of acceptance observations (at step t_arm)
         self.cusum = [0.0] * (2 * len(self.detect_shift))  # one-sided sums: (up, down) per shift
         self.support, self.t_support = 0.0, 0  # discounted speculative steps observed since the last alarm
@@ -572,7 +583,8 @@ class CostModelPolicy(Policy):
                 v = batch_size * tokens[a] / tv[a]
             else:
                 return a
-            if depth[a] and n_arm[a] == 0.0:
+            if depth[a] and n_arm[a] == 0.0 and not (self.explore_per_group and self.grp_played[self.grp[a]]
+                                                         and depth[a] <= self.depth_played):
                 if v > new_v:
                     new, new_v = a, v
                 continue
@@ -604,6 +616,9 @@ class CostModelPolicy(Policy):
             return
         fa = g ** (step - self.t_arm[arm])
         self.n_arm[arm] = self.n_arm[arm] * fa + 1.0
+        self.grp_played[self.grp[arm]] = True
+        if d > self.depth_played:
+            self.depth_played = d
         if accepted is None:
             self.t_arm[arm] = step
             t = emitted / batch_size
