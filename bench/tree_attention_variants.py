@@ -11,8 +11,9 @@ over the bandwidth of a large device-to-device copy measured in the same run.
 
 Env: ``TLT_VARIANT_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the cases, ``TLT_VARIANT_ONLY="lazy8,..."``
 the variants (exact labels; the default always runs; ``legacy`` adds the pre-pipelining loop),
-``TLT_VARIANT_REPS`` the timed runs (default 100), ``TLT_VARIANT_JSON`` a path for the raw rows. On CPU (no
-GPU) it runs two tiny cases under the Triton interpreter as a smoke test.
+``TLT_VARIANT_REPS`` the timed runs per variant (default 100, split over ``TLT_VARIANT_ROUNDS`` interleaved
+rounds, default 5), ``TLT_VARIANT_JSON`` a path for the raw rows. On CPU (no GPU) it runs two tiny cases
+under the Triton interpreter as a smoke test.
 """
 from __future__ import annotations
 
@@ -62,26 +63,23 @@ class Variant:
 
 
 DEFAULT = Variant("default")
+ROUNDS = int(os.environ.get("TLT_VARIANT_ROUNDS", "5"))
 
 
 def variants_for(rows: int):
     """Candidates for ``rows = T * G`` query rows per KV head; the default first (the reference) and again last
     (its drift over the case is the noise floor of the comparison)."""
     if rows <= 64:  # BLOCK_M = 64, 4 warps: the default runs 2 programs per SM (112 KB of shared memory)
-        v = [Variant("lazy8", lazy=8.0),
-             Variant("bn=32 w4 s3 (3/SM)", (32, 4, 3)), Variant("bn=32 w4 s4", (32, 4, 4)),
-             Variant("bn=32 w4 s3 lazy8", (32, 4, 3), lazy=8.0)]
+        v = [Variant("lazy8", lazy=8.0), Variant("bn=32 w4 s3 (3/SM)", (32, 4, 3)), Variant("bn=32 w4 s4", (32, 4, 4))]
     elif rows <= 128:  # BLOCK_M = 128: the default (128, 8, 3) fills the SM's shared memory (1 program per SM)
-        # BLOCK_N = 32 at 8 warps compiles to <= 128 registers (ptxas, sm_90a) and 80-112 KB of shared
-        # memory, so two programs share an SM: one's MMAs overlap the other's softmax.
-        v = [Variant("lazy8", lazy=8.0)]
-        for st in (3, 4, 5):
-            v.append(Variant(f"bn=32 w8 s{st} r128 (2/SM)", (32, 8, st, None, 128)))
-        v += [Variant("bn=32 w8 s4 r128 lazy8", (32, 8, 4, None, 128), lazy=8.0),
-              Variant("bn=32 w8 s5 r128 lazy8", (32, 8, 5, None, 128), lazy=8.0),
-              Variant("bn=32 w8 s4 r128 split/2", (32, 8, 4, None, 128), split=0.5),
-              Variant("bn=64 w8 s2 r128", (64, 8, 2, None, 128)),
-              Variant("bn=32 w4 s3", (32, 4, 3))]
+        # Two programs per SM, so one's MMAs overlap the other's softmax: 32-token tiles at 8 warps compile to
+        # <= 128 registers (ptxas, sm_90a) and 80-112 KB of shared memory; one warp group over all 128 rows
+        # (4 warps, <= 255 registers); or 64-row programs (each K/V tile read twice, the second time from L2).
+        v = [Variant("lazy8", lazy=8.0),
+             Variant("bn=32 w8 s4 r128 (2/SM)", (32, 8, 4, None, 128)),
+             Variant("bn=32 w4 s3", (32, 4, 3)), Variant("bn=32 w4 s4", (32, 4, 4)), Variant("bn=64 w4 s2", (64, 4, 2)),
+             Variant("bm=64 bn=64 w4 s3", (64, 4, 3, 64)), Variant("bm=64 bn=32 w4 s4", (32, 4, 4, 64)),
+             Variant("bn=64 w8 s3", (64, 8, 3))]
     else:  # chunked rows (64-row programs)
         v = [Variant("lazy8", lazy=8.0), Variant("bn=32 w4 s4", (32, 4, 4, 64))]
     only = [x.strip() for x in os.environ.get("TLT_VARIANT_ONLY", "").split(",") if x.strip()]
@@ -135,31 +133,54 @@ def run_case(model, B, L, T, dev, reps, bw, rows_out):
 
     defaults = (tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE)
     out = torch.empty_like(q)
-    reference = None
-    base_ms = None
+
+    def runner(var, plan):
+        def fn():
+            tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE = var.pipeline, var.config, var.lazy
+            try:
+                plan.run(q, k_cache, v_cache, out=out, backend="triton")
+            finally:
+                tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE = defaults
+        return fn
+
+    # First pass: compile, check against the default's output.
+    reference, ready = None, []
     for var in variants_for(T * (Hq // Hkv)):
         plan = plan_for(var.split)
-        tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE = var.pipeline, var.config, var.lazy
+        fn = runner(var, plan)
         try:
-            try:
-                out.fill_(float("nan"))
-                plan.run(q, k_cache, v_cache, out=out, backend="triton")
-                ms = time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"), reps)
-            except Exception as exc:  # e.g. out of shared memory for this config
-                print(f"{model:12s} ({B},{L},{T}) {var.label:28s} FAILED {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-                continue
-        finally:
-            tk.PIPELINE, tk.CONFIG_OVERRIDE, tk.LAZY_RESCALE = defaults
+            out.fill_(float("nan"))
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as exc:  # e.g. out of shared memory for this config
+            print(f"{model:12s} ({B},{L},{T}) {var.label:28s} FAILED {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+            continue
         if reference is None:
             reference = out.clone()
-        err = (out.float() - reference.float()).abs().max().item()
+        ready.append((var, plan, fn, (out.float() - reference.float()).abs().max().item()))
+    # Timed in interleaved rounds (the order rotating each round), each variant's figure the median of its
+    # per-round medians: the clock drifts over a case (seen: the default 13% slower a few seconds later on an
+    # H200), which back-to-back timing would charge to whichever variant ran late.
+    rounds = ROUNDS if dev.type == "cuda" else 1
+    per = {id(v): [] for v, *_ in ready}
+    for r in range(rounds):
+        for i in range(len(ready)):
+            var, _, fn, _ = ready[(i + r) % len(ready)]
+            per[id(var)].append(time_ms(fn, max(1, reps // rounds)))
+    base_ms = None
+    for var, plan, _, err in ready:
+        ms = statistics.median(per[id(var)])
         base_ms = base_ms or ms
         pct = 100.0 * nbytes / bw / (ms * 1e-3) if bw else float("nan")
+        spread = (max(per[id(var)]) - min(per[id(var)])) / ms
         row = dict(model=model, B=B, L=L, T=T, variant=var.label, ms=ms, pct_floor=pct, speedup=base_ms / ms,
-                   max_abs_err=err, num_splits=plan.num_splits, split_len=plan.split_len, bytes_moved=nbytes)
+                   max_abs_err=err, num_splits=plan.num_splits, split_len=plan.split_len, bytes_moved=nbytes,
+                   round_ms=per[id(var)])
         rows_out.append(row)
         print(f"{model:12s} ({B},{L},{T}) {var.label:28s} S={plan.num_splits:<2d} {ms:8.4f} ms {pct:6.1f}% floor "
-              f"x{base_ms / ms:5.2f} vs default  err {err:.2e}", flush=True)
+              f"x{base_ms / ms:5.2f} vs default  err {err:.2e}  rounds spread {100 * spread:4.1f}%", flush=True)
+    reference = None
     del inp, q, k_cache, v_cache, out, reference
     if dev.type == "cuda":
         torch.cuda.empty_cache()

@@ -17,6 +17,8 @@
 namespace tlt {
 namespace {
 
+constexpr int kVerifyMaxPortableCluster = 8;
+
 bool valid_type(ElemType t) { return t == ElemType::kFloat32 || t == ElemType::kFloat16 || t == ElemType::kBFloat16; }
 
 // Compute capability major and SM count of the current device, cached per device (attribute
@@ -57,13 +59,16 @@ cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int smem, cud
 }
 
 // CTAs per request. The kernel time is the longest walk of the batch, and a walk's rows are
-// streamed by its C CTAs only (even after the other walks are done), so C is the largest of
-// {16, 8, 4, 2} whose B clusters are all co-resident (cudaOccupancyMaxActiveClusters: two 256-thread
-// CTAs per SM at <= 128 registers, and a cluster must fit in one GPC; a grid of several waves would
-// serialize walks) and whose slices keep >= 2048 tokens. 16 needs the non-portable cluster size; a
-// device that refuses it is skipped. The occupancy query (not a stream operation) is cached per
-// device and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of
-// static shared memory; the dynamic part is small).
+// streamed by its C CTAs only (even after the other walks are done), so C is as large as the
+// residency allows: the largest of {16, 8, 4, 2} whose slices keep >= 2048 tokens and whose B
+// clusters fit in two waves (B <= 2 x cudaOccupancyMaxActiveClusters: two 256-thread CTAs per SM at
+// <= 128 registers, a cluster within one GPC). Two waves cost little: most walks stop after a row or
+// two and free their SMs for the second wave, while the long walks get 2-4x the SMs (H200, chain16
+// B=64: C=8 in two waves 274 us, C=2 co-resident 449 us; top-p chain8 2.4 vs 5.4 ms). C = 16 (the
+// non-portable size; skipped where the device refuses it) only when all B clusters are co-resident:
+// at B=16 it is no faster than C=8. The occupancy query (not a stream operation) is cached per device
+// and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of static
+// shared memory; the dynamic part is small).
 template <typename Kernel>
 LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int& C) {
   C = 1;
@@ -91,14 +96,15 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
       const cudaLaunchConfig_t cfg = verify_config(one, c, smem, stream, attr);
       const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
       if (e != cudaSuccess) {
-        if (c <= 8) TLT_STATUS_CUDA_CHECK(e);
+        if (c <= kVerifyMaxPortableCluster) TLT_STATUS_CUDA_CHECK(e);
         (void)cudaGetLastError();  // a refused non-portable size is not sticky: clear it and go on
         n = 0;
       }
       n = n > 0 ? n : -1;  // -1: cannot run (cached too)
       if (dev >= 0 && dev < kMaxDevices) active[dev][lg] = n;
     }
-    if (p.batch <= n) {
+    const int waves = c > kVerifyMaxPortableCluster ? 1 : 2;
+    if (static_cast<int64_t>(p.batch) <= static_cast<int64_t>(waves) * n) {
       C = c;
       return {};
     }

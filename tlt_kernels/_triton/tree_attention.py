@@ -27,9 +27,10 @@ LOG2E = 1.4426950408889634
 # Largest row tile per head dim: the fp32 accumulator is BLOCK_M x D and must stay in registers.
 MAX_BLOCK_M = {64: 128, 128: 128, 256: 64}
 
-# (head_dim, BLOCK_M) -> (BLOCK_N, num_warps, num_stages), hand-picked for H100/H200 (sm_90).
+# (head_dim, BLOCK_M) -> (BLOCK_N, num_warps, num_stages[, maxnreg]), hand-picked for H100/H200 (sm_90).
 # Retune from `python -m bench tree-attention`: BLOCK_N trades K/V tile size (bigger = fewer loop
-# trips, better latency hiding) against registers for the [BLOCK_M, BLOCK_N] score tile.
+# trips, better latency hiding) against registers for the [BLOCK_M, BLOCK_N] score tile. A 4th entry
+# caps registers per thread (the `maxnreg` compile option), e.g. to fit two programs per SM.
 PARTIAL_CONFIGS = {
     (64, 16): (64, 4, 3),
     (64, 32): (64, 4, 3),
@@ -38,21 +39,28 @@ PARTIAL_CONFIGS = {
     (128, 16): (64, 4, 3),
     (128, 32): (64, 4, 3),
     (128, 64): (64, 4, 3),
-    (128, 128): (128, 8, 3),  # H200 sweep: 0.273 ms vs 0.302 ms for (64, 8, 2) at 7B (64, 4096, 16)
+    # H200 sweep: 0.273 ms vs 0.302 ms for (64, 8, 2) at 7B (64, 4096, 16). Still the best of the two-programs-
+    # per-SM configs measured for T=16 (bench/tree_attention_variants.py, H200, interleaved rounds): (32, 8, 4,
+    # maxnreg 128) 4-7% slower, (32, 4, 3) -4..+3%, 64-row programs 4-6% slower.
+    (128, 128): (128, 8, 3),
     (256, 16): (32, 4, 2),
     (256, 32): (32, 4, 2),
     (256, 64): (32, 8, 2),
 }
 CHUNK_BLOCK_M = 64  # row tile when T * G exceeds MAX_BLOCK_M (D <= 128); see row_tile
 MERGE_BLOCK_R = 16
-# (BLOCK_N, num_warps, num_stages[, BLOCK_M]) forced for every shape when set; the benchmark's tuning
-# sweep (TLT_TREE_ATTENTION_SWEEP=1 python -m bench tree-attention) sets it.
+# (BLOCK_N, num_warps, num_stages[, BLOCK_M[, maxnreg]]) forced for every shape when set (BLOCK_M None =
+# the default row tile); the benchmark's tuning sweep (TLT_TREE_ATTENTION_SWEEP=1 python -m bench
+# tree-attention) and bench/tree_attention_variants.py set it.
 CONFIG_OVERRIDE = None
 # Context-loop structure: 1 = unmasked whole tiles with the page ids prefetched one trip ahead, then a
 # masked tail (default); 0 = the previous every-tile-masked loop, kept only as the baseline of
 # bench/tree_attention_variants.py.
 PIPELINE = 1
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
+# Off: on an H200 tau = 8 measured 3-7% slower at T=8 and T=16 (the block-wide max it branches on costs a
+# cross-warp reduction and barrier per tile, more than the accumulator multiply it skips). Kept as a
+# variant of bench/tree_attention_variants.py.
 LAZY_RESCALE = 0.0
 
 
