@@ -17,7 +17,7 @@ accepted length, speedups vs plain (whole rollout and tail) and vs the best stat
 Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
 ``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
 ``TLT_E2E_TRAIN_STEPS``, ``TLT_E2E_LAYERS`` (target depth, default 24: real targets have 28-64 layers against
-the drafter's one) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
+the drafter's one), ``TLT_E2E_HIDDEN`` (target width, default 512) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
 each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``TLT_E2E_FUSE=0`` captures
 verify, draft and extend separately);
 ``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
@@ -38,7 +38,7 @@ def _sizes(small: bool) -> dict:
     if small:
         return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
                     warm_budget_s=3.0, train_window=(8, 32), arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
-    return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)),
+    return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)), hidden=int(os.environ.get("TLT_E2E_HIDDEN", 512)),
                 train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
                 B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896, warm_budget_s=40.0,
                 train_window=(16, 128),
@@ -115,8 +115,14 @@ def run(ctx) -> None:
     else:
         # Depth matters more than width here: the EAGLE drafter is one decoder layer, so what one draft step costs
         # next to a target pass is about 1 / num_layers (a real 7B target has 28 layers). TLT_E2E_LAYERS overrides.
-        cfg = ModelConfig.small(hidden_size=512, intermediate_size=1536, num_layers=z["layers"], num_q_heads=8, num_kv_heads=2,
-                                head_dim=64)
+        # Width sets how much a verified token costs next to a step's fixed cost: a real target's verify pass at
+        # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
+        # plain step. TLT_E2E_HIDDEN (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
+        hidden = z["hidden"]
+        if hidden % 256:
+            raise ValueError(f"TLT_E2E_HIDDEN must be a multiple of 256, got {hidden}")
+        cfg = ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=z["layers"],
+                                num_q_heads=hidden // 64, num_kv_heads=hidden // 256, head_dim=64)
     target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
