@@ -47,6 +47,14 @@ def _sizes(small: bool) -> dict:
                 arms=((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24), (8, 4, 32)))
 
 
+def _env_choice(name: str, default: str, choices: dict):
+    """``choices[os.environ[name]]`` (``default`` when unset), with an error naming the variable and its choices."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return choices[value]
+
+
 def _lengths(B: int, median: int, max_len: int, gen: torch.Generator) -> list:
     """Log-normal response lengths (sigma 1: the longest few are ~10x the median), clamped."""
     z = torch.randn(B, generator=gen)
@@ -127,7 +135,7 @@ def run(ctx) -> None:
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
     # TLT_E2E_DTYPE=bf16 runs the bf16 kernels instead.
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[os.environ.get("TLT_E2E_DTYPE", "fp32")]
+    dtype = _env_choice("TLT_E2E_DTYPE", "fp32", {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
     if cuda:
         target = target.to(dtype)
     ctx.note(f"target {z['cfg']} ({cfg.num_layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
@@ -178,7 +186,7 @@ def run(ctx) -> None:
 
     # The rollout's drafter copy drafts in bf16 on the GPU (TLT_E2E_DRAFTER_DTYPE=fp32 to change): drafts never
     # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.
-    draft_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[os.environ.get("TLT_E2E_DRAFTER_DTYPE", "bf16" if cuda else "fp32")]
+    draft_dtype = _env_choice("TLT_E2E_DRAFTER_DTYPE", "bf16" if cuda else "fp32", {"fp32": torch.float32, "bf16": torch.bfloat16})
     ctx.note(f"rollout drafter dtype {draft_dtype} (TLT_E2E_DRAFTER_DTYPE); trainer weights float32")
 
     def drafter_copy():
