@@ -169,15 +169,21 @@ def test_cost_model_combines_table_and_learned_acceptance():
         sel.update(Strategy(3, 1, 4), 1, 3, 0.01, [1, 1])
 
 
+def _reach(s, b, p, rng):
+    """Per-position accepted counts of one step of chain ``s`` over ``b`` requests (each position with ``p``)."""
+    reach = [0] * s.num_steps
+    for _r in range(b):
+        for j in range(s.num_steps):
+            if rng.random() >= p:
+                break
+            reach[j] += 1
+    return reach
+
+
 def _feed(sel, s, b, p, steps, rng):
     """Observations of a chain ``s`` whose every position is accepted with probability ``p``."""
     for _ in range(steps):
-        reach = [0] * s.num_steps
-        for _r in range(b):
-            for j in range(s.num_steps):
-                if rng.random() >= p:
-                    break
-                reach[j] += 1
+        reach = _reach(s, b, p, rng)
         sel.select(b)
         sel.update(s, b, b + sum(reach), 0.01, reach)
 
@@ -351,12 +357,7 @@ def _chain_run(sel, b, p, steps, rng):
     picks = []
     for _ in range(steps):
         s = sel.select(b)
-        reach = [0] * s.num_steps
-        for _r in range(b):
-            for j in range(s.num_steps):
-                if rng.random() >= p:
-                    break
-                reach[j] += 1
+        reach = _reach(s, b, p, rng)
         sel.update(s, b, b + sum(reach), 0.01, reach)
         picks.append(s)
     return picks
