@@ -1,8 +1,8 @@
 """CUDA backend of :func:`tlt_kernels.verify_tree`: one launch of ``_C.verify_tree``.
 
 Same entry point as the Triton backend (:func:`verify_tree_cuda` takes already-validated inputs).
-A cluster of C CTAs (512 threads each; C = 1, 2, 4 or 8, picked by the launcher from B, V and the SM
-count) walks one request, each CTA owning a slice of the vocabulary: it streams only the visited rows
+A cluster of C CTAs (256 threads each, two per SM; C = 1, 2, 4, 8 or 16, the largest whose B clusters fit
+in two waves, picked by the launcher from B, V and the SM count) walks one request, each CTA owning a slice of the vocabulary: it streams only the visited rows
 (root, then each accepted node) with 16-byte loads, finds the top-k / top-p thresholds by 8-bit radix
 select on the logits' order-preserving keys (integer histograms: deterministic run to run), folds
 every statistic over the cluster in rank order (bit-identical in every CTA), and draws the coins with
@@ -23,7 +23,7 @@ __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
 
 _ELEM = {torch.float32: "ELEM_FLOAT32", torch.float16: "ELEM_FLOAT16", torch.bfloat16: "ELEM_BFLOAT16"}
 MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shared memory
-# CTAs per request: 0 = the launcher's choice; 1, 2, 4 or 8 force it (tests and tuning only; read at
+# CTAs per request: 0 = the launcher's choice; 1, 2, 4, 8 or 16 force it (tests and tuning only; read at
 # import from TLT_VERIFY_CLUSTER, tests monkeypatch it).
 CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
 
