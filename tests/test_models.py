@@ -203,11 +203,28 @@ def test_tree_forward_bf16_triton_backend(gen):
     _half_tree_check(model, gen, "triton")
 
 
-def test_fp32_model_rejects_kernel_backend(gen):
+def test_fp32_model_rejects_the_cuda_backend(gen):
     model = make_model()
     cache, table, _, lens, _, _ = prefilled(model, [4], gen, block_size=4, extra=4)
     with pytest.raises(ValueError, match="needs a bf16/fp16 model"):
-        model.forward_tree(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([[-1, 0]], dtype=torch.int32), None, cache, table, lens, backend="triton")
+        model.forward_tree(torch.zeros(1, 2, dtype=torch.int64), torch.tensor([[-1, 0]], dtype=torch.int32), None, cache, table, lens, backend="cuda")
+
+
+@pytest.mark.triton
+def test_tree_forward_fp32_triton_backend_matches_torch(gen):
+    """An fp32 model with backend="triton" runs the op's exact-fp32 Triton kernel: the same logits as the
+    torch path up to fp32 rounding, so greedy choices agree."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    model = make_model(ModelConfig.tiny(head_dim=64, num_layers=2), device=dev)
+    cache, table, _, lens_t, _, _ = prefilled(model, [9, 3, 20], gen, block_size=8, extra=6)
+    parents, n = random_tree(3, 6, gen)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 6), generator=gen).to(dev)
+    args = (tokens, parents.to(dev), n.to(dev), cache, table, lens_t)
+    torch_logits, _ = model.forward_tree(*args, backend="torch")
+    triton_logits, _ = model.forward_tree(*args, backend="triton")
+    valid = torch.arange(6)[None, :] < n[:, None]
+    torch.testing.assert_close(triton_logits[valid.to(dev)], torch_logits[valid.to(dev)], atol=1e-4, rtol=1e-4)
+    assert (triton_logits[valid.to(dev)].argmax(-1) == torch_logits[valid.to(dev)].argmax(-1)).all()
 
 
 def _compact(cache, table, ctx, accepted):

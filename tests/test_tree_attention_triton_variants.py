@@ -137,7 +137,8 @@ names = k.arg_names
 ptrs = {"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
         "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}
 consts = dict(NUM_KV_HEADS=4, T=16, G=7, W=1, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16,
-              NUM_M_CHUNKS=chunks, INTERPRET=False, DROP_BITS=16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE)
+              NUM_M_CHUNKS=chunks, INTERPRET=False, DROP_BITS=16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE,
+              DOT_PRECISION="tf32")
 sig = {n: "constexpr" if n in consts else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
        for n in names}
 # What a launch specializes on: 16-byte aligned pointers, strides and split_len divisible by 16.
@@ -170,3 +171,47 @@ def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
     from conftest import compile_for_sm90
 
     compile_for_sm90(_COMPILE_SM90)
+
+
+_COMPILE_FP32_SM90 = r"""
+import re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tlt_kernels._triton import tree_attention as m
+
+D, T, G = {D}, {T}, {G}
+block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=True)
+k = m._tree_attn_partial_kernel
+names = k.arg_names
+ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
+        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}}
+consts = dict(NUM_KV_HEADS=2, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
+              BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False, DROP_BITS=0, PIPELINE=1,
+              LAZY_RESCALE=0.0, DOT_PRECISION="ieee")
+sig = {{n: "constexpr" if n in consts else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
+       for n in names}}
+attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
+         if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}}
+src = ASTSource(k, sig, constexprs={{(names.index(c),): v for c, v in consts.items()}}, attrs=attrs)
+c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+assert "wgmma" not in c.asm["ptx"] and "mma.sync" not in c.asm["ptx"], "fp32 products must not use tensor cores (TF32)"
+with tempfile.TemporaryDirectory() as d:
+    open(d + "/k.ptx", "w").write(c.asm["ptx"])
+    r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+assert c.metadata.shared <= 227 * 1024, c.metadata.shared
+assert spills <= 256, f"{{spills}} bytes of register spills: shrink FP32_MAX_BLOCK_M / FP32_CONFIG"
+print(block_m, block_n, warps, stages, spills, c.metadata.shared)
+"""
+
+
+@pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
+def test_fp32_config_compiles_for_sm90(D, T, G):
+    """The exact-fp32 path (an fp32 model's verify pass: ``input_precision="ieee"``, no TF32) compiles for sm_90
+    within the shared-memory limit and (nearly) without register spills at the e2e target's shape (D=64,
+    T*G=128) and the other head dims."""
+    from conftest import compile_for_sm90
+
+    compile_for_sm90(_COMPILE_FP32_SM90.format(D=D, T=T, G=G))

@@ -20,6 +20,7 @@ Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG to
 the drafter's one), ``TLT_E2E_HIDDEN`` (target width, default 512) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
 each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``TLT_E2E_FUSE=0`` captures
 verify, draft and extend separately);
+``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
 ``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
@@ -159,8 +160,14 @@ def run(ctx) -> None:
     fuse = cuda and os.environ.get("TLT_E2E_FUSE", "1") not in ("", "0")
     ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (TLT_E2E_FUSE)")
 
+    # Tree attention of the target's verify pass: "auto" (an fp32 target runs the op's torch path: a gather of every
+    # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel).
+    attn = _env_choice("TLT_E2E_ATTN", "auto", {"auto": "auto", "torch": "torch", "triton": "triton"})
+    ctx.note(f"target tree attention: backend={attn!r} (TLT_E2E_ATTN)")
+
     def engine(drafter, sel, **kw):
-        eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, fuse_step=fuse, **kw)
+        eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, fuse_step=fuse,
+                                backend=attn, **kw)
         if cuda:
             st = eng.capture_graphs(graph_sizes)
             if eng.graph_error:

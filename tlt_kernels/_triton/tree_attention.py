@@ -69,34 +69,36 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr):
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` broadcasts to [BM, BN]."""
     if INTERPRET:
         # The CPU interpreter has no bf16 arithmetic; on the GPU bf16/fp16 operands keep tensor cores.
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k)) * qk_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr):
+def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """``_attend_tile`` for a tile whose keys are all visible: no mask, and the scale folded into the
     exponent's FMA (``m`` is tracked on the raw scores, ``qk_scale > 0`` keeps the max the same)."""
     if INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return _softmax_pv(tl.dot(q, tl.trans(k)), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE)
+    return _softmax_pv(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE,
+                       DOT_PRECISION)
 
 
 @triton.jit
-def _softmax_pv(qk, v, m_i, l_i, acc, qk_scale, LAZY_RESCALE: tl.constexpr):
+def _softmax_pv(qk, v, m_i, l_i, acc, qk_scale, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online-softmax update with raw scores ``qk [BM, BN]`` (all visible) and the tile's ``v [BN, D]``.
 
     ``LAZY_RESCALE = tau > 0`` (FA4): keep the stale running max unless some row's tile max exceeds it
@@ -114,21 +116,21 @@ def _softmax_pv(qk, v, m_i, l_i, acc, qk_scale, LAZY_RESCALE: tl.constexpr):
             m_i = m_new
         p = tl.exp2(qk * qk_scale - m_i[:, None])
         l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         return m_i, l_i, acc
     else:
         m_new = tl.maximum(m_i, m_tile)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
 
 @triton.jit
 def _to_out_dtype(x, out_dtype: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
     """fp32 -> the output dtype, rounding to nearest even (``DROP_BITS``: mantissa bits fp32 has over it)."""
-    if INTERPRET:
+    if INTERPRET and DROP_BITS > 0:
         # The interpreter truncates on this cast; round by hand so CPU results match the GPU's RTNE.
         bits = x.to(tl.int32, bitcast=True)
         bits = bits + ((1 << (DROP_BITS - 1)) - 1) + ((bits >> DROP_BITS) & 1)
@@ -138,7 +140,7 @@ def _to_out_dtype(x, out_dtype: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS
 
 @triton.jit
 def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                  m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+                  m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Context tokens ``n0 .. n0+BLOCK_N-1`` (those below ``end``): gather K/V through the block table, attend unmasked."""
     tok = n0 + offs_n
     tok_ok = tok < end
@@ -146,19 +148,19 @@ def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
-    return _attend_tile(q, k, v, tok_ok[None, :], m_i, l_i, acc, qk_scale, INTERPRET)
+    return _attend_tile(q, k, v, tok_ok[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
 
 
 @triton.jit
 def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
                        m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
-                       LAZY_RESCALE: tl.constexpr):
+                       LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks."""
     page = pages.to(tl.int64)
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
-    return _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE)
+    return _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
 
 
 @triton.jit
@@ -185,6 +187,7 @@ def _tree_attn_partial_kernel(
     DROP_BITS: tl.constexpr,
     PIPELINE: tl.constexpr = 1,
     LAZY_RESCALE: tl.constexpr = 0.0,
+    DOT_PRECISION: tl.constexpr = "tf32",
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -232,12 +235,14 @@ def _tree_attn_partial_kernel(
             n0 = start
             while n0 < end:
                 m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
-                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
+                                              DOT_PRECISION)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
                 m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
-                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
+                                              DOT_PRECISION)
     else:
         # Whole tiles first, unmasked, then at most one masked tail tile. The page ids of tile i+1 are a
         # plain load issued during tile i and carried to the next trip, so the K/V loads' addresses do
@@ -254,7 +259,7 @@ def _tree_attn_partial_kernel(
                 pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
                 m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
                                                    stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                                   LAZY_RESCALE)
+                                                   LAZY_RESCALE, DOT_PRECISION)
                 pages = pages_next
                 n0 += BLOCK_N
         else:
@@ -263,11 +268,12 @@ def _tree_attn_partial_kernel(
                 pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
                 m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
                                                    stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                                   LAZY_RESCALE)
+                                                   LAZY_RESCALE, DOT_PRECISION)
                 pages = pages_next
         if full_end < end:
             m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp, stride_ks,
-                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET)
+                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
+                                              DOT_PRECISION)
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
     if split == n_splits_b - 1:
@@ -281,7 +287,7 @@ def _tree_attn_partial_kernel(
         word_ptrs = TreeMask_ptr + (b64 * T + t[:, None]) * W + (offs_j // 32)[None, :]
         words = tl.load(word_ptrs, mask=row_ok[:, None] & j_ok[None, :], other=0)
         visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -383,9 +389,20 @@ def row_tile(head_dim: int, num_rows: int) -> int:
     return block_m
 
 
-def kernel_config(head_dim: int, num_rows: int):
+# fp32 inputs (an fp32 model's verify pass): exact fp32 products (``input_precision="ieee"``, no TF32) run on
+# the FMA units with both operands in registers, which is register-hungry: ptxas for sm_90 (no GPU needed,
+# tests/test_tree_attention_triton_variants.py) spills 1.7 KB at 128 rows x 32 keys (D=64), none at 64 x 16.
+# So: 16-key tiles, 8 warps, 2 stages, and row tiles of at most FP32_MAX_BLOCK_M[D] (more rows: chunks).
+FP32_CONFIG = (16, 8, 2)  # (BLOCK_N, num_warps, num_stages)
+FP32_MAX_BLOCK_M = {64: 64, 128: 32, 256: 16}
+
+
+def kernel_config(head_dim: int, num_rows: int, fp32: bool = False):
     """``(BLOCK_M, num_row_chunks, BLOCK_N, num_warps, num_stages, maxnreg)`` for ``num_rows = T * G``."""
     block_m = row_tile(head_dim, num_rows)
+    if fp32 and CONFIG_OVERRIDE is None:
+        block_m = min(block_m, FP32_MAX_BLOCK_M[head_dim])
+        return (block_m, -(-num_rows // block_m), *FP32_CONFIG, None)
     if CONFIG_OVERRIDE is not None:
         block_n, warps, stages = CONFIG_OVERRIDE[:3]
         if len(CONFIG_OVERRIDE) > 3 and CONFIG_OVERRIDE[3] is not None:
@@ -400,8 +417,8 @@ def kernel_config(head_dim: int, num_rows: int):
 def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """Run a :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` with Triton; writes and returns ``out``.
 
-    ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (same bf16/fp16 dtype,
-    stride 1 along D). Launches the partial kernel and, when the plan has more than one split, the
+    ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (same bf16/fp16/fp32 dtype,
+    stride 1 along D; fp32 multiplies in exact fp32, see ``FP32_CONFIG``). Launches the partial kernel and, when the plan has more than one split, the
     merge kernel, on the current stream; no host synchronization.
     """
     B, T, Hq, D = q.shape
@@ -410,11 +427,12 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     M = T * G
     interp = triton_interpret_enabled()
-    block_m, chunks, block_n, warps, stages, maxnreg = kernel_config(D, M)
+    fp32 = q.dtype == torch.float32
+    block_m, chunks, block_n, warps, stages, maxnreg = kernel_config(D, M, fp32)
     # maxnreg is a compile option of the GPU backend only; the interpreter has no registers to cap.
     reg_cap = {} if (maxnreg is None or interp) else {"maxnreg": maxnreg}
     block_t = max(16, _next_pow2(T))
-    drop_bits = 16 if out.dtype == torch.bfloat16 else 13
+    drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
@@ -426,7 +444,8 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, num_warps=warps, num_stages=stages, **reg_cap,
+        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1:
         _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](

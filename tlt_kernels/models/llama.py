@@ -287,8 +287,9 @@ class LlamaForCausalLM(nn.Module):
         (``plan``, from :meth:`plan_tree`, or built here). No host synchronization when
         ``validate=False`` and a plan or ``max_context_len`` is given, or while a CUDA graph is captured.
 
-        bf16/fp16 models run the op's kernels (``backend``); fp32 models run its ``torch`` backend on
-        the same plan (the kernels are half-precision only), which is what CPU tests use.
+        bf16/fp16 models run the op's kernels (``backend``). fp32 models run its ``torch`` backend on the
+        same plan under ``"auto"`` (what CPU tests use), and the op's exact-fp32 Triton kernel with
+        ``backend="triton"`` (the CUDA kernel is half precision only).
 
         Args:
             tokens: int64 ``[B, T]``; node 0 is the last accepted token (not yet in the cache).
@@ -303,9 +304,10 @@ class LlamaForCausalLM(nn.Module):
         check_tensor("parents", parents, dtype=_INT, shape=(B, T), device=self.device)
         self._check_cache(cache, block_table, context_lens, B)
         half = self.dtype in (torch.bfloat16, torch.float16)
-        if not half and backend not in ("auto", "torch"):
-            raise ValueError(f"backend={backend!r} needs a bf16/fp16 model (the tree-attention kernels are half precision); "
-                             f"this model is {self.dtype}: use backend='auto' or 'torch'")
+        if not half and backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend={backend!r} needs a bf16/fp16 model (the CUDA tree-attention kernel is half precision); "
+                             f"this model is {self.dtype}: use backend='auto', 'torch' or 'triton'")
+        kernel = half or backend == "triton"
         capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
         if validate and not capturing:
             n = validate_tree(parents, num_nodes)
@@ -330,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
             cache.write(i, block_table, slots, k, v)
             # Padding rows come back as zeros (the op's contract), so their K/V in later layers -- written
             # to scratch slots that kernels load and mask -- stay finite.
-            if half:
+            if kernel:
                 return plan.run(q, cache.k[i], cache.v[i], sm_scale=self.sm_scale, backend=backend)
             return run_torch(plan, q, cache.k[i], cache.v[i], torch.empty_like(q), self.sm_scale)
 

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .._backend import register_op
+from .._backend import backend_unavailable_reason, register_op
 from .._validation import check_tensor, per_request
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
@@ -54,7 +54,9 @@ SPLIT_WAVES = 1  # target programs per SM of the default split (see default_spli
 # splits beat longer ones there (7B (8, 32768, 32): 0.52 ms at S=7 vs 0.65 ms at S=4), while for
 # T * G <= 128 more splits only add partial traffic (7B (64, 4096, 16): S=2 is 9% slower than S=1).
 CHUNKED_MAX_SPLIT_LEN = 4096
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").
+_HALF_ONLY = ("cuda",)
 
 
 @dataclass
@@ -307,9 +309,13 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int) -> str:
+def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int, fp32: bool = False) -> str:
     """The backend to run (decided once at trace time under torch.compile, so no graph break)."""
     name = _BACKENDS.choose(backend, device)
+    if fp32 and name in _HALF_ONLY:
+        if backend != "auto":
+            raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
+        name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
         if why is not None:
@@ -325,7 +331,7 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
 
     Args:
         plan: from :func:`plan_tree_attention`.
-        q: ``[B, T, Hq, D]`` bf16/fp16 queries of the tree nodes.
+        q: ``[B, T, Hq, D]`` bf16/fp16 queries of the tree nodes (fp32 too: triton or torch; the CUDA kernel is half precision).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype; node i's K/V already at slot
             ``context_lens[b] + i``.
         out: optional ``[B, T, Hq, D]`` output buffer of q's dtype.
@@ -339,7 +345,7 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     """
     _check_run_inputs(plan, q, k_cache, v_cache, out)
     scale = 1.0 / math.sqrt(plan.head_dim) if sm_scale is None else float(sm_scale)
-    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim)
+    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if name == "torch":
@@ -403,7 +409,7 @@ def tree_attention(
     its ancestors and itself (slots ``context_lens[b] + j``, whose K/V the caller already wrote).
 
     Args:
-        q: ``[B, T, Hq, D]`` bf16/fp16.
+        q: ``[B, T, Hq, D]`` bf16/fp16 (fp32 too: triton or torch; the CUDA kernel is half precision).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` of q's dtype, ``Hq % Hkv == 0``, block_size <= 128.
         block_table: ``int32 [B, max_blocks]``; context_lens: ``int32 [B]``.
         parents: ``int32 [B, T]`` tree (``parents[b, 0] == -1``, ``0 <= parents[b, i] < i``).
