@@ -98,12 +98,14 @@ def _sim_one(args):
     out = {}
     for n, rs in per.items():
         rc = [r["reconverge_steps"] for r in rs if r["reconverge_steps"] is not None]
+        st = [r["settle_steps"] for r in rs if r.get("settle_steps") is not None]
         out[n] = {
             "vs_oracle": sum(r["vs_oracle"] for r in rs) / len(rs),
             "min": min(r["vs_oracle"] for r in rs),
             "vs_best_static": sum(r["vs_best_static"] for r in rs) / len(rs),
             "vs_off": sum(r["vs_off"] for r in rs) / len(rs),
             "reconv": max(rc) if rc else None,
+            "settle": max(st) if st else None,
         }
     return wl_name, out
 
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
     if args.trace_only:
         return 0
     sims = sim_scores(configs, range(args.seeds), args.workers)
-    print(f"\nsimulated workloads, seeds 0-{args.seeds - 1}: vs_oracle mean (lowest seed) / vs_off / re-converge")
+    print(f"\nsimulated workloads, seeds 0-{args.seeds - 1}: vs_oracle mean (lowest seed) / vs_off / re-converge (settle), worst seed")
     print("| workload | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for wl, per in sims.items():
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
             r = per[n]
             c = f"{r['vs_oracle']:.4f} ({r['min']:.3f}) / {r['vs_off']:.2f}"
             if r["reconv"] is not None:
-                c += f" / {r['reconv']}"
+                c += f" / {r['reconv']} (settle {r['settle']})"
             if wl == "phase-shift-mixed":
                 c += f" / vs best static {r['vs_best_static']:.3f}"
             cells.append(c)

@@ -389,3 +389,21 @@ def test_an_arm_deeper_than_every_played_arm_is_still_tried():
     _feed(sel, short, 32, 0.5, 5, random.Random(0))
     sel.available = None
     assert sel.select(32) == deep
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.05])
+def test_a_near_tie_gets_its_first_play(margin):
+    """A shallower chain predicted within ``explore_margin`` of the measured best (cheaper steps, fewer tokens)
+    is played once so that its own counts can settle the near-tie; with no margin it is never tried."""
+    short, deep = Strategy(2, 1, 3), Strategy(4, 1, 5)
+    # p = 0.8: E[tokens] 2.44 vs 3.36; step times 0.0075 vs 0.01 -> predicted throughput 3% apart.
+    table = {Strategy.off(): [(32, 0.01)], short: [(32, 0.0075)], deep: [(32, 0.01)]}
+    sel = StrategySelector([short, deep], policy="cost", seed=0, cost_table=table, explore_margin=margin)
+    play = {"arm": deep}
+    sel.available = lambda st, bb: st == play["arm"]
+    _feed(sel, deep, 32, 0.8, 10, random.Random(0))
+    sel.available = None
+    picks = _chain_run(sel, 32, 0.8, 5, random.Random(1))
+    assert (short in picks) == (margin > 0), picks
+    with pytest.raises(ValueError, match="explore_margin"):
+        StrategySelector([short], policy="cost", explore_margin=1.5)

@@ -40,13 +40,21 @@ class _ReferenceCost(CostModelPolicy):
             if self._predict(bucket, a, batch_size) is None:
                 return a
         # A never-played speculative arm is played once, the best predicted first, if it brings the model a
-        # new width group or depth (or always, without explore_per_group); then the best prediction wins.
+        # new width group or depth (or always, without explore_per_group), or if it predicts within
+        # explore_margin of the best arm; otherwise the best prediction wins.
         played = [b for b in range(len(self.arms)) if self.depth[b] and self.n_arm[b] > 0.0]
         groups = {self.grp[b] for b in played}
         deepest = max((self.depth[b] for b in played), default=0)
-        new = [a for a in allowed if self.depth[a] and self.n_arm[a] == 0.0
-               and (not self.explore_per_group or self.grp[a] not in groups or self.depth[a] > deepest)]
-        return max(new or allowed, key=lambda a: self._predict(bucket, a, batch_size))
+        unplayed = [a for a in allowed if self.depth[a] and self.n_arm[a] == 0.0]
+        new = [a for a in unplayed if not self.explore_per_group or self.grp[a] not in groups or self.depth[a] > deepest]
+        predict = lambda a: self._predict(bucket, a, batch_size)  # noqa: E731
+        if new:
+            return max(new, key=predict)
+        best = max(allowed, key=predict)
+        near = max(unplayed, key=predict, default=None)
+        if near is not None and predict(near) >= (1.0 - self.explore_margin) * predict(best):
+            return near
+        return best
 
 
 def _table():
