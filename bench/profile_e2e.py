@@ -2,7 +2,8 @@
 
 Trains a small target briefly (the e2e suite's model shape), then for plain decoding and one static
 EAGLE strategy runs a graphed rollout under ``torch.profiler`` and prints, per configuration, the mean
-step time and the top operators by self CUDA time and by self CPU time. A developer tool: the numbers
+step time and the top operators by self CUDA time and by self CPU time (``--layers 24 --attn triton``: the e2e
+shape with the fp32 Triton attention). A developer tool: the numbers
 steer the engine's optimization; benchmark figures come from ``python -m bench e2e``.
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
     ap.add_argument("--fuse", action="store_true", help="SpeculativeEngine(fuse_step=True): one graph per step")
+    ap.add_argument("--layers", type=int, default=6, help="target depth (the e2e suite's default is 24)")
+    ap.add_argument("--hidden", type=int, default=512, help="target width, a multiple of 256 (e2e: TLT_E2E_HIDDEN)")
+    ap.add_argument("--attn", default="auto", choices=("auto", "torch", "triton"),
+                    help="tree-attention backend of the verify pass (an fp32 target: auto = torch; e2e: TLT_E2E_ATTN)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -33,7 +38,9 @@ def main() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     dev = torch.device("cuda")
-    cfg = ModelConfig.small(hidden_size=512, intermediate_size=1536, num_layers=6, num_q_heads=8, num_kv_heads=2, head_dim=64)
+    h = args.hidden
+    cfg = ModelConfig.small(hidden_size=h, intermediate_size=3 * h, num_layers=args.layers, num_q_heads=h // 64,
+                            num_kv_heads=h // 256, head_dim=64)
     target = train_tiny_target(cfg, steps=200, device=dev, batch_size=32, seq_len=256)
     target = target.to({"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
     prompts = sample_windows(load_corpus("base"), args.batch, 64, torch.Generator().manual_seed(0)).to(dev)
@@ -41,7 +48,7 @@ def main() -> None:
     for name, strategy in (("plain", Strategy.off()), ("s2k1v3", Strategy(2, 1, 3)), ("s5k4v16", Strategy(5, 4, 16))):
         drafter = None if strategy.is_off else EagleDrafter.for_target(target)
         eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=args.batch, max_seq_len=64 + args.new + 8,
-                                fuse_step=args.fuse)
+                                fuse_step=args.fuse, backend=args.attn)
         eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, args.batch}))
         eng.generate(prompts, 4)
         torch.cuda.synchronize()
