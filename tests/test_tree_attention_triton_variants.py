@@ -124,6 +124,8 @@ def test_two_programs_per_sm_configs_match_reference(cfg, monkeypatch):
     check_against_reference(out, case)
 
 
+# Compiles the partial kernel for sm_90 (no GPU needed) with the config `kernel_config` picks, then runs ptxas;
+# `{checks}` sees `c` (the compiled kernel), `regs`, `spills`, `smem` and the config's names.
 _COMPILE_SM90 = r"""
 import re, subprocess, sys, tempfile
 import triton
@@ -131,25 +133,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tlt_kernels._triton import tree_attention as m
 
-block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(128, 112)  # 7B, T=16
+D, T, G, FP32 = {D}, {T}, {G}, {fp32}
+block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=FP32)
 k = m._tree_attn_partial_kernel
 names = k.arg_names
-ptrs = {"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
-        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}
-consts = dict(NUM_KV_HEADS=4, T=16, G=7, W=1, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=16,
-              NUM_M_CHUNKS=chunks, INTERPRET=False, DROP_BITS=16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE,
-              DOT_PRECISION="tf32")
-sig = {n: "constexpr" if n in consts else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
-       for n in names}
+ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
+        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}}
+consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
+              BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
+              DROP_BITS=0 if FP32 else 16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
+elem = "*fp32" if FP32 else "*bf16"
+sig = {{n: "constexpr" if n in consts else ptrs.get(n, elem) if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
+       for n in names}}
 # What a launch specializes on: 16-byte aligned pointers, strides and split_len divisible by 16.
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-         if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}
-src = ASTSource(k, sig, constexprs={(names.index(c),): v for c, v in consts.items()}, attrs=attrs)
-opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
+         if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}}
+src = ASTSource(k, sig, constexprs={{(names.index(c),): v for c, v in consts.items()}}, attrs=attrs)
+opts = dict(num_warps=warps, num_stages=stages, **({{"maxnreg": maxnreg}} if maxnreg else {{}}))
 c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-ttgir = c.asm["ttgir"]
-waits = [int(x) for x in re.findall(r"async_wait.*?num = (\d+)", ttgir)]
-assert waits and max(waits) >= 2, f"K/V copies not kept in flight across the math: async_wait nums {waits}"
 with tempfile.TemporaryDirectory() as d:
     open(d + "/k.ptx", "w").write(c.asm["ptx"])
     r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True, text=True)
@@ -157,54 +158,33 @@ assert r.returncode == 0, r.stderr
 regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
 spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
 smem = c.metadata.shared
-print(regs, spills, smem)
+print(block_m, block_n, warps, stages, regs, spills, smem)
+{checks}
+"""
+
+_T16_CHECKS = """
+waits = [int(x) for x in re.findall(r"async_wait.*?num = (\\d+)", c.asm["ttgir"])]
+assert waits and max(waits) >= 2, f"K/V copies not kept in flight across the math: async_wait nums {waits}"
 if maxnreg is not None:
     # The point of the cap: two programs of `warps` warps per SM (65536 registers, 228 KB shared memory).
     assert regs * 32 * warps * 2 <= 65536 and spills == 0, (regs, spills)
     assert 2 * (smem + 1024) <= 228 * 1024, smem
 """
 
+_FP32_CHECKS = """
+assert "wgmma" not in c.asm["ptx"] and "mma.sync" not in c.asm["ptx"], "fp32 products must not use tensor cores (TF32)"
+assert smem <= 227 * 1024, smem
+assert spills <= 256, f"{spills} bytes of register spills: shrink FP32_MAX_BLOCK_M / FP32_CONFIG"
+"""
+
 
 def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
-    """The T=16 default compiles for sm_90 with K/V copies in flight across the math (``async_wait num >= 2``)
-    and, when it caps registers, fits two programs per SM without spills (the premise of its speed)."""
+    """The T=16 default (7B: D=128, T*G=112) compiles for sm_90 with K/V copies in flight across the math
+    (``async_wait num >= 2``) and, when it caps registers, fits two programs per SM without spills (the
+    premise of its speed)."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90)
-
-
-_COMPILE_FP32_SM90 = r"""
-import re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from tlt_kernels._triton import tree_attention as m
-
-D, T, G = {D}, {T}, {G}
-block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=True)
-k = m._tree_attn_partial_kernel
-names = k.arg_names
-ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
-        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}}
-consts = dict(NUM_KV_HEADS=2, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
-              BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False, DROP_BITS=0, PIPELINE=1,
-              LAZY_RESCALE=0.0, DOT_PRECISION="ieee")
-sig = {{n: "constexpr" if n in consts else ptrs.get(n, "*fp32") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
-       for n in names}}
-attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
-         if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}}
-src = ASTSource(k, sig, constexprs={{(names.index(c),): v for c, v in consts.items()}}, attrs=attrs)
-c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-assert "wgmma" not in c.asm["ptx"] and "mma.sync" not in c.asm["ptx"], "fp32 products must not use tensor cores (TF32)"
-with tempfile.TemporaryDirectory() as d:
-    open(d + "/k.ptx", "w").write(c.asm["ptx"])
-    r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True, text=True)
-assert r.returncode == 0, r.stderr
-spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
-assert c.metadata.shared <= 227 * 1024, c.metadata.shared
-assert spills <= 256, f"{{spills}} bytes of register spills: shrink FP32_MAX_BLOCK_M / FP32_CONFIG"
-print(block_m, block_n, warps, stages, spills, c.metadata.shared)
-"""
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, checks=_T16_CHECKS))
 
 
 @pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
@@ -214,4 +194,4 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     T*G=128) and the other head dims."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_FP32_SM90.format(D=D, T=T, G=G))
+    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, checks=_FP32_CHECKS))
