@@ -208,3 +208,19 @@ def test_copy_bandwidth_on_gpu():
     y = torch.empty_like(x)
     ctx.add({"n": 1}, "torch-copy", ctx.time_ms(lambda: y.copy_(x)), bytes_moved=2 * ctx.copy_bytes)
     assert 70 < ctx.derived_rows()[0]["pct_hbm_floor"] < 130
+
+
+def test_e2e_knobs_fail_with_the_variable_named(monkeypatch):
+    """A misspelled e2e knob names the variable and its choices instead of a bare KeyError."""
+    from bench.suites import e2e
+
+    monkeypatch.setenv("TLT_E2E_ATTN", "tritn")
+    with pytest.raises(ValueError, match="TLT_E2E_ATTN must be one of auto, torch, triton, got 'tritn'"):
+        e2e._env_choice("TLT_E2E_ATTN", "auto", {"auto": 1, "torch": 2, "triton": 3})
+    monkeypatch.delenv("TLT_E2E_ATTN")
+    assert e2e._env_choice("TLT_E2E_ATTN", "torch", {"auto": 1, "torch": 2}) == 2
+    monkeypatch.setenv("TLT_E2E_HIDDEN", "700")
+    with pytest.raises(ValueError, match="TLT_E2E_HIDDEN must be a positive multiple of 256"):
+        e2e._sizes(small=False)
+    monkeypatch.setenv("TLT_E2E_HIDDEN", "1024")
+    assert e2e._sizes(small=False)["hidden"] == 1024

@@ -39,7 +39,10 @@ def _sizes(small: bool) -> dict:
     if small:
         return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
                     warm_budget_s=3.0, train_window=(8, 32), arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
-    return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)), hidden=int(os.environ.get("TLT_E2E_HIDDEN", 512)),
+    hidden = int(os.environ.get("TLT_E2E_HIDDEN", 512))
+    if hidden <= 0 or hidden % 256:
+        raise ValueError(f"TLT_E2E_HIDDEN must be a positive multiple of 256 (heads of 64, 4 per KV head), got {hidden}")
+    return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)), hidden=hidden,
                 train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
                 B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896, warm_budget_s=40.0,
                 train_window=(16, 128),
@@ -128,8 +131,6 @@ def run(ctx) -> None:
         # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
         # plain step. TLT_E2E_HIDDEN (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
         hidden = z["hidden"]
-        if hidden % 256:
-            raise ValueError(f"TLT_E2E_HIDDEN must be a multiple of 256, got {hidden}")
         cfg = ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=z["layers"],
                                 num_q_heads=hidden // 64, num_kv_heads=hidden // 256, head_dim=64)
     target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
