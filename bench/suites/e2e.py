@@ -20,12 +20,14 @@ Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG to
 the drafter's one), ``TLT_E2E_HIDDEN`` (target width, default 512) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
 each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``TLT_E2E_FUSE=0`` captures
 verify, draft and extend separately);
+``TLT_E2E_REPEATS=n`` times every row n times (default 3 on the GPU; median run kept, every run's tokens compared);
 ``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
 ``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -202,30 +204,60 @@ def run(ctx) -> None:
         d.load_state_dict(train_drafter.state_dict())
         return d
 
-    # 3. the rollout, every configuration on the same prompts
+    # 3. the rollout, every configuration on the same prompts, TLT_E2E_REPEATS times each (default 3 on the GPU, 1 on
+    # the CPU): the row keeps the run of median wall time (the upper one of an even count) and every run's tokens
+    # must match. One H200 rollout varies by ~2% between runs, as much as the selector's margins.
+    repeats = int(os.environ.get("TLT_E2E_REPEATS", "3" if cuda else "1"))
+    if repeats < 1:
+        raise ValueError(f"TLT_E2E_REPEATS must be >= 1, got {repeats}")
+    walls, same = {}, {}
+
+    def timed(name, run_once):
+        runs = [run_once() for _ in range(repeats)]
+        outs[name] = sorted(runs, key=lambda o: o.wall_s)[len(runs) // 2]
+        walls[name] = [round(o.wall_s * 1e3, 1) for o in runs]
+        same[name] = all(o.tokens == runs[0].tokens for o in runs)
+
     plain_eng.rollout_buffer = None
-    outs = {"plain": plain_eng.generate(prompts, lens)}
+    outs = {}
+    timed("plain", lambda: plain_eng.generate(prompts, lens))
     ref = outs["plain"].tokens
     for s in arms:
-        outs[f"static-{s}"] = engine(drafter_copy(), s).generate(prompts, lens)
+        eng_s = engine(drafter_copy(), s)
+        timed(f"static-{s}", lambda: eng_s.generate(prompts, lens))
     # The adaptive engine: selector + the spot-trained drafter. TLT trains the drafter on GPUs the long tail
     # leaves idle (other ranks); on this one GPU, training during the rollout competes with it (and with its
     # Python thread for the GIL), so that is a separate row.
+    tables = {}  # engine -> the cost policy's start-up table
+
     def calibrated(eng):
-        # The cost policy's start-up table: each arm's graphs replayed at every captured size (GPU only).
+        # The start-up table: each arm's graphs replayed at every captured size (GPU only).
         if cuda and not eng.graph_error:
-            table = eng.measure_cost_table()
-            eng.selector = StrategySelector(arms, seed=0, cost_table=table, available=eng.covers)
+            tables[eng] = eng.measure_cost_table()
+        return fresh_selector(eng)
+
+    def fresh_selector(eng):
+        table = tables.get(eng)
+        eng.selector = StrategySelector(arms, seed=0, cost_table=table, available=eng.covers if table else None)
         return eng
 
-    outs["adaptive"] = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0))).generate(prompts, lens)
+    cold = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0)))
+    timed("adaptive", lambda: fresh_selector(cold).generate(prompts, lens))  # a new selector every run
     # In RL training the selector lives across rollouts: "adaptive (warm)" keeps the one that decoded the previous
     # step's prompts (the rollout the drafter was trained on), so the timed rollout pays no first-visit exploration.
     warm = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0)))
     warm.generate(prev_prompts, lens)
-    outs["adaptive (warm)"] = warm.generate(prompts, lens)
+    warmed = copy.deepcopy(warm.selector)
+
+    def warm_run():
+        warm.selector = copy.deepcopy(warmed)  # every run starts from the selector of the previous step
+        return warm.generate(prompts, lens)
+
+    timed("adaptive (warm)", warm_run)
+    # Spot training changes the drafter as it runs, so this row is run once whatever TLT_E2E_REPEATS says.
     adaptive = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0), spot_trainer=trainer, rollout_buffer=buf))
     outs["adaptive+spot-in-tail"] = adaptive.generate(prompts, lens)
+    walls["adaptive+spot-in-tail"], same["adaptive+spot-in-tail"] = [round(outs["adaptive+spot-in-tail"].wall_s * 1e3, 1)], True
 
     trace_path = os.environ.get("TLT_E2E_TRACE")
     if trace_path:  # a recorded trace for the selector suite (TLT_SELECTOR_TRACE=...): every arm probed per step
@@ -247,7 +279,7 @@ def run(ctx) -> None:
         tail = _tail_seconds(o, B)
         extra = dict(
             tokens_per_s=round(o.tokens_per_s, 1), tail_s=round(tail, 4), accepted_length=round(o.mean_accepted_length(), 3),
-            steps=len(o.steps), greedy_identical=o.tokens == ref,
+            steps=len(o.steps), greedy_identical=o.tokens == ref and same[name], runs_ms=walls[name],
             speedup_vs_plain=round(plain.wall_s / o.wall_s, 3),
             tail_speedup_vs_plain=round(tail_plain / tail, 3) if tail > 0 else None,
             graph_steps=sum(s.graph for s in o.steps),
@@ -266,7 +298,8 @@ def run(ctx) -> None:
             f"{tail_plain / max(_tail_seconds(a, B), 1e-9):.2f}x tail (target 2.5x); vs best static ({best_name}): "
             f"{best.wall_s / a.wall_s:.2f}x (target 1.1x); greedy identical: {a.tokens == ref}"
         )
-    ctx.note(f"greedy identical in every run: {all(o.tokens == ref for o in outs.values())}")
+    ctx.note(f"greedy identical in every run: {all(o.tokens == ref for o in outs.values()) and all(same.values())} "
+             f"({repeats} run(s) per row, TLT_E2E_REPEATS; `ms` is the median run's)")
     a = outs["adaptive"]
     by_batch = a.strategies_by_batch()
     lines = ["adaptive: strategies chosen per batch size (steps)"]
