@@ -224,3 +224,24 @@ def test_e2e_knobs_fail_with_the_variable_named(monkeypatch):
         e2e._sizes(small=False)
     monkeypatch.setenv("TLT_E2E_HIDDEN", "1024")
     assert e2e._sizes(small=False)["hidden"] == 1024
+
+
+def test_e2e_selector_copy_keeps_state_and_shares_the_callback():
+    from bench.suites.e2e import _copy_selector
+    from tlt_kernels.runtime import Strategy, StrategySelector
+
+    class Engine:  # deep-copying this would be a bug (an engine holds graphs and caches)
+        def __deepcopy__(self, memo):
+            raise AssertionError("the engine was deep-copied")
+
+        def covers(self, s, b):
+            return True
+
+    eng = Engine()
+    sel = StrategySelector([Strategy(2, 1, 3)], seed=0, available=eng.covers)
+    for _ in range(5):
+        s = sel.select(8)
+        sel.update(s, 8, 12, 0.01, [3, 1] if s.num_steps else None)
+    twin = _copy_selector(sel)
+    assert twin is not sel and twin.available == eng.covers and sel.available == eng.covers
+    assert twin.step == sel.step and twin.select(8) == sel.select(8)

@@ -61,6 +61,18 @@ def _env_choice(name: str, default: str, choices: dict):
     return choices[value]
 
 
+def _copy_selector(sel):
+    """A deep copy of a selector's state that shares its ``available`` callback (an engine's bound method: a
+    deep copy would copy the engine, its graphs and caches with it)."""
+    avail, sel.available = sel.available, None
+    try:
+        twin = copy.deepcopy(sel)
+    finally:
+        sel.available = avail
+    twin.available = avail
+    return twin
+
+
 def _lengths(B: int, median: int, max_len: int, gen: torch.Generator) -> list:
     """Log-normal response lengths (sigma 1: the longest few are ~10x the median), clamped."""
     z = torch.randn(B, generator=gen)
@@ -247,10 +259,10 @@ def run(ctx) -> None:
     # step's prompts (the rollout the drafter was trained on), so the timed rollout pays no first-visit exploration.
     warm = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0)))
     warm.generate(prev_prompts, lens)
-    warmed = copy.deepcopy(warm.selector)
+    warmed = _copy_selector(warm.selector)
 
     def warm_run():
-        warm.selector = copy.deepcopy(warmed)  # every run starts from the selector of the previous step
+        warm.selector = _copy_selector(warmed)  # every run starts from the selector of the previous step
         return warm.generate(prompts, lens)
 
     timed("adaptive (warm)", warm_run)
