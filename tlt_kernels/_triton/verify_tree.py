@@ -148,11 +148,17 @@ def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
 
 @triton.jit
 def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(bad, argmax, thr, m, Z) of one row; thr/m/Z are only meaningful for sampled requests."""
+    """(bad, argmax, thr, m, Z) of one row; thr/m/Z are only meaningful for sampled requests.
+
+    One pass gives the argmax, the bad flag and, online, the normalizer ``Z = sum exp(l / temp - m)`` (the
+    running sum rescaled when the tile max grows), so a row without top-k / top-p is read once; top-k and
+    top-p add their radix passes and a normalizer pass over the kept tokens.
+    """
     # bad: NaN/+inf present or every entry -inf; arg: lowest id of the max.
     best = float("-inf")
     arg = 0
     bad = 0
+    z = 0.0
     for tile in range(NUM_TILES):
         start = tile * BLOCK_SIZE
         offs = start + tl.arange(0, BLOCK_SIZE)
@@ -163,17 +169,24 @@ def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, 
         tile_best = tl.max(xm, axis=0)
         tile_arg = tl.min(tl.where((xm == tile_best) & mask, offs, V), axis=0)
         better = tile_best > best
+        new_best = tl.where(better, tile_best, best)
+        # z in the frame of new_best / temp; an all -inf prefix (new_best = -inf) keeps z = 0.
+        # Same expression as the later passes (exp(l / temp - m)), so the last tile's terms match them bit for bit.
+        finite = new_best > float("-inf")
+        m_new = tl.where(finite, new_best, 0.0) / temp
+        z = tl.where(finite, z * tl.exp(tl.where(best > float("-inf"), best / temp - m_new, 0.0)), 0.0)
+        z += tl.where(finite, tl.sum(tl.exp(xm / temp - m_new), axis=0), 0.0)
         arg = tl.where(better, tile_arg, arg)
-        best = tl.where(better, tile_best, best)
+        best = new_best
     bad = bad | (best == float("-inf")).to(tl.int32)
 
     thr = arg * 0 - 2139095041  # key(-inf): keeps every token
     m = best / temp
-    Z = 1.0
+    Z = tl.where(bad == 0, z, 1.0)
     if (bad == 0) & (greedy == 0):
         if (top_k > 0) & (top_k < V):
             thr, _ = _radix_select(row_ptr, V, thr, temp, m, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
-        Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
+            Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
         if top_p < 1.0:
             thr, Z = _radix_select(row_ptr, V, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
     return bad, arg, thr, m, Z
