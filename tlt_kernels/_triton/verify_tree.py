@@ -11,8 +11,9 @@ an int32 with the same order. Then
   weighted by mass; equivalent to the probability threshold because p is monotone in the logit);
 * accepting a child needs only ``p(x)`` (one element) and its coin;
 * a rejection writes the residual ``max(p - q, 0)`` (or ``p`` with ``x`` zeroed without draft
-  probabilities) into a per-request fp32 scratch row (``[B, V]`` workspace), which later tests and
-  the final inverse-CDF sample read instead.
+  probabilities) into one of two per-request fp32 scratch rows (``[B, 2, V]`` workspace, ping-pong: the
+  pass that sums the residual also writes it, and it is adopted only if its mass is positive), which
+  later tests and the final inverse-CDF sample read instead.
 
 The coins are Philox4x32-10, bit-identical to :mod:`tlt_kernels.rng`. Nothing synchronizes with
 the host; a request whose visited row holds NaN/+inf, is all -inf, or whose draft token / draft row is
@@ -147,23 +148,26 @@ def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
 
 
 @triton.jit
-def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """(bad, argmax, thr, m, Z) of one row; thr/m/Z are only meaningful for sampled requests.
+def _row_state(row_ptr, dq_ptr, want_q, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """(bad, argmax, thr, m, Z, qsum) of one row; thr/m/Z are only meaningful for sampled requests.
 
-    One pass gives the argmax, the bad flag and, online, the normalizer ``Z = sum exp(l / temp - m)`` (the
-    running sum rescaled when the tile max grows), so a row without top-k / top-p is read once; top-k and
-    top-p add their radix passes and a normalizer pass over the kept tokens.
+    One pass gives the argmax, the bad flag, online the normalizer ``Z = sum exp(l / temp - m)`` (the running
+    sum rescaled when the tile max grows) and, when ``want_q`` (the node has children to test against its
+    draft row ``dq_ptr``), the draft row's sum: a row without top-k / top-p is read once. Top-k and top-p add
+    their radix passes and a normalizer pass over the kept tokens.
     """
     # bad: NaN/+inf present or every entry -inf; arg: lowest id of the max.
     best = float("-inf")
     arg = 0
     bad = 0
     z = 0.0
+    qsum = 0.0
     for tile in range(NUM_TILES):
         start = tile * BLOCK_SIZE
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < V
         x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        qsum += tl.sum(tl.load(dq_ptr + offs, mask=mask & (want_q != 0), other=0.0).to(tl.float32), axis=0)
         bad = bad | tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
         xm = tl.where(x != x, float("-inf"), x)
         tile_best = tl.max(xm, axis=0)
@@ -189,14 +193,15 @@ def _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, 
             Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
         if top_p < 1.0:
             thr, Z = _radix_select(row_ptr, V, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
-    return bad, arg, thr, m, Z
+    return bad, arg, thr, m, Z, qsum
 
 
 @triton.jit
-def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok,
-                   WRITE: tl.constexpr, HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok,
+                   HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Mass of the residual after rejecting ``tok``: max(p - q, 0) with the draft row q, or p with
-    ``tok`` zeroed without one. WRITE also stores it (unnormalized) into the scratch row."""
+    ``tok`` zeroed without one, stored (unnormalized) into the scratch row ``dst_ptr`` in the same pass
+    (the current distribution is read from the other row ``scr_ptr`` when it is a residual)."""
     acc = 0.0
     for tile in range(NUM_TILES):
         start = tile * BLOCK_SIZE
@@ -209,8 +214,7 @@ def _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsu
         else:
             r = tl.where(mask & (offs != tok), p, 0.0)
         acc += tl.sum(r, axis=0)
-        if WRITE:
-            tl.store(scr_ptr + offs, r, mask=mask)
+        tl.store(dst_ptr + offs, r, mask=mask)
     return acc
 
 
@@ -240,7 +244,11 @@ def _verify_tree_kernel(
         top_p = tl.load(top_p_ptr + b).to(tl.float32)
     seed = tl.load(seed_ptr + b)
     offset = tl.load(offset_ptr + b)
-    scr_ptr = scratch_ptr + b * V
+    # Two scratch rows, ping-pong: a rejection writes its residual into the row not in use while summing it, and
+    # adopts it only if its mass is positive (a zero residual keeps the current distribution).
+    scr_base = scratch_ptr + b * 2 * V
+    res_i = zero
+    scr_ptr = scr_base
 
     d_idx = tl.arange(0, DEPTH_BLOCK)
     path_tokens = tl.full([DEPTH_BLOCK], -1, tl.int32)
@@ -250,17 +258,22 @@ def _verify_tree_kernel(
 
     # Every coin of the request at once, across lanes, off the walk's serial path.
     t_idx = tl.arange(0, NODE_BLOCK)
+    # Parents of the whole tree (T <= NODE_BLOCK): whether a node has children decides if its draft row is summed.
+    par_vec = tl.load(parents_ptr + b * stride_pb + t_idx, mask=t_idx < n, other=-2)
     coin_accept = _philox_uniform(seed, offset, t_idx, 0)
     coin_sample = _philox_uniform(seed, offset, t_idx, 1)
 
     cur = zero
     depth = zero
     row_ptr = logits_ptr + b * stride_lb
-    err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES, BLOCK_SIZE)
+    want_q = zero
+    if HAS_Q:
+        want_q = ((greedy == 0) & (max_depth > 0) & (tl.max(((par_vec == 0) & (t_idx > 0)).to(tl.int32), axis=0) != 0)).to(tl.int32)
+    err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, V, greedy, temp, top_k, top_p,
+                                           NUM_TILES, BLOCK_SIZE)
     has_res = 0
     S = 1.0
     q_ready = 0
-    qsum = 1.0
     # A while loop: the CPU interpreter cannot take a tensor bound in range(); the tile loops use
     # constexpr trip counts (NUM_TILES) so the GPU keeps pipelined for loops there.
     # Nodes are topologically ordered, so one scan over node indices meets every child of the
@@ -278,12 +291,7 @@ def _verify_tree_kernel(
             px = 0.0
             if greedy == 0:
                 if HAS_Q:
-                    if q_ready == 0:
-                        qsum = 0.0
-                        for tile in range(NUM_TILES):
-                            start = tile * BLOCK_SIZE
-                            qoffs = start + tl.arange(0, BLOCK_SIZE)
-                            qsum += tl.sum(tl.load(dq_ptr + qoffs, mask=qoffs < V, other=0.0).to(tl.float32), axis=0)
+                    if q_ready == 0:  # qsum came with the row's pass; checked when its first child is tested
                         err = err | ((qsum <= 0.0) | (qsum != qsum) | (qsum == float("inf"))).to(tl.int32)
                         q_ready = 1
                 if has_res != 0:
@@ -305,21 +313,26 @@ def _verify_tree_kernel(
                 path_nodes = tl.where(d_idx == depth, j, path_nodes)
                 cur = j
                 row_ptr = logits_ptr + b * stride_lb + j.to(tl.int64) * stride_lt
-                err, arg, thr, m, Z = _row_state(row_ptr, V, greedy, temp, top_k, top_p, NUM_TILES, BLOCK_SIZE)
+                want_q = zero
+                if HAS_Q:
+                    want_q = ((greedy == 0) & (depth < max_depth) & (
+                        tl.max(((par_vec == j) & (t_idx > j)).to(tl.int32), axis=0) != 0)).to(tl.int32)
+                err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
+                                                       want_q, V, greedy, temp, top_k, top_p, NUM_TILES, BLOCK_SIZE)
                 has_res = 0
                 S = 1.0
                 q_ready = 0
             else:
                 if (greedy == 0) & (err == 0):
-                    R = _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
-                                       False, HAS_Q, NUM_TILES, BLOCK_SIZE)
+                    dst_ptr = scr_base + (1 - res_i) * V
+                    R = _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
+                                       HAS_Q, NUM_TILES, BLOCK_SIZE)
+                    # Orders this pass's writes before every thread's later single-element reads of the row
+                    # (and before the next pass overwrites the row this one read).
+                    tl.debug_barrier()
                     if R > 0.0:
-                        # A pass reads and writes each slot from the same thread; the barriers order
-                        # the write against every thread's single-element reads of scratch[x].
-                        tl.debug_barrier()
-                        _residual_pass(row_ptr, scr_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
-                                       True, HAS_Q, NUM_TILES, BLOCK_SIZE)
-                        tl.debug_barrier()
+                        res_i = 1 - res_i
+                        scr_ptr = dst_ptr
                         has_res = 1
                         S = R
         j += 1
@@ -376,7 +389,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     if out is None:
         out = empty_verify_outputs(logits, max_depth, return_stats)
     out_tokens, out_num, out_nodes, out_err, out_stats = out
-    scratch = torch.empty(B, V, dtype=torch.float32, device=dev)
+    scratch = torch.empty(B, 2, V, dtype=torch.float32, device=dev)  # ping-pong residual rows
     has_q = draft_probs is not None
     dprobs = (draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous()) if has_q else logits
     dummy_f = out_err  # never read when the matching flag is off
