@@ -257,3 +257,22 @@ def test_gpu_large_vocab_agrees_with_reference(V, top_p):
     assert (got.error == 0).all()
     same = (got.tokens == ref.tokens).all(1).float().mean().item()
     assert same >= 0.97, f"only {same:.3f} of requests match the reference"
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.995])
+def test_top_p_over_compacted_candidates_matches_reference(top_p):
+    """At a vocabulary of thousands with a long tail, the top-p threshold is selected among the compacted
+    candidates (weight >= Z (1 - top_p) / 2V) across several tiles: same tokens as the torch reference."""
+    B, V = 4, 3000
+    g = torch.Generator().manual_seed(5)
+    lg = 3.0 * torch.randn(B, len(CHAIN), V, generator=g)  # peaked: most of V is in the tail
+    toks = torch.randint(0, V, (B, len(CHAIN)), generator=g)
+    toks[:, 1] = lg[:, 0].argmax(-1)
+    par = torch.tensor(CHAIN, dtype=torch.int32).expand(B, len(CHAIN)).contiguous()
+    q = torch.softmax(lg + 0.5 * torch.randn(B, len(CHAIN), V, generator=g), -1)
+    args = dict(draft_probs=q, temperature=0.7, top_p=top_p, seed=torch.arange(B) * 13 + 1, offset=3, return_stats=True)
+    ref = verify_tree(lg, toks, par, backend="torch", **args)
+    # The default tile (1024) gives three tiles at V = 3000.
+    got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), backend="triton", **{**args, "draft_probs": q.to(DEV),
+                                                                                   "seed": args["seed"].to(DEV)})
+    _compare(ref, got)

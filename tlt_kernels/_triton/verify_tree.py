@@ -108,10 +108,11 @@ def _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.c
 
 
 @triton.jit
-def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_TILES: tl.constexpr,
+def _radix_select(row_ptr, N, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_TILES: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr):
     """Largest key K with W(key >= K) >= need, and W(key >= K); W counts tokens (or sums their
-    exp(l / temp - m) when BY_MASS) among those with key >= floor.
+    exp(l / temp - m) when BY_MASS) among the first ``N`` values at ``row_ptr`` with key >= floor
+    (a row, ``N = V``, or its compacted top-p candidates; tiles past ``N`` are skipped).
 
     Radix select on the unsigned key, 4 bits per pass (8 passes, exact, no sort): at each level
     a 16-bin histogram of the next digit among tokens sharing the prefix picks the largest digit
@@ -126,18 +127,19 @@ def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
         hist = tl.zeros([16], dtype=tl.float32)
         for tile in range(NUM_TILES):
             start = tile * BLOCK_SIZE
-            offs = start + tl.arange(0, BLOCK_SIZE)
-            mask = offs < V
-            x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            key = _order_key(x)
-            ukey = key.to(tl.int64) + 2147483648
-            live = mask & (key >= floor) & ((ukey >> (shift + 4)) == prefix)
-            if BY_MASS:
-                w = tl.where(live, tl.exp(x / temp - m), 0.0)
-            else:
-                w = live.to(tl.float32)
-            digit = ((ukey >> shift) & 15).to(tl.int32)
-            hist += tl.sum(tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0), axis=0)
+            if start < N:
+                offs = start + tl.arange(0, BLOCK_SIZE)
+                mask = offs < N
+                x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+                key = _order_key(x)
+                ukey = key.to(tl.int64) + 2147483648
+                live = mask & (key >= floor) & ((ukey >> (shift + 4)) == prefix)
+                if BY_MASS:
+                    w = tl.where(live, tl.exp(x / temp - m), 0.0)
+                else:
+                    w = live.to(tl.float32)
+                digit = ((ukey >> shift) & 15).to(tl.int32)
+                hist += tl.sum(tl.where(digit[:, None] == bins[None, :], w[:, None], 0.0), axis=0)
         # suffix[d] = sum of hist[d'] for d' >= d
         suffix = tl.sum(tl.where(bins[None, :] >= bins[:, None], hist[None, :], 0.0), axis=1)
         d = tl.maximum(tl.max(tl.where(above + suffix >= need, bins, -1), axis=0), 0)
@@ -148,7 +150,31 @@ def _radix_select(row_ptr, V, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
 
 
 @triton.jit
-def _row_state(row_ptr, dq_ptr, want_q, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _top_p_candidates(row_ptr, cand_ptr, V, floor, temp, m, tau, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Compacts into ``cand_ptr`` the logits with key >= floor and weight exp(l / temp - m) >= tau; returns their count.
+
+    With ``tau = Z (1 - top_p) / V`` (Z the kept mass) every token below tau is outside the top-p set: all of
+    them together weigh less than ``Z (1 - top_p)``, so the tokens at or above tau already reach ``top_p Z``
+    and the threshold key is at least the smallest of theirs. The radix select over the candidates then gives
+    the same key and kept mass as over the whole row, while its 8 passes read a few thousand values instead of
+    V. Token order is kept (a prefix sum places each candidate), not that the select needs it.
+    """
+    cnt = (floor * 0).to(tl.int32)
+    for tile in range(NUM_TILES):
+        start = tile * BLOCK_SIZE
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        mask = offs < V
+        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        keep = mask & (_order_key(x) >= floor) & (tl.exp(x / temp - m) >= tau)
+        pos = cnt + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(cand_ptr + pos, x, mask=keep)
+        cnt += tl.sum(keep.to(tl.int32), axis=0)
+    return cnt
+
+
+@triton.jit
+def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr,
+               BLOCK_SIZE: tl.constexpr):
     """(bad, argmax, thr, m, Z, qsum) of one row; thr/m/Z are only meaningful for sampled requests.
 
     One pass gives the argmax, the bad flag, online the normalizer ``Z = sum exp(l / temp - m)`` (the running
@@ -192,7 +218,12 @@ def _row_state(row_ptr, dq_ptr, want_q, V, greedy, temp, top_k, top_p, NUM_TILES
             thr, _ = _radix_select(row_ptr, V, thr, temp, m, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
             Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
         if top_p < 1.0:
-            thr, Z = _radix_select(row_ptr, V, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
+            # Half the bound's tau: slack for the rounding of Z against the select's own sums.
+            n_cand = _top_p_candidates(row_ptr, cand_ptr, V, thr, temp, m, 0.5 * Z * (1.0 - top_p) / V,
+                                       NUM_TILES, BLOCK_SIZE)
+            tl.debug_barrier()  # the candidates are read by other threads than the ones that wrote them
+            thr, Z = _radix_select(cand_ptr, n_cand, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
+            tl.debug_barrier()  # before the scratch row is reused for residuals
     return bad, arg, thr, m, Z, qsum
 
 
@@ -269,8 +300,9 @@ def _verify_tree_kernel(
     want_q = zero
     if HAS_Q:
         want_q = ((greedy == 0) & (max_depth > 0) & (tl.max(((par_vec == 0) & (t_idx > 0)).to(tl.int32), axis=0) != 0)).to(tl.int32)
-    err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, V, greedy, temp, top_k, top_p,
-                                           NUM_TILES, BLOCK_SIZE)
+    # A visited row's top-p candidates go to scratch row 0: no residual is live when a row is visited.
+    err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, scr_base, V, greedy, temp, top_k,
+                                           top_p, NUM_TILES, BLOCK_SIZE)
     has_res = 0
     S = 1.0
     q_ready = 0
@@ -318,7 +350,8 @@ def _verify_tree_kernel(
                     want_q = ((greedy == 0) & (depth < max_depth) & (
                         tl.max(((par_vec == j) & (t_idx > j)).to(tl.int32), axis=0) != 0)).to(tl.int32)
                 err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
-                                                       want_q, V, greedy, temp, top_k, top_p, NUM_TILES, BLOCK_SIZE)
+                                                       want_q, scr_base, V, greedy, temp, top_k, top_p, NUM_TILES,
+                                                       BLOCK_SIZE)
                 has_res = 0
                 S = 1.0
                 q_ready = 0
