@@ -112,9 +112,9 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
   return {};
 }
 
-template <typename TL, typename TQ, bool HAS_Q>
+template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
 LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
-  auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q>;
+  auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q, TOPP_COMPACT>;
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
   // Path bookkeeping, plus parents and tokens of trees small enough to stage (see the kernel).
   const int staged = p.num_tree <= accept::kStageNodes ? 2 * p.num_tree : 0;
@@ -150,9 +150,13 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
 
 template <typename TL>
 LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream) {
-  if (p.draft_probs == nullptr) return launch_verify<TL, float, false>(p, stream);
+  // The experimental top-p candidate path is instantiated for fp32 draft probabilities (or none) only; other
+  // draft dtypes run the default kernel (same results either way).
+  if (p.draft_probs == nullptr)
+    return p.topp_compact ? launch_verify<TL, float, false, true>(p, stream) : launch_verify<TL, float, false>(p, stream);
   switch (p.q_type) {
-    case ElemType::kFloat32: return launch_verify<TL, float, true>(p, stream);
+    case ElemType::kFloat32:
+      return p.topp_compact ? launch_verify<TL, float, true, true>(p, stream) : launch_verify<TL, float, true>(p, stream);
     case ElemType::kFloat16: return launch_verify<TL, __half, true>(p, stream);
     case ElemType::kBFloat16: return launch_verify<TL, __nv_bfloat16, true>(p, stream);
   }

@@ -63,6 +63,9 @@ struct VerifyTreeParams {
   int max_depth = 0;  // deepest node the walk may accept
   int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4, 8 or 16
   bool tokens_int64 = true;
+  // Top-p threshold selected among compacted candidates (same bits as the full-row select; see
+  // topp_candidates). Experimental: off until measured and tested on a GPU.
+  bool topp_compact = false;
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
 };
@@ -454,6 +457,7 @@ struct VerifySmem {
   int redi[32];
   uint64_t sel[3];  // radix-select decision broadcast: digit, above, at
   double need;
+  uint64_t wpub;    // this CTA's 32.32 kept mass, read by the cluster (topp_candidates)
 };
 
 // Every thread gets the CTA's fold (fixed tree: deterministic).
@@ -542,7 +546,7 @@ __device__ __forceinline__ float target_weight(float x, int thr, float ks, float
 // histograms its slice; the cluster's histograms are summed per bin. Integer histograms make the
 // result independent of the atomics' order (and of the summation order over ranks), so it is
 // deterministic and identical in every CTA. With `need_fraction`, need is a fraction of the total W.
-template <typename T, bool BY_MASS>
+template <typename T, bool BY_MASS, Ld LM = Ld::kNC>
 __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, double need,
                             bool need_fraction, Cluster& cl, VerifySmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31;
@@ -555,7 +559,7 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
     cl.hist ^= 1;
     for (int i = tid; i < 256; i += kVerifyThreads) hist[i] = 0;
     __syncthreads();
-    sweep<Ld::kNC>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
+    sweep<LM>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const int k = ordered_key(x[i]);
@@ -643,6 +647,55 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
   return static_cast<int>(prefix ^ 0x80000000u);
 }
 
+// Top-p candidates: this CTA's tokens with key >= floor and weight w = 2^(l * ks - m) >= tau, compacted
+// in index order (block scans) into cand[lo, lo + n) (fp32, this CTA's slice of a scratch row). Returns n
+// (CTA-uniform) and the cluster's 32.32 fixed-point mass of every token with key >= floor: the integers
+// the full-row radix select sums at its first level, so `top_p * w_total` is its `need` to the bit.
+// With tau = Z (1 - top_p) / (2 V), Z <= the kept mass, the tokens below tau weigh less than
+// Z (1 - top_p) together, so the tokens at or above it reach top_p Z and hold the threshold key: the
+// select over the candidates returns the full row's key (every token at or above it is a candidate).
+template <typename T>
+__device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, float tau,
+                               float* cand, uint64_t& w_total, Cluster& cl, VerifySmem& sm) {
+  int n = 0;
+  uint64_t w = 0;
+  sweep<Ld::kNC>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
+    bool keep[kVec];
+    int cnt = 0;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const bool live = base + i < hi && ordered_key(x[i]) >= floor;
+      const float wt = live ? exp2f(x[i] * ks - m) : 0.f;
+      if (live) w += __float2ull_rn(wt * kFixedScale);
+      keep[i] = live && wt >= tau;
+      cnt += keep[i];
+    }
+    // Counts are exact in float (< 2^24 per chunk); the scan is CTA-uniform like the sweep's trip count.
+    float chunk_total;
+    int k = n + static_cast<int>(block_exclusive_scan<kVerifyThreads>(static_cast<float>(cnt), chunk_total, sm.redf));
+#pragma unroll
+    for (int i = 0; i < kVec; ++i)
+      if (keep[i]) cand[lo + k++] = x[i];
+    n += static_cast<int>(chunk_total);
+  });
+  const uint64_t mine = block_reduce<kVerifyThreads>(w, [](uint64_t a, uint64_t b) { return a + b; }, sm.hsum);
+  w_total = mine;
+#if TLT_VERIFY_CLUSTERS
+  if (cl.size > 1) {
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    if (threadIdx.x == 0) sm.wpub = mine;
+    // Every CTA's slot is written before any is read. A slot is rewritten only at the next visited row's
+    // compaction, after the radix select's cluster barriers, which every CTA reaches after reading.
+    cluster.sync();
+    uint64_t all = 0;
+    for (int r = 0; r < cl.size; ++r) all += *cluster.map_shared_rank(&sm.wpub, r);
+    w_total = all;
+  }
+#endif
+  __syncthreads();  // the candidates are read by other threads of the CTA (radix select)
+  return n;
+}
+
 // Statistics of a visited row over this CTA's slice, folded over the cluster: (bad, argmax) always;
 // for sampled requests m, Z and `plan` (online max/normalizer in the same pass when there is no
 // top-k / top-p; otherwise radix selects, then one normalizer pass); the draft-row sum when `want_q`.
@@ -652,10 +705,12 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
 // wins the argmax nor adds weight.
 template <typename TL, typename TQ>
 __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int lo, int hi, int V, bool greedy,
-                              float ks, int top_k, float top_p, Cluster& cl, VerifySmem& sm, Plan& plan) {
+                              float ks, int top_k, float top_p, float* cand, Cluster& cl, VerifySmem& sm, Plan& plan) {
   const bool row_al = aligned16(row), q_al = want_q && aligned16(q_row);
   const bool cut_k = top_k > 0 && top_k < V, cut_p = top_p < 1.f;
   const bool online = !greedy && !cut_k && !cut_p;
+  // The normalizer is also wanted as the candidates' bound (top-p over compacted candidates).
+  const bool want_z = online || (cand != nullptr && cut_p && !cut_k && !greedy);
   float bv = -INFINITY, m = -INFINITY, z = 0.f, qs = 0.f;
   int bi = -1;
   bool nan = false;
@@ -670,7 +725,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
       }
       qs += qv[i];  // 0 unless want_q
     }
-    if (online) {
+    if (want_z) {
       // Online normalizer: rescale z once per vector when the running max grows.
       float y[kVec], ym = -INFINITY;
 #pragma unroll
@@ -694,8 +749,8 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
                         static_cast<uint32_t>(~static_cast<uint32_t>(bi));
   t.bad = nan || bv == INFINITY;
   t.q = qs;
-  t.m = online ? m : 0.f;  // (m, z) unused otherwise: keep the fold's rescale trivially exact
-  t.z = online ? z : 0.f;
+  t.m = want_z ? m : 0.f;  // (m, z) unused otherwise: keep the fold's rescale trivially exact
+  t.z = want_z ? z : 0.f;
   const Partial c = cluster_fold(block_fold(t, sm), cl, sm, online ? &plan : nullptr);
   RowState s;
   s.arg = static_cast<int>(~static_cast<uint32_t>(c.best));
@@ -709,7 +764,18 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   if (cut_k) {
     s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_k), false, cl, sm);
   }
-  if (cut_p) {
+  // Above top_p = 0.999 the candidates' margin, (1 - top_p) Z / 2 in 32.32 units, could fall below the rounding
+  // of V integer weights (V / 2 units at most): the full-row select runs there.
+  if (cut_p && cand != nullptr && top_p <= 0.999f) {
+    // The kept mass is >= 1 (the max token weighs 2^0) and, without top-k, the row's Z (c.z, in the frame
+    // of c.m = s.m: max(l * ks) = (max l) * ks for ks > 0).
+    const float z_lb = cut_k ? 1.f : fmaxf(c.z, 1.f);
+    const float tau = 0.5f * z_lb * (1.f - top_p) / static_cast<float>(V);
+    uint64_t w_total = 0;
+    const int n = topp_candidates(row, lo, hi, row_al, s.thr, ks, s.m, tau, cand, w_total, cl, sm);
+    s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, aligned16(cand), s.thr, ks, s.m,
+                                                static_cast<double>(top_p) * static_cast<double>(w_total), false, cl, sm);
+  } else if (cut_p) {
     s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_p), true, cl, sm);
   }
   Partial zp = partial_identity(0.f);
@@ -738,8 +804,10 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 
 
 // One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
-// `csize` = C, the cluster size the launcher chose (1: no cluster).
-template <typename TL, typename TQ, bool HAS_Q>
+// `csize` = C, the cluster size the launcher chose (1: no cluster). TOPP_COMPACT: the top-p threshold is
+// selected among compacted candidates (p.topp_compact; a separate instantiation, so the default kernel's
+// registers are untouched: in the same kernel the extra path made the bf16/fp32 walk spill 244 bytes).
+template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
 __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_kernel(const VerifyTreeParams p, int csize) {
   __shared__ VerifySmem sm;
   // path_tok[D + 1], path_node[D + 1], tried[D], took[D] (D = max depth held), then, for T <=
@@ -815,8 +883,10 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       }
     }
     const bool want_q = HAS_Q && !greedy && depth < p.max_depth && child >= 0;
+    // Top-p candidates go to scratch row 0: any residual there belongs to the node just left, and every CTA
+    // has read its last element of it (the acceptance test) before the row pass's cluster fold.
     return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
-                     greedy, ks, top_k, top_p, cl, sm, plan);
+                     greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[0] : nullptr, cl, sm, plan);
   };
   RowState s = visit(0);
   int err = s.bad;

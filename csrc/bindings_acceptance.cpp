@@ -25,7 +25,7 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
                        uintptr_t out_nodes, uintptr_t out_error, uintptr_t out_stats, int64_t logits_stride_b,
                        int64_t logits_stride_t, int64_t q_stride_b, int64_t q_stride_t, int64_t tokens_stride_b,
                        int64_t parents_stride_b, int batch, int num_tree, int vocab, int max_depth, bool tokens_int64,
-                       int logits_dtype, int q_dtype, uintptr_t stream, int cluster_size) {
+                       int logits_dtype, int q_dtype, uintptr_t stream, int cluster_size, bool topp_compact) {
   tlt::VerifyTreeParams p;
   p.logits = as_ptr<const void*>(logits);
   p.draft_probs = as_ptr<const void*>(draft_probs);
@@ -57,6 +57,7 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
   p.logits_type = static_cast<tlt::ElemType>(logits_dtype);
   p.q_type = static_cast<tlt::ElemType>(q_dtype);
   p.cluster = cluster_size;
+  p.topp_compact = topp_compact;
   raise_if_failed(tlt::launch_verify_tree(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 
@@ -125,11 +126,12 @@ void register_acceptance(py::module_& m) {
         py::arg("logits_stride_t"), py::arg("q_stride_b"), py::arg("q_stride_t"), py::arg("tokens_stride_b"),
         py::arg("parents_stride_b"), py::arg("batch"), py::arg("num_tree"), py::arg("vocab"), py::arg("max_depth"),
         py::arg("tokens_int64"), py::arg("logits_dtype"), py::arg("q_dtype"), py::arg("stream"),
-        py::arg("cluster_size") = 0,
+        py::arg("cluster_size") = 0, py::arg("topp_compact") = false,
         "Fused tree verification, one CTA cluster per request (0 = null for draft_probs / temperature / top_k / "
         "top_p / out_stats). scratch is float32 [B, 2, V]. cluster_size: CTAs per request, 0 = auto (from B, V "
-        "and the SM count), else 1, 2, 4, 8 or 16 (> 1 needs sm_90; 16 a non-portable cluster size). dtype codes: ELEM_FLOAT32 / ELEM_FLOAT16 / "
-        "ELEM_BFLOAT16.");
+        "and the SM count), else 1, 2, 4, 8 or 16 (> 1 needs sm_90; 16 a non-portable cluster size). topp_compact: "
+        "select the top-p threshold among compacted candidates (experimental, same bits). dtype codes: ELEM_FLOAT32 / "
+        "ELEM_FLOAT16 / ELEM_BFLOAT16.");
   m.def("compact_kv", &compact_kv_entry, py::arg("cache_ptrs"), py::arg("block_table"), py::arg("context_lens"),
         py::arg("accepted_nodes"), py::arg("num_accepted"), py::arg("bt_stride_b"), py::arg("nodes_stride_b"),
         py::arg("row_bytes"), py::arg("num_caches"), py::arg("batch"), py::arg("path_len"), py::arg("block_size"),

@@ -330,6 +330,42 @@ def test_verify_cluster_graph_capture_and_bf16(monkeypatch, cluster):
     assert not _diff_requests(got, out, f"C={cluster} graph replay"), "replayed graph differs from eager"
 
 
+TOPP_COMPACT_CASES = [
+    # (rule, use_q, V, T, B, dtype, temperature scale)
+    ("topp", True, 152064, 7, 5, torch.bfloat16, 1.0),  # the benchmark's shape: peaked, few candidates
+    ("topp", False, 152064, 5, 3, torch.bfloat16, 3.0),  # flat: most of the row is a candidate
+    ("topk-topp", True, 32003, 9, 7, torch.float32, 1.0),  # the top-k floor under the candidates' bound
+    ("mixed", True, 4099, 13, 9, torch.float32, 1.0),
+    ("topp", False, 5, 6, 11, torch.float32, 1.0),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rule,use_q,V,T,B,dtype,scale", TOPP_COMPACT_CASES)
+@pytest.mark.parametrize("cluster", [0, 1, 4, 16])
+def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dtype, scale, cluster):
+    """The top-p threshold selected among compacted candidates (TOPP_COMPACT) is the full row's to the bit
+    (same integer need, every token at or above the threshold a candidate), so every output is identical."""
+    _need_gpu_ext()
+    from tlt_kernels._cuda import verify_tree as cv
+
+    g = torch.Generator().manual_seed(V + T + 3)
+    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V * 5 + T, use_q=use_q, dtype=dtype)
+    kw = _sampling_kw(rule, B, g)
+    if "temperature" in kw:
+        kw["temperature"] = kw["temperature"] * scale
+    kw = _to("cuda", dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 17 + 3, return_stats=True, **kw))
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    monkeypatch.setattr(cv, "TOPP_COMPACT", False)
+    full = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
+    monkeypatch.setattr(cv, "TOPP_COMPACT", True)
+    got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
+    label = f"verify[topp candidates C={cluster} {rule} q={use_q} V={V} T={T} B={B} {dtype} x{scale}]"
+    assert not _diff_requests(full, got, label), "the candidates' select must give the full row's threshold"
+    again = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
+    assert not _diff_requests(got, again, label + " rerun")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("use_q", [False, True])
 def test_verify_auto_cluster_large_vocab(monkeypatch, use_q):

@@ -26,6 +26,9 @@ MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shar
 # CTAs per request: 0 = the launcher's choice; 1, 2, 4, 8 or 16 force it (tests and tuning only; read at
 # import from TLT_VERIFY_CLUSTER, tests monkeypatch it).
 CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
+# Top-p threshold among compacted candidates (experimental; same bits as the full-row radix select, fewer passes):
+# off until measured on a GPU. TLT_VERIFY_TOPP_COMPACT=1 at import, or tests monkeypatch it.
+TOPP_COMPACT = os.environ.get("TLT_VERIFY_TOPP_COMPACT", "0") not in ("", "0")
 
 
 def elem_code(dtype: torch.dtype) -> int:
@@ -94,7 +97,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             batch=B, num_tree=T, vocab=V, max_depth=int(max_depth),
             tokens_int64=draft_tokens.dtype == torch.int64, logits_dtype=elem_code(logits.dtype),
             q_dtype=elem_code(draft_probs.dtype) if draft_probs is not None else 0,
-            stream=stream_handle(dev), cluster_size=CLUSTER_SIZE,
+            stream=stream_handle(dev), cluster_size=CLUSTER_SIZE, topp_compact=TOPP_COMPACT,
         )
     return out
 

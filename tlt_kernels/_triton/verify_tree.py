@@ -217,13 +217,16 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p,
         if (top_k > 0) & (top_k < V):
             thr, _ = _radix_select(row_ptr, V, thr, temp, m, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
             Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
-        if top_p < 1.0:
-            # Half the bound's tau: slack for the rounding of Z against the select's own sums.
+        if top_p <= 0.999:
+            # Half the bound's tau: slack for the rounding of Z against the select's own sums (above 0.999 the
+            # margin (1 - top_p) Z / 2 nears that rounding, and the whole row is selected from).
             n_cand = _top_p_candidates(row_ptr, cand_ptr, V, thr, temp, m, 0.5 * Z * (1.0 - top_p) / V,
                                        NUM_TILES, BLOCK_SIZE)
             tl.debug_barrier()  # the candidates are read by other threads than the ones that wrote them
             thr, Z = _radix_select(cand_ptr, n_cand, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
             tl.debug_barrier()  # before the scratch row is reused for residuals
+        elif top_p < 1.0:
+            thr, Z = _radix_select(row_ptr, V, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
     return bad, arg, thr, m, Z, qsum
 
 
