@@ -30,17 +30,16 @@ def main() -> None:
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
+    from bench.suites.e2e import target_config
     from tlt_kernels.drafter import EagleDrafter
     from tlt_kernels.engine import SpeculativeEngine
-    from tlt_kernels.models import ModelConfig, load_corpus, train_tiny_target
+    from tlt_kernels.models import load_corpus, train_tiny_target
     from tlt_kernels.models.train_tiny import sample_windows
     from tlt_kernels.runtime import GraphPool, Strategy
 
     torch.backends.cuda.matmul.allow_tf32 = args.tf32
     dev = torch.device("cuda")
-    h = args.hidden
-    cfg = ModelConfig.small(hidden_size=h, intermediate_size=3 * h, num_layers=args.layers, num_q_heads=h // 64,
-                            num_kv_heads=h // 256, head_dim=64)
+    cfg = target_config(args.hidden, args.layers)
     target = train_tiny_target(cfg, steps=200, device=dev, batch_size=32, seq_len=256)
     target = target.to({"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
     prompts = sample_windows(load_corpus("base"), args.batch, 64, torch.Generator().manual_seed(0)).to(dev)

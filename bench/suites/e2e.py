@@ -53,6 +53,15 @@ def _sizes(small: bool) -> dict:
                 arms=((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24), (8, 4, 32)))
 
 
+def target_config(hidden: int, layers: int):
+    """The GPU target's shape: ``hidden`` wide (a multiple of 256), ``layers`` deep, SwiGLU 3x, heads of 64 with
+    4 query heads per KV head (the e2e suite and ``bench.profile_e2e`` build the same model)."""
+    from tlt_kernels.models import ModelConfig
+
+    return ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
+                             num_q_heads=hidden // 64, num_kv_heads=hidden // 256, head_dim=64)
+
+
 def _env_choice(name: str, default: str, choices: dict):
     """``choices[os.environ[name]]`` (``default`` when unset), with an error naming the variable and its choices."""
     value = os.environ.get(name, default)
@@ -144,9 +153,7 @@ def run(ctx) -> None:
         # Width sets how much a verified token costs next to a step's fixed cost: a real target's verify pass at
         # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
         # plain step. TLT_E2E_HIDDEN (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
-        hidden = z["hidden"]
-        cfg = ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=z["layers"],
-                                num_q_heads=hidden // 64, num_kv_heads=hidden // 256, head_dim=64)
+        cfg = target_config(z["hidden"], z["layers"])
     target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.

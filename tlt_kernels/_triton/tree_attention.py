@@ -164,6 +164,21 @@ def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, 
 
 
 @triton.jit
+def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+                    stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One trip of the unmasked context loop: load the page ids of the next tile (carried to the next trip, so
+    the K/V loads' addresses never wait on a load of their own trip), then attend this tile. Returns the
+    online-softmax state and the next tile's page ids."""
+    nxt = n0 + BLOCK_N + offs_n
+    pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
+    m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+                                       stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET, LAZY_RESCALE,
+                                       DOT_PRECISION)
+    return m_i, l_i, acc, pages_next
+
+
+@triton.jit
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
@@ -255,25 +270,21 @@ def _tree_attn_partial_kernel(
             # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
             n0 = start
             while n0 < full_end:
-                nxt = n0 + BLOCK_N + offs_n
-                pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-                m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                                   LAZY_RESCALE, DOT_PRECISION)
-                pages = pages_next
+                m_i, l_i, acc, pages = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+                                                       stride_kp, stride_ks, stride_vp, stride_vs, m_i, l_i, acc,
+                                                       qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+                                                       DOT_PRECISION)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, full_end, BLOCK_N):
-                nxt = n0 + BLOCK_N + offs_n
-                pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-                m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                                                   stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                                   LAZY_RESCALE, DOT_PRECISION)
-                pages = pages_next
+                m_i, l_i, acc, pages = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+                                                       stride_kp, stride_ks, stride_vp, stride_vs, m_i, l_i, acc,
+                                                       qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+                                                       DOT_PRECISION)
         if full_end < end:
             m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp, stride_ks,
                                           stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                              DOT_PRECISION)
+                                          DOT_PRECISION)
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
     if split == n_splits_b - 1:

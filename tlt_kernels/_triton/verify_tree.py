@@ -231,6 +231,14 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p,
 
 
 @triton.jit
+def _wants_draft_sum(par_vec, t_idx, node, greedy, depth, max_depth):
+    """1 if ``node``'s draft row will be tested against (a sampled request, below max depth, with a child among
+    the tree's ``par_vec``), else 0: only then does its row pass also sum the draft row."""
+    has_child = tl.max(((par_vec == node) & (t_idx > node)).to(tl.int32), axis=0) != 0
+    return ((greedy == 0) & (depth < max_depth) & has_child).to(tl.int32)
+
+
+@triton.jit
 def _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok,
                    HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Mass of the residual after rejecting ``tok``: max(p - q, 0) with the draft row q, or p with
@@ -302,7 +310,7 @@ def _verify_tree_kernel(
     row_ptr = logits_ptr + b * stride_lb
     want_q = zero
     if HAS_Q:
-        want_q = ((greedy == 0) & (max_depth > 0) & (tl.max(((par_vec == 0) & (t_idx > 0)).to(tl.int32), axis=0) != 0)).to(tl.int32)
+        want_q = _wants_draft_sum(par_vec, t_idx, zero, greedy, zero, max_depth)
     # A visited row's top-p candidates go to scratch row 0: no residual is live when a row is visited.
     err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, scr_base, V, greedy, temp, top_k,
                                            top_p, NUM_TILES, BLOCK_SIZE)
@@ -350,8 +358,7 @@ def _verify_tree_kernel(
                 row_ptr = logits_ptr + b * stride_lb + j.to(tl.int64) * stride_lt
                 want_q = zero
                 if HAS_Q:
-                    want_q = ((greedy == 0) & (depth < max_depth) & (
-                        tl.max(((par_vec == j) & (t_idx > j)).to(tl.int32), axis=0) != 0)).to(tl.int32)
+                    want_q = _wants_draft_sum(par_vec, t_idx, j, greedy, depth, max_depth)
                 err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
                                                        want_q, scr_base, V, greedy, temp, top_k, top_p, NUM_TILES,
                                                        BLOCK_SIZE)
