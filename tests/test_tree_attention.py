@@ -138,9 +138,20 @@ def test_matches_reference(backend, name):
     case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
     plan = make_plan(case, split_len=split_len)
     out = poison_(torch.empty_like(case["q"]))
+    if _cuda_refuses_fp32(backend, dtype, plan, case, out):
+        return
     res = run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
     assert res is out
     check_against_reference(out, case)
+
+
+def _cuda_refuses_fp32(backend, dtype, plan, case, out) -> bool:
+    """The CUDA kernel reads half precision only: asked for fp32 by name it must raise, not compute."""
+    if backend != "cuda" or dtype != torch.float32:
+        return False
+    with pytest.raises(ValueError, match="reads bf16/fp16"):
+        run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
+    return True
 
 
 def fill_unused_slots_with_nan_(case) -> int:
@@ -200,6 +211,8 @@ def test_matches_reference_gpu(backend, name):
     case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
     plan = make_plan(case, split_len=split_len)
     out = poison_(torch.empty_like(case["q"]))
+    if _cuda_refuses_fp32(backend, dtype, plan, case, out):
+        return
     run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
     check_against_reference(out, case)
 
