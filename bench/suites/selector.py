@@ -127,6 +127,8 @@ RECORDED_TRACES = {
                                   "TLT_E2E_FUSE=1: step times are graph replays)",
     "h200_e2e_b128_24layer_8arms.json": "H200 e2e rollout 2026-11-26 ~06:35 UTC (as above, eight arms s1k1v2..s8k4v32)",
     "h200_e2e_b256_24layer_8arms.json": "H200 e2e rollout 2026-11-26 ~06:43 UTC (as above, B=256, lengths up to 896)",
+    "h200_e2e_b128_8arms_triton_attn.json": "H200 e2e rollout 2026-11-26 ~08:50 UTC (B=128, eight arms, the target's "
+                                            "tree attention on the exact-fp32 Triton kernel: TLT_E2E_ATTN=triton)",
 }
 
 
