@@ -418,3 +418,49 @@ def test_trace_probes_every_arm_without_changing_the_output(target, prompts, tmp
     path.write_text(json.dumps(trace))
     res = replay_selector(load_trace(str(path)), StrategySelector(arms, seed=0))
     assert 0 < res.oracle_fraction <= 1.0
+
+
+class _FailingOnceBackend:
+    """A fake graph backend whose ``fail_at``-th capture raises, as an invalidated CUDA capture does."""
+
+    def __init__(self, fail_at: int = 2, times: int = 1):
+        from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+        self._inner = FakeGraphBackend(lambda key: 0)
+        self.fail_at, self.times, self.calls = fail_at, times, 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def capture(self, fn):
+        self.calls += 1
+        if self.fail_at <= self.calls < self.fail_at + self.times:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        return self._inner.capture(fn)
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_failed_capture_is_retried_once(target, prompts, times):
+    """One failed capture is retried and every graph ends up captured (greedy output unchanged, every step from
+    a graph); a second failure falls back to eager verification with the error recorded."""
+    from tlt_kernels.runtime import GraphPool
+
+    backend = _FailingOnceBackend(fail_at=2, times=times)
+    pool = GraphPool(backend=backend, warmup_iters=1)
+    sel = StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 6)], seed=0)
+    eng = SpeculativeEngine(target, EagleDrafter.for_target(target), sel, pool, max_batch_size=8, max_seq_len=64,
+                            fuse_step=True)
+    stats = eng.capture_graphs([2, 8])
+    assert eng.graph_retry_error is not None and "previous error during capture" in eng.graph_retry_error
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    if times == 1:
+        assert eng.graph_error is None
+        assert stats["graphs"] == len(pool.keys())
+        assert all(s.graph for s in out.steps)
+    else:
+        assert eng.graph_error is not None and "previous error during capture" in eng.graph_error
+        assert stats == {"error": eng.graph_error}
+        assert not any(s.graph for s in out.steps)

@@ -192,6 +192,8 @@ def run(ctx) -> None:
                                 backend=attn, **kw)
         if cuda:
             st = eng.capture_graphs(graph_sizes)
+            if eng.graph_retry_error:
+                ctx.note(f"graph capture of {sel} failed once and was retried ({eng.graph_retry_error})")
             if eng.graph_error:
                 ctx.note(f"graph capture failed ({eng.graph_error}); that run verified eagerly")
             else:

@@ -29,6 +29,7 @@ the rollout ends, and the rollout's drafter loads each published version between
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import sys
@@ -239,6 +240,7 @@ class SpeculativeEngine:
             self.drafter_cache = DrafterKVCache(self.drafter.config, 1 + max_batch_size * blocks, block_size, device=self.device, dtype=dd)
         self.graph_pool = graph_pool
         self.graph_error: Optional[str] = None
+        self.graph_retry_error: Optional[str] = None  # a capture failure that the retry recovered from
         self._captured = False
         if fuse_step and self.drafter_kind == "ngram":
             raise ValueError("fuse_step=True supports plain decoding and the EAGLE drafter (the n-gram drafter's "
@@ -308,8 +310,9 @@ class SpeculativeEngine:
         """Capture the verify forward of every tree width for ``batch_sizes`` (default: powers of two up
         to ``max_batch_size``, and ``max_batch_size``) into the graph pool.
 
-        Failures are not fatal: the engine falls back to eager verification and records why in
-        :attr:`graph_error`. Returns the pool's ``stats()`` (or ``{"error": ...}``).
+        Failures are not fatal: a failed capture is retried once (:meth:`_capture_pool`); if that fails too, the
+        engine falls back to eager verification and records why in :attr:`graph_error`. Returns the pool's
+        ``stats()`` (or ``{"error": ...}``).
         """
         if self.graph_pool is None:
             raise ValueError("capture_graphs needs a graph_pool (SpeculativeEngine(..., graph_pool=GraphPool()))")
@@ -323,7 +326,7 @@ class SpeculativeEngine:
                     name = self._step_key(st)
                     if name not in registered:
                         self.graph_pool.add(name, self._step_fn(st), sizes, lambda B, st=st: self._pad_step(B, st))
-                self.graph_pool.capture()
+                self._capture_pool()
                 self._captured = True
                 return self._after_capture()
             for T in self.widths:
@@ -342,7 +345,7 @@ class SpeculativeEngine:
                     name = ("extend", T)
                     if name not in registered:
                         self.graph_pool.add(name, self._extend_fn, sizes, lambda B, T=T: self._pad_eagle(B, T=T))
-            self.graph_pool.capture()
+            self._capture_pool()
             self._captured = True
         except Exception as exc:  # pragma: no cover - depends on the device and backends
             self.graph_error = f"{type(exc).__name__}: {exc}"
@@ -350,6 +353,22 @@ class SpeculativeEngine:
             self._captured = False
             return {"error": self.graph_error}
         return self._after_capture()
+
+    def _capture_pool(self) -> None:
+        """``graph_pool.capture()``, retried once after a failure. Keys captured before the failure are kept (the
+        pool skips them). On an H200 one static strategy's capture was invalidated while the same strategy captured
+        in a later engine of the same process (bench/RESULTS.md, 2026-11-26 08:43): a one-off, such as a first
+        module load inside the capture, succeeds on the second try. The first error stays in
+        :attr:`graph_retry_error`."""
+        try:
+            self.graph_pool.capture()
+        except Exception as exc:
+            self.graph_retry_error = f"{type(exc).__name__}: {exc}"
+            log.warning("CUDA graph capture failed, retrying once: %s", self.graph_retry_error)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            gc.collect()
+            self.graph_pool.capture()
 
     def _after_capture(self) -> dict:
         if self.selector is not None and self.selector.available is None:

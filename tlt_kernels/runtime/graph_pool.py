@@ -97,8 +97,10 @@ class CudaGraphBackend:
 
     def capture(self, fn: Callable[[], Any]):
         g = torch.cuda.CUDAGraph()
-        # Note: entering torch.cuda.graph synchronizes and empties the allocator cache.
-        with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+        # Note: entering torch.cuda.graph synchronizes and empties the allocator cache. "thread_local": an
+        # unsafe CUDA call on another thread (an engine's spot-trainer thread) must not invalidate this capture;
+        # the capturing thread itself is still checked.
+        with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             fn()
         return g
 
