@@ -480,7 +480,7 @@ __device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm) {
 // CTA reaches only once it has read the slot. With `plan`, also fills this CTA's place in the mass z
 // (rescaled to the fold's m) from an inclusive scan over ranks that every CTA computes identically,
 // so rank r's `end` and rank r + 1's `pre` are the same float.
-__device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan) {
+static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan) {
 #if TLT_VERIFY_CLUSTERS
   if (cl.size > 1) {
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();

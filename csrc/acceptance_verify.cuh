@@ -1,0 +1,152 @@
+// Launcher of the verify_tree kernel (cluster size choice, launch) for one logits dtype, shared by the three
+// translation units acceptance_verify_{f32,f16,bf16}.cu: each instantiates dispatch_verify_q<TL> for its TL, so
+// nvcc compiles the 18 kernel instantiations in three parallel jobs instead of one (the build's critical path).
+// Internal to csrc/; acceptance.cu validates the arguments and calls dispatch_verify_q.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "acceptance.cuh"
+#include "launch_status.h"
+
+namespace tlt {
+namespace detail {
+
+constexpr int kVerifyMaxPortableCluster = 8;
+
+// Compute capability major and SM count of the current device, cached per device (acceptance.cu).
+LaunchStatus device_info(int& major, int& sms);
+
+// verify_tree for logits of type TL: picks the draft-probability instantiation and launches it.
+template <typename TL>
+LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream);
+
+#ifdef TLT_DEFINE_VERIFY_LAUNCHERS
+inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int smem, cudaStream_t stream,
+                                 cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(p.batch) * C));
+  cfg.blockDim = dim3(accept::kVerifyThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// CTAs per request. The kernel time is the longest walk of the batch, and a walk's rows are
+// streamed by its C CTAs only (even after the other walks are done), so C is as large as the
+// residency allows: the largest of {16, 8, 4, 2} whose slices keep >= 2048 tokens and whose B
+// clusters fit in two waves (B <= 2 x cudaOccupancyMaxActiveClusters: two 256-thread CTAs per SM at
+// <= 128 registers, a cluster within one GPC). Two waves cost little: most walks stop after a row or
+// two and free their SMs for the second wave, while the long walks get 2-4x the SMs (H200, chain16
+// B=64: C=8 in two waves 274 us, C=2 co-resident 449 us; top-p chain8 2.4 vs 5.4 ms). C = 16 (the
+// non-portable size; skipped where the device refuses it) only when all B clusters are co-resident:
+// at B=16 it is no faster than C=8. The occupancy query (not a stream operation) is cached per device
+// and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of static
+// shared memory; the dynamic part is small).
+template <typename Kernel>
+LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int& C) {
+  C = 1;
+  if (p.cluster == 1) return {};
+  int major = 0, sms = 0;
+  TLT_RETURN_IF_FAILED(device_info(major, sms));
+  (void)sms;
+  if (p.cluster > 1) {
+    TLT_STATUS_CHECK_ARG(major >= 9, "cluster = " << p.cluster << " needs thread-block clusters (sm_90+), the device has compute capability " << major << ".x");
+    C = p.cluster;
+    return {};
+  }
+  if (major < 9) return {};
+  constexpr int kMaxDevices = 64;
+  static int active[kMaxDevices][5] = {};  // [device][log2 C]; 0 = not queried yet
+  int dev = 0;
+  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
+  for (int c = kVerifyMaxCluster, lg = 4; c > 1; c /= 2, --lg) {
+    if (p.vocab < c * 2048) continue;
+    int n = dev >= 0 && dev < kMaxDevices ? active[dev][lg] : 0;
+    if (n == 0) {
+      cudaLaunchAttribute attr[1];
+      VerifyTreeParams one = p;
+      one.batch = 1;
+      const cudaLaunchConfig_t cfg = verify_config(one, c, smem, stream, attr);
+      const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+      if (e != cudaSuccess) {
+        if (c <= kVerifyMaxPortableCluster) TLT_STATUS_CUDA_CHECK(e);
+        (void)cudaGetLastError();  // a refused non-portable size is not sticky: clear it and go on
+        n = 0;
+      }
+      n = n > 0 ? n : -1;  // -1: cannot run (cached too)
+      if (dev >= 0 && dev < kMaxDevices) active[dev][lg] = n;
+    }
+    const int waves = c > kVerifyMaxPortableCluster ? 1 : 2;
+    if (static_cast<int64_t>(p.batch) <= static_cast<int64_t>(waves) * n) {
+      C = c;
+      return {};
+    }
+  }
+  return {};
+}
+
+template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
+LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
+  auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q, TOPP_COMPACT>;
+  const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
+  // Path bookkeeping, plus parents and tokens of trees small enough to stage (see the kernel).
+  const int staged = p.num_tree <= accept::kStageNodes ? 2 * p.num_tree : 0;
+  const int smem = static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
+  if (smem > 48 * 1024) {
+    // Allowed during stream capture (not a stream operation); only deep trees need it.
+    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  static bool non_portable = false;  // per instantiation; a benign race sets the same attribute twice
+  if (!non_portable && p.cluster != 1) {
+    int major = 0, sms = 0;
+    TLT_RETURN_IF_FAILED(device_info(major, sms));
+    // Cluster size 16 (sm_90+): a function attribute, not a stream operation (fine during capture).
+    if (major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+      (void)cudaGetLastError();  // then 16 is refused by the occupancy query / launch instead
+    non_portable = true;
+  }
+  int C = 1;
+  TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, C));
+  TLT_STATUS_CHECK_ARG(static_cast<int64_t>(p.batch) * C <= 0x7fffffff,
+                       "batch " << p.batch << " x cluster " << C << " CTAs exceeds the grid limit");
+  if (C == 1) {
+    kernel<<<p.batch, accept::kVerifyThreads, smem, stream>>>(p, 1);
+    TLT_STATUS_CUDA_CHECK(cudaGetLastError());
+    return {};
+  }
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = verify_config(p, C, smem, stream, attr);
+  TLT_STATUS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, C));
+  TLT_STATUS_CUDA_CHECK(cudaGetLastError());
+  return {};
+}
+
+template <typename TL>
+LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream) {
+  // The experimental top-p candidate path is instantiated for fp32 draft probabilities (or none) only; other
+  // draft dtypes run the default kernel (same results either way).
+  if (p.draft_probs == nullptr)
+    return p.topp_compact ? launch_verify<TL, float, false, true>(p, stream) : launch_verify<TL, float, false>(p, stream);
+  switch (p.q_type) {
+    case ElemType::kFloat32:
+      return p.topp_compact ? launch_verify<TL, float, true, true>(p, stream) : launch_verify<TL, float, true>(p, stream);
+    case ElemType::kFloat16: return launch_verify<TL, __half, true>(p, stream);
+    case ElemType::kBFloat16: return launch_verify<TL, __nv_bfloat16, true>(p, stream);
+  }
+  TLT_STATUS_CHECK_ARG(false, "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
+}
+#endif  // TLT_DEFINE_VERIFY_LAUNCHERS
+
+}  // namespace detail
+}  // namespace tlt

@@ -1,0 +1,9 @@
+// verify_tree launchers for __half logits (see acceptance_verify.cuh: one translation unit per logits dtype).
+#define TLT_DEFINE_VERIFY_LAUNCHERS
+#include "acceptance_verify.cuh"
+
+namespace tlt {
+namespace detail {
+template LaunchStatus dispatch_verify_q<__half>(const VerifyTreeParams& p, cudaStream_t stream);
+}  // namespace detail
+}  // namespace tlt
