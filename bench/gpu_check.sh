@@ -12,7 +12,10 @@
 # Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine; the built
 # tlt_kernels/_C*.so lives in the tree, so a copy of the tree sent again through the device tool's `carry` loses it: the
 # suites then fall back to Triton, and the install row says '_C NOT built'), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
-# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small).
+# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small),
+# GPU_CHECK_BENCH_FIRST=1 (benchmarks before tests), GPU_CHECK_DEADLINE (seconds from the start: no test file or
+# benchmark starts after it, and a running one is stopped at it, so the summary and the partial logs still come back
+# inside a device call's limit; the benchmark's printed rows are kept in bench.tar.gz's bench/bench.log).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,6 +32,11 @@ record() {  # record PHASE STATUS SECONDS DETAIL
   SUMMARY+=("| $1 | $2 | $3 | $4 |")
   [ "$2" = "FAILED" ] && FAILED=1
   echo "=== $1: $2 ($3 s) $4"
+}
+
+# Seconds left before GPU_CHECK_DEADLINE (a large number without one).
+left() {
+  if [ -n "${GPU_CHECK_DEADLINE:-}" ]; then echo $((GPU_CHECK_DEADLINE - SECONDS)); else echo 1000000; fi
 }
 
 # 1. install --------------------------------------------------------------------------------
@@ -57,6 +65,7 @@ GPU=$(grep -m1 ' SMs, ' "$OUT/nvidia-smi.log" || echo "no GPU visible (see nvidi
 echo "=== $GPU"
 
 # 3. tests ----------------------------------------------------------------------------------
+run_tests() {
 if [ "${GPU_CHECK_TESTS:-1}" != "0" ]; then
   t0=$SECONDS
   # One pytest process per test file: a crash (a fatal CUDA error, an abort) in one file cannot hide
@@ -67,10 +76,16 @@ if [ "${GPU_CHECK_TESTS:-1}" != "0" ]; then
   timeout_arg=""
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg="--timeout ${GPU_CHECK_TEST_TIMEOUT:-300}"
   for f in $files; do
+    if [ "$(left)" -le 5 ]; then
+      echo "$f: not started (GPU_CHECK_DEADLINE)" | tee -a "$OUT/pytest.log"
+      nfail=$((nfail + 1)); SUMMARY+=("| tests: $f | FAILED | | not started: GPU_CHECK_DEADLINE reached |")
+      continue
+    fi
     echo "##### $f" | tee -a "$OUT/pytest.log"
     # shellcheck disable=SC2086
-    "$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider $timeout_arg ${GPU_CHECK_PYTEST_ARGS:-} "$f" > "$OUT/.pytest_one.log" 2>&1
+    timeout "$(left)" "$PY" -m pytest -q -rfE --tb=short -p no:cacheprovider $timeout_arg ${GPU_CHECK_PYTEST_ARGS:-} "$f" > "$OUT/.pytest_one.log" 2>&1
     frc=$?
+    [ "$frc" -eq 124 ] && echo "(stopped at GPU_CHECK_DEADLINE)" >> "$OUT/.pytest_one.log"
     if [ "$frc" -eq 0 ]; then tail -n 3 "$OUT/.pytest_one.log"; else tail -n "${GPU_CHECK_LOG_LINES:-150}" "$OUT/.pytest_one.log"; fi >> "$OUT/pytest.log"
     fline=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/.pytest_one.log" | tail -n 1 | tr -d '=' | sed 's/^ *//; s/ *$//')
     echo "$f: exit $frc: $fline" | tee -a "$OUT/pytest.log"
@@ -82,9 +97,13 @@ if [ "${GPU_CHECK_TESTS:-1}" != "0" ]; then
 else
   record tests skipped 0 "GPU_CHECK_TESTS=0"
 fi
+}
 
 # 4. benchmarks -----------------------------------------------------------------------------
-if [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
+run_bench() {
+if [ "${GPU_CHECK_BENCH:-1}" != "0" ] && [ "$(left)" -le 5 ]; then
+  record bench FAILED 0 "not started: GPU_CHECK_DEADLINE reached"
+elif [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
   BENCH_ENV=()
   if [ -f .peer/setup_flashinfer.sh ]; then
     t0=$SECONDS
@@ -97,15 +116,21 @@ if [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
   fi
   t0=$SECONDS
   rm -rf "$OUT/bench"
+  mkdir -p "$OUT/bench"
+  # The printed rows (TLT_BENCH_PROGRESS) are kept in bench/bench.log: a suite stopped at the deadline writes no
+  # report, but its measured rows are there.
   # shellcheck disable=SC2086
-  ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} "$PY" -m bench "${SUITES[@]}" --out "$OUT/bench" ${GPU_CHECK_BENCH_ARGS:-}
-  rc=$?
+  timeout "$(left)" ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} "$PY" -m bench "${SUITES[@]}" --out "$OUT/bench" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench/bench.log"
+  rc=${PIPESTATUS[0]}
   n=$(ls "$OUT"/bench/*.json 2>/dev/null | wc -l)
-  if [ "$rc" -eq 0 ]; then record bench ok $((SECONDS - t0)) "$n suite reports ($*)"
+  if [ "$rc" -eq 0 ]; then record bench ok $((SECONDS - t0)) "$n suite reports (${SUITES[*]})"
   else record bench FAILED $((SECONDS - t0)) "exit $rc, $n suite reports; failed suites are marked in summary.md"; fi
 else
   record bench skipped 0 "GPU_CHECK_BENCH=0"
 fi
+}
+
+if [ "${GPU_CHECK_BENCH_FIRST:-0}" != "0" ]; then run_bench; run_tests; else run_tests; run_bench; fi
 
 # summary -----------------------------------------------------------------------------------
 {
