@@ -190,6 +190,8 @@ def run_context(q, k_cache, v_cache, block_table, context_lens, split_len, num_s
     if D not in (64, 128) or T * G > 128 or q.dtype not in (torch.bfloat16, torch.float16) or Hq % Hkv:
         raise ValueError(f"this experiment covers D in (64, 128), T * G <= 128, bf16/fp16; got D={D}, T={T}, G={Hq}/{Hkv}, "
                          f"{q.dtype}")
+    if cfg["NUM_STAGES"] < 3:
+        raise ValueError("NUM_STAGES must be >= 3: tile i + 1 must be in flight while tile i is consumed")
     if split_len % cfg["BLOCK_N"]:
         raise ValueError(f"split_len ({split_len}) must be a multiple of BLOCK_N ({cfg['BLOCK_N']})")
     block_m = 128 if T * G > 64 else 64
@@ -320,9 +322,15 @@ def check_and_time(B, L, T, Hq, Hkv, D, page=16, dtype=torch.bfloat16, **cfg):
                 copy_gbps=round(bw / 1e9), cfg=cfg)
 
 
+SWEEP = [dict(BLOCK_N=64, NUM_STAGES=3), dict(BLOCK_N=64, NUM_STAGES=4), dict(BLOCK_N=64, NUM_STAGES=5),
+         dict(BLOCK_N=128, NUM_STAGES=3), dict(BLOCK_N=32, NUM_STAGES=6)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP configs on the two (64, 4096, 16) cases")
+    ap.add_argument("--out", help="write every row as JSON lines here")
     args = ap.parse_args(argv)
     if args.compile_only or not torch.cuda.is_available():
         for T, G, D in ((16, 7, 128), (16, 5, 128), (8, 7, 128), (16, 4, 64)):
@@ -334,13 +342,22 @@ def main(argv=None):
                   f"{k.metadata.num_warps} warps; {ptx.count('wgmma.mma_async')} wgmma, {copies} 16-byte cp.async, "
                   f"wgmma wait_group counts {waits}")
         return 0
+    import json
+
     rows = []
-    for model, (Hq, Hkv) in (("7B", (28, 4)), ("32B", (40, 8))):
-        for B, L, T in ((64, 4096, 16), (64, 16384, 16), (256, 2048, 8)):
-            r = check_and_time(B, L, T, Hq, Hkv, 128)
-            r["model"] = model
-            rows.append(r)
-            print(r, flush=True)
+    cases = [(m, hs, shape) for m, hs in (("7B", (28, 4)), ("32B", (40, 8)))
+             for shape in ((64, 4096, 16), (64, 16384, 16), (256, 2048, 8))]
+    runs = [(c, {}) for c in cases]
+    if args.sweep:
+        runs += [(c, cfg) for cfg in SWEEP for c in cases if c[2] == (64, 4096, 16)]
+    for (model, (Hq, Hkv), (B, L, T)), cfg in runs:
+        r = check_and_time(B, L, T, Hq, Hkv, 128, **cfg)
+        r["model"] = model
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
     return 0 if all(r["ok"] for r in rows) else 1
 
 
