@@ -183,7 +183,9 @@ def run(ctx) -> None:
     ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (TLT_E2E_FUSE)")
 
     # Tree attention of the target's verify pass: "auto" (an fp32 target runs the op's torch path: a gather of every
-    # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel).
+    # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel). H200,
+    # 2026-11-26 08:43: "triton" made plain decoding 1.48x faster and the best static arm 1.07x, so adaptive fell from
+    # 1.07-1.10x to 1.02-1.04x the best static arm (bench/RESULTS.md); the default stays "auto".
     attn = _env_choice("TLT_E2E_ATTN", "auto", {"auto": "auto", "torch": "torch", "triton": "triton"})
     ctx.note(f"target tree attention: backend={attn!r} (TLT_E2E_ATTN)")
 
