@@ -1,244 +1,25 @@
-"""Experiment (issue 3): the context part of tree attention in Gluon, with the QK^T of tile i+1 overlapping the
-softmax of tile i.
-
-Why: at T=16 the Triton kernel's 112 (7B) / 80 (32B) query rows per KV head pad to 128. Each K/V tile's two MMAs
-and its 128x128 softmax then take about as long as the tile's transfer. One warp group does both in order, which
-caps the kernel at 67-71% of the HBM floor (bench/RESULTS.md). Triton 3.6's pipeliner waits on the QK^T dot at
-once. Here the wait is explicit (FA3's intra-warpgroup overlap):
-
-    S_next = Q K_{i+1}^T      (async wgmma: tensor cores)
-    P_i = softmax(S_i)        (CUDA cores, meanwhile)
-    wait for PV_{i-1}; O = alpha O; O += P_i V_i (async); wait for S_next
-
-The K/V tiles are gathered through the block table by cp.async into a NUM_STAGES ring (the Triton kernel's
-pointer gathers, but issued by hand one ring slot ahead).
-
-Scope: one program per (split, KV head, request) over the split's *whole* tiles only, writing the split's partial
-(o, natural-log lse) in the plan's scratch layout. The masked tail tile and the tree part stay with the Triton
-kernel. Wiring this into ``tree_attention`` waits until this file shows the overlap pays on a GPU. bf16/fp16,
-D=64/128, rows T*G <= 128.
+"""Experiment (issue 3): the Gluon context kernel of tree attention (``tlt_kernels/_triton/tree_attention_gluon.py``:
+the QK^T of tile i+1 in flight during the softmax of tile i), checked against an fp32 reference of each split's
+whole tiles and timed against the Triton op, in % of the HBM floor.
 
     python bench/gluon_context_attention.py --compile-only   # CPU: compile for sm_90a, print registers/shared memory
-    python bench/gluon_context_attention.py                  # GPU: check against torch, then time vs the Triton kernel
+    python bench/gluon_context_attention.py [--sweep] [--out rows.jsonl]   # GPU: check, then time
 
-Written for Triton 3.6's Gluon (``triton.experimental.gluon``); no interpreter exists for it, so its correctness
-check runs on the GPU only.
+The whole op with it (``TLT_TREE_ATTENTION_GLUON=1``: Gluon context + Triton tail/tree + merge) is what
+``python -m bench tree-attention`` times when that variable is set.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
 
-LOG2E = 1.4426950408889634
-
-
-@gluon.jit
-def _issue_tile(k_smem, v_smem, stage, K_head, V_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
-                stride_vs, PAGE_SIZE: gl.constexpr):
-    """cp.async of K and V rows ``n0 .. n0 + BLOCK_N - 1`` (page ids ``pages``) into ring slot ``stage``, one commit
-    group per tile. Unmasked, so the copies stay 16-byte vectors: a tile past the split's end comes with page ids 0
-    (a real page, read and never used), which keeps the group count uniform."""
-    in_page = ((n0 + offs_n) % PAGE_SIZE).to(gl.int64)
-    page = pages.to(gl.int64)
-    k_rows = gl.expand_dims(page * stride_kp + in_page * stride_ks, 1)
-    v_rows = gl.expand_dims(page * stride_vp + in_page * stride_vs, 1)
-    cols = gl.expand_dims(offs_d, 0)
-    async_copy.async_copy_global_to_shared(k_smem.index(stage), K_head + k_rows + cols)
-    async_copy.async_copy_global_to_shared(v_smem.index(stage), V_head + v_rows + cols)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _context_attn_kernel(
-    Q_ptr, K_ptr, V_ptr, BlockTable_ptr, ContextLens_ptr, PartialOut_ptr, PartialLse_ptr,
-    qk_scale, split_len, num_splits,
-    stride_qb, stride_qt, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_bt,
-    NUM_KV_HEADS: gl.constexpr, T: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
-):
-    split = gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
-    b64 = b.to(gl.int64)
-
-    # wgmma layouts: S = Q K^T is [BLOCK_M, BLOCK_N], O = P V is [BLOCK_M, HEAD_DIM]; every warp owns 16-row slabs.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # Global loads: 16-byte vectors along D.
-    ld_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8],
-                                               warps_per_cta=[num_warps, 1], order=[1, 0])
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    dtype: gl.constexpr = Q_ptr.dtype.element_ty
-
-    ctx = gl.load(ContextLens_ptr + b)
-    start = split * split_len
-    end = gl.minimum(start + split_len, ctx)
-    n_full = gl.maximum(end - start, 0) // BLOCK_N
-
-    # Q rows m = t * G + g (node t, query head h * G + g), zero beyond T * G; staged once in shared memory.
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld_layout))
-    row_ok = offs_m < T * G
-    q_rows = (offs_m // G) * stride_qt + (h * G + offs_m % G) * stride_qh
-    q_ptrs = Q_ptr + b64 * stride_qb + gl.expand_dims(q_rows.to(gl.int64), 1) + gl.expand_dims(offs_d, 0)
-    q = gl.load(q_ptrs, mask=gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_d >= 0, 0), other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], smem_layout, q)
-
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], smem_layout)
-    bt_row = BlockTable_ptr + b64 * stride_bt
-    K_head = K_ptr + h * stride_kh
-    V_head = V_ptr + h * stride_vh
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
-
-    # Prologue: tiles 0 .. NUM_STAGES - 2 in flight.
-    for t0 in gl.static_range(NUM_STAGES - 1):
-        first = start + t0 * BLOCK_N
-        have = t0 < n_full
-        first_pages = gl.load(bt_row + (first + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & have, other=0)
-        _issue_tile(k_smem, v_smem, t0, K_head, V_head, first_pages, first, offs_n, offs_d, stride_kp, stride_ks,
-                    stride_vp, stride_vs, PAGE_SIZE)
-
-    # S_0 = Q K_0^T.
-    # Each thread's own copies (and its Q stores) done and made visible to the async proxy that wgmma reads through,
-    # then a barrier so every thread's are: fence before the barrier, not after it.
-    async_copy.wait_group(NUM_STAGES - 2)
-    fence_async_shared()
-    gl.thread_barrier()
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
-
-    m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    # Carried as an in-flight wgmma accumulator (the PV of the previous trip), waited on inside the loop.
-    o_acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
-    for i in range(0, n_full):
-        stage = i % NUM_STAGES
-        nxt = (i + 1) % NUM_STAGES
-        # Tile i + 1 landed (the copies of tiles i + 2 .. i + NUM_STAGES - 1 may still fly): S_next on the tensor cores.
-        async_copy.wait_group(NUM_STAGES - 3 if NUM_STAGES > 2 else 0)
-        fence_async_shared()
-        gl.thread_barrier()
-        s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-        # Softmax of tile i meanwhile (base 2, scale folded into the exponent's FMA).
-        m_new = gl.maximum(m_i, gl.max(s_cur, 1) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s_cur * qk_scale - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-
-        # PV_{i-1} done (S_next may still run): rescale O, then P_i V_i on the tensor cores.
-        o_acc = warpgroup_mma_wait(num_outstanding=1, deps=(o_acc,))
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # Every warp group is past PV_{i-1}: the ring slot of tile i - 1 can take tile i + NUM_STAGES - 1.
-        gl.thread_barrier()
-        j = i + NUM_STAGES - 1
-        n0 = start + j * BLOCK_N
-        ok = j < n_full
-        pages = gl.load(bt_row + (n0 + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & ok, other=0)
-        _issue_tile(k_smem, v_smem, j % NUM_STAGES, K_head, V_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                    stride_vp, stride_vs, PAGE_SIZE)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_acc = warpgroup_mma(p_op, v_smem.index(stage), o_acc, is_async=True)
-        s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-    o_acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
-    async_copy.wait_group(0)
-
-    # Partial of this split in the plan's scratch layout: row ((b * Hkv + h) * (S + 1) + split) * (T * G) + m.
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    has_keys = l_o > 0.0
-    o = o_acc / gl.expand_dims(gl.where(has_keys, l_o, 1.0), 1)
-    lse = gl.where(has_keys, (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453,
-                   float("-inf"))
-    rows_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ok_o = rows_o < T * G
-    row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + split) * (T * G) + rows_o
-    gl.store(PartialLse_ptr + row, lse, mask=ok_o)
-    gl.store(PartialOut_ptr + gl.expand_dims(row, 1) * HEAD_DIM + gl.expand_dims(cols_o, 0), o,
-             mask=gl.expand_dims(ok_o, 1) & gl.expand_dims(cols_o >= 0, 0))
-
-
-CONFIG = dict(BLOCK_N=64, NUM_STAGES=4, num_warps=8)  # BLOCK_M 128 = two warp groups of 64 rows
-
-
-def run_context(q, k_cache, v_cache, block_table, context_lens, split_len, num_splits, sm_scale, partial_out,
-                partial_lse, **cfg):
-    """Launch over every (split, KV head, request): the splits' whole tiles only (see the module docstring)."""
-    cfg = {**CONFIG, **cfg}
-    B, T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    G = Hq // Hkv
-    if D not in (64, 128) or T * G > 128 or q.dtype not in (torch.bfloat16, torch.float16) or Hq % Hkv:
-        raise ValueError(f"this experiment covers D in (64, 128), T * G <= 128, bf16/fp16; got D={D}, T={T}, G={Hq}/{Hkv}, "
-                         f"{q.dtype}")
-    if cfg["NUM_STAGES"] < 3:
-        raise ValueError("NUM_STAGES must be >= 3: tile i + 1 must be in flight while tile i is consumed")
-    if split_len % cfg["BLOCK_N"]:
-        raise ValueError(f"split_len ({split_len}) must be a multiple of BLOCK_N ({cfg['BLOCK_N']})")
-    block_m = 128 if T * G > 64 else 64
-    num_warps = cfg["num_warps"] if block_m == 128 else 4
-    _context_attn_kernel[(num_splits, Hkv, B)](
-        q, k_cache, v_cache, block_table, context_lens, partial_out, partial_lse,
-        sm_scale * LOG2E, split_len, num_splits,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["NUM_STAGES"], num_warps=num_warps,
-    )
-
-
-def compile_for_sm90(T=16, G=7, D=128, page=16, dtype="bf16", **cfg):
-    """Compile for sm_90a without a GPU and run ptxas on the PTX: returns ``(compiled, registers, spill bytes)``."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    cfg = {**CONFIG, **cfg}
-    block_m = 128 if T * G > 64 else 64
-    consts = dict(NUM_KV_HEADS=4, T=T, G=G, HEAD_DIM=D, PAGE_SIZE=page, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
-                  NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"] if block_m == 128 else 4)
-    kinds = {"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}
-    names = _context_attn_kernel.arg_names
-    sig = {n: "constexpr" if n in consts else kinds.get(n, f"*{dtype}") if n.endswith("_ptr")
-           else "fp32" if n == "qk_scale" else "i32" for n in names}
-    # What a launch specializes on: 16-byte aligned pointers, strides and split_len divisible by 16.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}
-    src = GluonASTSource(_context_attn_kernel, sig, consts, attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": consts["num_warps"]})
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(c.asm["ptx"])
-        r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True,
-                           text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr)
-    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
-    return c, regs, spills
+from tlt_kernels._triton.tree_attention_gluon import CONFIG, compile_for_sm90, run_context
 
 
 def _reference_partials(q, k_cache, v_cache, block_table, context_lens, split_len, num_splits, sm_scale, block_n):
@@ -342,8 +123,6 @@ def main(argv=None):
                   f"{k.metadata.num_warps} warps; {ptx.count('wgmma.mma_async')} wgmma, {copies} 16-byte cp.async, "
                   f"wgmma wait_group counts {waits}")
         return 0
-    import json
-
     rows = []
     cases = [(m, hs, shape) for m, hs in (("7B", (28, 4)), ("32B", (40, 8)))
              for shape in ((64, 4096, 16), (64, 16384, 16), (256, 2048, 8))]
