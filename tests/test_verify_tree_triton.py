@@ -225,11 +225,22 @@ from triton.compiler import ASTSource
 from tlt_kernels._triton import verify_tree as m
 names = m._verify_tree_kernel.arg_names
 types = ["*bf16", "*fp32", "*i64", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*i64", "*i64", "*fp32"] + ["*i32"] * 5 + ["i32"] * 9
-consts = dict(HAS_Q=True, HAS_TEMP=True, HAS_TOP_K=True, HAS_TOP_P=True, STATS=True, NODE_BLOCK=16, DEPTH_BLOCK=16,
-              NUM_TILES=4, BLOCK_SIZE=256)
-sig = dict(zip(names, types), **{k: "constexpr" for k in consts})
-src = ASTSource(m._verify_tree_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+import re, subprocess, tempfile
+def compile_(num_warps, **consts):
+    sig = dict(zip(names, types), **{k: "constexpr" for k in consts})
+    src = ASTSource(m._verify_tree_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+flags = dict(HAS_Q=True, HAS_TEMP=True, STATS=True, NODE_BLOCK=16, DEPTH_BLOCK=16)
+compile_(4, HAS_TOP_K=True, HAS_TOP_P=True, NUM_TILES=4, BLOCK_SIZE=256, NUM_STREAM_TILES=4, STREAM_BLOCK=256, **flags)
+# The launcher's V=152064 config without top-k/top-p: 2048-wide streaming tiles, and no register spills.
+c = compile_(8, HAS_TOP_K=False, HAS_TOP_P=False, NUM_TILES=149, BLOCK_SIZE=1024, NUM_STREAM_TILES=75,
+             STREAM_BLOCK=m.STREAM_BLOCK_MAX, **flags)
+with tempfile.TemporaryDirectory() as d:
+    open(d + "/k.ptx", "w").write(c.asm["ptx"])
+    r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+assert spills == 0, f"STREAM_BLOCK_MAX={m.STREAM_BLOCK_MAX} spills {spills} bytes"
 """
 
 
@@ -259,10 +270,12 @@ def test_gpu_large_vocab_agrees_with_reference(V, top_p):
     assert same >= 0.97, f"only {same:.3f} of requests match the reference"
 
 
-@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.995])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.995, None])
 def test_top_p_over_compacted_candidates_matches_reference(top_p):
     """At a vocabulary of thousands with a long tail, the top-p threshold is selected among the compacted
-    candidates (weight >= Z (1 - top_p) / 2V) across several tiles: same tokens as the torch reference."""
+    candidates (weight >= Z (1 - top_p) / 2V) across several tiles: same tokens as the torch reference. Without
+    top-p (None) the streaming passes take STREAM_BLOCK_MAX-wide tiles, two over V=3000 (the last one ragged),
+    while the radix tile stays 1024."""
     B, V = 4, 3000
     g = torch.Generator().manual_seed(5)
     lg = 3.0 * torch.randn(B, len(CHAIN), V, generator=g)  # peaked: most of V is in the tail

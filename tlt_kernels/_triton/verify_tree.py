@@ -29,6 +29,11 @@ import triton.language as tl
 from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op
 
 
+# Widest tile of the streaming passes without top-k/top-p (the radix select keeps 1024: its [BLOCK, 16] histogram
+# lives in registers). Not yet timed on a GPU.
+STREAM_BLOCK_MAX = 2048
+
+
 @triton.jit
 def _philox_uniform(seed, offset, node, purpose: tl.constexpr):
     """Philox4x32-10 word 0 of counter (offset lo, offset hi, node, purpose), key = seed; see rng.py."""
@@ -174,7 +179,7 @@ def _top_p_candidates(row_ptr, cand_ptr, V, floor, temp, m, tau, NUM_TILES: tl.c
 
 @triton.jit
 def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
     """(bad, argmax, thr, m, Z, qsum) of one row; thr/m/Z are only meaningful for sampled requests.
 
     One pass gives the argmax, the bad flag, online the normalizer ``Z = sum exp(l / temp - m)`` (the running
@@ -188,9 +193,9 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p,
     bad = 0
     z = 0.0
     qsum = 0.0
-    for tile in range(NUM_TILES):
-        start = tile * BLOCK_SIZE
-        offs = start + tl.arange(0, BLOCK_SIZE)
+    for tile in range(NUM_STREAM_TILES):
+        start = tile * STREAM_BLOCK
+        offs = start + tl.arange(0, STREAM_BLOCK)
         mask = offs < V
         x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
         qsum += tl.sum(tl.load(dq_ptr + offs, mask=mask & (want_q != 0), other=0.0).to(tl.float32), axis=0)
@@ -216,12 +221,12 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p,
     if (bad == 0) & (greedy == 0):
         if (top_k > 0) & (top_k < V):
             thr, _ = _radix_select(row_ptr, V, thr, temp, m, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
-            Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES, BLOCK_SIZE)
+            Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_STREAM_TILES, STREAM_BLOCK)
         if top_p <= 0.999:
             # Half the bound's tau: slack for the rounding of Z against the select's own sums (above 0.999 the
             # margin (1 - top_p) Z / 2 nears that rounding, and the whole row is selected from).
             n_cand = _top_p_candidates(row_ptr, cand_ptr, V, thr, temp, m, 0.5 * Z * (1.0 - top_p) / V,
-                                       NUM_TILES, BLOCK_SIZE)
+                                       NUM_STREAM_TILES, STREAM_BLOCK)
             tl.debug_barrier()  # the candidates are read by other threads than the ones that wrote them
             thr, Z = _radix_select(cand_ptr, n_cand, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
             tl.debug_barrier()  # before the scratch row is reused for residuals
@@ -269,6 +274,7 @@ def _verify_tree_kernel(
     stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb,
     HAS_Q: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
     STATS: tl.constexpr, NODE_BLOCK: tl.constexpr, DEPTH_BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     zero = tl.program_id(0) * 0  # an int32 tensor, so loop indices can be used as tensors
@@ -313,7 +319,7 @@ def _verify_tree_kernel(
         want_q = _wants_draft_sum(par_vec, t_idx, zero, greedy, zero, max_depth)
     # A visited row's top-p candidates go to scratch row 0: no residual is live when a row is visited.
     err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, scr_base, V, greedy, temp, top_k,
-                                           top_p, NUM_TILES, BLOCK_SIZE)
+                                           top_p, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
     has_res = 0
     S = 1.0
     q_ready = 0
@@ -361,7 +367,7 @@ def _verify_tree_kernel(
                     want_q = _wants_draft_sum(par_vec, t_idx, j, greedy, depth, max_depth)
                 err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
                                                        want_q, scr_base, V, greedy, temp, top_k, top_p, NUM_TILES,
-                                                       BLOCK_SIZE)
+                                                       BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
                 has_res = 0
                 S = 1.0
                 q_ready = 0
@@ -369,7 +375,7 @@ def _verify_tree_kernel(
                 if (greedy == 0) & (err == 0):
                     dst_ptr = scr_base + (1 - res_i) * V
                     R = _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
-                                       HAS_Q, NUM_TILES, BLOCK_SIZE)
+                                       HAS_Q, NUM_STREAM_TILES, STREAM_BLOCK)
                     # Orders this pass's writes before every thread's later single-element reads of the row
                     # (and before the next pass overwrites the row this one read).
                     tl.debug_barrier()
@@ -384,9 +390,9 @@ def _verify_tree_kernel(
     if (greedy == 0) & (err == 0):
         u = tl.sum(tl.where(t_idx == cur, coin_sample, 0.0), axis=0)
         total = 0.0
-        for tile in range(NUM_TILES):
-            start = tile * BLOCK_SIZE
-            offs = start + tl.arange(0, BLOCK_SIZE)
+        for tile in range(NUM_STREAM_TILES):
+            start = tile * STREAM_BLOCK
+            offs = start + tl.arange(0, STREAM_BLOCK)
             mask = offs < V
             p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
             total += tl.sum(p, axis=0)
@@ -394,9 +400,9 @@ def _verify_tree_kernel(
         carry = 0.0
         found = V
         last = V
-        for tile in range(NUM_TILES):
-            start = tile * BLOCK_SIZE
-            offs = start + tl.arange(0, BLOCK_SIZE)
+        for tile in range(NUM_STREAM_TILES):
+            start = tile * STREAM_BLOCK
+            offs = start + tl.arange(0, STREAM_BLOCK)
             mask = offs < V
             p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
             cdf = tl.cumsum(p, axis=0) + carry
@@ -439,6 +445,15 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     if block_size is None:
         # 1024 x 8 warps keeps the [BLOCK, 16] radix histogram in registers (no spills on sm_90).
         block_size = min(1024, triton.next_power_of_2(V))
+        # The streaming passes (row statistics, residual, sampling) carry no histogram: without top-k/top-p they
+        # take 2048-wide tiles, half the dependent trips over a 152k row (one program walks a request, so a pass
+        # is latency-bound: H200, B=1, chain4 without top-p took 0.62 ms at 1024-wide tiles, ~0.75 us per tile).
+        # ptxas for sm_90 (8 warps): 2048 keeps 0 spills there, 4096 spills 104 B; with top-p the kernel already
+        # spills 60 B at 1024 and 200 B at 2048, so it keeps 1024.
+        plain = top_k is None and top_p is None
+        stream_block = min(STREAM_BLOCK_MAX if plain else block_size, triton.next_power_of_2(V))
+    else:
+        stream_block = block_size  # tests: small tiles exercise the multi-tile and ragged-tile paths
     num_warps = 8 if block_size >= 1024 else 4
     if B > 0:
         _verify_tree_kernel[(B,)](
@@ -454,7 +469,8 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             HAS_Q=has_q, HAS_TEMP=temperature is not None, HAS_TOP_K=top_k is not None,
             HAS_TOP_P=top_p is not None, STATS=bool(return_stats),
             NODE_BLOCK=triton.next_power_of_2(T), DEPTH_BLOCK=triton.next_power_of_2(max_depth + 1),
-            NUM_TILES=triton.cdiv(V, block_size), BLOCK_SIZE=block_size, num_warps=num_warps,
+            NUM_TILES=triton.cdiv(V, block_size), BLOCK_SIZE=block_size,
+            NUM_STREAM_TILES=triton.cdiv(V, stream_block), STREAM_BLOCK=stream_block, num_warps=num_warps,
         )
     return out_tokens, out_num, out_nodes, out_err, out_stats
 
