@@ -10,6 +10,7 @@
 
 #include "bindings_common.h"
 #include "tree_attention.h"
+#include "wgmma_selftest.h"
 
 namespace py = pybind11;
 
@@ -125,5 +126,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("tree_attention_merge", &tree_attention_entry<tlt::launch_tree_attention_merge>, TLT_TREE_ATTN_ARGS,
         "Step 2 of tree attention: log-sum-exp merge of the used partial slots into out [B,T,Hq,D] for requests "
         "with two or more non-empty splits (zeros for rows t >= num_nodes[b]); launches nothing when num_splits == 1.");
+  m.def(
+      "_wgmma_selftest",
+      [](uintptr_t a, uintptr_t b, uintptr_t v, uintptr_t s_out, uintptr_t o_out, int dtype, uintptr_t stream) {
+        tlt::WgmmaSelftestParams p;
+        p.a = as_ptr<const void*>(a);
+        p.b = as_ptr<const void*>(b);
+        p.v = as_ptr<const void*>(v);
+        p.s_out = as_ptr<float*>(s_out);
+        p.o_out = as_ptr<float*>(o_out);
+        p.dtype = dtype;
+        raise_if_failed(tlt::launch_wgmma_selftest(p, reinterpret_cast<cudaStream_t>(stream)));
+      },
+      py::arg("a"), py::arg("b"), py::arg("v"), py::arg("s_out"), py::arg("o_out"), py::arg("dtype"), py::arg("stream"),
+      "Self-test of the sm_90 wgmma building blocks (csrc/wgmma_sm90.cuh): s_out float32 [64,64] = A B^T and "
+      "o_out float32 [64,128] = P V for A, B, V [64,128] row-major 16-bit (dtype DTYPE_FLOAT16 / DTYPE_BFLOAT16), "
+      "P = s_out rounded to that type.");
   register_acceptance(m);
 }

@@ -154,3 +154,31 @@ def test_cuda_errors_become_runtime_errors():
     with pytest.raises(RuntimeError, match=r"CUDA error cudaErrorInvalidValue \(1\): invalid argument\n  in .+\n  at .*bindings\.cpp:\d+"):
         ext._cuda_check_selftest(1)
     ext._cuda_check_selftest(0)  # cudaSuccess: no exception
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgmma_building_blocks_match_torch(dtype):
+    """csrc/wgmma_sm90.cuh on one tile: 128-byte-swizzled staging, K-major and MN-major descriptors, the accumulator
+    -> A-fragment mapping and both instruction wrappers, against torch (S = A B^T, O = P V with P = S rounded)."""
+    ext = _ext_or_skip()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    g = torch.Generator().manual_seed(0)
+    a, b, v = (torch.randn(64, 128, generator=g).to(dtype).cuda() for _ in range(3))
+    s = torch.full((64, 64), float("nan"), device="cuda")
+    o = torch.full((64, 128), float("nan"), device="cuda")
+    code = ext.DTYPE_BFLOAT16 if dtype == torch.bfloat16 else ext.DTYPE_FLOAT16
+    ext._wgmma_selftest(a.data_ptr(), b.data_ptr(), v.data_ptr(), s.data_ptr(), o.data_ptr(), code,
+                        torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(s, a.float() @ b.float().T, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(o, s.to(dtype).float() @ v.float(), atol=1e-2, rtol=1e-3)
+
+
+def test_wgmma_selftest_rejects_bad_arguments():
+    ext = _ext_or_skip()
+    with pytest.raises(ValueError, match="must be device pointers"):
+        ext._wgmma_selftest(0, 0, 0, 0, 0, 1, 0)
+    with pytest.raises(ValueError, match="dtype must be 0"):
+        ext._wgmma_selftest(8, 8, 8, 8, 8, 7, 0)

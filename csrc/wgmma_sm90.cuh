@@ -1,0 +1,142 @@
+// sm_90 warpgroup MMA building blocks (torch-free): 128-byte-swizzled shared-memory tiles, wgmma matrix
+// descriptors, and the two products of an attention tile, S = Q K^T (both operands from shared memory) and
+// O += P V (P from registers, V from shared memory). The CUDA port of the overlapped tree-attention schedule
+// (tlt_kernels/_triton/tree_attention_gluon.py) is to be built from these; csrc/wgmma_selftest.cu checks each
+// piece against torch on a GPU first.
+//
+// Tile layout (what the Gluon kernel's NVMMASharedLayout(swizzle 128 B, 16-bit) produces, and what the
+// descriptors below describe): a [rows, 128] bf16/fp16 tile is two halves of 64 columns (128 B per row), the
+// half h at byte h * rows * 128. Row r of a half is at r * 128; its 16-byte chunk c (columns 8c .. 8c+7 of the
+// half) sits at chunk position c ^ (r % 8). Tiles start 1024-byte aligned (the swizzle repeats every 8 rows).
+//
+// Descriptors (PTX "matrix descriptor", the values the Triton 3.6 compiler emits for these tiles):
+//   bits 0-13 start address >> 4, 16-29 leading byte offset >> 4, 32-45 stride byte offset >> 4, 62-63 swizzle
+//   (1 = 128 B). K-major operand (Q or K rows, the reduction dim contiguous): stride 1024 (8 rows), leading 0;
+//   the k-th 16-wide step starts 32 * (k % 4) bytes into half k / 4. MN-major operand (V as the B of P V: rows =
+//   the reduction dim, columns = N): stride 1024 (8 rows of K), leading = one half (rows * 128 bytes, the next 64
+//   columns of N); the k-th 16-row step starts at 16 * 128 * k bytes; the instruction's tnspB flag is 1.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace tlt {
+namespace wgmma {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of the 16-byte chunk holding columns 8 * chunk16 .. + 7 of row `row` in a [rows, 128] tile.
+__device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int chunk16) {
+  const int half = chunk16 >> 3, c = chunk16 & 7;
+  return static_cast<uint32_t>(half * rows * 128 + row * 128 + ((c ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return (static_cast<uint64_t>(addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>((leading_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Descriptor of k-step `k` (16 columns) of a K-major [rows, 128] tile at shared address `base`.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t base, int rows, int k) {
+  return desc(base + static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32), 0, 1024);
+}
+
+// Descriptor of k-step `k` (16 rows) of an MN-major [rows, 128] tile (the B of P V) at shared address `base`.
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t base, int rows, int k) {
+  return desc(base + static_cast<uint32_t>(k * 16 * 128), static_cast<uint32_t>(rows * 128), 1024);
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Per thread of the warpgroup (thread t, warp w = t / 32, lane l): accumulator element 4j + e of an m64nN product
+// is row 16 w + l / 4 + 8 (e / 2), column 8 j + 2 (l % 4) + (e % 2).
+
+// d[0..31] (+)= A[64 x 16] B[16 x 64], both K-major in shared memory (B stored [64, 16]: rows of K); scale_d = 0
+// overwrites d.
+template <typename T>
+__device__ __forceinline__ void mma_m64n64k16_ss(float (&d)[32], uint64_t da, uint64_t db, int scale_d);
+
+#define TLT_WGMMA_SS_N64(TYPE, PTX_TYPE)                                                                              \
+  template <>                                                                                                        \
+  __device__ __forceinline__ void mma_m64n64k16_ss<TYPE>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {    \
+    asm volatile(                                                                                                    \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " "                                      \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                    \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+        : "l"(da), "l"(db), "r"(scale_d));                                                                           \
+  }
+TLT_WGMMA_SS_N64(__nv_bfloat16, "bf16")
+TLT_WGMMA_SS_N64(__half, "f16")
+#undef TLT_WGMMA_SS_N64
+
+// Two floats -> one register of two 16-bit values (lo = the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The A fragment of k-step t (columns 16 t .. 16 t + 15) of an m64n64 accumulator s, for an m64nNk16 product
+// with A from registers: the accumulator's layout is the A operand's (row l / 4 (+8), columns 2 (l % 4) (+8)).
+template <typename T>
+__device__ __forceinline__ void a_fragment(const float (&s)[32], int t, uint32_t (&a)[4]) {
+  a[0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
+  a[1] = pack2<T>(s[8 * t + 2], s[8 * t + 3]);
+  a[2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
+  a[3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
+}
+
+// d[0..63] (+)= A[64 x 16] (registers) B[16 x 128] (MN-major in shared memory: tnspB = 1).
+template <typename T>
+__device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d);
+
+#define TLT_WGMMA_RS_N128(TYPE, PTX_TYPE)                                                                             \
+  template <>                                                                                                        \
+  __device__ __forceinline__ void mma_m64n128k16_rs<TYPE>(float (&d)[64], const uint32_t (&a)[4], uint64_t db,       \
+                                                          int scale_d) {                                             \
+    asm volatile(                                                                                                    \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                 \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " "                                     \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "      \
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "  \
+        "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                                               \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),    \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),    \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),    \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));                                        \
+  }
+TLT_WGMMA_RS_N128(__nv_bfloat16, "bf16")
+TLT_WGMMA_RS_N128(__half, "f16")
+#undef TLT_WGMMA_RS_N128
+
+}  // namespace wgmma
+}  // namespace tlt
