@@ -1,6 +1,7 @@
-"""Experiment (issue 3): the Gluon context kernel of tree attention (``tlt_kernels/_triton/tree_attention_gluon.py``:
-the QK^T of tile i+1 in flight during the softmax of tile i), checked against an fp32 reference of each split's
-whole tiles and timed against the Triton op, in % of the HBM floor.
+"""Experiment (issue 3): the overlapped context kernels of tree attention, Gluon
+(``tlt_kernels/_triton/tree_attention_gluon.py``) and its CUDA twin (``csrc/tree_attention_ctx_sm90.cu``, when
+``_C`` is built): the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}. Each is checked against an
+fp32 reference of every split's whole tiles and timed against the Triton op, in % of the HBM floor.
 
     python bench/gluon_context_attention.py --compile-only   # CPU: compile for sm_90a, print registers/shared memory
     python bench/gluon_context_attention.py [--sweep] [--out rows.jsonl]   # GPU: check, then time
@@ -91,13 +92,36 @@ def check_and_time(B, L, T, Hq, Hkv, D, page=16, dtype=torch.bfloat16, **cfg):
                                  warmup=25, rep=200)
     out = torch.empty_like(q)
     ms_triton = triton.testing.do_bench(lambda: plan.run(q, kc, vc, out=out, backend="triton"), warmup=25, rep=200)
+    # The CUDA twin (csrc/tree_attention_ctx_sm90.cu) on the plan's own scratch and split length, when built.
+    cuda = {}
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    if D == 128 and backend_unavailable_reason("cuda", dev) is None:
+        from tlt_kernels._cuda.tree_attention import run_context_sm90
+
+        try:
+            run_context_sm90(plan, q, kc, vc, sm_scale)
+            torch.cuda.synchronize()
+            S2 = plan.num_splits
+            r_o, r_l = _reference_partials(q, kc, vc, bt, cl, plan.split_len, S2, sm_scale, 64)
+            c_l, c_o = plan.partial_lse[:, :, :S2], plan.partial_out[:, :, :S2]
+            u = torch.isfinite(r_l)
+            c_err = (c_o - r_o)[u].abs().max().item()
+            cuda = dict(cuda_ok=bool(c_err < 2e-2 and (c_l - r_l)[u].abs().max().item() < 1e-3),
+                        cuda_err_o=round(c_err, 5),
+                        cuda_ms=round(triton.testing.do_bench(lambda: run_context_sm90(plan, q, kc, vc, sm_scale),
+                                                              warmup=25, rep=200), 4))
+        except Exception as exc:  # noqa: BLE001 - an experiment: report it in the row
+            cuda = dict(cuda_ok=False, cuda_error=f"{type(exc).__name__}: {str(exc)[:200]}")
     # Byte floor of the context part: K and V of every context token once, q read and the partial rows written.
     nbytes = B * Hkv * L * D * 2 * q.element_size() + q.numel() * (q.element_size() + 4)
     x = torch.empty(1 << 28, dtype=torch.int32, device=dev)
     copy_ms = triton.testing.do_bench(lambda: x.clone(), warmup=10, rep=100)
     bw = 2 * x.numel() * 4 / (copy_ms * 1e-3)
     floor_ms = nbytes / bw * 1e3
-    return dict(B=B, L=L, T=T, Hq=Hq, Hkv=Hkv, ok=ok, err_o=round(err_o, 5), err_lse=round(err_l, 6),
+    if "cuda_ms" in cuda:
+        cuda["cuda_pct_floor"] = round(100 * floor_ms / cuda["cuda_ms"], 1)
+    return dict(B=B, L=L, T=T, Hq=Hq, Hkv=Hkv, ok=ok, err_o=round(err_o, 5), err_lse=round(err_l, 6), **cuda,
                 gluon_ms=round(ms, 4), triton_op_ms=round(ms_triton, 4), gluon_pct_floor=round(100 * floor_ms / ms, 1),
                 triton_op_pct_floor=round(100 * floor_ms / ms_triton, 1), split_len=split_len, triton_split_len=plan.split_len,
                 copy_gbps=round(bw / 1e9), cfg=cfg)

@@ -182,3 +182,23 @@ def test_wgmma_selftest_rejects_bad_arguments():
         ext._wgmma_selftest(0, 0, 0, 0, 0, 1, 0)
     with pytest.raises(ValueError, match="dtype must be 0"):
         ext._wgmma_selftest(8, 8, 8, 8, 8, 7, 0)
+
+
+def test_sm90_context_kernel_compiles_without_wgmma_serialization():
+    """csrc/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes every wgmma of
+    the kernel when an accumulator is read while in flight) and spills nothing."""
+    import shutil
+    import subprocess
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(root, "csrc", "tree_attention_ctx_sm90.cu")
+    proc = subprocess.run([nvcc, "-c", src, "-o", os.devnull, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
+                           "--expt-relaxed-constexpr", "-Xptxas=-v", "-I", os.path.join(root, "csrc")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "C7514" not in proc.stderr, proc.stderr
+    assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
+    assert all(" 0 bytes spill stores" in line for line in proc.stderr.splitlines() if "spill stores" in line), proc.stderr

@@ -18,6 +18,9 @@ for T, G, D in ((16, 7, 128), (16, 5, 128), (8, 7, 128), (16, 4, 64)):
     assert c.metadata.shared <= 227 * 1024, c.metadata.shared
     # The point of the kernel: an async wgmma (S of the next tile) left in flight (wait_group 1) across the softmax.
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1" in ptx, (T, G, D)
+    # ...and ptxas keeps the wgmmas asynchronous (C7514: it serializes them all when an accumulator is read while
+    # in flight, as happened with an O accumulator carried in flight across the loop's back edge).
+    assert "C7514" not in c.ptxas_log, c.ptxas_log
     # K/V gathered by 16-byte cp.async (masks or unknown alignment would split them into 2-byte copies).
     assert re.search(r"cp\.async\.cg\.shared\.global[^;]*0x10, 0x10;", ptx), (T, G, D)
     print(T, G, D, regs, c.metadata.shared)
@@ -161,3 +164,43 @@ def test_whole_op_with_gluon_context_gpu(name, monkeypatch):
     torch.cuda.synchronize()
     assert calls, "the Gluon context kernel was not used"
     check_against_reference(out, case)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16"])
+def test_cuda_context_kernel_matches_reference_gpu(name):
+    """csrc/tree_attention_ctx_sm90.cu (the CUDA twin of the Gluon kernel, built on csrc/wgmma_sm90.cuh): slots
+    0 .. S-1 of the plan's scratch equal the fp32 reference of every split's whole tiles; slot S is not touched."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    if backend_unavailable_reason("cuda", torch.device("cuda")) is not None:
+        pytest.skip("tlt_kernels._C not built")
+    from bench.gluon_context_attention import _reference_partials
+    from test_tree_attention import make_case, make_plan
+
+    from tlt_kernels._cuda.tree_attention import run_context_sm90
+
+    ctx, T, Hq, Hkv, D, dtype, split_len = {
+        "tails-multi-split": SPLIT_CASES["tails-multi-split"],
+        "qwen7b-like": ([4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024),
+        "qwen32b-like-fp16": ([2048, 333], 16, 40, 8, 128, torch.float16, 512),
+    }[name]
+    case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random",), device="cuda")
+    plan = make_plan(case, split_len=split_len)
+    plan.partial_out.fill_(float("nan"))
+    plan.partial_lse.fill_(float("nan"))
+    scale = 1.0 / math.sqrt(D)
+    run_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"], scale)
+    torch.cuda.synchronize()
+    S = plan.num_splits
+    ref_o, ref_l = _reference_partials(case["q"], case["k_cache"], case["v_cache"], plan.block_table, plan.context_lens,
+                                       plan.split_len, S, scale, 64)
+    got_l, got_o = plan.partial_lse[:, :, :S], plan.partial_out[:, :, :S]
+    used = torch.isfinite(ref_l)
+    assert used.any()
+    assert torch.equal(torch.isneginf(got_l), ~used)
+    torch.testing.assert_close(got_l[used], ref_l[used], atol=2e-3, rtol=0)
+    torch.testing.assert_close(got_o[used], ref_o[used], atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
+    assert torch.isnan(plan.partial_lse[:, :, S]).all()

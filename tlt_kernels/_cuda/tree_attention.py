@@ -19,7 +19,7 @@ import torch
 
 from . import dtype_code, extension, ptr, stream_handle, strides
 
-__all__ = ["run_cuda", "unsupported_reason"]
+__all__ = ["run_context_sm90", "run_cuda", "unsupported_reason"]
 
 HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
@@ -78,7 +78,36 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if B == 0:
         return out
     ext = extension()
-    args = dict(
+    args = _launch_args(plan, q, k_cache, v_cache, out, sm_scale)
+    with torch.cuda.device(q.device):
+        args["stream"] = stream_handle(q.device)
+        ext.tree_attention_partial(**args)
+        if plan.num_splits > 1:  # with one split every request is finished by the partial kernel
+            ext.tree_attention_merge(**args)
+    return out
+
+
+def run_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sm_scale: float) -> None:
+    """Experimental (csrc/tree_attention_ctx_sm90.cu; sm_90, D=128, T*G <= 128, ``split_len % 64 == 0``): every
+    split's whole 64-token context tiles into ``plan.partial_out`` / ``plan.partial_lse`` slots ``0 .. S-1`` (the
+    slots ``tree_attention_gluon.run_context_plan`` writes; lse -inf for a split without a whole tile). The tail and
+    the tree part are not attended; nothing is written to ``out``."""
+    why = unsupported_reason(plan, q, k_cache, v_cache)
+    if why is not None:
+        raise ValueError(f"tree_attention context kernel (cuda): {why}")
+    if not _aligned16(q, (0, 1, 2)):
+        q = q.contiguous()
+    if plan.batch_size == 0:
+        return
+    args = _launch_args(plan, q, k_cache, v_cache, q, sm_scale)  # out: unused by this kernel
+    with torch.cuda.device(q.device):
+        args["stream"] = stream_handle(q.device)
+        extension()._tree_attention_context_sm90(**args)
+
+
+def _launch_args(plan, q, k_cache, v_cache, out, sm_scale) -> dict:
+    """Keyword arguments of the ``_C`` tree-attention entry points (everything but the stream)."""
+    return dict(
         q=ptr(q), k_cache=ptr(k_cache), v_cache=ptr(v_cache), block_table=ptr(plan.block_table),
         context_lens=ptr(plan.context_lens), num_nodes=ptr(plan.num_nodes), tree_mask=ptr(plan.tree_mask),
         partial_out=ptr(plan.partial_out), partial_lse=ptr(plan.partial_lse), out=ptr(out),
@@ -89,9 +118,3 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         block_size=plan.block_size, num_splits=plan.num_splits, split_len=plan.split_len,
         sm_scale=float(sm_scale), dtype=dtype_code(q.dtype), config=int(CONFIG_OVERRIDE),
     )
-    with torch.cuda.device(q.device):
-        args["stream"] = stream_handle(q.device)
-        ext.tree_attention_partial(**args)
-        if plan.num_splits > 1:  # with one split every request is finished by the partial kernel
-            ext.tree_attention_merge(**args)
-    return out

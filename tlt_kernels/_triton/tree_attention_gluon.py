@@ -1,18 +1,20 @@
 """Gluon kernel (Triton 3.6 ``triton.experimental.gluon``, sm_90) for the *context* part of tree attention: the whole
-K/V tiles of every split, with the QK^T of tile i+1 in flight on the tensor cores during the softmax of tile i.
+K/V tiles of every split, with the tensor cores and the softmax working at the same time.
 
 Why: at T=16 the Triton kernel's 112 (7B) / 80 (32B) query rows per KV head pad to 128, and each K/V tile's two MMAs
 plus its 128x128 softmax take about as long as the tile's transfer. One warp group does both in order, which caps it
-at 67-71% of the HBM floor (bench/RESULTS.md); Triton 3.6's pipeliner waits on the QK^T dot at once. Here the
-waits are explicit (FA3's intra-warpgroup overlap)::
+at 67-71% of the HBM floor (bench/RESULTS.md); Triton 3.6's pipeliner waits on each dot at once. Here the waits are
+explicit, in FA3's intra-warpgroup order::
 
-    S_next = Q K_{i+1}^T       (async wgmma)
-    P_i = softmax(S_i)         (meanwhile, CUDA cores)
-    wait PV_{i-1}; O = alpha O; O += P_i V_i (async); wait S_next
+    S_j = Q K_j^T;  O += P_{j-1} V_{j-1}     (two async wgmmas, issued back to back)
+    wait S_j; P_j = softmax(S_j)             (CUDA cores, while the P V runs)
+    wait P V; O = alpha_j O
 
-K/V are gathered through the block table by 16-byte cp.async into a ring of ``NUM_STAGES`` slots. Each program
-writes its split's partial (o, natural-log lse) in the plan's scratch layout; the Triton kernel adds the last split's
-tail and the tree part as the extra slot S, and the merge kernel combines them (``tree_attention.run_triton``).
+No accumulator stays in flight across the loop's back edge: where one does, ptxas serializes every wgmma of the
+kernel (C7514), which the first version of this kernel ran into. K/V are gathered through the block table by
+16-byte cp.async into a ring of ``NUM_STAGES`` slots. Each program writes its split's partial (o, natural-log lse) in
+the plan's scratch layout; the Triton kernel adds the last split's tail and the tree part as the extra slot S, and
+the merge kernel combines them (``tree_attention.run_triton``). The CUDA twin is csrc/tree_attention_ctx_sm90.cu.
 
 **Experimental, off by default** (``TLT_TREE_ATTENTION_GLUON=1`` or ``tree_attention.GLUON_CONTEXT = True``): it
 compiles for sm_90a on the CPU (tests/test_gluon_context_attention.py) but has not yet run on a GPU. Gluon has no
@@ -28,8 +30,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 LOG2E = 1.4426950408889634
 
@@ -48,6 +49,16 @@ def _issue_tile(k_smem, v_smem, stage, K_head, V_head, pages, n0, offs_n, offs_d
     async_copy.async_copy_global_to_shared(k_smem.index(stage), K_head + k_rows + cols)
     async_copy.async_copy_global_to_shared(v_smem.index(stage), V_head + v_rows + cols)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, qk_scale):
+    """One tile's online softmax (base 2, the scale folded into the exponent): returns the unnormalized
+    probabilities, the new running max and sum, and ``alpha`` that rescales what was accumulated before."""
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
 
 
 @gluon.jit
@@ -107,56 +118,52 @@ def _context_attn_kernel(
         _issue_tile(k_smem, v_smem, t0, K_head, V_head, first_pages, first, offs_n, offs_d, stride_kp, stride_ks,
                     stride_vp, stride_vs, PAGE_SIZE)
 
-    # S_0 = Q K_0^T.
+    # S_0 = Q K_0^T, then P_0 = softmax(S_0) (O is zero: nothing to rescale).
     # Each thread's own copies (and its Q stores) done and made visible to the async proxy that wgmma reads through,
     # then a barrier so every thread's are: fence before the barrier, not after it.
     async_copy.wait_group(NUM_STAGES - 2)
     fence_async_shared()
     gl.thread_barrier()
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_cur = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur,))
-
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    # Carried as an in-flight wgmma accumulator (the PV of the previous trip), waited on inside the loop.
-    o_acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
-    for i in range(0, n_full):
-        stage = i % NUM_STAGES
-        nxt = (i + 1) % NUM_STAGES
-        # Tile i + 1 landed (the copies of tiles i + 2 .. i + NUM_STAGES - 1 may still fly): S_next on the tensor cores.
-        async_copy.wait_group(NUM_STAGES - 3 if NUM_STAGES > 2 else 0)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale)
+    o_acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    # FA3's intra-warpgroup order: S_j and P_{j-1} V_{j-1} issued back to back, the softmax of S_j runs while
+    # P_{j-1} V_{j-1} does, and no accumulator stays in flight across the loop's back edge (where one does, ptxas
+    # serializes every wgmma of the kernel: C7514, checked by tests/test_gluon_context_attention.py).
+    for j in range(1, n_full):
+        prev = (j - 1) % NUM_STAGES
+        # Tile j landed (tiles j + 1 .. j + NUM_STAGES - 2 may still fly).
+        async_copy.wait_group(NUM_STAGES - 2)
         fence_async_shared()
         gl.thread_barrier()
-        s_next = warpgroup_mma(q_smem, k_smem.index(nxt).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-        # Softmax of tile i meanwhile (base 2, scale folded into the exponent's FMA).
-        m_new = gl.maximum(m_i, gl.max(s_cur, 1) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s_cur * qk_scale - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-
-        # PV_{i-1} done (S_next may still run): rescale O, then P_i V_i on the tensor cores.
-        o_acc = warpgroup_mma_wait(num_outstanding=1, deps=(o_acc,))
-        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-        # Every warp group is past PV_{i-1}: the ring slot of tile i - 1 can take tile i + NUM_STAGES - 1.
-        gl.thread_barrier()
-        j = i + NUM_STAGES - 1
-        n0 = start + j * BLOCK_N
-        ok = j < n_full
-        pages = gl.load(bt_row + (n0 + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & ok, other=0)
-        _issue_tile(k_smem, v_smem, j % NUM_STAGES, K_head, V_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                    stride_vp, stride_vs, PAGE_SIZE)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o_acc = warpgroup_mma(p_op, v_smem.index(stage), o_acc, is_async=True)
-        s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
-    o_acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
+        s = warpgroup_mma(q_smem, k_smem.index(j % NUM_STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_acc = warpgroup_mma(p_op, v_smem.index(prev), o_acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # S_j done (issued first)
+        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, qk_scale)
+        o_acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
+        o_acc = o_acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+        # Every warp group is done with tile j - 1: its ring slot takes tile j + NUM_STAGES - 1.
+        gl.thread_barrier()
+        nt = j + NUM_STAGES - 1
+        n0 = start + nt * BLOCK_N
+        pages = gl.load(bt_row + (n0 + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & (nt < n_full), other=0)
+        _issue_tile(k_smem, v_smem, prev, K_head, V_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
+                    stride_vp, stride_vs, PAGE_SIZE)
+    if n_full > 0:  # the last tile's P V
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o_acc = warpgroup_mma(p_op, v_smem.index((n_full - 1) % NUM_STAGES), o_acc, is_async=True)
+        o_acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_acc,))
     async_copy.wait_group(0)
 
     # Partial of this split in the plan's scratch layout: row ((b * Hkv + h) * (S + 1) + split) * (T * G) + m.
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    has_keys = l_o > 0.0
+    has_keys = (l_o > 0.0) & (n_full > 0)  # without a whole tile, S_0 came from a tile that is not this split's
     o = o_acc / gl.expand_dims(gl.where(has_keys, l_o, 1.0), 1)
     lse = gl.where(has_keys, (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_o)) * 0.6931471805599453,
                    float("-inf"))
@@ -228,6 +235,7 @@ def compile_for_sm90(T=16, G=7, D=128, page=16, dtype="bf16", **cfg):
                            text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr)
+    c.ptxas_log = r.stderr  # e.g. C7514: ptxas serialized the wgmmas (an accumulator in flight across a back edge)
     regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
     return c, regs, spills

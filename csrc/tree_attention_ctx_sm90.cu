@@ -1,0 +1,274 @@
+// Experimental (issue 3): the context part of tree attention on sm_90 wgmma, the CUDA twin of the Gluon kernel in
+// tlt_kernels/_triton/tree_attention_gluon.py. Compiled, not yet run on a GPU; reached only through
+// _C._tree_attention_context_sm90 (bench/gluon_context_attention.py times it beside the Gluon kernel).
+//
+// One CTA = two warpgroups = 128 query rows (row m = t * G + g: node t, query head h * G + g; rows >= T * G are
+// zero) of one (split, KV head, request), over the split's whole 64-token tiles:
+//
+//   S_{i+1} = Q K_{i+1}^T      async wgmma (tensor cores)
+//   P_i = softmax(S_i)          meanwhile (CUDA cores); base 2, the scale folded into the exponent
+//   wait P_{i-1} V_{i-1}; O = alpha O; O += P_i V_i (async); wait S_{i+1}
+//
+// K/V are gathered through the block table by 16-byte cp.async into a ring of kStages swizzled tiles
+// (csrc/wgmma_sm90.cuh). Writes the split's partial (o, natural-log lse) in the plan's scratch layout, row
+// ((b * Hkv + h) * (S + 1) + split) * (T * G) + m; a split without a whole tile writes lse = -inf, o = 0.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch_status.h"
+#include "tree_attention.h"
+#include "wgmma_sm90.cuh"
+
+namespace tlt {
+namespace {
+
+constexpr int kD = 128, kBlockM = 128, kBlockN = 64, kStages = 4, kThreads = 256;
+constexpr int kTileBytes = kBlockN * kD * 2;                    // one K or V tile
+constexpr int kSmemBytes = kBlockM * kD * 2 + 2 * kStages * kTileBytes;  // Q + K ring + V ring = 160 KB
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of these registers across an asynchronous wgmma's issue or wait
+// (it does not know the hardware writes them in between).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// K and V rows n0 .. n0 + 63 of KV head h into ring slot `slot` (4 chunks of each per thread), one commit group.
+// Tiles past the split (valid = false) read page 0 and are never used: the group count stays uniform.
+template <typename T>
+__device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const int32_t* bt_row, int h, int n0,
+                                           bool valid, uint32_t k_slot, uint32_t v_slot) {
+  const T* K = static_cast<const T*>(p.k_cache);
+  const T* V = static_cast<const T*>(p.v_cache);
+#pragma unroll
+  for (int it = 0; it < kBlockN * (kD / 8) / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads;
+    const int row = i / (kD / 8), chunk = i % (kD / 8);
+    const int tok = n0 + row;
+    const int64_t page = valid ? static_cast<int64_t>(bt_row[tok / p.block_size]) : 0;
+    const int64_t in_page = tok % p.block_size;
+    const uint32_t off = wgmma::swizzled_offset(kBlockN, row, chunk);
+    cp_async16(k_slot + off, K + page * p.k_stride_block + in_page * p.k_stride_token + h * p.k_stride_head + chunk * 8);
+    cp_async16(v_slot + off, V + page * p.v_stride_block + in_page * p.v_stride_token + h * p.v_stride_head + chunk * 8);
+  }
+  cp_async_commit();
+}
+
+// Online softmax of one m64n64 score tile in place (scores -> unnormalized probabilities, base 2, the scale folded
+// into the exponent), for this thread's two rows: running max m_i (shared by the row's 4 lanes), this lane's share
+// of the running sum l_i, and the factor alpha that rescales what was accumulated under the old max.
+__device__ __forceinline__ void online_softmax(float (&s)[32], float qk_scale, float (&m_i)[2], float (&l_i)[2],
+                                               float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    const float m_new = fmaxf(m_i[r], mx * qk_scale);
+    alpha[r] = exp2f(m_i[r] - m_new);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = exp2f(s[4 * j + 2 * r + e] * qk_scale - m_new);
+        s[4 * j + 2 * r + e] = pv;
+        sum += pv;
+      }
+    l_i[r] = l_i[r] * alpha[r] + sum;
+    m_i[r] = m_new;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kernel(const TreeAttentionParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int G = p.num_q_heads / p.num_kv_heads, rows = p.num_tree * G;
+  const int ctx = p.context_lens[b];
+  const int start = split * p.split_len;
+  const int end = min(start + p.split_len, ctx);
+  const int n_full = end > start ? (end - start) / kBlockN : 0;
+  const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_stride_b;
+
+  const uint32_t q_s = wgmma::smem_addr(smem);
+  const uint32_t k_s = q_s + kBlockM * kD * 2;
+  const uint32_t v_s = k_s + kStages * kTileBytes;
+
+  // Prologue: tiles 0 .. kStages - 2 in flight, then Q staged (st.shared, zero rows beyond T * G).
+#pragma unroll
+  for (int t0 = 0; t0 < kStages - 1; ++t0)
+    issue_tile<T>(p, bt_row, h, start + t0 * kBlockN, t0 < n_full, k_s + t0 * kTileBytes, v_s + t0 * kTileBytes);
+  const T* Q = static_cast<const T*>(p.q);
+  for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kThreads) {
+    const int m = i / (kD / 8), chunk = i % (kD / 8);
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (m < rows)
+      val = *reinterpret_cast<const uint4*>(Q + b * p.q_stride_b + (m / G) * p.q_stride_t + (h * G + m % G) * p.q_stride_h +
+                                            chunk * 8);
+    *reinterpret_cast<uint4*>(smem + wgmma::swizzled_offset(kBlockM, m, chunk)) = val;
+  }
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
+  const uint32_t q_wg = q_s + wg * 64 * 128;
+  auto desc_q = [&](int k) {
+    return wgmma::desc(q_wg + static_cast<uint32_t>((k >> 2) * kBlockM * 128 + (k & 3) * 32), 0, 1024);
+  };
+
+  cp_async_wait<kStages - 2>();
+  wgmma::fence_proxy_async();
+  __syncthreads();
+
+  // Rows r0 = 16 warp + lane / 4 and r0 + 8 of this warpgroup; the 4 lanes of a row hold 16 of its 64 scores each.
+  const float qk_scale = p.sm_scale * 1.4426950408889634f;
+  float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
+  float s[32], o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+
+  // S_0, then P_0 = softmax(S_0) (O is zero: nothing to rescale).
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0.f;
+  fence_regs(s);
+  wgmma::fence();
+#pragma unroll
+  for (int k = 0; k < kD / 16; ++k)
+    wgmma::mma_m64n64k16_ss<T>(s, desc_q(k), wgmma::desc_k_major(k_s, kBlockN, k), k > 0);
+  wgmma::commit();
+  wgmma::wait<0>();
+  fence_regs(s);
+  float alpha[2];
+  online_softmax(s, qk_scale, m_i, l_i, alpha);
+
+  // FA3's intra-warpgroup order: S_j and P_{j-1} V_{j-1} issued back to back, the softmax of S_j runs while
+  // P_{j-1} V_{j-1} does, and no accumulator stays in flight across the loop's back edge (ptxas serializes every
+  // wgmma of a kernel where one does: C7514).
+  for (int j = 1; j < n_full; ++j) {
+    const int prev = (j - 1) % kStages, cur = j % kStages;
+    // Tile j landed (tiles j + 1 .. j + kStages - 2 may still fly).
+    cp_async_wait<kStages - 2>();
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    uint32_t frag[kBlockN / 16][4];
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
+    fence_regs(s);
+    fence_regs(o);
+    wgmma::fence();
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k)
+      wgmma::mma_m64n64k16_ss<T>(s, desc_q(k), wgmma::desc_k_major(k_s + cur * kTileBytes, kBlockN, k), k > 0);
+    wgmma::commit();
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t)
+      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_s + prev * kTileBytes, kBlockN, t), 1);
+    wgmma::commit();
+    wgmma::wait<1>();  // S_j done (issued first); P_{j-1} V_{j-1} may still run
+    fence_regs(s);
+    online_softmax(s, qk_scale, m_i, l_i, alpha);
+    wgmma::wait<0>();
+    fence_regs(o);
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+    // Every warpgroup is done with tile j - 1 (K by S_{j-1}, V by P_{j-1} V_{j-1}): its ring slot takes tile
+    // j + kStages - 1.
+    __syncthreads();
+    const int nt = j + kStages - 1;
+    issue_tile<T>(p, bt_row, h, start + nt * kBlockN, nt < n_full, k_s + prev * kTileBytes, v_s + prev * kTileBytes);
+  }
+  if (n_full > 0) {  // the last tile's P V
+    uint32_t frag[kBlockN / 16][4];
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
+    fence_regs(o);
+    wgmma::fence();
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t)
+      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_s + ((n_full - 1) % kStages) * kTileBytes,
+                                                                     kBlockN, t), 1);
+    wgmma::commit();
+    wgmma::wait<0>();
+    fence_regs(o);
+  }
+  cp_async_wait<0>();
+
+  // Partial rows of this split.
+  const int row_base = 64 * wg + 16 * warp + lane / 4;
+  const int64_t slot_row =
+      ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(rows);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_i[r];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const int m = row_base + 8 * r;
+    if (m >= rows) continue;
+    const bool has = n_full > 0 && l > 0.f;
+    const float inv = has ? 1.f / l : 0.f;
+    const int64_t row = slot_row + m;
+    if ((lane & 3) == 0) p.partial_lse[row] = has ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+    float* dst = p.partial_out + row * kD + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+  }
+#endif
+}
+
+}  // namespace
+
+LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
+  TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 context kernel covers head_dim 128, got " << p.head_dim);
+  TLT_STATUS_CHECK_ARG(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
+                       "num_q_heads (" << p.num_q_heads << ") must be a multiple of num_kv_heads (" << p.num_kv_heads << ")");
+  TLT_STATUS_CHECK_ARG(p.num_tree * (p.num_q_heads / p.num_kv_heads) <= kBlockM,
+                       "T * G = " << p.num_tree * (p.num_q_heads / p.num_kv_heads) << " rows exceed " << kBlockM);
+  TLT_STATUS_CHECK_ARG(p.split_len > 0 && p.split_len % kBlockN == 0,
+                       "split_len must be a positive multiple of " << kBlockN << ", got " << p.split_len);
+  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_splits >= 1 && p.num_splits <= 65535, "bad batch / num_splits");
+  // 16-byte cp.async rows: every stride and base a multiple of 8 elements.
+  TLT_STATUS_CHECK_ARG(p.k_stride_block % 8 == 0 && p.k_stride_token % 8 == 0 && p.k_stride_head % 8 == 0 &&
+                           p.v_stride_block % 8 == 0 && p.v_stride_token % 8 == 0 && p.v_stride_head % 8 == 0 &&
+                           p.q_stride_b % 8 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0 &&
+                           (reinterpret_cast<uintptr_t>(p.q) & 15) == 0 && (reinterpret_cast<uintptr_t>(p.k_cache) & 15) == 0 &&
+                           (reinterpret_cast<uintptr_t>(p.v_cache) & 15) == 0,
+                       "q / k_cache / v_cache need 16-byte aligned rows (strides multiples of 8 elements)");
+  if (p.batch == 0) return {};
+  int dev = 0, major = 0;
+  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
+  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  TLT_STATUS_CHECK_ARG(major == 9, "wgmma needs an sm_90 GPU, the device has compute capability " << major << ".x");
+  const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
+  if (p.dtype == DType::kBFloat16) {
+    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_context_sm90_kernel<__nv_bfloat16>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    tree_attention_context_sm90_kernel<__nv_bfloat16><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  } else {
+    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_context_sm90_kernel<__half>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    tree_attention_context_sm90_kernel<__half><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  }
+  TLT_STATUS_CHECK_LAUNCH();
+  return {};
+}
+
+}  // namespace tlt
