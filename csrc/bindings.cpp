@@ -28,7 +28,7 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
                                      const py::tuple& v_strides, const py::tuple& out_strides, int64_t bt_stride_b,
                                      int batch, int num_tree, int num_q_heads, int num_kv_heads, int head_dim,
                                      int block_size, int num_splits, int split_len, float sm_scale, int dtype,
-                                     int config) {
+                                     int config, int context_done_block) {
   auto strides3 = [](const py::tuple& t, const char* name, int64_t& a, int64_t& b, int64_t& c) {
     if (t.size() != 3) throw std::invalid_argument(std::string(name) + " must be a 3-tuple of element strides");
     a = t[0].cast<int64_t>();
@@ -64,6 +64,7 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
   p.sm_scale = sm_scale;
   p.dtype = static_cast<tlt::DType>(dtype);
   p.config = config;
+  p.context_done_block = context_done_block;
   return p;
 }
 
@@ -74,7 +75,7 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
       py::arg("out_strides"), py::arg("bt_stride_b"), py::arg("batch"), py::arg("num_tree"),               \
       py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),         \
       py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream"), \
-      py::arg("config") = 0
+      py::arg("config") = 0, py::arg("context_done_block") = 0
 
 template <tlt::LaunchStatus (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t) noexcept>
 void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,
@@ -82,11 +83,12 @@ void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uin
                           uintptr_t partial_lse, uintptr_t out, const py::tuple& q_strides, const py::tuple& k_strides,
                           const py::tuple& v_strides, const py::tuple& out_strides, int64_t bt_stride_b, int batch,
                           int num_tree, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                          int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream, int config) {
+                          int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream, int config,
+                          int context_done_block) {
   const tlt::TreeAttentionParams p =
       make_params(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out,
                   q_strides, k_strides, v_strides, out_strides, bt_stride_b, batch, num_tree, num_q_heads,
-                  num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype, config);
+                  num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype, config, context_done_block);
   // Launches are asynchronous and cheap; keep the GIL (no Python work runs meanwhile anyway).
   raise_if_failed(Launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }

@@ -204,3 +204,37 @@ def test_cuda_context_kernel_matches_reference_gpu(name):
     torch.testing.assert_close(got_l[used], ref_l[used], atol=2e-3, rtol=0)
     torch.testing.assert_close(got_o[used], ref_o[used], atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
     assert torch.isnan(plan.partial_lse[:, :, S]).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16", "one-split"])
+def test_whole_cuda_op_with_context_kernel_gpu(name, monkeypatch):
+    """tree_attention(backend="cuda") with CONTEXT_SM90 on: the sm_90 context kernel (slots 0 .. S-1), the partial
+    kernel's tail-and-tree mode (slot S) and the merge give the reference output."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    if backend_unavailable_reason("cuda", torch.device("cuda")) is not None:
+        pytest.skip("tlt_kernels._C not built")
+    from test_tree_attention import check_against_reference, make_case, make_plan, poison_
+
+    import tlt_kernels._cuda.tree_attention as ct
+
+    ctx, T, Hq, Hkv, D, dtype, split_len = {
+        "tails-multi-split": SPLIT_CASES["tails-multi-split"],
+        "qwen7b-like": ([4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024),
+        "qwen32b-like-fp16": ([2048, 333], 16, 40, 8, 128, torch.float16, 512),
+        "one-split": ([200, 64, 5], 8, 14, 2, 128, torch.bfloat16, 256),
+    }[name]
+    used = []
+    real = ct._use_context_sm90
+    monkeypatch.setattr(ct, "CONTEXT_SM90", True)
+    monkeypatch.setattr(ct, "_use_context_sm90", lambda plan, q: used.append(real(plan, q)) or used[-1])
+    case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random", "chain"), device="cuda")
+    plan = make_plan(case, split_len=split_len)
+    out = poison_(torch.empty_like(case["q"]))
+    plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="cuda")
+    torch.cuda.synchronize()
+    assert used and all(used), "the sm_90 context kernel was not used"
+    check_against_reference(out, case)

@@ -4,9 +4,9 @@ Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometr
 every request with context L and a random tree of T nodes. Impls:
 
 * ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
-* ``tlt-triton+gluon-context`` (sm_90, experimental): the same op with every split's whole context tiles on the Gluon
-  kernel of ``tlt_kernels/_triton/tree_attention_gluon.py`` (QK^T overlapping the softmax), the tail and the tree
-  part on the Triton kernel, then the merge;
+* ``tlt-triton+gluon-context`` / ``tlt-cuda+ctx-sm90`` (sm_90, experimental): the same op with every split's whole
+  context tiles on the overlapped wgmma kernel (Gluon: ``tlt_kernels/_triton/tree_attention_gluon.py``; CUDA:
+  ``csrc/tree_attention_ctx_sm90.cu``), the tail and the tree part on the backend's partial kernel, then the merge;
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
   ``scaled_dot_product_attention`` with a boolean ``[B, 1, T, L+T]`` mask -- what a rollout engine
   without a tree kernel pays per layer;
@@ -152,7 +152,7 @@ def _bench_case(ctx, model, B, L, T):
             print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes(T) / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
                   f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
     if reference is not None and dev.type == "cuda":
-        _bench_gluon_context(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes(T), extra)
+        _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes(T), extra)
     if reference is not None and os.environ.get("TLT_TREE_ATTENTION_SWEEP", "0") not in ("", "0") and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes(T), extra)
 
@@ -176,37 +176,44 @@ def _bench_case(ctx, model, B, L, T):
         _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nbytes(T), extra)
 
 
-def _bench_gluon_context(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes, extra):
-    """Row ``tlt-triton+gluon-context``: the Triton op with the experimental Gluon context kernel (sm_90, bf16/fp16,
-    T * G <= 128; tlt_kernels/_triton/tree_attention_gluon.py), checked against the first tlt row. A failure to
-    compile or run it is noted, not fatal."""
+def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes, extra):
+    """Rows ``tlt-triton+gluon-context`` and ``tlt-cuda+ctx-sm90``: the Triton / CUDA op with the experimental
+    overlapped context kernel (sm_90, bf16/fp16, T * G <= 128; tlt_kernels/_triton/tree_attention_gluon.py,
+    csrc/tree_attention_ctx_sm90.cu), each checked against the first tlt row. A failure is noted, not fatal."""
+    import tlt_kernels._cuda.tree_attention as ct
     import tlt_kernels._triton.tree_attention as ta
+    from tlt_kernels._backend import backend_unavailable_reason
 
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return
+    variants = []
     try:
         from tlt_kernels._triton import tree_attention_gluon as tg
+
+        if tg.supports(q, plan.num_tree * plan.group, plan.split_len):
+            variants.append(("tlt-triton+gluon-context", ta, "GLUON_CONTEXT", "triton"))
     except ImportError as exc:  # a Triton without Gluon
         ctx.note(f"tlt-triton+gluon-context skipped: {exc}")
-        return
-    if not tg.supports(q, plan.num_tree * plan.group, plan.split_len):
-        return
-    saved = ta.GLUON_CONTEXT
-    ta.GLUON_CONTEXT = True
-    try:
-        plan.run(q, k_cache, v_cache, out=out, backend="triton")
-        _check("tlt-triton+gluon-context", out, reference, case)
-        ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"))
-    except Exception as exc:  # noqa: BLE001 - an experiment: report and go on with the peers
-        ctx.note(f"tlt-triton+gluon-context failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
-        return
-    finally:
-        ta.GLUON_CONTEXT = saved
-    ctx.add(case, "tlt-triton+gluon-context", ms, bytes_moved=nbytes, num_splits=plan.num_splits,
-            split_len=plan.split_len, **extra(ms))
-    if ctx.copy_bandwidth:
-        print(f"{case} tlt-triton+gluon-context: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of "
-              f"the HBM floor", flush=True)
+    if backend_unavailable_reason("cuda", q.device) is None:
+        variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda"))
+    for name, module, flag, backend in variants:
+        saved = getattr(module, flag)
+        setattr(module, flag, True)
+        try:
+            if backend == "cuda" and not ct._use_context_sm90(plan, q):
+                continue
+            plan.run(q, k_cache, v_cache, out=out, backend=backend)
+            _check(name, out, reference, case)
+            ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
+        except Exception as exc:  # noqa: BLE001 - an experiment: report and go on with the peers
+            ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        finally:
+            setattr(module, flag, saved)
+        ctx.add(case, name, ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len, **extra(ms))
+        if ctx.copy_bandwidth:
+            print(f"{case} {name}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM floor",
+                  flush=True)
 
 
 _PEAK = {}

@@ -13,6 +13,7 @@ op) after shape / dtype / device validation; it only checks what the CUDA kernel
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -25,6 +26,16 @@ HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
 # in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
+# Experimental (issue 3; compiled, not yet run on a GPU): every split's whole 64-token context tiles on the sm_90
+# wgmma kernel (csrc/tree_attention_ctx_sm90.cu), then the partial kernel for the last split's tail and the tree part
+# only (context_done_block), then the merge. sm_90, D=128, T*G <= 128; off unless TLT_TREE_ATTENTION_CUDA_CTX=1.
+CONTEXT_SM90 = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "0") not in ("", "0")
+CONTEXT_BLOCK = 64  # the sm_90 context kernel's tile (kBlockN)
+
+
+def _use_context_sm90(plan, q: torch.Tensor) -> bool:
+    return (CONTEXT_SM90 and plan.head_dim == 128 and plan.num_tree * plan.group <= 128
+            and plan.split_len % CONTEXT_BLOCK == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -81,6 +92,12 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     args = _launch_args(plan, q, k_cache, v_cache, out, sm_scale)
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
+        if _use_context_sm90(plan, q):
+            ext._tree_attention_context_sm90(**args)  # slots 0 .. S-1: every split's whole context tiles
+            args["context_done_block"] = CONTEXT_BLOCK
+            ext.tree_attention_partial(**args)  # slot S: the last split's tail and the tree part
+            ext.tree_attention_merge(**args)
+            return out
         ext.tree_attention_partial(**args)
         if plan.num_splits > 1:  # with one split every request is finished by the partial kernel
             ext.tree_attention_merge(**args)
