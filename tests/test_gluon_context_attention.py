@@ -102,6 +102,25 @@ SPLIT_CASES = {
 }
 
 
+# GPU cases on top of SPLIT_CASES (same tuple layout): model-sized heads, ragged contexts.
+GPU_CASES = {
+    **SPLIT_CASES,
+    "qwen7b-like": ([4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024),
+    "qwen32b-like-fp16": ([2048, 333], 16, 40, 8, 128, torch.float16, 512),
+    "one-split": ([200, 64, 5], 8, 14, 2, 128, torch.bfloat16, 256),
+}
+
+
+def _need_sm90(with_extension: bool = False):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    if with_extension:
+        from tlt_kernels._backend import backend_unavailable_reason
+
+        if backend_unavailable_reason("cuda", torch.device("cuda")) is not None:
+            pytest.skip("tlt_kernels._C not built")
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_tail_and_tree_after_context_kernel_cpu(name):
@@ -142,17 +161,13 @@ def test_context_fn_needs_whole_tiles_per_split():
 def test_whole_op_with_gluon_context_gpu(name, monkeypatch):
     """tree_attention(backend="triton") with GLUON_CONTEXT on: the Gluon kernel is really used (its launcher is
     called) and the output matches the reference."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
+    _need_sm90()
     from test_tree_attention import check_against_reference, make_case, make_plan, poison_
 
     import tlt_kernels._triton.tree_attention as ta
     import tlt_kernels._triton.tree_attention_gluon as tg
 
-    if name == "qwen7b-like":
-        ctx, T, Hq, Hkv, D, dtype, split_len = [4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024
-    else:
-        ctx, T, Hq, Hkv, D, dtype, split_len = SPLIT_CASES[name]
+    ctx, T, Hq, Hkv, D, dtype, split_len = GPU_CASES[name]
     calls = []
     real = tg.run_context_plan
     monkeypatch.setattr(ta, "GLUON_CONTEXT", True)
@@ -171,22 +186,13 @@ def test_whole_op_with_gluon_context_gpu(name, monkeypatch):
 def test_cuda_context_kernel_matches_reference_gpu(name):
     """csrc/tree_attention_ctx_sm90.cu (the CUDA twin of the Gluon kernel, built on csrc/wgmma_sm90.cuh): slots
     0 .. S-1 of the plan's scratch equal the fp32 reference of every split's whole tiles; slot S is not touched."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    from tlt_kernels._backend import backend_unavailable_reason
-
-    if backend_unavailable_reason("cuda", torch.device("cuda")) is not None:
-        pytest.skip("tlt_kernels._C not built")
+    _need_sm90(with_extension=True)
     from bench.gluon_context_attention import _reference_partials
     from test_tree_attention import make_case, make_plan
 
     from tlt_kernels._cuda.tree_attention import run_context_sm90
 
-    ctx, T, Hq, Hkv, D, dtype, split_len = {
-        "tails-multi-split": SPLIT_CASES["tails-multi-split"],
-        "qwen7b-like": ([4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024),
-        "qwen32b-like-fp16": ([2048, 333], 16, 40, 8, 128, torch.float16, 512),
-    }[name]
+    ctx, T, Hq, Hkv, D, dtype, split_len = GPU_CASES[name]
     case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random",), device="cuda")
     plan = make_plan(case, split_len=split_len)
     plan.partial_out.fill_(float("nan"))
@@ -211,22 +217,12 @@ def test_cuda_context_kernel_matches_reference_gpu(name):
 def test_whole_cuda_op_with_context_kernel_gpu(name, monkeypatch):
     """tree_attention(backend="cuda") with CONTEXT_SM90 on: the sm_90 context kernel (slots 0 .. S-1), the partial
     kernel's tail-and-tree mode (slot S) and the merge give the reference output."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    from tlt_kernels._backend import backend_unavailable_reason
-
-    if backend_unavailable_reason("cuda", torch.device("cuda")) is not None:
-        pytest.skip("tlt_kernels._C not built")
+    _need_sm90(with_extension=True)
     from test_tree_attention import check_against_reference, make_case, make_plan, poison_
 
     import tlt_kernels._cuda.tree_attention as ct
 
-    ctx, T, Hq, Hkv, D, dtype, split_len = {
-        "tails-multi-split": SPLIT_CASES["tails-multi-split"],
-        "qwen7b-like": ([4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024),
-        "qwen32b-like-fp16": ([2048, 333], 16, 40, 8, 128, torch.float16, 512),
-        "one-split": ([200, 64, 5], 8, 14, 2, 128, torch.bfloat16, 256),
-    }[name]
+    ctx, T, Hq, Hkv, D, dtype, split_len = GPU_CASES[name]
     used = []
     real = ct._use_context_sm90
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)
