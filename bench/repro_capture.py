@@ -3,7 +3,7 @@
 In the 2026-11-26 08:43 e2e run (H200, TLT_E2E_ATTN=triton) `static-s6k4v24` alone failed to capture
 (cudaErrorStreamCaptureInvalidated) while the selector's engine captured the same strategy. This script captures
 each strategy in its own fresh engine (random weights, 2 layers) and prints the first failing op's traceback.
-Usage: python bench/repro_capture.py [s6k4v24 s5k4v16 ...]
+Usage (from the repository root): python -m bench.repro_capture [s6k4v24 s5k4v16 ...]
 """
 import sys
 import time
