@@ -27,7 +27,9 @@ namespace {
 
 constexpr int kD = 128, kBlockM = 128, kBlockN = 64, kStages = 4, kThreads = 256;
 constexpr int kTileBytes = kBlockN * kD * 2;                    // one K or V tile
-constexpr int kSmemBytes = kBlockM * kD * 2 + 2 * kStages * kTileBytes;  // Q + K ring + V ring = 160 KB
+// Q + K ring + V ring = 160 KB, plus 1 KB to align the base: the 128-byte swizzle is a function of address bits
+// 4-9, so every tile must start 1024-byte aligned, which the dynamic shared-memory window does not promise.
+constexpr int kSmemBytes = kBlockM * kD * 2 + 2 * kStages * kTileBytes + 1024;
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
@@ -98,7 +100,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[32], float qk_scale, f
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ __align__(1024) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads, rows = p.num_tree * G;
   const int ctx = p.context_lens[b];
@@ -107,7 +109,8 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   const int n_full = end > start ? (end - start) / kBlockN : 0;
   const int32_t* bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_stride_b;
 
-  const uint32_t q_s = wgmma::smem_addr(smem);
+  const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
+  unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
   const uint32_t k_s = q_s + kBlockM * kD * 2;
   const uint32_t v_s = k_s + kStages * kTileBytes;
 
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     if (m < rows)
       val = *reinterpret_cast<const uint4*>(Q + b * p.q_stride_b + (m / G) * p.q_stride_t + (h * G + m % G) * p.q_stride_h +
                                             chunk * 8);
-    *reinterpret_cast<uint4*>(smem + wgmma::swizzled_offset(kBlockM, m, chunk)) = val;
+    *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, m, chunk)) = val;
   }
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
