@@ -19,7 +19,7 @@
 #include <cstdint>
 
 #include "launch_status.h"
-#include "tree_attention.h"
+#include "tree_attention.cuh"  // tree_attn::cp_async_16 / cp_async_commit / cp_async_wait
 #include "wgmma_sm90.cuh"
 
 namespace tlt {
@@ -30,15 +30,6 @@ constexpr int kTileBytes = kBlockN * kD * 2;                    // one K or V ti
 // Q + K ring + V ring = 160 KB, plus 1 KB to align the base: the 128-byte swizzle is a function of address bits
 // 4-9, so every tile must start 1024-byte aligned, which the dynamic shared-memory window does not promise.
 constexpr int kSmemBytes = kBlockM * kD * 2 + 2 * kStages * kTileBytes + 1024;
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // Keeps the compiler from moving reads or writes of these registers across an asynchronous wgmma's issue or wait
 // (it does not know the hardware writes them in between).
@@ -52,7 +43,7 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 // Tiles past the split (valid = false) read page 0 and are never used: the group count stays uniform.
 template <typename T>
 __device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const int32_t* bt_row, int h, int n0,
-                                           bool valid, uint32_t k_slot, uint32_t v_slot) {
+                                           bool valid, unsigned char* k_slot, unsigned char* v_slot) {
   const T* K = static_cast<const T*>(p.k_cache);
   const T* V = static_cast<const T*>(p.v_cache);
 #pragma unroll
@@ -63,10 +54,12 @@ __device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const i
     const int64_t page = valid ? static_cast<int64_t>(bt_row[tok / p.block_size]) : 0;
     const int64_t in_page = tok % p.block_size;
     const uint32_t off = wgmma::swizzled_offset(kBlockN, row, chunk);
-    cp_async16(k_slot + off, K + page * p.k_stride_block + in_page * p.k_stride_token + h * p.k_stride_head + chunk * 8);
-    cp_async16(v_slot + off, V + page * p.v_stride_block + in_page * p.v_stride_token + h * p.v_stride_head + chunk * 8);
+    tree_attn::cp_async_16(k_slot + off,
+                           K + page * p.k_stride_block + in_page * p.k_stride_token + h * p.k_stride_head + chunk * 8, 16);
+    tree_attn::cp_async_16(v_slot + off,
+                           V + page * p.v_stride_block + in_page * p.v_stride_token + h * p.v_stride_head + chunk * 8, 16);
   }
-  cp_async_commit();
+  tree_attn::cp_async_commit();
 }
 
 // Online softmax of one m64n64 score tile in place (scores -> unnormalized probabilities, base 2, the scale folded
@@ -111,13 +104,15 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
-  const uint32_t k_s = q_s + kBlockM * kD * 2;
+  const uint32_t k_s = q_s + kBlockM * kD * 2;  // shared addresses for the descriptors ...
   const uint32_t v_s = k_s + kStages * kTileBytes;
+  unsigned char* const k_ring = smem_q + (k_s - q_s);  // ... and generic pointers for cp.async
+  unsigned char* const v_ring = smem_q + (v_s - q_s);
 
   // Prologue: tiles 0 .. kStages - 2 in flight, then Q staged (st.shared, zero rows beyond T * G).
 #pragma unroll
   for (int t0 = 0; t0 < kStages - 1; ++t0)
-    issue_tile<T>(p, bt_row, h, start + t0 * kBlockN, t0 < n_full, k_s + t0 * kTileBytes, v_s + t0 * kTileBytes);
+    issue_tile<T>(p, bt_row, h, start + t0 * kBlockN, t0 < n_full, k_ring + t0 * kTileBytes, v_ring + t0 * kTileBytes);
   const T* Q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kThreads) {
     const int m = i / (kD / 8), chunk = i % (kD / 8);
@@ -135,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     return wgmma::desc(q_wg + static_cast<uint32_t>((k >> 2) * kBlockM * 128 + (k & 3) * 32), 0, 1024);
   };
 
-  cp_async_wait<kStages - 2>();
+  tree_attn::cp_async_wait<kStages - 2>();
   wgmma::fence_proxy_async();
   __syncthreads();
 
@@ -166,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   for (int j = 1; j < n_full; ++j) {
     const int prev = (j - 1) % kStages, cur = j % kStages;
     // Tile j landed (tiles j + 1 .. j + kStages - 2 may still fly).
-    cp_async_wait<kStages - 2>();
+    tree_attn::cp_async_wait<kStages - 2>();
     wgmma::fence_proxy_async();
     __syncthreads();
     uint32_t frag[kBlockN / 16][4];
@@ -196,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     // j + kStages - 1.
     __syncthreads();
     const int nt = j + kStages - 1;
-    issue_tile<T>(p, bt_row, h, start + nt * kBlockN, nt < n_full, k_s + prev * kTileBytes, v_s + prev * kTileBytes);
+    issue_tile<T>(p, bt_row, h, start + nt * kBlockN, nt < n_full, k_ring + prev * kTileBytes,
+                  v_ring + prev * kTileBytes);
   }
   if (n_full > 0) {  // the last tile's P V
     uint32_t frag[kBlockN / 16][4];
@@ -212,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     wgmma::wait<0>();
     fence_regs(o);
   }
-  cp_async_wait<0>();
+  tree_attn::cp_async_wait<0>();
 
   // Partial rows of this split.
   const int row_base = 64 * wg + 16 * warp + lane / 4;

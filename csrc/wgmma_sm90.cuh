@@ -22,12 +22,12 @@
 
 #include <cstdint>
 
+#include "tree_attention.cuh"  // tree_attn::smem_addr, tree_attn::TypeTraits<T>::pack
+
 namespace tlt {
 namespace wgmma {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using tree_attn::smem_addr;
 
 // Byte offset of the 16-byte chunk holding columns 8 * chunk16 .. + 7 of row `row` in a [rows, 128] tile.
 __device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int chunk16) {
@@ -85,28 +85,15 @@ TLT_WGMMA_SS_N64(__nv_bfloat16, "bf16")
 TLT_WGMMA_SS_N64(__half, "f16")
 #undef TLT_WGMMA_SS_N64
 
-// Two floats -> one register of two 16-bit values (lo = the lower column).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // The A fragment of k-step t (columns 16 t .. 16 t + 15) of an m64n64 accumulator s, for an m64nNk16 product
 // with A from registers: the accumulator's layout is the A operand's (row l / 4 (+8), columns 2 (l % 4) (+8)).
 template <typename T>
 __device__ __forceinline__ void a_fragment(const float (&s)[32], int t, uint32_t (&a)[4]) {
-  a[0] = pack2<T>(s[8 * t + 0], s[8 * t + 1]);
-  a[1] = pack2<T>(s[8 * t + 2], s[8 * t + 3]);
-  a[2] = pack2<T>(s[8 * t + 4], s[8 * t + 5]);
-  a[3] = pack2<T>(s[8 * t + 6], s[8 * t + 7]);
+  using Pack = tree_attn::TypeTraits<T>;  // two floats -> one register of two 16-bit values (lo = lower column)
+  a[0] = Pack::pack(s[8 * t + 0], s[8 * t + 1]);
+  a[1] = Pack::pack(s[8 * t + 2], s[8 * t + 3]);
+  a[2] = Pack::pack(s[8 * t + 4], s[8 * t + 5]);
+  a[3] = Pack::pack(s[8 * t + 6], s[8 * t + 7]);
 }
 
 // d[0..63] (+)= A[64 x 16] (registers) B[16 x 128] (MN-major in shared memory: tnspB = 1).
