@@ -3,8 +3,8 @@
 ``_C`` is built): the softmax of tile j runs while the tensor cores do P_{j-1} V_{j-1}. Each is checked against an
 fp32 reference of every split's whole tiles and timed against the Triton op, in % of the HBM floor.
 
-    python bench/gluon_context_attention.py --compile-only   # CPU: compile for sm_90a, print registers/shared memory
-    python bench/gluon_context_attention.py [--sweep] [--out rows.jsonl]   # GPU: check, then time
+    python -m bench.gluon_context_attention --compile-only   # CPU: compile for sm_90a, print registers/shared memory
+    python -m bench.gluon_context_attention [--sweep] [--out rows.jsonl]   # GPU: check, then time
 
 The whole op with it (``TLT_TREE_ATTENTION_GLUON=1``: Gluon context + Triton tail/tree + merge) is what
 ``python -m bench tree-attention`` times when that variable is set.
@@ -20,6 +20,7 @@ import sys
 import torch
 import triton
 
+from bench.harness import measure_copy_bandwidth
 from tlt_kernels._triton.tree_attention_gluon import CONFIG, compile_for_sm90, run_context
 
 
@@ -59,10 +60,23 @@ def _case(B, L, T, Hq, Hkv, D, page, dtype, device, seed=0):
     return q, k_cache, v_cache, perm.to(device), torch.full((B,), L, dtype=torch.int32, device=device)
 
 
-def check_and_time(B, L, T, Hq, Hkv, D, page=16, dtype=torch.bfloat16, **cfg):
-    """GPU: compare with the fp32 reference, then time this kernel and the Triton tree attention (T-node chains, the
-    whole op: context, tree part and merge) on the same cache, with the Triton plan's split length."""
+def _partials_error(got_o, got_l, ref_o, ref_l):
+    """(ok, max |o| error, max |lse| error) over the slots the reference fills; a split without a whole tile must be
+    -inf in both (the merge reads lse first)."""
+    used = torch.isfinite(ref_l)
+    err_o = (got_o - ref_o)[used].abs().max().item()
+    err_l = (got_l - ref_l)[used].abs().max().item()
+    ok = (err_o < 2e-2 and err_l < 1e-3 and bool(torch.isfinite(got_o[used]).all())
+          and torch.equal(torch.isneginf(got_l), ~used))
+    return ok, round(err_o, 5), round(err_l, 6)
+
+
+def check_and_time(B, L, T, Hq, Hkv, D, copy_bytes_per_s, page=16, dtype=torch.bfloat16, **cfg):
+    """GPU: compare the Gluon kernel (and its CUDA twin, when ``_C`` is built) with the fp32 reference, then time both
+    and the Triton tree attention (T-node chains, the whole op: context, tree part and merge) on the same cache.
+    ``copy_bytes_per_s`` (read + write of a device copy, measured once by the caller) sets the HBM floor."""
     from tlt_kernels import plan_tree_attention
+    from tlt_kernels._backend import backend_unavailable_reason
 
     cfg = {**CONFIG, **cfg}
     dev = torch.device("cuda")
@@ -81,50 +95,37 @@ def check_and_time(B, L, T, Hq, Hkv, D, page=16, dtype=torch.bfloat16, **cfg):
     sm_scale = 1.0 / math.sqrt(D)
     run_context(q, kc, vc, bt, cl, split_len, S, sm_scale, po, pl, **cfg)
     torch.cuda.synchronize()
-    ref_o, ref_l = _reference_partials(q, kc, vc, bt, cl, split_len, S, sm_scale, cfg["BLOCK_N"])
-    got_o = po.view(B, Hkv, S + 1, T * G, D)[:, :, :S]
-    got_l = pl.view(B, Hkv, S + 1, T * G)[:, :, :S]
-    used = torch.isfinite(ref_l)
-    err_o = (got_o - ref_o)[used].abs().max().item()
-    err_l = (got_l - ref_l)[used].abs().max().item()
-    ok = err_o < 2e-2 and err_l < 1e-3 and bool(torch.isfinite(got_o[used]).all())
+    ref = _reference_partials(q, kc, vc, bt, cl, split_len, S, sm_scale, cfg["BLOCK_N"])
+    ok, err_o, err_l = _partials_error(po.view(B, Hkv, S + 1, T * G, D)[:, :, :S], pl.view(B, Hkv, S + 1, T * G)[:, :, :S],
+                                       *ref)
     ms = triton.testing.do_bench(lambda: run_context(q, kc, vc, bt, cl, split_len, S, sm_scale, po, pl, **cfg),
                                  warmup=25, rep=200)
     out = torch.empty_like(q)
     ms_triton = triton.testing.do_bench(lambda: plan.run(q, kc, vc, out=out, backend="triton"), warmup=25, rep=200)
+    # Byte floor of the context part: K and V of every context token once, q read and the partial rows written.
+    nbytes = B * Hkv * L * D * 2 * q.element_size() + q.numel() * (q.element_size() + 4)
+    floor_ms = nbytes / copy_bytes_per_s * 1e3
     # The CUDA twin (csrc/tree_attention_ctx_sm90.cu) on the plan's own scratch and split length, when built.
     cuda = {}
-    from tlt_kernels._backend import backend_unavailable_reason
-
     if D == 128 and backend_unavailable_reason("cuda", dev) is None:
-        from tlt_kernels._cuda.tree_attention import run_context_sm90
+        from tlt_kernels._cuda.tree_attention import CONTEXT_BLOCK, run_context_sm90
 
         try:
             run_context_sm90(plan, q, kc, vc, sm_scale)
             torch.cuda.synchronize()
             S2 = plan.num_splits
-            r_o, r_l = _reference_partials(q, kc, vc, bt, cl, plan.split_len, S2, sm_scale, 64)
-            c_l, c_o = plan.partial_lse[:, :, :S2], plan.partial_out[:, :, :S2]
-            u = torch.isfinite(r_l)
-            c_err = (c_o - r_o)[u].abs().max().item()
-            cuda = dict(cuda_ok=bool(c_err < 2e-2 and (c_l - r_l)[u].abs().max().item() < 1e-3),
-                        cuda_err_o=round(c_err, 5),
-                        cuda_ms=round(triton.testing.do_bench(lambda: run_context_sm90(plan, q, kc, vc, sm_scale),
-                                                              warmup=25, rep=200), 4))
+            if (plan.split_len, CONTEXT_BLOCK) != (split_len, cfg["BLOCK_N"]):
+                ref = _reference_partials(q, kc, vc, bt, cl, plan.split_len, S2, sm_scale, CONTEXT_BLOCK)
+            c_ok, c_err_o, _ = _partials_error(plan.partial_out[:, :, :S2], plan.partial_lse[:, :, :S2], *ref)
+            c_ms = triton.testing.do_bench(lambda: run_context_sm90(plan, q, kc, vc, sm_scale), warmup=25, rep=200)
+            cuda = dict(cuda_ok=c_ok, cuda_err_o=c_err_o, cuda_ms=round(c_ms, 4),
+                        cuda_pct_floor=round(100 * floor_ms / c_ms, 1))
         except Exception as exc:  # noqa: BLE001 - an experiment: report it in the row
             cuda = dict(cuda_ok=False, cuda_error=f"{type(exc).__name__}: {str(exc)[:200]}")
-    # Byte floor of the context part: K and V of every context token once, q read and the partial rows written.
-    nbytes = B * Hkv * L * D * 2 * q.element_size() + q.numel() * (q.element_size() + 4)
-    x = torch.empty(1 << 28, dtype=torch.int32, device=dev)
-    copy_ms = triton.testing.do_bench(lambda: x.clone(), warmup=10, rep=100)
-    bw = 2 * x.numel() * 4 / (copy_ms * 1e-3)
-    floor_ms = nbytes / bw * 1e3
-    if "cuda_ms" in cuda:
-        cuda["cuda_pct_floor"] = round(100 * floor_ms / cuda["cuda_ms"], 1)
-    return dict(B=B, L=L, T=T, Hq=Hq, Hkv=Hkv, ok=ok, err_o=round(err_o, 5), err_lse=round(err_l, 6), **cuda,
+    return dict(B=B, L=L, T=T, Hq=Hq, Hkv=Hkv, ok=ok, err_o=err_o, err_lse=err_l, **cuda,
                 gluon_ms=round(ms, 4), triton_op_ms=round(ms_triton, 4), gluon_pct_floor=round(100 * floor_ms / ms, 1),
                 triton_op_pct_floor=round(100 * floor_ms / ms_triton, 1), split_len=split_len, triton_split_len=plan.split_len,
-                copy_gbps=round(bw / 1e9), cfg=cfg)
+                copy_gbps=round(copy_bytes_per_s / 1e9), cfg=cfg)
 
 
 SWEEP = [dict(BLOCK_N=64, NUM_STAGES=3), dict(BLOCK_N=64, NUM_STAGES=4), dict(BLOCK_N=64, NUM_STAGES=5),
@@ -153,8 +154,11 @@ def main(argv=None):
     runs = [(c, {}) for c in cases]
     if args.sweep:
         runs += [(c, cfg) for cfg in SWEEP for c in cases if c[2] == (64, 4096, 16)]
+    # The HBM floor's bandwidth, measured once: a 1 GiB device-to-device copy (the harness's measurement).
+    bw = measure_copy_bandwidth(torch.device("cuda"), 1 << 30,
+                                lambda fn: triton.testing.do_bench(fn, warmup=10, rep=100))
     for (model, (Hq, Hkv), (B, L, T)), cfg in runs:
-        r = check_and_time(B, L, T, Hq, Hkv, 128, **cfg)
+        r = check_and_time(B, L, T, Hq, Hkv, 128, bw, **cfg)
         r["model"] = model
         rows.append(r)
         print(json.dumps(r), flush=True)
