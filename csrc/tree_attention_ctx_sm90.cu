@@ -39,20 +39,33 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// K and V rows n0 .. n0 + 63 of KV head h into ring slot `slot` (4 chunks of each per thread), one commit group.
-// Tiles past the split (valid = false) read page 0 and are never used: the group count stays uniform.
+constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of K (and of V) per thread
+
+// Page ids of this thread's rows of the tile starting at token n0 (row (tid + it * kThreads) / (kD / 8)). Read one
+// iteration ahead of the copies: the block-table load's latency would otherwise sit between each iteration's barrier
+// and its cp.asyncs. Tiles past the split (valid = false) get page 0: read and never used, so the group count stays
+// uniform.
+__device__ __forceinline__ void tile_pages(const TreeAttentionParams& p, const int32_t* bt_row, int n0, bool valid,
+                                           int32_t (&pages)[kChunksPerThread]) {
+#pragma unroll
+  for (int it = 0; it < kChunksPerThread; ++it) {
+    const int row = (threadIdx.x + it * kThreads) / (kD / 8);
+    pages[it] = valid ? bt_row[(n0 + row) / p.block_size] : 0;
+  }
+}
+
+// K and V rows n0 .. n0 + 63 of KV head h (pages from tile_pages) into one ring slot, one commit group.
 template <typename T>
-__device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const int32_t* bt_row, int h, int n0,
-                                           bool valid, unsigned char* k_slot, unsigned char* v_slot) {
+__device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const int32_t (&pages)[kChunksPerThread],
+                                           int h, int n0, unsigned char* k_slot, unsigned char* v_slot) {
   const T* K = static_cast<const T*>(p.k_cache);
   const T* V = static_cast<const T*>(p.v_cache);
 #pragma unroll
-  for (int it = 0; it < kBlockN * (kD / 8) / kThreads; ++it) {
+  for (int it = 0; it < kChunksPerThread; ++it) {
     const int i = threadIdx.x + it * kThreads;
     const int row = i / (kD / 8), chunk = i % (kD / 8);
-    const int tok = n0 + row;
-    const int64_t page = valid ? static_cast<int64_t>(bt_row[tok / p.block_size]) : 0;
-    const int64_t in_page = tok % p.block_size;
+    const int64_t page = pages[it];
+    const int64_t in_page = (n0 + row) % p.block_size;
     const uint32_t off = wgmma::swizzled_offset(kBlockN, row, chunk);
     tree_attn::cp_async_16(k_slot + off,
                            K + page * p.k_stride_block + in_page * p.k_stride_token + h * p.k_stride_head + chunk * 8, 16);
@@ -109,10 +122,16 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   unsigned char* const k_ring = smem_q + (k_s - q_s);  // ... and generic pointers for cp.async
   unsigned char* const v_ring = smem_q + (v_s - q_s);
 
-  // Prologue: tiles 0 .. kStages - 2 in flight, then Q staged (st.shared, zero rows beyond T * G).
+  // Prologue: tiles 0 .. kStages - 1 in flight, one per ring slot (iteration j then refills tile j - 1's slot with
+  // tile j + kStages - 1, so every tile is issued exactly once), then Q staged (st.shared, zero rows beyond T * G).
 #pragma unroll
-  for (int t0 = 0; t0 < kStages - 1; ++t0)
-    issue_tile<T>(p, bt_row, h, start + t0 * kBlockN, t0 < n_full, k_ring + t0 * kTileBytes, v_ring + t0 * kTileBytes);
+  for (int t0 = 0; t0 < kStages; ++t0) {
+    int32_t pages[kChunksPerThread];
+    tile_pages(p, bt_row, start + t0 * kBlockN, t0 < n_full, pages);
+    issue_tile<T>(p, pages, h, start + t0 * kBlockN, k_ring + t0 * kTileBytes, v_ring + t0 * kTileBytes);
+  }
+  int32_t next_pages[kChunksPerThread];
+  tile_pages(p, bt_row, start + kStages * kBlockN, kStages < n_full, next_pages);
   const T* Q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kThreads) {
     const int m = i / (kD / 8), chunk = i % (kD / 8);
@@ -130,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     return wgmma::desc(q_wg + static_cast<uint32_t>((k >> 2) * kBlockM * 128 + (k & 3) * 32), 0, 1024);
   };
 
-  tree_attn::cp_async_wait<kStages - 2>();
+  tree_attn::cp_async_wait<kStages - 1>();  // tile 0 landed
   wgmma::fence_proxy_async();
   __syncthreads();
 
@@ -160,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   // wgmma of a kernel where one does: C7514).
   for (int j = 1; j < n_full; ++j) {
     const int prev = (j - 1) % kStages, cur = j % kStages;
-    // Tile j landed (tiles j + 1 .. j + kStages - 2 may still fly).
+    // Tile j landed (committed: tiles 0 .. j + kStages - 2; tiles j + 1 .. may still fly).
     tree_attn::cp_async_wait<kStages - 2>();
     wgmma::fence_proxy_async();
     __syncthreads();
@@ -191,8 +210,8 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     // j + kStages - 1.
     __syncthreads();
     const int nt = j + kStages - 1;
-    issue_tile<T>(p, bt_row, h, start + nt * kBlockN, nt < n_full, k_ring + prev * kTileBytes,
-                  v_ring + prev * kTileBytes);
+    issue_tile<T>(p, next_pages, h, start + nt * kBlockN, k_ring + prev * kTileBytes, v_ring + prev * kTileBytes);
+    tile_pages(p, bt_row, start + (nt + 1) * kBlockN, nt + 1 < n_full, next_pages);
   }
   if (n_full > 0) {  // the last tile's P V
     uint32_t frag[kBlockN / 16][4];

@@ -125,6 +125,27 @@ def test_extension_validates_arguments_before_touching_the_gpu():
         ext.tree_attention_merge(**{**args, "q_strides": (1, 2)})
 
 
+def test_tree_attention_launch_args_fit_the_binding():
+    """The host wrapper's keyword arguments are exactly the binding's (CPU tensors: only pointers and sizes are read;
+    the binding then refuses head_dim 96 before any CUDA call). Catches a renamed or undefined argument on CPU."""
+    ext = _ext_or_skip()
+    from tlt_kernels._cuda.tree_attention import _launch_args
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, T, Hkv, G, D, page = 3, 5, 2, 3, 128, 16
+    parents = torch.tensor([[-1, 0, 0, 1, 2]] * B, dtype=torch.int32)
+    table = torch.arange(B * 4, dtype=torch.int32).view(B, 4)
+    plan = plan_tree_attention(parents, [17, 0, 40], table, num_q_heads=Hkv * G, num_kv_heads=Hkv, head_dim=D,
+                               block_size=page)
+    q = torch.zeros(B, T, Hkv * G, D, dtype=torch.bfloat16)
+    kv = torch.zeros(B * 4, page, Hkv, D, dtype=torch.bfloat16)
+    args = _launch_args(plan, q, kv, kv, q, 0.1)
+    assert args["batch"] == B and args["num_tree"] == T and args["num_q_heads"] == Hkv * G
+    assert args["q"] == q.data_ptr() and args["block_table"] == plan.block_table.data_ptr()
+    with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
+        ext.tree_attention_partial(**{**args, "head_dim": 96, "stream": 0})
+
+
 @pytest.mark.cuda
 def test_gpu_smoke():
     """One tiny tree-attention call through the CUDA backend matches the reference."""

@@ -130,7 +130,7 @@ def _launch_args(plan, q, k_cache, v_cache, out, sm_scale) -> dict:
         partial_out=ptr(plan.partial_out), partial_lse=ptr(plan.partial_lse), out=ptr(out),
         q_strides=strides(q, (0, 1, 2)), k_strides=strides(k_cache, (0, 1, 2)),
         v_strides=strides(v_cache, (0, 1, 2)), out_strides=strides(out, (0, 1, 2)),
-        bt_stride_b=int(plan.block_table.stride(0)), batch=B, num_tree=plan.num_tree,
+        bt_stride_b=int(plan.block_table.stride(0)), batch=plan.batch_size, num_tree=plan.num_tree,
         num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
         block_size=plan.block_size, num_splits=plan.num_splits, split_len=plan.split_len,
         sm_scale=float(sm_scale), dtype=dtype_code(q.dtype), config=int(CONFIG_OVERRIDE),

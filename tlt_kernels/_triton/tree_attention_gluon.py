@@ -52,6 +52,13 @@ def _issue_tile(k_smem, v_smem, stage, K_head, V_head, pages, n0, offs_n, offs_d
 
 
 @gluon.jit
+def _tile_pages(bt_row, start, tile, n_full, offs_n, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """Page id of each row of the split's tile ``tile``; 0 (a real page, read and never used) past the whole tiles."""
+    n0 = start + tile * BLOCK_N
+    return gl.load(bt_row + (n0 + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & (tile < n_full), other=0)
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, qk_scale):
     """One tile's online softmax (base 2, the scale folded into the exponent): returns the unnormalized
     probabilities, the new running max and sum, and ``alpha`` that rescales what was accumulated before."""
@@ -110,18 +117,20 @@ def _context_attn_kernel(
     V_head = V_ptr + h * stride_vh
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
 
-    # Prologue: tiles 0 .. NUM_STAGES - 2 in flight.
-    for t0 in gl.static_range(NUM_STAGES - 1):
-        first = start + t0 * BLOCK_N
-        have = t0 < n_full
-        first_pages = gl.load(bt_row + (first + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & have, other=0)
-        _issue_tile(k_smem, v_smem, t0, K_head, V_head, first_pages, first, offs_n, offs_d, stride_kp, stride_ks,
-                    stride_vp, stride_vs, PAGE_SIZE)
+    # Prologue: tiles 0 .. NUM_STAGES - 1 in flight, one per ring slot (iteration j then refills tile j - 1's slot
+    # with tile j + NUM_STAGES - 1, so every tile is issued exactly once).
+    for t0 in gl.static_range(NUM_STAGES):
+        pages = _tile_pages(bt_row, start, t0, n_full, offs_n, BLOCK_N, PAGE_SIZE)
+        _issue_tile(k_smem, v_smem, t0, K_head, V_head, pages, start + t0 * BLOCK_N, offs_n, offs_d, stride_kp,
+                    stride_ks, stride_vp, stride_vs, PAGE_SIZE)
+    # The page ids of the next tile to issue, read one iteration ahead: the block-table load's latency would
+    # otherwise sit between each iteration's barrier and its cp.asyncs.
+    next_pages = _tile_pages(bt_row, start, NUM_STAGES, n_full, offs_n, BLOCK_N, PAGE_SIZE)
 
     # S_0 = Q K_0^T, then P_0 = softmax(S_0) (O is zero: nothing to rescale).
     # Each thread's own copies (and its Q stores) done and made visible to the async proxy that wgmma reads through,
     # then a barrier so every thread's are: fence before the barrier, not after it.
-    async_copy.wait_group(NUM_STAGES - 2)
+    async_copy.wait_group(NUM_STAGES - 1)  # tile 0 landed
     fence_async_shared()
     gl.thread_barrier()
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -137,7 +146,7 @@ def _context_attn_kernel(
     # serializes every wgmma of the kernel: C7514, checked by tests/test_gluon_context_attention.py).
     for j in range(1, n_full):
         prev = (j - 1) % NUM_STAGES
-        # Tile j landed (tiles j + 1 .. j + NUM_STAGES - 2 may still fly).
+        # Tile j landed (committed: tiles 0 .. j + NUM_STAGES - 2; tiles j + 1 .. may still fly).
         async_copy.wait_group(NUM_STAGES - 2)
         fence_async_shared()
         gl.thread_barrier()
@@ -151,10 +160,9 @@ def _context_attn_kernel(
         # Every warp group is done with tile j - 1: its ring slot takes tile j + NUM_STAGES - 1.
         gl.thread_barrier()
         nt = j + NUM_STAGES - 1
-        n0 = start + nt * BLOCK_N
-        pages = gl.load(bt_row + (n0 + offs_n) // PAGE_SIZE, mask=(offs_n >= 0) & (nt < n_full), other=0)
-        _issue_tile(k_smem, v_smem, prev, K_head, V_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                    stride_vp, stride_vs, PAGE_SIZE)
+        _issue_tile(k_smem, v_smem, prev, K_head, V_head, next_pages, start + nt * BLOCK_N, offs_n, offs_d, stride_kp,
+                    stride_ks, stride_vp, stride_vs, PAGE_SIZE)
+        next_pages = _tile_pages(bt_row, start, nt + 1, n_full, offs_n, BLOCK_N, PAGE_SIZE)
     if n_full > 0:  # the last tile's P V
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o_acc = warpgroup_mma(p_op, v_smem.index((n_full - 1) % NUM_STAGES), o_acc, is_async=True)
