@@ -78,6 +78,7 @@ def check_and_time(B, L, T, Hq, Hkv, D, copy_bytes_per_s, page=16, dtype=torch.b
     from tlt_kernels import plan_tree_attention
     from tlt_kernels._backend import backend_unavailable_reason
 
+    sweep_config = bool(cfg)  # a Gluon config of the sweep: the CUDA kernel was timed in the case's default row
     cfg = {**CONFIG, **cfg}
     dev = torch.device("cuda")
     q, kc, vc, bt, cl = _case(B, L, T, Hq, Hkv, D, page, dtype, dev)
@@ -105,23 +106,28 @@ def check_and_time(B, L, T, Hq, Hkv, D, copy_bytes_per_s, page=16, dtype=torch.b
     # Byte floor of the context part: K and V of every context token once, q read and the partial rows written.
     nbytes = B * Hkv * L * D * 2 * q.element_size() + q.numel() * (q.element_size() + 4)
     floor_ms = nbytes / copy_bytes_per_s * 1e3
-    # The CUDA twin (csrc/tree_attention_ctx_sm90.cu) on the plan's own scratch and split length, when built.
+    # The CUDA twin (csrc/tree_attention_ctx_sm90.cu) on the plan's own scratch and split length, when built, at each
+    # tile width (keys cuda_* for the default 128, cuda64_* for 64); once per case, not per Gluon config of a sweep.
     cuda = {}
-    if D == 128 and backend_unavailable_reason("cuda", dev) is None:
-        from tlt_kernels._cuda.tree_attention import CONTEXT_BLOCK, run_context_sm90
+    if D == 128 and not sweep_config and backend_unavailable_reason("cuda", dev) is None:
+        from tlt_kernels._cuda.tree_attention import CONTEXT_BLOCKS, run_context_sm90
 
-        try:
-            run_context_sm90(plan, q, kc, vc, sm_scale)
-            torch.cuda.synchronize()
-            S2 = plan.num_splits
-            if (plan.split_len, CONTEXT_BLOCK) != (split_len, cfg["BLOCK_N"]):
-                ref = _reference_partials(q, kc, vc, bt, cl, plan.split_len, S2, sm_scale, CONTEXT_BLOCK)
-            c_ok, c_err_o, _ = _partials_error(plan.partial_out[:, :, :S2], plan.partial_lse[:, :, :S2], *ref)
-            c_ms = triton.testing.do_bench(lambda: run_context_sm90(plan, q, kc, vc, sm_scale), warmup=25, rep=200)
-            cuda = dict(cuda_ok=c_ok, cuda_err_o=c_err_o, cuda_ms=round(c_ms, 4),
-                        cuda_pct_floor=round(100 * floor_ms / c_ms, 1))
-        except Exception as exc:  # noqa: BLE001 - an experiment: report it in the row
-            cuda = dict(cuda_ok=False, cuda_error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        for block in sorted(CONTEXT_BLOCKS, reverse=True):
+            key = "cuda" if block == 128 else f"cuda{block}"
+            try:
+                run_context_sm90(plan, q, kc, vc, sm_scale, block=block)
+                torch.cuda.synchronize()
+                S2 = plan.num_splits
+                ref_c = ref
+                if (plan.split_len, block) != (split_len, cfg["BLOCK_N"]):
+                    ref_c = _reference_partials(q, kc, vc, bt, cl, plan.split_len, S2, sm_scale, block)
+                c_ok, c_err_o, _ = _partials_error(plan.partial_out[:, :, :S2], plan.partial_lse[:, :, :S2], *ref_c)
+                c_ms = triton.testing.do_bench(lambda: run_context_sm90(plan, q, kc, vc, sm_scale, block=block),
+                                               warmup=25, rep=200)
+                cuda.update({f"{key}_ok": c_ok, f"{key}_err_o": c_err_o, f"{key}_ms": round(c_ms, 4),
+                             f"{key}_pct_floor": round(100 * floor_ms / c_ms, 1)})
+            except Exception as exc:  # noqa: BLE001 - an experiment: report it in the row
+                cuda.update({f"{key}_ok": False, f"{key}_error": f"{type(exc).__name__}: {str(exc)[:200]}"})
     return dict(B=B, L=L, T=T, Hq=Hq, Hkv=Hkv, ok=ok, err_o=err_o, err_lse=err_l, **cuda,
                 gluon_ms=round(ms, 4), triton_op_ms=round(ms_triton, 4), gluon_pct_floor=round(100 * floor_ms / ms, 1),
                 triton_op_pct_floor=round(100 * floor_ms / ms_triton, 1), split_len=split_len, triton_split_len=plan.split_len,

@@ -1,13 +1,21 @@
 // Experimental (issue 3): the context part of tree attention on sm_90 wgmma, the CUDA twin of the Gluon kernel in
-// tlt_kernels/_triton/tree_attention_gluon.py. Compiled, not yet run on a GPU; reached only through
-// _C._tree_attention_context_sm90 (bench/gluon_context_attention.py times it beside the Gluon kernel).
+// tlt_kernels/_triton/tree_attention_gluon.py. Reached through _C._tree_attention_context_sm90 (the CUDA backend
+// behind TLT_TREE_ATTENTION_CUDA_CTX=1; bench/gluon_context_attention.py times it beside the Gluon kernel).
 //
 // One CTA = two warpgroups = 128 query rows (row m = t * G + g: node t, query head h * G + g; rows >= T * G are
-// zero) of one (split, KV head, request), over the split's whole 64-token tiles:
+// zero) of one (split, KV head, request), over the split's whole kBlockN-token tiles:
 //
 //   S_{i+1} = Q K_{i+1}^T      async wgmma (tensor cores)
 //   P_i = softmax(S_i)          meanwhile (CUDA cores); base 2, the scale folded into the exponent
 //   wait P_{i-1} V_{i-1}; O = alpha O; O += P_i V_i (async); wait S_{i+1}
+//
+// Two instantiations (p.config picks, see the launcher):
+//   kBlockN = 128, kStages = 3 (default): S is m64n128 (64 fp32 per thread), P V is 8 k-steps; Q 32 KB + 3 x (K 32 KB
+//     + V 32 KB) = 224 KB. Every iteration pays two barriers, a cp.async wait and two wgmma waits whatever the tile,
+//     and at 64 tokens that fixed cost dominated (66-72% of the HBM floor on an H100 against the Gluon kernel's
+//     75-78%, 83-86% with its 128-token tile), so the 128-token tile halves it per token.
+//   kBlockN = 64, kStages = 4: S is m64n64, P V 4 k-steps; Q 32 KB + 4 x (16 + 16) KB = 160 KB. For split lengths
+//     that are multiples of 64 only.
 //
 // K/V are gathered through the block table by 16-byte cp.async into a ring of kStages swizzled tiles
 // (csrc/wgmma_sm90.cuh). Writes the split's partial (o, natural-log lse) in the plan's scratch layout, row
@@ -25,43 +33,61 @@
 namespace tlt {
 namespace {
 
-constexpr int kD = 128, kBlockM = 128, kBlockN = 64, kStages = 4, kThreads = 256;
-constexpr int kTileBytes = kBlockN * kD * 2;                    // one K or V tile
-// Q + K ring + V ring = 160 KB, plus 1 KB to align the base: the 128-byte swizzle is a function of address bits
-// 4-9, so every tile must start 1024-byte aligned, which the dynamic shared-memory window does not promise.
-constexpr int kSmemBytes = kBlockM * kD * 2 + 2 * kStages * kTileBytes + 1024;
+constexpr int kD = 128, kBlockM = 128, kThreads = 256;
 
-// Keeps the compiler from moving reads or writes of these registers across an asynchronous wgmma's issue or wait
-// (it does not know the hardware writes them in between).
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+// One instantiation per tile width: the 128-token tile halves the per-tile fixed cost (two barriers, the cp.async
+// wait, two wgmma waits) that dominates at 64 tokens, at the price of one ring slot (shared memory: Q 32 KB +
+// kStages x 2 x kBlockN x 256 B must stay within the 227 KB opt-in limit).
+template <int kBlockN_, int kStages_>
+struct CtxConfig {
+  static constexpr int kBlockN = kBlockN_, kStages = kStages_;
+  static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64n64 or m64n128 wgmma per k-step");
+  static_assert(kStages >= 2, "the loop refills tile j - 1's slot while tile j is read");
+  static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile
+  // Q + K ring + V ring, plus 1 KB to align the base: the 128-byte swizzle is a function of address bits 4-9, so
+  // every tile must start 1024-byte aligned, which the dynamic shared-memory window does not promise.
+  static constexpr int kSmemBytes = kBlockM * kD * 2 + 2 * kStages * kTileBytes + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
+  static constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of K (and of V) per thread
+  static constexpr int kScores = kBlockN / 2;                              // S accumulator floats per thread
+};
+using Ctx64 = CtxConfig<64, 4>;    // 160 KB + 1 KB
+using Ctx128 = CtxConfig<128, 3>;  // 224 KB + 1 KB
+
+using wgmma::fence_regs;
+
+// S (+)= Q K^T for one k-step, the instruction picked by the accumulator's width.
+template <typename T>
+__device__ __forceinline__ void mma_s(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  wgmma::mma_m64n64k16_ss<T>(d, da, db, scale_d);
 }
-
-constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of K (and of V) per thread
+template <typename T>
+__device__ __forceinline__ void mma_s(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  wgmma::mma_m64n128k16_ss<T>(d, da, db, scale_d);
+}
 
 // Page ids of this thread's rows of the tile starting at token n0 (row (tid + it * kThreads) / (kD / 8)). Read one
 // iteration ahead of the copies: the block-table load's latency would otherwise sit between each iteration's barrier
 // and its cp.asyncs. Tiles past the split (valid = false) get page 0: read and never used, so the group count stays
 // uniform.
+template <int kChunks>
 __device__ __forceinline__ void tile_pages(const TreeAttentionParams& p, const int32_t* bt_row, int n0, bool valid,
-                                           int32_t (&pages)[kChunksPerThread]) {
+                                           int32_t (&pages)[kChunks]) {
 #pragma unroll
-  for (int it = 0; it < kChunksPerThread; ++it) {
+  for (int it = 0; it < kChunks; ++it) {
     const int row = (threadIdx.x + it * kThreads) / (kD / 8);
     pages[it] = valid ? bt_row[(n0 + row) / p.block_size] : 0;
   }
 }
 
-// K and V rows n0 .. n0 + 63 of KV head h (pages from tile_pages) into one ring slot, one commit group.
-template <typename T>
-__device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const int32_t (&pages)[kChunksPerThread],
-                                           int h, int n0, unsigned char* k_slot, unsigned char* v_slot) {
+// K and V rows n0 .. n0 + kBlockN - 1 of KV head h (pages from tile_pages) into one ring slot, one commit group.
+template <typename T, int kBlockN, int kChunks>
+__device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const int32_t (&pages)[kChunks], int h,
+                                           int n0, unsigned char* k_slot, unsigned char* v_slot) {
   const T* K = static_cast<const T*>(p.k_cache);
   const T* V = static_cast<const T*>(p.v_cache);
 #pragma unroll
-  for (int it = 0; it < kChunksPerThread; ++it) {
+  for (int it = 0; it < kChunks; ++it) {
     const int i = threadIdx.x + it * kThreads;
     const int row = i / (kD / 8), chunk = i % (kD / 8);
     const int64_t page = pages[it];
@@ -75,23 +101,25 @@ __device__ __forceinline__ void issue_tile(const TreeAttentionParams& p, const i
   tree_attn::cp_async_commit();
 }
 
-// Online softmax of one m64n64 score tile in place (scores -> unnormalized probabilities, base 2, the scale folded
-// into the exponent), for this thread's two rows: running max m_i (shared by the row's 4 lanes), this lane's share
-// of the running sum l_i, and the factor alpha that rescales what was accumulated under the old max.
-__device__ __forceinline__ void online_softmax(float (&s)[32], float qk_scale, float (&m_i)[2], float (&l_i)[2],
+// Online softmax of one m64nN score tile in place (N = 2 * kScores; scores -> unnormalized probabilities, base 2,
+// the scale folded into the exponent), for this thread's two rows: running max m_i (shared by the row's 4 lanes),
+// this lane's share of the running sum l_i, and the factor alpha that rescales what was accumulated under the old
+// max. Element 4j + 2r + e is row r0 + 8r, column 8j + 2 (lane % 4) + e: kScores / 4 column groups j.
+template <int kScores>
+__device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_scale, float (&m_i)[2], float (&l_i)[2],
                                                float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    for (int j = 0; j < kScores / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     const float m_new = fmaxf(m_i[r], mx * qk_scale);
     alpha[r] = exp2f(m_i[r] - m_new);
     float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kScores / 4; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float pv = exp2f(s[4 * j + 2 * r + e] * qk_scale - m_new);
@@ -103,9 +131,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[32], float qk_scale, f
   }
 }
 
-template <typename T>
+template <typename T, typename Cfg>
 __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kBlockN = Cfg::kBlockN, kStages = Cfg::kStages, kTileBytes = Cfg::kTileBytes;
+  constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = p.num_q_heads / p.num_kv_heads, rows = p.num_tree * G;
@@ -126,11 +156,11 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   // tile j + kStages - 1, so every tile is issued exactly once), then Q staged (st.shared, zero rows beyond T * G).
 #pragma unroll
   for (int t0 = 0; t0 < kStages; ++t0) {
-    int32_t pages[kChunksPerThread];
+    int32_t pages[kChunks];
     tile_pages(p, bt_row, start + t0 * kBlockN, t0 < n_full, pages);
-    issue_tile<T>(p, pages, h, start + t0 * kBlockN, k_ring + t0 * kTileBytes, v_ring + t0 * kTileBytes);
+    issue_tile<T, kBlockN>(p, pages, h, start + t0 * kBlockN, k_ring + t0 * kTileBytes, v_ring + t0 * kTileBytes);
   }
-  int32_t next_pages[kChunksPerThread];
+  int32_t next_pages[kChunks];
   tile_pages(p, bt_row, start + kStages * kBlockN, kStages < n_full, next_pages);
   const T* Q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kThreads) {
@@ -153,21 +183,21 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   wgmma::fence_proxy_async();
   __syncthreads();
 
-  // Rows r0 = 16 warp + lane / 4 and r0 + 8 of this warpgroup; the 4 lanes of a row hold 16 of its 64 scores each.
+  // Rows r0 = 16 warp + lane / 4 and r0 + 8 of this warpgroup; the 4 lanes of a row hold kBlockN / 4 of its kBlockN
+  // scores each.
   const float qk_scale = p.sm_scale * 1.4426950408889634f;
   float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
-  float s[32], o[64];
+  float s[kScores], o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
 
   // S_0, then P_0 = softmax(S_0) (O is zero: nothing to rescale).
 #pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = 0.f;
+  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
   fence_regs(s);
   wgmma::fence();
 #pragma unroll
-  for (int k = 0; k < kD / 16; ++k)
-    wgmma::mma_m64n64k16_ss<T>(s, desc_q(k), wgmma::desc_k_major(k_s, kBlockN, k), k > 0);
+  for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_s, kBlockN, k), k > 0);
   wgmma::commit();
   wgmma::wait<0>();
   fence_regs(s);
@@ -191,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     wgmma::fence();
 #pragma unroll
     for (int k = 0; k < kD / 16; ++k)
-      wgmma::mma_m64n64k16_ss<T>(s, desc_q(k), wgmma::desc_k_major(k_s + cur * kTileBytes, kBlockN, k), k > 0);
+      mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_s + cur * kTileBytes, kBlockN, k), k > 0);
     wgmma::commit();
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t)
@@ -210,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
     // j + kStages - 1.
     __syncthreads();
     const int nt = j + kStages - 1;
-    issue_tile<T>(p, next_pages, h, start + nt * kBlockN, k_ring + prev * kTileBytes, v_ring + prev * kTileBytes);
+    issue_tile<T, kBlockN>(p, next_pages, h, start + nt * kBlockN, k_ring + prev * kTileBytes,
+                           v_ring + prev * kTileBytes);
     tile_pages(p, bt_row, start + (nt + 1) * kBlockN, nt + 1 < n_full, next_pages);
   }
   if (n_full > 0) {  // the last tile's P V
@@ -252,16 +283,42 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
 #endif
 }
 
+// Opts the instantiation into its shared memory, then launches it.
+template <typename T, typename Cfg>
+LaunchStatus launch_context(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_context_sm90_kernel<T, Cfg>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  tree_attention_context_sm90_kernel<T, Cfg><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
+  TLT_STATUS_CHECK_LAUNCH();
+  return {};
+}
+
+template <typename Cfg>
+LaunchStatus launch_context_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  return p.dtype == DType::kBFloat16 ? launch_context<__nv_bfloat16, Cfg>(p, grid, stream)
+                                     : launch_context<__half, Cfg>(p, grid, stream);
+}
+
 }  // namespace
 
+// p.config picks the tile width (tokens of K/V per iteration; p.split_len must be a multiple of it, and the partial
+// kernel's context_done_block must equal it): 0 = the default, 128 (3 ring slots); 128 = the same, named; 64 = the
+// 64-token tile (4 ring slots). Anything else is refused, so a tuning index meant for the partial kernel
+// (tree_attention.cu) cannot silently select a width.
 LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
+  TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 64 || p.config == 128,
+                       "the sm_90 context kernel's config is its tile width: 0 (default, 128), 64 or 128, got "
+                           << p.config);
+  const int block_n = p.config == 64 ? Ctx64::kBlockN : Ctx128::kBlockN;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 context kernel covers head_dim 128, got " << p.head_dim);
   TLT_STATUS_CHECK_ARG(p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
                        "num_q_heads (" << p.num_q_heads << ") must be a multiple of num_kv_heads (" << p.num_kv_heads << ")");
   TLT_STATUS_CHECK_ARG(p.num_tree * (p.num_q_heads / p.num_kv_heads) <= kBlockM,
                        "T * G = " << p.num_tree * (p.num_q_heads / p.num_kv_heads) << " rows exceed " << kBlockM);
-  TLT_STATUS_CHECK_ARG(p.split_len > 0 && p.split_len % kBlockN == 0,
-                       "split_len must be a positive multiple of " << kBlockN << ", got " << p.split_len);
+  TLT_STATUS_CHECK_ARG(p.split_len > 0 && p.split_len % block_n == 0,
+                       "split_len must be a positive multiple of the sm_90 context kernel's tile width " << block_n
+                           << " (config " << p.config << "; config=64 selects the 64-token tile), got "
+                           << p.split_len);
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_splits >= 1 && p.num_splits <= 65535, "bad batch / num_splits");
   // 16-byte cp.async rows: every stride and base a multiple of 8 elements.
   TLT_STATUS_CHECK_ARG(p.k_stride_block % 8 == 0 && p.k_stride_token % 8 == 0 && p.k_stride_head % 8 == 0 &&
@@ -276,17 +333,8 @@ LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cu
   TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   TLT_STATUS_CHECK_ARG(major == 9, "wgmma needs an sm_90 GPU, the device has compute capability " << major << ".x");
   const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
-  if (p.dtype == DType::kBFloat16) {
-    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_context_sm90_kernel<__nv_bfloat16>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    tree_attention_context_sm90_kernel<__nv_bfloat16><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  } else {
-    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_context_sm90_kernel<__half>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    tree_attention_context_sm90_kernel<__half><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  }
-  TLT_STATUS_CHECK_LAUNCH();
-  return {};
+  return block_n == Ctx64::kBlockN ? launch_context_dtype<Ctx64>(p, grid, stream)
+                                   : launch_context_dtype<Ctx128>(p, grid, stream);
 }
 
 }  // namespace tlt

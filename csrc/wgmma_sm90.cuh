@@ -4,6 +4,9 @@
 // (tlt_kernels/_triton/tree_attention_gluon.py) is to be built from these; csrc/wgmma_selftest.cu checks each
 // piece against torch on a GPU first.
 //
+// S is one m64n64 (64-token K tile) or m64n128 (128-token tile) product per k-step; every helper below takes the
+// tile's row count, so the same code addresses 64- and 128-row K/V tiles (and the 128-row Q tile).
+//
 // Tile layout (what the Gluon kernel's NVMMASharedLayout(swizzle 128 B, 16-bit) produces, and what the
 // descriptors below describe): a [rows, 128] bf16/fp16 tile is two halves of 64 columns (128 B per row), the
 // half h at byte h * rows * 128. Row r of a half is at r * 128; its 16-byte chunk c (columns 8c .. 8c+7 of the
@@ -56,6 +59,13 @@ template <int N>
 __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Keeps the compiler from moving reads or writes of these registers across an asynchronous wgmma's issue or wait
+// (it does not know the hardware writes them in between).
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -85,10 +95,42 @@ TLT_WGMMA_SS_N64(__nv_bfloat16, "bf16")
 TLT_WGMMA_SS_N64(__half, "f16")
 #undef TLT_WGMMA_SS_N64
 
-// The A fragment of k-step t (columns 16 t .. 16 t + 15) of an m64n64 accumulator s, for an m64nNk16 product
-// with A from registers: the accumulator's layout is the A operand's (row l / 4 (+8), columns 2 (l % 4) (+8)).
+// d[0..63] (+)= A[64 x 16] B[16 x 128], both K-major in shared memory (B stored [128, 16]); scale_d = 0 overwrites
+// d. The S of a 128-token tile: half the per-tile barriers and waits of the 64-token one.
 template <typename T>
-__device__ __forceinline__ void a_fragment(const float (&s)[32], int t, uint32_t (&a)[4]) {
+__device__ __forceinline__ void mma_m64n128k16_ss(float (&d)[64], uint64_t da, uint64_t db, int scale_d);
+
+#define TLT_WGMMA_SS_N128(TYPE, PTX_TYPE)                                                                             \
+  template <>                                                                                                        \
+  __device__ __forceinline__ void mma_m64n128k16_ss<TYPE>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {   \
+    asm volatile(                                                                                                    \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                                 \
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " "                                     \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "      \
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "  \
+        "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                                            \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),    \
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),    \
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),    \
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),    \
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])     \
+        : "l"(da), "l"(db), "r"(scale_d));                                                                           \
+  }
+TLT_WGMMA_SS_N128(__nv_bfloat16, "bf16")
+TLT_WGMMA_SS_N128(__half, "f16")
+#undef TLT_WGMMA_SS_N128
+
+// The A fragment of k-step t (columns 16 t .. 16 t + 15) of an m64n64 (N = 32, t < 4) or m64n128 (N = 64, t < 8)
+// accumulator s, for an m64nNk16 product with A from registers: the accumulator's layout is the A operand's (row
+// l / 4 (+8), columns 2 (l % 4) (+8)). Column groups 2t and 2t + 1 are elements 8t .. 8t + 7 whatever the width,
+// since element 4j + e is in column group j for every N.
+template <typename T, int N>
+__device__ __forceinline__ void a_fragment(const float (&s)[N], int t, uint32_t (&a)[4]) {
+  static_assert(N == 32 || N == 64, "an m64n64 or m64n128 accumulator");
   using Pack = tree_attn::TypeTraits<T>;  // two floats -> one register of two 16-bit values (lo = lower column)
   a[0] = Pack::pack(s[8 * t + 0], s[8 * t + 1]);
   a[1] = Pack::pack(s[8 * t + 2], s[8 * t + 3]);

@@ -108,7 +108,21 @@ GPU_CASES = {
     "qwen7b-like": ([4096, 3000, 70, 0], 16, 28, 4, 128, torch.bfloat16, 1024),
     "qwen32b-like-fp16": ([2048, 333], 16, 40, 8, 128, torch.float16, 512),
     "one-split": ([200, 64, 5], 8, 14, 2, 128, torch.bfloat16, 256),
+    # Splits of exactly 3 tiles of 128 (the 128-token kernel's ring, kStages = 3) or 6 of 64; request 1's second split
+    # has no whole tile, request 2 none at all.
+    "ring-boundary": ([1000, 400, 100], 8, 14, 2, 128, torch.float16, 384),
+    # 192-token splits (64-token tiles only): 3 tiles, fewer than that kernel's 4 ring slots; tails everywhere.
+    "split192": ([700, 250, 60], 16, 28, 4, 128, torch.bfloat16, 192),
 }
+
+# The sm_90 CUDA context kernel's tile widths (tlt_kernels._cuda.tree_attention.CONTEXT_BLOCKS).
+CUDA_CONTEXT_BLOCKS = (64, 128)
+
+
+def _cuda_context_cases(names):
+    """(case, tile width) pairs where the case's split_len is a whole number of tiles."""
+    return [pytest.param(n, blk, id=f"{n}-block{blk}") for n in names for blk in CUDA_CONTEXT_BLOCKS
+            if GPU_CASES[n][-1] % blk == 0]
 
 
 def _need_sm90(with_extension: bool = False):
@@ -182,10 +196,12 @@ def test_whole_op_with_gluon_context_gpu(name, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16"])
-def test_cuda_context_kernel_matches_reference_gpu(name):
-    """csrc/tree_attention_ctx_sm90.cu (the CUDA twin of the Gluon kernel, built on csrc/wgmma_sm90.cuh): slots
-    0 .. S-1 of the plan's scratch equal the fp32 reference of every split's whole tiles; slot S is not touched."""
+@pytest.mark.parametrize("name,block", _cuda_context_cases(
+    ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16", "ring-boundary", "split192"]))
+def test_cuda_context_kernel_matches_reference_gpu(name, block):
+    """csrc/tree_attention_ctx_sm90.cu (the CUDA twin of the Gluon kernel, built on csrc/wgmma_sm90.cuh), with 64- and
+    128-token tiles: slots 0 .. S-1 of the plan's scratch equal the fp32 reference of every split's whole tiles of
+    that width; slot S is not touched."""
     _need_sm90(with_extension=True)
     from bench.gluon_context_attention import _reference_partials
     from test_tree_attention import make_case, make_plan
@@ -198,11 +214,11 @@ def test_cuda_context_kernel_matches_reference_gpu(name):
     plan.partial_out.fill_(float("nan"))
     plan.partial_lse.fill_(float("nan"))
     scale = 1.0 / math.sqrt(D)
-    run_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"], scale)
+    run_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"], scale, block=block)
     torch.cuda.synchronize()
     S = plan.num_splits
     ref_o, ref_l = _reference_partials(case["q"], case["k_cache"], case["v_cache"], plan.block_table, plan.context_lens,
-                                       plan.split_len, S, scale, 64)
+                                       plan.split_len, S, scale, block)
     got_l, got_o = plan.partial_lse[:, :, :S], plan.partial_out[:, :, :S]
     used = torch.isfinite(ref_l)
     assert used.any()
@@ -213,9 +229,11 @@ def test_cuda_context_kernel_matches_reference_gpu(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16", "one-split"])
-def test_whole_cuda_op_with_context_kernel_gpu(name, monkeypatch):
-    """tree_attention(backend="cuda") with CONTEXT_SM90 on: the sm_90 context kernel (slots 0 .. S-1), the partial
+@pytest.mark.parametrize("name,block", _cuda_context_cases(
+    ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16", "one-split", "ring-boundary", "split192"]))
+def test_whole_cuda_op_with_context_kernel_gpu(name, block, monkeypatch):
+    """tree_attention(backend="cuda") with CONTEXT_SM90 on and each tile width (CONTEXT_BLOCK: the context kernel's
+    config and the partial kernel's context_done_block): the sm_90 context kernel (slots 0 .. S-1), the partial
     kernel's tail-and-tree mode (slot S) and the merge give the reference output."""
     _need_sm90(with_extension=True)
     from test_tree_attention import check_against_reference, make_case, make_plan, poison_
@@ -226,6 +244,7 @@ def test_whole_cuda_op_with_context_kernel_gpu(name, monkeypatch):
     used = []
     real = ct._use_context_sm90
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)
+    monkeypatch.setattr(ct, "CONTEXT_BLOCK", block)
     monkeypatch.setattr(ct, "_use_context_sm90", lambda plan, q: used.append(real(plan, q)) or used[-1])
     case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random", "chain"), device="cuda")
     plan = make_plan(case, split_len=split_len)

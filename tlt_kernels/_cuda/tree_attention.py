@@ -26,16 +26,27 @@ HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
 # in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
-# Experimental (issue 3; compiled, not yet run on a GPU): every split's whole 64-token context tiles on the sm_90
-# wgmma kernel (csrc/tree_attention_ctx_sm90.cu), then the partial kernel for the last split's tail and the tree part
-# only (context_done_block), then the merge. sm_90, D=128, T*G <= 128; off unless TLT_TREE_ATTENTION_CUDA_CTX=1.
+# Experimental (issue 3): every split's whole CONTEXT_BLOCK-token context tiles on the sm_90 wgmma kernel
+# (csrc/tree_attention_ctx_sm90.cu), then the partial kernel for the last split's tail and the tree part only
+# (context_done_block), then the merge. sm_90, D=128, T*G <= 128; off unless TLT_TREE_ATTENTION_CUDA_CTX=1.
 CONTEXT_SM90 = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "0") not in ("", "0")
-CONTEXT_BLOCK = 64  # the sm_90 context kernel's tile (kBlockN)
+# The sm_90 context kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of
+# 64) or 64. The one value is the kernel's config, the partial kernel's context_done_block (where its tail starts)
+# and the split_len divisibility the context path needs, so they cannot disagree.
+CONTEXT_BLOCK = 128
+CONTEXT_BLOCKS = (64, 128)
+
+
+def _context_block(block: Optional[int]) -> int:
+    block = CONTEXT_BLOCK if block is None else block
+    if block not in CONTEXT_BLOCKS:
+        raise ValueError(f"the sm_90 context kernel's tile is one of {CONTEXT_BLOCKS} tokens, got {block!r}")
+    return block
 
 
 def _use_context_sm90(plan, q: torch.Tensor) -> bool:
     return (CONTEXT_SM90 and plan.head_dim == 128 and plan.num_tree * plan.group <= 128
-            and plan.split_len % CONTEXT_BLOCK == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
+            and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -93,8 +104,11 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
         if _use_context_sm90(plan, q):
-            ext._tree_attention_context_sm90(**args)  # slots 0 .. S-1: every split's whole context tiles
-            args["context_done_block"] = CONTEXT_BLOCK
+            block = _context_block(None)
+            # Slots 0 .. S-1: every split's whole context tiles. config selects the tile width here (CONFIG_OVERRIDE
+            # stays the partial kernel's).
+            ext._tree_attention_context_sm90(**{**args, "config": block})
+            args["context_done_block"] = block
             ext.tree_attention_partial(**args)  # slot S: the last split's tail and the tree part
             ext.tree_attention_merge(**args)
             return out
@@ -104,11 +118,14 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-def run_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sm_scale: float) -> None:
-    """Experimental (csrc/tree_attention_ctx_sm90.cu; sm_90, D=128, T*G <= 128, ``split_len % 64 == 0``): every
-    split's whole 64-token context tiles into ``plan.partial_out`` / ``plan.partial_lse`` slots ``0 .. S-1`` (the
-    slots ``tree_attention_gluon.run_context_plan`` writes; lse -inf for a split without a whole tile). The tail and
-    the tree part are not attended; nothing is written to ``out``."""
+def run_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sm_scale: float,
+                     block: Optional[int] = None) -> None:
+    """Experimental (csrc/tree_attention_ctx_sm90.cu; sm_90, D=128, T*G <= 128, ``split_len % block == 0``): every
+    split's whole ``block``-token context tiles (default :data:`CONTEXT_BLOCK`, else 64 or 128) into
+    ``plan.partial_out`` / ``plan.partial_lse`` slots ``0 .. S-1`` (the slots
+    ``tree_attention_gluon.run_context_plan`` writes; lse -inf for a split without a whole tile). The tail and the
+    tree part are not attended; nothing is written to ``out``."""
+    block = _context_block(block)
     why = unsupported_reason(plan, q, k_cache, v_cache)
     if why is not None:
         raise ValueError(f"tree_attention context kernel (cuda): {why}")
@@ -119,6 +136,7 @@ def run_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     args = _launch_args(plan, q, k_cache, v_cache, q, sm_scale)  # out: unused by this kernel
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
+        args["config"] = block  # the context kernel's config is its tile width
         extension()._tree_attention_context_sm90(**args)
 
 
