@@ -125,6 +125,16 @@ def test_extension_validates_arguments_before_touching_the_gpu():
         ext.tree_attention_merge(**{**args, "q_strides": (1, 2)})
 
 
+def test_cuda_context_path_switch_is_parsed():
+    """TLT_TREE_ATTENTION_CUDA_CTX: unset/auto = the T*G > 64 rule (None), 1 = on, 0 = off, anything else a clear error."""
+    code = "import tlt_kernels._cuda.tree_attention as ct; print(ct.CONTEXT_SM90)"
+    for value, expected in (("auto", "None"), ("1", "True"), ("0", "False")):
+        proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_CTX=value)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
+    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_CTX="yes")
+    assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1" in proc.stderr
+
+
 def test_tree_attention_launch_args_fit_the_binding():
     """The host wrapper's keyword arguments are exactly the binding's (CPU tensors: only pointers and sizes are read;
     the binding then refuses head_dim 96 before any CUDA call). Catches a renamed or undefined argument on CPU."""

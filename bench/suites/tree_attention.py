@@ -177,9 +177,11 @@ def _bench_case(ctx, model, B, L, T):
 
 
 def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes, extra):
-    """Rows ``tlt-triton+gluon-context`` and ``tlt-cuda+ctx-sm90``: the Triton / CUDA op with the experimental
-    overlapped context kernel (sm_90, bf16/fp16, T * G <= 128; tlt_kernels/_triton/tree_attention_gluon.py,
-    csrc/tree_attention_ctx_sm90.cu), each checked against the first tlt row. A failure is noted, not fatal."""
+    """Rows ``tlt-triton+gluon-context`` (the Triton op with the experimental Gluon context kernel) and the CUDA op
+    on the other side of its context-path rule: ``tlt-cuda+ctx-sm90`` where the default does not take the sm_90
+    context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128;
+    tlt_kernels/_triton/tree_attention_gluon.py, csrc/tree_attention_ctx_sm90.cu), each checked against the first tlt
+    row. A failure is noted, not fatal."""
     import tlt_kernels._cuda.tree_attention as ct
     import tlt_kernels._triton.tree_attention as ta
     from tlt_kernels._backend import backend_unavailable_reason
@@ -191,16 +193,20 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
         from tlt_kernels._triton import tree_attention_gluon as tg
 
         if tg.supports(q, plan.num_tree * plan.group, plan.split_len):
-            variants.append(("tlt-triton+gluon-context", ta, "GLUON_CONTEXT", "triton"))
+            variants.append(("tlt-triton+gluon-context", ta, "GLUON_CONTEXT", "triton", True))
     except ImportError as exc:  # a Triton without Gluon
         ctx.note(f"tlt-triton+gluon-context skipped: {exc}")
     if backend_unavailable_reason("cuda", q.device) is None:
-        variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda"))
-    for name, module, flag, backend in variants:
+        # The tlt-cuda row is the default rule (the context path where T*G > 64); these rows force each side of it.
+        if ct._use_context_sm90(plan, q):
+            variants.append(("tlt-cuda (no ctx-sm90)", ct, "CONTEXT_SM90", "cuda", False))
+        else:
+            variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda", True))
+    for name, module, flag, backend, value in variants:
         saved = getattr(module, flag)
-        setattr(module, flag, True)
+        setattr(module, flag, value)
         try:
-            if backend == "cuda" and not ct._use_context_sm90(plan, q):
+            if backend == "cuda" and ct._use_context_sm90(plan, q) != value:
                 continue
             plan.run(q, k_cache, v_cache, out=out, backend=backend)
             _check(name, out, reference, case)

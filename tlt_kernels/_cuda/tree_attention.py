@@ -26,10 +26,17 @@ HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
 # in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
-# Experimental (issue 3): every split's whole CONTEXT_BLOCK-token context tiles on the sm_90 wgmma kernel
+# sm_90 context path (issue 3): every split's whole CONTEXT_BLOCK-token context tiles on the wgmma kernel
 # (csrc/tree_attention_ctx_sm90.cu), then the partial kernel for the last split's tail and the tree part only
-# (context_done_block), then the merge. sm_90, D=128, T*G <= 128; off unless TLT_TREE_ATTENTION_CUDA_CTX=1.
-CONTEXT_SM90 = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "0") not in ("", "0")
+# (context_done_block), then the merge. Covers sm_90, D=128, T*G <= 128, split_len % CONTEXT_BLOCK == 0.
+# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows, i.e. both warpgroups have
+# rows (H100, 2026-11-26, bench/RESULTS.md: T=16 whole op 62.8-78.9% of the HBM floor against 60.0-64.6% for the
+# mma.sync kernel; T=8 (40-56 rows) 61-68% against 84-88%, so not there). True ("1"): wherever covered; False ("0"): off.
+_CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
+if _CTX_ENV not in ("", "auto", "0", "1"):
+    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
+CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV == "1"
+CONTEXT_SM90_MIN_ROWS = 65  # the auto rule: T*G at least this
 # The sm_90 context kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of
 # 64) or 64. The one value is the kernel's config, the partial kernel's context_done_block (where its tail starts)
 # and the split_len divisibility the context path needs, so they cannot disagree.
@@ -45,7 +52,9 @@ def _context_block(block: Optional[int]) -> int:
 
 
 def _use_context_sm90(plan, q: torch.Tensor) -> bool:
-    return (CONTEXT_SM90 and plan.head_dim == 128 and plan.num_tree * plan.group <= 128
+    rows = plan.num_tree * plan.group
+    wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
+    return (wanted and plan.head_dim == 128 and rows <= 128 and q.dtype in (torch.bfloat16, torch.float16)
             and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
