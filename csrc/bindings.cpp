@@ -130,8 +130,9 @@ PYBIND11_MODULE(_C, m) {
         "with two or more non-empty splits (zeros for rows t >= num_nodes[b]); launches nothing when num_splits == 1.");
   m.def("_tree_attention_context_sm90", &tree_attention_entry<tlt::launch_tree_attention_context_sm90>,
         TLT_TREE_ATTN_ARGS,
-        "Experimental (sm_90, D=128, T*G <= 128, split_len % 64 == 0): partial_out / partial_lse slots 0..S-1 over every "
-        "split's whole 64-token context tiles (lse -inf for a split without one); no tail, no tree part, no out.");
+        "sm_90 context kernel (D=128, T*G <= 128; config 0/128: 128-token tiles, split_len % 128 == 0; 64: 64-token "
+        "tiles): partial_out / partial_lse slots 0..S-1 over every split's whole context tiles (lse -inf for a split "
+        "without one); no tail, no tree part, no out.");
   m.def(
       "_wgmma_selftest",
       [](uintptr_t a, uintptr_t b, uintptr_t v, uintptr_t s_out, uintptr_t o_out, int dtype, uintptr_t stream) {

@@ -73,9 +73,10 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
 // Step 2: for requests with two or more non-empty splits, combines those slots with log-sum-exp and
 // writes out (zeros for rows t >= num_nodes[b]). A no-op (nothing launched) when num_splits == 1.
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
-// Experimental (tree_attention_ctx_sm90.cu, sm_90, D = 128, T * G <= 128, split_len a multiple of 64): every
-// split's whole 64-token context tiles only, partial (o, lse) into slots 0 .. S-1 (lse -inf without a tile);
-// grid (S, Hkv, B). The tail and the tree part are not attended.
+// The sm_90 context kernel (tree_attention_ctx_sm90.cu, sm_90, D = 128, T * G <= 128): every split's whole
+// context tiles only (p.config = 0 or 128: 128-token tiles, split_len a multiple of 128; 64: 64-token tiles),
+// partial (o, lse) into slots 0 .. S-1 (lse -inf without a tile); grid (S, Hkv, B). The tail and the tree part are
+// not attended: the partial kernel adds them with context_done_block = the tile width.
 LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

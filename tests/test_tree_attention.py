@@ -283,6 +283,9 @@ def test_default_split_len():
     assert default_split_len(64, 4, 16384, num_rows=16 * 7) >= 16384
     assert default_split_len(1, 1, 100) == 128  # never more splits than 256-token chunks
     assert default_split_len(2, 2, 0) == 64
+    # One split where the CUDA sm_90 context kernel may run (D=128, 64 < T*G <= 128): whole 128-token tiles.
+    assert default_split_len(64, 4, 4100, num_rows=16 * 7) == 4224
+    assert default_split_len(64, 4, 4100, num_rows=8 * 7) == 4160
 
 
 def test_plan_contents():

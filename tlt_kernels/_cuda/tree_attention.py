@@ -29,8 +29,8 @@ CONFIG_OVERRIDE = 0
 # sm_90 context path (issue 3): every split's whole CONTEXT_BLOCK-token context tiles on the wgmma kernel
 # (csrc/tree_attention_ctx_sm90.cu), then the partial kernel for the last split's tail and the tree part only
 # (context_done_block), then the merge. Covers sm_90, D=128, T*G <= 128, split_len % CONTEXT_BLOCK == 0.
-# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows, i.e. both warpgroups have
-# rows (H100, 2026-11-26, bench/RESULTS.md: T=16 whole op 62.8-78.9% of the HBM floor against 60.0-64.6% for the
+# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows (both warpgroups have rows)
+# and the plan has one split (H100, 2026-11-26, bench/RESULTS.md: T=16 whole op 62.8-78.9% of the HBM floor against 60.0-64.6% for the
 # mma.sync kernel; T=8 (40-56 rows) 61-68% against 84-88%, so not there). True ("1"): wherever covered; False ("0"): off.
 _CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
 if _CTX_ENV not in ("", "auto", "0", "1"):
@@ -53,7 +53,8 @@ def _context_block(block: Optional[int]) -> int:
 
 def _use_context_sm90(plan, q: torch.Tensor) -> bool:
     rows = plan.num_tree * plan.group
-    wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
+    # auto: where it was measured faster (one split, T*G > 64); several splits are correct but not yet timed.
+    wanted = rows >= CONTEXT_SM90_MIN_ROWS and plan.num_splits == 1 if CONTEXT_SM90 is None else CONTEXT_SM90
     return (wanted and plan.head_dim == 128 and rows <= 128 and q.dtype in (torch.bfloat16, torch.float16)
             and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 

@@ -16,9 +16,11 @@ kernel (C7514), which the first version of this kernel ran into. K/V are gathere
 the plan's scratch layout; the Triton kernel adds the last split's tail and the tree part as the extra slot S, and
 the merge kernel combines them (``tree_attention.run_triton``). The CUDA twin is csrc/tree_attention_ctx_sm90.cu.
 
-**Experimental, off by default** (``TLT_TREE_ATTENTION_GLUON=1`` or ``tree_attention.GLUON_CONTEXT = True``): it
-compiles for sm_90a on the CPU (tests/test_gluon_context_attention.py) but has not yet run on a GPU. Gluon has no
-interpreter, so its correctness checks run on the GPU only; ``bench/gluon_context_attention.py`` times it.
+**Experimental, off by default** (``TLT_TREE_ATTENTION_GLUON=1`` or ``tree_attention.GLUON_CONTEXT = True``). Gluon
+has no interpreter, so its correctness checks (tests/test_gluon_context_attention.py) run on the GPU only; they pass
+on an H100 (2026-11-26). Not adopted: alone it reaches 75-79% of the HBM floor at T=16 (83-86% with BLOCK_N=128),
+but as a whole op (plus the tail-and-tree partial and the merge) 53-80%, below the Triton op's 88-98% on the same
+H100 (bench/RESULTS.md). ``bench/gluon_context_attention.py`` times it.
 Covers bf16/fp16, D in (64, 128), ``T * G <= 128`` and ``split_len`` a multiple of ``CONFIG["BLOCK_N"]``.
 """
 from __future__ import annotations

@@ -140,7 +140,10 @@ def default_split_len(
         want = max(want, -(-max_context_len // CHUNKED_MAX_SPLIT_LEN))
     want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
     if want == 1:
-        return max(SPLIT_ALIGN, -(-max_context_len // SPLIT_ALIGN) * SPLIT_ALIGN)
+        # One split: its length only has to cover the context. Where the CUDA backend's sm_90 context kernel may
+        # run (D=128, 64 < T*G <= 128: 128-token tiles, split_len % 128 == 0), round to its tile instead.
+        align = 128 if head_dim == 128 and 64 < num_rows <= 128 else SPLIT_ALIGN
+        return max(align, -(-max_context_len // align) * align)
     # Round down to whole tiles so the split count stays >= want.
     return max(MIN_SPLIT_LEN, max_context_len // want // SPLIT_ALIGN * SPLIT_ALIGN)
 
