@@ -135,6 +135,40 @@ def test_cuda_context_path_switch_is_parsed():
     assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1" in proc.stderr
 
 
+def test_cuda_context_path_rule(monkeypatch):
+    """Where the CUDA backend takes the sm_90 context kernel (CPU: the device query is stubbed). auto: one split,
+    64 < T*G <= 128, D=128, bf16/fp16, split_len a multiple of the 128-token tile, sm_90; 1 / 0 force it on / off
+    within what the kernel covers."""
+    from types import SimpleNamespace
+
+    import tlt_kernels._cuda.tree_attention as ct
+
+    cc = {"major": 9}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (cc["major"], 0))
+
+    def plan(T=16, G=7, D=128, splits=1, split_len=4096):
+        return SimpleNamespace(num_tree=T, group=G, head_dim=D, num_splits=splits, split_len=split_len)
+
+    q = torch.empty(0, dtype=torch.bfloat16)
+    monkeypatch.setattr(ct, "CONTEXT_SM90", None)
+    assert ct._use_context_sm90(plan(), q)                            # T=16, G=7: 112 rows
+    assert ct._use_context_sm90(plan(T=13, G=5), q)                   # 65 rows
+    assert not ct._use_context_sm90(plan(T=16, G=4), q)               # 64 rows: one warpgroup, mma.sync is faster
+    assert not ct._use_context_sm90(plan(splits=2), q)                # several splits: not timed yet
+    assert not ct._use_context_sm90(plan(split_len=4160), q)          # not whole 128-token tiles
+    assert not ct._use_context_sm90(plan(D=64), q)
+    assert not ct._use_context_sm90(plan(T=32), q)                    # 224 rows: over one CTA's 128
+    assert not ct._use_context_sm90(plan(), q.float())
+    cc["major"] = 8
+    assert not ct._use_context_sm90(plan(), q)                        # wgmma: sm_90 only
+    cc["major"] = 9
+    monkeypatch.setattr(ct, "CONTEXT_SM90", True)
+    assert ct._use_context_sm90(plan(T=8, G=7, splits=3, split_len=1024), q)
+    assert not ct._use_context_sm90(plan(T=32), q)
+    monkeypatch.setattr(ct, "CONTEXT_SM90", False)
+    assert not ct._use_context_sm90(plan(), q)
+
+
 def test_tree_attention_launch_args_fit_the_binding():
     """The host wrapper's keyword arguments are exactly the binding's (CPU tensors: only pointers and sizes are read;
     the binding then refuses head_dim 96 before any CUDA call). Catches a renamed or undefined argument on CPU."""
