@@ -175,9 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_context_sm90_kerne
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
   const uint32_t q_wg = q_s + wg * 64 * 128;
-  auto desc_q = [&](int k) {
-    return wgmma::desc(q_wg + static_cast<uint32_t>((k >> 2) * kBlockM * 128 + (k & 3) * 32), 0, 1024);
-  };
+  auto desc_q = [&](int k) { return wgmma::desc_k_major(q_wg, kBlockM, k); };
 
   tree_attn::cp_async_wait<kStages - 1>();  // tile 0 landed
   wgmma::fence_proxy_async();
