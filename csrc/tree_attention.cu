@@ -136,10 +136,9 @@ struct MergeLaunch {
 
 }  // namespace
 
-LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
-  TLT_RETURN_IF_FAILED(check_common(p));
-  TLT_STATUS_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens && p.tree_mask,
-                "q, k_cache, v_cache, block_table, context_lens and tree_mask must be device pointers");
+LaunchStatus check_tree_attention_gather(const TreeAttentionParams& p) noexcept {
+  TLT_STATUS_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens,
+                "q, k_cache, v_cache, block_table and context_lens must be device pointers");
   TLT_STATUS_CHECK_ARG(aligned16(p.q) && aligned16(p.k_cache) && aligned16(p.v_cache),
                 "q, k_cache and v_cache must be 16-byte aligned (cp.async loads 16 bytes)");
   TLT_STATUS_CHECK_ARG(p.q_stride_b % 8 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0,
@@ -148,6 +147,13 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
                     p.v_stride_block % 8 == 0 && p.v_stride_token % 8 == 0 && p.v_stride_head % 8 == 0,
                 "k_cache / v_cache strides must be multiples of 8 elements (16 bytes)");
   TLT_STATUS_CHECK_ARG(p.block_size >= 1, "block_size must be >= 1, got " << p.block_size);
+  return {};
+}
+
+LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
+  TLT_RETURN_IF_FAILED(check_common(p));
+  TLT_RETURN_IF_FAILED(check_tree_attention_gather(p));
+  TLT_STATUS_CHECK_ARG(p.tree_mask, "tree_mask must be a device pointer");
   TLT_STATUS_CHECK_ARG(p.num_tree <= tree_attn::kMaxTree,
                        "num_tree must be <= " << tree_attn::kMaxTree << " for the CUDA kernels, got " << p.num_tree);
   TLT_STATUS_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32,

@@ -66,6 +66,11 @@ struct TreeAttentionParams {
   int context_done_block = 0;
 };
 
+// What every kernel that gathers K/V through the block table with 16-byte cp.async needs (the partial kernel and
+// the sm_90 context kernel): q / k_cache / v_cache / block_table / context_lens set, q / k_cache / v_cache 16-byte
+// aligned with strides of multiples of 8 elements, block_size >= 1.
+LaunchStatus check_tree_attention_gather(const TreeAttentionParams& p) noexcept;
+
 // Step 1: grid (S * row_chunks, B, Hkv). A request with at most one non-empty context split is
 // finished here (out written, padding rows zeroed); otherwise each non-empty split s writes its
 // partial_out / partial_lse slot for rows r < num_nodes[b] * G, the last one including the tree.

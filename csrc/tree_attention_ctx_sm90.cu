@@ -318,13 +318,7 @@ LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cu
                            << " (config " << p.config << "; config=64 selects the 64-token tile), got "
                            << p.split_len);
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_splits >= 1 && p.num_splits <= 65535, "bad batch / num_splits");
-  // 16-byte cp.async rows: every stride and base a multiple of 8 elements.
-  TLT_STATUS_CHECK_ARG(p.k_stride_block % 8 == 0 && p.k_stride_token % 8 == 0 && p.k_stride_head % 8 == 0 &&
-                           p.v_stride_block % 8 == 0 && p.v_stride_token % 8 == 0 && p.v_stride_head % 8 == 0 &&
-                           p.q_stride_b % 8 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0 &&
-                           (reinterpret_cast<uintptr_t>(p.q) & 15) == 0 && (reinterpret_cast<uintptr_t>(p.k_cache) & 15) == 0 &&
-                           (reinterpret_cast<uintptr_t>(p.v_cache) & 15) == 0,
-                       "q / k_cache / v_cache need 16-byte aligned rows (strides multiples of 8 elements)");
+  TLT_RETURN_IF_FAILED(check_tree_attention_gather(p));  // 16-byte cp.async rows, as the partial kernel's
   if (p.batch == 0) return {};
   int dev = 0, major = 0;
   TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
