@@ -320,10 +320,7 @@ LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cu
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_splits >= 1 && p.num_splits <= 65535, "bad batch / num_splits");
   TLT_RETURN_IF_FAILED(check_tree_attention_gather(p));  // 16-byte cp.async rows, as the partial kernel's
   if (p.batch == 0) return {};
-  int dev = 0, major = 0;
-  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
-  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  TLT_STATUS_CHECK_ARG(major == 9, "wgmma needs an sm_90 GPU, the device has compute capability " << major << ".x");
+  TLT_RETURN_IF_FAILED(wgmma::require_sm90());
   const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
   return block_n == Ctx64::kBlockN ? launch_context_dtype<Ctx64>(p, grid, stream)
                                    : launch_context_dtype<Ctx128>(p, grid, stream);

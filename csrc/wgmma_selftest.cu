@@ -149,10 +149,7 @@ __global__ void __launch_bounds__(kThreads) wgmma_selftest_kernel(const T* a, co
 LaunchStatus launch_wgmma_selftest(const WgmmaSelftestParams& p, cudaStream_t stream) noexcept {
   TLT_STATUS_CHECK_ARG(p.a && p.b && p.v && p.s_out && p.o_out, "a, b, v, s_out and o_out must be device pointers");
   TLT_STATUS_CHECK_ARG(p.dtype == 0 || p.dtype == 1, "dtype must be 0 (fp16) or 1 (bf16), got " << p.dtype);
-  int dev = 0, major = 0;
-  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
-  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  TLT_STATUS_CHECK_ARG(major == 9, "wgmma needs an sm_90 GPU, the device has compute capability " << major << ".x");
+  TLT_RETURN_IF_FAILED(wgmma::require_sm90());
   if (p.dtype == 1)
     wgmma_selftest_kernel<__nv_bfloat16><<<1, kThreads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(p.a), static_cast<const __nv_bfloat16*>(p.b),

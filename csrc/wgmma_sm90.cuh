@@ -25,12 +25,22 @@
 
 #include <cstdint>
 
+#include "launch_status.h"
 #include "tree_attention.cuh"  // tree_attn::smem_addr, tree_attn::TypeTraits<T>::pack
 
 namespace tlt {
 namespace wgmma {
 
 using tree_attn::smem_addr;
+
+// Host side of every launcher of these blocks: wgmma exists on sm_90 only.
+inline LaunchStatus require_sm90() noexcept {
+  int dev = 0, major = 0;
+  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
+  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  TLT_STATUS_CHECK_ARG(major == 9, "wgmma needs an sm_90 GPU, the device has compute capability " << major << ".x");
+  return {};
+}
 
 // Byte offset of the 16-byte chunk holding columns 8 * chunk16 .. + 7 of row `row` in a [rows, 128] tile.
 __device__ __forceinline__ uint32_t swizzled_offset(int rows, int row, int chunk16) {
