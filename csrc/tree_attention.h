@@ -59,7 +59,7 @@ struct TreeAttentionParams {
   int config = 0;
   // Set by the launcher: log2(block_size) when it is a power of two, else -1 (divide).
   int block_shift = -1;
-  // Experimental: > 0 when every split's whole tiles of this many context tokens were attended by
+  // > 0 when every split's whole tiles of this many context tokens were attended by
   // launch_tree_attention_context_sm90 (slots 0 .. S-1). The partial kernel then runs one CTA per row chunk
   // (grid (row_chunks, B, Hkv)) over the last split's tail and the tree part into slot S, and the merge
   // combines every request's slots 0 .. used-1 and S.

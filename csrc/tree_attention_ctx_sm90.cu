@@ -1,13 +1,15 @@
-// Experimental (issue 3): the context part of tree attention on sm_90 wgmma, the CUDA twin of the Gluon kernel in
-// tlt_kernels/_triton/tree_attention_gluon.py. Reached through _C._tree_attention_context_sm90 (the CUDA backend
-// behind TLT_TREE_ATTENTION_CUDA_CTX=1; bench/gluon_context_attention.py times it beside the Gluon kernel).
+// The context part of tree attention on sm_90 wgmma (issue 3), the CUDA twin of the Gluon kernel in
+// tlt_kernels/_triton/tree_attention_gluon.py. Reached through _C._tree_attention_context_sm90: the CUDA backend
+// takes it by default for one-split plans with 64 < T*G <= 128 (TLT_TREE_ATTENTION_CUDA_CTX, see
+// tlt_kernels/_cuda/tree_attention.py); bench/gluon_context_attention.py times it beside the Gluon kernel.
 //
 // One CTA = two warpgroups = 128 query rows (row m = t * G + g: node t, query head h * G + g; rows >= T * G are
-// zero) of one (split, KV head, request), over the split's whole kBlockN-token tiles:
+// zero) of one (split, KV head, request), over the split's whole kBlockN-token tiles, in FA3's intra-warpgroup
+// order (iteration j):
 //
-//   S_{i+1} = Q K_{i+1}^T      async wgmma (tensor cores)
-//   P_i = softmax(S_i)          meanwhile (CUDA cores); base 2, the scale folded into the exponent
-//   wait P_{i-1} V_{i-1}; O = alpha O; O += P_i V_i (async); wait S_{i+1}
+//   S_j = Q K_j^T; O += P_{j-1} V_{j-1}     two async wgmmas, issued back to back (tensor cores)
+//   wait S_j; P_j = softmax(S_j)            meanwhile (CUDA cores); base 2, the scale folded into the exponent
+//   wait P_{j-1} V_{j-1}; O = alpha_j O      no accumulator stays in flight across the loop's back edge
 //
 // Two instantiations (p.config picks, see the launcher):
 //   kBlockN = 128, kStages = 3 (default): S is m64n128 (64 fp32 per thread), P V is 8 k-steps; Q 32 KB + 3 x (K 32 KB

@@ -4,9 +4,10 @@ Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometr
 every request with context L and a random tree of T nodes. Impls:
 
 * ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
-* ``tlt-triton+gluon-context`` / ``tlt-cuda+ctx-sm90`` (sm_90, experimental): the same op with every split's whole
-  context tiles on the overlapped wgmma kernel (Gluon: ``tlt_kernels/_triton/tree_attention_gluon.py``; CUDA:
-  ``csrc/tree_attention_ctx_sm90.cu``), the tail and the tree part on the backend's partial kernel, then the merge;
+* ``tlt-triton+gluon-context`` (sm_90, experimental): the Triton op with every split's whole context tiles on the
+  overlapped Gluon wgmma kernel (``tlt_kernels/_triton/tree_attention_gluon.py``), the tail and the tree part on the
+  partial kernel, then the merge; ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
+  other side of its context-path rule (``csrc/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
   ``scaled_dot_product_attention`` with a boolean ``[B, 1, T, L+T]`` mask -- what a rollout engine
   without a tree kernel pays per layer;

@@ -130,9 +130,9 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 def run_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sm_scale: float,
                      block: Optional[int] = None) -> None:
-    """Experimental (csrc/tree_attention_ctx_sm90.cu; sm_90, D=128, T*G <= 128, ``split_len % block == 0``): every
-    split's whole ``block``-token context tiles (default :data:`CONTEXT_BLOCK`, else 64 or 128) into
-    ``plan.partial_out`` / ``plan.partial_lse`` slots ``0 .. S-1`` (the slots
+    """The sm_90 context kernel alone (csrc/tree_attention_ctx_sm90.cu; D=128, T*G <= 128,
+    ``split_len % block == 0``): every split's whole ``block``-token context tiles (default :data:`CONTEXT_BLOCK`,
+    else 64 or 128) into ``plan.partial_out`` / ``plan.partial_lse`` slots ``0 .. S-1`` (the slots
     ``tree_attention_gluon.run_context_plan`` writes; lse -inf for a split without a whole tile). The tail and the
     tree part are not attended; nothing is written to ``out``."""
     block = _context_block(block)

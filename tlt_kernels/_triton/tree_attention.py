@@ -64,9 +64,10 @@ PIPELINE = 1
 # cross-warp reduction and barrier per tile, more than the accumulator multiply it skips). Kept as a
 # variant of bench/tree_attention_variants.py.
 LAZY_RESCALE = 0.0
-# Experimental (issue 3; compiled on the CPU, not yet run on a GPU): the context's whole tiles on the Gluon kernel of
-# tree_attention_gluon.py (QK^T of the next tile overlapping the softmax), then this kernel for the last split's tail
-# and the tree part only, then the merge. sm_90 bf16/fp16 only; off unless TLT_TREE_ATTENTION_GLUON=1.
+# Experimental (issue 3; correct on an H100, slower than this kernel alone there: tree_attention_gluon.py's docstring):
+# the context's whole tiles on the Gluon kernel of tree_attention_gluon.py (the softmax overlapping the MMAs), then
+# this kernel for the last split's tail and the tree part only, then the merge. sm_90 bf16/fp16 only; off unless
+# TLT_TREE_ATTENTION_GLUON=1.
 GLUON_CONTEXT = os.environ.get("TLT_TREE_ATTENTION_GLUON", "0") not in ("", "0")
 
 
