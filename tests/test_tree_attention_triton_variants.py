@@ -127,11 +127,11 @@ def test_two_programs_per_sm_configs_match_reference(cfg, monkeypatch):
 # Compiles the partial kernel for sm_90 (no GPU needed) with the config `kernel_config` picks, then runs ptxas;
 # `{checks}` sees `c` (the compiled kernel), `regs`, `spills`, `smem` and the config's names.
 _COMPILE_SM90 = r"""
-import re, subprocess, sys, tempfile
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tlt_kernels._triton import tree_attention as m
+from tlt_kernels._triton import ptxas_report, tree_attention as m
 
 D, T, G, FP32 = {D}, {T}, {G}, {fp32}
 block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=FP32)
@@ -152,12 +152,7 @@ attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
 src = ASTSource(k, sig, constexprs={{(names.index(c),): v for c, v in consts.items()}}, attrs=attrs)
 opts = dict(num_warps=warps, num_stages=stages, **({{"maxnreg": maxnreg}} if maxnreg else {{}}))
 c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-with tempfile.TemporaryDirectory() as d:
-    open(d + "/k.ptx", "w").write(c.asm["ptx"])
-    r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True, text=True)
-assert r.returncode == 0, r.stderr
-regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
-spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+regs, spills, log = ptxas_report(c.asm["ptx"])  # raises with ptxas's stderr if it fails
 smem = c.metadata.shared
 print(block_m, block_n, warps, stages, regs, spills, smem)
 {checks}

@@ -25,14 +25,14 @@ Covers bf16/fp16, D in (64, 128), ``T * G <= 128`` and ``split_len`` a multiple 
 """
 from __future__ import annotations
 
-import re
-
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from . import ptxas_report
 
 LOG2E = 1.4426950408889634
 
@@ -219,10 +219,6 @@ def run_context(q, k_cache, v_cache, block_table, context_lens, split_len, num_s
 
 def compile_for_sm90(T=16, G=7, D=128, page=16, dtype="bf16", **cfg):
     """Compile for sm_90a without a GPU and run ptxas on the PTX: returns ``(compiled, registers, spill bytes)``."""
-    import re
-    import subprocess
-    import tempfile
-
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -239,15 +235,8 @@ def compile_for_sm90(T=16, G=7, D=128, page=16, dtype="bf16", **cfg):
              if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits")}
     src = GluonASTSource(_context_attn_kernel, sig, consts, attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": consts["num_warps"]})
-    with tempfile.TemporaryDirectory() as d:
-        open(d + "/k.ptx", "w").write(c.asm["ptx"])
-        r = subprocess.run(["ptxas", "-v", "--gpu-name", "sm_90a", d + "/k.ptx", "-o", d + "/k.o"], capture_output=True,
-                           text=True)
-    if r.returncode != 0:
-        raise RuntimeError(r.stderr)
-    c.ptxas_log = r.stderr  # e.g. C7514: ptxas serialized the wgmmas (an accumulator in flight across a back edge)
-    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
+    # c.ptxas_log: e.g. C7514, ptxas serialized the wgmmas (an accumulator in flight across a back edge).
+    regs, spills, c.ptxas_log = ptxas_report(c.asm["ptx"])
     return c, regs, spills
 
 
