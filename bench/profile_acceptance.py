@@ -1,0 +1,112 @@
+"""Where the CUDA ``verify_tree`` time goes at small batch: ``python -m bench.profile_acceptance [--out DIR]`` (GPU).
+
+The acceptance suite's cases (random logits, draft rows close to the target's) time the whole walk; this tool
+varies one thing at a time on chain and tree shapes at V=152064 (bf16 logits, fp32 draft probabilities), each
+timed as a CUDA-graph replay (median, L2 flushed between replays by ``triton.testing.do_bench``):
+
+* regime: ``bench`` (the suite's drafts), ``accept`` (q = the target's own distribution: every draft accepted,
+  the walk visits every row), ``reject`` (each draft is the target's least likely token: rejected at the root,
+  one row plus one residual pass), ``greedy`` (temperature 0: one pass per row, no normalizer);
+* cluster size C (``TLT_VERIFY_CLUSTER``: 1 .. 16, 0 = the launcher's choice);
+* ``read-floor``: a torch reduction over exactly the rows the walk visited (the bytes at copy speed).
+
+Rows print as ``shape B regime C: us, visited rows, us per visited row of the longest walk``. A developer tool:
+benchmark figures come from ``python -m bench acceptance``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def _case(kind, T, B, V, regime, dev, seed=0):
+    from bench.suites.acceptance import NOISE, TEMPERATURE, _parents
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    parents = _parents(kind, T, B, dev)
+    logits = torch.randn(B, T, V, generator=g, device=dev).mul_(3)
+    if regime == "accept":
+        q = torch.softmax(logits / TEMPERATURE, -1)
+    else:
+        q = torch.softmax(torch.randn(B, T, V, generator=g, device=dev).mul_(NOISE).add_(logits, alpha=1 / TEMPERATURE), -1)
+    tokens = torch.zeros(B, T, dtype=torch.int64, device=dev)
+    par = parents.long()
+    for i in range(1, T):
+        rows_q = q[torch.arange(B, device=dev), par[:, i]]
+        if regime == "reject":  # the target's least likely token, given near-full draft mass: rejected
+            tokens[:, i] = logits[torch.arange(B, device=dev), par[:, i]].argmin(-1)
+            q[torch.arange(B, device=dev), par[:, i], tokens[:, i]] = 1e3
+        elif regime == "greedy":
+            tokens[:, i] = logits[torch.arange(B, device=dev), par[:, i]].argmax(-1)
+        else:
+            tokens[:, i] = torch.multinomial(rows_q, 1, generator=g).squeeze(1)
+    if regime == "reject":
+        q = q / q.sum(-1, keepdim=True)
+    return logits.to(torch.bfloat16), tokens, parents, q
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shapes", default="chain4,chain8,tree16")
+    ap.add_argument("--bs", default="1,16,64")
+    ap.add_argument("--regimes", default="bench,accept,reject,greedy")
+    ap.add_argument("--clusters", default="0,4,8,16")
+    ap.add_argument("--vocab", type=int, default=152064)
+    args = ap.parse_args()
+    from triton.testing import do_bench
+
+    import tlt_kernels._cuda.verify_tree as cuda_vt
+    from bench.suites.acceptance import TEMPERATURE
+    from tlt_kernels import verify_tree
+
+    dev = torch.device("cuda")
+    rows = []
+    for shape in args.shapes.split(","):
+        kind, T = shape.rstrip("0123456789"), int(shape.lstrip("chaintre"))
+        for B in (int(b) for b in args.bs.split(",")):
+            for regime in args.regimes.split(","):
+                logits, tokens, parents, q = _case(kind, T, B, args.vocab, regime, dev)
+                temp = 0.0 if regime == "greedy" else TEMPERATURE
+                kw = dict(draft_probs=None if regime == "greedy" else q, temperature=temp,
+                          seed=torch.arange(B, dtype=torch.int64, device=dev), validate=False, backend="cuda")
+                res = verify_tree(logits, tokens, parents, return_stats=True, **kw)
+                visited = res.num_accepted.long() + 1
+                longest = int(visited.max())
+                # The read floor: one reduction over exactly the visited logits rows and tried draft rows.
+                sel_l = torch.cat([logits[b, :int(visited[b])] for b in range(B)]) if kind == "chain" else logits[:, :longest].reshape(-1, args.vocab)
+                sel_q = torch.cat([q[b, :int(visited[b])] for b in range(B)]) if kind == "chain" else q[:, :longest].reshape(-1, args.vocab)
+                floor_us = 1e3 * do_bench(lambda: (sel_l.float().amax(-1), sel_q.amax(-1)), warmup=10, rep=50, return_mode="median")
+                for C in (int(c) for c in args.clusters.split(",")):
+                    cuda_vt.CLUSTER_SIZE = C
+                    try:
+                        op = lambda: verify_tree(logits, tokens, parents, **kw)  # noqa: E731
+                        op()
+                        graph = torch.cuda.CUDAGraph()
+                        s = torch.cuda.Stream()
+                        s.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(s):
+                            op()
+                        torch.cuda.current_stream().wait_stream(s)
+                        with torch.cuda.graph(graph):
+                            op()
+                        us = 1e3 * do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+                    except Exception as exc:  # a cluster size the device refuses
+                        print(f"{shape} B={B} {regime} C={C}: {type(exc).__name__}: {exc}", flush=True)
+                        continue
+                    row = dict(shape=shape, B=B, regime=regime, C=C, us=round(us, 2), mean_visited=round(visited.float().mean().item(), 2),
+                               longest=longest, us_per_row=round(us / longest, 2), read_floor_us=round(floor_us, 2))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                cuda_vt.CLUSTER_SIZE = 0
+                del logits, q
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_acceptance.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
