@@ -353,18 +353,117 @@ __device__ __forceinline__ void store_vec(float* row, int base, int end, bool al
   }
 }
 
+// Per-thread cp.async ring of the pipelined sweep, at the start of the kernel's dynamic shared memory:
+// kRingWords 16-byte words per thread (word w of thread t at [w * kVerifyThreads + t]: a warp's 16-byte
+// accesses are contiguous, conflict-free). A thread reads back only the words it copied itself, so the
+// ring needs no barrier, and the sweep's callers (which run block scans and warp collectives inside f)
+// see the same CTA-uniform trip count as before.
+constexpr int kRingWords = 16;  // 256 B per thread: 64 KB per CTA, two CTAs per SM still fit
+constexpr int kRingBytes = kRingWords * 16 * kVerifyThreads;
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define TLT_VERIFY_CP_ASYNC 1
+#else
+#define TLT_VERIFY_CP_ASYNC 0
+#endif
+
+#if TLT_VERIFY_CP_ASYNC
+// 16 bytes global -> shared, cached in L2 only (.cg): right for the scratch rows other CTAs wrote, and the
+// inputs are streamed once per pass anyway.
+__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// The sweep with S vectors of both rows in flight per thread while one is processed: a thread copies
+// vector k + S into the ring slot it has just consumed, so a lone walker's row streams continuously
+// instead of stalling once per load batch (the synchronous loop issued ~150 B per thread, waited a DRAM
+// round trip, then processed). Vectors that straddle or pass hi take the synchronous load (its fill).
+template <Ld MA, typename TA, typename TB, typename F>
+__device__ __forceinline__ void sweep_pipelined(const TA* a, float fill_a, const TB* b, bool use_b, int lo, int hi, F&& f) {
+  constexpr int WA = RawVec<TA>::kWords, WB = RawVec<TB>::kWords, W = WA + WB;
+  constexpr int S = kRingWords / W > 8 ? 8 : kRingWords / W;
+  static_assert(S >= 2, "ring of at least two vectors");
+  extern __shared__ uint4 verify_ring[];
+  uint4* ring = verify_ring + threadIdx.x;
+  const int n = hi > lo ? (hi - lo + kChunk - 1) / kChunk : 0;  // CTA-uniform
+  const int t0 = lo + static_cast<int>(threadIdx.x) * kVec;
+  auto issue = [&](int k, int slot) {
+    const int base = t0 + k * kChunk;
+    if (k < n && base + kVec <= hi) {
+      uint4* dst = ring + slot * W * kVerifyThreads;
+      const uint4* sa = reinterpret_cast<const uint4*>(a + base);
+#pragma unroll
+      for (int w = 0; w < WA; ++w) cp_async16(dst + w * kVerifyThreads, sa + w);
+      if (use_b) {
+        const uint4* sb = reinterpret_cast<const uint4*>(b + base);
+#pragma unroll
+        for (int w = 0; w < WB; ++w) cp_async16(dst + (WA + w) * kVerifyThreads, sb + w);
+      }
+    }
+    cp_async_commit();  // empty groups too: the wait count below stays S - 1
+  };
+#pragma unroll
+  for (int k = 0; k < S; ++k) issue(k, k);
+  int slot = 0;
+  for (int k = 0; k < n; ++k) {
+    cp_async_wait<S - 1>();  // groups complete in order: vector k has landed
+    const int base = t0 + k * kChunk;
+    RawVec<TA> ra;
+    RawVec<TB> rb;
+    if (base + kVec <= hi) {
+      const uint4* src = ring + slot * W * kVerifyThreads;
+#pragma unroll
+      for (int w = 0; w < WA; ++w) ra.raw[w] = src[w * kVerifyThreads];
+      if (use_b) {
+#pragma unroll
+        for (int w = 0; w < WB; ++w) rb.raw[w] = src[(WA + w) * kVerifyThreads];
+      }
+    } else {
+      load_raw<MA>(a, base, hi, true, fill_a, ra);
+      if (use_b) load_raw<Ld::kNC>(b, base, hi, true, 0.f, rb);
+    }
+    float xa[kVec], xb[kVec];
+    to_floats(ra, xa);
+    if (use_b) {
+      to_floats(rb, xb);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) xb[i] = 0.f;
+    }
+    f(base, xa, xb);
+    issue(k + S, slot);  // after f: this thread's reads of the slot are done
+    slot = slot + 1 == S ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();
+}
+#endif
+
 // f(base, a, b) for every vector [base, base + kVec) of this thread in the slice [lo, hi): a from
-// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). U chunks of both rows are loaded
+// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). Rows whose start is 16-byte aligned
+// stream through the cp.async ring (sweep_pipelined, sm_80+). Otherwise U chunks of both rows are loaded
 // (raw) before any is processed: 9 16-byte loads in flight per thread for bf16 logits with fp32
-// draft probabilities (U = 3; 4 spills at 128 registers), 4 for 16-bit rows alone. A thread meets
-// its elements in increasing index order (first-max argmax ties rely on it).
+// draft probabilities (U = 3), 4 for 16-bit rows alone. A thread meets its elements in increasing
+// index order (first-max argmax ties rely on it) on both paths.
 template <Ld MA, typename TA, typename TB, typename F>
 __device__ __forceinline__ void sweep(const TA* a, bool a_aligned, float fill_a, const TB* b, bool b_aligned, bool use_b,
                                       int lo, int hi, F&& f) {
+#if TLT_VERIFY_CP_ASYNC
+  if (a_aligned && (b_aligned || !use_b)) {
+    sweep_pipelined<MA>(a, fill_a, b, use_b, lo, hi, f);
+    return;
+  }
+#endif
   // The trip count is CTA-uniform (warp collectives inside f need every lane); vectors past hi
-  // read nothing.
+  // read nothing. Where the ring serves aligned rows, this path is only the fallback of unaligned ones
+  // (V not a multiple of 8, odd strides): one vector at a time, to keep the kernel's registers for the ring
+  // path.
   constexpr int kVecBytes = kVec * static_cast<int>(sizeof(TA) + sizeof(TB));
-  constexpr int U = kLoadBytes / kVecBytes < 1 ? 1 : kLoadBytes / kVecBytes > 4 ? 4 : kLoadBytes / kVecBytes;
+  constexpr int kBatch = kLoadBytes / kVecBytes < 1 ? 1 : kLoadBytes / kVecBytes > 4 ? 4 : kLoadBytes / kVecBytes;
+  constexpr int U = TLT_VERIFY_CP_ASYNC ? 1 : kBatch;
   for (int c0 = lo; c0 < hi; c0 += U * kChunk) {
     const int b0 = c0 + static_cast<int>(threadIdx.x) * kVec;
     RawVec<TA> ra[U];
@@ -810,9 +909,11 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
 __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_kernel(const VerifyTreeParams p, int csize) {
   __shared__ VerifySmem sm;
-  // path_tok[D + 1], path_node[D + 1], tried[D], took[D] (D = max depth held), then, for T <=
-  // kStageNodes, par_s[T] and tok_s[T] (token or -1 if outside [0, V)).
-  extern __shared__ int dyn[];
+  // The sweep's cp.async ring (kRingBytes, sm_80+), then path_tok[D + 1], path_node[D + 1], tried[D],
+  // took[D] (D = max depth held), then, for T <= kStageNodes, par_s[T] and tok_s[T] (token or -1 if
+  // outside [0, V)).
+  extern __shared__ uint4 verify_ring[];
+  int* dyn = reinterpret_cast<int*>(verify_ring + (TLT_VERIFY_CP_ASYNC ? kRingBytes / 16 : 0));
   Cluster cl{0, csize, 0, 0};
 #if TLT_VERIFY_CLUSTERS
   if (csize > 1) cl.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());

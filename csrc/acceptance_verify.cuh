@@ -52,7 +52,7 @@ inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int sm
 // non-portable size; skipped where the device refuses it) only when all B clusters are co-resident:
 // at B=16 it is no faster than C=8. The occupancy query (not a stream operation) is cached per device
 // and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of static
-// shared memory; the dynamic part is small).
+// shared memory, the 64 KB cp.async ring plus a small dynamic part).
 template <typename Kernel>
 LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int& C) {
   C = 1;
@@ -102,15 +102,19 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
   // Path bookkeeping, plus parents and tokens of trees small enough to stage (see the kernel).
   const int staged = p.num_tree <= accept::kStageNodes ? 2 * p.num_tree : 0;
-  const int smem = static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
-  if (smem > 48 * 1024) {
-    // Allowed during stream capture (not a stream operation); only deep trees need it.
+  int major = 0, sms = 0;
+  TLT_RETURN_IF_FAILED(device_info(major, sms));
+  // The sweep's cp.async ring (sm_80+, where the kernel is built with it) comes first.
+  const int ring = major >= 8 ? accept::kRingBytes : 0;
+  const int smem = ring + static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
+  static int smem_allowed = 48 * 1024;  // per instantiation; a benign race sets the attribute twice
+  if (smem > smem_allowed) {
+    // A function attribute, not a stream operation: allowed during stream capture.
     TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    smem_allowed = smem;
   }
   static bool non_portable = false;  // per instantiation; a benign race sets the same attribute twice
   if (!non_portable && p.cluster != 1) {
-    int major = 0, sms = 0;
-    TLT_RETURN_IF_FAILED(device_info(major, sms));
     // Cluster size 16 (sm_90+): a function attribute, not a stream operation (fine during capture).
     if (major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
       (void)cudaGetLastError();  // then 16 is refused by the occupancy query / launch instead
@@ -136,11 +140,14 @@ template <typename TL>
 LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream) {
   // The experimental top-p candidate path is instantiated for fp32 draft probabilities (or none) only; other
   // draft dtypes run the default kernel (same results either way).
+  // Without a top_p tensor no request filters by top-p: the plain kernel is the same computation without the
+  // candidate path's registers (the candidate instantiations spill at the 128-register cap).
+  const bool compact = p.topp_compact && p.top_p != nullptr;
   if (p.draft_probs == nullptr)
-    return p.topp_compact ? launch_verify<TL, float, false, true>(p, stream) : launch_verify<TL, float, false>(p, stream);
+    return compact ? launch_verify<TL, float, false, true>(p, stream) : launch_verify<TL, float, false>(p, stream);
   switch (p.q_type) {
     case ElemType::kFloat32:
-      return p.topp_compact ? launch_verify<TL, float, true, true>(p, stream) : launch_verify<TL, float, true>(p, stream);
+      return compact ? launch_verify<TL, float, true, true>(p, stream) : launch_verify<TL, float, true>(p, stream);
     case ElemType::kFloat16: return launch_verify<TL, __half, true>(p, stream);
     case ElemType::kBFloat16: return launch_verify<TL, __nv_bfloat16, true>(p, stream);
   }
