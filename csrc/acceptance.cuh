@@ -353,17 +353,6 @@ __device__ __forceinline__ void store_vec(float* row, int base, int end, bool al
   }
 }
 
-// Prefetch of [p, p + n) into L2 by the whole CTA, one 128-byte line per thread at a time.
-template <typename T>
-__device__ __forceinline__ void prefetch_l2(const T* p, int n) {
-  if (n <= 0) return;  // empty slice (ranks past V): its pointer may be past the allocation
-  const char* lo = reinterpret_cast<const char*>(p);
-  const char* first = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(lo) & ~static_cast<uintptr_t>(127));
-  const int64_t bytes = static_cast<int64_t>(n) * static_cast<int64_t>(sizeof(T)) + (lo - first);
-  for (int64_t off = static_cast<int64_t>(threadIdx.x) * 128; off < bytes; off += 128 * kVerifyThreads)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(first + off));
-}
-
 // Per-thread cp.async ring of the pipelined sweep, at the start of the kernel's dynamic shared memory:
 // kRingWords 16-byte words per thread (word w of thread t at [w * kVerifyThreads + t]: a warp's 16-byte
 // accesses are contiguous, conflict-free). A thread reads back only the words it copied itself, so the
@@ -987,13 +976,6 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     for (int j = node + 1; j < n && child < 0; ++j)
       if (parent_at(j) == node) child = j;
     pf_j = child;
-    // The first child's rows are the next ones the walk reads if it accepts: start pulling this CTA's
-    // slices of them into L2 now, under this row's pass and folds (a lone walker's rows otherwise start
-    // each with a DRAM round trip). Fire and forget: a rejected child costs its slice's bytes only.
-    if (child >= 0 && depth < p.max_depth) {
-      prefetch_l2(logits_b + child * p.logits_stride_t + lo, hi - lo);
-      if (HAS_Q && !greedy && depth + 1 < p.max_depth) prefetch_l2(q_b + child * p.q_stride_t + lo, hi - lo);
-    }
     if (child >= 0 && !greedy) {
       const int x = token_at(child);
       if (x >= 0) {
@@ -1110,15 +1092,10 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       const bool res_al = aligned16(res), row_al = aligned16(row);
       float carry = plan.pre;
       int found = kNoToken, last = -1;
-      // The next chunk's weights load while this chunk's scans run (one chunk ahead, in registers).
-      float w_next[kVec];
-      weights_vec(row, res, has_res, s, ks, lo + tid * kVec, hi, row_al, res_al, w_next);
       for (int base0 = lo; base0 < hi; base0 += kChunk) {
         const int base = base0 + tid * kVec;
         float w[kVec];
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) w[i] = w_next[i];
-        if (base0 + kChunk < hi) weights_vec(row, res, has_res, s, ks, base + kChunk, hi, row_al, res_al, w_next);
+        weights_vec(row, res, has_res, s, ks, base, hi, row_al, res_al, w);
         float local = 0.f;
 #pragma unroll
         for (int i = 0; i < kVec; ++i) local += w[i];
