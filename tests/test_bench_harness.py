@@ -245,3 +245,23 @@ def test_e2e_selector_copy_keeps_state_and_shares_the_callback():
     twin = _copy_selector(sel)
     assert twin is not sel and twin.available == eng.covers and sel.available == eng.covers
     assert twin.step == sel.step and twin.select(8) == sel.select(8)
+
+
+def test_e2e_static_oracle_charges_each_bin_at_the_best_arm():
+    """The oracle estimate takes, per batch-size bin, the fastest static arm's tokens/s, and keeps prefill time."""
+    from types import SimpleNamespace
+
+    from bench.suites.e2e import _static_oracle_s
+
+    def run(steps, wall):  # steps: (batch_size, emitted, seconds)
+        return SimpleNamespace(wall_s=wall, steps=[SimpleNamespace(batch_size=b, emitted=e, seconds=t) for b, e, t in steps])
+
+    # Arm "deep" is twice as fast at B=4 (tail), arm "cheap" twice as fast at B=64; each alone takes 3 s of steps.
+    cheap = run([(64, 640, 1.0), (4, 40, 2.0)], wall=3.5)
+    deep = run([(64, 640, 2.0), (4, 40, 1.0)], wall=3.5)
+    ref = run([(64, 320, 0.7), (64, 320, 0.7), (4, 40, 1.5)], wall=3.4)  # 0.5 s of prefill
+    got = _static_oracle_s({"static-cheap": cheap, "static-deep": deep}, ref)
+    assert abs(got - (0.5 + 640 / 640 + 40 / 40)) < 1e-9
+    # A bin no static run visited keeps the reference's own seconds.
+    odd = run([(1000, 10, 0.25)], wall=0.25)
+    assert abs(_static_oracle_s({"static-cheap": cheap}, odd) - 0.25) < 1e-9
