@@ -40,7 +40,10 @@ def main() -> None:
         print(f"  {name:32s} {v:10.0f}  {100 * v / total:5.1f}%")
 
     src = _ncu_csv(args.report, "--page", "source", "--print-source", "sass")
-    head = src[0]
+    # The source page starts with the kernel's name on a line of its own; the header is the first row naming a
+    # stall-sampling column.
+    at = next((i for i, r in enumerate(src[:10]) if any(h.startswith("Warp Stall Sampling") for h in r)), 0)
+    head, src = src[at], src[at:]
     col = {h: i for i, h in enumerate(head)}
     samp = next((i for h, i in col.items() if h.startswith("Warp Stall Sampling (All")), None)
     text = next((i for h, i in col.items() if h in ("Source", "Sass", "SASS")), None)
