@@ -252,8 +252,8 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 // checks: padding loads -inf), so a lone walker's row is bound by its bytes in flight, not by issue.
 // Weights are exp2(l * log2(e) / temp - m) with m the row max in the same scaled units.
 
-constexpr int kVerifyThreads = 512;
-constexpr int kVerifyMinBlocks = 1;                // CTAs per SM the registers allow (<= 128 per thread)
+constexpr int kVerifyThreads = 256;
+constexpr int kVerifyMinBlocks = 2;                // CTAs per SM the registers allow (<= 128 per thread)
 constexpr int kVec = 8;                            // elements per thread per chunk
 constexpr int kChunk = kVerifyThreads * kVec;      // elements per block-wide chunk
 constexpr int kLoadBytes = 160;                    // bytes a thread loads before processing any
