@@ -249,7 +249,9 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 // that walker's row is streamed by its C CTAs alone. 256-thread CTAs, two per SM, double the C that
 // stays co-resident at a given B (C = 4 at B = 64 instead of 2; 16 at B = 1), and each row costs few
 // instructions per element (float argmax, exp2 with a premultiplied 1 / temp, no per-element range
-// checks: padding loads -inf), so a lone walker's row is bound by its bytes in flight, not by issue.
+// checks: padding loads -inf). Measured (ncu, H200, chain4 B=16): a lone walker's row is bound by
+// dependency latency at ~2 warps per scheduler, not by its bytes; 512-thread CTAs (one per SM) were
+// 30-60% slower at B=16 in a same-run A/B (docs/CUDA_NOTES.md).
 // Weights are exp2(l * log2(e) / temp - m) with m the row max in the same scaled units.
 
 constexpr int kVerifyThreads = 256;
