@@ -260,9 +260,9 @@ def test_wgmma_selftest_rejects_bad_arguments():
         ext._wgmma_selftest(8, 8, 8, 8, 8, 7, 0)
 
 
-def test_sm90_context_kernel_compiles_without_wgmma_serialization():
-    """csrc/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes every wgmma of
-    the kernel when an accumulator is read while in flight) and spills nothing."""
+def _ptxas_verbose_sm90(name: str):
+    """Compile csrc/<name> for sm_90a with ``ptxas -v``; the finished process (its stderr holds the report). Skips
+    without nvcc."""
     import shutil
     import subprocess
 
@@ -270,11 +270,18 @@ def test_sm90_context_kernel_compiles_without_wgmma_serialization():
     if nvcc is None:
         pytest.skip("nvcc not found")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.join(root, "csrc", "tree_attention_ctx_sm90.cu")
+    src = os.path.join(root, "csrc", name)
     proc = subprocess.run([nvcc, "-c", src, "-o", os.devnull, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
-                           "--expt-relaxed-constexpr", "-Xptxas=-v", "-I", os.path.join(root, "csrc")],
-                          capture_output=True, text=True, timeout=600)
+                           "--expt-relaxed-constexpr", "-O3", "-Xptxas=-v", "-I", os.path.join(root, "csrc")],
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_sm90_context_kernel_compiles_without_wgmma_serialization():
+    """csrc/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes every wgmma of
+    the kernel when an accumulator is read while in flight) and spills nothing."""
+    proc = _ptxas_verbose_sm90("tree_attention_ctx_sm90.cu")
     assert "C7514" not in proc.stderr, proc.stderr
     assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
     assert all(" 0 bytes spill stores" in line for line in proc.stderr.splitlines() if "spill stores" in line), proc.stderr
@@ -283,3 +290,17 @@ def test_sm90_context_kernel_compiles_without_wgmma_serialization():
     assert len(entries) == 4, proc.stderr
     for cfg in ("CtxConfigILi64ELi4E", "CtxConfigILi128ELi3E"):
         assert sum(cfg in line for line in entries) == 2, (cfg, entries)
+
+
+def test_verify_tree_kernels_do_not_spill():
+    """csrc/acceptance_verify_bf16.cu (bf16 logits, every draft-probability type, with and without the top-p candidate
+    path): no verify_tree instantiation spills at the 128-register cap of two 256-thread CTAs per SM. Before 30a178f a
+    top-p-free batch ran the spilling candidate instantiation (ncu: 177,024 local-memory requests in one chain4 B=16
+    call; bench/RESULTS.md, 2026-11-26)."""
+    proc = _ptxas_verbose_sm90("acceptance_verify_bf16.cu")
+    lines = proc.stderr.splitlines()
+    entries = [i for i, line in enumerate(lines) if "Compiling entry function" in line and "verify_tree_kernel" in line]
+    assert len(entries) == 6, proc.stderr[-3000:]
+    for i in entries:
+        spill = next(line for line in lines[i + 1:] if "spill stores" in line)
+        assert " 0 bytes spill stores, 0 bytes spill loads" in spill, (lines[i], spill)
