@@ -64,7 +64,7 @@ struct VerifyTreeParams {
   int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4, 8 or 16
   bool tokens_int64 = true;
   // Top-p threshold selected among compacted candidates (same bits as the full-row select; see
-  // topp_candidates). Experimental: off until measured and tested on a GPU.
+  // topp_candidates). On by default in the Python glue (TLT_VERIFY_TOPP_COMPACT); used when top_p is given.
   bool topp_compact = false;
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
@@ -445,11 +445,11 @@ __device__ __forceinline__ void sweep_pipelined(const TA* a, float fill_a, const
 #endif
 
 // f(base, a, b) for every vector [base, base + kVec) of this thread in the slice [lo, hi): a from
-// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). Rows whose start is 16-byte aligned
-// stream through the cp.async ring (sweep_pipelined, sm_80+). Otherwise U chunks of both rows are loaded
-// (raw) before any is processed: 9 16-byte loads in flight per thread for bf16 logits with fp32
-// draft probabilities (U = 3), 4 for 16-bit rows alone. A thread meets its elements in increasing
-// index order (first-max argmax ties rely on it) on both paths.
+// row `a` (fill_a past hi), b from row `b` when `use_b` (else 0). On sm_80+, rows whose start is 16-byte
+// aligned stream through the cp.async ring (sweep_pipelined) and unaligned ones load one vector at a time.
+// Below sm_80, U chunks of both rows are loaded (raw) before any is processed: 9 16-byte loads in flight
+// per thread for bf16 logits with fp32 draft probabilities (U = 3), 4 for 16-bit rows alone. A thread
+// meets its elements in increasing index order on every path (first-max argmax ties rely on it).
 template <Ld MA, typename TA, typename TB, typename F>
 __device__ __forceinline__ void sweep(const TA* a, bool a_aligned, float fill_a, const TB* b, bool b_aligned, bool use_b,
                                       int lo, int hi, F&& f) {
@@ -460,9 +460,8 @@ __device__ __forceinline__ void sweep(const TA* a, bool a_aligned, float fill_a,
   }
 #endif
   // The trip count is CTA-uniform (warp collectives inside f need every lane); vectors past hi
-  // read nothing. Where the ring serves aligned rows, this path is only the fallback of unaligned ones
-  // (V not a multiple of 8, odd strides): one vector at a time, to keep the kernel's registers for the ring
-  // path.
+  // read nothing. Where the ring serves aligned rows this is the fallback of unaligned ones (V not a
+  // multiple of 8, padded strides): one vector at a time, so it adds no registers to the kernel.
   constexpr int kVecBytes = kVec * static_cast<int>(sizeof(TA) + sizeof(TB));
   constexpr int kBatch = kLoadBytes / kVecBytes < 1 ? 1 : kLoadBytes / kVecBytes > 4 ? 4 : kLoadBytes / kVecBytes;
   constexpr int U = TLT_VERIFY_CP_ASYNC ? 1 : kBatch;

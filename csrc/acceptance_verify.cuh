@@ -17,6 +17,7 @@ namespace tlt {
 namespace detail {
 
 constexpr int kVerifyMaxPortableCluster = 8;
+constexpr int kMaxDevices = 64;  // per-device caches of the launcher (devices past it are queried every call)
 
 // Compute capability major and SM count of the current device, cached per device (acceptance.cu).
 LaunchStatus device_info(int& major, int& sms);
@@ -66,7 +67,6 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
     return {};
   }
   if (major < 9) return {};
-  constexpr int kMaxDevices = 64;
   static int active[kMaxDevices][5] = {};  // [device][log2 C]; 0 = not queried yet
   int dev = 0;
   TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
@@ -107,18 +107,22 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   // The sweep's cp.async ring (sm_80+, where the kernel is built with it) comes first.
   const int ring = major >= 8 ? accept::kRingBytes : 0;
   const int smem = ring + static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
-  static int smem_allowed = 48 * 1024;  // per instantiation; a benign race sets the attribute twice
-  if (smem > smem_allowed) {
-    // A function attribute, not a stream operation: allowed during stream capture.
+  // Function attributes are per device: remembered per instantiation and device (a benign race sets one twice).
+  // Neither is a stream operation, so both are allowed during stream capture.
+  static int smem_allowed[kMaxDevices] = {};  // 0: not set yet (the default allows 48 KB)
+  static bool non_portable[kMaxDevices] = {};
+  int dev = 0;
+  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (smem > 48 * 1024 && (!cached || smem > smem_allowed[dev])) {
     TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    smem_allowed = smem;
+    if (cached) smem_allowed[dev] = smem;
   }
-  static bool non_portable = false;  // per instantiation; a benign race sets the same attribute twice
-  if (!non_portable && p.cluster != 1) {
-    // Cluster size 16 (sm_90+): a function attribute, not a stream operation (fine during capture).
+  if ((!cached || !non_portable[dev]) && p.cluster != 1) {
+    // Cluster size 16 (sm_90+).
     if (major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
       (void)cudaGetLastError();  // then 16 is refused by the occupancy query / launch instead
-    non_portable = true;
+    if (cached) non_portable[dev] = true;
   }
   int C = 1;
   TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, C));
@@ -138,10 +142,10 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
 
 template <typename TL>
 LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream) {
-  // The experimental top-p candidate path is instantiated for fp32 draft probabilities (or none) only; other
-  // draft dtypes run the default kernel (same results either way).
-  // Without a top_p tensor no request filters by top-p: the plain kernel is the same computation without the
-  // candidate path's registers (the candidate instantiations spill at the 128-register cap).
+  // The top-p candidate path is instantiated for fp32 draft probabilities (or none) only; other draft dtypes run
+  // the default kernel (same results either way). Without a top_p tensor no request filters by top-p: the plain
+  // kernel is the same computation without the candidate path's code and registers (before the cp.async ring the
+  // candidate instantiations spilled at the 128-register cap, and a top-p-free batch ran them).
   const bool compact = p.topp_compact && p.top_p != nullptr;
   if (p.draft_probs == nullptr)
     return compact ? launch_verify<TL, float, false, true>(p, stream) : launch_verify<TL, float, false>(p, stream);
