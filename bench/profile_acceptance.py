@@ -8,10 +8,11 @@ timed as a CUDA-graph replay (median, L2 flushed between replays by ``triton.tes
   the walk visits every row), ``reject`` (each draft is the target's least likely token: rejected at the root,
   one row plus one residual pass), ``greedy`` (temperature 0: one pass per row, no normalizer);
 * cluster size C (``TLT_VERIFY_CLUSTER``: 1 .. 16, 0 = the launcher's choice);
-* ``read-floor``: a torch reduction over exactly the rows the walk visited (the bytes at copy speed).
+* ``floor_us``: the visited rows' bytes (logits rows of the walk, draft rows of the nodes whose children were tried)
+  over the bandwidth of a 1 GiB device-to-device copy timed here, as the acceptance suite counts them.
 
-Rows print as ``shape B regime C: us, visited rows, us per visited row of the longest walk``. A developer tool:
-benchmark figures come from ``python -m bench acceptance``.
+Rows print as JSON: ``us``, mean and longest walk (rows), ``us_per_row`` of the longest walk, ``floor_us``.
+A developer tool: benchmark figures come from ``python -m bench acceptance``.
 """
 from __future__ import annotations
 
@@ -60,10 +61,13 @@ def main() -> None:
     from triton.testing import do_bench
 
     import tlt_kernels._cuda.verify_tree as cuda_vt
-    from bench.suites.acceptance import TEMPERATURE
+    from bench.harness import COPY_BYTES, measure_copy_bandwidth
+    from bench.suites.acceptance import TEMPERATURE, _bytes
     from tlt_kernels import verify_tree
 
     dev = torch.device("cuda")
+    bandwidth = measure_copy_bandwidth(dev, COPY_BYTES, lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (1 GiB device-to-device copy)", flush=True)
     rows = []
     for shape in args.shapes.split(","):
         kind, T = shape.rstrip("0123456789"), int(shape.lstrip("chaintre"))
@@ -76,10 +80,8 @@ def main() -> None:
                 res = verify_tree(logits, tokens, parents, return_stats=True, **kw)
                 visited = res.num_accepted.long() + 1
                 longest = int(visited.max())
-                # The read floor: one reduction over exactly the visited logits rows and tried draft rows.
-                sel_l = torch.cat([logits[b, :int(visited[b])] for b in range(B)]) if kind == "chain" else logits[:, :longest].reshape(-1, args.vocab)
-                sel_q = torch.cat([q[b, :int(visited[b])] for b in range(B)]) if kind == "chain" else q[:, :longest].reshape(-1, args.vocab)
-                floor_us = 1e3 * do_bench(lambda: (sel_l.float().amax(-1), sel_q.amax(-1)), warmup=10, rep=50, return_mode="median")
+                nbytes = _bytes(res, args.vocab, logits.element_size(), 0 if regime == "greedy" else q.element_size())
+                floor_us = 1e6 * nbytes / bandwidth
                 for C in (int(c) for c in args.clusters.split(",")):
                     cuda_vt.CLUSTER_SIZE = C
                     try:
@@ -98,7 +100,7 @@ def main() -> None:
                         print(f"{shape} B={B} {regime} C={C}: {type(exc).__name__}: {exc}", flush=True)
                         continue
                     row = dict(shape=shape, B=B, regime=regime, C=C, us=round(us, 2), mean_visited=round(visited.float().mean().item(), 2),
-                               longest=longest, us_per_row=round(us / longest, 2), read_floor_us=round(floor_us, 2))
+                               longest=longest, us_per_row=round(us / longest, 2), floor_us=round(floor_us, 2))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 cuda_vt.CLUSTER_SIZE = 0
