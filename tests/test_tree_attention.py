@@ -286,6 +286,13 @@ def test_default_split_len():
     # One split where the CUDA sm_90 context kernel may run (D=128, 64 < T*G <= 128): whole 128-token tiles.
     assert default_split_len(64, 4, 4100, num_rows=16 * 7) == 4224
     assert default_split_len(64, 4, 4100, num_rows=8 * 7) == 4160
+    # The rounding follows the CUDA glue's rule (one place holds its numbers).
+    from tlt_kernels._cuda import tree_attention as cuda_rule
+
+    lo, hi = cuda_rule.CONTEXT_SM90_MIN_ROWS, cuda_rule.CONTEXT_SM90_MAX_ROWS
+    assert default_split_len(64, 4, 4100, num_rows=lo) % cuda_rule.CONTEXT_BLOCK == 0
+    assert default_split_len(64, 4, 4100, num_rows=hi) % cuda_rule.CONTEXT_BLOCK == 0
+    assert default_split_len(64, 4, 4100, num_rows=lo - 1) == 4160
 
 
 def test_plan_contents():

@@ -37,6 +37,7 @@ if _CTX_ENV not in ("", "auto", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
 CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV == "1"
 CONTEXT_SM90_MIN_ROWS = 65  # the auto rule: T*G at least this
+CONTEXT_SM90_MAX_ROWS = 128  # the kernel's rows: two warpgroups of 64
 # The sm_90 context kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of
 # 64) or 64. The one value is the kernel's config, the partial kernel's context_done_block (where its tail starts)
 # and the split_len divisibility the context path needs, so they cannot disagree.
@@ -53,9 +54,10 @@ def _context_block(block: Optional[int]) -> int:
 
 def _use_context_sm90(plan, q: torch.Tensor) -> bool:
     rows = plan.num_tree * plan.group
-    # auto: where it was measured faster (one split, T*G > 64); several splits are correct but not yet timed.
+    # auto: where it was measured faster (one split, T*G > 64). Several splits are correct but were slower where
+    # timed (H200, 7B B=4 L=8192 T=16, 10 splits: 92.5 against 86.6 us; bench/RESULTS.md).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS and plan.num_splits == 1 if CONTEXT_SM90 is None else CONTEXT_SM90
-    return (wanted and plan.head_dim == 128 and rows <= 128 and q.dtype in (torch.bfloat16, torch.float16)
+    return (wanted and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float16)
             and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 

@@ -141,8 +141,12 @@ def default_split_len(
     want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
     if want == 1:
         # One split: its length only has to cover the context. Where the CUDA backend's sm_90 context kernel may
-        # run (D=128, 64 < T*G <= 128: 128-token tiles, split_len % 128 == 0), round to its tile instead.
-        align = 128 if head_dim == 128 and 64 < num_rows <= 128 else SPLIT_ALIGN
+        # run (its auto rule's rows, D=128; split_len a multiple of its tile), round to its tile instead. The
+        # glue module holds the rule's numbers; importing it does not load the extension.
+        from .._cuda import tree_attention as cuda_rule
+
+        ctx_rows = cuda_rule.CONTEXT_SM90_MIN_ROWS <= num_rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS
+        align = cuda_rule.CONTEXT_BLOCK if head_dim == 128 and ctx_rows else SPLIT_ALIGN
         return max(align, -(-max_context_len // align) * align)
     # Round down to whole tiles so the split count stays >= want.
     return max(MIN_SPLIT_LEN, max_context_len // want // SPLIT_ALIGN * SPLIT_ALIGN)
