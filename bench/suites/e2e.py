@@ -14,7 +14,8 @@
 
 Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with batch < B/4), mean
 accepted length, speedups vs plain (whole rollout and tail) and vs the best static strategy.
-Notes: strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
+Notes: the per-batch-size oracle over the static arms (an estimate from their step logs: how much any choice among
+these arms could gain over the best one), strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
 ``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
 ``TLT_E2E_TRAIN_STEPS``, ``TLT_E2E_LAYERS`` (target depth, default 24: real targets have 28-64 layers against
 the drafter's one), ``TLT_E2E_HIDDEN`` (target width, default 512) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
