@@ -178,22 +178,19 @@ def fill_unused_slots_with_nan_(case) -> int:
 @pytest.mark.parametrize("name", ["deep-splits-merge", "random-gqa7-d128-bs128-ragged"])
 def test_nan_in_unused_cache_slots(backend, name):
     """Garbage (NaN) in freed pages, page tails and padding-node slots must not reach the output."""
-    _need(backend)
-    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = CPU_CASES[name]
-    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
-    assert fill_unused_slots_with_nan_(case) > 0
-    plan = make_plan(case, split_len=split_len)
-    out = poison_(torch.empty_like(case["q"]))
-    run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
-    check_against_reference(out, case)
+    _check_nan_in_unused_cache_slots(backend, CPU_CASES[name])
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["qwen7b-t16", "qwen7b-t64-chunks", "d256-fp16"])
 def test_nan_in_unused_cache_slots_gpu(backend, name):
+    _check_nan_in_unused_cache_slots(backend, GPU_CASES[name])
+
+
+def _check_nan_in_unused_cache_slots(backend, spec):
     _need(backend)
-    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = GPU_CASES[name]
+    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = spec
     case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
     assert fill_unused_slots_with_nan_(case) > 0
     plan = make_plan(case, split_len=split_len)
