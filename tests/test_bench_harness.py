@@ -265,3 +265,22 @@ def test_e2e_static_oracle_charges_each_bin_at_the_best_arm():
     # A bin no static run visited keeps the reference's own seconds.
     odd = run([(1000, 10, 0.25)], wall=0.25)
     assert abs(_static_oracle_s({"static-cheap": cheap}, odd) - 0.25) < 1e-9
+
+
+def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
+    """bench/ab.sh checks its usage and that the patch applies before it installs anything."""
+    import os
+    import shutil
+
+    if shutil.which("patch") is None:
+        pytest.skip("patch(1) not installed")
+    root = Path(__file__).resolve().parent.parent
+    script = str(root / "bench" / "ab.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    usage = subprocess.run(["bash", script, "x.patch", "python"], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+    bad = tmp_path / "bad.patch"
+    bad.write_text("--- a/no/such/file.py\n+++ b/no/such/file.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
+    proc = subprocess.run(["bash", script, str(bad), "--", "true"], capture_output=True, text=True, env=env, cwd=root)
+    assert proc.returncode == 2 and "does not apply" in proc.stderr
+    assert not (tmp_path / "out" / "ab_install.log").exists()
