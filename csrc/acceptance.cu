@@ -19,12 +19,10 @@
 namespace tlt {
 namespace detail {
 
-// Compute capability major and SM count of the current device, cached per device (attribute
+// The current device's ordinal, compute capability major and SM count, the last two cached per device (attribute
 // queries are not stream operations, so this is fine during graph capture).
-LaunchStatus device_info(int& major, int& sms) {
-  constexpr int kMaxDevices = 64;
+LaunchStatus device_info(int& dev, int& major, int& sms) {
   static int cached[kMaxDevices][2] = {};  // 0 = not queried yet; benign race: same values
-  int dev = 0;
   TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= 0 && dev < kMaxDevices && cached[dev][1] > 0) {
     major = cached[dev][0];

@@ -19,8 +19,8 @@ namespace detail {
 constexpr int kVerifyMaxPortableCluster = 8;
 constexpr int kMaxDevices = 64;  // per-device caches of the launcher (devices past it are queried every call)
 
-// Compute capability major and SM count of the current device, cached per device (acceptance.cu).
-LaunchStatus device_info(int& major, int& sms);
+// The current device's ordinal, compute capability major and SM count, cached per device (acceptance.cu).
+LaunchStatus device_info(int& dev, int& major, int& sms);
 
 // verify_tree for logits of type TL: picks the draft-probability instantiation and launches it.
 template <typename TL>
@@ -54,13 +54,12 @@ inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int sm
 // at B=16 it is no faster than C=8. The occupancy query (not a stream operation) is cached per device
 // and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of static
 // shared memory, the 64 KB cp.async ring plus a small dynamic part).
+// `major` and `dev`: the current device's compute capability and ordinal (the caller's query).
 template <typename Kernel>
-LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int& C) {
+LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int major, int dev,
+                          int& C) {
   C = 1;
   if (p.cluster == 1) return {};
-  int major = 0, sms = 0;
-  TLT_RETURN_IF_FAILED(device_info(major, sms));
-  (void)sms;
   if (p.cluster > 1) {
     TLT_STATUS_CHECK_ARG(major >= 9, "cluster = " << p.cluster << " needs thread-block clusters (sm_90+), the device has compute capability " << major << ".x");
     C = p.cluster;
@@ -68,8 +67,6 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
   }
   if (major < 9) return {};
   static int active[kMaxDevices][5] = {};  // [device][log2 C]; 0 = not queried yet
-  int dev = 0;
-  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
   for (int c = kVerifyMaxCluster, lg = 4; c > 1; c /= 2, --lg) {
     if (p.vocab < c * 2048) continue;
     int n = dev >= 0 && dev < kMaxDevices ? active[dev][lg] : 0;
@@ -102,8 +99,8 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
   // Path bookkeeping, plus parents and tokens of trees small enough to stage (see the kernel).
   const int staged = p.num_tree <= accept::kStageNodes ? 2 * p.num_tree : 0;
-  int major = 0, sms = 0;
-  TLT_RETURN_IF_FAILED(device_info(major, sms));
+  int dev = 0, major = 0, sms = 0;
+  TLT_RETURN_IF_FAILED(device_info(dev, major, sms));
   // The sweep's cp.async ring (sm_80+, where the kernel is built with it) comes first.
   const int ring = major >= 8 ? accept::kRingBytes : 0;
   const int smem = ring + static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
@@ -111,8 +108,6 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   // Neither is a stream operation, so both are allowed during stream capture.
   static int smem_allowed[kMaxDevices] = {};  // 0: not set yet (the default allows 48 KB)
   static bool non_portable[kMaxDevices] = {};
-  int dev = 0;
-  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
   const bool cached = dev >= 0 && dev < kMaxDevices;
   if (smem > 48 * 1024 && (!cached || smem > smem_allowed[dev])) {
     TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -125,7 +120,7 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
     if (cached) non_portable[dev] = true;
   }
   int C = 1;
-  TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, C));
+  TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, major, dev, C));
   TLT_STATUS_CHECK_ARG(static_cast<int64_t>(p.batch) * C <= 0x7fffffff,
                        "batch " << p.batch << " x cluster " << C << " CTAs exceeds the grid limit");
   if (C == 1) {
