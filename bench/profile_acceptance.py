@@ -8,6 +8,7 @@ timed as a CUDA-graph replay (median, L2 flushed between replays by ``triton.tes
   the walk visits every row), ``reject`` (each draft is the target's least likely token: rejected at the root,
   one row plus one residual pass), ``greedy`` (temperature 0: one pass per row, no normalizer);
 * cluster size C (``TLT_VERIFY_CLUSTER``: 1 .. 16, 0 = the launcher's choice);
+* top-p (``--top-p 1,0.9``; 1 = off): the threshold's select passes per visited row (not with ``greedy``);
 * ``floor_us``: the visited rows' bytes (logits rows of the walk, draft rows of the nodes whose children were tried)
   over the bandwidth of a 1 GiB device-to-device copy timed here, as the acceptance suite counts them.
 
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--regimes", default="bench,accept,reject,greedy")
     ap.add_argument("--clusters", default="0,4,8,16")
     ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--top-p", default="1", help="comma list; 1 = no top-p")
     args = ap.parse_args()
     from triton.testing import do_bench
 
@@ -77,12 +79,16 @@ def main() -> None:
                 temp = 0.0 if regime == "greedy" else TEMPERATURE
                 kw = dict(draft_probs=None if regime == "greedy" else q, temperature=temp,
                           seed=torch.arange(B, dtype=torch.int64, device=dev), validate=False, backend="cuda")
-                res = verify_tree(logits, tokens, parents, return_stats=True, **kw)
-                visited = res.num_accepted.long() + 1
-                longest = int(visited.max())
-                nbytes = _bytes(res, args.vocab, logits.element_size(), 0 if regime == "greedy" else q.element_size())
-                floor_us = 1e6 * nbytes / bandwidth
-                for C in (int(c) for c in args.clusters.split(",")):
+                for top_p, C in ((float(p), int(c)) for p in args.top_p.split(",") for c in args.clusters.split(",")):
+                    if top_p < 1 and regime == "greedy":
+                        continue
+                    kw["top_p"] = top_p if top_p < 1 else None
+                    cuda_vt.CLUSTER_SIZE = 0  # the walk (rows visited) does not depend on C
+                    res = verify_tree(logits, tokens, parents, return_stats=True, **kw)
+                    visited = res.num_accepted.long() + 1
+                    longest = int(visited.max())
+                    nbytes = _bytes(res, args.vocab, logits.element_size(), 0 if regime == "greedy" else q.element_size())
+                    floor_us = 1e6 * nbytes / bandwidth
                     cuda_vt.CLUSTER_SIZE = C
                     try:
                         op = lambda: verify_tree(logits, tokens, parents, **kw)  # noqa: E731
@@ -97,9 +103,9 @@ def main() -> None:
                             op()
                         us = 1e3 * do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
                     except Exception as exc:  # a cluster size the device refuses
-                        print(f"{shape} B={B} {regime} C={C}: {type(exc).__name__}: {exc}", flush=True)
+                        print(f"{shape} B={B} {regime} top_p={top_p} C={C}: {type(exc).__name__}: {exc}", flush=True)
                         continue
-                    row = dict(shape=shape, B=B, regime=regime, C=C, us=round(us, 2), mean_visited=round(visited.float().mean().item(), 2),
+                    row = dict(shape=shape, B=B, regime=regime, top_p=top_p, C=C, us=round(us, 2), mean_visited=round(visited.float().mean().item(), 2),
                                longest=longest, us_per_row=round(us / longest, 2), floor_us=round(floor_us, 2))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
