@@ -816,30 +816,62 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   bool nan = false;
   sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, q_al, want_q, lo, hi,
                  [&](int base, const float (&x)[kVec], const float (&qv)[kVec]) {
+    // Short dependency chains (ncu: the walk stalls on dependent arithmetic at ~2 warps per scheduler): the
+    // vector's argmax by a fixed pairwise tree (the right element wins only if strictly larger, so the lowest
+    // index wins ties, as in a left-to-right scan) merged once into the running one; the NaN flag, the draft-row
+    // sum and the normalizer's terms summed pairwise.
+    float v[kVec];
+    int at[kVec];
+    bool bad_x[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
-      nan |= x[i] != x[i];
-      if (x[i] > bv) {
-        bv = x[i];
-        bi = base + i;
-      }
-      qs += qv[i];  // 0 unless want_q
+      v[i] = x[i];
+      at[i] = i;
+      bad_x[i] = x[i] != x[i];
     }
-    if (want_z) {
-      // Online normalizer: rescale z once per vector when the running max grows.
-      float y[kVec], ym = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        y[i] = x[i] * ks;
-        ym = fmaxf(ym, y[i]);  // ignores NaN (the row is bad then anyway)
+    for (int w = 1; w < kVec; w <<= 1) {
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2 * w) {
+        if (v[i + w] > v[i]) {
+          v[i] = v[i + w];
+          at[i] = at[i + w];
+        }
+        bad_x[i] = bad_x[i] || bad_x[i + w];
       }
+    }
+    nan |= bad_x[0];
+    if (v[0] > bv) {
+      bv = v[0];
+      bi = base + at[0];
+    }
+    float qq[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) qq[i] = qv[i];  // 0 unless want_q
+#pragma unroll
+    for (int w = 1; w < kVec; w <<= 1) {
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2 * w) qq[i] += qq[i + w];
+    }
+    qs += qq[0];
+    if (want_z) {
+      // Online normalizer: rescale z once per vector when the running max grows. ks > 0, so the vector's
+      // max of x * ks is its max of x times ks (rounding is monotone); a NaN row is bad anyway.
+      const float ym = v[0] * ks;
       if (ym > m) {
         z *= exp2f(m - ym);  // m = -inf: z is 0 and stays 0
         m = ym;
       }
       if (m > -INFINITY) {
+        float e[kVec];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) z += exp2f(y[i] - m);
+        for (int i = 0; i < kVec; ++i) e[i] = exp2f(x[i] * ks - m);
+#pragma unroll
+        for (int w = 1; w < kVec; w <<= 1) {
+#pragma unroll
+          for (int i = 0; i < kVec; i += 2 * w) e[i] += e[i + w];
+        }
+        z += e[0];
       }
     }
   });
