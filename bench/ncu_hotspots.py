@@ -28,6 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("report")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--cuda-lines", type=int, default=0,
+                    help="also the N CUDA source lines with the most stall samples (needs -lineinfo and ncu --import-source yes)")
     args = ap.parse_args()
 
     raw = _ncu_csv(args.report, "--page", "raw")
@@ -60,6 +62,43 @@ def main() -> None:
         why_s = ", ".join(f"{h}={v:.0f}" for h, v in why if v > 0)
         where = r[addr] if addr is not None else ""
         print(f"  {100 * _num(r[samp]) / all_samples:5.1f}%  {where:>8s}  {r[text][:70]:70s}  {why_s}")
+
+    if args.cuda_lines:
+        _cuda_lines(args.report, args.cuda_lines)
+
+
+def _cuda_lines(report: str, top: int) -> None:
+    """Stall samples per CUDA source line (inlined device functions keep their own lines): which phase of a fused
+    kernel the time is in."""
+    try:
+        src = _ncu_csv(report, "--page", "source", "--print-source", "cuda")
+    except subprocess.CalledProcessError as exc:
+        print("cuda source page failed:", exc.stderr[-500:] if exc.stderr else exc)
+        return
+    rows, head, file_name = [], None, ""
+    for r in src:
+        if head is None or (r and r[0] in ("#", "Line", "# Line")):
+            if any(h.startswith("Warp Stall Sampling") for h in r):
+                head = r
+            elif len(r) == 1:
+                file_name = r[0]
+            continue
+        if len(r) == 1:
+            file_name = r[0]
+            continue
+        if len(r) == len(head):
+            rows.append((file_name, r))
+    if head is None:
+        print("cuda source page: no stall-sampling column; first rows:", src[:3])
+        return
+    col = {h: i for i, h in enumerate(head)}
+    samp = next(i for h, i in col.items() if h.startswith("Warp Stall Sampling (All"))
+    line = next((i for h, i in col.items() if h in ("#", "Line", "# Line")), 0)
+    text = next((i for h, i in col.items() if h == "Source"), len(head) - 1)
+    total = sum(_num(r[samp]) for _, r in rows) or 1.0
+    print(f"\ntop {top} CUDA source lines by stall samples ({total:.0f} in all):")
+    for f, r in sorted(rows, key=lambda x: -_num(x[1][samp]))[:top]:
+        print(f"  {100 * _num(r[samp]) / total:5.1f}%  {f.split('/')[-1][:24]:24s}:{r[line]:>5s}  {r[text].strip()[:90]}")
 
 
 if __name__ == "__main__":
