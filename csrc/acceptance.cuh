@@ -265,6 +265,23 @@ constexpr float kFixedScale = 4294967296.0f;       // 2^32: weights in (0, 1] as
 constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps every token
 constexpr int kNoToken = 0x7fffffff;               // "not found" of the sample scan's min-reduction
 
+// Developer phase timing (bench/profile_phases.py builds with CUDAFLAGS=-DTLT_VERIFY_PROFILE=1; never in a
+// release build): CTA 0's thread 0 prints the global timer at each mark.
+#ifdef TLT_VERIFY_PROFILE
+#define TLT_PROF_MARK(name)                                                                        \
+  do {                                                                                             \
+    if (blockIdx.x == 0 && threadIdx.x == 0) {                                                     \
+      unsigned long long t_;                                                                       \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                      \
+      printf("tltprof %s %llu\n", name, t_);                                                       \
+    }                                                                                              \
+  } while (0)
+#else
+#define TLT_PROF_MARK(name) \
+  do {                      \
+  } while (0)
+#endif
+
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define TLT_VERIFY_CLUSTERS 1
 #else
@@ -814,6 +831,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   float bv = -INFINITY, m = -INFINITY, z = 0.f, qs = 0.f;
   int bi = -1;
   bool nan = false;
+  TLT_PROF_MARK("row");
   sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, q_al, want_q, lo, hi,
                  [&](int base, const float (&x)[kVec], const float (&qv)[kVec]) {
     // Short dependency chains (ncu: the walk stalls on dependent arithmetic at ~2 warps per scheduler): the
@@ -892,6 +910,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   s.m = online ? c.m : vmax * ks;
   s.Z = online ? c.z : 1.f;
   s.qsum = c.q;
+  TLT_PROF_MARK("stats");
   if (s.bad || greedy || online) return s;
   if (cut_k) {
     s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_k), false, cl, sm);
@@ -905,11 +924,13 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
     const float tau = 0.5f * z_lb * (1.f - top_p) / static_cast<float>(V);
     uint64_t w_total = 0;
     const int n = topp_candidates(row, lo, hi, row_al, s.thr, ks, s.m, tau, cand, w_total, cl, sm);
+    TLT_PROF_MARK("cand");
     s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, aligned16(cand), s.thr, ks, s.m,
                                                 static_cast<double>(top_p) * static_cast<double>(w_total), false, cl, sm);
   } else if (cut_p) {
     s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_p), true, cl, sm);
   }
+  TLT_PROF_MARK("select");
   Partial zp = partial_identity(0.f);
   sweep<Ld::kNC>(row, row_al, -INFINITY, row, false, false, lo, hi,
                  [&](int, const float (&x)[kVec], const float (&)[kVec]) {
@@ -917,6 +938,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
     for (int i = 0; i < kVec; ++i) zp.z += target_weight(x[i], s.thr, ks, s.m);
   });
   s.Z = cluster_fold(block_fold(zp, sm), cl, sm, &plan).z;
+  TLT_PROF_MARK("norm");
   return s;
 }
 
@@ -1022,6 +1044,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
                      greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[0] : nullptr, cl, sm, plan);
   };
+  TLT_PROF_MARK("start");
   RowState s = visit(0);
   int err = s.bad;
   bool has_res = false, q_checked = false;
@@ -1102,6 +1125,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       // The fold's barriers order every CTA's residual writes before any later read of them.
       Plan next;
       const float R = cluster_fold(block_fold(r, sm), cl, sm, &next).z;
+      TLT_PROF_MARK("resid");
       if (R > 0.f) {
         has_res = true;
         S = R;
@@ -1114,6 +1138,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   // Final token: greedy = argmax; sampled = inverse CDF of the current distribution. The CTA whose
   // mass range [pre, end) holds u * total (the last CTA with mass if rounding puts it past the end)
   // scans its slice; the others only wait at the exit barrier.
+  TLT_PROF_MARK("walk");
   int final_tok = greedy ? s.arg : -1;
   bool owner = false;
   if (!greedy && !err && plan.last >= 0) {
@@ -1178,6 +1203,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   }
   // No CTA may exit while another still reads its shared memory (the last fold's slot).
   cluster_barrier(cl);
+  TLT_PROF_MARK("end");
 }
 
 // ============================================================================================

@@ -284,3 +284,22 @@ def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
     proc = subprocess.run(["bash", script, str(bad), "--", "true"], capture_output=True, text=True, env=env, cwd=root)
     assert proc.returncode == 2 and "does not apply" in proc.stderr
     assert not (tmp_path / "out" / "ab_install.log").exists()
+
+
+def test_profile_phases_parses_marks_into_phase_medians():
+    from bench.profile_phases import _parse
+
+    text = "\n".join([
+        "tltcase visited_req0=2 longest=4",
+        "tltrep", "tltprof start 1000", "tltprof row 1000", "tltprof stats 4000", "tltprof row 4000",
+        "tltprof stats 6000", "tltprof end 9000",
+        "tltrep", "tltprof start 0", "tltprof row 0", "tltprof stats 5000", "tltprof row 5000",
+        "tltprof stats 7000", "tltprof end 12000",
+    ])
+    out = _parse(text)
+    assert out["reps"] == 2 and out["case"] == "visited_req0=2 longest=4"
+    assert out["kernel_us"] == 10.0  # medians of 8 and 12 us
+    # row->stats happens twice per rep: 3 + 2 and 5 + 2 us, summed per rep, median 6 us
+    assert out["phases_us"]["row->stats"] == 6.0
+    assert out["phases_us"]["stats->end"] == 4.0
+    assert list(out["phases_us"])[0] == "row->stats"  # largest first

@@ -1,0 +1,103 @@
+"""Phase times inside one CUDA ``verify_tree`` walk: ``python -m bench.profile_phases [--shape chain4 --B 16 ...]`` (GPU).
+
+Needs ``_C`` built with the kernel's developer marks::
+
+    CUDAFLAGS=-DTLT_VERIFY_PROFILE=1 python -m pip install --no-build-isolation --no-deps -e .
+
+(a fresh build directory: CMake reads CUDAFLAGS only when it configures). CTA 0's thread 0 then prints the GPU's
+global timer at each mark of request 0's walk (``row`` pass start, ``stats`` fold, top-p ``cand``idates, ``select``,
+``norm``alizer, ``resid``ual, ``walk`` end, final sample ``end``); this tool runs the case ``--reps`` times (eager,
+after a warm-up) in a child process, parses the marks and prints the median duration of each consecutive pair of
+marks (e.g. ``stats->cand``: the candidate pass) and of the whole kernel. Request 0's walk is not always the longest:
+the cases here use the acceptance profile's drafts with a fixed seed, and the tool prints how many rows it visited.
+A developer tool for where a fused kernel's time goes; benchmark figures come from ``python -m bench acceptance``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+
+
+def _child(args) -> None:
+    import torch
+
+    from bench.profile_acceptance import _case
+    from bench.suites.acceptance import TEMPERATURE
+    from tlt_kernels import verify_tree
+
+    dev = torch.device("cuda")
+    kind, T = args.shape.rstrip("0123456789"), int(args.shape.lstrip("chaintre"))
+    logits, tokens, parents, q = _case(kind, T, args.B, args.vocab, args.regime, dev)
+    greedy = args.regime == "greedy"
+    kw = dict(draft_probs=None if greedy else q, temperature=0.0 if greedy else TEMPERATURE,
+              top_p=args.top_p if args.top_p < 1 else None,
+              seed=torch.arange(args.B, dtype=torch.int64, device=dev), validate=False, backend="cuda")
+    res = verify_tree(logits, tokens, parents, **kw)
+    torch.cuda.synchronize()
+    sys.stdout.flush()
+    print(f"tltcase visited_req0={int(res.num_accepted[0]) + 1} longest={int(res.num_accepted.max()) + 1}", flush=True)
+    for _ in range(args.reps):
+        print("tltrep", flush=True)
+        verify_tree(logits, tokens, parents, **kw)
+        torch.cuda.synchronize()
+
+
+def _parse(text: str) -> dict:
+    reps, cur, info = [], None, ""
+    for line in text.splitlines():
+        if line.startswith("tltcase"):
+            info = line[len("tltcase "):]
+        elif line.startswith("tltrep"):
+            cur = []
+            reps.append(cur)
+        elif line.startswith("tltprof") and cur is not None:
+            _, name, t = line.split()
+            cur.append((name, int(t)))
+    pairs = defaultdict(list)
+    totals = []
+    for marks in reps:
+        if len(marks) < 2:
+            continue
+        totals.append((marks[-1][1] - marks[0][1]) / 1e3)
+        per = defaultdict(float)
+        for (a, ta), (b, tb) in zip(marks, marks[1:]):
+            per[f"{a}->{b}"] += (tb - ta) / 1e3
+        for k, v in per.items():
+            pairs[k].append(v)
+    out = {"case": info, "reps": len(totals), "kernel_us": round(statistics.median(totals), 2) if totals else None}
+    out["phases_us"] = {k: round(statistics.median(v), 2) for k, v in sorted(pairs.items(), key=lambda kv: -statistics.median(kv[1]))}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="chain4")
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--regime", default="bench")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args)
+        return
+    proc = subprocess.run([sys.executable, "-m", "bench.profile_phases", "--child", *sys.argv[1:]], capture_output=True,
+                          text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        sys.exit(proc.stderr[-2000:])
+    out = _parse(proc.stdout)
+    if not out["reps"]:
+        sys.exit("no tltprof marks: build _C with CUDAFLAGS=-DTLT_VERIFY_PROFILE=1 (see the module docstring)")
+    out.update(shape=args.shape, B=args.B, regime=args.regime, top_p=args.top_p,
+               cluster=os.environ.get("TLT_VERIFY_CLUSTER", "auto"))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
