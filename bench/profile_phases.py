@@ -5,7 +5,7 @@ Needs ``_C`` built with the kernel's developer marks::
     CUDAFLAGS=-DTLT_VERIFY_PROFILE=1 python -m pip install --no-build-isolation --no-deps -e .
 
 (a fresh build directory: CMake reads CUDAFLAGS only when it configures). CTA 0's thread 0 then prints the GPU's
-global timer at each mark of request 0's walk (``row`` pass start, ``stats`` fold, top-p ``cand``idates, ``select``,
+SM clock and global timer at each mark of request 0's walk (stored, printed at the kernel's end) (``row`` pass start, ``stats`` fold, top-p ``cand``idates, ``select``,
 ``norm``alizer, ``resid``ual, ``walk`` end, final sample ``end``); this tool runs the case ``--reps`` times (eager,
 after a warm-up) in a child process, parses the marks and prints the median duration of each consecutive pair of
 marks (e.g. ``stats->cand``: the candidate pass) and of the whole kernel. Request 0's walk is not always the longest:
@@ -48,6 +48,8 @@ def _child(args) -> None:
 
 
 def _parse(text: str) -> dict:
+    """Marks are ``tltprof NAME CLOCK GLOBAL_NS`` (SM clock cycles and the global timer): durations come from the
+    clock, which ticks finer than the global timer, scaled to us by the rep's global / clock ratio."""
     reps, cur, info = [], None, ""
     for line in text.splitlines():
         if line.startswith("tltcase"):
@@ -56,17 +58,19 @@ def _parse(text: str) -> dict:
             cur = []
             reps.append(cur)
         elif line.startswith("tltprof") and cur is not None:
-            _, name, t = line.split()
-            cur.append((name, int(t)))
+            _, name, clock, glob = line.split()
+            cur.append((name, int(clock), int(glob)))
     pairs = defaultdict(list)
     totals = []
     for marks in reps:
         if len(marks) < 2:
             continue
-        totals.append((marks[-1][1] - marks[0][1]) / 1e3)
+        clocks = marks[-1][1] - marks[0][1]
+        us_per_clock = (marks[-1][2] - marks[0][2]) / 1e3 / clocks if clocks > 0 else 0.0
+        totals.append(clocks * us_per_clock)
         per = defaultdict(float)
-        for (a, ta), (b, tb) in zip(marks, marks[1:]):
-            per[f"{a}->{b}"] += (tb - ta) / 1e3
+        for (a, ca, _), (b, cb, _) in zip(marks, marks[1:]):
+            per[f"{a}->{b}"] += (cb - ca) * us_per_clock
         for k, v in per.items():
             pairs[k].append(v)
     out = {"case": info, "reps": len(totals), "kernel_us": round(statistics.median(totals), 2) if totals else None}

@@ -205,29 +205,6 @@ __device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
   return r;
 }
 
-// Exclusive prefix sum over the block in thread order; `total` gets the block's sum.
-template <int NT>
-__device__ __forceinline__ float block_exclusive_scan(float v, float& total, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += up;
-  }
-  if (lane == 31) red[warp] = incl;
-  __syncthreads();
-  float before = 0.f;
-  total = 0.f;
-#pragma unroll
-  for (int w = 0; w < NT / 32; ++w) {
-    if (w < warp) before += red[w];
-    total += red[w];
-  }
-  __syncthreads();
-  return before + incl - v;
-}
-
 // ============================================================================================
 // verify_tree
 // ============================================================================================
@@ -266,19 +243,42 @@ constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps e
 constexpr int kNoToken = 0x7fffffff;               // "not found" of the sample scan's min-reduction
 
 // Developer phase timing (bench/profile_phases.py builds with CUDAFLAGS=-DTLT_VERIFY_PROFILE=1; never in a
-// release build): CTA 0's thread 0 prints the global timer at each mark.
+// release build): CTA 0's thread 0 stores (SM clock, global timer) at each mark, one global store each (no
+// printf between marks: it costs ~20 us), and prints them all at the kernel's end.
 #ifdef TLT_VERIFY_PROFILE
+static __device__ unsigned long long tlt_prof_clock[128], tlt_prof_global[128];
+static __device__ const char* tlt_prof_name[128];
+static __device__ int tlt_prof_n;
 #define TLT_PROF_MARK(name)                                                                        \
   do {                                                                                             \
-    if (blockIdx.x == 0 && threadIdx.x == 0) {                                                     \
-      unsigned long long t_;                                                                       \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                                      \
-      printf("tltprof %s %llu\n", name, t_);                                                       \
+    if (blockIdx.x == 0 && threadIdx.x == 0 && tlt_prof_n < 128) {                                 \
+      unsigned long long g_;                                                                       \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                                      \
+      tlt_prof_clock[tlt_prof_n] = clock64();                                                      \
+      tlt_prof_global[tlt_prof_n] = g_;                                                            \
+      tlt_prof_name[tlt_prof_n++] = name;                                                          \
     }                                                                                              \
+  } while (0)
+#define TLT_PROF_BEGIN() \
+  do {                                                                                             \
+    if (blockIdx.x == 0 && threadIdx.x == 0) tlt_prof_n = 0;                                       \
+    TLT_PROF_MARK("start");                                                                        \
+  } while (0)
+#define TLT_PROF_PRINT()                                                                           \
+  do {                                                                                             \
+    if (blockIdx.x == 0 && threadIdx.x == 0)                                                       \
+      for (int i_ = 0; i_ < tlt_prof_n; ++i_)                                                      \
+        printf("tltprof %s %llu %llu\n", tlt_prof_name[i_], tlt_prof_clock[i_], tlt_prof_global[i_]); \
   } while (0)
 #else
 #define TLT_PROF_MARK(name) \
   do {                      \
+  } while (0)
+#define TLT_PROF_BEGIN() \
+  do {                   \
+  } while (0)
+#define TLT_PROF_PRINT() \
+  do {                   \
   } while (0)
 #endif
 
@@ -565,16 +565,24 @@ struct Cluster {
   int hist;  // radix histogram buffer in use next (same scheme)
 };
 
+constexpr int kRadixMaxBits = 9;  // widest radix digit: 512 bins
+constexpr int kRadixBins = 1 << kRadixMaxBits;
+
 struct VerifySmem {
-  uint64_t hist[2][256];
-  uint64_t hsum[256];
+  uint64_t hist[2][kRadixBins];
+  union {
+    uint64_t hsum[kRadixBins];  // the cluster's histogram (radix select, after the cluster barrier)
+    uint32_t split[2][kRadixBins];  // this CTA's histogram as 32-bit halves (radix select, during its sweep)
+  };
   Partial red[kVerifyThreads / 32];
   Partial pub[2];
   float redf[32];
   int redi[32];
-  uint64_t sel[3];  // radix-select decision broadcast: digit, above, at
+  uint64_t sel[2];  // radix-select decision broadcast: digit, above
   double need;
   uint64_t wpub;    // this CTA's 32.32 kept mass, read by the cluster (topp_candidates)
+  int kpub;         // this CTA's smallest candidate key, read by the cluster (topp_candidates)
+  int cand_n;       // candidates compacted so far (topp_candidates)
 };
 
 // Every thread gets the CTA's fold (fixed tree: deterministic).
@@ -657,71 +665,112 @@ __device__ __forceinline__ float target_weight(float x, int thr, float ks, float
   return ordered_key(x) >= thr ? exp2f(x * ks - m) : 0.f;
 }
 
-// Radix select over the row's ordered keys, 8 bits per pass (4 passes, exact, no sort): returns
-// the largest key K with W(key >= K) >= need, where W counts tokens (BY_MASS = false) or sums
-// 2^(l * ks - m) in 32.32 fixed point (BY_MASS = true) over tokens with key >= floor. Each CTA
-// histograms its slice; the cluster's histograms are summed per bin. Integer histograms make the
-// result independent of the atomics' order (and of the summation order over ranks), so it is
-// deterministic and identical in every CTA. With `need_fraction`, need is a fraction of the total W.
+// Radix select over the row's ordered keys (exact, no sort): returns the largest key K with W(key >= K) >= need,
+// where W counts tokens (BY_MASS = false) or sums 2^(l * ks - m) in 32.32 fixed point (BY_MASS = true) over tokens
+// with key >= floor. Every such key lies in [key_lo, key_hi] (the caller's bounds: the floor or the candidates'
+// smallest key, and the row max), so the bits above their highest differing bit are known and the rest are
+// resolved in ceil(bits / 9) levels of at most 9 bits: 3 levels for keys of one sign within a factor of
+// 2^16, 4 for all 32 bits. Each CTA histograms its slice; the cluster's histograms are summed per bin. Integer
+// histograms make the result independent of the atomics' order (and of the summation order over ranks), so it
+// is deterministic and identical in every CTA. With `need_fraction`, need is a fraction of the total W.
 template <typename T, bool BY_MASS, Ld LM = Ld::kNC>
-__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, double need,
-                            bool need_fraction, Cluster& cl, VerifySmem& sm) {
+__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, int key_lo, int key_hi, float ks,
+                            float m, double need, bool need_fraction, Cluster& cl, VerifySmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31;
-  uint32_t prefix = 0;
+  const uint32_t ulo = static_cast<uint32_t>(key_lo) ^ 0x80000000u, uhi = static_cast<uint32_t>(key_hi) ^ 0x80000000u;
+  int rem = ulo == uhi ? 0 : 32 - __clz(static_cast<int>(ulo ^ uhi));  // low bits still to resolve
+  uint64_t prefix = static_cast<uint64_t>(uhi) >> rem;                  // the known high bits
   uint64_t above = 0;
+  bool first = true;
 #pragma unroll 1
-  for (int level = 0; level < 4; ++level) {
-    const int shift = 24 - 8 * level;
+  while (rem > 0) {  // CTA-uniform
+    const int levels = (rem + kRadixMaxBits - 1) / kRadixMaxBits;
+    const int width = (rem + levels - 1) / levels;
+    const int shift = rem - width;
+    const int nb = 1 << width;
     uint64_t* hist = sm.hist[cl.hist];
     cl.hist ^= 1;
-    for (int i = tid; i < 256; i += kVerifyThreads) hist[i] = 0;
+    // A slice of at most 65535 tokens (every slice of a cluster of 4 or more at V = 152064; all candidate
+    // lists of the bench) histograms w as two 16-bit halves in 32-bit bins with native shared atomics (a
+    // bin's half-sums stay below 65535 * 65536 < 2^32), merged into the 64-bit bins after the sweep; longer
+    // slices add 64-bit sums (a compare-and-swap loop per add, ATOMS.CAST.SPIN.64), one per distinct digit of
+    // a warp. Either way the bins hold the same integers.
+    const bool split = hi - lo <= 65535;
+    uint32_t* hw = sm.split[0];
+    uint32_t* lw = sm.split[1];
+    for (int i = tid; i < nb; i += kVerifyThreads) {
+      hist[i] = 0;
+      hw[i] = 0;
+      lw[i] = 0;
+    }
     __syncthreads();
     sweep<LM>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         const int k = ordered_key(x[i]);
         const uint32_t uk = static_cast<uint32_t>(k) ^ 0x80000000u;
-        const bool live = base + i < hi && k >= floor &&
-                          (level == 0 || (static_cast<uint64_t>(uk) >> (shift + 8)) == prefix);
-        // Past level 0 few tokens match the prefix: most warps have nothing to count.
-        if (__ballot_sync(0xffffffffu, live) == 0u) continue;
-        const uint32_t digit = live ? (uk >> shift) & 255u : 256u;
+        const bool live = base + i < hi && k >= floor && (static_cast<uint64_t>(uk) >> rem) == prefix;
+        // Past the first level few tokens match the prefix: most warps have nothing to count.
+        const unsigned live_lanes = __ballot_sync(0xffffffffu, live);
+        if (live_lanes == 0u) continue;
+        const uint32_t digit = live ? (uk >> shift) & static_cast<uint32_t>(nb - 1) : 0xffffffffu;
         uint64_t w = 0;
         if (live) w = BY_MASS ? __float2ull_rn(exp2f(x[i] * ks - m) * kFixedScale) : 1ull;
-        // Warp aggregation: lanes with the same digit sum their weights and the group's first lane
-        // adds once (one shared atomic per distinct bin instead of one per lane). w <= 2^32, so its
-        // 16-bit halves summed over 32 lanes fit the 32-bit reduction.
-        const unsigned peers = __match_any_sync(0xffffffffu, digit);
-        const uint32_t lo16 = __reduce_add_sync(peers, static_cast<uint32_t>(w & 0xffffu));
-        const uint32_t hi16 = __reduce_add_sync(peers, static_cast<uint32_t>(w >> 16));
-        const uint64_t sum = (static_cast<uint64_t>(hi16) << 16) + lo16;
-        if (live && lane == __ffs(peers) - 1 && sum != 0)
-          atomicAdd(reinterpret_cast<unsigned long long*>(&hist[digit]), static_cast<unsigned long long>(sum));
+        // One digit for every live lane (a narrow first level): sum over the warp, one add per bin.
+        const uint32_t lead = __shfl_sync(0xffffffffu, digit, __ffs(live_lanes) - 1);
+        const bool one_digit = __all_sync(0xffffffffu, !live || digit == lead);
+        if (split) {
+          uint32_t h16 = static_cast<uint32_t>(w >> 16), l16 = static_cast<uint32_t>(w & 0xffffu);
+          if (one_digit) {
+            // w <= 2^32: each half summed over 32 lanes fits 32 bits.
+            h16 = __reduce_add_sync(0xffffffffu, h16);
+            l16 = __reduce_add_sync(0xffffffffu, l16);
+            if (lane == __ffs(live_lanes) - 1) {
+              if (h16) atomicAdd(&hw[digit], h16);
+              if (l16) atomicAdd(&lw[digit], l16);
+            }
+          } else if (live) {
+            if (h16) atomicAdd(&hw[digit], h16);
+            if (l16) atomicAdd(&lw[digit], l16);
+          }
+        } else {
+          // Warp aggregation: lanes with the same digit sum their weights and the group's first lane adds once.
+          const unsigned peers = one_digit ? 0xffffffffu : __match_any_sync(0xffffffffu, digit);
+          const uint32_t lo16 = __reduce_add_sync(peers, static_cast<uint32_t>(w & 0xffffu));
+          const uint32_t hi16 = __reduce_add_sync(peers, static_cast<uint32_t>(w >> 16));
+          const uint64_t sum = (static_cast<uint64_t>(hi16) << 16) + lo16;
+          if (live && lane == __ffs(peers & live_lanes) - 1 && sum != 0)
+            atomicAdd(reinterpret_cast<unsigned long long*>(&hist[digit]), static_cast<unsigned long long>(sum));
+        }
       }
     });
     __syncthreads();
+    if (split) {
+      for (int i = tid; i < nb; i += kVerifyThreads) hist[i] = (static_cast<uint64_t>(hw[i]) << 16) + lw[i];
+      __syncthreads();
+    }
     const uint64_t* h_all = hist;
 #if TLT_VERIFY_CLUSTERS
     if (cl.size > 1) {
       cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
       cluster.sync();  // every CTA's histogram is complete
-      if (tid < 256) {
+      for (int i = tid; i < nb; i += kVerifyThreads) {
         uint64_t s = 0;
-        for (int r = 0; r < cl.size; ++r) s += cluster.map_shared_rank(hist, r)[tid];
-        sm.hsum[tid] = s;
+#pragma unroll 4
+        for (int r = 0; r < cl.size; ++r) s += cluster.map_shared_rank(hist, r)[i];  // loads in flight 4 at a time
+        sm.hsum[i] = s;
       }
       __syncthreads();
       h_all = sm.hsum;
     }
 #endif
     if (tid < 32) {
-      uint64_t h[8];
+      // Lane l holds bins [l * per, (l + 1) * per) (per = nb / 32, or one bin on the first nb lanes), read
+      // from shared memory as needed (held in registers, 16 of them made the top-p instantiation spill).
+      const int per = nb >= 32 ? nb >> 5 : 1;
+      const int b0 = lane * per, b1 = min(b0 + per, nb);
       uint64_t local = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        h[j] = h_all[lane * 8 + j];
-        local += h[j];
-      }
+      for (int bin = b0; bin < b1; ++bin) local += h_all[bin];
       uint64_t incl = local;  // suffix sum over lanes >= lane
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -729,84 +778,106 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
         if (lane + o < 32) incl += v;
       }
       double nd = need;
-      if (level == 0 && need_fraction) nd = need * static_cast<double>(__shfl_sync(0xffffffffu, incl, 0));
-      if (level == 0) sm.need = nd;  // every lane writes the same value
-      nd = level == 0 ? nd : sm.need;
+      if (first && need_fraction) nd = need * static_cast<double>(__shfl_sync(0xffffffffu, incl, 0));
+      if (first) sm.need = nd;  // every lane writes the same value
+      nd = first ? nd : sm.need;
       // Suffix sums are non-increasing in the digit: the hits are digits 0..d; take the largest.
       int hit = -1;
       uint64_t s = incl - local;
-#pragma unroll
-      for (int j = 7; j >= 0; --j) {
-        s += h[j];
-        if (hit < 0 && static_cast<double>(above + s) >= nd) hit = lane * 8 + j;
+      for (int bin = b1 - 1; bin >= b0 && hit < 0; --bin) {
+        s += h_all[bin];
+        if (static_cast<double>(above + s) >= nd) hit = bin;
       }
       const int d = max(warp_reduce(hit, MaxI()), 0);
-      uint64_t gt = 0, at = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int dd = lane * 8 + j;
-        gt += dd > d ? h[j] : 0;
-        at += dd == d ? h[j] : 0;
-      }
+      uint64_t gt = 0;
+      for (int bin = max(b0, d + 1); bin < b1; ++bin) gt += h_all[bin];
       gt = warp_reduce(gt, [](uint64_t a, uint64_t b) { return a + b; });
-      at = warp_reduce(at, [](uint64_t a, uint64_t b) { return a + b; });
       if (lane == 0) {
         sm.sel[0] = static_cast<uint64_t>(d);
         sm.sel[1] = above + gt;
-        sm.sel[2] = at;
       }
     }
     __syncthreads();
-    prefix = (prefix << 8) | static_cast<uint32_t>(sm.sel[0]);
+    prefix = (prefix << width) | sm.sel[0];
     above = sm.sel[1];
+    rem = shift;
+    first = false;
     __syncthreads();  // sel / hsum are rewritten by the next level
+    TLT_PROF_MARK("level");
   }
-  return static_cast<int>(prefix ^ 0x80000000u);
+  return static_cast<int>(static_cast<uint32_t>(prefix) ^ 0x80000000u);
 }
 
-// Top-p candidates: this CTA's tokens with key >= floor and weight w = 2^(l * ks - m) >= tau, compacted
-// in index order (block scans) into cand[lo, lo + n) (fp32, this CTA's slice of a scratch row). Returns n
-// (CTA-uniform) and the cluster's 32.32 fixed-point mass of every token with key >= floor: the integers
-// the full-row radix select sums at its first level, so `top_p * w_total` is its `need` to the bit.
+// Top-p candidates: this CTA's tokens with key >= floor and weight w = 2^(l * ks - m) >= tau, compacted into
+// cand[lo, lo + n) (fp32, this CTA's slice of a scratch row) in no particular order: each warp reserves its
+// slots with one shared atomic, no block barrier per chunk (the select only sums integers over them, so the
+// order cannot change its result). Returns n (CTA-uniform), the cluster's 32.32 fixed-point mass of every
+// token with key >= floor (the integers the full-row radix select sums at its first level, so `top_p *
+// w_total` is its `need` to the bit) and the cluster's smallest candidate key (the select's lower bound).
 // With tau = Z (1 - top_p) / (2 V), Z <= the kept mass, the tokens below tau weigh less than
 // Z (1 - top_p) together, so the tokens at or above it reach top_p Z and hold the threshold key: the
 // select over the candidates returns the full row's key (every token at or above it is a candidate).
 template <typename T>
 __device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, float tau,
-                               float* cand, uint64_t& w_total, Cluster& cl, VerifySmem& sm) {
-  int n = 0;
+                               float* cand, uint64_t& w_total, int& key_min, Cluster& cl, VerifySmem& sm) {
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) sm.cand_n = 0;
+  __syncthreads();
   uint64_t w = 0;
+  int kmin = 0x7fffffff;
   sweep<Ld::kNC>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
     bool keep[kVec];
     int cnt = 0;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
-      const bool live = base + i < hi && ordered_key(x[i]) >= floor;
+      const int k = ordered_key(x[i]);
+      const bool live = base + i < hi && k >= floor;
       const float wt = live ? exp2f(x[i] * ks - m) : 0.f;
       if (live) w += __float2ull_rn(wt * kFixedScale);
       keep[i] = live && wt >= tau;
       cnt += keep[i];
+      if (keep[i]) kmin = min(kmin, k);
     }
-    // Counts are exact in float (< 2^24 per chunk); the scan is CTA-uniform like the sweep's trip count.
-    float chunk_total;
-    int k = n + static_cast<int>(block_exclusive_scan<kVerifyThreads>(static_cast<float>(cnt), chunk_total, sm.redf));
+    int incl = cnt;  // inclusive scan of the warp's counts
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += up;
+    }
+    const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
+    if (warp_total == 0) return;  // warp-uniform
+    int slot = 0;
+    if (lane == 31) slot = atomicAdd(&sm.cand_n, warp_total);
+    int k = __shfl_sync(0xffffffffu, slot, 31) + incl - cnt;
 #pragma unroll
     for (int i = 0; i < kVec; ++i)
       if (keep[i]) cand[lo + k++] = x[i];
-    n += static_cast<int>(chunk_total);
   });
+  TLT_PROF_MARK("cand_sweep");
   const uint64_t mine = block_reduce<kVerifyThreads>(w, [](uint64_t a, uint64_t b) { return a + b; }, sm.hsum);
+  const int kmine = block_reduce<kVerifyThreads>(kmin, MinI(), sm.redi);  // its barriers publish sm.cand_n too
+  const int n = sm.cand_n;
   w_total = mine;
+  key_min = kmine;
 #if TLT_VERIFY_CLUSTERS
   if (cl.size > 1) {
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    if (threadIdx.x == 0) sm.wpub = mine;
+    if (threadIdx.x == 0) {
+      sm.wpub = mine;
+      sm.kpub = kmine;
+    }
     // Every CTA's slot is written before any is read. A slot is rewritten only at the next visited row's
     // compaction, after the radix select's cluster barriers, which every CTA reaches after reading.
     cluster.sync();
     uint64_t all = 0;
-    for (int r = 0; r < cl.size; ++r) all += *cluster.map_shared_rank(&sm.wpub, r);
+    int kall = 0x7fffffff;
+#pragma unroll 4
+    for (int r = 0; r < cl.size; ++r) {
+      all += *cluster.map_shared_rank(&sm.wpub, r);
+      kall = min(kall, *cluster.map_shared_rank(&sm.kpub, r));
+    }
     w_total = all;
+    key_min = kall;
   }
 #endif
   __syncthreads();  // the candidates are read by other threads of the CTA (radix select)
@@ -893,6 +964,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
       }
     }
   });
+  TLT_PROF_MARK("stats_sweep");
   Partial t;
   t.best = bi < 0 ? 0ull
                   : (static_cast<uint64_t>(static_cast<uint32_t>(ordered_key(bv)) ^ 0x80000000u) << 32) |
@@ -912,8 +984,10 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   s.qsum = c.q;
   TLT_PROF_MARK("stats");
   if (s.bad || greedy || online) return s;
+  const int key_max = static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u);  // ordered_key(vmax)
   if (cut_k) {
-    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_k), false, cl, sm);
+    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_k),
+                                    false, cl, sm);
   }
   // Above top_p = 0.999 the candidates' margin, (1 - top_p) Z / 2 in 32.32 units, could fall below the rounding
   // of V integer weights (V / 2 units at most): the full-row select runs there.
@@ -923,12 +997,14 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
     const float z_lb = cut_k ? 1.f : fmaxf(c.z, 1.f);
     const float tau = 0.5f * z_lb * (1.f - top_p) / static_cast<float>(V);
     uint64_t w_total = 0;
-    const int n = topp_candidates(row, lo, hi, row_al, s.thr, ks, s.m, tau, cand, w_total, cl, sm);
+    int key_min = 0;
+    const int n = topp_candidates(row, lo, hi, row_al, s.thr, ks, s.m, tau, cand, w_total, key_min, cl, sm);
     TLT_PROF_MARK("cand");
-    s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, aligned16(cand), s.thr, ks, s.m,
+    s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, aligned16(cand), s.thr, key_min, key_max, ks, s.m,
                                                 static_cast<double>(top_p) * static_cast<double>(w_total), false, cl, sm);
   } else if (cut_p) {
-    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, ks, s.m, static_cast<double>(top_p), true, cl, sm);
+    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_p),
+                                   true, cl, sm);
   }
   TLT_PROF_MARK("select");
   Partial zp = partial_identity(0.f);
@@ -937,6 +1013,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
 #pragma unroll
     for (int i = 0; i < kVec; ++i) zp.z += target_weight(x[i], s.thr, ks, s.m);
   });
+  TLT_PROF_MARK("norm_sweep");
   s.Z = cluster_fold(block_fold(zp, sm), cl, sm, &plan).z;
   TLT_PROF_MARK("norm");
   return s;
@@ -957,6 +1034,92 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 }
 
 
+// Inverse-CDF sample inside this CTA's slice [lo, hi): the first token of positive weight whose running mass
+// (token order) exceeds `target` (in [0, the slice's mass)); the last token of positive weight if rounding puts
+// target past every running mass; the argmax if the slice's weights all underflowed. Warp w owns the w-th of
+// eight contiguous ranges (whole 256-element warp chunks, so every load stays coalesced): one pass sums each
+// range, a fixed-order prefix over the eight totals gives each range's start, and only the range holding the
+// target (or, past a rounding gap, the first range after it) rescans its chunks with warp scans, stopping at the
+// claim. Three block barriers in all, against four per 2048-token chunk scanned before.
+template <typename TL>
+__device__ int sample_slice(const TL* row, const float* res, bool has_res, const RowState& s, float ks, int lo, int hi,
+                            float target, VerifySmem& sm) {
+  constexpr int kWarps = kVerifyThreads / 32, kWarpChunk = 32 * kVec;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const bool res_al = aligned16(res), row_al = aligned16(row);
+  const int per_warp = ((hi - lo + kWarps - 1) / kWarps + kWarpChunk - 1) / kWarpChunk * kWarpChunk;
+  const int w_lo = min(lo + warp * per_warp, hi), w_hi = min(w_lo + per_warp, hi);
+  float lane_sum = 0.f;
+  int last = -1;
+  for (int base0 = w_lo; base0 < w_hi; base0 += kWarpChunk) {
+    const int base = base0 + lane * kVec;
+    float w[kVec];
+    weights_vec(row, res, has_res, s, ks, base, w_hi, row_al, res_al, w);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      lane_sum += w[i];
+      if (base + i < w_hi && w[i] > 0.f) last = base + i;
+    }
+  }
+  const float warp_total = warp_reduce(lane_sum, SumF());
+  last = warp_reduce(last, MaxI());
+  if (lane == 0) {
+    sm.redf[warp] = warp_total;
+    sm.redi[warp] = last;
+  }
+  __syncthreads();
+  float start = 0.f, next = 0.f;  // this range's first running mass, and the next range's
+  int slice_last = -1, first_after = kWarps;
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) {
+    if (v < warp) start += sm.redf[v];
+    slice_last = max(slice_last, sm.redi[v]);
+  }
+  next = start + sm.redf[warp];
+  // The first range that starts past the target: claims its first positive token if no earlier range does.
+#pragma unroll
+  for (int v = kWarps - 1; v >= 0; --v) {
+    float sv = 0.f;
+    for (int u = 0; u < v; ++u) sv += sm.redf[u];
+    if (sv > target) first_after = v;
+  }
+  int mine = kNoToken;
+  if ((start <= target && target < next) || warp == first_after) {
+    float carry = start;
+    for (int base0 = w_lo; base0 < w_hi && mine == kNoToken; base0 += kWarpChunk) {  // warp-uniform exit
+      const int base = base0 + lane * kVec;
+      float w[kVec];
+      weights_vec(row, res, has_res, s, ks, base, w_hi, row_al, res_al, w);
+      float local = 0.f;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) local += w[i];
+      float incl = local;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+      }
+      float c = carry + (incl - local);
+      int claim = kNoToken;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        c += w[i];
+        // Positive weight only: a rounding gap between running masses never hands out a zero-weight token.
+        if (base + i < w_hi && w[i] > 0.f && c > target && claim == kNoToken) claim = base + i;
+      }
+      mine = warp_reduce(claim, MinI());
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+  }
+  if (lane == 0) sm.redi[kWarps + warp] = mine;
+  __syncthreads();
+  int found = kNoToken;
+#pragma unroll
+  for (int v = 0; v < kWarps; ++v) found = min(found, sm.redi[kWarps + v]);
+  __syncthreads();  // redf / redi are reused by the next block reduction
+  return found != kNoToken ? found : slice_last >= 0 ? slice_last : s.arg;
+}
+
 // One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
 // `csize` = C, the cluster size the launcher chose (1: no cluster). TOPP_COMPACT: the top-p threshold is
 // selected among compacted candidates (p.topp_compact; a separate instantiation, so the default kernel's
@@ -964,6 +1127,7 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
 __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_kernel(const VerifyTreeParams p, int csize) {
   __shared__ VerifySmem sm;
+  TLT_PROF_BEGIN();
   // The sweep's cp.async ring (kRingBytes, sm_80+), then path_tok[D + 1], path_node[D + 1], tried[D],
   // took[D] (D = max depth held), then, for T <= kStageNodes, par_s[T] and tok_s[T] (token or -1 if
   // outside [0, V)).
@@ -1044,7 +1208,6 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
                      greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[0] : nullptr, cl, sm, plan);
   };
-  TLT_PROF_MARK("start");
   RowState s = visit(0);
   int err = s.bad;
   bool has_res = false, q_checked = false;
@@ -1099,29 +1262,34 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       q_checked = false;
       S = 1.f;
     } else if (!greedy) {
-      // Residual r = max(p - q, 0) (q = draft row, or p(x) at x alone), written to the other
-      // scratch row in the pass that sums it; adopted only if its mass R is positive.
+      // Residual r = max(p - q, 0) (q = draft row; without one, p with x zeroed), kept unnormalized as
+      // W r = max(w - q W / qsum, 0) with w = W p the current weights: one multiply per element instead of two
+      // divisions (the pass was bound by them), and the same distribution, since every reader divides by its
+      // mass R. Written to the other scratch row in the pass that sums it; adopted only if R is positive.
       const float* src = res_rows[res_i];
       float* dst = res_rows[res_i ^ 1];
       const bool src_al = aligned16(src), dst_al = aligned16(dst), row_al = aligned16(row);
-      const float W = has_res ? S : s.Z;
+      const float q_scale = HAS_Q ? (has_res ? S : s.Z) / s.qsum : 0.f;
       Partial r = partial_identity(0.f);
       auto body = [&](int base, const float (&a)[kVec], const float (&qv)[kVec]) {
         float pv[kVec];
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
           const float w = has_res ? a[i] : target_weight(a[i], s.thr, ks, s.m);
-          const float qq = HAS_Q ? qv[i] / s.qsum : (base + i == x ? px : 0.f);
-          pv[i] = base + i < hi ? fmaxf(w / W - qq, 0.f) : 0.f;
-          r.z += pv[i];
+          const float res = HAS_Q ? fmaxf(w - qv[i] * q_scale, 0.f) : (base + i == x ? 0.f : w);
+          pv[i] = base + i < hi ? res : 0.f;
         }
         store_vec(dst, base, hi, dst_al, pv);
+        // Pairwise: a short dependency chain per vector.
+        r.z += ((pv[0] + pv[1]) + (pv[2] + pv[3])) + ((pv[4] + pv[5]) + (pv[6] + pv[7]));
       };
+      static_assert(kVec == 8, "the residual's pairwise sum is written for 8 elements per vector");
       if (has_res) {
         sweep<Ld::kCG>(src, src_al, 0.f, q_row, HAS_Q && aligned16(q_row), HAS_Q, lo, hi, body);
       } else {
         sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, HAS_Q && aligned16(q_row), HAS_Q, lo, hi, body);
       }
+      TLT_PROF_MARK("resid_sweep");
       // The fold's barriers order every CTA's residual writes before any later read of them.
       Plan next;
       const float R = cluster_fold(block_fold(r, sm), cl, sm, &next).z;
@@ -1145,35 +1313,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     const float u = philox_uniform(seed, offset, static_cast<uint32_t>(cur), kPurposeSample);
     const float target = u * plan.total;
     owner = target < plan.total ? (plan.pre <= target && target < plan.end) : cl.rank == plan.last;
-    if (owner) {
-      const float* res = res_rows[res_i];
-      const bool res_al = aligned16(res), row_al = aligned16(row);
-      float carry = plan.pre;
-      int found = kNoToken, last = -1;
-      for (int base0 = lo; base0 < hi; base0 += kChunk) {
-        const int base = base0 + tid * kVec;
-        float w[kVec];
-        weights_vec(row, res, has_res, s, ks, base, hi, row_al, res_al, w);
-        float local = 0.f;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) local += w[i];
-        float chunk_total;
-        float c = carry + block_exclusive_scan<kVerifyThreads>(local, chunk_total, sm.redf);
-        int mine = kNoToken;
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-          c += w[i];
-          if (base + i < hi && c > target && mine == kNoToken) mine = base + i;
-          if (base + i < hi && w[i] > 0.f) last = base + i;
-        }
-        found = block_reduce<kVerifyThreads>(mine, MinI(), sm.redi);
-        if (found != kNoToken) break;
-        carry += chunk_total;
-      }
-      last = block_reduce<kVerifyThreads>(last, MaxI(), sm.redi);
-      // `last` < 0 only if the slice's recomputed weights all underflowed: keep the argmax then.
-      final_tok = found != kNoToken ? found : last >= 0 ? last : s.arg;
-    }
+    if (owner) final_tok = sample_slice(row, res_rows[res_i], has_res, s, ks, lo, hi, target - plan.pre, sm);
   }
   __syncthreads();  // path_* / tried / took written by thread 0
 
@@ -1204,6 +1344,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   // No CTA may exit while another still reads its shared memory (the last fold's slot).
   cluster_barrier(cl);
   TLT_PROF_MARK("end");
+  TLT_PROF_PRINT();
 }
 
 // ============================================================================================

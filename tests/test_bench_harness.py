@@ -289,12 +289,13 @@ def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
 def test_profile_phases_parses_marks_into_phase_medians():
     from bench.profile_phases import _parse
 
+    # the clock ticks twice per ns here; the global timer (ns) gives the scale
     text = "\n".join([
         "tltcase visited_req0=2 longest=4",
-        "tltrep", "tltprof start 1000", "tltprof row 1000", "tltprof stats 4000", "tltprof row 4000",
-        "tltprof stats 6000", "tltprof end 9000",
-        "tltrep", "tltprof start 0", "tltprof row 0", "tltprof stats 5000", "tltprof row 5000",
-        "tltprof stats 7000", "tltprof end 12000",
+        "tltrep", "tltprof start 2000 1000", "tltprof row 2000 1000", "tltprof stats 8000 4000", "tltprof row 8000 4000",
+        "tltprof stats 12000 6000", "tltprof end 18000 9000",
+        "tltrep", "tltprof start 0 0", "tltprof row 0 0", "tltprof stats 10000 5000", "tltprof row 10000 5000",
+        "tltprof stats 14000 7000", "tltprof end 24000 12000",
     ])
     out = _parse(text)
     assert out["reps"] == 2 and out["case"] == "visited_req0=2 longest=4"
