@@ -567,6 +567,7 @@ struct Cluster {
 
 constexpr int kRadixMaxBits = 9;  // widest radix digit: 512 bins
 constexpr int kRadixBins = 1 << kRadixMaxBits;
+constexpr int kSampleGroups = 64;  // contiguous groups of a slice in the final sample (sample_slice)
 
 struct VerifySmem {
   uint64_t hist[2][kRadixBins];
@@ -582,6 +583,7 @@ struct VerifySmem {
   double need;
   uint64_t wpub;    // this CTA's 32.32 kept mass, read by the cluster (topp_candidates)
   int kpub;         // this CTA's smallest candidate key, read by the cluster (topp_candidates)
+  float gsum[2 * kSampleGroups];  // group sums, then their starts (sample_slice)
   int cand_n;       // candidates compacted so far (topp_candidates)
 };
 
@@ -1036,60 +1038,86 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 
 // Inverse-CDF sample inside this CTA's slice [lo, hi): the first token of positive weight whose running mass
 // (token order) exceeds `target` (in [0, the slice's mass)); the last token of positive weight if rounding puts
-// target past every running mass; the argmax if the slice's weights all underflowed. Warp w owns the w-th of
-// eight contiguous ranges (whole 256-element warp chunks, so every load stays coalesced): one pass sums each
-// range, a fixed-order prefix over the eight totals gives each range's start, and only the range holding the
-// target (or, past a rounding gap, the first range after it) rescans its chunks with warp scans, stopping at the
-// claim. Three block barriers in all, against four per 2048-token chunk scanned before.
+// target past every running mass; the argmax if the slice's weights all underflowed. The slice is cut into
+// kSampleGroups contiguous groups of whole 256-token warp chunks (coalesced loads); the warps sum the groups
+// (group g by warp g mod 8), warp 0 scans the group sums in a fixed order, and only the group holding the
+// target (or, past a rounding gap, the first group after it) is rescanned chunk by chunk with warp scans.
+// Three block barriers and at most one group rescanned, against four barriers per 2048-token chunk before.
 template <typename TL>
 __device__ int sample_slice(const TL* row, const float* res, bool has_res, const RowState& s, float ks, int lo, int hi,
                             float target, VerifySmem& sm) {
   constexpr int kWarps = kVerifyThreads / 32, kWarpChunk = 32 * kVec;
+  static_assert(kSampleGroups == 2 * 32, "warp 0 scans two group sums per lane");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const bool res_al = aligned16(res), row_al = aligned16(row);
-  const int per_warp = ((hi - lo + kWarps - 1) / kWarps + kWarpChunk - 1) / kWarpChunk * kWarpChunk;
-  const int w_lo = min(lo + warp * per_warp, hi), w_hi = min(w_lo + per_warp, hi);
-  float lane_sum = 0.f;
+  const int group = ((hi - lo + kSampleGroups - 1) / kSampleGroups + kWarpChunk - 1) / kWarpChunk * kWarpChunk;
+  float* gsum = sm.gsum;  // [kSampleGroups] sums, then [kSampleGroups] exclusive starts
   int last = -1;
-  for (int base0 = w_lo; base0 < w_hi; base0 += kWarpChunk) {
-    const int base = base0 + lane * kVec;
-    float w[kVec];
-    weights_vec(row, res, has_res, s, ks, base, w_hi, row_al, res_al, w);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      lane_sum += w[i];
-      if (base + i < w_hi && w[i] > 0.f) last = base + i;
-    }
-  }
-  const float warp_total = warp_reduce(lane_sum, SumF());
-  last = warp_reduce(last, MaxI());
-  if (lane == 0) {
-    sm.redf[warp] = warp_total;
-    sm.redi[warp] = last;
-  }
-  __syncthreads();
-  float start = 0.f, next = 0.f;  // this range's first running mass, and the next range's
-  int slice_last = -1, first_after = kWarps;
-#pragma unroll
-  for (int v = 0; v < kWarps; ++v) {
-    if (v < warp) start += sm.redf[v];
-    slice_last = max(slice_last, sm.redi[v]);
-  }
-  next = start + sm.redf[warp];
-  // The first range that starts past the target: claims its first positive token if no earlier range does.
-#pragma unroll
-  for (int v = kWarps - 1; v >= 0; --v) {
-    float sv = 0.f;
-    for (int u = 0; u < v; ++u) sv += sm.redf[u];
-    if (sv > target) first_after = v;
-  }
-  int mine = kNoToken;
-  if ((start <= target && target < next) || warp == first_after) {
-    float carry = start;
-    for (int base0 = w_lo; base0 < w_hi && mine == kNoToken; base0 += kWarpChunk) {  // warp-uniform exit
+  for (int g = warp; g < kSampleGroups; g += kWarps) {
+    const int g_lo = min(lo + g * group, hi), g_hi = min(g_lo + group, hi);
+    float lane_sum = 0.f;
+    for (int base0 = g_lo; base0 < g_hi; base0 += kWarpChunk) {
       const int base = base0 + lane * kVec;
       float w[kVec];
-      weights_vec(row, res, has_res, s, ks, base, w_hi, row_al, res_al, w);
+      weights_vec(row, res, has_res, s, ks, base, g_hi, row_al, res_al, w);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        lane_sum += w[i];
+        if (base + i < g_hi && w[i] > 0.f) last = base + i;
+      }
+    }
+    const float total = warp_reduce(lane_sum, SumF());
+    if (lane == 0) gsum[g] = total;
+  }
+  last = warp_reduce(last, MaxI());
+  if (lane == 0) sm.redi[warp] = last;
+  __syncthreads();
+  if (warp == 0) {
+    // Exclusive starts of the 64 groups (lane l: groups 2l, 2l + 1), fixed order.
+    const float a = gsum[2 * lane], b = gsum[2 * lane + 1];
+    float incl = a + b;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float up = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += up;
+    }
+    const float start = incl - (a + b);
+    gsum[kSampleGroups + 2 * lane] = start;
+    gsum[kSampleGroups + 2 * lane + 1] = start + a;
+    int slice_last = -1;
+    for (int v = 0; v < kWarps; ++v) slice_last = max(slice_last, sm.redi[v]);
+    // The group holding the target, and the first group starting past it (the claim past a rounding gap).
+    const bool hold0 = start <= target && target < start + a, hold1 = start + a <= target && target < start + a + b;
+    const unsigned holds = __ballot_sync(0xffffffffu, hold0 || hold1);
+    const bool after0 = start > target, after1 = start + a > target;
+    const unsigned afters = __ballot_sync(0xffffffffu, after0 || after1);
+    int g_hold = -1, g_after = -1;
+    if (holds) {
+      const int l = __ffs(holds) - 1;
+      g_hold = 2 * l + (__shfl_sync(0xffffffffu, static_cast<int>(hold0), l) ? 0 : 1);
+    }
+    if (afters) {
+      const int l = __ffs(afters) - 1;
+      g_after = 2 * l + (__shfl_sync(0xffffffffu, static_cast<int>(after0), l) ? 0 : 1);
+    }
+    if (lane == 0) {
+      sm.redi[kWarps] = g_hold;
+      sm.redi[kWarps + 1] = g_after;
+      sm.redi[kWarps + 2] = slice_last;
+    }
+  }
+  __syncthreads();
+  const int g_hold = sm.redi[kWarps], g_after = sm.redi[kWarps + 1], slice_last = sm.redi[kWarps + 2];
+  // Warp 0 rescans the holding group, warp 1 the first group after it; the lower token wins.
+  const int g = warp == 0 ? g_hold : warp == 1 ? g_after : -1;
+  int mine = kNoToken;
+  if (g >= 0) {
+    const int g_lo = min(lo + g * group, hi), g_hi = min(g_lo + group, hi);
+    float carry = gsum[kSampleGroups + g];
+    for (int base0 = g_lo; base0 < g_hi && mine == kNoToken; base0 += kWarpChunk) {  // warp-uniform exit
+      const int base = base0 + lane * kVec;
+      float w[kVec];
+      weights_vec(row, res, has_res, s, ks, base, g_hi, row_al, res_al, w);
       float local = 0.f;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) local += w[i];
@@ -1105,18 +1133,16 @@ __device__ int sample_slice(const TL* row, const float* res, bool has_res, const
       for (int i = 0; i < kVec; ++i) {
         c += w[i];
         // Positive weight only: a rounding gap between running masses never hands out a zero-weight token.
-        if (base + i < w_hi && w[i] > 0.f && c > target && claim == kNoToken) claim = base + i;
+        if (base + i < g_hi && w[i] > 0.f && c > target && claim == kNoToken) claim = base + i;
       }
       mine = warp_reduce(claim, MinI());
       carry += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
-  if (lane == 0) sm.redi[kWarps + warp] = mine;
+  if (warp < 2 && lane == 0) sm.redi[kWarps + 3 + warp] = mine;
   __syncthreads();
-  int found = kNoToken;
-#pragma unroll
-  for (int v = 0; v < kWarps; ++v) found = min(found, sm.redi[kWarps + v]);
-  __syncthreads();  // redf / redi are reused by the next block reduction
+  const int found = min(sm.redi[kWarps + 3], sm.redi[kWarps + 4]);
+  __syncthreads();  // redi / gsum are reused by later reductions
   return found != kNoToken ? found : slice_last >= 0 ? slice_last : s.arg;
 }
 
