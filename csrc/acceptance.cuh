@@ -205,6 +205,29 @@ __device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
   return r;
 }
 
+// Exclusive prefix sum over the block in thread order; `total` gets the block's sum.
+template <int NT>
+__device__ __forceinline__ float block_exclusive_scan(float v, float& total, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  if (lane == 31) red[warp] = incl;
+  __syncthreads();
+  float before = 0.f;
+  total = 0.f;
+#pragma unroll
+  for (int w = 0; w < NT / 32; ++w) {
+    if (w < warp) before += red[w];
+    total += red[w];
+  }
+  __syncthreads();
+  return before + incl - v;
+}
+
 // ============================================================================================
 // verify_tree
 // ============================================================================================
@@ -567,7 +590,6 @@ struct Cluster {
 
 constexpr int kRadixMaxBits = 9;  // widest radix digit: 512 bins
 constexpr int kRadixBins = 1 << kRadixMaxBits;
-constexpr int kSampleGroups = 64;  // contiguous groups of a slice in the final sample (sample_slice)
 
 struct VerifySmem {
   uint64_t hist[2][kRadixBins];
@@ -583,7 +605,6 @@ struct VerifySmem {
   double need;
   uint64_t wpub;    // this CTA's 32.32 kept mass, read by the cluster (topp_candidates)
   int kpub;         // this CTA's smallest candidate key, read by the cluster (topp_candidates)
-  float gsum[2 * kSampleGroups];  // group sums, then their starts (sample_slice)
   int cand_n;       // candidates compacted so far (topp_candidates)
 };
 
@@ -1037,113 +1058,42 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 
 
 // Inverse-CDF sample inside this CTA's slice [lo, hi): the first token of positive weight whose running mass
-// (token order) exceeds `target` (in [0, the slice's mass)); the last token of positive weight if rounding puts
-// target past every running mass; the argmax if the slice's weights all underflowed. The slice is cut into
-// kSampleGroups contiguous groups of whole 256-token warp chunks (coalesced loads); the warps sum the groups
-// (group g by warp g mod 8), warp 0 scans the group sums in a fixed order, and only the group holding the
-// target (or, past a rounding gap, the first group after it) is rescanned chunk by chunk with warp scans.
-// Three block barriers and at most one group rescanned, against four barriers per 2048-token chunk before.
+// (from `pre`, in token order, 2048-token chunks with a block scan each, stopping at the first claim) exceeds `target`; the last
+// token of positive weight if rounding puts target past every running mass; the argmax if the slice's weights
+// all underflowed. Claims need positive weight: the block scan's prefixes are not exactly monotone in token
+// order, and a rounding gap between two threads' running masses must not hand out a zero-weight token.
+// (A one-pass-then-rescan version with 64 contiguous groups was 2-11% slower on all-accepted walks, H200 A/B:
+// its summing pass reads the whole slice, this scan stops at the target's chunk.)
 template <typename TL>
 __device__ int sample_slice(const TL* row, const float* res, bool has_res, const RowState& s, float ks, int lo, int hi,
-                            float target, VerifySmem& sm) {
-  constexpr int kWarps = kVerifyThreads / 32, kWarpChunk = 32 * kVec;
-  static_assert(kSampleGroups == 2 * 32, "warp 0 scans two group sums per lane");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                            float pre, float target, VerifySmem& sm) {
+  const int tid = threadIdx.x;
   const bool res_al = aligned16(res), row_al = aligned16(row);
-  const int group = ((hi - lo + kSampleGroups - 1) / kSampleGroups + kWarpChunk - 1) / kWarpChunk * kWarpChunk;
-  float* gsum = sm.gsum;  // [kSampleGroups] sums, then [kSampleGroups] exclusive starts
-  int last = -1;
-  for (int g = warp; g < kSampleGroups; g += kWarps) {
-    const int g_lo = min(lo + g * group, hi), g_hi = min(g_lo + group, hi);
-    float lane_sum = 0.f;
-    for (int base0 = g_lo; base0 < g_hi; base0 += kWarpChunk) {
-      const int base = base0 + lane * kVec;
-      float w[kVec];
-      weights_vec(row, res, has_res, s, ks, base, g_hi, row_al, res_al, w);
+  float carry = pre;  // the running mass before this slice (the cluster's plan)
+  int found = kNoToken, last = -1;
+  for (int base0 = lo; base0 < hi; base0 += kChunk) {
+    const int base = base0 + tid * kVec;
+    float w[kVec];
+    weights_vec(row, res, has_res, s, ks, base, hi, row_al, res_al, w);
+    float local = 0.f;
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        lane_sum += w[i];
-        if (base + i < g_hi && w[i] > 0.f) last = base + i;
-      }
+    for (int i = 0; i < kVec; ++i) local += w[i];
+    float chunk_total;
+    float c = carry + block_exclusive_scan<kVerifyThreads>(local, chunk_total, sm.redf);
+    int mine = kNoToken;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      c += w[i];
+      const bool positive = base + i < hi && w[i] > 0.f;
+      if (positive && c > target && mine == kNoToken) mine = base + i;
+      if (positive) last = base + i;
     }
-    const float total = warp_reduce(lane_sum, SumF());
-    if (lane == 0) gsum[g] = total;
+    found = block_reduce<kVerifyThreads>(mine, MinI(), sm.redi);
+    if (found != kNoToken) break;
+    carry += chunk_total;
   }
-  last = warp_reduce(last, MaxI());
-  if (lane == 0) sm.redi[warp] = last;
-  __syncthreads();
-  if (warp == 0) {
-    // Exclusive starts of the 64 groups (lane l: groups 2l, 2l + 1), fixed order.
-    const float a = gsum[2 * lane], b = gsum[2 * lane + 1];
-    float incl = a + b;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float up = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += up;
-    }
-    const float start = incl - (a + b);
-    gsum[kSampleGroups + 2 * lane] = start;
-    gsum[kSampleGroups + 2 * lane + 1] = start + a;
-    int slice_last = -1;
-    for (int v = 0; v < kWarps; ++v) slice_last = max(slice_last, sm.redi[v]);
-    // The group holding the target, and the first group starting past it (the claim past a rounding gap).
-    const bool hold0 = start <= target && target < start + a, hold1 = start + a <= target && target < start + a + b;
-    const unsigned holds = __ballot_sync(0xffffffffu, hold0 || hold1);
-    const bool after0 = start > target, after1 = start + a > target;
-    const unsigned afters = __ballot_sync(0xffffffffu, after0 || after1);
-    int g_hold = -1, g_after = -1;
-    if (holds) {
-      const int l = __ffs(holds) - 1;
-      g_hold = 2 * l + (__shfl_sync(0xffffffffu, static_cast<int>(hold0), l) ? 0 : 1);
-    }
-    if (afters) {
-      const int l = __ffs(afters) - 1;
-      g_after = 2 * l + (__shfl_sync(0xffffffffu, static_cast<int>(after0), l) ? 0 : 1);
-    }
-    if (lane == 0) {
-      sm.redi[kWarps] = g_hold;
-      sm.redi[kWarps + 1] = g_after;
-      sm.redi[kWarps + 2] = slice_last;
-    }
-  }
-  __syncthreads();
-  const int g_hold = sm.redi[kWarps], g_after = sm.redi[kWarps + 1], slice_last = sm.redi[kWarps + 2];
-  // Warp 0 rescans the holding group, warp 1 the first group after it; the lower token wins.
-  const int g = warp == 0 ? g_hold : warp == 1 ? g_after : -1;
-  int mine = kNoToken;
-  if (g >= 0) {
-    const int g_lo = min(lo + g * group, hi), g_hi = min(g_lo + group, hi);
-    float carry = gsum[kSampleGroups + g];
-    for (int base0 = g_lo; base0 < g_hi && mine == kNoToken; base0 += kWarpChunk) {  // warp-uniform exit
-      const int base = base0 + lane * kVec;
-      float w[kVec];
-      weights_vec(row, res, has_res, s, ks, base, g_hi, row_al, res_al, w);
-      float local = 0.f;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) local += w[i];
-      float incl = local;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const float up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += up;
-      }
-      float c = carry + (incl - local);
-      int claim = kNoToken;
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        c += w[i];
-        // Positive weight only: a rounding gap between running masses never hands out a zero-weight token.
-        if (base + i < g_hi && w[i] > 0.f && c > target && claim == kNoToken) claim = base + i;
-      }
-      mine = warp_reduce(claim, MinI());
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-    }
-  }
-  if (warp < 2 && lane == 0) sm.redi[kWarps + 3 + warp] = mine;
-  __syncthreads();
-  const int found = min(sm.redi[kWarps + 3], sm.redi[kWarps + 4]);
-  __syncthreads();  // redi / gsum are reused by later reductions
-  return found != kNoToken ? found : slice_last >= 0 ? slice_last : s.arg;
+  last = block_reduce<kVerifyThreads>(last, MaxI(), sm.redi);
+  return found != kNoToken ? found : last >= 0 ? last : s.arg;
 }
 
 // One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
@@ -1339,7 +1289,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     const float u = philox_uniform(seed, offset, static_cast<uint32_t>(cur), kPurposeSample);
     const float target = u * plan.total;
     owner = target < plan.total ? (plan.pre <= target && target < plan.end) : cl.rank == plan.last;
-    if (owner) final_tok = sample_slice(row, res_rows[res_i], has_res, s, ks, lo, hi, target - plan.pre, sm);
+    if (owner) final_tok = sample_slice(row, res_rows[res_i], has_res, s, ks, lo, hi, plan.pre, target, sm);
   }
   __syncthreads();  // path_* / tried / took written by thread 0
 
