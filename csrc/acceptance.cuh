@@ -398,7 +398,7 @@ __device__ __forceinline__ void store_vec(float* row, int base, int end, bool al
 // Per-thread cp.async ring of the pipelined sweep, at the start of the kernel's dynamic shared memory:
 // kRingWords 16-byte words per thread (word w of thread t at [w * kVerifyThreads + t]: a warp's 16-byte
 // accesses are contiguous, conflict-free). A thread reads back only the words it copied itself, so the
-// ring needs no barrier, and the sweep's callers (which run block scans and warp collectives inside f)
+// ring needs no barrier, and the sweep's callers (which run warp collectives inside f)
 // see the same CTA-uniform trip count as before.
 constexpr int kRingWords = 16;  // 256 B per thread: 64 KB per CTA, two CTAs per SM still fit
 constexpr int kRingBytes = kRingWords * 16 * kVerifyThreads;

@@ -52,7 +52,7 @@ inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int sm
 // B=64: C=8 in two waves 274 us, C=2 co-resident 449 us; top-p chain8 2.4 vs 5.4 ms). C = 16 (the
 // non-portable size; skipped where the device refuses it) only when all B clusters are co-resident:
 // at B=16 it is no faster than C=8. The occupancy query (not a stream operation) is cached per device
-// and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~7 KB of static
+// and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~13 KB of static
 // shared memory, the 64 KB cp.async ring plus a small dynamic part).
 // `major` and `dev`: the current device's compute capability and ordinal (the caller's query).
 template <typename Kernel>
