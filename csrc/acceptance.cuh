@@ -890,7 +890,8 @@ __device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int f
       sm.kpub = kmine;
     }
     // Every CTA's slot is written before any is read. A slot is rewritten only at the next visited row's
-    // compaction, after the radix select's cluster barriers, which every CTA reaches after reading.
+    // compaction, after this row's normalizer fold (a cluster barrier every CTA reaches after reading; the
+    // select may have none: its levels are skipped when every candidate has the same key).
     cluster.sync();
     uint64_t all = 0;
     int kall = 0x7fffffff;
