@@ -1059,9 +1059,9 @@ __device__ __forceinline__ void weights_vec(const T* row, const float* res, bool
 
 
 // Inverse-CDF sample inside this CTA's slice [lo, hi): the first token of positive weight whose running mass
-// (from `pre`, in token order, 2048-token chunks with a block scan each, stopping at the first claim) exceeds `target`; the last
-// token of positive weight if rounding puts target past every running mass; the argmax if the slice's weights
-// all underflowed. Claims need positive weight: the block scan's prefixes are not exactly monotone in token
+// (from `pre`, in token order, 2048-token chunks with a block scan each, stopping at the first claim) exceeds
+// `target`; the last token of positive weight if rounding puts target past every running mass; the argmax if the
+// slice's weights all underflowed. Claims need positive weight: the block scan's prefixes are not exactly monotone in token
 // order, and a rounding gap between two threads' running masses must not hand out a zero-weight token.
 // (A one-pass-then-rescan version with 64 contiguous groups was 2-11% slower on all-accepted walks, H200 A/B:
 // its summing pass reads the whole slice, this scan stops at the target's chunk.)
