@@ -367,6 +367,39 @@ def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dty
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_verify_topp_equal_keys(monkeypatch, cluster):
+    """Rows whose logits are all equal: every top-p candidate has the same key, so the radix select has no bit
+    left to resolve and returns that key (keep every token). Compared with the reference and between the full-row
+    and candidate paths."""
+    _need_gpu_ext()
+    from tlt_kernels._cuda import verify_tree as cv
+
+    B, T, V = 6, 3, 4099
+    g = torch.Generator().manual_seed(17)
+    lg = torch.full((B, T, V), 0.25).add_(torch.arange(B, dtype=torch.float32).view(B, 1, 1))
+    lg[1::2, :, : V // 2] = -float("inf")  # half the vocabulary masked: equal keys among the live tokens only
+    par = torch.tensor([-1, 0, 1]).repeat(B, 1).to(torch.int32)
+    toks = torch.randint(V // 2, V, (B, T), generator=g)
+    kw = dict(temperature=0.8, top_p=torch.full((B,), 0.5), seed=torch.arange(B) * 13 + 1, offset=torch.zeros(B, dtype=torch.int64),
+              return_stats=True)
+    ref = verify_tree(lg, toks, par, backend="torch", **kw)
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    dkw = _to("cuda", kw)
+    monkeypatch.setattr(cv, "TOPP_COMPACT", False)
+    full = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+    monkeypatch.setattr(cv, "TOPP_COMPACT", True)
+    got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+    label = f"verify[equal keys C={cluster}]"
+    assert not _diff_requests(full, got, label), "the candidates' select must give the full row's threshold"
+    _check_close(ref, got, label + " cuda vs reference")
+    out = got.tokens.cpu()
+    emitted = out >= 0
+    assert emitted[:, 0].all(), "every request emits at least one token"
+    assert (out[1::2][emitted[1::2]] >= V // 2).all(), "a masked (-inf) token was emitted"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("use_q", [False, True])
 def test_verify_auto_cluster_large_vocab(monkeypatch, use_q):
     """The launcher's own C (16 at B = 1 on an H100/H200, slices of 9504 tokens) against C = 1 and the reference,
