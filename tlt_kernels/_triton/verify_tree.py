@@ -406,7 +406,9 @@ def _verify_tree_kernel(
             mask = offs < V
             p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
             cdf = tl.cumsum(p, axis=0) + carry
-            found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask, offs, V), axis=0))
+            # Positive mass only: cumsum and the tiles' carry are differently rounded sums, and a target in a
+            # rounding gap between them must not land on a zero-probability token.
+            found = tl.minimum(found, tl.min(tl.where((cdf > target) & mask & (p > 0.0), offs, V), axis=0))
             last = tl.where(tl.max(p, axis=0) > 0.0, tl.max(tl.where(p > 0.0, offs, -1), axis=0), last)
             carry += tl.sum(p, axis=0)
         final = tl.where(found < V, found, last)
