@@ -330,6 +330,19 @@ def test_verify_cluster_graph_capture_and_bf16(monkeypatch, cluster):
     assert not _diff_requests(got, out, f"C={cluster} graph replay"), "replayed graph differs from eager"
 
 
+def _full_row_and_candidates(monkeypatch, cluster, lg, toks, par, kw):
+    """CUDA verify_tree with cluster size `cluster`, the top-p threshold selected over the full row, then over the
+    compacted candidates (kw: CUDA tensors)."""
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    out = []
+    for compact in (False, True):
+        monkeypatch.setattr(cv, "TOPP_COMPACT", compact)
+        out.append(verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw))
+    return out
+
+
 TOPP_COMPACT_CASES = [
     # (rule, use_q, V, T, B, dtype, temperature scale)
     ("topp", True, 152064, 7, 5, torch.bfloat16, 1.0),  # the benchmark's shape: peaked, few candidates
@@ -347,19 +360,13 @@ def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dty
     """The top-p threshold selected among compacted candidates (TOPP_COMPACT) is the full row's to the bit
     (same integer need, every token at or above the threshold a candidate), so every output is identical."""
     _need_gpu_ext()
-    from tlt_kernels._cuda import verify_tree as cv
-
     g = torch.Generator().manual_seed(V + T + 3)
     lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V * 5 + T, use_q=use_q, dtype=dtype)
     kw = _sampling_kw(rule, B, g)
     if "temperature" in kw:
         kw["temperature"] = kw["temperature"] * scale
     kw = _to("cuda", dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 17 + 3, return_stats=True, **kw))
-    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
-    monkeypatch.setattr(cv, "TOPP_COMPACT", False)
-    full = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
-    monkeypatch.setattr(cv, "TOPP_COMPACT", True)
-    got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
+    full, got = _full_row_and_candidates(monkeypatch, cluster, lg, toks, par, kw)
     label = f"verify[topp candidates C={cluster} {rule} q={use_q} V={V} T={T} B={B} {dtype} x{scale}]"
     assert not _diff_requests(full, got, label), "the candidates' select must give the full row's threshold"
     again = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
@@ -373,8 +380,6 @@ def test_verify_topp_equal_keys(monkeypatch, cluster):
     left to resolve and returns that key (keep every token). Compared with the reference and between the full-row
     and candidate paths."""
     _need_gpu_ext()
-    from tlt_kernels._cuda import verify_tree as cv
-
     B, T, V = 6, 3, 4099
     g = torch.Generator().manual_seed(17)
     lg = torch.full((B, T, V), 0.25).add_(torch.arange(B, dtype=torch.float32).view(B, 1, 1))
@@ -384,12 +389,7 @@ def test_verify_topp_equal_keys(monkeypatch, cluster):
     kw = dict(temperature=0.8, top_p=torch.full((B,), 0.5), seed=torch.arange(B) * 13 + 1, offset=torch.zeros(B, dtype=torch.int64),
               return_stats=True)
     ref = verify_tree(lg, toks, par, backend="torch", **kw)
-    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
-    dkw = _to("cuda", kw)
-    monkeypatch.setattr(cv, "TOPP_COMPACT", False)
-    full = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
-    monkeypatch.setattr(cv, "TOPP_COMPACT", True)
-    got = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **dkw)
+    full, got = _full_row_and_candidates(monkeypatch, cluster, lg, toks, par, _to("cuda", kw))
     label = f"verify[equal keys C={cluster}]"
     assert not _diff_requests(full, got, label), "the candidates' select must give the full row's threshold"
     _check_close(ref, got, label + " cuda vs reference")
