@@ -304,3 +304,19 @@ def test_profile_phases_parses_marks_into_phase_medians():
     assert out["phases_us"]["row->stats"] == 6.0
     assert out["phases_us"]["stats->end"] == 4.0
     assert list(out["phases_us"])[0] == "row->stats"  # largest first
+
+
+def test_acceptance_tree_vs_same_depth_chain_note():
+    from types import SimpleNamespace
+
+    from bench.harness import Row
+    from bench.suites.acceptance import _heap_depth, _note_tree_vs_chain
+
+    assert [_heap_depth(t) for t in (8, 16, 32, 64)] == [3, 4, 5, 6]
+    case = lambda shape: {"shape": shape, "B": 16, "V": 152064, "top_p": 0.9}  # noqa: E731
+    notes = []
+    ctx = SimpleNamespace(rows=[Row(case("tree16"), "tlt-cuda-graph", 0.30), Row(case("chain5"), "tlt-cuda-graph", 0.20),
+                                Row(case("chain4"), "tlt-cuda-graph", 0.10), Row(case("tree16"), "flashinfer", 1.0)],
+                          note=notes.append)
+    _note_tree_vs_chain(ctx, [("chain", 4), ("tree", 16), ("chain", 5)])
+    assert notes == ["tree16 / chain5 (depth 4), B=16 V=152064 top_p=0.9 tlt-cuda-graph: 1.50x (target <= 1.5x)"]

@@ -12,6 +12,10 @@ ops could leave the CUDA context unusable for the rest of the run), ``torch-comp
 the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a softmax of every row
 (chains only) when FlashInfer is importable.
 
+Trees are also timed against the chain of the same depth (chain5 for tree16, chain6 for tree32, chain7 for
+tree64; added to the run when a tree shape is), the issue's "tree verification with draft probabilities within
+1.5x the time of the chain case of the same depth": one note per (tree, B, V, top_p, impl) gives the ratio.
+
 ``bytes_moved`` = the rows the walk actually visits: ``(num_accepted + 1)`` logits rows per request
 plus one draft-probability row per node whose children were tried. The fused kernel re-reads a
 visited row once per pass (max, radix-select levels, normalizer, sample) and writes a scratch row on
@@ -55,6 +59,25 @@ def _case(B, T, V, parents, dtype, device, seed=0):
     return logits.to(dtype), tokens, q
 
 
+def _heap_depth(T: int) -> int:
+    """Depth of the binary-heap tree of T nodes that ``_parents`` builds (node i's parent (i - 1) // 2)."""
+    return (T).bit_length() - 1
+
+
+def _note_tree_vs_chain(ctx, shapes) -> None:
+    """One note per tree case: its time over the same-depth chain's (same B, V, top_p, impl; target <= 1.5x)."""
+    ms = {(r.case["shape"], r.case["B"], r.case["V"], r.case["top_p"], r.impl): r.ms for r in ctx.rows}
+    for kind, T in shapes:
+        if kind != "tree":
+            continue
+        chain = f"chain{_heap_depth(T) + 1}"
+        for (shape, B, V, top_p, impl), t_ms in ms.items():
+            c_ms = ms.get((chain, B, V, top_p, impl))
+            if shape == f"tree{T}" and impl.startswith("tlt-") and c_ms:
+                ctx.note(f"tree{T} / {chain} (depth {_heap_depth(T)}), B={B} V={V} top_p={top_p:g} {impl}: "
+                         f"{t_ms / c_ms:.2f}x (target <= 1.5x)")
+
+
 def _bytes(res, V, logit_bytes, q_bytes):
     rows = (res.num_accepted.long() + 1).sum().item()
     q_rows = (res.stats[:, :, 0] > 0).sum().item()
@@ -88,6 +111,11 @@ def run(ctx) -> None:
             if unknown:
                 raise ValueError(f"TLT_ACCEPTANCE_SHAPES: unknown shapes {sorted(unknown)}; known: chain4, chain8, chain16, tree16, tree32, tree64")
             shapes = [(k, t) for k, t in shapes if f"{k}{t}" in wanted]
+    # The chain of each tree's depth (binary heap of T nodes: depth floor(log2(T))), for the tree-vs-chain note.
+    for kind, T in list(shapes):
+        same_depth = ("chain", _heap_depth(T) + 1)
+        if kind == "tree" and same_depth not in shapes:
+            shapes.append(same_depth)
     fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
     # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
     graphs = dev.type == "cuda" and os.environ.get("TLT_ACCEPTANCE_GRAPHS", "1") not in ("", "0")
@@ -137,3 +165,4 @@ def run(ctx) -> None:
                             ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
                     if heavy:
                         ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
+    _note_tree_vs_chain(ctx, shapes)
