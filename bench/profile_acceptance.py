@@ -50,6 +50,21 @@ def _case(kind, T, B, V, regime, dev, seed=0):
     return logits.to(torch.bfloat16), tokens, parents, q
 
 
+def _shape(name: str):
+    """``"chain8"`` -> ``("chain", 8)``."""
+    return name.rstrip("0123456789"), int(name.lstrip("chaintre"))
+
+
+def _verify_kwargs(regime: str, q, B: int, dev, top_p: float) -> dict:
+    """verify_tree's keyword arguments for a case of ``_case`` (greedy: no draft rows; top_p 1: off)."""
+    from bench.suites.acceptance import TEMPERATURE
+
+    greedy = regime == "greedy"
+    return dict(draft_probs=None if greedy else q, temperature=0.0 if greedy else TEMPERATURE,
+                top_p=top_p if top_p < 1 else None, seed=torch.arange(B, dtype=torch.int64, device=dev), validate=False,
+                backend="cuda")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -60,29 +75,25 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--top-p", default="1", help="comma list; 1 = no top-p")
     args = ap.parse_args()
-    from triton.testing import do_bench
-
     import tlt_kernels._cuda.verify_tree as cuda_vt
-    from bench.harness import COPY_BYTES, measure_copy_bandwidth
-    from bench.suites.acceptance import TEMPERATURE, _bytes
+    from bench.harness import BenchContext
+    from bench.suites.acceptance import _bytes
     from tlt_kernels import verify_tree
 
     dev = torch.device("cuda")
-    bandwidth = measure_copy_bandwidth(dev, COPY_BYTES, lambda fn: do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    timer = BenchContext("profile-acceptance", dev)  # the suites' do_bench median, graph capture and copy bandwidth
+    bandwidth = timer.copy_bandwidth
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (1 GiB device-to-device copy)", flush=True)
     rows = []
     for shape in args.shapes.split(","):
-        kind, T = shape.rstrip("0123456789"), int(shape.lstrip("chaintre"))
+        kind, T = _shape(shape)
         for B in (int(b) for b in args.bs.split(",")):
             for regime in args.regimes.split(","):
                 logits, tokens, parents, q = _case(kind, T, B, args.vocab, regime, dev)
-                temp = 0.0 if regime == "greedy" else TEMPERATURE
-                kw = dict(draft_probs=None if regime == "greedy" else q, temperature=temp,
-                          seed=torch.arange(B, dtype=torch.int64, device=dev), validate=False, backend="cuda")
                 for top_p, C in ((float(p), int(c)) for p in args.top_p.split(",") for c in args.clusters.split(",")):
                     if top_p < 1 and regime == "greedy":
                         continue
-                    kw["top_p"] = top_p if top_p < 1 else None
+                    kw = _verify_kwargs(regime, q, B, dev, top_p)
                     cuda_vt.CLUSTER_SIZE = 0  # the walk (rows visited) does not depend on C
                     res = verify_tree(logits, tokens, parents, return_stats=True, **kw)
                     visited = res.num_accepted.long() + 1
@@ -93,15 +104,7 @@ def main() -> None:
                     try:
                         op = lambda: verify_tree(logits, tokens, parents, **kw)  # noqa: E731
                         op()
-                        graph = torch.cuda.CUDAGraph()
-                        s = torch.cuda.Stream()
-                        s.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(s):
-                            op()
-                        torch.cuda.current_stream().wait_stream(s)
-                        with torch.cuda.graph(graph):
-                            op()
-                        us = 1e3 * do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
+                        us = 1e3 * timer.time_graph_ms(op)
                     except Exception as exc:  # a cluster size the device refuses
                         print(f"{shape} B={B} {regime} top_p={top_p} C={C}: {type(exc).__name__}: {exc}", flush=True)
                         continue

@@ -26,17 +26,13 @@ from collections import defaultdict
 def _child(args) -> None:
     import torch
 
-    from bench.profile_acceptance import _case
-    from bench.suites.acceptance import TEMPERATURE
+    from bench.profile_acceptance import _case, _shape, _verify_kwargs
     from tlt_kernels import verify_tree
 
     dev = torch.device("cuda")
-    kind, T = args.shape.rstrip("0123456789"), int(args.shape.lstrip("chaintre"))
+    kind, T = _shape(args.shape)
     logits, tokens, parents, q = _case(kind, T, args.B, args.vocab, args.regime, dev)
-    greedy = args.regime == "greedy"
-    kw = dict(draft_probs=None if greedy else q, temperature=0.0 if greedy else TEMPERATURE,
-              top_p=args.top_p if args.top_p < 1 else None,
-              seed=torch.arange(args.B, dtype=torch.int64, device=dev), validate=False, backend="cuda")
+    kw = _verify_kwargs(args.regime, q, args.B, dev, args.top_p)
     res = verify_tree(logits, tokens, parents, **kw)
     torch.cuda.synchronize()
     sys.stdout.flush()
