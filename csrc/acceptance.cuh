@@ -722,9 +722,12 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
     uint32_t* hw = sm.split[0];
     uint32_t* lw = sm.split[1];
     for (int i = tid; i < nb; i += kVerifyThreads) {
-      hist[i] = 0;
-      hw[i] = 0;
-      lw[i] = 0;
+      if (split) {
+        hw[i] = 0;  // the merge below writes every hist[i]
+        lw[i] = 0;
+      } else {
+        hist[i] = 0;
+      }
     }
     __syncthreads();
     sweep<LM>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
