@@ -42,9 +42,6 @@ LaunchStatus check_common(const TreeAttentionParams& p) {
   TLT_STATUS_CHECK_ARG(p.split_len >= 1, "split_len must be >= 1, got " << p.split_len);
   TLT_STATUS_CHECK_ARG(p.config >= 0 && p.config < kNumConfigs,
                        "config must be in [0, " << kNumConfigs << "), got " << p.config);
-  TLT_STATUS_CHECK_ARG(p.context_done_block == 0 || (p.context_done_block > 0 && p.split_len % p.context_done_block == 0),
-                       "context_done_block must be 0 or divide split_len (" << p.split_len << "), got "
-                                                                             << p.context_done_block);
   return {};
 }
 
@@ -67,7 +64,7 @@ LaunchStatus launch_partial_with(const TreeAttentionParams& p, cudaStream_t stre
   TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t chunks = (int64_t(p.num_tree) * p.group + KT::kBlockM - 1) / KT::kBlockM;
   TLT_STATUS_CHECK_ARG(int64_t(p.num_splits) * chunks <= 0x7fffffff, "too many splits x row chunks for one launch");
-  const dim3 grid(static_cast<unsigned>(p.context_done_block > 0 ? chunks : p.num_splits * chunks), p.batch, p.num_kv_heads);
+  const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), p.batch, p.num_kv_heads);
   kernel<<<grid, KT::kThreads, smem, stream>>>(p);
   TLT_STATUS_CHECK_LAUNCH();
   return {};
@@ -166,8 +163,8 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
 
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
   TLT_RETURN_IF_FAILED(check_common(p));
-  // Without a context kernel's slots, one split means every request was finished by the partial kernel.
-  if (p.batch == 0 || (p.num_splits == 1 && p.context_done_block == 0)) return {};
+  // One split means every request was finished by step 1.
+  if (p.batch == 0 || p.num_splits == 1) return {};
   return dispatch<MergeLaunch>(p, stream);
 }
 

@@ -282,9 +282,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   T* ring = reinterpret_cast<T*>(smem_raw);  // [kStages][K, V][BN][LDS]
   T* q_s = ring + (KT::kQInRegs ? (kStages - 1) * KT::kStageElems : kStages * KT::kStageElems);
 
-  const bool ctx_done = p.context_done_block > 0;  // the context's whole tiles were attended elsewhere
-  const int num_chunks = ctx_done ? gridDim.x : gridDim.x / p.num_splits;
-  const int chunk_ix = ctx_done ? blockIdx.x : blockIdx.x % num_chunks;
+  const int num_chunks = gridDim.x / p.num_splits;
+  const int chunk_ix = blockIdx.x % num_chunks;
   const int m0 = chunk_ix * BM;
   const int b = blockIdx.y;
   const int h = blockIdx.z;
@@ -301,20 +300,17 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   const int TG = p.num_tree * G;
   const int used = (ctx + p.split_len - 1) / p.split_len;  // non-empty context splits
   const int last = max(used, 1) - 1;                        // the split that also covers the tree
-  const int split = ctx_done ? last : blockIdx.x / num_chunks;
+  const int split = blockIdx.x / num_chunks;
   if (split > last) return;
-  const bool direct = used <= 1 && !ctx_done;  // this CTA completes its rows: write out, skip the scratch
-  if (m0 >= M) {                               // a chunk of padding rows only (num_nodes[b] < T)
+  const bool direct = used <= 1;  // this CTA completes its rows: write out, skip the scratch
+  if (m0 >= M) {  // a chunk of padding rows only (num_nodes[b] < T)
     if (direct) write_zero_rows<T, D>(p, b, h, m0, min(m0 + BM, TG), tid, KT::kThreads);
     return;
   }
   const int split_begin = split * p.split_len;
   const int kv_end = min(split_begin + p.split_len, ctx);
-  // With ctx_done, only the tail past the split's last whole context_done_block tile is left here.
-  const int kv_begin =
-      ctx_done ? split_begin + max(kv_end - split_begin, 0) / p.context_done_block * p.context_done_block : split_begin;
-  const int n_ctx_tiles = kv_end > kv_begin ? (kv_end - kv_begin + BN - 1) / BN : 0;
-  const bool ctx_tail = n_ctx_tiles > 0 && (kv_end - kv_begin) % BN != 0;
+  const int n_ctx_tiles = kv_end > split_begin ? (kv_end - split_begin + BN - 1) / BN : 0;
+  const bool ctx_tail = n_ctx_tiles > 0 && (kv_end - split_begin) % BN != 0;
   const int num_tiles = n_ctx_tiles + (split == last ? (nn + BN - 1) / BN : 0);
   const float scale_log2 = p.sm_scale * kLog2e;
 
@@ -328,7 +324,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
 
   // Tile i covers slots [begin, begin + BN), valid below limit: context tiles of this split, then
   // the tree tiles at ctx + j.
-  auto tile_begin = [&](int i) { return i < n_ctx_tiles ? kv_begin + i * BN : ctx + (i - n_ctx_tiles) * BN; };
+  auto tile_begin = [&](int i) { return i < n_ctx_tiles ? split_begin + i * BN : ctx + (i - n_ctx_tiles) * BN; };
   auto tile_limit = [&](int i) { return i < n_ctx_tiles ? kv_end : ctx + nn; };
   // Page ids of this thread's rows of tile i (-1: past the end, zero-filled).
   auto fetch_pages = [&](int i, int (&pg)[KT::kKVLoads]) {
@@ -445,7 +441,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   }
   cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 
-  const int64_t slot_row = (int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) + (ctx_done ? p.num_splits : split)) * TG;
+  const int64_t slot_row = (int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) + split) * TG;
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     float l = row_sum[hi];
@@ -488,8 +484,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) tree_attention_merge_kernel(
   const int t = int((row / p.num_q_heads) % p.num_tree);
   const int b = int(row / (int64_t(p.num_q_heads) * p.num_tree));
   const int used = (p.context_lens[b] + p.split_len - 1) / p.split_len;
-  const bool tree_slot = p.context_done_block > 0;  // slot S holds the tail and the tree part
-  if (used <= 1 && !tree_slot) return;
+  if (used <= 1) return;
   T* dst = static_cast<T*>(p.out) + int64_t(b) * p.out_stride_b + int64_t(t) * p.out_stride_t +
            int64_t(hq) * p.out_stride_h + lane * kPerLane;
 
@@ -500,15 +495,12 @@ __global__ void __launch_bounds__(kMergeWarps * 32) tree_attention_merge_kernel(
     const int h = hq / p.group;
     const int TG = p.num_tree * p.group;
     const int64_t base = int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) * TG + t * p.group + (hq - h * p.group);
-    // Slots 0 .. used-1, then slot S (index `used` of this loop) when it holds the tail and the tree.
-    const int n_slots = used + (tree_slot ? 1 : 0);
-    auto slot = [&](int s) { return s < used ? s : p.num_splits; };
     float m = -INFINITY;
-    for (int s = 0; s < n_slots; ++s) m = fmaxf(m, p.partial_lse[base + int64_t(slot(s)) * TG]);
+    for (int s = 0; s < used; ++s) m = fmaxf(m, p.partial_lse[base + int64_t(s) * TG]);
     if (m != -INFINITY) {
       float wsum = 0.f;
-      for (int s = 0; s < n_slots; ++s) {
-        const int64_t idx = base + int64_t(slot(s)) * TG;
+      for (int s = 0; s < used; ++s) {
+        const int64_t idx = base + int64_t(s) * TG;
         const float lse = p.partial_lse[idx];
         if (lse == -INFINITY) continue;  // an empty slot: never read its O
         const float w = __expf(lse - m);

@@ -59,11 +59,6 @@ struct TreeAttentionParams {
   int config = 0;
   // Set by the launcher: log2(block_size) when it is a power of two, else -1 (divide).
   int block_shift = -1;
-  // > 0 when every split's whole tiles of this many context tokens were attended by
-  // launch_tree_attention_context_sm90 (slots 0 .. S-1). The partial kernel then runs one CTA per row chunk
-  // (grid (row_chunks, B, Hkv)) over the last split's tail and the tree part into slot S, and the merge
-  // combines every request's slots 0 .. used-1 and S.
-  int context_done_block = 0;
 };
 
 // What every kernel that gathers K/V through the block table with 16-byte cp.async needs (the partial kernel and
@@ -78,10 +73,10 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
 // Step 2: for requests with two or more non-empty splits, combines those slots with log-sum-exp and
 // writes out (zeros for rows t >= num_nodes[b]). A no-op (nothing launched) when num_splits == 1.
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
-// The sm_90 context kernel (tree_attention_ctx_sm90.cu, sm_90, D = 128, T * G <= 128): every split's whole
-// context tiles only (p.config = 0 or 128: 128-token tiles, split_len a multiple of 128; 64: 64-token tiles),
-// partial (o, lse) into slots 0 .. S-1 (lse -inf without a tile); grid (S, Hkv, B). The tail and the tree part are
-// not attended: the partial kernel adds them with context_done_block = the tile width.
-LaunchStatus launch_tree_attention_context_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
+// Step 1 on sm_90 (tree_attention_ctx_sm90.cu; wgmma, D = 128, T * G <= 128, T <= 64): the same work and outputs as
+// launch_tree_attention_partial (out for requests with one non-empty split, else partial slots s < used; the merge
+// follows when num_splits > 1), one CTA of 128 rows per (split, KV head, request). p.config is its tile width: 0 or
+// 128 (split_len a multiple of 128) or 64.
+LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

@@ -115,7 +115,7 @@ GPU_CASES = {
     "split192": ([700, 250, 60], 16, 28, 4, 128, torch.bfloat16, 192),
 }
 
-# The sm_90 CUDA context kernel's tile widths (tlt_kernels._cuda.tree_attention.CONTEXT_BLOCKS).
+# The sm_90 CUDA kernel's tile widths (tlt_kernels._cuda.tree_attention.CONTEXT_BLOCKS).
 CUDA_CONTEXT_BLOCKS = (64, 128)
 
 
@@ -197,44 +197,11 @@ def test_whole_op_with_gluon_context_gpu(name, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name,block", _cuda_context_cases(
-    ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16", "ring-boundary", "split192"]))
-def test_cuda_context_kernel_matches_reference_gpu(name, block):
-    """csrc/tree_attention_ctx_sm90.cu (the CUDA twin of the Gluon kernel, built on csrc/wgmma_sm90.cuh), with 64- and
-    128-token tiles: slots 0 .. S-1 of the plan's scratch equal the fp32 reference of every split's whole tiles of
-    that width; slot S is not touched."""
-    _need_sm90(with_extension=True)
-    from bench.gluon_context_attention import _reference_partials
-    from test_tree_attention import make_case, make_plan
-
-    from tlt_kernels._cuda.tree_attention import run_context_sm90
-
-    ctx, T, Hq, Hkv, D, dtype, split_len = GPU_CASES[name]
-    case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random",), device="cuda")
-    plan = make_plan(case, split_len=split_len)
-    plan.partial_out.fill_(float("nan"))
-    plan.partial_lse.fill_(float("nan"))
-    scale = 1.0 / math.sqrt(D)
-    run_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"], scale, block=block)
-    torch.cuda.synchronize()
-    S = plan.num_splits
-    ref_o, ref_l = _reference_partials(case["q"], case["k_cache"], case["v_cache"], plan.block_table, plan.context_lens,
-                                       plan.split_len, S, scale, block)
-    got_l, got_o = plan.partial_lse[:, :, :S], plan.partial_out[:, :, :S]
-    used = torch.isfinite(ref_l)
-    assert used.any()
-    assert torch.equal(torch.isneginf(got_l), ~used)
-    torch.testing.assert_close(got_l[used], ref_l[used], atol=2e-3, rtol=0)
-    torch.testing.assert_close(got_o[used], ref_o[used], atol=2e-2 if dtype == torch.bfloat16 else 4e-3, rtol=0)
-    assert torch.isnan(plan.partial_lse[:, :, S]).all()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("name,block", _cuda_context_cases(
     ["tails-multi-split", "qwen7b-like", "qwen32b-like-fp16", "one-split", "ring-boundary", "split192"]))
 def test_whole_cuda_op_with_context_kernel_gpu(name, block, monkeypatch):
-    """tree_attention(backend="cuda") with CONTEXT_SM90 on and each tile width (CONTEXT_BLOCK: the context kernel's
-    config and the partial kernel's context_done_block): the sm_90 context kernel (slots 0 .. S-1), the partial
-    kernel's tail-and-tree mode (slot S) and the merge give the reference output."""
+    """tree_attention(backend="cuda") with CONTEXT_SM90 on and each tile width (CONTEXT_BLOCK): the sm_90 kernel
+    (csrc/tree_attention_ctx_sm90.cu, the CUDA twin of the Gluon kernel extended to the tail and the tree) and the
+    merge give the reference output on the Gluon kernel's cases."""
     _need_sm90(with_extension=True)
     from test_tree_attention import check_against_reference, make_case, make_plan, poison_
 

@@ -90,3 +90,70 @@ def test_odd_out_view_goes_through_a_temporary():
     ref = tree_attention_reference(c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["context_lens"],
                                    c["parents"], c["num_nodes"], out_dtype=torch.float32)
     torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
+
+
+# The sm_90 wgmma path (csrc/tree_attention_ctx_sm90.cu), forced on: (B, T, Hkv, G, block_size, context lengths, dtype,
+# split_len, combined_kv). D = 128 (the kernel's only head dim); ragged num_nodes (padding rows) in every case.
+SM90_CASES = [
+    # 7B-like rows (112 of 128), one split, a tail, an empty context, a context of one tile plus two tokens.
+    (3, 16, 2, 7, 16, [4100, 0, 130], torch.bfloat16, None, False),
+    # Several splits (the merge), non-power-of-two pages, a request with one split beside two with more.
+    (3, 16, 2, 7, 24, [700, 257, 1], torch.float16, 256, False),
+    # 64 nodes x G=2 = 128 rows: the ancestor bits span both mask words; one-token pages.
+    (2, 64, 1, 2, 1, [300, 129], torch.bfloat16, 128, False),
+    # 117 rows; 128-token pages.
+    (2, 9, 2, 13, 128, [1000, 5], torch.bfloat16, None, False),
+    # Contexts shorter than a tile: every tile masked (no whole context tile).
+    (4, 10, 4, 7, 16, [0, 0, 64, 127], torch.float16, None, False),
+    # vLLM-style interleaved K/V storage (strided cache views), several splits.
+    (2, 16, 2, 7, 16, [513, 300], torch.bfloat16, 128, True),
+    # A single node (7 rows: one warpgroup of padding).
+    (2, 1, 2, 7, 16, [2000, 1], torch.bfloat16, None, False),
+]
+
+
+@pytest.mark.parametrize("block", [128, 64])
+@pytest.mark.parametrize("case", SM90_CASES,
+                         ids=lambda c: f"B{c[0]}-T{c[1]}-Hkv{c[2]}-G{c[3]}-bs{c[4]}-{str(c[6])[6:]}-sl{c[7]}-kv{int(c[8])}")
+def test_sm90_path_matches_reference(case, block, monkeypatch):
+    """tree_attention(backend="cuda") through the sm_90 kernel at each tile width: the tree's tiles, the context tail,
+    direct writes and the partial slots the merge reads, against the reference (NaN-trapped pages, poisoned
+    scratch and output, per-split scratch check)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    B, T, Hkv, G, bs, ctx, dtype, split_len, combined = case
+    if block == 64 and split_len is None:
+        split_len = 64 * max(1, -(-max(ctx) // 64))  # one split of whole 64-token tiles
+    used = []
+    real = cuda_ta._use_context_sm90
+    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", True)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
+    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda plan, q: used.append(real(plan, q)) or used[-1])
+    c = make_case(B, T, Hkv, G, 128, bs, ctx, dtype, seed=sum(ctx) + T + bs + block, combined_kv=combined)
+    check_case(f"sm90 block {block} {case}", c, dtype, split_len=split_len)
+    assert used and all(used), "the sm_90 kernel was not used"
+
+
+def test_sm90_kernel_rejects_what_it_does_not_cover():
+    """The launcher's own checks (the Python side never sends these): a tile width that is not 64 or 128, and a
+    split length that is not a whole number of tiles."""
+    from tlt_kernels._cuda import extension, tree_attention as cuda_ta
+
+    c = make_case(1, 4, 1, 2, 128, 16, [300], torch.bfloat16, seed=3)
+    plan = plan_for(c, split_len=192)
+    args = cuda_ta._launch_args(plan, c["q"], c["k_cache"], c["v_cache"], torch.empty_like(c["q"]), 0.1)
+    args["stream"] = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(ValueError, match="config is its tile width"):
+        extension().tree_attention_sm90(**{**args, "config": 32})
+    with pytest.raises(ValueError, match="split_len must be a positive multiple of the sm_90 kernel's tile width 128"):
+        extension().tree_attention_sm90(**{**args, "config": 128})
+
+
+def plan_for(c, **kw):
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, T, Hq, D = c["q"].shape
+    return plan_tree_attention(c["parents"], c["context_lens"], c["block_table"], c["num_nodes"], num_q_heads=Hq,
+                               num_kv_heads=c["k_cache"].shape[2], head_dim=D, block_size=c["k_cache"].shape[1], **kw)

@@ -1,5 +1,6 @@
-"""CUDA backend of tree attention: launches ``_C.tree_attention_partial`` (and ``_C.tree_attention_merge``
-when the plan has more than one context split).
+"""CUDA backend of tree attention: launches ``_C.tree_attention_partial`` (mma.sync, every covered shape) or
+``_C.tree_attention_sm90`` (wgmma, see :data:`CONTEXT_SM90`), then ``_C.tree_attention_merge`` when the plan has
+more than one context split.
 
 Scratch use (narrower than the plan's table, like the Triton backend): the tree is folded into each
 request's last non-empty context split; a request whose context fits one split is finished by the
@@ -20,35 +21,36 @@ import torch
 
 from . import dtype_code, extension, ptr, stream_handle, strides
 
-__all__ = ["run_context_sm90", "run_cuda", "unsupported_reason"]
+__all__ = ["run_cuda", "unsupported_reason"]
 
 HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
 # in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
-# sm_90 context path (issue 3): every split's whole CONTEXT_BLOCK-token context tiles on the wgmma kernel
-# (csrc/tree_attention_ctx_sm90.cu), then the partial kernel for the last split's tail and the tree part only
-# (context_done_block), then the merge. Covers sm_90, D=128, T*G <= 128, split_len % CONTEXT_BLOCK == 0.
+# sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
+# same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
+# the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len % CONTEXT_BLOCK == 0.
 # None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows (both warpgroups have rows)
-# and the plan has one split (H100, 2026-11-26, bench/RESULTS.md: T=16 whole op 62.8-78.9% of the HBM floor against 60.0-64.6% for the
-# mma.sync kernel; T=8 (40-56 rows) 61-68% against 84-88%, so not there). True ("1"): wherever covered; False ("0"): off.
+# and the plan has one split (H100, 2026-11-26, bench/RESULTS.md, when the kernel still left the tail and the tree to
+# the mma.sync one: T=16 62.8-78.9% of the HBM floor against 60.0-64.6% for the mma.sync kernel; T=8 (40-56 rows)
+# 61-68% against 84-88%, so not there). True ("1"): wherever covered; False ("0"): off.
 _CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
 if _CTX_ENV not in ("", "auto", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
 CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV == "1"
 CONTEXT_SM90_MIN_ROWS = 65  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the kernel's rows: two warpgroups of 64
-# The sm_90 context kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of
-# 64) or 64. The one value is the kernel's config, the partial kernel's context_done_block (where its tail starts)
-# and the split_len divisibility the context path needs, so they cannot disagree.
+# The sm_90 kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of 64) or 64.
+# The one value is the kernel's config and the split_len divisibility the path needs, so they cannot disagree.
 CONTEXT_BLOCK = 128
 CONTEXT_BLOCKS = (64, 128)
+MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
 
 def _context_block(block: Optional[int]) -> int:
     block = CONTEXT_BLOCK if block is None else block
     if block not in CONTEXT_BLOCKS:
-        raise ValueError(f"the sm_90 context kernel's tile is one of {CONTEXT_BLOCKS} tokens, got {block!r}")
+        raise ValueError(f"the sm_90 kernel's tile is one of {CONTEXT_BLOCKS} tokens, got {block!r}")
     return block
 
 
@@ -57,8 +59,9 @@ def _use_context_sm90(plan, q: torch.Tensor) -> bool:
     # auto: where it was measured faster (one split, T*G > 64). Several splits are correct but were slower where
     # timed (H200, 7B B=4 L=8192 T=16, 10 splits: 92.5 against 86.6 us; bench/RESULTS.md).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS and plan.num_splits == 1 if CONTEXT_SM90 is None else CONTEXT_SM90
-    return (wanted and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS and q.dtype in (torch.bfloat16, torch.float16)
-            and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
+    return (wanted and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS and plan.num_tree <= MAX_TREE_SM90
+            and q.dtype in (torch.bfloat16, torch.float16) and plan.split_len % _context_block(None) == 0
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -116,40 +119,13 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
         if _use_context_sm90(plan, q):
-            block = _context_block(None)
-            # Slots 0 .. S-1: every split's whole context tiles. config selects the tile width here (CONFIG_OVERRIDE
-            # stays the partial kernel's).
-            ext._tree_attention_context_sm90(**{**args, "config": block})
-            args["context_done_block"] = block
-            ext.tree_attention_partial(**args)  # slot S: the last split's tail and the tree part
-            ext.tree_attention_merge(**args)
-            return out
-        ext.tree_attention_partial(**args)
-        if plan.num_splits > 1:  # with one split every request is finished by the partial kernel
+            # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's).
+            ext.tree_attention_sm90(**{**args, "config": _context_block(None)})
+        else:
+            ext.tree_attention_partial(**args)
+        if plan.num_splits > 1:  # with one split every request is finished by step 1
             ext.tree_attention_merge(**args)
     return out
-
-
-def run_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sm_scale: float,
-                     block: Optional[int] = None) -> None:
-    """The sm_90 context kernel alone (csrc/tree_attention_ctx_sm90.cu; D=128, T*G <= 128,
-    ``split_len % block == 0``): every split's whole ``block``-token context tiles (default :data:`CONTEXT_BLOCK`,
-    else 64 or 128) into ``plan.partial_out`` / ``plan.partial_lse`` slots ``0 .. S-1`` (the slots
-    ``tree_attention_gluon.run_context_plan`` writes; lse -inf for a split without a whole tile). The tail and the
-    tree part are not attended; nothing is written to ``out``."""
-    block = _context_block(block)
-    why = unsupported_reason(plan, q, k_cache, v_cache)
-    if why is not None:
-        raise ValueError(f"tree_attention context kernel (cuda): {why}")
-    if not _aligned16(q, (0, 1, 2)):
-        q = q.contiguous()
-    if plan.batch_size == 0:
-        return
-    args = _launch_args(plan, q, k_cache, v_cache, q, sm_scale)  # out: unused by this kernel
-    with torch.cuda.device(q.device):
-        args["stream"] = stream_handle(q.device)
-        args["config"] = block  # the context kernel's config is its tile width
-        extension()._tree_attention_context_sm90(**args)
 
 
 def _launch_args(plan, q, k_cache, v_cache, out, sm_scale) -> dict:
