@@ -1,0 +1,93 @@
+"""Where tree attention's time goes per CTA (issue 3): the ops timed over a scan of context lengths at one batch
+shape, then a least-squares fit per implementation of
+
+    ms(L) = waves * (fixed + tiles(L) * per_tile),   waves = ceil(CTAs / SMs), tiles(L) = (L + T) / 128
+
+so a cost paid once per CTA (prologue, tree tile, epilogue, launch) separates from the streaming cost per
+128-token tile (per_tile at 132 concurrent CTAs; its bytes are 64 KB per KV head at D=128, bf16).
+
+    python -m bench.profile_tree_attention [--model 7b] [--B 64] [--T 16] [--L 1024,2048,4096,8192,16384] [--graph]
+
+Prints one JSON line per (impl, L) and one per fit. Impls: tlt-triton, tlt-cuda (sm_90 kernel forced on),
+tlt-cuda (mma.sync: forced off). GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+from bench.harness import BenchContext
+from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="7b", choices=["7b", "32b"])
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--T", type=int, default=16)
+    ap.add_argument("--L", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import tlt_kernels._cuda.tree_attention as ct
+    from tlt_kernels._backend import backend_unavailable_reason
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    dev = torch.device("cuda")
+    ctx = BenchContext("tree-attention", dev, torch.bfloat16, small=False)
+    Hq, Hkv = MODELS["qwen2.5-7b" if args.model == "7b" else "qwen2.5-32b"]
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    impls = [("tlt-triton", "triton", None)]
+    if backend_unavailable_reason("cuda", dev) is None:
+        impls += [("tlt-cuda sm90", "cuda", True), ("tlt-cuda mma.sync", "cuda", False)]
+    points = {name: [] for name, _, _ in impls}
+    for L in (int(x) for x in args.L.split(",")):
+        inp = _make_inputs(args.B, L, args.T, Hq, Hkv, HEAD_DIM, torch.bfloat16, dev)
+        plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
+        out = torch.empty_like(inp["q"])
+        nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 4 + 2 * inp["q"].numel() * 2
+        for name, backend, sm90 in impls:
+            saved = ct.CONTEXT_SM90
+            ct.CONTEXT_SM90 = sm90 if sm90 is not None else saved
+            try:
+                if backend == "cuda" and ct._use_context_sm90(plan, inp["q"]) != sm90:
+                    continue
+
+                def fn():
+                    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out=out, backend=backend)
+
+                ms = ctx.time_graph_ms(fn) if args.graph else ctx.time_ms(fn)
+            finally:
+                ct.CONTEXT_SM90 = saved
+            ctas = args.B * Hkv * plan.num_splits
+            tiles = (L + args.T) / 128 / plan.num_splits
+            points[name].append((math.ceil(ctas / sms), tiles, ms))
+            print(json.dumps(dict(impl=name, B=args.B, L=L, T=args.T, model=args.model, ms=round(ms, 4),
+                                  pct_floor=round(100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3), 1),
+                                  splits=plan.num_splits, graph=args.graph)), flush=True)
+    for name, pts in points.items():
+        if len(pts) < 2:
+            continue
+        # ms / waves = fixed + tiles * per_tile, least squares over the scan (microseconds).
+        xs = torch.tensor([t for _, t, _ in pts], dtype=torch.float64)
+        ys = torch.tensor([1e3 * ms / w for w, _, ms in pts], dtype=torch.float64)
+        A = torch.stack([torch.ones_like(xs), xs], 1)
+        fixed, per_tile = torch.linalg.lstsq(A, ys[:, None]).solution.flatten().tolist()
+        resid = (A @ torch.tensor([[fixed], [per_tile]], dtype=torch.float64) - ys[:, None]).abs().max().item()
+        tile_bytes = 128 * HEAD_DIM * 4
+        print(json.dumps(dict(fit=name, fixed_us_per_cta=round(fixed, 2), per_tile_us=round(per_tile, 3),
+                              per_tile_pct_copy_bw=round(100 * tile_bytes * min(args.B * Hkv, sms) / ctx.copy_bandwidth
+                                                         / (per_tile * 1e-6), 1),
+                              max_resid_us=round(resid, 2))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
