@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             saved = ct.CONTEXT_SM90
             ct.CONTEXT_SM90 = sm90 if sm90 is not None else saved
             try:
-                if backend == "cuda" and ct._use_context_sm90(plan, inp["q"]) != sm90:
+                if backend == "cuda" and ct._use_context_sm90(plan, inp["q"], inp["k_cache"], inp["v_cache"]) != sm90:
                     continue
 
                 def fn():

@@ -78,38 +78,46 @@ struct Span {
   int begin, limit, n_full, n_tiles, ctx, nn;
 };
 
-// Page id of row `row` of tile i (-1 past the span: zero-filled, never read).
+// Page of row `row` of tile i (-1 past the span: zero-filled, never read), and the row's cache token,
+// page * block_size + slot in the page. With stride_block == block_size * stride_token (the launcher checks), the
+// row's K (V) starts at token * stride_token: one multiply per copied row.
 template <int kBlockN>
 __device__ __forceinline__ int32_t row_page(const TreeAttentionParams& p, const Span& sp, int i, int row) {
-  const int slot = sp.begin + i * kBlockN + row;
-  return slot < sp.limit ? __ldg(sp.bt_row + (p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size)) : -1;
+  const int pos = sp.begin + i * kBlockN + row;
+  return pos < sp.limit ? __ldg(sp.bt_row + (pos >> p.block_shift)) : -1;
+}
+template <int kBlockN>
+__device__ __forceinline__ int32_t row_token(const TreeAttentionParams& p, const Span& sp, int i, int row, int32_t page) {
+  const int pos = sp.begin + i * kBlockN + row;
+  return page < 0 ? -1 : (page << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
 }
 
-// Rows of tile i of K (or V: the cache and its strides) into one ring slot, each row's page id read from `pages`
-// (shared memory, one entry per row of the tile). No commit.
+// Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
+// token read from `tokens` (shared memory, one entry per row of the tile). No commit.
 template <typename T, int kBlockN, int kChunks>
-__device__ __forceinline__ void issue_rows(const TreeAttentionParams& p, const Span& sp, const int32_t* pages, int h,
-                                           int i, const void* cache, int64_t stride_block, int64_t stride_token,
-                                           int64_t stride_head, unsigned char* slot) {
-  const T* base = static_cast<const T*>(cache) + h * stride_head;
+__device__ __forceinline__ void issue_rows(const int32_t* tokens, const void* cache, int64_t stride_token,
+                                           int64_t head_offset, unsigned char* slot) {
+  const int chunk = threadIdx.x % (kD / 8);  // the same 16-byte column chunk in every row this thread copies
+  const T* base = static_cast<const T*>(cache) + head_offset + chunk * 8;
 #pragma unroll
   for (int it = 0; it < kChunks; ++it) {
-    const int e = threadIdx.x + it * kThreads;
-    const int row = e / (kD / 8), chunk = e % (kD / 8);
-    const int pos = sp.begin + i * kBlockN + row;
-    const int in_page = p.block_shift >= 0 ? pos & ((1 << p.block_shift) - 1) : pos % p.block_size;
-    const int32_t page = pages[row];
-    const T* src = page >= 0 ? base + page * stride_block + in_page * stride_token + chunk * 8 : base;
-    tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, page >= 0 ? 16 : 0);
+    const int row = (threadIdx.x + it * kThreads) / (kD / 8);
+    const int32_t token = tokens[row];
+    const T* src = token >= 0 ? base + token * stride_token : base;
+    tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, token >= 0 ? 16 : 0);
   }
 }
 
 // Masks the columns of tile i a row does not attend (score -> -inf): slots past the span, and tree nodes that are not
 // the row's node or one of its ancestors. Element 4j + 2r + e is row `row_base + 8r`, column 8j + 2 (lane % 4) + e.
+// Runs on one or two tiles per CTA: the keep bits are found in a rolled loop (an unrolled one was a fifth of the
+// kernel's instructions), then applied.
 template <int kScores>
 __device__ __forceinline__ void mask_tile(const TreeAttentionParams& p, const Span& sp, int b, int row_base, int G,
                                           int i, float (&s)[kScores]) {
+  static_assert(kScores <= 64, "one keep bit per column of this thread, two rows in 32-bit words");
   const int col0 = sp.begin + i * 2 * kScores + 2 * (threadIdx.x % 4);
+  uint32_t keep[2] = {0u, 0u};  // bit 2j + e: column 8j + 2 (lane % 4) + e is attended
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = (row_base + 8 * r) / G;
@@ -119,15 +127,20 @@ __device__ __forceinline__ void mask_tile(const TreeAttentionParams& p, const Sp
       anc = static_cast<uint32_t>(__ldg(w));
       if (p.mask_words > 1) anc |= static_cast<uint64_t>(static_cast<uint32_t>(__ldg(w + 1))) << 32;
     }
-#pragma unroll
-    for (int j = 0; j < kScores / 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int pos = col0 + 8 * j + e;
-        const bool keep = pos < sp.ctx || (pos < sp.limit && ((anc >> (pos - sp.ctx)) & 1ull));
-        if (!keep) s[4 * j + 2 * r + e] = -INFINITY;
-      }
+#pragma unroll 1
+    for (int c = 0; c < kScores / 2; ++c) {
+      const int pos = col0 + 8 * (c >> 1) + (c & 1);
+      const bool k = pos < sp.ctx || (pos < sp.limit && ((anc >> (pos - sp.ctx)) & 1ull));
+      keep[r] |= static_cast<uint32_t>(k) << c;
+    }
   }
+#pragma unroll
+  for (int j = 0; j < kScores / 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (!((keep[r] >> (2 * j + e)) & 1u)) s[4 * j + 2 * r + e] = -INFINITY;
 }
 
 // Online softmax of one m64nN score tile in place (N = 2 * kScores; scores -> unnormalized probabilities, base 2,
@@ -188,28 +201,28 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   const uint32_t v_s = k_s + kStages * kTileBytes;
   unsigned char* const k_ring = smem_q + (k_s - q_s);  // ... and generic pointers for cp.async
   unsigned char* const v_ring = smem_q + (v_s - q_s);
-  // Page ids of tile i's rows live in pages_s + (i % kStages) * kBlockN (not in registers: K and V of different
-  // tiles are issued together, which would take two sets). Thread t < kBlockN owns row t: it reads tile i + 1's id
-  // from the block table into `next_page` one iteration before storing it, so the load's latency never stalls.
+  // The cache tokens of tile i's rows live in pages_s + (i % kStages) * kBlockN (not in registers: K and V of
+  // different tiles are issued together, which would take two sets). Thread t < kBlockN owns row t: it reads tile
+  // i + 1's page from the block table into `next_page` one iteration before storing it, so the load never stalls.
   int32_t* const pages_s = reinterpret_cast<int32_t*>(smem_q + Cfg::kPagesOffset);
   const bool pager = threadIdx.x < kBlockN;
   auto pages_of = [&](int i) { return pages_s + (i % kStages) * kBlockN; };
   auto issue_k = [&](int i) {
     if (i < sp.n_tiles)
-      issue_rows<T, kBlockN, kChunks>(p, sp, pages_of(i), h, i, p.k_cache, p.k_stride_block, p.k_stride_token,
-                                      p.k_stride_head, k_ring + (i % kStages) * kTileBytes);
+      issue_rows<T, kBlockN, kChunks>(pages_of(i), p.k_cache, p.k_stride_token, h * p.k_stride_head,
+                                      k_ring + (i % kStages) * kTileBytes);
   };
   auto issue_v = [&](int i) {
     if (i < sp.n_tiles)
-      issue_rows<T, kBlockN, kChunks>(p, sp, pages_of(i), h, i, p.v_cache, p.v_stride_block, p.v_stride_token,
-                                      p.v_stride_head, v_ring + (i % kStages) * kTileBytes);
+      issue_rows<T, kBlockN, kChunks>(pages_of(i), p.v_cache, p.v_stride_token, h * p.v_stride_head,
+                                      v_ring + (i % kStages) * kTileBytes);
   };
   int32_t next_page = -1;
   // Stores the pending id (tile i) and reads tile i + 1's. Tile i's slot last held tile i - 3, whose K and V were
   // issued at least one barrier ago.
   auto advance_pages = [&](int i) {
     if (pager) {
-      pages_of(i)[threadIdx.x] = next_page;
+      pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, next_page);
       next_page = row_page<kBlockN>(p, sp, i + 1, threadIdx.x);
     }
   };
@@ -218,9 +231,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   // commits g_3 = {K_3}, the end of iteration j >= 1 g_{j+3} = {K_{j+3}, V_{j+2}}. Iteration j needs K_j and V_{j-1},
   // both in g_j or earlier, with g_{j+1} and g_{j+2} allowed in flight: cp.async.wait_group 2.
   if (pager)
-    for (int i = 0; i < kStages; ++i) pages_of(i)[threadIdx.x] = row_page<kBlockN>(p, sp, i, threadIdx.x);
+    for (int i = 0; i < kStages; ++i)
+      pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, row_page<kBlockN>(p, sp, i, threadIdx.x));
   __syncthreads();
-#pragma unroll
+#pragma unroll 1
   for (int i = 0; i < kStages; ++i) {
     issue_k(i);
     issue_v(i);
@@ -248,81 +262,56 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   float s[kScores], o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
 
-  if (sp.n_tiles > 0) {
-    // Iteration 0: S_0, then P_0 = softmax(S_0) (O is zero: nothing to rescale).
-    tree_attn::cp_async_wait<2>();
+  // One loop for every step, j = 0 .. n (uniform branches): step j issues S_j (j < n), then P_{j-1} V_{j-1}; at j = 0
+  // that product is a zero P (s starts at 0) times V_0, so every step commits its P V group last and `wait_group 1`
+  // always means "S_j done" (a wait that depended on the step left ptxas unable to prove it: C7514). Peeling the
+  // first and last steps instead tripled the issue and softmax code, and the kernel's instructions overflowed the
+  // instruction cache, a cost paid again by every CTA.
+  const int n = sp.n_tiles;  // >= 1: a request has at least one node
+  float alpha[2] = {0.f, 0.f};
+  for (int j = 0; j <= n; ++j) {
+    tree_attn::cp_async_wait<2>();  // K_j and V_{j-1} landed
     wgmma::fence_proxy_async();
     __syncthreads();
-    advance_pages(kStages);  // tile 0's slot: its K and V were issued before the barrier
-#pragma unroll
-    for (int i = 0; i < kScores; ++i) s[i] = 0.f;
-    fence_regs(s);
-    wgmma::fence();
-#pragma unroll
-    for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_s, kBlockN, k), k > 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    fence_regs(s);
-    if (sp.n_full == 0) mask_tile(p, sp, b, row_base, G, 0, s);
-    float alpha[2];
-    online_softmax(s, qk_scale, m_i, l_i, alpha);
-    __syncthreads();  // every warpgroup is done with K_0: its slot takes K_3
-    issue_k(kStages);
-    tree_attn::cp_async_commit();
-    advance_pages(kStages + 1);
-
-    for (int j = 1; j < sp.n_tiles; ++j) {
-      const uint32_t k_cur = k_s + (j % kStages) * kTileBytes, v_prev = v_s + ((j - 1) % kStages) * kTileBytes;
-      tree_attn::cp_async_wait<2>();  // K_j and V_{j-1} landed
-      wgmma::fence_proxy_async();
-      __syncthreads();
-      uint32_t frag[kBlockN / 16][4];
-#pragma unroll
-      for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
-      fence_regs(s);
-      fence_regs(o);
-      wgmma::fence();
-#pragma unroll
-      for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_cur, kBlockN, k), k > 0);
-      wgmma::commit();
-#pragma unroll
-      for (int t = 0; t < kBlockN / 16; ++t)
-        wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_prev, kBlockN, t), 1);
-      wgmma::commit();
-      wgmma::wait<1>();  // S_j done (issued first); P_{j-1} V_{j-1} may still run
-      fence_regs(s);
-      if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
-      online_softmax(s, qk_scale, m_i, l_i, alpha);
-      wgmma::wait<0>();
-      fence_regs(o);
-#pragma unroll
-      for (int q = 0; q < 16; ++q)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
-      __syncthreads();  // every warpgroup is done with K_j and V_{j-1}: their slots take K_{j+3} and V_{j+2}
-      issue_k(j + kStages);
-      issue_v(j + kStages - 1);
-      tree_attn::cp_async_commit();
-      advance_pages(j + kStages + 1);
-    }
-    // The last tile's P V (V_{n-1} is in g_n or earlier; g_{n+1}, g_{n+2} may fly).
-    const int n = sp.n_tiles;
-    tree_attn::cp_async_wait<2>();
-    wgmma::fence_proxy_async();
-    __syncthreads();
+    if (j == 0) advance_pages(kStages);  // tile 0's page slot: its K and V were issued before the barrier
     uint32_t frag[kBlockN / 16][4];
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
+    fence_regs(s);
     fence_regs(o);
     wgmma::fence();
+    {  // at j = n, S of whatever K slot n holds: discarded (an S issued on a condition also trips C7514)
+      const uint32_t k_cur = k_s + (j % kStages) * kTileBytes;
+#pragma unroll
+      for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_cur, kBlockN, k), k > 0);
+      wgmma::commit();
+    }
+    const uint32_t v_prev = v_s + (max(j - 1, 0) % kStages) * kTileBytes;
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t)
-      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_s + ((n - 1) % kStages) * kTileBytes, kBlockN, t),
-                                  1);
+      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_prev, kBlockN, t), 1);
     wgmma::commit();
+    wgmma::wait<1>();  // S_j done (issued first); P_{j-1} V_{j-1} may still run
+    fence_regs(s);
+    if (j < n) {
+      if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
+      online_softmax(s, qk_scale, m_i, l_i, alpha);
+    }
     wgmma::wait<0>();
     fence_regs(o);
+    if (j == n) break;
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+    __syncthreads();  // every warpgroup is done with K_j and V_{j-1}: their slots take K_{j+3} and V_{j+2}
+    issue_k(j + kStages);
+    if (j > 0) issue_v(j + kStages - 1);  // V_2 came with the prologue
+    tree_attn::cp_async_commit();
+    advance_pages(j + kStages + 1);
   }
   tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 
@@ -406,11 +395,19 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.batch <= 65535 && p.num_kv_heads <= 65535 && p.num_splits >= 1 &&
                            p.num_splits <= 0x7fffffff,
                        "bad batch / num_kv_heads / num_splits (grid limits)");
+  // Pages of a power-of-two size, each a run of block_size token rows: a row's K/V is at token * stride_token (a
+  // division per copied row, then a multiply-add per stride, made the copy issue the largest part of the code).
+  TLT_STATUS_CHECK_ARG(p.block_size > 0 && (p.block_size & (p.block_size - 1)) == 0,
+                       "the sm_90 tree-attention kernel needs a power-of-two block_size, got " << p.block_size);
+  TLT_STATUS_CHECK_ARG(p.k_stride_block == p.block_size * p.k_stride_token &&
+                           p.v_stride_block == p.block_size * p.v_stride_token,
+                       "the sm_90 tree-attention kernel needs pages of contiguous token rows (stride_block == "
+                       "block_size * stride_token for K and V)");
   TLT_RETURN_IF_FAILED(check_tree_attention_gather(p));  // 16-byte cp.async rows, as the partial kernel's
   if (p.batch == 0) return {};
   TLT_RETURN_IF_FAILED(wgmma::require_sm90());
   TreeAttentionParams q = p;
-  q.block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(p.block_size)) : -1;
+  q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
   const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
   return block_n == Ctx64::kBlockN ? launch_sm90_dtype<Ctx64>(q, grid, stream) : launch_sm90_dtype<Ctx128>(q, grid, stream);
 }

@@ -136,9 +136,9 @@ def test_cuda_context_path_switch_is_parsed():
 
 
 def test_cuda_context_path_rule(monkeypatch):
-    """Where the CUDA backend takes the sm_90 context kernel (CPU: the device query is stubbed). auto: one split,
-    64 < T*G <= 128, D=128, bf16/fp16, split_len a multiple of the 128-token tile, sm_90; 1 / 0 force it on / off
-    within what the kernel covers."""
+    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: one split,
+    64 < T*G <= 128, D=128, bf16/fp16, split_len a multiple of the 128-token tile, power-of-two pages of contiguous
+    token rows, sm_90; 1 / 0 force it on / off within what the kernel covers."""
     from types import SimpleNamespace
 
     import tlt_kernels._cuda.tree_attention as ct
@@ -146,27 +146,33 @@ def test_cuda_context_path_rule(monkeypatch):
     cc = {"major": 9}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (cc["major"], 0))
 
-    def plan(T=16, G=7, D=128, splits=1, split_len=4096):
-        return SimpleNamespace(num_tree=T, group=G, head_dim=D, num_splits=splits, split_len=split_len)
+    def plan(T=16, G=7, D=128, splits=1, split_len=4096, block_size=16):
+        return SimpleNamespace(num_tree=T, group=G, head_dim=D, num_splits=splits, split_len=split_len,
+                               block_size=block_size)
 
     q = torch.empty(0, dtype=torch.bfloat16)
+    cache = torch.empty(4, 16, 2, 128, dtype=torch.bfloat16)
+    kv = (cache, cache)
     monkeypatch.setattr(ct, "CONTEXT_SM90", None)
-    assert ct._use_context_sm90(plan(), q)                            # T=16, G=7: 112 rows
-    assert ct._use_context_sm90(plan(T=13, G=5), q)                   # 65 rows
-    assert not ct._use_context_sm90(plan(T=16, G=4), q)               # 64 rows: one warpgroup, mma.sync is faster
-    assert not ct._use_context_sm90(plan(splits=2), q)                # several splits: not timed yet
-    assert not ct._use_context_sm90(plan(split_len=4160), q)          # not whole 128-token tiles
-    assert not ct._use_context_sm90(plan(D=64), q)
-    assert not ct._use_context_sm90(plan(T=32), q)                    # 224 rows: over one CTA's 128
-    assert not ct._use_context_sm90(plan(), q.float())
+    assert ct._use_context_sm90(plan(), q, *kv)                           # T=16, G=7: 112 rows
+    assert ct._use_context_sm90(plan(T=13, G=5), q, *kv)                  # 65 rows
+    assert not ct._use_context_sm90(plan(T=16, G=4), q, *kv)              # 64 rows: one warpgroup, mma.sync is faster
+    assert not ct._use_context_sm90(plan(splits=2), q, *kv)               # several splits: not timed yet
+    assert not ct._use_context_sm90(plan(split_len=4160), q, *kv)         # not whole 128-token tiles
+    assert not ct._use_context_sm90(plan(D=64), q, *kv)
+    assert not ct._use_context_sm90(plan(T=32), q, *kv)                   # 224 rows: over one CTA's 128
+    assert not ct._use_context_sm90(plan(), q.float(), *kv)
+    assert not ct._use_context_sm90(plan(block_size=24), q, *kv)          # pages: a power of two ...
+    heads_major = torch.empty(4, 2, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
+    assert not ct._use_context_sm90(plan(), q, heads_major, cache)        # ... of contiguous token rows
     cc["major"] = 8
-    assert not ct._use_context_sm90(plan(), q)                        # wgmma: sm_90 only
+    assert not ct._use_context_sm90(plan(), q, *kv)                       # wgmma: sm_90 only
     cc["major"] = 9
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)
-    assert ct._use_context_sm90(plan(T=8, G=7, splits=3, split_len=1024), q)
-    assert not ct._use_context_sm90(plan(T=32), q)
+    assert ct._use_context_sm90(plan(T=8, G=7, splits=3, split_len=1024), q, *kv)
+    assert not ct._use_context_sm90(plan(T=32), q, *kv)
     monkeypatch.setattr(ct, "CONTEXT_SM90", False)
-    assert not ct._use_context_sm90(plan(), q)
+    assert not ct._use_context_sm90(plan(), q, *kv)
 
 
 def test_tree_attention_launch_args_fit_the_binding():

@@ -212,7 +212,7 @@ def test_whole_cuda_op_with_context_kernel_gpu(name, block, monkeypatch):
     real = ct._use_context_sm90
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)
     monkeypatch.setattr(ct, "CONTEXT_BLOCK", block)
-    monkeypatch.setattr(ct, "_use_context_sm90", lambda plan, q: used.append(real(plan, q)) or used[-1])
+    monkeypatch.setattr(ct, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
     case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random", "chain"), device="cuda")
     plan = make_plan(case, split_len=split_len)
     out = poison_(torch.empty_like(case["q"]))

@@ -97,8 +97,8 @@ def test_odd_out_view_goes_through_a_temporary():
 SM90_CASES = [
     # 7B-like rows (112 of 128), one split, a tail, an empty context, a context of one tile plus two tokens.
     (3, 16, 2, 7, 16, [4100, 0, 130], torch.bfloat16, None, False),
-    # Several splits (the merge), non-power-of-two pages, a request with one split beside two with more.
-    (3, 16, 2, 7, 24, [700, 257, 1], torch.float16, 256, False),
+    # Several splits (the merge), 32-token pages, a request with one split beside two with more.
+    (3, 16, 2, 7, 32, [700, 257, 1], torch.float16, 256, False),
     # 64 nodes x G=2 = 128 rows: the ancestor bits span both mask words; one-token pages.
     (2, 64, 1, 2, 1, [300, 129], torch.bfloat16, 128, False),
     # 117 rows; 128-token pages.
@@ -130,15 +130,31 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     real = cuda_ta._use_context_sm90
     monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", True)
     monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
-    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda plan, q: used.append(real(plan, q)) or used[-1])
+    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
     c = make_case(B, T, Hkv, G, 128, bs, ctx, dtype, seed=sum(ctx) + T + bs + block, combined_kv=combined)
     check_case(f"sm90 block {block} {case}", c, dtype, split_len=split_len)
     assert used and all(used), "the sm_90 kernel was not used"
 
 
+def test_sm90_path_not_taken_for_other_pages(monkeypatch):
+    """Pages the sm_90 kernel cannot address (a non-power-of-two block_size) go to the mma.sync kernel even with the
+    path forced on, and the result is still right."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = []
+    real = cuda_ta._use_context_sm90
+    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", True)
+    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
+    c = make_case(3, 16, 2, 7, 128, 24, [700, 257, 1], torch.float16, seed=11)
+    check_case("sm90 forced, 24-token pages", c, torch.float16, split_len=256)
+    assert used == [False]
+
+
 def test_sm90_kernel_rejects_what_it_does_not_cover():
-    """The launcher's own checks (the Python side never sends these): a tile width that is not 64 or 128, and a
-    split length that is not a whole number of tiles."""
+    """The launcher's own checks (the Python side never sends these): a tile width that is not 64 or 128, a split
+    length that is not a whole number of tiles, pages that are not a power of two."""
     from tlt_kernels._cuda import extension, tree_attention as cuda_ta
 
     c = make_case(1, 4, 1, 2, 128, 16, [300], torch.bfloat16, seed=3)
@@ -149,6 +165,8 @@ def test_sm90_kernel_rejects_what_it_does_not_cover():
         extension().tree_attention_sm90(**{**args, "config": 32})
     with pytest.raises(ValueError, match="split_len must be a positive multiple of the sm_90 kernel's tile width 128"):
         extension().tree_attention_sm90(**{**args, "config": 128})
+    with pytest.raises(ValueError, match="power-of-two block_size, got 24"):
+        extension().tree_attention_sm90(**{**args, "config": 64, "block_size": 24})
 
 
 def plan_for(c, **kw):

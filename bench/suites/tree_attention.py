@@ -199,7 +199,7 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
         ctx.note(f"tlt-triton+gluon-context skipped: {exc}")
     if backend_unavailable_reason("cuda", q.device) is None:
         # The tlt-cuda row is the default rule (the context path where T*G > 64); these rows force each side of it.
-        if ct._use_context_sm90(plan, q):
+        if ct._use_context_sm90(plan, q, k_cache, v_cache):
             variants.append(("tlt-cuda (no ctx-sm90)", ct, "CONTEXT_SM90", "cuda", False))
         else:
             variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda", True))
@@ -207,7 +207,7 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
         saved = getattr(module, flag)
         setattr(module, flag, value)
         try:
-            if backend == "cuda" and ct._use_context_sm90(plan, q) != value:
+            if backend == "cuda" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
                 continue
             plan.run(q, k_cache, v_cache, out=out, backend=backend)
             _check(name, out, reference, case)

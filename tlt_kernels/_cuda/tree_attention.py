@@ -29,7 +29,8 @@ HEAD_DIMS = (64, 128, 256)
 CONFIG_OVERRIDE = 0
 # sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
 # same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
-# the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len % CONTEXT_BLOCK == 0.
+# the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len % CONTEXT_BLOCK == 0, power-of-two pages of
+# contiguous token rows (stride(0) == block_size * stride(1)).
 # None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows (both warpgroups have rows)
 # and the plan has one split (H100, 2026-11-26, bench/RESULTS.md, when the kernel still left the tail and the tree to
 # the mma.sync one: T=16 62.8-78.9% of the HBM floor against 60.0-64.6% for the mma.sync kernel; T=8 (40-56 rows)
@@ -54,14 +55,19 @@ def _context_block(block: Optional[int]) -> int:
     return block
 
 
-def _use_context_sm90(plan, q: torch.Tensor) -> bool:
+def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     rows = plan.num_tree * plan.group
     # auto: where it was measured faster (one split, T*G > 64). Several splits are correct but were slower where
     # timed (H200, 7B B=4 L=8192 T=16, 10 splits: 92.5 against 86.6 us; bench/RESULTS.md).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS and plan.num_splits == 1 if CONTEXT_SM90 is None else CONTEXT_SM90
-    return (wanted and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS and plan.num_tree <= MAX_TREE_SM90
-            and q.dtype in (torch.bfloat16, torch.float16) and plan.split_len % _context_block(None) == 0
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
+    bs = plan.block_size
+    # The kernel addresses a row as token * stride_token (token = page * block_size + slot): power-of-two pages of
+    # contiguous token rows.
+    pages_ok = (bs & (bs - 1) == 0 and all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
+                and k_cache.shape[0] * bs < 2**31)  # tokens are int32
+    return (wanted and pages_ok and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS
+            and plan.num_tree <= MAX_TREE_SM90 and q.dtype in (torch.bfloat16, torch.float16)
+            and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -118,7 +124,7 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     args = _launch_args(plan, q, k_cache, v_cache, out, sm_scale)
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
-        if _use_context_sm90(plan, q):
+        if _use_context_sm90(plan, q, k_cache, v_cache):
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's).
             ext.tree_attention_sm90(**{**args, "config": _context_block(None)})
         else:
