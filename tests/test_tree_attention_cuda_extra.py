@@ -109,6 +109,9 @@ SM90_CASES = [
     (2, 16, 2, 7, 16, [513, 300], torch.bfloat16, 128, True),
     # A single node (7 rows: one warpgroup of padding).
     (2, 1, 2, 7, 16, [2000, 1], torch.bfloat16, None, False),
+    # More items (B * Hkv * S) than SMs: each persistent CTA walks several, of every kind (one split written
+    # directly, several splits, empty and one-token contexts) back to back.
+    (70, 12, 2, 7, 16, [(37 * i) % 700 for i in range(70)], torch.bfloat16, 256, False),
 ]
 
 
