@@ -31,7 +31,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "launch_status.h"
@@ -48,17 +47,17 @@ struct CtxConfig {
   static constexpr int kBlockN = kBlockN_;
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64n64 or m64n128 wgmma per k-step");
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile
-  // Q + K ring + V ring + the cache token of every row of kStages tiles and their KV heads, plus 1 KB to align the base: the 128-byte
+  // Q + K ring + V ring + the page id of every row of kStages tiles, plus 1 KB to align the base: the 128-byte
   // swizzle is a function of address bits 4-9, so every tile must start 1024-byte aligned, which the dynamic
   // shared-memory window does not promise.
   static constexpr int kPagesOffset = kBlockM * kD * 2 + 2 * kStages * kTileBytes;
-  static constexpr int kSmemBytes = kPagesOffset + kStages * (kBlockN + 1) * 4 + 1024;
+  static constexpr int kSmemBytes = kPagesOffset + kStages * kBlockN * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
   static constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of one tile per thread
   static constexpr int kScores = kBlockN / 2;                              // S accumulator floats per thread
 };
-using Ctx64 = CtxConfig<64>;    // ~128.8 KB + 1 KB
-using Ctx128 = CtxConfig<128>;  // ~225.5 KB + 1 KB
+using Ctx64 = CtxConfig<64>;    // 128.75 KB + 1 KB
+using Ctx128 = CtxConfig<128>;  // 225.5 KB + 1 KB
 
 using wgmma::fence_regs;
 
@@ -174,70 +173,151 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
   }
 }
 
-// One work item: (split, KV head h, request b), flattened as w = (b * Hkv + h) * S + split.
-struct Item {
-  int b, h, split;
-  bool direct;  // the request has one non-empty split: its rows go to `out`, not to the scratch
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const TreeAttentionParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes;
+  constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int G = p.group, TG = p.num_tree * G;
   Span sp;
-};
-
-// Item w; false when its split is past the request's last non-empty one (nothing to attend or write).
-template <int kBlockN>
-__device__ __forceinline__ bool load_item(const TreeAttentionParams& p, int64_t w, Item& it) {
-  it.split = static_cast<int>(w % p.num_splits);
-  const int64_t bh = w / p.num_splits;
-  it.h = static_cast<int>(bh % p.num_kv_heads);
-  it.b = static_cast<int>(bh / p.num_kv_heads);
-  Span& sp = it.sp;
-  sp.ctx = __ldg(p.context_lens + it.b);
-  sp.nn = __ldg(p.num_nodes + it.b);
+  sp.ctx = p.context_lens[b];
+  sp.nn = p.num_nodes[b];
   const int used = (sp.ctx + p.split_len - 1) / p.split_len;  // non-empty context splits
   const int last = max(used, 1) - 1;                           // the split that also covers the tree
-  if (it.split > last) return false;
-  it.direct = used <= 1;
-  sp.bt_row = p.block_table + static_cast<int64_t>(it.b) * p.bt_stride_b;
-  sp.begin = it.split * p.split_len;
+  if (split > last) return;
+  const bool direct = used <= 1;  // this CTA completes its rows: write out, skip the scratch and the merge
+  sp.bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_stride_b;
+  sp.begin = split * p.split_len;
   const int ctx_end = min(sp.begin + p.split_len, sp.ctx);  // == ctx in the last split
-  sp.limit = it.split == last ? sp.ctx + sp.nn : ctx_end;
+  sp.limit = split == last ? sp.ctx + sp.nn : ctx_end;
   sp.n_full = max(ctx_end - sp.begin, 0) / kBlockN;
-  sp.n_tiles = (sp.limit - sp.begin + kBlockN - 1) / kBlockN;  // >= 1: a request has at least one node
-  return true;
-}
+  sp.n_tiles = (sp.limit - sp.begin + kBlockN - 1) / kBlockN;
 
-// This CTA's next item after w (items blockIdx.x, + gridDim.x, ...); false when none is left.
-template <int kBlockN>
-__device__ __forceinline__ bool next_item(const TreeAttentionParams& p, int64_t num_items, int64_t& w, Item& it) {
-  for (w += gridDim.x; w < num_items; w += gridDim.x)
-    if (load_item<kBlockN>(p, w, it)) return true;
-  return false;
-}
+  const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
+  unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
+  const uint32_t k_s = q_s + kBlockM * kD * 2;  // shared addresses for the descriptors ...
+  const uint32_t v_s = k_s + kStages * kTileBytes;
+  unsigned char* const k_ring = smem_q + (k_s - q_s);  // ... and generic pointers for cp.async
+  unsigned char* const v_ring = smem_q + (v_s - q_s);
+  // The cache tokens of tile i's rows live in pages_s + (i % kStages) * kBlockN (not in registers: K and V of
+  // different tiles are issued together, which would take two sets). Thread t < kBlockN owns row t: it reads tile
+  // i + 1's page from the block table into `next_page` one iteration before storing it, so the load never stalls.
+  int32_t* const pages_s = reinterpret_cast<int32_t*>(smem_q + Cfg::kPagesOffset);
+  const bool pager = threadIdx.x < kBlockN;
+  auto pages_of = [&](int i) { return pages_s + (i % kStages) * kBlockN; };
+  auto issue_k = [&](int i) {
+    if (i < sp.n_tiles)
+      issue_rows<T, kBlockN, kChunks>(pages_of(i), p.k_cache, p.k_stride_token, h * p.k_stride_head,
+                                      k_ring + (i % kStages) * kTileBytes);
+  };
+  auto issue_v = [&](int i) {
+    if (i < sp.n_tiles)
+      issue_rows<T, kBlockN, kChunks>(pages_of(i), p.v_cache, p.v_stride_token, h * p.v_stride_head,
+                                      v_ring + (i % kStages) * kTileBytes);
+  };
+  int32_t next_page = -1;
+  // Stores the pending id (tile i) and reads tile i + 1's. Tile i's slot last held tile i - 3, whose K and V were
+  // issued at least one barrier ago.
+  auto advance_pages = [&](int i) {
+    if (pager) {
+      pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, next_page);
+      next_page = row_page<kBlockN>(p, sp, i + 1, threadIdx.x);
+    }
+  };
 
-// Q rows of item `it` into the [128, 128] swizzled Q tile (rows >= T * G zero).
-template <typename T>
-__device__ __forceinline__ void stage_q(const TreeAttentionParams& p, const Item& it, unsigned char* smem_q) {
-  const T* Q = static_cast<const T*>(p.q) + it.b * p.q_stride_b;
-  const int G = p.group;
-#pragma unroll 2
+  // Prologue: K and V of tiles 0 .. kStages - 1, one commit group per tile (g_0 .. g_2); the end of iteration 0
+  // commits g_3 = {K_3}, the end of iteration j >= 1 g_{j+3} = {K_{j+3}, V_{j+2}}. Iteration j needs K_j and V_{j-1},
+  // both in g_j or earlier, with g_{j+1} and g_{j+2} allowed in flight: cp.async.wait_group 2.
+  if (pager)
+    for (int i = 0; i < kStages; ++i)
+      pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, row_page<kBlockN>(p, sp, i, threadIdx.x));
+  __syncthreads();
+#pragma unroll 1
+  for (int i = 0; i < kStages; ++i) {
+    issue_k(i);
+    issue_v(i);
+    tree_attn::cp_async_commit();
+  }
+  if (pager) next_page = row_page<kBlockN>(p, sp, kStages, threadIdx.x);
+  const T* Q = static_cast<const T*>(p.q);
   for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kThreads) {
     const int m = i / (kD / 8), chunk = i % (kD / 8);
     uint4 val = make_uint4(0, 0, 0, 0);
-    if (m < p.num_tree * G) {
-      const int t = m / G;
-      val = *reinterpret_cast<const uint4*>(Q + t * p.q_stride_t + (it.h * G + m - t * G) * p.q_stride_h + chunk * 8);
-    }
+    if (m < TG)
+      val = *reinterpret_cast<const uint4*>(Q + b * p.q_stride_b + (m / G) * p.q_stride_t + (h * G + m % G) * p.q_stride_h +
+                                            chunk * 8);
     *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, m, chunk)) = val;
   }
-}
 
-// This thread's two rows of a finished item: out (direct) or the item's scratch slot; o is unnormalized, l this
-// lane's share of the row sums, m the rows' maxima (log2 domain).
-template <typename T>
-__device__ __forceinline__ void write_rows(const TreeAttentionParams& p, const Item& it, int row_base,
-                                           const float (&o)[64], const float (&m_i)[2], const float (&l_i)[2]) {
-  const int G = p.group, TG = p.num_tree * G, lane = threadIdx.x % 32;
-  const int M = it.sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
+  // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
+  const uint32_t q_wg = q_s + wg * 64 * 128;
+  auto desc_q = [&](int k) { return wgmma::desc_k_major(q_wg, kBlockM, k); };
+
+  const float qk_scale = p.sm_scale * 1.4426950408889634f;
+  float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
+  float s[kScores], o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
+
+  // One loop for every step, j = 0 .. n (uniform branches): step j issues S_j (j < n), then P_{j-1} V_{j-1}; at j = 0
+  // that product is a zero P (s starts at 0) times V_0, so every step commits its P V group last and `wait_group 1`
+  // always means "S_j done" (a wait that depended on the step left ptxas unable to prove it: C7514). Peeling the
+  // first and last steps instead tripled the issue and softmax code, and the kernel's instructions overflowed the
+  // instruction cache, a cost paid again by every CTA.
+  const int n = sp.n_tiles;  // >= 1: a request has at least one node
+  float alpha[2] = {0.f, 0.f};
+  for (int j = 0; j <= n; ++j) {
+    tree_attn::cp_async_wait<2>();  // K_j and V_{j-1} landed
+    wgmma::fence_proxy_async();
+    __syncthreads();
+    if (j == 0) advance_pages(kStages);  // tile 0's page slot: its K and V were issued before the barrier
+    uint32_t frag[kBlockN / 16][4];
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
+    fence_regs(s);
+    fence_regs(o);
+    wgmma::fence();
+    {  // at j = n, S of whatever K slot n holds: discarded (an S issued on a condition also trips C7514)
+      const uint32_t k_cur = k_s + (j % kStages) * kTileBytes;
+#pragma unroll
+      for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_cur, kBlockN, k), k > 0);
+      wgmma::commit();
+    }
+    const uint32_t v_prev = v_s + (max(j - 1, 0) % kStages) * kTileBytes;
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t)
+      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_prev, kBlockN, t), 1);
+    wgmma::commit();
+    wgmma::wait<1>();  // S_j done (issued first); P_{j-1} V_{j-1} may still run
+    fence_regs(s);
+    if (j < n) {
+      if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
+      online_softmax(s, qk_scale, m_i, l_i, alpha);
+    }
+    wgmma::wait<0>();
+    fence_regs(o);
+    if (j == n) break;
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+    __syncthreads();  // every warpgroup is done with K_j and V_{j-1}: their slots take K_{j+3} and V_{j+2}
+    issue_k(j + kStages);
+    if (j > 0) issue_v(j + kStages - 1);  // V_2 came with the prologue
+    tree_attn::cp_async_commit();
+    advance_pages(j + kStages + 1);
+  }
+  tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
+
+  const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
   const int64_t slot_row =
-      ((static_cast<int64_t>(it.b) * p.num_kv_heads + it.h) * (p.num_splits + 1) + it.split) * static_cast<int64_t>(TG);
+      ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(TG);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float l = l_i[r];
@@ -245,11 +325,11 @@ __device__ __forceinline__ void write_rows(const TreeAttentionParams& p, const I
     l += __shfl_xor_sync(0xffffffff, l, 2);
     const int m = row_base + 8 * r;
     const float inv = m < M && l > 0.f ? 1.f / l : 0.f;
-    if (it.direct) {
+    if (direct) {
       if (m >= TG) continue;
       const int t = m / G;
-      T* dst = static_cast<T*>(p.out) + it.b * p.out_stride_b + t * p.out_stride_t +
-               (it.h * G + m - t * G) * p.out_stride_h + 2 * (lane & 3);
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + (h * G + m - t * G) * p.out_stride_h +
+               2 * (lane & 3);
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<uint32_t*>(dst + 8 * j) =
@@ -263,174 +343,6 @@ __device__ __forceinline__ void write_rows(const TreeAttentionParams& p, const I
         *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
     }
   }
-}
-
-// Persistent: one CTA per SM walks its items (w = blockIdx.x, + gridDim.x, ...) as one stream of tiles g = 0, 1, ...
-// So the copies of an item's first tiles are in flight while the previous item finishes, and the CTA's start (the
-// first copies' whole latency, Q, the page lookups) is paid once per SM, not once per item: it was ~20 us of the
-// ~120 us of an item at 7B (64, 4096, 16) on an H100 (bench.profile_tree_attention).
-//
-// Step g issues S_g (Q of tile g's item against K_g) and P_{g-1} V_{g-1} (into O of tile g - 1's item), then the
-// softmax of S_g. Where tile g starts an item, the previous item's row sums are final before the softmax resets
-// them, and its O once P_{g-1} V_{g-1} is done: it is written out and O restarts from zero. The step after the last
-// tile issues a discarded S and the last P V; step 0's P V is a zero P (s starts at 0) times V_0. So every step
-// commits the same two wgmma groups, S first, and `wait_group 1` always means "S_g done" (a wait or an S chosen per
-// step left ptxas unable to prove it: C7514, serialized wgmmas). Peeled first and last steps tripled the issue and
-// softmax code and overflowed the instruction cache.
-//
-// K runs one tile further ahead than V: K_g is free once S_g is done, V_{g-1} only once P_{g-1} V_{g-1} is, so the
-// end of step g refills K's ring slot with K_{g+3} and V's with V_{g+2}. Groups: the prologue commits G_0 .. G_2
-// (K and V of stream tiles 0 .. 2), the end of step g G_{g+3} = {K_{g+3}, V_{g+2}} (V_2 came with G_2). Step g needs
-// K_g and V_{g-1}, both in G_g or earlier, with G_{g+1} and G_{g+2} in flight: cp.async.wait_group 2.
-template <typename T, typename Cfg>
-__global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const TreeAttentionParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes;
-  constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int G = p.group;
-  const int64_t num_items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.num_splits;
-
-  // The consumer's item (the one tile g belongs to) and the producer's (the one whose next page is being read).
-  int64_t w = static_cast<int64_t>(blockIdx.x) - gridDim.x;
-  Item cur;
-  if (!next_item<kBlockN>(p, num_items, w, cur)) return;
-  Item prod = cur, done = cur;
-  int64_t pw = w;
-  int pi = 0;          // the producer's tile in its item
-  bool p_live = true;  // false once the producer is past this CTA's last tile
-
-  const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
-  unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
-  const uint32_t k_s = q_s + kBlockM * kD * 2;  // shared addresses for the descriptors ...
-  const uint32_t v_s = k_s + kStages * kTileBytes;
-  unsigned char* const k_ring = smem_q + (k_s - q_s);  // ... and generic pointers for cp.async
-  unsigned char* const v_ring = smem_q + (v_s - q_s);
-  // Stream tile g's row tokens live in tokens_s + (g % kStages) * kBlockN and its KV head in heads_s[g % kStages]
-  // (not in registers: K and V of different tiles are issued together). Thread t < kBlockN owns row t: it reads the
-  // next tile's page from the block table into `next_page` one step before storing the token, so the load never
-  // stalls.
-  int32_t* const tokens_s = reinterpret_cast<int32_t*>(smem_q + Cfg::kPagesOffset);
-  int32_t* const heads_s = tokens_s + kStages * kBlockN;
-  const bool pager = threadIdx.x < kBlockN;
-  auto tokens_of = [&](int g) { return tokens_s + (g % kStages) * kBlockN; };
-  auto issue_k = [&](int g) {
-    issue_rows<T, kBlockN, kChunks>(tokens_of(g), p.k_cache, p.k_stride_token, heads_s[g % kStages] * p.k_stride_head,
-                                    k_ring + (g % kStages) * kTileBytes);
-  };
-  auto issue_v = [&](int g) {
-    issue_rows<T, kBlockN, kChunks>(tokens_of(g), p.v_cache, p.v_stride_token, heads_s[g % kStages] * p.v_stride_head,
-                                    v_ring + (g % kStages) * kTileBytes);
-  };
-  int32_t next_page = -1;
-  auto read_page = [&]() { next_page = p_live ? row_page<kBlockN>(p, prod.sp, pi, threadIdx.x) : -1; };
-  // Stores the producer tile's tokens (and head) as stream tile g, moves the producer on and reads its next page.
-  // Tile g's slot last held tile g - 3, whose K and V were issued before a barrier this thread has passed.
-  auto advance_pages = [&](int g) {
-    if (!pager) return;
-    tokens_of(g)[threadIdx.x] = p_live ? row_token<kBlockN>(p, prod.sp, pi, threadIdx.x, next_page) : -1;
-    if (threadIdx.x == 0) heads_s[g % kStages] = p_live ? prod.h : 0;
-    if (p_live && ++pi == prod.sp.n_tiles) {
-      pi = 0;
-      p_live = next_item<kBlockN>(p, num_items, pw, prod);
-    }
-    read_page();
-  };
-
-  // Prologue: the tokens of stream tiles 0 .. kStages - 1, their K and V (G_0 .. G_2), tile kStages's page, Q.
-  read_page();
-#pragma unroll 1
-  for (int g = 0; g < kStages; ++g) advance_pages(g);
-  __syncthreads();
-#pragma unroll 1
-  for (int g = 0; g < kStages; ++g) {
-    issue_k(g);
-    issue_v(g);
-    tree_attn::cp_async_commit();
-  }
-  stage_q<T>(p, cur, smem_q);
-
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
-  // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
-  const uint32_t q_wg = q_s + wg * 64 * 128;
-  auto desc_q = [&](int k) { return wgmma::desc_k_major(q_wg, kBlockM, k); };
-
-  const float qk_scale = p.sm_scale * 1.4426950408889634f;
-  float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f}, m_done[2], l_done[2];
-  float s[kScores], o[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
-
-  bool have_cur = true;  // tile g exists (false on the step after this CTA's last tile)
-  int jc = 0;            // tile g's index in its item `cur`
-  float alpha[2] = {0.f, 0.f};
-  for (int g = 0;; ++g) {
-    tree_attn::cp_async_wait<2>();  // K_g and V_{g-1} landed
-    wgmma::fence_proxy_async();
-    __syncthreads();
-    if (g == 0) advance_pages(kStages);  // tile 0's token slot: its K and V were issued before the barrier
-    uint32_t frag[kBlockN / 16][4];
-#pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
-    fence_regs(s);
-    fence_regs(o);
-    wgmma::fence();
-    {  // past the last tile: S of whatever K slot g holds, discarded
-      const uint32_t k_cur = k_s + (g % kStages) * kTileBytes;
-#pragma unroll
-      for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_cur, kBlockN, k), k > 0);
-      wgmma::commit();
-    }
-    const uint32_t v_prev = v_s + (max(g - 1, 0) % kStages) * kTileBytes;
-#pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t)
-      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_prev, kBlockN, t), 1);
-    wgmma::commit();
-    wgmma::wait<1>();  // S_g done (issued first); P_{g-1} V_{g-1} may still run
-    fence_regs(s);
-    // Tile g - 1 ended its item: its row sums are final now, its O once P_{g-1} V_{g-1} is done.
-    const bool flush = g > 0 && (!have_cur || jc == 0);
-    if (flush) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) m_done[r] = m_i[r], l_done[r] = l_i[r];
-    }
-    if (have_cur) {
-      if (jc == 0) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) m_i[r] = -1.0e30f, l_i[r] = 0.f;
-      }
-      if (jc >= cur.sp.n_full) mask_tile(p, cur.sp, cur.b, row_base, G, jc, s);
-      online_softmax(s, qk_scale, m_i, l_i, alpha);
-    }
-    wgmma::wait<0>();
-    fence_regs(o);
-    if (flush) {
-      write_rows<T>(p, done, row_base, o, m_done, l_done);
-#pragma unroll
-      for (int i = 0; i < 64; ++i) o[i] = 0.f;
-    } else {
-#pragma unroll
-      for (int q = 0; q < 16; ++q)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
-    }
-    if (!have_cur) break;
-    __syncthreads();  // every warpgroup is done with K_g and V_{g-1} (and Q, if tile g ended its item)
-    issue_k(g + kStages);
-    if (g > 0) issue_v(g + kStages - 1);  // V_2 came with the prologue
-    tree_attn::cp_async_commit();
-    advance_pages(g + kStages + 1);
-    if (++jc == cur.sp.n_tiles) {  // tile g + 1 starts the next item, with its own Q
-      jc = 0;
-      done = cur;
-      have_cur = next_item<kBlockN>(p, num_items, w, cur);
-      if (have_cur) stage_q<T>(p, cur, smem_q);
-    }
-  }
-  tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 #endif
 }
 
@@ -480,8 +392,9 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
                        "split_len must be a positive multiple of the sm_90 kernel's tile width " << block_n
                            << " (config " << p.config << "; config=64 selects the 64-token tile), got "
                            << p.split_len);
-  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_kv_heads > 0 && p.num_splits >= 1,
-                       "bad batch / num_kv_heads / num_splits");
+  TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.batch <= 65535 && p.num_kv_heads <= 65535 && p.num_splits >= 1 &&
+                           p.num_splits <= 0x7fffffff,
+                       "bad batch / num_kv_heads / num_splits (grid limits)");
   // Pages of a power-of-two size, each a run of block_size token rows: a row's K/V is at token * stride_token (a
   // division per copied row, then a multiply-add per stride, made the copy issue the largest part of the code).
   TLT_STATUS_CHECK_ARG(p.block_size > 0 && (p.block_size & (p.block_size - 1)) == 0,
@@ -495,12 +408,7 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_RETURN_IF_FAILED(wgmma::require_sm90());
   TreeAttentionParams q = p;
   q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
-  // Persistent: one CTA per SM (one fits: shared memory), never more CTAs than items.
-  int dev = 0, sms = 0;
-  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
-  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t items = static_cast<int64_t>(p.batch) * p.num_kv_heads * p.num_splits;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(items, std::max(sms, 1))));
+  const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
   return block_n == Ctx64::kBlockN ? launch_sm90_dtype<Ctx64>(q, grid, stream) : launch_sm90_dtype<Ctx128>(q, grid, stream);
 }
 
