@@ -116,8 +116,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // 16-byte async copy global -> shared; src_bytes == 0 zero-fills the destination (rows past the
 // end must be zeros, not garbage: 0 * NaN in the P.V product would poison the row).
+__device__ __forceinline__ void cp_async_16(uint32_t dst_shared, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_shared), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+  cp_async_16(smem_addr(dst), src, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

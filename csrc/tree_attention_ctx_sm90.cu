@@ -94,16 +94,17 @@ __device__ __forceinline__ int32_t row_token(const TreeAttentionParams& p, const
 
 // Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
 // token read from `tokens` (shared memory, one entry per row of the tile). No commit.
-template <typename T, int kBlockN, int kChunks>
-__device__ __forceinline__ void issue_rows(const int32_t* tokens, const void* cache, int64_t stride_token,
-                                           int64_t head_offset, unsigned char* slot) {
+// `base`: this thread's 16-byte column chunk of the KV head in the cache; `slot`: the ring slot's shared address.
+template <int kBlockN, int kChunks>
+__device__ __forceinline__ void issue_rows(const int32_t* tokens, const char* base, uint32_t stride_bytes,
+                                           uint32_t slot) {
   const int chunk = threadIdx.x % (kD / 8);  // the same 16-byte column chunk in every row this thread copies
-  const T* base = static_cast<const T*>(cache) + head_offset + chunk * 8;
 #pragma unroll
   for (int it = 0; it < kChunks; ++it) {
     const int row = (threadIdx.x + it * kThreads) / (kD / 8);
     const int32_t token = tokens[row];
-    const T* src = token >= 0 ? base + token * stride_token : base;
+    // A row past the span (token -1) copies nothing from token 0's address: zero-filled. One wide multiply.
+    const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(token, 0))) * stride_bytes;
     tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, token >= 0 ? 16 : 0);
   }
 }
@@ -158,13 +159,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     const float m_new = fmaxf(m_i[r], mx * qk_scale);
-    alpha[r] = exp2f(m_i[r] - m_new);
+    alpha[r] = tree_attn::fast_exp2(m_i[r] - m_new);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kScores / 4; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pv = exp2f(s[4 * j + 2 * r + e] * qk_scale - m_new);
+        const float pv = tree_attn::fast_exp2(fmaf(s[4 * j + 2 * r + e], qk_scale, -m_new));
         s[4 * j + 2 * r + e] = pv;
         sum += pv;
       }
@@ -197,25 +198,27 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
-  const uint32_t k_s = q_s + kBlockM * kD * 2;  // shared addresses for the descriptors ...
+  const uint32_t k_s = q_s + kBlockM * kD * 2;  // shared addresses of the K and V rings (descriptors, cp.async)
   const uint32_t v_s = k_s + kStages * kTileBytes;
-  unsigned char* const k_ring = smem_q + (k_s - q_s);  // ... and generic pointers for cp.async
-  unsigned char* const v_ring = smem_q + (v_s - q_s);
   // The cache tokens of tile i's rows live in pages_s + (i % kStages) * kBlockN (not in registers: K and V of
   // different tiles are issued together, which would take two sets). Thread t < kBlockN owns row t: it reads tile
   // i + 1's page from the block table into `next_page` one iteration before storing it, so the load never stalls.
   int32_t* const pages_s = reinterpret_cast<int32_t*>(smem_q + Cfg::kPagesOffset);
   const bool pager = threadIdx.x < kBlockN;
   auto pages_of = [&](int i) { return pages_s + (i % kStages) * kBlockN; };
+  // This thread's 16-byte column chunk of KV head h; rows are token * stride_token past it (token strides below
+  // 2^31 bytes: the launcher checks).
+  const char* const k_base = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + h * p.k_stride_head +
+                                                           (threadIdx.x % (kD / 8)) * 8);
+  const char* const v_base = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + h * p.v_stride_head +
+                                                           (threadIdx.x % (kD / 8)) * 8);
+  const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
+  const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
   auto issue_k = [&](int i) {
-    if (i < sp.n_tiles)
-      issue_rows<T, kBlockN, kChunks>(pages_of(i), p.k_cache, p.k_stride_token, h * p.k_stride_head,
-                                      k_ring + (i % kStages) * kTileBytes);
+    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes);
   };
   auto issue_v = [&](int i) {
-    if (i < sp.n_tiles)
-      issue_rows<T, kBlockN, kChunks>(pages_of(i), p.v_cache, p.v_stride_token, h * p.v_stride_head,
-                                      v_ring + (i % kStages) * kTileBytes);
+    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
   };
   int32_t next_page = -1;
   // Stores the pending id (tile i) and reads tile i + 1's. Tile i's slot last held tile i - 3, whose K and V were
@@ -255,7 +258,11 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
   // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
   const uint32_t q_wg = q_s + wg * 64 * 128;
-  auto desc_q = [&](int k) { return wgmma::desc_k_major(q_wg, kBlockM, k); };
+  // Descriptors of Q's, K ring slot 0's and V ring slot 0's first k-step; every other one is an offset from these.
+  const uint64_t dq0 = wgmma::desc_k_major(q_wg, kBlockM, 0), dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
+  const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
+  // Byte offset of k-step k in a K-major tile of `rows` rows (see wgmma::desc_k_major).
+  auto k_step = [](int rows, int k) { return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32); };
 
   const float qk_scale = p.sm_scale * 1.4426950408889634f;
   float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
@@ -284,15 +291,15 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     fence_regs(o);
     wgmma::fence();
     {  // at j = n, S of whatever K slot n holds: discarded (an S issued on a condition also trips C7514)
-      const uint32_t k_cur = k_s + (j % kStages) * kTileBytes;
+      const uint64_t dk = wgmma::desc_add(dk0, (j % kStages) * kTileBytes);
 #pragma unroll
-      for (int k = 0; k < kD / 16; ++k) mma_s<T>(s, desc_q(k), wgmma::desc_k_major(k_cur, kBlockN, k), k > 0);
+      for (int k = 0; k < kD / 16; ++k)
+        mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
       wgmma::commit();
     }
-    const uint32_t v_prev = v_s + (max(j - 1, 0) % kStages) * kTileBytes;
+    const uint64_t dv = wgmma::desc_add(dv0, (max(j - 1, 0) % kStages) * kTileBytes);
 #pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t)
-      wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_mn_major(v_prev, kBlockN, t), 1);
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
     wgmma::commit();
     wgmma::wait<1>();  // S_j done (issued first); P_{j-1} V_{j-1} may still run
     fence_regs(s);
@@ -303,10 +310,14 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     wgmma::wait<0>();
     fence_regs(o);
     if (j == n) break;
+    // alpha is exactly 1 for a row whose max did not move (most tiles once a few are seen): skip the 64 multiplies
+    // when that holds for the warp's 16 rows.
+    if (!__all_sync(0xffffffff, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
-    for (int q = 0; q < 16; ++q)
+      for (int q = 0; q < 16; ++q)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+        for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+    }
     __syncthreads();  // every warpgroup is done with K_j and V_{j-1}: their slots take K_{j+3} and V_{j+2}
     issue_k(j + kStages);
     if (j > 0) issue_v(j + kStages - 1);  // V_2 came with the prologue
@@ -403,6 +414,9 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
                            p.v_stride_block == p.block_size * p.v_stride_token,
                        "the sm_90 tree-attention kernel needs pages of contiguous token rows (stride_block == "
                        "block_size * stride_token for K and V)");
+  TLT_STATUS_CHECK_ARG(p.k_stride_token > 0 && p.k_stride_token <= INT32_MAX / 2 && p.v_stride_token > 0 &&
+                           p.v_stride_token <= INT32_MAX / 2,
+                       "the sm_90 tree-attention kernel needs token strides in (0, 2^31) bytes");
   TLT_RETURN_IF_FAILED(check_tree_attention_gather(p));  // 16-byte cp.async rows, as the partial kernel's
   if (p.batch == 0) return {};
   TLT_RETURN_IF_FAILED(wgmma::require_sm90());

@@ -63,6 +63,11 @@ __device__ __forceinline__ uint64_t desc_mn_major(uint32_t base, int rows, int k
   return desc(base + static_cast<uint32_t>(k * 16 * 128), static_cast<uint32_t>(rows * 128), 1024);
 }
 
+// The descriptor of the tile `byte_offset` bytes (a multiple of 16) past the one `d` describes: the start address
+// field is bits 0-13 of the address >> 4, and every shared address is below 256 KB, so the sum never carries out of
+// it. One add instead of rebuilding the descriptor for every k-step and ring slot.
+__device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t byte_offset) { return d + (byte_offset >> 4); }
+
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
