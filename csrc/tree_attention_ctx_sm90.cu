@@ -182,6 +182,22 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = p.group, TG = p.num_tree * G;
+  // Q first, into registers (rows >= T * G zero): its loads need neither the context length nor the pages, so their
+  // latency passes under the block-table lookups and the first copies; stored to shared memory after those.
+  constexpr int kQChunks = kBlockM * (kD / 8) / kThreads;
+  uint4 q_regs[kQChunks];
+  {
+    const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
+#pragma unroll
+    for (int it = 0; it < kQChunks; ++it) {
+      const int i = threadIdx.x + it * kThreads;
+      const int m = i / (kD / 8), chunk = i % (kD / 8), t = m / G;
+      q_regs[it] = m < TG ? *reinterpret_cast<const uint4*>(Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h +
+                                                            chunk * 8)
+                          : make_uint4(0, 0, 0, 0);
+    }
+  }
+
   Span sp;
   sp.ctx = p.context_lens[b];
   sp.nn = p.num_nodes[b];
@@ -244,14 +260,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     tree_attn::cp_async_commit();
   }
   if (pager) next_page = row_page<kBlockN>(p, sp, kStages, threadIdx.x);
-  const T* Q = static_cast<const T*>(p.q);
-  for (int i = threadIdx.x; i < kBlockM * (kD / 8); i += kThreads) {
-    const int m = i / (kD / 8), chunk = i % (kD / 8);
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (m < TG)
-      val = *reinterpret_cast<const uint4*>(Q + b * p.q_stride_b + (m / G) * p.q_stride_t + (h * G + m % G) * p.q_stride_h +
-                                            chunk * 8);
-    *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, m, chunk)) = val;
+#pragma unroll
+  for (int it = 0; it < kQChunks; ++it) {
+    const int i = threadIdx.x + it * kThreads;
+    *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, i / (kD / 8), i % (kD / 8))) = q_regs[it];
   }
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
