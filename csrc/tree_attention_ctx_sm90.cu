@@ -249,9 +249,14 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   // Prologue: K and V of tiles 0 .. kStages - 1, one commit group per tile (g_0 .. g_2); the end of iteration 0
   // commits g_3 = {K_3}, the end of iteration j >= 1 g_{j+3} = {K_{j+3}, V_{j+2}}. Iteration j needs K_j and V_{j-1},
   // both in g_j or earlier, with g_{j+1} and g_{j+2} allowed in flight: cp.async.wait_group 2.
-  if (pager)
-    for (int i = 0; i < kStages; ++i)
-      pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, row_page<kBlockN>(p, sp, i, threadIdx.x));
+  if (pager) {  // the pages of tiles 0 .. kStages, every load in flight before the first is used
+    int32_t first[kStages];
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) first[i] = row_page<kBlockN>(p, sp, i, threadIdx.x);
+    next_page = row_page<kBlockN>(p, sp, kStages, threadIdx.x);
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, first[i]);
+  }
   __syncthreads();
 #pragma unroll 1
   for (int i = 0; i < kStages; ++i) {
@@ -259,7 +264,6 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     issue_v(i);
     tree_attn::cp_async_commit();
   }
-  if (pager) next_page = row_page<kBlockN>(p, sp, kStages, threadIdx.x);
 #pragma unroll
   for (int it = 0; it < kQChunks; ++it) {
     const int i = threadIdx.x + it * kThreads;
