@@ -13,14 +13,16 @@
 //   wait S_j; P_j = softmax(S_j)            meanwhile (CUDA cores); base 2, the scale folded into the exponent
 //   wait P_{j-1} V_{j-1}; O = alpha_j O      no accumulator stays in flight across the loop's back edge
 //
-// K runs one tile further ahead than V: K_j is free once S_j is done, V_{j-1} only once P_{j-1} V_{j-1} is, so the
-// end of iteration j refills K's slot with K_{j+3} and V's with V_{j+2}. During iteration j's math, K_{j+1}, V_j,
-// K_{j+2} and V_{j+1} are in flight (128 KB at 128-token tiles) instead of one whole tile (64 KB) when K and V
-// shared a slot: the copy depth is what kept this kernel below the Triton one, which refills at the top of its loop.
+// One barrier per step. Step j waits for K_j and V_{j-1}, then its barrier also says every warpgroup is done with
+// step j - 1, so the slots of K_{j-1} (read by S_{j-1}) and V_{j-2} (read by P_{j-2} V_{j-2}) are refilled right
+// there with K_{j+2} and V_{j+1}: K runs one tile ahead of V. A second barrier at the end of each step, to refill
+// one step earlier, cost more than it gave (H100, same run, bench/RESULTS.md: 7B (64, 4096, 16) 77.3 -> 80.2% of
+// the HBM floor, 3.01 -> 2.86 us per 128-token tile): with two warps per scheduler, barrier stalls were 17% of the
+// kernel's warp samples (ncu).
 //
 // Two instantiations (p.config picks, see the launcher):
 //   kBlockN = 128 (default): S is m64n128 (64 fp32 per thread), P V is 8 k-steps; Q 32 KB + 3 x (K 32 KB + V 32 KB)
-//     = 224 KB. Every iteration pays two barriers, a cp.async wait and two wgmma waits whatever the tile, so the
+//     = 224 KB. Every iteration pays a barrier, a cp.async wait and two wgmma waits whatever the tile, so the
 //     128-token tile halves that fixed cost per token against 64 (66-72% of the HBM floor on an H100 at 64 tokens).
 //   kBlockN = 64: S is m64n64, P V 4 k-steps; Q 32 KB + 3 x (16 + 16) KB = 128 KB. For split lengths that are
 //     multiples of 64 only.
@@ -246,9 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     }
   };
 
-  // Prologue: K and V of tiles 0 .. kStages - 1, one commit group per tile (g_0 .. g_2); the end of iteration 0
-  // commits g_3 = {K_3}, the end of iteration j >= 1 g_{j+3} = {K_{j+3}, V_{j+2}}. Iteration j needs K_j and V_{j-1},
-  // both in g_j or earlier, with g_{j+1} and g_{j+2} allowed in flight: cp.async.wait_group 2.
+  // Prologue: K and V of tiles 0 .. kStages - 1, one commit group per tile (P_0 .. P_2); step j >= 1 commits
+  // H_j = {K_{j+2}, V_{j+1}} after its barrier (H_1 = {K_3}: V_2 is in P_2). Step j needs K_j and V_{j-1}, in P_j
+  // (j <= 2) or H_{j-2}: cp.async.wait_group 2 at step 0 (P_1, P_2 may fly), 1 after (H_{j-1} may fly).
   if (pager) {  // the pages of tiles 0 .. kStages, every load in flight before the first is used
     int32_t first[kStages];
 #pragma unroll
@@ -296,10 +298,19 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   const int n = sp.n_tiles;  // >= 1: a request has at least one node
   float alpha[2] = {0.f, 0.f};
   for (int j = 0; j <= n; ++j) {
-    tree_attn::cp_async_wait<2>();  // K_j and V_{j-1} landed
+    // K_j and V_{j-1} landed: the prologue's three groups, then one group per step from step 1 on.
+    if (j == 0)
+      tree_attn::cp_async_wait<2>();
+    else
+      tree_attn::cp_async_wait<1>();
     wgmma::fence_proxy_async();
-    __syncthreads();
-    if (j == 0) advance_pages(kStages);  // tile 0's page slot: its K and V were issued before the barrier
+    __syncthreads();  // ... and every warpgroup is done with step j - 1: K_{j-1}'s and V_{j-2}'s slots are free
+    if (j > 0) {
+      issue_k(j + kStages - 1);
+      if (j > 1) issue_v(j + kStages - 2);  // V_2 came with the prologue
+      tree_attn::cp_async_commit();
+    }
+    advance_pages(j + kStages);  // tile j's token slot: its K and V were issued before this barrier
     uint32_t frag[kBlockN / 16][4];
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
@@ -334,11 +345,6 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
     }
-    __syncthreads();  // every warpgroup is done with K_j and V_{j-1}: their slots take K_{j+3} and V_{j+2}
-    issue_k(j + kStages);
-    if (j > 0) issue_v(j + kStages - 1);  // V_2 came with the prologue
-    tree_attn::cp_async_commit();
-    advance_pages(j + kStages + 1);
   }
   tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 
