@@ -49,7 +49,7 @@ struct CtxConfig {
   static constexpr int kBlockN = kBlockN_;
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64n64 or m64n128 wgmma per k-step");
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile
-  // Q + K ring + V ring + the page id of every row of kStages tiles, plus 1 KB to align the base: the 128-byte
+  // Q + K ring + V ring + the cache token of every row of kStages tiles, plus 1 KB to align the base: the 128-byte
   // swizzle is a function of address bits 4-9, so every tile must start 1024-byte aligned, which the dynamic
   // shared-memory window does not promise.
   static constexpr int kPagesOffset = kBlockM * kD * 2 + 2 * kStages * kTileBytes;
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   const uint32_t v_s = k_s + kStages * kTileBytes;
   // The cache tokens of tile i's rows live in pages_s + (i % kStages) * kBlockN (not in registers: K and V of
   // different tiles are issued together, which would take two sets). Thread t < kBlockN owns row t: it reads tile
-  // i + 1's page from the block table into `next_page` one iteration before storing it, so the load never stalls.
+  // i + 1's page from the block table into `next_page` one step before storing its token, so the load never stalls.
   int32_t* const pages_s = reinterpret_cast<int32_t*>(smem_q + Cfg::kPagesOffset);
   const bool pager = threadIdx.x < kBlockN;
   auto pages_of = [&](int i) { return pages_s + (i % kStages) * kBlockN; };
@@ -239,8 +239,8 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     if (i < sp.n_tiles) issue_rows<kBlockN, kChunks>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
   };
   int32_t next_page = -1;
-  // Stores the pending id (tile i) and reads tile i + 1's. Tile i's slot last held tile i - 3, whose K and V were
-  // issued at least one barrier ago.
+  // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile
+  // i - 3, whose K and V were issued before the barrier the caller has just passed.
   auto advance_pages = [&](int i) {
     if (pager) {
       pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, next_page);

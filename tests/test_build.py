@@ -136,8 +136,7 @@ def test_cuda_context_path_switch_is_parsed():
 
 
 def test_cuda_context_path_rule(monkeypatch):
-    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: one split,
-    64 < T*G <= 128, D=128, bf16/fp16, split_len a multiple of the 128-token tile, power-of-two pages of contiguous
+    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: 64 < T*G <= 128, D=128, bf16/fp16, split_len a multiple of the 128-token tile, power-of-two pages of contiguous
     token rows, sm_90; 1 / 0 force it on / off within what the kernel covers."""
     from types import SimpleNamespace
 
@@ -157,7 +156,7 @@ def test_cuda_context_path_rule(monkeypatch):
     assert ct._use_context_sm90(plan(), q, *kv)                           # T=16, G=7: 112 rows
     assert ct._use_context_sm90(plan(T=13, G=5), q, *kv)                  # 65 rows
     assert not ct._use_context_sm90(plan(T=16, G=4), q, *kv)              # 64 rows: one warpgroup, mma.sync is faster
-    assert not ct._use_context_sm90(plan(splits=2), q, *kv)               # several splits: not timed yet
+    assert ct._use_context_sm90(plan(splits=2, split_len=2048), q, *kv)   # several splits (the merge follows)
     assert not ct._use_context_sm90(plan(split_len=4160), q, *kv)         # not whole 128-token tiles
     assert not ct._use_context_sm90(plan(D=64), q, *kv)
     assert not ct._use_context_sm90(plan(T=32), q, *kv)                   # 224 rows: over one CTA's 128

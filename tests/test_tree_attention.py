@@ -290,6 +290,11 @@ def test_default_split_len():
     assert default_split_len(64, 4, 4100, num_rows=lo) % cuda_rule.CONTEXT_BLOCK == 0
     assert default_split_len(64, 4, 4100, num_rows=hi) % cuda_rule.CONTEXT_BLOCK == 0
     assert default_split_len(64, 4, 4100, num_rows=lo - 1) == 4160
+    # ... and several splits of such rows too: whole 128-token tiles (7B heads, B=16, L=16384: 5376 = 42 tiles, 4
+    # splits), 64-token ones below the rule's rows (5440).
+    s_ctx = default_split_len(16, 4, 16384, num_rows=16 * 7)
+    assert s_ctx == 5376 and s_ctx % cuda_rule.CONTEXT_BLOCK == 0 and -(-16384 // s_ctx) == 4
+    assert default_split_len(16, 4, 16384, num_rows=8 * 7) == 5440
 
 
 def test_plan_contents():

@@ -32,9 +32,10 @@ CONFIG_OVERRIDE = 0
 # the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len % CONTEXT_BLOCK == 0, power-of-two pages of
 # contiguous token rows (stride(0) == block_size * stride(1)).
 # None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows (both warpgroups have rows)
-# and the plan has one split (H100, 2026-11-26, bench/RESULTS.md, when the kernel still left the tail and the tree to
-# the mma.sync one: T=16 62.8-78.9% of the HBM floor against 60.0-64.6% for the mma.sync kernel; T=8 (40-56 rows)
-# 61-68% against 84-88%, so not there). True ("1"): wherever covered; False ("0"): off.
+# (H100, 2026-11-26, bench/RESULTS.md: one split, T=16, 80.6-95.5% of the HBM floor against 58.9-65.0% for the
+# mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it (7B B=4 L=8192 / 32768, 10 splits; 32B B=8
+# L=32768, 4 splits); T=8 (56 rows) 78.7 / 83.8% against 84.5 / 88.5%, so not there).
+# True ("1"): wherever covered; False ("0"): off.
 _CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
 if _CTX_ENV not in ("", "auto", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
@@ -42,7 +43,8 @@ CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV ==
 CONTEXT_SM90_MIN_ROWS = 65  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the kernel's rows: two warpgroups of 64
 # The sm_90 kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of 64) or 64.
-# The one value is the kernel's config and the split_len divisibility the path needs, so they cannot disagree.
+# The one value is the kernel's config and the split_len divisibility the path needs (default_split_len rounds to
+# it), so they cannot disagree.
 CONTEXT_BLOCK = 128
 CONTEXT_BLOCKS = (64, 128)
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
@@ -57,9 +59,8 @@ def _context_block(block: Optional[int]) -> int:
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     rows = plan.num_tree * plan.group
-    # auto: where it was measured faster (one split, T*G > 64). Several splits are correct but were slower where
-    # timed (H200, 7B B=4 L=8192 T=16, 10 splits: 92.5 against 86.6 us; bench/RESULTS.md).
-    wanted = rows >= CONTEXT_SM90_MIN_ROWS and plan.num_splits == 1 if CONTEXT_SM90 is None else CONTEXT_SM90
+    # auto: where it was measured faster (T*G > 64 rows, one split or several).
+    wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
     bs = plan.block_size
     # The kernel addresses a row as token * stride_token (token = page * block_size + slot): power-of-two pages of
     # contiguous token rows.

@@ -139,17 +139,16 @@ def default_split_len(
     if chunked:
         want = max(want, -(-max_context_len // CHUNKED_MAX_SPLIT_LEN))
     want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
-    if want == 1:
-        # One split: its length only has to cover the context. Where the CUDA backend's sm_90 context kernel may
-        # run (its auto rule's rows, D=128; split_len a multiple of its tile), round to its tile instead. The
-        # glue module holds the rule's numbers; importing it does not load the extension.
-        from .._cuda import tree_attention as cuda_rule
+    # Where the CUDA backend's sm_90 kernel may run (its auto rule's rows, D=128; split_len a multiple of its tile),
+    # splits are whole tiles of it. The glue module holds the rule's numbers; importing it does not load the extension.
+    from .._cuda import tree_attention as cuda_rule
 
-        ctx_rows = cuda_rule.CONTEXT_SM90_MIN_ROWS <= num_rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS
-        align = cuda_rule.CONTEXT_BLOCK if head_dim == 128 and ctx_rows else SPLIT_ALIGN
+    ctx_rows = cuda_rule.CONTEXT_SM90_MIN_ROWS <= num_rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS
+    align = cuda_rule.CONTEXT_BLOCK if head_dim == 128 and ctx_rows else SPLIT_ALIGN
+    if want == 1:  # one split: its length only has to cover the context
         return max(align, -(-max_context_len // align) * align)
-    # Round down to whole tiles so the split count stays >= want.
-    return max(MIN_SPLIT_LEN, max_context_len // want // SPLIT_ALIGN * SPLIT_ALIGN)
+    # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
+    return max(MIN_SPLIT_LEN, max_context_len // want // align * align)
 
 
 def _capturing() -> bool:
