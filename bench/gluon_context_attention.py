@@ -74,7 +74,8 @@ def _partials_error(got_o, got_l, ref_o, ref_l):
 
 def check_and_time(B, L, T, Hq, Hkv, D, copy_bytes_per_s, page=16, dtype=torch.bfloat16, **cfg):
     """GPU: compare the Gluon kernel with the fp32 reference, then time it, the Triton tree attention and (when ``_C``
-    is built) the CUDA one through its sm_90 kernel (T-node chains, the whole op: context, tree part and merge) on the same cache.
+    is built) the CUDA one through its sm_90 kernel (T-node chains, the whole op: context, tree part and merge) on
+    the same cache.
     ``copy_bytes_per_s`` (read + write of a device copy, measured once by the caller) sets the HBM floor."""
     from tlt_kernels import plan_tree_attention
     from tlt_kernels._backend import backend_unavailable_reason
