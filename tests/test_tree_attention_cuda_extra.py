@@ -139,6 +139,24 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     assert used and all(used), "the sm_90 kernel was not used"
 
 
+def test_sm90_path_by_default_with_several_splits(monkeypatch):
+    """The default rule (auto) takes the sm_90 kernel for a plan the planner splits several ways (a small batch of
+    long contexts, 112 rows): its splits are whole 128-token tiles, and the result is right."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = []
+    real = cuda_ta._use_context_sm90
+    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", None)
+    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
+    c = make_case(2, 16, 2, 7, 128, 16, [3000, 5000], torch.bfloat16, seed=13)
+    plan = plan_for(c)
+    assert plan.num_splits > 1 and plan.split_len % cuda_ta.CONTEXT_BLOCK == 0, (plan.num_splits, plan.split_len)
+    check_case("sm90 auto, several splits", c, torch.bfloat16)
+    assert used == [True]
+
+
 def test_sm90_path_not_taken_for_other_pages(monkeypatch):
     """Pages the sm_90 kernel cannot address (a non-power-of-two block_size) go to the mma.sync kernel even with the
     path forced on, and the result is still right."""
