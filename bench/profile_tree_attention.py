@@ -24,6 +24,17 @@ from bench.harness import BenchContext
 from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs
 
 
+def fit_fixed_and_per_tile(points):
+    """Least squares of ``1e3 * ms / waves = fixed + tiles * per_tile`` over ``points`` = ``[(waves, tiles, ms)]``
+    (two or more): ``(fixed_us, per_tile_us, max_abs_residual_us)``."""
+    xs = torch.tensor([t for _, t, _ in points], dtype=torch.float64)
+    ys = torch.tensor([1e3 * ms / w for w, _, ms in points], dtype=torch.float64)
+    A = torch.stack([torch.ones_like(xs), xs], 1)
+    sol = torch.linalg.lstsq(A, ys[:, None]).solution
+    fixed, per_tile = sol.flatten().tolist()
+    return fixed, per_tile, (A @ sol - ys[:, None]).abs().max().item()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="7b", choices=["7b", "32b"])
@@ -75,12 +86,7 @@ def main(argv=None) -> int:
     for name, pts in points.items():
         if len(pts) < 2:
             continue
-        # ms / waves = fixed + tiles * per_tile, least squares over the scan (microseconds).
-        xs = torch.tensor([t for _, t, _ in pts], dtype=torch.float64)
-        ys = torch.tensor([1e3 * ms / w for w, _, ms in pts], dtype=torch.float64)
-        A = torch.stack([torch.ones_like(xs), xs], 1)
-        fixed, per_tile = torch.linalg.lstsq(A, ys[:, None]).solution.flatten().tolist()
-        resid = (A @ torch.tensor([[fixed], [per_tile]], dtype=torch.float64) - ys[:, None]).abs().max().item()
+        fixed, per_tile, resid = fit_fixed_and_per_tile(pts)
         tile_bytes = 128 * HEAD_DIM * 4
         print(json.dumps(dict(fit=name, fixed_us_per_cta=round(fixed, 2), per_tile_us=round(per_tile, 3),
                               per_tile_pct_copy_bw=round(100 * tile_bytes * min(args.B * Hkv, sms) / ctx.copy_bandwidth

@@ -320,3 +320,16 @@ def test_acceptance_tree_vs_same_depth_chain_note():
                           note=notes.append)
     _note_tree_vs_chain(ctx, [("chain", 4), ("tree", 16), ("chain", 5)])
     assert notes == ["tree16 / chain5 (depth 4), B=16 V=152064 top_p=0.9 tlt-cuda-graph: 1.50x (target <= 1.5x)"]
+
+
+def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
+    """bench.profile_tree_attention's fit: ms / waves = fixed + tiles * per_tile, exact on exact data whatever the
+    waves, and its residual reports a point off the line."""
+    from bench.profile_tree_attention import fit_fixed_and_per_tile
+
+    fixed_us, tile_us = 20.0, 3.0
+    pts = [(w, t, w * (fixed_us + t * tile_us) / 1e3) for w, t in ((2, 8.125), (2, 32.125), (1, 128.125), (4, 0.125))]
+    fixed, per_tile, resid = fit_fixed_and_per_tile(pts)
+    assert fixed == pytest.approx(fixed_us, abs=1e-9) and per_tile == pytest.approx(tile_us, abs=1e-9) and resid < 1e-9
+    off = pts + [(2, 16.0, 2 * (fixed_us + 16 * tile_us + 4.0) / 1e3)]  # one point 4 us above the line
+    assert fit_fixed_and_per_tile(off)[2] > 1.0
