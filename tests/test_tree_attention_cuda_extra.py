@@ -109,10 +109,24 @@ SM90_CASES = [
     (2, 16, 2, 7, 16, [513, 300], torch.bfloat16, 128, True),
     # A single node (7 rows: one warpgroup of padding).
     (2, 1, 2, 7, 16, [2000, 1], torch.bfloat16, None, False),
-    # More items (B * Hkv * S) than SMs: each persistent CTA walks several, of every kind (one split written
-    # directly, several splits, empty and one-token contexts) back to back.
+    # More CTAs (B * Hkv * S) than SMs, of every kind (one split written directly, several splits, empty and
+    # one-token contexts), several per SM.
     (70, 12, 2, 7, 16, [(37 * i) % 700 for i in range(70)], torch.bfloat16, 256, False),
 ]
+
+
+def _sm90_rule_spy(monkeypatch, context_sm90):
+    """Skips without an sm_90 GPU; sets CONTEXT_SM90 and returns the list of the CUDA backend's sm_90-path decisions
+    (one per run)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = []
+    real = cuda_ta._use_context_sm90
+    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", context_sm90)
+    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
+    return used
 
 
 @pytest.mark.parametrize("block", [128, 64])
@@ -122,18 +136,13 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     """tree_attention(backend="cuda") through the sm_90 kernel at each tile width: the tree's tiles, the context tail,
     direct writes and the partial slots the merge reads, against the reference (NaN-trapped pages, poisoned
     scratch and output, per-split scratch check)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
+    used = _sm90_rule_spy(monkeypatch, True)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     B, T, Hkv, G, bs, ctx, dtype, split_len, combined = case
     if block == 64 and split_len is None:
         split_len = 64 * max(1, -(-max(ctx) // 64))  # one split of whole 64-token tiles
-    used = []
-    real = cuda_ta._use_context_sm90
-    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", True)
     monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
-    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
     c = make_case(B, T, Hkv, G, 128, bs, ctx, dtype, seed=sum(ctx) + T + bs + block, combined_kv=combined)
     check_case(f"sm90 block {block} {case}", c, dtype, split_len=split_len)
     assert used and all(used), "the sm_90 kernel was not used"
@@ -142,14 +151,9 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
 def test_sm90_path_by_default_with_several_splits(monkeypatch):
     """The default rule (auto) takes the sm_90 kernel for a plan the planner splits several ways (a small batch of
     long contexts, 112 rows): its splits are whole 128-token tiles, and the result is right."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
+    used = _sm90_rule_spy(monkeypatch, None)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
-    used = []
-    real = cuda_ta._use_context_sm90
-    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", None)
-    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
     c = make_case(2, 16, 2, 7, 128, 16, [3000, 5000], torch.bfloat16, seed=13)
     plan = plan_for(c)
     assert plan.num_splits > 1 and plan.split_len % cuda_ta.CONTEXT_BLOCK == 0, (plan.num_splits, plan.split_len)
@@ -160,14 +164,7 @@ def test_sm90_path_by_default_with_several_splits(monkeypatch):
 def test_sm90_path_not_taken_for_other_pages(monkeypatch):
     """Pages the sm_90 kernel cannot address (a non-power-of-two block_size) go to the mma.sync kernel even with the
     path forced on, and the result is still right."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    from tlt_kernels._cuda import tree_attention as cuda_ta
-
-    used = []
-    real = cuda_ta._use_context_sm90
-    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", True)
-    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
+    used = _sm90_rule_spy(monkeypatch, True)
     c = make_case(3, 16, 2, 7, 128, 24, [700, 257, 1], torch.float16, seed=11)
     check_case("sm90 forced, 24-token pages", c, torch.float16, split_len=256)
     assert used == [False]
