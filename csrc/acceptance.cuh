@@ -1046,21 +1046,6 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   return s;
 }
 
-// Unnormalized weights of elements [base, base + kVec) of the current distribution: the residual
-// row (total S) after a rejection, else the kept 2^(l * ks - m) (total Z).
-template <typename T>
-__device__ __forceinline__ void weights_vec(const T* row, const float* res, bool has_res, const RowState& s, float ks,
-                                            int base, int hi, bool row_aligned, bool res_aligned, float (&w)[kVec]) {
-  if (has_res) {
-    load_vec<Ld::kCG>(res, base, hi, res_aligned, 0.f, w);
-  } else {
-    load_vec<Ld::kNC>(row, base, hi, row_aligned, -INFINITY, w);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, ks, s.m);
-  }
-}
-
-
 // Inverse-CDF sample inside this CTA's slice [lo, hi): the first token of positive weight whose running mass
 // (from `pre`, in token order, 2048-token chunks with a block scan each, stopping at the first claim) exceeds
 // `target`; the last token of positive weight if rounding puts target past every running mass; the argmax if the
@@ -1075,10 +1060,29 @@ __device__ int sample_slice(const TL* row, const float* res, bool has_res, const
   const bool res_al = aligned16(res), row_al = aligned16(row);
   float carry = pre;  // the running mass before this slice (the cluster's plan)
   int found = kNoToken, last = -1;
+  // Chunk k + 1 is loaded before chunk k's block scan and reductions, so a chunk waits for its barriers
+  // rather than for a memory round trip too (the weights are computed after the wait, in the same order).
+  union Next {
+    RawVec<float> res;
+    RawVec<TL> row;
+    __device__ Next() {}
+  } next;  // one set of registers for either source (the kernel is at its register limit)
+  auto fetch = [&](int base) {
+    if (has_res) load_raw<Ld::kCG>(res, base, hi, res_al, 0.f, next.res);
+    else load_raw<Ld::kNC>(row, base, hi, row_al, -INFINITY, next.row);
+  };
+  fetch(lo + tid * kVec);
   for (int base0 = lo; base0 < hi; base0 += kChunk) {
     const int base = base0 + tid * kVec;
     float w[kVec];
-    weights_vec(row, res, has_res, s, ks, base, hi, row_al, res_al, w);
+    if (has_res) {
+      to_floats(next.res, w);
+    } else {
+      to_floats(next.row, w);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, ks, s.m);
+    }
+    if (base0 + kChunk < hi) fetch(base + kChunk);
     float local = 0.f;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) local += w[i];
