@@ -834,6 +834,31 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
   return static_cast<int>(static_cast<uint32_t>(prefix) ^ 0x80000000u);
 }
 
+// Appends the kept elements of a vector to this CTA's candidate list out[0, sm.cand_n): each warp reserves its
+// slots with one shared atomic (no block barrier per chunk), so the list is in no particular order; its readers
+// only sum integers over it. Warp-collective: every lane calls it with the same trip count.
+__device__ __forceinline__ void append_candidates(const float (&x)[kVec], const bool (&keep)[kVec], float* out,
+                                                  VerifySmem& sm) {
+  const int lane = threadIdx.x & 31;
+  int cnt = 0;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) cnt += keep[i];
+  int incl = cnt;  // inclusive scan of the warp's counts
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += up;
+  }
+  const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
+  if (warp_total == 0) return;  // warp-uniform
+  int slot = 0;
+  if (lane == 31) slot = atomicAdd(&sm.cand_n, warp_total);
+  int k = __shfl_sync(0xffffffffu, slot, 31) + incl - cnt;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i)
+    if (keep[i]) out[k++] = x[i];
+}
+
 // Top-p candidates: this CTA's tokens with key >= floor and weight w = 2^(l * ks - m) >= tau, compacted into
 // cand[lo, lo + n) (fp32, this CTA's slice of a scratch row) in no particular order: each warp reserves its
 // slots with one shared atomic, no block barrier per chunk (the select only sums integers over them, so the
@@ -846,14 +871,12 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
 template <typename T>
 __device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, float tau,
                                float* cand, uint64_t& w_total, int& key_min, Cluster& cl, VerifySmem& sm) {
-  const int lane = threadIdx.x & 31;
   if (threadIdx.x == 0) sm.cand_n = 0;
   __syncthreads();
   uint64_t w = 0;
   int kmin = 0x7fffffff;
   sweep<Ld::kNC>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
     bool keep[kVec];
-    int cnt = 0;
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
       const int k = ordered_key(x[i]);
@@ -861,23 +884,9 @@ __device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int f
       const float wt = live ? exp2f(x[i] * ks - m) : 0.f;
       if (live) w += __float2ull_rn(wt * kFixedScale);
       keep[i] = live && wt >= tau;
-      cnt += keep[i];
       if (keep[i]) kmin = min(kmin, k);
     }
-    int incl = cnt;  // inclusive scan of the warp's counts
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int up = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += up;
-    }
-    const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
-    if (warp_total == 0) return;  // warp-uniform
-    int slot = 0;
-    if (lane == 31) slot = atomicAdd(&sm.cand_n, warp_total);
-    int k = __shfl_sync(0xffffffffu, slot, 31) + incl - cnt;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i)
-      if (keep[i]) cand[lo + k++] = x[i];
+    append_candidates(x, keep, cand + lo, sm);
   });
   TLT_PROF_MARK("cand_sweep");
   const uint64_t mine = block_reduce<kVerifyThreads>(w, [](uint64_t a, uint64_t b) { return a + b; }, sm.hsum);
@@ -909,6 +918,50 @@ __device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int f
 #endif
   __syncthreads();  // the candidates are read by other threads of the CTA (radix select)
   return n;
+}
+
+// Top-p alone: the threshold and normalizer of a row whose statistics (max m = s.m, normalizer Z in its frame) are
+// folded. With tau = Z (1 - top_p) / (2 V) (Z >= 1: the max token weighs 2^0), the tokens lighter than tau weigh
+// less than Z (1 - top_p) / 2 together, so the threshold key is that of a token of weight >= tau: one sweep compacts
+// this CTA's tokens of weight >= tau 2^-1/16 (a margin for the rounding of the floor key) into cand[lo, lo + n) (its
+// slice of a scratch row no other CTA reads), by key alone (no exp2: the floor is a key). The select sums the
+// candidates' 32.32 weights against need = top_p Z 2^32, and the normalizer is the kept candidates' 32.32 sum:
+// integers, so neither depends on the candidates' order. Against the full-row select (need = top_p times the row's
+// 32.32 total) only Z's float rounding differs: a float tie.
+template <typename TL>
+__device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi, float* cand, int key_max, float ks,
+                                     float top_p, float Z, int V, Cluster& cl, VerifySmem& sm, Plan& plan,
+                                     RowState& s) {
+  const float tau = 0.5f * fmaxf(Z, 1.f) * (1.f - top_p) / static_cast<float>(V);
+  const int floor = ordered_key((s.m + log2f(tau) - 0.0625f) / ks);
+  if (threadIdx.x == 0) sm.cand_n = 0;
+  __syncthreads();
+  sweep<Ld::kNC>(row, row_al, -INFINITY, row, false, false, lo, hi,
+                 [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
+    bool keep[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) keep[i] = base + i < hi && ordered_key(x[i]) >= floor;
+    append_candidates(x, keep, cand + lo, sm);
+  });
+  __syncthreads();  // the count, and the candidates for the other threads
+  const int n = sm.cand_n;
+  TLT_PROF_MARK("cand");
+  const bool al = aligned16(cand);
+  s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, al, floor, floor, key_max, ks, s.m,
+                                             static_cast<double>(top_p) * static_cast<double>(Z) * 4294967296.0, false,
+                                             cl, sm);
+  TLT_PROF_MARK("select");
+  uint64_t w = 0;
+  sweep<Ld::kCG>(cand, al, -INFINITY, cand, false, false, lo, lo + n,
+                 [&](int, const float (&x)[kVec], const float (&)[kVec]) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) w += __float2ull_rn(target_weight(x[i], s.thr, ks, s.m) * kFixedScale);
+  });
+  const uint64_t mine = block_reduce<kVerifyThreads>(w, [](uint64_t a, uint64_t b) { return a + b; }, sm.hsum);
+  Partial zp = partial_identity(0.f);
+  zp.z = static_cast<float>(static_cast<double>(mine) / 4294967296.0);
+  s.Z = cluster_fold(zp, cl, sm, &plan).z;
+  TLT_PROF_MARK("norm");
 }
 
 // Statistics of a visited row over this CTA's slice, folded over the cluster: (bad, argmax) always;
@@ -1012,17 +1065,21 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   TLT_PROF_MARK("stats");
   if (s.bad || greedy || online) return s;
   const int key_max = static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u);  // ordered_key(vmax)
+  // Top-p alone (the common case) from the statistics' Z; above top_p = 0.999 the candidates' margin could
+  // fall below the rounding of the 32.32 weights: the full-row select runs there.
+  if (cut_p && !cut_k && cand != nullptr && top_p <= 0.999f) {
+    topp_from_candidates(row, row_al, lo, hi, cand, key_max, ks, top_p, c.z, V, cl, sm, plan, s);
+    return s;
+  }
   if (cut_k) {
     s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_k),
                                     false, cl, sm);
   }
-  // Above top_p = 0.999 the candidates' margin, (1 - top_p) Z / 2 in 32.32 units, could fall below the rounding
-  // of V integer weights (V / 2 units at most): the full-row select runs there.
+  // Top-p after top-k. Above top_p = 0.999 the candidates' margin, (1 - top_p) Z / 2 in 32.32 units, could fall
+  // below the rounding of V integer weights (V / 2 units at most): the full-row select runs there.
   if (cut_p && cand != nullptr && top_p <= 0.999f) {
-    // The kept mass is >= 1 (the max token weighs 2^0) and, without top-k, the row's Z (c.z, in the frame
-    // of c.m = s.m: max(l * ks) = (max l) * ks for ks > 0).
-    const float z_lb = cut_k ? 1.f : fmaxf(c.z, 1.f);
-    const float tau = 0.5f * z_lb * (1.f - top_p) / static_cast<float>(V);
+    // The kept mass is >= 1 (the max token weighs 2^0).
+    const float tau = 0.5f * (1.f - top_p) / static_cast<float>(V);
     uint64_t w_total = 0;
     int key_min = 0;
     const int n = topp_candidates(row, lo, hi, row_al, s.thr, ks, s.m, tau, cand, w_total, key_min, cl, sm);
@@ -1046,7 +1103,8 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   return s;
 }
 
-// Inverse-CDF sample inside this CTA's slice [lo, hi): the first token of positive weight whose running mass
+// Inverse-CDF sample inside this CTA's slice [lo, hi) of the current distribution's weights (the residual row, total
+// S, after a rejection; else the kept 2^(l * ks - m), total Z): the first token of positive weight whose running mass
 // (from `pre`, in token order, 2048-token chunks with a block scan each, stopping at the first claim) exceeds
 // `target`; the last token of positive weight if rounding puts target past every running mass; the argmax if the
 // slice's weights all underflowed. Claims need positive weight: the block scan's prefixes are not exactly monotone in token
@@ -1187,10 +1245,10 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       }
     }
     const bool want_q = HAS_Q && !greedy && depth < p.max_depth && child >= 0;
-    // Top-p candidates go to scratch row 0: any residual there belongs to the node just left, and every CTA
-    // has read its last element of it (the acceptance test) before the row pass's cluster fold.
+    // Top-p candidates go to the scratch row without the live residual (its last readers, the residual pass that
+    // left it, are done); like residuals, they are written and read by the CTA that owns the slice only.
     return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
-                     greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[0] : nullptr, cl, sm, plan);
+                     greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[res_i ^ 1] : nullptr, cl, sm, plan);
   };
   RowState s = visit(0);
   int err = s.bad;

@@ -357,8 +357,10 @@ TOPP_COMPACT_CASES = [
 @pytest.mark.parametrize("rule,use_q,V,T,B,dtype,scale", TOPP_COMPACT_CASES)
 @pytest.mark.parametrize("cluster", [0, 1, 4, 16])
 def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dtype, scale, cluster):
-    """The top-p threshold selected among compacted candidates (TOPP_COMPACT) is the full row's to the bit
-    (same integer need, every token at or above the threshold a candidate), so every output is identical."""
+    """The top-p threshold selected among compacted candidates (TOPP_COMPACT) is the full row's: every token at
+    or above it is a candidate. After top-k the need is the same integer, so outputs are identical; for top-p alone
+    the need comes from the statistics' float Z and the normalizer from the kept candidates' 32.32 sum, so outputs
+    may differ only at a float tie (at most ALLOW_TIES requests). Reruns are identical either way."""
     _need_gpu_ext()
     g = torch.Generator().manual_seed(V + T + 3)
     lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V * 5 + T, use_q=use_q, dtype=dtype)
@@ -368,7 +370,7 @@ def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dty
     kw = _to("cuda", dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 17 + 3, return_stats=True, **kw))
     full, got = _full_row_and_candidates(monkeypatch, cluster, lg, toks, par, kw)
     label = f"verify[topp candidates C={cluster} {rule} q={use_q} V={V} T={T} B={B} {dtype} x{scale}]"
-    assert not _diff_requests(full, got, label), "the candidates' select must give the full row's threshold"
+    _check_close(full, got, label + " candidates vs full row")
     again = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", **kw)
     assert not _diff_requests(got, again, label + " rerun")
 
