@@ -63,8 +63,8 @@ struct VerifyTreeParams {
   int max_depth = 0;  // deepest node the walk may accept
   int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4, 8 or 16
   bool tokens_int64 = true;
-  // Top-p threshold selected among compacted candidates (same bits as the full-row select; see
-  // topp_candidates). On by default in the Python glue (TLT_VERIFY_TOPP_COMPACT); used when top_p is given.
+  // Top-p threshold selected among compacted candidates (the full-row select's threshold, up to float ties; see
+  // topp_from_candidates). On by default in the Python glue (TLT_VERIFY_TOPP_COMPACT); used when top_p is given.
   bool topp_compact = false;
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
@@ -603,9 +603,7 @@ struct VerifySmem {
   int redi[32];
   uint64_t sel[2];  // radix-select decision broadcast: digit, above
   double need;
-  uint64_t wpub;    // this CTA's 32.32 kept mass, read by the cluster (topp_candidates)
-  int kpub;         // this CTA's smallest candidate key, read by the cluster (topp_candidates)
-  int cand_n;       // candidates compacted so far (topp_candidates)
+  int cand_n;       // candidates compacted so far (topp_from_candidates)
 };
 
 // Every thread gets the CTA's fold (fixed tree: deterministic).
@@ -859,81 +857,21 @@ __device__ __forceinline__ void append_candidates(const float (&x)[kVec], const 
     if (keep[i]) out[k++] = x[i];
 }
 
-// Top-p candidates: this CTA's tokens with key >= floor and weight w = 2^(l * ks - m) >= tau, compacted into
-// cand[lo, lo + n) (fp32, this CTA's slice of a scratch row) in no particular order: each warp reserves its
-// slots with one shared atomic, no block barrier per chunk (the select only sums integers over them, so the
-// order cannot change its result). Returns n (CTA-uniform), the cluster's 32.32 fixed-point mass of every
-// token with key >= floor (the integers the full-row radix select sums at its first level, so `top_p *
-// w_total` is its `need` to the bit) and the cluster's smallest candidate key (the select's lower bound).
-// With tau = Z (1 - top_p) / (2 V), Z <= the kept mass, the tokens below tau weigh less than
-// Z (1 - top_p) together, so the tokens at or above it reach top_p Z and hold the threshold key: the
-// select over the candidates returns the full row's key (every token at or above it is a candidate).
-template <typename T>
-__device__ int topp_candidates(const T* row, int lo, int hi, bool aligned, int floor, float ks, float m, float tau,
-                               float* cand, uint64_t& w_total, int& key_min, Cluster& cl, VerifySmem& sm) {
-  if (threadIdx.x == 0) sm.cand_n = 0;
-  __syncthreads();
-  uint64_t w = 0;
-  int kmin = 0x7fffffff;
-  sweep<Ld::kNC>(row, aligned, -INFINITY, row, false, false, lo, hi, [&](int base, const float (&x)[kVec], const float (&)[kVec]) {
-    bool keep[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const int k = ordered_key(x[i]);
-      const bool live = base + i < hi && k >= floor;
-      const float wt = live ? exp2f(x[i] * ks - m) : 0.f;
-      if (live) w += __float2ull_rn(wt * kFixedScale);
-      keep[i] = live && wt >= tau;
-      if (keep[i]) kmin = min(kmin, k);
-    }
-    append_candidates(x, keep, cand + lo, sm);
-  });
-  TLT_PROF_MARK("cand_sweep");
-  const uint64_t mine = block_reduce<kVerifyThreads>(w, [](uint64_t a, uint64_t b) { return a + b; }, sm.hsum);
-  const int kmine = block_reduce<kVerifyThreads>(kmin, MinI(), sm.redi);  // its barriers publish sm.cand_n too
-  const int n = sm.cand_n;
-  w_total = mine;
-  key_min = kmine;
-#if TLT_VERIFY_CLUSTERS
-  if (cl.size > 1) {
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    if (threadIdx.x == 0) {
-      sm.wpub = mine;
-      sm.kpub = kmine;
-    }
-    // Every CTA's slot is written before any is read. A slot is rewritten only at the next visited row's
-    // compaction, after this row's normalizer fold (a cluster barrier every CTA reaches after reading; the
-    // select may have none: its levels are skipped when every candidate has the same key).
-    cluster.sync();
-    uint64_t all = 0;
-    int kall = 0x7fffffff;
-#pragma unroll 4
-    for (int r = 0; r < cl.size; ++r) {
-      all += *cluster.map_shared_rank(&sm.wpub, r);
-      kall = min(kall, *cluster.map_shared_rank(&sm.kpub, r));
-    }
-    w_total = all;
-    key_min = kall;
-  }
-#endif
-  __syncthreads();  // the candidates are read by other threads of the CTA (radix select)
-  return n;
-}
-
-// Top-p alone: the threshold and normalizer of a row whose statistics (max m = s.m, normalizer Z in its frame) are
-// folded. With tau = Z (1 - top_p) / (2 V) (Z >= 1: the max token weighs 2^0), the tokens lighter than tau weigh
-// less than Z (1 - top_p) / 2 together, so the threshold key is that of a token of weight >= tau: one sweep compacts
-// this CTA's tokens of weight >= tau 2^-1/16 (a margin for the rounding of the floor key) into cand[lo, lo + n) (its
-// slice of a scratch row no other CTA reads), by key alone (no exp2: the floor is a key). The select sums the
-// candidates' 32.32 weights against need = top_p Z 2^32, and the normalizer is the kept candidates' 32.32 sum:
-// integers, so neither depends on the candidates' order. Against the full-row select (need = top_p times the row's
-// 32.32 total) only Z's float rounding differs: a float tie.
+// Top-p over candidates: the threshold key and normalizer of a row whose statistics (max m = s.m) are folded, from
+// this CTA's tokens with key >= floor, compacted by key alone (no exp2) into cand[lo, lo + n) (its slice of a scratch
+// row no other CTA reads) in no particular order (one shared atomic per warp and vector). The select sums their 32.32
+// weights against `need` (with `need_fraction`, that fraction of their total), and the normalizer is the kept
+// candidates' 32.32 sum: integers, so neither depends on the candidates' order.
+//   After top-k, floor = the top-k threshold: the candidates are every token top-k keeps, and the select's integers
+// are the full-row select's. For top-p alone the caller sets floor = the key of weight tau 2^-1/16 with
+// tau = Z (1 - top_p) / (2 V) (Z the row's normalizer, >= 1): the tokens lighter than tau weigh less than
+// Z (1 - top_p) / 2 together, so the threshold is the key of a token of weight >= tau (2^-1/16: a margin for the
+// floor key's rounding), and need = top_p Z 2^32. Against the full-row select (need = top_p times the row's 32.32
+// total) only Z's float rounding differs there: a float tie.
 template <typename TL>
-__device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi, float* cand, int key_max, float ks,
-                                     float top_p, float Z, int V, Cluster& cl, VerifySmem& sm, Plan& plan,
-                                     RowState& s) {
-  const float tau = 0.5f * fmaxf(Z, 1.f) * (1.f - top_p) / static_cast<float>(V);
-  const int floor = ordered_key((s.m + log2f(tau) - 0.0625f) / ks);
+__device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi, float* cand, int floor, int key_max,
+                                     float ks, double need, bool need_fraction, Cluster& cl, VerifySmem& sm,
+                                     Plan& plan, RowState& s) {
   if (threadIdx.x == 0) sm.cand_n = 0;
   __syncthreads();
   sweep<Ld::kNC>(row, row_al, -INFINITY, row, false, false, lo, hi,
@@ -947,9 +885,8 @@ __device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi,
   const int n = sm.cand_n;
   TLT_PROF_MARK("cand");
   const bool al = aligned16(cand);
-  s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, al, floor, floor, key_max, ks, s.m,
-                                             static_cast<double>(top_p) * static_cast<double>(Z) * 4294967296.0, false,
-                                             cl, sm);
+  s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, al, floor, floor, key_max, ks, s.m, need,
+                                             need_fraction, cl, sm);
   TLT_PROF_MARK("select");
   uint64_t w = 0;
   sweep<Ld::kCG>(cand, al, -INFINITY, cand, false, false, lo, lo + n,
@@ -1065,28 +1002,27 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   TLT_PROF_MARK("stats");
   if (s.bad || greedy || online) return s;
   const int key_max = static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u);  // ordered_key(vmax)
-  // Top-p alone (the common case) from the statistics' Z; above top_p = 0.999 the candidates' margin could
-  // fall below the rounding of the 32.32 weights: the full-row select runs there.
-  if (cut_p && !cut_k && cand != nullptr && top_p <= 0.999f) {
-    topp_from_candidates(row, row_al, lo, hi, cand, key_max, ks, top_p, c.z, V, cl, sm, plan, s);
-    return s;
-  }
   if (cut_k) {
     s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_k),
                                     false, cl, sm);
   }
-  // Top-p after top-k. Above top_p = 0.999 the candidates' margin, (1 - top_p) Z / 2 in 32.32 units, could fall
-  // below the rounding of V integer weights (V / 2 units at most): the full-row select runs there.
-  if (cut_p && cand != nullptr && top_p <= 0.999f) {
-    // The kept mass is >= 1 (the max token weighs 2^0).
-    const float tau = 0.5f * (1.f - top_p) / static_cast<float>(V);
-    uint64_t w_total = 0;
-    int key_min = 0;
-    const int n = topp_candidates(row, lo, hi, row_al, s.thr, ks, s.m, tau, cand, w_total, key_min, cl, sm);
-    TLT_PROF_MARK("cand");
-    s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, aligned16(cand), s.thr, key_min, key_max, ks, s.m,
-                                                static_cast<double>(top_p) * static_cast<double>(w_total), false, cl, sm);
-  } else if (cut_p) {
+  // Top-p over candidates. After top-k they are the tokens the top-k threshold keeps, and the select's need is top_p
+  // of their 32.32 total: the full-row select's integers. Alone, they are found from the statistics' Z (see
+  // topp_from_candidates); above top_p = 0.999 its margin, (1 - top_p) Z / 2 in 32.32 units, could fall below the
+  // rounding of V integer weights (V / 2 units at most), so the full-row select runs there.
+  if (cut_p && cand != nullptr && (cut_k || top_p <= 0.999f)) {
+    int floor = s.thr;
+    double need = static_cast<double>(top_p);
+    if (!cut_k) {
+      // c.z is Z in the frame of c.m = s.m (max(l * ks) = (max l) * ks for ks > 0); Z >= 1 (the max weighs 2^0).
+      const float tau = 0.5f * fmaxf(c.z, 1.f) * (1.f - top_p) / static_cast<float>(V);
+      floor = ordered_key((s.m + log2f(tau) - 0.0625f) / ks);
+      need *= static_cast<double>(c.z) * 4294967296.0;
+    }
+    topp_from_candidates(row, row_al, lo, hi, cand, floor, key_max, ks, need, cut_k, cl, sm, plan, s);
+    return s;
+  }
+  if (cut_p) {
     s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_p),
                                    true, cl, sm);
   }

@@ -130,7 +130,7 @@ void register_acceptance(py::module_& m) {
         "Fused tree verification, one CTA cluster per request (0 = null for draft_probs / temperature / top_k / "
         "top_p / out_stats). scratch is float32 [B, 2, V]. cluster_size: CTAs per request, 0 = auto (from B, V "
         "and the SM count), else 1, 2, 4, 8 or 16 (> 1 needs sm_90; 16 a non-portable cluster size). topp_compact: "
-        "select the top-p threshold among compacted candidates (experimental, same bits). dtype codes: ELEM_FLOAT32 / "
+        "select the top-p threshold among compacted candidates (the full-row threshold up to float ties). dtype codes: ELEM_FLOAT32 / "
         "ELEM_FLOAT16 / ELEM_BFLOAT16.");
   m.def("compact_kv", &compact_kv_entry, py::arg("cache_ptrs"), py::arg("block_table"), py::arg("context_lens"),
         py::arg("accepted_nodes"), py::arg("num_accepted"), py::arg("bt_stride_b"), py::arg("nodes_stride_b"),

@@ -376,6 +376,34 @@ def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dty
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [1, 8])
+def test_verify_topp_candidates_extremes(monkeypatch, cluster):
+    """The candidate path's boundaries against the full-row select and the reference: top-p alone just below and
+    above 0.999 (above it the full-row select runs), top-k then top-p up to 0.99999 (candidates = every token top-k
+    keeps, at any top_p), peaked rows (Z ~ 1: the floor far below the max, one candidate kept) and near-flat rows
+    (most of the row a candidate)."""
+    _need_gpu_ext()
+    B, T, V = 12, 4, 30011
+    g = torch.Generator().manual_seed(5)
+    lg = torch.randn(B, T, V, generator=g) * 2
+    lg[0:4, :, 7] += 40.0  # peaked: token 7 holds all but ~1e-13 of the mass
+    lg[4:6] = 0.05 * torch.randn(2, T, V, generator=g)  # near-flat
+    par = torch.tensor([-1, 0, 1, 2]).repeat(B, 1).to(torch.int32)
+    toks = torch.randint(0, V, (B, T), generator=g)
+    toks[0:4, 1:] = 7  # the peaked rows' drafts are accepted, so the walk visits every row
+    kw = dict(temperature=0.9, top_p=torch.tensor([0.05, 0.999, 0.9991, 0.9999, 0.5, 0.99, 0.999, 0.9991, 0.9, 0.95, 0.999,
+                                                   0.99999]),
+              top_k=torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 50, 1000, 7, 100], dtype=torch.int32),
+              seed=torch.arange(B) * 3 + 1, return_stats=True)
+    ref = verify_tree(lg, toks, par, backend="torch", **kw)
+    full, got = _full_row_and_candidates(monkeypatch, cluster, lg, toks, par, _to("cuda", kw))
+    label = f"verify[topp extremes C={cluster}]"
+    _check_close(full, got, label + " candidates vs full row")
+    _check_close(ref, got, label + " cuda vs reference")
+    assert (got.num_accepted.cpu()[0:4] == T - 1).all(), "the peaked rows accept every draft"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [1, 4])
 def test_verify_topp_equal_keys(monkeypatch, cluster):
     """Rows whose logits are all equal: every top-p candidate has the same key, so the radix select has no bit

@@ -26,9 +26,10 @@ MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shar
 # CTAs per request: 0 = the launcher's choice; 1, 2, 4, 8 or 16 force it (tests and tuning only; read at
 # import from TLT_VERIFY_CLUSTER, tests monkeypatch it).
 CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
-# Top-p threshold among compacted candidates: the same bits as the full-row radix select in fewer passes
-# (tests/test_cuda_acceptance.py::test_verify_topp_candidates_same_bits passed on an H200, 2026-11-26), 2.3-2.8x
-# faster at chain8 B=16/64 (bench/RESULTS.md). On by default; TLT_VERIFY_TOPP_COMPACT=0 at import turns it off.
+# Top-p threshold among compacted candidates: the full-row radix select's threshold (up to float ties for top-p
+# alone, whose need comes from the row's float Z; tests/test_cuda_acceptance.py::test_verify_topp_candidates_same_bits)
+# in fewer passes, 2.3-2.8x faster at chain8 B=16/64 (bench/RESULTS.md). On by default; TLT_VERIFY_TOPP_COMPACT=0 at
+# import turns it off.
 TOPP_COMPACT = os.environ.get("TLT_VERIFY_TOPP_COMPACT", "1") not in ("", "0")
 
 
