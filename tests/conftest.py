@@ -55,6 +55,20 @@ def compile_for_sm90(script: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def sm90_rule_spy(monkeypatch, context_sm90):
+    """Skips without an sm_90 GPU; sets the CUDA tree-attention backend's CONTEXT_SM90 (True, False or None = its
+    auto rule) and returns the list of its sm_90-path decisions, one per run."""
+    if not HAS_CUDA or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm_90 GPU")
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = []
+    real = cuda_ta._use_context_sm90
+    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", context_sm90)
+    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
+    return used
+
+
 @pytest.fixture
 def gen():
     g = torch.Generator()

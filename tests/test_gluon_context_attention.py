@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import compile_for_sm90
+from conftest import compile_for_sm90, sm90_rule_spy
 
 _COMPILE = r"""
 import re, sys
@@ -208,11 +208,8 @@ def test_whole_cuda_op_with_context_kernel_gpu(name, block, monkeypatch):
     import tlt_kernels._cuda.tree_attention as ct
 
     ctx, T, Hq, Hkv, D, dtype, split_len = GPU_CASES[name]
-    used = []
-    real = ct._use_context_sm90
-    monkeypatch.setattr(ct, "CONTEXT_SM90", True)
+    used = sm90_rule_spy(monkeypatch, True)
     monkeypatch.setattr(ct, "CONTEXT_BLOCK", block)
-    monkeypatch.setattr(ct, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
     case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random", "chain"), device="cuda")
     plan = make_plan(case, split_len=split_len)
     out = poison_(torch.empty_like(case["q"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, sm90_rule_spy
 from test_tree_attention_cuda import check_case, make_case
 
 pytestmark = pytest.mark.cuda
@@ -115,20 +115,6 @@ SM90_CASES = [
 ]
 
 
-def _sm90_rule_spy(monkeypatch, context_sm90):
-    """Skips without an sm_90 GPU; sets CONTEXT_SM90 and returns the list of the CUDA backend's sm_90-path decisions
-    (one per run)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("needs an sm_90 GPU")
-    from tlt_kernels._cuda import tree_attention as cuda_ta
-
-    used = []
-    real = cuda_ta._use_context_sm90
-    monkeypatch.setattr(cuda_ta, "CONTEXT_SM90", context_sm90)
-    monkeypatch.setattr(cuda_ta, "_use_context_sm90", lambda *a: used.append(real(*a)) or used[-1])
-    return used
-
-
 @pytest.mark.parametrize("block", [128, 64])
 @pytest.mark.parametrize("case", SM90_CASES,
                          ids=lambda c: f"B{c[0]}-T{c[1]}-Hkv{c[2]}-G{c[3]}-bs{c[4]}-{str(c[6])[6:]}-sl{c[7]}-kv{int(c[8])}")
@@ -136,7 +122,7 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     """tree_attention(backend="cuda") through the sm_90 kernel at each tile width: the tree's tiles, the context tail,
     direct writes and the partial slots the merge reads, against the reference (NaN-trapped pages, poisoned
     scratch and output, per-split scratch check)."""
-    used = _sm90_rule_spy(monkeypatch, True)
+    used = sm90_rule_spy(monkeypatch, True)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     B, T, Hkv, G, bs, ctx, dtype, split_len, combined = case
@@ -151,7 +137,7 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
 def test_sm90_path_by_default_with_several_splits(monkeypatch):
     """The default rule (auto) takes the sm_90 kernel for a plan the planner splits several ways (a small batch of
     long contexts, 112 rows): its splits are whole 128-token tiles, and the result is right."""
-    used = _sm90_rule_spy(monkeypatch, None)
+    used = sm90_rule_spy(monkeypatch, None)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     c = make_case(2, 16, 2, 7, 128, 16, [3000, 5000], torch.bfloat16, seed=13)
@@ -164,7 +150,7 @@ def test_sm90_path_by_default_with_several_splits(monkeypatch):
 def test_sm90_path_not_taken_for_other_pages(monkeypatch):
     """Pages the sm_90 kernel cannot address (a non-power-of-two block_size) go to the mma.sync kernel even with the
     path forced on, and the result is still right."""
-    used = _sm90_rule_spy(monkeypatch, True)
+    used = sm90_rule_spy(monkeypatch, True)
     c = make_case(3, 16, 2, 7, 128, 24, [700, 257, 1], torch.float16, seed=11)
     check_case("sm90 forced, 24-token pages", c, torch.float16, split_len=256)
     assert used == [False]
