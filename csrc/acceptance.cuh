@@ -179,11 +179,9 @@ __device__ __forceinline__ float to_float<__half>(__half x) { return __half2floa
 template <>
 __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-struct SumF { __device__ float operator()(float a, float b) const { return a + b; } };
 struct MaxU64 { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a > b ? a : b; } };
 struct MinI { __device__ int operator()(int a, int b) const { return a < b ? a : b; } };
 struct MaxI { __device__ int operator()(int a, int b) const { return a > b ? a : b; } };
-struct OrI { __device__ int operator()(int a, int b) const { return a | b; } };
 
 template <typename T, typename Op>
 __device__ __forceinline__ T warp_reduce(T v, Op op) {
@@ -374,13 +372,6 @@ template <typename T>
 __device__ __forceinline__ void to_floats(const RawVec<T>& r, float (&x)[kVec]) {
 #pragma unroll
   for (int i = 0; i < kVec; ++i) x[i] = to_float(r.val[i]);
-}
-
-template <Ld M, typename T>
-__device__ __forceinline__ void load_vec(const T* row, int base, int end, bool aligned, float fill, float (&x)[kVec]) {
-  RawVec<T> r;
-  load_raw<M>(row, base, end, aligned, fill, r);
-  to_floats(r, x);
 }
 
 __device__ __forceinline__ void store_vec(float* row, int base, int end, bool aligned, const float (&x)[kVec]) {

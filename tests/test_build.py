@@ -136,8 +136,9 @@ def test_cuda_context_path_switch_is_parsed():
 
 
 def test_cuda_context_path_rule(monkeypatch):
-    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: 64 < T*G <= 128, D=128, bf16/fp16, split_len a multiple of the 128-token tile, power-of-two pages of contiguous
-    token rows, sm_90; 1 / 0 force it on / off within what the kernel covers."""
+    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: 64 < T*G <= 128,
+    D=128, bf16/fp16, split_len a multiple of the 128-token tile, power-of-two pages of contiguous token rows, sm_90;
+    1 / 0 force it on / off within what the kernel covers."""
     from types import SimpleNamespace
 
     import tlt_kernels._cuda.tree_attention as ct
