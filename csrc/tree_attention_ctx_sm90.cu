@@ -42,24 +42,37 @@
 namespace tlt {
 namespace {
 
-constexpr int kD = 128, kBlockM = 128, kThreads = 256, kStages = 3;
+constexpr int kD = 128, kMaxRows = 128, kStages = 3;
 
-template <int kBlockN_>
+// kWarpgroups = 2: 128 rows, Q staged in shared memory (S = Q K^T with both operands there). kWarpgroups = 1 (rows
+// T * G <= 64, 64-token tiles only): 64 rows, Q kept in registers as the A operand of S (RS wgmma), so K/V rings
+// alone fill shared memory (97.75 KB) and two CTAs share an SM: one streams or does math while the other waits or
+// runs its prologue, where a 128-row CTA with 56 rows of real queries (T = 8, G = 7) would compute half zeros.
+template <int kBlockN_, int kWarpgroups_ = 2>
 struct CtxConfig {
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarpgroups = kWarpgroups_;
   static_assert(kBlockN == 64 || kBlockN == 128, "S is one m64n64 or m64n128 wgmma per k-step");
+  static_assert(kWarpgroups == 2 || (kWarpgroups == 1 && kBlockN == 64), "one warpgroup: 64-token tiles (S m64n64)");
+  static constexpr int kThreads = 128 * kWarpgroups;
+  static constexpr int kBlockM = 64 * kWarpgroups;
+  static constexpr bool kQInSmem = kWarpgroups == 2;
+  static constexpr int kMinBlocks = kWarpgroups == 1 ? 2 : 1;
   static constexpr int kTileBytes = kBlockN * kD * 2;  // one K or V tile
-  // Q + K ring + V ring + the cache token of every row of kStages tiles, plus 1 KB to align the base: the 128-byte
+  // [Q] + K ring + V ring + the cache token of every row of kStages tiles, plus 1 KB to align the base: the 128-byte
   // swizzle is a function of address bits 4-9, so every tile must start 1024-byte aligned, which the dynamic
   // shared-memory window does not promise.
-  static constexpr int kPagesOffset = kBlockM * kD * 2 + 2 * kStages * kTileBytes;
+  static constexpr int kQBytes = kQInSmem ? kBlockM * kD * 2 : 0;
+  static constexpr int kPagesOffset = kQBytes + 2 * kStages * kTileBytes;
   static constexpr int kSmemBytes = kPagesOffset + kStages * kBlockN * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
+  static_assert(kMinBlocks == 1 || kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs must fit one SM");
   static constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of one tile per thread
   static constexpr int kScores = kBlockN / 2;                              // S accumulator floats per thread
 };
-using Ctx64 = CtxConfig<64>;    // 128.75 KB + 1 KB
-using Ctx128 = CtxConfig<128>;  // 225.5 KB + 1 KB
+using Ctx64 = CtxConfig<64>;       // 128.75 KB + 1 KB
+using Ctx128 = CtxConfig<128>;     // 225.5 KB + 1 KB
+using Ctx64x1 = CtxConfig<64, 1>;  // 96.75 KB + 1 KB, two CTAs per SM
 
 using wgmma::fence_regs;
 
@@ -97,7 +110,7 @@ __device__ __forceinline__ int32_t row_token(const TreeAttentionParams& p, const
 // Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
 // token read from `tokens` (shared memory, one entry per row of the tile). No commit.
 // `base`: this thread's 16-byte column chunk of the KV head in the cache; `slot`: the ring slot's shared address.
-template <int kBlockN, int kChunks>
+template <int kBlockN, int kChunks, int kThreads>
 __device__ __forceinline__ void issue_rows(const int32_t* tokens, const char* base, uint32_t stride_bytes,
                                            uint32_t slot) {
   const int chunk = threadIdx.x % (kD / 8);  // the same 16-byte column chunk in every row this thread copies
@@ -177,26 +190,43 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
 }
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const TreeAttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) tree_attention_sm90_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes;
+  constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes, kThreads = Cfg::kThreads, kBlockM = Cfg::kBlockM;
   constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = p.group, TG = p.num_tree * G;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
   // Q first, into registers (rows >= T * G zero): its loads need neither the context length nor the pages, so their
-  // latency passes under the block-table lookups and the first copies; stored to shared memory after those.
-  constexpr int kQChunks = kBlockM * (kD / 8) / kThreads;
+  // latency passes under the block-table lookups and the first copies. Two warpgroups: 16-byte chunks, stored to
+  // shared memory after those. One warpgroup: straight into the A fragments of S's k-steps (rows row_base (+8),
+  // columns 16 k + 2 (lane % 4) (+8): the accumulator layout, see wgmma::a_fragment).
+  constexpr int kQChunks = Cfg::kQInSmem ? kBlockM * (kD / 8) / kThreads : 1;
   uint4 q_regs[kQChunks];
+  uint32_t q_frag[Cfg::kQInSmem ? 1 : kD / 16][4];
   {
     const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
+    auto q_row = [&](int m) { const int t = m / G; return Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h; };
+    if constexpr (Cfg::kQInSmem) {
 #pragma unroll
-    for (int it = 0; it < kQChunks; ++it) {
-      const int i = threadIdx.x + it * kThreads;
-      const int m = i / (kD / 8), chunk = i % (kD / 8), t = m / G;
-      q_regs[it] = m < TG ? *reinterpret_cast<const uint4*>(Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h +
-                                                            chunk * 8)
-                          : make_uint4(0, 0, 0, 0);
+      for (int it = 0; it < kQChunks; ++it) {
+        const int i = threadIdx.x + it * kThreads;
+        const int m = i / (kD / 8), chunk = i % (kD / 8);
+        q_regs[it] = m < TG ? *reinterpret_cast<const uint4*>(q_row(m) + chunk * 8) : make_uint4(0, 0, 0, 0);
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int m = row_base + 8 * r;
+        const T* row = m < TG ? q_row(m) + 2 * (lane % 4) : nullptr;
+#pragma unroll
+        for (int k = 0; k < kD / 16; ++k) {
+          q_frag[k][r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k) : 0u;
+          q_frag[k][2 + r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k + 8) : 0u;
+        }
+      }
     }
   }
 
@@ -216,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
-  const uint32_t k_s = q_s + kBlockM * kD * 2;  // shared addresses of the K and V rings (descriptors, cp.async)
+  const uint32_t k_s = q_s + Cfg::kQBytes;  // shared addresses of the K and V rings (descriptors, cp.async)
   const uint32_t v_s = k_s + kStages * kTileBytes;
   // The cache tokens of tile i's rows live in pages_s + (i % kStages) * kBlockN (not in registers: K and V of
   // different tiles are issued together, which would take two sets). Thread t < kBlockN owns row t: it reads tile
@@ -233,10 +263,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
   const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
   const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
   auto issue_k = [&](int i) {
-    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes);
+    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes);
   };
   auto issue_v = [&](int i) {
-    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
+    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
   };
   int32_t next_page = -1;
   // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile
@@ -266,14 +296,14 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     issue_v(i);
     tree_attn::cp_async_commit();
   }
+  if constexpr (Cfg::kQInSmem) {
 #pragma unroll
-  for (int it = 0; it < kQChunks; ++it) {
-    const int i = threadIdx.x + it * kThreads;
-    *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, i / (kD / 8), i % (kD / 8))) = q_regs[it];
+    for (int it = 0; it < kQChunks; ++it) {
+      const int i = threadIdx.x + it * kThreads;
+      *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, i / (kD / 8), i % (kD / 8))) = q_regs[it];
+    }
   }
 
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
   // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
   const uint32_t q_wg = q_s + wg * 64 * 128;
   // Descriptors of Q's, K ring slot 0's and V ring slot 0's first k-step; every other one is an offset from these.
@@ -319,9 +349,15 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_kernel(const 
     wgmma::fence();
     {  // at j = n, S of whatever K slot n holds: discarded (an S issued on a condition also trips C7514)
       const uint64_t dk = wgmma::desc_add(dk0, (j % kStages) * kTileBytes);
+      if constexpr (Cfg::kQInSmem) {
 #pragma unroll
-      for (int k = 0; k < kD / 16; ++k)
-        mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+        for (int k = 0; k < kD / 16; ++k)
+          mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kD / 16; ++k)
+          wgmma::mma_m64n64k16_rs<T>(s, q_frag[k], wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+      }
       wgmma::commit();
     }
     const uint64_t dv = wgmma::desc_add(dv0, (max(j - 1, 0) % kStages) * kTileBytes);
@@ -384,7 +420,7 @@ template <typename T, typename Cfg>
 LaunchStatus launch_sm90(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
   TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_sm90_kernel<T, Cfg>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  tree_attention_sm90_kernel<T, Cfg><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
+  tree_attention_sm90_kernel<T, Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   TLT_STATUS_CHECK_LAUNCH();
   return {};
 }
@@ -411,8 +447,8 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
                                        << ") * group (" << p.group << ")");
   TLT_STATUS_CHECK_ARG(p.num_tree >= 1 && p.num_tree <= tree_attn::kMaxTree,
                        "num_tree must be in [1, " << tree_attn::kMaxTree << "], got " << p.num_tree);
-  TLT_STATUS_CHECK_ARG(p.num_tree * p.group <= kBlockM,
-                       "T * G = " << p.num_tree * p.group << " rows exceed " << kBlockM);
+  TLT_STATUS_CHECK_ARG(p.num_tree * p.group <= kMaxRows,
+                       "T * G = " << p.num_tree * p.group << " rows exceed " << kMaxRows);
   TLT_STATUS_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32 && p.tree_mask != nullptr && p.num_nodes != nullptr,
                        "tree_mask [B, T, ceil(T / 32)] and num_nodes must be set");
   TLT_STATUS_CHECK_ARG(p.out != nullptr && reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride_b % 2 == 0 &&
@@ -445,7 +481,10 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TreeAttentionParams q = p;
   q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
   const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
-  return block_n == Ctx64::kBlockN ? launch_sm90_dtype<Ctx64>(q, grid, stream) : launch_sm90_dtype<Ctx128>(q, grid, stream);
+  if (block_n == Ctx128::kBlockN) return launch_sm90_dtype<Ctx128>(q, grid, stream);
+  // 64-token tiles: one warpgroup where its 64 rows hold every query row.
+  return p.num_tree * p.group <= Ctx64x1::kBlockM ? launch_sm90_dtype<Ctx64x1>(q, grid, stream)
+                                                  : launch_sm90_dtype<Ctx64>(q, grid, stream);
 }
 
 }  // namespace tlt

@@ -110,6 +110,31 @@ TLT_WGMMA_SS_N64(__nv_bfloat16, "bf16")
 TLT_WGMMA_SS_N64(__half, "f16")
 #undef TLT_WGMMA_SS_N64
 
+// d[0..31] (+)= A[64 x 16] (registers, the a_fragment layout) B[16 x 64] (K-major in shared memory, stored [64, 16]:
+// rows of K). The S of the one-warpgroup tree-attention kernel, whose Q stays in registers.
+template <typename T>
+__device__ __forceinline__ void mma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d);
+
+#define TLT_WGMMA_RS_N64(TYPE, PTX_TYPE)                                                                              \
+  template <>                                                                                                        \
+  __device__ __forceinline__ void mma_m64n64k16_rs<TYPE>(float (&d)[32], const uint32_t (&a)[4], uint64_t db,        \
+                                                         int scale_d) {                                              \
+    asm volatile(                                                                                                    \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                 \
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " "                                      \
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                    \
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                          \
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                                 \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));                                        \
+  }
+TLT_WGMMA_RS_N64(__nv_bfloat16, "bf16")
+TLT_WGMMA_RS_N64(__half, "f16")
+#undef TLT_WGMMA_RS_N64
+
 // The 64 fp32 accumulator registers of an m64n128 product, as the instruction's operand list ("{%0, ..., %63}, ")
 // and as the asm's output constraints, shared by the SS and RS wrappers below.
 #define TLT_WGMMA_D64_REGS                                                                                          \

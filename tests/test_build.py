@@ -291,10 +291,11 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
     assert "C7514" not in proc.stderr, proc.stderr
     assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
     assert all(" 0 bytes spill stores" in line for line in proc.stderr.splitlines() if "spill stores" in line), proc.stderr
-    # Both tile widths (64 tokens: config 64; 128 tokens: the default), each for fp16 and bf16.
+    # Both tile widths with two warpgroups (64 tokens: config 64; 128 tokens: the default) and the one-warpgroup
+    # kernel (64 tokens, T*G <= 64), each for fp16 and bf16.
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry function" in line]
-    assert len(entries) == 4, proc.stderr
-    for cfg in ("CtxConfigILi64EE", "CtxConfigILi128EE"):
+    assert len(entries) == 6, proc.stderr
+    for cfg in ("CtxConfigILi64ELi2EEE", "CtxConfigILi128ELi2EEE", "CtxConfigILi64ELi1EEE"):
         assert sum(cfg in line for line in entries) == 2, (cfg, entries)
 
 

@@ -112,6 +112,13 @@ SM90_CASES = [
     # More CTAs (B * Hkv * S) than SMs, of every kind (one split written directly, several splits, empty and
     # one-token contexts), several per SM.
     (70, 12, 2, 7, 16, [(37 * i) % 700 for i in range(70)], torch.bfloat16, 256, False),
+    # T*G <= 64 (the one-warpgroup kernel at block 64, Q in registers, two CTAs per SM): 7B-like T=8 (56 rows) with
+    # a tail, an empty context and a one-tile-plus-two context; 64 nodes x G=1 (both mask words, one-token pages);
+    # exactly 64 rows of interleaved K/V over several splits; many CTAs with several splits.
+    (3, 8, 2, 7, 16, [4100, 0, 130], torch.bfloat16, None, False),
+    (2, 64, 1, 1, 1, [300, 129], torch.float16, 128, False),
+    (2, 16, 2, 4, 32, [700, 257], torch.float16, 256, True),
+    (70, 8, 2, 7, 16, [(53 * i) % 900 for i in range(70)], torch.bfloat16, 256, False),
 ]
 
 
@@ -121,14 +128,16 @@ SM90_CASES = [
 def test_sm90_path_matches_reference(case, block, monkeypatch):
     """tree_attention(backend="cuda") through the sm_90 kernel at each tile width: the tree's tiles, the context tail,
     direct writes and the partial slots the merge reads, against the reference (NaN-trapped pages, poisoned
-    scratch and output, per-split scratch check)."""
+    scratch and output, per-split scratch check). Plans of T*G <= 64 rows take the one-warpgroup kernel at block 64
+    and the two-warpgroup one (padding rows) at block 128."""
     used = sm90_rule_spy(monkeypatch, True)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     B, T, Hkv, G, bs, ctx, dtype, split_len, combined = case
-    if block == 64 and split_len is None:
-        split_len = 64 * max(1, -(-max(ctx) // 64))  # one split of whole 64-token tiles
+    if split_len is None and (block == 64 or T * G <= 64):  # the planner aligns other splits to 128 tokens itself
+        split_len = block * max(1, -(-max(ctx) // block))  # one split of whole tiles
     monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK_FEW_ROWS", block)
     c = make_case(B, T, Hkv, G, 128, bs, ctx, dtype, seed=sum(ctx) + T + bs + block, combined_kv=combined)
     check_case(f"sm90 block {block} {case}", c, dtype, split_len=split_len)
     assert used and all(used), "the sm_90 kernel was not used"

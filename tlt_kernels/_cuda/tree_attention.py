@@ -47,6 +47,10 @@ CONTEXT_SM90_MAX_ROWS = 128  # the kernel's rows: two warpgroups of 64
 # it), so they cannot disagree.
 CONTEXT_BLOCK = 128
 CONTEXT_BLOCKS = (64, 128)
+# The tile where T*G <= 64 (one warpgroup's rows): 64 launches the one-warpgroup kernel (Q in registers, 97.75 KB of
+# shared memory, two CTAs per SM); 128 the two-warpgroup kernel with its second warpgroup all padding rows.
+CONTEXT_BLOCK_FEW_ROWS = 64
+ONE_WARPGROUP_ROWS = 64
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
 
@@ -55,6 +59,11 @@ def _context_block(block: Optional[int]) -> int:
     if block not in CONTEXT_BLOCKS:
         raise ValueError(f"the sm_90 kernel's tile is one of {CONTEXT_BLOCKS} tokens, got {block!r}")
     return block
+
+
+def _context_tile(rows: int) -> int:
+    """The sm_90 kernel's tile (its launch config) for a plan of ``rows = T * G`` query rows per KV head."""
+    return _context_block(CONTEXT_BLOCK_FEW_ROWS if rows <= ONE_WARPGROUP_ROWS else None)
 
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -68,7 +77,7 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 and k_cache.shape[0] * bs < 2**31)  # tokens are int32
     return (wanted and pages_ok and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS
             and plan.num_tree <= MAX_TREE_SM90 and q.dtype in (torch.bfloat16, torch.float16)
-            and plan.split_len % _context_block(None) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
+            and plan.split_len % _context_tile(rows) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -126,8 +135,9 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
         if _use_context_sm90(plan, q, k_cache, v_cache):
-            # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's).
-            ext.tree_attention_sm90(**{**args, "config": _context_block(None)})
+            # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
+            # is the one-warpgroup kernel.
+            ext.tree_attention_sm90(**{**args, "config": _context_tile(plan.num_tree * plan.group)})
         else:
             ext.tree_attention_partial(**args)
         if plan.num_splits > 1:  # with one split every request is finished by step 1
