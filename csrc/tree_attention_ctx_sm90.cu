@@ -1,9 +1,9 @@
-// Tree attention on sm_90 wgmma (issue 3): the CUDA backend's path for plans with 64 < T*G <= 128 rows
+// Tree attention on sm_90 wgmma (issue 3): the CUDA backend's path for plans with T*G <= 128 rows
 // (see tlt_kernels/_cuda/tree_attention.py, TLT_TREE_ATTENTION_CUDA_CTX); the CUDA twin of the Gluon context kernel
 // (tlt_kernels/_triton/tree_attention_gluon.py), extended to the whole op.
 //
 // One CTA = two warpgroups = 128 query rows (row m = t * G + g: node t, query head h * G + g; rows >= T * G are
-// zero) of one (split, KV head, request). Like the mma.sync partial kernel (tree_attention.cuh), the tree is folded
+// zero) of one (split, KV head, request), or one warpgroup = one 64-row chunk of them (see the instantiations). Like the mma.sync partial kernel (tree_attention.cuh), the tree is folded
 // into the request's last non-empty split: that split's tiles run past its whole context tiles over the context's
 // tail and the tree's nodes (cache slots ctx .. ctx + nn - 1), the only tiles that are masked (tail bound, ancestor
 // bits). A request with one non-empty split writes `out` directly; otherwise each split writes its partial (o, lse)
@@ -21,11 +21,14 @@
 // kernel's warp samples (ncu).
 //
 // Two instantiations (p.config picks, see the launcher):
-//   kBlockN = 128 (default): S is m64n128 (64 fp32 per thread), P V is 8 k-steps; Q 32 KB + 3 x (K 32 KB + V 32 KB)
-//     = 224 KB. Every iteration pays a barrier, a cp.async wait and two wgmma waits whatever the tile, so the
-//     128-token tile halves that fixed cost per token against 64 (66-72% of the HBM floor on an H100 at 64 tokens).
-//   kBlockN = 64: S is m64n64, P V 4 k-steps; Q 32 KB + 3 x (16 + 16) KB = 128 KB. For split lengths that are
-//     multiples of 64 only.
+//   config 128 (default): two warpgroups, 128-token tiles. S is m64n128 (64 fp32 per thread), P V is 8 k-steps; Q
+//     32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB, one CTA per SM. Every iteration pays a barrier, a cp.async wait and
+//     two wgmma waits whatever the tile, so the 128-token tile halves that fixed cost per token against 64 (a
+//     two-warpgroup 64-token build gave 66-72% of the HBM floor on an H100).
+//   config 64: one warpgroup, 64-token tiles, one CTA per 64-row chunk (two chunks share each K/V tile through L2,
+//     adjacent in launch order). S is m64n64 with Q in registers (RS wgmma), P V 4 k-steps; 3 x (16 + 16) KB = 96 KB,
+//     two CTAs per SM, so one CTA's prologue, masked tiles and epilogue overlap the other's streaming. For split
+//     lengths that are multiples of 64.
 //
 // K/V are gathered through the block table by 16-byte cp.async into swizzled tiles (csrc/wgmma_sm90.cuh); rows past
 // the attended range are zero-filled (never read: a masked column times a NaN in unread memory would be NaN).
@@ -70,9 +73,8 @@ struct CtxConfig {
   static constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of one tile per thread
   static constexpr int kScores = kBlockN / 2;                              // S accumulator floats per thread
 };
-using Ctx64 = CtxConfig<64>;       // 128.75 KB + 1 KB
-using Ctx128 = CtxConfig<128>;     // 225.5 KB + 1 KB
-using Ctx64x1 = CtxConfig<64, 1>;  // 96.75 KB + 1 KB, two CTAs per SM
+using Ctx128 = CtxConfig<128, 2>;  // 225.5 KB + 1 KB
+using Ctx64 = CtxConfig<64, 1>;    // 96.75 KB + 1 KB, two CTAs per SM
 
 using wgmma::fence_regs;
 
@@ -195,10 +197,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) tree_attention
   constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes, kThreads = Cfg::kThreads, kBlockM = Cfg::kBlockM;
   constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // blockIdx.x = split * chunks + chunk: the row chunks of one split are adjacent, so their K/V re-reads hit L2.
+  const int chunks = gridDim.x / p.num_splits, chunk = blockIdx.x % chunks;
+  const int split = blockIdx.x / chunks, h = blockIdx.y, b = blockIdx.z;
   const int G = p.group, TG = p.num_tree * G;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
+  // This thread's rows: row_base and row_base + 8 (of T * G; chunk is 0 with two warpgroups).
+  const int row_base = kBlockM * chunk + 64 * wg + 16 * warp + lane / 4;
   // Q first, into registers (rows >= T * G zero): its loads need neither the context length nor the pages, so their
   // latency passes under the block-table lookups and the first copies. Two warpgroups: 16-byte chunks, stored to
   // shared memory after those. One warpgroup: straight into the A fragments of S's k-steps (rows row_base (+8),
@@ -434,13 +439,14 @@ LaunchStatus launch_sm90_dtype(const TreeAttentionParams& p, dim3 grid, cudaStre
 }  // namespace
 
 // p.config picks the tile width (tokens of K/V per iteration; p.split_len must be a multiple of it): 0 = the default,
-// 128; 128 = the same, named; 64 = the 64-token tile. Anything else is refused, so a tuning index meant for the
-// partial kernel (tree_attention.cu) cannot silently select a width.
+// 128 (two warpgroups); 128 = the same, named; 64 = the 64-token tile (one warpgroup per 64-row chunk). Anything
+// else is refused, so a tuning index meant for the partial kernel (tree_attention.cu) cannot silently select a width.
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
   TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 64 || p.config == 128,
                        "the sm_90 tree-attention kernel's config is its tile width: 0 (default, 128), 64 or 128, got "
                            << p.config);
   const int block_n = p.config == 64 ? Ctx64::kBlockN : Ctx128::kBlockN;
+  const int chunks = p.config == 64 ? (p.num_tree * p.group + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
   TLT_STATUS_CHECK_ARG(p.num_kv_heads > 0 && p.num_q_heads == p.num_kv_heads * p.group,
                        "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads
@@ -462,7 +468,7 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
                            << " (config " << p.config << "; config=64 selects the 64-token tile), got "
                            << p.split_len);
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.batch <= 65535 && p.num_kv_heads <= 65535 && p.num_splits >= 1 &&
-                           p.num_splits <= 0x7fffffff,
+                           int64_t(p.num_splits) * chunks <= 0x7fffffff,
                        "bad batch / num_kv_heads / num_splits (grid limits)");
   // Pages of a power-of-two size, each a run of block_size token rows: a row's K/V is at token * stride_token (a
   // division per copied row, then a multiply-add per stride, made the copy issue the largest part of the code).
@@ -480,11 +486,9 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_RETURN_IF_FAILED(wgmma::require_sm90());
   TreeAttentionParams q = p;
   q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
-  const dim3 grid(static_cast<unsigned>(p.num_splits), static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.batch));
-  if (block_n == Ctx128::kBlockN) return launch_sm90_dtype<Ctx128>(q, grid, stream);
-  // 64-token tiles: one warpgroup where its 64 rows hold every query row.
-  return p.num_tree * p.group <= Ctx64x1::kBlockM ? launch_sm90_dtype<Ctx64x1>(q, grid, stream)
-                                                  : launch_sm90_dtype<Ctx64>(q, grid, stream);
+  const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), static_cast<unsigned>(p.num_kv_heads),
+                  static_cast<unsigned>(p.batch));
+  return block_n == Ctx64::kBlockN ? launch_sm90_dtype<Ctx64>(q, grid, stream) : launch_sm90_dtype<Ctx128>(q, grid, stream);
 }
 
 }  // namespace tlt

@@ -136,9 +136,9 @@ def test_cuda_context_path_switch_is_parsed():
 
 
 def test_cuda_context_path_rule(monkeypatch):
-    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: 64 < T*G <= 128,
-    D=128, bf16/fp16, split_len a multiple of the 128-token tile, power-of-two pages of contiguous token rows, sm_90;
-    1 / 0 force it on / off within what the kernel covers."""
+    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: T*G <= 128, D=128,
+    bf16/fp16, split_len a multiple of the tile (128 tokens above 64 rows, 64 for the one-warpgroup kernel),
+    power-of-two pages of contiguous token rows, sm_90; 1 / 0 force it on / off within what the kernel covers."""
     from types import SimpleNamespace
 
     import tlt_kernels._cuda.tree_attention as ct
@@ -156,7 +156,9 @@ def test_cuda_context_path_rule(monkeypatch):
     monkeypatch.setattr(ct, "CONTEXT_SM90", None)
     assert ct._use_context_sm90(plan(), q, *kv)                           # T=16, G=7: 112 rows
     assert ct._use_context_sm90(plan(T=13, G=5), q, *kv)                  # 65 rows
-    assert not ct._use_context_sm90(plan(T=16, G=4), q, *kv)              # 64 rows: one warpgroup, mma.sync is faster
+    assert ct._use_context_sm90(plan(T=16, G=4), q, *kv)                  # 64 rows: the one-warpgroup kernel
+    assert ct._use_context_sm90(plan(T=8, G=7, split_len=4160), q, *kv)   # ... whose tile is 64 tokens
+    assert ct.context_tile(64) == 64 and ct.context_tile(65) == 128
     assert ct._use_context_sm90(plan(splits=2, split_len=2048), q, *kv)   # several splits (the merge follows)
     assert not ct._use_context_sm90(plan(split_len=4160), q, *kv)         # not whole 128-token tiles
     assert not ct._use_context_sm90(plan(D=64), q, *kv)
@@ -291,11 +293,11 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
     assert "C7514" not in proc.stderr, proc.stderr
     assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
     assert all(" 0 bytes spill stores" in line for line in proc.stderr.splitlines() if "spill stores" in line), proc.stderr
-    # Both tile widths with two warpgroups (64 tokens: config 64; 128 tokens: the default) and the one-warpgroup
-    # kernel (64 tokens, T*G <= 64), each for fp16 and bf16.
+    # Both instantiations (two warpgroups, 128-token tiles: the default; one warpgroup per 64-row chunk, 64-token
+    # tiles: config 64), each for fp16 and bf16.
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry function" in line]
-    assert len(entries) == 6, proc.stderr
-    for cfg in ("CtxConfigILi64ELi2EEE", "CtxConfigILi128ELi2EEE", "CtxConfigILi64ELi1EEE"):
+    assert len(entries) == 4, proc.stderr
+    for cfg in ("CtxConfigILi128ELi2EEE", "CtxConfigILi64ELi1EEE"):
         assert sum(cfg in line for line in entries) == 2, (cfg, entries)
 
 

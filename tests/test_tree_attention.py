@@ -280,16 +280,16 @@ def test_default_split_len():
     assert default_split_len(64, 4, 16384, num_rows=16 * 7) >= 16384
     assert default_split_len(1, 1, 100) == 128  # never more splits than 256-token chunks
     assert default_split_len(2, 2, 0) == 64
-    # One split where the CUDA sm_90 context kernel may run (D=128, 64 < T*G <= 128): whole 128-token tiles.
+    # One split where the CUDA sm_90 context kernel may run (D=128, T*G <= 128): whole tiles of it, 128 tokens for
+    # two warpgroups' rows (T*G > 64), 64 for one.
     assert default_split_len(64, 4, 4100, num_rows=16 * 7) == 4224
     assert default_split_len(64, 4, 4100, num_rows=8 * 7) == 4160
     # The rounding follows the CUDA glue's rule (one place holds its numbers).
     from tlt_kernels._cuda import tree_attention as cuda_rule
 
-    lo, hi = cuda_rule.CONTEXT_SM90_MIN_ROWS, cuda_rule.CONTEXT_SM90_MAX_ROWS
-    assert default_split_len(64, 4, 4100, num_rows=lo) % cuda_rule.CONTEXT_BLOCK == 0
-    assert default_split_len(64, 4, 4100, num_rows=hi) % cuda_rule.CONTEXT_BLOCK == 0
-    assert default_split_len(64, 4, 4100, num_rows=lo - 1) == 4160
+    for rows in (cuda_rule.CONTEXT_SM90_MIN_ROWS, 64, 65, cuda_rule.CONTEXT_SM90_MAX_ROWS):
+        assert default_split_len(64, 4, 4100, num_rows=rows) % cuda_rule.context_tile(rows) == 0, rows
+    assert cuda_rule.context_tile(65) == cuda_rule.CONTEXT_BLOCK == 128
     # ... and several splits of such rows too: whole 128-token tiles (7B heads, B=16, L=16384: 5376 = 42 tiles, 4
     # splits), 64-token ones below the rule's rows (5440).
     s_ctx = default_split_len(16, 4, 16384, num_rows=16 * 7)

@@ -180,7 +180,9 @@ def _bench_case(ctx, model, B, L, T):
 def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes, extra):
     """Rows ``tlt-triton+gluon-context`` (the Triton op with the experimental Gluon context kernel) and the CUDA op
     on the other side of its context-path rule: ``tlt-cuda+ctx-sm90`` where the default does not take the sm_90
-    context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128;
+    context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128), and
+    ``tlt-cuda ctx-sm90 64-row chunks`` where the default is its two-warpgroup build (T * G > 64: the one-warpgroup
+    build, one CTA per 64 rows;
     tlt_kernels/_triton/tree_attention_gluon.py, csrc/tree_attention_ctx_sm90.cu), each checked against the first tlt
     row. A failure is noted, not fatal."""
     import tlt_kernels._cuda.tree_attention as ct
@@ -201,13 +203,15 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
         # The tlt-cuda row is the default rule (the context path where T*G > 64); these rows force each side of it.
         if ct._use_context_sm90(plan, q, k_cache, v_cache):
             variants.append(("tlt-cuda (no ctx-sm90)", ct, "CONTEXT_SM90", "cuda", False))
+            if ct.context_tile(plan.num_tree * plan.group) != 64:
+                variants.append(("tlt-cuda ctx-sm90 64-row chunks", ct, "CONTEXT_BLOCK", "cuda", 64))
         else:
             variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda", True))
     for name, module, flag, backend, value in variants:
         saved = getattr(module, flag)
         setattr(module, flag, value)
         try:
-            if backend == "cuda" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
+            if flag == "CONTEXT_SM90" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
                 continue
             plan.run(q, k_cache, v_cache, out=out, backend=backend)
             _check(name, out, reference, case)

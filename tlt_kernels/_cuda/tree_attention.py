@@ -29,18 +29,18 @@ HEAD_DIMS = (64, 128, 256)
 CONFIG_OVERRIDE = 0
 # sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
 # same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
-# the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len % CONTEXT_BLOCK == 0, power-of-two pages of
-# contiguous token rows (stride(0) == block_size * stride(1)).
-# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G > 64 rows (both warpgroups have rows)
-# (H100, 2026-11-26, bench/RESULTS.md: one split, T=16, 80.6-95.5% of the HBM floor against 58.9-65.0% for the
-# mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it (7B B=4 L=8192 / 32768, 10 splits; 32B B=8
-# L=32768, 4 splits); T=8 (56 rows) 78.7 / 83.8% against 84.5 / 88.5%, so not there).
+# the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len a multiple of the tile (context_tile), power-of-two
+# pages of contiguous token rows (stride(0) == block_size * stride(1)).
+# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G >= CONTEXT_SM90_MIN_ROWS. T*G > 64 (two
+# warpgroups; H100, 2026-11-26, bench/RESULTS.md: one split, T=16, 80.6-95.5% of the HBM floor against 58.9-65.0% for
+# the mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it). T*G <= 64 (the one-warpgroup kernel; H200,
+# 21:47 UTC: T=8, 83.6 / 87.4% against the mma.sync kernel's 64.4 / 68.9%).
 # True ("1"): wherever covered; False ("0"): off.
 _CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
 if _CTX_ENV not in ("", "auto", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
 CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV == "1"
-CONTEXT_SM90_MIN_ROWS = 65  # the auto rule: T*G at least this
+CONTEXT_SM90_MIN_ROWS = 1  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the kernel's rows: two warpgroups of 64
 # The sm_90 kernel's tile (kBlockN): 128 (the launcher's default, half the per-tile barriers and waits of 64) or 64.
 # The one value is the kernel's config and the split_len divisibility the path needs (default_split_len rounds to
@@ -61,7 +61,7 @@ def _context_block(block: Optional[int]) -> int:
     return block
 
 
-def _context_tile(rows: int) -> int:
+def context_tile(rows: int) -> int:
     """The sm_90 kernel's tile (its launch config) for a plan of ``rows = T * G`` query rows per KV head."""
     return _context_block(CONTEXT_BLOCK_FEW_ROWS if rows <= ONE_WARPGROUP_ROWS else None)
 
@@ -77,7 +77,7 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 and k_cache.shape[0] * bs < 2**31)  # tokens are int32
     return (wanted and pages_ok and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS
             and plan.num_tree <= MAX_TREE_SM90 and q.dtype in (torch.bfloat16, torch.float16)
-            and plan.split_len % _context_tile(rows) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
+            and plan.split_len % context_tile(rows) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:
@@ -137,7 +137,7 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if _use_context_sm90(plan, q, k_cache, v_cache):
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
             # is the one-warpgroup kernel.
-            ext.tree_attention_sm90(**{**args, "config": _context_tile(plan.num_tree * plan.group)})
+            ext.tree_attention_sm90(**{**args, "config": context_tile(plan.num_tree * plan.group)})
         else:
             ext.tree_attention_partial(**args)
         if plan.num_splits > 1:  # with one split every request is finished by step 1

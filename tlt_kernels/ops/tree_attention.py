@@ -144,7 +144,7 @@ def default_split_len(
     from .._cuda import tree_attention as cuda_rule
 
     ctx_rows = cuda_rule.CONTEXT_SM90_MIN_ROWS <= num_rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS
-    align = cuda_rule.CONTEXT_BLOCK if head_dim == 128 and ctx_rows else SPLIT_ALIGN
+    align = cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
     if want == 1:  # one split: its length only has to cover the context
         return max(align, -(-max_context_len // align) * align)
     # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
