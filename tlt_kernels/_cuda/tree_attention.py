@@ -33,8 +33,9 @@ CONFIG_OVERRIDE = 0
 # pages of contiguous token rows (stride(0) == block_size * stride(1)).
 # None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G >= CONTEXT_SM90_MIN_ROWS. T*G > 64 (two
 # warpgroups; H100, 2026-11-26, bench/RESULTS.md: one split, T=16, 80.6-95.5% of the HBM floor against 58.9-65.0% for
-# the mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it). T*G <= 64 (the one-warpgroup kernel; H200,
-# 21:47 UTC: T=8, 83.6 / 87.4% against the mma.sync kernel's 64.4 / 68.9%).
+# the mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it). T*G <= 64 (the one-warpgroup kernel; T=8,
+# 2026-11-26 21:00-21:06 UTC: H100 92.3 / 96.3%, H200 83.6 / 87.4% against the mma.sync kernel's 84.3 / 88.0% and
+# 64.4 / 68.9%).
 # True ("1"): wherever covered; False ("0"): off.
 _CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
 if _CTX_ENV not in ("", "auto", "0", "1"):
@@ -68,7 +69,7 @@ def context_tile(rows: int) -> int:
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     rows = plan.num_tree * plan.group
-    # auto: where it was measured faster (T*G > 64 rows, one split or several).
+    # auto: where it was measured faster (every T*G <= 128, one split or several).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
     bs = plan.block_size
     # The kernel addresses a row as token * stride_token (token = page * block_size + slot): power-of-two pages of
