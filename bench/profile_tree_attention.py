@@ -65,9 +65,7 @@ def main(argv=None) -> int:
         out = torch.empty_like(inp["q"])
         nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 4 + 2 * inp["q"].numel() * 2
         for name, backend, sm90 in impls:
-            saved = ct.CONTEXT_SM90
-            ct.CONTEXT_SM90 = sm90 if sm90 is not None else saved
-            try:
+            with ct.forced_context_path(sm90 if sm90 is not None else ct.CONTEXT_SM90):
                 if backend == "cuda" and ct._use_context_sm90(plan, inp["q"], inp["k_cache"], inp["v_cache"]) != sm90:
                     continue
 
@@ -75,8 +73,6 @@ def main(argv=None) -> int:
                     plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out=out, backend=backend)
 
                 ms = ctx.time_graph_ms(fn) if args.graph else ctx.time_ms(fn)
-            finally:
-                ct.CONTEXT_SM90 = saved
             ctas = args.B * Hkv * plan.num_splits
             tiles = (L + args.T) / 128 / plan.num_splits
             points[name].append((math.ceil(ctas / sms), tiles, ms))

@@ -177,6 +177,21 @@ def test_cuda_context_path_rule(monkeypatch):
     assert not ct._use_context_sm90(plan(), q, *kv)
 
 
+def test_forced_context_path_restores_the_rule():
+    """forced_context_path sets CONTEXT_SM90 inside its block and restores it after, also when the block raises."""
+    import tlt_kernels._cuda.tree_attention as ct
+
+    before = ct.CONTEXT_SM90
+    for value in (True, False, None):
+        with ct.forced_context_path(value):
+            assert ct.CONTEXT_SM90 is value
+        assert ct.CONTEXT_SM90 is before
+    with pytest.raises(RuntimeError, match="inside"):
+        with ct.forced_context_path(not before):
+            raise RuntimeError("inside")
+    assert ct.CONTEXT_SM90 is before
+
+
 def test_tree_attention_launch_args_fit_the_binding():
     """The host wrapper's keyword arguments are exactly the binding's (CPU tensors: only pointers and sizes are read;
     the binding then refuses head_dim 96 before any CUDA call). Catches a renamed or undefined argument on CPU."""

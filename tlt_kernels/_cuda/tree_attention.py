@@ -14,8 +14,9 @@ op) after shape / dtype / device validation; it only checks what the CUDA kernel
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -60,6 +61,20 @@ def _context_block(block: Optional[int]) -> int:
     if block not in CONTEXT_BLOCKS:
         raise ValueError(f"the sm_90 kernel's tile is one of {CONTEXT_BLOCKS} tokens, got {block!r}")
     return block
+
+
+@contextlib.contextmanager
+def forced_context_path(sm90: Optional[bool]) -> Iterator[None]:
+    """Sets :data:`CONTEXT_SM90` inside the block (True / False force the sm_90 path on / off where it is covered,
+    None is the auto rule) and restores it after: for benchmarks that time both paths in one process. Check
+    :func:`_use_context_sm90` inside the block to know which path a plan takes."""
+    global CONTEXT_SM90
+    saved = CONTEXT_SM90
+    CONTEXT_SM90 = sm90
+    try:
+        yield
+    finally:
+        CONTEXT_SM90 = saved
 
 
 def context_tile(rows: int) -> int:
