@@ -3,11 +3,12 @@
 // (tlt_kernels/_triton/tree_attention_gluon.py), extended to the whole op.
 //
 // One CTA = two warpgroups = 128 query rows (row m = t * G + g: node t, query head h * G + g; rows >= T * G are
-// zero) of one (split, KV head, request), or one warpgroup = one 64-row chunk of them (see the instantiations). Like the mma.sync partial kernel (tree_attention.cuh), the tree is folded
-// into the request's last non-empty split: that split's tiles run past its whole context tiles over the context's
-// tail and the tree's nodes (cache slots ctx .. ctx + nn - 1), the only tiles that are masked (tail bound, ancestor
-// bits). A request with one non-empty split writes `out` directly; otherwise each split writes its partial (o, lse)
-// slot and tree_attention_merge combines them. Tiles are attended in FA3's intra-warpgroup order (iteration j):
+// zero) of one (split, KV head, request), or one warpgroup = one 64-row chunk of them (see the instantiations below).
+// Like the mma.sync partial kernel (tree_attention.cuh), the tree is folded into the request's last non-empty split:
+// that split's tiles run past its whole context tiles over the context's tail and the tree's nodes (cache slots
+// ctx .. ctx + nn - 1), the only tiles that are masked (tail bound, ancestor bits). A request with one non-empty split
+// writes `out` directly; otherwise each split writes its partial (o, lse) slot and tree_attention_merge combines
+// them. Tiles are attended in FA3's intra-warpgroup order (iteration j):
 //
 //   S_j = Q K_j^T; O += P_{j-1} V_{j-1}     two async wgmmas, issued back to back (tensor cores)
 //   wait S_j; P_j = softmax(S_j)            meanwhile (CUDA cores); base 2, the scale folded into the exponent
@@ -47,10 +48,10 @@ namespace {
 
 constexpr int kD = 128, kMaxRows = 128, kStages = 3;
 
-// kWarpgroups = 2: 128 rows, Q staged in shared memory (S = Q K^T with both operands there). kWarpgroups = 1 (rows
-// T * G <= 64, 64-token tiles only): 64 rows, Q kept in registers as the A operand of S (RS wgmma), so K/V rings
-// alone fill shared memory (97.75 KB) and two CTAs share an SM: one streams or does math while the other waits or
-// runs its prologue, where a 128-row CTA with 56 rows of real queries (T = 8, G = 7) would compute half zeros.
+// kWarpgroups = 2: 128 rows, Q staged in shared memory (S = Q K^T with both operands there). kWarpgroups = 1
+// (64-token tiles only): one 64-row chunk of the T * G rows per CTA, Q kept in registers as the A operand of S (RS
+// wgmma), so the K/V rings alone fill shared memory (97.75 KB) and two CTAs share an SM: one streams or does math
+// while the other waits or runs its prologue. At T = 8, G = 7 (56 rows) a 128-row CTA would compute half zeros.
 template <int kBlockN_, int kWarpgroups_ = 2>
 struct CtxConfig {
   static constexpr int kBlockN = kBlockN_;
@@ -192,9 +193,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
 }
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) tree_attention_sm90_kernel(const TreeAttentionParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    tree_attention_sm90_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes, kThreads = Cfg::kThreads, kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes;
+  constexpr int kThreads = Cfg::kThreads, kBlockM = Cfg::kBlockM;
   constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
   extern __shared__ __align__(16) unsigned char smem[];
   // blockIdx.x = split * chunks + chunk: the row chunks of one split are adjacent, so their K/V re-reads hit L2.
@@ -218,8 +221,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) tree_attention
 #pragma unroll
       for (int it = 0; it < kQChunks; ++it) {
         const int i = threadIdx.x + it * kThreads;
-        const int m = i / (kD / 8), chunk = i % (kD / 8);
-        q_regs[it] = m < TG ? *reinterpret_cast<const uint4*>(q_row(m) + chunk * 8) : make_uint4(0, 0, 0, 0);
+        const int m = i / (kD / 8), col16 = i % (kD / 8);
+        q_regs[it] = m < TG ? *reinterpret_cast<const uint4*>(q_row(m) + col16 * 8) : make_uint4(0, 0, 0, 0);
       }
     } else {
 #pragma unroll
@@ -268,10 +271,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) tree_attention
   const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
   const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
   auto issue_k = [&](int i) {
-    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes);
+    if (i < sp.n_tiles)
+      issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes);
   };
   auto issue_v = [&](int i) {
-    if (i < sp.n_tiles) issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
+    if (i < sp.n_tiles)
+      issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
   };
   int32_t next_page = -1;
   // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile
@@ -309,7 +314,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) tree_attention
     }
   }
 
-  // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
+  // Two warpgroups: this warpgroup's 64 rows of Q, rows 64 wg .. in each 64-column half of the [128, 128] tile.
   const uint32_t q_wg = q_s + wg * 64 * 128;
   // Descriptors of Q's, K ring slot 0's and V ring slot 0's first k-step; every other one is an offset from these.
   const uint64_t dq0 = wgmma::desc_k_major(q_wg, kBlockM, 0), dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
