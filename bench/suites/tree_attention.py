@@ -200,7 +200,7 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
     except ImportError as exc:  # a Triton without Gluon
         ctx.note(f"tlt-triton+gluon-context skipped: {exc}")
     if backend_unavailable_reason("cuda", q.device) is None:
-        # The tlt-cuda row is the default rule (the context path where T*G > 64); these rows force each side of it.
+        # The tlt-cuda row is the default rule (the context path where T*G <= 128); these rows force each side of it.
         if ct._use_context_sm90(plan, q, k_cache, v_cache):
             variants.append(("tlt-cuda (no ctx-sm90)", ct, "CONTEXT_SM90", "cuda", False))
             if ct.context_tile(plan.num_tree * plan.group) != 64:
