@@ -128,8 +128,8 @@ SM90_CASES = [
 def test_sm90_path_matches_reference(case, block, monkeypatch):
     """tree_attention(backend="cuda") through the sm_90 kernel at each tile width: the tree's tiles, the context tail,
     direct writes and the partial slots the merge reads, against the reference (NaN-trapped pages, poisoned
-    scratch and output, per-split scratch check). Plans of T*G <= 64 rows take the one-warpgroup kernel at block 64
-    and the two-warpgroup one (padding rows) at block 128."""
+    scratch and output, per-split scratch check). Block 64 is the one-warpgroup kernel (one CTA per 64-row chunk where
+    T*G > 64); block 128 the two-warpgroup one (padding rows where T*G <= 64)."""
     used = sm90_rule_spy(monkeypatch, True)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
