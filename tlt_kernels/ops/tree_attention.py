@@ -38,9 +38,9 @@ _BACKENDS = register_op(
         "triton": "tlt_kernels._triton.tree_attention:run_triton",
         "cuda": "tlt_kernels._cuda.tree_attention:run_cuda",
     },
-    # Triton first: as fast or faster than the CUDA backend on almost every suite case (bench/RESULTS.md, 2026-11-26:
-    # H100 0.99-1.09x at T <= 16 and 1.5-1.8x at T = 32/64 (0.57x at B=1); H200 1.37x geomean over the 12 cases). Swap when the
-    # CUDA backend overtakes it.
+    # Triton first: as fast or faster than the CUDA backend on almost every suite case (bench/RESULTS.md,
+    # 2026-11-26, CUDA time / Triton time: H100 0.99-1.09x at T <= 16 and 1.5-1.8x at T = 32/64 but 0.57x at 7B
+    # B=1; H200 1.37x geomean over the 12 cases). Swap when the CUDA backend overtakes it.
     preference=("triton", "cuda", "torch"),
 )
 
