@@ -87,6 +87,17 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // Per thread of the warpgroup (thread t, warp w = t / 32, lane l): accumulator element 4j + e of an m64nN product
 // is row 16 w + l / 4 + 8 (e / 2), column 8 j + 2 (l % 4) + (e % 2).
 
+// The 32 fp32 accumulator registers of an m64n64 product, as the instruction's operand list ("{%0, ..., %31}, ")
+// and as the asm's output constraints, shared by the SS and RS m64n64k16 wrappers below.
+#define TLT_WGMMA_D32_REGS                                                                                          \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "          \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+#define TLT_WGMMA_D32_OUTS                                                                                          \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
 // d[0..31] (+)= A[64 x 16] B[16 x 64], both K-major in shared memory (B stored [64, 16]: rows of K); scale_d = 0
 // overwrites d.
 template <typename T>
@@ -98,12 +109,9 @@ __device__ __forceinline__ void mma_m64n64k16_ss(float (&d)[32], uint64_t da, ui
     asm volatile(                                                                                                    \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                                 \
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " "                                      \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                    \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+        TLT_WGMMA_D32_REGS                                                                                           \
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                              \
+        : TLT_WGMMA_D32_OUTS                                                                                         \
         : "l"(da), "l"(db), "r"(scale_d));                                                                           \
   }
 TLT_WGMMA_SS_N64(__nv_bfloat16, "bf16")
@@ -122,18 +130,16 @@ __device__ __forceinline__ void mma_m64n64k16_rs(float (&d)[32], const uint32_t 
     asm volatile(                                                                                                    \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                                 \
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE " "                                      \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                    \
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                          \
+        TLT_WGMMA_D32_REGS                                                                                           \
         "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                                 \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),            \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),      \
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),    \
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])     \
+        : TLT_WGMMA_D32_OUTS                                                                                         \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));                                        \
   }
 TLT_WGMMA_RS_N64(__nv_bfloat16, "bf16")
 TLT_WGMMA_RS_N64(__half, "f16")
 #undef TLT_WGMMA_RS_N64
+#undef TLT_WGMMA_D32_REGS
+#undef TLT_WGMMA_D32_OUTS
 
 // The 64 fp32 accumulator registers of an m64n128 product, as the instruction's operand list ("{%0, ..., %63}, ")
 // and as the asm's output constraints, shared by the SS and RS wrappers below.
