@@ -266,12 +266,17 @@ class BenchContext:
             raise ValueError(f"duplicate row: impl {impl!r} already recorded for case {case}")
         self._keys.add(key)
         self.rows.append(Row(case, impl, ms, bytes_moved, {k: _json_value(v) for k, v in extra.items()}))
-        if os.environ.get("TLT_BENCH_PROGRESS", "0") not in ("", "0"):
-            # A run cut off by a time limit keeps what it measured in the log (the JSON is written at the end).
-            print(f"   [{self.suite}] {impl} {case} {ms:.4g} ms", flush=True)
+        self.progress(f"{impl} {case} {ms:.4g} ms")
 
     def note(self, text: str) -> None:
         self.notes.append(str(text))
+        self.progress(f"note: {text}")
+
+    def progress(self, text: str) -> None:
+        """Print ``text`` now when ``TLT_BENCH_PROGRESS`` is set: a run cut off by a time limit keeps what it
+        measured in the log (the JSON and the report are written at the end)."""
+        if os.environ.get("TLT_BENCH_PROGRESS", "0") not in ("", "0"):
+            print(f"   [{self.suite}] {text}", flush=True)
 
     def try_import(self, name: str):
         """Import an optional peer (e.g. ``"flashinfer"``); None when it fails, with the reason noted."""

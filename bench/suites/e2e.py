@@ -165,6 +165,7 @@ def run(ctx) -> None:
     from tlt_kernels.models.train_tiny import sample_windows
     from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
+    t_suite = time.perf_counter()
     z = _sizes(ctx.small)
     # TLT_E2E_ARMS="s2k1v3,s4k1v5,...": the speculative arms every static row and the selector use (off is always in).
     spec = os.environ.get("TLT_E2E_ARMS", "").strip()
@@ -268,7 +269,12 @@ def run(ctx) -> None:
     walls, same = {}, {}
 
     def timed(name, run_once):
-        runs = [run_once() for _ in range(repeats)]
+        runs = []
+        for _ in range(repeats):
+            runs.append(run_once())
+            o = runs[-1]
+            ctx.progress(f"{name}: {o.wall_s * 1e3:.1f} ms, {len(o.steps)} steps, tail {_tail_seconds(o, B):.3f} s, "
+                         f"accepted {o.mean_accepted_length():.3f} (suite at {time.perf_counter() - t_suite:.0f} s)")
         outs[name] = sorted(runs, key=lambda o: o.wall_s)[len(runs) // 2]
         walls[name] = [round(o.wall_s * 1e3, 1) for o in runs]
         same[name] = all(o.tokens == runs[0].tokens for o in runs)
