@@ -212,8 +212,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // shared memory after those. One warpgroup: straight into the A fragments of S's k-steps (rows row_base (+8),
   // columns 16 k + 2 (lane % 4) (+8): the accumulator layout, see wgmma::a_fragment).
   constexpr int kQChunks = Cfg::kQInSmem ? kBlockM * (kD / 8) / kThreads : 1;
-  uint4 q_regs[kQChunks];
-  uint32_t q_frag[Cfg::kQInSmem ? 1 : kD / 16][4];
+  uint4 q_regs[kQChunks];                            // two warpgroups (one warpgroup: unused, dropped)
+  uint32_t q_frag[Cfg::kQInSmem ? 1 : kD / 16][4];  // one warpgroup (two: unused, dropped)
   {
     const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
     auto q_row = [&](int m) { const int t = m / G; return Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h; };
@@ -314,10 +314,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
   }
 
-  // Two warpgroups: this warpgroup's 64 rows of Q, rows 64 wg .. in each 64-column half of the [128, 128] tile.
-  const uint32_t q_wg = q_s + wg * 64 * 128;
-  // Descriptors of Q's, K ring slot 0's and V ring slot 0's first k-step; every other one is an offset from these.
-  const uint64_t dq0 = wgmma::desc_k_major(q_wg, kBlockM, 0), dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
+  // Descriptors of K ring slot 0's and V ring slot 0's first k-step (Q's, with two warpgroups, in the loop); every
+  // other one is an offset from these.
+  const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
   const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
   // Byte offset of k-step k in a K-major tile of `rows` rows (see wgmma::desc_k_major).
   auto k_step = [](int rows, int k) { return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32); };
@@ -360,6 +359,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     {  // at j = n, S of whatever K slot n holds: discarded (an S issued on a condition also trips C7514)
       const uint64_t dk = wgmma::desc_add(dk0, (j % kStages) * kTileBytes);
       if constexpr (Cfg::kQInSmem) {
+        // This warpgroup's 64 rows of Q: rows 64 wg .. in each 64-column half of the [128, 128] tile.
+        const uint64_t dq0 = wgmma::desc_k_major(q_s + wg * 64 * 128, kBlockM, 0);
 #pragma unroll
         for (int k = 0; k < kD / 16; ++k)
           mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);

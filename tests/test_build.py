@@ -144,7 +144,7 @@ def test_cuda_context_path_rule(monkeypatch):
     import tlt_kernels._cuda.tree_attention as ct
 
     cc = {"major": 9}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (cc["major"], 0))
+    monkeypatch.setattr(ct, "cuda_capability", lambda device: (cc["major"], 0))
 
     def plan(T=16, G=7, D=128, splits=1, split_len=4096, block_size=16):
         return SimpleNamespace(num_tree=T, group=G, head_dim=D, num_splits=splits, split_len=split_len,

@@ -48,6 +48,16 @@ def _cuda_ext_import_error() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> Tuple[int, int]:
+    """``(major, minor)`` of a CUDA device, queried once per device (path rules ask on every run)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     """Why ``backend`` cannot run on ``device`` (None when it can)."""
     if backend == "torch":

@@ -35,6 +35,7 @@ skips the non-tlt rows (both for tuning runs on a time budget).
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -208,19 +209,16 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
         else:
             variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda", True))
     for name, module, flag, backend, value in variants:
-        saved = getattr(module, flag)
-        setattr(module, flag, value)
         try:
-            if flag == "CONTEXT_SM90" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
-                continue
-            plan.run(q, k_cache, v_cache, out=out, backend=backend)
-            _check(name, out, reference, case)
-            ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
+            with mock.patch.object(module, flag, value):  # the module flag for this row only
+                if flag == "CONTEXT_SM90" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
+                    continue
+                plan.run(q, k_cache, v_cache, out=out, backend=backend)
+                _check(name, out, reference, case)
+                ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
         except Exception as exc:  # noqa: BLE001 - an experiment: report and go on with the peers
             ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
             continue
-        finally:
-            setattr(module, flag, saved)
         ctx.add(case, name, ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len, **extra(ms))
         if ctx.copy_bandwidth:
             print(f"{case} {name}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM floor",

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from .._backend import cuda_capability
 from . import dtype_code, extension, ptr, stream_handle, strides
 
 __all__ = ["run_cuda", "unsupported_reason"]
@@ -94,7 +95,7 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 and k_cache.shape[0] * bs < 2**31)  # tokens are int32
     return (wanted and pages_ok and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS
             and plan.num_tree <= MAX_TREE_SM90 and q.dtype in (torch.bfloat16, torch.float16)
-            and plan.split_len % context_tile(rows) == 0 and torch.cuda.get_device_capability(q.device)[0] == 9)
+            and plan.split_len % context_tile(rows) == 0 and cuda_capability(q.device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:

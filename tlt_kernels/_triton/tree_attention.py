@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpret_enabled
+from .._backend import cuda_capability, triton_interpret_enabled
 
 LOG2E = 1.4426950408889634
 
@@ -464,7 +464,7 @@ def _gluon_context_fn(plan, q: torch.Tensor):
     """The Gluon context kernel's launcher when GLUON_CONTEXT is on and it covers these inputs, else None."""
     if not GLUON_CONTEXT or q.device.type != "cuda" or triton_interpret_enabled():
         return None
-    if torch.cuda.get_device_capability(q.device)[0] != 9:  # wgmma: sm_90 only
+    if cuda_capability(q.device)[0] != 9:  # wgmma: sm_90 only
         return None
     from . import tree_attention_gluon as tg
 
