@@ -223,6 +223,7 @@ def run(ctx) -> None:
     ctx.note(f"target tree attention: backend={attn!r} (TLT_E2E_ATTN)")
 
     def engine(drafter, sel, **kw):
+        t_build = time.perf_counter()
         eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, fuse_step=fuse,
                                 backend=attn, **kw)
         if cuda:
@@ -235,8 +236,11 @@ def run(ctx) -> None:
                 ctx.note(f"graphs for {sel}: {st['graphs']} captured in {st['capture_seconds']:.1f}s")
         # Warm-up (lazy imports, kernel compilation, allocator) so the timed rollout is steady state.
         buf_, eng.rollout_buffer = eng.rollout_buffer, None
+        t_warm = time.perf_counter()
         eng.generate(prompts[:2], 4)
         eng.rollout_buffer = buf_
+        ctx.progress(f"engine for {sel}: built and captured in {t_warm - t_build:.1f} s, warm-up rollout "
+                     f"{time.perf_counter() - t_warm:.1f} s")
         return eng
 
     # 2. warm drafter: spot-trained on a previous rollout (a "previous RL step")
@@ -294,7 +298,9 @@ def run(ctx) -> None:
     def calibrated(eng):
         # The start-up table: each arm's graphs replayed at every captured size (GPU only).
         if cuda and not eng.graph_error:
+            t_table = time.perf_counter()
             tables[eng] = eng.measure_cost_table()
+            ctx.progress(f"cost table measured in {time.perf_counter() - t_table:.1f} s")
         return fresh_selector(eng)
 
     def fresh_selector(eng):
