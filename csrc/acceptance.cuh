@@ -1177,16 +1177,28 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
                      greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[res_i ^ 1] : nullptr, cl, sm, plan);
   };
-  RowState s = visit(0);
-  int err = s.bad;
+  RowState s;
+  int err = 0;
   bool has_res = false, q_checked = false;
   float S = 1.f;
+  int pending = 0;  // the node whose row is visited next (the root first, then each accepted node), or -1
 
   // Nodes are topologically ordered, so one scan over node indices meets the children of the
   // current node in increasing order, and the children of an accepted node all come after it.
   // Every value below is cluster-uniform (same loads, same folds), so control flow is too.
-  for (int j = 1; j < n; ++j) {
-    if (err || depth >= p.max_depth) break;
+  // The visit sits at the top of the loop, its only call site: row_state (the stats sweep, the top-k / top-p selects
+  // and the normalizer pass) is inlined once, not once for the root and once for accepted nodes.
+  for (int j = 1;; ++j) {
+    if (pending >= 0) {
+      row = logits_b + pending * p.logits_stride_t;
+      s = visit(pending);
+      err = s.bad;
+      has_res = false;
+      q_checked = false;
+      S = 1.f;
+      pending = -1;
+    }
+    if (j >= n || err || depth >= p.max_depth) break;
     if (parent_at(j) != cur) continue;
     const int x = token_at(j);
     if (tid == 0) tried[depth] += 1;
@@ -1224,12 +1236,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       }
       ++depth;
       cur = j;
-      row = logits_b + j * p.logits_stride_t;
-      s = visit(j);
-      err = s.bad;
-      has_res = false;
-      q_checked = false;
-      S = 1.f;
+      pending = j;
     } else if (!greedy) {
       // Residual r = max(p - q, 0) (q = draft row; without one, p with x zeroed), kept unnormalized as
       // W r = max(w - q W / qsum, 0) with w = W p the current weights: one multiply per element instead of two

@@ -283,9 +283,9 @@ def test_wgmma_selftest_rejects_bad_arguments():
         ext._wgmma_selftest(8, 8, 8, 8, 8, 7, 0)
 
 
-def _ptxas_verbose_sm90(name: str):
-    """Compile csrc/<name> for sm_90a with ``ptxas -v``; the finished process (its stderr holds the report). Skips
-    without nvcc."""
+def _ptxas_verbose_sm90(name: str, cubin: str = os.devnull):
+    """Compile csrc/<name> for sm_90a with ``ptxas -v`` into ``cubin``; the finished process (its stderr holds the
+    report). Skips without nvcc."""
     import shutil
     import subprocess
 
@@ -294,7 +294,7 @@ def _ptxas_verbose_sm90(name: str):
         pytest.skip("nvcc not found")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     src = os.path.join(root, "csrc", name)
-    proc = subprocess.run([nvcc, "-c", src, "-o", os.devnull, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
+    proc = subprocess.run([nvcc, "-cubin", src, "-o", cubin, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
                            "--expt-relaxed-constexpr", "-O3", "-Xptxas=-v", "-I", os.path.join(root, "csrc")],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -316,15 +316,47 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
         assert sum(cfg in line for line in entries) == 2, (cfg, entries)
 
 
-def test_verify_tree_kernels_do_not_spill():
+def _elf_section_sizes(path: str) -> dict:
+    """``{section name: size in bytes}`` of an ELF64 file (a cubin), read from its section headers."""
+    import struct
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b"\x7fELF" and data[4] == 2, f"{path} is not an ELF64 file"
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+
+    def header(i):  # (name, type, flags, addr, offset, size, link, info, addralign, entsize)
+        return struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+
+    names = header(shstrndx)[4]
+    sizes = {}
+    for i in range(shnum):
+        h = header(i)
+        start = names + h[0]
+        sizes[data[start:data.index(b"\0", start)].decode()] = h[5]
+    return sizes
+
+
+def test_verify_tree_kernels_do_not_spill(tmp_path):
     """csrc/acceptance_verify_bf16.cu (bf16 logits, every draft-probability type, with and without the top-p candidate
     path): no verify_tree instantiation spills at the 128-register cap of two 256-thread CTAs per SM. Before 30a178f a
     top-p-free batch ran the spilling candidate instantiation (ncu: 177,024 local-memory requests in one chain4 B=16
-    call; bench/RESULTS.md, 2026-11-26)."""
-    proc = _ptxas_verbose_sm90("acceptance_verify_bf16.cu")
+    call; bench/RESULTS.md, 2026-11-26).
+
+    And the row visit is inlined once: with two call sites (the root and each accepted node) every instantiation was
+    ~1.7x larger (342-360 KB of SASS, 547-560 KB with the candidate path) and top-p walks 3-10% slower (H200,
+    same-run A/B, bench/RESULTS.md 2026-11-26 22:45)."""
+    cubin = str(tmp_path / "verify_bf16.cubin")
+    proc = _ptxas_verbose_sm90("acceptance_verify_bf16.cu", cubin)
     lines = proc.stderr.splitlines()
     entries = [i for i, line in enumerate(lines) if "Compiling entry function" in line and "verify_tree_kernel" in line]
     assert len(entries) == 6, proc.stderr[-3000:]
     for i in entries:
         spill = next(line for line in lines[i + 1:] if "spill stores" in line)
         assert " 0 bytes spill stores, 0 bytes spill loads" in spill, (lines[i], spill)
+    text = {k: v for k, v in _elf_section_sizes(cubin).items() if k.startswith(".text.") and "verify_tree_kernel" in k}
+    assert len(text) == 6, text
+    for name, size in text.items():
+        candidates = name.endswith("Lb1EEEvNS_16VerifyTreeParamsEi")  # TOPP_COMPACT = true
+        assert size <= (352 if candidates else 256) * 1024, (name, size)
