@@ -186,6 +186,16 @@ def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs
 
 
 @triton.jit
+def _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits):
+    """Request ``b``'s context length, node count and context splits. The splits are clamped to the launched ones so a
+    context past the plan's bound stays in bounds (the plan validates that bound; this only keeps an unvalidated
+    misuse from reading or writing out of range)."""
+    ctx = tl.load(ContextLens_ptr + b)
+    n_nodes = tl.load(NumNodes_ptr + b)
+    return ctx, n_nodes, tl.minimum(tl.maximum(tl.cdiv(ctx, split_len), 1), num_splits)
+
+
+@triton.jit
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
@@ -217,11 +227,7 @@ def _tree_attn_partial_kernel(
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
 
-    ctx = tl.load(ContextLens_ptr + b)
-    n_nodes = tl.load(NumNodes_ptr + b)
-    # Clamped to the launched splits so a context past the plan's bound stays in bounds (the plan
-    # validates that bound; this only keeps an unvalidated misuse from reading or writing out of range).
-    n_splits_b = tl.minimum(tl.maximum(tl.cdiv(ctx, split_len), 1), num_splits)
+    ctx, n_nodes, n_splits_b = _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits)
     if CONTEXT_DONE_BLOCK > 0:
         # Every split's whole tiles of CONTEXT_DONE_BLOCK tokens were attended by the Gluon context kernel (slots
         # 0 .. S-1): one program per row chunk adds the last split's tail and the tree part, into slot S.
@@ -374,11 +380,7 @@ def _tree_attn_merge_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
-    ctx = tl.load(ContextLens_ptr + b)
-    n_nodes = tl.load(NumNodes_ptr + b)
-    # Clamped to the launched splits so a context past the plan's bound stays in bounds (the plan
-    # validates that bound; this only keeps an unvalidated misuse from reading or writing out of range).
-    n_splits_b = tl.minimum(tl.maximum(tl.cdiv(ctx, split_len), 1), num_splits)
+    ctx, n_nodes, n_splits_b = _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits)
     # Single-split requests were written by the partial kernel, unless the tree part sits in slot S (TREE_SLOT: the
     # Gluon context kernel wrote slots 0 .. S-1).
     if n_splits_b > 1 or TREE_SLOT:
