@@ -5,7 +5,7 @@
 # installs the tree as it is (A) and runs the command, applies the patch (patch -p1: `git diff > CHANGE.patch` here),
 # reinstalls (B: CMake rebuilds only what the patch touches) and runs the command again, then reverses the patch and
 # reinstalls A, so the tree is left as it came. Logs: $OUT/ab_A.log, $OUT/ab_B.log (install logs: $OUT/ab_install.log).
-# AB_ROUNDS=2 runs A, B, A, B (the second pair shows the run-to-run spread).
+# AB_ROUNDS=2 runs A, B, A, B (the second pair shows the run-to-run spread). AB_RESTORE=0 leaves B's build installed.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,6 +37,8 @@ for round in $(seq 1 "${AB_ROUNDS:-1}"); do
   install B && { echo "=== B (round $round)" >> "$OUT/ab_B.log"; "$@" >> "$OUT/ab_B.log" 2>&1; echo "=== exit $?" >> "$OUT/ab_B.log"; } || status=1
   patch -p1 -R --silent < "$PATCH" || { echo "ab.sh: reverting the patch failed" >&2; exit 1; }
 done
-install A || status=1
+# AB_RESTORE=0 skips this last install (the tree's source is A again either way, the build stays B): in a device
+# call whose copy is thrown away afterwards it only costs another build (~70 s on an H200 machine).
+if [ "${AB_RESTORE:-1}" != "0" ]; then install A || status=1; fi
 echo "ab.sh: logs in $OUT (ab_A.log, ab_B.log, ab_install.log)"
 exit $status
