@@ -76,7 +76,9 @@ LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStrea
 // Step 1 on sm_90 (tree_attention_ctx_sm90.cu; wgmma, D = 128, T * G <= 128, T <= 64): the same work and outputs as
 // launch_tree_attention_partial (out for requests with one non-empty split, else partial slots s < used; the merge
 // follows when num_splits > 1), one CTA of 128 rows per (split, KV head, request). p.config is its tile width: 0 or
-// 128 (split_len a multiple of 128) or 64.
+// 128 (split_len a multiple of 128) or 64; 128 | kSm90WarpSpecialized takes the warp-specialized build of the
+// 128-token kernel (a producer warpgroup and two ping-ponging consumers, tree_attention_ctx_sm90_ws.cu).
+constexpr int kSm90WarpSpecialized = 1024;
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

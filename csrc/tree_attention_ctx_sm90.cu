@@ -41,12 +41,14 @@
 
 #include "launch_status.h"
 #include "tree_attention.cuh"  // tree_attn::cp_async_16 / cp_async_commit / cp_async_wait / TypeTraits, kMaxTree
+#include "tree_attention_sm90_tile.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace tlt {
 namespace {
 
-constexpr int kD = 128, kMaxRows = 128, kStages = 3;
+using namespace tree_sm90;
+constexpr int kMaxRows = 128, kStages = 3;
 
 // kWarpgroups = 2: 128 rows, Q staged in shared memory (S = Q K^T with both operands there). kWarpgroups = 1
 // (64-token tiles only): one 64-row chunk of the T * G rows per CTA, Q kept in registers as the A operand of S (RS
@@ -79,36 +81,6 @@ using Ctx64 = CtxConfig<64, 1>;    // 96.75 KB + 1 KB, two CTAs per SM
 
 using wgmma::fence_regs;
 
-// S (+)= Q K^T for one k-step, the instruction picked by the accumulator's width.
-template <typename T>
-__device__ __forceinline__ void mma_s(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
-  wgmma::mma_m64n64k16_ss<T>(d, da, db, scale_d);
-}
-template <typename T>
-__device__ __forceinline__ void mma_s(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
-  wgmma::mma_m64n128k16_ss<T>(d, da, db, scale_d);
-}
-
-// What one CTA attends: cache slots [begin, limit) of request b, KV head h, in tiles of kBlockN from `begin`; tiles
-// below n_full hold context only and run unmasked.
-struct Span {
-  const int32_t* bt_row;
-  int begin, limit, n_full, n_tiles, ctx, nn;
-};
-
-// Page of row `row` of tile i (-1 past the span: zero-filled, never read), and the row's cache token,
-// page * block_size + slot in the page. With stride_block == block_size * stride_token (the launcher checks), the
-// row's K (V) starts at token * stride_token: one multiply per copied row.
-template <int kBlockN>
-__device__ __forceinline__ int32_t row_page(const TreeAttentionParams& p, const Span& sp, int i, int row) {
-  const int pos = sp.begin + i * kBlockN + row;
-  return pos < sp.limit ? __ldg(sp.bt_row + (pos >> p.block_shift)) : -1;
-}
-template <int kBlockN>
-__device__ __forceinline__ int32_t row_token(const TreeAttentionParams& p, const Span& sp, int i, int row, int32_t page) {
-  const int pos = sp.begin + i * kBlockN + row;
-  return page < 0 ? -1 : (page << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
-}
 
 // Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
 // token read from `tokens` (shared memory, one entry per row of the tile). No commit.
@@ -127,70 +99,6 @@ __device__ __forceinline__ void issue_rows(const int32_t* tokens, const char* ba
   }
 }
 
-// Masks the columns of tile i a row does not attend (score -> -inf): slots past the span, and tree nodes that are not
-// the row's node or one of its ancestors. Element 4j + 2r + e is row `row_base + 8r`, column 8j + 2 (lane % 4) + e.
-// Runs on one or two tiles per CTA: the keep bits are found in a rolled loop (an unrolled one was a fifth of the
-// kernel's instructions), then applied.
-template <int kScores>
-__device__ __forceinline__ void mask_tile(const TreeAttentionParams& p, const Span& sp, int b, int row_base, int G,
-                                          int i, float (&s)[kScores]) {
-  static_assert(kScores <= 64, "one keep bit per column of this thread, two rows in 32-bit words");
-  const int col0 = sp.begin + i * 2 * kScores + 2 * (threadIdx.x % 4);
-  uint32_t keep[2] = {0u, 0u};  // bit 2j + e: column 8j + 2 (lane % 4) + e is attended
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int t = (row_base + 8 * r) / G;
-    uint64_t anc = 0;  // bit j: tree node j is node t or one of its ancestors (none for padding rows)
-    if (t < sp.nn) {
-      const int32_t* w = p.tree_mask + (static_cast<int64_t>(b) * p.num_tree + t) * p.mask_words;
-      anc = static_cast<uint32_t>(__ldg(w));
-      if (p.mask_words > 1) anc |= static_cast<uint64_t>(static_cast<uint32_t>(__ldg(w + 1))) << 32;
-    }
-#pragma unroll 1
-    for (int c = 0; c < kScores / 2; ++c) {
-      const int pos = col0 + 8 * (c >> 1) + (c & 1);
-      const bool k = pos < sp.ctx || (pos < sp.limit && ((anc >> (pos - sp.ctx)) & 1ull));
-      keep[r] |= static_cast<uint32_t>(k) << c;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kScores / 4; ++j)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (!((keep[r] >> (2 * j + e)) & 1u)) s[4 * j + 2 * r + e] = -INFINITY;
-}
-
-// Online softmax of one m64nN score tile in place (N = 2 * kScores; scores -> unnormalized probabilities, base 2,
-// the scale folded into the exponent), for this thread's two rows: running max m_i (shared by the row's 4 lanes),
-// this lane's share of the running sum l_i, and the factor alpha that rescales what was accumulated under the old
-// max. m_i starts at -1e30, not -inf, so a row whose columns so far were all masked gives exp2(-inf) = 0, not NaN.
-template <int kScores>
-__device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_scale, float (&m_i)[2], float (&l_i)[2],
-                                               float (&alpha)[2]) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kScores / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    const float m_new = fmaxf(m_i[r], mx * qk_scale);
-    alpha[r] = tree_attn::fast_exp2(m_i[r] - m_new);
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kScores / 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pv = tree_attn::fast_exp2(fmaf(s[4 * j + 2 * r + e], qk_scale, -m_new));
-        s[4 * j + 2 * r + e] = pv;
-        sum += pv;
-      }
-    l_i[r] = l_i[r] * alpha[r] + sum;
-    m_i[r] = m_new;
-  }
-}
 
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
@@ -448,9 +356,10 @@ LaunchStatus launch_sm90_dtype(const TreeAttentionParams& p, dim3 grid, cudaStre
 // 128 (two warpgroups); 128 = the same, named; 64 = the 64-token tile (one warpgroup per 64-row chunk). Anything
 // else is refused, so a tuning index meant for the partial kernel (tree_attention.cu) cannot silently select a width.
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
-  TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 64 || p.config == 128,
-                       "the sm_90 tree-attention kernel's config is its tile width: 0 (default, 128), 64 or 128, got "
-                           << p.config);
+  const bool warp_specialized = p.config == (128 | kSm90WarpSpecialized);
+  TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 64 || p.config == 128 || warp_specialized,
+                       "the sm_90 tree-attention kernel's config is its tile width: 0 (default, 128), 64 or 128, or "
+                           << (128 | kSm90WarpSpecialized) << " (128, warp-specialized), got " << p.config);
   const int block_n = p.config == 64 ? Ctx64::kBlockN : Ctx128::kBlockN;
   const int chunks = p.config == 64 ? (p.num_tree * p.group + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
@@ -494,6 +403,7 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
   const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.batch));
+  if (warp_specialized) return launch_sm90_warp_specialized(q, grid, stream);
   return block_n == Ctx64::kBlockN ? launch_sm90_dtype<Ctx64>(q, grid, stream) : launch_sm90_dtype<Ctx128>(q, grid, stream);
 }
 

@@ -115,14 +115,15 @@ GPU_CASES = {
     "split192": ([700, 250, 60], 16, 28, 4, 128, torch.bfloat16, 192),
 }
 
-# The sm_90 CUDA kernel's tile widths (tlt_kernels._cuda.tree_attention.CONTEXT_BLOCKS).
-CUDA_CONTEXT_BLOCKS = (64, 128)
+# The sm_90 CUDA kernel's tile widths (tlt_kernels._cuda.tree_attention.CONTEXT_BLOCKS); "128-ws" is the 128-token
+# tile's warp-specialized build (CONTEXT_WARP_SPECIALIZED).
+CUDA_CONTEXT_BLOCKS = (64, 128, "128-ws")
 
 
 def _cuda_context_cases(names):
     """(case, tile width) pairs where the case's split_len is a whole number of tiles."""
     return [pytest.param(n, blk, id=f"{n}-block{blk}") for n in names for blk in CUDA_CONTEXT_BLOCKS
-            if GPU_CASES[n][-1] % blk == 0]
+            if GPU_CASES[n][-1] % (128 if blk == "128-ws" else blk) == 0]
 
 
 def _need_sm90(with_extension: bool = False):
@@ -209,7 +210,8 @@ def test_whole_cuda_op_with_context_kernel_gpu(name, block, monkeypatch):
 
     ctx, T, Hq, Hkv, D, dtype, split_len = GPU_CASES[name]
     used = sm90_rule_spy(monkeypatch, True)
-    monkeypatch.setattr(ct, "CONTEXT_BLOCK", block)
+    monkeypatch.setattr(ct, "CONTEXT_WARP_SPECIALIZED", block == "128-ws")
+    monkeypatch.setattr(ct, "CONTEXT_BLOCK", 128 if block == "128-ws" else block)
     case = make_case(ctx, T, Hq, Hkv, D, 16, dtype, ("random", "chain"), device="cuda")
     plan = make_plan(case, split_len=split_len)
     out = poison_(torch.empty_like(case["q"]))

@@ -122,18 +122,24 @@ SM90_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block", [128, 64])
+@pytest.mark.parametrize("block", [128, 64, "128-ws"])
 @pytest.mark.parametrize("case", SM90_CASES,
                          ids=lambda c: f"B{c[0]}-T{c[1]}-Hkv{c[2]}-G{c[3]}-bs{c[4]}-{str(c[6])[6:]}-sl{c[7]}-kv{int(c[8])}")
 def test_sm90_path_matches_reference(case, block, monkeypatch):
     """tree_attention(backend="cuda") through the sm_90 kernel at each tile width: the tree's tiles, the context tail,
     direct writes and the partial slots the merge reads, against the reference (NaN-trapped pages, poisoned
     scratch and output, per-split scratch check). Block 64 is the one-warpgroup kernel (one CTA per 64-row chunk where
-    T*G > 64); block 128 the two-warpgroup one (padding rows where T*G <= 64)."""
+    T*G > 64); block 128 the two-warpgroup one (padding rows where T*G <= 64); 128-ws its warp-specialized build
+    (a producer warpgroup, two ping-ponging consumers)."""
     used = sm90_rule_spy(monkeypatch, True)
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     B, T, Hkv, G, bs, ctx, dtype, split_len, combined = case
+    warp_specialized = block == "128-ws"
+    block = 128 if warp_specialized else block
+    monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", warp_specialized)
+    if warp_specialized:
+        assert cuda_ta.context_config(65) == 128 | cuda_ta.WARP_SPECIALIZED_FLAG
     if split_len is None and (block == 64 or T * G <= 64):  # the planner aligns other splits to 128 tokens itself
         split_len = block * max(1, -(-max(ctx) // block))  # one split of whole tiles
     monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
@@ -176,6 +182,8 @@ def test_sm90_kernel_rejects_what_it_does_not_cover():
     args["stream"] = torch.cuda.current_stream().cuda_stream
     with pytest.raises(ValueError, match="config is its tile width"):
         extension().tree_attention_sm90(**{**args, "config": 32})
+    with pytest.raises(ValueError, match="config is its tile width"):  # warp-specialized: 128-token tiles only
+        extension().tree_attention_sm90(**{**args, "config": 64 | cuda_ta.WARP_SPECIALIZED_FLAG})
     with pytest.raises(ValueError, match="split_len must be a positive multiple of the sm_90 kernel's tile width 128"):
         extension().tree_attention_sm90(**{**args, "config": 128})
     with pytest.raises(ValueError, match="power-of-two block_size, got 24"):

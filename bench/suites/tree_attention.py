@@ -183,7 +183,8 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
     on the other side of its context-path rule: ``tlt-cuda+ctx-sm90`` where the default does not take the sm_90
     context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128), and
     ``tlt-cuda ctx-sm90 64-row chunks`` where the default is its two-warpgroup build (T * G > 64: the one-warpgroup
-    build, one CTA per 64 rows;
+    build, one CTA per 64 rows), with ``tlt-cuda ctx-sm90 warp-specialized`` (or ``lockstep``) the other build of the
+    128-token kernel (csrc/tree_attention_ctx_sm90_ws.cu;
     tlt_kernels/_triton/tree_attention_gluon.py, csrc/tree_attention_ctx_sm90.cu), each checked against the first tlt
     row. A failure is noted, not fatal."""
     import tlt_kernels._cuda.tree_attention as ct
@@ -206,6 +207,10 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
             variants.append(("tlt-cuda (no ctx-sm90)", ct, "CONTEXT_SM90", "cuda", False))
             if ct.context_tile(plan.num_tree * plan.group) != 64:
                 variants.append(("tlt-cuda ctx-sm90 64-row chunks", ct, "CONTEXT_BLOCK", "cuda", 64))
+                # The 128-token kernel's other build: warp-specialized (producer + ping-pong) or lockstep.
+                ws = not ct.CONTEXT_WARP_SPECIALIZED
+                variants.append((f"tlt-cuda ctx-sm90 {'warp-specialized' if ws else 'lockstep'}", ct,
+                                 "CONTEXT_WARP_SPECIALIZED", "cuda", ws))
         else:
             variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda", True))
     for name, module, flag, backend, value in variants:

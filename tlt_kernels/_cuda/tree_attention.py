@@ -55,6 +55,14 @@ CONTEXT_BLOCKS = (64, 128)
 # shared memory, two CTAs per SM); 128 the two-warpgroup kernel with its second warpgroup all padding rows.
 CONTEXT_BLOCK_FEW_ROWS = 64
 ONE_WARPGROUP_ROWS = 64
+# The warp-specialized build of the 128-token kernel (csrc/tree_attention_ctx_sm90_ws.cu: a producer warpgroup fills
+# the K/V ring under per-slot mbarriers, the two consumer warpgroups ping-pong their GEMMs). TLT_TREE_ATTENTION_CUDA_WS
+# = 1 takes it wherever the 128-token tile is used; off by default until measured against the lockstep kernel.
+_WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "0").strip()
+if _WS_ENV not in ("", "0", "1"):
+    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got {_WS_ENV!r}")
+CONTEXT_WARP_SPECIALIZED = _WS_ENV == "1"
+WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
 
@@ -82,6 +90,13 @@ def forced_context_path(sm90: Optional[bool]) -> Iterator[None]:
 def context_tile(rows: int) -> int:
     """The sm_90 kernel's tile (its launch config) for a plan of ``rows = T * G`` query rows per KV head."""
     return _context_block(CONTEXT_BLOCK_FEW_ROWS if rows <= ONE_WARPGROUP_ROWS else None)
+
+
+def context_config(rows: int) -> int:
+    """The sm_90 kernel's launch config for ``rows = T * G``: its tile width, with the warp-specialized flag where
+    :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens."""
+    tile = context_tile(rows)
+    return tile | WARP_SPECIALIZED_FLAG if CONTEXT_WARP_SPECIALIZED and tile == 128 else tile
 
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -154,8 +169,8 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         args["stream"] = stream_handle(q.device)
         if _use_context_sm90(plan, q, k_cache, v_cache):
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
-            # is the one-warpgroup kernel.
-            ext.tree_attention_sm90(**{**args, "config": context_tile(plan.num_tree * plan.group)})
+            # is the one-warpgroup kernel, 128 | WARP_SPECIALIZED_FLAG the warp-specialized one.
+            ext.tree_attention_sm90(**{**args, "config": context_config(plan.num_tree * plan.group)})
         else:
             ext.tree_attention_partial(**args)
         if plan.num_splits > 1:  # with one split every request is finished by step 1

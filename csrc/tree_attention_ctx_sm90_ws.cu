@@ -1,0 +1,264 @@
+// Warp-specialized build of the sm_90 tree-attention kernel (issue 3: T * G in (64, 128] rows, the T=16 cases, on
+// the H200). Same work and outputs as the two-warpgroup kernel in csrc/tree_attention_ctx_sm90.cu (see its header
+// for the span, the folded tree and the tile order); what differs is who waits for whom:
+//
+//   warpgroup 2 (producer): gathers K and V tiles through the block table into a 3-stage ring (cp.async), each
+//     slot guarded by a `full` and an `empty` mbarrier (csrc/sm90_pipeline.cuh). It runs ahead as far as the ring
+//     allows, from the first cycle on, while the consumers stage Q.
+//   warpgroups 0 and 1 (consumers, 64 rows each): wait on `full`, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
+//     release each slot on `empty` once the wgmma that read it has completed. No CTA-wide barrier in the loop.
+//   ping-pong: two named barriers order the consumers' GEMM issue (warpgroup 0 issues step j, then warpgroup 1
+//     issues its step j, then warpgroup 0 its step j + 1, ...), so one warpgroup's softmax runs while the other's
+//     GEMMs hold the tensor cores. In the two-warpgroup kernel both issued S_j together after the step's barrier and
+//     then both did their softmax, the tensor cores idle meanwhile: on the H200 a 128-token tile took 2.6 us there,
+//     against the 2.05 us its bytes take at the H200's copy bandwidth (docs/TREE_ATTENTION.md).
+//
+// Registers: 384 threads at one CTA per SM leave 168 per thread at launch; setmaxnreg gives the producer 40 and each
+// consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use ~184).
+// Shared memory: Q 32 KB + 3 x (K 32 KB + V 32 KB) + 12 mbarriers, plus 1 KB to align the swizzled tiles.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch_status.h"
+#include "sm90_pipeline.cuh"
+#include "tree_attention.cuh"  // tree_attn::cp_async_16, TypeTraits
+#include "tree_attention_sm90_tile.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace tlt {
+namespace tree_sm90 {
+namespace {
+
+constexpr int kBlockN = 128, kBlockM = 128, kStages = 3;
+constexpr int kConsumerThreads = 256, kProducerThreads = 128, kThreads = kConsumerThreads + kProducerThreads;
+constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "the SM's registers");
+constexpr int kTileBytes = kBlockN * kD * 2;
+constexpr int kQBytes = kBlockM * kD * 2;
+constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;
+constexpr int kSmemBytes = kBarriersOffset + 4 * kStages * 8 + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
+constexpr int kScores = kBlockN / 2;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+// Named barriers (0 is __syncthreads): Q staged by both consumers; warpgroup w's turn to issue its GEMMs.
+constexpr int kBarQStaged = 1, kBarTurn0 = 2;
+
+// Tile i's rows of K (or V) into ring slot `slot`, 16 copies of 16 bytes per producer thread: thread pt copies
+// column chunk pt % 16 of rows pt / 16 + 8 it (it < 16), so a warp's copy covers two whole 256-byte rows. Lane L
+// of warp w looked up the cache token of row 2w + (L & 1) + 8 (L >> 1); copy `it` takes it from lane
+// 2 it + (lane >> 4). A row past the span (token -1) is zero-filled, read from nowhere.
+__device__ __forceinline__ void copy_tile(int32_t token, const char* base, uint32_t stride_bytes, uint32_t slot,
+                                          int warp, int lane) {
+  const int chunk = lane % 16;
+#pragma unroll
+  for (int it = 0; it < 16; ++it) {
+    const int32_t tok = __shfl_sync(0xffffffffu, token, 2 * it + (lane >> 4));
+    const int row = 2 * warp + (lane >> 4) + 8 * it;
+    const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(tok, 0))) * stride_bytes;
+    tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, tok >= 0 ? 16 : 0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(const TreeAttentionParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int G = p.group, TG = p.num_tree * G;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+
+  Span sp;
+  sp.ctx = p.context_lens[b];
+  sp.nn = p.num_nodes[b];
+  const int used = (sp.ctx + p.split_len - 1) / p.split_len;  // non-empty context splits
+  const int last = max(used, 1) - 1;                           // the split that also covers the tree
+  if (split > last) return;
+  const bool direct = used <= 1;
+  sp.bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_stride_b;
+  sp.begin = split * p.split_len;
+  const int ctx_end = min(sp.begin + p.split_len, sp.ctx);
+  sp.limit = split == last ? sp.ctx + sp.nn : ctx_end;
+  sp.n_full = max(ctx_end - sp.begin, 0) / kBlockN;
+  sp.n_tiles = (sp.limit - sp.begin + kBlockN - 1) / kBlockN;
+  const int n = sp.n_tiles;  // >= 1: a request has at least one node
+
+  const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
+  unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));
+  const uint32_t k_s = q_s + kQBytes, v_s = k_s + kStages * kTileBytes, bars = q_s + kBarriersOffset;
+  auto full_k = [&](int s) { return bars + 8u * s; };
+  auto full_v = [&](int s) { return bars + 8u * (kStages + s); };
+  auto empty_k = [&](int s) { return bars + 8u * (2 * kStages + s); };
+  auto empty_v = [&](int s) { return bars + 8u * (3 * kStages + s); };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      sm90::mbarrier_init(full_k(s), kProducerThreads);  // one cp.async arrival per producer thread
+      sm90::mbarrier_init(full_v(s), kProducerThreads);
+      sm90::mbarrier_init(empty_k(s), kConsumerWarps);  // one arrival per consumer warp
+      sm90::mbarrier_init(empty_v(s), kConsumerWarps);
+    }
+  }
+  __syncthreads();  // the barriers exist; the last CTA-wide barrier
+
+  if (wg == 2) {  // ---- producer ----
+    sm90::regs_dec<kProducerRegs>();
+    const int pt = threadIdx.x - kConsumerThreads;
+    const char* const k_base =
+        reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + h * p.k_stride_head + (pt % 16) * 8);
+    const char* const v_base =
+        reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + h * p.v_stride_head + (pt % 16) * 8);
+    const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
+    const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+    const int my_row = 2 * warp + (lane & 1) + 8 * (lane >> 1);  // the row whose token this lane looks up
+    int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
+#pragma unroll 1
+    for (int i = 0; i < n; ++i) {
+      const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
+      page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
+      const int s = i % kStages;
+      const uint32_t reuse_parity = static_cast<uint32_t>(i / kStages - 1) & 1u;  // the slot's previous tile freed
+      if (i >= kStages) sm90::mbarrier_wait(empty_k(s), reuse_parity);
+      copy_tile(token, k_base, k_stride, k_s + s * kTileBytes, warp, lane);
+      sm90::cp_async_arrive_noinc(full_k(s));
+      if (i >= kStages) sm90::mbarrier_wait(empty_v(s), reuse_parity);
+      copy_tile(token, v_base, v_stride, v_s + s * kTileBytes, warp, lane);
+      sm90::cp_async_arrive_noinc(full_v(s));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
+    return;
+  }
+
+  // ---- consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 ----
+  sm90::regs_inc<kConsumerRegs>();
+  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
+  {
+    constexpr int kQChunks = kBlockM * (kD / 8) / kConsumerThreads;
+    const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
+#pragma unroll
+    for (int it = 0; it < kQChunks; ++it) {
+      const int i = threadIdx.x + it * kConsumerThreads;
+      const int m = i / (kD / 8), col16 = i % (kD / 8);
+      uint4 v = make_uint4(0, 0, 0, 0);  // rows >= T * G are zero
+      if (m < TG) {
+        const int t = m / G;
+        v = *reinterpret_cast<const uint4*>(Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h + col16 * 8);
+      }
+      *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, m, col16)) = v;
+    }
+  }
+  wgmma::fence_proxy_async();
+  sm90::named_sync(kBarQStaged, kConsumerThreads);
+  const int my_turn = kBarTurn0 + wg, other_turn = kBarTurn0 + 1 - wg;
+  if (wg == 1) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first
+
+  const uint64_t dq0 = wgmma::desc_k_major(q_s + wg * 64 * 128, kBlockM, 0);  // this warpgroup's 64 rows of Q
+  const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
+  const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
+  auto k_step = [](int rows, int k) { return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32); };
+
+  const float qk_scale = p.sm_scale * 1.4426950408889634f;
+  float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
+  float s[kScores], o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
+
+  // Step j = 0 .. n as in the two-warpgroup kernel: S_j (at j = n, of whatever slot n % kStages holds: discarded),
+  // then P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN).
+  float alpha[2] = {0.f, 0.f};
+  for (int j = 0; j <= n; ++j) {
+    if (j < n) sm90::mbarrier_wait(full_k(j % kStages), static_cast<uint32_t>(j / kStages) & 1u);
+    const int jv = max(j - 1, 0);
+    sm90::mbarrier_wait(full_v(jv % kStages), static_cast<uint32_t>(jv / kStages) & 1u);
+    wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
+    uint32_t frag[kBlockN / 16][4];
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
+    wgmma::fence_regs(s);
+    wgmma::fence_regs(o);
+    sm90::named_sync(my_turn, kConsumerThreads);
+    wgmma::fence();
+    {
+      const uint64_t dk = wgmma::desc_add(dk0, (j % kStages) * kTileBytes);
+#pragma unroll
+      for (int k = 0; k < kD / 16; ++k)
+        mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+      wgmma::commit();
+    }
+    const uint64_t dv = wgmma::desc_add(dv0, (jv % kStages) * kTileBytes);
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
+    wgmma::commit();
+    // The other warpgroup's turn; warpgroup 0 issues once more than warpgroup 1 waits for (the initial arrival),
+    // so warpgroup 1 skips its last.
+    if (wg == 0 || j < n) sm90::named_arrive(other_turn, kConsumerThreads);
+    wgmma::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+    wgmma::fence_regs(s);
+    if (j < n) {
+      if (lane == 0) sm90::mbarrier_arrive(empty_k(j % kStages));  // K_j read
+      if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
+      online_softmax(s, qk_scale, m_i, l_i, alpha);
+    }
+    wgmma::wait<0>();
+    wgmma::fence_regs(o);
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStages));  // V_{j-1} read
+    if (j == n) break;
+    if (!__all_sync(0xffffffff, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+      for (int q = 0; q < 16; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+    }
+  }
+
+  const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
+  const int64_t slot_row =
+      ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(TG);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_i[r];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const int m = row_base + 8 * r;
+    const float inv = m < M && l > 0.f ? 1.f / l : 0.f;
+    if (direct) {
+      if (m >= TG) continue;
+      const int t = m / G;
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + (h * G + m - t * G) * p.out_stride_h +
+               2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            tree_attn::TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    } else if (m < M) {
+      const int64_t row = slot_row + m;
+      if ((lane & 3) == 0) p.partial_lse[row] = l > 0.f ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      float* dst = p.partial_out + row * kD + 2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+  }
+#endif
+}
+
+template <typename T>
+LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  TLT_STATUS_CUDA_CHECK(
+      cudaFuncSetAttribute(tree_attention_sm90_ws_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  tree_attention_sm90_ws_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  TLT_STATUS_CHECK_LAUNCH();
+  return {};
+}
+
+}  // namespace
+
+LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16>(p, grid, stream) : launch_ws<__half>(p, grid, stream);
+}
+
+}  // namespace tree_sm90
+}  // namespace tlt

@@ -1,0 +1,122 @@
+// Tile-level pieces shared by the sm_90 tree-attention kernels (torch-free): the span one CTA attends, the page and
+// cache-token lookup of a tile row, the tree mask of a score tile and the online softmax of one, in the wgmma
+// accumulator layout (element 4j + 2r + e of a thread: row 16 warp + lane / 4 + 8r, column 8j + 2 (lane % 4) + e).
+// Used by csrc/tree_attention_ctx_sm90.cu (one or two warpgroups, every thread copies and computes) and
+// csrc/tree_attention_ctx_sm90_ws.cu (a producer warpgroup feeding two consumer warpgroups).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tree_attention.cuh"  // tree_attn::fast_exp2
+#include "tree_attention.h"
+#include "wgmma_sm90.cuh"
+
+namespace tlt {
+namespace tree_sm90 {
+
+constexpr int kD = 128;  // head dim of every sm_90 tree-attention kernel
+
+// S (+)= Q K^T for one k-step, the instruction picked by the accumulator's width.
+template <typename T>
+__device__ __forceinline__ void mma_s(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  wgmma::mma_m64n64k16_ss<T>(d, da, db, scale_d);
+}
+template <typename T>
+__device__ __forceinline__ void mma_s(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  wgmma::mma_m64n128k16_ss<T>(d, da, db, scale_d);
+}
+
+// What one CTA attends: cache slots [begin, limit) of request b, KV head h, in tiles of kBlockN from `begin`; tiles
+// below n_full hold context only and run unmasked.
+struct Span {
+  const int32_t* bt_row;
+  int begin, limit, n_full, n_tiles, ctx, nn;
+};
+
+// Page of row `row` of tile i (-1 past the span: zero-filled, never read), and the row's cache token,
+// page * block_size + slot in the page. With stride_block == block_size * stride_token (the launcher checks), the
+// row's K (V) starts at token * stride_token: one multiply per copied row.
+template <int kBlockN>
+__device__ __forceinline__ int32_t row_page(const TreeAttentionParams& p, const Span& sp, int i, int row) {
+  const int pos = sp.begin + i * kBlockN + row;
+  return pos < sp.limit ? __ldg(sp.bt_row + (pos >> p.block_shift)) : -1;
+}
+template <int kBlockN>
+__device__ __forceinline__ int32_t row_token(const TreeAttentionParams& p, const Span& sp, int i, int row, int32_t page) {
+  const int pos = sp.begin + i * kBlockN + row;
+  return page < 0 ? -1 : (page << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
+}
+
+// Masks the columns of tile i a row does not attend (score -> -inf): slots past the span, and tree nodes that are not
+// the row's node or one of its ancestors. Element 4j + 2r + e is row `row_base + 8r`, column 8j + 2 (lane % 4) + e.
+// Runs on one or two tiles per CTA: the keep bits are found in a rolled loop (an unrolled one was a fifth of the
+// kernel's instructions), then applied.
+template <int kScores>
+__device__ __forceinline__ void mask_tile(const TreeAttentionParams& p, const Span& sp, int b, int row_base, int G,
+                                          int i, float (&s)[kScores]) {
+  static_assert(kScores <= 64, "one keep bit per column of this thread, two rows in 32-bit words");
+  const int col0 = sp.begin + i * 2 * kScores + 2 * (threadIdx.x % 4);
+  uint32_t keep[2] = {0u, 0u};  // bit 2j + e: column 8j + 2 (lane % 4) + e is attended
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = (row_base + 8 * r) / G;
+    uint64_t anc = 0;  // bit j: tree node j is node t or one of its ancestors (none for padding rows)
+    if (t < sp.nn) {
+      const int32_t* w = p.tree_mask + (static_cast<int64_t>(b) * p.num_tree + t) * p.mask_words;
+      anc = static_cast<uint32_t>(__ldg(w));
+      if (p.mask_words > 1) anc |= static_cast<uint64_t>(static_cast<uint32_t>(__ldg(w + 1))) << 32;
+    }
+#pragma unroll 1
+    for (int c = 0; c < kScores / 2; ++c) {
+      const int pos = col0 + 8 * (c >> 1) + (c & 1);
+      const bool k = pos < sp.ctx || (pos < sp.limit && ((anc >> (pos - sp.ctx)) & 1ull));
+      keep[r] |= static_cast<uint32_t>(k) << c;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kScores / 4; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (!((keep[r] >> (2 * j + e)) & 1u)) s[4 * j + 2 * r + e] = -INFINITY;
+}
+
+// Online softmax of one m64nN score tile in place (N = 2 * kScores; scores -> unnormalized probabilities, base 2,
+// the scale folded into the exponent), for this thread's two rows: running max m_i (shared by the row's 4 lanes),
+// this lane's share of the running sum l_i, and the factor alpha that rescales what was accumulated under the old
+// max. m_i starts at -1e30, not -inf, so a row whose columns so far were all masked gives exp2(-inf) = 0, not NaN.
+template <int kScores>
+__device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_scale, float (&m_i)[2], float (&l_i)[2],
+                                               float (&alpha)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kScores / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    const float m_new = fmaxf(m_i[r], mx * qk_scale);
+    alpha[r] = tree_attn::fast_exp2(m_i[r] - m_new);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kScores / 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = tree_attn::fast_exp2(fmaf(s[4 * j + 2 * r + e], qk_scale, -m_new));
+        s[4 * j + 2 * r + e] = pv;
+        sum += pv;
+      }
+    l_i[r] = l_i[r] * alpha[r] + sum;
+    m_i[r] = m_new;
+  }
+}
+
+// The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, T * G <= 128 rows,
+// grid (splits, Hkv, B); the caller (launch_tree_attention_sm90) has checked the params.
+LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept;
+
+}  // namespace tree_sm90
+}  // namespace tlt
