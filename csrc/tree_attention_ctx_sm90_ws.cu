@@ -28,6 +28,10 @@
 #include "tree_attention_sm90_tile.cuh"
 #include "wgmma_sm90.cuh"
 
+#ifndef TLT_WS_PROBE
+#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only (timing probes, bench/ws_probe.cu; never in the package)
+#endif
+
 namespace tlt {
 namespace tree_sm90 {
 namespace {
@@ -120,11 +124,17 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
       const int s = i % kStages;
       const uint32_t reuse_parity = static_cast<uint32_t>(i / kStages - 1) & 1u;  // the slot's previous tile freed
       if (i >= kStages) sm90::mbarrier_wait(empty_k(s), reuse_parity);
+#if TLT_WS_PROBE == 2  // bench/ws_probe.cu: math only, the slots marked full without a copy
+      sm90::mbarrier_arrive(full_k(s));
+      if (i >= kStages) sm90::mbarrier_wait(empty_v(s), reuse_parity);
+      sm90::mbarrier_arrive(full_v(s));
+#else
       copy_tile(token, k_base, k_stride, k_s + s * kTileBytes, warp, lane);
       sm90::cp_async_arrive_noinc(full_k(s));
       if (i >= kStages) sm90::mbarrier_wait(empty_v(s), reuse_parity);
       copy_tile(token, v_base, v_stride, v_s + s * kTileBytes, warp, lane);
       sm90::cp_async_arrive_noinc(full_v(s));
+#endif
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
     return;
@@ -174,6 +184,12 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     const int jv = max(j - 1, 0);
     sm90::mbarrier_wait(full_v(jv % kStages), static_cast<uint32_t>(jv / kStages) & 1u);
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
+#if TLT_WS_PROBE == 1  // bench/ws_probe.cu: streaming only, each slot released as soon as it is full
+    if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStages));
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStages));
+    if (j == n) break;
+    continue;
+#endif
     uint32_t frag[kBlockN / 16][4];
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);

@@ -1,0 +1,129 @@
+// Timing probe of the warp-specialized sm_90 tree-attention kernel (issue 3), outside the package: is a 128-token
+// tile bound by the copies or by the math? Built three times on the GPU machine (bench/ws_probe.sh):
+//   TLT_WS_PROBE=0  the kernel as shipped, and the lockstep two-warpgroup kernel beside it;
+//   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
+//   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual.
+// Qwen2.5-7B shape (Hq 28, Hkv 4, D 128), bf16, 16-token pages in shuffled order, chains of T nodes, one split.
+// Prints one JSON line per (kernel, L): microseconds (median of 30 launches) and the per-tile time of a fit.
+//   usage: ws_probe B T L1,L2,...
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "../csrc/tree_attention_ctx_sm90_ws.cu"
+
+#define CHECK(x)                                                                           \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+__global__ void fill_bf16(__nv_bfloat16* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);
+  }
+}
+
+int main(int argc, char** argv) {
+  using namespace tlt;
+  const int B = argc > 1 ? std::atoi(argv[1]) : 64, T = argc > 2 ? std::atoi(argv[2]) : 16;
+  std::vector<int> Ls;
+  {
+    std::string s = argc > 3 ? argv[3] : "1024,4096,16384";
+    for (size_t a = 0; a < s.size();) {
+      size_t b = s.find(',', a);
+      Ls.push_back(std::atoi(s.substr(a, b - a).c_str()));
+      if (b == std::string::npos) break;
+      a = b + 1;
+    }
+  }
+  const int Hq = 28, Hkv = 4, D = 128, G = Hq / Hkv, page = 16;
+  const int maxL = *std::max_element(Ls.begin(), Ls.end());
+  const int pages_per_req = (maxL + T + page - 1) / page;
+  const int num_blocks = B * pages_per_req;
+  __nv_bfloat16 *q, *k, *v, *out;
+  const size_t cache_elems = size_t(num_blocks) * page * Hkv * D;
+  CHECK(cudaMalloc(&q, size_t(B) * T * Hq * D * 2));
+  CHECK(cudaMalloc(&out, size_t(B) * T * Hq * D * 2));
+  CHECK(cudaMalloc(&k, cache_elems * 2));
+  CHECK(cudaMalloc(&v, cache_elems * 2));
+  fill_bf16<<<1024, 256>>>(q, size_t(B) * T * Hq * D, 1);
+  fill_bf16<<<1024, 256>>>(k, cache_elems, 2);
+  fill_bf16<<<1024, 256>>>(v, cache_elems, 3);
+  std::vector<int32_t> bt(size_t(B) * pages_per_req), nodes(B, T), mask(size_t(B) * T);
+  for (size_t i = 0; i < bt.size(); ++i) bt[i] = int32_t(i);
+  std::srand(7);
+  for (size_t i = bt.size() - 1; i > 0; --i) std::swap(bt[i], bt[std::rand() % (i + 1)]);
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < T; ++t) mask[size_t(b) * T + t] = int32_t((t == 31 ? 0u : (2u << t)) - 1u);  // chain
+  int32_t *d_bt, *d_ctx, *d_nodes, *d_mask;
+  CHECK(cudaMalloc(&d_bt, bt.size() * 4));
+  CHECK(cudaMalloc(&d_ctx, B * 4));
+  CHECK(cudaMalloc(&d_nodes, B * 4));
+  CHECK(cudaMalloc(&d_mask, mask.size() * 4));
+  CHECK(cudaMemcpy(d_bt, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_nodes, nodes.data(), B * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_mask, mask.data(), mask.size() * 4, cudaMemcpyHostToDevice));
+
+  TreeAttentionParams p;
+  p.q = q, p.k_cache = k, p.v_cache = v, p.out = out;
+  p.block_table = d_bt, p.context_lens = d_ctx, p.num_nodes = d_nodes, p.tree_mask = d_mask;
+  p.q_stride_b = int64_t(T) * Hq * D, p.q_stride_t = Hq * D, p.q_stride_h = D;
+  p.out_stride_b = p.q_stride_b, p.out_stride_t = p.q_stride_t, p.out_stride_h = D;
+  p.k_stride_block = int64_t(page) * Hkv * D, p.k_stride_token = Hkv * D, p.k_stride_head = D;
+  p.v_stride_block = p.k_stride_block, p.v_stride_token = p.k_stride_token, p.v_stride_head = D;
+  p.bt_stride_b = pages_per_req;
+  p.batch = B, p.num_tree = T, p.num_q_heads = Hq, p.num_kv_heads = Hkv, p.group = G, p.head_dim = D;
+  p.block_size = page, p.block_shift = 4, p.num_splits = 1, p.mask_words = 1, p.sm_scale = 0.0884f;
+  p.dtype = DType::kBFloat16;
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  const char* kernels[] = {"ws", "lockstep"};
+  for (int L : Ls) {
+    std::vector<int32_t> ctx(B, L);
+    CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
+    p.split_len = std::max(128, (L + 127) / 128 * 128);
+    for (int kern = 0; kern < (TLT_WS_PROBE == 0 ? 2 : 1); ++kern) {
+      std::vector<float> us;
+      for (int it = 0; it < 35; ++it) {
+        CHECK(cudaEventRecord(e0));
+        LaunchStatus st;
+        if (kern == 0)
+          st = tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr);
+        else {
+          TreeAttentionParams p2 = p;
+          p2.config = 128;
+          st = launch_tree_attention_sm90(p2, nullptr);
+        }
+        if (!st.ok()) {
+          std::fprintf(stderr, "launch: %s\n", st.message.c_str());
+          return 1;
+        }
+        CHECK(cudaEventRecord(e1));
+        CHECK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        if (it >= 5) us.push_back(ms * 1000.f);
+      }
+      std::sort(us.begin(), us.end());
+      const double med = us[us.size() / 2];
+      const double bytes = double(B) * (L + T) * Hkv * D * 4;
+      std::printf("{\"probe\": %d, \"kernel\": \"%s\", \"B\": %d, \"T\": %d, \"L\": %d, \"us\": %.2f, \"GBps\": %.0f}\n",
+                  TLT_WS_PROBE, kernels[kern], B, T, L, med, bytes / med * 1e-3);
+    }
+  }
+  return 0;
+}
