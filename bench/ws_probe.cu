@@ -91,18 +91,18 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  const char* kernels[] = {"ws", "lockstep"};
+  const char* kernels[] = {"ws q-regs 4+3 stages", "ws q-smem 3+3 stages", "lockstep"};
   for (int L : Ls) {
     std::vector<int32_t> ctx(B, L);
     CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
     p.split_len = std::max(128, (L + 127) / 128 * 128);
-    for (int kern = 0; kern < (TLT_WS_PROBE == 0 ? 2 : 1); ++kern) {
+    for (int kern = 0; kern < (TLT_WS_PROBE == 0 ? 3 : 2); ++kern) {
       std::vector<float> us;
       for (int it = 0; it < 35; ++it) {
         CHECK(cudaEventRecord(e0));
         LaunchStatus st;
-        if (kern == 0)
-          st = tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr);
+        if (kern < 2)
+          st = tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr, kern == 0);
         else {
           TreeAttentionParams p2 = p;
           p2.config = 128;

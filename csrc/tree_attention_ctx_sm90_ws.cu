@@ -36,16 +36,26 @@ namespace tlt {
 namespace tree_sm90 {
 namespace {
 
-constexpr int kBlockN = 128, kBlockM = 128, kStages = 3;
+constexpr int kBlockN = 128, kBlockM = 128;
 constexpr int kConsumerThreads = 256, kProducerThreads = 128, kThreads = kConsumerThreads + kProducerThreads;
 constexpr int kProducerRegs = 56, kConsumerRegs = 224;
 static_assert(kProducerThreads * kProducerRegs + kConsumerThreads * kConsumerRegs <= 65536, "the SM's registers");
 constexpr int kTileBytes = kBlockN * kD * 2;
-constexpr int kQBytes = kBlockM * kD * 2;
-constexpr int kBarriersOffset = kQBytes + 2 * kStages * kTileBytes;
-constexpr int kSmemBytes = kBarriersOffset + 4 * kStages * 8 + 1024;
-static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
 constexpr int kScores = kBlockN / 2;
+
+// kQInRegisters: Q stays in registers as the A operand of S (RS wgmma, 32 registers per consumer thread), and its
+// 32 KB of shared memory become a fourth K stage: the consumers hold one K and up to two V slots while they
+// compute, so the copies in flight are what the ring has left. Otherwise Q is staged in shared memory (SS wgmma)
+// and both rings have 3 stages.
+template <bool kQInRegisters_>
+struct WsConfig {
+  static constexpr bool kQInRegisters = kQInRegisters_;
+  static constexpr int kStagesK = kQInRegisters ? 4 : 3, kStagesV = 3;
+  static constexpr int kQBytes = kQInRegisters ? 0 : kBlockM * kD * 2;
+  static constexpr int kBarriersOffset = kQBytes + (kStagesK + kStagesV) * kTileBytes;
+  static constexpr int kSmemBytes = kBarriersOffset + 2 * (kStagesK + kStagesV) * 8 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
+};
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): Q staged by both consumers; warpgroup w's turn to issue its GEMMs.
 constexpr int kBarQStaged = 1, kBarTurn0 = 2;
@@ -66,9 +76,10 @@ __device__ __forceinline__ void copy_tile(int32_t token, const char* base, uint3
   }
 }
 
-template <typename T>
+template <typename T, typename Cfg>
 __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
   extern __shared__ __align__(16) unsigned char smem[];
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = p.group, TG = p.num_tree * G;
@@ -91,16 +102,19 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));
-  const uint32_t k_s = q_s + kQBytes, v_s = k_s + kStages * kTileBytes, bars = q_s + kBarriersOffset;
+  const uint32_t k_s = q_s + Cfg::kQBytes, v_s = k_s + kStagesK * kTileBytes, bars = q_s + Cfg::kBarriersOffset;
+  // K slot s: full_k(s), empty_k(s); V slot s: full_v(s), empty_v(s).
   auto full_k = [&](int s) { return bars + 8u * s; };
-  auto full_v = [&](int s) { return bars + 8u * (kStages + s); };
-  auto empty_k = [&](int s) { return bars + 8u * (2 * kStages + s); };
-  auto empty_v = [&](int s) { return bars + 8u * (3 * kStages + s); };
+  auto empty_k = [&](int s) { return bars + 8u * (kStagesK + s); };
+  auto full_v = [&](int s) { return bars + 8u * (2 * kStagesK + s); };
+  auto empty_v = [&](int s) { return bars + 8u * (2 * kStagesK + kStagesV + s); };
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < kStagesK; ++s) {
       sm90::mbarrier_init(full_k(s), kProducerThreads);  // one cp.async arrival per producer thread
+      sm90::mbarrier_init(empty_k(s), kConsumerWarps);   // one arrival per consumer warp
+    }
+    for (int s = 0; s < kStagesV; ++s) {
       sm90::mbarrier_init(full_v(s), kProducerThreads);
-      sm90::mbarrier_init(empty_k(s), kConsumerWarps);  // one arrival per consumer warp
       sm90::mbarrier_init(empty_v(s), kConsumerWarps);
     }
   }
@@ -121,19 +135,19 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     for (int i = 0; i < n; ++i) {
       const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
       page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
-      const int s = i % kStages;
-      const uint32_t reuse_parity = static_cast<uint32_t>(i / kStages - 1) & 1u;  // the slot's previous tile freed
-      if (i >= kStages) sm90::mbarrier_wait(empty_k(s), reuse_parity);
+      // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
+      const int sk = i % kStagesK, sv = i % kStagesV;
+      if (i >= kStagesK) sm90::mbarrier_wait(empty_k(sk), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
 #if TLT_WS_PROBE == 2  // bench/ws_probe.cu: math only, the slots marked full without a copy
-      sm90::mbarrier_arrive(full_k(s));
-      if (i >= kStages) sm90::mbarrier_wait(empty_v(s), reuse_parity);
-      sm90::mbarrier_arrive(full_v(s));
+      sm90::mbarrier_arrive(full_k(sk));
+      if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+      sm90::mbarrier_arrive(full_v(sv));
 #else
-      copy_tile(token, k_base, k_stride, k_s + s * kTileBytes, warp, lane);
-      sm90::cp_async_arrive_noinc(full_k(s));
-      if (i >= kStages) sm90::mbarrier_wait(empty_v(s), reuse_parity);
-      copy_tile(token, v_base, v_stride, v_s + s * kTileBytes, warp, lane);
-      sm90::cp_async_arrive_noinc(full_v(s));
+      copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
+      sm90::cp_async_arrive_noinc(full_k(sk));
+      if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+      copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
+      sm90::cp_async_arrive_noinc(full_v(sv));
 #endif
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
@@ -143,23 +157,35 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   // ---- consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 ----
   sm90::regs_inc<kConsumerRegs>();
   const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
-  {
+  const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
+  auto q_row = [&](int m) { const int t = m / G; return Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h; };
+  // Q in registers: the A fragments of S's k-steps (rows row_base (+8), columns 16 k + 2 (lane % 4) (+8), see
+  // wgmma::a_fragment); rows >= T * G zero.
+  uint32_t q_frag[Cfg::kQInRegisters ? kD / 16 : 1][4];
+  if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int m = row_base + 8 * r;
+      const T* row = m < TG ? q_row(m) + 2 * (lane % 4) : nullptr;
+#pragma unroll
+      for (int k = 0; k < kD / 16; ++k) {
+        q_frag[k][r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k) : 0u;
+        q_frag[k][2 + r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k + 8) : 0u;
+      }
+    }
+  } else {
     constexpr int kQChunks = kBlockM * (kD / 8) / kConsumerThreads;
-    const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
 #pragma unroll
     for (int it = 0; it < kQChunks; ++it) {
       const int i = threadIdx.x + it * kConsumerThreads;
       const int m = i / (kD / 8), col16 = i % (kD / 8);
       uint4 v = make_uint4(0, 0, 0, 0);  // rows >= T * G are zero
-      if (m < TG) {
-        const int t = m / G;
-        v = *reinterpret_cast<const uint4*>(Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h + col16 * 8);
-      }
+      if (m < TG) v = *reinterpret_cast<const uint4*>(q_row(m) + col16 * 8);
       *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, m, col16)) = v;
     }
+    wgmma::fence_proxy_async();
+    sm90::named_sync(kBarQStaged, kConsumerThreads);
   }
-  wgmma::fence_proxy_async();
-  sm90::named_sync(kBarQStaged, kConsumerThreads);
   const int my_turn = kBarTurn0 + wg, other_turn = kBarTurn0 + 1 - wg;
   if (wg == 1) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first
 
@@ -176,17 +202,17 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
 #pragma unroll
   for (int i = 0; i < kScores; ++i) s[i] = 0.f;
 
-  // Step j = 0 .. n as in the two-warpgroup kernel: S_j (at j = n, of whatever slot n % kStages holds: discarded),
+  // Step j = 0 .. n as in the two-warpgroup kernel: S_j (at j = n, of whatever K slot n holds: discarded),
   // then P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN).
   float alpha[2] = {0.f, 0.f};
   for (int j = 0; j <= n; ++j) {
-    if (j < n) sm90::mbarrier_wait(full_k(j % kStages), static_cast<uint32_t>(j / kStages) & 1u);
+    if (j < n) sm90::mbarrier_wait(full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
     const int jv = max(j - 1, 0);
-    sm90::mbarrier_wait(full_v(jv % kStages), static_cast<uint32_t>(jv / kStages) & 1u);
+    sm90::mbarrier_wait(full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
 #if TLT_WS_PROBE == 1  // bench/ws_probe.cu: streaming only, each slot released as soon as it is full
-    if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStages));
-    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStages));
+    if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStagesV));
     if (j == n) break;
     continue;
 #endif
@@ -198,13 +224,17 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     sm90::named_sync(my_turn, kConsumerThreads);
     wgmma::fence();
     {
-      const uint64_t dk = wgmma::desc_add(dk0, (j % kStages) * kTileBytes);
+      const uint64_t dk = wgmma::desc_add(dk0, (j % kStagesK) * kTileBytes);
 #pragma unroll
-      for (int k = 0; k < kD / 16; ++k)
-        mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+      for (int k = 0; k < kD / 16; ++k) {
+        if constexpr (Cfg::kQInRegisters)
+          wgmma::mma_m64n128k16_rs<T, 0>(s, q_frag[k], wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+        else
+          mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+      }
       wgmma::commit();
     }
-    const uint64_t dv = wgmma::desc_add(dv0, (jv % kStages) * kTileBytes);
+    const uint64_t dv = wgmma::desc_add(dv0, (jv % kStagesV) * kTileBytes);
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
     wgmma::commit();
@@ -214,13 +244,13 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     wgmma::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
     wgmma::fence_regs(s);
     if (j < n) {
-      if (lane == 0) sm90::mbarrier_arrive(empty_k(j % kStages));  // K_j read
+      if (lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));  // K_j read
       if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
       online_softmax(s, qk_scale, m_i, l_i, alpha);
     }
     wgmma::wait<0>();
     wgmma::fence_regs(o);
-    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStages));  // V_{j-1} read
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStagesV));  // V_{j-1} read
     if (j == n) break;
     if (!__all_sync(0xffffffff, alpha[0] == 1.f && alpha[1] == 1.f)) {
 #pragma unroll
@@ -261,19 +291,27 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
 #endif
 }
 
-template <typename T>
+template <typename T, typename Cfg>
 LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  TLT_STATUS_CUDA_CHECK(
-      cudaFuncSetAttribute(tree_attention_sm90_ws_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  tree_attention_sm90_ws_kernel<T><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_sm90_ws_kernel<T, Cfg>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  tree_attention_sm90_ws_kernel<T, Cfg><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
   TLT_STATUS_CHECK_LAUNCH();
   return {};
 }
 
+template <typename Cfg>
+LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, Cfg>(p, grid, stream)
+                                     : launch_ws<__half, Cfg>(p, grid, stream);
+}
+
 }  // namespace
 
-LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16>(p, grid, stream) : launch_ws<__half>(p, grid, stream);
+LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
+                                          bool q_in_registers) noexcept {
+  return q_in_registers ? launch_ws_dtype<WsConfig<true>>(p, grid, stream)
+                        : launch_ws_dtype<WsConfig<false>>(p, grid, stream);
 }
 
 }  // namespace tree_sm90

@@ -191,24 +191,27 @@ __device__ __forceinline__ void a_fragment(const float (&s)[N], int t, uint32_t 
   a[3] = Pack::pack(s[8 * t + 6], s[8 * t + 7]);
 }
 
-// d[0..63] (+)= A[64 x 16] (registers) B[16 x 128] (MN-major in shared memory: tnspB = 1).
-template <typename T>
+// d[0..63] (+)= A[64 x 16] (registers) B[16 x 128] in shared memory: MN-major (kTransposeB = 1, the default: V as
+// the B of P V) or K-major (kTransposeB = 0, stored [128, 16]: K as the B of S = Q K^T with Q in registers).
+template <typename T, int kTransposeB = 1>
 __device__ __forceinline__ void mma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d);
 
-#define TLT_WGMMA_RS_N128(TYPE, PTX_TYPE)                                                                             \
+#define TLT_WGMMA_RS_N128(TYPE, PTX_TYPE, TNSP)                                                                       \
   template <>                                                                                                        \
-  __device__ __forceinline__ void mma_m64n128k16_rs<TYPE>(float (&d)[64], const uint32_t (&a)[4], uint64_t db,       \
-                                                          int scale_d) {                                             \
+  __device__ __forceinline__ void mma_m64n128k16_rs<TYPE, TNSP>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, \
+                                                                int scale_d) {                                       \
     asm volatile(                                                                                                    \
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                                 \
         "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE " "                                     \
         TLT_WGMMA_D64_REGS                                                                                           \
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                                               \
+        "{%64, %65, %66, %67}, %68, p, 1, 1, " #TNSP ";\n}\n"                                                         \
         : TLT_WGMMA_D64_OUTS                                                                                         \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));                                        \
   }
-TLT_WGMMA_RS_N128(__nv_bfloat16, "bf16")
-TLT_WGMMA_RS_N128(__half, "f16")
+TLT_WGMMA_RS_N128(__nv_bfloat16, "bf16", 1)
+TLT_WGMMA_RS_N128(__half, "f16", 1)
+TLT_WGMMA_RS_N128(__nv_bfloat16, "bf16", 0)
+TLT_WGMMA_RS_N128(__half, "f16", 0)
 #undef TLT_WGMMA_RS_N128
 #undef TLT_WGMMA_D64_REGS
 #undef TLT_WGMMA_D64_OUTS
