@@ -92,18 +92,19 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  const char* kernels[] = {"ws q-regs 4+3 stages", "ws q-smem 3+3 stages", "lockstep"};
+  const char* kernels[] = {"ws q-regs K3+V4", "ws q-regs K4+V3", "ws q-smem K3+V3", "lockstep"};
+  constexpr int kLockstep = 3;
   for (int L : Ls) {
     std::vector<int32_t> ctx(B, L);
     CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
     p.split_len = std::max(128, (L + 127) / 128 * 128);
-    for (int kern = 0; kern < (TLT_WS_PROBE == 0 ? 3 : 2); ++kern) {
+    for (int kern = 0; kern < (TLT_WS_PROBE == 0 ? kLockstep + 1 : kLockstep); ++kern) {
       std::vector<float> us;
       for (int it = 0; it < 35; ++it) {
         CHECK(cudaEventRecord(e0));
         LaunchStatus st;
-        if (kern < 2)
-          st = tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr, kern == 0);
+        if (kern < kLockstep)
+          st = tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr, kern);
         else {
           TreeAttentionParams p2 = p;
           p2.config = 128;
@@ -127,8 +128,9 @@ int main(int argc, char** argv) {
       for (int it = 0; it < reps; ++it) {
         TreeAttentionParams p2 = p;
         p2.config = 128;
-        const LaunchStatus st = kern < 2 ? tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr, kern == 0)
-                                         : launch_tree_attention_sm90(p2, nullptr);
+        const LaunchStatus st = kern < kLockstep
+                                    ? tree_sm90::launch_sm90_warp_specialized(p, dim3(1, Hkv, B), nullptr, kern)
+                                    : launch_tree_attention_sm90(p2, nullptr);
         if (!st.ok()) return 1;
       }
       CHECK(cudaEventRecord(e1));

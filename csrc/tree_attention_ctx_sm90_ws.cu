@@ -47,10 +47,10 @@ constexpr int kScores = kBlockN / 2;
 // 32 KB of shared memory become a fourth K stage: the consumers hold one K and up to two V slots while they
 // compute, so the copies in flight are what the ring has left. Otherwise Q is staged in shared memory (SS wgmma)
 // and both rings have 3 stages.
-template <bool kQInRegisters_>
+template <bool kQInRegisters_, int kStagesK_ = 3, int kStagesV_ = 3>
 struct WsConfig {
   static constexpr bool kQInRegisters = kQInRegisters_;
-  static constexpr int kStagesK = kQInRegisters ? 4 : 3, kStagesV = 3;
+  static constexpr int kStagesK = kStagesK_, kStagesV = kStagesV_;
   static constexpr int kQBytes = kQInRegisters ? 0 : kBlockM * kD * 2;
   static constexpr int kBarriersOffset = kQBytes + (kStagesK + kStagesV) * kTileBytes;
   static constexpr int kSmemBytes = kBarriersOffset + 2 * (kStagesK + kStagesV) * 8 + 1024;
@@ -309,9 +309,12 @@ LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream
 }  // namespace
 
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
-                                          bool q_in_registers) noexcept {
-  return q_in_registers ? launch_ws_dtype<WsConfig<true>>(p, grid, stream)
-                        : launch_ws_dtype<WsConfig<false>>(p, grid, stream);
+                                          int variant) noexcept {
+  switch (variant) {
+    case 1: return launch_ws_dtype<WsConfig<true, 4, 3>>(p, grid, stream);
+    case 2: return launch_ws_dtype<WsConfig<false, 3, 3>>(p, grid, stream);
+    default: return launch_ws_dtype<WsConfig<true, 3, 4>>(p, grid, stream);
+  }
 }
 
 }  // namespace tree_sm90

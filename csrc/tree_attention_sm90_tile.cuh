@@ -115,10 +115,11 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
 }
 
 // The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, T * G <= 128 rows,
-// grid (splits, Hkv, B); the caller (launch_tree_attention_sm90) has checked the params. q_in_registers: Q as the
-// register A operand of S and a fourth K stage (the default), else Q in shared memory and three K stages.
+// grid (splits, Hkv, B); the caller (launch_tree_attention_sm90) has checked the params. variant (bench/ws_probe.cu
+// times them): 0 (default) Q in registers, 3 K and 4 V stages; 1 the same with 4 K and 3 V stages; 2 Q in shared
+// memory, 3 + 3 stages.
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
-                                          bool q_in_registers = true) noexcept;
+                                          int variant = 0) noexcept;
 
 }  // namespace tree_sm90
 }  // namespace tlt
