@@ -135,6 +135,18 @@ def test_cuda_context_path_switch_is_parsed():
     assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1" in proc.stderr
 
 
+def test_cuda_warp_specialized_switch_is_parsed():
+    """TLT_TREE_ATTENTION_CUDA_WS: unset/empty/1 = the warp-specialized build of the 128-token kernel, 0 = the lockstep one,
+    anything else a clear error; the launch config carries the choice (the tile width, ORed with the flag)."""
+    code = ("import tlt_kernels._cuda.tree_attention as ct; "
+            "print(ct.CONTEXT_WARP_SPECIALIZED, ct.context_config(112), ct.context_config(56))")
+    for value, expected in (("", "True 1152 64"), ("1", "True 1152 64"), ("0", "False 128 64")):
+        proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_WS=value)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
+    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_WS="yes")
+    assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1" in proc.stderr
+
+
 def test_cuda_context_path_rule(monkeypatch):
     """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: T*G <= 128, D=128,
     bf16/fp16, split_len a multiple of the tile (128 tokens above 64 rows, 64 for the one-warpgroup kernel),

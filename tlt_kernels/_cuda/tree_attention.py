@@ -55,13 +55,15 @@ CONTEXT_BLOCKS = (64, 128)
 # shared memory, two CTAs per SM); 128 the two-warpgroup kernel with its second warpgroup all padding rows.
 CONTEXT_BLOCK_FEW_ROWS = 64
 ONE_WARPGROUP_ROWS = 64
-# The warp-specialized build of the 128-token kernel (csrc/tree_attention_ctx_sm90_ws.cu: a producer warpgroup fills
-# the K/V ring under per-slot mbarriers, the two consumer warpgroups ping-pong their GEMMs). TLT_TREE_ATTENTION_CUDA_WS
-# = 1 takes it wherever the 128-token tile is used; off by default until measured against the lockstep kernel.
-_WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "0").strip()
+# The 128-token kernel's build (T*G > 64). True (default; TLT_TREE_ATTENTION_CUDA_WS unset or 1): warp-specialized
+# (csrc/tree_attention_ctx_sm90_ws.cu: a producer warpgroup fills the K/V ring under per-slot mbarriers, the two
+# consumer warpgroups ping-pong their GEMMs, Q in registers). False (0): the lockstep two-warpgroup kernel
+# (csrc/tree_attention_ctx_sm90.cu). Same-run figures, 7B/32B B=64 T=16 (bench/RESULTS.md, 2026-11-27 00:40-00:55 UTC):
+# H200 71.5-78.9% of the HBM floor against 65.1-73.1%; H100 82.3-96.4% against 80.1-95.6%.
+_WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "1").strip()
 if _WS_ENV not in ("", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got {_WS_ENV!r}")
-CONTEXT_WARP_SPECIALIZED = _WS_ENV == "1"
+CONTEXT_WARP_SPECIALIZED = _WS_ENV != "0"
 WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
