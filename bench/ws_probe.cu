@@ -92,8 +92,8 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  const char* kernels[] = {"ws q-regs K3+V4", "ws q-regs K4+V3", "ws q-smem K3+V3", "lockstep"};
-  constexpr int kLockstep = 3;
+  const char* kernels[] = {"ws q-regs K3+V4", "ws q-regs K4+V3", "ws q-smem K3+V3", "ws q-regs K2+V2", "lockstep"};
+  constexpr int kLockstep = 4;
   for (int L : Ls) {
     std::vector<int32_t> ctx(B, L);
     CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));

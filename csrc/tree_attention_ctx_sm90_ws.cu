@@ -313,6 +313,9 @@ LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 gri
   switch (variant) {
     case 1: return launch_ws_dtype<WsConfig<true, 4, 3>>(p, grid, stream);
     case 2: return launch_ws_dtype<WsConfig<false, 3, 3>>(p, grid, stream);
+#if TLT_WS_PROBE
+    case 3: return launch_ws_dtype<WsConfig<true, 2, 2>>(p, grid, stream);  // probe only: fewer copies in flight
+#endif
     default: return launch_ws_dtype<WsConfig<true, 3, 4>>(p, grid, stream);
   }
 }
