@@ -1,8 +1,11 @@
 // Timing probe of the warp-specialized sm_90 tree-attention kernel (issue 3), outside the package: is a 128-token
-// tile bound by the copies or by the math? Built three times on the GPU machine (bench/ws_probe.sh):
+// tile bound by the copies or by the math, and where does a CTA's fixed time go? One build per mode on the GPU
+// machine (bench/ws_probe.sh):
 //   TLT_WS_PROBE=0  the kernel as shipped, and the lockstep two-warpgroup kernel beside it;
 //   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
-//   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual.
+//   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual;
+//   TLT_WS_PROBE=3  as shipped, plus clock64 / %globaltimer checkpoints per CTA (one JSON line per L: each phase's
+//                   min / median / max over the CTAs in us, and the CTAs' start and end times).
 // Qwen2.5-7B shape (Hq 28, Hkv 4, D 128), bf16, 16-token pages in shuffled order, chains of T nodes, one split.
 // Prints one JSON line per (kernel, L): microseconds (median of 30 single launches, then the mean of ~200 ms of
 // launches back to back) and GB/s of K/V moved.
@@ -89,6 +92,11 @@ int main(int argc, char** argv) {
   p.batch = B, p.num_tree = T, p.num_q_heads = Hq, p.num_kv_heads = Hkv, p.group = G, p.head_dim = D;
   p.block_size = page, p.block_shift = 4, p.num_splits = 1, p.mask_words = 1, p.sm_scale = 0.0884f;
   p.dtype = DType::kBFloat16;
+#if TLT_WS_PROBE == 3
+  uint64_t* d_stamps;  // the checkpoints (16 per CTA), written through p.partial_lse (one split: never the scratch)
+  CHECK(cudaMalloc(&d_stamps, size_t(B) * Hkv * 16 * 8));
+  p.partial_lse = reinterpret_cast<float*>(d_stamps);
+#endif
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
@@ -144,5 +152,57 @@ int main(int argc, char** argv) {
                   TLT_WS_PROBE, kernels[kern], B, T, L, med, bytes / med * 1e-3, b2b, bytes / b2b * 1e-3);
     }
   }
+#if TLT_WS_PROBE == 3
+  // Checkpoints of one launch per L (after the timed ones): where a CTA's time goes, in microseconds (SM clocks
+  // converted with the CTA's own %globaltimer span), medians over the CTAs, and when the CTAs start and end.
+  const int ctas = B * Hkv;
+  for (int L : Ls) {
+    std::vector<int32_t> ctx(B, L);
+    CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
+    TreeAttentionParams q = p;
+    q.split_len = std::max(128, (L + 127) / 128 * 128);
+    CHECK(cudaMemset(d_stamps, 0, size_t(ctas) * 16 * 8));
+    for (int rep = 0; rep < 3; ++rep)
+      if (!tree_sm90::launch_sm90_warp_specialized(q, dim3(1, Hkv, B), nullptr, 0).ok()) return 1;
+    CHECK(cudaDeviceSynchronize());
+    std::vector<uint64_t> st(size_t(ctas) * 16);
+    CHECK(cudaMemcpy(st.data(), d_stamps, st.size() * 8, cudaMemcpyDeviceToHost));
+    const char* names[] = {"init", "producer first K issued", "Q loaded", "first K landed", "loop", "epilogue",
+                           "total", "producer done issuing"};
+    std::vector<std::vector<double>> d(8);
+    uint64_t g0 = ~0ull, g1 = 0;
+    std::vector<double> starts, ends;
+    for (int c = 0; c < ctas; ++c) {
+      const uint64_t* x = &st[size_t(c) * 16];
+      const double ns_per_clk = double(x[9] - x[8]) / double(x[6] - x[0]);
+      auto us = [&](int a, int b2) { return double(int64_t(x[b2] - x[a])) * ns_per_clk * 1e-3; };
+      d[0].push_back(us(0, 1));
+      d[1].push_back(us(1, 2));
+      d[2].push_back(us(1, 3));
+      d[3].push_back(us(1, 4));
+      d[4].push_back(us(4, 5));
+      d[5].push_back(us(5, 6));
+      d[6].push_back(us(0, 6));
+      d[7].push_back(us(1, 7));
+      g0 = std::min(g0, x[8]);
+      g1 = std::max(g1, x[9]);
+    }
+    for (int c = 0; c < ctas; ++c) {
+      starts.push_back((st[size_t(c) * 16 + 8] - g0) * 1e-3);
+      ends.push_back((st[size_t(c) * 16 + 9] - g0) * 1e-3);
+    }
+    std::printf("{\"probe\": 3, \"L\": %d, \"span_us\": %.2f", L, (g1 - g0) * 1e-3);
+    for (int k = 0; k < 8; ++k) {
+      std::sort(d[k].begin(), d[k].end());
+      std::printf(", \"%s\": [%.2f, %.2f, %.2f]", names[k], d[k][0], d[k][d[k].size() / 2], d[k].back());
+    }
+    std::sort(starts.begin(), starts.end());
+    std::sort(ends.begin(), ends.end());
+    std::printf(", \"start quantiles\": [%.2f, %.2f, %.2f, %.2f, %.2f]", starts[0], starts[ctas / 4], starts[ctas / 2],
+                starts[3 * ctas / 4], starts.back());
+    std::printf(", \"end quantiles\": [%.2f, %.2f, %.2f, %.2f, %.2f]}\n", ends[0], ends[ctas / 4], ends[ctas / 2],
+                ends[3 * ctas / 4], ends.back());
+  }
+#endif
   return 0;
 }

@@ -29,7 +29,26 @@
 #include "wgmma_sm90.cuh"
 
 #ifndef TLT_WS_PROBE
-#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only (timing probes, bench/ws_probe.cu; never in the package)
+#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, bench/ws_probe.cu; never in the package)
+#endif
+#if TLT_WS_PROBE == 3  // clock64 at checkpoint i (0-7) and %globaltimer (8 = start, 9 = end), 16 slots per CTA in p.partial_lse
+#define TLT_WS_STAMP(i, cond)                                                                                        \
+  do {                                                                                                               \
+    if (cond) {                                                                                                      \
+      uint64_t* st_ = reinterpret_cast<uint64_t*>(p.partial_lse) +                                                   \
+                      ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16;                         \
+      st_[i] = clock64();                                                                                            \
+      if ((i) == 0 || (i) == 6) {                                                                                    \
+        uint64_t g_;                                                                                                 \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                                                      \
+        st_[(i) == 0 ? 8 : 9] = g_;                                                                                  \
+      }                                                                                                              \
+    }                                                                                                                \
+  } while (0)
+#else
+#define TLT_WS_STAMP(i, cond) \
+  do {                        \
+  } while (0)
 #endif
 
 namespace tlt {
@@ -84,6 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int G = p.group, TG = p.num_tree * G;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  TLT_WS_STAMP(0, threadIdx.x == 0);
 
   Span sp;
   sp.ctx = p.context_lens[b];
@@ -119,6 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     }
   }
   __syncthreads();  // the barriers exist; the last CTA-wide barrier
+  TLT_WS_STAMP(1, threadIdx.x == 0);
 
   if (wg == 2) {  // ---- producer ----
     sm90::regs_dec<kProducerRegs>();
@@ -144,12 +165,14 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
       sm90::mbarrier_arrive(full_v(sv));
 #else
       copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
+      TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
       sm90::cp_async_arrive_noinc(full_k(sk));
       if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
       copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
       sm90::cp_async_arrive_noinc(full_v(sv));
 #endif
     }
+    TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
     return;
   }
@@ -205,8 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   // Step j = 0 .. n as in the two-warpgroup kernel: S_j (at j = n, of whatever K slot n holds: discarded),
   // then P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN).
   float alpha[2] = {0.f, 0.f};
+  TLT_WS_STAMP(3, threadIdx.x == 0);
   for (int j = 0; j <= n; ++j) {
     if (j < n) sm90::mbarrier_wait(full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
+    TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);
     const int jv = max(j - 1, 0);
     sm90::mbarrier_wait(full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
@@ -260,6 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     }
   }
 
+  TLT_WS_STAMP(5, threadIdx.x == 0);
   const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
   const int64_t slot_row =
       ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(TG);
@@ -288,6 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
         *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
     }
   }
+  TLT_WS_STAMP(6, threadIdx.x == 0);
 #endif
 }
 
