@@ -5,7 +5,8 @@
 //   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
 //   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual;
 //   TLT_WS_PROBE=3  as shipped, plus clock64 / %globaltimer checkpoints per CTA (one JSON line per L: each phase's
-//                   min / median / max over the CTAs in us, and the CTAs' start and end times).
+//                   min / median / max over the CTAs in us, and the CTAs' start and end times);
+//   TLT_WS_PROBE=4  the consumers never wait for data (wrong results): do the copies slow the math when both run?
 // Qwen2.5-7B shape (Hq 28, Hkv 4, D 128), bf16, 16-token pages in shuffled order, chains of T nodes, one split.
 // Prints one JSON line per (kernel, L): microseconds (median of 30 single launches, then the mean of ~200 ms of
 // launches back to back) and GB/s of K/V moved.
@@ -190,6 +191,21 @@ int main(int argc, char** argv) {
     for (int c = 0; c < ctas; ++c) {
       starts.push_back((st[size_t(c) * 16 + 8] - g0) * 1e-3);
       ends.push_back((st[size_t(c) * 16 + 9] - g0) * 1e-3);
+    }
+    {  // inside steps 0 and 1 (warpgroup 0's thread 0), from the first K landing: turn taken, S_0 done, softmax done,
+       // P V done; step 1's turn and its P V done
+      std::vector<std::vector<double>> in(6);
+      for (int c = 0; c < ctas; ++c) {
+        const uint64_t* x = &st[size_t(c) * 16];
+        const double ns_per_clk = double(x[9] - x[8]) / double(x[6] - x[0]);
+        for (int k = 0; k < 6; ++k) in[k].push_back(double(int64_t(x[10 + k] - x[4])) * ns_per_clk * 1e-3);
+      }
+      std::printf("{\"probe\": 3, \"L\": %d, \"steps 0-1 from first K landed (median us)\": [", L);
+      for (int k = 0; k < 6; ++k) {
+        std::sort(in[k].begin(), in[k].end());
+        std::printf("%s%.2f", k ? ", " : "", in[k][in[k].size() / 2]);
+      }
+      std::printf("]}\n");
     }
     std::printf("{\"probe\": 3, \"L\": %d, \"span_us\": %.2f", L, (g1 - g0) * 1e-3);
     for (int k = 0; k < 8; ++k) {
