@@ -5,8 +5,10 @@
 //   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
 //   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual;
 //   TLT_WS_PROBE=3  as shipped, plus clock64 / %globaltimer checkpoints per CTA (one JSON line per L: each phase's
-//                   min / median / max over the CTAs in us, and the CTAs' start and end times);
-//   TLT_WS_PROBE=4  the consumers never wait for data (wrong results): do the copies slow the math when both run?
+//                   min / median / max over the CTAs in us, and the CTAs' start and end times).
+// (A mode whose consumers never waited for data hung: running ahead, they completed an `empty` barrier's phase twice
+// before the producer's parity wait saw the first, so the producer waited for a phase that had come and gone. The
+// shipped kernel cannot get there: a consumer releases a slot only after waiting for the fill it reads.)
 // Qwen2.5-7B shape (Hq 28, Hkv 4, D 128), bf16, 16-token pages in shuffled order, chains of T nodes, one split.
 // Prints one JSON line per (kernel, L): microseconds (median of 30 single launches, then the mean of ~200 ms of
 // launches back to back) and GB/s of K/V moved.

@@ -29,7 +29,7 @@
 #include "wgmma_sm90.cuh"
 
 #ifndef TLT_WS_PROBE
-#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints, 4: no data waits (timing probes, bench/ws_probe.cu; never in the package)
+#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, bench/ws_probe.cu; never in the package)
 #endif
 #if TLT_WS_PROBE == 3  // clock64 at checkpoint i (0-7, 10-15) and %globaltimer (8 = start, 9 = end), 16 slots per CTA in p.partial_lse
 #define TLT_WS_STAMP(i, cond)                                                                                        \
@@ -230,14 +230,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   float alpha[2] = {0.f, 0.f};
   TLT_WS_STAMP(3, threadIdx.x == 0);
   for (int j = 0; j <= n; ++j) {
-#if TLT_WS_PROBE != 4  // 4: bench/ws_probe.cu, the consumers never wait for data (the copies land under the math)
     if (j < n) sm90::mbarrier_wait(full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
-#endif
     TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);
     const int jv = max(j - 1, 0);
-#if TLT_WS_PROBE != 4
     sm90::mbarrier_wait(full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
-#endif
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
 #if TLT_WS_PROBE == 1  // bench/ws_probe.cu: streaming only, each slot released as soon as it is full
     if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));
