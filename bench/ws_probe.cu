@@ -4,8 +4,12 @@
 //   TLT_WS_PROBE=0  the kernel as shipped, and the lockstep two-warpgroup kernel beside it;
 //   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
 //   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual;
-//   TLT_WS_PROBE=3  as shipped, plus clock64 / %globaltimer checkpoints per CTA (one JSON line per L: each phase's
-//                   min / median / max over the CTAs in us, and the CTAs' start and end times).
+//   TLT_WS_PROBE=3  as shipped, plus clock64 / %globaltimer checkpoints per CTA (JSON lines per L: each phase's
+//                   min / median / max over the CTAs in us, and the CTAs' start and end times; the first steps'
+//                   checkpoints; and the time one consumer and one producer thread spend per activity over the whole
+//                   CTA: waiting for data, for its turn, for S, in mask + softmax, for P V; waiting for free slots,
+//                   issuing copies. Consumers that wait for data while the producer never waits for slots mean
+//                   the copies are what is slow).
 // (A mode whose consumers never waited for data hung: running ahead, they completed an `empty` barrier's phase twice
 // before the producer's parity wait saw the first, so the producer waited for a phase that had come and gone. The
 // shipped kernel cannot get there: a consumer releases a slot only after waiting for the fill it reads.)
@@ -96,8 +100,8 @@ int main(int argc, char** argv) {
   p.block_size = page, p.block_shift = 4, p.num_splits = 1, p.mask_words = 1, p.sm_scale = 0.0884f;
   p.dtype = DType::kBFloat16;
 #if TLT_WS_PROBE == 3
-  uint64_t* d_stamps;  // the checkpoints (16 per CTA), written through p.partial_lse (one split: never the scratch)
-  CHECK(cudaMalloc(&d_stamps, size_t(B) * Hkv * 16 * 8));
+  uint64_t* d_stamps;  // the checkpoints (32 slots per CTA), written through p.partial_lse (one split: never the scratch)
+  CHECK(cudaMalloc(&d_stamps, size_t(B) * Hkv * 32 * 8));
   p.partial_lse = reinterpret_cast<float*>(d_stamps);
 #endif
   cudaEvent_t e0, e1;
@@ -164,11 +168,11 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
     TreeAttentionParams q = p;
     q.split_len = std::max(128, (L + 127) / 128 * 128);
-    CHECK(cudaMemset(d_stamps, 0, size_t(ctas) * 16 * 8));
+    CHECK(cudaMemset(d_stamps, 0, size_t(ctas) * 32 * 8));
     for (int rep = 0; rep < 3; ++rep)
       if (!tree_sm90::launch_sm90_warp_specialized(q, dim3(1, Hkv, B), nullptr, 0).ok()) return 1;
     CHECK(cudaDeviceSynchronize());
-    std::vector<uint64_t> st(size_t(ctas) * 16);
+    std::vector<uint64_t> st(size_t(ctas) * 32);
     CHECK(cudaMemcpy(st.data(), d_stamps, st.size() * 8, cudaMemcpyDeviceToHost));
     const char* names[] = {"init", "producer first K issued", "Q loaded", "first K landed", "loop", "epilogue",
                            "total", "producer done issuing"};
@@ -176,7 +180,7 @@ int main(int argc, char** argv) {
     uint64_t g0 = ~0ull, g1 = 0;
     std::vector<double> starts, ends;
     for (int c = 0; c < ctas; ++c) {
-      const uint64_t* x = &st[size_t(c) * 16];
+      const uint64_t* x = &st[size_t(c) * 32];
       const double ns_per_clk = double(x[9] - x[8]) / double(x[6] - x[0]);
       auto us = [&](int a, int b2) { return double(int64_t(x[b2] - x[a])) * ns_per_clk * 1e-3; };
       d[0].push_back(us(0, 1));
@@ -191,14 +195,14 @@ int main(int argc, char** argv) {
       g1 = std::max(g1, x[9]);
     }
     for (int c = 0; c < ctas; ++c) {
-      starts.push_back((st[size_t(c) * 16 + 8] - g0) * 1e-3);
-      ends.push_back((st[size_t(c) * 16 + 9] - g0) * 1e-3);
+      starts.push_back((st[size_t(c) * 32 + 8] - g0) * 1e-3);
+      ends.push_back((st[size_t(c) * 32 + 9] - g0) * 1e-3);
     }
     {  // inside steps 0 and 1 (warpgroup 0's thread 0), from the first K landing: turn taken, S_0 done, softmax done,
        // P V done; step 1's turn and its P V done
       std::vector<std::vector<double>> in(6);
       for (int c = 0; c < ctas; ++c) {
-        const uint64_t* x = &st[size_t(c) * 16];
+        const uint64_t* x = &st[size_t(c) * 32];
         const double ns_per_clk = double(x[9] - x[8]) / double(x[6] - x[0]);
         for (int k = 0; k < 6; ++k) in[k].push_back(double(int64_t(x[10 + k] - x[4])) * ns_per_clk * 1e-3);
       }
@@ -208,6 +212,22 @@ int main(int argc, char** argv) {
         std::printf("%s%.2f", k ? ", " : "", in[k][in[k].size() / 2]);
       }
       std::printf("]}\n");
+    }
+    {  // cycles per activity over the whole CTA (consumer: warpgroup 0's thread 0; producer: its thread 0), medians
+      const char* acts[] = {"consumer waits for data", "consumer waits for its turn", "consumer waits for S",
+                            "consumer mask + softmax", "consumer waits for P V", "producer waits for free slots",
+                            "producer issues copies"};
+      std::printf("{\"probe\": 3, \"L\": %d, \"per-CTA us by activity (median)\": {", L);
+      for (int k = 0; k < 7; ++k) {
+        std::vector<double> v;
+        for (int c = 0; c < ctas; ++c) {
+          const uint64_t* x = &st[size_t(c) * 32];
+          v.push_back(double(x[16 + k]) * double(x[9] - x[8]) / double(x[6] - x[0]) * 1e-3);
+        }
+        std::sort(v.begin(), v.end());
+        std::printf("%s\"%s\": %.2f", k ? ", " : "", acts[k], v[v.size() / 2]);
+      }
+      std::printf("}}\n");
     }
     std::printf("{\"probe\": 3, \"L\": %d, \"span_us\": %.2f", L, (g1 - g0) * 1e-3);
     for (int k = 0; k < 8; ++k) {

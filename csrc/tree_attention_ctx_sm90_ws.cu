@@ -31,24 +31,36 @@
 #ifndef TLT_WS_PROBE
 #define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, bench/ws_probe.cu; never in the package)
 #endif
-#if TLT_WS_PROBE == 3  // clock64 at checkpoint i (0-7, 10-15) and %globaltimer (8 = start, 9 = end), 16 slots per CTA in p.partial_lse
-#define TLT_WS_STAMP(i, cond)                                                                                        \
-  do {                                                                                                               \
-    if (cond) {                                                                                                      \
-      uint64_t* st_ = reinterpret_cast<uint64_t*>(p.partial_lse) +                                                   \
-                      ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16;                         \
-      st_[i] = clock64();                                                                                            \
-      if ((i) == 0 || (i) == 6) {                                                                                    \
-        uint64_t g_;                                                                                                 \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                                                      \
-        st_[(i) == 0 ? 8 : 9] = g_;                                                                                  \
-      }                                                                                                              \
-    }                                                                                                                \
+#if TLT_WS_PROBE == 3
+// 32 slots per CTA in p.partial_lse: clock64 at checkpoint i (0-7, 10-15), %globaltimer at the start (8) and the end
+// (9), and the cycles one thread spent per activity (16-22: see bench/ws_probe.cu).
+#define TLT_WS_SLOTS() \
+  (reinterpret_cast<uint64_t*>(p.partial_lse) + ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 32)
+#define TLT_WS_STAMP(i, cond)                                     \
+  do {                                                            \
+    if (cond) {                                                   \
+      TLT_WS_SLOTS()[i] = clock64();                              \
+      if ((i) == 0 || (i) == 6) {                                 \
+        uint64_t g_;                                              \
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));   \
+        TLT_WS_SLOTS()[(i) == 0 ? 8 : 9] = g_;                    \
+      }                                                           \
+    }                                                             \
   } while (0)
+#define TLT_WS_PROF_DECL() long long prof_[8] = {}
+#define TLT_WS_TIC(t) const long long t = clock64()
+#define TLT_WS_ACC(k, t) (prof_[k] += clock64() - (t))
+#define TLT_WS_PROF_STORE(first, last, cond) \
+  if (cond)                                  \
+    for (int k_ = first; k_ <= last; ++k_) TLT_WS_SLOTS()[16 + k_] = prof_[k_]
 #else
 #define TLT_WS_STAMP(i, cond) \
   do {                        \
   } while (0)
+#define TLT_WS_PROF_DECL() do {} while (0)
+#define TLT_WS_TIC(t) do {} while (0)
+#define TLT_WS_ACC(k, t) do {} while (0)
+#define TLT_WS_PROF_STORE(first, last, cond) do {} while (0)
 #endif
 
 namespace tlt {
@@ -152,27 +164,37 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
     const int my_row = 2 * warp + (lane & 1) + 8 * (lane >> 1);  // the row whose token this lane looks up
     int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
+    TLT_WS_PROF_DECL();
 #pragma unroll 1
     for (int i = 0; i < n; ++i) {
       const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
       page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
       // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
       const int sk = i % kStagesK, sv = i % kStagesV;
+      TLT_WS_TIC(t_empty_k);
       if (i >= kStagesK) sm90::mbarrier_wait(empty_k(sk), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
+      TLT_WS_ACC(5, t_empty_k);
 #if TLT_WS_PROBE == 2  // bench/ws_probe.cu: math only, the slots marked full without a copy
       sm90::mbarrier_arrive(full_k(sk));
       if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
       sm90::mbarrier_arrive(full_v(sv));
 #else
+      TLT_WS_TIC(t_copy_k);
       copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
+      TLT_WS_ACC(6, t_copy_k);
       TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
       sm90::cp_async_arrive_noinc(full_k(sk));
+      TLT_WS_TIC(t_empty_v);
       if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+      TLT_WS_ACC(5, t_empty_v);
+      TLT_WS_TIC(t_copy_v);
       copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
+      TLT_WS_ACC(6, t_copy_v);
       sm90::cp_async_arrive_noinc(full_v(sv));
 #endif
     }
     TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
+    TLT_WS_PROF_STORE(5, 6, threadIdx.x == kConsumerThreads);
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
     return;
   }
@@ -229,11 +251,14 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   // then P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN).
   float alpha[2] = {0.f, 0.f};
   TLT_WS_STAMP(3, threadIdx.x == 0);
+  TLT_WS_PROF_DECL();
   for (int j = 0; j <= n; ++j) {
+    TLT_WS_TIC(t_full);
     if (j < n) sm90::mbarrier_wait(full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
     TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);
     const int jv = max(j - 1, 0);
     sm90::mbarrier_wait(full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
+    TLT_WS_ACC(0, t_full);
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
 #if TLT_WS_PROBE == 1  // bench/ws_probe.cu: streaming only, each slot released as soon as it is full
     if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));
@@ -246,7 +271,9 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
     wgmma::fence_regs(s);
     wgmma::fence_regs(o);
+    TLT_WS_TIC(t_turn);
     sm90::named_sync(my_turn, kConsumerThreads);
+    TLT_WS_ACC(1, t_turn);
     TLT_WS_STAMP(10, j == 0 && threadIdx.x == 0);
     TLT_WS_STAMP(14, j == 1 && threadIdx.x == 0);
     wgmma::fence();
@@ -268,16 +295,22 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     // The other warpgroup's turn; warpgroup 0 issues once more than warpgroup 1 waits for (the initial arrival),
     // so warpgroup 1 skips its last.
     if (wg == 0 || j < n) sm90::named_arrive(other_turn, kConsumerThreads);
+    TLT_WS_TIC(t_s);
     wgmma::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+    TLT_WS_ACC(2, t_s);
     TLT_WS_STAMP(11, j == 0 && threadIdx.x == 0);
     wgmma::fence_regs(s);
+    TLT_WS_TIC(t_softmax);
     if (j < n) {
       if (lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));  // K_j read
       if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
       online_softmax(s, qk_scale, m_i, l_i, alpha);
       TLT_WS_STAMP(12, j == 0 && threadIdx.x == 0);
     }
+    TLT_WS_ACC(3, t_softmax);
+    TLT_WS_TIC(t_pv);
     wgmma::wait<0>();
+    TLT_WS_ACC(4, t_pv);
     TLT_WS_STAMP(13, j == 0 && threadIdx.x == 0);
     TLT_WS_STAMP(15, j == 1 && threadIdx.x == 0);
     wgmma::fence_regs(o);
@@ -292,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   }
 
   TLT_WS_STAMP(5, threadIdx.x == 0);
+  TLT_WS_PROF_STORE(0, 4, threadIdx.x == 0);
   const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
   const int64_t slot_row =
       ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(TG);
