@@ -130,7 +130,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   sp.limit = split == last ? sp.ctx + sp.nn : ctx_end;
   sp.n_full = max(ctx_end - sp.begin, 0) / kBlockN;
   sp.n_tiles = (sp.limit - sp.begin + kBlockN - 1) / kBlockN;
-  const int n = sp.n_tiles;  // >= 1: a request has at least one node
+  // n >= 1 whenever the plan's contract holds (a request has at least one node). n == 0 (num_nodes 0 on an empty
+  // context, e.g. a graph replayed with a padding row nobody validated) must not hang: step 0 would wait for V_0,
+  // which no one copies. Such a CTA runs no step and writes zeros.
+  const int n = sp.n_tiles;
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));
@@ -232,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     sm90::named_sync(kBarQStaged, kConsumerThreads);
   }
   const int my_turn = kBarTurn0 + wg, other_turn = kBarTurn0 + 1 - wg;
-  if (wg == 1) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first
+  if (wg == 1 && n > 0) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first
 
   const uint64_t dq0 = wgmma::desc_k_major(q_s + wg * 64 * 128, kBlockM, 0);  // this warpgroup's 64 rows of Q
   const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   float alpha[2] = {0.f, 0.f};
   TLT_WS_STAMP(3, threadIdx.x == 0);
   TLT_WS_PROF_DECL();
-  for (int j = 0; j <= n; ++j) {
+  for (int j = 0; n > 0 && j <= n; ++j) {
     TLT_WS_TIC(t_full);
     if (j < n) sm90::mbarrier_wait(full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
     TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);

@@ -149,6 +149,29 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     assert used and all(used), "the sm_90 kernel was not used"
 
 
+def test_sm90_warp_specialized_empty_request_writes_zeros(monkeypatch):
+    """num_nodes = 0 on an empty context breaks the plan's contract (planning refuses it), but a CUDA graph replayed
+    with such a row validates nothing: the warp-specialized kernel must not wait for a tile nobody copies. That
+    request's rows become zeros; the others match the reference."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+    from tlt_kernels.reference.tree_attention import tree_attention_reference
+
+    used = sm90_rule_spy(monkeypatch, True)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", True)
+    c = make_case(3, 16, 2, 7, 128, 16, [0, 700, 300], torch.bfloat16, seed=21)
+    plan = plan_for(c)
+    plan.num_nodes[0] = 0  # after planning, as a replayed graph's input buffer would be changed
+    q = c["q"]
+    out = torch.full_like(q, float("nan"))
+    plan.run(q, c["k_cache"], c["v_cache"], out=out, backend="cuda")
+    torch.cuda.synchronize()
+    assert used == [True]
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    ref = tree_attention_reference(q[1:], c["k_cache"], c["v_cache"], c["block_table"][1:], c["context_lens"][1:],
+                                   c["parents"][1:], c["num_nodes"][1:], out_dtype=torch.float32)
+    torch.testing.assert_close(out[1:].float(), ref, atol=2e-2, rtol=2e-2)
+
+
 def test_sm90_path_by_default_with_several_splits(monkeypatch):
     """The default rule (auto) takes the sm_90 kernel for a plan the planner splits several ways (a small batch of
     long contexts, 112 rows): its splits are whole 128-token tiles, and the result is right."""
