@@ -2,20 +2,26 @@
 // the H200). Same work and outputs as the two-warpgroup kernel in csrc/tree_attention_ctx_sm90.cu (see its header
 // for the span, the folded tree and the tile order); what differs is who waits for whom:
 //
-//   warpgroup 2 (producer): gathers K and V tiles through the block table into a 3-stage ring (cp.async), each
-//     slot guarded by a `full` and an `empty` mbarrier (csrc/sm90_pipeline.cuh). It runs ahead as far as the ring
-//     allows, from the first cycle on, while the consumers stage Q.
-//   warpgroups 0 and 1 (consumers, 64 rows each): wait on `full`, issue S_j = Q K_j^T and O += P_{j-1} V_{j-1},
-//     release each slot on `empty` once the wgmma that read it has completed. No CTA-wide barrier in the loop.
+//   warpgroup 2 (producer): gathers K and V tiles through the block table into rings of 3 K and 4 V stages
+//     (cp.async), each slot guarded by a `full` and an `empty` mbarrier (csrc/sm90_pipeline.cuh). It runs ahead as
+//     far as the rings allow, from the first cycle on, while the consumers load Q. V has the extra stage because a
+//     V tile is read one step later than its K tile (by P V) and so is held longer.
+//   warpgroups 0 and 1 (consumers, 64 rows each): Q in registers (the A operand of S, RS wgmma); wait on `full`,
+//     issue S_j = Q K_j^T and O += P_{j-1} V_{j-1}, release each slot on `empty` once the wgmma that read it has
+//     completed. No CTA-wide barrier in the loop.
 //   ping-pong: two named barriers order the consumers' GEMM issue (warpgroup 0 issues step j, then warpgroup 1
 //     issues its step j, then warpgroup 0 its step j + 1, ...), so one warpgroup's softmax runs while the other's
-//     GEMMs hold the tensor cores. In the two-warpgroup kernel both issued S_j together after the step's barrier and
-//     then both did their softmax, the tensor cores idle meanwhile: on the H200 a 128-token tile took 2.6 us there,
-//     against the 2.05 us its bytes take at the H200's copy bandwidth (docs/TREE_ATTENTION.md).
+//     GEMMs hold the tensor cores. In the lockstep kernel both issued S_j together after the step's barrier and
+//     then both did their softmax, the tensor cores idle meanwhile.
+// Measured (bench/RESULTS.md, 2026-11-26 23:25-23:52): 2.43-2.47 us per 128-token tile on an H200 against 2.61-2.64
+// for the lockstep kernel (the copies alone would take 1.9 us: bench/ws_probe.sh); on an H100 the copy bandwidth's
+// 2.80-2.85 us, as before.
 //
-// Registers: 384 threads at one CTA per SM leave 168 per thread at launch; setmaxnreg gives the producer 40 and each
-// consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use ~184).
-// Shared memory: Q 32 KB + 3 x (K 32 KB + V 32 KB) + 12 mbarriers, plus 1 KB to align the swizzled tiles.
+// Registers: 384 threads at one CTA per SM leave 168 per thread at launch; setmaxnreg gives the producer 56 and each
+// consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use 220, one
+// 4-byte spill).
+// Shared memory: 7 x 32 KB of K/V tiles + 14 mbarriers, plus 1 KB to align the swizzled tiles (224 KB + 1 KB).
+// The Q-in-shared-memory build (3 + 3 stages) and a 4 K + 3 V build remain as bench/ws_probe.cu's variants.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
