@@ -58,7 +58,7 @@ ONE_WARPGROUP_ROWS = 64
 # The 128-token kernel's build (T*G > 64). True (default; TLT_TREE_ATTENTION_CUDA_WS unset or 1): warp-specialized
 # (csrc/tree_attention_ctx_sm90_ws.cu: a producer warpgroup fills the K/V ring under per-slot mbarriers, the two
 # consumer warpgroups ping-pong their GEMMs, Q in registers). False (0): the lockstep two-warpgroup kernel
-# (csrc/tree_attention_ctx_sm90.cu). Same-run figures, 7B/32B B=64 T=16 (bench/RESULTS.md, 2026-11-27 00:40-00:55 UTC):
+# (csrc/tree_attention_ctx_sm90.cu). Same-run figures, 7B/32B B=64 T=16 (bench/RESULTS.md, block "23:25-23:52"):
 # H200 71.5-78.9% of the HBM floor against 65.1-73.1%; H100 82.3-96.4% against 80.1-95.6%.
 _WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "1").strip()
 if _WS_ENV not in ("", "0", "1"):
