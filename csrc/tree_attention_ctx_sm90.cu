@@ -133,16 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         q_regs[it] = m < TG ? *reinterpret_cast<const uint4*>(q_row(m) + col16 * 8) : make_uint4(0, 0, 0, 0);
       }
     } else {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int m = row_base + 8 * r;
-        const T* row = m < TG ? q_row(m) + 2 * (lane % 4) : nullptr;
-#pragma unroll
-        for (int k = 0; k < kD / 16; ++k) {
-          q_frag[k][r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k) : 0u;
-          q_frag[k][2 + r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k + 8) : 0u;
-        }
-      }
+      load_q_fragments<T>(q_row, row_base, TG, lane, q_frag);
     }
   }
 

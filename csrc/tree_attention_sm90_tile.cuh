@@ -114,6 +114,24 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
   }
 }
 
+// Q straight into registers as the A fragments of S's k-steps: this thread's rows row_base and row_base + 8 (rows
+// >= rows zero), columns 16 k + 2 (lane % 4) (+8), the accumulator layout (wgmma::a_fragment). q_row(m) points at
+// row m's first element.
+template <typename T, typename QRow>
+__device__ __forceinline__ void load_q_fragments(QRow q_row, int row_base, int rows, int lane,
+                                                 uint32_t (&q_frag)[kD / 16][4]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = row_base + 8 * r;
+    const T* row = m < rows ? q_row(m) + 2 * (lane % 4) : nullptr;
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k) {
+      q_frag[k][r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k) : 0u;
+      q_frag[k][2 + r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k + 8) : 0u;
+    }
+  }
+}
+
 // The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, T * G <= 128 rows,
 // grid (splits, Hkv, B); the caller (launch_tree_attention_sm90) has checked the params. variant (bench/ws_probe.cu
 // times them): 0 (default) Q in registers, 3 K and 4 V stages; 1 the same with 4 K and 3 V stages; 2 Q in shared
