@@ -138,18 +138,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
 
   Span sp;
-  sp.ctx = p.context_lens[b];
-  sp.nn = p.num_nodes[b];
-  const int used = (sp.ctx + p.split_len - 1) / p.split_len;  // non-empty context splits
-  const int last = max(used, 1) - 1;                           // the split that also covers the tree
-  if (split > last) return;
-  const bool direct = used <= 1;  // this CTA completes its rows: write out, skip the scratch and the merge
-  sp.bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_stride_b;
-  sp.begin = split * p.split_len;
-  const int ctx_end = min(sp.begin + p.split_len, sp.ctx);  // == ctx in the last split
-  sp.limit = split == last ? sp.ctx + sp.nn : ctx_end;
-  sp.n_full = max(ctx_end - sp.begin, 0) / kBlockN;
-  sp.n_tiles = (sp.limit - sp.begin + kBlockN - 1) / kBlockN;
+  bool direct = false;  // this CTA completes its rows: write out, skip the scratch and the merge
+  if (!split_span<kBlockN>(p, b, split, sp, direct)) return;
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));  // generic pointer to the aligned base
@@ -294,34 +284,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
   tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 
-  const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
-  const int64_t slot_row =
-      ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(TG);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_i[r];
-    l += __shfl_xor_sync(0xffffffff, l, 1);
-    l += __shfl_xor_sync(0xffffffff, l, 2);
-    const int m = row_base + 8 * r;
-    const float inv = m < M && l > 0.f ? 1.f / l : 0.f;
-    if (direct) {
-      if (m >= TG) continue;
-      const int t = m / G;
-      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + (h * G + m - t * G) * p.out_stride_h +
-               2 * (lane & 3);
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-            tree_attn::TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    } else if (m < M) {
-      const int64_t row = slot_row + m;
-      if ((lane & 3) == 0) p.partial_lse[row] = l > 0.f ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
-      float* dst = p.partial_out + row * kD + 2 * (lane & 3);
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-    }
-  }
+  store_rows<T>(p, sp, b, h, split, direct, row_base, o, m_i, l_i);
 #endif
 }
 

@@ -132,6 +132,64 @@ __device__ __forceinline__ void load_q_fragments(QRow q_row, int row_base, int r
   }
 }
 
+// The span split `split` of request b attends, in tiles of kBlockN. False when the split is past the request's last
+// non-empty one (the whole CTA returns: nothing to write). direct: the request has at most one non-empty split, so
+// this CTA completes its rows (writes out; no scratch, no merge).
+template <int kBlockN>
+__device__ __forceinline__ bool split_span(const TreeAttentionParams& p, int b, int split, Span& sp, bool& direct) {
+  sp.ctx = p.context_lens[b];
+  sp.nn = p.num_nodes[b];
+  const int used = (sp.ctx + p.split_len - 1) / p.split_len;  // non-empty context splits
+  const int last = max(used, 1) - 1;                           // the split that also covers the tree
+  if (split > last) return false;
+  direct = used <= 1;
+  sp.bt_row = p.block_table + static_cast<int64_t>(b) * p.bt_stride_b;
+  sp.begin = split * p.split_len;
+  const int ctx_end = min(sp.begin + p.split_len, sp.ctx);  // == ctx in the last split
+  sp.limit = split == last ? sp.ctx + sp.nn : ctx_end;
+  sp.n_full = max(ctx_end - sp.begin, 0) / kBlockN;
+  sp.n_tiles = (sp.limit - sp.begin + kBlockN - 1) / kBlockN;
+  return true;
+}
+
+// This thread's two finished rows (row_base and row_base + 8 of T * G; accumulator o, running max m_i and this lane's
+// share of the running sum l_i): normalized into out (direct; padding rows as zeros) or into the split's partial
+// slot with the row's log-sum-exp (real nodes' rows only: the merge reads nothing else).
+template <typename T>
+__device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const Span& sp, int b, int h, int split,
+                                           bool direct, int row_base, const float (&o)[64], const float (&m_i)[2],
+                                           const float (&l_i)[2]) {
+  const int G = p.group, TG = p.num_tree * G, lane = threadIdx.x % 32;
+  const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
+  const int64_t slot_row =
+      ((static_cast<int64_t>(b) * p.num_kv_heads + h) * (p.num_splits + 1) + split) * static_cast<int64_t>(TG);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_i[r];
+    l += __shfl_xor_sync(0xffffffff, l, 1);
+    l += __shfl_xor_sync(0xffffffff, l, 2);
+    const int m = row_base + 8 * r;
+    const float inv = m < M && l > 0.f ? 1.f / l : 0.f;
+    if (direct) {
+      if (m >= TG) continue;
+      const int t = m / G;
+      T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + (h * G + m - t * G) * p.out_stride_h +
+               2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<uint32_t*>(dst + 8 * j) =
+            tree_attn::TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    } else if (m < M) {
+      const int64_t row = slot_row + m;
+      if ((lane & 3) == 0) p.partial_lse[row] = l > 0.f ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      float* dst = p.partial_out + row * kD + 2 * (lane & 3);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+  }
+}
+
 // The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, T * G <= 128 rows,
 // grid (splits, Hkv, B); the caller (launch_tree_attention_sm90) has checked the params. variant (bench/ws_probe.cu
 // times them): 0 (default) Q in registers, 3 K and 4 V stages; 1 the same with 4 K and 3 V stages; 2 Q in shared
