@@ -207,16 +207,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // other one is an offset from these.
   const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
   const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
-  // Byte offset of k-step k in a K-major tile of `rows` rows (see wgmma::desc_k_major).
-  auto k_step = [](int rows, int k) { return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32); };
 
   const float qk_scale = p.sm_scale * 1.4426950408889634f;
-  float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
-  float s[kScores], o[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
+  float m_i[2], l_i[2], s[kScores], o[64];
+  init_rows(m_i, l_i, s, o);
 
   // One loop for every step, j = 0 .. n (uniform branches): step j issues S_j (j < n), then P_{j-1} V_{j-1}; at j = 0
   // that product is a zero P (s starts at 0) times V_0, so every step commits its P V group last and `wait_group 1`

@@ -227,15 +227,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   const uint64_t dq0 = wgmma::desc_k_major(q_s + wg * 64 * 128, kBlockM, 0);  // this warpgroup's 64 rows of Q
   const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
   const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
-  auto k_step = [](int rows, int k) { return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32); };
 
   const float qk_scale = p.sm_scale * 1.4426950408889634f;
-  float m_i[2] = {-1.0e30f, -1.0e30f}, l_i[2] = {0.f, 0.f};
-  float s[kScores], o[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
+  float m_i[2], l_i[2], s[kScores], o[64];
+  init_rows(m_i, l_i, s, o);
 
   // Step j = 0 .. n as in the two-warpgroup kernel: S_j (at j = n, of whatever K slot n holds: discarded),
   // then P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN).

@@ -18,6 +18,23 @@ namespace tree_sm90 {
 
 constexpr int kD = 128;  // head dim of every sm_90 tree-attention kernel
 
+// Byte offset of k-step k in a K-major tile of `rows` rows (see wgmma::desc_k_major).
+__device__ __forceinline__ uint32_t k_step(int rows, int k) {
+  return static_cast<uint32_t>((k >> 2) * rows * 128 + (k & 3) * 32);
+}
+
+// A thread's state at the start of its span: the running max of its two rows at -1e30 (see online_softmax), their
+// sums, the score tile and the output accumulator at zero.
+template <int kScores>
+__device__ __forceinline__ void init_rows(float (&m_i)[2], float (&l_i)[2], float (&s)[kScores], float (&o)[64]) {
+  m_i[0] = m_i[1] = -1.0e30f;
+  l_i[0] = l_i[1] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kScores; ++i) s[i] = 0.f;
+}
+
 // S (+)= Q K^T for one k-step, the instruction picked by the accumulator's width.
 template <typename T>
 __device__ __forceinline__ void mma_s(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
