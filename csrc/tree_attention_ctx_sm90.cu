@@ -282,20 +282,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #endif
 }
 
-// Opts the instantiation into its shared memory, then launches it.
-template <typename T, typename Cfg>
-LaunchStatus launch_sm90(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_sm90_kernel<T, Cfg>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  tree_attention_sm90_kernel<T, Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  TLT_STATUS_CHECK_LAUNCH();
-  return {};
-}
-
 template <typename Cfg>
 LaunchStatus launch_sm90_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_sm90<__nv_bfloat16, Cfg>(p, grid, stream)
-                                     : launch_sm90<__half, Cfg>(p, grid, stream);
+  return launch_with_smem(p.dtype == DType::kBFloat16 ? tree_attention_sm90_kernel<__nv_bfloat16, Cfg>
+                                                      : tree_attention_sm90_kernel<__half, Cfg>,
+                          grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
 }
 
 }  // namespace

@@ -316,19 +316,11 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
 #endif
 }
 
-template <typename T, typename Cfg>
-LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_sm90_ws_kernel<T, Cfg>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  tree_attention_sm90_ws_kernel<T, Cfg><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p);
-  TLT_STATUS_CHECK_LAUNCH();
-  return {};
-}
-
 template <typename Cfg>
 LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, Cfg>(p, grid, stream)
-                                     : launch_ws<__half, Cfg>(p, grid, stream);
+  return launch_with_smem(p.dtype == DType::kBFloat16 ? tree_attention_sm90_ws_kernel<__nv_bfloat16, Cfg>
+                                                      : tree_attention_sm90_ws_kernel<__half, Cfg>,
+                          grid, kThreads, Cfg::kSmemBytes, stream, p);
 }
 
 }  // namespace

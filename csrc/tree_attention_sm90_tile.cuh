@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "launch_status.h"
 #include "tree_attention.cuh"  // tree_attn::fast_exp2
 #include "tree_attention.h"
 #include "wgmma_sm90.cuh"
@@ -205,6 +206,15 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
         *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
     }
   }
+}
+
+// Opts `kernel` into `smem_bytes` of dynamic shared memory (past the 48 KB default), then launches it on p.
+inline LaunchStatus launch_with_smem(void (*kernel)(TreeAttentionParams), dim3 grid, int threads, int smem_bytes,
+                                     cudaStream_t stream, const TreeAttentionParams& p) noexcept {
+  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  kernel<<<grid, threads, smem_bytes, stream>>>(p);
+  TLT_STATUS_CHECK_LAUNCH();
+  return {};
 }
 
 // The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, T * G <= 128 rows,
