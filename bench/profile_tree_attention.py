@@ -79,8 +79,12 @@ def main(argv=None) -> int:
             ctas = args.B * Hkv * plan.num_splits
             tiles = (L + args.T) / 128 / plan.num_splits
             points[name].append((math.ceil(ctas / sms), tiles, ms))
+            # Tensor-core work: S = Q K^T and P V over the context and the tree, every query row (wide trees are
+            # bound by it, not by the bytes).
+            flops = 4 * args.B * (L + args.T) * Hq * args.T * HEAD_DIM
             print(json.dumps(dict(impl=name, B=args.B, L=L, T=args.T, model=args.model, ms=round(ms, 4),
                                   pct_floor=round(100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3), 1),
+                                  tflops=round(flops / (ms * 1e-3) / 1e12, 1),
                                   splits=plan.num_splits, graph=args.graph)), flush=True)
     for name, pts in points.items():
         if len(pts) < 2:

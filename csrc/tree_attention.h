@@ -59,6 +59,9 @@ struct TreeAttentionParams {
   int config = 0;
   // Set by the launcher: log2(block_size) when it is a power of two, else -1 (divide).
   int block_shift = -1;
+  // Set by the launcher of the warp-specialized sm_90 kernel: log2 of its CTAs per (split, KV head, request), one per
+  // 128-row block of T * G rounded up to a power of two (blockIdx.x = split << row_block_shift | row block).
+  int row_block_shift = 0;
 };
 
 // What every kernel that gathers K/V through the block table with 16-byte cp.async needs (the partial kernel and

@@ -1,4 +1,5 @@
-// Tree attention on sm_90 wgmma (issue 3): the CUDA backend's path for plans with T*G <= 128 rows
+// Tree attention on sm_90 wgmma (issue 3): the CUDA backend's path for plans with T*G <= 128 rows (and any T*G with
+// the warp-specialized build, csrc/tree_attention_ctx_sm90_ws.cu)
 // (see tlt_kernels/_cuda/tree_attention.py, TLT_TREE_ATTENTION_CUDA_CTX); the CUDA twin of the Gluon context kernel
 // (tlt_kernels/_triton/tree_attention_gluon.py), extended to the whole op.
 //
@@ -300,15 +301,23 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
                        "the sm_90 tree-attention kernel's config is its tile width: 0 (default, 128), 64 or 128, or "
                            << (128 | kSm90WarpSpecialized) << " (128, warp-specialized), got " << p.config);
   const int block_n = p.config == 64 ? Ctx64::kBlockN : Ctx128::kBlockN;
-  const int chunks = p.config == 64 ? (p.num_tree * p.group + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1;
+  // CTAs per (split, KV head, request): 64-row chunks (config 64); 128-row blocks (warp-specialized), their count
+  // rounded up to a power of two (the kernel splits blockIdx.x by a shift); else one.
+  const int rows = p.num_tree * p.group;
+  int row_block_shift = 0;
+  while (warp_specialized && row_block_shift < 8 && (Ctx128::kBlockM << row_block_shift) < rows) ++row_block_shift;
+  const int chunks = p.config == 64 ? (rows + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1 << row_block_shift;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
   TLT_STATUS_CHECK_ARG(p.num_kv_heads > 0 && p.num_q_heads == p.num_kv_heads * p.group,
                        "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads
                                        << ") * group (" << p.group << ")");
   TLT_STATUS_CHECK_ARG(p.num_tree >= 1 && p.num_tree <= tree_attn::kMaxTree,
                        "num_tree must be in [1, " << tree_attn::kMaxTree << "], got " << p.num_tree);
-  TLT_STATUS_CHECK_ARG(p.num_tree * p.group <= kMaxRows,
-                       "T * G = " << p.num_tree * p.group << " rows exceed " << kMaxRows);
+  TLT_STATUS_CHECK_ARG(warp_specialized || rows <= kMaxRows,
+                       "T * G = " << rows << " rows exceed " << kMaxRows << " (the warp-specialized config "
+                                  << (128 | kSm90WarpSpecialized) << " takes up to " << (Ctx128::kBlockM << 8) << ")");
+  TLT_STATUS_CHECK_ARG(rows <= (Ctx128::kBlockM << row_block_shift) || !warp_specialized,
+                       "T * G = " << rows << " rows exceed the warp-specialized kernel's " << (Ctx128::kBlockM << 8));
   TLT_STATUS_CHECK_ARG(p.mask_words == (p.num_tree + 31) / 32 && p.tree_mask != nullptr && p.num_nodes != nullptr,
                        "tree_mask [B, T, ceil(T / 32)] and num_nodes must be set");
   TLT_STATUS_CHECK_ARG(p.out != nullptr && reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_stride_b % 2 == 0 &&
@@ -340,6 +349,7 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_RETURN_IF_FAILED(wgmma::require_sm90());
   TreeAttentionParams q = p;
   q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
+  q.row_block_shift = row_block_shift;
   const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.batch));
   if (warp_specialized) return launch_sm90_warp_specialized(q, grid, stream);

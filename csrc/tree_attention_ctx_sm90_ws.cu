@@ -1,5 +1,5 @@
-// Warp-specialized build of the sm_90 tree-attention kernel (issue 3: T * G in (64, 128] rows, the T=16 cases, on
-// the H200). Same work and outputs as the two-warpgroup kernel in csrc/tree_attention_ctx_sm90.cu (see its header
+// Warp-specialized build of the sm_90 tree-attention kernel (issue 3: T * G > 64 rows; written for the T=16 cases on
+// the H200, and for wide trees (T = 32, 64) in blocks of 128 rows, one CTA each). Same work and outputs as the two-warpgroup kernel in csrc/tree_attention_ctx_sm90.cu (see its header
 // for the span, the folded tree and the tile order); what differs is who waits for whom:
 //
 //   warpgroup 2 (producer): gathers K and V tiles through the block table into rings of 3 K and 4 V stages
@@ -118,8 +118,15 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // blockIdx.x = split << row_block_shift | rb: a CTA owns rows 128 rb .. 128 rb + 127 of T * G (one block up to
+  // T * G = 128; wide trees take several). The row blocks of one split are adjacent in launch order, so they stream
+  // the same K/V tiles at about the same time and all but the first read hit L2. Shifts, not a division: a division
+  // here cost the producer a register, and a spill in its loop. Blocks past T * G (the count rounded up to a power
+  // of two) have nothing to do.
+  const int rb = blockIdx.x & ((1u << p.row_block_shift) - 1u);
+  const int split = blockIdx.x >> p.row_block_shift, h = blockIdx.y, b = blockIdx.z;
   const int G = p.group, TG = p.num_tree * G;
+  if (kBlockM * rb >= TG) return;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   TLT_WS_STAMP(0, threadIdx.x == 0);
 
@@ -198,9 +205,10 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     return;
   }
 
-  // ---- consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 ----
+  // ---- consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 of the row block ----
   sm90::regs_inc<kConsumerRegs>();
-  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
+  const int row0 = kBlockM * rb;                                // the block's first row of T * G
+  const int row_base = row0 + 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
   const T* Q = static_cast<const T*>(p.q) + b * p.q_stride_b;
   auto q_row = [&](int m) { const int t = m / G; return Q + t * p.q_stride_t + (h * G + m - t * G) * p.q_stride_h; };
   // Q in registers: the A fragments of S's k-steps (rows row_base (+8), columns 16 k + 2 (lane % 4) (+8), see
@@ -215,7 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
       const int i = threadIdx.x + it * kConsumerThreads;
       const int m = i / (kD / 8), col16 = i % (kD / 8);
       uint4 v = make_uint4(0, 0, 0, 0);  // rows >= T * G are zero
-      if (m < TG) v = *reinterpret_cast<const uint4*>(q_row(m) + col16 * 8);
+      if (row0 + m < TG) v = *reinterpret_cast<const uint4*>(q_row(row0 + m) + col16 * 8);
       *reinterpret_cast<uint4*>(smem_q + wgmma::swizzled_offset(kBlockM, m, col16)) = v;
     }
     wgmma::fence_proxy_async();

@@ -217,8 +217,9 @@ inline LaunchStatus launch_with_smem(void (*kernel)(TreeAttentionParams), dim3 g
   return {};
 }
 
-// The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, T * G <= 128 rows,
-// grid (splits, Hkv, B); the caller (launch_tree_attention_sm90) has checked the params. variant (bench/ws_probe.cu
+// The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, any T * G in blocks
+// of 128 rows, grid (splits * ceil(T * G / 128), Hkv, B); the caller (launch_tree_attention_sm90) has checked the
+// params. variant (bench/ws_probe.cu
 // times them): 0 (default) Q in registers, 3 K and 4 V stages; 1 the same with 4 K and 3 V stages; 2 Q in shared
 // memory, 3 + 3 stages.
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,

@@ -148,7 +148,8 @@ def test_cuda_warp_specialized_switch_is_parsed():
 
 
 def test_cuda_context_path_rule(monkeypatch):
-    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: T*G <= 128, D=128,
+    """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: any T*G (over 128
+    rows only the warp-specialized build, in 128-row blocks), D=128,
     bf16/fp16, split_len a multiple of the tile (128 tokens above 64 rows, 64 for the one-warpgroup kernel),
     power-of-two pages of contiguous token rows, sm_90; 1 / 0 force it on / off within what the kernel covers."""
     from types import SimpleNamespace
@@ -174,7 +175,8 @@ def test_cuda_context_path_rule(monkeypatch):
     assert ct._use_context_sm90(plan(splits=2, split_len=2048), q, *kv)   # several splits (the merge follows)
     assert not ct._use_context_sm90(plan(split_len=4160), q, *kv)         # not whole 128-token tiles
     assert not ct._use_context_sm90(plan(D=64), q, *kv)
-    assert not ct._use_context_sm90(plan(T=32), q, *kv)                   # 224 rows: over one CTA's 128
+    assert ct._use_context_sm90(plan(T=32), q, *kv)                       # 224 rows: two warp-specialized CTAs
+    assert ct._use_context_sm90(plan(T=64, G=8), q, *kv)                  # 512 rows: four
     assert not ct._use_context_sm90(plan(), q.float(), *kv)
     assert not ct._use_context_sm90(plan(block_size=24), q, *kv)          # pages: a power of two ...
     heads_major = torch.empty(4, 2, 16, 128, dtype=torch.bfloat16).transpose(1, 2)
@@ -184,7 +186,11 @@ def test_cuda_context_path_rule(monkeypatch):
     cc["major"] = 9
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)
     assert ct._use_context_sm90(plan(T=8, G=7, splits=3, split_len=1024), q, *kv)
+    assert ct._use_context_sm90(plan(T=32), q, *kv)
+    monkeypatch.setattr(ct, "CONTEXT_WARP_SPECIALIZED", False)           # the lockstep kernels: 128 rows at most
     assert not ct._use_context_sm90(plan(T=32), q, *kv)
+    assert ct._use_context_sm90(plan(), q, *kv)
+    monkeypatch.setattr(ct, "CONTEXT_WARP_SPECIALIZED", True)
     monkeypatch.setattr(ct, "CONTEXT_SM90", False)
     assert not ct._use_context_sm90(plan(), q, *kv)
 

@@ -287,7 +287,7 @@ def test_default_split_len():
     # The rounding follows the CUDA glue's rule (one place holds its numbers).
     from tlt_kernels._cuda import tree_attention as cuda_rule
 
-    for rows in (cuda_rule.CONTEXT_SM90_MIN_ROWS, 64, 65, cuda_rule.CONTEXT_SM90_MAX_ROWS):
+    for rows in (cuda_rule.CONTEXT_SM90_MIN_ROWS, 64, 65, cuda_rule.CONTEXT_SM90_MAX_ROWS, 32 * 7, 64 * 7):
         assert default_split_len(64, 4, 4100, num_rows=rows) % cuda_rule.context_tile(rows) == 0, rows
     assert cuda_rule.context_tile(65) == cuda_rule.CONTEXT_BLOCK == 128
     # ... and several splits of such rows too: whole 128-token tiles (7B heads, B=16, L=16384: 5376 = 42 tiles, 4

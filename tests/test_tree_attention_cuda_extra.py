@@ -149,6 +149,36 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     assert used and all(used), "the sm_90 kernel was not used"
 
 
+# Wide trees (T * G > 128) through the warp-specialized kernel, one CTA per 128-row block:
+# (B, T, Hkv, G, block_size, context lengths, num_nodes, dtype, split_len)
+WIDE_CASES = [
+    # 448 rows: 3.5 blocks (the last half padding); request 1's 5 nodes (35 rows) leave 3 blocks of padding only.
+    (2, 64, 1, 7, 16, [300, 200], [64, 5], torch.bfloat16, None),
+    # 512 rows, exactly 4 blocks; several splits (the merge), request 1 in one split.
+    (2, 64, 2, 8, 16, [700, 100], [64, 33], torch.float16, 256),
+    # 224 rows (7B at T=32): an empty context, a one-node tree, 32-token pages, 128-token splits.
+    (3, 32, 2, 7, 32, [1000, 0, 129], [32, 1, 17], torch.bfloat16, 128),
+    # 160 rows (32B heads at T=32), whole tiles only, one split.
+    (2, 32, 2, 5, 16, [1024, 2048], [32, 32], torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-Hkv{c[2]}-G{c[3]}-bs{c[4]}-n{c[6]}-sl{c[8]}")
+def test_sm90_warp_specialized_wide_trees(case, monkeypatch):
+    """T * G > 128 rows: the warp-specialized kernel in 128-row blocks (the blocks of one split adjacent in the grid),
+    direct writes and partial slots, rows of padding-only blocks, against the reference (NaN-trapped pages, poisoned
+    scratch and output)."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = sm90_rule_spy(monkeypatch, None)  # the auto rule takes these rows
+    monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", True)
+    B, T, Hkv, G, bs, ctx, nodes, dtype, split_len = case
+    assert T * G > cuda_ta.CONTEXT_SM90_MAX_ROWS and cuda_ta.context_config(T * G) == 128 | cuda_ta.WARP_SPECIALIZED_FLAG
+    c = _with_nodes(make_case(B, T, Hkv, G, 128, bs, ctx, dtype, seed=sum(ctx) + T * G + bs), nodes)
+    check_case(f"wide {case}", c, dtype, split_len=split_len)
+    assert used and all(used), "the sm_90 kernel was not used"
+
+
 def test_sm90_warp_specialized_empty_request_writes_zeros(monkeypatch):
     """num_nodes = 0 on an empty context breaks the plan's contract (planning refuses it), but a CUDA graph replayed
     with such a row validates nothing: the warp-specialized kernel must not wait for a tile nobody copies. That

@@ -31,8 +31,9 @@ HEAD_DIMS = (64, 128, 256)
 CONFIG_OVERRIDE = 0
 # sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
 # same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
-# the rest). Covers sm_90, D=128, T*G <= 128, T <= 64, split_len a multiple of the tile (context_tile), power-of-two
-# pages of contiguous token rows (stride(0) == block_size * stride(1)).
+# the rest). Covers sm_90, D=128, T <= 64, split_len a multiple of the tile (context_tile), power-of-two pages of
+# contiguous token rows (stride(0) == block_size * stride(1)), and T*G <= 128 rows, or any T*G with the
+# warp-specialized build (CONTEXT_WARP_SPECIALIZED), one CTA per 128-row block (wide trees: T = 32, 64).
 # None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G >= CONTEXT_SM90_MIN_ROWS. T*G > 64 (two
 # warpgroups; H100, 2026-11-26, bench/RESULTS.md: one split, T=16, 80.6-95.5% of the HBM floor against 58.9-65.0% for
 # the mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it). T*G <= 64 (the one-warpgroup kernel; T=8,
@@ -44,7 +45,7 @@ if _CTX_ENV not in ("", "auto", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
 CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV == "1"
 CONTEXT_SM90_MIN_ROWS = 1  # the auto rule: T*G at least this
-CONTEXT_SM90_MAX_ROWS = 128  # the kernel's rows: two warpgroups of 64
+CONTEXT_SM90_MAX_ROWS = 128  # the lockstep kernels' rows (two warpgroups of 64); the warp-specialized one takes any
 # The sm_90 kernel's tile (kBlockN) where T*G > 64: 128 (the two-warpgroup kernel, the default: half the per-tile
 # barriers and waits of 64) or 64 (the one-warpgroup kernel once per 64-row chunk: 68.5-75.4% of the HBM floor at
 # T=16 on an H100 against 80.9-95.0%). The one value is the kernel's config and the split_len divisibility the path
@@ -101,6 +102,12 @@ def context_config(rows: int) -> int:
     return tile | WARP_SPECIALIZED_FLAG if CONTEXT_WARP_SPECIALIZED and tile == 128 else tile
 
 
+def context_rows_covered(rows: int) -> bool:
+    """Whether the sm_90 kernels take ``rows = T * G`` query rows per KV head: up to two warpgroups' 128 in the
+    lockstep kernels, any number in 128-row blocks in the warp-specialized one."""
+    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or CONTEXT_WARP_SPECIALIZED)
+
+
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     rows = plan.num_tree * plan.group
     # auto: where it was measured faster (every T*G <= 128, one split or several).
@@ -110,7 +117,7 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # contiguous token rows.
     pages_ok = (bs & (bs - 1) == 0 and all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
                 and k_cache.shape[0] * bs < 2**31)  # tokens are int32
-    return (wanted and pages_ok and plan.head_dim == 128 and rows <= CONTEXT_SM90_MAX_ROWS
+    return (wanted and pages_ok and plan.head_dim == 128 and context_rows_covered(rows)
             and plan.num_tree <= MAX_TREE_SM90 and q.dtype in (torch.bfloat16, torch.float16)
             and plan.split_len % context_tile(rows) == 0 and cuda_capability(q.device)[0] == 9)
 

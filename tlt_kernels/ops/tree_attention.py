@@ -40,7 +40,9 @@ _BACKENDS = register_op(
     },
     # Triton first: as fast or faster than the CUDA backend on almost every suite case (bench/RESULTS.md,
     # 2026-11-26, CUDA time / Triton time: H100 0.99-1.09x at T <= 16 and 1.5-1.8x at T = 32/64 but 0.57x at 7B
-    # B=1; H200 1.37x geomean over the 12 cases). Swap when the CUDA backend overtakes it.
+    # B=1; H200 1.37x geomean over the 12 cases). Since 2026-11-27 the CUDA backend runs wide trees (T*G > 128) on
+    # the warp-specialized sm_90 kernel: 0.87-1.09x Triton's time at T = 32/64 on an H100 (bench.profile_tree_attention,
+    # RESULTS "01:38"), 1.05-1.06x at T=16. Swap when the CUDA backend overtakes it on both cards.
     preference=("triton", "cuda", "torch"),
 )
 
@@ -144,7 +146,7 @@ def default_split_len(
     # splits are whole tiles of it. The glue module holds the rule's numbers; importing it does not load the extension.
     from .._cuda import tree_attention as cuda_rule
 
-    ctx_rows = cuda_rule.CONTEXT_SM90_MIN_ROWS <= num_rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS
+    ctx_rows = num_rows >= cuda_rule.CONTEXT_SM90_MIN_ROWS and cuda_rule.context_rows_covered(num_rows)
     align = cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
     if want == 1:  # one split: its length only has to cover the context
         return max(align, -(-max_context_len // align) * align)
