@@ -9,7 +9,8 @@ so a cost paid once per CTA (prologue, tree tile, epilogue, launch) separates fr
     python -m bench.profile_tree_attention [--model 7b] [--B 64] [--T 16] [--L 1024,2048,4096,8192,16384] [--graph]
 
 Prints one JSON line per (impl, L) and one per fit. Impls: tlt-triton, tlt-cuda sm90 (the sm_90 kernel forced on),
-tlt-cuda sm90 ws (its warp-specialized build), tlt-cuda mma.sync (forced off). GPU only.
+tlt-cuda sm90 ws (its warp-specialized build, cp.async copies), tlt-cuda sm90 ws tma (the same with TMA copies of
+whole context tiles), tlt-cuda mma.sync (forced off). GPU only.
 """
 from __future__ import annotations
 
@@ -55,20 +56,21 @@ def main(argv=None) -> int:
     ctx = BenchContext("tree-attention", dev, torch.bfloat16, small=False)
     Hq, Hkv = MODELS["qwen2.5-7b" if args.model == "7b" else "qwen2.5-32b"]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    impls = [("tlt-triton", "triton", None, False)]  # (row, backend, sm_90 path, its warp-specialized build)
+    # (row, backend, sm_90 path, its warp-specialized build, TMA copies in it)
+    impls = [("tlt-triton", "triton", None, False, False)]
     if backend_unavailable_reason("cuda", dev) is None:
-        impls += [("tlt-cuda sm90", "cuda", True, False), ("tlt-cuda sm90 ws", "cuda", True, True),
-                  ("tlt-cuda mma.sync", "cuda", False, False)]
-    points = {name: [] for name, _, _, _ in impls}
+        impls += [("tlt-cuda sm90", "cuda", True, False, False), ("tlt-cuda sm90 ws", "cuda", True, True, False),
+                  ("tlt-cuda sm90 ws tma", "cuda", True, True, True), ("tlt-cuda mma.sync", "cuda", False, False, False)]
+    points = {name: [] for name, *_ in impls}
     for L in (int(x) for x in args.L.split(",")):
         inp = _make_inputs(args.B, L, args.T, Hq, Hkv, HEAD_DIM, torch.bfloat16, dev)
         plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                    num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
         out = torch.empty_like(inp["q"])
         nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 4 + 2 * inp["q"].numel() * 2
-        for name, backend, sm90, ws in impls:
+        for name, backend, sm90, ws, tma in impls:
             with ct.forced_context_path(sm90 if sm90 is not None else ct.CONTEXT_SM90), \
-                    mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws):
+                    mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws), mock.patch.object(ct, "CONTEXT_TMA", tma):
                 if backend == "cuda" and ct._use_context_sm90(plan, inp["q"], inp["k_cache"], inp["v_cache"]) != sm90:
                     continue
 

@@ -74,7 +74,7 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
       py::arg("out_strides"), py::arg("bt_stride_b"), py::arg("batch"), py::arg("num_tree"),               \
       py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),         \
       py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream"), \
-      py::arg("config") = 0
+      py::arg("config") = 0, py::arg("cache_tokens") = 0
 
 template <tlt::LaunchStatus (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t) noexcept>
 void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,
@@ -82,11 +82,13 @@ void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uin
                           uintptr_t partial_lse, uintptr_t out, const py::tuple& q_strides, const py::tuple& k_strides,
                           const py::tuple& v_strides, const py::tuple& out_strides, int64_t bt_stride_b, int batch,
                           int num_tree, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                          int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream, int config) {
-  const tlt::TreeAttentionParams p =
+                          int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream, int config,
+                          int64_t cache_tokens) {
+  tlt::TreeAttentionParams p =
       make_params(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out,
                   q_strides, k_strides, v_strides, out_strides, bt_stride_b, batch, num_tree, num_q_heads,
                   num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype, config);
+  p.cache_tokens = cache_tokens;  // token rows of the smaller cache (num_blocks * block_size): the TMA maps' extent
   // Launches are asynchronous and cheap; keep the GIL (no Python work runs meanwhile anyway).
   raise_if_failed(Launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
@@ -127,8 +129,9 @@ PYBIND11_MODULE(_C, m) {
         "Step 2 of tree attention: log-sum-exp merge of the used partial slots into out [B,T,Hq,D] for requests "
         "with two or more non-empty splits (zeros for rows t >= num_nodes[b]); launches nothing when num_splits == 1.");
   m.def("tree_attention_sm90", &tree_attention_entry<tlt::launch_tree_attention_sm90>, TLT_TREE_ATTN_ARGS,
-        "Step 1 of tree attention on sm_90 wgmma (D=128, T*G <= 128, T <= 64; config 0/128: 128-token tiles, "
-        "split_len % 128 == 0; 64: 64-token tiles): the same outputs as tree_attention_partial (out, or the partial "
+        "Step 1 of tree attention on sm_90 wgmma (D=128, T <= 64; config 0/128: 128-token tiles, split_len % 128 "
+        "== 0; 64: 64-token tiles; both T*G <= 128; 128|1024: warp-specialized, any T*G; |2048: TMA copies, with "
+        "cache_tokens and pages of >= 16 tokens): the same outputs as tree_attention_partial (out, or the partial "
         "slots the merge combines when num_splits > 1).");
   m.def(
       "_wgmma_selftest",

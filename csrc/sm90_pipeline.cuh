@@ -39,6 +39,25 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// One arrival on `bar` that also announces `bytes` more bytes of asynchronous transactions (TMA copies) the phase
+// must see complete before it can.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+// TMA: the box of a 3-D tensor map at coordinates (c0, c1, c2) (innermost first) into shared memory at `dst`; its
+// bytes complete a transaction on `bar`. `tensor_map` is the generic address of a __grid_constant__ CUtensorMap.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tensor_map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(dst),
+      "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, some of which sync (wait) and the rest only
 // arrive: the ping-pong between two warpgroups.
 __device__ __forceinline__ void named_sync(int id, int threads) {

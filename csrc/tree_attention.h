@@ -62,6 +62,9 @@ struct TreeAttentionParams {
   // Set by the launcher of the warp-specialized sm_90 kernel: log2 of its CTAs per (split, KV head, request), one per
   // 128-row block of T * G rounded up to a power of two (blockIdx.x = split << row_block_shift | row block).
   int row_block_shift = 0;
+  // Token rows in the cache (num_blocks * block_size), 0 = unknown: bounds the tensor maps of the warp-specialized
+  // kernel's TMA build (which needs it).
+  int64_t cache_tokens = 0;
 };
 
 // What every kernel that gathers K/V through the block table with 16-byte cp.async needs (the partial kernel and
@@ -76,12 +79,14 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
 // Step 2: for requests with two or more non-empty splits, combines those slots with log-sum-exp and
 // writes out (zeros for rows t >= num_nodes[b]). A no-op (nothing launched) when num_splits == 1.
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
-// Step 1 on sm_90 (tree_attention_ctx_sm90.cu; wgmma, D = 128, T * G <= 128, T <= 64): the same work and outputs as
+// Step 1 on sm_90 (tree_attention_ctx_sm90.cu; wgmma, D = 128, T <= 64): the same work and outputs as
 // launch_tree_attention_partial (out for requests with one non-empty split, else partial slots s < used; the merge
 // follows when num_splits > 1), one CTA of 128 rows per (split, KV head, request). p.config is its tile width: 0 or
-// 128 (split_len a multiple of 128) or 64; 128 | kSm90WarpSpecialized takes the warp-specialized build of the
-// 128-token kernel (a producer warpgroup and two ping-ponging consumers, tree_attention_ctx_sm90_ws.cu).
-constexpr int kSm90WarpSpecialized = 1024;
+// 128 (split_len a multiple of 128) or 64, for T * G <= 128; 128 | kSm90WarpSpecialized takes the warp-specialized
+// build of the 128-token kernel (a producer warpgroup and two ping-ponging consumers, tree_attention_ctx_sm90_ws.cu;
+// any T * G, in 128-row blocks), and | kSm90Tma its copies of whole context tiles by TMA (pages of 16 tokens or
+// more, p.cache_tokens set; else the cp.async build runs).
+constexpr int kSm90WarpSpecialized = 1024, kSm90Tma = 2048;
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

@@ -296,10 +296,12 @@ LaunchStatus launch_sm90_dtype(const TreeAttentionParams& p, dim3 grid, cudaStre
 // 128 (two warpgroups); 128 = the same, named; 64 = the 64-token tile (one warpgroup per 64-row chunk). Anything
 // else is refused, so a tuning index meant for the partial kernel (tree_attention.cu) cannot silently select a width.
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
-  const bool warp_specialized = p.config == (128 | kSm90WarpSpecialized);
+  const bool tma = (p.config & kSm90Tma) != 0;
+  const bool warp_specialized = (p.config & ~kSm90Tma) == (128 | kSm90WarpSpecialized);
   TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 64 || p.config == 128 || warp_specialized,
                        "the sm_90 tree-attention kernel's config is its tile width: 0 (default, 128), 64 or 128, or "
-                           << (128 | kSm90WarpSpecialized) << " (128, warp-specialized), got " << p.config);
+                           << (128 | kSm90WarpSpecialized) << " (128, warp-specialized; | " << kSm90Tma
+                           << " for TMA copies), got " << p.config);
   const int block_n = p.config == 64 ? Ctx64::kBlockN : Ctx128::kBlockN;
   // CTAs per (split, KV head, request): 64-row chunks (config 64); 128-row blocks (warp-specialized), their count
   // rounded up to a power of two (the kernel splits blockIdx.x by a shift); else one.
@@ -352,7 +354,9 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   q.row_block_shift = row_block_shift;
   const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.batch));
-  if (warp_specialized) return launch_sm90_warp_specialized(q, grid, stream);
+  // The TMA build needs whole 16-token boxes inside a page and the cache's extent for its tensor maps.
+  if (warp_specialized)
+    return launch_sm90_warp_specialized(q, grid, stream, tma && p.block_size >= 16 && p.cache_tokens > 0 ? 4 : 0);
   return block_n == Ctx64::kBlockN ? launch_sm90_dtype<Ctx64>(q, grid, stream) : launch_sm90_dtype<Ctx128>(q, grid, stream);
 }
 

@@ -22,6 +22,8 @@
 // 4-byte spill).
 // Shared memory: 7 x 32 KB of K/V tiles + 14 mbarriers, plus 1 KB to align the swizzled tiles (224 KB + 1 KB).
 // The Q-in-shared-memory build (3 + 3 stages) and a 4 K + 3 V build remain as bench/ws_probe.cu's variants.
+#include <cuda.h>  // CUtensorMap (the TMA build; no driver call is linked: the encoder comes through the runtime)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -84,9 +86,13 @@ constexpr int kScores = kBlockN / 2;
 // 32 KB of shared memory become a fourth K stage: the consumers hold one K and up to two V slots while they
 // compute, so the copies in flight are what the ring has left. Otherwise Q is staged in shared memory (SS wgmma)
 // and both rings have 3 stages.
-template <bool kQInRegisters_, int kStagesK_ = 3, int kStagesV_ = 3>
+// kTma: whole context tiles (every row a context token) come by TMA, one 16-token x 64-column box per page half
+// (16 boxes a tile, issued by 16 lanes of the producer's first warp; pages of at least 16 tokens), instead of 16
+// cp.async per producer thread; the masked tiles (context tail, tree) keep the cp.async gather, which zero-fills
+// the rows past the span.
+template <bool kQInRegisters_, int kStagesK_ = 3, int kStagesV_ = 3, bool kTma_ = false>
 struct WsConfig {
-  static constexpr bool kQInRegisters = kQInRegisters_;
+  static constexpr bool kQInRegisters = kQInRegisters_, kTma = kTma_;
   static constexpr int kStagesK = kStagesK_, kStagesV = kStagesV_;
   static constexpr int kQBytes = kQInRegisters ? 0 : kBlockM * kD * 2;
   static constexpr int kBarriersOffset = kQBytes + (kStagesK + kStagesV) * kTileBytes;
@@ -95,7 +101,7 @@ struct WsConfig {
 };
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): Q staged by both consumers; warpgroup w's turn to issue its GEMMs.
-constexpr int kBarQStaged = 1, kBarTurn0 = 2;
+constexpr int kBarQStaged = 1, kBarTurn0 = 2, kBarProducer = 4;
 
 // Tile i's rows of K (or V) into ring slot `slot`, 16 copies of 16 bytes per producer thread: thread pt copies
 // column chunk pt % 16 of rows pt / 16 + 8 it (it < 16), so a warp's copy covers two whole 256-byte rows. Lane L
@@ -114,7 +120,9 @@ __device__ __forceinline__ void copy_tile(int32_t token, const char* base, uint3
 }
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(const TreeAttentionParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    tree_attention_sm90_ws_kernel(const TreeAttentionParams p, const __grid_constant__ CUtensorMap tmap_k,
+                                  const __grid_constant__ CUtensorMap tmap_v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -148,11 +156,12 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
   auto empty_v = [&](int s) { return bars + 8u * (2 * kStagesK + kStagesV + s); };
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStagesK; ++s) {
-      sm90::mbarrier_init(full_k(s), kProducerThreads);  // one cp.async arrival per producer thread
+      // One cp.async arrival per producer thread; the TMA build: one arrival (with the bytes, or after a cp.async fill).
+      sm90::mbarrier_init(full_k(s), Cfg::kTma ? 1 : kProducerThreads);
       sm90::mbarrier_init(empty_k(s), kConsumerWarps);   // one arrival per consumer warp
     }
     for (int s = 0; s < kStagesV; ++s) {
-      sm90::mbarrier_init(full_v(s), kProducerThreads);
+      sm90::mbarrier_init(full_v(s), Cfg::kTma ? 1 : kProducerThreads);
       sm90::mbarrier_init(empty_v(s), kConsumerWarps);
     }
   }
@@ -170,6 +179,8 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
     const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
     const int my_row = 2 * warp + (lane & 1) + 8 * (lane >> 1);  // the row whose token this lane looks up
     int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
+    // TMA build: the page of this lane's box of the next tile (lanes 0-15 of warp 0), looked up a tile ahead.
+    int32_t box_page = Cfg::kTma && warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, 0, 16 * (lane >> 1)) : -1;
     TLT_WS_PROF_DECL();
 #pragma unroll 1
     for (int i = 0; i < n; ++i) {
@@ -186,17 +197,51 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
       sm90::mbarrier_arrive(full_v(sv));
 #else
       TLT_WS_TIC(t_copy_k);
-      copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
-      TLT_WS_ACC(6, t_copy_k);
-      TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
-      sm90::cp_async_arrive_noinc(full_k(sk));
-      TLT_WS_TIC(t_empty_v);
-      if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
-      TLT_WS_ACC(5, t_empty_v);
-      TLT_WS_TIC(t_copy_v);
-      copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
-      TLT_WS_ACC(6, t_copy_v);
-      sm90::cp_async_arrive_noinc(full_v(sv));
+      if constexpr (Cfg::kTma) {
+        const int32_t pg = box_page;  // this lane's box: page half (lane & 1) of rows 16 (lane >> 1) .. + 15
+        box_page = warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, i + 1, 16 * (lane >> 1)) : -1;
+        const bool whole = i < sp.n_full;
+        const int pos = sp.begin + i * kBlockN + 16 * (lane >> 1);
+        const int tok0 = (pg << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
+        const uint32_t box_off = (lane & 1) * kBlockN * 128 + (lane >> 1) * 16 * 128;
+        // A whole tile: 16 boxes on the slot's barrier (lane 0 announces the bytes first). Else the gather, then
+        // one arrival once every producer thread's copies have landed.
+        auto fill = [&](const CUtensorMap& tmap, const char* base, uint32_t stride, uint32_t slot, uint32_t full) {
+          if (whole) {
+            if (warp == 0) {
+              if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileBytes);
+              __syncwarp();
+              if (lane < 16) sm90::tma_load_3d(slot + box_off, &tmap, 64 * (lane & 1), h, tok0, full);
+            }
+          } else {
+            copy_tile(token, base, stride, slot, warp, lane);
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            sm90::named_sync(kBarProducer, kProducerThreads);
+            if (pt == 0) sm90::mbarrier_arrive(full);
+          }
+        };
+        fill(tmap_k, k_base, k_stride, k_s + sk * kTileBytes, full_k(sk));
+        TLT_WS_ACC(6, t_copy_k);
+        TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
+        TLT_WS_TIC(t_empty_v);
+        if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+        TLT_WS_ACC(5, t_empty_v);
+        TLT_WS_TIC(t_copy_v);
+        fill(tmap_v, v_base, v_stride, v_s + sv * kTileBytes, full_v(sv));
+        TLT_WS_ACC(6, t_copy_v);
+      } else {
+        copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
+        TLT_WS_ACC(6, t_copy_k);
+        TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
+        sm90::cp_async_arrive_noinc(full_k(sk));
+        TLT_WS_TIC(t_empty_v);
+        if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+        TLT_WS_ACC(5, t_empty_v);
+        TLT_WS_TIC(t_copy_v);
+        copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
+        TLT_WS_ACC(6, t_copy_v);
+        sm90::cp_async_arrive_noinc(full_v(sv));
+      }
 #endif
     }
     TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
@@ -324,11 +369,51 @@ __global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_kernel(con
 #endif
 }
 
+// The TMA build's tensor map of one cache (K or V): dims (head dim, KV heads, token rows), innermost first, strides
+// in bytes; boxes of 64 columns x 1 head x 16 token rows, 128-byte swizzle (the layout the wgmma descriptors
+// describe, csrc/wgmma_sm90.cuh). The encoder is the driver's, reached through the runtime (no libcuda link).
+inline LaunchStatus encode_cache_map(CUtensorMap& map, const void* cache, int64_t stride_head, int64_t stride_token,
+                                     const TreeAttentionParams& p) noexcept {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult found;
+    void* fn = nullptr;
+    TLT_STATUS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                           &found));
+    TLT_STATUS_CHECK_ARG(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                         "the driver has no cuTensorMapEncodeTiled (the TMA build needs CUDA 12+)");
+    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.num_kv_heads),
+                              static_cast<cuuint64_t>(p.cache_tokens)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(stride_head) * 2, static_cast<cuuint64_t>(stride_token) * 2};
+  const cuuint32_t box[3] = {64, 1, 16}, elem[3] = {1, 1, 1};
+  const CUresult r = encode(&map, p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            3, const_cast<void*>(cache), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TLT_STATUS_CHECK_ARG(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with CUresult " << static_cast<int>(r));
+  return {};
+}
+
+template <typename T, typename Cfg>
+LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  CUtensorMap tmap_k{}, tmap_v{};  // unused unless Cfg::kTma
+  if constexpr (Cfg::kTma) {
+    TLT_RETURN_IF_FAILED(encode_cache_map(tmap_k, p.k_cache, p.k_stride_head, p.k_stride_token, p));
+    TLT_RETURN_IF_FAILED(encode_cache_map(tmap_v, p.v_cache, p.v_stride_head, p.v_stride_token, p));
+  }
+  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_sm90_ws_kernel<T, Cfg>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  tree_attention_sm90_ws_kernel<T, Cfg><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tmap_k, tmap_v);
+  TLT_STATUS_CHECK_LAUNCH();
+  return {};
+}
+
 template <typename Cfg>
 LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return launch_with_smem(p.dtype == DType::kBFloat16 ? tree_attention_sm90_ws_kernel<__nv_bfloat16, Cfg>
-                                                      : tree_attention_sm90_ws_kernel<__half, Cfg>,
-                          grid, kThreads, Cfg::kSmemBytes, stream, p);
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, Cfg>(p, grid, stream)
+                                     : launch_ws<__half, Cfg>(p, grid, stream);
 }
 
 }  // namespace
@@ -338,6 +423,7 @@ LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 gri
   switch (variant) {
     case 1: return launch_ws_dtype<WsConfig<true, 4, 3>>(p, grid, stream);
     case 2: return launch_ws_dtype<WsConfig<false, 3, 3>>(p, grid, stream);
+    case 4: return launch_ws_dtype<WsConfig<true, 3, 4, true>>(p, grid, stream);  // TMA: pages >= 16, cache_tokens
 #if TLT_WS_PROBE
     case 3: return launch_ws_dtype<WsConfig<true, 2, 2>>(p, grid, stream);  // probe only: fewer copies in flight
 #endif

@@ -147,6 +147,20 @@ def test_cuda_warp_specialized_switch_is_parsed():
     assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1" in proc.stderr
 
 
+def test_cuda_tma_switch_is_parsed():
+    """TLT_TREE_ATTENTION_CUDA_TMA: unset/auto = TMA copies for wide trees only (T*G > 128), 1 = wherever the
+    warp-specialized kernel runs, 0 = never, anything else a clear error; the launch config carries it (| 2048)."""
+    code = ("import tlt_kernels._cuda.tree_attention as ct; "
+            "print(ct.CONTEXT_TMA, ct.context_config(112), ct.context_config(448), ct.context_config(56))")
+    for value, expected in (("auto", "None 1152 3200 64"), ("1", "True 3200 3200 64"), ("0", "False 1152 1152 64")):
+        proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_TMA=value)
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
+    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_TMA="1", TLT_TREE_ATTENTION_CUDA_WS="0")  # no TMA without it
+    assert proc.returncode == 0 and proc.stdout.strip() == "True 128 128 64", proc.stdout
+    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_TMA="yes")
+    assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_TMA must be auto, 0 or 1" in proc.stderr
+
+
 def test_cuda_context_path_rule(monkeypatch):
     """Where the CUDA backend takes the sm_90 kernel (CPU: the device query is stubbed). auto: any T*G (over 128
     rows only the warp-specialized build, in 128-row blocks), D=128,

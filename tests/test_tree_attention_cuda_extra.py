@@ -122,7 +122,7 @@ SM90_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block", [128, 64, "128-ws"])
+@pytest.mark.parametrize("block", [128, 64, "128-ws", "128-ws-tma"])
 @pytest.mark.parametrize("case", SM90_CASES,
                          ids=lambda c: f"B{c[0]}-T{c[1]}-Hkv{c[2]}-G{c[3]}-bs{c[4]}-{str(c[6])[6:]}-sl{c[7]}-kv{int(c[8])}")
 def test_sm90_path_matches_reference(case, block, monkeypatch):
@@ -135,11 +135,14 @@ def test_sm90_path_matches_reference(case, block, monkeypatch):
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     B, T, Hkv, G, bs, ctx, dtype, split_len, combined = case
-    warp_specialized = block == "128-ws"
+    warp_specialized = block in ("128-ws", "128-ws-tma")
+    # TMA copies where the pages allow them (>= 16 tokens; smaller pages keep cp.async in the same build).
+    monkeypatch.setattr(cuda_ta, "CONTEXT_TMA", block == "128-ws-tma")
     block = 128 if warp_specialized else block
     monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", warp_specialized)
     if warp_specialized:
-        assert cuda_ta.context_config(65) == 128 | cuda_ta.WARP_SPECIALIZED_FLAG
+        tma_flag = cuda_ta.TMA_FLAG if cuda_ta.CONTEXT_TMA else 0
+        assert cuda_ta.context_config(65) == 128 | cuda_ta.WARP_SPECIALIZED_FLAG | tma_flag
     if split_len is None and (block == 64 or T * G <= 64):  # the planner aligns other splits to 128 tokens itself
         split_len = block * max(1, -(-max(ctx) // block))  # one split of whole tiles
     monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
@@ -163,17 +166,20 @@ WIDE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("tma", [None, False], ids=["auto-tma", "cp-async"])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: f"B{c[0]}-T{c[1]}-Hkv{c[2]}-G{c[3]}-bs{c[4]}-n{c[6]}-sl{c[8]}")
-def test_sm90_warp_specialized_wide_trees(case, monkeypatch):
+def test_sm90_warp_specialized_wide_trees(case, tma, monkeypatch):
     """T * G > 128 rows: the warp-specialized kernel in 128-row blocks (the blocks of one split adjacent in the grid),
-    direct writes and partial slots, rows of padding-only blocks, against the reference (NaN-trapped pages, poisoned
-    scratch and output)."""
+    its whole context tiles by TMA (the auto rule's choice here) or by cp.async, direct writes and partial slots, rows
+    of padding-only blocks, against the reference (NaN-trapped pages, poisoned scratch and output)."""
     from tlt_kernels._cuda import tree_attention as cuda_ta
 
     used = sm90_rule_spy(monkeypatch, None)  # the auto rule takes these rows
     monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_TMA", tma)
     B, T, Hkv, G, bs, ctx, nodes, dtype, split_len = case
-    assert T * G > cuda_ta.CONTEXT_SM90_MAX_ROWS and cuda_ta.context_config(T * G) == 128 | cuda_ta.WARP_SPECIALIZED_FLAG
+    flags = cuda_ta.WARP_SPECIALIZED_FLAG | (cuda_ta.TMA_FLAG if tma is None else 0)
+    assert T * G > cuda_ta.CONTEXT_SM90_MAX_ROWS and cuda_ta.context_config(T * G) == 128 | flags
     c = _with_nodes(make_case(B, T, Hkv, G, 128, bs, ctx, dtype, seed=sum(ctx) + T * G + bs), nodes)
     check_case(f"wide {case}", c, dtype, split_len=split_len)
     assert used and all(used), "the sm_90 kernel was not used"

@@ -66,6 +66,17 @@ if _WS_ENV not in ("", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got {_WS_ENV!r}")
 CONTEXT_WARP_SPECIALIZED = _WS_ENV != "0"
 WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
+# The warp-specialized kernel's copies of whole context tiles: TMA (one instruction per 16-token page half; pages of
+# 16 tokens or more, else the kernel keeps cp.async) or 16-byte cp.async from every producer thread. None (default,
+# TLT_TREE_ATTENTION_CUDA_TMA unset or "auto"): TMA for wide trees (T*G > 128), where the math is the limit and the
+# cp.async producer slowed it (H100, 2026-11-27, bench/RESULTS.md "01:46": 7B T=64 B=32 L=8192 and T=32 B=8
+# L=32768 10.5-11.2% faster, bit-identical outputs); cp.async at T*G <= 128, where the H100 streams at its copy
+# bandwidth either way (TMA 1-2% slower there). True ("1") / False ("0"): everywhere / nowhere.
+_TMA_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_TMA", "auto").strip().lower()
+if _TMA_ENV not in ("", "auto", "0", "1"):
+    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_TMA must be auto, 0 or 1, got {_TMA_ENV!r}")
+CONTEXT_TMA: Optional[bool] = None if _TMA_ENV in ("", "auto") else _TMA_ENV == "1"
+TMA_FLAG = 2048  # csrc/tree_attention.h, kSm90Tma
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
 
@@ -97,9 +108,13 @@ def context_tile(rows: int) -> int:
 
 def context_config(rows: int) -> int:
     """The sm_90 kernel's launch config for ``rows = T * G``: its tile width, with the warp-specialized flag where
-    :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens."""
+    :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens, and then the TMA flag where
+    :data:`CONTEXT_TMA` wants it (auto: rows > 128)."""
     tile = context_tile(rows)
-    return tile | WARP_SPECIALIZED_FLAG if CONTEXT_WARP_SPECIALIZED and tile == 128 else tile
+    if not (CONTEXT_WARP_SPECIALIZED and tile == 128):
+        return tile
+    tma = rows > CONTEXT_SM90_MAX_ROWS if CONTEXT_TMA is None else CONTEXT_TMA
+    return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma else 0)
 
 
 def context_rows_covered(rows: int) -> bool:
@@ -199,4 +214,6 @@ def _launch_args(plan, q, k_cache, v_cache, out, sm_scale) -> dict:
         num_q_heads=plan.num_q_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
         block_size=plan.block_size, num_splits=plan.num_splits, split_len=plan.split_len,
         sm_scale=float(sm_scale), dtype=dtype_code(q.dtype), config=int(CONFIG_OVERRIDE),
+        # Token rows the caches hold: the extent of the TMA build's tensor maps.
+        cache_tokens=min(k_cache.shape[0], v_cache.shape[0]) * plan.block_size,
     )
