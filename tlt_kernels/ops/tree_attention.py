@@ -41,8 +41,9 @@ _BACKENDS = register_op(
     # Triton first: as fast or faster than the CUDA backend on almost every suite case (bench/RESULTS.md,
     # 2026-11-26, CUDA time / Triton time: H100 0.99-1.09x at T <= 16 and 1.5-1.8x at T = 32/64 but 0.57x at 7B
     # B=1; H200 1.37x geomean over the 12 cases). Since 2026-11-27 the CUDA backend runs wide trees (T*G > 128) on
-    # the warp-specialized sm_90 kernel: 0.87-1.09x Triton's time at T = 32/64 on an H100 (bench.profile_tree_attention,
-    # RESULTS "01:38"), 1.05-1.06x at T=16. Swap when the CUDA backend overtakes it on both cards.
+    # the warp-specialized sm_90 kernel with TMA copies: 0.80-0.95x Triton's time on five of the six T = 32/64 shapes
+    # and 1.03x on the sixth, on an H100 (bench.profile_tree_attention, RESULTS "01:46-01:55"); 0.98-1.06x at T=16,
+    # and Triton stays ahead at T=8 on the H200. Swap (or choose per shape) when the CUDA backend leads on both cards.
     preference=("triton", "cuda", "torch"),
 )
 
