@@ -145,6 +145,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // context, e.g. a graph replayed with a padding row nobody validated) must not hang: step 0 would wait for V_0,
   // which no one copies. Such a CTA runs no step and writes zeros.
   const int n = sp.n_tiles;
+  // A row block of at most 64 rows of T * G (the last block of a wide tree, e.g. rows 384..447 of 448) has work for
+  // warpgroup 0 only: warpgroup 1 leaves at once, and warpgroup 0 runs alone, without the ping-pong, its slots
+  // released by its 4 warps. (The Q-in-shared-memory build stages Q with both warpgroups: it keeps them.)
+  const bool one_consumer = Cfg::kQInRegisters && TG - kBlockM * rb <= 64;
+  const int consumer_warps = one_consumer ? kConsumerWarps / 2 : kConsumerWarps;
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));
@@ -158,11 +163,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStagesK; ++s) {
       // One cp.async arrival per producer thread; the TMA build: one arrival (with the bytes, or after a cp.async fill).
       sm90::mbarrier_init(full_k(s), Cfg::kTma ? 1 : kProducerThreads);
-      sm90::mbarrier_init(empty_k(s), kConsumerWarps);   // one arrival per consumer warp
+      sm90::mbarrier_init(empty_k(s), consumer_warps);   // one arrival per working consumer warp
     }
     for (int s = 0; s < kStagesV; ++s) {
       sm90::mbarrier_init(full_v(s), Cfg::kTma ? 1 : kProducerThreads);
-      sm90::mbarrier_init(empty_v(s), kConsumerWarps);
+      sm90::mbarrier_init(empty_v(s), consumer_warps);
     }
   }
   __syncthreads();  // the barriers exist; the last CTA-wide barrier
@@ -251,6 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 of the row block ----
+  if (one_consumer && wg == 1) return;  // no row of this block is warpgroup 1's
   sm90::regs_inc<kConsumerRegs>();
   const int row0 = kBlockM * rb;                                // the block's first row of T * G
   const int row_base = row0 + 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
@@ -275,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::named_sync(kBarQStaged, kConsumerThreads);
   }
   const int my_turn = kBarTurn0 + wg, other_turn = kBarTurn0 + 1 - wg;
-  if (wg == 1 && n > 0) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first
+  if (wg == 1 && n > 0) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first (wg 1 works)
 
   const uint64_t dq0 = wgmma::desc_k_major(q_s + wg * 64 * 128, kBlockM, 0);  // this warpgroup's 64 rows of Q
   const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
@@ -310,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::fence_regs(s);
     wgmma::fence_regs(o);
     TLT_WS_TIC(t_turn);
-    sm90::named_sync(my_turn, kConsumerThreads);
+    if (!one_consumer) sm90::named_sync(my_turn, kConsumerThreads);
     TLT_WS_ACC(1, t_turn);
     TLT_WS_STAMP(10, j == 0 && threadIdx.x == 0);
     TLT_WS_STAMP(14, j == 1 && threadIdx.x == 0);
@@ -332,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::commit();
     // The other warpgroup's turn; warpgroup 0 issues once more than warpgroup 1 waits for (the initial arrival),
     // so warpgroup 1 skips its last.
-    if (wg == 0 || j < n) sm90::named_arrive(other_turn, kConsumerThreads);
+    if (!one_consumer && (wg == 0 || j < n)) sm90::named_arrive(other_turn, kConsumerThreads);
     TLT_WS_TIC(t_s);
     wgmma::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
     TLT_WS_ACC(2, t_s);
