@@ -378,18 +378,25 @@ __global__ void __launch_bounds__(kThreads, 1)
 // The TMA build's tensor map of one cache (K or V): dims (head dim, KV heads, token rows), innermost first, strides
 // in bytes; boxes of 64 columns x 1 head x 16 token rows, 128-byte swizzle (the layout the wgmma descriptors
 // describe, csrc/wgmma_sm90.cuh). The encoder is the driver's, reached through the runtime (no libcuda link).
+// The driver's encoder, looked up once (a function-local static: thread-safe initialization, as engines launch from
+// several threads); nullptr when the driver has none.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() noexcept {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    void* fn = nullptr;
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    return e == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+                                                                    : nullptr;
+  }();
+  return encoder;
+}
+
 inline LaunchStatus encode_cache_map(CUtensorMap& map, const void* cache, int64_t stride_head, int64_t stride_token,
                                      const TreeAttentionParams& p) noexcept {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult found;
-    void* fn = nullptr;
-    TLT_STATUS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                                           &found));
-    TLT_STATUS_CHECK_ARG(found == cudaDriverEntryPointSuccess && fn != nullptr,
-                         "the driver has no cuTensorMapEncodeTiled (the TMA build needs CUDA 12+)");
-    encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  TLT_STATUS_CHECK_ARG(encode != nullptr, "the CUDA driver has no cuTensorMapEncodeTiled (the TMA build needs a CUDA 12+ "
+                                          "driver; TLT_TREE_ATTENTION_CUDA_TMA=0 turns it off)");
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.num_kv_heads),
                               static_cast<cuuint64_t>(p.cache_tokens)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(stride_head) * 2, static_cast<cuuint64_t>(stride_token) * 2};
