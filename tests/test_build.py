@@ -348,6 +348,28 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
         assert sum(cfg in line for line in entries) == 2, (cfg, entries)
 
 
+def test_sm90_warp_specialized_kernel_compiles_without_serialization_or_spills():
+    """csrc/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend launches keep
+    their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing; the TMA build keeps its
+    small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
+    import re
+
+    proc = _ptxas_verbose_sm90("tree_attention_ctx_sm90_ws.cu")
+    assert "C7514" not in proc.stderr, proc.stderr
+    lines = proc.stderr.splitlines()
+    spills = {}
+    for i, line in enumerate(lines):
+        if "Compiling entry function" in line:
+            cfg = re.search(r"WsConfigILb(\d)ELi(\d)ELi(\d)ELb(\d)E", line).groups()
+            spill = next(l for l in lines[i + 1:] if "spill stores" in l)
+            spills.setdefault(cfg, []).append(int(re.search(r"(\d+) bytes spill stores", spill).group(1)))
+    # fp16 and bf16 of: the default, K4+V3, Q in shared memory, TMA
+    assert set(spills) == {("1", "3", "4", "0"), ("1", "4", "3", "0"), ("0", "3", "3", "0"), ("1", "3", "4", "1")}, spills
+    assert all(len(v) == 2 for v in spills.values()), spills
+    assert spills[("1", "3", "4", "0")] == [0, 0], spills
+    assert max(spills[("1", "3", "4", "1")]) <= 16, spills
+
+
 def _elf_section_sizes(path: str) -> dict:
     """``{section name: size in bytes}`` of an ELF64 file (a cubin), read from its section headers."""
     import struct
