@@ -268,14 +268,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     wgmma::wait<0>();
     fence_regs(o);
     if (j == n) break;
-    // alpha is exactly 1 for a row whose max did not move (most tiles once a few are seen): skip the 64 multiplies
-    // when that holds for the warp's 16 rows.
-    if (!__all_sync(0xffffffff, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-      for (int q = 0; q < 16; ++q)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
-    }
+    rescale_o(o, alpha);
   }
   tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 

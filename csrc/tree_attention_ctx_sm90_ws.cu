@@ -360,12 +360,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::fence_regs(o);
     if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStagesV));  // V_{j-1} read
     if (j == n) break;
-    if (!__all_sync(0xffffffff, alpha[0] == 1.f && alpha[1] == 1.f)) {
-#pragma unroll
-      for (int q = 0; q < 16; ++q)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
-    }
+    rescale_o(o, alpha);
   }
 
   TLT_WS_STAMP(5, threadIdx.x == 0);
@@ -416,11 +411,8 @@ LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t str
     TLT_RETURN_IF_FAILED(encode_cache_map(tmap_k, p.k_cache, p.k_stride_head, p.k_stride_token, p));
     TLT_RETURN_IF_FAILED(encode_cache_map(tmap_v, p.v_cache, p.v_stride_head, p.v_stride_token, p));
   }
-  TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(tree_attention_sm90_ws_kernel<T, Cfg>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-  tree_attention_sm90_ws_kernel<T, Cfg><<<grid, kThreads, Cfg::kSmemBytes, stream>>>(p, tmap_k, tmap_v);
-  TLT_STATUS_CHECK_LAUNCH();
-  return {};
+  return launch_with_smem(tree_attention_sm90_ws_kernel<T, Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, p, tmap_k,
+                          tmap_v);
 }
 
 template <typename Cfg>

@@ -132,6 +132,17 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
   }
 }
 
+// O *= alpha row by row after a tile (the running max moved). alpha is exactly 1 for a row whose max did not move
+// (most tiles once a few are seen): the 64 multiplies are skipped when that holds for the warp's 16 rows.
+__device__ __forceinline__ void rescale_o(float (&o)[64], const float (&alpha)[2]) {
+  if (!__all_sync(0xffffffff, alpha[0] == 1.f && alpha[1] == 1.f)) {
+#pragma unroll
+    for (int q = 0; q < 16; ++q)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * q + e] *= alpha[e / 2];
+  }
+}
+
 // Q straight into registers as the A fragments of S's k-steps: this thread's rows row_base and row_base + 8 (rows
 // >= rows zero), columns 16 k + 2 (lane % 4) (+8), the accumulator layout (wgmma::a_fragment). q_row(m) points at
 // row m's first element.
@@ -208,11 +219,12 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
   }
 }
 
-// Opts `kernel` into `smem_bytes` of dynamic shared memory (past the 48 KB default), then launches it on p.
-inline LaunchStatus launch_with_smem(void (*kernel)(TreeAttentionParams), dim3 grid, int threads, int smem_bytes,
-                                     cudaStream_t stream, const TreeAttentionParams& p) noexcept {
+// Opts `kernel` into `smem_bytes` of dynamic shared memory (past the 48 KB default), then launches it on args.
+template <typename... Params, typename... Args>
+LaunchStatus launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads, int smem_bytes, cudaStream_t stream,
+                              const Args&... args) noexcept {
   TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  kernel<<<grid, threads, smem_bytes, stream>>>(p);
+  kernel<<<grid, threads, smem_bytes, stream>>>(args...);
   TLT_STATUS_CHECK_LAUNCH();
   return {};
 }
