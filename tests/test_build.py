@@ -125,40 +125,43 @@ def test_extension_validates_arguments_before_touching_the_gpu():
         ext.tree_attention_merge(**{**args, "q_strides": (1, 2)})
 
 
+_CUDA_GLUE = "import tlt_kernels._cuda.tree_attention as ct; "
+
+
+def _assert_switch_parsed(show: str, name: str, cases, error: str) -> None:
+    """Each (value, expected) of environment variable `name` makes `show` print `expected` at import of the CUDA glue
+    module; the value "yes" fails the import with "`name` `error`"."""
+    for value, expected in cases:
+        proc = _run_python(_CUDA_GLUE + show, **{name: value})
+        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
+    proc = _run_python(_CUDA_GLUE + show, **{name: "yes"})
+    assert proc.returncode != 0 and f"{name} {error}" in proc.stderr, proc.stderr[-500:]
+
+
 def test_cuda_context_path_switch_is_parsed():
     """TLT_TREE_ATTENTION_CUDA_CTX: unset/auto = the T*G > 64 rule (None), 1 = on, 0 = off, anything else a clear error."""
-    code = "import tlt_kernels._cuda.tree_attention as ct; print(ct.CONTEXT_SM90)"
-    for value, expected in (("auto", "None"), ("1", "True"), ("0", "False")):
-        proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_CTX=value)
-        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
-    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_CTX="yes")
-    assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1" in proc.stderr
+    _assert_switch_parsed("print(ct.CONTEXT_SM90)", "TLT_TREE_ATTENTION_CUDA_CTX",
+                          (("auto", "None"), ("1", "True"), ("0", "False")), "must be auto, 0 or 1")
 
 
 def test_cuda_warp_specialized_switch_is_parsed():
     """TLT_TREE_ATTENTION_CUDA_WS: unset/empty/1 = the warp-specialized build of the 128-token kernel, 0 = the lockstep one,
     anything else a clear error; the launch config carries the choice (the tile width, ORed with the flag)."""
-    code = ("import tlt_kernels._cuda.tree_attention as ct; "
-            "print(ct.CONTEXT_WARP_SPECIALIZED, ct.context_config(112), ct.context_config(56))")
-    for value, expected in (("", "True 1152 64"), ("1", "True 1152 64"), ("0", "False 128 64")):
-        proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_WS=value)
-        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
-    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_WS="yes")
-    assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1" in proc.stderr
+    _assert_switch_parsed("print(ct.CONTEXT_WARP_SPECIALIZED, ct.context_config(112), ct.context_config(56))",
+                          "TLT_TREE_ATTENTION_CUDA_WS",
+                          (("", "True 1152 64"), ("1", "True 1152 64"), ("0", "False 128 64")), "must be 0 or 1")
 
 
 def test_cuda_tma_switch_is_parsed():
     """TLT_TREE_ATTENTION_CUDA_TMA: unset/auto = TMA copies for wide trees only (T*G > 128), 1 = wherever the
     warp-specialized kernel runs, 0 = never, anything else a clear error; the launch config carries it (| 2048)."""
-    code = ("import tlt_kernels._cuda.tree_attention as ct; "
-            "print(ct.CONTEXT_TMA, ct.context_config(112), ct.context_config(448), ct.context_config(56))")
-    for value, expected in (("auto", "None 1152 3200 64"), ("1", "True 3200 3200 64"), ("0", "False 1152 1152 64")):
-        proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_TMA=value)
-        assert proc.returncode == 0 and proc.stdout.strip() == expected, (value, proc.stdout, proc.stderr[-500:])
-    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_TMA="1", TLT_TREE_ATTENTION_CUDA_WS="0")  # no TMA without it
+    show = "print(ct.CONTEXT_TMA, ct.context_config(112), ct.context_config(448), ct.context_config(56))"
+    _assert_switch_parsed(show, "TLT_TREE_ATTENTION_CUDA_TMA",
+                          (("auto", "None 1152 3200 64"), ("1", "True 3200 3200 64"), ("0", "False 1152 1152 64")),
+                          "must be auto, 0 or 1")
+    # TMA is a build of the warp-specialized kernel: no TMA flag without it.
+    proc = _run_python(_CUDA_GLUE + show, TLT_TREE_ATTENTION_CUDA_TMA="1", TLT_TREE_ATTENTION_CUDA_WS="0")
     assert proc.returncode == 0 and proc.stdout.strip() == "True 128 128 64", proc.stdout
-    proc = _run_python(code, TLT_TREE_ATTENTION_CUDA_TMA="yes")
-    assert proc.returncode != 0 and "TLT_TREE_ATTENTION_CUDA_TMA must be auto, 0 or 1" in proc.stderr
 
 
 def test_cuda_context_path_rule(monkeypatch):

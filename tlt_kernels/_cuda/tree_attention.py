@@ -29,6 +29,17 @@ HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
 # in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
+
+
+def _auto_switch(name: str) -> Optional[bool]:
+    """An import-time switch read from the environment: unset, empty or "auto" -> None (the measured rule), "1" ->
+    True, "0" -> False; anything else a ValueError naming the variable."""
+    value = os.environ.get(name, "auto").strip().lower()
+    if value not in ("", "auto", "0", "1"):
+        raise ValueError(f"{name} must be auto, 0 or 1, got {value!r}")
+    return None if value in ("", "auto") else value == "1"
+
+
 # sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
 # same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
 # the rest). Covers sm_90, D=128, T <= 64, split_len a multiple of the tile (context_tile), power-of-two pages of
@@ -40,10 +51,7 @@ CONFIG_OVERRIDE = 0
 # 2026-11-26 21:00-21:06 UTC: H100 92.3 / 96.3%, H200 83.6 / 87.4% against the mma.sync kernel's 84.3 / 88.0% and
 # 64.4 / 68.9%).
 # True ("1"): wherever covered; False ("0"): off.
-_CTX_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_CTX", "auto").strip().lower()
-if _CTX_ENV not in ("", "auto", "0", "1"):
-    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_CTX must be auto, 0 or 1, got {_CTX_ENV!r}")
-CONTEXT_SM90: Optional[bool] = None if _CTX_ENV in ("", "auto") else _CTX_ENV == "1"
+CONTEXT_SM90: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_CTX")
 CONTEXT_SM90_MIN_ROWS = 1  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the lockstep kernels' rows (two warpgroups of 64); the warp-specialized one takes any
 # The sm_90 kernel's tile (kBlockN) where T*G > 64: 128 (the two-warpgroup kernel, the default: half the per-tile
@@ -72,10 +80,7 @@ WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORe
 # cp.async producer slowed it (H100, 2026-11-27, bench/RESULTS.md "01:46": 7B T=64 B=32 L=8192 and T=32 B=8
 # L=32768 10.5-11.2% faster, bit-identical outputs); cp.async at T*G <= 128, where the H100 streams at its copy
 # bandwidth either way (TMA 1-2% slower there). True ("1") / False ("0"): everywhere / nowhere.
-_TMA_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_TMA", "auto").strip().lower()
-if _TMA_ENV not in ("", "auto", "0", "1"):
-    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_TMA must be auto, 0 or 1, got {_TMA_ENV!r}")
-CONTEXT_TMA: Optional[bool] = None if _TMA_ENV in ("", "auto") else _TMA_ENV == "1"
+CONTEXT_TMA: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_TMA")
 TMA_FLAG = 2048  # csrc/tree_attention.h, kSm90Tma
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
