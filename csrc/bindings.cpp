@@ -118,6 +118,17 @@ PYBIND11_MODULE(_C, m) {
         "dict: archs (str), nvcc_version (str), cuda_runtime_compiled / cuda_runtime_version (int, e.g. 13000), "
         "cuda_driver_version (int, 0 without a driver), head_dims, dtypes");
   m.def(
+      "device_memory_bandwidth_gbps",
+      [](int device) {
+        int clock_khz = 0, bus_bits = 0;
+        TLT_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
+        TLT_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+        return 2.0 * clock_khz * 1e3 * (bus_bits / 8) / 1e9;  // double data rate: two transfers per clock
+      },
+      py::arg("device"),
+      "float: the device's peak memory bandwidth in GB/s from the driver's memory clock and bus width (2 x clock x "
+      "width / 8); raises RuntimeError without a driver or device.");
+  m.def(
       "_cuda_check_selftest", [](int code) { TLT_CUDA_CHECK(static_cast<cudaError_t>(code)); },
       "Raise what TLT_CUDA_CHECK raises for the given cudaError_t code (tests the error path; needs no GPU).");
   m.def("tree_attention_partial", &tree_attention_entry<tlt::launch_tree_attention_partial>, TLT_TREE_ATTN_ARGS,

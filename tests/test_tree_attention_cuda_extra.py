@@ -255,3 +255,14 @@ def plan_for(c, **kw):
     B, T, Hq, D = c["q"].shape
     return plan_tree_attention(c["parents"], c["context_lens"], c["block_table"], c["num_nodes"], num_q_heads=Hq,
                                num_kv_heads=c["k_cache"].shape[2], head_dim=D, block_size=c["k_cache"].shape[1], **kw)
+
+
+def test_device_memory_bandwidth_query_is_plausible():
+    """The auto TMA rule's driver query: a peak bandwidth in the range of real cards (0.5-20 TB/s), the same on every
+    call, and has_fast_memory agreeing with the threshold."""
+    from tlt_kernels._cuda import tree_attention as ct
+
+    gbps = ct.extension().device_memory_bandwidth_gbps(0)
+    assert 500.0 < gbps < 20000.0, gbps
+    assert ct.extension().device_memory_bandwidth_gbps(0) == gbps
+    assert ct.has_fast_memory(0) == (gbps >= ct.TMA_MIN_BANDWIDTH_GBPS)

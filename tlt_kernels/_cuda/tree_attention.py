@@ -15,6 +15,7 @@ op) after shape / dtype / device validation; it only checks what the CUDA kernel
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Iterator, Optional
 
@@ -76,12 +77,23 @@ CONTEXT_WARP_SPECIALIZED = _WS_ENV != "0"
 WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
 # The warp-specialized kernel's copies of whole context tiles: TMA (one instruction per 16-token page half; pages of
 # 16 tokens or more, else the kernel keeps cp.async) or 16-byte cp.async from every producer thread. None (default,
-# TLT_TREE_ATTENTION_CUDA_TMA unset or "auto"): TMA for wide trees (T*G > 128), where the math is the limit and the
-# cp.async producer slowed it (H100, 2026-11-27, bench/RESULTS.md "01:46": 7B T=64 B=32 L=8192 and T=32 B=8
-# L=32768 10.5-11.2% faster, bit-identical outputs); cp.async at T*G <= 128, where the H100 streams at its copy
-# bandwidth either way (TMA 1-2% slower there). True ("1") / False ("0"): everywhere / nowhere.
+# TLT_TREE_ATTENTION_CUDA_TMA unset or "auto"): TMA where the consumers' math is the limit, which the cp.async
+# producer's issue slots slow: wide trees (T*G > 128; H100, 2026-11-27, bench/RESULTS.md "01:46": 7B T=64 B=32
+# L=8192 and T=32 B=8 L=32768 10.5-11.2% faster, bit-identical outputs), and every T*G on cards whose memory
+# outruns the math (peak bandwidth >= TMA_MIN_BANDWIDTH_GBPS: H200, 2026-11-27 "03:33": T=16 1.3-12.4% faster);
+# cp.async at T*G <= 128 on slower memory, where the H100 streams at its copy bandwidth either way (TMA -2.0% to
+# +0.6% there). True ("1") / False ("0"): everywhere / nowhere.
 CONTEXT_TMA: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_TMA")
 TMA_FLAG = 2048  # csrc/tree_attention.h, kSm90Tma
+# Between the H100 SXM's 3352 GB/s and the H200's 4097 GB/s (memory clock x bus width, DDR, as the driver reports).
+TMA_MIN_BANDWIDTH_GBPS = 3700.0
+
+
+@functools.lru_cache(maxsize=None)
+def has_fast_memory(device_index: int) -> bool:
+    """Whether the card's peak memory bandwidth (``_C.device_memory_bandwidth_gbps``) reaches
+    :data:`TMA_MIN_BANDWIDTH_GBPS`: one driver query per device and process, made at the first launch."""
+    return extension().device_memory_bandwidth_gbps(device_index) >= TMA_MIN_BANDWIDTH_GBPS
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
 
@@ -111,14 +123,14 @@ def context_tile(rows: int) -> int:
     return _context_block(CONTEXT_BLOCK_FEW_ROWS if rows <= ONE_WARPGROUP_ROWS else None)
 
 
-def context_config(rows: int) -> int:
+def context_config(rows: int, fast_memory: bool = False) -> int:
     """The sm_90 kernel's launch config for ``rows = T * G``: its tile width, with the warp-specialized flag where
     :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens, and then the TMA flag where
-    :data:`CONTEXT_TMA` wants it (auto: rows > 128)."""
+    :data:`CONTEXT_TMA` wants it (auto: rows > 128, or any rows when ``fast_memory``, see :func:`has_fast_memory`)."""
     tile = context_tile(rows)
     if not (CONTEXT_WARP_SPECIALIZED and tile == 128):
         return tile
-    tma = rows > CONTEXT_SM90_MAX_ROWS if CONTEXT_TMA is None else CONTEXT_TMA
+    tma = (rows > CONTEXT_SM90_MAX_ROWS or fast_memory) if CONTEXT_TMA is None else CONTEXT_TMA
     return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma else 0)
 
 
@@ -199,7 +211,9 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         if _use_context_sm90(plan, q, k_cache, v_cache):
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
             # is the one-warpgroup kernel, 128 | WARP_SPECIALIZED_FLAG the warp-specialized one.
-            ext.tree_attention_sm90(**{**args, "config": context_config(plan.num_tree * plan.group)})
+            rows = plan.num_tree * plan.group
+            config = context_config(rows, fast_memory=CONTEXT_TMA is None and has_fast_memory(q.device.index))
+            ext.tree_attention_sm90(**{**args, "config": config})
         else:
             ext.tree_attention_partial(**args)
         if plan.num_splits > 1:  # with one split every request is finished by step 1
