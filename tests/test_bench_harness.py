@@ -333,3 +333,48 @@ def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     assert fixed == pytest.approx(fixed_us, abs=1e-9) and per_tile == pytest.approx(tile_us, abs=1e-9) and resid < 1e-9
     off = pts + [(2, 16.0, 2 * (fixed_us + 16 * tile_us + 4.0) / 1e3)]  # one point 4 us above the line
     assert fit_fixed_and_per_tile(off)[2] > 1.0
+
+
+def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(monkeypatch):
+    """The README main job's e2e suite at CPU size: the policy drifts before the timed rollout, every static arm is
+    timed with the frozen drafter and with the spot-trained one, and every row's tokens equal plain decoding's."""
+    from bench.suites import e2e
+
+    monkeypatch.setenv("TLT_E2E_DRIFT", "2")
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
+    assert res.status == "ok", res.data["error"]
+    rows = {r["impl"]: r for r in res.data["rows"]}
+    arms = [k[len("static-"):] for k in rows if k.startswith("static-") and not k.endswith("(spot drafter)")]
+    assert arms and all(f"static-{a} (spot drafter)" in rows for a in arms)
+    assert {"plain", "adaptive", "adaptive (warm)", "adaptive+spot-in-tail"} <= set(rows)
+    assert all(r["greedy_identical"] for r in rows.values())
+    for name in ("adaptive", "adaptive (warm)"):
+        assert rows[name]["best_static"] in rows and not rows[name]["best_static"].endswith("(spot drafter)")
+        assert rows[name]["speedup_vs_best_static_spot_drafter"] > 0
+    notes = "\n".join(res.data["notes"])
+    assert "RL update 1" in notes and "RL update 2" in notes and "spot-trained the drafter" in notes
+
+
+def test_e2e_drift_knob_is_validated(monkeypatch):
+    from bench.suites import e2e
+
+    monkeypatch.setenv("TLT_E2E_DRIFT", "-1")
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
+    assert res.status == "failed" and "TLT_E2E_DRIFT must be >= 0" in res.data["error"]
+
+
+def test_finetune_target_updates_parameters_in_place():
+    """The RL stand-in keeps every parameter's storage (captured CUDA graphs replay the new weights) and changes it."""
+    from tlt_kernels.models import ModelConfig, finetune_target, load_corpus
+    from tlt_kernels.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig.tiny())
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    loss = finetune_target(model, load_corpus("base", 200_000), 3, torch.Generator().manual_seed(0), batch_size=2, seq_len=16)
+    assert math.isfinite(loss) and not model.training
+    after = dict(model.named_parameters())
+    assert all(after[n].data_ptr() == ptr for n, (ptr, _) in before.items())
+    assert any(not torch.equal(after[n].detach(), old) for n, (_, old) in before.items())
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        finetune_target(model, load_corpus("base", 200_000), -1, torch.Generator())

@@ -23,7 +23,6 @@ import threading
 import time
 
 import torch
-import torch.nn.functional as F
 
 from tlt_kernels import BackendUnavailableError
 from tlt_kernels.drafter import (
@@ -97,26 +96,6 @@ def _rollouts(target, corpus, n, prompt_len, new_tokens, gen, seed):
     toks = torch.cat([prompts, out.tokens.clamp(min=0)], 1)
     _, feats = target(toks)
     return toks, feats.float()
-
-
-def _finetune(target, corpus, steps, lr, bs, seq, gen):
-    """The RL stand-in: plain next-token training of the target on the shifted mix."""
-    from tlt_kernels.models.train_tiny import sample_windows
-
-    target.train()
-    opt = torch.optim.AdamW(target.parameters(), lr=lr, betas=(0.9, 0.95))
-    use_amp = target.device.type == "cuda"
-    for _ in range(steps):
-        batch = sample_windows(corpus, bs, seq + 1, gen).to(target.device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
-            logits, _ = target(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
-        opt.step()
-    target.eval()
-    return float(loss)
 
 
 @torch.no_grad()
@@ -204,7 +183,7 @@ def _bench_training(ctx, trainer, s) -> None:
 
 def _bench_adaptation(ctx) -> None:
     from tlt_kernels.models.config import ModelConfig
-    from tlt_kernels.models.train_tiny import load_corpus, shifted_corpus, train_tiny_target
+    from tlt_kernels.models.train_tiny import finetune_target, load_corpus, shifted_corpus, train_tiny_target
 
     s = _sizes(ctx.small)
     dev = ctx.device
@@ -236,7 +215,8 @@ def _bench_adaptation(ctx) -> None:
         if step > 0:
             # RL update, then the rollout phase: new rollouts are captured; the long tail leaves the
             # GPU idle for idle_s, the only time the spot trainer may run.
-            loss = _finetune(target, shifted, s["drift_target_steps"], s["drift_lr"], s["target_bs"], s["target_seq"], gen)
+            loss = finetune_target(target, shifted, s["drift_target_steps"], gen, lr=s["drift_lr"], batch_size=s["target_bs"],
+                                   seq_len=s["target_seq"])
             for _ in range(s["rollouts_per_step"]):
                 toks, feats = _rollouts(target, shifted, s["prompts"], s["prompt_len"], s["new_tokens"], gen, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
                 buf.add(feats, toks, step=step)

@@ -41,7 +41,8 @@ SUITE = "e2e"
 def _sizes(small: bool) -> dict:
     if small:
         return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
-                    warm_steps=300, warm_cap_s=10.0, train_window=(8, 32), arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
+                    warm_steps=300, warm_cap_s=10.0, train_window=(8, 32), drift=2, drift_steps=20, spot_steps=60,
+                    arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
     hidden = int(os.environ.get("TLT_E2E_HIDDEN", 512))
     if hidden <= 0 or hidden % 256:
         raise ValueError(f"TLT_E2E_HIDDEN must be a positive multiple of 256 (heads of 64, 4 per KV head), got {hidden}")
@@ -49,7 +50,7 @@ def _sizes(small: bool) -> dict:
                 train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
                 B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896,
                 warm_steps=int(os.environ.get("TLT_E2E_WARM_STEPS", 2300)), warm_cap_s=120.0,
-                train_window=(16, 128),
+                train_window=(16, 128), drift=2, drift_steps=200, spot_steps=600,
                 # Cheap chains win at large batch sizes, deep trees in the tail (H200 traces in bench/traces): the
                 # arm set spans both so that the selector has a choice to make.
                 arms=((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24), (8, 4, 32)))
@@ -130,12 +131,13 @@ def _ascii_curve(outs: dict, width: int = 60) -> str:
     levels = " .:-=+*#"
     peak = max(max((s.tokens_per_s for s in o.steps), default=1.0) for o in outs.values())
     lines = [f"tokens/s over time (each row spans its own wall time; peak {peak:,.0f} tok/s = '#')"]
+    name_width = max(len(name) for name in outs)
     for name, o in outs.items():
         cells = [0.0] * width
         for s in o.steps:
             i = min(width - 1, int(width * s.elapsed_s / max(o.wall_s, 1e-9)))
             cells[i] = max(cells[i], s.tokens_per_s)
-        lines.append(f"{name:>18} |" + "".join(levels[min(7, int(8 * c / peak))] for c in cells) + f"| {o.wall_s:.2f}s")
+        lines.append(f"{name:>{name_width}} |" + "".join(levels[min(7, int(8 * c / peak))] for c in cells) + f"| {o.wall_s:.2f}s")
     return "\n".join(lines)
 
 
@@ -162,7 +164,7 @@ def _plot(outs: dict, path: str) -> str:
 def run(ctx) -> None:
     from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
     from tlt_kernels.engine import SpeculativeEngine
-    from tlt_kernels.models import ModelConfig, load_corpus, train_tiny_target
+    from tlt_kernels.models import ModelConfig, finetune_target, load_corpus, shifted_corpus, train_tiny_target
     from tlt_kernels.models.train_tiny import sample_windows
     from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
@@ -244,7 +246,7 @@ def run(ctx) -> None:
                      f"{time.perf_counter() - t_warm:.1f} s")
         return eng
 
-    # 2. warm drafter: spot-trained on a previous rollout (a "previous RL step")
+    # 2. RL step 0: a plain rollout fills a RolloutBuffer and the EAGLE drafter is trained on it (the warm-up).
     buf = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.float32 if not cuda else torch.bfloat16)
     prev_prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
     plain_eng = engine(None, Strategy.off(), rollout_buffer=buf)
@@ -260,18 +262,39 @@ def run(ctx) -> None:
         ctx.note(f"drafter warm-up stopped at its {z['warm_cap_s']:.0f} s cap after {st.optimizer_steps} of "
                  f"{z['warm_steps']} steps: this run's drafter is weaker than the configuration's")
     ctx.note(f"drafter warm-up: {st.optimizer_steps} steps in {st.elapsed_s:.1f}s, loss {st.last_loss}")
+    # The drafter a static deployment keeps: trained once, for the policy of RL step 0.
+    frozen_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
 
-    # The rollout's drafter copy drafts in bf16 on the GPU (TLT_E2E_DRAFTER_DTYPE=fp32 to change): drafts never
+    # 3. The policy drifts (TLT_E2E_DRIFT RL updates, each a fine-tune of the target on the shifted mix, in place) before
+    # the timed rollout. Between two updates the rollout of that RL step runs, its long tail leaves GPUs idle, and
+    # the spot trainer trains the drafter on it (a fixed number of steps, the idle window); the timed rollout's
+    # drafter is then one RL step behind its policy, as in TLT, while the frozen one is TLT_E2E_DRIFT steps behind.
+    drift = int(os.environ.get("TLT_E2E_DRIFT", z["drift"]))
+    if drift < 0:
+        raise ValueError(f"TLT_E2E_DRIFT must be >= 0 (RL updates before the timed rollout), got {drift}")
+    shifted = shifted_corpus()
+    for step in range(1, drift + 1):
+        t_rl = time.perf_counter()
+        loss = finetune_target(target, shifted, z["drift_steps"], gen, lr=1e-3, batch_size=z["train_bs"], seq_len=z["train_seq"])
+        line = f"RL update {step}: target fine-tuned {z['drift_steps']} steps on the shifted mix (loss {loss:.3f}) in {time.perf_counter() - t_rl:.1f}s"
+        if step < drift:
+            plain_eng.generate(sample_windows(corpus, B, z["prompt_len"], gen).to(dev), lens)
+            st = trainer.run(max_steps=z["spot_steps"], time_budget_s=z["warm_cap_s"])
+            line += f"; its rollout spot-trained the drafter {st.optimizer_steps} steps in {st.elapsed_s:.1f}s (loss {st.last_loss})"
+        ctx.note(line)
+    spot_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
+
+    # The rollout's drafter copies draft in bf16 on the GPU (TLT_E2E_DRAFTER_DTYPE=fp32 to change): drafts never
     # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.
     draft_dtype = _env_choice("TLT_E2E_DRAFTER_DTYPE", "bf16" if cuda else "fp32", {"fp32": torch.float32, "bf16": torch.bfloat16})
     ctx.note(f"rollout drafter dtype {draft_dtype} (TLT_E2E_DRAFTER_DTYPE); trainer weights float32")
 
-    def drafter_copy():
+    def drafter_copy(state):
         d = EagleDrafter.for_target(target, dtype=draft_dtype)
-        d.load_state_dict(train_drafter.state_dict())
+        d.load_state_dict(state)
         return d
 
-    # 3. the rollout, every configuration on the same prompts, TLT_E2E_REPEATS times each (default 3 on the GPU, 1 on
+    # 4. the rollout, every configuration on the same prompts, TLT_E2E_REPEATS times each (default 3 on the GPU, 1 on
     # the CPU): the row keeps the run of median wall time (the upper one of an even count) and every run's tokens
     # must match. One H200 rollout varies by ~2% between runs, as much as the selector's margins.
     repeats = int(os.environ.get("TLT_E2E_REPEATS", "3" if cuda else "1"))
@@ -294,43 +317,48 @@ def run(ctx) -> None:
     outs = {}
     timed("plain", lambda: plain_eng.generate(prompts, lens))
     ref = outs["plain"].tokens
+    # Each static arm once with the frozen drafter (a static deployment: fixed strategy, drafter never retrained) and,
+    # with drift, once more with the spot-trained drafter loaded into the same engine (in place: its graphs replay the
+    # new weights), which isolates what the selector alone adds.
     for s in arms:
-        eng_s = engine(drafter_copy(), s)
+        eng_s = engine(drafter_copy(frozen_state), s)
         timed(f"static-{s}", lambda: eng_s.generate(prompts, lens))
-    # The adaptive engine: selector + the spot-trained drafter. TLT trains the drafter on GPUs the long tail
-    # leaves idle (other ranks); on this one GPU, training during the rollout competes with it (and with its
-    # Python thread for the GIL), so that is a separate row.
-    tables = {}  # engine -> the cost policy's start-up table
+        if drift:
+            eng_s.drafter.load_state_dict(spot_state)
+            timed(f"static-{s} (spot drafter)", lambda: eng_s.generate(prompts, lens))
+    # The adaptive engine: selector + the spot-trained drafter, one engine for its three rows. TLT trains the drafter
+    # on GPUs the long tail leaves idle (other ranks); on this one GPU, training during the rollout competes with it
+    # (and with its Python thread for the GIL), so that is a separate row.
+    ad = engine(drafter_copy(spot_state), StrategySelector(arms, seed=0))
+    table = None
+    if cuda and not ad.graph_error:  # the cost policy's start-up table: each arm's graphs replayed at every captured size
+        t_table = time.perf_counter()
+        table = ad.measure_cost_table()
+        ctx.progress(f"cost table measured in {time.perf_counter() - t_table:.1f} s")
 
-    def calibrated(eng):
-        # The start-up table: each arm's graphs replayed at every captured size (GPU only).
-        if cuda and not eng.graph_error:
-            t_table = time.perf_counter()
-            tables[eng] = eng.measure_cost_table()
-            ctx.progress(f"cost table measured in {time.perf_counter() - t_table:.1f} s")
-        return fresh_selector(eng)
+    def fresh_selector():
+        return StrategySelector(arms, seed=0, cost_table=table, available=ad.covers if table else None)
 
-    def fresh_selector(eng):
-        table = tables.get(eng)
-        eng.selector = StrategySelector(arms, seed=0, cost_table=table, available=eng.covers if table else None)
-        return eng
+    def cold_run():
+        ad.selector = fresh_selector()  # a new selector every run
+        return ad.generate(prompts, lens)
 
-    cold = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0)))
-    timed("adaptive", lambda: fresh_selector(cold).generate(prompts, lens))  # a new selector every run
+    timed("adaptive", cold_run)
     # In RL training the selector lives across rollouts: "adaptive (warm)" keeps the one that decoded the previous
-    # step's prompts (the rollout the drafter was trained on), so the timed rollout pays no first-visit exploration.
-    warm = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0)))
-    warm.generate(prev_prompts, lens)
-    warmed = _copy_selector(warm.selector)
+    # step's prompts, so the timed rollout pays no first-visit exploration.
+    ad.selector = fresh_selector()
+    ad.generate(prev_prompts, lens)
+    warmed = _copy_selector(ad.selector)
 
     def warm_run():
-        warm.selector = _copy_selector(warmed)  # every run starts from the selector of the previous step
-        return warm.generate(prompts, lens)
+        ad.selector = _copy_selector(warmed)  # every run starts from the selector of the previous step
+        return ad.generate(prompts, lens)
 
     timed("adaptive (warm)", warm_run)
-    # Spot training changes the drafter as it runs, so this row is run once whatever TLT_E2E_REPEATS says.
-    adaptive = calibrated(engine(drafter_copy(), StrategySelector(arms, seed=0), spot_trainer=trainer, rollout_buffer=buf))
-    outs["adaptive+spot-in-tail"] = adaptive.generate(prompts, lens)
+    # Spot training changes the drafter as it runs, so this row is run once whatever TLT_E2E_REPEATS says, and last.
+    ad.selector, ad.spot_trainer, ad.rollout_buffer = fresh_selector(), trainer, buf
+    outs["adaptive+spot-in-tail"] = ad.generate(prompts, lens)
+    ad.spot_trainer = ad.rollout_buffer = None
     walls["adaptive+spot-in-tail"], same["adaptive+spot-in-tail"] = [round(outs["adaptive+spot-in-tail"].wall_s * 1e3, 1)], True
 
     trace_path = os.environ.get("TLT_E2E_TRACE")
@@ -338,15 +366,21 @@ def run(ctx) -> None:
         import json
 
         records = []
-        engine(drafter_copy(), StrategySelector(arms, seed=0)).generate(prompts, lens, trace=records)
+        engine(drafter_copy(spot_state), StrategySelector(arms, seed=0)).generate(prompts, lens, trace=records)
         with open(trace_path, "w") as f:
             json.dump(records, f)
         ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: TLT_SELECTOR_TRACE={trace_path} python -m bench selector)")
 
     plain = outs["plain"]
-    statics = {k: v for k, v in outs.items() if k.startswith("static-")}
+    # The target's comparison: the best static arm as deployed (frozen drafter). With drift, the same arms with the
+    # spot-trained drafter are reported too (the selector's gain alone), and the oracle is taken over those: they are
+    # the arms the selector chooses among.
+    statics = {k: v for k, v in outs.items() if k.startswith("static-") and not k.endswith("(spot drafter)")}
+    spot_statics = {k: v for k, v in outs.items() if k.endswith("(spot drafter)")} or statics
     best_name = min(statics, key=lambda k: statics[k].wall_s)
     best = statics[best_name]
+    best_spot_name = min(spot_statics, key=lambda k: spot_statics[k].wall_s)
+    best_spot = spot_statics[best_spot_name]
     tail_plain = _tail_seconds(plain, B)
     case = {"B": B, "tokens": sum(lens), "max_len": max(lens)}
     for name, o in outs.items():
@@ -361,6 +395,7 @@ def run(ctx) -> None:
         if name.startswith("adaptive"):
             extra["speedup_vs_best_static"] = round(best.wall_s / o.wall_s, 3)
             extra["best_static"] = best_name
+            extra["speedup_vs_best_static_spot_drafter"] = round(best_spot.wall_s / o.wall_s, 3)
             if o.spot:
                 extra["spot_steps"] = o.spot.get("optimizer_steps")
         ctx.add(case, name, o.wall_s * 1e3, **extra)
@@ -369,13 +404,16 @@ def run(ctx) -> None:
         a = outs[name]
         ctx.note(
             f"{name} vs plain: {plain.wall_s / a.wall_s:.2f}x rollout (target 2x), "
-            f"{tail_plain / max(_tail_seconds(a, B), 1e-9):.2f}x tail (target 2.5x); vs best static ({best_name}): "
-            f"{best.wall_s / a.wall_s:.2f}x (target 1.1x); greedy identical: {a.tokens == ref}"
+            f"{tail_plain / max(_tail_seconds(a, B), 1e-9):.2f}x tail (target 2.5x); vs best static ({best_name}, "
+            f"{'frozen' if drift else 'same'} drafter): {best.wall_s / a.wall_s:.2f}x (target 1.1x)"
+            + (f"; vs the best static arm with the same spot-trained drafter ({best_spot_name}, the selector alone): "
+               f"{best_spot.wall_s / a.wall_s:.2f}x" if drift else "")
+            + f"; greedy identical: {a.tokens == ref}"
         )
-    oracle = _static_oracle_s(statics, outs["adaptive (warm)"])
-    ctx.note(f"per-batch-size oracle over the static arms (estimated from their step logs, not run): {oracle:.3f} s, "
-             f"{best.wall_s / oracle:.2f}x the best static arm: the most any per-batch-size choice among these arms "
-             f"could gain on this workload, against the 1.1x target")
+    oracle = _static_oracle_s(spot_statics, outs["adaptive (warm)"])
+    ctx.note(f"per-batch-size oracle over the static arms{' with the spot-trained drafter' if drift else ''} (estimated "
+             f"from their step logs, not run): {oracle:.3f} s, {best_spot.wall_s / oracle:.2f}x the best of them: the most "
+             f"any per-batch-size choice among these arms could gain on this workload")
     ctx.note(f"greedy identical in every run: {all(o.tokens == ref for o in outs.values()) and all(same.values())} "
              f"({repeats} run(s) per row, TLT_E2E_REPEATS; `ms` is the median run's)")
     a = outs["adaptive"]

@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .kv_cache import PagedKVCache
 from .llama import LlamaForCausalLM
 from .reference_decode import Generation, reference_generate
-from .train_tiny import load_corpus, shifted_corpus, train_tiny_target
+from .train_tiny import finetune_target, load_corpus, shifted_corpus, train_tiny_target
 
 __all__ = [
     "Generation",
@@ -24,6 +24,7 @@ __all__ = [
     "load_checkpoint",
     "load_corpus",
     "reference_generate",
+    "finetune_target",
     "shifted_corpus",
     "train_tiny_target",
 ]

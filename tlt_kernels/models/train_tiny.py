@@ -130,6 +130,31 @@ def train_tiny_target(
     return model.eval()
 
 
+def finetune_target(model: LlamaForCausalLM, corpus: torch.Tensor, steps: int, generator: torch.Generator, *,
+                    lr: float = 1e-3, batch_size: int = 32, seq_len: int = 256) -> float:
+    """Continue training ``model`` in place on ``corpus`` for ``steps`` AdamW steps (constant ``lr``, gradient clipping
+    at 1, bf16 autocast on the GPU): the benchmarks' stand-in for one RL update of the policy (pass the shifted mix).
+    Parameters are updated in place, so CUDA graphs captured over them replay the new weights. Returns the last
+    step's loss; leaves the model in eval mode."""
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    use_amp = model.device.type == "cuda"
+    loss = torch.zeros(())
+    for _ in range(steps):
+        batch = sample_windows(corpus, batch_size, seq_len + 1, generator).to(model.device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+            logits, _ = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+    return float(loss)
+
+
 @torch.no_grad()
 def eval_loss(model: LlamaForCausalLM, corpus: torch.Tensor, *, num: int = 16, seq_len: int = 128, seed: int = 1) -> float:
     """Mean next-byte cross-entropy (nats) of ``model`` on ``num`` random windows of ``corpus``."""
