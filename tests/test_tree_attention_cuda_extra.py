@@ -266,3 +266,22 @@ def test_device_memory_bandwidth_query_is_plausible():
     assert 500.0 < gbps < 20000.0, gbps
     assert ct.extension().device_memory_bandwidth_gbps(0) == gbps
     assert ct.has_fast_memory(0) == (gbps >= ct.TMA_MIN_BANDWIDTH_GBPS)
+
+
+def test_auto_tma_follows_the_card_at_t16(monkeypatch):
+    """The auto rule at T*G <= 128 (7B heads at T=16): TMA copies exactly where the card has fast memory
+    (has_fast_memory), and the output matches the reference either way."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = sm90_rule_spy(monkeypatch, None)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_TMA", None)
+    configs = []
+    real = cuda_ta.context_config
+    monkeypatch.setattr(cuda_ta, "context_config",
+                        lambda rows, fast_memory=False: configs.append(real(rows, fast_memory)) or configs[-1])
+    c = make_case(2, 16, 2, 7, 128, 16, [700, 300], torch.bfloat16, seed=5)
+    check_case("auto tma at T=16", c, torch.bfloat16)
+    fast = cuda_ta.has_fast_memory(torch.cuda.current_device())
+    assert configs and all(bool(cfg & cuda_ta.TMA_FLAG) == fast for cfg in configs), (configs, fast)
+    assert used and all(used), "the sm_90 kernel was not used"

@@ -1,23 +1,30 @@
 """Suite "e2e": a long-tailed rollout, plain decoding vs the best static strategy vs the adaptive engine.
 
 1. A byte-level target is trained here on the stdlib corpus (no downloads) so acceptance is real.
-2. A "previous RL step": a plain rollout fills a RolloutBuffer and the EAGLE drafter is spot-trained
-   on it for a fixed number of optimizer steps (the warm drafter every run below starts from).
-3. The rollout: ``B`` prompts with log-normal response lengths (most short, a few ~10x longer, like
+2. RL step 0: a plain rollout fills a RolloutBuffer and the EAGLE drafter is trained on it for a fixed number of
+   optimizer steps; a copy of it is frozen there (the drafter a static deployment keeps).
+3. The policy drifts: ``TLT_E2E_DRIFT`` RL updates (default 2), each a fine-tune of the target on the shifted mix
+   (``finetune_target``, in place). Between updates the RL step's rollout fills the buffer and the spot trainer
+   trains on it for the same number of steps (its idle window), so the timed rollout's drafter is one RL step
+   behind the policy, as in TLT, and the frozen one ``TLT_E2E_DRIFT`` steps behind. ``TLT_E2E_DRIFT=0``: no drift,
+   one drafter for every row.
+4. The rollout: ``B`` prompts with log-normal response lengths (most short, a few ~10x longer, like
    reasoning RL rollouts), greedy, run by
    * ``plain``: plain decoding, the verify forward replayed from CUDA graphs (GPU);
-   * ``static-<s>``: each static speculative strategy with the EAGLE drafter (same graphs);
+   * ``static-<s>``: each static speculative strategy with the frozen drafter (same graphs), and with drift
+     ``static-<s> (spot drafter)``: the same engine with the spot-trained drafter loaded in place;
    * ``adaptive``: the StrategySelector (cost policy, its start-up cost table from ``measure_cost_table``) over
      the same arms with the spot-trained drafter, cold (a fresh selector); ``adaptive (warm)`` keeps the selector
      of the previous step's rollout, as RL training does; ``adaptive+spot-in-tail`` also trains during the rollout.
    Every run's tokens must equal the plain run's (greedy identity); the row records whether they do.
 
 Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with batch < B/4), mean
-accepted length, speedups vs plain (whole rollout and tail) and vs the best static strategy.
+accepted length, speedups vs plain (whole rollout and tail), vs the best static strategy (frozen drafter: the issue's
+comparison) and vs the best static arm with the spot-trained drafter (the selector's gain alone).
 Notes: the per-batch-size oracle over the static arms (an estimate from their step logs: how much any choice among
 these arms could gain over the best one), strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
 ``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
-``TLT_E2E_TRAIN_STEPS``, ``TLT_E2E_WARM_STEPS`` (the drafter's warm-up optimizer steps, default 2300), ``TLT_E2E_LAYERS`` (target depth, default 24: real targets have 28-64 layers against
+``TLT_E2E_TRAIN_STEPS``, ``TLT_E2E_WARM_STEPS`` (the drafter's optimizer steps per RL step's idle window, default 2300), ``TLT_E2E_LAYERS`` (target depth, default 24: real targets have 28-64 layers against
 the drafter's one), ``TLT_E2E_HIDDEN`` (target width, default 512) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
 each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``TLT_E2E_FUSE=0`` captures
 verify, draft and extend separately);
@@ -41,7 +48,7 @@ SUITE = "e2e"
 def _sizes(small: bool) -> dict:
     if small:
         return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
-                    warm_steps=300, warm_cap_s=10.0, train_window=(8, 32), drift=2, drift_steps=20, spot_steps=60,
+                    warm_steps=300, warm_cap_s=10.0, train_window=(8, 32), drift=2, drift_steps=20,
                     arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
     hidden = int(os.environ.get("TLT_E2E_HIDDEN", 512))
     if hidden <= 0 or hidden % 256:
@@ -50,7 +57,7 @@ def _sizes(small: bool) -> dict:
                 train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
                 B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896,
                 warm_steps=int(os.environ.get("TLT_E2E_WARM_STEPS", 2300)), warm_cap_s=120.0,
-                train_window=(16, 128), drift=2, drift_steps=200, spot_steps=600,
+                train_window=(16, 128), drift=2, drift_steps=200,
                 # Cheap chains win at large batch sizes, deep trees in the tail (H200 traces in bench/traces): the
                 # arm set spans both so that the selector has a choice to make.
                 arms=((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24), (8, 4, 32)))
@@ -279,7 +286,8 @@ def run(ctx) -> None:
         line = f"RL update {step}: target fine-tuned {z['drift_steps']} steps on the shifted mix (loss {loss:.3f}) in {time.perf_counter() - t_rl:.1f}s"
         if step < drift:
             plain_eng.generate(sample_windows(corpus, B, z["prompt_len"], gen).to(dev), lens)
-            st = trainer.run(max_steps=z["spot_steps"], time_budget_s=z["warm_cap_s"])
+            # The same idle-window budget as RL step 0's warm-up: every RL step's tail leaves the GPUs as idle.
+            st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
             line += f"; its rollout spot-trained the drafter {st.optimizer_steps} steps in {st.elapsed_s:.1f}s (loss {st.last_loss})"
         ctx.note(line)
     spot_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}

@@ -85,7 +85,7 @@ WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORe
 # +0.6% there). True ("1") / False ("0"): everywhere / nowhere.
 CONTEXT_TMA: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_TMA")
 TMA_FLAG = 2048  # csrc/tree_attention.h, kSm90Tma
-# Between the H100 SXM's 3352 GB/s and the H200's 4097 GB/s (memory clock x bus width, DDR, as the driver reports).
+# Between the H100 SXM's 3352 GB/s and the H200's 4814 GB/s (2 x memory clock x bus width, as the driver reports them).
 TMA_MIN_BANDWIDTH_GBPS = 3700.0
 
 
