@@ -152,7 +152,7 @@ def finetune_target(model: LlamaForCausalLM, corpus: torch.Tensor, steps: int, g
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     model.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
