@@ -74,6 +74,19 @@ def sample_windows(corpus: torch.Tensor, num: int, length: int, generator: torch
     return corpus[starts.unsqueeze(1) + torch.arange(length)]
 
 
+def _next_byte_step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of next-byte cross-entropy on ``batch int64 [N, S + 1]`` (bf16 autocast on the GPU,
+    gradients clipped at 1); returns the loss."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.device.type == "cuda"):
+        logits, _ = model(batch[:, :-1])
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
 def train_tiny_target(
     config: Optional[ModelConfig] = None,
     steps: int = 200,
@@ -113,18 +126,11 @@ def train_tiny_target(
             return lr * (step + 1) / warmup
         return lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     for step in range(steps):
         batch = sample_windows(corpus, batch_size, seq_len + 1, gen).to(device)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        with autocast:
-            logits, _ = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _next_byte_step(model, opt, batch)
         if losses is not None:
             losses.append(loss.item())
     return model.eval()
@@ -140,17 +146,9 @@ def finetune_target(model: LlamaForCausalLM, corpus: torch.Tensor, steps: int, g
         raise ValueError(f"steps must be >= 0, got {steps}")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
-    use_amp = model.device.type == "cuda"
     loss = torch.zeros(())
     for _ in range(steps):
-        batch = sample_windows(corpus, batch_size, seq_len + 1, generator).to(model.device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
-            logits, _ = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _next_byte_step(model, opt, sample_windows(corpus, batch_size, seq_len + 1, generator).to(model.device))
     model.eval()
     return float(loss.detach())
 
