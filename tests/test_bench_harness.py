@@ -355,6 +355,20 @@ def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(monkeypatch):
     assert "RL update 1" in notes and "RL update 2" in notes and "spot-trained the drafter" in notes
 
 
+def test_e2e_suite_small_without_drift_has_one_drafter(monkeypatch):
+    """TLT_E2E_DRIFT=0: no RL update, one drafter for every row, so both comparisons name the same best arm."""
+    from bench.suites import e2e
+
+    monkeypatch.setenv("TLT_E2E_DRIFT", "0")
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
+    assert res.status == "ok", res.data["error"]
+    rows = {r["impl"]: r for r in res.data["rows"]}
+    assert not any(k.endswith("(spot drafter)") for k in rows) and all(r["greedy_identical"] for r in rows.values())
+    for name in ("adaptive", "adaptive (warm)"):
+        assert rows[name]["speedup_vs_best_static"] == rows[name]["speedup_vs_best_static_spot_drafter"]
+    assert "RL update" not in "\n".join(res.data["notes"])
+
+
 def test_e2e_drift_knob_is_validated(monkeypatch):
     from bench.suites import e2e
 
