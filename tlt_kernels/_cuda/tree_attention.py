@@ -94,6 +94,8 @@ def has_fast_memory(device_index: int) -> bool:
     """Whether the card's peak memory bandwidth (``_C.device_memory_bandwidth_gbps``) reaches
     :data:`TMA_MIN_BANDWIDTH_GBPS`: one driver query per device and process, made at the first launch."""
     return extension().device_memory_bandwidth_gbps(device_index) >= TMA_MIN_BANDWIDTH_GBPS
+
+
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
 
 
