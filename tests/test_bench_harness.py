@@ -335,15 +335,19 @@ def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     assert fit_fixed_and_per_tile(off)[2] > 1.0
 
 
-def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(monkeypatch):
+def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(monkeypatch, tmp_path):
     """The README main job's e2e suite at CPU size: the policy drifts before the timed rollout, every static arm is
     timed with the frozen drafter and with the spot-trained one, and every row's tokens equal plain decoding's."""
     from bench.suites import e2e
 
     monkeypatch.setenv("TLT_E2E_DRIFT", "2")
+    monkeypatch.setenv("TLT_E2E_STEPS", str(tmp_path / "steps.json"))
     res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
     assert res.status == "ok", res.data["error"]
     rows = {r["impl"]: r for r in res.data["rows"]}
+    logs = json.loads((tmp_path / "steps.json").read_text())
+    assert set(logs) == set(rows) and all(len(logs[k]) == rows[k]["steps"] for k in rows)
+    assert sum(st["emitted"] for st in logs["plain"]) == rows["plain"]["case"]["tokens"]
     arms = [k[len("static-"):] for k in rows if k.startswith("static-") and not k.endswith("(spot drafter)")]
     assert arms and all(f"static-{a} (spot drafter)" in rows for a in arms)
     assert {"plain", "adaptive", "adaptive (warm)", "adaptive+spot-in-tail"} <= set(rows)

@@ -30,7 +30,8 @@ each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``T
 verify, draft and extend separately);
 ``TLT_E2E_REPEATS=n`` times every row n times (default 3 on the GPU; median run kept, every run's tokens compared);
 ``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
-``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite.
+``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite;
+``TLT_E2E_STEPS=path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per step).
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
@@ -378,6 +379,15 @@ def run(ctx) -> None:
         with open(trace_path, "w") as f:
             json.dump(records, f)
         ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: TLT_SELECTOR_TRACE={trace_path} python -m bench selector)")
+
+    steps_path = os.environ.get("TLT_E2E_STEPS")
+    if steps_path:  # every row's step log (its median run), for offline analysis of the selector against the oracle
+        import dataclasses
+        import json
+
+        with open(steps_path, "w") as f:
+            json.dump({name: [dataclasses.asdict(st) for st in o.steps] for name, o in outs.items()}, f)
+        ctx.note(f"step logs of {len(outs)} rows written to {steps_path} (TLT_E2E_STEPS)")
 
     plain = outs["plain"]
     # The target's comparison: the best static arm as deployed (frozen drafter). With drift, the same arms with the
