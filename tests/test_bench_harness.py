@@ -397,3 +397,31 @@ def test_finetune_target_updates_parameters_in_place():
     assert any(not torch.equal(after[n].detach(), old) for n, (_, old) in before.items())
     with pytest.raises(ValueError, match="steps must be >= 0"):
         finetune_target(model, load_corpus("base", 200_000), -1, torch.Generator())
+
+
+def test_selector_vs_oracle_charges_each_bin_and_names_the_best_arm(tmp_path, capsys):
+    """bench.selector_vs_oracle on e2e step logs: per bin the row's seconds, the best static row's time for the same
+    tokens, the difference and what the row played."""
+    from bench.selector_vs_oracle import compare, main
+
+    def steps(*rows):  # (batch_size, strategy, emitted, seconds)
+        return [dict(step=i, batch_size=b, strategy=st, tree_width=1, emitted=e, accepted_length=e / b, seconds=t,
+                     elapsed_s=0.0, graph=True) for i, (b, st, e, t) in enumerate(rows)]
+
+    logs = {
+        "static-a (spot drafter)": steps((64, "a", 640, 1.0), (4, "a", 40, 2.0)),
+        "static-b (spot drafter)": steps((64, "b", 640, 2.0), (4, "b", 40, 1.0)),
+        "static-b": steps((64, "b", 640, 4.0)),  # not matched by the default filter
+        "adaptive (warm)": steps((64, "b", 640, 2.0), (4, "b", 20, 0.5), (4, "b", 20, 0.5)),
+    }
+    rows = compare(logs, "adaptive (warm)", "(spot drafter)")
+    assert [r["batches"] for r in rows] == [(64, 64), (4, 4)]
+    assert rows[0]["best"] == "static-a (spot drafter)" and abs(rows[0]["lost_s"] - 1.0) < 1e-12
+    assert rows[1]["best"] == "static-b (spot drafter)" and abs(rows[1]["lost_s"]) < 1e-12
+    assert rows[1]["played"] == {"b": 2} and rows[1]["steps"] == 2
+    with pytest.raises(KeyError, match="no row"):
+        compare(logs, "adaptive", "(spot drafter)")
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(logs))
+    assert main([str(path)]) == 0
+    assert "+1.000 s against the oracle" in capsys.readouterr().out

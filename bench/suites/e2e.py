@@ -31,7 +31,8 @@ verify, draft and extend separately);
 ``TLT_E2E_REPEATS=n`` times every row n times (default 3 on the GPU; median run kept, every run's tokens compared);
 ``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
 ``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite;
-``TLT_E2E_STEPS=path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per step).
+``TLT_E2E_STEPS=path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per step),
+which ``python -m bench.selector_vs_oracle path.json`` compares with the per-batch-size oracle bin by bin.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
@@ -106,31 +107,47 @@ def _tail_seconds(out, B0: int) -> float:
     return sum(s.seconds for s in out.steps if s.batch_size < B0 / 4)
 
 
-def _static_oracle_s(statics: dict, ref, bins_per_octave: int = 4) -> float:
-    """Estimated wall seconds of ``ref``'s rollout had every step used the static arm with the best measured
-    throughput at its batch size: batch sizes are binned geometrically (``bins_per_octave`` bins per doubling),
-    each static run's tokens/s per bin is sum(emitted) / sum(seconds) over its steps in the bin, and ``ref``'s
-    tokens in each bin are charged at the best arm's rate (at its own rate where no static run has the bin);
-    ``ref``'s time outside the steps (prefill) is kept. An estimate from the runs' step logs, not a run: it bounds
-    what any per-batch-size choice among the static arms could gain over the best single one."""
-    def key(b: int) -> int:
-        return int(math.floor(math.log2(max(b, 1)) * bins_per_octave))
+def batch_bin(b: int, bins_per_octave: int = 4) -> int:
+    """The oracle's geometric batch-size bin: ``bins_per_octave`` bins per doubling."""
+    return int(math.floor(math.log2(max(b, 1)) * bins_per_octave))
 
-    best: dict = {}
-    for out in statics.values():
+
+def oracle_bins(statics: dict, ref, bins_per_octave: int = 4) -> dict:
+    """Per batch-size bin of ``ref``'s steps: ``{bin: dict(batches, tokens, seconds, best, rate)}``: ``ref``'s batch
+    sizes, emitted tokens and step seconds in the bin, and the static run (a key of ``statics``) with the best
+    tokens/s there, sum(emitted) / sum(seconds) over its steps in the bin (``best`` None, ``rate`` 0 where no static
+    run has the bin). Runs are anything with ``.steps`` of ``.batch_size``, ``.emitted``, ``.seconds``."""
+    rates: dict = {}
+    for name, out in statics.items():
         tokens: dict = {}
         seconds: dict = {}
         for s in out.steps:
-            k = key(s.batch_size)
+            k = batch_bin(s.batch_size, bins_per_octave)
             tokens[k] = tokens.get(k, 0) + s.emitted
             seconds[k] = seconds.get(k, 0.0) + s.seconds
         for k, t in tokens.items():
-            if seconds[k] > 0:
-                best[k] = max(best.get(k, 0.0), t / seconds[k])
-    total = ref.wall_s - sum(s.seconds for s in ref.steps)
+            if seconds[k] > 0 and t / seconds[k] > rates.get(k, (None, 0.0))[1]:
+                rates[k] = (name, t / seconds[k])
+    bins: dict = {}
     for s in ref.steps:
-        rate = best.get(key(s.batch_size), 0.0)
-        total += s.emitted / rate if rate > 0 else s.seconds
+        k = batch_bin(s.batch_size, bins_per_octave)
+        best, rate = rates.get(k, (None, 0.0))
+        e = bins.setdefault(k, dict(batches=set(), tokens=0, seconds=0.0, best=best, rate=rate))
+        e["batches"].add(s.batch_size)
+        e["tokens"] += s.emitted
+        e["seconds"] += s.seconds
+    return bins
+
+
+def _static_oracle_s(statics: dict, ref, bins_per_octave: int = 4) -> float:
+    """Estimated wall seconds of ``ref``'s rollout had every step used the static arm with the best measured
+    throughput at its batch size (:func:`oracle_bins`): ``ref``'s tokens in each bin are charged at the best arm's
+    rate (at its own rate where no static run has the bin); ``ref``'s time outside the steps (prefill) is kept. An
+    estimate from the runs' step logs, not a run: it bounds what any per-batch-size choice among the static arms
+    could gain over the best single one."""
+    total = ref.wall_s - sum(s.seconds for s in ref.steps)
+    for e in oracle_bins(statics, ref, bins_per_octave).values():
+        total += e["tokens"] / e["rate"] if e["rate"] > 0 else e["seconds"]
     return total
 
 
