@@ -36,16 +36,13 @@ def compare(logs: Dict[str, List[dict]], row: str, statics: str) -> List[dict]:
     ref = _run(logs[row])
     bins = oracle_bins(chosen, ref)
     played: Dict[int, Counter] = {}
-    steps: Counter = Counter()
     for s in ref.steps:
-        k = batch_bin(s.batch_size)
-        played.setdefault(k, Counter())[s.strategy] += 1
-        steps[k] += 1
+        played.setdefault(batch_bin(s.batch_size), Counter())[s.strategy] += 1
     out = []
     for k in sorted(bins, reverse=True):
         e = bins[k]
         oracle = e["tokens"] / e["rate"] if e["rate"] > 0 else None
-        out.append(dict(batches=(min(e["batches"]), max(e["batches"])), steps=steps[k], seconds=e["seconds"],
+        out.append(dict(batches=(min(e["batches"]), max(e["batches"])), steps=sum(played[k].values()), seconds=e["seconds"],
                         oracle_s=oracle, lost_s=None if oracle is None else e["seconds"] - oracle,
                         played=dict(played[k].most_common()), best=e["best"]))
     return out

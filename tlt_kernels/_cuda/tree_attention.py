@@ -214,7 +214,7 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
             # is the one-warpgroup kernel, 128 | WARP_SPECIALIZED_FLAG the warp-specialized one.
             rows = plan.num_tree * plan.group
-            config = context_config(rows, fast_memory=CONTEXT_TMA is None and has_fast_memory(q.device.index))
+            config = context_config(rows, fast_memory=has_fast_memory(q.device.index))
             ext.tree_attention_sm90(**{**args, "config": config})
         else:
             ext.tree_attention_partial(**args)
