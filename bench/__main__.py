@@ -2,7 +2,9 @@
 
 Writes ``DIR/<suite>.json`` and ``DIR/<suite>.md`` per suite and ``DIR/summary.md`` for the whole
 invocation, and prints the Markdown. A suite that raises is reported as failed and the next one
-runs; the exit status is 1 when any suite failed, 2 on a usage error.
+runs; the exit status is 1 when any suite failed, 2 on a usage error. On SIGTERM (``timeout`` at a
+deadline) the running suite stops, its report keeps the rows it measured (status ``stopped``), the
+summary is written, no further suite starts, and the exit status is 124.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import importlib
 import os
 import pkgutil
+import signal
 import sys
 import time
 import traceback
@@ -87,7 +90,7 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
         # any @triton.jit function is defined, i.e. before the suites are imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    from .harness import parse_dtype, run_suite
+    from .harness import parse_dtype
 
     specs = discover() if specs is None else specs
     if args.list:
@@ -112,23 +115,18 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     dtype = parse_dtype(args.dtype)
     status = []
     reports = []
-    for spec in chosen:
-        print(f"== running suite {spec.name} on {device} ...", flush=True)
-        t0 = time.perf_counter()
-        run = spec.run
-        if run is None:
-            err = spec.error
-
-            def run(ctx, err=err):  # report the broken module as a failed suite
-                raise RuntimeError(err)
-
-        res = run_suite(spec.name, run, device, dtype, args.small, out_dir=args.out)
-        print(res.markdown, flush=True)
-        status.append((spec.name, res.status, len(res.data["rows"]), time.perf_counter() - t0))
-        reports.append(res.markdown)
-
+    stop = _StopOnSigterm()
+    with stop:
+        for spec in chosen:
+            if stop.signalled:
+                break
+            status.append(_run_one(spec, device, dtype, args, reports, stop))
     table = ["| suite | status | rows | seconds |", "|---|---|---|---|"]
     table += [f"| {n} | {s} | {r} | {t:.1f} |" for n, s, r, t in status]
+    skipped = [s.name for s in chosen[len(status):]]
+    if skipped:
+        table.append("")
+        table.append(f"Not started (stopped by SIGTERM): {', '.join(skipped)}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.md").write_text("# Benchmark summary\n\n" + "\n".join(table) + "\n\n" + "\n".join(reports))
     print("\n".join(table))
@@ -136,8 +134,67 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     failed = [n for n, s, _, _ in status if s != "ok"]
     if failed:
         print(f"FAILED suites: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    if stop.signalled:
+        return 124
+    return 1 if failed else 0
+
+
+class _StopOnSigterm:
+    """While active, SIGTERM sets ``signalled`` and, when it arrives inside a suite's ``run(ctx)`` (``armed``),
+    raises :class:`~bench.harness.SuiteStopped` there (once), so the harness writes the report of what the suite
+    measured instead of the process dying with nothing written. Outside a suite (writing a report) it only stops
+    the loop before the next suite."""
+
+    def __init__(self):
+        self.signalled = False
+        self.armed = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        first = not self.signalled
+        self.signalled = True
+        if first and self.armed:
+            from .harness import SuiteStopped
+
+            raise SuiteStopped(f"stopped by signal {signum}, e.g. timeout at GPU_CHECK_DEADLINE")
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+        except ValueError:  # not the main thread: no handler, the old behaviour
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
+
+
+def _run_one(spec: SuiteSpec, device, dtype, args, reports: List[str], stop: _StopOnSigterm):
+    """Run one suite; returns its summary row ``(name, status, rows, seconds)`` and appends its Markdown."""
+    from .harness import run_suite
+
+    print(f"== running suite {spec.name} on {device} ...", flush=True)
+    t0 = time.perf_counter()
+    run = spec.run
+    if run is None:
+        err = spec.error
+
+        def run(ctx, err=err):  # report the broken module as a failed suite
+            raise RuntimeError(err)
+
+    def armed(ctx, run=run):
+        stop.armed = True
+        try:
+            run(ctx)
+        finally:
+            stop.armed = False
+
+    res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out)
+    print(res.markdown, flush=True)
+    reports.append(res.markdown)
+    return spec.name, res.status, len(res.data["rows"]), time.perf_counter() - t0
 
 
 if __name__ == "__main__":

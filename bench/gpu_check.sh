@@ -14,7 +14,7 @@
 # suites then fall back to Triton, and the install row says '_C NOT built'), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
 # pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small),
 # GPU_CHECK_BENCH_FIRST=1 (benchmarks before tests), GPU_CHECK_DEADLINE (seconds from the start: no test file or
-# benchmark starts after it, and a running one is stopped at it, so the summary and the partial logs still come back
+# benchmark starts after it, and a running one is stopped at it (a suite's report keeps the rows it measured), so the summary and the partial logs still come back
 # inside a device call's limit; the benchmark's printed rows are kept in bench.tar.gz's bench/bench.log).
 set -uo pipefail
 
@@ -117,8 +117,9 @@ elif [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
   t0=$SECONDS
   rm -rf "$OUT/bench"
   mkdir -p "$OUT/bench"
-  # The printed rows (TLT_BENCH_PROGRESS) are kept in bench/bench.log: a suite stopped at the deadline writes no
-  # report, but its measured rows are there.
+  # At the deadline `timeout` sends SIGTERM: the running suite stops, its report keeps the rows it measured
+  # (status "stopped"), no further suite starts, and python -m bench exits 124. The printed rows
+  # (TLT_BENCH_PROGRESS) are also kept in bench/bench.log.
   # shellcheck disable=SC2086
   timeout "$(left)" ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} "$PY" -m bench "${SUITES[@]}" --out "$OUT/bench" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench/bench.log"
   rc=${PIPESTATUS[0]}

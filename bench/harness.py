@@ -376,7 +376,10 @@ def render_markdown(result: Dict[str, Any]) -> str:
         lines.append("(no rows recorded)")
     if result.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in result["notes"]]
-    if result["status"] != "ok":
+    if result["status"] == "stopped":
+        lines += ["", f"**Suite STOPPED** after {result['seconds']:.1f} s ({result['error'].strip()}): the rows above are "
+                  "the cases it finished; the rest were not run."]
+    elif result["status"] != "ok":
         lines += ["", f"**Suite FAILED** after {result['seconds']:.1f} s:", "", "```", result["error"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
@@ -418,19 +421,30 @@ def _peer_summary(rows: List[Dict[str, Any]]) -> List[str]:
 @dataclass
 class SuiteResult:
     suite: str
-    status: str  # "ok" | "failed"
+    status: str  # "ok" | "failed" | "stopped"
     data: Dict[str, Any]
     markdown: str
 
 
+class SuiteStopped(BaseException):
+    """Raised inside a running suite when the process is told to stop (``python -m bench`` turns SIGTERM, e.g.
+    ``timeout`` at gpu_check's deadline, into it): the suite's report is still written with the rows it measured.
+    A ``BaseException``, like ``KeyboardInterrupt``, so a suite's ``except Exception`` (a peer that fails) does not
+    swallow it."""
+
+
 def run_suite(suite: str, run: Callable[[BenchContext], None], device: torch.device, dtype: torch.dtype, small: bool,
               out_dir: Optional[Path] = None, copy_bandwidth: Optional[float] = None) -> SuiteResult:
-    """Run one suite, never raising: a failure is recorded (with its traceback) next to the partial rows."""
+    """Run one suite, never raising: a failure is recorded (with its traceback) next to the partial rows, and a
+    :class:`SuiteStopped` as status ``"stopped"`` with the rows measured before it."""
     ctx = BenchContext(suite, device, dtype, small, copy_bandwidth=copy_bandwidth)
     t0 = time.perf_counter()
     error = None
+    stopped = False
     try:
         run(ctx)
+    except SuiteStopped as exc:
+        stopped, error = True, f"{exc}\n"
     except Exception:
         error = traceback.format_exc()
     try:
@@ -441,7 +455,7 @@ def run_suite(suite: str, run: Callable[[BenchContext], None], device: torch.dev
         rows, bw = [], None
     data = {
         "suite": suite,
-        "status": "ok" if error is None else "failed",
+        "status": "stopped" if stopped else "ok" if error is None else "failed",
         "error": error,
         "seconds": time.perf_counter() - t0,
         "dtype": str(dtype).replace("torch.", ""),

@@ -1,8 +1,11 @@
 """The benchmark harness: row validation, derived columns, reports, suite discovery and the CLI."""
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +178,41 @@ def test_cli_continues_after_a_failed_suite(tmp_path, capsys):
     summary = (tmp_path / "summary.md").read_text()
     assert "| demo | ok | 4 |" in summary and "| boom | failed | 1 |" in summary and "| broken | failed | 0 |" in summary
     assert json.loads((tmp_path / "broken.json").read_text())["error"].count("SyntaxError") >= 1
+
+
+def _suite_stopped_midway(ctx):
+    ctx.add({"T": 1}, "tlt-triton", 1.0)
+    for T in (2, 3):
+        try:  # a suite's own `except Exception` (a failing peer) must not swallow the stop
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except Exception:
+            pass
+        ctx.add({"T": T}, "tlt-triton", 1.0)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX signals")
+def test_cli_sigterm_writes_the_stopped_suite_report_and_starts_no_other(tmp_path, capsys):
+    specs = {
+        "demo": SuiteSpec("demo", "fake.demo", run=_suite_ok),
+        "stopped": SuiteSpec("stopped", "fake.stopped", run=_suite_stopped_midway),
+        "after": SuiteSpec("after", "fake.after", run=_suite_ok),
+    }
+    before = signal.getsignal(signal.SIGTERM)
+    t0 = time.perf_counter()
+    rc = main(["all", "--device", "cpu", "--out", str(tmp_path)], specs=specs)
+    assert rc == 124
+    assert time.perf_counter() - t0 < 4, "the signal must interrupt the suite's sleep"
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is removed again
+    data = json.loads((tmp_path / "stopped.json").read_text())
+    assert data["status"] == "stopped" and [r["case"] for r in data["rows"]] == [{"T": 1}]
+    assert "signal" in data["error"]
+    assert "**Suite STOPPED**" in (tmp_path / "stopped.md").read_text()
+    assert not (tmp_path / "after.json").exists()
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| demo | ok | 4 |" in summary and "| stopped | stopped | 1 |" in summary
+    assert "Not started (stopped by SIGTERM): after" in summary
+    assert "FAILED suites: stopped" in capsys.readouterr().err
 
 
 def test_cli_usage_errors(tmp_path, capsys):
