@@ -7,10 +7,13 @@ of their parent's row, which accepts roughly 60-80% of tried drafts (the achieve
 case as ``accept_rate`` = accepted / tried children, and ``mean_accepted`` drafts per request).
 
 Impls: ``tlt-triton`` and ``tlt-cuda`` (the fused kernels; ``-graph`` rows: the same call replayed from a CUDA
-graph, i.e. GPU time without Python dispatch; FlashInfer is timed eagerly only: a failed capture of its sampling
-ops could leave the CUDA context unusable for the rest of the run), ``torch-composed`` (softmax + top-p + rejection in torch:
+graph, i.e. GPU time without Python dispatch), ``torch-composed`` (softmax + top-p + rejection in torch:
 the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a softmax of every row
-(chains only) when FlashInfer is importable.
+(chains only) when FlashInfer is importable: ``flashinfer`` eagerly, ``flashinfer-graph`` replayed from a CUDA graph.
+Compare ``-graph`` rows with ``flashinfer-graph`` (both without host dispatch, as an engine's captured step runs
+them) and eager rows with ``flashinfer``: an eager call at small B is mostly host time on both sides
+(``python -m bench.profile_dispatch``). A failed FlashInfer capture is noted and ends its graph rows for the run
+(``TLT_ACCEPTANCE_FI_GRAPHS=0`` skips them).
 
 Trees are also timed against the chain of the same depth (chain5 for tree16, chain6 for tree32, chain7 for
 tree64; added to the run when a tree shape is), the issue's "tree verification with draft probabilities within
@@ -120,6 +123,9 @@ def run(ctx) -> None:
     # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
     graphs = dev.type == "cuda" and os.environ.get("TLT_ACCEPTANCE_GRAPHS", "1") not in ("", "0")
     unavailable: set = set()  # kernel backends that could not run here (noted once)
+    # FlashInfer's pipeline replayed from a CUDA graph as well (captured cleanly in every case of bench.profile_dispatch
+    # on an H200, 2026-11-27); TLT_ACCEPTANCE_FI_GRAPHS=0 times it eagerly only.
+    fi_graphs = os.environ.get("TLT_ACCEPTANCE_FI_GRAPHS", "1") not in ("", "0")
     for V in Vs:
         for kind, T in shapes:
             for B in Bs:
@@ -163,6 +169,15 @@ def run(ctx) -> None:
                             # FlashInfer reads every row of the chain (it does not skip rejected ones).
                             full = B * T * V * logits.element_size() + B * (T - 1) * V * q.element_size()
                             ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
+                            if graphs and fi_graphs:  # graph against graph: how an engine's step graph runs it
+                                try:
+                                    ms = ctx.time_graph_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
+                                except Exception as exc:
+                                    ctx.note(f"flashinfer-graph: capture failed on {case} ({type(exc).__name__}: {exc}); "
+                                             "no further flashinfer-graph rows")
+                                    fi_graphs = False
+                                else:
+                                    ctx.add(case, "flashinfer-graph", ms, bytes_moved=full, **extra)
                     if heavy:
                         ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
     _note_tree_vs_chain(ctx, shapes)
