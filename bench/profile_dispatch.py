@@ -6,7 +6,9 @@ call into the layers it passes through and times each one's host cost:
 
 * ``binding``: ``_C.verify_tree`` alone, every pointer and output preallocated (pybind11 + the launch);
 * ``launch``: the CUDA backend's ``_launch`` (dtype/contiguity checks, output and scratch allocation, binding);
-* ``custom_op``: ``verify_tree_cuda``, the ``torch.library`` custom op around ``_launch``;
+* ``custom_op``: the ``torch.library`` custom op around ``_launch`` (the path under ``torch.compile`` and tracing);
+* ``backend``: ``verify_tree_cuda``, the backend entry: ``_launch`` directly in plain eager code (since the direct
+  dispatch of ``tlt_kernels._backend.direct_dispatch_ok``; the op with ``TLT_DIRECT_DISPATCH=0``);
 * ``public_tensors``: ``verify_tree(..., validate=False)`` with ``[B]`` tensors for every per-request parameter;
 * ``public_scalars``: the same with Python scalars for temperature / top-p (the acceptance suite's call);
 * ``public_validate``: ``verify_tree`` with its default ``validate=True`` (host syncs by design);
@@ -75,7 +77,8 @@ def _layers(B: int, T: int, V: int, top_p, dev):
     layers = {
         "binding": lambda: ext.verify_tree(**kw),
         "launch": lambda: cuda_mod._launch(*args),
-        "custom_op": lambda: cuda_mod.verify_tree_cuda(*args),
+        "custom_op": lambda: cuda_mod.verify_tree_cuda.op(*args),
+        "backend": lambda: cuda_mod.verify_tree_cuda(*args),
         "public_tensors": lambda: verify_tree(logits, tokens, parents, validate=False, backend="cuda", **public_kw),
         "public_scalars": lambda: verify_tree(logits, tokens, parents, draft_probs=q, temperature=TEMPERATURE,
                                               top_p=top_p, seed=seeds, validate=False, backend="cuda"),

@@ -174,3 +174,28 @@ def test_triton_custom_op_opcheck(gen):
     ks, vs = [k.to(dev) for k in ks], [v.to(dev) for v in vs]
     table, ctx, nodes, nacc = (x.to(dev) for x in (table, ctx, nodes, nacc))
     torch.library.opcheck(torch.ops.tlt.compact_kv.default, (ks, vs, table, ctx, nodes, nacc))
+
+
+@pytest.mark.triton
+def test_triton_eager_call_launches_directly_and_matches_the_custom_op(monkeypatch, gen):
+    import tlt_kernels._backend as backend
+    from tlt_kernels._triton import compact_kv as tck
+
+    device = kernel_devices()[0]
+    ks, vs, table, ctx, nodes, nacc = make_case(3, 4, 2, gen)
+    args = (table.to(device), ctx.to(device), nodes.to(device), nacc.to(device))
+    results = []
+    calls = []
+    real = tck.compact_kv.op
+    monkeypatch.setattr(tck.compact_kv, "op", lambda *a: calls.append(1) or real(*a))
+    for direct in (True, False):
+        monkeypatch.setattr(backend, "DIRECT_DISPATCH", direct)
+        dk, dv = [k.clone().to(device) for k in ks], [v.clone().to(device) for v in vs]
+        new = compact_kv(dk, dv, *args, backend="triton")
+        results.append((new.cpu(), [k.cpu() for k in dk + dv]))
+        assert calls == ([] if direct else [1])
+    (new_a, caches_a), (new_b, caches_b) = results
+    assert torch.equal(new_a, new_b) and all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))
+    ref_k, ref_v = [k.clone() for k in ks], [v.clone() for v in vs]
+    assert torch.equal(compact_kv(ref_k, ref_v, table, ctx, nodes, nacc, backend="torch"), new_a)
+    assert all(torch.equal(a, b) for a, b in zip(caches_a, ref_k + ref_v)), "both paths move exactly the reference path"

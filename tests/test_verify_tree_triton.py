@@ -285,3 +285,71 @@ def test_top_p_over_compacted_candidates_matches_reference(top_p):
     got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), backend="triton", **{**args, "draft_probs": q.to(DEV),
                                                                                    "seed": args["seed"].to(DEV)})
     _compare(ref, got)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct dispatch: plain eager calls launch without the torch.library op; compile and tracing keep the op.
+# ---------------------------------------------------------------------------------------------
+def _counting_op(monkeypatch, entry):
+    calls = []
+    real = entry.op
+
+    def op(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(entry, "op", op)
+    return calls
+
+
+def test_eager_call_launches_directly_and_matches_the_custom_op_path(monkeypatch):
+    import tlt_kernels._backend as backend
+
+    B, T, V = 3, len(TREE), 37
+    lg, toks, par, q = (t.to(DEV) for t in _inputs(B, T, V, TREE, seed=11, use_q=True))
+    kw = dict(draft_probs=q, temperature=[0.0, 0.8, 1.2], top_p=0.9, seed=torch.arange(B, device=DEV),
+              return_stats=True, backend="triton")
+    calls = _counting_op(monkeypatch, _tri().verify_tree_triton)
+    direct = verify_tree(lg, toks, par, **kw)
+    assert calls == [], "a plain eager call must not go through the custom op"
+    monkeypatch.setattr(backend, "DIRECT_DISPATCH", False)
+    through_op = verify_tree(lg, toks, par, **kw)
+    assert calls == [1]
+    _compare(direct, through_op)
+    assert torch.equal(direct.stats, through_op.stats)
+
+
+def test_direct_dispatch_only_in_plain_eager(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tlt_kernels._backend as backend
+
+    x = torch.zeros(3)
+    assert backend.direct_dispatch_ok(x, None, [x, x])
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        assert not backend.direct_dispatch_ok(x), "a dispatch mode (tracing, profiling) needs the op"
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(x)
+    assert not backend.direct_dispatch_ok(x, fake)
+    assert not backend.direct_dispatch_ok(x, [x, fake]), "a subclass inside a list of caches counts too"
+    monkeypatch.setattr(backend, "DIRECT_DISPATCH", False)
+    assert not backend.direct_dispatch_ok(x)
+
+
+def test_compiled_call_goes_through_the_custom_op(monkeypatch):
+    B, T, V = 2, len(CHAIN), 29
+    lg, toks, par, _ = (t.to(DEV) if t is not None else None for t in _inputs(B, T, V, CHAIN, seed=3, use_q=False))
+    seeds = torch.arange(B, device=DEV)
+    kw = dict(temperature=0.7, top_k=5, validate=False, backend="triton")
+    eager = verify_tree(lg, toks, par, seed=seeds, **kw)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda l, s: verify_tree(l, toks, par, seed=s, **kw), backend="eager", fullgraph=True)
+    calls = _counting_op(monkeypatch, _tri().verify_tree_triton)
+    _compare(eager, compiled(lg, seeds))
+    assert calls, "under torch.compile the call must stay on the custom op"

@@ -17,6 +17,14 @@ import torch
 
 BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
 
+# Eager calls skip the torch.library custom op around a kernel launch when nothing needs it: its Python dispatch
+# cost 25-50 us per verify_tree call on an H200 host, more than the kernel at small batch (bench.profile_dispatch,
+# bench/RESULTS.md 2026-11-27 05:24). The op stays the path under torch.compile and any tracing (FakeTensor,
+# functionalization, dispatch or torch-function modes). TLT_DIRECT_DISPATCH=0 (read at import) always takes the op.
+DIRECT_DISPATCH = os.environ.get("TLT_DIRECT_DISPATCH", "1") not in ("", "0")
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
 
 class BackendUnavailableError(RuntimeError):
     """Raised when a requested backend cannot run the given inputs (with the reason)."""
@@ -74,6 +82,25 @@ def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[s
             return f"the cuda backend needs CUDA tensors (got {device})"
         return _cuda_ext_import_error()
     raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {BACKENDS}")
+
+
+def direct_dispatch_ok(*tensors) -> bool:
+    """Whether a kernel may be launched without its custom op: plain eager execution only (see
+    :data:`DIRECT_DISPATCH`). ``tensors``: the call's tensors, ``None`` entries and lists of tensors allowed; any
+    subclass (FakeTensor, FunctionalTensor, ...) sends the call through the op."""
+    if not DIRECT_DISPATCH or torch.compiler.is_compiling():
+        return False
+    if _dispatch_stack_len is None or _function_mode_on is None:  # an unknown torch: stay on the op
+        return False
+    if _dispatch_stack_len() > 0 or _function_mode_on():
+        return False
+    for t in tensors:
+        if isinstance(t, (list, tuple)):
+            if any(type(x) is not torch.Tensor for x in t):
+                return False
+        elif t is not None and type(t) is not torch.Tensor:
+            return False
+    return True
 
 
 def cuda_extension_available() -> bool:

@@ -12,6 +12,8 @@ from typing import Callable, List, Sequence, Tuple
 
 import torch
 
+from .._backend import direct_dispatch_ok
+
 
 def path_slots(
     block_table: torch.Tensor,
@@ -42,6 +44,11 @@ def path_slots(
     return flat(src_slot), flat(dst_slot)
 
 
+def new_context_lens(context_lens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
+    """``int32 [B]``: each request's context after its accepted path and bonus token, ``context_lens + num_accepted + 1``."""
+    return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
+
+
 def compact_kv(
     k_caches: Sequence[torch.Tensor],
     v_caches: Sequence[torch.Tensor],
@@ -62,7 +69,7 @@ def compact_kv(
         for cache in list(k_caches) + list(v_caches):
             rows = cache.view(num_blocks * block_size, *cache.shape[2:])
             rows[dst] = rows[src]  # advanced indexing copies: a gather, then the scatter
-    return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
+    return new_context_lens(context_lens, num_accepted)
 
 
 def make_compact_kv_op(op_name: str, move_: Callable[..., None]) -> Callable[..., torch.Tensor]:
@@ -75,15 +82,20 @@ def make_compact_kv_op(op_name: str, move_: Callable[..., None]) -> Callable[...
     def op(k_caches: List[torch.Tensor], v_caches: List[torch.Tensor], block_table: torch.Tensor,
            context_lens: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
         move_(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted)
-        return (context_lens.to(torch.int32) + num_accepted.to(torch.int32) + 1).to(torch.int32)
+        return new_context_lens(context_lens, num_accepted)
 
     @op.register_fake
     def _(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted):
         return context_lens.new_empty(context_lens.shape, dtype=torch.int32)
 
     def compact_kv(k_caches, v_caches, block_table, context_lens, accepted_nodes, num_accepted) -> torch.Tensor:
-        return op(list(k_caches), list(v_caches), block_table, context_lens, accepted_nodes, num_accepted)
+        args = (list(k_caches), list(v_caches), block_table, context_lens, accepted_nodes, num_accepted)
+        if direct_dispatch_ok(*args):  # plain eager: launch without the op's dispatch
+            move_(*args)
+            return new_context_lens(context_lens, num_accepted)
+        return compact_kv.op(*args)
 
+    compact_kv.op = op  # looked up per call, so tests can wrap it
     compact_kv.__doc__ = f"Backend of :func:`tlt_kernels.compact_kv` (custom op ``{op_name}``): moves in place, returns " \
                          "``int32 [B]`` new context lengths."
     return compact_kv

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .._backend import direct_dispatch_ok
 from ..rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, uniform
 from ..tree import resolve_num_nodes
 from .sampling import row_errors, sample_inverse_cdf, target_probs
@@ -90,11 +91,14 @@ def make_verify_tree_op(op_name: str, launch):
                max_depth, return_stats=False) -> VerifyResult:
         if num_nodes is None:
             num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
-        tokens, num, nodes, err, stats = op(
-            logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-            seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
+        args = (logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
+                seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
+        # Plain eager calls launch directly (the op's dispatch is host time the kernel does not need).
+        run = launch if direct_dispatch_ok(*args[:10]) else verify.op
+        tokens, num, nodes, err, stats = run(*args)
         return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)
 
+    verify.op = op  # looked up per call, so tests can wrap it
     return op, verify
 
 def _check_rows(rows: torch.Tensor, active: torch.Tensor, node: torch.Tensor) -> None:
