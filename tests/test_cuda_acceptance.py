@@ -734,3 +734,37 @@ def test_build_draft_tree_poisoned_outputs_and_graph():
     ref = build_draft_tree(par.cpu(), tokens.cpu(), scores.cpu(), V, roots.cpu(), return_mask=True, validate=False, backend="torch")
     for x, y in zip(ref, tree):
         assert torch.equal(x, y.cpu()), "graph replay differs from the reference"
+
+
+@pytest.mark.cuda
+def test_eager_direct_dispatch_matches_the_custom_op_on_the_gpu(monkeypatch):
+    """Plain eager calls launch _C without the torch.library op (tlt_kernels._backend.direct_dispatch_ok); the
+    op path (TLT_DIRECT_DISPATCH=0, torch.compile) must give the same bits for verify_tree and compact_kv."""
+    _need_gpu_ext()
+    import tlt_kernels._backend as backend
+    from tlt_kernels._cuda import compact_kv as ccv
+    from tlt_kernels._cuda import verify_tree as cvt
+
+    B, T, V = 5, 9, 4099
+    lg, toks, par, n, q = (t.cuda() if t is not None else None
+                           for t in _verify_inputs(B, T, V, seed=17, use_q=True, dtype=torch.bfloat16))
+    kw = dict(num_nodes=n, draft_probs=q, temperature=0.8, top_p=0.9, seed=torch.arange(B, device="cuda"),
+              return_stats=True, validate=False, backend="cuda")
+    ks, vs, table, ctx, nodes, nacc = _compact_case(4, 2, 2, 64, 16, 5, torch.bfloat16, seed=9)
+    counts = {"verify": [], "compact": []}
+    for name, entry in (("verify", cvt.verify_tree_cuda), ("compact", ccv.compact_kv)):
+        real = entry.op
+        monkeypatch.setattr(entry, "op", lambda *a, real=real, name=name: counts[name].append(1) or real(*a))
+    results = []
+    for direct in (True, False):
+        monkeypatch.setattr(backend, "DIRECT_DISPATCH", direct)
+        res = verify_tree(lg, toks, par, **kw)
+        gk, gv = [t.cuda() for t in ks], [t.cuda() for t in vs]
+        new_ctx = compact_kv(gk, gv, table.cuda(), ctx.cuda(), nodes.cuda(), nacc.cuda(), backend="cuda", validate=False)
+        torch.cuda.synchronize()
+        results.append((res, new_ctx.cpu(), [t.cpu() for t in gk + gv]))
+        assert counts == ({"verify": [], "compact": []} if direct else {"verify": [1], "compact": [1]})
+    (a, ctx_a, caches_a), (b, ctx_b, caches_b) = results
+    for field in ("tokens", "num_accepted", "accepted_nodes", "error", "stats"):
+        assert torch.equal(getattr(a, field), getattr(b, field)), field
+    assert torch.equal(ctx_a, ctx_b) and all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
