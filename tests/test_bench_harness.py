@@ -360,6 +360,24 @@ def test_acceptance_tree_vs_same_depth_chain_note():
     assert notes == ["tree16 / chain5 (depth 4), B=16 V=152064 top_p=0.9 tlt-cuda-graph: 1.50x (target <= 1.5x)"]
 
 
+def test_acceptance_impls_knob(monkeypatch, tmp_path):
+    from bench.suites.acceptance import IMPLS, _impls_from_env
+
+    monkeypatch.delenv("TLT_ACCEPTANCE_IMPLS", raising=False)
+    assert _impls_from_env() == IMPLS
+    monkeypatch.setenv("TLT_ACCEPTANCE_IMPLS", " tlt-triton , flashinfer")
+    assert _impls_from_env() == ("tlt-triton", "flashinfer")
+    monkeypatch.setenv("TLT_ACCEPTANCE_IMPLS", "tlt-cuda,cutlass")
+    with pytest.raises(ValueError, match="TLT_ACCEPTANCE_IMPLS: unknown impls \\['cutlass'\\]"):
+        _impls_from_env()
+    # A small CPU run keeps only the impls asked for (the reference still runs, untimed, for the rates).
+    monkeypatch.setenv("TLT_ACCEPTANCE_IMPLS", "tlt-triton")
+    assert main(["acceptance", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "acceptance.json").read_text())
+    assert {r["impl"] for r in data["rows"]} == {"tlt-triton"}
+    assert all("accept_rate" in r and "same_as_ref" in r for r in data["rows"])
+
+
 def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     """bench.profile_tree_attention's fit: ms / waves = fixed + tiles * per_tile, exact on exact data whatever the
     waves, and its residual reports a point off the line."""

@@ -95,6 +95,23 @@ def _flashinfer_chain(fi, logits, tokens, q, top_p):
     return fi.sampling.chain_speculative_sampling(q[:, :-1].contiguous(), tokens[:, 1:].to(torch.int32).contiguous(), probs)
 
 
+IMPLS = ("torch-composed", "tlt-triton", "tlt-cuda", "flashinfer")
+
+
+def _impls_from_env() -> tuple:
+    """The impls to time: ``TLT_ACCEPTANCE_IMPLS="tlt-cuda,flashinfer"`` (each with its ``-graph`` row) skips the
+    others, e.g. the Triton kernel's compiles and the float64 reference's timing inside a time-limited lease (the
+    reference still runs once per case for ``accept_rate`` and ``same_as_ref``). Default: all."""
+    raw = os.environ.get("TLT_ACCEPTANCE_IMPLS", "")
+    if not raw.strip():
+        return IMPLS
+    wanted = tuple(w.strip() for w in raw.split(",") if w.strip())
+    unknown = sorted(set(wanted) - set(IMPLS))
+    if unknown:
+        raise ValueError(f"TLT_ACCEPTANCE_IMPLS: unknown impls {unknown}; known: {', '.join(IMPLS)}")
+    return wanted
+
+
 def run(ctx) -> None:
     dev, dtype = ctx.device, ctx.dtype
     if ctx.small:
@@ -103,7 +120,7 @@ def run(ctx) -> None:
         Bs, Vs = [1, 16, 64, 256], [32000, 152064]
         shapes = [("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64)]
         # Shorter runs inside a time-limited lease: TLT_ACCEPTANCE_BS="1,16,64", TLT_ACCEPTANCE_VS="152064",
-        # TLT_ACCEPTANCE_SHAPES="chain8,tree16".
+        # TLT_ACCEPTANCE_SHAPES="chain8,tree16", TLT_ACCEPTANCE_IMPLS="tlt-cuda,flashinfer".
         if os.environ.get("TLT_ACCEPTANCE_BS"):
             Bs = [int(b) for b in os.environ["TLT_ACCEPTANCE_BS"].split(",")]
         if os.environ.get("TLT_ACCEPTANCE_VS"):
@@ -119,7 +136,8 @@ def run(ctx) -> None:
         same_depth = ("chain", _heap_depth(T) + 1)
         if kind == "tree" and same_depth not in shapes:
             shapes.append(same_depth)
-    fi = ctx.try_import("flashinfer") if dev.type == "cuda" else None
+    impls = _impls_from_env()
+    fi = ctx.try_import("flashinfer") if dev.type == "cuda" and "flashinfer" in impls else None
     # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
     graphs = dev.type == "cuda" and os.environ.get("TLT_ACCEPTANCE_GRAPHS", "1") not in ("", "0")
     unavailable: set = set()  # kernel backends that could not run here (noted once)
@@ -141,11 +159,11 @@ def run(ctx) -> None:
                                  mean_accepted=round(ref.num_accepted.float().mean().item(), 3))
                     nbytes = _bytes(ref, V, logits.element_size(), q.element_size())
                     heavy = B * T * V > 64 * 16 * 152064 and not ctx.small
-                    if not heavy:
+                    if not heavy and "torch-composed" in impls:
                         ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
                         ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
                     for impl, name in (("triton", "tlt-triton"), ("cuda", "tlt-cuda")):
-                        if name in unavailable:
+                        if name in unavailable or name not in impls:
                             continue
                         try:
                             got = verify_tree(logits, tokens, parents, return_stats=True, backend=impl, **kw)
@@ -178,6 +196,6 @@ def run(ctx) -> None:
                                     fi_graphs = False
                                 else:
                                     ctx.add(case, "flashinfer-graph", ms, bytes_moved=full, **extra)
-                    if heavy:
+                    if heavy and "torch-composed" in impls:
                         ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
     _note_tree_vs_chain(ctx, shapes)
