@@ -421,13 +421,16 @@ def test_e2e_suite_small_without_drift_has_one_drafter(monkeypatch):
     from bench.suites import e2e
 
     monkeypatch.setenv("TLT_E2E_DRIFT", "0")
+    monkeypatch.setenv("TLT_E2E_DETERMINISTIC", "1")  # also: the deterministic-training knob runs and is reported
     res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
     assert res.status == "ok", res.data["error"]
     rows = {r["impl"]: r for r in res.data["rows"]}
     assert not any(k.endswith("(spot drafter)") for k in rows) and all(r["greedy_identical"] for r in rows.values())
     for name in ("adaptive", "adaptive (warm)"):
         assert rows[name]["speedup_vs_best_static"] == rows[name]["speedup_vs_best_static_spot_drafter"]
-    assert "RL update" not in "\n".join(res.data["notes"])
+    notes = "\n".join(res.data["notes"])
+    assert "RL update" not in notes and "deterministic training (TLT_E2E_DETERMINISTIC=1)" in notes
+    assert not torch.are_deterministic_algorithms_enabled(), "the suite must restore the global setting"
 
 
 def test_e2e_drift_knob_is_validated(monkeypatch):
@@ -436,6 +439,10 @@ def test_e2e_drift_knob_is_validated(monkeypatch):
     monkeypatch.setenv("TLT_E2E_DRIFT", "-1")
     res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
     assert res.status == "failed" and "TLT_E2E_DRIFT must be >= 0" in res.data["error"]
+    monkeypatch.setenv("TLT_E2E_DRIFT", "0")
+    monkeypatch.setenv("TLT_E2E_DETERMINISTIC", "yes")
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
+    assert res.status == "failed" and "TLT_E2E_DETERMINISTIC must be one of 0, 1" in res.data["error"]
 
 
 def test_finetune_target_updates_parameters_in_place():

@@ -6,7 +6,8 @@ from conftest import HAS_CUDA
 from tlt_kernels import BackendUnavailableError
 from tlt_kernels.models import LlamaForCausalLM, ModelConfig, PagedKVCache
 from tlt_kernels.models.reference_decode import reference_generate, sample_from_logits
-from tlt_kernels.models.train_tiny import corpus_files, eval_loss, load_corpus, sample_windows, shifted_corpus, train_tiny_target
+from tlt_kernels.models.train_tiny import (corpus_files, deterministic_training, eval_loss, load_corpus, sample_windows,
+                                          shifted_corpus, train_tiny_target)
 from tlt_kernels.rng import PURPOSE_SAMPLE, uniform
 
 
@@ -437,6 +438,26 @@ def test_train_tiny_target_loss_decreases():
     assert again == losses[:2] or torch.allclose(torch.tensor(again), torch.tensor(losses[:2]))
 
 
+def test_deterministic_training_restores_settings_and_collects_warnings():
+    import warnings
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    found = set()
+    with deterministic_training(True, found) as seen:
+        assert seen is found and torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() and not torch.utils.deterministic.fill_uninitialized_memory
+        warnings.warn("index_add_cuda_ does not have a deterministic implementation, but you set ...\nmore")
+        warnings.warn("an unrelated warning")
+    assert found == {"index_add_cuda_ does not have a deterministic implementation, but you set ..."}
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
+    with pytest.raises(RuntimeError, match="boom"):  # restored on an exception too
+        with deterministic_training():
+            raise RuntimeError("boom")
+    assert torch.are_deterministic_algorithms_enabled() == before[0]
+    with deterministic_training(False) as seen:  # a no-op
+        assert torch.are_deterministic_algorithms_enabled() == before[0] and seen == set()
+
+
 # -- GPU -----------------------------------------------------------------------------------------
 def _gpu_config(**over):
     # head_dim 64: a size the tree-attention kernels cover (tiny's 16 would fall back to torch).
@@ -530,3 +551,22 @@ def test_train_tiny_target_cuda():
     model = train_tiny_target(ModelConfig.small(), steps=100, device="cuda", batch_size=32, seq_len=128, corpus=corpus, losses=losses)
     assert model.device.type == "cuda"
     assert sum(losses[-10:]) / 10 < 3.0, losses[-10:]
+
+
+@pytest.mark.cuda
+def test_deterministic_training_repeats_bit_for_bit_on_the_gpu():
+    """deterministic_training: two GPU trainings with the same seed give the same weights (the e2e suite's
+    TLT_E2E_DETERMINISTIC=1 relies on it); the warnings name any op still nondeterministic."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    corpus = load_corpus("base", 300_000)
+    states, warned = [], set()
+    for _ in range(2):
+        with deterministic_training(True, warned):
+            model = train_tiny_target(_gpu_config(vocab_size=256), steps=25, seed=3, device="cuda", batch_size=16,
+                                      seq_len=128, corpus=corpus)
+        states.append({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    assert not warned, f"ops without a deterministic kernel: {sorted(warned)}"
+    diff = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+    assert not diff, f"weights differ between two deterministic runs: {diff[:5]}"
+

@@ -31,6 +31,8 @@ verify, draft and extend separately);
 ``TLT_E2E_REPEATS=n`` times every row n times (default 3 on the GPU; median run kept, every run's tokens compared);
 ``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
 ``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite;
+``TLT_E2E_DETERMINISTIC=1`` trains every model with deterministic kernels (:func:`tlt_kernels.models.deterministic_training`),
+so two runs on the same card compare the same models;
 ``TLT_E2E_STEPS=path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per step),
 which ``python -m bench.selector_vs_oracle path.json`` compares with the per-batch-size oracle bin by bin.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
@@ -189,7 +191,8 @@ def _plot(outs: dict, path: str) -> str:
 def run(ctx) -> None:
     from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
     from tlt_kernels.engine import SpeculativeEngine
-    from tlt_kernels.models import ModelConfig, finetune_target, load_corpus, shifted_corpus, train_tiny_target
+    from tlt_kernels.models import (ModelConfig, deterministic_training, finetune_target, load_corpus, shifted_corpus,
+                                    train_tiny_target)
     from tlt_kernels.models.train_tiny import sample_windows
     from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
@@ -203,6 +206,13 @@ def run(ctx) -> None:
     dev = ctx.device
     cuda = dev.type == "cuda"
     gen = torch.Generator().manual_seed(0)
+    # TLT_E2E_DETERMINISTIC=1: every training stage (target, drafter warm-up, RL updates, spot training) runs with
+    # deterministic kernels, so two runs on the same card train the same models and their rows differ only by timing.
+    det = _env_choice("TLT_E2E_DETERMINISTIC", "0", {"0": False, "1": True})
+    nondet_ops: set = set()
+
+    def training():
+        return deterministic_training(det, nondet_ops)
 
     # 1. target
     t0 = time.perf_counter()
@@ -215,7 +225,8 @@ def run(ctx) -> None:
         # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
         # plain step. TLT_E2E_HIDDEN (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
         cfg = target_config(z["hidden"], z["layers"])
-    target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
+    with training():
+        target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
     # TLT_E2E_DTYPE=bf16 runs the bf16 kernels instead.
@@ -282,7 +293,8 @@ def run(ctx) -> None:
     # A fixed number of optimizer steps, not a time budget: with 40 s, two H200 machines trained 2381 and 2212 steps
     # (bench/RESULTS.md, 20:51 and 22:16 UTC), so each run's drafter, and its acceptance, depended on the machine's
     # speed. The cap only stops a pathologically slow machine.
-    st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
+    with training():
+        st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
     if st.optimizer_steps < z["warm_steps"]:
         ctx.note(f"drafter warm-up stopped at its {z['warm_cap_s']:.0f} s cap after {st.optimizer_steps} of "
                  f"{z['warm_steps']} steps: this run's drafter is weaker than the configuration's")
@@ -300,15 +312,21 @@ def run(ctx) -> None:
     shifted = shifted_corpus()
     for step in range(1, drift + 1):
         t_rl = time.perf_counter()
-        loss = finetune_target(target, shifted, z["drift_steps"], gen, lr=1e-3, batch_size=z["train_bs"], seq_len=z["train_seq"])
+        with training():
+            loss = finetune_target(target, shifted, z["drift_steps"], gen, lr=1e-3, batch_size=z["train_bs"], seq_len=z["train_seq"])
         line = f"RL update {step}: target fine-tuned {z['drift_steps']} steps on the shifted mix (loss {loss:.3f}) in {time.perf_counter() - t_rl:.1f}s"
         if step < drift:
             plain_eng.generate(sample_windows(corpus, B, z["prompt_len"], gen).to(dev), lens)
             # The same idle-window budget as RL step 0's warm-up: every RL step's tail leaves the GPUs as idle.
-            st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
+            with training():
+                st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
             line += f"; its rollout spot-trained the drafter {st.optimizer_steps} steps in {st.elapsed_s:.1f}s (loss {st.last_loss})"
         ctx.note(line)
     spot_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
+    if det:
+        ctx.note("deterministic training (TLT_E2E_DETERMINISTIC=1): "
+                 + ("ops without a deterministic kernel (still nondeterministic): " + "; ".join(sorted(nondet_ops))
+                    if nondet_ops else "no op warned of a nondeterministic kernel"))
 
     # The rollout's drafter copies draft in bf16 on the GPU (TLT_E2E_DRAFTER_DTYPE=fp32 to change): drafts never
     # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.

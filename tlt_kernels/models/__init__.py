@@ -14,13 +14,14 @@ from .config import ModelConfig
 from .kv_cache import PagedKVCache
 from .llama import LlamaForCausalLM
 from .reference_decode import Generation, reference_generate
-from .train_tiny import finetune_target, load_corpus, shifted_corpus, train_tiny_target
+from .train_tiny import deterministic_training, finetune_target, load_corpus, shifted_corpus, train_tiny_target
 
 __all__ = [
     "Generation",
     "LlamaForCausalLM",
     "ModelConfig",
     "PagedKVCache",
+    "deterministic_training",
     "load_checkpoint",
     "load_corpus",
     "reference_generate",

@@ -11,11 +11,13 @@ by byte 0 (:data:`SEPARATOR`, never present in source). Two mixes:
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sysconfig
+import warnings
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional, Set
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +136,35 @@ def train_tiny_target(
         if losses is not None:
             losses.append(loss.item())
     return model.eval()
+
+
+@contextlib.contextmanager
+def deterministic_training(enabled: bool = True, seen: Optional[Set[str]] = None) -> Iterator[Set[str]]:
+    """Run the block with ``torch.use_deterministic_algorithms(True, warn_only=True)``, so that training on a GPU
+    repeats bit for bit run to run on the same card and software (atomics-based backward kernels, such as the
+    embedding's, switch to deterministic ones). Yields ``seen`` (a new set when None), which receives on exit the
+    first line of each warning of an op that has no deterministic kernel (such an op keeps running,
+    nondeterministically). Uninitialized memory is not
+    filled inside the block (``torch.utils.deterministic.fill_uninitialized_memory``: a training loop never reads
+    it), and every setting is restored on exit. For cuBLAS, ``CUBLAS_WORKSPACE_CONFIG`` is set to ``:4096:8`` when
+    unset: it only takes effect if the process has not used cuBLAS yet. ``enabled=False``: a no-op."""
+    seen = set() if seen is None else seen
+    if not enabled:
+        yield seen
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
+    seen.update(str(w.message).splitlines()[0][:200] for w in caught if "deterministic" in str(w.message))
 
 
 def finetune_target(model: LlamaForCausalLM, corpus: torch.Tensor, steps: int, generator: torch.Generator, *,
