@@ -768,3 +768,12 @@ def test_eager_direct_dispatch_matches_the_custom_op_on_the_gpu(monkeypatch):
     for field in ("tokens", "num_accepted", "accepted_nodes", "error", "stats"):
         assert torch.equal(getattr(a, field), getattr(b, field)), field
     assert torch.equal(ctx_a, ctx_b) and all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
+
+
+@pytest.mark.cuda
+def test_verify_empty_batch_with_validation():
+    _need_gpu_ext()
+    from test_verify_tree import empty_batch_call
+
+    empty_batch_call("cuda", "cuda")
+

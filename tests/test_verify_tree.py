@@ -538,6 +538,20 @@ def test_nan_and_inf_rows_raise_naming_request_and_node():
     assert (r.num_accepted == 0).all()
 
 
+def empty_batch_call(backend, device="cpu"):
+    """verify_tree on B = 0 with validation on (shared with the kernel backends' tests)."""
+    lg = torch.randn(0, 4, 9, device=device)
+    toks = torch.zeros(0, 4, dtype=torch.int64, device=device)
+    par = torch.zeros(0, 4, dtype=torch.int32, device=device)
+    res = verify_tree(lg, toks, par, draft_probs=torch.rand(0, 4, 9, device=device), temperature=0.7, top_p=0.9,
+                      seed=torch.zeros(0, dtype=torch.int64, device=device), return_stats=True, backend=backend)
+    assert res.tokens.shape == (0, 4) and res.num_accepted.shape == (0,) and res.stats.shape == (0, 3, 2)
+
+
+def test_empty_batch_validates_and_returns_empty_outputs():
+    empty_batch_call("torch")
+
+
 def test_bad_inputs():
     lg, toks, parents, q = _random_inputs(B=2, T=6, V=10)
 
@@ -600,6 +614,27 @@ def test_bad_inputs():
     bad = q.clone()
     bad[:, 5] = 0  # node 5 is a leaf: its draft row is never used
     call(draft_probs=bad)
+    with pytest.raises(ValueError, match=r"draft_probs\[1, 4, 2\] = -inf"):
+        bad = q.clone()
+        bad[1, 4, 2] = float("-inf")
+        call(draft_probs=bad)
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 3, 7\] = inf"):
+        bad = q.clone()
+        bad[0, 3, 7] = float("inf")
+        call(draft_probs=bad)
+    with pytest.raises(ValueError, match=r"draft_probs\[1, 0\] sums to inf in float32: rows must have a finite sum"):
+        bad = q.clone()
+        bad[1, 0] = 3e38  # every element finite, the row's sum is not
+        call(draft_probs=bad)
+    with pytest.raises(ValueError, match=r"draft_probs\[1, 2, 3\] = -0.5"):  # the first bad row, then element
+        bad = q.clone()
+        bad[1, 2, 3] = -0.5
+        bad[1, 3, 0] = float("nan")
+        call(draft_probs=bad)
+    short = torch.tensor([4, 6], dtype=torch.int32)
+    bad = q.clone()
+    bad[0, 4:] = float("nan")  # rows past num_nodes[0] are padding: never checked
+    call(draft_probs=bad, num_nodes=short)
     with pytest.raises(ValueError, match="temperature = -1"):
         call(temperature=-1.0)
     with pytest.raises(ValueError, match=r"temperature\[1\] = nan"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, compile_for_sm90, kernel_devices, poison_
-from test_verify_tree import ALPHA, MC_B, biased, chi2_pvalue, monte_carlo_first_two
+from test_verify_tree import ALPHA, MC_B, biased, chi2_pvalue, empty_batch_call, monte_carlo_first_two
 from tlt_kernels import rng, verify_tree
 
 pytestmark = pytest.mark.triton
@@ -353,3 +353,8 @@ def test_compiled_call_goes_through_the_custom_op(monkeypatch):
     calls = _counting_op(monkeypatch, _tri().verify_tree_triton)
     _compare(eager, compiled(lg, seeds))
     assert calls, "under torch.compile the call must stay on the custom op"
+
+
+def test_empty_batch():
+    empty_batch_call("triton", DEV)
+
