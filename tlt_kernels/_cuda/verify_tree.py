@@ -33,11 +33,25 @@ CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
 TOPP_COMPACT = os.environ.get("TLT_VERIFY_TOPP_COMPACT", "1") not in ("", "0")
 
 
+_ELEM_CODES: dict = {}  # dtype -> the extension's code, filled on first use
+
+
 def elem_code(dtype: torch.dtype) -> int:
     """The extension's element-type code of a float32/float16/bfloat16 dtype."""
-    if dtype not in _ELEM:
-        raise TypeError(f"the CUDA verify_tree kernel reads float32, float16 or bfloat16, got {dtype}")
-    return getattr(extension(), _ELEM[dtype])
+    code = _ELEM_CODES.get(dtype)
+    if code is None:
+        if dtype not in _ELEM:
+            raise TypeError(f"the CUDA verify_tree kernel reads float32, float16 or bfloat16, got {dtype}")
+        code = _ELEM_CODES[dtype] = getattr(extension(), _ELEM[dtype])
+    return code
+
+
+def _as(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``t`` as a contiguous ``dtype`` tensor; no dispatcher call when it already is one (the common case: each
+    no-op ``.to()`` / ``.contiguous()`` is host time of an eager call, bench.profile_dispatch)."""
+    if t is None or (t.dtype == dtype and t.is_contiguous()):
+        return t
+    return t.to(dtype).contiguous()
 
 
 def check_inputs(logits: torch.Tensor, draft_probs: Optional[torch.Tensor], max_depth: int) -> None:
@@ -67,14 +81,11 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     if draft_tokens.dtype not in (torch.int32, torch.int64):
         draft_tokens = draft_tokens.to(torch.int64)
     draft_tokens = draft_tokens if draft_tokens.stride(-1) == 1 else draft_tokens.contiguous()
-    parents = parents.to(torch.int32)
-    parents = parents if parents.stride(-1) == 1 else parents.contiguous()
-    num_nodes = num_nodes.to(torch.int32).contiguous()
-    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()  # noqa: E731
-    temperature, top_p = f32(temperature), f32(top_p)
-    top_k = None if top_k is None else top_k.to(torch.int32).contiguous()
-    seed = seed.to(torch.int64).contiguous()
-    offset = offset.to(torch.int64).contiguous()
+    if parents.dtype != torch.int32 or parents.stride(-1) != 1:  # rows may be strided, elements not
+        parents = parents.to(torch.int32).contiguous()
+    num_nodes, top_k = _as(num_nodes, torch.int32), _as(top_k, torch.int32)
+    temperature, top_p = _as(temperature, torch.float32), _as(top_p, torch.float32)
+    seed, offset = _as(seed, torch.int64), _as(offset, torch.int64)
     if out is None:
         out = empty_verify_outputs(logits, max_depth, return_stats)
     out_tokens, out_num, out_nodes, out_err, out_stats = out

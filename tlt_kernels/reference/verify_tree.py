@@ -91,8 +91,9 @@ def make_verify_tree_op(op_name: str, launch):
                max_depth, return_stats=False) -> VerifyResult:
         if num_nodes is None:
             num_nodes = torch.full((logits.shape[0],), logits.shape[1], dtype=torch.int32, device=logits.device)
+        i64 = lambda t: t if t.dtype == torch.int64 else t.to(torch.int64)  # noqa: E731
         args = (logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p,
-                seed.to(torch.int64), offset.to(torch.int64), int(max_depth), bool(return_stats))
+                i64(seed), i64(offset), int(max_depth), bool(return_stats))
         # Plain eager calls launch directly (the op's dispatch is host time the kernel does not need).
         run = launch if direct_dispatch_ok(*args[:10]) else verify.op
         tokens, num, nodes, err, stats = run(*args)
