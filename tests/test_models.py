@@ -443,12 +443,19 @@ def test_deterministic_training_restores_settings_and_collects_warnings():
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
     found = set()
-    with deterministic_training(True, found) as seen:
-        assert seen is found and torch.are_deterministic_algorithms_enabled()
-        assert torch.is_deterministic_algorithms_warn_only_enabled() and not torch.utils.deterministic.fill_uninitialized_memory
-        warnings.warn("index_add_cuda_ does not have a deterministic implementation, but you set ...\nmore")
-        warnings.warn("an unrelated warning")
+    with pytest.warns(UserWarning, match="an unrelated warning"):  # passed on after the block
+        with deterministic_training(True, found) as seen:
+            assert seen is found and torch.are_deterministic_algorithms_enabled()
+            assert torch.is_deterministic_algorithms_warn_only_enabled() and not torch.utils.deterministic.fill_uninitialized_memory
+            warnings.warn("index_add_cuda_ does not have a deterministic implementation, but you set ...\nmore")
+            warnings.warn("an unrelated warning")
     assert found == {"index_add_cuda_ does not have a deterministic implementation, but you set ..."}
+    shown = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(warnings, "showwarning", lambda message, *a, **k: shown.append(str(message)))
+        with deterministic_training():
+            warnings.warn("an unrelated warning")
+    assert shown == ["an unrelated warning"], "other warnings are passed on, not swallowed"
     assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
     with pytest.raises(RuntimeError, match="boom"):  # restored on an exception too
         with deterministic_training():

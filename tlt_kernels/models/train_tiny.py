@@ -164,7 +164,11 @@ def deterministic_training(enabled: bool = True, seen: Optional[Set[str]] = None
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.utils.deterministic.fill_uninitialized_memory = before[2]
-    seen.update(str(w.message).splitlines()[0][:200] for w in caught if "deterministic" in str(w.message))
+    for w in caught:
+        if "deterministic" in str(w.message):
+            seen.add(str(w.message).splitlines()[0][:200])
+        else:  # not ours to swallow
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def finetune_target(model: LlamaForCausalLM, corpus: torch.Tensor, steps: int, generator: torch.Generator, *,
