@@ -308,6 +308,26 @@ def test_plan_contents():
         assert t.dtype == torch.int32 and t.is_contiguous()
 
 
+@pytest.mark.triton
+def test_eager_run_launches_directly_and_compile_keeps_the_op(monkeypatch):
+    """plan.run in plain eager code calls the kernel without the mutating custom op (its dispatch is host time per
+    layer); TLT_DIRECT_DISPATCH=0 and torch.compile go through the op; all give the same bits."""
+    import tlt_kernels._backend as backend_mod
+
+    _need("triton")
+    case = make_case([40, 7], 4, 4, 2, 64, 16, torch.bfloat16, ("random",), [4, 2])
+    plan = make_plan(case)
+    calls = []
+    real = torch.ops.tlt.tree_attention_run
+    monkeypatch.setattr(torch.ops.tlt, "tree_attention_run", lambda *a: calls.append(1) or real(*a))
+    direct = plan.run(case["q"], case["k_cache"], case["v_cache"], backend="triton")
+    assert calls == []
+    monkeypatch.setattr(backend_mod, "DIRECT_DISPATCH", False)
+    through_op = plan.run(case["q"], case["k_cache"], case["v_cache"], backend="triton")
+    assert calls == [1] and torch.equal(direct, through_op)
+    check_against_reference(direct, case)
+
+
 # -------------------------------------------------------------------------- compile / CUDA graphs
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .._backend import backend_unavailable_reason, register_op
+from .._backend import backend_unavailable_reason, direct_dispatch_ok, register_op
 from .._validation import check_tensor, per_request
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
@@ -360,6 +360,11 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if name == "torch":
         return run_torch(plan, q, k_cache, v_cache, out, scale)
+    if direct_dispatch_ok(q, k_cache, v_cache, out, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
+                          plan.partial_out, plan.partial_lse):
+        # Plain eager: the kernel directly, without the mutating op's dispatch (host time per layer).
+        _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, scale)
+        return out
     torch.ops.tlt.tree_attention_run(
         q, k_cache, v_cache, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
         plan.partial_out, plan.partial_lse, out, scale, plan.split_len, name,
