@@ -17,9 +17,9 @@ import torch
 
 BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
 
-# Eager calls skip the torch.library custom op around a kernel launch when nothing needs it: its Python dispatch
-# cost 25-50 us per verify_tree call on an H200 host, more than the kernel at small batch (bench.profile_dispatch,
-# bench/RESULTS.md 2026-11-27 05:24). The op stays the path under torch.compile and any tracing (FakeTensor,
+# Eager calls (verify_tree, compact_kv, tree attention's plan.run) skip the torch.library custom op around a kernel
+# launch when nothing needs it: its Python dispatch cost 25-50 us per verify_tree call on an H200 host, more than the
+# kernel at small batch (bench.profile_dispatch, bench/RESULTS.md 2026-11-27 05:24). The op stays the path under torch.compile and any tracing (FakeTensor,
 # functionalization, dispatch or torch-function modes). TLT_DIRECT_DISPATCH=0 (read at import) always takes the op.
 DIRECT_DISPATCH = os.environ.get("TLT_DIRECT_DISPATCH", "1") not in ("", "0")
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
