@@ -199,3 +199,70 @@ def test_triton_eager_call_launches_directly_and_matches_the_custom_op(monkeypat
     ref_k, ref_v = [k.clone() for k in ks], [v.clone() for v in vs]
     assert torch.equal(compact_kv(ref_k, ref_v, table, ctx, nodes, nacc, backend="torch"), new_a)
     assert all(torch.equal(a, b) for a, b in zip(caches_a, ref_k + ref_v)), "both paths move exactly the reference path"
+
+
+def _loop_oracle(block_table, context_lens, accepted_nodes, num_accepted, num_blocks, block_size):
+    """The former per-request validation loop: the vectorized checks must raise exactly what it raised."""
+    B, P = accepted_nodes.shape
+    nodes, nacc, ctx, table = (t.to(torch.int64) for t in (accepted_nodes, num_accepted, context_lens, block_table))
+    capacity = table.shape[1] * block_size
+    for b in range(B):
+        n = int(nacc[b])
+        if not 0 <= n < P:
+            raise ValueError(f"num_accepted[{b}] = {n} is outside [0, {P - 1}] (accepted_nodes has {P} columns)")
+        if int(ctx[b]) < 0:
+            raise ValueError(f"context_lens[{b}] = {int(ctx[b])} is negative")
+        path = nodes[b, : n + 1]
+        if int(path[0]) != 0:
+            raise ValueError(f"accepted_nodes[{b}, 0] = {int(path[0])}, expected 0 (the root starts every path)")
+        if n and bool((path[1:] <= path[:-1]).any()):
+            raise ValueError(f"accepted_nodes[{b}, :{n + 1}] = {path.tolist()} must be strictly increasing (a root-to-leaf path in topological order)")
+        last_slot = int(ctx[b]) + int(path[-1])
+        if last_slot >= capacity:
+            raise ValueError(f"request {b}: node {int(path[-1])} sits at slot {last_slot} but block_table holds only "
+                             f"{capacity} slots ({table.shape[1]} blocks x block_size {block_size})")
+        slots = torch.cat([int(ctx[b]) + path, int(ctx[b]) + torch.arange(n + 1)])
+        pages = table[b, slots // block_size]
+        bad = (pages < 0) | (pages >= num_blocks)
+        if bad.any():
+            s = int(slots[bad.nonzero()[0, 0]])
+            raise ValueError(f"block_table[{b}, {s // block_size}] = {int(table[b, s // block_size])} is outside [0, {num_blocks}) (needed for slot {s})")
+
+
+def test_vectorized_validation_raises_what_the_loop_raised(gen):
+    """Random valid and corrupted batches: the whole-batch checks report the same first error as a per-request loop."""
+    from tlt_kernels.ops.compact_kv import _validate_values
+
+    outcomes = set()
+    for trial in range(400):
+        B = int(torch.randint(1, 6, (1,), generator=gen))
+        block_size = [1, 3, 4, 16][trial % 4]
+        ks, vs, table, ctx, nodes, nacc = make_case(B, block_size, 1, gen, max_path=4)
+        num_blocks = ks[0].shape[0]
+        for _ in range(int(torch.randint(0, 3, (1,), generator=gen))):  # up to two corruptions
+            b = int(torch.randint(0, B, (1,), generator=gen))
+            kind = int(torch.randint(0, 7, (1,), generator=gen))
+            if kind == 0:
+                nacc[b] = int(torch.randint(-2, 8, (1,), generator=gen))
+            elif kind == 1:
+                ctx[b] = -int(torch.randint(1, 4, (1,), generator=gen))
+            elif kind == 2:
+                nodes[b, 0] = int(torch.randint(1, 4, (1,), generator=gen))
+            elif kind == 3 and nodes.shape[1] > 2:
+                nodes[b, 2] = nodes[b, 1]
+            elif kind == 4:
+                ctx[b] = table.shape[1] * block_size - int(torch.randint(0, 3, (1,), generator=gen))
+            elif kind == 5:
+                table[b, int(torch.randint(0, table.shape[1], (1,), generator=gen))] = num_blocks + 7
+            else:
+                table[b, int(torch.randint(0, table.shape[1], (1,), generator=gen))] = -1
+        errors = []
+        for check in (_loop_oracle, _validate_values):
+            try:
+                check(table, ctx, nodes, nacc, num_blocks, block_size)
+                errors.append(None)
+            except ValueError as exc:
+                errors.append(str(exc))
+        assert errors[0] == errors[1], f"trial {trial}"
+        outcomes.add(None if errors[0] is None else errors[0].split("[")[0].split(":")[0][:20])
+    assert len(outcomes) >= 6, f"the corruptions must reach most checks: {outcomes}"

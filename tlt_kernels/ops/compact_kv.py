@@ -44,36 +44,58 @@ def _as_layers(name: str, caches: Caches) -> List[torch.Tensor]:
 
 
 def _validate_values(block_table, context_lens, accepted_nodes, num_accepted, num_blocks, block_size):
-    """Value checks (host sync): the path is valid and every touched slot maps to a real block."""
+    """Value checks (host sync): the path is valid and every touched slot maps to a real block.
+
+    One host copy, then whole-batch tensor checks (a per-request Python loop cost milliseconds at B in the
+    hundreds); the error names the first bad request and, within it, the first failing check in the order
+    num_accepted, context_lens, root, increasing path, table capacity, block ids."""
     B, P = accepted_nodes.shape
-    nodes = accepted_nodes.cpu().to(torch.int64)
-    nacc = num_accepted.cpu().to(torch.int64)
-    ctx = context_lens.cpu().to(torch.int64)
-    table = block_table.cpu().to(torch.int64)
-    capacity = table.shape[1] * block_size
-    for b in range(B):
-        n = int(nacc[b])
-        if not 0 <= n < P:
-            raise ValueError(f"num_accepted[{b}] = {n} is outside [0, {P - 1}] (accepted_nodes has {P} columns)")
-        if int(ctx[b]) < 0:
-            raise ValueError(f"context_lens[{b}] = {int(ctx[b])} is negative")
-        path = nodes[b, : n + 1]
-        if int(path[0]) != 0:
-            raise ValueError(f"accepted_nodes[{b}, 0] = {int(path[0])}, expected 0 (the root starts every path)")
-        if n and bool((path[1:] <= path[:-1]).any()):
-            raise ValueError(f"accepted_nodes[{b}, :{n + 1}] = {path.tolist()} must be strictly increasing (a root-to-leaf path in topological order)")
-        last_slot = int(ctx[b]) + int(path[-1])
-        if last_slot >= capacity:
-            raise ValueError(
-                f"request {b}: node {int(path[-1])} sits at slot {last_slot} but block_table holds only "
-                f"{capacity} slots ({table.shape[1]} blocks x block_size {block_size})"
-            )
-        slots = torch.cat([int(ctx[b]) + path, int(ctx[b]) + torch.arange(n + 1)])
-        pages = table[b, slots // block_size]
-        bad = (pages < 0) | (pages >= num_blocks)
-        if bad.any():
-            s = int(slots[bad.nonzero()[0, 0]])
-            raise ValueError(f"block_table[{b}, {s // block_size}] = {int(table[b, s // block_size])} is outside [0, {num_blocks}) (needed for slot {s})")
+    W = block_table.shape[1]
+    if B == 0:
+        return
+    host = torch.cat([accepted_nodes.to(torch.int64), num_accepted.to(torch.int64).reshape(B, 1),
+                      context_lens.to(torch.int64).reshape(B, 1), block_table.to(torch.int64)], 1).cpu()
+    nodes, nacc, ctx, table = host[:, :P], host[:, P], host[:, P + 1], host[:, P + 2:]
+    capacity = W * block_size
+    col = torch.arange(P)
+    n = nacc.clamp(0, P - 1)
+    on_path = col.unsqueeze(0) <= n.unsqueeze(1)
+    last = nodes.gather(1, n.unsqueeze(1)).squeeze(1)
+    # Slots read (ctx + node) then written (ctx + depth) on each path, in the order the checks report them.
+    slots = torch.cat([ctx.unsqueeze(1) + nodes, ctx.unsqueeze(1) + col.unsqueeze(0)], 1)
+    touched = torch.cat([on_path, on_path], 1)
+    pages = table.gather(1, torch.div(slots, block_size, rounding_mode="floor").clamp(0, max(W - 1, 0))) if W else \
+        torch.full_like(slots, -1)
+    checks = [  # [B] masks, in reporting order
+        (nacc < 0) | (nacc >= P),
+        ctx < 0,
+        nodes[:, 0] != 0,
+        (on_path[:, 1:] & (nodes[:, 1:] <= nodes[:, :-1])).any(1),
+        ctx + last >= capacity,
+        (touched & ((pages < 0) | (pages >= num_blocks))).any(1),
+    ]
+    failed = torch.stack(checks, 1)
+    if not bool(failed.any()):
+        return
+    b = int(failed.any(1).nonzero()[0, 0])
+    which = int(failed[b].nonzero()[0, 0])
+    nb, cb = int(nacc[b]), int(ctx[b])
+    if which == 0:
+        raise ValueError(f"num_accepted[{b}] = {nb} is outside [0, {P - 1}] (accepted_nodes has {P} columns)")
+    if which == 1:
+        raise ValueError(f"context_lens[{b}] = {cb} is negative")
+    path = nodes[b, : nb + 1]
+    if which == 2:
+        raise ValueError(f"accepted_nodes[{b}, 0] = {int(path[0])}, expected 0 (the root starts every path)")
+    if which == 3:
+        raise ValueError(f"accepted_nodes[{b}, :{nb + 1}] = {path.tolist()} must be strictly increasing (a root-to-leaf path in topological order)")
+    if which == 4:
+        raise ValueError(
+            f"request {b}: node {int(path[-1])} sits at slot {cb + int(path[-1])} but block_table holds only "
+            f"{capacity} slots ({W} blocks x block_size {block_size})"
+        )
+    s = int(slots[b][touched[b] & ((pages[b] < 0) | (pages[b] >= num_blocks))][0])
+    raise ValueError(f"block_table[{b}, {s // block_size}] = {int(table[b, s // block_size])} is outside [0, {num_blocks}) (needed for slot {s})")
 
 
 def compact_kv(
