@@ -372,3 +372,30 @@ def test_bench_plan_tree_attention_b64_t16(benchmark, gen):
     )
     assert plan.tree_mask.shape == (64, 16, 1) and plan.num_splits >= 1
     assert torch.equal(plan.tree_mask, tree_ancestor_mask_packed(parents, n))
+
+
+def test_bench_verify_tree_validation_b64_t16(benchmark, gen):
+    """Host cost of verify_tree(validate=True)'s value checks alone (two host copies, whole-batch checks)."""
+    from tlt_kernels.ops.verify_tree import _validate
+
+    B, T, V = 64, 16, 4096
+    parents, n = random_trees(B, T, gen)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    q = torch.rand(B, T, V, generator=gen)
+    temp, top_p = torch.full((B,), 0.7), torch.full((B,), 0.9)
+    assert _bench(benchmark, _validate, torch.empty(B, T, V), tokens, parents, n, q, temp, None, top_p, T - 1) is None
+
+
+def test_bench_compact_kv_validation_b256(benchmark, gen):
+    """Host cost of compact_kv(validate=True)'s value checks at B=256 (one host copy, whole-batch checks)."""
+    from tlt_kernels.ops.compact_kv import _validate_values
+
+    B, P, W, block_size = 256, 8, 64, 16
+    table = torch.randperm(B * W, generator=gen).view(B, W).to(torch.int32)
+    ctx = torch.randint(0, (W - 1) * block_size - 16, (B,), generator=gen).to(torch.int32)
+    nacc = torch.randint(0, P, (B,), generator=gen).to(torch.int32)
+    nodes = torch.full((B, P), -1, dtype=torch.int32)
+    for b in range(B):
+        k = int(nacc[b])
+        nodes[b, : k + 1] = torch.cat([torch.zeros(1), torch.randperm(14, generator=gen)[:k].sort().values + 1]).to(torch.int32)
+    assert _bench(benchmark, _validate_values, table, ctx, nodes, nacc, B * W, block_size) is None
