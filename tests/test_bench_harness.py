@@ -433,6 +433,21 @@ def test_e2e_suite_small_without_drift_has_one_drafter(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled(), "the suite must restore the global setting"
 
 
+def test_e2e_target_cache_reuses_the_trained_target(monkeypatch, tmp_path):
+    """TLT_E2E_CACHE_DIR: the second run loads the target the first trained, and every row comes out the same."""
+    from bench.suites import e2e
+
+    monkeypatch.setenv("TLT_E2E_DRIFT", "0")
+    monkeypatch.setenv("TLT_E2E_CACHE_DIR", str(tmp_path / "cache"))
+    runs = [run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True) for _ in range(2)]
+    assert all(r.status == "ok" for r in runs), [r.data["error"] for r in runs]
+    notes = ["\n".join(r.data["notes"]) for r in runs]
+    assert "loaded from" not in notes[0] and "loaded from" in notes[1]
+    assert len(list((tmp_path / "cache").glob("e2e-target-*.pt"))) == 1
+    rows = [{r["impl"]: (r["case"]["tokens"], r["steps"], r["accepted_length"]) for r in res.data["rows"]} for res in runs]
+    assert rows[0] == rows[1], "the cached target must give the same rollout as the trained one"
+
+
 def test_e2e_drift_knob_is_validated(monkeypatch):
     from bench.suites import e2e
 

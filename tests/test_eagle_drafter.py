@@ -121,6 +121,17 @@ def test_shared_weights_get_no_gradient():
     assert "fc.weight" in names
 
 
+def test_seeded_init_is_reproducible_and_leaves_the_global_rng_alone():
+    tgt = _target()
+    before = torch.random.get_rng_state()
+    a, b = EagleDrafter.for_target(tgt, seed=5), EagleDrafter.for_target(tgt, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), before), "a seeded init must not consume the global RNG"
+    c = EagleDrafter.for_target(tgt, seed=6)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa), "another seed gives other weights"
+
+
 def test_config_from_target_and_errors():
     tgt = _target()
     cfg = EagleConfig.from_target(tgt.config, intermediate_size=96)

@@ -31,6 +31,8 @@ verify, draft and extend separately);
 ``TLT_E2E_REPEATS=n`` times every row n times (default 3 on the GPU; median run kept, every run's tokens compared);
 ``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
 ``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite;
+``TLT_E2E_CACHE_DIR=dir`` keeps the trained target there and reuses it on the next run of the same configuration
+on the same machine (training is most of the setup);
 ``TLT_E2E_DETERMINISTIC=1`` trains every model with deterministic kernels (:func:`tlt_kernels.models.deterministic_training`),
 so two runs on the same card compare the same models;
 ``TLT_E2E_STEPS=path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per step),
@@ -74,6 +76,40 @@ def target_config(hidden: int, layers: int):
 
     return ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
                              num_q_heads=hidden // 64, num_kv_heads=hidden // 256, head_dim=64)
+
+
+def _cached_target(cfg, z: dict, dev, det: bool, train, training):
+    """The trained target, from ``TLT_E2E_CACHE_DIR`` when an earlier run on this machine saved one for the same
+    configuration (shape, training sizes, device name, torch version, deterministic flag), else trained and saved
+    there. Training is most of an e2e run's setup (2.5-3 min on an H100/H200), so back-to-back A/B runs on one
+    machine (a kernel or selector change) compare the same target and skip it. Returns ``(model, path or None)``."""
+    import dataclasses
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from tlt_kernels.models import LlamaForCausalLM
+
+    cache_dir = os.environ.get("TLT_E2E_CACHE_DIR", "").strip()
+    if not cache_dir:
+        with training():
+            return train(), None
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    key = json.dumps(dict(cfg=dataclasses.asdict(cfg), steps=z["train_steps"], bs=z["train_bs"], seq=z["train_seq"],
+                          device=name, torch=torch.__version__, deterministic=det), sort_keys=True, default=str)
+    path = Path(cache_dir) / f"e2e-target-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    if path.exists():
+        with torch.random.fork_rng(devices=[]):  # as training leaves it: the global RNG untouched
+            model = LlamaForCausalLM(cfg)
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.to(dev).eval(), path
+    with training():
+        model = train()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, tmp)
+    tmp.replace(path)  # atomic: a run stopped mid-write leaves no half file under the real name
+    return model, None
 
 
 def _env_choice(name: str, default: str, choices: dict):
@@ -225,8 +261,8 @@ def run(ctx) -> None:
         # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
         # plain step. TLT_E2E_HIDDEN (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
         cfg = target_config(z["hidden"], z["layers"])
-    with training():
-        target = train_tiny_target(cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"])
+    target, cached = _cached_target(cfg, z, dev, det, lambda: train_tiny_target(
+        cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"]), training)
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
     # TLT_E2E_DTYPE=bf16 runs the bf16 kernels instead.
@@ -234,7 +270,8 @@ def run(ctx) -> None:
     if cuda:
         target = target.to(dtype)
     ctx.note(f"target {z['cfg']} ({cfg.num_layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
-             f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s")
+             + (f"trained {z['train_steps']} steps: loaded from {cached} (TLT_E2E_CACHE_DIR)" if cached else
+                f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s"))
 
     corpus = load_corpus("base")
     B = z["B"]
@@ -287,7 +324,7 @@ def run(ctx) -> None:
     prev_prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
     plain_eng = engine(None, Strategy.off(), rollout_buffer=buf)
     plain_eng.generate(prev_prompts, lens)
-    train_drafter = EagleDrafter.for_target(target)
+    train_drafter = EagleDrafter.for_target(target, seed=0)  # the same initial drafter in every run
     trainer = SpotTrainer(train_drafter, buf, lr=1e-3, warmup_steps=20, batch_size=z["train_window"][0],
                           seq_len=z["train_window"][1], autocast_dtype=torch.bfloat16 if cuda else None)
     # A fixed number of optimizer steps, not a time budget: with 40 s, two H200 machines trained 2381 and 2212 steps

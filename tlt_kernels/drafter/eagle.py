@@ -254,17 +254,27 @@ class EagleDrafter(nn.Module):
         intermediate_size: Optional[int] = None,
         final_norm: Optional[nn.Module] = None,
         dtype: torch.dtype = torch.float32,
+        seed: Optional[int] = None,
     ) -> "EagleDrafter":
         """A drafter for a Llama/Qwen2-style target (``.config``, ``.embed_tokens``, ``.lm_head``).
 
         The drafter lives on the target's device in ``dtype`` (float32 by default: it is one layer,
-        and AdamW on bf16 weights loses small updates).
+        and AdamW on bf16 weights loses small updates). ``seed``: its initial weights come from
+        ``torch.manual_seed(seed)`` in a forked RNG (the same weights in every process, the global RNG
+        untouched); None draws them from the global CPU RNG, which recent torch seeds differently in every
+        process.
         """
         cfg = EagleConfig.from_target(target.config, intermediate_size)
         embed = getattr(target, "embed_tokens", None) or getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None:
             raise ValueError("target has no embed_tokens (looked for .embed_tokens and .model.embed_tokens)")
-        drafter = cls(cfg, embed, target.lm_head, final_norm if final_norm is not None else _find_final_norm(target))
+        norm = final_norm if final_norm is not None else _find_final_norm(target)
+        if seed is None:
+            drafter = cls(cfg, embed, target.lm_head, norm)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                drafter = cls(cfg, embed, target.lm_head, norm)
         p = next(target.parameters())
         return drafter.to(device=p.device, dtype=dtype)
 
