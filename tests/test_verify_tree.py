@@ -599,38 +599,26 @@ def test_bad_inputs():
         call(draft_probs=q[..., :9])
     with pytest.raises(TypeError, match="draft_probs must have dtype"):
         call(draft_probs=q.double())
-    with pytest.raises(ValueError, match=r"draft_probs\[1, 2, 3\] = -0.5"):
+    nan, inf = float("nan"), float("inf")
+    # (elements or whole rows set, the error): one corrupted row at a time, then two bad rows (the first row's first
+    # bad element wins).
+    for edits, match in [
+        ({(1, 2, 3): -0.5}, r"draft_probs\[1, 2, 3\] = -0.5"),
+        ({(0, 1, 0): nan}, r"draft_probs\[0, 1, 0\] = nan"),
+        ({(1, 4, 2): -inf}, r"draft_probs\[1, 4, 2\] = -inf"),
+        ({(0, 3, 7): inf}, r"draft_probs\[0, 3, 7\] = inf"),
+        ({(1, 0): 3e38}, r"draft_probs\[1, 0\] sums to inf in float32: rows must have a finite sum"),
+        ({(0, 1): 0.0}, r"draft_probs\[0, 1\] sums to 0"),
+        ({(1, 2, 3): -0.5, (1, 3, 0): nan}, r"draft_probs\[1, 2, 3\] = -0.5"),
+    ]:
         bad = q.clone()
-        bad[1, 2, 3] = -0.5
-        call(draft_probs=bad)
-    with pytest.raises(ValueError, match=r"draft_probs\[0, 1, 0\] = nan"):
-        bad = q.clone()
-        bad[0, 1, 0] = float("nan")
-        call(draft_probs=bad)
-    with pytest.raises(ValueError, match=r"draft_probs\[0, 1\] sums to 0"):
-        bad = q.clone()
-        bad[0, 1] = 0
-        call(draft_probs=bad)
+        for where, value in edits.items():
+            bad[where] = value
+        with pytest.raises(ValueError, match=match):
+            call(draft_probs=bad)
     bad = q.clone()
     bad[:, 5] = 0  # node 5 is a leaf: its draft row is never used
     call(draft_probs=bad)
-    with pytest.raises(ValueError, match=r"draft_probs\[1, 4, 2\] = -inf"):
-        bad = q.clone()
-        bad[1, 4, 2] = float("-inf")
-        call(draft_probs=bad)
-    with pytest.raises(ValueError, match=r"draft_probs\[0, 3, 7\] = inf"):
-        bad = q.clone()
-        bad[0, 3, 7] = float("inf")
-        call(draft_probs=bad)
-    with pytest.raises(ValueError, match=r"draft_probs\[1, 0\] sums to inf in float32: rows must have a finite sum"):
-        bad = q.clone()
-        bad[1, 0] = 3e38  # every element finite, the row's sum is not
-        call(draft_probs=bad)
-    with pytest.raises(ValueError, match=r"draft_probs\[1, 2, 3\] = -0.5"):  # the first bad row, then element
-        bad = q.clone()
-        bad[1, 2, 3] = -0.5
-        bad[1, 3, 0] = float("nan")
-        call(draft_probs=bad)
     short = torch.tensor([4, 6], dtype=torch.int32)
     bad = q.clone()
     bad[0, 4:] = float("nan")  # rows past num_nodes[0] are padding: never checked
