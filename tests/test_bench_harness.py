@@ -444,8 +444,11 @@ def test_e2e_target_cache_reuses_the_trained_target(monkeypatch, tmp_path):
     notes = ["\n".join(r.data["notes"]) for r in runs]
     assert "loaded from" not in notes[0] and "loaded from" in notes[1]
     assert len(list((tmp_path / "cache").glob("e2e-target-*.pt"))) == 1
-    rows = [{r["impl"]: (r["case"]["tokens"], r["steps"], r["accepted_length"]) for r in res.data["rows"]} for res in runs]
-    assert rows[0] == rows[1], "the cached target must give the same rollout as the trained one"
+    # Plain and static rows depend only on the models (the adaptive rows also on measured step times, and the
+    # spot-in-tail row on a training thread's progress): those must repeat exactly.
+    rows = [{r["impl"]: (r["case"]["tokens"], r["steps"], r["accepted_length"]) for r in res.data["rows"]
+             if r["impl"] == "plain" or r["impl"].startswith("static-")} for res in runs]
+    assert len(rows[0]) >= 3 and rows[0] == rows[1], "the cached target must give the same rollout as the trained one"
 
 
 def test_e2e_drift_knob_is_validated(monkeypatch):
