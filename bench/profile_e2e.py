@@ -45,7 +45,7 @@ def main() -> None:
     prompts = sample_windows(load_corpus("base"), args.batch, 64, torch.Generator().manual_seed(0)).to(dev)
     lines = []
     for name, strategy in (("plain", Strategy.off()), ("s2k1v3", Strategy(2, 1, 3)), ("s5k4v16", Strategy(5, 4, 16))):
-        drafter = None if strategy.is_off else EagleDrafter.for_target(target)
+        drafter = None if strategy.is_off else EagleDrafter.for_target(target, seed=0)
         eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=args.batch, max_seq_len=64 + args.new + 8,
                                 fuse_step=args.fuse, backend=args.attn)
         eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, args.batch}))

@@ -36,7 +36,7 @@ def main(names):
     gp.GraphPool.capture = loud_capture
     for name in names:
         st = Strategy.parse(name)
-        drafter = EagleDrafter.for_target(target, dtype=torch.bfloat16).to(dev)
+        drafter = EagleDrafter.for_target(target, dtype=torch.bfloat16, seed=0).to(dev)
         eng = SpeculativeEngine(target, drafter, st, GraphPool(), max_batch_size=128, max_seq_len=1024, fuse_step=True,
                                 backend="triton")
         t0 = time.perf_counter()
