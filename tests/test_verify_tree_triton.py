@@ -338,6 +338,20 @@ def test_direct_dispatch_only_in_plain_eager(monkeypatch):
         fake = mode.from_tensor(x)
     assert not backend.direct_dispatch_ok(x, fake)
     assert not backend.direct_dispatch_ok(x, [x, fake]), "a subclass inside a list of caches counts too"
+    seen = []
+
+    def probe(t):
+        seen.append(backend.direct_dispatch_ok(t))
+        return t * 2
+
+    torch.vmap(probe)(torch.zeros(3, 2))
+    assert seen == [False], "inside vmap the wrapped tensors look plain: the op must decide"
+    seen.clear()
+    torch.jit.trace(probe, torch.zeros(2), check_trace=False)
+    assert seen == [False], "torch.jit.trace records only what goes through the dispatcher"
+    seen.clear()
+    probe(x)
+    assert seen == [True]
     monkeypatch.setattr(backend, "DIRECT_DISPATCH", False)
     assert not backend.direct_dispatch_ok(x)
 

@@ -24,6 +24,11 @@ BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
 DIRECT_DISPATCH = os.environ.get("TLT_DIRECT_DISPATCH", "1") not in ("", "0")
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_jit_tracing_state = getattr(torch._C, "_get_tracing_state", None)
+try:  # functorch transforms (vmap, grad) wrap tensors that still report type torch.Tensor
+    from torch._C._functorch import peek_interpreter_stack as _functorch_level
+except ImportError:  # pragma: no cover - depends on the torch build
+    _functorch_level = None
 
 
 class BackendUnavailableError(RuntimeError):
@@ -90,9 +95,11 @@ def direct_dispatch_ok(*tensors) -> bool:
     subclass (FakeTensor, FunctionalTensor, ...) sends the call through the op."""
     if not DIRECT_DISPATCH or torch.compiler.is_compiling():
         return False
-    if _dispatch_stack_len is None or _function_mode_on is None:  # an unknown torch: stay on the op
+    if None in (_dispatch_stack_len, _function_mode_on, _jit_tracing_state, _functorch_level):
+        return False  # an unknown torch: stay on the op
+    if _dispatch_stack_len() > 0 or _function_mode_on() or _jit_tracing_state() is not None:
         return False
-    if _dispatch_stack_len() > 0 or _function_mode_on():
+    if _functorch_level() is not None:  # inside vmap / grad: the op's (missing) batching rule must decide
         return False
     for t in tensors:
         if isinstance(t, (list, tuple)):
