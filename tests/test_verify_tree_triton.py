@@ -338,6 +338,10 @@ def test_direct_dispatch_only_in_plain_eager(monkeypatch):
         fake = mode.from_tensor(x)
     assert not backend.direct_dispatch_ok(x, fake)
     assert not backend.direct_dispatch_ok(x, [x, fake]), "a subclass inside a list of caches counts too"
+    w = torch.zeros(3, requires_grad=True)
+    assert not backend.direct_dispatch_ok(x, w), "an input that requires grad goes through the op"
+    with torch.no_grad():
+        assert backend.direct_dispatch_ok(x, w)
     seen = []
 
     def probe(t):

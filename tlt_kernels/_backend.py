@@ -101,12 +101,15 @@ def direct_dispatch_ok(*tensors) -> bool:
         return False
     if _functorch_level() is not None:  # inside vmap / grad: the op's (missing) batching rule must decide
         return False
+    grad = torch.is_grad_enabled()
     for t in tensors:
-        if isinstance(t, (list, tuple)):
-            if any(type(x) is not torch.Tensor for x in t):
+        for x in (t if isinstance(t, (list, tuple)) else (t,)):
+            if x is None:
+                continue
+            # A subclass, or an input autograd would track: the op (with no autograd formula) must handle it, so a
+            # backward through it fails loudly instead of silently getting no gradient.
+            if type(x) is not torch.Tensor or (grad and x.requires_grad):
                 return False
-        elif t is not None and type(t) is not torch.Tensor:
-            return False
     return True
 
 
