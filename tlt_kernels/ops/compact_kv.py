@@ -66,13 +66,14 @@ def _validate_values(block_table, context_lens, accepted_nodes, num_accepted, nu
     touched = torch.cat([on_path, on_path], 1)
     pages = table.gather(1, torch.div(slots, block_size, rounding_mode="floor").clamp(0, max(W - 1, 0))) if W else \
         torch.full_like(slots, -1)
+    bad_page = touched & ((pages < 0) | (pages >= num_blocks))
     checks = [  # [B] masks, in reporting order
         (nacc < 0) | (nacc >= P),
         ctx < 0,
         nodes[:, 0] != 0,
         (on_path[:, 1:] & (nodes[:, 1:] <= nodes[:, :-1])).any(1),
         ctx + last >= capacity,
-        (touched & ((pages < 0) | (pages >= num_blocks))).any(1),
+        bad_page.any(1),
     ]
     failed = torch.stack(checks, 1)
     if not bool(failed.any()):
@@ -94,7 +95,7 @@ def _validate_values(block_table, context_lens, accepted_nodes, num_accepted, nu
             f"request {b}: node {int(path[-1])} sits at slot {cb + int(path[-1])} but block_table holds only "
             f"{capacity} slots ({W} blocks x block_size {block_size})"
         )
-    s = int(slots[b][touched[b] & ((pages[b] < 0) | (pages[b] >= num_blocks))][0])
+    s = int(slots[b][bad_page[b]][0])
     raise ValueError(f"block_table[{b}, {s // block_size}] = {int(table[b, s // block_size])} is outside [0, {num_blocks}) (needed for slot {s})")
 
 

@@ -27,9 +27,13 @@ _BACKENDS = register_op(
     preference=("cuda", "triton", "torch"),
 )
 
-_TEMP_OK = "a finite value >= 0 (None or 0 = greedy)"
-_TOPK_OK = "an integer >= 0 (None or 0 = off)"
-_TOPP_OK = "a value in (0, 1] (None or 1 = off)"
+# The valid values of the per-request sampling parameters, with the words of the error. Each predicate takes a Python
+# number (host values, checked as the parameter is read) or a tensor (device values, checked by ``_validate``).
+_RANGES = {
+    "temperature": (lambda v: (v >= 0) & (v < math.inf), "a finite value >= 0 (None or 0 = greedy)"),
+    "top_k": (lambda v: v >= 0, "an integer >= 0 (None or 0 = off)"),
+    "top_p": (lambda v: (v > 0) & (v <= 1), "a value in (0, 1] (None or 1 = off)"),
+}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
 
@@ -109,10 +113,8 @@ def _validate(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, max_de
         if empty.any():
             b, i = (int(v) for v in empty.nonzero()[0])
             raise ValueError(f"draft_probs[{b}, {i}] sums to 0 but node {i} has children drawn from it")
-    checks = {"temperature": (lambda v: torch.isfinite(v) & (v >= 0), _TEMP_OK), "top_k": (lambda v: v >= 0, _TOPK_OK),
-              "top_p": (lambda v: (v > 0) & (v <= 1), _TOPP_OK)}
     for col, (name, t) in enumerate(params):
-        ok, expected = checks[name]
+        ok, expected = _RANGES[name]
         values = flt[:, col]
         bad = ~ok(values)
         if bad.any():
@@ -191,9 +193,9 @@ def verify_tree(
     if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
         raise ValueError(f"max_depth must be a non-negative int, got {max_depth!r}")
 
-    temp = _per_request_param("temperature", temperature, B, dev, torch.float32, 0.0, lambda v: math.isfinite(v) and v >= 0, _TEMP_OK)
-    k = _per_request_param("top_k", top_k, B, dev, torch.int32, 0, lambda v: v >= 0, _TOPK_OK)
-    tp = _per_request_param("top_p", top_p, B, dev, torch.float32, 1.0, lambda v: 0 < v <= 1, _TOPP_OK)
+    temp = _per_request_param("temperature", temperature, B, dev, torch.float32, 0.0, *_RANGES["temperature"])
+    k = _per_request_param("top_k", top_k, B, dev, torch.int32, 0, *_RANGES["top_k"])
+    tp = _per_request_param("top_p", top_p, B, dev, torch.float32, 1.0, *_RANGES["top_p"])
     if seed is None:
         seed = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64).to(dev)
     seed = _per_request_param("seed", seed, B, dev, torch.int64, 0)
