@@ -19,8 +19,8 @@ BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
 
 # Eager calls (verify_tree, compact_kv, tree attention's plan.run) skip the torch.library custom op around a kernel
 # launch when nothing needs it: its Python dispatch cost 25-50 us per verify_tree call on an H200 host, more than the
-# kernel at small batch (bench.profile_dispatch, bench/RESULTS.md 2026-11-27 05:24). The op stays the path under torch.compile and any tracing (FakeTensor,
-# functionalization, dispatch or torch-function modes). TLT_DIRECT_DISPATCH=0 (read at import) always takes the op.
+# kernel at small batch (bench.profile_dispatch, bench/RESULTS.md 2026-11-27 05:24). The op stays the path under
+# torch.compile and any tracing (see direct_dispatch_ok). TLT_DIRECT_DISPATCH=0 (read at import) always takes the op.
 DIRECT_DISPATCH = os.environ.get("TLT_DIRECT_DISPATCH", "1") not in ("", "0")
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
@@ -91,8 +91,9 @@ def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[s
 
 def direct_dispatch_ok(*tensors) -> bool:
     """Whether a kernel may be launched without its custom op: plain eager execution only (see
-    :data:`DIRECT_DISPATCH`). ``tensors``: the call's tensors, ``None`` entries and lists of tensors allowed; any
-    subclass (FakeTensor, FunctionalTensor, ...) sends the call through the op."""
+    :data:`DIRECT_DISPATCH`). Not under torch.compile, a dispatch or torch-function mode (FakeTensor,
+    functionalization, profilers), torch.jit.trace or a functorch transform (vmap, grad), and not when any of
+    ``tensors`` (``None`` entries and lists of tensors allowed) is a subclass or an input autograd would track."""
     if not DIRECT_DISPATCH or torch.compiler.is_compiling():
         return False
     if None in (_dispatch_stack_len, _function_mode_on, _jit_tracing_state, _functorch_level):

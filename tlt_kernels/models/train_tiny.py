@@ -144,9 +144,9 @@ def deterministic_training(enabled: bool = True, seen: Optional[Set[str]] = None
     repeats bit for bit run to run on the same card and software (atomics-based backward kernels, such as the
     embedding's, switch to deterministic ones). Yields ``seen`` (a new set when None), which receives on exit the
     first line of each warning of an op that has no deterministic kernel (such an op keeps running,
-    nondeterministically). Uninitialized memory is not
-    filled inside the block (``torch.utils.deterministic.fill_uninitialized_memory``: a training loop never reads
-    it), and every setting is restored on exit. For cuBLAS, ``CUBLAS_WORKSPACE_CONFIG`` is set to ``:4096:8`` when
+    nondeterministically); other warnings are passed on. Uninitialized memory is not filled inside the block
+    (``torch.utils.deterministic.fill_uninitialized_memory``: a training loop never reads it), and every setting is
+    restored on exit. For cuBLAS, ``CUBLAS_WORKSPACE_CONFIG`` is set to ``:4096:8`` when
     unset: it only takes effect if the process has not used cuBLAS yet. ``enabled=False``: a no-op."""
     seen = set() if seen is None else seen
     if not enabled:
