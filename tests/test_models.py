@@ -441,12 +441,19 @@ def test_train_tiny_target_loss_decreases():
 def test_deterministic_training_restores_settings_and_collects_warnings():
     import warnings
 
-    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    def sdpa_backends():  # flash, memory-efficient, cuDNN, math
+        b = torch.backends.cuda
+        return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled())
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory,
+              sdpa_backends())
     found = set()
     with pytest.warns(UserWarning, match="an unrelated warning"):  # passed on after the block
         with deterministic_training(True, found) as seen:
             assert seen is found and torch.are_deterministic_algorithms_enabled()
             assert torch.is_deterministic_algorithms_warn_only_enabled() and not torch.utils.deterministic.fill_uninitialized_memory
+            # the fused attention backwards only warn under warn_only: attention must take the math backend
+            assert sdpa_backends() == (False, False, False, True)
             warnings.warn("index_add_cuda_ does not have a deterministic implementation, but you set ...\nmore")
             warnings.warn("an unrelated warning")
     assert found == {"index_add_cuda_ does not have a deterministic implementation, but you set ..."}
@@ -456,11 +463,12 @@ def test_deterministic_training_restores_settings_and_collects_warnings():
         with deterministic_training():
             warnings.warn("an unrelated warning")
     assert shown == ["an unrelated warning"], "other warnings are passed on, not swallowed"
-    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory,
+            sdpa_backends()) == before
     with pytest.raises(RuntimeError, match="boom"):  # restored on an exception too
         with deterministic_training():
             raise RuntimeError("boom")
-    assert torch.are_deterministic_algorithms_enabled() == before[0]
+    assert (torch.are_deterministic_algorithms_enabled(), sdpa_backends()) == (before[0], before[2])
     with deterministic_training(False) as seen:  # a no-op
         assert torch.are_deterministic_algorithms_enabled() == before[0] and seen == set()
 

@@ -21,6 +21,7 @@ from typing import Iterator, List, Optional, Set
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .config import ModelConfig
 from .llama import LlamaForCausalLM
@@ -147,7 +148,10 @@ def deterministic_training(enabled: bool = True, seen: Optional[Set[str]] = None
     nondeterministically); other warnings are passed on. Uninitialized memory is not filled inside the block
     (``torch.utils.deterministic.fill_uninitialized_memory``: a training loop never reads it), and every setting is
     restored on exit. For cuBLAS, ``CUBLAS_WORKSPACE_CONFIG`` is set to ``:4096:8`` when
-    unset: it only takes effect if the process has not used cuBLAS yet. ``enabled=False``: a no-op."""
+    unset: it only takes effect if the process has not used cuBLAS yet. Attention
+    (``F.scaled_dot_product_attention``) runs on its math backend inside the block: the fused backends' backward
+    passes (cuDNN, flash, memory-efficient) stay nondeterministic under ``warn_only`` (they only warn; an H200 run
+    picked cuDNN's), while the math one is matmuls and a softmax. ``enabled=False``: a no-op."""
     seen = set() if seen is None else seen
     if not enabled:
         yield seen
@@ -158,7 +162,7 @@ def deterministic_training(enabled: bool = True, seen: Optional[Set[str]] = None
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, sdpa_kernel(SDPBackend.MATH):
             warnings.simplefilter("always")
             yield seen
     finally:
