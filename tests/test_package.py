@@ -111,6 +111,31 @@ def test_missing_cuda_extension_message(monkeypatch):
     assert msg.endswith("reinstall with nvcc on PATH or TLT_BUILD_CUDA=1")
 
 
+def test_process_constants_are_cached_and_compile_without_tracing_the_cache():
+    """Import probes and device properties are computed once, and torch.compile takes their value (dynamo would
+    otherwise trace through functools.lru_cache with a warning)."""
+    import warnings
+
+    calls = []
+
+    @_backend.process_constant
+    def probe(x: int) -> int:
+        calls.append(x)
+        return 10 * x
+
+    assert probe(2) == 20 and probe(2) == 20 and calls == [2] and probe.__wrapped__(2) == 20
+
+    def fn(t):
+        return t + (1 if backend_unavailable_reason("triton", t.device) is None else 2) + probe(3)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert torch.equal(out, fn(torch.zeros(2)))
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message)[:120] for w in caught]
+
+
 def test_every_registered_op_has_a_torch_backend():
     report = available_backends(device="cpu")
     for op, row in report.items():

@@ -39,7 +39,23 @@ def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+def process_constant(fn):
+    """Cache ``fn`` (a fixed fact of the process: an import probe, a device property) and let ``torch.compile``
+    call it eagerly and keep its value, instead of tracing through ``functools.lru_cache`` (which dynamo does with
+    a warning). ``__wrapped__`` is the uncached ``fn``."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return cached(*args)
+
+    # What torch.compiler.assume_constant_result(call) sets; calling it here would import torch._dynamo (and with it
+    # Triton) when tlt_kernels is imported. A test checks that dynamo still honours the mark.
+    call._dynamo_marked_constant = True
+    return call
+
+
+@process_constant
 def _triton_import_error() -> Optional[str]:
     try:
         import triton  # noqa: F401
@@ -49,7 +65,7 @@ def _triton_import_error() -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@process_constant
 def _cuda_ext_import_error() -> Optional[str]:
     try:
         importlib.import_module("tlt_kernels._C")
@@ -61,7 +77,7 @@ def _cuda_ext_import_error() -> Optional[str]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@process_constant
 def _capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

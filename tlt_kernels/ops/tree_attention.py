@@ -16,7 +16,6 @@ See ``docs/TREE_ATTENTION.md`` for the algorithm and the work split.
 """
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .._backend import backend_unavailable_reason, direct_dispatch_ok, register_op
+from .._backend import backend_unavailable_reason, direct_dispatch_ok, process_constant, register_op
 from .._validation import check_tensor, per_request
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
@@ -112,7 +111,7 @@ class TreeAttentionPlan:
         return run(self, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend)
 
 
-@functools.lru_cache(maxsize=None)
+@process_constant
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
