@@ -34,12 +34,16 @@ def main():
         eng.capture_graphs([1, 2])
     out = eng.generate(prompts, [24, 12])
 
+    all_same = True
     for b, n in enumerate([24, 12]):
         hf_out = hf.generate(prompts[b : b + 1], max_new_tokens=n, do_sample=False, pad_token_id=0)[0, prompts.shape[1]:]
         same = hf_out.tolist() == out.tokens[b]
+        all_same &= same
         print(f"request {b}: {n} tokens, identical to transformers greedy: {same}")
     print(f"steps {len(out.steps)}, mean accepted length {out.mean_accepted_length():.2f}, "
           f"strategies by batch size {out.strategies_by_batch()}")
+    if not all_same:
+        raise SystemExit("greedy output differs from transformers' own generate")
 
 
 if __name__ == "__main__":

@@ -22,3 +22,16 @@ def test_readme_snippets_run(capsys):
             exec(compile(code, f"README.md snippet {i}", "exec"), namespace)
         except Exception as exc:
             pytest.fail(f"README.md python snippet {i} failed: {type(exc).__name__}: {exc}\n---\n{code}")
+
+
+def test_integration_example_runs_and_matches_transformers():
+    """docs/INTEGRATION.md's runnable example: the engine's greedy output equals transformers' own generate."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    example = README.parent / "examples" / "hf_integration.py"
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    verdicts = re.findall(r"identical to transformers greedy: (\w+)", proc.stdout)
+    assert verdicts == ["True", "True"], proc.stdout[-2000:]
