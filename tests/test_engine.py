@@ -156,6 +156,51 @@ def test_eos_stops_requests(target, prompts):
     assert len(out.tokens[3]) <= 5 and out.tokens[3][-1] == eos
 
 
+@pytest.mark.parametrize("kind,strategy", [("none", Strategy.off()), ("ngram", Strategy(4, 1, 5)),
+                                           ("eagle", Strategy(3, 2, 6))], ids=str)
+@pytest.mark.parametrize("where", ["prefill", "step"])
+def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, strategy, where):
+    """A request whose logits turn NaN (verify_tree's error flag) stops there, is reported in ``errors`` with a
+    warning and never enters the rollout buffer; no -1 token is emitted and every other request is unaffected."""
+    eng = SpeculativeEngine(target, _drafter(kind, target), strategy, max_batch_size=8, max_seq_len=64,
+                            rollout_buffer=RolloutBuffer(capacity_tokens=1 << 14, storage_dtype=torch.float32))
+    clean = eng.generate(prompts, MAX_NEW)
+    assert clean.errors == []
+    calls, buffered = [], []
+    real_prefill, real_tree = target.prefill, target.forward_tree
+
+    def prefill(*args, **kwargs):
+        logits, hidden = real_prefill(*args, **kwargs)
+        if where == "prefill":
+            logits = logits.clone()
+            logits[2] = float("nan")
+        return logits, hidden
+
+    def forward_tree(tokens, *args, **kwargs):
+        logits, hidden = real_tree(tokens, *args, **kwargs)
+        calls.append(tokens.shape[0])
+        if where == "step" and len(calls) == 2:  # the second step: its first active row
+            logits = logits.clone()
+            logits[0] = float("nan")
+        return logits, hidden
+
+    monkeypatch.setattr(target, "prefill", prefill)
+    monkeypatch.setattr(target, "forward_tree", forward_tree)
+    real_add = eng._add_to_buffer
+    monkeypatch.setattr(eng, "_add_to_buffer", lambda reqs, *a: (buffered.extend(reqs), real_add(reqs, *a)))
+    with pytest.warns(RuntimeWarning, match="NaN"):
+        out = eng.generate(prompts, MAX_NEW)
+    assert len(out.errors) == 1
+    bad = out.errors[0]
+    if where == "prefill":
+        assert bad == 2 and out.tokens[2] == []
+    else:
+        assert out.tokens[bad] == clean.tokens[bad][: len(out.tokens[bad])] and len(out.tokens[bad]) < MAX_NEW[bad]
+    assert -1 not in sum(out.tokens, [])
+    assert all(out.tokens[b] == clean.tokens[b] for b in range(len(MAX_NEW)) if b != bad)
+    assert bad not in buffered and sorted(buffered) == [b for b in range(len(MAX_NEW)) if b not in (bad, 6)]
+
+
 def test_spot_trainer_runs_in_the_tail(target, prompts):
     rollout = EagleDrafter.for_target(target)
     train = EagleDrafter.for_target(target)

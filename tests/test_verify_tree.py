@@ -510,32 +510,76 @@ def test_low_precision_logits_and_int32_tokens():
         assert torch.equal(a.tokens, b.tokens)
 
 
-def test_nan_and_inf_rows_raise_naming_request_and_node():
+def _assert_flagged_only(got, clean, flagged):
+    """``flagged`` requests carry the error flag with reset outputs; every other request equals ``clean``."""
+    T1 = got.tokens.shape[1]
+    assert got.error.tolist() == [int(b in flagged) for b in range(got.error.shape[0])]
+    for b in range(got.error.shape[0]):
+        if b in flagged:
+            assert got.num_accepted[b] == 0 and (got.tokens[b] == -1).all()
+            assert got.accepted_nodes[b].tolist() == [0] + [-1] * (T1 - 1)
+            assert got.stats is None or (got.stats[b] == 0).all()
+        else:
+            for x, y in zip(got, clean):
+                assert y is None or torch.equal(x[b], y[b])
+
+
+def test_nan_and_inf_rows_flag_only_their_request():
+    """The issue's contract on every backend, the reference included: a visited row with NaN/+inf (or only -inf)
+    sets its request's error flag, resets its outputs and never touches another request's; unvisited rows do not
+    matter."""
     lg, toks, parents, _ = _random_inputs(B=4, T=6)
-    greedy = verify_tree(lg, toks, parents)
+    greedy = verify_tree(lg, toks, parents, return_stats=True)
+    assert (greedy.error == 0).all()
     bad = lg.clone()
-    bad[2, 0, 3] = float("nan")
-    with pytest.raises(ValueError, match="request 2, node 0"):
-        verify_tree(bad, toks, parents)
+    bad[2, 0, 3] = float("nan")  # the root's row
+    _assert_flagged_only(verify_tree(bad, toks, parents, return_stats=True), greedy, {2})
+    sampled = dict(temperature=1.0, seed=torch.arange(4), return_stats=True)
+    clean = verify_tree(lg, toks, parents, **sampled)
     bad = lg.clone()
-    bad[1, 0] = NEG
-    with pytest.raises(ValueError, match="request 1, node 0"):
-        verify_tree(bad, toks, parents, temperature=1.0, seed=0)
-    # An accepted node's row with +inf is an error; a row the walk never visits is not.
+    bad[1, 0] = NEG  # all -inf: no distribution
+    _assert_flagged_only(verify_tree(bad, toks, parents, **sampled), clean, {1})
+    # An accepted node's row with +inf is an error for its request alone.
     toks2 = toks.clone()
     toks2[:, 1] = greedy.tokens[:, 0]
+    clean2 = verify_tree(lg, toks2, parents, return_stats=True)
+    assert (clean2.num_accepted >= 1).all()
     bad = lg.clone()
     bad[3, 1, 0] = float("inf")
-    with pytest.raises(ValueError, match="request 3, node 1"):
-        verify_tree(bad, toks2, parents)
+    bad[0, 1, 2] = float("nan")
+    _assert_flagged_only(verify_tree(bad, toks2, parents, return_stats=True), clean2, {0, 3})
+    # A row the walk never visits is not an error.
     bad = lg.clone()
     bad[:, 5] = float("nan")
-    parents_leafy = parents.clone()
     toks3 = toks.clone()
     toks3[:, 1] = (greedy.tokens[:, 0] + 1) % 10  # nodes 1 and 2 both rejected -> node 5 unvisited
     toks3[:, 2] = (greedy.tokens[:, 0] + 2) % 10
-    r = verify_tree(bad, toks3, parents_leafy)
-    assert (r.num_accepted == 0).all()
+    r = verify_tree(bad, toks3, parents)
+    assert (r.num_accepted == 0).all() and (r.error == 0).all()
+
+
+def test_out_of_range_tried_token_flags_its_request_without_validation():
+    """validate=False: a tried child's token outside [0, V) flags its request (as the kernels do) instead of being
+    clamped into the vocabulary; untried children's tokens are not read."""
+    B, T, V = 3, 4, 7
+    g = torch.Generator().manual_seed(5)
+    lg = torch.randn(B, T, V, generator=g)
+    par = chain_parents(B, T)
+    toks = torch.randint(0, V, (B, T), generator=g)
+    toks[:, 1] = lg[:, 0].argmax(-1)  # greedy accepts node 1 everywhere, then tries node 2
+    clean = verify_tree(lg, toks, par, return_stats=True)
+    bad = toks.clone()
+    bad[0, 2] = V + 3
+    bad[1, 2] = -2
+    _assert_flagged_only(verify_tree(lg, bad, par, return_stats=True, validate=False), clean, {0, 1})
+    toks_rej = toks.clone()
+    toks_rej[2, 1] = (toks[2, 1] + 1) % V  # request 2 rejects node 1, so node 2's token is never tried
+    clean = verify_tree(lg, toks_rej, par, return_stats=True)
+    bad = toks_rej.clone()
+    bad[2, 2] = V + 3
+    _assert_flagged_only(verify_tree(lg, bad, par, return_stats=True, validate=False), clean, set())
+    with pytest.raises(ValueError, match=r"draft_tokens\[2, 2\] = 10 is outside the vocabulary"):
+        verify_tree(lg, bad, par)  # validate=True rejects it up front
 
 
 def empty_batch_call(backend, device="cpu"):

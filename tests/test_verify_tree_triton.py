@@ -138,6 +138,8 @@ def test_error_flags_are_per_request():
         _compare(ref, tuple(t[3:4] for t in got))
     else:
         assert err[3] == 1
+    # The reference flags the same requests and resets the same outputs (one contract on every backend).
+    _compare(verify_tree(bad, toks_bad, par, backend="torch", validate=False, **kw), got)
 
 
 def test_root_only_and_zero_depth():

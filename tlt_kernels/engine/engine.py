@@ -35,6 +35,7 @@ import math
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -99,7 +100,9 @@ class GenerateOutput:
     ``tokens``: one list of generated ids per request (EOS included when hit). ``lengths``: int64
     ``[B]``. ``finish_s``: seconds from the start at which each request finished. ``steps``: the
     per-step log. ``wall_s``: rollout wall time (prefill included). ``spot``: spot-trainer stats
-    (None when it did not run).
+    (None when it did not run). ``errors``: the requests stopped because the target's logits on their path held
+    NaN/+inf or only -inf (``verify_tree``'s error flag; a diverged policy): their ``tokens`` end before the step that
+    failed, and they never enter the rollout buffer. ``generate`` also warns when the list is not empty.
     """
 
     tokens: List[List[int]]
@@ -109,6 +112,7 @@ class GenerateOutput:
     wall_s: float
     prefill_s: float
     spot: Optional[dict] = None
+    errors: List[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -461,7 +465,7 @@ class SpeculativeEngine:
                 else:
                     tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
                     lg, hid, _ = self._verify_forward(tok, par, nn_, table, ctx)
-                    _, num_acc, _, _, _ = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)
+                    num_acc = self._accept(tok, par, nn_, lg, hid, table, ctx, samp)[1]
                 nacc = num_acc.to(torch.int64)
                 counts = [(nacc + 1).sum().view(1)] + [(nacc > j).sum().view(1) for j in range(s.num_steps)]
                 return torch.cat(counts).tolist()
@@ -477,13 +481,13 @@ class SpeculativeEngine:
 
     def _accept(self, tokens, parents, num_nodes, logits, hidden, table, ctx, samp):
         """verify_tree + compact_kv + the accepted path's features: ``(emitted int64 [b, T], num_accepted int32 [b],
-        new context_lens int32 [b], path_hidden [b, T, H], path_tokens int64 [b, T])``."""
+        new context_lens int32 [b], path_hidden [b, T, H], path_tokens int64 [b, T], error int32 [b])``."""
         T = tokens.shape[1]
         res = verify_tree(logits, tokens, parents, num_nodes, max_depth=T - 1, validate=False, **samp)
         new_ctx = compact_kv(self.cache.k, self.cache.v, table, ctx, res.accepted_nodes, res.num_accepted, validate=False)
         path = res.accepted_nodes.to(torch.int64).clamp(min=0)  # [b, T]
         path_hidden = hidden.gather(1, path.unsqueeze(2).expand(-1, -1, hidden.shape[-1]))
-        return res.tokens.to(torch.int64), res.num_accepted, new_ctx, path_hidden, tokens.gather(1, path)
+        return res.tokens.to(torch.int64), res.num_accepted, new_ctx, path_hidden, tokens.gather(1, path), res.error
 
     def _step_fn(self, s: Strategy):
         T = tree_width(s, self.drafter_kind)
@@ -503,7 +507,7 @@ class SpeculativeEngine:
             samp = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
             outs = list(self._accept(tokens, parents, n, logits, hidden, table, ctx, samp))
             if eagle_rows:
-                emitted, num_acc, _, path_hidden, _ = outs
+                emitted, num_acc, path_hidden = outs[0], outs[1], outs[3]
                 outs += list(self._extend_fn(*eagle_rows, path_hidden.to(eagle_rows[2].dtype), emitted.clamp(min=0),
                                              (num_acc + 1).to(torch.int32)))
             return outs
@@ -653,15 +657,18 @@ class SpeculativeEngine:
             logits, hidden = self.target.prefill(tokens_in, lens.to(torch.int32), self.cache, table, ctx)
             ctx = lens.to(torch.int32).clone()
             all_idx = torch.arange(B, device=dev)
-            first = verify_tree(logits.unsqueeze(1), torch.zeros(B, 1, dtype=torch.int64, device=dev),
-                                torch.full((B, 1), -1, dtype=torch.int32, device=dev), **sampling(all_idx)).tokens[:, 0].to(torch.int64)
+            res0 = verify_tree(logits.unsqueeze(1), torch.zeros(B, 1, dtype=torch.int64, device=dev),
+                               torch.full((B, 1), -1, dtype=torch.int32, device=dev), **sampling(all_idx))
+            # failed: requests whose logits held NaN/+inf (verify_tree's error flag): they emit nothing more.
+            failed = res0.error.bool()
+            first = res0.tokens[:, 0].to(torch.int64).clamp(min=0)  # a failed request's -1 never reaches a drafter
             offsets += 1
             roots = first.clone()
             width = int(max_new.max()) + self.max_width + 1
             out = torch.full((B, width), -1, dtype=torch.int64, device=dev)
             out[:, 0] = first
-            n_gen = torch.ones(B, dtype=torch.int64, device=dev)
-            done = n_gen >= max_new_dev
+            n_gen = (~failed).to(torch.int64)
+            done = (n_gen >= max_new_dev) | failed
             if eos_token_id is not None:
                 done |= first == eos_token_id
 
@@ -692,9 +699,10 @@ class SpeculativeEngine:
             steps: List[StepLog] = []
             deferred: List[int] = []
             spot_stop, spot_result, spot_thread = threading.Event(), {}, None
-            done_host = done.cpu()
+            done_host, failed_host = torch.stack([done, failed]).cpu()  # one transfer
             for b_ in done_host.nonzero().flatten().tolist():
                 finish_s[b_] = prefill_s
+            errors: List[int] = failed_host.nonzero().flatten().tolist()
             active = (~done_host).nonzero().flatten()
             act = None
             bar = _Progress(int(max_new.sum()), self.progress)
@@ -719,15 +727,16 @@ class SpeculativeEngine:
                 if fused:
                     inputs = [table_act, ctx_old, roots[act], *step_sampling(act), *(eagle_rows or [])]
                     outs = self.graph_pool.run(self._step_key(s), inputs, batch_size=fused, fill_rest=True)
-                    emitted, num_acc, new_ctx, path_hidden, path_tokens, *new_eagle = (o[:b] for o in outs)
+                    emitted, num_acc, new_ctx, path_hidden, path_tokens, err, *new_eagle = (o[:b] for o in outs)
                     replayed = True
                 else:
                     tok, par, nn_ = self._draft(s, act, roots, ngram, eagle_rows)
                     T = tok.shape[1]
                     lg, hid, replayed = self._verify_forward(tok, par, nn_, table_act, ctx_old)
-                    emitted, num_acc, new_ctx, path_hidden, path_tokens = self._accept(tok, par, nn_, lg, hid, table_act, ctx_old,
-                                                                                       sampling(act))
+                    emitted, num_acc, new_ctx, path_hidden, path_tokens, err = self._accept(
+                        tok, par, nn_, lg, hid, table_act, ctx_old, sampling(act))
                 nacc = num_acc.to(torch.int64)
+                bad = err.bool()  # the target's logits on this request's path held NaN/+inf: it stops here
                 ctx[act] = new_ctx
                 offsets[act] += 1
 
@@ -739,6 +748,7 @@ class SpeculativeEngine:
                     first_eos = torch.where(is_eos, j, torch.full_like(j, T)).min(1).values
                     n_emit = torch.minimum(n_emit, first_eos + 1)
                     hit_eos = first_eos < T
+                n_emit = n_emit.masked_fill(bad, 0)
                 keep = j < n_emit.unsqueeze(1)
                 pos = torch.where(keep, n_gen[act].unsqueeze(1) + j, torch.full_like(j, width - 1))
                 rows = out[act]
@@ -773,23 +783,25 @@ class SpeculativeEngine:
                     tr.scatter_(1, fpos, path_tokens)
                     feats[act], ftoks[act] = fr, tr
 
-                fin = n_gen[act] >= max_new_act
+                fin = (n_gen[act] >= max_new_act) | bad
                 if eos_token_id is not None:
                     fin |= hit_eos
                 # One device-to-host transfer per step (each sync stalls the CPU until the GPU drains, so the
-                # next step's launches cannot overlap this step's kernels): finished flags, emitted tokens,
-                # accepted + 1, tokens generated so far, and the per-depth acceptance counts for the selector.
+                # next step's launches cannot overlap this step's kernels): finished and failed flags, emitted
+                # tokens, accepted + 1, tokens generated so far, and the per-depth acceptance counts for the selector.
                 nd = s.num_steps if self.selector is not None else 0
-                parts = [fin.to(torch.int64), n_emit.sum().view(1), (nacc + 1).sum().view(1), n_gen.sum().view(1)]
+                parts = [fin.to(torch.int64), bad.to(torch.int64), n_emit.sum().view(1),
+                         (nacc + 1).masked_fill(bad, 0).sum().view(1), n_gen.sum().view(1)]
                 if nd > 0:
                     parts.append((nacc.unsqueeze(1) >= torch.arange(1, nd + 1, device=dev)).sum(0))
                 host = torch.cat(parts).tolist()
                 fin_host = torch.tensor(host[:b], dtype=torch.bool)
-                total, tried_total, generated = host[b], host[b + 1], host[b + 2]
+                bad_host = torch.tensor(host[b : 2 * b], dtype=torch.bool)
+                total, tried_total, generated = host[2 * b], host[2 * b + 1], host[2 * b + 2]
                 dt = time.perf_counter() - t0
                 elapsed = time.perf_counter() - t_start
                 if self.selector is not None:
-                    self.selector.update(s, b, tried_total, dt, host[b + 3:] if nd > 0 else None)
+                    self.selector.update(s, b, tried_total, dt, host[2 * b + 3:] if nd > 0 else None)
                 rec = StepLog(step, b, str(s), T, total, total / b, dt, elapsed, replayed)
                 steps.append(rec)
                 log.debug("step %d batch %d %s T=%d emitted %d acc %.2f %.0f tok/s", step, b, s, T, total, total / b, rec.tokens_per_s)
@@ -799,11 +811,13 @@ class SpeculativeEngine:
                     finished = active[fin_host]
                     for r in finished.tolist():
                         finish_s[r] = elapsed
+                    errors += active[bad_host].tolist()
+                    clean = active[fin_host & ~bad_host].tolist()  # a failed request's features may hold NaN
                     if capture:
                         if spot_thread is None:
-                            self._add_to_buffer(finished.tolist(), feats, ftoks, ctx)
+                            self._add_to_buffer(clean, feats, ftoks, ctx)
                         else:
-                            deferred += finished.tolist()
+                            deferred += clean
                     active = active[~fin_host]
                     act = None
                 if (self.spot_trainer is not None and spot_thread is None and active.numel()
@@ -826,8 +840,12 @@ class SpeculativeEngine:
         self.rollout_step += 1
         lengths = n_gen.cpu()
         out_h = out.cpu()
+        errors = sorted(errors)
+        if errors:
+            warnings.warn(f"SpeculativeEngine.generate: the target's logits held NaN/+inf (or only -inf) for requests "
+                          f"{errors}; they stopped at that step (GenerateOutput.errors)", RuntimeWarning, stacklevel=2)
         return GenerateOutput([out_h[b, : int(lengths[b])].tolist() for b in range(B)], lengths, finish_s, steps, wall,
-                              prefill_s, spot_result or None)
+                              prefill_s, spot_result or None, errors)
 
     def _add_to_buffer(self, reqs: List[int], feats, ftoks, ctx) -> None:
         if not reqs:

@@ -175,8 +175,10 @@ def verify_tree(
     Returns:
         :class:`VerifyResult` ``(tokens int32 [B, max_depth+1], num_accepted int32 [B],
         accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None)``.
-        The torch backend raises ``ValueError`` on NaN/+inf/all -inf visited rows; kernel backends
-        set ``error[b] = 1`` instead (tokens -1, num_accepted 0, accepted_nodes ``[0, -1, ...]``).
+        On every backend, a request whose walk visits a row holding NaN/+inf or only -inf (or tries a child
+        whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
+        -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
+        exception: check ``error`` (a diverged policy shows up here).
     """
     check_tensor("logits", logits, dtype=_FLOATS, ndim=3)
     B, T, V = logits.shape

@@ -43,8 +43,9 @@ class VerifyResult(NamedTuple):
         tokens: ``int32 [B, max_depth+1]``: the accepted draft tokens, then the final token; -1 pad.
         num_accepted: ``int32 [B]``: number of accepted draft tokens (``tokens`` holds one more).
         accepted_nodes: ``int32 [B, max_depth+1]``: the path's node indices starting with 0; -1 pad.
-        error: ``int32 [B]``: 1 where the request's visited logits were NaN/+inf/all -inf (kernel
-            backends; the reference raises instead), else 0.
+        error: ``int32 [B]``: 1 where a row the request's walk visited held NaN/+inf or only -inf, or a child it
+            tried had a token outside ``[0, V)``, else 0. Such a request's other outputs are reset (tokens -1,
+            num_accepted 0, accepted_nodes ``[0, -1, ...]``, stats 0); other requests are unaffected.
         stats: None, or ``int32 [B, max_depth, 2]``: ``[:, d, 0]`` children tried at depth ``d+1``,
             ``[:, d, 1]`` whether one was accepted there (0/1).
     """
@@ -102,16 +103,6 @@ def make_verify_tree_op(op_name: str, launch):
     verify.op = op  # looked up per call, so tests can wrap it
     return op, verify
 
-def _check_rows(rows: torch.Tensor, active: torch.Tensor, node: torch.Tensor) -> None:
-    bad = row_errors(rows) & active
-    if bad.any():
-        b = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"logits of request {b}, node {int(node[b])} hold NaN/+inf or are entirely -inf; "
-            "a visited row needs at least one finite logit and no NaN/+inf"
-        )
-
-
 def verify_tree_reference(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -146,10 +137,16 @@ def verify_tree_reference(
     seed = seed.to(torch.int64)
     offset = offset.to(torch.int64)
 
+    error = torch.zeros(B, dtype=torch.bool, device=dev)
+
     def probs_at(node: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """The rows' target distributions; a visited row without one flags its request (and is replaced by zeros,
+        so that no NaN reaches the other requests' arithmetic)."""
+        nonlocal error
         rows = logits[ar, node]
-        _check_rows(rows, active, node)
-        return target_probs(rows, temperature, top_k, top_p)
+        bad = row_errors(rows)
+        error = error | (bad & active)
+        return target_probs(torch.where(bad.unsqueeze(1), torch.zeros_like(rows), rows), temperature, top_k, top_p)
 
     def draft_row(node: torch.Tensor) -> torch.Tensor:
         q = draft_probs[ar, node].to(torch.float64)
@@ -165,6 +162,7 @@ def verify_tree_reference(
     cur = torch.zeros(B, dtype=torch.int64, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
     p = probs_at(cur, active)
+    active = active & ~error
 
     def finish(rows: torch.Tensor) -> None:
         u = uniform(seed, offset, cur, PURPOSE_SAMPLE)
@@ -185,7 +183,12 @@ def verify_tree_reference(
         for r in range(width):
             c = order[:, r]
             trying = active & ~accepted & (r < nchild)
-            x = toks[ar, c].clamp(0, V - 1)
+            x = toks[ar, c]
+            out_of_range = trying & ((x < 0) | (x >= V))
+            error = error | out_of_range
+            trying = trying & ~out_of_range
+            active = active & ~out_of_range
+            x = x.clamp(0, V - 1)
             u = uniform(seed, offset, c, PURPOSE_ACCEPT).to(torch.float64)
             px = p[ar, x]
             if q is not None:
@@ -213,7 +216,14 @@ def verify_tree_reference(
         if not active.any():
             break
         p = torch.where(active.unsqueeze(1), probs_at(cur, active), p)
+        active = active & ~error
     finish(active)
 
-    error = torch.zeros(B, dtype=torch.int32, device=dev)
-    return VerifyResult(tokens, num_acc.to(torch.int32), nodes, error, stats if return_stats else None)
+    # A flagged request's outputs are reset, as the kernels leave them.
+    err = error.unsqueeze(1)
+    tokens = tokens.masked_fill(err, -1)
+    nodes = nodes.masked_fill(err, -1)
+    nodes[:, 0] = 0
+    num_acc = num_acc.masked_fill(error, 0)
+    stats = stats.masked_fill(err.unsqueeze(2), 0)
+    return VerifyResult(tokens, num_acc.to(torch.int32), nodes, error.to(torch.int32), stats if return_stats else None)
