@@ -388,6 +388,9 @@ def run(ctx) -> None:
         for _ in range(repeats):
             runs.append(run_once())
             o = runs[-1]
+            if o.errors:  # shorter outputs would time as a faster rollout
+                raise RuntimeError(f"{name}: the target's logits held NaN/+inf for requests {o.errors}; "
+                                   "a rollout that stops requests early is not a measurement")
             ctx.progress(f"{name}: {o.wall_s * 1e3:.1f} ms, {len(o.steps)} steps, tail {_tail_seconds(o, B):.3f} s, "
                          f"accepted {o.mean_accepted_length():.3f} (suite at {time.perf_counter() - t_suite:.0f} s)")
         outs[name] = sorted(runs, key=lambda o: o.wall_s)[len(runs) // 2]
