@@ -150,6 +150,20 @@ def test_published_weights_are_snapshots():
         tr.holder.publish(d.state_dict(), version=1)
 
 
+def test_nonfinite_weights_are_not_published(monkeypatch):
+    """A NaN loss that reaches the weights is reported and never published: the rollout keeps its last version."""
+    from tlt_kernels.drafter import spot_trainer
+
+    tgt, d, buf, tr = _setup()
+    assert tr.run(max_steps=1).published_version == 1
+    real = spot_trainer.eagle_loss
+    monkeypatch.setattr(spot_trainer, "eagle_loss", lambda *a, **k: (lambda l, st: (l * float("nan"), st))(*real(*a, **k)))
+    with pytest.warns(RuntimeWarning, match="no longer finite"):
+        stats = tr.run(max_steps=1)
+    assert stats.nonfinite_weights and stats.published_version is None and tr.holder.version == 1
+    assert all(torch.isfinite(v).all() for v in tr.holder.latest().state_dict.values())
+
+
 def test_buffer_bounds_and_recency():
     buf = RolloutBuffer(capacity_tokens=100, recency_decay=0.1)
     for step in range(5):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Union
 
@@ -69,6 +70,7 @@ class RunStats:
     stopped_by: str = ""  # "stop", "time_budget", "max_steps", "empty_buffer"
     last_loss: Optional[float] = None
     published_version: Optional[int] = None
+    nonfinite_weights: bool = False  # a NaN/inf loss or gradient reached the weights: they were not published
 
     @property
     def tokens_per_s(self) -> float:
@@ -243,7 +245,15 @@ class SpotTrainer:
             stats.last_loss = float(self._last_loss)
             self.history.append((self.optimizer_steps, stats.last_loss))
         if publish and stats.optimizer_steps:
-            stats.published_version = self.publish().version
+            # One check per run (the run has synchronized already): a rollout drafter with NaN weights would
+            # draft garbage, and the acceptance, not the output, would drop silently.
+            if bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
+                stats.published_version = self.publish().version
+            else:
+                stats.nonfinite_weights = True
+                warnings.warn(f"SpotTrainer.run: the drafter's weights are no longer finite after optimizer step "
+                              f"{self.optimizer_steps} (loss {stats.last_loss}); not published, the rollout keeps "
+                              f"version {self.holder.version}", RuntimeWarning, stacklevel=2)
         stats.elapsed_s = time.perf_counter() - t0
         return stats
 
