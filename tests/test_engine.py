@@ -156,15 +156,26 @@ def test_eos_stops_requests(target, prompts):
     assert len(out.tokens[3]) <= 5 and out.tokens[3][-1] == eos
 
 
-@pytest.mark.parametrize("kind,strategy", [("none", Strategy.off()), ("ngram", Strategy(4, 1, 5)),
-                                           ("eagle", Strategy(3, 2, 6))], ids=str)
+@pytest.mark.parametrize("kind,strategy,fuse", [("none", Strategy.off(), False), ("ngram", Strategy(4, 1, 5), False),
+                                                ("eagle", Strategy(3, 2, 6), False), ("none", Strategy.off(), True),
+                                                ("eagle", Strategy(3, 2, 6), True)], ids=str)
 @pytest.mark.parametrize("where", ["prefill", "step"])
-def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, strategy, where):
+def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, strategy, fuse, where):
     """A request whose logits turn NaN (verify_tree's error flag) stops there, is reported in ``errors`` with a
-    warning and never enters the rollout buffer; no -1 token is emitted and every other request is unaffected."""
-    eng = SpeculativeEngine(target, _drafter(kind, target), strategy, max_batch_size=8, max_seq_len=64,
+    warning and never enters the rollout buffer; no -1 token is emitted and every other request is unaffected.
+    ``fuse``: the whole step replayed from a (fake, CPU) step graph, whose outputs carry the flags."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1) if fuse else None
+    eng = SpeculativeEngine(target, _drafter(kind, target), strategy, pool, max_batch_size=8, max_seq_len=64,
+                            fuse_step=fuse,
                             rollout_buffer=RolloutBuffer(capacity_tokens=1 << 14, storage_dtype=torch.float32))
+    if fuse:
+        eng.capture_graphs([2, 8])
+        assert eng.graph_error is None, eng.graph_error
     clean = eng.generate(prompts, MAX_NEW)
+    assert not fuse or all(s.graph for s in clean.steps)
     assert clean.errors == []
     calls, buffered = [], []
     real_prefill, real_tree = target.prefill, target.forward_tree
