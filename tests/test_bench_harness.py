@@ -506,3 +506,25 @@ def test_selector_vs_oracle_charges_each_bin_and_names_the_best_arm(tmp_path, ca
     path.write_text(json.dumps(logs))
     assert main([str(path)]) == 0
     assert "+1.000 s against the oracle" in capsys.readouterr().out
+
+
+def test_plot_steps_reads_the_e2e_step_logs(tmp_path, monkeypatch):
+    """bench.plot_steps: the step logs' rows become the runs e2e's _plot draws (tokens/s per step over the rollout)."""
+    import json
+
+    from bench import plot_steps
+
+    logs = {"plain": [dict(step=0, batch_size=2, emitted=2, seconds=0.5, elapsed_s=0.5),
+                      dict(step=1, batch_size=1, emitted=1, seconds=0.25, elapsed_s=0.75)],
+            "adaptive": [dict(step=0, batch_size=2, emitted=6, seconds=0.5, elapsed_s=0.5)]}
+    runs = plot_steps.load_rows(logs, ["adaptive", "plain"])
+    assert list(runs) == ["adaptive", "plain"]
+    assert [s.tokens_per_s for s in runs["plain"].steps] == [4.0, 4.0] and runs["plain"].wall_s == 0.75
+    with pytest.raises(KeyError, match=r"no rows \['tree'\]"):
+        plot_steps.load_rows(logs, ["plain", "tree"])
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(logs))
+    drawn = {}
+    monkeypatch.setattr(plot_steps, "_plot", lambda outs, out: drawn.update(outs=outs, out=out) or f"plot written to {out}")
+    assert plot_steps.main([str(path), "--rows", "plain, adaptive", "--out", str(tmp_path / "p.png")]).startswith("plot written")
+    assert list(drawn["outs"]) == ["plain", "adaptive"] and drawn["out"] == str(tmp_path / "p.png")
