@@ -58,6 +58,17 @@ def check_tensor(
     return t
 
 
+def dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` itself when it is contiguous, else a contiguous copy (None stays None).
+
+    Every public op passes the tensors its kernels read through this at its boundary: the kernels index them with
+    row-major strides, so a view (``x[:, 0]``, a transposed table, an expanded scalar) would otherwise be read as if it
+    were contiguous and yield another request's values. The copy is a device op: no host sync, capturable."""
+    if t is None or t.is_contiguous():
+        return t
+    return t.contiguous()
+
+
 def same_device(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and not devices_equal(t.device, device):
