@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import random
 from collections import deque
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .strategy import Strategy
 
@@ -41,6 +42,18 @@ class Policy:
     def observe(self, bucket: int, arm: int, batch_size: int, emitted: float, elapsed: float,
                 accepted: Optional[Sequence[float]], step: int) -> None:
         raise NotImplementedError
+
+
+# Rewards (tokens/s) are capped so that squares and discounted sums of them stay finite floats: a legal but
+# extreme step (a 1e-300 s timing) must not overflow a policy's statistics. Real throughputs are far below it.
+MAX_REWARD = 1e100
+# Floor of a time ratio: a positive time must not underflow to 0.0 and divide by zero later.
+_TINY = 1e-300
+
+
+def _reward(emitted: float, elapsed: float) -> float:
+    r = emitted / elapsed
+    return r if r < MAX_REWARD else MAX_REWARD
 
 
 def _first_unseen(counts: List[float], allowed: List[int]) -> int:
@@ -105,7 +118,7 @@ class BucketedEpsilonGreedy(Policy):
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
         h = self.hist[bucket][arm]
-        h.append(emitted / elapsed)
+        h.append(_reward(emitted, elapsed))
         self.n[bucket][arm] += 1
         s = sorted(h)
         m = len(s)
@@ -142,7 +155,7 @@ class SlidingWindowUCB(Policy):
         return max(allowed, key=lambda a: sm[a] / cnt[a] + c * math.sqrt(log_t / cnt[a]))
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
-        r = emitted / elapsed
+        r = _reward(emitted, elapsed)
         q = self.plays[bucket]
         q.append((arm, r))
         self.cnt[bucket][arm] += 1
@@ -150,8 +163,12 @@ class SlidingWindowUCB(Policy):
         self.t[bucket] += 1
         if len(q) > self.window:
             old, r_old = q.popleft()
-            self.cnt[bucket][old] -= 1
-            self.sum[bucket][old] -= r_old
+            cnt, sm = self.cnt[bucket], self.sum[bucket]
+            cnt[old] -= 1
+            if 2.0 * r_old < sm[old]:
+                sm[old] -= r_old
+            else:  # the leaving reward dominates the sum: subtracting it would cancel the others' bits
+                sm[old] = math.fsum(x for a, x in q if a == old)
 
 
 class DiscountedThompson(Policy):
@@ -184,7 +201,8 @@ class DiscountedThompson(Policy):
         for a in allowed:
             # Ratios are invariant under discounting; only the effective count shrinks with staleness.
             mean = s[a] / n[a]
-            var = max(ss[a] / n[a] - mean * mean, (self.min_rel_std * mean) ** 2)
+            floor = self.min_rel_std * mean
+            var = max(ss[a] / n[a] - mean * mean, floor * floor)  # products: float ** 2 raises on overflow
             n_eff = n[a] * g ** (t - last[a])
             v = mean + math.sqrt(var / max(n_eff, 1e-3)) * gauss(0.0, 1.0)
             if v > best_v:
@@ -192,7 +210,7 @@ class DiscountedThompson(Policy):
         return best
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
-        r = emitted / elapsed
+        r = _reward(emitted, elapsed)
         self.t[bucket] += 1
         t = self.t[bucket]
         f = self.gamma ** (t - self.last[bucket][arm])
@@ -200,6 +218,25 @@ class DiscountedThompson(Policy):
         self.n[bucket][arm] = self.n[bucket][arm] * f + 1.0
         self.s[bucket][arm] = self.s[bucket][arm] * f + r
         self.ss[bucket][arm] = self.ss[bucket][arm] * f + r * r
+
+
+def _cost_point(s: Strategy, point) -> Tuple[int, float]:
+    """One ``(batch_size, seconds)`` entry of a cost table, validated: a NaN, infinite, zero or negative time or a
+    batch size that is not an int >= 1 would poison every prediction made from it."""
+    try:
+        b, t = point
+    except (TypeError, ValueError):
+        raise ValueError(f"cost table entry {point!r} for {s} must be a (batch_size, seconds) pair") from None
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
+        raise ValueError(f"cost table entry ({b!r}, {t!r}) for {s}: batch_size must be an int >= 1, got {b!r}")
+    try:
+        secs = float(t)
+    except (TypeError, ValueError):
+        secs = math.nan
+    if not (math.isfinite(secs) and secs > 0):
+        raise ValueError(f"cost table entry ({b!r}, {t!r}) for {s}: the step time must be a finite number of seconds "
+                         f"> 0, got {t!r}")
+    return int(b), secs
 
 
 class CostTable:
@@ -210,13 +247,18 @@ class CostTable:
     """
 
     def __init__(self, table: Dict[Strategy, Sequence[Tuple[int, float]]]):
+        if not isinstance(table, Mapping):
+            raise TypeError(f"cost table must be a {{Strategy: [(batch_size, seconds), ...]}} dict, got {type(table).__name__}")
         self.table = {}
         for s, pts in table.items():
-            pts = sorted((int(b), float(t)) for b, t in pts)
+            if not isinstance(s, Strategy):
+                raise TypeError(f"cost table keys must be Strategy objects, got {type(s).__name__}: {s!r}")
+            pts = sorted(_cost_point(s, p) for p in pts)
             if not pts:
                 raise ValueError(f"cost table for {s} has no points")
-            if any(t <= 0 for _, t in pts):
-                raise ValueError(f"cost table for {s} has a non-positive time: {pts}")
+            for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+                if b0 == b1:
+                    raise ValueError(f"cost table for {s} has two times for batch_size={b0} ({t0} and {t1} s); keep one")
             self.table[s] = ([b for b, _ in pts], [t for _, t in pts])
 
     @classmethod
@@ -614,6 +656,8 @@ class CostModelPolicy(Policy):
             secs = self._secs[batch_size]
         base = secs[arm]
         v = elapsed / base if base else elapsed
+        if not _TINY <= v <= 1.0 / _TINY:  # legal extremes stay finite and nonzero in the discounted mean
+            v = _TINY if v < _TINY else 1.0 / _TINY
         tn, tv = self.time_n[bucket], self.time_v[bucket]
         n = tn[arm]
         # Discounted mean with a fast start: the first observation replaces the prior.

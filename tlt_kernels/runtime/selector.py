@@ -21,7 +21,10 @@ the same order make the same decisions. Ranks whose observations can differ (dat
 from __future__ import annotations
 
 import bisect
+import math
+import numbers
 import random
+import warnings
 from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -31,6 +34,20 @@ from .strategy import Pending, Strategy, as_pending
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 DEFAULT_POLICY = "cost"
 _NUMBER = (int, float)
+
+
+def check_batch_size(batch_size, where: str) -> int:
+    """``batch_size`` as an int >= 1, or a ValueError naming ``where`` (a bool or a float is not a batch size)."""
+    if type(batch_size) is int and batch_size >= 1:
+        return batch_size
+    if isinstance(batch_size, numbers.Integral) and not isinstance(batch_size, bool) and batch_size >= 1:
+        return int(batch_size)
+    raise ValueError(f"{where}: batch_size must be an int >= 1 (requests in the step), got {batch_size!r}")
+
+
+def _scalar(value):
+    """A 1-element list (what a ``[1]`` tensor's ``tolist()`` gives) as its element; anything else unchanged."""
+    return value[0] if type(value) is list and len(value) == 1 else value
 
 
 class StrategySelector:
@@ -50,6 +67,14 @@ class StrategySelector:
             broadcast from rank 0 when ranks may observe different timings.
         **policy_kwargs: options of the named policy (e.g. ``cost_table=`` for ``"cost"``,
             ``epsilon=`` for ``"beg"``).
+
+    Garbage measurements: an observation whose emitted count, elapsed time or accepted counts cannot come from a
+    real step (NaN or infinite values, negative counts, accepted counts above the batch or growing with depth) is
+    ignored, so no policy ever sees it: it is counted in
+    :attr:`rejected` (by field in :attr:`rejected_reasons`) and the first one per selector raises a
+    ``RuntimeWarning``. A zero or negative finite ``elapsed_s``, an ``accepted_per_position`` of the wrong length,
+    a strategy that is not an arm and a ``batch_size`` that is not an int >= 1 are the caller's errors and raise
+    ``ValueError``.
     """
 
     def __init__(self, strategies: Sequence[Strategy], policy=DEFAULT_POLICY,
@@ -85,6 +110,9 @@ class StrategySelector:
         self._all = list(range(len(arms)))
         self._allowed_cache: Dict[int, List[int]] = {}
         self._bucket_cache: Dict[int, int] = {}
+        self.rejected = 0  # garbage observations ignored (see the class docstring)
+        self.rejected_reasons: Dict[str, int] = {}  # the same, by the field that was garbage
+        self._warned = False
 
     # -- helpers -------------------------------------------------------------------------------
     def bucket(self, batch_size: int) -> int:
@@ -111,8 +139,7 @@ class StrategySelector:
     # -- API ----------------------------------------------------------------------------------
     def select(self, batch_size: int) -> Strategy:
         """The strategy for the next step of a batch of ``batch_size`` requests."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        batch_size = check_batch_size(batch_size, "StrategySelector.select")
         if self._pending:
             self._drain()
         self.step += 1
@@ -126,11 +153,11 @@ class StrategySelector:
 
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
                accepted_per_position=None) -> None:
-        """Record one step's outcome.
+        """Record one step's outcome (garbage measurements are ignored and counted: see the class docstring).
 
         Args:
             strategy: the strategy that ran.
-            batch_size: requests in the step (before padding).
+            batch_size: requests in the step (before padding), an int >= 1.
             emitted_tokens: tokens emitted by the whole batch (int, 0-d tensor, or pending handle).
             elapsed_s: step seconds: float, a ``(start, end)`` CUDA event pair, or a pending handle.
             accepted_per_position: optional ``[num_steps]`` counts, entry ``i`` = requests whose accepted
@@ -139,13 +166,11 @@ class StrategySelector:
         arm = self._index.get(strategy)
         if arm is None:
             raise ValueError(f"update got strategy {strategy}, which is not one of the selector's strategies")
+        batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):
-            if not elapsed_s > 0:
-                raise ValueError(f"elapsed_s must be > 0 seconds, got {elapsed_s} for {strategy}")
-            self.policy.observe(self.bucket(batch_size), arm, batch_size, float(emitted_tokens), float(elapsed_s),
-                                accepted_per_position, self.step)
+            self._fold(arm, batch_size, emitted_tokens, elapsed_s, accepted_per_position, self.step)
             return
         obs = (arm, batch_size, as_pending(emitted_tokens), as_pending(elapsed_s),
                as_pending(accepted_per_position), self.step)
@@ -171,9 +196,45 @@ class StrategySelector:
                 el = el.get()
             if isinstance(acc, Pending):
                 acc = acc.get()
-            if not el > 0:
-                raise ValueError(f"elapsed_s must be > 0 seconds, got {el} for {self.strategies[arm]}")
-            self.policy.observe(self.bucket(b), arm, b, float(em), float(el), acc, step)
+            self._fold(arm, b, _scalar(em), _scalar(el), acc, step)
+
+    def _fold(self, arm: int, b: int, em, el, acc, step: int) -> None:
+        """Validate one observation, then hand it to the policy; the one entry point of every policy's data."""
+        s = self.strategies[arm]
+        d = s.num_steps
+        if acc is not None and d and len(acc) != d:
+            raise ValueError(f"accepted_per_position for {s} must have num_steps={d} entries, got {len(acc)}")
+        if el <= 0:  # a finite time <= 0 is a caller's error (swapped events or clock readings), not a measurement
+            raise ValueError(f"elapsed_s must be > 0 seconds, got {el} for {s}")
+        why = self._garbage(arm, b, em, el, acc if d else None)
+        if why is not None:
+            self._reject(s, b, why)
+            return
+        self.policy.observe(self.bucket(b), arm, b, float(em), float(el), acc if d else None, step)
+
+    def _garbage(self, arm: int, b: int, em, el, acc) -> Optional[str]:
+        """Why the observation cannot come from a real step, or None. NaN fails every comparison below."""
+        if not 0 <= em < math.inf:
+            return f"emitted_tokens={em!r} is not a finite count >= 0"
+        if not el < math.inf:
+            return f"elapsed_s={el!r} is not a finite number of seconds"
+        if acc is not None:
+            prev, slack = b, 1e-9 * b  # counts of requests reaching depth i + 1 cannot grow with i
+            for i, x in enumerate(acc):
+                if not 0 <= x <= prev + slack:
+                    return (f"accepted_per_position[{i}]={x!r} is outside [0, {prev}] (at most the batch_size and "
+                            "the previous entry)")
+                prev = x
+        return None
+
+    def _reject(self, s: Strategy, b: int, why: str) -> None:
+        field = why.split("=", 1)[0].split("[", 1)[0]
+        self.rejected += 1
+        self.rejected_reasons[field] = self.rejected_reasons.get(field, 0) + 1
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"StrategySelector ignored a garbage observation of {s} at batch_size={b}: {why}; later ones "
+                          "are ignored silently and counted in StrategySelector.rejected", RuntimeWarning, stacklevel=4)
 
     def __repr__(self) -> str:
         return (f"StrategySelector(policy={self.policy.name!r}, arms={[str(s) for s in self.strategies]}, "

@@ -332,14 +332,42 @@ def record_trace(workload: Workload, arms: Sequence[Strategy], seed: int = 0) ->
 
 
 def load_trace(path: str) -> List[dict]:
+    """Read a trace written by :func:`record_trace` or ``SpeculativeEngine.generate(trace=...)``; every record is
+    checked, since one NaN step time would turn every later efficiency into NaN (ValueError naming the record)."""
     with open(path) as f:
-        recs = json.load(f)
+        try:
+            recs = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"trace {path} is not valid JSON: {exc}") from exc
     if not isinstance(recs, list) or not recs:
         raise ValueError(f"trace {path} must be a non-empty JSON list of step records")
     for i, r in enumerate(recs):
-        if "batch_size" not in r or "arms" not in r or not r["arms"]:
+        if not isinstance(r, dict) or "batch_size" not in r or not isinstance(r.get("arms"), dict) or not r["arms"]:
             raise ValueError(f"trace {path} record {i} needs 'batch_size' and a non-empty 'arms' map")
+        _check_trace_record(f"trace {path} record {i}", r)
     return recs
+
+
+def _finite(x, low: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
+
+
+def _check_trace_record(where: str, r: dict) -> None:
+    """A record's batch size is an int >= 1, each arm's step time a finite number > 0 of seconds and its counts finite
+    and >= 0; arm names parse as strategies."""
+    b = r["batch_size"]
+    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        raise ValueError(f"{where}: batch_size must be an int >= 1, got {b!r}")
+    for name, a in r["arms"].items():
+        Strategy.parse(name)
+        t, em = (a.get("step_time"), a.get("emitted")) if isinstance(a, dict) else (None, None)
+        if not (_finite(t, 0.0) and t > 0):
+            raise ValueError(f"{where}, arm {name}: step_time must be a finite number of seconds > 0, got {t!r}")
+        if not _finite(em, 0.0):
+            raise ValueError(f"{where}, arm {name}: emitted must be a finite count >= 0, got {em!r}")
+        acc = a.get("accepted")
+        if acc is not None and not (isinstance(acc, list) and all(_finite(x, 0.0) for x in acc)):
+            raise ValueError(f"{where}, arm {name}: accepted must be a list of finite counts >= 0, got {acc!r}")
 
 
 def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], Strategy],
