@@ -136,7 +136,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["tlt_kernels*"]),
     install_requires=["torch", 'triton; platform_system == "Linux"'],
-    extras_require={"test": ["pytest", "pytest-benchmark", "scipy", "numpy"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "scipy", "numpy", "hypothesis"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
