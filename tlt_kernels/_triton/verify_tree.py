@@ -2,8 +2,9 @@
 
 The program reads only the rows the walk visits (the root, then each accepted node), in tiles of
 ``BLOCK_SIZE`` upcast to fp32. A row's target distribution is kept implicit as
-``(thr, m, Z)``: ``p(t) = [key(l_t) >= thr] * exp(l_t / T - m) / Z`` where ``key`` maps a float to
-an int32 with the same order. Then
+``(thr, mx, Z)``: ``p(t) = [key(l_t) >= thr] * exp((l_t - mx) / T') / Z`` (``mx`` the row max, ``T'`` the
+temperature clamped to the normal float32 range; see :mod:`tlt_kernels.reference.sampling`) where ``key`` maps a
+float to an int32 with the same order (-0.0 and +0.0 share a key). Then
 
 * the top-k threshold is the largest key with ``count(key >= thr) >= k``, found by radix select on
   the key (8 histogram passes of 4 bits, exact, no sort; boundary ties are kept);
@@ -83,40 +84,51 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, node: torch.Tensor,
 def _order_key(x):
     """Order-preserving int32 key of fp32 values: the radix select and the top-k/top-p thresholds work on it."""
     key = x.to(tl.int32, bitcast=True)
+    # -0.0 keys as +0.0: they are equal floats, so ties at zero are kept as the reference keeps them.
+    key = tl.where(key == -2147483648, 0, key)
     return tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
 
 
 @triton.jit
-def _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z):
+def _weight(x, mx, ks):
+    """exp((x - mx) / T') as exp2((x - mx) * ks), ks = log2(e) / T': the max is subtracted before scaling, so the
+    weight is in [0, 1], exactly 1 at the max and never NaN for any T'. Where the row max reaches 2**102 both terms
+    are halved first (exact there), since x - mx could pass the float32 range."""
+    h = tl.where(mx >= 5.070602400912918e30, 0.5, 1.0)
+    return tl.exp2((x * h - mx * h) * (ks / h))
+
+
+@triton.jit
+def _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, ks, mx, Z):
     """Normalized probabilities of one tile of the current distribution: the residual kept in the
     scratch row once a child was rejected (mass S), else the filtered softmax of the logits (mass Z)."""
     x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
     if has_res != 0:
         p = tl.load(scr_ptr + offs, mask=mask, other=0.0) / S
     else:
-        p = tl.where((_order_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0) / Z
+        p = tl.where((_order_key(x) >= thr) & mask, _weight(x, mx, ks), 0.0) / Z
     return p
 
 
 @triton.jit
-def _mass_ge(row_ptr, V, thr, temp, m, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """sum over tokens with key(l) >= thr of exp(l / temp - m)."""
+def _mass_ge(row_ptr, V, thr, ks, mx, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """sum over tokens with key(l) >= thr of their weight (``_weight``)."""
     acc = 0.0
     for tile in range(NUM_TILES):
         start = tile * BLOCK_SIZE
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < V
         x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        w = tl.where((_order_key(x) >= thr) & mask, tl.exp(x / temp - m), 0.0)
+        w = tl.where((_order_key(x) >= thr) & mask, _weight(x, mx, ks), 0.0)
         acc += tl.sum(w, axis=0)
     return acc
 
 
 @triton.jit
-def _radix_select(row_ptr, N, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_TILES: tl.constexpr,
+def _radix_select(row_ptr, N, floor, ks, mx, need, BY_MASS: tl.constexpr, NUM_TILES: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr):
     """Largest key K with W(key >= K) >= need, and W(key >= K); W counts tokens (or sums their
-    exp(l / temp - m) when BY_MASS) among the first ``N`` values at ``row_ptr`` with key >= floor
+    weights when BY_MASS) among the first ``N`` values at ``row_ptr`` with key >= floor
     (a row, ``N = V``, or its compacted top-p candidates; tiles past ``N`` are skipped).
 
     Radix select on the unsigned key, 4 bits per pass (8 passes, exact, no sort): at each level
@@ -140,7 +152,7 @@ def _radix_select(row_ptr, N, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
                 ukey = key.to(tl.int64) + 2147483648
                 live = mask & (key >= floor) & ((ukey >> (shift + 4)) == prefix)
                 if BY_MASS:
-                    w = tl.where(live, tl.exp(x / temp - m), 0.0)
+                    w = tl.where(live, _weight(x, mx, ks), 0.0)
                 else:
                     w = live.to(tl.float32)
                 digit = ((ukey >> shift) & 15).to(tl.int32)
@@ -155,8 +167,8 @@ def _radix_select(row_ptr, N, floor, temp, m, need, BY_MASS: tl.constexpr, NUM_T
 
 
 @triton.jit
-def _top_p_candidates(row_ptr, cand_ptr, V, floor, temp, m, tau, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Compacts into ``cand_ptr`` the logits with key >= floor and weight exp(l / temp - m) >= tau; returns their count.
+def _top_p_candidates(row_ptr, cand_ptr, V, floor, ks, mx, tau, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Compacts into ``cand_ptr`` the logits with key >= floor and weight (``_weight``) >= tau; returns their count.
 
     With ``tau = Z (1 - top_p) / V`` (Z the kept mass) every token below tau is outside the top-p set: all of
     them together weigh less than ``Z (1 - top_p)``, so the tokens at or above tau already reach ``top_p Z``
@@ -170,7 +182,7 @@ def _top_p_candidates(row_ptr, cand_ptr, V, floor, temp, m, tau, NUM_TILES: tl.c
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < V
         x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        keep = mask & (_order_key(x) >= floor) & (tl.exp(x / temp - m) >= tau)
+        keep = mask & (_order_key(x) >= floor) & (_weight(x, mx, ks) >= tau)
         pos = cnt + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + pos, x, mask=keep)
         cnt += tl.sum(keep.to(tl.int32), axis=0)
@@ -178,11 +190,11 @@ def _top_p_candidates(row_ptr, cand_ptr, V, floor, temp, m, tau, NUM_TILES: tl.c
 
 
 @triton.jit
-def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p, NUM_TILES: tl.constexpr,
+def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, NUM_TILES: tl.constexpr,
                BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
-    """(bad, argmax, thr, m, Z, qsum) of one row; thr/m/Z are only meaningful for sampled requests.
+    """(bad, argmax, thr, mx, Z, qsum) of one row (mx: its max logit); thr/Z are only meaningful for sampled requests.
 
-    One pass gives the argmax, the bad flag, online the normalizer ``Z = sum exp(l / temp - m)`` (the running
+    One pass gives the argmax, the bad flag, online the normalizer ``Z = sum _weight(l, max, ks)`` (the running
     sum rescaled when the tile max grows) and, when ``want_q`` (the node has children to test against its
     draft row ``dq_ptr``), the draft row's sum: a row without top-k / top-p is read once. Top-k and top-p add
     their radix passes and a normalizer pass over the kept tokens.
@@ -205,34 +217,34 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, temp, top_k, top_p,
         tile_arg = tl.min(tl.where((xm == tile_best) & mask, offs, V), axis=0)
         better = tile_best > best
         new_best = tl.where(better, tile_best, best)
-        # z in the frame of new_best / temp; an all -inf prefix (new_best = -inf) keeps z = 0.
-        # Same expression as the later passes (exp(l / temp - m)), so the last tile's terms match them bit for bit.
+        # z in the frame of new_best; an all -inf prefix (new_best = -inf) keeps z = 0.
+        # Same expression as the later passes (_weight), so the last tile's terms match them bit for bit.
         finite = new_best > float("-inf")
-        m_new = tl.where(finite, new_best, 0.0) / temp
-        z = tl.where(finite, z * tl.exp(tl.where(best > float("-inf"), best / temp - m_new, 0.0)), 0.0)
-        z += tl.where(finite, tl.sum(tl.exp(xm / temp - m_new), axis=0), 0.0)
+        m_new = tl.where(finite, new_best, 0.0)
+        z = tl.where(finite, z * _weight(tl.where(best > float("-inf"), best, m_new), m_new, ks), 0.0)
+        z += tl.where(finite, tl.sum(_weight(xm, m_new, ks), axis=0), 0.0)
         arg = tl.where(better, tile_arg, arg)
         best = new_best
     bad = bad | (best == float("-inf")).to(tl.int32)
 
     thr = arg * 0 - 2139095041  # key(-inf): keeps every token
-    m = best / temp
+    mx = best
     Z = tl.where(bad == 0, z, 1.0)
     if (bad == 0) & (greedy == 0):
         if (top_k > 0) & (top_k < V):
-            thr, _ = _radix_select(row_ptr, V, thr, temp, m, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
-            Z = _mass_ge(row_ptr, V, thr, temp, m, NUM_STREAM_TILES, STREAM_BLOCK)
+            thr, _ = _radix_select(row_ptr, V, thr, ks, mx, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
+            Z = _mass_ge(row_ptr, V, thr, ks, mx, NUM_STREAM_TILES, STREAM_BLOCK)
         if top_p <= 0.999:
             # Half the bound's tau: slack for the rounding of Z against the select's own sums (above 0.999 the
             # margin (1 - top_p) Z / 2 nears that rounding, and the whole row is selected from).
-            n_cand = _top_p_candidates(row_ptr, cand_ptr, V, thr, temp, m, 0.5 * Z * (1.0 - top_p) / V,
+            n_cand = _top_p_candidates(row_ptr, cand_ptr, V, thr, ks, mx, 0.5 * Z * (1.0 - top_p) / V,
                                        NUM_STREAM_TILES, STREAM_BLOCK)
             tl.debug_barrier()  # the candidates are read by other threads than the ones that wrote them
-            thr, Z = _radix_select(cand_ptr, n_cand, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
+            thr, Z = _radix_select(cand_ptr, n_cand, thr, ks, mx, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
             tl.debug_barrier()  # before the scratch row is reused for residuals
         elif top_p < 1.0:
-            thr, Z = _radix_select(row_ptr, V, thr, temp, m, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
-    return bad, arg, thr, m, Z, qsum
+            thr, Z = _radix_select(row_ptr, V, thr, ks, mx, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
+    return bad, arg, thr, mx, Z, qsum
 
 
 @triton.jit
@@ -244,7 +256,7 @@ def _wants_draft_sum(par_vec, t_idx, node, greedy, depth, max_depth):
 
 
 @triton.jit
-def _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, tok,
+def _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, ks, mx, Z, qsum, tok,
                    HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Mass of the residual after rejecting ``tok``: max(p - q, 0) with the draft row q, or p with
     ``tok`` zeroed without one, stored (unnormalized) into the scratch row ``dst_ptr`` in the same pass
@@ -254,7 +266,7 @@ def _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, 
         start = tile * BLOCK_SIZE
         offs = start + tl.arange(0, BLOCK_SIZE)
         mask = offs < V
-        p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
+        p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, ks, mx, Z)
         if HAS_Q:
             q = tl.load(dq_ptr + offs, mask=mask, other=0.0).to(tl.float32) / qsum
             r = tl.where(mask, tl.maximum(p - q, 0.0), 0.0)
@@ -282,14 +294,18 @@ def _verify_tree_kernel(
     temp = 0.0
     if HAS_TEMP:
         temp = tl.load(temp_ptr + b).to(tl.float32)
-    greedy = (temp <= 0.0).to(tl.int32)
-    temp = tl.where(greedy != 0, 1.0, temp)
+    # Greedy unless the temperature is > 0 (NaN too); T' = clamp(T, 2**-126, 2**126) keeps ks finite and normal.
+    greedy = 1 - (temp > 0.0).to(tl.int32)
+    temp = tl.where(greedy != 0, 1.0, tl.minimum(tl.maximum(temp, 1.1754943508222875e-38), 8.507059173023462e37))
+    ks = 1.4426950408889634 / temp
     top_k = 0
     if HAS_TOP_K:
         top_k = tl.load(top_k_ptr + b).to(tl.int32)
     top_p = 1.0
     if HAS_TOP_P:
         top_p = tl.load(top_p_ptr + b).to(tl.float32)
+    # Off unless < 1 (NaN too); at least 2**-126, which keeps only the maximal logits as any top_p <= 1 / V does.
+    top_p = tl.where(top_p < 1.0, tl.maximum(top_p, 1.1754943508222875e-38), 1.0)
     seed = tl.load(seed_ptr + b)
     offset = tl.load(offset_ptr + b)
     # Two scratch rows, ping-pong: a rejection writes its residual into the row not in use while summing it, and
@@ -318,8 +334,8 @@ def _verify_tree_kernel(
     if HAS_Q:
         want_q = _wants_draft_sum(par_vec, t_idx, zero, greedy, zero, max_depth)
     # A visited row's top-p candidates go to scratch row 0: no residual is live when a row is visited.
-    err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, scr_base, V, greedy, temp, top_k,
-                                           top_p, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
+    err, arg, thr, mx, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, scr_base, V, greedy, ks, top_k,
+                                            top_p, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
     has_res = 0
     S = 1.0
     q_ready = 0
@@ -347,7 +363,7 @@ def _verify_tree_kernel(
                     px = tl.load(scr_ptr + x) / S
                 else:
                     lx = tl.load(row_ptr + x).to(tl.float32)
-                    px = tl.where(_order_key(lx) >= thr, tl.exp(lx / temp - m), 0.0) / Z
+                    px = tl.where(_order_key(lx) >= thr, _weight(lx, mx, ks), 0.0) / Z
                 u = tl.sum(tl.where(t_idx == j, coin_accept, 0.0), axis=0)
                 if HAS_Q:
                     qx = tl.load(dq_ptr + x).to(tl.float32) / qsum
@@ -365,8 +381,8 @@ def _verify_tree_kernel(
                 want_q = zero
                 if HAS_Q:
                     want_q = _wants_draft_sum(par_vec, t_idx, j, greedy, depth, max_depth)
-                err, arg, thr, m, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
-                                                       want_q, scr_base, V, greedy, temp, top_k, top_p, NUM_TILES,
+                err, arg, thr, mx, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
+                                                        want_q, scr_base, V, greedy, ks, top_k, top_p, NUM_TILES,
                                                        BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
                 has_res = 0
                 S = 1.0
@@ -374,7 +390,7 @@ def _verify_tree_kernel(
             else:
                 if (greedy == 0) & (err == 0):
                     dst_ptr = scr_base + (1 - res_i) * V
-                    R = _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, temp, m, Z, qsum, x,
+                    R = _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, ks, mx, Z, qsum, x,
                                        HAS_Q, NUM_STREAM_TILES, STREAM_BLOCK)
                     # Orders this pass's writes before every thread's later single-element reads of the row
                     # (and before the next pass overwrites the row this one read).
@@ -394,7 +410,7 @@ def _verify_tree_kernel(
             start = tile * STREAM_BLOCK
             offs = start + tl.arange(0, STREAM_BLOCK)
             mask = offs < V
-            p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
+            p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, ks, mx, Z)
             total += tl.sum(p, axis=0)
         target = u * total
         carry = 0.0
@@ -404,7 +420,7 @@ def _verify_tree_kernel(
             start = tile * STREAM_BLOCK
             offs = start + tl.arange(0, STREAM_BLOCK)
             mask = offs < V
-            p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, temp, m, Z)
+            p = _tile_probs(row_ptr, scr_ptr, offs, mask, has_res, S, thr, ks, mx, Z)
             cdf = tl.cumsum(p, axis=0) + carry
             # Positive mass only: cumsum and the tiles' carry are differently rounded sums, and a target in a
             # rounding gap between them must not land on a zero-probability token.
@@ -412,6 +428,8 @@ def _verify_tree_kernel(
             last = tl.where(tl.max(p, axis=0) > 0.0, tl.max(tl.where(p > 0.0, offs, -1), axis=0), last)
             carry += tl.sum(p, axis=0)
         final = tl.where(found < V, found, last)
+        # No token of positive mass (no valid row leads here: its maximal logits weigh 1): flagged, never emitted.
+        err = err | (final >= V).to(tl.int32)
 
     ok = err == 0
     path_tokens = tl.where(d_idx == depth, final, path_tokens)

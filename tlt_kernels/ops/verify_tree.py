@@ -1,13 +1,13 @@
 """``verify_tree``: lossless acceptance of a draft token tree from the target's logits."""
 from __future__ import annotations
 
-import math
+import numbers
 from typing import Optional
 
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor, per_request
+from .._validation import check_tensor, dense, per_request
 from ..reference.verify_tree import VerifyResult
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
 
@@ -29,13 +29,20 @@ _BACKENDS = register_op(
 
 # The valid values of the per-request sampling parameters, with the words of the error. Each predicate takes a Python
 # number (host values, checked as the parameter is read) or a tensor (device values, checked by ``_validate``).
+_F32_MAX = float(torch.finfo(torch.float32).max)
 _RANGES = {
-    "temperature": (lambda v: (v >= 0) & (v < math.inf), "a finite value >= 0 (None or 0 = greedy)"),
+    "temperature": (lambda v: (v >= 0) & (v <= _F32_MAX),
+                    f"a value in [0, {_F32_MAX}] (finite in float32; None or 0 = greedy)"),
     "top_k": (lambda v: v >= 0, "an integer >= 0 (None or 0 = off)"),
     "top_p": (lambda v: (v > 0) & (v <= 1), "a value in (0, 1] (None or 1 = off)"),
 }
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
+_U64 = 2**64
+_I32_MAX = 2**31 - 1
+# Positive temperatures and top_p below the normal float32 range act as this value in every backend (the contract's
+# clamp); applying it before the float32 conversion keeps a positive value from rounding to 0 (greedy / invalid).
+_MIN_NORMAL = 2.0**-126
 
 
 def _capturing() -> bool:
@@ -49,20 +56,71 @@ def _none_to(value, fill):
     return value
 
 
-def _per_request_param(name, value, B, device, dtype, fill, ok=None, expected=""):
-    """``[B]`` tensor of a per-request parameter; host values (scalars, lists) are range-checked here."""
+def _host_values(name, value, fill, integer, ok=None, expected=""):
+    """The host values of a per-request parameter (a number or a list; None entries = ``fill``), each checked:
+    a non-number (or a non-integer where ``integer``) raises TypeError, a value outside ``ok`` ValueError."""
+    is_list = isinstance(value, (list, tuple))
+    values = _none_to(list(value) if is_list else [value], fill)
+    kind = "an integer" if integer else "a number"
+    for b, v in enumerate(values):
+        where = f"{name}[{b}]" if is_list else name
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral if integer else numbers.Real):
+            raise TypeError(f"{where} = {v!r} is invalid: expected {kind}" + (f", {expected}" if expected else ""))
+        if ok is not None and not ok(v):
+            raise ValueError(f"{where} = {v!r} is invalid: expected {expected}")
+    return values if is_list else values[0]
+
+
+def _map(value, fn):
+    return [fn(v) for v in value] if isinstance(value, list) else fn(value)
+
+
+def _float_param(name, value, B, device, fill):
+    """``float32 [B]`` temperature / top_p (None stays None): host values range-checked here; positive values below
+    2**-126 become 2**-126 before the float32 conversion (float64 tensors too: a device op, no sync)."""
     if value is None:
         return None
-    if ok is not None and not isinstance(value, torch.Tensor):
-        values = _none_to(value if isinstance(value, (list, tuple)) else [value], fill)
-        for b, v in enumerate(values):
-            if not ok(v):
-                where = f"{name}[{b}]" if isinstance(value, (list, tuple)) else name
-                raise ValueError(f"{where} = {v!r} is invalid: expected {expected}")
-    if isinstance(value, torch.Tensor) and value.is_floating_point() != dtype.is_floating_point:
-        kind = "a floating-point" if dtype.is_floating_point else "an integer"
-        raise TypeError(f"{name} must be {kind} scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
-    return per_request(name, _none_to(value, fill), B, device, dtype)
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
+        if value.dtype == torch.float64:
+            value = torch.where(value > 0, value.clamp(min=_MIN_NORMAL), value)
+        return per_request(name, value, B, device, torch.float32)
+    value = _host_values(name, value, fill, False, *_RANGES[name])
+    return per_request(name, _map(value, lambda v: _MIN_NORMAL if 0 < v < _MIN_NORMAL else float(v)), B, device,
+                       torch.float32)
+
+
+def _top_k_param(value, B, device):
+    """``int32 [B]`` top_k (None stays None). Values past int32 are off like any k >= V: clamped, not wrapped
+    (an int64 tensor is clamped on the device before its int32 conversion)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.dtype == torch.bool:
+            raise TypeError(f"top_k must be an integer scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
+        if value.dtype != torch.int32:
+            value = value.clamp(-(2**31), _I32_MAX)
+        return per_request("top_k", value, B, device, torch.int32)
+    value = _host_values("top_k", value, 0, True, *_RANGES["top_k"])
+    return per_request("top_k", _map(value, lambda v: min(int(v), _I32_MAX)), B, device, torch.int32)
+
+
+def _u64_param(name, value, B, device):
+    """``int64 [B]`` seed / offset: a 64-bit word. Python integers of any size are taken modulo 2**64 (stored as
+    int64 two's complement, so -1 and 2**64 - 1 are the same key); integer tensors are read as their int64 bits."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
+        return per_request(name, value, B, device, torch.int64)
+    value = _host_values(name, value, 0, True, expected="any integer, taken modulo 2**64")
+    wrap = lambda v: (int(v) + 2**63) % _U64 - 2**63  # noqa: E731  (the int64 with the same low 64 bits)
+    return per_request(name, _map(value, wrap), B, device, torch.int64)
+
+
+def _unit_last_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` when its last dim is dense (a row slice of padded logits stays a view), else a contiguous copy."""
+    return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def _validate(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, max_depth: int) -> None:
@@ -195,16 +253,23 @@ def verify_tree(
     if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
         raise ValueError(f"max_depth must be a non-negative int, got {max_depth!r}")
 
-    temp = _per_request_param("temperature", temperature, B, dev, torch.float32, 0.0, *_RANGES["temperature"])
-    k = _per_request_param("top_k", top_k, B, dev, torch.int32, 0, *_RANGES["top_k"])
-    tp = _per_request_param("top_p", top_p, B, dev, torch.float32, 1.0, *_RANGES["top_p"])
+    temp = _float_param("temperature", temperature, B, dev, 0.0)
+    k = _top_k_param(top_k, B, dev)
+    tp = _float_param("top_p", top_p, B, dev, 1.0)
     if seed is None:
         seed = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64).to(dev)
-    seed = _per_request_param("seed", seed, B, dev, torch.int64, 0)
-    offset = _per_request_param("offset", 0 if offset is None else offset, B, dev, torch.int64, 0)
+    seed = _u64_param("seed", seed, B, dev)
+    offset = _u64_param("offset", 0 if offset is None else offset, B, dev)
 
     if validate and not _capturing():
-        _validate(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, max_depth)
+        # The tree checks read the caller's num_nodes (int64 values past int32 are reported, not wrapped).
+        _validate(logits, draft_tokens, parents, n if num_nodes is None else num_nodes, draft_probs, temp, k, tp,
+                  max_depth)
 
+    # The kernels index every input with row-major strides (logits / draft_probs: any batch and node strides, unit
+    # vocabulary stride): views are made dense here, once (device copies, no sync, capturable).
+    logits, draft_probs = _unit_last_stride(logits), _unit_last_stride(draft_probs)
+    draft_tokens, parents, n = dense(draft_tokens), dense(parents), dense(n)
+    temp, k, tp, seed, offset = dense(temp), dense(k), dense(tp), dense(seed), dense(offset)
     _, fn = _BACKENDS.resolve(backend, dev)
     return fn(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, seed, offset, max_depth, return_stats)

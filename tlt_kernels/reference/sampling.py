@@ -3,17 +3,24 @@
 This is the contract every sampling backend reproduces. For a row ``l`` (a request's logits after
 one node) and the request's parameters:
 
-* greedy when ``temperature`` is 0 (callers map ``None`` to 0): the distribution is one-hot at
-  ``argmax(l)`` (the lowest token id among ties);
-* otherwise ``z = l / temperature``;
-* top-k (disabled when ``k`` is 0 or ``>= V``): keep every token with ``z >= z_(k)``, the k-th
-  largest value. Ties at the boundary are all kept (a *threshold*, so a kernel can find it by
+* greedy when ``temperature`` is not > 0 (0, or NaN/negative when validation is skipped; callers map
+  ``None`` to 0): the distribution is one-hot at ``argmax(l)`` (the lowest token id among ties);
+* otherwise, with ``M = max(l)`` and ``T' = clamp(temperature, 2**-126, 2**126)`` (the normal float32
+  range: kernels scale by ``1 / T'`` in float32, which must stay finite and normal), the weights are
+  ``w = exp((l - M) / T')``: the max is subtracted *before* dividing, so nothing overflows for any
+  temperature or logit magnitude; ``w`` is exactly 1 at the maximal logits and ``-inf`` logits get 0.
+  As ``T -> 0`` this is uniform over the maximal logits (greedy with ties drawn at random);
+* top-k (disabled when ``k`` is not in ``[1, V)``): keep every token with ``l >= l_(k)``, the k-th
+  largest logit. Ties at the boundary are all kept (a *threshold*, so a kernel can find it by
   bisection on the value instead of sorting);
-* ``p = softmax(z)`` over the kept tokens;
-* top-p (disabled when ``top_p == 1``): ``tau* = max{tau : sum(p_i for p_i >= tau) >= top_p}``;
-  keep ``{p_i >= tau*}`` and renormalize. This equals the sort-based "smallest set of most likely
-  tokens whose mass reaches top_p", except that ties at the boundary are all kept.
+* ``p = w / sum(w)`` over the kept tokens;
+* top-p (disabled when ``top_p`` is not < 1; values below ``2**-126`` act as ``2**-126``, which keeps only
+  the maximal logits as any ``top_p <= 1/V`` does): the kept set is ``{l_i >= l*}`` where ``l*`` is the
+  largest logit such that the tokens with ``l >= l*`` reach mass ``top_p``; renormalize. This equals the
+  sort-based "smallest set of most likely tokens whose mass reaches top_p", except that ties at the
+  boundary are all kept.
 
+Ties are equal logits, and ``-0.0 == +0.0`` (kernels canonicalize the sign of zero before keying floats).
 ``-inf`` logits are legal (probability 0). Rows holding NaN or ``+inf``, or only ``-inf``, have no
 distribution: :func:`row_errors` flags them and callers must not use their probabilities.
 """
@@ -23,7 +30,13 @@ from typing import Optional
 
 import torch
 
-__all__ = ["greedy_tokens", "row_errors", "target_probs", "sample_inverse_cdf"]
+__all__ = ["greedy_tokens", "row_errors", "sampling_params", "target_probs", "sample_inverse_cdf"]
+
+# The clamps of the contract: the normal float32 range, where a kernel's 1 / T' (scaled by log2(e)) and its
+# products stay finite and normal on every GPU arithmetic mode.
+TEMP_MIN = 2.0**-126
+TEMP_MAX = 2.0**126
+TOP_P_MIN = 2.0**-126
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -37,6 +50,19 @@ def row_errors(logits: torch.Tensor) -> torch.Tensor:
     return bad | torch.isneginf(logits).all(-1)
 
 
+def sampling_params(temperature: torch.Tensor, top_p: Optional[torch.Tensor] = None):
+    """``(greedy, T', top_p')`` of the contract: ``greedy`` where the temperature is not > 0, ``T'`` the
+    temperature clamped to ``[2**-126, 2**126]`` (1 for greedy rows), ``top_p'`` 1 (off) where top_p is not < 1,
+    else top_p raised to at least ``2**-126`` (None stays None). float64."""
+    temp = temperature.to(torch.float64)
+    greedy = ~(temp > 0)
+    t_eff = torch.where(greedy, torch.ones_like(temp), temp.clamp(TEMP_MIN, TEMP_MAX))
+    if top_p is None:
+        return greedy, t_eff, None
+    tp = top_p.to(device=temp.device, dtype=torch.float64)
+    return greedy, t_eff, torch.where(tp < 1, tp.clamp(min=TOP_P_MIN), torch.ones_like(tp))
+
+
 def target_probs(
     logits: torch.Tensor,
     temperature: Optional[torch.Tensor] = None,
@@ -47,9 +73,9 @@ def target_probs(
 
     Args:
         logits: ``[N, V]`` float (any float dtype; computed in float64).
-        temperature: ``[N]`` float or None (None = greedy for every row; 0 = greedy for that row).
-        top_k: ``[N]`` int or None (0 or ``>= V`` disables).
-        top_p: ``[N]`` float in (0, 1] or None (1 disables).
+        temperature: ``[N]`` float or None (None = greedy for every row; not > 0 = greedy for that row).
+        top_k: ``[N]`` int or None (values outside ``[1, V)`` disable).
+        top_p: ``[N]`` float or None (values not < 1 disable).
 
     Returns:
         ``float64 [N, V]`` probabilities summing to 1 per row (garbage for rows flagged by
@@ -62,27 +88,28 @@ def target_probs(
     onehot.scatter_(1, greedy_tokens(l).unsqueeze(1), 1.0)
     if temperature is None:
         return onehot
-    temp = temperature.to(device=dev, dtype=torch.float64)
-    greedy = temp <= 0
-    z = l / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
+    greedy, t_eff, tp = sampling_params(temperature.to(dev), top_p)
 
+    keep = torch.ones(N, V, dtype=torch.bool, device=dev)
     if top_k is not None:
         k = top_k.to(device=dev, dtype=torch.int64)
         on = (k > 0) & (k < V)
-        kth = z.sort(dim=1, descending=True).values.gather(1, (k.clamp(1, V) - 1).unsqueeze(1))
-        z = torch.where(on.unsqueeze(1) & (z < kth), torch.full_like(z, float("-inf")), z)
+        kth = l.sort(dim=1, descending=True).values.gather(1, (k.clamp(1, V) - 1).unsqueeze(1))
+        keep = ~on.unsqueeze(1) | (l >= kth)
 
-    p = torch.softmax(z, dim=1)
+    # The max is subtracted before dividing by the temperature: no overflow for any T' or logit magnitude.
+    w = torch.exp((l - l.amax(1, keepdim=True)) / t_eff.unsqueeze(1))
+    w = torch.where(keep, w, torch.zeros_like(w))
+    p = w / w.sum(1, keepdim=True)
 
-    if top_p is not None:
-        tp = top_p.to(device=dev, dtype=torch.float64)
+    if tp is not None:
         on = tp < 1
-        srt = p.sort(dim=1, descending=True).values
-        # First sorted position whose cumulative mass reaches top_p; its probability is tau*.
-        reach = srt.cumsum(1) >= tp.unsqueeze(1)
+        srt_l, order = l.sort(dim=1, descending=True)
+        # First position, in decreasing logit order, whose cumulative mass reaches top_p; its logit is l*.
+        reach = p.gather(1, order).cumsum(1) >= tp.unsqueeze(1)
         pos = torch.where(reach.any(1), reach.to(torch.int8).argmax(1), torch.full_like(tp, V - 1, dtype=torch.int64))
-        tau = srt.gather(1, pos.unsqueeze(1))
-        p = torch.where(on.unsqueeze(1) & (p < tau), torch.zeros_like(p), p)
+        l_star = srt_l.gather(1, pos.unsqueeze(1))
+        p = torch.where(on.unsqueeze(1) & (l < l_star), torch.zeros_like(p), p)
         p = p / p.sum(1, keepdim=True)
 
     return torch.where(greedy.unsqueeze(1), onehot, p)

@@ -138,6 +138,7 @@ def verify_tree_reference(
     offset = offset.to(torch.int64)
 
     error = torch.zeros(B, dtype=torch.bool, device=dev)
+    sampled = torch.zeros(B, dtype=torch.bool, device=dev) if temperature is None else temperature.to(dev) > 0
 
     def probs_at(node: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """The rows' target distributions; a visited row without one flags its request (and is replaced by zeros,
@@ -148,10 +149,14 @@ def verify_tree_reference(
         error = error | (bad & active)
         return target_probs(torch.where(bad.unsqueeze(1), torch.zeros_like(rows), rows), temperature, top_k, top_p)
 
-    def draft_row(node: torch.Tensor) -> torch.Tensor:
-        q = draft_probs[ar, node].to(torch.float64)
+    def draft_row(node: torch.Tensor):
+        """The normalized draft rows, and whether each is unusable: a float32 sum (the kernels' precision) that is
+        not finite and positive flags a sampled request when a child is tested against it, as the kernels do."""
+        q = draft_probs[ar, node]
+        s32 = q.sum(1, dtype=torch.float32)
+        q = q.to(torch.float64)
         s = q.sum(1, keepdim=True)
-        return q / torch.where(s > 0, s, torch.ones_like(s))
+        return q / torch.where(s > 0, s, torch.ones_like(s)), ~(torch.isfinite(s32) & (s32 > 0))
 
     tokens = torch.full((B, max_depth + 1), -1, dtype=torch.int32, device=dev)
     nodes = torch.full((B, max_depth + 1), -1, dtype=torch.int32, device=dev)
@@ -165,6 +170,10 @@ def verify_tree_reference(
     active = active & ~error
 
     def finish(rows: torch.Tensor) -> None:
+        nonlocal error
+        # A distribution without positive mass has no token to emit: flagged (it cannot arise from a valid row,
+        # whose maximal logits weigh exactly 1).
+        error = error | (rows & ~(p.sum(1) > 0))
         u = uniform(seed, offset, cur, PURPOSE_SAMPLE)
         final = sample_inverse_cdf(p, u)
         tokens[ar, num_acc] = torch.where(rows, final.to(torch.int32), tokens[ar, num_acc])
@@ -177,7 +186,7 @@ def verify_tree_reference(
         if width == 0:
             break
         order = torch.where(child, idx, idx + T).argsort(dim=1)[:, :width]
-        q = draft_row(cur) if draft_probs is not None else None
+        q, q_bad = draft_row(cur) if draft_probs is not None else (None, None)
         accepted = torch.zeros(B, dtype=torch.bool, device=dev)
         nxt = cur.clone()
         for r in range(width):
@@ -185,6 +194,8 @@ def verify_tree_reference(
             trying = active & ~accepted & (r < nchild)
             x = toks[ar, c]
             out_of_range = trying & ((x < 0) | (x >= V))
+            if q is not None:
+                out_of_range = out_of_range | (trying & sampled & q_bad)
             error = error | out_of_range
             trying = trying & ~out_of_range
             active = active & ~out_of_range
@@ -192,7 +203,8 @@ def verify_tree_reference(
             u = uniform(seed, offset, c, PURPOSE_ACCEPT).to(torch.float64)
             px = p[ar, x]
             if q is not None:
-                acc = u * q[ar, x] < px
+                # Greedy requests accept the argmax whatever the draft row holds (as the kernels do).
+                acc = torch.where(sampled, u * q[ar, x] < px, px > 0)
                 resid = (p - q).clamp(min=0)
             else:
                 acc = u < px
