@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor
+from .._validation import check_tensor, dense
 
 
 class DraftTree(NamedTuple):
@@ -101,5 +101,6 @@ def build_draft_tree(
     if validate and not _capturing(dev):
         _validate_candidates(cand_parents, cand_scores)
     _, fn = _BUILD.resolve(backend, dev)
-    parents, tokens, cand_index, num_nodes, mask = fn(cand_parents, cand_tokens, cand_scores, num_verify, root_tokens, return_mask)
+    parents, tokens, cand_index, num_nodes, mask = fn(
+        dense(cand_parents), dense(cand_tokens), dense(cand_scores), num_verify, dense(root_tokens), return_mask)
     return DraftTree(parents, tokens, cand_index, num_nodes, mask)

@@ -6,7 +6,7 @@ from typing import List, Sequence, Union
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor
+from .._validation import check_tensor, dense
 
 _COMPACT = register_op(
     "compact_kv",
@@ -152,4 +152,4 @@ def compact_kv(
     if validate and not _capturing(dev):
         _validate_values(block_table, context_lens, accepted_nodes, num_accepted, num_blocks, block_size)
     _, fn = _COMPACT.resolve(backend, dev)
-    return fn(ks, vs, block_table, context_lens, accepted_nodes, num_accepted)
+    return fn(ks, vs, dense(block_table), dense(context_lens), dense(accepted_nodes), dense(num_accepted))

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor
+from .._validation import check_tensor, dense
 
 
 class NGramDrafts(NamedTuple):
@@ -84,7 +84,7 @@ def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, valid
     """
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
     _, fn = _NGRAM.resolve(backend, tokens.device)
-    drafts, num = fn(tokens, lengths, k, min_n, max_n)
+    drafts, num = fn(dense(tokens), dense(lengths), k, min_n, max_n)
     return NGramDrafts(drafts, num)
 
 
@@ -111,4 +111,4 @@ def ngram_propose_tree(
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
     _check_int("num_branches", num_branches, 1)
     _, fn = _NGRAM_TREE.resolve(backend, tokens.device)
-    return NGramTree(*fn(tokens, lengths, k, num_branches, min_n, max_n))
+    return NGramTree(*fn(dense(tokens), dense(lengths), k, num_branches, min_n, max_n))
