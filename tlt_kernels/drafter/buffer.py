@@ -11,6 +11,7 @@ Sampling favours recent steps: an entry of step ``s`` is drawn with weight
 """
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Optional
@@ -43,6 +44,19 @@ class TrainBatch:
     @property
     def num_pairs(self) -> int:
         return int(self.valid.sum())
+
+
+def _lengths(lengths, B: int, n: int) -> list:
+    """``lengths`` (tensor or sequence) as ``B`` ints in ``[0, n]``, or a ValueError naming the first bad row."""
+    vals = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+    if isinstance(lengths, torch.Tensor) and lengths.dim() != 1:
+        raise ValueError(f"lengths must be an int [B={B}] tensor, got shape {tuple(lengths.shape)}")
+    if len(vals) != B:
+        raise ValueError(f"lengths has {len(vals)} entries, expected one per row (B={B})")
+    for b, v in enumerate(vals):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v <= n:
+            raise ValueError(f"lengths[{b}] = {v!r} is outside [0, n={n}] (the positions stored for the row)")
+    return vals
 
 
 class RolloutBuffer:
@@ -86,7 +100,8 @@ class RolloutBuffer:
             features: ``[n, H]`` or ``[B, n, H]`` target features.
             tokens: ``int64 [n]`` or ``[B, n]`` token at each position.
             step: RL step that produced them.
-            lengths: ``int [B]`` valid positions per row (batched form only; default all ``n``).
+            lengths: ``int [B]`` valid positions per row, each in ``[0, n]`` (batched form only; default all
+                ``n``). A length past ``n`` raises ValueError: the entry would count positions it does not hold.
         """
         if features.dim() == 2:
             features, tokens = features.unsqueeze(0), tokens.unsqueeze(0)
@@ -96,7 +111,7 @@ class RolloutBuffer:
                 f"features {tuple(features.shape)}, tokens {tuple(tokens.shape)}"
             )
         B, n, _ = features.shape
-        lens = [n] * B if lengths is None else [int(v) for v in lengths.tolist()]
+        lens = [n] * B if lengths is None else _lengths(lengths, B, n)
         for b in range(B):
             m = lens[b]
             if m < 2:
@@ -122,6 +137,9 @@ class RolloutBuffer:
 
         Windows start uniformly inside their entry; shorter entries are zero-padded and masked.
         """
+        for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"RolloutBuffer.sample: {name} must be an int >= 1, got {v!r}")
         if not self._entries:
             raise RuntimeError("RolloutBuffer.sample: the buffer is empty; add rollouts first")
         entries = list(self._entries)

@@ -33,6 +33,7 @@ deterministic-candidate rule (``draft_probs=None``), which is lossless for any c
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
@@ -77,8 +78,16 @@ class EagleConfig:
         )
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"EagleConfig.{name} must be a positive int, got {v!r}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"EagleConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"EagleConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
 
 
 def _find_final_norm(target: nn.Module) -> nn.Module:
@@ -138,8 +147,11 @@ class DrafterKVCache:
     """
 
     def __init__(self, config: EagleConfig, num_blocks: int, block_size: int = 16, device="cpu", dtype=torch.float32):
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the write sink), got {num_blocks}")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 2:
+            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is the write sink), got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r} (slots per block)")
+        self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -152,6 +164,9 @@ class DrafterKVCache:
 
     def allocate(self, batch_size: int, max_tokens: int) -> torch.Tensor:
         """``int32 [batch_size, ceil(max_tokens / block_size)]`` block table of fresh blocks."""
+        for name, v in (("batch_size", batch_size), ("max_tokens", max_tokens)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"DrafterKVCache.allocate: {name} must be an int >= 1, got {v!r}")
         nb = -(-max_tokens // self.block_size)
         if nb * batch_size > len(self._free):
             raise RuntimeError(
@@ -162,7 +177,17 @@ class DrafterKVCache:
         return torch.tensor(ids, dtype=torch.int32).view(batch_size, nb).to(self.k.device)
 
     def free(self, block_table: torch.Tensor) -> None:
-        self._free.extend(int(b) for b in block_table.flatten().tolist() if b > 0)
+        """Return a table's blocks (the sink block 0 of padding rows is skipped). A block freed twice would be handed
+        to two requests, which would then overwrite each other's K/V: duplicates and double frees raise."""
+        blocks = [b for b in block_table.flatten().tolist() if b != 0]
+        bad = [b for b in blocks if not 0 < b < self.num_blocks]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"block_table holds duplicate or out-of-range block ids (valid: 1..{self.num_blocks - 1}"
+                             f"{', got ' + str(sorted(bad)[:8]) if bad else ''}); it was not allocated by this cache")
+        again = set(self._free).intersection(blocks)
+        if again:
+            raise ValueError(f"blocks {sorted(again)[:8]} are already free (double free)")
+        self._free.extend(blocks)
 
 
 @dataclass
@@ -381,7 +406,8 @@ class EagleDrafter(nn.Module):
         return k, v
 
     @torch.no_grad()
-    def extend(self, state: EagleState, cache: DrafterKVCache, features: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
+    def extend(self, state: EagleState, cache: DrafterKVCache, features: torch.Tensor, next_tokens: torch.Tensor,
+               num_new: torch.Tensor, validate: bool = True) -> None:
         """Append pairs ``(features[:, i], next_tokens[:, i])`` for ``i < num_new[b]`` (prefill and commit).
 
         Args:
@@ -391,12 +417,21 @@ class EagleDrafter(nn.Module):
             features: ``[B, n, H]`` target features of the new positions.
             next_tokens: ``int64 [B, n]``, the token following each feature.
             num_new: ``int32 [B]`` valid pairs per request, in ``[0, n]``.
+            validate: check ``num_new`` and that ``context_lens + num_new`` fits the state's block table (one host
+                sync; skipped while a CUDA graph is captured). Past the table a write would land in its last
+                block and overwrite earlier pairs. ``False``: the caller guarantees both (the engine does, by
+                construction), with no host sync.
         """
+        if features.dim() != 3:
+            raise ValueError(f"features must be [B, n, H], got shape {tuple(features.shape)}")
         B, n, H = features.shape
         dev = features.device
         check_tensor("features", features, shape=(B, n, self.config.hidden_size))
         check_tensor("next_tokens", next_tokens, dtype=torch.int64, shape=(B, n), device=dev)
         check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(B,), device=dev)
+        check_tensor("state.context_lens", state.context_lens, shape=(B,), device=dev)
+        if validate and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _check_extend(state, cache, num_new, n)
         ctx = state.context_lens.to(torch.int64)
         i = torch.arange(n, device=dev)
         valid = i.unsqueeze(0) < num_new.to(torch.int64).unsqueeze(1)  # [B, n]
@@ -512,6 +547,23 @@ class EagleDrafter(nn.Module):
             return False
         self.load_weights(w)
         return True
+
+
+def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tensor, n: int) -> None:
+    """``0 <= num_new <= n`` and ``context_lens + num_new <= `` the table's slots, per request (one host sync)."""
+    room = state.block_table.shape[1] * cache.block_size
+    ctx = state.context_lens.to(torch.int64)
+    new = num_new.to(torch.int64)
+    bad = (new < 0) | (new > n) | (ctx < 0) | (ctx + new > room)
+    if not bool(bad.any()):
+        return
+    b = int(bad.nonzero()[0, 0])
+    c, k = int(ctx[b]), int(new[b])
+    if not 0 <= k <= n:
+        raise ValueError(f"EagleDrafter.extend: num_new[{b}] = {k} is outside [0, n={n}] (the pairs given per request)")
+    raise ValueError(f"EagleDrafter.extend: request {b} holds context_lens = {c} pairs and adds num_new = {k}, past the "
+                     f"{room} slots of its block table ({state.block_table.shape[1]} blocks of {cache.block_size}); "
+                     "allocate the state with a larger max_tokens")
 
 
 def num_candidates(depth: int, topk: int) -> int:

@@ -8,12 +8,29 @@ whole batch in one launch.
 """
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
+from .._backend import BACKENDS
 from .._validation import check_tensor
 from ..tree import chain_parents
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_counts(name: str, counts: torch.Tensor, width: int, what: str) -> None:
+    """Every ``counts[b]`` in ``[0, width]`` (one host sync), else a ValueError naming the first bad row."""
+    bad = (counts < 0) | (counts > width)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}[{b}] = {int(counts[b])} is outside [0, {width}] ({what})")
+
+
+BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
 
 
 class ChainTree(NamedTuple):
@@ -45,14 +62,17 @@ class NGramDrafter:
     """
 
     def __init__(self, batch_size: int, max_len: int, device="cpu", min_n: int = 1, max_n: int = 4, backend: str = "auto"):
-        if batch_size < 1 or max_len < 1:
-            raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size}, {max_len}")
+        for name, v in (("batch_size", batch_size), ("max_len", max_len), ("min_n", min_n), ("max_n", max_n)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"NGramDrafter: {name} must be an int >= 1, got {v!r}")
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"NGramDrafter: backend={backend!r} is not one of {BACKEND_NAMES}")
         self.max_len = max_len
         self.min_n, self.max_n, self.backend = min_n, max_n, backend
-        self.device = torch.device(device)
-        self.buffer = torch.zeros(batch_size, max_len + 1, dtype=torch.int64, device=self.device)
+        self.buffer = torch.zeros(batch_size, max_len + 1, dtype=torch.int64, device=device)
+        self.device = self.buffer.device  # normalized: "cuda" becomes "cuda:<current>", the buffer's own device
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
 
     @property
@@ -65,27 +85,51 @@ class NGramDrafter:
         return self.buffer[:, : self.max_len]
 
     def reset(self, slots, prompts: torch.Tensor, prompt_lens: torch.Tensor) -> None:
-        """Start new requests in ``slots`` (``int [R]`` or list) with ``prompts int64 [R, P]``."""
+        """Start new requests in ``slots`` (``int [R]`` or list, distinct, in ``[0, batch_size)``) with
+        ``prompts int64 [R, P]`` of ``prompt_lens`` tokens each (in ``[0, P]``; past ``max_len`` they are dropped).
+
+        Checks the slots and lengths on the host (one sync, not during CUDA-graph capture): a slot of -1 would
+        index the last request from the end, and a length past ``P`` would count tokens that were never written.
+        """
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        if slots.dim() != 1:
+            raise ValueError(f"slots must be a list or a 1-D tensor of slot indices, got shape {tuple(slots.shape)}")
         R = slots.shape[0]
         check_tensor("prompts", prompts, dtype=(torch.int32, torch.int64), ndim=2, device=self.device)
         check_tensor("prompt_lens", prompt_lens, dtype=(torch.int32, torch.int64), shape=(R,), device=self.device)
         if prompts.shape[0] != R:
             raise ValueError(f"prompts has {prompts.shape[0]} rows, expected one per slot ({R})")
+        if not _capturing(self.device):
+            self._check_reset(slots, prompt_lens, prompts.shape[1])
         self.lengths[slots] = 0
         self.buffer[slots] = 0
         self._scatter(slots, prompts.to(torch.int64), prompt_lens)
 
-    def append(self, new_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
-        """Append ``new_tokens int64 [B, n]`` (first ``num_new[b]`` of each row) to every history.
+    def append(self, new_tokens: torch.Tensor, num_new: torch.Tensor, validate: bool = True) -> None:
+        """Append ``new_tokens int64 [B, n]`` (first ``num_new[b]`` of each row, ``0 <= num_new[b] <= n``) to every
+        history.
 
-        Pure device work: one scatter, no host synchronization.
+        One scatter. ``validate`` checks ``num_new`` on the host (one sync; skipped during CUDA-graph capture): a
+        count past ``n`` would add tokens that were never written, a negative one would shorten the history.
+        ``validate=False``: pure device work, no host synchronization (the engine's per-step call; it builds
+        ``num_new`` in range).
         """
         check_tensor("new_tokens", new_tokens, dtype=(torch.int32, torch.int64), ndim=2, device=self.device)
         check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(self.batch_size,), device=self.device)
         if new_tokens.shape[0] != self.batch_size:
             raise ValueError(f"new_tokens has {new_tokens.shape[0]} rows, expected batch_size={self.batch_size}")
+        if validate and not _capturing(self.device):
+            _check_counts("append: num_new", num_new, new_tokens.shape[1], "the width of new_tokens")
         self._scatter(None, new_tokens.to(torch.int64), num_new)
+
+    def _check_reset(self, slots: torch.Tensor, prompt_lens: torch.Tensor, P: int) -> None:
+        s = slots.tolist()
+        bad = [v for v in s if not 0 <= v < self.batch_size]
+        if bad:
+            raise ValueError(f"reset: slot {bad[0]} is outside [0, batch_size={self.batch_size})")
+        if len(set(s)) != len(s):
+            raise ValueError(f"reset: slots must be distinct, got {s[:16]}")
+        _check_counts("reset: prompt_lens", prompt_lens, P, "the width of prompts")
 
     def _scatter(self, slots: Optional[torch.Tensor], toks: torch.Tensor, num: torch.Tensor) -> None:
         n = toks.shape[1]

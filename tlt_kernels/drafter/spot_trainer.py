@@ -18,6 +18,7 @@ without touching the weights: the weights are always those after a whole optimiz
 """
 from __future__ import annotations
 
+import numbers
 import os
 import time
 import warnings
@@ -31,6 +32,8 @@ from .buffer import RolloutBuffer, TrainBatch
 from .eagle import DrafterKVCache, EagleDrafter, accepted_length_greedy
 from .weights import DrafterWeights, WeightsHolder
 
+_CHECKPOINT_KEYS = ("drafter", "optimizer", "scheduler", "generator", "optimizer_steps", "micro_steps", "tokens_seen",
+                    "version")
 StopCondition = Union[None, Callable[[], bool], "threading.Event"]  # noqa: F821
 
 
@@ -298,7 +301,18 @@ class SpotTrainer:
         os.replace(tmp, path)
 
     def load_checkpoint(self, path: str) -> None:
-        self.load_state_dict(torch.load(path, map_location=self.device, weights_only=False))
+        """Load a file written by :meth:`save_checkpoint`; an unreadable file or one without the trainer's keys
+        raises ValueError naming it."""
+        try:
+            state = torch.load(path, map_location=self.device, weights_only=False)
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            raise
+        except Exception as exc:  # torch.load raises pickle, zip and EOF errors of many types for a corrupt file
+            raise ValueError(f"{path} is not a readable SpotTrainer checkpoint: {type(exc).__name__}: {exc}") from exc
+        missing = [k for k in _CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"{path} is not a SpotTrainer checkpoint: missing {missing}")
+        self.load_state_dict(state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,9 +334,23 @@ class DrafterQuality:
     weak_below: float = 1.5
     value: Optional[float] = None
     by_version: Dict[int, float] = field(default_factory=dict)
+    rejected: int = 0  # calls ignored: no lengths, or a NaN / infinite / negative one (a RuntimeWarning the first time)
+    _warned: bool = field(default=False, repr=False)
 
-    def record(self, accepted_lengths, version: int = 0) -> float:
-        x = float(torch.as_tensor(accepted_lengths, dtype=torch.float64).mean())
+    def record(self, accepted_lengths, version: int = 0) -> Optional[float]:
+        """Fold in one call's accepted lengths; returns the estimate. A call with no lengths, or with a NaN, infinite
+        or negative one, is ignored and counted in :attr:`rejected`: one NaN would stick in the moving average and
+        make :attr:`is_weak` False for good."""
+        t = torch.as_tensor(accepted_lengths, dtype=torch.float64)
+        if t.numel() == 0 or not bool(torch.isfinite(t).all()) or bool((t < 0).any()):
+            self.rejected += 1
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"DrafterQuality.record ignored accepted_lengths={t.tolist()[:8]} (empty, NaN, infinite or "
+                              "negative); later ones are ignored silently and counted in DrafterQuality.rejected",
+                              RuntimeWarning, stacklevel=2)
+            return self.value
+        x = float(t.mean())
         self.value = x if self.value is None else self.ema * self.value + (1 - self.ema) * x
         self.by_version[version] = x if version not in self.by_version else self.ema * self.by_version[version] + (1 - self.ema) * x
         return self.value
@@ -358,6 +386,10 @@ def evaluate_acceptance(
     Returns:
         mean accepted length (``1`` = nothing accepted, at most ``depth + 1``).
     """
+    for name, v in (("depth", depth), ("topk", topk), ("num_verify", num_verify), ("num_starts", num_starts),
+                    ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"evaluate_acceptance: {name} must be an int >= 1, got {v!r}")
     was_training = drafter.training
     drafter.eval()
     B, L, H = features.shape
