@@ -76,14 +76,15 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` broadcasts to [BM, BN]."""
+def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` and ``bias`` (added to
+    the visible scores: 0, or NaN to poison a row that sees that key) broadcast to [BM, BN]."""
     if INTERPRET:
         # The CPU interpreter has no bf16 arithmetic; on the GPU bf16/fp16 operands keep tensor cores.
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    qk = tl.where(visible, qk, float("-inf"))
+    qk = tl.where(visible, qk + bias, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -141,48 +142,90 @@ def _to_out_dtype(x, out_dtype: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS
         # The interpreter truncates on this cast; round by hand so CPU results match the GPU's RTNE.
         bits = x.to(tl.int32, bitcast=True)
         bits = bits + ((1 << (DROP_BITS - 1)) - 1) + ((bits >> DROP_BITS) & 1)
-        x = (bits & ~((1 << DROP_BITS) - 1)).to(tl.float32, bitcast=True)
+        # NaN stays NaN (a payload near the top would otherwise carry into the sign or round to inf).
+        x = tl.where(x != x, x, (bits & ~((1 << DROP_BITS) - 1)).to(tl.float32, bitcast=True))
     return x.to(out_dtype)
 
 
 @triton.jit
+def _checked_pages(pages, num_blocks):
+    """Page ids outside ``[0, num_blocks)`` become page 0 and are flagged (int32 1). The host checks the table when it
+    can (ops.tree_attention); a table it could not check (a replayed CUDA graph) must still never be read out of
+    bounds, and its requests come out as NaN rows instead of silently wrong ones."""
+    ok = (pages >= 0) & (pages < num_blocks)
+    return tl.where(ok, pages, 0).to(tl.int64), (~ok).to(tl.int32)
+
+
+@triton.jit
 def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                  m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Context tokens ``n0 .. n0+BLOCK_N-1`` (those below ``end``): gather K/V through the block table, attend unmasked."""
+                  num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """Context tokens ``n0 .. n0+BLOCK_N-1`` (those below ``end``): gather K/V through the block table, attend unmasked.
+    Also returns 1 when a page id of the tile is out of range (see ``_checked_pages``), else 0."""
     tok = n0 + offs_n
     tok_ok = tok < end
-    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0), num_blocks)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
-    return _attend_tile(q, k, v, tok_ok[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+    m_i, l_i, acc = _attend_tile(q, k, v, tok_ok[None, :], 0.0, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+    return m_i, l_i, acc, tl.max(page_bad, 0)
 
 
 @triton.jit
 def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                       m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                       num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                        LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks."""
-    page = pages.to(tl.int64)
+    """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks.
+    Also returns the per-token out-of-range flags of ``_checked_pages``."""
+    page, page_bad = _checked_pages(pages, num_blocks)
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
-    return _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+    m_i, l_i, acc = _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+    return m_i, l_i, acc, page_bad
 
 
 @triton.jit
 def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
-                    stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    stride_vs, num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """One trip of the unmasked context loop: load the page ids of the next tile (carried to the next trip, so
     the K/V loads' addresses never wait on a load of their own trip), then attend this tile. Returns the
-    online-softmax state and the next tile's page ids."""
+    online-softmax state, the next tile's page ids and ``bad_n`` ORed with this tile's out-of-range flags."""
     nxt = n0 + BLOCK_N + offs_n
     pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-    m_i, l_i, acc = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
-                                       stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET, LAZY_RESCALE,
-                                       DOT_PRECISION)
-    return m_i, l_i, acc, pages_next
+    m_i, l_i, acc, page_bad = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
+                                                 stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+                                                 INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+    return m_i, l_i, acc, pages_next, bad_n | page_bad
+
+
+@triton.jit
+def _tree_tile(q, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
+               stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+               INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The tree part: slots ``ctx + j`` of nodes ``j < n_nodes``, each row seeing its ancestors (``mask_rows``: the
+    rows' packed mask words). Returns the softmax state and the page flag of ``_context_tile``.
+
+    Rows see different slots of this one tile, so P V would multiply a slot's V by the zero P of rows that do not see
+    it, and 0 * NaN = NaN. So a slot whose V holds a NaN/inf takes part with V zeroed and a NaN score instead: the rows
+    that see it come out NaN (as in plain attention), the others never meet it."""
+    offs_j = tl.arange(0, BLOCK_T)
+    j_ok = offs_j < n_nodes
+    tok = ctx + offs_j
+    page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=j_ok, other=0), num_blocks)
+    in_page = (tok % PAGE_SIZE).to(tl.int64)
+    k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+    # [BLOCK_T]: NaN where the slot's V has a NaN or an inf (|x| < inf is False for both), else 0.
+    v_probe = tl.sum(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0.0, float("nan")), 1)
+    v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
+    words = tl.load(mask_rows[:, None] + (offs_j // 32)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
+    visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
+    m_i, l_i, acc = _attend_tile(q, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+    return m_i, l_i, acc, tl.max(page_bad, 0)
 
 
 @triton.jit
@@ -199,7 +242,7 @@ def _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits):
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
-    qk_scale, split_len, num_splits,
+    qk_scale, split_len, num_splits, num_blocks,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -258,6 +301,7 @@ def _tree_attn_partial_kernel(
     k_head = K_ptr + h * stride_kh
     v_head = V_ptr + h * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
+    page_bad = tl.full((), 0, tl.int32)  # 1 once a page id read was out of range (see _checked_pages)
 
     # Context part of this split: no mask besides the split's end.
     start = split * split_len
@@ -265,9 +309,9 @@ def _tree_attn_partial_kernel(
     if CONTEXT_DONE_BLOCK > 0:
         tail = start + tl.maximum(end - start, 0) // CONTEXT_DONE_BLOCK * CONTEXT_DONE_BLOCK
         if tail < end:
-            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, tail, end, offs_n, offs_d, stride_kp, stride_ks,
-                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                          DOT_PRECISION)
+            m_i, l_i, acc, page_bad = _context_tile(q, k_head, v_head, bt_row, tail, end, offs_n, offs_d, stride_kp,
+                                                    stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
+                                                    PAGE_SIZE, INTERPRET, DOT_PRECISION)
     elif PIPELINE == 0:
         # Legacy loop (kept for bench/tree_attention_variants.py): every tile masked, page ids looked up
         # inside the tile. The pipeliner turns that lookup into an async copy too, and its wait for the
@@ -276,15 +320,17 @@ def _tree_attn_partial_kernel(
         if INTERPRET:
             n0 = start
             while n0 < end:
-                m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
-                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                              DOT_PRECISION)
+                m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
+                                                        stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
+                                                        qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
+                page_bad = page_bad | tile_bad
                 n0 += BLOCK_N
         else:
             for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks,
-                                              stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                              DOT_PRECISION)
+                m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
+                                                        stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
+                                                        qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
+                page_bad = page_bad | tile_bad
     else:
         # Whole tiles first, unmasked, then at most one masked tail tile. The page ids of tile i+1 are a
         # plain load issued during tile i and carried to the next trip, so the K/V loads' addresses do
@@ -292,45 +338,40 @@ def _tree_attn_partial_kernel(
         # across the previous tile's math.
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
+        bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # per-lane OR of the tiles' page flags, reduced once after the loop
         if INTERPRET:
             # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
             # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
             n0 = start
             while n0 < full_end:
-                m_i, l_i, acc, pages = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
-                                                       stride_kp, stride_ks, stride_vp, stride_vs, m_i, l_i, acc,
-                                                       qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
-                                                       DOT_PRECISION)
+                m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
+                                                              offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                              num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+                                                              BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
                 n0 += BLOCK_N
         else:
             for n0 in range(start, full_end, BLOCK_N):
-                m_i, l_i, acc, pages = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
-                                                       stride_kp, stride_ks, stride_vp, stride_vs, m_i, l_i, acc,
-                                                       qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
-                                                       DOT_PRECISION)
+                m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
+                                                              offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                              num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+                                                              BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+        page_bad = tl.max(bad_n, 0)
         if full_end < end:
-            m_i, l_i, acc = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp, stride_ks,
-                                          stride_vp, stride_vs, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
-                                          DOT_PRECISION)
+            m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp,
+                                                    stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
+                                                    qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
+            page_bad = page_bad | tile_bad
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
     if split == n_splits_b - 1:
-        offs_j = tl.arange(0, BLOCK_T)
-        j_ok = offs_j < n_nodes
-        tok = ctx + offs_j
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=j_ok, other=0).to(tl.int64)
-        in_page = (tok % PAGE_SIZE).to(tl.int64)
-        k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-        v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-        word_ptrs = TreeMask_ptr + (b64 * T + t[:, None]) * W + (offs_j // 32)[None, :]
-        words = tl.load(word_ptrs, mask=row_ok[:, None] & j_ok[None, :], other=0)
-        visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+        m_i, l_i, acc, tile_bad = _tree_tile(q, k_head, v_head, bt_row, TreeMask_ptr + (b64 * T + t) * W, ctx,
+                                                      n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
+                                                      stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+                                                      BLOCK_T, INTERPRET, DOT_PRECISION)
+        page_bad = page_bad | tile_bad
 
-    has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o, lse = _split_result(acc, m_i, l_i, page_bad != 0)
     if CONTEXT_DONE_BLOCK > 0:
-        lse = tl.where(has_keys, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
         row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + num_splits) * (T * G) + offs_m
         tl.store(PartialLse_ptr + row, lse, mask=row_ok)
         tl.store(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
@@ -342,23 +383,40 @@ def _tree_attn_partial_kernel(
             tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
     else:
         if split < n_splits_b:
-            lse = tl.where(has_keys, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
             row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + split) * (T * G) + offs_m
             tl.store(PartialLse_ptr + row, lse, mask=row_ok)
             tl.store(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_max(PartialLse_ptr, row, row_ok, m):
-    return tl.maximum(m, tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf")))
+def _split_result(acc, m_i, l_i, page_bad):
+    """A split's normalized rows and natural-log LSE. ``l == 0`` only for a row that saw no key (a padding node of a
+    request without context): LSE -inf, output 0. A NaN score makes ``l`` NaN, hence both; ``page_bad`` makes every
+    row NaN. Both stay NaN so the merge sees them: an LSE of -inf there would read as an empty split and drop them."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return tl.where(page_bad, float("nan"), o), tl.where(page_bad, float("nan"), lse)
+
+
+@triton.jit
+def _merge_max(PartialLse_ptr, row, row_ok, m, nan_rows):
+    """Running max of the splits' LSEs and the rows with a NaN LSE (a split that met a NaN): those are flagged and kept
+    out of the max, whose NaN handling tl.maximum leaves unspecified."""
+    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
+    return tl.maximum(m, tl.where(lse == lse, lse, float("-inf"))), nan_rows | (lse != lse).to(tl.int32)
 
 
 @triton.jit
 def _merge_add(PartialOut_ptr, PartialLse_ptr, row, row_ok, offs_d, m, acc, den, HEAD_DIM: tl.constexpr):
     lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
+    lse = tl.where(lse == lse, lse, float("-inf"))  # NaN rows are flagged by _merge_max
     w = tl.exp(lse - m)
-    # An empty split's partial_out is undefined: never read it.
-    part = tl.load(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=(row_ok & (w > 0.0))[:, None], other=0.0)
+    # An empty split's (LSE -inf) partial_out is undefined: never read it. Every other one is read even when its weight
+    # underflows to 0, so a NaN in it reaches the row as in one softmax (0 * NaN = NaN).
+    part = tl.load(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=(row_ok & (lse > float("-inf")))[:, None], other=0.0)
     return acc + w[:, None] * part, den + w
 
 
@@ -392,13 +450,14 @@ def _tree_attn_merge_kernel(
         m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
         den = tl.zeros([BLOCK_R], dtype=tl.float32)
+        nan_rows = tl.zeros([BLOCK_R], dtype=tl.int32)
         if INTERPRET:  # see the partial kernel: no tensor bounds in range() under the interpreter
             s = 0
             while s < n_splits_b:
-                m = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m)
+                m, nan_rows = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m, nan_rows)
                 s += 1
             if TREE_SLOT:
-                m = _merge_max(PartialLse_ptr, base + num_splits * (T * G), row_ok, m)
+                m, nan_rows = _merge_max(PartialLse_ptr, base + num_splits * (T * G), row_ok, m, nan_rows)
             m = tl.where(m == float("-inf"), 0.0, m)
             s = 0
             while s < n_splits_b:
@@ -406,9 +465,9 @@ def _tree_attn_merge_kernel(
                 s += 1
         else:
             for s in range(0, n_splits_b):
-                m = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m)
+                m, nan_rows = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m, nan_rows)
             if TREE_SLOT:
-                m = _merge_max(PartialLse_ptr, base + num_splits * (T * G), row_ok, m)
+                m, nan_rows = _merge_max(PartialLse_ptr, base + num_splits * (T * G), row_ok, m, nan_rows)
             m = tl.where(m == float("-inf"), 0.0, m)
             for s in range(0, n_splits_b):
                 acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * (T * G), row_ok, offs_d, m, acc, den, HEAD_DIM)
@@ -416,6 +475,7 @@ def _tree_attn_merge_kernel(
             acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + num_splits * (T * G), row_ok, offs_d, m, acc,
                                   den, HEAD_DIM)
         o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+        o = tl.where((nan_rows != 0)[:, None], float("nan"), o)
         t = offs_r // G
         qh = h * G + offs_r % G
         o = tl.where((t < n_nodes)[:, None], o, 0.0)
@@ -507,7 +567,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _tree_attn_partial_kernel[(chunks if done else plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-        sm_scale * LOG2E, plan.split_len, plan.num_splits,
+        sm_scale * LOG2E, plan.split_len, plan.num_splits, min(k_cache.shape[0], v_cache.shape[0]),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

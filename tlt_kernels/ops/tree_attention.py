@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from .._backend import backend_unavailable_reason, direct_dispatch_ok, process_constant, register_op
-from .._validation import check_tensor, per_request
+from .._validation import check_tensor, dense, per_request
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
 
@@ -101,6 +101,13 @@ class TreeAttentionPlan:
     block_table: torch.Tensor
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    # Host-side facts about the block table, for run's page check (no sync there): the cache's page count the plan
+    # was built for (None: not given), the largest page id the requests use as (value, request, column) (None: the
+    # plan did not read the table), and whether run should read it once (validation was asked for but skipped
+    # because a CUDA graph was being captured).
+    num_blocks: Optional[int] = None
+    max_page: Optional[Tuple[int, int, int]] = None
+    check_pages_at_run: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -159,7 +166,32 @@ def _capturing() -> bool:
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t if (t.dtype == torch.int32 and t.is_contiguous()) else t.to(torch.int32).contiguous()
+    return dense(t if t.dtype == torch.int32 else t.to(torch.int32))
+
+
+def _check_count(name: str, value, low: int, high: Optional[int] = None, *, optional: bool = False) -> None:
+    """``value`` must be an int (not a bool) in ``[low, high]`` (or None when ``optional``): ValueError naming it."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        allowed = f"an int in [{low}, {high}]" if high is not None else {0: "a non-negative int", 1: "a positive int"}[low]
+        raise ValueError(f"{name} must be {allowed}{' (or None)' if optional else ''}, got {value!r}")
+
+
+def _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks, validate):
+    """The plan's scalar arguments, before any is used (a zero would otherwise divide)."""
+    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        _check_count(name, v, 1)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)")
+    _check_count("block_size", block_size, 1, MAX_BLOCK_SIZE)
+    _check_count("max_context_len", max_context_len, 0, optional=True)
+    if split_len is not None and (not isinstance(split_len, int) or isinstance(split_len, bool) or split_len < SPLIT_ALIGN
+                                  or split_len % SPLIT_ALIGN):
+        raise ValueError(f"split_len must be a positive multiple of {SPLIT_ALIGN}, got {split_len!r}")
+    _check_count("num_blocks", num_blocks, 1, optional=True)
+    if not isinstance(validate, bool):
+        raise ValueError(f"validate must be True or False, got {validate!r}")
 
 
 def plan_tree_attention(
@@ -187,42 +219,39 @@ def plan_tree_attention(
         num_q_heads, num_kv_heads, head_dim, block_size: model / cache geometry (``Hq % Hkv == 0``).
         max_context_len: an upper bound of ``context_lens``; read from the tensor (one host sync) when None.
         split_len: context tokens per split (a multiple of 64); default :func:`default_split_len`.
-        num_blocks: pages in the cache; when given, ``validate`` also checks every used table entry is below it.
+        num_blocks: pages in the cache; when given, ``validate`` also checks every used table entry is below it, and
+            ``run`` checks the caches have exactly that many pages.
         validate: check values (host sync). Skipped during CUDA-graph capture.
+
+    Views (any strides) are accepted: the tensors the kernels read are copied to contiguous ones when they are not.
+    Validation reads the table once; ``run`` then checks its pages against the caches it gets with no further sync.
 
     Returns:
         A :class:`TreeAttentionPlan`; only ``tree_mask`` and the scratch are freshly allocated.
     """
+    _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks, validate)
     check_tensor("parents", parents, dtype=(torch.int32, torch.int64), ndim=2)
+    parents = dense(parents)
     B, T = parents.shape
     dev = parents.device
     if T < 1:
         raise ValueError("parents must hold at least one node (the root) per request, got T=0")
-    context_lens = per_request("context_lens", context_lens, B, dev, torch.int32)
+    context_lens = _int32(per_request("context_lens", context_lens, B, dev, torch.int32))
     num_nodes = per_request("num_nodes", num_nodes, B, dev, torch.int32)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected one per request (B={B})")
-    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)")
-    if not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise ValueError(f"block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
-    if split_len is not None and (not isinstance(split_len, int) or split_len < SPLIT_ALIGN or split_len % SPLIT_ALIGN):
-        raise ValueError(f"split_len must be a positive multiple of {SPLIT_ALIGN}, got {split_len!r}")
-    num_nodes = resolve_num_nodes(parents, num_nodes)
+    block_table = _int32(block_table)
+    num_nodes = _int32(resolve_num_nodes(parents, None if num_nodes is None else dense(num_nodes)))
 
     capturing = _capturing()
+    max_page = None
     if validate and not capturing:
         validate_tree(parents, num_nodes)
-        _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks)
+        max_page = _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks)
     if max_context_len is None:
         # Reading the lengths would sync; during capture the table's capacity is a safe upper bound.
         max_context_len = block_table.shape[1] * block_size if capturing else (int(context_lens.max()) if B else 0)
-    if not isinstance(max_context_len, int) or max_context_len < 0:
-        raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
     if split_len is None:
         sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else _DEFAULT_SM_COUNT
         split_len = default_split_len(B, num_kv_heads, max_context_len, sms, T * (num_q_heads // num_kv_heads), head_dim)
@@ -235,26 +264,19 @@ def plan_tree_attention(
     G = num_q_heads // num_kv_heads
     M = T * G
     return TreeAttentionPlan(
-        batch_size=B,
-        num_tree=T,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        group=G,
-        head_dim=head_dim,
-        block_size=block_size,
-        num_splits=num_splits,
-        split_len=split_len,
-        tree_mask=tree_ancestor_mask_packed(parents, num_nodes).contiguous(),
-        context_lens=_int32(context_lens),
-        num_nodes=_int32(num_nodes),
-        block_table=_int32(block_table),
+        batch_size=B, num_tree=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, group=G, head_dim=head_dim,
+        block_size=block_size, num_splits=num_splits, split_len=split_len,
+        tree_mask=dense(tree_ancestor_mask_packed(parents, num_nodes)),
+        context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
         partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
+        num_blocks=num_blocks, max_page=max_page, check_pages_at_run=validate and capturing,
     )
 
 
-def _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks) -> None:
-    """Value checks of the per-request tables (host sync)."""
+def _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks) -> Tuple[int, int, int]:
+    """Value checks of the per-request tables (host sync). Returns the largest page id the requests use, as
+    ``(value, request, column)`` (``(-1, -1, -1)`` when none is used), for run's check against the caches."""
     ctx = context_lens.cpu().long()
     n = num_nodes.cpu().long()
     table = block_table.cpu().long()
@@ -280,12 +302,29 @@ def _validate_tables(context_lens, num_nodes, block_table, block_size, num_block
     out_of_range = in_use & bad_entry
     if out_of_range.any():
         b, i = (int(v) for v in out_of_range.nonzero()[0])
-        bound = f"[0, num_blocks={num_blocks})" if num_blocks is not None else ">= 0"
-        raise ValueError(f"block_table[{b}, {i}] = {int(table[b, i])} is used (request {b} spans {int(pages_used[b])} pages) but not in {bound}")
+        raise ValueError(_page_error(b, i, int(table[b, i]), int(pages_used[b]), num_blocks))
+    return _largest_used_page(table, in_use)
+
+
+def _largest_used_page(table: torch.Tensor, in_use: torch.Tensor) -> Tuple[int, int, int]:
+    """``(value, request, column)`` of the largest used entry of a host table (``(-1, -1, -1)`` when none is used)."""
+    used_values = torch.where(in_use, table, -1)
+    if not used_values.numel():
+        return -1, -1, -1
+    flat = int(used_values.argmax())
+    b, i = divmod(flat, table.shape[1])
+    return int(used_values[b, i]), b, i
+
+
+def _page_error(b: int, i: int, value: int, pages: Optional[int], num_blocks: Optional[int]) -> str:
+    """The message for a used block-table entry out of range: the argument, request, entry, value and allowed range."""
+    bound = f"[0, num_blocks={num_blocks})" if num_blocks is not None else ">= 0"
+    spans = f" spans {pages} pages" if pages is not None else " uses it"
+    return f"block_table[{b}, {i}] = {value} is used (request {b}{spans}) but not in {bound}"
 
 
 def _check_run_inputs(plan: TreeAttentionPlan, q, k_cache, v_cache, out) -> None:
-    """Shape / dtype / device checks against the plan (metadata only: safe during capture)."""
+    """Shape / dtype / device / layout checks against the plan (metadata only: safe during capture)."""
     B, T, Hq, Hkv, D = plan.batch_size, plan.num_tree, plan.num_q_heads, plan.num_kv_heads, plan.head_dim
     dev = plan.device
     check_tensor("q", q, dtype=_FLOAT_DTYPES, shape=(B, T, Hq, D), device=dev)
@@ -293,9 +332,49 @@ def _check_run_inputs(plan: TreeAttentionPlan, q, k_cache, v_cache, out) -> None
     check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(B, T, Hq, D), device=dev)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        if _overlaps_itself(out):
+            raise ValueError(f"out has elements sharing memory (shape {tuple(out.shape)}, strides {out.stride()}, an "
+                             "expanded view?): every output element needs its own memory")
+    # The caches are read in place (any strides but a contiguous head dim): copying them per layer would cost more
+    # than the attention. out is written in place the same way.
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t is not None and t.numel() and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along head_dim (stride(-1) == 1), got strides {t.stride()}")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: the dims of size > 1, sorted by stride, must each step past
+    the whole extent of the smaller ones (true of any view made by slicing, permuting or narrowing)."""
+    extent = 1
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
+
+
+def _check_pages(plan: TreeAttentionPlan, k_cache: torch.Tensor) -> None:
+    """Used block-table entries against the caches' page count, on the host: from the plan's record of the table (no
+    sync), or, when validation was skipped under capture, by reading the table once at the first run outside capture.
+    A table nobody read (validate=False, or every run captured) is checked by the kernels: an out-of-range page is
+    never read and its request's rows come out NaN."""
+    num_blocks = k_cache.shape[0]
+    if plan.num_blocks is not None and num_blocks != plan.num_blocks:
+        raise ValueError(f"k_cache has {num_blocks} blocks but the plan was built with num_blocks={plan.num_blocks}")
+    if plan.batch_size and num_blocks == 0:
+        raise ValueError("k_cache has no blocks (shape[0] == 0) but every request needs at least one page")
+    if plan.max_page is None and plan.check_pages_at_run and not _capturing() and not torch.compiler.is_compiling():
+        ctx, n = plan.context_lens.cpu().long(), plan.num_nodes.cpu().long()
+        table = plan.block_table.cpu().long()
+        in_use = torch.arange(table.shape[1])[None, :] < (-(-(ctx + n) // plan.block_size))[:, None]
+        negative = (in_use & (table < 0)).nonzero()
+        if negative.numel():
+            b, i = (int(v) for v in negative[0])
+            raise ValueError(_page_error(b, i, int(table[b, i]), None, num_blocks))
+        plan.max_page = _largest_used_page(table, in_use)
+    if plan.max_page is not None and plan.max_page[0] >= num_blocks:
+        value, b, i = plan.max_page
+        raise ValueError(_page_error(b, i, value, None, num_blocks) + " (k_cache.shape[0])")
 
 
 def _kernel_limits(num_tree: int, head_dim: int) -> Optional[str]:
@@ -336,14 +415,23 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
 
 
 def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto") -> torch.Tensor:
-    """Tree attention of one layer with a prebuilt plan. No host synchronization.
+    """Tree attention of one layer with a prebuilt plan. No host synchronization (but one table read at the first run
+    outside capture of a plan whose validation a capture skipped).
+
+    NaN: a NaN in the K or V of a slot a row attends (its request's context, its tree ancestors and itself, in its KV
+    head) makes that output row NaN-bearing, as plain attention would; slots no row attends (past ``context_lens``,
+    padding nodes' slots, other requests' pages, non-ancestors' tree slots) never reach the output, whatever they hold.
+    A block-table entry out of ``[0, k_cache.shape[0])`` among the pages a request uses raises a ValueError when the
+    host knows the table (see :func:`plan_tree_attention`); otherwise the kernels never read it and the request's
+    rows come out NaN.
 
     Args:
         plan: from :func:`plan_tree_attention`.
         q: ``[B, T, Hq, D]`` bf16/fp16 queries of the tree nodes (fp32 too: triton or torch; the CUDA kernel is half precision).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype; node i's K/V already at slot
             ``context_lens[b] + i``.
-        out: optional ``[B, T, Hq, D]`` output buffer of q's dtype.
+        out: optional ``[B, T, Hq, D]`` output buffer of q's dtype, written in place (any strides with a
+            contiguous head dim; a view whose elements share memory is refused).
         sm_scale: default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. Shapes the kernels do not cover
             (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
@@ -353,6 +441,9 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
         ``out`` with rows at or past ``num_nodes[b]`` set to zero.
     """
     _check_run_inputs(plan, q, k_cache, v_cache, out)
+    _check_pages(plan, k_cache)
+    # The kernels honour q's strides but need a contiguous head dim; q is small, so any other view is copied.
+    q = q if q.stride(-1) == 1 else dense(q)
     scale = 1.0 / math.sqrt(plan.head_dim) if sm_scale is None else float(sm_scale)
     name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32)
     if out is None:
