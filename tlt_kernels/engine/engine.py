@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import numbers
 import sys
 import threading
 import time
@@ -41,7 +42,10 @@ from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
+from .._backend import BACKENDS
+from .._validation import devices_equal
 from ..models.kv_cache import PagedKVCache
+from ..models.llama import check_token_ids
 from ..ops.compact_kv import compact_kv
 from ..ops.verify_tree import verify_tree
 from ..runtime.strategy import Strategy
@@ -50,6 +54,8 @@ log = logging.getLogger("tlt_kernels.engine")
 
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
 
+
+_BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
 
 # EagleState's fields, in the order the drafter graphs take them.
 EAGLE_FIELDS = ("block_table", "context_lens", "last_hidden", "root_tokens")
@@ -196,6 +202,10 @@ class SpeculativeEngine:
 
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r} (tokens per KV block)")
+        if backend not in _BACKEND_NAMES:
+            raise ValueError(f"backend={backend!r} is not one of {_BACKEND_NAMES}")
         self.target = target
         self.device = target.device
         if drafter is None:
@@ -209,6 +219,9 @@ class SpeculativeEngine:
             self.drafter_kind, self.drafter, self._ngram_n = "ngram", None, (drafter.min_n, drafter.max_n)
         elif isinstance(drafter, EagleDrafter):
             self.drafter_kind, self.drafter = "eagle", drafter
+            dd = next(drafter.parameters()).device
+            if not devices_equal(dd, self.device):
+                raise ValueError(f"the EagleDrafter is on {dd} but the target is on {self.device}; move it with .to()")
         else:
             raise TypeError(f"drafter must be None, 'ngram', an NGramDrafter or an EagleDrafter, got {type(drafter).__name__}")
         if selector is None:
@@ -289,7 +302,8 @@ class SpeculativeEngine:
         from ..drafter.eagle import EagleState
 
         st = EagleState(block_table, context_lens, last_hidden, root_tokens)
-        self.drafter.extend(st, self.drafter_cache, features, next_tokens, num_new)
+        # No check (no host sync): every row holds slots_per_request slots, more than a request ever commits.
+        self.drafter.extend(st, self.drafter_cache, features, next_tokens, num_new, validate=False)
         return st.context_lens, st.last_hidden, st.root_tokens
 
     def _pad_eagle(self, p: int, T: Optional[int] = None):
@@ -609,6 +623,11 @@ class SpeculativeEngine:
         B, L = tokens_in.shape
         if B > self.max_batch_size:
             raise ValueError(f"{B} prompts exceed max_batch_size={self.max_batch_size}")
+        V = self.target.config.vocab_size
+        check_token_ids("prompts", tokens_in, V, lens)
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral)
+                                         or not 0 <= eos_token_id < V):
+            raise ValueError(f"eos_token_id must be an int in [0, vocab_size={V}) or None, got {eos_token_id!r}")
         max_new = torch.as_tensor(max_new_tokens, dtype=torch.int64).flatten()
         if max_new.numel() == 1:
             max_new = max_new.expand(B).clone()
@@ -763,7 +782,7 @@ class SpeculativeEngine:
                     full_num = torch.zeros(B, dtype=torch.int32, device=dev)
                     full_new[act] = emitted.clamp(min=0)
                     full_num[act] = (nacc + 1).to(torch.int32)
-                    ngram.append(full_new, full_num)
+                    ngram.append(full_new, full_num, validate=False)  # 1 <= full_num <= T by construction
                 if eagle_state is not None:
                     if new_eagle is None:
                         ext = (path_hidden.to(eagle_state.last_hidden.dtype), emitted.clamp(min=0), (nacc + 1).to(torch.int32))

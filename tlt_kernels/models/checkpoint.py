@@ -26,15 +26,44 @@ def load_state_dict(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
             raise ImportError(f"{path} holds .safetensors shards; install the 'safetensors' package to read them") from exc
         out: Dict[str, torch.Tensor] = {}
         for f in st_files:
-            out.update(load_file(str(f), device="cpu"))
+            out.update(_read_shard(f, lambda f=f: load_file(str(f), device="cpu")))
         return out
     bin_files = sorted(path.glob("pytorch_model*.bin"))
     if not bin_files:
         raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin files in {path}")
     out = {}
     for f in bin_files:
-        out.update(torch.load(f, map_location="cpu", weights_only=True))
+        out.update(_read_shard(f, lambda f=f: torch.load(f, map_location="cpu", weights_only=True)))
     return out
+
+
+def _read_shard(f: Path, read) -> Dict[str, torch.Tensor]:
+    """``read()``'s tensors, or a ValueError naming the shard: a truncated or foreign file raises errors of many
+    types (pickle, zip, EOF, safetensors' own), none of which says which file it was."""
+    try:
+        shard = read()
+    except (FileNotFoundError, PermissionError, MemoryError):
+        raise
+    except Exception as exc:
+        raise ValueError(f"{f} is not a readable weight shard: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(shard, dict) or not all(isinstance(v, torch.Tensor) for v in shard.values()):
+        raise ValueError(f"{f} does not hold a state dict of tensors (got {type(shard).__name__})")
+    return shard
+
+
+def read_config(cfg_file: Union[str, Path]) -> dict:
+    """The JSON object of a checkpoint's ``config.json``; invalid JSON or another JSON value raises ValueError naming
+    the file (json's own error names only a line and column)."""
+    cfg_file = Path(cfg_file)
+    try:
+        d = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{cfg_file} is not UTF-8 text (a JSON file is): {exc}") from exc
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object (a transformers config), got a {type(d).__name__}")
+    return d
 
 
 def load_checkpoint(path: Union[str, Path], device="cpu", dtype: Optional[torch.dtype] = None) -> LlamaForCausalLM:
@@ -48,5 +77,10 @@ def load_checkpoint(path: Union[str, Path], device="cpu", dtype: Optional[torch.
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file} not found: expected a transformers checkpoint directory")
-    config = ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    try:
+        config = ModelConfig.from_hf(read_config(cfg_file))
+    except ValueError as exc:
+        if str(cfg_file) in str(exc):
+            raise
+        raise ValueError(f"{cfg_file}: {exc}") from exc
     return LlamaForCausalLM.from_hf(config, load_state_dict(path), device=device, dtype=dtype)

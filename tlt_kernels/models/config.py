@@ -2,10 +2,39 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 _SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+# The parameters each supported RoPE scaling reads (rope_inv_freq); each must be a finite number > 0.
+_ROPE_PARAMS = {"default": (), "linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def _number(x, low: float) -> bool:
+    """``x`` is a finite real number (not a bool) above ``low``."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > low
+
+
+def _check_rope_scaling(rs) -> None:
+    """A transformers-style ``rope_scaling`` dict of a supported type with every parameter that type reads: a
+    missing one would otherwise surface as a KeyError at model construction, and a zero or NaN one as NaN angles."""
+    if not isinstance(rs, dict):
+        raise ValueError(f"rope_scaling must be a dict with 'rope_type' (one of {_SUPPORTED_ROPE}) or None, got {rs!r}")
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in _SUPPORTED_ROPE:
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported; supported: {_SUPPORTED_ROPE}")
+    for key in _ROPE_PARAMS[kind]:
+        if key not in rs:
+            raise ValueError(f"rope_scaling of type {kind!r} needs {key!r} (a finite number > 0), got {rs!r}")
+        if not _number(rs[key], 0.0):
+            raise ValueError(f"rope_scaling[{key!r}] must be a finite number > 0 for type {kind!r}, got {rs[key]!r}")
+    if kind == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
+        raise ValueError(f"rope_scaling of type 'llama3' needs high_freq_factor > low_freq_factor (the smoothing band "
+                         f"divides by their difference), got {rs['high_freq_factor']!r} and {rs['low_freq_factor']!r}")
 
 
 @dataclass
@@ -44,10 +73,15 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not _number(self.rope_theta, 0.0):
+            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+        if not (_number(self.rms_norm_eps, -1.0) and self.rms_norm_eps >= 0):
+            raise ValueError(f"ModelConfig.rms_norm_eps must be a finite number >= 0, got {self.rms_norm_eps!r}")
+        mpe = self.max_position_embeddings
+        if isinstance(mpe, bool) or not isinstance(mpe, int) or mpe < 1:
+            raise ValueError(f"ModelConfig.max_position_embeddings must be a positive int, got {mpe!r}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in _SUPPORTED_ROPE:
-                raise NotImplementedError(f"rope_scaling type {kind!r} is not supported; supported: {_SUPPORTED_ROPE}")
+            _check_rope_scaling(self.rope_scaling)
 
     @property
     def group_size(self) -> int:
@@ -87,7 +121,12 @@ class ModelConfig:
         attention, MLP biases, activations other than SiLU) raise ``NotImplementedError`` instead of
         silently computing something else.
         """
-        d = dict(config) if isinstance(config, dict) else config.to_dict()
+        if isinstance(config, dict):
+            d = dict(config)
+        elif callable(getattr(config, "to_dict", None)):
+            d = config.to_dict()
+        else:
+            raise TypeError(f"config must be a transformers config or its to_dict(), got {type(config).__name__}")
         model_type = d.get("model_type", "llama")
         if model_type not in ("llama", "qwen2", "mistral"):
             raise NotImplementedError(f"model_type {model_type!r} is not supported; expected 'llama' or 'qwen2'")
@@ -101,30 +140,21 @@ class ModelConfig:
         if d.get("use_sliding_window", False) or (model_type == "mistral" and d.get("sliding_window")):
             raise NotImplementedError("sliding-window attention is not supported")
 
-        rope = dict(d.get("rope_parameters") or {})
-        legacy = d.get("rope_scaling")
-        if legacy:
-            rope.update(legacy)
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if kind != "default":
-            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
-            scaling["rope_type"] = kind
-        n_heads = int(d["num_attention_heads"])
-        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        rope_theta, scaling = _hf_rope(d)
+        n_heads = _hf_int(d, "num_attention_heads")
+        hidden = _hf_int(d, "hidden_size")
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            vocab_size=_hf_int(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_hf_int(d, "intermediate_size"),
+            num_layers=_hf_int(d, "num_hidden_layers"),
             num_q_heads=n_heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-            head_dim=int(head_dim),
+            num_kv_heads=_hf_int(d, "num_key_value_heads", n_heads),
+            head_dim=_hf_int(d, "head_dim", hidden // n_heads),
             rope_theta=rope_theta,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_hf_float(d, "rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+            max_position_embeddings=_hf_int(d, "max_position_embeddings", 4096),
             # Qwen2 always carries q/k/v biases and has no flag for them.
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
             attention_out_bias=False if model_type == "qwen2" else bool(d.get("attention_bias", False)),
@@ -133,3 +163,49 @@ class ModelConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _hf_int(d: Dict[str, Any], key: str, default: Optional[int] = None) -> int:
+    """``d[key]`` as an int >= 1 (``default`` when absent or null): a ValueError naming the field otherwise, where
+    ``int()`` would truncate 2.5 and a falsy 0 would quietly fall back to the default."""
+    v = d.get(key)
+    if v is None:
+        if default is None:
+            raise ValueError(f"HF config is missing {key!r}")
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"HF config field {key!r} must be a positive int, got {v!r}")
+    return v
+
+
+def _hf_float(d: Dict[str, Any], key: str, default: float) -> float:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"HF config field {key!r} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _hf_rope(d: Dict[str, Any]):
+    """``(rope_theta, rope_scaling or None)`` from transformers 4.x (``rope_theta``, ``rope_scaling``) or 5.x
+    (``rope_parameters``) spellings; the scaling is validated by :class:`ModelConfig`."""
+    params, legacy = d.get("rope_parameters"), d.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"HF config field {key!r} must be a dict or null, got {value!r}")
+        if value and any(isinstance(v, dict) for v in value.values()):
+            # transformers 5 nests them per layer type (e.g. sliding and full attention), which this decoder lacks.
+            raise NotImplementedError(f"per-layer-type {key} are not supported, got {value!r}")
+    rope = dict(params or {})
+    if legacy:
+        rope.update(legacy)
+    rope_theta = _hf_float(rope, "rope_theta", _hf_float(d, "rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return rope_theta, None
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    scaling["rope_type"] = kind
+    return rope_theta, scaling

@@ -5,6 +5,7 @@ layout :func:`tlt_kernels.tree_attention` and :func:`tlt_kernels.compact_kv` rea
 """
 from __future__ import annotations
 
+import numbers
 from typing import List, Optional, Tuple
 
 import torch
@@ -24,17 +25,19 @@ class PagedKVCache:
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, device="cpu", dtype: torch.dtype = torch.float32):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got num_blocks={num_blocks}, block_size={block_size}")
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = config.num_layers
-        self.device = torch.device(device)
         self.dtype = dtype
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.k_pool = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v_pool = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.k_pool = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_pool = torch.zeros(shape, device=device, dtype=dtype)
+        # The pool's own device: "cuda" is stored as "cuda:<current>", so comparisons with a model's device hold.
+        self.device = self.k_pool.device
         self.k: List[torch.Tensor] = list(self.k_pool.unbind(0))
         self.v: List[torch.Tensor] = list(self.v_pool.unbind(0))
         self._free: List[int] = list(range(num_blocks))
@@ -56,6 +59,9 @@ class PagedKVCache:
         ``generator`` shuffles which free blocks each request gets (tests use it to get
         non-contiguous tables); without it blocks are handed out in free-list order.
         """
+        for name, v in (("batch_size", batch_size), ("max_tokens", max_tokens)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                raise ValueError(f"PagedKVCache.allocate: {name} must be an int >= 1, got {v!r}")
         per = self.blocks_for(max_tokens)
         need = batch_size * per
         if need > len(self._free):

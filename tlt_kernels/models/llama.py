@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._validation import check_tensor
+from .._backend import BACKENDS
+from .._validation import check_tensor, devices_equal
 from ..ops.tree_attention import plan_tree_attention
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
@@ -34,6 +35,27 @@ from .config import ModelConfig
 from .kv_cache import PagedKVCache
 
 _INT = (torch.int32, torch.int64)
+BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
+
+
+def check_token_ids(name: str, tokens: torch.Tensor, vocab_size: int, lengths: Optional[torch.Tensor] = None,
+                    valid: Optional[torch.Tensor] = None) -> None:
+    """Every token of ``tokens [B, L]`` (the first ``lengths[b]`` of each row, or where ``valid``) lies in
+    ``[0, vocab_size)``, else a ValueError naming the request, the position and V. The embedding would otherwise
+    raise a bare IndexError on the CPU and a device-side assert on a GPU. One host sync."""
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if lengths is not None:
+        bad &= torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0) < lengths.to(tokens.device).unsqueeze(1)
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        b, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"{name}[{b}, {j}] = {int(tokens[b, j])} (request {b}, position {j}) is outside the "
+                         f"vocabulary [0, vocab_size={vocab_size})")
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 # -- building blocks ---------------------------------------------------------------------------------
@@ -170,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         x = self.embed_tokens(tokens)
-        if self._inv_freq.device != x.device:
+        if not devices_equal(self._inv_freq.device, x.device):
             self._inv_freq = rope_inv_freq(self.config, x.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype)
         for i, layer in enumerate(self.layers):
@@ -184,16 +206,21 @@ class LlamaForCausalLM(nn.Module):
         """``lm_head(norm(hidden))``: ``[..., H]`` -> ``[..., V]``."""
         return self.lm_head(self.norm(hidden))
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, *,
+                validate: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """Plain dense causal forward, no cache.
 
         Args:
-            tokens: int64 ``[B, L]``.
+            tokens: int64 ``[B, L]``, each in ``[0, vocab_size)``.
             positions: int ``[B, L]`` RoPE positions (default ``0 .. L-1``).
+            validate: check the token ids (one host sync; skipped during CUDA-graph capture). Training loops whose
+                tokens are in range by construction pass False.
         Returns:
             ``logits [B, L, V]`` and ``hidden [B, L, H]`` (last layer, before the final norm), model dtype.
         """
         check_tensor("tokens", tokens, dtype=_INT, ndim=2)
+        if validate and not _capturing(tokens):
+            check_token_ids("tokens", tokens, self.config.vocab_size)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         hidden = self._trunk(tokens, positions, lambda i, q, k, v: _sdpa(q, k, v, None, True, self.sm_scale))
@@ -207,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
                 f"cache holds {cache.config.num_layers} layers of [.., .., {cache.k[0].shape[2]}, {cache.k[0].shape[3]}] "
                 f"but the model needs {c.num_layers} layers of [.., .., num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}]"
             )
-        if cache.device != self.device or cache.dtype != self.dtype:
+        if not devices_equal(cache.device, self.device) or cache.dtype != self.dtype:
             raise ValueError(f"cache is {cache.dtype} on {cache.device} but the model is {self.dtype} on {self.device}; "
                              "build the PagedKVCache with the model's device and dtype")
         cache.check_block_table(block_table, context_lens, batch)
@@ -238,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
         lens, ctx = lengths.long(), context_lens.long()
         if bool(((lens < 1) | (lens > L)).any()):
             raise ValueError(f"lengths must lie in [1, L={L}], got {lengths.tolist()}")
+        if bool((ctx < 0).any()):
+            raise ValueError(f"context_lens must be >= 0, got {context_lens.tolist()}")
+        check_token_ids("tokens", tokens, self.config.vocab_size, lens)
         end = ctx + lens
         room = block_table.shape[1] * cache.block_size
         if int(end.max()) > room:
@@ -304,20 +334,18 @@ class LlamaForCausalLM(nn.Module):
         check_tensor("parents", parents, dtype=_INT, shape=(B, T), device=self.device)
         self._check_cache(cache, block_table, context_lens, B)
         half = self.dtype in (torch.bfloat16, torch.float16)
-        if not half and backend not in ("auto", "torch", "triton"):
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend={backend!r} is not one of {BACKEND_NAMES}")
+        if not half and backend == "cuda":
             raise ValueError(f"backend={backend!r} needs a bf16/fp16 model (the CUDA tree-attention kernel is half precision); "
                              f"this model is {self.dtype}: use backend='auto', 'torch' or 'triton'")
         kernel = half or backend == "triton"
-        capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
-        if validate and not capturing:
-            n = validate_tree(parents, num_nodes)
-            room = block_table.shape[1] * cache.block_size
-            if int(context_lens.max()) + T > room:
-                raise ValueError(f"block_table covers {room} slots but context_lens + T reaches {int(context_lens.max()) + T}")
-        else:
-            n = resolve_num_nodes(parents, num_nodes)
+        checked = validate and not _capturing(tokens)
+        n = validate_tree(parents, num_nodes) if checked else resolve_num_nodes(parents, num_nodes)
         idx = torch.arange(T, device=tokens.device).unsqueeze(0)
         pad = idx >= n.unsqueeze(1)
+        if checked:
+            self._check_tree_inputs(tokens, pad, cache, block_table, context_lens)
         # Padding entries may hold anything; tree helpers index with them, so make them a harmless 0.
         parents = parents.masked_fill(pad, 0)
         if plan is None:
@@ -338,6 +366,17 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend)
         return self.logits(hidden), hidden
+
+    def _check_tree_inputs(self, tokens, pad, cache: PagedKVCache, block_table, context_lens) -> None:
+        """forward_tree's host checks (one sync each): token ids of the real nodes, context lengths and room."""
+        T = tokens.shape[1]
+        check_token_ids("tokens", tokens, self.config.vocab_size, valid=~pad)
+        lo, hi = (int(v) for v in torch.stack([context_lens.min(), context_lens.max()]).tolist())
+        if lo < 0:
+            raise ValueError(f"context_lens must be >= 0, got a minimum of {lo}")
+        room = block_table.shape[1] * cache.block_size
+        if hi + T > room:
+            raise ValueError(f"block_table covers {room} slots but context_lens + T reaches {hi + T}")
 
     def decode(self, tokens: torch.Tensor, cache: PagedKVCache, block_table: torch.Tensor, context_lens: torch.Tensor,
                **kwargs) -> Tuple[torch.Tensor, torch.Tensor]:

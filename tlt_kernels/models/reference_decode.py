@@ -6,13 +6,15 @@ floating-point ties), and sampled speculative decoding must match its distributi
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
 import torch
 
 from ..rng import PURPOSE_SAMPLE, uniform
-from .llama import LlamaForCausalLM, _sdpa
+from .llama import LlamaForCausalLM, _sdpa, check_token_ids
 
 Prompts = Union[torch.Tensor, Sequence[Union[Sequence[int], torch.Tensor]]]
 
@@ -36,6 +38,9 @@ def sample_from_logits(logits: torch.Tensor, temperature: float, seed: torch.Ten
 
     ``seed, offset``: int64 ``[B]``. Returns int64 ``[B]``.
     """
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        # A negative temperature would sample the least likely tokens first.
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -82,9 +87,12 @@ def reference_generate(
         seed: int or int64 ``[B]`` per-request Philox seeds.
         eos_token_id: a request stops after emitting it.
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     device = model.device
     tokens, lens = _as_padded(prompts, device)
     B, L = tokens.shape
+    check_token_ids("prompts", tokens, model.config.vocab_size, lens)
     N = max_new_tokens
     S = L + N
     cfg = model.config

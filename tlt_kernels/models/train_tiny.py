@@ -81,7 +81,7 @@ def _next_byte_step(model: LlamaForCausalLM, opt: torch.optim.Optimizer, batch: 
     """One optimizer step of next-byte cross-entropy on ``batch int64 [N, S + 1]`` (bf16 autocast on the GPU,
     gradients clipped at 1); returns the loss."""
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch.device.type == "cuda"):
-        logits, _ = model(batch[:, :-1])
+        logits, _ = model(batch[:, :-1], validate=False)  # bytes < 256 <= vocab_size, checked by the callers
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -183,6 +183,8 @@ def finetune_target(model: LlamaForCausalLM, corpus: torch.Tensor, steps: int, g
     step's loss; leaves the model in eval mode."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if model.config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"model.config.vocab_size must be >= {VOCAB_SIZE} for byte tokens, got {model.config.vocab_size}")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
     loss = torch.zeros(())

@@ -41,6 +41,15 @@ import torch
 Inputs = Sequence[torch.Tensor]
 
 
+def cuda_device(device=None) -> torch.device:
+    """``device`` with its index: None and ``"cuda"`` are the current CUDA device, so the backend's device compares
+    equal to its tensors' (``cuda:<i>``); a device that is not a CUDA device raises ValueError."""
+    d = torch.device("cuda") if device is None else torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"CudaGraphBackend needs a CUDA device, got device={device!r}")
+    return d if d.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 class CudaGraphBackend:
     """Real backend: one ``torch.cuda.graph_pool_handle()`` and one capture stream for all graphs.
 
@@ -49,7 +58,7 @@ class CudaGraphBackend:
     """
 
     def __init__(self, device=None, *, shared_pool: bool = True):
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = cuda_device(device)
         self.shared_pool = shared_pool
         self.pool = torch.cuda.graph_pool_handle() if shared_pool else None
         self.stream = torch.cuda.Stream(self.device)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
@@ -356,7 +357,7 @@ def _check_trace_record(where: str, r: dict) -> None:
     """A record's batch size is an int >= 1, each arm's step time a finite number > 0 of seconds and its counts finite
     and >= 0; arm names parse as strategies."""
     b = r["batch_size"]
-    if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
         raise ValueError(f"{where}: batch_size must be an int >= 1, got {b!r}")
     for name, a in r["arms"].items():
         Strategy.parse(name)
