@@ -444,11 +444,13 @@ def test_e2e_target_cache_reuses_the_trained_target(monkeypatch, tmp_path):
     notes = ["\n".join(r.data["notes"]) for r in runs]
     assert "loaded from" not in notes[0] and "loaded from" in notes[1]
     assert len(list((tmp_path / "cache").glob("e2e-target-*.pt"))) == 1
-    # Plain and static rows depend only on the models (the adaptive rows also on measured step times, and the
-    # spot-in-tail row on a training thread's progress): those must repeat exactly.
-    rows = [{r["impl"]: (r["case"]["tokens"], r["steps"], r["accepted_length"]) for r in res.data["rows"]
-             if r["impl"] == "plain" or r["impl"].startswith("static-")} for res in runs]
-    assert len(rows[0]) >= 3 and rows[0] == rows[1], "the cached target must give the same rollout as the trained one"
+    # The output tokens depend only on the target (greedy, lossless): every row of both runs must carry the same
+    # fingerprint. Steps and accepted lengths are not compared: they also depend on the drafter, whose warm-up is
+    # capped in seconds, and on measured step times (the adaptive rows) and a training thread (spot-in-tail).
+    digests = [{r["impl"]: r["output_sha"] for r in res.data["rows"]} for res in runs]
+    assert len(digests[0]) >= 3 and digests[0] == digests[1], "the cached target must give the same rollout as the trained one"
+    assert len(set(digests[0].values())) == 1, "every row must emit the plain rollout's tokens"
+    assert all(r["greedy_identical"] for res in runs for r in res.data["rows"])
 
 
 def test_e2e_drift_knob_is_validated(monkeypatch):

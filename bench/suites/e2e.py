@@ -42,6 +42,7 @@ Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import os
 import time
@@ -84,7 +85,6 @@ def _cached_target(cfg, z: dict, dev, det: bool, train, training):
     there. Training is most of an e2e run's setup (2.5-3 min on an H100/H200), so back-to-back A/B runs on one
     machine (a kernel or selector change) compare the same target and skip it. Returns ``(model, path or None)``."""
     import dataclasses
-    import hashlib
     import json
     from pathlib import Path
 
@@ -139,6 +139,11 @@ def _lengths(B: int, median: int, max_len: int, gen: torch.Generator) -> list:
     draw after the prompts' gave a longest of only 6.25x the median (RESULTS.md, 2026-11-26 11:19)."""
     z = torch.special.ndtri((torch.arange(B, dtype=torch.float64) + 0.5) / B)[torch.randperm(B, generator=gen)]
     return [int(min(max_len, max(2, round(median * math.exp(float(v)))))) for v in z]
+
+
+def _digest(tokens) -> str:
+    """A short fingerprint of a rollout's output tokens (rows compare rollouts across runs and machines by it)."""
+    return hashlib.sha256(repr(tokens).encode()).hexdigest()[:16]
 
 
 def _tail_seconds(out, B0: int) -> float:
@@ -480,7 +485,8 @@ def run(ctx) -> None:
         tail = _tail_seconds(o, B)
         extra = dict(
             tokens_per_s=round(o.tokens_per_s, 1), tail_s=round(tail, 4), accepted_length=round(o.mean_accepted_length(), 3),
-            steps=len(o.steps), greedy_identical=o.tokens == ref and same[name], runs_ms=walls[name],
+            steps=len(o.steps), greedy_identical=o.tokens == ref and same[name], output_sha=_digest(o.tokens),
+            runs_ms=walls[name],
             speedup_vs_plain=round(plain.wall_s / o.wall_s, 3),
             tail_speedup_vs_plain=round(tail_plain / tail, 3) if tail > 0 else None,
             graph_steps=sum(s.graph for s in o.steps),
