@@ -1,0 +1,405 @@
+"""tree_attention edge cases (issue 26, "no silent wrong answers"), on every backend (Triton in the CPU interpreter
+without a GPU): views of every input of plan/run, NaN in the KV cache, block tables out of the cache's range, and
+nonsense plan arguments. The GPU-only tests at the end cover the CUDA backend's sm_90 paths."""
+import math
+
+import pytest
+import torch
+from conftest import HAS_CUDA, poison_, sm90_rule_spy
+from test_tree_attention import BACKENDS, DEVICE, _need, fill_unused_slots_with_nan_, make_case, make_plan
+
+import tlt_kernels
+from tlt_kernels.ops import tree_attention as ta
+from tlt_kernels.ops.tree_attention import plan_tree_attention, run
+from tlt_kernels.reference.tree_attention import tree_attention_reference
+from tlt_kernels.tree import tree_ancestor_mask
+
+# Kernel inputs: fp32 in the interpreter (which computes bf16 as zeros), bf16 on the GPU.
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _case(dtype=DTYPE, seed=0, D=64, device=DEVICE):
+    """Three requests: a long context (several splits at split_len 64), a short one with padding nodes, an empty one."""
+    return make_case([200, 3, 0], 6, 4, 2, D, 16, dtype, ("random", "chain", "binary"), [6, 4, 5], seed=seed,
+                     device=device)
+
+
+def _plan(case, **kw):
+    """make_plan with every argument overridable (num_blocks included)."""
+    q, k = case["q"], case["k_cache"]
+    kw = dict(dict(num_q_heads=q.shape[2], num_kv_heads=k.shape[2], head_dim=q.shape[3], block_size=k.shape[1],
+                   num_blocks=k.shape[0]), **kw)
+    return plan_tree_attention(case["parents"], case["context_lens"], case["block_table"], case["num_nodes"], **kw)
+
+
+def _run(case, backend, split_len=None, **plan_kw):
+    plan = make_plan(case, split_len=split_len, **plan_kw)
+    out = poison_(torch.empty_like(case["q"]))
+    run(plan, case["q"], case["k_cache"], case["v_cache"], out=out, backend=backend)
+    return out
+
+
+def _cuda_half_only(backend, dtype):
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA backend reads bf16/fp16")
+
+
+# ------------------------------------------------------------------------------------------------- strides
+def _views(case):
+    """The same values as ``case``, every tensor a non-contiguous view (stride(-1) == 1 where a kernel reads in place)."""
+    B, T, Hq, D = case["q"].shape
+    k, v = case["k_cache"], case["v_cache"]
+    kv = torch.stack([k, v], dim=1)  # [num_blocks, 2, bs, Hkv, D]: K and V interleaved per page
+    wide_q = torch.zeros(B, T, Hq + 3, D, dtype=k.dtype, device=k.device)
+    wide_q[:, :, 1 : 1 + Hq] = case["q"]
+    table = case["block_table"]
+    lens = torch.stack([case["context_lens"], case["num_nodes"]], dim=1)  # columns of stride 2
+    return dict(
+        q=wide_q[:, :, 1 : 1 + Hq], k_cache=kv[:, 0], v_cache=kv[:, 1],
+        block_table=table.t().contiguous().t(), context_lens=lens[:, 0],
+        parents=case["parents"].t().contiguous().t(), num_nodes=lens[:, 1],
+    )
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_views_give_the_contiguous_result(backend):
+    """plan/run on views (a slice of a wider q, K/V interleaved in one buffer, transposed tables, a strided length
+    column, a slice of a wider out, and a q whose head dim is strided) give exactly the contiguous result."""
+    _need(backend)
+    _cuda_half_only(backend, DTYPE)
+    case = _case()
+    want = _run(case, backend, split_len=64)
+    views = _views(case)
+    assert not any(t.is_contiguous() for t in views.values())
+    plan = plan_tree_attention(views["parents"], views["context_lens"], views["block_table"], views["num_nodes"],
+                               num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, split_len=64)
+    B, T, Hq, D = case["q"].shape
+    wide_out = torch.full((B, T, Hq + 2, D), 7.0, dtype=DTYPE, device=DEVICE)
+    got = plan.run(views["q"], views["k_cache"], views["v_cache"], out=wide_out[:, :, 2:], backend=backend)
+    assert got.data_ptr() == wide_out[:, :, 2:].data_ptr() and torch.equal(got, want)
+    assert (wide_out[:, :, :2] == 7.0).all(), "run wrote outside the out view"
+    q_strided = case["q"].transpose(-1, -2).contiguous().transpose(-1, -2)  # stride(-1) == T... : copied by run
+    assert torch.equal(plan.run(q_strided, views["k_cache"], views["v_cache"], backend=backend), want)
+    assert torch.equal(tlt_kernels.tree_attention(**views, backend=backend), tlt_kernels.tree_attention(**case, backend=backend))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_sharing_memory_is_refused(backend):
+    """An out whose elements share memory (an expanded view) cannot hold the result: refused, never written wrong."""
+    _need(backend)
+    case = _case(torch.float16)
+    plan = make_plan(case)
+    B, T, Hq, D = case["q"].shape
+    shared = torch.zeros(1, 1, Hq, D, dtype=torch.float16, device=DEVICE).expand(B, T, Hq, D)
+    with pytest.raises(ValueError, match=r"out has elements sharing memory .*strides \(0, 0, 64, 1\)"):
+        plan.run(case["q"], case["k_cache"], case["v_cache"], out=shared, backend=backend)
+    assert (shared == 0).all()
+
+
+# ------------------------------------------------------------------------------------------- NaN in the cache
+def _slot_location(case, b, slot):
+    bs = case["k_cache"].shape[1]
+    return int(case["block_table"][b, slot // bs]), slot % bs
+
+
+def _expected_nan_rows(case, b, slot, kv_head):
+    """bool [B, T, Hq]: the rows that attend ``slot`` of request ``b`` through KV head ``kv_head``."""
+    B, T, Hq, _ = case["q"].shape
+    G = Hq // case["k_cache"].shape[2]
+    C, n = int(case["context_lens"][b]), int(case["num_nodes"][b])
+    rows = torch.zeros(B, T, Hq, dtype=torch.bool)
+    if slot < C:
+        sees = torch.arange(T) < n
+    else:
+        sees = torch.zeros(T, dtype=torch.bool)
+        sees[:n] = tree_ancestor_mask(case["parents"][b : b + 1, :n].cpu())[0][:, slot - C]
+    rows[b, :, kv_head * G : (kv_head + 1) * G] = sees[:, None]
+    return rows
+
+
+def _check_nan_contract(out, case, clean_ref, nan_rows):
+    """Rows that attend the poisoned slot hold a NaN; every other row is finite and equals the NaN-free result."""
+    got_nan = out.isnan().any(-1).cpu()
+    assert torch.equal(got_nan, nan_rows), (
+        f"rows with NaN {got_nan.nonzero().tolist()} != rows that attend the NaN {nan_rows.nonzero().tolist()}")
+    fine = ~nan_rows.to(out.device)
+    assert torch.isfinite(out[fine]).all()
+    err = (out[fine].float() - clean_ref[fine]).abs().max().item()
+    assert err <= ATOL[out.dtype], f"rows that do not attend the NaN moved: max error {err:.3g}"
+
+
+# (which cache, request, slot, KV head): slot 70 is in the context's second 64-token split, slot 200 + 2 is tree
+# node 2 of request 0, slot 3 + 0 the root of request 1 (a one-split request next to a split one).
+NAN_SITES = {
+    "K-context": ("k_cache", 0, 70, 1), "V-context": ("v_cache", 0, 70, 1),
+    "K-context-last-split": ("k_cache", 0, 199, 0), "V-context-first-slot": ("v_cache", 0, 0, 0),
+    "K-tree": ("k_cache", 0, 202, 1), "V-tree": ("v_cache", 0, 202, 1),
+    "V-tree-root": ("v_cache", 1, 3, 0), "K-tree-leaf": ("k_cache", 2, 4, 1),
+}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split_len", [64, 128, None], ids=["4-splits", "2-splits", "1-split"])
+@pytest.mark.parametrize("site", list(NAN_SITES))
+def test_nan_in_an_attended_slot_reaches_exactly_its_rows(backend, split_len, site):
+    """A NaN in the K or V of one live slot (context or tree): every row that attends it holds NaN, every other row
+    equals the NaN-free result, with NaN and inf garbage in every unattended slot (past the context, padding nodes'
+    slots, spare pages) that must never reach the output."""
+    _need(backend)
+    _cuda_half_only(backend, DTYPE)
+    which, b, slot, kv_head = NAN_SITES[site]
+    case = _case()
+    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    fill_unused_slots_with_nan_(case)
+    _fill_unused_slots_with_inf_(case)
+    page, off = _slot_location(case, b, slot)
+    case[which][page, off, kv_head, 5] = math.nan
+    nan_rows = _expected_nan_rows(case, b, slot, kv_head)
+    _check_nan_contract(_run(case, backend, split_len), case, clean_ref, nan_rows)
+    if backend == "torch":  # the reference follows the same contract
+        _check_nan_contract(tree_attention_reference(**case), case, clean_ref, nan_rows)
+
+
+def _fill_unused_slots_with_inf_(case):
+    """Half of the NaN-filled unused slots become +inf / -inf instead (0 * inf is NaN too)."""
+    for t in (case["k_cache"], case["v_cache"]):
+        nan = t.isnan()
+        sign = torch.ones_like(t).bernoulli_(0.5, generator=torch.Generator(t.device).manual_seed(3)) * 2 - 1
+        t[nan & (sign > 0)] = math.inf
+        t[nan & (sign > 0) & (torch.arange(t.shape[-1], device=t.device) % 2 == 0)] = -math.inf
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("split_len", [64, None], ids=["4-splits", "1-split"])
+def test_nan_in_every_split_of_a_request(backend, split_len):
+    """A NaN in each of a request's splits (every partial LSE NaN): the merge must still give NaN, not zeros."""
+    _need(backend)
+    _cuda_half_only(backend, DTYPE)
+    case = _case()
+    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    nan_rows = torch.zeros(case["q"].shape[:3], dtype=torch.bool)
+    for slot in (10, 70, 130, 190):
+        page, off = _slot_location(case, 0, slot)
+        case["k_cache"][page, off, 0, 0] = math.nan
+        nan_rows |= _expected_nan_rows(case, 0, slot, 0)
+    _check_nan_contract(_run(case, backend, split_len), case, clean_ref, nan_rows)
+
+
+# ----------------------------------------------------------------------------------- block tables out of range
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_page_raises_at_run_when_the_plan_had_no_num_blocks(backend):
+    """plan without num_blocks (it cannot know the cache), then run with a used entry past the cache: a ValueError
+    naming block_table, the request, the entry, the value and [0, num_blocks), from the plan's record of the table
+    (no sync at run). Entries a request does not use may hold anything."""
+    _need(backend)
+    _cuda_half_only(backend, DTYPE)
+    case = _case()
+    nb = case["k_cache"].shape[0]
+    table = case["block_table"].clone()
+    table[2, 1:] = 10 * nb  # request 2 uses one page: junk in the rest is fine
+    table[1, 0] = nb + 4
+    plan = plan_tree_attention(case["parents"], case["context_lens"], table, case["num_nodes"], num_q_heads=4,
+                               num_kv_heads=2, head_dim=64, block_size=16)
+    with pytest.raises(ValueError, match=rf"block_table\[1, 0\] = {nb + 4} is used \(request 1 .*\) but not in "
+                                         rf"\[0, num_blocks={nb}\) \(k_cache.shape\[0\]\)"):
+        plan.run(case["q"], case["k_cache"], case["v_cache"], backend=backend)
+    table[1, 0] = case["block_table"][1, 0]
+    plan = plan_tree_attention(case["parents"], case["context_lens"], table, case["num_nodes"], num_q_heads=4,
+                               num_kv_heads=2, head_dim=64, block_size=16)
+    out = plan.run(case["q"], case["k_cache"], case["v_cache"], backend=backend)
+    ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    assert (out.float() - ref).abs().max() <= ATOL[DTYPE]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchecked_out_of_range_page_is_never_read_and_gives_nan(backend):
+    """validate=False (the host never reads the table): a used entry out of [0, num_blocks) is not read (the
+    interpreter segfaulted, a GPU would read past the cache) and its request's rows come out NaN; the other requests
+    are exact."""
+    _need(backend)
+    _cuda_half_only(backend, DTYPE)
+    case = _case()
+    ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    nb = case["k_cache"].shape[0]
+    for b, col, value in ((0, 3, nb), (1, 0, -1), (0, 12, 1 << 30)):  # (0, 12): the tree's page of request 0
+        table = case["block_table"].clone()
+        table[b, col] = value
+        for split_len in (64, None):
+            plan = make_plan(dict(case, block_table=table), split_len=split_len, validate=False)
+            out = plan.run(case["q"], case["k_cache"], case["v_cache"], backend=backend)
+            n = int(case["num_nodes"][b])
+            assert out[b, :n].isnan().any(-1).all(), f"request {b}: rows not NaN with block_table[{b}, {col}] = {value}"
+            assert (out[b, n:] == 0).all()
+            others = torch.arange(3, device=DEVICE) != b
+            assert (out[others].float() - ref[others]).abs().max() <= ATOL[DTYPE]
+
+
+@pytest.mark.triton
+def test_page_check_of_a_plan_built_during_capture(monkeypatch):
+    """A plan built while a CUDA graph was captured could not read the table; its first run outside capture reads it
+    once, and later runs check against that record without reading it again."""
+    case = _case(torch.float32, device="cpu")
+    nb = case["k_cache"].shape[0]
+    table = case["block_table"].clone()
+    table[0, 2] = nb
+    monkeypatch.setattr(ta, "_capturing", lambda: True)
+    plan = _plan(dict(case, block_table=table), num_blocks=None, max_context_len=256)
+    assert plan.max_page is None and plan.check_pages_at_run
+    monkeypatch.setattr(ta, "_capturing", lambda: False)
+    with pytest.raises(ValueError, match=rf"block_table\[0, 2\] = {nb} is used"):
+        plan.run(case["q"], case["k_cache"], case["v_cache"], backend="torch")
+    assert plan.max_page == (nb, 0, 2)
+    bigger = torch.cat([case["k_cache"], case["k_cache"][:1]])
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: reads.append(1) or self.to("cpu"))
+    plan.run(case["q"], bigger, bigger, backend="torch")  # nb + 1 pages: in range now, and no second read
+    assert reads == []
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_page_count_must_match_the_plan(backend):
+    _need(backend)
+    _cuda_half_only(backend, DTYPE)
+    case = _case()
+    nb = case["k_cache"].shape[0]
+    plan = make_plan(case)  # num_blocks=nb
+    k, v = (torch.cat([t, t[:1]]) for t in (case["k_cache"], case["v_cache"]))
+    with pytest.raises(ValueError, match=rf"k_cache has {nb + 1} blocks but the plan was built with num_blocks={nb}"):
+        plan.run(case["q"], k, v, backend=backend)
+    with pytest.raises(ValueError, match=r"k_cache has no blocks"):
+        _plan(case, num_blocks=None).run(case["q"], case["k_cache"][:0], case["v_cache"][:0], backend=backend)
+
+
+# ------------------------------------------------------------------------------------------- plan arguments
+@pytest.mark.parametrize("name,value,message", [
+    ("block_size", 0, r"block_size must be an int in \[1, 128\], got 0"),
+    ("block_size", True, r"block_size must be an int in \[1, 128\], got True"),
+    ("block_size", 16.0, r"block_size must be an int in \[1, 128\], got 16.0"),
+    ("head_dim", 0, "head_dim must be a positive int, got 0"),
+    ("num_q_heads", -4, "num_q_heads must be a positive int, got -4"),
+    ("num_kv_heads", 0, "num_kv_heads must be a positive int, got 0"),
+    ("split_len", 0, "split_len must be a positive multiple of 64, got 0"),
+    ("split_len", 96, "split_len must be a positive multiple of 64, got 96"),
+    ("max_context_len", -1, r"max_context_len must be a non-negative int \(or None\), got -1"),
+    ("num_blocks", 0, r"num_blocks must be a positive int \(or None\), got 0"),
+    ("num_blocks", 2.5, r"num_blocks must be a positive int \(or None\), got 2.5"),
+    ("validate", "yes", "validate must be True or False, got 'yes'"),
+])
+def test_nonsense_plan_arguments(name, value, message):
+    """Each raises a ValueError naming the parameter, the value and what is allowed (before anything divides by it)."""
+    case = _case(torch.float32, device="cpu")
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    kw[name] = value
+    with pytest.raises(ValueError, match=message):
+        plan_tree_attention(case["parents"], case["context_lens"], case["block_table"], case["num_nodes"], **kw)
+
+
+# ------------------------------------------------------------------------------------- CUDA sm_90 paths (GPU)
+SM90_PATHS = ["mma-sync", "64", "128", "128-ws", "128-ws-tma"]
+
+
+def _force_cuda_path(monkeypatch, path):
+    """The CUDA backend's kernel for these tests: mma.sync, or the sm_90 kernel at a tile width / build."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = sm90_rule_spy(monkeypatch, path != "mma-sync")
+    ws = path.startswith("128-ws")
+    monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", ws)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_TMA", path == "128-ws-tma")
+    block = 64 if path == "64" else 128
+    monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK", block)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_BLOCK_FEW_ROWS", block)
+    return used
+
+
+def _sm90_case(seed=0):
+    """D=128 (the sm_90 kernels' head dim), 16-token pages, T*G = 6*7 = 42 rows: a long context over several 128-token
+    splits, a short one with padding nodes, an empty one."""
+    return make_case([700, 3, 0], 6, 14, 2, 128, 16, torch.bfloat16, ("random", "chain", "binary"), [6, 4, 5],
+                     seed=seed)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", SM90_PATHS)
+@pytest.mark.parametrize("split_len", [128, 768], ids=["6-splits", "1-split"])
+@pytest.mark.parametrize("site", ["K-context", "V-context", "K-tree", "V-tree", "V-tree-root", "K-tree-leaf"])
+def test_nan_contract_on_cuda_paths(path, split_len, site, monkeypatch):
+    """The NaN contract through each CUDA kernel (NaN/inf garbage in unattended slots, one NaN in a live slot)."""
+    _need("cuda")
+    used = _force_cuda_path(monkeypatch, path)
+    which, b, slot, kv_head = NAN_SITES[site]
+    case = _sm90_case()
+    slot = slot + 500 if slot >= 200 else slot  # request 0's context is 700 here
+    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    fill_unused_slots_with_nan_(case)
+    _fill_unused_slots_with_inf_(case)
+    page, off = _slot_location(case, b, slot)
+    case[which][page, off, kv_head, 5] = math.nan
+    _check_nan_contract(_run(case, "cuda", split_len), case, clean_ref, _expected_nan_rows(case, b, slot, kv_head))
+    assert used and all(used) == (path != "mma-sync")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", SM90_PATHS)
+def test_unchecked_out_of_range_page_on_cuda_paths(path, monkeypatch):
+    """validate=False and a used page id past the cache (or negative): never read, the request's rows NaN."""
+    _need("cuda")
+    _force_cuda_path(monkeypatch, path)
+    case = _sm90_case()
+    ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    nb = case["k_cache"].shape[0]
+    for b, col, value in ((0, 3, nb), (0, 44, -1), (1, 0, 1 << 30)):  # (0, 44): the tree's page of request 0
+        table = case["block_table"].clone()
+        table[b, col] = value
+        for split_len in (128, 768):
+            out = make_plan(dict(case, block_table=table), split_len=split_len, validate=False).run(
+                case["q"], case["k_cache"], case["v_cache"], backend="cuda")
+            n = int(case["num_nodes"][b])
+            assert out[b, :n].isnan().any(-1).all() and (out[b, n:] == 0).all(), (b, col, value, split_len)
+            others = torch.arange(3, device=DEVICE) != b
+            assert (out[others].float() - ref[others]).abs().max() <= ATOL[torch.bfloat16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_replayed_graph_with_an_out_of_range_page(backend):
+    """A captured run replayed after the table changed (no host check possible): an out-of-range used page gives
+    NaN rows for its request, the others stay exact, and the process survives (no illegal address)."""
+    _need(backend)
+    case = _sm90_case()
+    ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    table = case["block_table"]
+    plan = make_plan(case, split_len=128)
+    q, k, v = case["q"], case["k_cache"], case["v_cache"]
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        plan.run(q, k, v, out=out, backend=backend)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, k, v, out=out, backend=backend)
+    saved = int(table[0, 5])
+    table[0, 5] = k.shape[0] + 1000
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out[0, :6].isnan().any(-1).all()
+    assert (out[1:].float() - ref[1:]).abs().max() <= ATOL[torch.bfloat16]
+    table[0, 5] = saved
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float() - ref).abs().max() <= ATOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_dtype_is_half():  # the GPU runs of the tests above are in bf16 (the CUDA kernels' dtype)
+    assert DTYPE == torch.bfloat16
