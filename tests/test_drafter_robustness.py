@@ -224,3 +224,11 @@ def test_spot_trainer_checkpoint_errors_name_the_file(tmp_path):
     good = tmp_path / "good.pt"
     tr.save_checkpoint(str(good))
     tr.load_checkpoint(str(good))
+
+
+def test_draft_topk_above_the_vocabulary():
+    _, d = _drafter(vocab=64)
+    cache = DrafterKVCache(d.config, 8, block_size=4)
+    st = d.new_state(cache, 1, 8)
+    with pytest.raises(ValueError, match=r"topk=65 exceeds the vocabulary \(vocab_size=64\)"):
+        d.draft(st, cache, depth=2, topk=65, num_verify=4)

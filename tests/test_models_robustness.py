@@ -99,6 +99,14 @@ def test_block_size_zero_is_named(model):
         cache.allocate(2, 0)
 
 
+def test_engine_sizes_must_be_ints(model):
+    with pytest.raises(ValueError, match="max_batch_size must be an int >= 1 and max_seq_len an int >= 2, got 2.5"):
+        SpeculativeEngine(model, None, max_batch_size=2.5, max_seq_len=16)
+    eng = SpeculativeEngine(model, None, max_batch_size=2, max_seq_len=16)
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1 or 1 of them, got 2.5"):
+        eng.generate([[1, 2]], 2.5)  # was truncated to 2
+
+
 def test_bogus_backend_is_named_with_the_allowed_ones(model):
     cache, table, ctx = _cache(model)
     toks, parents = torch.tensor([[1], [2]]), torch.full((2, 1), -1, dtype=torch.int32)

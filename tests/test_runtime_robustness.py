@@ -245,3 +245,21 @@ def test_trace_loading_names_the_file_and_the_record(tmp_path):
     zero.write_text(json.dumps(recs))
     with pytest.raises(ValueError, match=r"record 2: batch_size must be an int >= 1, got 0"):
         load_trace(str(zero))
+
+
+def test_policy_parameters_that_would_poison_every_choice():
+    with pytest.raises(ValueError, match="c must be a finite number >= 0"):
+        StrategySelector(ARMS, policy="ucb", c=math.nan)
+    with pytest.raises(ValueError, match="min_rel_std must be a finite number >= 0"):
+        StrategySelector(ARMS, policy="thompson", min_rel_std=-0.1)
+    with pytest.raises(ValueError, match="offset_mean must be a finite number"):
+        StrategySelector(ARMS, policy="cost", offset_mean=math.inf)
+
+
+def test_replayed_records_are_checked_too():
+    from tlt_kernels.runtime.simulate import replay_selector
+
+    recs = record_trace(standard_workloads(small=True)[0], [Strategy.off(), Strategy(3, 1, 4)])[:6]
+    recs[4]["arms"]["off"]["step_time"] = math.nan
+    with pytest.raises(ValueError, match="trace step 4, arm off: step_time must be a finite number of seconds > 0"):
+        replay_selector(recs, StrategySelector([Strategy(3, 1, 4)], seed=0))

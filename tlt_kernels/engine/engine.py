@@ -200,8 +200,10 @@ class SpeculativeEngine:
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False):
         from ..drafter import EagleDrafter, NGramDrafter
 
-        if max_batch_size < 1 or max_seq_len < 2:
-            raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        if (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1
+                or isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 2):
+            raise ValueError(f"max_batch_size must be an int >= 1 and max_seq_len an int >= 2, got {max_batch_size!r}, "
+                             f"{max_seq_len!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r} (tokens per KV block)")
         if backend not in _BACKEND_NAMES:
@@ -628,7 +630,10 @@ class SpeculativeEngine:
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral)
                                          or not 0 <= eos_token_id < V):
             raise ValueError(f"eos_token_id must be an int in [0, vocab_size={V}) or None, got {eos_token_id!r}")
-        max_new = torch.as_tensor(max_new_tokens, dtype=torch.int64).flatten()
+        max_new = torch.as_tensor(max_new_tokens)
+        if max_new.is_floating_point() or max_new.dtype == torch.bool:  # int64 would truncate 2.5 to 2
+            raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
+        max_new = max_new.to(torch.int64).flatten()
         if max_new.numel() == 1:
             max_new = max_new.expand(B).clone()
         if max_new.numel() != B or bool((max_new < 1).any()):

@@ -134,6 +134,8 @@ class SlidingWindowUCB(Policy):
     name = "ucb"
 
     def __init__(self, c: float = 0.3):
+        if not (isinstance(c, (int, float)) and math.isfinite(c) and c >= 0):
+            raise ValueError(f"c must be a finite number >= 0 (the exploration bonus scale), got {c!r}")
         self.c = c
 
     def bind(self, arms, num_buckets, rng, window):
@@ -177,6 +179,8 @@ class DiscountedThompson(Policy):
     name = "thompson"
 
     def __init__(self, min_rel_std: float = 0.02):
+        if not (isinstance(min_rel_std, (int, float)) and math.isfinite(min_rel_std) and min_rel_std >= 0):
+            raise ValueError(f"min_rel_std must be a finite number >= 0 (a fraction of the mean), got {min_rel_std!r}")
         self.min_rel_std = min_rel_std
 
     def bind(self, arms, num_buckets, rng, window):
@@ -434,6 +438,8 @@ class CostModelPolicy(Policy):
             raise ValueError(f"min_support must be >= 0 (discounted steps since the last alarm), got {min_support}")
         if not refresh_tol >= 0:
             raise ValueError(f"refresh_tol must be >= 0 (cloglog units), got {refresh_tol}")
+        if not math.isfinite(offset_mean):
+            raise ValueError(f"offset_mean must be a finite number (a multiple of log(width)), got {offset_mean!r}")
         if not 0.0 <= explore_margin <= 1.0:
             raise ValueError(f"explore_margin must be in [0, 1] (a fraction of the best prediction), got {explore_margin}")
         self.cost_table = cost_table

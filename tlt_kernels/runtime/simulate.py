@@ -379,6 +379,7 @@ def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], St
     eff, otime, changes, choices, picks = [], [], [], {}, []
     last = records[0].get("phase", 0)
     for t, r in enumerate(records):
+        _check_trace_record(f"trace step {t}", r)  # a NaN step time would make every later efficiency NaN
         if r.get("phase", 0) != last:
             changes.append(t)
             last = r.get("phase", 0)
