@@ -78,6 +78,21 @@ def tree_width(strategy: Strategy, drafter_kind: str) -> int:
     return 1 + strategy.topk * per
 
 
+def _int(v, low: int) -> bool:
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= low
+
+
+def _check_sizes(max_batch_size, max_seq_len, block_size, backend) -> None:
+    """The engine's capacity arguments: ints (a float would reach the cache's shapes) and a known backend name."""
+    if not (_int(max_batch_size, 1) and _int(max_seq_len, 2)):
+        raise ValueError(f"max_batch_size must be an int >= 1 and max_seq_len an int >= 2, got {max_batch_size!r}, "
+                         f"{max_seq_len!r}")
+    if not _int(block_size, 1):
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r} (tokens per KV block)")
+    if backend not in _BACKEND_NAMES:
+        raise ValueError(f"backend={backend!r} is not one of {_BACKEND_NAMES}")
+
+
 @dataclass
 class StepLog:
     """One decoding step: ``batch_size`` requests, ``strategy``, ``tree_width`` nodes each,
@@ -200,14 +215,7 @@ class SpeculativeEngine:
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False):
         from ..drafter import EagleDrafter, NGramDrafter
 
-        if (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1
-                or isinstance(max_seq_len, bool) or not isinstance(max_seq_len, numbers.Integral) or max_seq_len < 2):
-            raise ValueError(f"max_batch_size must be an int >= 1 and max_seq_len an int >= 2, got {max_batch_size!r}, "
-                             f"{max_seq_len!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r} (tokens per KV block)")
-        if backend not in _BACKEND_NAMES:
-            raise ValueError(f"backend={backend!r} is not one of {_BACKEND_NAMES}")
+        _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
         if drafter is None:
@@ -599,6 +607,29 @@ class SpeculativeEngine:
         return th
 
     # -- generation ---------------------------------------------------------------------------------
+    def _check_request_args(self, tokens_in, lens, max_new_tokens, eos_token_id) -> torch.Tensor:
+        """generate's argument checks (once per rollout): returns ``max_new_tokens`` as int64 ``[B]`` on the CPU."""
+        B = tokens_in.shape[0]
+        if B > self.max_batch_size:
+            raise ValueError(f"{B} prompts exceed max_batch_size={self.max_batch_size}")
+        V = self.target.config.vocab_size
+        check_token_ids("prompts", tokens_in, V, lens)  # the embedding would raise a bare IndexError
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral)
+                                         or not 0 <= eos_token_id < V):
+            raise ValueError(f"eos_token_id must be an int in [0, vocab_size={V}) or None, got {eos_token_id!r}")
+        max_new = torch.as_tensor(max_new_tokens)
+        if max_new.is_floating_point() or max_new.dtype == torch.bool:  # int64 would truncate 2.5 to 2
+            raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
+        max_new = max_new.to(torch.int64).flatten()
+        if max_new.numel() == 1:
+            max_new = max_new.expand(B).clone()
+        if max_new.numel() != B or bool((max_new < 1).any()):
+            raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
+        need = int((lens.cpu() + max_new.cpu()).max())
+        if need > self.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens reaches {need} tokens, above max_seq_len={self.max_seq_len}")
+        return max_new.cpu()
+
     @torch.no_grad()
     def generate(self, prompts: Prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
                  eos_token_id: Optional[int] = None, trace: Optional[list] = None) -> GenerateOutput:
@@ -623,24 +654,7 @@ class SpeculativeEngine:
         dev = self.device
         tokens_in, lens = _as_padded(prompts, dev)
         B, L = tokens_in.shape
-        if B > self.max_batch_size:
-            raise ValueError(f"{B} prompts exceed max_batch_size={self.max_batch_size}")
-        V = self.target.config.vocab_size
-        check_token_ids("prompts", tokens_in, V, lens)
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral)
-                                         or not 0 <= eos_token_id < V):
-            raise ValueError(f"eos_token_id must be an int in [0, vocab_size={V}) or None, got {eos_token_id!r}")
-        max_new = torch.as_tensor(max_new_tokens)
-        if max_new.is_floating_point() or max_new.dtype == torch.bool:  # int64 would truncate 2.5 to 2
-            raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
-        max_new = max_new.to(torch.int64).flatten()
-        if max_new.numel() == 1:
-            max_new = max_new.expand(B).clone()
-        if max_new.numel() != B or bool((max_new < 1).any()):
-            raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
-        need = int((lens.cpu() + max_new).max())
-        if need > self.max_seq_len:
-            raise ValueError(f"prompt + max_new_tokens reaches {need} tokens, above max_seq_len={self.max_seq_len}")
+        max_new = self._check_request_args(tokens_in, lens, max_new_tokens, eos_token_id)
         max_new_dev = max_new.to(dev)
 
         def per_req(name, v, dtype):
