@@ -250,7 +250,7 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 // checks: padding loads -inf). Measured (ncu, H200, chain4 B=16): a lone walker's row is bound by
 // dependency latency at ~2 warps per scheduler, not by its bytes; 512-thread CTAs (one per SM) were
 // 30-60% slower at B=16 in a same-run A/B (docs/CUDA_NOTES.md).
-// Weights are exp2(l * log2(e) / temp - m) with m the row max in the same scaled units.
+// Weights are exp2((l - M) * ks), M the row max, ks = log2(e) / T' (see Expo below).
 
 constexpr int kVerifyThreads = 256;
 constexpr int kVerifyMinBlocks = 2;                // CTAs per SM the registers allow (<= 128 per thread)
@@ -258,6 +258,10 @@ constexpr int kVec = 8;                            // elements per thread per ch
 constexpr int kChunk = kVerifyThreads * kVec;      // elements per block-wide chunk
 constexpr int kLoadBytes = 160;                    // bytes a thread loads before processing any
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kTempMin = 0x1p-126f;              // T' = clamp(temperature, kTempMin, kTempMax): ks finite and normal
+constexpr float kTempMax = 0x1p126f;
+constexpr float kTopPMin = 0x1p-126f;              // smaller top_p act as this (it keeps only the maximal logits)
+constexpr float kHalveFrom = 0x1p102f;             // row max from which x - M could overflow: halve both first
 constexpr int kStageNodes = 2048;                  // trees up to this size keep parents/tokens in smem
 constexpr float kFixedScale = 4294967296.0f;       // 2^32: weights in (0, 1] as 32.32 fixed point
 constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps every token
@@ -524,26 +528,49 @@ __device__ __forceinline__ void sweep(const TA* a, bool a_aligned, float fill_a,
 // z * 2^m (online-softmax form, base 2); plain sums use m = 0, where 2^0 = 1 keeps them exact.
 struct Partial {
   uint64_t best;  // max of (ordered key ^ sign) << 32 | ~index: largest value, lowest index
-  float m, z;
+  float m, z;     // running max (logit units) and the sum of 2^((x - m) ks)
   float q;        // draft-row sum
   int bad;        // NaN / +inf seen
 };
 
 __device__ __forceinline__ Partial partial_identity(float m) { return Partial{0ull, m, 0.f, 0.f, 0}; }
 
-__device__ __forceinline__ Partial combine(const Partial& a, const Partial& b) {
+// The target weights (the contract: tlt_kernels/reference/sampling.py) are w(x) = exp((x - M) / T') =
+// 2^((x - M) ks), M the row max, ks = log2(e) / T' with T' = clamp(temperature, 2^-126, 2^126) (ks finite and
+// normal). The max is subtracted before scaling, so w is in [0, 1], exactly 1 at the max and never NaN for any T'.
+// Where M >= 2^102, x - M could pass FLT_MAX: both terms are halved first (exact there) and the scale doubled.
+struct Expo {
+  float h, mh, kh;  // h = 1 or 1/2, mh = M h, kh = ks / h
+};
+
+__device__ __forceinline__ Expo make_expo(float M, float ks) {
+  return M >= kHalveFrom ? Expo{0.5f, M * 0.5f, ks * 2.f} : Expo{1.f, M, ks};
+}
+
+// 2^((x - M) ks) for a finite M: one FMA and one multiply per element.
+__device__ __forceinline__ float weight(float x, const Expo& e) { return exp2f(fmaf(x, e.h, -e.mh) * e.kh); }
+
+// Plain sums fold with m = 0 (weight 2^0 = 1 keeps them exact) and any ks.
+__device__ __forceinline__ Partial combine(const Partial& a, const Partial& b, float ks) {
   Partial r;
   r.best = a.best > b.best ? a.best : b.best;
   r.bad = a.bad | b.bad;
   r.q = a.q + b.q;
   r.m = fmaxf(a.m, b.m);
   // Commutative bit for bit (max, |, and IEEE + are): the butterfly folds rely on it.
-  r.z = r.m == -INFINITY ? 0.f : a.z * exp2f(a.m - r.m) + b.z * exp2f(b.m - r.m);
+  if (r.m == -INFINITY) {
+    r.z = 0.f;
+  } else {
+    const Expo e = make_expo(r.m, ks);
+    r.z = a.z * weight(a.m, e) + b.z * weight(b.m, e);
+  }
   return r;
 }
 
-// z rescaled to the frame of max M (0 for empty partials).
-__device__ __forceinline__ float scaled_z(const Partial& a, float M) { return a.z > 0.f ? a.z * exp2f(a.m - M) : 0.f; }
+// z rescaled to the frame of max M >= a.m (0 for empty partials).
+__device__ __forceinline__ float scaled_z(const Partial& a, float M, float ks) {
+  return a.z > 0.f ? a.z * weight(a.m, make_expo(M, ks)) : 0.f;
+}
 
 __device__ __forceinline__ Partial shfl_idx(const Partial& v, int l) {
   Partial r;
@@ -598,14 +625,14 @@ struct VerifySmem {
 };
 
 // Every thread gets the CTA's fold (fixed tree: deterministic).
-__device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm) {
+__device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm, float ks) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = combine(v, shfl_xor(v, o));
+  for (int o = 16; o > 0; o >>= 1) v = combine(v, shfl_xor(v, o), ks);
   if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = v;
   __syncthreads();
   Partial r = sm.red[0];
 #pragma unroll
-  for (int w = 1; w < kVerifyThreads / 32; ++w) r = combine(r, sm.red[w]);
+  for (int w = 1; w < kVerifyThreads / 32; ++w) r = combine(r, sm.red[w], ks);
   __syncthreads();
   return r;
 }
@@ -617,7 +644,7 @@ __device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm) {
 // CTA reaches only once it has read the slot. With `plan`, also fills this CTA's place in the mass z
 // (rescaled to the fold's m) from an inclusive scan over ranks that every CTA computes identically,
 // so rank r's `end` and rank r + 1's `pre` are the same float.
-static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan) {
+static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan, float ks) {
 #if TLT_VERIFY_CLUSTERS
   if (cl.size > 1) {
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
@@ -628,10 +655,10 @@ static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifyS
     const int lane = threadIdx.x & 31;
     const Partial part = lane < cl.size ? *cluster.map_shared_rank(slot, lane) : partial_identity(-INFINITY);
     Partial acc = part;
-    for (int o = 1; o < cl.size; o <<= 1) acc = combine(acc, shfl_xor(acc, o));  // lanes < C stay among themselves
+    for (int o = 1; o < cl.size; o <<= 1) acc = combine(acc, shfl_xor(acc, o), ks);  // lanes < C stay among themselves
     acc = shfl_idx(acc, 0);
     if (plan) {
-      const float z = lane < cl.size ? scaled_z(part, acc.m) : 0.f;
+      const float z = lane < cl.size ? scaled_z(part, acc.m, ks) : 0.f;
       float incl = z;
       for (int o = 1; o < cl.size; o <<= 1) {
         const float up = __shfl_up_sync(0xffffffffu, incl, o);
@@ -650,7 +677,7 @@ static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifyS
   if (cl.size > 1) __trap();  // the launcher never asks for clusters below sm_90
 #endif
   if (plan) {
-    const float part = scaled_z(mine, mine.m);
+    const float part = scaled_z(mine, mine.m, ks);
     *plan = Plan{0.f, part, part, part > 0.f ? 0 : -1};
   }
   return mine;
@@ -662,23 +689,23 @@ __device__ __forceinline__ void cluster_barrier(const Cluster& cl) {
 #endif
 }
 
-// The target distribution of a visited row, kept implicit: p(t) = [key(l_t) >= thr] 2^(l_t * ks - m) / Z
-// with ks = log2(e) / temp (so 2^(l * ks) = exp(l / temp)).
+// The target distribution of a visited row, kept implicit: p(t) = [key(l_t) >= thr] 2^((l_t - M) ks) / Z
+// with ks = log2(e) / T' (so 2^((l - M) ks) = exp((l - M) / T')).
 struct RowState {
   int bad;    // NaN/+inf present, or every entry -inf
   int arg;    // argmax, lowest id among ties (greedy token)
   int thr;    // ordered-key threshold of top-k / top-p (kNegInfKey: keep all)
-  float m;    // max * ks
+  Expo e;     // the row max M and ks as weight() takes them
   float Z;    // normalizer of the kept weights
   float qsum; // sum of this node's draft row (when `want_q`)
 };
 
-__device__ __forceinline__ float target_weight(float x, int thr, float ks, float m) {
-  return ordered_key(x) >= thr ? exp2f(x * ks - m) : 0.f;
+__device__ __forceinline__ float target_weight(float x, int thr, const Expo& e) {
+  return ordered_key(x) >= thr ? weight(x, e) : 0.f;
 }
 
 // Radix select over the row's ordered keys (exact, no sort): returns the largest key K with W(key >= K) >= need,
-// where W counts tokens (BY_MASS = false) or sums 2^(l * ks - m) in 32.32 fixed point (BY_MASS = true) over tokens
+// where W counts tokens (BY_MASS = false) or sums the weights 2^((l - M) ks) in 32.32 fixed point (BY_MASS = true) over tokens
 // with key >= floor. Every such key lies in [key_lo, key_hi] (the caller's bounds: the floor or the candidates'
 // smallest key, and the row max), so the bits above their highest differing bit are known and the rest are
 // resolved in ceil(bits / 9) levels of at most 9 bits: 3 levels for keys of one sign within a factor of
@@ -686,8 +713,8 @@ __device__ __forceinline__ float target_weight(float x, int thr, float ks, float
 // histograms make the result independent of the atomics' order (and of the summation order over ranks), so it
 // is deterministic and identical in every CTA. With `need_fraction`, need is a fraction of the total W.
 template <typename T, bool BY_MASS, Ld LM = Ld::kNC>
-__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, int key_lo, int key_hi, float ks,
-                            float m, double need, bool need_fraction, Cluster& cl, VerifySmem& sm) {
+__device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floor, int key_lo, int key_hi,
+                            const Expo& ex, double need, bool need_fraction, Cluster& cl, VerifySmem& sm) {
   const int tid = threadIdx.x, lane = tid & 31;
   const uint32_t ulo = static_cast<uint32_t>(key_lo) ^ 0x80000000u, uhi = static_cast<uint32_t>(key_hi) ^ 0x80000000u;
   int rem = ulo == uhi ? 0 : 32 - __clz(static_cast<int>(ulo ^ uhi));  // low bits still to resolve
@@ -730,7 +757,7 @@ __device__ int radix_select(const T* row, int lo, int hi, bool aligned, int floo
         if (live_lanes == 0u) continue;
         const uint32_t digit = live ? (uk >> shift) & static_cast<uint32_t>(nb - 1) : 0xffffffffu;
         uint64_t w = 0;
-        if (live) w = BY_MASS ? __float2ull_rn(exp2f(x[i] * ks - m) * kFixedScale) : 1ull;
+        if (live) w = BY_MASS ? __float2ull_rn(weight(x[i], ex) * kFixedScale) : 1ull;
         // One digit for every live lane (a narrow first level): sum over the warp, one add per bin.
         const uint32_t lead = __shfl_sync(0xffffffffu, digit, __ffs(live_lanes) - 1);
         const bool one_digit = __all_sync(0xffffffffu, !live || digit == lead);
@@ -848,7 +875,7 @@ __device__ __forceinline__ void append_candidates(const float (&x)[kVec], const 
     if (keep[i]) out[k++] = x[i];
 }
 
-// Top-p over candidates: the threshold key and normalizer of a row whose statistics (max m = s.m) are folded, from
+// Top-p over candidates: the threshold key and normalizer of a row whose statistics (max M, in s.e) are folded, from
 // this CTA's tokens with key >= floor, compacted by key alone (no exp2) into cand[lo, lo + n) (its slice of a scratch
 // row no other CTA reads) in no particular order (one shared atomic per warp and vector). The select sums their 32.32
 // weights against `need` (with `need_fraction`, that fraction of their total), and the normalizer is the kept
@@ -861,7 +888,7 @@ __device__ __forceinline__ void append_candidates(const float (&x)[kVec], const 
 // total) only Z's float rounding differs there: a float tie.
 template <typename TL>
 __device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi, float* cand, int floor, int key_max,
-                                     float ks, double need, bool need_fraction, Cluster& cl, VerifySmem& sm,
+                                     double need, bool need_fraction, Cluster& cl, VerifySmem& sm,
                                      Plan& plan, RowState& s) {
   if (threadIdx.x == 0) sm.cand_n = 0;
   __syncthreads();
@@ -876,19 +903,19 @@ __device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi,
   const int n = sm.cand_n;
   TLT_PROF_MARK("cand");
   const bool al = aligned16(cand);
-  s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, al, floor, floor, key_max, ks, s.m, need,
+  s.thr = radix_select<float, true, Ld::kCG>(cand, lo, lo + n, al, floor, floor, key_max, s.e, need,
                                              need_fraction, cl, sm);
   TLT_PROF_MARK("select");
   uint64_t w = 0;
   sweep<Ld::kCG>(cand, al, -INFINITY, cand, false, false, lo, lo + n,
                  [&](int, const float (&x)[kVec], const float (&)[kVec]) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) w += __float2ull_rn(target_weight(x[i], s.thr, ks, s.m) * kFixedScale);
+    for (int i = 0; i < kVec; ++i) w += __float2ull_rn(target_weight(x[i], s.thr, s.e) * kFixedScale);
   });
   const uint64_t mine = block_reduce<kVerifyThreads>(w, [](uint64_t a, uint64_t b) { return a + b; }, sm.hsum);
   Partial zp = partial_identity(0.f);
   zp.z = static_cast<float>(static_cast<double>(mine) / 4294967296.0);
-  s.Z = cluster_fold(zp, cl, sm, &plan).z;
+  s.Z = cluster_fold(zp, cl, sm, &plan, 1.f).z;
   TLT_PROF_MARK("norm");
 }
 
@@ -908,6 +935,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   // The normalizer is also wanted as the candidates' bound (top-p over compacted candidates).
   const bool want_z = online || (cand != nullptr && cut_p && !cut_k && !greedy);
   float bv = -INFINITY, m = -INFINITY, z = 0.f, qs = 0.f;
+  Expo em = make_expo(0.f, ks);  // of the running max m, once m > -inf
   int bi = -1;
   bool nan = false;
   TLT_PROF_MARK("row");
@@ -952,17 +980,16 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
     }
     qs += qq[0];
     if (want_z) {
-      // Online normalizer: rescale z once per vector when the running max grows. ks > 0, so the vector's
-      // max of x * ks is its max of x times ks (rounding is monotone); a NaN row is bad anyway.
-      const float ym = v[0] * ks;
-      if (ym > m) {
-        z *= exp2f(m - ym);  // m = -inf: z is 0 and stays 0
-        m = ym;
+      // Online normalizer: rescale z once per vector when the running max grows (a NaN row is bad anyway).
+      if (v[0] > m) {
+        em = make_expo(v[0], ks);
+        z *= weight(m, em);  // m = -inf: z is 0 and stays 0
+        m = v[0];
       }
       if (m > -INFINITY) {
         float e[kVec];
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) e[i] = exp2f(x[i] * ks - m);
+        for (int i = 0; i < kVec; ++i) e[i] = weight(x[i], em);
 #pragma unroll
         for (int w = 1; w < kVec; w <<= 1) {
 #pragma unroll
@@ -981,20 +1008,21 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   t.q = qs;
   t.m = want_z ? m : 0.f;  // (m, z) unused otherwise: keep the fold's rescale trivially exact
   t.z = want_z ? z : 0.f;
-  const Partial c = cluster_fold(block_fold(t, sm), cl, sm, online ? &plan : nullptr);
+  const Partial c = cluster_fold(block_fold(t, sm, ks), cl, sm, online ? &plan : nullptr, ks);
   RowState s;
   s.arg = static_cast<int>(~static_cast<uint32_t>(c.best));
   const float vmax = key_to_float(static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u));
   s.bad = c.bad | (c.best == 0ull) | (vmax == -INFINITY);
   s.thr = kNegInfKey;
-  s.m = online ? c.m : vmax * ks;
+  const float M = online ? c.m : vmax;
+  s.e = make_expo(M, ks);
   s.Z = online ? c.z : 1.f;
   s.qsum = c.q;
   TLT_PROF_MARK("stats");
   if (s.bad || greedy || online) return s;
   const int key_max = static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u);  // ordered_key(vmax)
   if (cut_k) {
-    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_k),
+    s.thr = radix_select<TL, false>(row, lo, hi, row_al, s.thr, s.thr, key_max, s.e, static_cast<double>(top_k),
                                     false, cl, sm);
   }
   // Top-p over candidates. After top-k they are the tokens the top-k threshold keeps, and the select's need is top_p
@@ -1005,16 +1033,17 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
     int floor = s.thr;
     double need = static_cast<double>(top_p);
     if (!cut_k) {
-      // c.z is Z in the frame of c.m = s.m (max(l * ks) = (max l) * ks for ks > 0); Z >= 1 (the max weighs 2^0).
+      // c.z is Z in the frame of c.m = M; Z >= 1 (the max weighs 2^0). w >= tau iff l >= M + log2(tau) / ks; a
+      // quotient that overflows gives -inf, a floor that keeps every token (still a superset of the candidates).
       const float tau = 0.5f * fmaxf(c.z, 1.f) * (1.f - top_p) / static_cast<float>(V);
-      floor = ordered_key((s.m + log2f(tau) - 0.0625f) / ks);
+      floor = ordered_key(M + (log2f(tau) - 0.0625f) / ks);
       need *= static_cast<double>(c.z) * 4294967296.0;
     }
-    topp_from_candidates(row, row_al, lo, hi, cand, floor, key_max, ks, need, cut_k, cl, sm, plan, s);
+    topp_from_candidates(row, row_al, lo, hi, cand, floor, key_max, need, cut_k, cl, sm, plan, s);
     return s;
   }
   if (cut_p) {
-    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, s.thr, key_max, ks, s.m, static_cast<double>(top_p),
+    s.thr = radix_select<TL, true>(row, lo, hi, row_al, s.thr, s.thr, key_max, s.e, static_cast<double>(top_p),
                                    true, cl, sm);
   }
   TLT_PROF_MARK("select");
@@ -1022,16 +1051,16 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   sweep<Ld::kNC>(row, row_al, -INFINITY, row, false, false, lo, hi,
                  [&](int, const float (&x)[kVec], const float (&)[kVec]) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) zp.z += target_weight(x[i], s.thr, ks, s.m);
+    for (int i = 0; i < kVec; ++i) zp.z += target_weight(x[i], s.thr, s.e);
   });
   TLT_PROF_MARK("norm_sweep");
-  s.Z = cluster_fold(block_fold(zp, sm), cl, sm, &plan).z;
+  s.Z = cluster_fold(block_fold(zp, sm, 1.f), cl, sm, &plan, 1.f).z;
   TLT_PROF_MARK("norm");
   return s;
 }
 
 // Inverse-CDF sample inside this CTA's slice [lo, hi) of the current distribution's weights (the residual row, total
-// S, after a rejection; else the kept 2^(l * ks - m), total Z): the first token of positive weight whose running mass
+// S, after a rejection; else the kept 2^((l - M) ks), total Z): the first token of positive weight whose running mass
 // (from `pre`, in token order, 2048-token chunks with a block scan each, stopping at the first claim) exceeds
 // `target`; the last token of positive weight if rounding puts target past every running mass; the argmax if the
 // slice's weights all underflowed. Claims need positive weight: the block scan's prefixes are not exactly monotone in token
@@ -1039,7 +1068,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
 // (A one-pass-then-rescan version with 64 contiguous groups was 2-11% slower on all-accepted walks, H200 A/B:
 // its summing pass reads the whole slice, this scan stops at the target's chunk.)
 template <typename TL>
-__device__ int sample_slice(const TL* row, const float* res, bool has_res, const RowState& s, float ks, int lo, int hi,
+__device__ int sample_slice(const TL* row, const float* res, bool has_res, const RowState& s, int lo, int hi,
                             float pre, float target, VerifySmem& sm) {
   const int tid = threadIdx.x;
   const bool res_al = aligned16(res), row_al = aligned16(row);
@@ -1065,7 +1094,7 @@ __device__ int sample_slice(const TL* row, const float* res, bool has_res, const
     } else {
       to_floats(next.row, w);
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, ks, s.m);
+      for (int i = 0; i < kVec; ++i) w[i] = target_weight(w[i], s.thr, s.e);
     }
     if (base0 + kChunk < hi) fetch(base + kChunk);
     float local = 0.f;
@@ -1119,11 +1148,12 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   for (int i = tid; i < depth_cap; i += kVerifyThreads) tried[i] = took[i] = 0;
 
   const int n = min(p.num_nodes[b], p.num_tree);
-  float temp = p.temperature ? p.temperature[b] : 0.f;
-  const bool greedy = !(temp > 0.f);
-  const float ks = greedy ? kLog2e : kLog2e / temp;
+  const float temp = p.temperature ? p.temperature[b] : 0.f;
+  const bool greedy = !(temp > 0.f);  // NaN too
+  const float ks = greedy ? kLog2e : kLog2e / fminf(fmaxf(temp, kTempMin), kTempMax);
   const int top_k = p.top_k ? p.top_k[b] : 0;
-  const float top_p = p.top_p ? p.top_p[b] : 1.f;
+  const float top_p_in = p.top_p ? p.top_p[b] : 1.f;
+  const float top_p = top_p_in < 1.f ? fmaxf(top_p_in, kTopPMin) : 1.f;  // off unless < 1 (NaN too)
   const int64_t seed = p.seed[b], offset = p.offset[b];
   const TL* logits_b = static_cast<const TL*>(p.logits) + b * p.logits_stride_b;
   const TQ* q_b = HAS_Q ? static_cast<const TQ*>(p.draft_probs) + b * p.q_stride_b : nullptr;
@@ -1219,7 +1249,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       }
       const bool pre = j == pf_j;  // the row's first child: values fetched during its pass
       px = has_res ? __ldcg(res_rows[res_i] + x) / S
-                   : target_weight(pre ? pf_l : to_float(__ldg(row + x)), s.thr, ks, s.m) / s.Z;
+                   : target_weight(pre ? pf_l : to_float(__ldg(row + x)), s.thr, s.e) / s.Z;
       const float u = philox_uniform(seed, offset, static_cast<uint32_t>(j), kPurposeAccept);
       if (HAS_Q) {
         const float qx = (pre ? pf_q : to_float(__ldg(q_row + x))) / s.qsum;
@@ -1251,7 +1281,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
         float pv[kVec];
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          const float w = has_res ? a[i] : target_weight(a[i], s.thr, ks, s.m);
+          const float w = has_res ? a[i] : target_weight(a[i], s.thr, s.e);
           const float res = HAS_Q ? fmaxf(w - qv[i] * q_scale, 0.f) : (base + i == x ? 0.f : w);
           pv[i] = base + i < hi ? res : 0.f;
         }
@@ -1268,7 +1298,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
       TLT_PROF_MARK("resid_sweep");
       // The fold's barriers order every CTA's residual writes before any later read of them.
       Plan next;
-      const float R = cluster_fold(block_fold(r, sm), cl, sm, &next).z;
+      const float R = cluster_fold(block_fold(r, sm, 1.f), cl, sm, &next, 1.f).z;
       TLT_PROF_MARK("resid");
       if (R > 0.f) {
         has_res = true;
@@ -1285,11 +1315,13 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   TLT_PROF_MARK("walk");
   int final_tok = greedy ? s.arg : -1;
   bool owner = false;
+  // No mass to sample from (no valid row leads here: its maximal logits weigh 1): flagged, never emitted as -1.
+  if (!greedy && !err && plan.last < 0) err = 1;
   if (!greedy && !err && plan.last >= 0) {
     const float u = philox_uniform(seed, offset, static_cast<uint32_t>(cur), kPurposeSample);
     const float target = u * plan.total;
     owner = target < plan.total ? (plan.pre <= target && target < plan.end) : cl.rank == plan.last;
-    if (owner) final_tok = sample_slice(row, res_rows[res_i], has_res, s, ks, lo, hi, plan.pre, target, sm);
+    if (owner) final_tok = sample_slice(row, res_rows[res_i], has_res, s, lo, hi, plan.pre, target, sm);
   }
   __syncthreads();  // path_* / tried / took written by thread 0
 

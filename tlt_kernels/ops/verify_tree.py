@@ -61,11 +61,10 @@ def _host_values(name, value, fill, integer, ok=None, expected=""):
     a non-number (or a non-integer where ``integer``) raises TypeError, a value outside ``ok`` ValueError."""
     is_list = isinstance(value, (list, tuple))
     values = _none_to(list(value) if is_list else [value], fill)
-    kind = "an integer" if integer else "a number"
     for b, v in enumerate(values):
         where = f"{name}[{b}]" if is_list else name
         if isinstance(v, bool) or not isinstance(v, numbers.Integral if integer else numbers.Real):
-            raise TypeError(f"{where} = {v!r} is invalid: expected {kind}" + (f", {expected}" if expected else ""))
+            raise TypeError(f"{where} = {v!r} is invalid: expected {expected}")
         if ok is not None and not ok(v):
             raise ValueError(f"{where} = {v!r} is invalid: expected {expected}")
     return values if is_list else values[0]
@@ -113,7 +112,7 @@ def _u64_param(name, value, B, device):
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
         return per_request(name, value, B, device, torch.int64)
-    value = _host_values(name, value, 0, True, expected="any integer, taken modulo 2**64")
+    value = _host_values(name, value, 0, True, expected="an integer (any size: taken modulo 2**64)")
     wrap = lambda v: (int(v) + 2**63) % _U64 - 2**63  # noqa: E731  (the int64 with the same low 64 bits)
     return per_request(name, _map(value, wrap), B, device, torch.int64)
 
@@ -206,7 +205,8 @@ def verify_tree(
 
     Args:
         logits: ``[B, T, V]`` float32/bfloat16/float16. Row ``i`` is the target's next-token logits
-            after node ``i``. ``-inf`` entries are masked tokens.
+            after node ``i``. ``-inf`` entries are masked tokens; any finite value of the dtype is legal (up to
+            its +-max, denormals included).
         draft_tokens: ``int64 [B, T]`` (int32 accepted). Node 0 holds the root's token (unused).
         parents: ``int32 [B, T]`` tree per :mod:`tlt_kernels.tree` (``parents[b, 0] == -1``).
         num_nodes: ``int32 [B]`` valid nodes per request, or None (= T); later nodes are padding.
@@ -215,15 +215,22 @@ def verify_tree(
             internally. With it, child ``x`` is accepted with probability ``min(1, p(x)/q(x))``
             (speculative sampling, recursive over siblings); without it the children are treated as
             deterministic candidates and ``x`` is accepted with probability ``p(x)``.
-        temperature: per request (scalar, list, or ``[B]`` tensor). None or 0 = greedy: accept the
-            first child equal to the argmax (lowest id on ties) and emit the argmax.
-        top_k: per request; None/0/``>= V`` = off. Threshold semantics: ties at the k-th largest
-            logit are all kept.
-        top_p: per request in (0, 1]; None/1 = off. Keeps ``{p_i >= tau*}`` where ``tau*`` is the
-            largest threshold whose kept mass reaches ``top_p`` (ties kept).
-        seed: ``int64 [B]`` / int / list. None draws seeds from torch's default CPU generator; pass
-            seeds for reproducibility and for CUDA-graph capture.
-        offset: ``int64 [B]`` / int / list, or None (= 0). Advance it once per decoding step.
+        temperature: per request (scalar, list, or ``[B]`` tensor) in ``[0, float32 max]``. None or 0 =
+            greedy: accept the first child equal to the argmax (lowest id on ties) and emit the argmax. A
+            positive ``T`` samples from ``softmax((l - max l) / T')`` with ``T' = clamp(T, 2**-126, 2**126)``
+            (the max is subtracted before dividing, so nothing overflows; as ``T -> 0`` this tends to the
+            uniform law over the maximal logits, not to greedy).
+        top_k: per request; None/0/``>= V`` = off (values past int32 too). Threshold semantics: every token
+            whose logit equals the k-th largest is kept.
+        top_p: per request in (0, 1]; None/1 = off. Keeps the tokens with ``l >= l*``, ``l*`` the largest
+            logit such that those tokens' mass reaches ``top_p`` (ties kept); ``top_p < 2**-126`` acts as
+            ``2**-126``, which keeps only the maximal logits.
+        seed: ``int64 [B]`` / int / list: a 64-bit Philox key. Python integers of any size are taken modulo
+            ``2**64`` (``-1`` and ``2**64 - 1`` are the same key); integer tensors are read as their int64 bits.
+            None draws seeds from torch's default CPU generator; pass seeds for reproducibility and for
+            CUDA-graph capture.
+        offset: ``int64 [B]`` / int / list, or None (= 0): a 64-bit counter, taken modulo ``2**64`` like
+            ``seed``. Advance it once per decoding step.
         max_depth: static bound on accepted drafts (default ``T - 1``); sets the output width.
         return_stats: also return the per-depth tried/accepted counters.
         validate: check tree validity, token ids and value ranges (needs a host sync). Skipped
@@ -237,6 +244,17 @@ def verify_tree(
         whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
         -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
         exception: check ``error`` (a diverged policy shows up here).
+
+    Contract on every backend (the seeded outputs are the same: the reference in float64, the kernels in float32,
+    differ only through a float tie at a decision boundary):
+
+    * Layout: any strides (column views, expanded per-request tensors, transposed tables); views are made dense once
+      here (device copies, no host sync), logits / draft_probs only when their vocabulary dim is strided.
+    * Ties: equal logits, with ``-0.0 == +0.0``, for the argmax, top-k and top-p alike.
+    * Every emitted token is in ``[0, V)``; a request that would have none is flagged (``error = 1``).
+    * With ``validate=False`` nothing is range-checked: a temperature that is not > 0 (NaN included) is greedy, a
+      top_k outside ``[1, V)`` and a top_p that is not < 1 are off, and a sampled request whose tested draft row
+      has no finite positive float32 sum is flagged.
     """
     check_tensor("logits", logits, dtype=_FLOATS, ndim=3)
     B, T, V = logits.shape
