@@ -34,6 +34,7 @@ from .strategy import Pending, Strategy, as_pending
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 DEFAULT_POLICY = "cost"
 _NUMBER = (int, float)
+_INF = math.inf
 
 
 def check_batch_size(batch_size, where: str) -> int:
@@ -110,6 +111,7 @@ class StrategySelector:
         self._all = list(range(len(arms)))
         self._allowed_cache: Dict[int, List[int]] = {}
         self._bucket_cache: Dict[int, int] = {}
+        self._depth = [s.num_steps for s in arms]
         self.rejected = 0  # garbage observations ignored (see the class docstring)
         self.rejected_reasons: Dict[str, int] = {}  # the same, by the field that was garbage
         self._warned = False
@@ -139,7 +141,8 @@ class StrategySelector:
     # -- API ----------------------------------------------------------------------------------
     def select(self, batch_size: int) -> Strategy:
         """The strategy for the next step of a batch of ``batch_size`` requests."""
-        batch_size = check_batch_size(batch_size, "StrategySelector.select")
+        if type(batch_size) is not int or batch_size < 1:
+            batch_size = check_batch_size(batch_size, "StrategySelector.select")
         if self._pending:
             self._drain()
         self.step += 1
@@ -166,11 +169,26 @@ class StrategySelector:
         arm = self._index.get(strategy)
         if arm is None:
             raise ValueError(f"update got strategy {strategy}, which is not one of the selector's strategies")
-        batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
+        if type(batch_size) is not int or batch_size < 1:
+            batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):
-            self._fold(arm, batch_size, emitted_tokens, elapsed_s, accepted_per_position, self.step)
+            acc, d = accepted_per_position, self._depth[arm]
+            # The common case inline (NaN fails every comparison); anything it doubts goes through _fold's checks.
+            ok = 0 <= emitted_tokens < _INF and 0 < elapsed_s < _INF
+            if ok and d and acc is not None:
+                ok, prev = len(acc) == d, batch_size
+                for x in acc:
+                    if not 0 <= x <= prev:
+                        ok = False
+                        break
+                    prev = x
+            if ok:
+                self.policy.observe(self.bucket(batch_size), arm, batch_size, float(emitted_tokens),
+                                    float(elapsed_s), acc if d else None, self.step)
+            else:
+                self._fold(arm, batch_size, emitted_tokens, elapsed_s, acc, self.step)
             return
         obs = (arm, batch_size, as_pending(emitted_tokens), as_pending(elapsed_s),
                as_pending(accepted_per_position), self.step)
