@@ -232,3 +232,10 @@ def test_draft_topk_above_the_vocabulary():
     st = d.new_state(cache, 1, 8)
     with pytest.raises(ValueError, match=r"topk=65 exceeds the vocabulary \(vocab_size=64\)"):
         d.draft(st, cache, depth=2, topk=65, num_verify=4)
+
+
+def test_intermediate_size_zero_is_not_read_as_absent():
+    tgt, _ = _drafter()
+    with pytest.raises(ValueError, match="intermediate_size must be a positive int, got 0"):
+        EagleDrafter.for_target(tgt, intermediate_size=0)
+    assert EagleDrafter.for_target(tgt, intermediate_size=32).config.intermediate_size == 32

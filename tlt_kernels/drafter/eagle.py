@@ -71,7 +71,7 @@ class EagleConfig:
             num_q_heads=cfg.num_q_heads,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            intermediate_size=intermediate_size or cfg.intermediate_size,
+            intermediate_size=cfg.intermediate_size if intermediate_size is None else intermediate_size,
             rope_theta=getattr(cfg, "rope_theta", 10000.0),
             rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
             attention_bias=getattr(cfg, "attention_bias", False),
