@@ -230,7 +230,7 @@ def test_draft_topk_above_the_vocabulary():
     _, d = _drafter(vocab=64)
     cache = DrafterKVCache(d.config, 8, block_size=4)
     st = d.new_state(cache, 1, 8)
-    with pytest.raises(ValueError, match=r"topk=65 exceeds the vocabulary \(vocab_size=64\)"):
+    with pytest.raises(ValueError, match=r"topk <= vocab_size=64, got depth=2, topk=65"):
         d.draft(st, cache, depth=2, topk=65, num_verify=4)
 
 

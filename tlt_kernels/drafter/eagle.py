@@ -470,10 +470,9 @@ class EagleDrafter(nn.Module):
         """
         from ..ops.build_draft_tree import build_draft_tree
 
-        if depth < 1 or topk < 1 or num_verify < 1:
-            raise ValueError(f"depth, topk and num_verify must be >= 1, got depth={depth}, topk={topk}, num_verify={num_verify}")
-        if topk > self.config.vocab_size:
-            raise ValueError(f"topk={topk} exceeds the vocabulary (vocab_size={self.config.vocab_size})")
+        if depth < 1 or num_verify < 1 or not 1 <= topk <= self.config.vocab_size:
+            raise ValueError(f"depth, topk and num_verify must be >= 1 and topk <= vocab_size={self.config.vocab_size}, got "
+                             f"depth={depth}, topk={topk}, num_verify={num_verify}")
         B, H = state.last_hidden.shape
         K = topk
         dev = state.last_hidden.device

@@ -360,6 +360,12 @@ class DrafterQuality:
         return self.value is None or self.value < self.weak_below
 
 
+def _positive_ints(where: str, **values) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{where}: {name} must be an int >= 1, got {v!r}")
+
+
 @torch.no_grad()
 def evaluate_acceptance(
     drafter: EagleDrafter,
@@ -386,10 +392,8 @@ def evaluate_acceptance(
     Returns:
         mean accepted length (``1`` = nothing accepted, at most ``depth + 1``).
     """
-    for name, v in (("depth", depth), ("topk", topk), ("num_verify", num_verify), ("num_starts", num_starts),
-                    ("block_size", block_size)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"evaluate_acceptance: {name} must be an int >= 1, got {v!r}")
+    _positive_ints("evaluate_acceptance", depth=depth, topk=topk, num_verify=num_verify, num_starts=num_starts,
+                   block_size=block_size)
     was_training = drafter.training
     drafter.eval()
     B, L, H = features.shape

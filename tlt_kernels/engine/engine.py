@@ -93,6 +93,14 @@ def _check_sizes(max_batch_size, max_seq_len, block_size, backend) -> None:
         raise ValueError(f"backend={backend!r} is not one of {_BACKEND_NAMES}")
 
 
+def _on_device(drafter, device: torch.device):
+    """``drafter`` if its weights are on ``device`` (compared after normalization), else a ValueError naming both."""
+    dd = next(drafter.parameters()).device
+    if not devices_equal(dd, device):
+        raise ValueError(f"the EagleDrafter is on {dd} but the target is on {device}; move it with .to()")
+    return drafter
+
+
 @dataclass
 class StepLog:
     """One decoding step: ``batch_size`` requests, ``strategy``, ``tree_width`` nodes each,
@@ -228,10 +236,7 @@ class SpeculativeEngine:
         elif isinstance(drafter, NGramDrafter):
             self.drafter_kind, self.drafter, self._ngram_n = "ngram", None, (drafter.min_n, drafter.max_n)
         elif isinstance(drafter, EagleDrafter):
-            self.drafter_kind, self.drafter = "eagle", drafter
-            dd = next(drafter.parameters()).device
-            if not devices_equal(dd, self.device):
-                raise ValueError(f"the EagleDrafter is on {dd} but the target is on {self.device}; move it with .to()")
+            self.drafter_kind, self.drafter = "eagle", _on_device(drafter, self.device)
         else:
             raise TypeError(f"drafter must be None, 'ngram', an NGramDrafter or an EagleDrafter, got {type(drafter).__name__}")
         if selector is None:

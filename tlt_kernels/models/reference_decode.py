@@ -65,6 +65,12 @@ def _as_padded(prompts: Prompts, device) -> tuple:
     return out.to(device), lens
 
 
+def _check_args(model: LlamaForCausalLM, tokens: torch.Tensor, lens: torch.Tensor, max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_token_ids("prompts", tokens, model.config.vocab_size, lens)  # the embedding would raise a bare IndexError
+
+
 @torch.no_grad()
 def reference_generate(
     model: LlamaForCausalLM,
@@ -87,12 +93,10 @@ def reference_generate(
         seed: int or int64 ``[B]`` per-request Philox seeds.
         eos_token_id: a request stops after emitting it.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     device = model.device
     tokens, lens = _as_padded(prompts, device)
     B, L = tokens.shape
-    check_token_ids("prompts", tokens, model.config.vocab_size, lens)
+    _check_args(model, tokens, lens, max_new_tokens)
     N = max_new_tokens
     S = L + N
     cfg = model.config
