@@ -133,6 +133,12 @@ struct MergeLaunch {
 
 }  // namespace
 
+int cache_num_blocks(const TreeAttentionParams& p) noexcept {
+  if (p.cache_tokens <= 0 || p.block_size <= 0) return INT32_MAX;  // unknown: no bound
+  const int64_t blocks = p.cache_tokens / p.block_size;
+  return blocks < INT32_MAX ? static_cast<int>(blocks) : INT32_MAX;
+}
+
 LaunchStatus check_tree_attention_gather(const TreeAttentionParams& p) noexcept {
   TLT_STATUS_CHECK_ARG(p.q && p.k_cache && p.v_cache && p.block_table && p.context_lens,
                 "q, k_cache, v_cache, block_table and context_lens must be device pointers");
@@ -158,6 +164,7 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
   if (p.batch == 0) return {};
   TreeAttentionParams q = p;
   q.block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(p.block_size)) : -1;
+  q.num_blocks = cache_num_blocks(p);
   return dispatch<PartialLaunch>(q, stream);
 }
 

@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "tree_attention.h"
 
@@ -137,6 +138,42 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
+}
+
+// A used block-table entry outside [0, num_blocks): row_page / fetch_pages report it as this (below the -1 of "past
+// the span") and the row is zero-filled, never read.
+constexpr int32_t kBadPage = -2;
+
+// `page` if it is a page of the cache, else kBadPage (one unsigned compare covers negative ids too).
+__device__ __forceinline__ int32_t checked_page(int32_t page, int num_blocks) {
+  return static_cast<uint32_t>(page) < static_cast<uint32_t>(num_blocks) ? page : kBadPage;
+}
+
+// Whether all 8 fp16/bf16 values of a 16-byte chunk are finite: a value is NaN or inf when its exponent bits are all set.
+template <typename T>
+__device__ __forceinline__ bool finite8(const uint4& v) {
+  constexpr uint32_t kExp = std::is_same<T, __half>::value ? 0x7c00u : 0x7f80u;
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ok = ok && (w[i] & kExp) != kExp && ((w[i] >> 16) & kExp) != kExp;
+  return ok;
+}
+
+// A tree slot's 16-byte V chunk on its way to shared memory (`dst`, a shared address): rows of one tile see different
+// tree slots, and P V would multiply this V by the zero weight of rows that do not see the node (0 * NaN = NaN). So a
+// chunk holding a NaN/inf is stored as zeros and its node's bit set in `bad_nodes` (shared); the rows that see the
+// node are written as NaN at the end. A plain load and store (a tree tile is one or two per CTA), not cp.async.
+template <typename T>
+__device__ __forceinline__ void copy_tree_v_chunk(uint32_t dst, const void* src, int node,
+                                                  unsigned long long* bad_nodes) {
+  uint4 v = __ldg(static_cast<const uint4*>(src));
+  if (!finite8<T>(v)) {
+    v = make_uint4(0u, 0u, 0u, 0u);
+    atomicOr(bad_nodes, 1ull << node);
+  }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // 2^x on the SFU; ex2.approx(-inf) = +0, which the masking relies on.
@@ -329,15 +366,20 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   // the tree tiles at ctx + j.
   auto tile_begin = [&](int i) { return i < n_ctx_tiles ? split_begin + i * BN : ctx + (i - n_ctx_tiles) * BN; };
   auto tile_limit = [&](int i) { return i < n_ctx_tiles ? kv_end : ctx + nn; };
-  // Page ids of this thread's rows of tile i (-1: past the end, zero-filled).
+  // Page ids of this thread's rows of tile i (-1: past the end; kBadPage: out of the cache, flagged), zero-filled.
+  bool page_bad = false;
   auto fetch_pages = [&](int i, int (&pg)[KT::kKVLoads]) {
     const int begin = tile_begin(i), limit = i < num_tiles ? tile_limit(i) : begin;
 #pragma unroll
     for (int k = 0; k < KT::kKVLoads; ++k) {
       const int slot = begin + row0 + k * RPP;
-      pg[k] = slot < limit ? __ldg(bt + (shift >= 0 ? slot >> shift : slot / p.block_size)) : -1;
+      pg[k] = slot < limit ? checked_page(__ldg(bt + (shift >= 0 ? slot >> shift : slot / p.block_size)), p.num_blocks)
+                           : -1;
+      page_bad = page_bad || pg[k] == kBadPage;
     }
   };
+  // Tree nodes whose V (this KV head) holds a NaN/inf: see copy_tree_v_chunk.
+  __shared__ unsigned long long bad_nodes;
   auto issue_tile = [&](int i, int stage, const int (&pg)[KT::kKVLoads]) {
     const int begin = tile_begin(i);
     T* k_s = ring + stage * KT::kStageElems;
@@ -352,9 +394,14 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
       const T* k_src = valid ? k_base + page * p.k_stride_block + off * p.k_stride_token : k_base;
       const T* v_src = valid ? v_base + page * p.v_stride_block + off * p.v_stride_token : v_base;
       cp_async_16(k_s + n * LDS + chunk * 8, k_src, valid ? 16 : 0);
-      cp_async_16(v_s + n * LDS + chunk * 8, v_src, valid ? 16 : 0);
+      if (valid && i >= n_ctx_tiles)
+        copy_tree_v_chunk<T>(smem_addr(v_s + n * LDS + chunk * 8), v_src, slot - ctx, &bad_nodes);
+      else
+        cp_async_16(v_s + n * LDS + chunk * 8, v_src, valid ? 16 : 0);
     }
   };
+  if (tid == 0) bad_nodes = 0ull;
+  __syncthreads();  // before any tile is issued
 
   // Prologue: Q (its own commit group, the oldest), then tiles 0 .. kStages-2.
   {
@@ -444,6 +491,9 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   }
   cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 
+  // An out-of-range page makes every row of this CTA NaN; a NaN/inf tree V the rows that see its node.
+  const bool poisoned = __syncthreads_or(page_bad) != 0;
+  const uint64_t bad = bad_nodes;  // complete: every tile was issued before the loop's last barrier
   const int64_t slot_row = (int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) + split) * TG;
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
@@ -451,23 +501,27 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int r = wrow0 + gid + 8 * hi;
-    // Rows past M saw zero-filled Q against real context keys: never write their O, zero them.
-    const float inv = (r < M && l > 0.f) ? 1.f / l : 0.f;
+    // l == 0: no key seen (a padding row of an empty context). A NaN l (a NaN score) must stay NaN, in O and the LSE.
+    const float inv = poisoned || (mrow[hi] & bad) ? NAN : (l != 0.f ? 1.f / l : 0.f);
     if (direct) {
       if (r < TG) {
+        // Rows past M (padding nodes) are zeros, whatever their zero-filled Q met (0 * NaN would not be zero).
         const int t = r / G;
         T* dst = static_cast<T*>(p.out) + int64_t(b) * p.out_stride_b + int64_t(t) * p.out_stride_t +
                  int64_t(h * G + (r - t * G)) * p.out_stride_h + 2 * tig;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt)
-          *reinterpret_cast<uint32_t*>(dst + dt * 8) = Traits::pack(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
+          *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+              r < M ? Traits::pack(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv) : 0u;
       }
     } else if (r < M) {
       float* dst = p.partial_out + (slot_row + r) * D + 2 * tig;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt)
         *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * hi] * inv, o[dt][2 * hi + 1] * inv);
-      if (tig == 0) p.partial_lse[slot_row + r] = l > 0.f ? (row_max[hi] + __log2f(l)) * kLn2 : -INFINITY;
+      // A NaN row keeps a NaN LSE (not -inf, which the merge would read as an empty split and skip).
+      if (tig == 0)
+        p.partial_lse[slot_row + r] = inv != inv ? NAN : (l != 0.f ? (row_max[hi] + __log2f(l)) * kLn2 : -INFINITY);
     }
   }
 }
@@ -498,14 +552,21 @@ __global__ void __launch_bounds__(kMergeWarps * 32) tree_attention_merge_kernel(
     const int h = hq / p.group;
     const int TG = p.num_tree * p.group;
     const int64_t base = int64_t(b * p.num_kv_heads + h) * (p.num_splits + 1) * TG + t * p.group + (hq - h * p.group);
+    // A NaN LSE (a split that met a NaN) makes the row NaN; fmaxf would skip it, so it is flagged apart.
     float m = -INFINITY;
-    for (int s = 0; s < used; ++s) m = fmaxf(m, p.partial_lse[base + int64_t(s) * TG]);
+    bool nan_row = false;
+    for (int s = 0; s < used; ++s) {
+      const float lse = p.partial_lse[base + int64_t(s) * TG];
+      nan_row = nan_row || lse != lse;
+      m = fmaxf(m, lse);
+    }
     if (m != -INFINITY) {
       float wsum = 0.f;
       for (int s = 0; s < used; ++s) {
         const int64_t idx = base + int64_t(s) * TG;
         const float lse = p.partial_lse[idx];
-        if (lse == -INFINITY) continue;  // an empty slot: never read its O
+        // An empty slot's O is never read; every other one is, even at weight 0, so a NaN in it still reaches the row.
+        if (lse == -INFINITY || lse != lse) continue;
         const float w = __expf(lse - m);
         wsum += w;
         const float* src = p.partial_out + idx * D + lane * kPerLane;
@@ -519,6 +580,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) tree_attention_merge_kernel(
       const float inv = 1.f / wsum;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) acc[i] *= inv;
+    }
+    if (nan_row) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) acc[i] = NAN;
     }
   }
 #pragma unroll

@@ -25,6 +25,11 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
 //                Only slots s < ceil(context_lens[b] / split_len) of requests with two or more such
 //                slots are written (the last of them includes the tree); slot S is unused.
 //   out          [B, T, Hq, D] fp16/bf16 (strides out_stride_{b,t,h}; 4-byte aligned, even strides)
+//
+// NaN: a NaN in the K or V of a slot a row attends reaches that row (as in plain attention: a NaN score makes the
+// row's sum NaN, and a split's NaN sum gives a NaN LSE the merge propagates); slots no row attends are never read
+// (zero-filled copies), and a tree slot's V holding NaN/inf is zeroed on its way to shared memory, the rows that see
+// that node written as NaN, so the zero weight of the other rows never meets it.
 struct TreeAttentionParams {
   const void* q = nullptr;
   const void* k_cache = nullptr;
@@ -65,12 +70,19 @@ struct TreeAttentionParams {
   // Token rows in the cache (num_blocks * block_size), 0 = unknown: bounds the tensor maps of the warp-specialized
   // kernel's TMA build (which needs it).
   int64_t cache_tokens = 0;
+  // Set by the launchers: pages in the cache, cache_tokens / block_size (INT32_MAX, no bound, when cache_tokens is 0 or
+  // for a caller that launches a kernel directly). A used block-table entry outside [0, num_blocks) is never read;
+  // the rows of its CTA come out NaN (the host checks tables it can read; this covers the ones it cannot, e.g. a
+  // replayed CUDA graph).
+  int num_blocks = INT32_MAX;
 };
 
 // What every kernel that gathers K/V through the block table with 16-byte cp.async needs (the partial kernel and
 // the sm_90 context kernel): q / k_cache / v_cache / block_table / context_lens set, q / k_cache / v_cache 16-byte
 // aligned with strides of multiples of 8 elements, block_size >= 1.
 LaunchStatus check_tree_attention_gather(const TreeAttentionParams& p) noexcept;
+// The launchers' TreeAttentionParams::num_blocks: p.cache_tokens / p.block_size, INT32_MAX when cache_tokens is 0.
+int cache_num_blocks(const TreeAttentionParams& p) noexcept;
 
 // Step 1: grid (S * row_chunks, B, Hkv). A request with at most one non-empty context split is
 // finished here (out written, padding rows zeroed); otherwise each non-empty split s writes its

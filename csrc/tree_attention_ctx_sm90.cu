@@ -33,7 +33,10 @@
 //     lengths that are multiples of 64.
 //
 // K/V are gathered through the block table by 16-byte cp.async into swizzled tiles (csrc/wgmma_sm90.cuh); rows past
-// the attended range are zero-filled (never read: a masked column times a NaN in unread memory would be NaN).
+// the attended range are zero-filled (never read: a masked column times a NaN in unread memory would be NaN), and so
+// are rows whose page id is out of the cache (the CTA's rows are then written as NaN). The V rows of tree slots are
+// copied by plain loads and stores, a NaN/inf among them zeroed (tree_attn::copy_tree_v_chunk): rows see different
+// tree slots, and the zero weight of a row that does not see the node would otherwise meet it (0 * NaN = NaN).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -86,9 +89,10 @@ using wgmma::fence_regs;
 // Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
 // token read from `tokens` (shared memory, one entry per row of the tile). No commit.
 // `base`: this thread's 16-byte column chunk of the KV head in the cache; `slot`: the ring slot's shared address.
-template <int kBlockN, int kChunks, int kThreads>
+// kTreeV: a V tile holding tree slots, whose rows are checked on their way (copy_row_chunk, `bad_nodes`).
+template <typename T, int kBlockN, int kChunks, int kThreads, bool kTreeV>
 __device__ __forceinline__ void issue_rows(const int32_t* tokens, const char* base, uint32_t stride_bytes,
-                                           uint32_t slot) {
+                                           uint32_t slot, const Span& sp, int i, unsigned long long* bad_nodes) {
   const int chunk = threadIdx.x % (kD / 8);  // the same 16-byte column chunk in every row this thread copies
 #pragma unroll
   for (int it = 0; it < kChunks; ++it) {
@@ -96,7 +100,8 @@ __device__ __forceinline__ void issue_rows(const int32_t* tokens, const char* ba
     const int32_t token = tokens[row];
     // A row past the span (token -1) copies nothing from token 0's address: zero-filled. One wide multiply.
     const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(token, 0))) * stride_bytes;
-    tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, token >= 0 ? 16 : 0);
+    copy_row_chunk<T, kBlockN>(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, token, sp, i, row, kTreeV,
+                               bad_nodes);
   }
 }
 
@@ -160,13 +165,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                                                            (threadIdx.x % (kD / 8)) * 8);
   const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
   const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  // Tree nodes whose V (this KV head) holds a NaN/inf (see tree_attn::copy_tree_v_chunk); a page id out of the cache
+  // seen by this pager thread (see row_page). Both make NaN rows in store_rows.
+  __shared__ unsigned long long bad_nodes;
+  bool page_bad = false;
   auto issue_k = [&](int i) {
     if (i < sp.n_tiles)
-      issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes);
+      issue_rows<T, kBlockN, kChunks, kThreads, false>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes,
+                                                       sp, i, &bad_nodes);
   };
   auto issue_v = [&](int i) {
-    if (i < sp.n_tiles)
-      issue_rows<kBlockN, kChunks, kThreads>(pages_of(i), v_base, v_stride, v_s + (i % kStages) * kTileBytes);
+    if (i >= sp.n_tiles) return;
+    const uint32_t slot = v_s + (i % kStages) * kTileBytes;
+    if (tile_has_tree<kBlockN>(sp, i))
+      issue_rows<T, kBlockN, kChunks, kThreads, true>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
+    else
+      issue_rows<T, kBlockN, kChunks, kThreads, false>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
   };
   int32_t next_page = -1;
   // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile
@@ -175,6 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     if (pager) {
       pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, next_page);
       next_page = row_page<kBlockN>(p, sp, i + 1, threadIdx.x);
+      page_bad = page_bad || next_page == tree_attn::kBadPage;
     }
   };
 
@@ -186,9 +201,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
     for (int i = 0; i < kStages; ++i) first[i] = row_page<kBlockN>(p, sp, i, threadIdx.x);
     next_page = row_page<kBlockN>(p, sp, kStages, threadIdx.x);
+    page_bad = next_page == tree_attn::kBadPage;
 #pragma unroll
-    for (int i = 0; i < kStages; ++i) pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, first[i]);
+    for (int i = 0; i < kStages; ++i) {
+      page_bad = page_bad || first[i] == tree_attn::kBadPage;
+      pages_of(i)[threadIdx.x] = row_token<kBlockN>(p, sp, i, threadIdx.x, first[i]);
+    }
   }
+  if (threadIdx.x == 0) bad_nodes = 0ull;
   __syncthreads();
 #pragma unroll 1
   for (int i = 0; i < kStages; ++i) {
@@ -272,7 +292,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
   tree_attn::cp_async_wait<0>();  // no copy may outlive the CTA's shared memory
 
-  store_rows<T>(p, sp, b, h, split, direct, row_base, o, m_i, l_i);
+  // bad_nodes is complete: every tile was issued before the last step's barrier.
+  const bool poisoned = __syncthreads_or(page_bad) != 0;
+  store_rows<T>(p, sp, b, h, split, direct, row_base, o, m_i, l_i, poisoned, bad_nodes);
 #endif
 }
 
@@ -345,6 +367,7 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TreeAttentionParams q = p;
   q.block_shift = __builtin_ctz(static_cast<unsigned>(p.block_size));
   q.row_block_shift = row_block_shift;
+  q.num_blocks = cache_num_blocks(p);
   const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.batch));
   // The TMA build needs whole 16-token boxes inside a page and the cache's extent for its tensor maps.

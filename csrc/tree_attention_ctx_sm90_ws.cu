@@ -101,7 +101,8 @@ struct WsConfig {
 };
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): Q staged by both consumers; warpgroup w's turn to issue its GEMMs.
-constexpr int kBarQStaged = 1, kBarTurn0 = 2, kBarProducer = 4;
+// kBarEpilogue: the producer's flags (bad pages, NaN/inf tree V) handed to the consumers before they write.
+constexpr int kBarQStaged = 1, kBarTurn0 = 2, kBarProducer = 4, kBarEpilogue = 5;
 
 // Tile i's rows of K (or V) into ring slot `slot`, 16 copies of 16 bytes per producer thread: thread pt copies
 // column chunk pt % 16 of rows pt / 16 + 8 it (it < 16), so a warp's copy covers two whole 256-byte rows. Lane L
@@ -117,6 +118,26 @@ __device__ __forceinline__ void copy_tile(int32_t token, const char* base, uint3
     const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(tok, 0))) * stride_bytes;
     tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, tok >= 0 ? 16 : 0);
   }
+}
+
+// copy_tile for a V tile i holding tree slots: their rows are checked on the way (copy_row_chunk; a NaN/inf is
+// zeroed and its node set in `bad_nodes`). Plain stores among the copies: the caller waits for its copies, fences
+// the proxy (wgmma reads the slot) and arrives with release semantics.
+template <typename T>
+__device__ __forceinline__ void copy_tree_v_tile(int32_t token, const char* base, uint32_t stride_bytes, uint32_t slot,
+                                                 int warp, int lane, const Span& sp, int i,
+                                                 unsigned long long* bad_nodes) {
+  const int chunk = lane % 16;
+#pragma unroll 1
+  for (int it = 0; it < 16; ++it) {
+    const int32_t tok = __shfl_sync(0xffffffffu, token, 2 * it + (lane >> 4));
+    const int row = 2 * warp + (lane >> 4) + 8 * it;
+    const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(tok, 0))) * stride_bytes;
+    copy_row_chunk<T, kBlockN>(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, tok, sp, i, row, true,
+                               bad_nodes);
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  wgmma::fence_proxy_async();
 }
 
 template <typename T, typename Cfg>
@@ -159,7 +180,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty_k = [&](int s) { return bars + 8u * (kStagesK + s); };
   auto full_v = [&](int s) { return bars + 8u * (2 * kStagesK + s); };
   auto empty_v = [&](int s) { return bars + 8u * (2 * kStagesK + kStagesV + s); };
+  // Set by the producer, read by the consumers after kBarEpilogue: tree nodes whose V (this KV head) holds a NaN/inf
+  // (tree_attn::copy_tree_v_chunk), and whether a page id was out of the cache (row_page). Both make NaN rows.
+  __shared__ unsigned long long bad_nodes;
+  __shared__ int page_bad;
   if (threadIdx.x == 0) {
+    bad_nodes = 0ull;
+    page_bad = 0;
     for (int s = 0; s < kStagesK; ++s) {
       // One cp.async arrival per producer thread; the TMA build: one arrival (with the bytes, or after a cp.async fill).
       sm90::mbarrier_init(full_k(s), Cfg::kTma ? 1 : kProducerThreads);
@@ -186,11 +213,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
     // TMA build: the page of this lane's box of the next tile (lanes 0-15 of warp 0), looked up a tile ahead.
     int32_t box_page = Cfg::kTma && warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, 0, 16 * (lane >> 1)) : -1;
+    bool saw_bad_page = page == tree_attn::kBadPage;  // every row's page passes through `page` (TMA boxes' too)
     TLT_WS_PROF_DECL();
 #pragma unroll 1
     for (int i = 0; i < n; ++i) {
       const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
       page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
+      saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
+      const bool tree_v = tile_has_tree<kBlockN>(sp, i);
       // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
       const int sk = i % kStagesK, sv = i % kStagesV;
       TLT_WS_TIC(t_empty_k);
@@ -211,7 +241,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t box_off = (lane & 1) * kBlockN * 128 + (lane >> 1) * 16 * 128;
         // A whole tile: 16 boxes on the slot's barrier (lane 0 announces the bytes first). Else the gather, then
         // one arrival once every producer thread's copies have landed.
-        auto fill = [&](const CUtensorMap& tmap, const char* base, uint32_t stride, uint32_t slot, uint32_t full) {
+        auto fill = [&](const CUtensorMap& tmap, const char* base, uint32_t stride, uint32_t slot, uint32_t full,
+                        bool is_v) {
           if (whole) {
             if (warp == 0) {
               if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileBytes);
@@ -219,20 +250,24 @@ __global__ void __launch_bounds__(kThreads, 1)
               if (lane < 16) sm90::tma_load_3d(slot + box_off, &tmap, 64 * (lane & 1), h, tok0, full);
             }
           } else {
-            copy_tile(token, base, stride, slot, warp, lane);
-            asm volatile("cp.async.wait_all;\n" ::: "memory");
+            if (is_v && tree_v) {
+              copy_tree_v_tile<T>(token, base, stride, slot, warp, lane, sp, i, &bad_nodes);
+            } else {
+              copy_tile(token, base, stride, slot, warp, lane);
+              asm volatile("cp.async.wait_all;\n" ::: "memory");
+            }
             sm90::named_sync(kBarProducer, kProducerThreads);
             if (pt == 0) sm90::mbarrier_arrive(full);
           }
         };
-        fill(tmap_k, k_base, k_stride, k_s + sk * kTileBytes, full_k(sk));
+        fill(tmap_k, k_base, k_stride, k_s + sk * kTileBytes, full_k(sk), false);
         TLT_WS_ACC(6, t_copy_k);
         TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
         TLT_WS_TIC(t_empty_v);
         if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
         TLT_WS_ACC(5, t_empty_v);
         TLT_WS_TIC(t_copy_v);
-        fill(tmap_v, v_base, v_stride, v_s + sv * kTileBytes, full_v(sv));
+        fill(tmap_v, v_base, v_stride, v_s + sv * kTileBytes, full_v(sv), true);
         TLT_WS_ACC(6, t_copy_v);
       } else {
         copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
@@ -243,15 +278,22 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
         TLT_WS_ACC(5, t_empty_v);
         TLT_WS_TIC(t_copy_v);
-        copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
+        if (tree_v) {  // plain stores among the copies: wait for them all, then a release arrival
+          copy_tree_v_tile<T>(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane, sp, i, &bad_nodes);
+          sm90::mbarrier_arrive(full_v(sv));
+        } else {
+          copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
+          sm90::cp_async_arrive_noinc(full_v(sv));
+        }
         TLT_WS_ACC(6, t_copy_v);
-        sm90::cp_async_arrive_noinc(full_v(sv));
       }
 #endif
     }
     TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
     TLT_WS_PROF_STORE(5, 6, threadIdx.x == kConsumerThreads);
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
+    if (saw_bad_page) page_bad = 1;
+    sm90::named_arrive(kBarEpilogue, kProducerThreads + 32 * consumer_warps);  // the flags are final
     return;
   }
 
@@ -365,7 +407,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   TLT_WS_STAMP(5, threadIdx.x == 0);
   TLT_WS_PROF_STORE(0, 4, threadIdx.x == 0);
-  store_rows<T>(p, sp, b, h, split, direct, row_base, o, m_i, l_i);
+  sm90::named_sync(kBarEpilogue, kProducerThreads + 32 * consumer_warps);  // the producer's flags
+  store_rows<T>(p, sp, b, h, split, direct, row_base, o, m_i, l_i, page_bad != 0, bad_nodes);
   TLT_WS_STAMP(6, threadIdx.x == 0);
 #endif
 }

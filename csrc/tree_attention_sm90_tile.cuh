@@ -53,18 +53,28 @@ struct Span {
   int begin, limit, n_full, n_tiles, ctx, nn;
 };
 
-// Page of row `row` of tile i (-1 past the span: zero-filled, never read), and the row's cache token,
-// page * block_size + slot in the page. With stride_block == block_size * stride_token (the launcher checks), the
-// row's K (V) starts at token * stride_token: one multiply per copied row.
+// Page of row `row` of tile i (-1 past the span; tree_attn::kBadPage for an id outside the cache, which the caller
+// flags: both zero-filled, never read), and the row's cache token, page * block_size + slot in the page. With
+// stride_block == block_size * stride_token (the launcher checks), the row's K (V) starts at token * stride_token:
+// one multiply per copied row.
 template <int kBlockN>
 __device__ __forceinline__ int32_t row_page(const TreeAttentionParams& p, const Span& sp, int i, int row) {
   const int pos = sp.begin + i * kBlockN + row;
-  return pos < sp.limit ? __ldg(sp.bt_row + (pos >> p.block_shift)) : -1;
+  return pos < sp.limit ? tree_attn::checked_page(__ldg(sp.bt_row + (pos >> p.block_shift)), p.num_blocks) : -1;
 }
 template <int kBlockN>
 __device__ __forceinline__ int32_t row_token(const TreeAttentionParams& p, const Span& sp, int i, int row, int32_t page) {
   const int pos = sp.begin + i * kBlockN + row;
   return page < 0 ? -1 : (page << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
+}
+
+// Bit j: tree node j is node t or one of its ancestors (none for padding nodes t >= nn).
+__device__ __forceinline__ uint64_t row_ancestors(const TreeAttentionParams& p, const Span& sp, int b, int t) {
+  if (t >= sp.nn) return 0;
+  const int32_t* w = p.tree_mask + (static_cast<int64_t>(b) * p.num_tree + t) * p.mask_words;
+  uint64_t anc = static_cast<uint32_t>(__ldg(w));
+  if (p.mask_words > 1) anc |= static_cast<uint64_t>(static_cast<uint32_t>(__ldg(w + 1))) << 32;
+  return anc;
 }
 
 // Masks the columns of tile i a row does not attend (score -> -inf): slots past the span, and tree nodes that are not
@@ -79,13 +89,7 @@ __device__ __forceinline__ void mask_tile(const TreeAttentionParams& p, const Sp
   uint32_t keep[2] = {0u, 0u};  // bit 2j + e: column 8j + 2 (lane % 4) + e is attended
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int t = (row_base + 8 * r) / G;
-    uint64_t anc = 0;  // bit j: tree node j is node t or one of its ancestors (none for padding rows)
-    if (t < sp.nn) {
-      const int32_t* w = p.tree_mask + (static_cast<int64_t>(b) * p.num_tree + t) * p.mask_words;
-      anc = static_cast<uint32_t>(__ldg(w));
-      if (p.mask_words > 1) anc |= static_cast<uint64_t>(static_cast<uint32_t>(__ldg(w + 1))) << 32;
-    }
+    const uint64_t anc = row_ancestors(p, sp, b, (row_base + 8 * r) / G);
 #pragma unroll 1
     for (int c = 0; c < kScores / 2; ++c) {
       const int pos = col0 + 8 * (c >> 1) + (c & 1);
@@ -183,11 +187,13 @@ __device__ __forceinline__ bool split_span(const TreeAttentionParams& p, int b, 
 
 // This thread's two finished rows (row_base and row_base + 8 of T * G; accumulator o, running max m_i and this lane's
 // share of the running sum l_i): normalized into out (direct; padding rows as zeros) or into the split's partial
-// slot with the row's log-sum-exp (real nodes' rows only: the merge reads nothing else).
+// slot with the row's log-sum-exp (real nodes' rows only: the merge reads nothing else). NaN rows: every real row
+// when `poisoned` (a page id out of the cache), and those that see a node of `bad_nodes` (a NaN/inf tree V, zeroed
+// in shared memory); a NaN sum (a NaN score) stays NaN too, its LSE NaN, not the -inf of an empty split.
 template <typename T>
 __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const Span& sp, int b, int h, int split,
                                            bool direct, int row_base, const float (&o)[64], const float (&m_i)[2],
-                                           const float (&l_i)[2]) {
+                                           const float (&l_i)[2], bool poisoned, uint64_t bad_nodes) {
   const int G = p.group, TG = p.num_tree * G, lane = threadIdx.x % 32;
   const int M = sp.nn * G;  // rows of real nodes; rows M .. TG - 1 are padding (zeros in out, never in the scratch)
   const int64_t slot_row =
@@ -198,25 +204,47 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
     l += __shfl_xor_sync(0xffffffff, l, 1);
     l += __shfl_xor_sync(0xffffffff, l, 2);
     const int m = row_base + 8 * r;
-    const float inv = m < M && l > 0.f ? 1.f / l : 0.f;
+    const bool nan_row = m < M && (poisoned || (bad_nodes != 0 && (row_ancestors(p, sp, b, m / G) & bad_nodes) != 0));
+    const float inv = nan_row ? NAN : (l != 0.f ? 1.f / l : 0.f);
     if (direct) {
       if (m >= TG) continue;
       const int t = m / G;
       T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + t * p.out_stride_t + (h * G + m - t * G) * p.out_stride_h +
                2 * (lane & 3);
+      // Padding rows (m >= M) are zeros whatever their zero Q met (0 * NaN would not be).
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<uint32_t*>(dst + 8 * j) =
-            tree_attn::TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            m < M ? tree_attn::TypeTraits<T>::pack(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv) : 0u;
     } else if (m < M) {
       const int64_t row = slot_row + m;
-      if ((lane & 3) == 0) p.partial_lse[row] = l > 0.f ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+      if ((lane & 3) == 0)
+        p.partial_lse[row] = inv != inv ? NAN : (l != 0.f ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY);
       float* dst = p.partial_out + row * kD + 2 * (lane & 3);
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
     }
   }
+}
+
+// Whether tile i holds tree slots (a V tile of it then goes through tree_attn::copy_tree_v_chunk): uniform per CTA.
+template <int kBlockN>
+__device__ __forceinline__ bool tile_has_tree(const Span& sp, int i) {
+  return sp.limit > sp.ctx && sp.begin + (i + 1) * kBlockN > sp.ctx;
+}
+
+// One 16-byte chunk of row `row` of tile i into the swizzled slot at shared address `dst`: from `src` (cache token
+// `token`, -1 past the span: zero-filled), by cp.async, except a tree slot's V (`tree_v`), checked on its way (see
+// tree_attn::copy_tree_v_chunk).
+template <typename T, int kBlockN>
+__device__ __forceinline__ void copy_row_chunk(uint32_t dst, const char* src, int32_t token, const Span& sp, int i,
+                                               int row, bool tree_v, unsigned long long* bad_nodes) {
+  const int pos = sp.begin + i * kBlockN + row;
+  if (tree_v && token >= 0 && pos >= sp.ctx)
+    tree_attn::copy_tree_v_chunk<T>(dst, src, pos - sp.ctx, bad_nodes);
+  else
+    tree_attn::cp_async_16(dst, src, token >= 0 ? 16 : 0);
 }
 
 // Opts `kernel` into `smem_bytes` of dynamic shared memory (past the 48 KB default), then launches it on args.
