@@ -15,7 +15,8 @@ def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
 def _normalize(device) -> torch.device:
     """``cuda`` and ``cuda:<current>`` are the same device; compare them as such."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_initialized():
+    # Asking for the current device initializes CUDA: only where a GPU exists (never at import: this runs per call).
+    if device.type == "cuda" and device.index is None and (torch.cuda.is_initialized() or torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return device
 

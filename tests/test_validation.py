@@ -1,0 +1,33 @@
+"""The shared input checks: device comparison and the contiguity boundary."""
+import torch
+
+from tlt_kernels import _validation
+from tlt_kernels._validation import dense, devices_equal
+
+
+def test_cuda_without_index_is_the_current_device_even_before_cuda_starts(monkeypatch):
+    """'cuda' and 'cuda:<current>' are one device, also before the process's first CUDA call (a cache built with
+    device='cuda' compared with a model on cuda:0)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert devices_equal("cuda", "cuda:0") and devices_equal(torch.device("cuda", 0), "cuda")
+    assert not devices_equal("cuda", "cuda:1") and not devices_equal("cuda", "cpu")
+    assert devices_equal("cuda:1", "cuda:1") and not devices_equal("cuda:0", "cuda:1")
+
+
+def test_without_a_gpu_cuda_is_compared_by_name(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _validation._normalize("cuda") == torch.device("cuda")
+    assert devices_equal("cpu", torch.device("cpu"))
+
+
+def test_dense_copies_only_views():
+    t = torch.arange(12).reshape(3, 4)
+    assert dense(t) is t and dense(None) is None
+    view = t.t()
+    out = dense(view)
+    assert out.is_contiguous() and torch.equal(out, view) and out.data_ptr() != t.data_ptr()
+    expanded = torch.tensor([5]).expand(4)
+    assert dense(expanded).stride() == (1,) and dense(expanded).tolist() == [5, 5, 5, 5]
