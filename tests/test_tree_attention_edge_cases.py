@@ -289,8 +289,8 @@ def test_cache_page_count_must_match_the_plan(backend):
     ("split_len", 0, "split_len must be a positive multiple of 64, got 0"),
     ("split_len", 96, "split_len must be a positive multiple of 64, got 96"),
     ("max_context_len", -1, r"max_context_len must be a non-negative int \(or None\), got -1"),
-    ("num_blocks", 0, r"num_blocks must be a positive int \(or None\), got 0"),
-    ("num_blocks", 2.5, r"num_blocks must be a positive int \(or None\), got 2.5"),
+    ("num_blocks", -1, r"num_blocks must be a non-negative int \(or None\), got -1"),
+    ("num_blocks", 2.5, r"num_blocks must be a non-negative int \(or None\), got 2.5"),
     ("validate", "yes", "validate must be True or False, got 'yes'"),
 ])
 def test_nonsense_plan_arguments(name, value, message):
@@ -300,6 +300,36 @@ def test_nonsense_plan_arguments(name, value, message):
     kw[name] = value
     with pytest.raises(ValueError, match=message):
         plan_tree_attention(case["parents"], case["context_lens"], case["block_table"], case["num_nodes"], **kw)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("value", ["big", math.nan, math.inf, -0.5, True, torch.ones(3)], ids=str)
+def test_bad_sm_scale_is_refused(value):
+    """A negative scale made the Triton kernel's running max (kept on unscaled scores) a minimum: NaN where the
+    reference is finite. Non-numbers, NaN and inf are refused the same way, naming sm_scale."""
+    _need("triton")
+    case = _case(torch.float32)
+    plan = make_plan(case)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match=r"sm_scale must be a finite number >= 0 \(or None for 1/sqrt\(head_dim\)\)"):
+            plan.run(case["q"], case["k_cache"], case["v_cache"], sm_scale=value, backend=backend)
+
+
+@pytest.mark.parametrize("name,value", [("context_lens", 1.5), ("context_lens", [200, 3.5, 0]), ("num_nodes", 2**31),
+                                        ("num_nodes", [6, True, 5])])
+def test_per_request_counts_must_be_int32_integers(name, value):
+    """A float count was truncated (1.5 -> 1) and one past int32 overflowed: refused, naming the argument."""
+    case = _case(torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=rf"{name} must hold int32 integers .*got {value if isinstance(value, (int, float)) else ''}"):
+        tlt_kernels.tree_attention(**dict(case, **{name: value}))
+
+
+def test_invalid_tree_names_parents():
+    case = _case(torch.float32, device="cpu")
+    parents = case["parents"].clone()
+    parents[1, 2] = 2
+    with pytest.raises(ValueError, match=r"^parents: invalid tree: request 1, node 2 has parent 2"):
+        tlt_kernels.tree_attention(**dict(case, parents=parents))
 
 
 # ------------------------------------------------------------------------------------- CUDA sm_90 paths (GPU)

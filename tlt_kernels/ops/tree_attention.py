@@ -17,6 +17,7 @@ See ``docs/TREE_ATTENTION.md`` for the algorithm and the work split.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -178,6 +179,33 @@ def _check_count(name: str, value, low: int, high: Optional[int] = None, *, opti
         raise ValueError(f"{name} must be {allowed}{' (or None)' if optional else ''}, got {value!r}")
 
 
+def _host_counts(name: str, value):
+    """A per-request count given as a Python int or a list of them (tensors pass through): ints (not bools or floats,
+    which int32 would truncate) within int32."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    for v in [value] if isinstance(value, numbers.Number) else list(value):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not -(2**31) <= int(v) < 2**31:
+            raise ValueError(f"{name} must hold int32 integers (a scalar, a list or an int32 [B] tensor), got {v!r}")
+    return value
+
+
+def _softmax_scale(sm_scale, head_dim: int) -> float:
+    """``sm_scale`` as a float: a finite number >= 0 (the kernels track the running max on unscaled scores, which a
+    negative scale would turn into the minimum), default ``1 / sqrt(head_dim)``."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    scale = math.nan
+    if not isinstance(sm_scale, (str, bytes, bool)) and not (isinstance(sm_scale, torch.Tensor) and sm_scale.numel() != 1):
+        try:
+            scale = float(sm_scale)
+        except (TypeError, ValueError):
+            pass
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"sm_scale must be a finite number >= 0 (or None for 1/sqrt(head_dim)), got {sm_scale!r}")
+    return scale
+
+
 def _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks, validate):
     """The plan's scalar arguments, before any is used (a zero would otherwise divide)."""
     for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
@@ -189,7 +217,7 @@ def _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_contex
     if split_len is not None and (not isinstance(split_len, int) or isinstance(split_len, bool) or split_len < SPLIT_ALIGN
                                   or split_len % SPLIT_ALIGN):
         raise ValueError(f"split_len must be a positive multiple of {SPLIT_ALIGN}, got {split_len!r}")
-    _check_count("num_blocks", num_blocks, 1, optional=True)
+    _check_count("num_blocks", num_blocks, 0, optional=True)
     if not isinstance(validate, bool):
         raise ValueError(f"validate must be True or False, got {validate!r}")
 
@@ -236,8 +264,8 @@ def plan_tree_attention(
     dev = parents.device
     if T < 1:
         raise ValueError("parents must hold at least one node (the root) per request, got T=0")
-    context_lens = _int32(per_request("context_lens", context_lens, B, dev, torch.int32))
-    num_nodes = per_request("num_nodes", num_nodes, B, dev, torch.int32)
+    context_lens = _int32(per_request("context_lens", _host_counts("context_lens", context_lens), B, dev, torch.int32))
+    num_nodes = per_request("num_nodes", _host_counts("num_nodes", num_nodes), B, dev, torch.int32)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=dev)
     if block_table.shape[0] != B:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected one per request (B={B})")
@@ -247,7 +275,10 @@ def plan_tree_attention(
     capturing = _capturing()
     max_page = None
     if validate and not capturing:
-        validate_tree(parents, num_nodes)
+        try:
+            validate_tree(parents, num_nodes)
+        except ValueError as exc:
+            raise ValueError(f"parents: {exc}") from None
         max_page = _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks)
     if max_context_len is None:
         # Reading the lengths would sync; during capture the table's capacity is a safe upper bound.
@@ -432,7 +463,7 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
             ``context_lens[b] + i``.
         out: optional ``[B, T, Hq, D]`` output buffer of q's dtype, written in place (any strides with a
             contiguous head dim; a view whose elements share memory is refused).
-        sm_scale: default ``1 / sqrt(D)``.
+        sm_scale: a finite number >= 0, default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. Shapes the kernels do not cover
             (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
             and raise for an explicit kernel backend.
@@ -444,7 +475,7 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     _check_pages(plan, k_cache)
     # The kernels honour q's strides but need a contiguous head dim; q is small, so any other view is copied.
     q = q if q.stride(-1) == 1 else dense(q)
-    scale = 1.0 / math.sqrt(plan.head_dim) if sm_scale is None else float(sm_scale)
+    scale = _softmax_scale(sm_scale, plan.head_dim)
     name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
