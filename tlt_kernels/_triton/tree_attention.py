@@ -203,6 +203,68 @@ def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs
 
 
 @triton.jit
+def _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+                               stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
+                               BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Context tokens ``start .. end-1``, the legacy loop (``PIPELINE = 0``, kept for bench/tree_attention_variants.py):
+    every tile masked, page ids looked up inside the tile. The pipeliner turns that lookup into an async copy too,
+    and its wait for the lookup of tile i+1 (the newest group) drains the K/V copies of tile i+1 as well, so the
+    loads of a tile never overlap the math of the previous one. Returns the softmax state and the page flag."""
+    page_bad = tl.full((), 0, tl.int32)
+    if INTERPRET:
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
+                                                    stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
+                                                    PAGE_SIZE, INTERPRET, DOT_PRECISION)
+            page_bad = page_bad | tile_bad
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
+                                                    stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
+                                                    PAGE_SIZE, INTERPRET, DOT_PRECISION)
+            page_bad = page_bad | tile_bad
+    return m_i, l_i, acc, page_bad
+
+
+@triton.jit
+def _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+                       stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                       INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Context tokens ``start .. end-1``: whole tiles first, unmasked, then at most one masked tail tile. The page ids
+    of tile i+1 are a plain load issued during tile i and carried to the next trip, so the K/V loads' addresses do not
+    depend on a load of their own trip and the pipeliner keeps their async copies in flight across the previous
+    tile's math. Returns the softmax state and the page flag (see ``_checked_pages``)."""
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
+    bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # per-lane OR of the tiles' page flags, reduced once after the loop
+    if INTERPRET:
+        # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
+        # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
+        n0 = start
+        while n0 < full_end:
+            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+                                                          stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, bad_n,
+                                                          m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
+                                                          LAZY_RESCALE, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+                                                          stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, bad_n,
+                                                          m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
+                                                          LAZY_RESCALE, DOT_PRECISION)
+    page_bad = tl.max(bad_n, 0)
+    if full_end < end:
+        m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp,
+                                                stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
+                                                PAGE_SIZE, INTERPRET, DOT_PRECISION)
+        page_bad = page_bad | tile_bad
+    return m_i, l_i, acc, page_bad
+
+
+@triton.jit
 def _tree_tile(q, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
                stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -301,66 +363,27 @@ def _tree_attn_partial_kernel(
     k_head = K_ptr + h * stride_kh
     v_head = V_ptr + h * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
-    page_bad = tl.full((), 0, tl.int32)  # 1 once a page id read was out of range (see _checked_pages)
 
     # Context part of this split: no mask besides the split's end.
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     if CONTEXT_DONE_BLOCK > 0:
+        page_bad = tl.full((), 0, tl.int32)  # 1 once a page id read was out of range (see _checked_pages)
         tail = start + tl.maximum(end - start, 0) // CONTEXT_DONE_BLOCK * CONTEXT_DONE_BLOCK
         if tail < end:
             m_i, l_i, acc, page_bad = _context_tile(q, k_head, v_head, bt_row, tail, end, offs_n, offs_d, stride_kp,
                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
                                                     PAGE_SIZE, INTERPRET, DOT_PRECISION)
     elif PIPELINE == 0:
-        # Legacy loop (kept for bench/tree_attention_variants.py): every tile masked, page ids looked up
-        # inside the tile. The pipeliner turns that lookup into an async copy too, and its wait for the
-        # lookup of tile i+1 (the newest group) drains the K/V copies of tile i+1 as well, so the loads
-        # of a tile never overlap the math of the previous one.
-        if INTERPRET:
-            n0 = start
-            while n0 < end:
-                m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
-                                                        stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
-                                                        qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
-                page_bad = page_bad | tile_bad
-                n0 += BLOCK_N
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
-                                                        stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
-                                                        qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
-                page_bad = page_bad | tile_bad
+        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d,
+                                                             stride_kp, stride_ks, stride_vp, stride_vs, num_blocks,
+                                                             m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
+                                                             DOT_PRECISION)
     else:
-        # Whole tiles first, unmasked, then at most one masked tail tile. The page ids of tile i+1 are a
-        # plain load issued during tile i and carried to the next trip, so the K/V loads' addresses do
-        # not depend on a load of their own trip and the pipeliner keeps their async copies in flight
-        # across the previous tile's math.
-        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-        pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
-        bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # per-lane OR of the tiles' page flags, reduced once after the loop
-        if INTERPRET:
-            # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
-            # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
-            n0 = start
-            while n0 < full_end:
-                m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
-                                                              offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                                                              num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-                                                              BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
-                n0 += BLOCK_N
-        else:
-            for n0 in range(start, full_end, BLOCK_N):
-                m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
-                                                              offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                                                              num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-                                                              BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
-        page_bad = tl.max(bad_n, 0)
-        if full_end < end:
-            m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp,
-                                                    stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
-                                                    qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
-            page_bad = page_bad | tile_bad
+        m_i, l_i, acc, page_bad = _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp,
+                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
+                                                     qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+                                                     DOT_PRECISION)
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
     if split == n_splits_b - 1:
