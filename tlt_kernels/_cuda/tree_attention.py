@@ -11,6 +11,9 @@ of ``partial_out`` / ``partial_lse`` are written (the last one includes the tree
 Called by :func:`tlt_kernels.ops.tree_attention.run` (inside the ``tlt::tree_attention_run`` custom
 op) after shape / dtype / device validation; it only checks what the CUDA kernels add (head dim,
 16-byte alignment of the cp.async sources) and never synchronizes, so it is CUDA-graph capturable.
+
+NaN and page ids follow ``run``'s contract in every kernel (csrc/tree_attention.h says how); the page bound is
+``cache_tokens // block_size``, the smaller cache's page count.
 """
 from __future__ import annotations
 

@@ -13,6 +13,12 @@ kernel only combines the ``ceil(context_lens[b] / split_len)`` slots a request a
 
 Online softmax in base 2: with ``qk_scale = sm_scale * log2(e)``, ``p = 2^(s*qk_scale - m)``;
 the stored LSE is natural-log, ``(m + log2(l)) * ln(2)``, as the plan contract says.
+
+NaN (the contract of ``ops.tree_attention.run``): a NaN score makes a row's sum ``l`` NaN, and a split writes a NaN
+LSE for it (never the -inf of an empty split, which the merge would skip); the merge flags NaN LSEs and reads every
+non-empty split's partial. Unattended slots are masked loads (``other=0``). A tree slot whose V holds NaN/inf joins
+P V zeroed, with a NaN score for the rows that see it (``_tree_tile``). A page id outside ``[0, num_blocks)`` is read
+as page 0 and makes the program's rows NaN (``_checked_pages``).
 """
 from __future__ import annotations
 
