@@ -351,23 +351,26 @@ def _force_cuda_path(monkeypatch, path):
     return used
 
 
-def _sm90_case(seed=0):
-    """D=128 (the sm_90 kernels' head dim), 16-token pages, T*G = 6*7 = 42 rows: a long context over several 128-token
-    splits, a short one with padding nodes, an empty one."""
-    return make_case([700, 3, 0], 6, 14, 2, 128, 16, torch.bfloat16, ("random", "chain", "binary"), [6, 4, 5],
-                     seed=seed)
+def _sm90_case(seed=0, wide=False):
+    """D=128 (the sm_90 kernels' head dim), 16-token pages, T*G = 6*7 = 42 rows (wide: 32*7 = 224, two 128-row blocks
+    of the warp-specialized kernel): a long context over several 128-token splits, a short one with padding nodes,
+    an empty one."""
+    T, n = (32, [32, 20, 9]) if wide else (6, [6, 4, 5])
+    return make_case([700, 3, 0], T, 14, 2, 128, 16, torch.bfloat16, ("random", "chain", "binary"), n, seed=seed)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", SM90_PATHS)
+@pytest.mark.parametrize("path", SM90_PATHS + ["128-ws-wide", "128-ws-tma-wide"])
 @pytest.mark.parametrize("split_len", [128, 768], ids=["6-splits", "1-split"])
 @pytest.mark.parametrize("site", ["K-context", "V-context", "K-tree", "V-tree", "V-tree-root", "K-tree-leaf"])
 def test_nan_contract_on_cuda_paths(path, split_len, site, monkeypatch):
     """The NaN contract through each CUDA kernel (NaN/inf garbage in unattended slots, one NaN in a live slot)."""
     _need("cuda")
+    wide = path.endswith("-wide")
+    path = path.removesuffix("-wide")
     used = _force_cuda_path(monkeypatch, path)
     which, b, slot, kv_head = NAN_SITES[site]
-    case = _sm90_case()
+    case = _sm90_case(wide=wide)
     slot = slot + 500 if slot >= 200 else slot  # request 0's context is 700 here
     clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
     fill_unused_slots_with_nan_(case)

@@ -175,7 +175,7 @@ def _check_count(name: str, value, low: int, high: Optional[int] = None, *, opti
     if optional and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
-        allowed = f"an int in [{low}, {high}]" if high is not None else {0: "a non-negative int", 1: "a positive int"}[low]
+        allowed = {0: "a non-negative int", 1: "a positive int"}[low] if high is None else f"an int in [{low}, {high}]"
         raise ValueError(f"{name} must be {allowed}{' (or None)' if optional else ''}, got {value!r}")
 
 
@@ -196,7 +196,9 @@ def _softmax_scale(sm_scale, head_dim: int) -> float:
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
     scale = math.nan
-    if not isinstance(sm_scale, (str, bytes, bool)) and not (isinstance(sm_scale, torch.Tensor) and sm_scale.numel() != 1):
+    one_number = not isinstance(sm_scale, (str, bytes, bool, torch.Tensor)) or (
+        isinstance(sm_scale, torch.Tensor) and sm_scale.numel() == 1)
+    if one_number:
         try:
             scale = float(sm_scale)
         except (TypeError, ValueError):
@@ -214,8 +216,8 @@ def _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_contex
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)")
     _check_count("block_size", block_size, 1, MAX_BLOCK_SIZE)
     _check_count("max_context_len", max_context_len, 0, optional=True)
-    if split_len is not None and (not isinstance(split_len, int) or isinstance(split_len, bool) or split_len < SPLIT_ALIGN
-                                  or split_len % SPLIT_ALIGN):
+    bad_split = not isinstance(split_len, int) or isinstance(split_len, bool) or split_len < 1 or split_len % SPLIT_ALIGN
+    if split_len is not None and bad_split:
         raise ValueError(f"split_len must be a positive multiple of {SPLIT_ALIGN}, got {split_len!r}")
     _check_count("num_blocks", num_blocks, 0, optional=True)
     if not isinstance(validate, bool):
