@@ -141,8 +141,7 @@ ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*
         "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}}
 consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
-              DROP_BITS=0 if FP32 else 16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32",
-              CONTEXT_DONE_BLOCK={done})
+              DROP_BITS=0 if FP32 else 16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
 elem = "*fp32" if FP32 else "*bf16"
 sig = {{n: "constexpr" if n in consts else ptrs.get(n, elem) if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
        for n in names}}
@@ -181,7 +180,7 @@ def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
     premise of its speed)."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, done=0, checks=_T16_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, checks=_T16_CHECKS))
 
 
 @pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
@@ -191,4 +190,4 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     T*G=128) and the other head dims."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, done=0, checks=_FP32_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, checks=_FP32_CHECKS))

@@ -4,9 +4,7 @@ Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometr
 every request with context L and a random tree of T nodes. Impls:
 
 * ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
-* ``tlt-triton+gluon-context`` (sm_90, experimental): the Triton op with every split's whole context tiles on the
-  overlapped Gluon wgmma kernel (``tlt_kernels/_triton/tree_attention_gluon.py``), the tail and the tree part on the
-  partial kernel, then the merge; ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
+* ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
   other side of its context-path rule (``csrc/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
   ``scaled_dot_product_attention`` with a boolean ``[B, 1, T, L+T]`` mask -- what a rollout engine
@@ -179,28 +177,18 @@ def _bench_case(ctx, model, B, L, T):
 
 
 def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes, extra):
-    """Rows ``tlt-triton+gluon-context`` (the Triton op with the experimental Gluon context kernel) and the CUDA op
-    on the other side of its context-path rule: ``tlt-cuda+ctx-sm90`` where the default does not take the sm_90
-    context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128), and
+    """Rows of the CUDA op on the other side of its context-path rule: ``tlt-cuda+ctx-sm90`` where the default does
+    not take the sm_90 context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128), and
     ``tlt-cuda ctx-sm90 64-row chunks`` where the default is its two-warpgroup build (T * G > 64: the one-warpgroup
     build, one CTA per 64 rows), with ``tlt-cuda ctx-sm90 warp-specialized`` (or ``lockstep``) the other build of the
-    128-token kernel (csrc/tree_attention_ctx_sm90_ws.cu;
-    tlt_kernels/_triton/tree_attention_gluon.py, csrc/tree_attention_ctx_sm90.cu), each checked against the first tlt
-    row. A failure is noted, not fatal."""
+    128-token kernel (csrc/tree_attention_ctx_sm90.cu, csrc/tree_attention_ctx_sm90_ws.cu), each checked against the
+    first tlt row. A failure is noted, not fatal."""
     import tlt_kernels._cuda.tree_attention as ct
-    import tlt_kernels._triton.tree_attention as ta
     from tlt_kernels._backend import backend_unavailable_reason
 
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return
     variants = []
-    try:
-        from tlt_kernels._triton import tree_attention_gluon as tg
-
-        if tg.supports(q, plan.num_tree * plan.group, plan.split_len):
-            variants.append(("tlt-triton+gluon-context", ta, "GLUON_CONTEXT", "triton", True))
-    except ImportError as exc:  # a Triton without Gluon
-        ctx.note(f"tlt-triton+gluon-context skipped: {exc}")
     if backend_unavailable_reason("cuda", q.device) is None:
         # The tlt-cuda row is the default rule (the context path where T*G <= 128); these rows force each side of it.
         if ct._use_context_sm90(plan, q, k_cache, v_cache):

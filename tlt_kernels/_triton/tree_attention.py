@@ -22,13 +22,12 @@ as page 0 and makes the program's rows NaN (``_checked_pages``).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .._backend import cuda_capability, triton_interpret_enabled
+from .._backend import triton_interpret_enabled
 
 LOG2E = 1.4426950408889634
 
@@ -70,11 +69,6 @@ PIPELINE = 1
 # cross-warp reduction and barrier per tile, more than the accumulator multiply it skips). Kept as a
 # variant of bench/tree_attention_variants.py.
 LAZY_RESCALE = 0.0
-# Experimental (issue 3; correct on an H100, slower than this kernel alone there: tree_attention_gluon.py's docstring):
-# the context's whole tiles on the Gluon kernel of tree_attention_gluon.py (the softmax overlapping the MMAs), then
-# this kernel for the last split's tail and the tree part only, then the merge. sm_90 bf16/fp16 only; off unless
-# TLT_TREE_ATTENTION_GLUON=1.
-GLUON_CONTEXT = os.environ.get("TLT_TREE_ATTENTION_GLUON", "0") not in ("", "0")
 
 
 def _next_pow2(x: int) -> int:
@@ -331,7 +325,6 @@ def _tree_attn_partial_kernel(
     PIPELINE: tl.constexpr = 1,
     LAZY_RESCALE: tl.constexpr = 0.0,
     DOT_PRECISION: tl.constexpr = "tf32",
-    CONTEXT_DONE_BLOCK: tl.constexpr = 0,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -339,16 +332,9 @@ def _tree_attn_partial_kernel(
     b64 = b.to(tl.int64)
 
     ctx, n_nodes, n_splits_b = _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits)
-    if CONTEXT_DONE_BLOCK > 0:
-        # Every split's whole tiles of CONTEXT_DONE_BLOCK tokens were attended by the Gluon context kernel (slots
-        # 0 .. S-1): one program per row chunk adds the last split's tail and the tree part, into slot S.
-        tl.static_assert(CONTEXT_DONE_BLOCK <= BLOCK_N, "the tail left by the context kernel must fit one tile")
-        split = n_splits_b - 1
-        chunk = pid0
-    else:
-        # Row chunks of one split are adjacent in launch order so their K/V re-reads hit L2.
-        split = pid0 // NUM_M_CHUNKS
-        chunk = pid0 % NUM_M_CHUNKS
+    # Row chunks of one split are adjacent in launch order so their K/V re-reads hit L2.
+    split = pid0 // NUM_M_CHUNKS
+    chunk = pid0 % NUM_M_CHUNKS
 
     offs_m = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < T * G
@@ -373,14 +359,7 @@ def _tree_attn_partial_kernel(
     # Context part of this split: no mask besides the split's end.
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
-    if CONTEXT_DONE_BLOCK > 0:
-        page_bad = tl.full((), 0, tl.int32)  # 1 once a page id read was out of range (see _checked_pages)
-        tail = start + tl.maximum(end - start, 0) // CONTEXT_DONE_BLOCK * CONTEXT_DONE_BLOCK
-        if tail < end:
-            m_i, l_i, acc, page_bad = _context_tile(q, k_head, v_head, bt_row, tail, end, offs_n, offs_d, stride_kp,
-                                                    stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
-                                                    PAGE_SIZE, INTERPRET, DOT_PRECISION)
-    elif PIPELINE == 0:
+    if PIPELINE == 0:
         m_i, l_i, acc, page_bad = _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d,
                                                              stride_kp, stride_ks, stride_vp, stride_vs, num_blocks,
                                                              m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
@@ -400,11 +379,7 @@ def _tree_attn_partial_kernel(
         page_bad = page_bad | tile_bad
 
     o, lse = _split_result(acc, m_i, l_i, page_bad != 0)
-    if CONTEXT_DONE_BLOCK > 0:
-        row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + num_splits) * (T * G) + offs_m
-        tl.store(PartialLse_ptr + row, lse, mask=row_ok)
-        tl.store(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
-    elif n_splits_b == 1:
+    if n_splits_b == 1:
         # The whole request was this program (split 0): write the final rows, zeros for padding nodes.
         if split == 0:
             o = tl.where((t < n_nodes)[:, None], o, 0.0)
@@ -461,16 +436,14 @@ def _tree_attn_merge_kernel(
     BLOCK_R: tl.constexpr,
     INTERPRET: tl.constexpr,
     DROP_BITS: tl.constexpr,
-    TREE_SLOT: tl.constexpr = False,
 ):
     rb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     ctx, n_nodes, n_splits_b = _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits)
-    # Single-split requests were written by the partial kernel, unless the tree part sits in slot S (TREE_SLOT: the
-    # Gluon context kernel wrote slots 0 .. S-1).
-    if n_splits_b > 1 or TREE_SLOT:
+    # Single-split requests were written by the partial kernel.
+    if n_splits_b > 1:
         offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = offs_r < T * G
         offs_d = tl.arange(0, HEAD_DIM)
@@ -485,8 +458,6 @@ def _tree_attn_merge_kernel(
             while s < n_splits_b:
                 m, nan_rows = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m, nan_rows)
                 s += 1
-            if TREE_SLOT:
-                m, nan_rows = _merge_max(PartialLse_ptr, base + num_splits * (T * G), row_ok, m, nan_rows)
             m = tl.where(m == float("-inf"), 0.0, m)
             s = 0
             while s < n_splits_b:
@@ -495,14 +466,9 @@ def _tree_attn_merge_kernel(
         else:
             for s in range(0, n_splits_b):
                 m, nan_rows = _merge_max(PartialLse_ptr, base + s * (T * G), row_ok, m, nan_rows)
-            if TREE_SLOT:
-                m, nan_rows = _merge_max(PartialLse_ptr, base + num_splits * (T * G), row_ok, m, nan_rows)
             m = tl.where(m == float("-inf"), 0.0, m)
             for s in range(0, n_splits_b):
                 acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * (T * G), row_ok, offs_d, m, acc, den, HEAD_DIM)
-        if TREE_SLOT:
-            acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + num_splits * (T * G), row_ok, offs_d, m, acc,
-                                  den, HEAD_DIM)
         o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
         o = tl.where((nan_rows != 0)[:, None], float("nan"), o)
         t = offs_r // G
@@ -551,28 +517,13 @@ def kernel_config(head_dim: int, num_rows: int, fp32: bool = False):
     return block_m, -(-num_rows // block_m), block_n, warps, stages, maxnreg
 
 
-def _gluon_context_fn(plan, q: torch.Tensor):
-    """The Gluon context kernel's launcher when GLUON_CONTEXT is on and it covers these inputs, else None."""
-    if not GLUON_CONTEXT or q.device.type != "cuda" or triton_interpret_enabled():
-        return None
-    if cuda_capability(q.device)[0] != 9:  # wgmma: sm_90 only
-        return None
-    from . import tree_attention_gluon as tg
-
-    return tg.run_context_plan if tg.supports(q, plan.num_tree * plan.group, plan.split_len) else None
-
-
-def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float,
-               context_fn=None, context_block: int = 64) -> torch.Tensor:
+def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+               sm_scale: float) -> torch.Tensor:
     """Run a :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` with Triton; writes and returns ``out``.
 
     ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (same bf16/fp16/fp32 dtype,
     stride 1 along D; fp32 multiplies in exact fp32, see ``FP32_CONFIG``). Launches the partial kernel and, when the plan has more than one split, the
     merge kernel, on the current stream; no host synchronization.
-
-    ``context_fn(plan, q, k_cache, v_cache, sm_scale)``, when given (or picked by ``GLUON_CONTEXT``), writes every
-    split's partial over its whole tiles of ``context_block`` tokens into slots ``0 .. S-1``; the partial kernel then
-    adds only the last split's tail and the tree part (slot ``S``) and the merge always runs.
     """
     B, T, Hq, D = q.shape
     Hkv, G = plan.num_kv_heads, plan.group
@@ -581,19 +532,12 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     M = T * G
     interp = triton_interpret_enabled()
     fp32 = q.dtype == torch.float32
-    if context_fn is None:
-        context_fn = _gluon_context_fn(plan, q)
-    if context_fn is not None and plan.split_len % context_block:
-        raise ValueError(f"split_len {plan.split_len} is not a multiple of the context kernel's tile ({context_block})")
     block_m, chunks, block_n, warps, stages, maxnreg = kernel_config(D, M, fp32)
-    if context_fn is not None:
-        context_fn(plan, q, k_cache, v_cache, sm_scale)
     # maxnreg is a compile option of the GPU backend only; the interpreter has no registers to cap.
     reg_cap = {} if (maxnreg is None or interp) else {"maxnreg": maxnreg}
     block_t = max(16, _next_pow2(T))
     drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
-    done = context_block if context_fn is not None else 0
-    _tree_attn_partial_kernel[(chunks if done else plan.num_splits * chunks, Hkv, B)](
+    _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
         sm_scale * LOG2E, plan.split_len, plan.num_splits, min(k_cache.shape[0], v_cache.shape[0]),
@@ -604,15 +548,15 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32", CONTEXT_DONE_BLOCK=done,
+        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=warps, num_stages=stages, **reg_cap,
     )
-    if plan.num_splits > 1 or done:
+    if plan.num_splits > 1:
         _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](
             out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
             plan.split_len, plan.num_splits,
             out.stride(0), out.stride(1), out.stride(2),
             NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, BLOCK_R=MERGE_BLOCK_R, INTERPRET=interp, DROP_BITS=drop_bits,
-            TREE_SLOT=bool(done), num_warps=4,
+            num_warps=4,
         )
     return out
