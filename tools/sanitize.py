@@ -1,0 +1,110 @@
+"""Run GPU tests under NVIDIA compute-sanitizer and record the result as data.
+
+    python tools/sanitize.py --out bench/results/<card>/sanitizer.json [--budget-s 480]
+
+Each check is one pytest selection run as ``compute-sanitizer --tool <tool> python -m pytest ...`` with the caching
+allocator off (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor is its own allocation, so memcheck sees an access
+past a tensor's end instead of landing inside a cached block). memcheck runs over the CUDA and Triton kernels' test
+files; racecheck over the CUDA kernels that share data through shared memory (verify_tree's and compact_kv's block
+reductions and staging, tree attention's tiles). The record holds the command, commit, date, versions and, per check,
+the sanitizer's error count and pytest's summary line. Exits non-zero if any check reports an error or a failed test.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (tool, pytest arguments): small cases of every kernel; the sanitizers slow a launch by 10-100x.
+CHECKS = [
+    ("memcheck", ["tests/test_cuda_acceptance.py", "-m", "not slow"]),
+    ("memcheck", ["tests/test_tree_attention_cuda.py", "-m", "not slow"]),
+    ("memcheck", ["tests/test_strides.py"]),
+    ("memcheck", ["tests/test_verify_tree_triton.py", "-m", "not slow"]),
+    ("memcheck", ["tests/test_compact_kv.py", "tests/test_build_draft_tree.py", "tests/test_ngram.py", "-m", "not slow"]),
+    ("memcheck", ["tests/test_tree_attention.py", "-m", "not slow", "-k", "nan or range or block_table"]),
+    ("racecheck", ["tests/test_cuda_acceptance.py", "-m", "not slow", "-k", "compact_kv_exact or same_tokens or build_draft_tree_exact"]),
+    ("racecheck", ["tests/test_tree_attention_cuda.py", "-m", "not slow", "-k", "matches_reference or full_trees"]),
+]
+
+
+def find_sanitizer() -> Optional[str]:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        candidate = Path(root or "/nonexistent") / "bin" / "compute-sanitizer"
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def run_check(sanitizer: str, tool: str, pytest_args: List[str], timeout_s: float) -> Dict:
+    cmd = [sanitizer, "--tool", tool, "--target-processes", "all", "--error-exitcode", "99",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or ""), None
+    errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", out)]
+    summary = [line for line in out.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    return {
+        "tool": tool, "pytest_args": pytest_args, "command": " ".join(cmd[:5] + ["python", "-m", "pytest"] + pytest_args),
+        "seconds": round(time.perf_counter() - start, 1), "exit_code": rc, "timed_out": rc is None,
+        "sanitizer_errors": sum(errors) if errors else None, "pytest": summary[-1].strip() if summary else None,
+        "tail": out[-3000:] if (rc not in (0, None) or sum(errors or [0])) else "",
+    }
+
+
+def versions() -> Dict[str, str]:
+    import torch
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": str(torch.version.cuda),
+            "device": props.name, "python": sys.version.split()[0]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the JSON record to write")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all checks; later ones are skipped")
+    args = parser.parse_args()
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        print("compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)", file=sys.stderr)
+        return 2
+    deadline = time.perf_counter() + args.budget_s
+    rows = []
+    for tool, pytest_args in CHECKS:
+        left = deadline - time.perf_counter()
+        if left < 20:
+            rows.append({"tool": tool, "pytest_args": pytest_args, "skipped": "budget spent"})
+            continue
+        rows.append(run_check(sanitizer, tool, pytest_args, left))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "tail"}), flush=True)
+    record = {
+        "suite": "sanitizer", "command": " ".join(["python", "tools/sanitize.py", *sys.argv[1:]]),
+        "commit": os.environ.get("TLT_GIT_COMMIT"), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(), "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    bad = [r for r in rows if r.get("sanitizer_errors") or r.get("exit_code") not in (0, None) or r.get("timed_out")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
