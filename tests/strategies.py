@@ -120,11 +120,12 @@ def layouts(options: Sequence[str] = LAYOUTS) -> st.SearchStrategy:
 
 # ----------------------------------------------------------------------------------------------- trees
 @st.composite
-def trees(draw, B: int, T: int, dtype=None, ragged: bool = True, garbage_padding: bool = True):
-    """``(parents [B, T], num_nodes int32 [B])``: random valid trees (node i's parent uniform in ``[0, i)``:
-    stars, chains and everything between), ragged ``num_nodes``, padding entries arbitrary (the contract ignores
-    them)."""
+def trees(draw, B: int, T: int, dtype=None, ragged: bool = True, garbage_padding: bool = True, n_dtype=None):
+    """``(parents [B, T], num_nodes [B])``: random valid trees (node i's parent uniform in ``[0, i)``: stars, chains
+    and everything between), ragged ``num_nodes``, padding entries arbitrary (the contract ignores them); int32 or
+    int64 each unless given."""
     dtype = dtype or draw(st.sampled_from(INT_DTYPES))
+    n_dtype = n_dtype or draw(st.sampled_from(INT_DTYPES))
     rows, ns = [], []
     for _ in range(B):
         n = draw(st.integers(1, T)) if ragged else T
@@ -137,7 +138,7 @@ def trees(draw, B: int, T: int, dtype=None, ragged: bool = True, garbage_padding
         rows.append(row)
         ns.append(n)
     parents = torch.tensor(rows, dtype=dtype).reshape(B, T)
-    return parents, torch.tensor(ns, dtype=torch.int32).reshape(B)
+    return parents, torch.tensor(ns, dtype=n_dtype).reshape(B)
 
 
 def star_like(parents: torch.Tensor) -> torch.Tensor:

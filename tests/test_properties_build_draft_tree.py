@@ -123,7 +123,19 @@ def _relaid(draw, p):
 @given(st.data())
 @pytest.mark.parametrize("backend", backend_params())
 def test_build_draft_tree_matches_greedy_frontier_in_every_layout(backend, data):
-    problem, cumulative = data.draw(build_problems(), label="problem")
+    _matches_greedy_frontier(backend, data, min_B=1)
+
+
+@budget(3)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_empty_batch(backend, data):
+    """B = 0 (its own property: a failure here must not stop the search on non-empty batches)."""
+    _matches_greedy_frontier(backend, data, max_B=0)
+
+
+def _matches_greedy_frontier(backend, data, **sizes):
+    problem, cumulative = data.draw(build_problems(**sizes), label="problem")
     relaid, chosen = _relaid(data.draw, problem)
     note(f"layouts: {chosen}")
     contiguous = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in relaid.items()}

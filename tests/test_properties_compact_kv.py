@@ -155,7 +155,19 @@ def _run(p, backend):
 @given(st.data())
 @pytest.mark.parametrize("backend", backend_params())
 def test_compact_kv_moves_exactly_the_path(backend, data):
-    problem = data.draw(compact_problems(), label="problem")
+    _moves_exactly_the_path(backend, data, min_B=1)
+
+
+@budget(3)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_empty_batch(backend, data):
+    """B = 0 (its own property: a failure here must not stop the search on non-empty batches)."""
+    _moves_exactly_the_path(backend, data, max_B=0)
+
+
+def _moves_exactly_the_path(backend, data, **sizes):
+    problem = data.draw(compact_problems(**sizes), label="problem")
     relaid, chosen = _relaid(data.draw, problem)
     note(f"layouts: {chosen}")
     relaid = _fresh(relaid)

@@ -109,7 +109,19 @@ def _contiguous(p):
 @given(st.data())
 @pytest.mark.parametrize("backend", backend_params())
 def test_ngram_propose_matches_prompt_lookup_in_every_layout(backend, data):
-    problem = data.draw(ngram_problems(), label="problem")
+    _propose_matches(backend, data, min_B=1)
+
+
+@budget(3)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_ngram_propose_empty_batch(backend, data):
+    """B = 0 (its own property: a failure here must not stop the search on non-empty batches)."""
+    _propose_matches(backend, data, max_B=0)
+
+
+def _propose_matches(backend, data, **sizes):
+    problem = data.draw(ngram_problems(**sizes), label="problem")
     relaid, chosen = _relaid(data.draw, problem)
     note(f"layouts: {chosen}")
     contiguous = _contiguous(relaid)
@@ -137,7 +149,19 @@ def test_ngram_propose_matches_prompt_lookup_in_every_layout(backend, data):
 @given(st.data(), st.integers(1, 3))
 @pytest.mark.parametrize("backend", backend_params())
 def test_ngram_propose_tree_is_the_trie_of_recent_continuations(backend, data, R):
-    problem = data.draw(ngram_problems(), label="problem")
+    _tree_matches(backend, data, R, min_B=1)
+
+
+@budget(3)
+@given(st.data(), st.integers(1, 3))
+@pytest.mark.parametrize("backend", backend_params())
+def test_ngram_propose_tree_empty_batch(backend, data, R):
+    """B = 0 (its own property: a failure here must not stop the search on non-empty batches)."""
+    _tree_matches(backend, data, R, max_B=0)
+
+
+def _tree_matches(backend, data, R, **sizes):
+    problem = data.draw(ngram_problems(**sizes), label="problem")
     relaid, chosen = _relaid(data.draw, problem)
     note(f"layouts: {chosen}")
     contiguous = _contiguous(relaid)

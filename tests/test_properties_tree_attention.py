@@ -36,7 +36,7 @@ def attention_problems(draw, backend="torch", max_B=3, max_T=6, max_ctx=40, min_
     bs = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     dtype = draw(st.sampled_from(FLOAT_DTYPES))
     g = gen(draw(seeds))
-    parents, n = draw(trees(B, T))
+    parents, n = draw(trees(B, T, n_dtype=torch.int32))  # tree_attention takes int32 num_nodes tensors
     ctx = [draw(st.integers(0, max_ctx)) for _ in range(B)]
     W = max([-(-(c + T) // bs) for c in ctx] + [1]) + draw(st.integers(0, 1))
     shared = draw(st.booleans()) and B > 1  # requests may share pages (a common prefix): read-only here
@@ -200,7 +200,20 @@ def _check(got, p, want64, what):
 @given(st.data())
 @pytest.mark.parametrize("backend", backend_params())
 def test_tree_attention_matches_naive_attention_in_every_layout(backend, data):
-    problem = data.draw(attention_problems(backend), label="problem")
+    _matches_naive_attention(backend, data, min_B=1)
+
+
+@budget(3)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_empty_batch(backend, data):
+    """B = 0, an empty cache allowed (its own property: a failure here must not stop the search on non-empty
+    batches)."""
+    _matches_naive_attention(backend, data, max_B=0)
+
+
+def _matches_naive_attention(backend, data, **sizes):
+    problem = data.draw(attention_problems(backend, **sizes), label="problem")
     relaid, chosen = _relaid(data.draw, problem)
     base, out, chosen["out"] = _out_buffer(data.draw, problem["q"])
     note(f"layouts: {chosen}")
@@ -238,7 +251,7 @@ def test_tree_attention_matches_naive_attention_in_every_layout(backend, data):
 def test_plan_runs_every_layer_with_several_splits(backend, data):
     """One plan (split_len 64, so contexts past 64 tokens take several splits and a merge; an explicit
     max_context_len) runs two layers, each matching the naive attention."""
-    problem = data.draw(attention_problems(backend, max_B=2, max_T=4, max_ctx=150), label="problem")
+    problem = data.draw(attention_problems(backend, max_B=2, max_T=4, max_ctx=150, min_B=1), label="problem")
     B, T, Hq, D = problem["q"].shape
     Hkv = problem["k_cache"].shape[2]
     relaid, chosen = _relaid(data.draw, problem)

@@ -281,7 +281,7 @@ def _call(problem, backend):
 
 # ----------------------------------------------------------------------------------------------- properties
 @budget(40)
-@given(verify_problems())
+@given(verify_problems(min_B=1))
 def test_reference_invariants(case):
     """The torch reference itself: invariants, and the same result on a second call (pure function of the seed)."""
     problem, host = case
@@ -296,7 +296,19 @@ def test_reference_invariants(case):
 def test_backends_match_reference_in_every_layout(backend, data):
     """Each backend, on a drawn layout of every tensor argument, returns exactly the reference's outputs on the
     contiguous inputs (and satisfies the invariants)."""
-    problem, host = data.draw(verify_problems(), label="problem")
+    _backends_match(backend, data, min_B=1)
+
+
+@budget(3)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_empty_batch(backend, data):
+    """B = 0 (its own property: a failure here must not stop the search on non-empty batches)."""
+    _backends_match(backend, data, max_B=0)
+
+
+def _backends_match(backend, data, **sizes):
+    problem, host = data.draw(verify_problems(**sizes), label="problem")
     V = problem["logits"].shape[2]
     relaid, host, chosen = _relaid(data.draw, problem, host, V)
     note(f"layouts: {chosen}")
@@ -307,7 +319,7 @@ def test_backends_match_reference_in_every_layout(backend, data):
 
 
 @budget(10)
-@given(verify_problems(max_B=3, max_T=5, max_V=16), st.sampled_from(BIG_INTS))
+@given(verify_problems(max_B=3, max_T=5, max_V=16, min_B=1), st.sampled_from(BIG_INTS))
 @pytest.mark.parametrize("backend", backend_params())
 def test_offset_changes_only_the_coins(backend, case, offset):
     """A different offset is another valid call: the backends still agree exactly (same Philox stream)."""
@@ -319,7 +331,7 @@ def test_offset_changes_only_the_coins(backend, case, offset):
 
 
 @budget(6)
-@given(verify_problems(max_B=3, max_T=5, max_V=12), st.sampled_from([2**31 - 1, 2**31, 2**32 + 1, 2**40, 2**63 - 1]))
+@given(verify_problems(max_B=3, max_T=5, max_V=12, min_B=1), st.sampled_from([2**31 - 1, 2**31, 2**32 + 1, 2**40, 2**63 - 1]))
 @pytest.mark.parametrize("backend", backend_params())
 def test_top_k_past_int32_means_off(backend, case, k):
     """``top_k >= V`` is documented as off, however large: the result equals ``top_k=None`` (or, if the op chooses to
@@ -342,7 +354,7 @@ def _wrap64(v):
 
 
 @budget(6)
-@given(verify_problems(max_B=3, max_T=5, max_V=12), st.integers(-(2**70), 2**70), st.integers(-(2**70), 2**70),
+@given(verify_problems(max_B=3, max_T=5, max_V=12, min_B=1), st.integers(-(2**70), 2**70), st.integers(-(2**70), 2**70),
        st.sampled_from(["scalar", "list"]))
 @pytest.mark.parametrize("backend", backend_params())
 def test_seeds_and_offsets_are_taken_modulo_2_64(backend, case, seed, offset, form):
