@@ -160,6 +160,18 @@ def test_tiny_temperatures_sample_uniformly_among_the_maximal_logits(backend, dt
     assert set(res[0][:, 0].tolist()) == {1, 3, 6}
 
 
+@pytest.mark.parametrize("backend", ["torch"] + KERNELS)
+def test_small_temperatures_on_ordinary_logits(backend):
+    """Logits of tens with temperatures of 1e-4 .. 1e-9: l / T is large but finite, and a kernel that scales before
+    subtracting the max (2^(l ks - M ks)) loses the max's weight to the rounding of M ks."""
+    row = torch.tensor([40.0, 39.5, 40.0, 12.0, NEG, -30.0])
+    temps = [1e-4, 1e-6, 1e-8, 1e-9] * 4
+    B = len(temps)
+    res = _agree(backend, row.expand(B, 1, 6).contiguous(), torch.zeros(B, 1, dtype=torch.int64),
+                 torch.full((B, 1), -1, dtype=torch.int32), temperature=temps, seed=list(range(B)))
+    assert set(res[0][:, 0].tolist()) == {0, 2}
+
+
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_logits_at_dtype_limits_any_temperature(backend, dtype):
