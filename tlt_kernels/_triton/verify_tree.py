@@ -478,9 +478,10 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     if B > 0:
         _verify_tree_kernel[(B,)](
             logits, dprobs, draft_tokens, parents, num_nodes.to(torch.int32).contiguous(),
-            temperature if temperature is not None else dummy_f,
-            top_k if top_k is not None else dummy_f,
-            top_p if top_p is not None else dummy_f,
+            # Read at index b: a view (a column, an expanded scalar) must be dense (the op already made it so).
+            temperature.contiguous() if temperature is not None else dummy_f,
+            top_k.contiguous() if top_k is not None else dummy_f,
+            top_p.contiguous() if top_p is not None else dummy_f,
             seed.contiguous(), offset.contiguous(), scratch,
             out_tokens, out_num, out_nodes, out_err, out_stats if return_stats else out_err,
             T, V, max_depth,
