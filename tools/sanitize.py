@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -55,11 +56,14 @@ def run_check(sanitizer: str, tool: str, pytest_args: List[str], timeout_s: floa
            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args]
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     start = time.perf_counter()
+    # A session of its own, so a timeout stops the sanitizer and the python it runs (which holds the GPU) together.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        out, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out, rc = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or ""), None
+        out, rc = proc.communicate(timeout=timeout_s)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, rc = proc.communicate()[0], None
     errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", out)]
     summary = [line for line in out.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     return {
