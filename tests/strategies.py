@@ -59,6 +59,10 @@ def backend_params(backends: Sequence[str] = None):
     out = []
     for name in backends or ("torch", "triton"):
         marks = [pytest.mark.triton] if name == "triton" else []
+        if name != "torch" and torch.cuda.is_available():
+            # The problems are drawn as CPU tensors, which kernels run only in the interpreter; on a GPU the kernels'
+            # agreement in every layout is tested by test_strides.py and the ops' own test files.
+            marks.append(pytest.mark.skip(reason="the property suite runs kernels in the CPU interpreter"))
         out.append(pytest.param(name, marks=marks, id=name))
     return out
 

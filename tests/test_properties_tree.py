@@ -137,7 +137,8 @@ TREE_FUNCS = {
     "tree_depths": tlt.tree_depths,
     "tree_ancestor_mask": tlt.tree_ancestor_mask,
     "tree_ancestor_mask_packed": tlt.tree_ancestor_mask_packed,
-    "tree_positions": lambda p, n: tlt.tree_positions(p, torch.zeros(p.shape[0] if p.dim() else 1, dtype=torch.int32), n),
+    "tree_positions": lambda p, n: tlt.tree_positions(
+        p, torch.zeros(p.shape[0] if isinstance(p, torch.Tensor) and p.dim() else 1, dtype=torch.int32), n),
 }
 
 
@@ -185,8 +186,7 @@ def test_pack_unpack_reject_bad_arguments(bad):
     assert_rejects(call, name, torch.rand(2, 5, 5) < 0.5)
 
 
-@pytest.mark.parametrize("args", [(-1, 3), (2, 0), (2.0, 3), (2, -1)], ids=["batch<0", "nodes=0", "batch-float",
-                                                                           "nodes<0"])
-def test_chain_parents_rejects_bad_sizes(args):
-    name = "batch" if args[0] != 2 else "num_nodes"
+@pytest.mark.parametrize("name,args", [("batch", (-1, 3)), ("num_nodes", (2, 0)), ("batch", (2.0, 3)),
+                                       ("num_nodes", (2, -1))], ids=["batch<0", "nodes=0", "batch-float", "nodes<0"])
+def test_chain_parents_rejects_bad_sizes(name, args):
     assert_rejects(tlt.chain_parents, name, *args)

@@ -20,14 +20,32 @@ from ._validation import check_tensor
 _INT_DTYPES = (torch.int32, torch.int64)
 
 
+def _check_count(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _check_parents(parents) -> None:
+    """Metadata checks of a ``parents`` tensor (no host sync): what every tree utility needs."""
+    check_tensor("parents", parents, dtype=_INT_DTYPES, ndim=2)
+    if parents.shape[1] < 1:
+        raise ValueError(f"parents must hold at least one node (the root) per request, got shape {tuple(parents.shape)}")
+
+
 def chain_parents(batch: int, num_nodes: int, device="cpu") -> torch.Tensor:
     """``int32 [batch, num_nodes]`` parents of a chain: ``[-1, 0, 1, ..., num_nodes-2]``."""
+    _check_count("batch", batch, 0)
+    _check_count("num_nodes", num_nodes, 1)
     row = torch.arange(-1, num_nodes - 1, dtype=torch.int32, device=device)
     return row.unsqueeze(0).expand(batch, num_nodes).contiguous()
 
 
 def resolve_num_nodes(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) -> torch.Tensor:
     """``num_nodes`` as ``int32 [B]`` (all ``T`` when None)."""
+    _check_parents(parents)
     B, T = parents.shape
     if num_nodes is None:
         return torch.full((B,), T, dtype=torch.int32, device=parents.device)
@@ -40,10 +58,8 @@ def validate_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = Non
 
     Synchronizes with the device (it reads the values): use it outside CUDA-graph capture.
     """
-    check_tensor("parents", parents, dtype=_INT_DTYPES, ndim=2)
+    _check_parents(parents)
     B, T = parents.shape
-    if T < 1:
-        raise ValueError("parents must hold at least one node (the root) per request")
     n = resolve_num_nodes(parents, num_nodes)
     n_cpu = n.cpu()
     bad_n = ((n_cpu < 1) | (n_cpu > T)).nonzero()
@@ -56,14 +72,15 @@ def validate_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = Non
     root_bad = p[:, 0] != -1
     if root_bad.any():
         b = int(root_bad.nonzero()[0, 0])
-        raise ValueError(f"invalid tree: request {b}, node 0 (the root) must have parent -1, got {int(p[b, 0])}")
+        raise ValueError(f"invalid tree: request {b}, node 0 (the root) must have parent -1, got {int(p[b, 0])} "
+                         f"(parents[{b}, 0])")
     nonroot = valid & (idx.unsqueeze(0) > 0)
     bad = nonroot & ((p < 0) | (p >= idx.unsqueeze(0)))
     if bad.any():
         b, i = (int(v) for v in bad.nonzero()[0])
         par = int(p[b, i])
         why = "a parent must precede its child (topological order; this also rules out cycles)" if par >= 0 else "only the root may have a negative parent"
-        raise ValueError(f"invalid tree: request {b}, node {i} has parent {par}: {why}")
+        raise ValueError(f"invalid tree: request {b}, node {i} has parent {par}: {why} (parents[{b}, {i}])")
     return n
 
 
@@ -73,6 +90,7 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
     Pointer jumping: after ``ceil(log2 T)`` rounds every node has counted its ancestors, so this
     runs as a handful of gathers with no host synchronization.
     """
+    _check_parents(parents)
     B, T = parents.shape
     n = resolve_num_nodes(parents, num_nodes)
     idx = torch.arange(T, device=parents.device)
@@ -90,6 +108,7 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
 
 def tree_positions(parents: torch.Tensor, context_lens: torch.Tensor, num_nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``int32 [B, T]`` position ids of the nodes (for RoPE): ``context_lens[b] + depth``."""
+    _check_parents(parents)
     check_tensor("context_lens", context_lens, dtype=_INT_DTYPES, shape=(parents.shape[0],), device=parents.device)
     return (context_lens.to(torch.int32).unsqueeze(1) + tree_depths(parents, num_nodes)).to(torch.int32)
 
@@ -99,6 +118,7 @@ def tree_ancestor_mask(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] 
 
     Rows and columns of padding nodes are all False.
     """
+    _check_parents(parents)
     B, T = parents.shape
     n = resolve_num_nodes(parents, num_nodes)
     idx = torch.arange(T, device=parents.device)
@@ -133,6 +153,9 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
 def unpack_tree_mask(packed: torch.Tensor, num_cols: int) -> torch.Tensor:
     """Inverse of :func:`pack_tree_mask`: ``int32 [B, T, W]`` -> ``bool [B, T, num_cols]``."""
     check_tensor("packed", packed, dtype=torch.int32, ndim=3)
+    _check_count("num_cols", num_cols, 0)
+    if num_cols > 32 * packed.shape[2]:
+        raise ValueError(f"num_cols = {num_cols} exceeds the {32 * packed.shape[2]} bits of {packed.shape[2]} words per row")
     bits = torch.arange(32, device=packed.device, dtype=torch.int64)
     words = packed.to(torch.int64) & 0xFFFFFFFF
     unpacked = (words.unsqueeze(-1) >> bits) & 1

@@ -32,7 +32,7 @@ def _as_layers(name: str, caches: Caches) -> List[torch.Tensor]:
     layers = [caches] if isinstance(caches, torch.Tensor) else list(caches)
     if not layers:
         raise ValueError(f"{name} must be a tensor or a non-empty list of tensors (one per layer)")
-    first = layers[0]
+    first = check_tensor(name if isinstance(caches, torch.Tensor) else f"{name}[0]", layers[0])
     for i, t in enumerate(layers):
         label = name if isinstance(caches, torch.Tensor) else f"{name}[{i}]"
         check_tensor(label, t, ndim=4, shape=tuple(first.shape) if i else None, device=first.device)

@@ -98,8 +98,9 @@ def ngram_propose_tree(tokens: torch.Tensor, lengths: torch.Tensor, k: int, num_
     node = node * is_new
     # Parent of new node (r, j): root for j = 0, else the node that represents (r, j-1).
     canon_up = canon[:, :, :-1]
-    up = node[:, :, :-1].reshape(B, R * (k - 1)) if k > 1 else node[:, :, :0].reshape(B, 0)
-    parent_prev = up.gather(1, (canon_up * (k - 1) + j[:-1].view(1, 1, -1)).reshape(B, -1)).view(B, R, k - 1)
+    up = node[:, :, :-1].reshape(B, R * (k - 1))
+    # reshape(B, -1) cannot infer a size from an empty batch: name it.
+    parent_prev = up.gather(1, (canon_up * (k - 1) + j[:-1].view(1, 1, -1)).reshape(B, R * (k - 1))).view(B, R, k - 1)
     par = torch.cat([torch.zeros(B, R, 1, dtype=torch.int64, device=dev), parent_prev], dim=2)
     dst = torch.where(is_new, node, torch.full_like(node, T)).reshape(B, R * k)
     parents = torch.zeros(B, T + 1, dtype=torch.int64, device=dev).scatter_(1, dst, par.reshape(B, R * k))[:, :T]
