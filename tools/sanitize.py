@@ -32,9 +32,11 @@ CHECKS = [  # most recently changed kernels first: a budget that runs out skips 
     ("memcheck", ["tests/test_verify_tree_edge_cases.py", "-k", "cuda"]),
     ("racecheck", ["tests/test_tree_attention_cuda.py", "-m", "not slow", "-k", "matches_reference"]),
     ("racecheck", ["tests/test_cuda_acceptance.py", "-m", "not slow", "-k", "compact_kv_exact or build_draft_tree_exact"]),
-    ("memcheck", ["tests/test_strides.py"]),
-    ("memcheck", ["tests/test_cuda_acceptance.py", "-m", "not slow"]),
-    ("memcheck", ["tests/test_tree_attention_cuda.py", "-m", "not slow"]),
+    ("memcheck", ["tests/test_strides.py", "-k", "verify_tree or compact_kv or build_draft_tree"]),
+    # Graph-capture tests are left out: without the caching allocator a capture's allocations are cudaMalloc calls,
+    # which capture forbids, so they fail for the sanitizer's setting, not the kernels.
+    ("memcheck", ["tests/test_cuda_acceptance.py", "-m", "not slow", "-k", "not graph"]),
+    ("memcheck", ["tests/test_tree_attention_cuda.py", "-m", "not slow", "-k", "not graph"]),
     ("racecheck", ["tests/test_cuda_acceptance.py", "-m", "not slow", "-k", "same_tokens"]),
     ("memcheck", ["tests/test_verify_tree_triton.py", "-m", "not slow"]),
 ]
