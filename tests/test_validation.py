@@ -31,3 +31,28 @@ def test_dense_copies_only_views():
     assert out.is_contiguous() and torch.equal(out, view) and out.data_ptr() != t.data_ptr()
     expanded = torch.tensor([5]).expand(4)
     assert dense(expanded).stride() == (1,) and dense(expanded).tolist() == [5, 5, 5, 5]
+
+
+def test_narrowing_integer_casts_saturate():
+    from tlt_kernels._validation import saturate_to
+
+    big = torch.tensor([2**32 + 3, -(2**40), 7], dtype=torch.int64)
+    assert saturate_to(big, torch.int32).tolist() == [2**31 - 1, -(2**31), 7]
+    assert saturate_to(torch.tensor([300, -5], dtype=torch.int32), torch.uint8).tolist() == [255, 0]
+    same = torch.tensor([1, 2], dtype=torch.int32)
+    assert saturate_to(same, torch.int32) is same
+    assert saturate_to(torch.tensor([1.5]), torch.float64).dtype == torch.float64
+
+
+def test_wrapped_counts_are_out_of_range_not_plausible():
+    """num_nodes / context_lens past int32 used to wrap to small, valid-looking values (2**32 + 3 -> 3)."""
+    import pytest
+
+    import tlt_kernels as tlt
+
+    parents = torch.tensor([[-1, 0, 1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="num_nodes"):
+        tlt.validate_tree(parents, torch.tensor([2**32 + 3]))
+    with pytest.raises(ValueError, match="context_lens"):
+        tlt.plan_tree_attention(parents, torch.tensor([2**32 + 5]), torch.zeros(1, 4, dtype=torch.int32),
+                                num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16, num_blocks=4)

@@ -76,6 +76,20 @@ def same_device(device: torch.device, **tensors) -> None:
             raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
 
 
+def saturate_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, but a narrowing integer cast saturates instead of wrapping: ``2**32 + 3`` as int32 would be
+    3, a plausible and wrong value; saturated it stays out of range, where validation (or a kernel's guard) sees
+    it. A device op: no host sync, capturable."""
+    if t.dtype == dtype:
+        return t
+    integer = lambda d: not d.is_floating_point and not d.is_complex and d != torch.bool  # noqa: E731
+    if integer(t.dtype) and integer(dtype):
+        src, dst = torch.iinfo(t.dtype), torch.iinfo(dtype)
+        if src.min < dst.min or src.max > dst.max:
+            t = t.clamp(max(src.min, dst.min), min(src.max, dst.max))
+    return t.to(dtype)
+
+
 def per_request(name: str, value, batch: int, device: torch.device, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """Turn a scalar / sequence / ``[B]`` tensor per-request parameter into a ``[B]`` tensor (None stays None)."""
     if value is None:
@@ -87,7 +101,7 @@ def per_request(name: str, value, batch: int, device: torch.device, dtype: torch
             raise ValueError(f"{name} must be a scalar or a [B]={batch} tensor, got shape {tuple(value.shape)}")
         if not devices_equal(value.device, device):
             raise ValueError(f"{name} is on {value.device} but the other inputs are on {device}")
-        return value.to(dtype)
+        return saturate_to(value, dtype)
     if isinstance(value, (int, float)):
         return torch.full((batch,), value, dtype=dtype, device=device)
     seq = list(value)

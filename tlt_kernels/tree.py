@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ._validation import check_tensor
+from ._validation import check_tensor, saturate_to
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -50,7 +50,7 @@ def resolve_num_nodes(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]) 
     if num_nodes is None:
         return torch.full((B,), T, dtype=torch.int32, device=parents.device)
     check_tensor("num_nodes", num_nodes, dtype=_INT_DTYPES, shape=(B,), device=parents.device)
-    return num_nodes.to(torch.int32)
+    return saturate_to(num_nodes, torch.int32)  # 2**32 + 3 stays out of range instead of wrapping to 3
 
 
 def validate_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._backend import backend_unavailable_reason, direct_dispatch_ok, process_constant, register_op
-from .._validation import check_tensor, dense, per_request
+from .._validation import check_tensor, dense, per_request, saturate_to
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
 
@@ -167,7 +167,7 @@ def _capturing() -> bool:
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
-    return dense(t if t.dtype == torch.int32 else t.to(torch.int32))
+    return dense(saturate_to(t, torch.int32))
 
 
 def _check_count(name: str, value, low: int, high: Optional[int] = None, *, optional: bool = False) -> None:
