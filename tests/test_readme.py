@@ -35,3 +35,10 @@ def test_integration_example_runs_and_matches_transformers():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     verdicts = re.findall(r"identical to transformers greedy: (\w+)", proc.stdout)
     assert verdicts == ["True", "True"], proc.stdout[-2000:]
+
+
+def test_readme_is_a_users_guide():
+    """Work tracking (issues, owners, blocked targets, work branches) belongs in the issue notes, not the README."""
+    text = README.read_text()
+    found = re.findall(r"\b(issues?|owners?|blocked|wip/\S+|branch(?:es)?)\b", text, flags=re.I)
+    assert not found, f"README.md speaks of {sorted(set(found))}"
