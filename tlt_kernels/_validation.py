@@ -1,6 +1,7 @@
 """Input checks shared by every op. Messages name the argument, what was expected and what came."""
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -68,6 +69,23 @@ def dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None or t.is_contiguous():
         return t
     return t.contiguous()
+
+
+def check_positive_ints(where: str, **values) -> None:
+    """Each of ``values`` must be an int (not a bool) >= 1: ValueError naming ``where``, the parameter and its value,
+    in the order given."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{where}: {name} must be an int >= 1, got {v!r}")
+
+
+def check_int(name: str, value, low: int) -> int:
+    """``value`` must be a Python int (not a bool; TypeError) >= ``low`` (ValueError), both naming it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
 
 
 def same_device(device: torch.device, **tensors) -> None:

@@ -15,17 +15,9 @@ from typing import Optional
 
 import torch
 
-from ._validation import check_tensor, saturate_to
+from ._validation import check_int, check_tensor, saturate_to
 
 _INT_DTYPES = (torch.int32, torch.int64)
-
-
-def _check_count(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 def _check_parents(parents) -> None:
@@ -37,8 +29,8 @@ def _check_parents(parents) -> None:
 
 def chain_parents(batch: int, num_nodes: int, device="cpu") -> torch.Tensor:
     """``int32 [batch, num_nodes]`` parents of a chain: ``[-1, 0, 1, ..., num_nodes-2]``."""
-    _check_count("batch", batch, 0)
-    _check_count("num_nodes", num_nodes, 1)
+    check_int("batch", batch, 0)
+    check_int("num_nodes", num_nodes, 1)
     row = torch.arange(-1, num_nodes - 1, dtype=torch.int32, device=device)
     return row.unsqueeze(0).expand(batch, num_nodes).contiguous()
 
@@ -58,9 +50,8 @@ def validate_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = Non
 
     Synchronizes with the device (it reads the values): use it outside CUDA-graph capture.
     """
-    _check_parents(parents)
+    n = resolve_num_nodes(parents, num_nodes)  # checks parents first
     B, T = parents.shape
-    n = resolve_num_nodes(parents, num_nodes)
     n_cpu = n.cpu()
     bad_n = ((n_cpu < 1) | (n_cpu > T)).nonzero()
     if bad_n.numel():
@@ -90,9 +81,8 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
     Pointer jumping: after ``ceil(log2 T)`` rounds every node has counted its ancestors, so this
     runs as a handful of gathers with no host synchronization.
     """
-    _check_parents(parents)
+    n = resolve_num_nodes(parents, num_nodes)  # checks parents first
     B, T = parents.shape
-    n = resolve_num_nodes(parents, num_nodes)
     idx = torch.arange(T, device=parents.device)
     valid = idx.unsqueeze(0) < n.unsqueeze(1).to(idx.dtype)
     anc = torch.where(valid & (idx > 0), parents.to(torch.int64), torch.full_like(idx, -1).expand(B, T))
@@ -108,9 +98,9 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
 
 def tree_positions(parents: torch.Tensor, context_lens: torch.Tensor, num_nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``int32 [B, T]`` position ids of the nodes (for RoPE): ``context_lens[b] + depth``."""
-    _check_parents(parents)
+    depths = tree_depths(parents, num_nodes)  # checks parents first
     check_tensor("context_lens", context_lens, dtype=_INT_DTYPES, shape=(parents.shape[0],), device=parents.device)
-    return (context_lens.to(torch.int32).unsqueeze(1) + tree_depths(parents, num_nodes)).to(torch.int32)
+    return (context_lens.to(torch.int32).unsqueeze(1) + depths).to(torch.int32)
 
 
 def tree_ancestor_mask(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -118,9 +108,8 @@ def tree_ancestor_mask(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] 
 
     Rows and columns of padding nodes are all False.
     """
-    _check_parents(parents)
+    n = resolve_num_nodes(parents, num_nodes)  # checks parents first
     B, T = parents.shape
-    n = resolve_num_nodes(parents, num_nodes)
     idx = torch.arange(T, device=parents.device)
     valid = idx.unsqueeze(0) < n.unsqueeze(1).to(idx.dtype)
     mask = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
@@ -153,7 +142,7 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
 def unpack_tree_mask(packed: torch.Tensor, num_cols: int) -> torch.Tensor:
     """Inverse of :func:`pack_tree_mask`: ``int32 [B, T, W]`` -> ``bool [B, T, num_cols]``."""
     check_tensor("packed", packed, dtype=torch.int32, ndim=3)
-    _check_count("num_cols", num_cols, 0)
+    check_int("num_cols", num_cols, 0)
     if num_cols > 32 * packed.shape[2]:
         raise ValueError(f"num_cols = {num_cols} exceeds the {32 * packed.shape[2]} bits of {packed.shape[2]} words per row")
     bits = torch.arange(32, device=packed.device, dtype=torch.int64)

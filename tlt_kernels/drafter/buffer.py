@@ -18,6 +18,8 @@ from typing import Deque, Optional
 
 import torch
 
+from .._validation import check_positive_ints
+
 
 @dataclass
 class _Entry:
@@ -137,9 +139,7 @@ class RolloutBuffer:
 
         Windows start uniformly inside their entry; shorter entries are zero-padded and masked.
         """
-        for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"RolloutBuffer.sample: {name} must be an int >= 1, got {v!r}")
+        check_positive_ints("RolloutBuffer.sample", batch_size=batch_size, seq_len=seq_len)
         if not self._entries:
             raise RuntimeError("RolloutBuffer.sample: the buffer is empty; add rollouts first")
         entries = list(self._entries)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validation import check_tensor
+from .._validation import check_positive_ints, check_tensor
 
 # ---------------------------------------------------------------------------------------------
 # Configuration and shared target pieces
@@ -164,9 +164,7 @@ class DrafterKVCache:
 
     def allocate(self, batch_size: int, max_tokens: int) -> torch.Tensor:
         """``int32 [batch_size, ceil(max_tokens / block_size)]`` block table of fresh blocks."""
-        for name, v in (("batch_size", batch_size), ("max_tokens", max_tokens)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"DrafterKVCache.allocate: {name} must be an int >= 1, got {v!r}")
+        check_positive_ints("DrafterKVCache.allocate", batch_size=batch_size, max_tokens=max_tokens)
         nb = -(-max_tokens // self.block_size)
         if nb * batch_size > len(self._free):
             raise RuntimeError(

@@ -8,13 +8,12 @@ whole batch in one launch.
 """
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
 from .._backend import BACKENDS
-from .._validation import check_tensor
+from .._validation import check_positive_ints, check_tensor
 from ..tree import chain_parents
 
 
@@ -62,9 +61,7 @@ class NGramDrafter:
     """
 
     def __init__(self, batch_size: int, max_len: int, device="cpu", min_n: int = 1, max_n: int = 4, backend: str = "auto"):
-        for name, v in (("batch_size", batch_size), ("max_len", max_len), ("min_n", min_n), ("max_n", max_n)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"NGramDrafter: {name} must be an int >= 1, got {v!r}")
+        check_positive_ints("NGramDrafter", batch_size=batch_size, max_len=max_len, min_n=min_n, max_n=max_n)
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         if backend not in BACKEND_NAMES:

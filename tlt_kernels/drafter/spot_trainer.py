@@ -18,7 +18,6 @@ without touching the weights: the weights are always those after a whole optimiz
 """
 from __future__ import annotations
 
-import numbers
 import os
 import time
 import warnings
@@ -28,6 +27,7 @@ from typing import Callable, Dict, Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .._validation import check_positive_ints
 from .buffer import RolloutBuffer, TrainBatch
 from .eagle import DrafterKVCache, EagleDrafter, accepted_length_greedy
 from .weights import DrafterWeights, WeightsHolder
@@ -360,12 +360,6 @@ class DrafterQuality:
         return self.value is None or self.value < self.weak_below
 
 
-def _positive_ints(where: str, **values) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{where}: {name} must be an int >= 1, got {v!r}")
-
-
 @torch.no_grad()
 def evaluate_acceptance(
     drafter: EagleDrafter,
@@ -392,7 +386,7 @@ def evaluate_acceptance(
     Returns:
         mean accepted length (``1`` = nothing accepted, at most ``depth + 1``).
     """
-    _positive_ints("evaluate_acceptance", depth=depth, topk=topk, num_verify=num_verify, num_starts=num_starts,
+    check_positive_ints("evaluate_acceptance", depth=depth, topk=topk, num_verify=num_verify, num_starts=num_starts,
                    block_size=block_size)
     was_training = drafter.training
     drafter.eval()

@@ -5,12 +5,11 @@ layout :func:`tlt_kernels.tree_attention` and :func:`tlt_kernels.compact_kv` rea
 """
 from __future__ import annotations
 
-import numbers
 from typing import List, Optional, Tuple
 
 import torch
 
-from .._validation import check_tensor
+from .._validation import check_positive_ints, check_tensor
 from .config import ModelConfig
 
 
@@ -25,9 +24,7 @@ class PagedKVCache:
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int = 16, device="cpu", dtype: torch.dtype = torch.float32):
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"PagedKVCache: {name} must be an int >= 1, got {v!r}")
+        check_positive_ints("PagedKVCache", num_blocks=num_blocks, block_size=block_size)
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -59,9 +56,7 @@ class PagedKVCache:
         ``generator`` shuffles which free blocks each request gets (tests use it to get
         non-contiguous tables); without it blocks are handed out in free-list order.
         """
-        for name, v in (("batch_size", batch_size), ("max_tokens", max_tokens)):
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"PagedKVCache.allocate: {name} must be an int >= 1, got {v!r}")
+        check_positive_ints("PagedKVCache.allocate", batch_size=batch_size, max_tokens=max_tokens)
         per = self.blocks_for(max_tokens)
         need = batch_size * per
         if need > len(self._free):

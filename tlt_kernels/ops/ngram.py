@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor, dense
+from .._validation import check_int, check_tensor, dense
 
 
 class NGramDrafts(NamedTuple):
@@ -36,23 +36,15 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
-
-
 def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
     check_tensor("tokens", tokens, dtype=(torch.int32, torch.int64), ndim=2)
     B, L = tokens.shape
     if L < 1:
         raise ValueError(f"tokens must hold at least one position per request, got shape {tuple(tokens.shape)}")
     check_tensor("lengths", lengths, dtype=(torch.int32, torch.int64), shape=(B,), device=tokens.device)
-    _check_int("k", k, 1)
-    _check_int("min_n", min_n, 1)
-    _check_int("max_n", max_n, 1)
+    check_int("k", k, 1)
+    check_int("min_n", min_n, 1)
+    check_int("max_n", max_n, 1)
     if min_n > max_n:
         raise ValueError(f"min_n must be <= max_n, got min_n={min_n} > max_n={max_n}")
     if validate and not _capturing(tokens.device):
@@ -109,6 +101,6 @@ def ngram_propose_tree(
         nodes (index >= ``num_nodes[b]``) hold parent 0 and token 0. No match: ``num_nodes = 1``.
     """
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
-    _check_int("num_branches", num_branches, 1)
+    check_int("num_branches", num_branches, 1)
     _, fn = _NGRAM_TREE.resolve(backend, tokens.device)
     return NGramTree(*fn(dense(tokens), dense(lengths), k, num_branches, min_n, max_n))

@@ -272,7 +272,7 @@ def plan_tree_attention(
     if block_table.shape[0] != B:
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected one per request (B={B})")
     block_table = _int32(block_table)
-    num_nodes = _int32(resolve_num_nodes(parents, None if num_nodes is None else dense(num_nodes)))
+    num_nodes = dense(resolve_num_nodes(parents, num_nodes))  # int32, saturated
 
     capturing = _capturing()
     max_page = None

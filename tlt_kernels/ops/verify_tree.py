@@ -92,14 +92,12 @@ def _float_param(name, value, B, device, fill):
 
 def _top_k_param(value, B, device):
     """``int32 [B]`` top_k (None stays None). Values past int32 are off like any k >= V: clamped, not wrapped
-    (an int64 tensor is clamped on the device before its int32 conversion)."""
+    (``per_request`` saturates an int64 tensor on the device)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.dtype == torch.bool:
             raise TypeError(f"top_k must be an integer scalar/list/[B] tensor, got dtype {str(value.dtype).replace('torch.', '')}")
-        if value.dtype != torch.int32:
-            value = value.clamp(-(2**31), _I32_MAX)
         return per_request("top_k", value, B, device, torch.int32)
     value = _host_values("top_k", value, 0, True, *_RANGES["top_k"])
     return per_request("top_k", _map(value, lambda v: min(int(v), _I32_MAX)), B, device, torch.int32)
