@@ -5,7 +5,7 @@ then V). It is cached by the tuple of data pointers, so steady-state calls and C
 launch exactly one kernel; a cache miss during capture builds it with capturable scalar fills
 instead of a host-to-device copy. Grid ``(B, 2L, slabs)``: a CTA gathers one column slab of every
 depth of a request's path into shared memory, synchronizes, then scatters (race-free, see
-``csrc/acceptance.cuh``). Accesses are 16 bytes wide when the slot size and every cache address allow.
+``csrc/compact_kv/compact_kv.cuh``). Accesses are 16 bytes wide when the slot size and every cache address allow.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Called by :func:`tlt_kernels.ops.tree_attention.run` (inside the ``tlt::tree_att
 op) after shape / dtype / device validation; it only checks what the CUDA kernels add (head dim,
 16-byte alignment of the cp.async sources) and never synchronizes, so it is CUDA-graph capturable.
 
-NaN and page ids follow ``run``'s contract in every kernel (csrc/tree_attention.h says how); the page bound is
+NaN and page ids follow ``run``'s contract in every kernel (csrc/tree_attention/tree_attention.h says how); the page bound is
 ``cache_tokens // block_size``, the smaller cache's page count.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = ["run_cuda", "unsupported_reason"]
 
 HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
-# in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
+# in csrc/tree_attention/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
 
 
@@ -44,23 +44,20 @@ def _auto_switch(name: str) -> Optional[bool]:
     return None if value in ("", "auto") else value == "1"
 
 
-# sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
+# sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
 # same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
 # the rest). Covers sm_90, D=128, T <= 64, split_len a multiple of the tile (context_tile), power-of-two pages of
 # contiguous token rows (stride(0) == block_size * stride(1)), and T*G <= 128 rows, or any T*G with the
 # warp-specialized build (CONTEXT_WARP_SPECIALIZED), one CTA per 128-row block (wide trees: T = 32, 64).
-# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G >= CONTEXT_SM90_MIN_ROWS. T*G > 64 (two
-# warpgroups; H100, 2026-11-26, bench/RESULTS.md: one split, T=16, 80.6-95.5% of the HBM floor against 58.9-65.0% for
-# the mma.sync kernel; several splits, T=16, 1.35-1.60x faster than it). T*G <= 64 (the one-warpgroup kernel; T=8,
-# 2026-11-26 21:00-21:06 UTC: H100 92.3 / 96.3%, H200 83.6 / 87.4% against the mma.sync kernel's 84.3 / 88.0% and
-# 64.4 / 68.9%).
+# None (default, TLT_TREE_ATTENTION_CUDA_CTX unset or "auto"): on where T*G >= CONTEXT_SM90_MIN_ROWS: both the
+# two-warpgroup kernel (T*G > 64) and the one-warpgroup kernel (T*G <= 64) measured faster than the mma.sync kernel,
+# one split or several (figures: docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
 # True ("1"): wherever covered; False ("0"): off.
 CONTEXT_SM90: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_CTX")
 CONTEXT_SM90_MIN_ROWS = 1  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the lockstep kernels' rows (two warpgroups of 64); the warp-specialized one takes any
 # The sm_90 kernel's tile (kBlockN) where T*G > 64: 128 (the two-warpgroup kernel, the default: half the per-tile
-# barriers and waits of 64) or 64 (the one-warpgroup kernel once per 64-row chunk: 68.5-75.4% of the HBM floor at
-# T=16 on an H100 against 80.9-95.0%). The one value is the kernel's config and the split_len divisibility the path
+# barriers and waits of 64) or 64 (the one-warpgroup kernel once per 64-row chunk: slower, docs/CUDA_NOTES.md). The one value is the kernel's config and the split_len divisibility the path
 # needs (default_split_len rounds to it), so they cannot disagree.
 CONTEXT_BLOCK = 128
 CONTEXT_BLOCKS = (64, 128)
@@ -69,26 +66,26 @@ CONTEXT_BLOCKS = (64, 128)
 CONTEXT_BLOCK_FEW_ROWS = 64
 ONE_WARPGROUP_ROWS = 64
 # The 128-token kernel's build (T*G > 64). True (default; TLT_TREE_ATTENTION_CUDA_WS unset or 1): warp-specialized
-# (csrc/tree_attention_ctx_sm90_ws.cu: a producer warpgroup fills the K/V ring under per-slot mbarriers, the two
-# consumer warpgroups ping-pong their GEMMs, Q in registers). False (0): the lockstep two-warpgroup kernel
-# (csrc/tree_attention_ctx_sm90.cu). Same-run figures, 7B/32B B=64 T=16 (bench/RESULTS.md, block "23:25-23:52"):
-# H200 71.5-78.9% of the HBM floor against 65.1-73.1%; H100 82.3-96.4% against 80.1-95.6%.
+# (csrc/tree_attention/tree_attention_ctx_sm90_ws.cu: a producer warpgroup fills the K/V ring under per-slot
+# mbarriers, the two consumer warpgroups ping-pong their GEMMs, Q in registers). False (0): the lockstep two-warpgroup
+# kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu). The default because it measured faster on both cards
+# (docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
 _WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "1").strip()
 if _WS_ENV not in ("", "0", "1"):
     raise ValueError(f"TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got {_WS_ENV!r}")
 CONTEXT_WARP_SPECIALIZED = _WS_ENV != "0"
-WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
+WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
 # The warp-specialized kernel's copies of whole context tiles: TMA (one instruction per 16-token page half; pages of
 # 16 tokens or more, else the kernel keeps cp.async) or 16-byte cp.async from every producer thread. None (default,
 # TLT_TREE_ATTENTION_CUDA_TMA unset or "auto"): TMA where the consumers' math is the limit, which the cp.async
-# producer's issue slots slow: wide trees (T*G > 128; H100, 2026-11-27, bench/RESULTS.md "01:46": 7B T=64 B=32
-# L=8192 and T=32 B=8 L=32768 10.5-11.2% faster, bit-identical outputs), and every T*G on cards whose memory
-# outruns the math (peak bandwidth >= TMA_MIN_BANDWIDTH_GBPS: H200, 2026-11-27 "03:33": T=16 1.3-12.4% faster);
-# cp.async at T*G <= 128 on slower memory, where the H100 streams at its copy bandwidth either way (TMA -2.0% to
-# +0.6% there). True ("1") / False ("0"): everywhere / nowhere.
+# producer's issue slots slow: wide trees (T*G > 128, bit-identical outputs), and every T*G on cards whose memory
+# outruns the math (peak bandwidth >= TMA_MIN_BANDWIDTH_GBPS); cp.async at T*G <= 128 on slower memory, which streams
+# at its copy bandwidth either way (figures: docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
+# True ("1") / False ("0"): everywhere / nowhere.
 CONTEXT_TMA: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_TMA")
-TMA_FLAG = 2048  # csrc/tree_attention.h, kSm90Tma
-# Between the H100 SXM's 3352 GB/s and the H200's 4814 GB/s (2 x memory clock x bus width, as the driver reports them).
+TMA_FLAG = 2048  # csrc/tree_attention/tree_attention.h, kSm90Tma
+# Between the peak bandwidths of the slower and the faster card measured (2 x memory clock x bus width, as the driver
+# reports them; the two cards' figures are in docs/CUDA_NOTES.md).
 TMA_MIN_BANDWIDTH_GBPS = 3700.0
 
 

@@ -27,9 +27,10 @@ MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shar
 # import from TLT_VERIFY_CLUSTER, tests monkeypatch it).
 CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
 # Top-p threshold among compacted candidates: the full-row radix select's threshold (up to float ties for top-p
-# alone, whose need comes from the row's float Z; tests/test_cuda_acceptance.py::test_verify_topp_candidates_same_bits)
-# in fewer passes, 2.3-2.8x faster at chain8 B=16/64 (bench/RESULTS.md). On by default; TLT_VERIFY_TOPP_COMPACT=0 at
-# import turns it off.
+# alone, whose need comes from the row's float Z;
+# tests/ops/test_verify_tree_cuda.py::test_verify_topp_candidates_same_bits) in fewer passes, so faster
+# (docs/CUDA_NOTES.md, "Measurements behind the csrc rules"). On by default; TLT_VERIFY_TOPP_COMPACT=0 at import
+# turns it off.
 TOPP_COMPACT = os.environ.get("TLT_VERIFY_TOPP_COMPACT", "1") not in ("", "0")
 
 

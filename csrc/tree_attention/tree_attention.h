@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "launch_status.h"
+#include "common/launch_status.h"
 
 namespace tlt {
 

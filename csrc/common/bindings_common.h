@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_check.h"
-#include "launch_status.h"
+#include "common/cuda_check.h"
+#include "common/launch_status.h"
 
 namespace tlt {
 namespace bindings {

@@ -1,5 +1,5 @@
 // Tree attention on sm_90 wgmma (issue 3): the CUDA backend's path for plans with T*G <= 128 rows (and any T*G with
-// the warp-specialized build, csrc/tree_attention_ctx_sm90_ws.cu)
+// the warp-specialized build, csrc/tree_attention/tree_attention_ctx_sm90_ws.cu)
 // (see tlt_kernels/_cuda/tree_attention.py, TLT_TREE_ATTENTION_CUDA_CTX); the CUDA twin of the Gluon context kernel
 // (tlt_kernels/_triton/tree_attention_gluon.py), extended to the whole op.
 //
@@ -18,21 +18,20 @@
 // One barrier per step. Step j waits for K_j and V_{j-1}, then its barrier also says every warpgroup is done with
 // step j - 1, so the slots of K_{j-1} (read by S_{j-1}) and V_{j-2} (read by P_{j-2} V_{j-2}) are refilled right
 // there with K_{j+2} and V_{j+1}: K runs one tile ahead of V. A second barrier at the end of each step, to refill
-// one step earlier, cost more than it gave (H100, same run, bench/RESULTS.md: 7B (64, 4096, 16) 77.3 -> 80.2% of
-// the HBM floor, 3.01 -> 2.86 us per 128-token tile): with two warps per scheduler, barrier stalls were 17% of the
-// kernel's warp samples (ncu).
+// one step earlier, cost more than it gave: with two warps per scheduler, barrier stalls dominate (figures:
+// docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
 //
 // Two instantiations (p.config picks, see the launcher):
 //   config 128 (default): two warpgroups, 128-token tiles. S is m64n128 (64 fp32 per thread), P V is 8 k-steps; Q
 //     32 KB + 3 x (K 32 KB + V 32 KB) = 224 KB, one CTA per SM. Every iteration pays a barrier, a cp.async wait and
 //     two wgmma waits whatever the tile, so the 128-token tile halves that fixed cost per token against 64 (a
-//     two-warpgroup 64-token build gave 66-72% of the HBM floor on an H100).
+//     two-warpgroup 64-token build was slower: docs/CUDA_NOTES.md).
 //   config 64: one warpgroup, 64-token tiles, one CTA per 64-row chunk (two chunks share each K/V tile through L2,
 //     adjacent in launch order). S is m64n64 with Q in registers (RS wgmma), P V 4 k-steps; 3 x (16 + 16) KB = 96 KB,
 //     two CTAs per SM, so one CTA's prologue, masked tiles and epilogue overlap the other's streaming. For split
 //     lengths that are multiples of 64.
 //
-// K/V are gathered through the block table by 16-byte cp.async into swizzled tiles (csrc/wgmma_sm90.cuh); rows past
+// K/V are gathered through the block table by 16-byte cp.async into swizzled tiles (csrc/tree_attention/wgmma_sm90.cuh); rows past
 // the attended range are zero-filled (never read: a masked column times a NaN in unread memory would be NaN), and so
 // are rows whose page id is out of the cache (the CTA's rows are then written as NaN). The V rows of tree slots are
 // copied by plain loads and stores, a NaN/inf among them zeroed (tree_attn::copy_tree_v_chunk): rows see different
@@ -43,10 +42,10 @@
 
 #include <cstdint>
 
-#include "launch_status.h"
-#include "tree_attention.cuh"  // tree_attn::cp_async_16 / cp_async_commit / cp_async_wait / TypeTraits, kMaxTree
-#include "tree_attention_sm90_tile.cuh"
-#include "wgmma_sm90.cuh"
+#include "common/launch_status.h"
+#include "tree_attention/tree_attention.cuh"  // tree_attn::cp_async_16 / cp_async_commit / cp_async_wait / TypeTraits, kMaxTree
+#include "tree_attention/tree_attention_sm90_tile.cuh"
+#include "tree_attention/wgmma_sm90.cuh"
 
 namespace tlt {
 namespace {

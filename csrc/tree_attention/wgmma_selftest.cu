@@ -1,4 +1,4 @@
-// Self-test of csrc/wgmma_sm90.cuh on one tile (see wgmma_selftest.h): checks the swizzled staging, both
+// Self-test of csrc/tree_attention/wgmma_sm90.cuh on one tile (see wgmma_selftest.h): checks the swizzled staging, both
 // descriptor kinds, the accumulator -> A-fragment mapping and the instruction wrappers against torch, before
 // any attention kernel is built on them; the 128-wide blocks of the 128-token context tile against the 64-wide ones.
 #include <cuda_bf16.h>
@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-#include "launch_status.h"
-#include "wgmma_selftest.h"
-#include "wgmma_sm90.cuh"
+#include "common/launch_status.h"
+#include "tree_attention/wgmma_selftest.h"
+#include "tree_attention/wgmma_sm90.cuh"
 
 namespace tlt {
 namespace {

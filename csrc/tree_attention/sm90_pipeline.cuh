@@ -1,6 +1,6 @@
 // sm_90 producer/consumer building blocks (torch-free): shared-memory mbarriers that cp.async copies complete,
 // named barriers between warpgroups, and the warpgroup register reallocation. The warp-specialized tree-attention
-// kernel (csrc/tree_attention_ctx_sm90_ws.cu) is built from these.
+// kernel (csrc/tree_attention/tree_attention_ctx_sm90_ws.cu) is built from these.
 //
 // A ring slot's life: the producer waits on `empty[s]` (the consumers are done with its last tile), issues its
 // 16-byte cp.async copies, then `cp_async_arrive_noinc(full[s])`: that arrival happens once all of the thread's

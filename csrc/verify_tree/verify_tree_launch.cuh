@@ -1,7 +1,7 @@
 // Launcher of the verify_tree kernel (cluster size choice, launch) for one logits dtype, shared by the three
-// translation units acceptance_verify_{f32,f16,bf16}.cu: each instantiates dispatch_verify_q<TL> for its TL, so
+// translation units verify_tree_{f32,f16,bf16}.cu: each instantiates dispatch_verify_q<TL> for its TL, so
 // nvcc compiles the 18 kernel instantiations in three parallel jobs instead of one (the build's critical path).
-// Internal to csrc/; acceptance.cu validates the arguments and calls dispatch_verify_q.
+// Internal to csrc/verify_tree/; verify_tree.cu validates the arguments and calls dispatch_verify_q.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,8 +10,9 @@
 
 #include <cstdint>
 
-#include "acceptance.cuh"
-#include "launch_status.h"
+#include "common/launch_status.h"
+#include "verify_tree/verify_tree.cuh"
+#include "verify_tree/verify_tree.h"
 
 namespace tlt {
 namespace detail {
@@ -19,7 +20,7 @@ namespace detail {
 constexpr int kVerifyMaxPortableCluster = 8;
 constexpr int kMaxDevices = 64;  // per-device caches of the launcher (devices past it are queried every call)
 
-// The current device's ordinal, compute capability major and SM count, cached per device (acceptance.cu).
+// The current device's ordinal, compute capability major and SM count, cached per device (verify_tree.cu).
 LaunchStatus device_info(int& dev, int& major, int& sms);
 
 // verify_tree for logits of type TL: picks the draft-probability instantiation and launches it.
@@ -48,8 +49,8 @@ inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int sm
 // residency allows: the largest of {16, 8, 4, 2} whose slices keep >= 2048 tokens and whose B
 // clusters fit in two waves (B <= 2 x cudaOccupancyMaxActiveClusters: two 256-thread CTAs per SM at
 // <= 128 registers, a cluster within one GPC). Two waves cost little: most walks stop after a row or
-// two and free their SMs for the second wave, while the long walks get 2-4x the SMs (H200, chain16
-// B=64: C=8 in two waves 274 us, C=2 co-resident 449 us; top-p chain8 2.4 vs 5.4 ms). C = 16 (the
+// two and free their SMs for the second wave, while the long walks get 2-4x the SMs (figures:
+// docs/CUDA_NOTES.md, "Measurements behind the csrc rules"). C = 16 (the
 // non-portable size; skipped where the device refuses it) only when all B clusters are co-resident:
 // at B=16 it is no faster than C=8. The occupancy query (not a stream operation) is cached per device
 // and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~13 KB of static

@@ -3,11 +3,11 @@
 
 #include <cuda_runtime.h>
 
-#include "launch_status.h"
+#include "common/launch_status.h"
 
 namespace tlt {
 
-// One warpgroup, one tile, the two products of an attention step (csrc/wgmma_sm90.cuh):
+// One warpgroup, one tile, the two products of an attention step (csrc/tree_attention/wgmma_sm90.cuh):
 //   s_out = A B^T        A, B [64, 128] row-major (16-bit, `dtype` 0 = fp16, 1 = bf16); s_out float32 [64, 64]
 //   o_out = P V          P = s_out rounded to the 16-bit type, V [64, 128] row-major; o_out float32 [64, 128]
 // Inputs are staged through 128-byte-swizzled shared memory exactly as the attention kernel stages Q, K and V.

@@ -1,6 +1,6 @@
-// verify_tree launchers for __half logits (see acceptance_verify.cuh: one translation unit per logits dtype).
+// verify_tree launchers for __half logits (see verify_tree_launch.cuh: one translation unit per logits dtype).
 #define TLT_DEFINE_VERIFY_LAUNCHERS
-#include "acceptance_verify.cuh"
+#include "verify_tree/verify_tree_launch.cuh"
 
 namespace tlt {
 namespace detail {

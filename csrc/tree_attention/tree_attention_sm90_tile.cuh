@@ -1,18 +1,18 @@
 // Tile-level pieces shared by the sm_90 tree-attention kernels (torch-free): the span one CTA attends, the page and
 // cache-token lookup of a tile row, the tree mask of a score tile and the online softmax of one, in the wgmma
 // accumulator layout (element 4j + 2r + e of a thread: row 16 warp + lane / 4 + 8r, column 8j + 2 (lane % 4) + e).
-// Used by csrc/tree_attention_ctx_sm90.cu (one or two warpgroups, every thread copies and computes) and
-// csrc/tree_attention_ctx_sm90_ws.cu (a producer warpgroup feeding two consumer warpgroups).
+// Used by csrc/tree_attention/tree_attention_ctx_sm90.cu (one or two warpgroups, every thread copies and computes) and
+// csrc/tree_attention/tree_attention_ctx_sm90_ws.cu (a producer warpgroup feeding two consumer warpgroups).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "launch_status.h"
-#include "tree_attention.cuh"  // tree_attn::fast_exp2
-#include "tree_attention.h"
-#include "wgmma_sm90.cuh"
+#include "common/launch_status.h"
+#include "tree_attention/tree_attention.cuh"  // tree_attn::fast_exp2
+#include "tree_attention/tree_attention.h"
+#include "tree_attention/wgmma_sm90.cuh"
 
 namespace tlt {
 namespace tree_sm90 {
@@ -257,7 +257,7 @@ LaunchStatus launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads,
   return {};
 }
 
-// The warp-specialized two-consumer build (csrc/tree_attention_ctx_sm90_ws.cu): 128-token tiles, any T * G in blocks
+// The warp-specialized two-consumer build (csrc/tree_attention/tree_attention_ctx_sm90_ws.cu): 128-token tiles, any T * G in blocks
 // of 128 rows, grid (splits << p.row_block_shift, Hkv, B); the caller (launch_tree_attention_sm90) has checked the
 // params. variant: 0 (default) Q in registers, 3 K and 4 V stages, cp.async copies; 4 the same with whole context
 // tiles by TMA (needs p.block_size >= 16 and p.cache_tokens); bench/ws_probe.cu also times 1 (4 K and 3 V stages),

@@ -1,230 +1,19 @@
-// Acceptance-side kernels of speculative decoding (torch-free): the fused tree verification
-// (`verify_tree`), the KV compaction of the accepted path (`compact_kv`) and EAGLE-2 draft-tree
-// selection (`build_draft_tree`). The contracts are the pure-torch references in
-// tlt_kernels/reference/{verify_tree,sampling,compact_kv,build_draft_tree}.py.
-//
-// The first part (parameter structs, launcher declarations, Philox) is plain C++ so the host-compiled
-// bindings can include it; the kernels follow under __CUDACC__.
+// The fused tree-verification kernel (torch-free, nvcc only); launched from verify_tree_launch.cuh.
 #pragma once
 
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "launch_status.h"
-
-#if defined(__CUDACC__)
-#define TLT_HD __host__ __device__ __forceinline__
-#else
-#define TLT_HD inline
-#endif
-
-namespace tlt {
-
-// Element types of logits / draft_probs (codes shared with tlt_kernels/_cuda/verify_tree.py).
-enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
-
-// One fused verification of B draft trees. Strides are in elements; the vocabulary dim is contiguous.
-//
-//   logits        [B, T, V] fp32/fp16/bf16 (logits_stride_{b,t})
-//   draft_probs   [B, T, V] fp32/fp16/bf16 or null (q_stride_{b,t}); null = deterministic candidates
-//   draft_tokens  int64 (tokens_int64) or int32 [B, >= T] (tokens_stride_b)
-//   parents       int32 [B, >= T] (parents_stride_b); num_nodes int32 [B]
-//   temperature   float32 [B] or null (all greedy); top_k int32 [B] or null; top_p float32 [B] or null
-//   seed, offset  int64 [B]
-//   scratch       float32 [B, 2, V] contiguous (ping-pong residual rows; only touched after a rejection)
-//   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
-//   out_stats     int32 [B, max_depth, 2] or null
-struct VerifyTreeParams {
-  const void* logits = nullptr;
-  const void* draft_probs = nullptr;
-  const void* draft_tokens = nullptr;
-  const int32_t* parents = nullptr;
-  const int32_t* num_nodes = nullptr;
-  const float* temperature = nullptr;
-  const int32_t* top_k = nullptr;
-  const float* top_p = nullptr;
-  const int64_t* seed = nullptr;
-  const int64_t* offset = nullptr;
-  float* scratch = nullptr;
-  int32_t* out_tokens = nullptr;
-  int32_t* out_num = nullptr;
-  int32_t* out_nodes = nullptr;
-  int32_t* out_error = nullptr;
-  int32_t* out_stats = nullptr;
-
-  int64_t logits_stride_b = 0, logits_stride_t = 0;
-  int64_t q_stride_b = 0, q_stride_t = 0;
-  int64_t tokens_stride_b = 0, parents_stride_b = 0;
-
-  int batch = 0;      // B
-  int num_tree = 0;   // T
-  int vocab = 0;      // V
-  int max_depth = 0;  // deepest node the walk may accept
-  int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4, 8 or 16
-  bool tokens_int64 = true;
-  // Top-p threshold selected among compacted candidates (the full-row select's threshold, up to float ties; see
-  // topp_from_candidates). On by default in the Python glue (TLT_VERIFY_TOPP_COMPACT); used when top_p is given.
-  bool topp_compact = false;
-  ElemType logits_type = ElemType::kFloat32;
-  ElemType q_type = ElemType::kFloat32;
-};
-
-// In-place move of every request's accepted path, every cache (K and V of every layer), one launch.
-//
-//   cache_ptrs     uint64 [num_caches] device addresses of [num_blocks, block_size, row] caches
-//   block_table    int32 [B, >= max_blocks] (bt_stride_b); context_lens, num_accepted int32 [B]
-//   accepted_nodes int32 [B, path_len] (nodes_stride_b)
-struct CompactKVParams {
-  const uint64_t* cache_ptrs = nullptr;
-  const int32_t* block_table = nullptr;
-  const int32_t* context_lens = nullptr;
-  const int32_t* accepted_nodes = nullptr;
-  const int32_t* num_accepted = nullptr;
-  int64_t bt_stride_b = 0, nodes_stride_b = 0;
-  int64_t row_bytes = 0;  // bytes of one slot (Hkv * D * itemsize)
-  int num_caches = 0;
-  int batch = 0;
-  int path_len = 0;    // P
-  int block_size = 0;  // tokens per page
-  int unit = 16;       // bytes per access: 16, 8, 4, 2 or 1 (divides row_bytes and every cache address)
-};
-
-// Greedy frontier selection of num_verify - 1 candidates per request, laid out as a token tree.
-//
-//   cand_parents int32 [B, N] (cp_stride_b); cand_tokens int64 [B, N] (ct_stride_b);
-//   cand_scores float32 [B, N] (cs_stride_b); root_tokens int64 [B]
-//   parents, cand_index int32 [B, num_verify]; draft_tokens int64 [B, num_verify]; num_nodes int32 [B];
-//   tree_mask int32 [B, num_verify, ceil(num_verify / 32)] or null (all outputs contiguous)
-struct BuildDraftTreeParams {
-  const int32_t* cand_parents = nullptr;
-  const int64_t* cand_tokens = nullptr;
-  const float* cand_scores = nullptr;
-  const int64_t* root_tokens = nullptr;
-  int32_t* parents = nullptr;
-  int64_t* draft_tokens = nullptr;
-  int32_t* cand_index = nullptr;
-  int32_t* num_nodes = nullptr;
-  int32_t* tree_mask = nullptr;
-  int64_t cp_stride_b = 0, ct_stride_b = 0, cs_stride_b = 0;
-  int batch = 0;
-  int num_cand = 0;    // N
-  int num_verify = 0;  // tree size, root included
-};
-
-// Limits of the CUDA kernels (the Python glue reports them before launching).
-constexpr int kBuildTreeMaxCandidates = 2048;
-constexpr int kVerifyMaxDepthSmem = 4096;
-constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
-constexpr int kVerifyMaxCluster = 16;  // 16 needs the non-portable cluster attribute (Hopper)
-
-LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
-LaunchStatus launch_compact_kv(const CompactKVParams& p, cudaStream_t stream) noexcept;
-LaunchStatus launch_build_draft_tree(const BuildDraftTreeParams& p, cudaStream_t stream) noexcept;
-
-// ---------------------------------------------------------------------------------------------
-// Philox4x32-10, bit-identical to tlt_kernels/rng.py: key = (seed lo, seed hi), counter =
-// (offset lo, offset hi, node, purpose), uniform = ((word0 >> 9) + 0.5) * 2^-23. The uniform is
-// exact in float32 (23 significant bits plus the half), so every backend produces the same bits.
-// ---------------------------------------------------------------------------------------------
-constexpr uint32_t kPurposeAccept = 0;
-constexpr uint32_t kPurposeSample = 1;
-
-TLT_HD uint32_t philox4x32_10_word0(uint64_t seed, uint64_t offset, uint32_t node, uint32_t purpose) {
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = node, c3 = purpose;
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
-    const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2;
-    const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ k0;
-    const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ k1;
-    c1 = static_cast<uint32_t>(p1);
-    c3 = static_cast<uint32_t>(p0);
-    c0 = n0;
-    c2 = n2;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  return c0;
-}
-
-TLT_HD float philox_uniform(int64_t seed, int64_t offset, uint32_t node, uint32_t purpose) {
-  const uint32_t w = philox4x32_10_word0(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset), node, purpose);
-  return (static_cast<float>(w >> 9) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
-}
-
-}  // namespace tlt
-
-#if defined(__CUDACC__)
-#include <cooperative_groups.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include "common/philox.h"
+#include "common/reductions.cuh"
+#include "verify_tree/verify_tree.h"
 
 namespace tlt {
 namespace accept {
-
-// ============================================================================================
-// Block-wide helpers (deterministic: fixed element-to-thread partition, fixed reduction trees).
-// ============================================================================================
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-struct MaxU64 { __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a > b ? a : b; } };
-struct MinI { __device__ int operator()(int a, int b) const { return a < b ? a : b; } };
-struct MaxI { __device__ int operator()(int a, int b) const { return a > b ? a : b; } };
-
-template <typename T, typename Op>
-__device__ __forceinline__ T warp_reduce(T v, Op op) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Every thread gets the result. `red` holds >= NT / 32 elements of T; reusable on return.
-template <int NT, typename T, typename Op>
-__device__ __forceinline__ T block_reduce(T v, Op op, T* red) {
-  v = warp_reduce(v, op);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  T r = red[0];
-#pragma unroll
-  for (int w = 1; w < NT / 32; ++w) r = op(r, red[w]);
-  __syncthreads();
-  return r;
-}
-
-// Exclusive prefix sum over the block in thread order; `total` gets the block's sum.
-template <int NT>
-__device__ __forceinline__ float block_exclusive_scan(float v, float& total, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += up;
-  }
-  if (lane == 31) red[warp] = incl;
-  __syncthreads();
-  float before = 0.f;
-  total = 0.f;
-#pragma unroll
-  for (int w = 0; w < NT / 32; ++w) {
-    if (w < warp) before += red[w];
-    total += red[w];
-  }
-  __syncthreads();
-  return before + incl - v;
-}
 
 // ============================================================================================
 // verify_tree
@@ -247,9 +36,8 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float& total, flo
 // that walker's row is streamed by its C CTAs alone. 256-thread CTAs, two per SM, double the C that
 // stays co-resident at a given B (C = 4 at B = 64 instead of 2; 16 at B = 1), and each row costs few
 // instructions per element (float argmax, exp2 with a premultiplied 1 / temp, no per-element range
-// checks: padding loads -inf). Measured (ncu, H200, chain4 B=16): a lone walker's row is bound by
-// dependency latency at ~2 warps per scheduler, not by its bytes; 512-thread CTAs (one per SM) were
-// 30-60% slower at B=16 in a same-run A/B (docs/CUDA_NOTES.md).
+// checks: padding loads -inf). A lone walker's row is bound by dependency latency, not by its bytes, so
+// more CTAs per row beat bigger CTAs (the ncu profile and the 512-thread A/B: docs/CUDA_NOTES.md).
 // Weights are exp2((l - M) * ks), M the row max, ks = log2(e) / T' (see Expo below).
 
 constexpr int kVerifyThreads = 256;
@@ -269,7 +57,7 @@ constexpr int kNoToken = 0x7fffffff;               // "not found" of the sample 
 
 // Developer phase timing (bench/profile_phases.py builds with CUDAFLAGS=-DTLT_VERIFY_PROFILE=1; never in a
 // release build): CTA 0's thread 0 stores (SM clock, global timer) at each mark, one global store each (no
-// printf between marks: it costs ~20 us), and prints them all at the kernel's end.
+// printf between marks: it costs tens of microseconds), and prints them all at the kernel's end.
 #ifdef TLT_VERIFY_PROFILE
 static __device__ unsigned long long tlt_prof_clock[128], tlt_prof_global[128];
 static __device__ const char* tlt_prof_name[128];
@@ -313,14 +101,6 @@ static __device__ int tlt_prof_n;
 #define TLT_VERIFY_CLUSTERS 0
 #endif
 
-// Order-preserving int32 image of a float (NaN excluded); -0.0 maps like +0.0 so that ties at zero
-// behave as float comparisons do in the reference.
-__device__ __forceinline__ int ordered_key(float x) {
-  const int k = __float_as_int(x == 0.f ? 0.f : x);
-  return k >= 0 ? k : k ^ 0x7FFFFFFF;
-}
-
-__device__ __forceinline__ float key_to_float(int k) { return __int_as_float(k >= 0 ? k : k ^ 0x7FFFFFFF); }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -941,7 +721,7 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   TLT_PROF_MARK("row");
   sweep<Ld::kNC>(row, row_al, -INFINITY, q_row, q_al, want_q, lo, hi,
                  [&](int base, const float (&x)[kVec], const float (&qv)[kVec]) {
-    // Short dependency chains (ncu: the walk stalls on dependent arithmetic at ~2 warps per scheduler): the
+    // Short dependency chains (the walk stalls on dependent arithmetic at ~2 warps per scheduler): the
     // vector's argmax by a fixed pairwise tree (the right element wins only if strictly larger, so the lowest
     // index wins ties, as in a left-to-right scan) merged once into the running one; the NaN flag, the draft-row
     // sum and the normalizer's terms summed pairwise.
@@ -1065,8 +845,8 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
 // `target`; the last token of positive weight if rounding puts target past every running mass; the argmax if the
 // slice's weights all underflowed. Claims need positive weight: the block scan's prefixes are not exactly monotone in token
 // order, and a rounding gap between two threads' running masses must not hand out a zero-weight token.
-// (A one-pass-then-rescan version with 64 contiguous groups was 2-11% slower on all-accepted walks, H200 A/B:
-// its summing pass reads the whole slice, this scan stops at the target's chunk.)
+// (Not one pass then a rescan over 64 contiguous groups: that summing pass reads the whole slice, this scan stops at
+// the target's chunk; docs/CUDA_NOTES.md has the A/B.)
 template <typename TL>
 __device__ int sample_slice(const TL* row, const float* res, bool has_res, const RowState& s, int lo, int hi,
                             float pre, float target, VerifySmem& sm) {
@@ -1355,208 +1135,5 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   TLT_PROF_PRINT();
 }
 
-// ============================================================================================
-// compact_kv
-// ============================================================================================
-
-constexpr int kCompactThreads = 256;
-constexpr int kCompactStageBytes = 16384;  // staging tile budget: path_len x slab bytes
-
-template <int U>
-struct UnitType;
-template <> struct UnitType<16> { using type = uint4; };
-template <> struct UnitType<8> { using type = uint2; };
-template <> struct UnitType<4> { using type = uint32_t; };
-template <> struct UnitType<2> { using type = uint16_t; };
-template <> struct UnitType<1> { using type = uint8_t; };
-
-// Grid (B, num_caches, slabs). A CTA moves one column slab (`slab` bytes) of every depth of one
-// request's path in one cache. Race freedom: a destination slot ctx + d may be the source slot
-// ctx + node[d'] of another depth d' (node[d'] == d), so the CTA gathers the slab of *every* depth
-// into shared memory, synchronizes, then scatters (the launcher sizes the slab so that path_len x
-// slab bytes fit). CTAs never overlap: different requests own different tail slots (ctx + 0 .. ctx +
-// max node), caches are distinct tensors, slabs are distinct columns. Depths already in place
-// (node[d] == d, e.g. the whole of a chain) are skipped: no traffic.
-//
-// Dynamic shared memory: src_row[P], dst_row[P] (int64), then the staging tile [P, slab].
-template <int U>
-__global__ void __launch_bounds__(kCompactThreads) compact_kv_kernel(const CompactKVParams p, int slab) {
-  using Unit = typename UnitType<U>::type;
-  extern __shared__ __align__(16) unsigned char csm[];
-  int64_t* src_row = reinterpret_cast<int64_t*>(csm);
-  int64_t* dst_row = src_row + p.path_len;
-  Unit* stage = reinterpret_cast<Unit*>(dst_row + p.path_len);  // 16-byte aligned: 16 * P bytes before
-  const int b = blockIdx.x;
-  unsigned char* cache = reinterpret_cast<unsigned char*>(p.cache_ptrs[blockIdx.y]);
-  const int64_t col0 = static_cast<int64_t>(blockIdx.z) * slab;
-  const int64_t left = p.row_bytes - col0;
-  const int units = static_cast<int>((left < slab ? left : static_cast<int64_t>(slab)) / U);
-  const int depths = min(p.num_accepted[b] + 1, p.path_len);
-  const int64_t ctx = p.context_lens[b];
-  const int32_t* table = p.block_table + b * p.bt_stride_b;
-  const int32_t* nodes = p.accepted_nodes + b * p.nodes_stride_b;
-
-  for (int d = threadIdx.x; d < depths; d += kCompactThreads) {
-    const int node = nodes[d];
-    if (node == d) {
-      src_row[d] = -1;
-    } else {
-      const int64_t ss = ctx + node, ds = ctx + d;
-      src_row[d] = static_cast<int64_t>(table[ss / p.block_size]) * p.block_size + ss % p.block_size;
-      dst_row[d] = static_cast<int64_t>(table[ds / p.block_size]) * p.block_size + ds % p.block_size;
-    }
-  }
-  __syncthreads();
-  const int total = depths * units;
-  for (int i = threadIdx.x; i < total; i += kCompactThreads) {
-    const int r = i / units, c = i - r * units;
-    if (src_row[r] >= 0)
-      stage[i] = *reinterpret_cast<const Unit*>(cache + src_row[r] * p.row_bytes + col0 + static_cast<int64_t>(c) * U);
-  }
-  __syncthreads();  // every source of this slab is read before any destination is written
-  for (int i = threadIdx.x; i < total; i += kCompactThreads) {
-    const int r = i / units, c = i - r * units;
-    if (src_row[r] >= 0)
-      *reinterpret_cast<Unit*>(cache + dst_row[r] * p.row_bytes + col0 + static_cast<int64_t>(c) * U) = stage[i];
-  }
-}
-
-// ============================================================================================
-// build_draft_tree
-// ============================================================================================
-
-constexpr int kBuildThreads = 128;
-
-// One CTA per request; candidate c = tid * ITEMS + i lives in registers of thread tid. Greedy
-// frontier selection takes num_verify - 1 rounds of one block-wide max over packed keys
-// (score's ordered image << 32 | ~c: the max is the best score, ties to the lowest index);
-// taking c makes its usable children eligible. Then node ids (block scan of the kept flags, so kept
-// candidates become nodes 1.. in index order), the outputs, and the packed ancestor mask: each kept
-// candidate walks up its parent chain, whose node ids decrease, emitting mask words high to low.
-template <int ITEMS>
-__global__ void __launch_bounds__(kBuildThreads) build_draft_tree_kernel(const BuildDraftTreeParams p) {
-  extern __shared__ int bsm[];  // par[N], node_of[N]
-  __shared__ uint64_t red[2][kBuildThreads / 32];
-  __shared__ int scan[kBuildThreads / 32];
-  const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int N = p.num_cand, NV = p.num_verify;
-  int* par_s = bsm;
-  int* node_s = bsm + N;
-
-  uint64_t key[ITEMS];
-  int par[ITEMS];
-  bool usable[ITEMS], elig[ITEMS], taken[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int c = tid * ITEMS + i;
-    const bool in = c < N;
-    par[i] = in ? p.cand_parents[b * p.cp_stride_b + c] : -1;
-    const float sc = in ? p.cand_scores[b * p.cs_stride_b + c] : -INFINITY;
-    usable[i] = in && sc != -INFINITY;
-    const uint32_t uk = static_cast<uint32_t>(ordered_key(sc)) ^ 0x80000000u;
-    key[i] = (static_cast<uint64_t>(uk) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(c));
-    elig[i] = usable[i] && par[i] < 0;
-    taken[i] = false;
-    if (in) par_s[c] = par[i];
-  }
-
-  // Usable scores are > -inf, so their keys are > 0: 0 means "nothing eligible".
-  for (int round = 0; round < NV - 1; ++round) {
-    uint64_t best = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
-      if (elig[i] && !taken[i] && key[i] > best) best = key[i];
-    best = warp_reduce(best, MaxU64());
-    if (lane == 0) red[round & 1][warp] = best;  // double buffer: one barrier per round
-    __syncthreads();
-    best = red[round & 1][0];
-#pragma unroll
-    for (int w = 1; w < kBuildThreads / 32; ++w) best = red[round & 1][w] > best ? red[round & 1][w] : best;
-    if (best == 0) break;  // block-uniform
-    const int c_best = static_cast<int>(~static_cast<uint32_t>(best));
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int c = tid * ITEMS + i;
-      taken[i] |= c == c_best;
-      elig[i] |= usable[i] && par[i] == c_best;
-    }
-  }
-
-  // Node ids: inclusive scan of kept flags in candidate order.
-  int cnt = 0;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) cnt += taken[i];
-  int incl = cnt;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += up;
-  }
-  if (lane == 31) scan[warp] = incl;
-  __syncthreads();
-  int before = 0, kept_total = 0;
-#pragma unroll
-  for (int w = 0; w < kBuildThreads / 32; ++w) {
-    before += w < warp ? scan[w] : 0;
-    kept_total += scan[w];
-  }
-  int node[ITEMS];
-  int run = before + incl - cnt;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int c = tid * ITEMS + i;
-    run += taken[i];
-    node[i] = taken[i] ? run : 0;
-    if (c < N) node_s[c] = node[i];
-  }
-  __syncthreads();
-  const int num_nodes = 1 + kept_total;
-
-  int32_t* out_par = p.parents + static_cast<int64_t>(b) * NV;
-  int64_t* out_tok = p.draft_tokens + static_cast<int64_t>(b) * NV;
-  int32_t* out_ci = p.cand_index + static_cast<int64_t>(b) * NV;
-  const int words = (NV + 31) / 32;
-  int32_t* mask = p.tree_mask ? p.tree_mask + static_cast<int64_t>(b) * NV * words : nullptr;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    if (!taken[i]) continue;
-    const int c = tid * ITEMS + i;
-    const int nd = node[i];
-    out_par[nd] = par[i] < 0 ? 0 : node_s[par[i]];
-    out_tok[nd] = p.cand_tokens[b * p.ct_stride_b + c];
-    out_ci[nd] = c;
-    if (mask) {
-      int32_t* mrow = mask + static_cast<int64_t>(nd) * words;
-      int w_cur = words - 1;
-      uint32_t acc = 0;
-      for (int a = c;; a = par_s[a]) {
-        const int id = a < 0 ? 0 : node_s[a];
-        const int w = id >> 5;
-        for (; w_cur > w; --w_cur) {
-          mrow[w_cur] = static_cast<int32_t>(acc);
-          acc = 0;
-        }
-        acc |= 1u << (id & 31);
-        if (a < 0) break;
-      }
-      for (; w_cur >= 0; --w_cur) {
-        mrow[w_cur] = static_cast<int32_t>(acc);
-        acc = 0;
-      }
-    }
-  }
-  // Root and padding positions (not owned by a kept candidate).
-  for (int q = tid; q < NV; q += kBuildThreads) {
-    if (q != 0 && q < num_nodes) continue;
-    out_par[q] = q == 0 ? -1 : 0;
-    out_tok[q] = q == 0 ? p.root_tokens[b] : 0;
-    out_ci[q] = -1;
-    if (mask)
-      for (int w = 0; w < words; ++w) mask[static_cast<int64_t>(q) * words + w] = (q == 0 && w == 0) ? 1 : 0;
-  }
-  if (tid == 0) p.num_nodes[b] = num_nodes;
-}
-
 }  // namespace accept
 }  // namespace tlt
-#endif  // __CUDACC__

@@ -1,58 +1,32 @@
-"""CUDA backends of verify_tree, compact_kv and build_draft_tree (tlt_kernels._C) against the references.
+"""CUDA backend of verify_tree (tlt_kernels._C) against the references.
 
 GPU tests compare with the torch reference (float64) and with the Triton backend on random inputs
 of awkward sizes. verify_tree must give the same tokens for the same seeds; a request may differ
 only through a float tie at a decision boundary (fp32 kernel vs float64 reference), so up to
-``ALLOW_TIES`` requests per comparison may differ and every difference is printed. compact_kv and
-build_draft_tree must match exactly. Every failure names the first mismatching request.
+``ALLOW_TIES`` requests per comparison may differ and every difference is printed. Every failure names
+the first mismatching request.
 
-The CPU tests check what needs no GPU: the kernels' Philox (the same __host__ __device__ code,
-evaluated on the host) against tlt_kernels.rng, the launchers' argument checks, and the glue's checks.
+The CPU test checks the kernels' Philox (the same __host__ __device__ code, evaluated on the host)
+against tlt_kernels.rng.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import HAS_CUDA, poison_
-from tlt_kernels import build_draft_tree, compact_kv, cuda_extension_available, rng, verify_tree
+from conftest import poison_
+from cuda_cases import ext_or_skip, need_gpu_ext, verify_cuda_backend, verify_inputs  # noqa: F401 (autouse fixture)
+from tlt_kernels import rng, verify_tree
 
 ALLOW_TIES = 1
 
 
-def _ext_or_skip():
-    if not cuda_extension_available():
-        pytest.skip("tlt_kernels._C is not built (pip install -e . with nvcc on PATH)")
-    from tlt_kernels._cuda import extension
-
-    return extension()
-
-
-def _need_gpu_ext():
-    if not HAS_CUDA:
-        pytest.skip("needs a CUDA GPU")
-    _ext_or_skip()
-
-
-VERIFY_CUDA_IMPL = "tlt_kernels._cuda.verify_tree:verify_tree_cuda"
-
-
-@pytest.fixture(autouse=True)
-def _verify_cuda_backend(monkeypatch):
-    """Route verify_tree(backend="cuda") to the CUDA glue even before ops/verify_tree.py lists it."""
-    from tlt_kernels.ops import verify_tree as op
-
-    if "cuda" not in op._BACKENDS.impls:
-        monkeypatch.setitem(op._BACKENDS.impls, "cuda", VERIFY_CUDA_IMPL)
-    yield
-
-
 # ---------------------------------------------------------------------------------------------
-# CPU: Philox bit-exactness, launcher argument checks, glue checks
+# CPU: Philox bit-exactness
 # ---------------------------------------------------------------------------------------------
 
 def test_philox_host_bit_exact():
-    ext = _ext_or_skip()
+    ext = ext_or_skip()
     seeds = [0, 1, -1, 2**32 + 7, 2**40 + 3, -(2**63), 2**63 - 1, 12345678901, -987654321]
     offsets = [0, 5, 2**32, 2**33 + 1, -1, 7, 2**62, 3, 1]
     nodes = [0, 1, 2, 63, 64, 1000, 2**20, 5, 2**31 - 1]
@@ -63,128 +37,9 @@ def test_philox_host_bit_exact():
         assert torch.equal(got, want), f"purpose {purpose}: host {got.tolist()} vs rng {want.tolist()}"
 
 
-def _verify_args(**kw):
-    args = dict(logits=0, draft_probs=0, draft_tokens=0, parents=0, num_nodes=0, temperature=0, top_k=0, top_p=0,
-                seed=0, offset=0, scratch=0, out_tokens=0, out_num=0, out_nodes=0, out_error=0, out_stats=0,
-                logits_stride_b=0, logits_stride_t=0, q_stride_b=0, q_stride_t=0, tokens_stride_b=0,
-                parents_stride_b=0, batch=1, num_tree=3, vocab=5, max_depth=2, tokens_int64=True, logits_dtype=0,
-                q_dtype=0, stream=0)
-    args.update(kw)
-    return args
-
-
-def test_launcher_argument_checks_need_no_gpu():
-    ext = _ext_or_skip()
-    # Every check below fails before any CUDA call, so these run on a machine without a GPU.
-    with pytest.raises(ValueError, match="device pointers"):
-        ext.verify_tree(**_verify_args())
-    with pytest.raises(ValueError, match="max_depth"):
-        ext.verify_tree(**_verify_args(max_depth=-1))
-    with pytest.raises(ValueError, match="logits dtype"):
-        ext.verify_tree(**_verify_args(logits_dtype=7))
-    with pytest.raises(ValueError, match="need T >= 1"):
-        ext.verify_tree(**_verify_args(num_tree=0))
-    with pytest.raises(ValueError, match="cluster must be 0 .auto., 1, 2, 4, 8 or 16, got 3"):
-        ext.verify_tree(**_verify_args(cluster_size=3))
-    with pytest.raises(ValueError, match="exceeds the CUDA kernel's limit"):
-        ext.verify_tree(**_verify_args(vocab=2**31 - 2))
-    ext.verify_tree(**_verify_args(batch=0))  # nothing to do: no launch, no error
-    ext.verify_tree(**_verify_args(batch=0, cluster_size=8))
-    ext.verify_tree(**_verify_args(batch=0, cluster_size=16))
-    with pytest.raises(ValueError, match="got 32"):
-        ext.verify_tree(**_verify_args(cluster_size=32))
-    cargs = dict(cache_ptrs=0, block_table=0, context_lens=0, accepted_nodes=0, num_accepted=0, bt_stride_b=4,
-                 nodes_stride_b=3, row_bytes=64, num_caches=2, batch=1, path_len=3, block_size=16, unit=16, stream=0)
-    with pytest.raises(ValueError, match="unit must be"):
-        ext.compact_kv(**{**cargs, "unit": 3})
-    with pytest.raises(ValueError, match="multiple of unit"):
-        ext.compact_kv(**{**cargs, "row_bytes": 24})
-    with pytest.raises(ValueError, match="device pointers"):
-        ext.compact_kv(**cargs)
-    bargs = dict(cand_parents=0, cand_tokens=0, cand_scores=0, root_tokens=0, parents=0, draft_tokens=0, cand_index=0,
-                 num_nodes=0, tree_mask=0, cp_stride_b=5, ct_stride_b=5, cs_stride_b=5, batch=1, num_cand=5,
-                 num_verify=4, stream=0)
-    with pytest.raises(ValueError, match="up to 2048 candidates"):
-        ext.build_draft_tree(**{**bargs, "num_cand": 4096})
-    with pytest.raises(ValueError, match="num_verify"):
-        ext.build_draft_tree(**{**bargs, "num_verify": 0})
-    assert ext.BUILD_TREE_MAX_CANDIDATES == 2048 and ext.VERIFY_MAX_DEPTH == 4096
-
-
-def test_glue_checks_on_cpu_tensors():
-    from tlt_kernels._cuda import build_draft_tree as cb
-    from tlt_kernels._cuda import compact_kv as cc
-    from tlt_kernels._cuda import verify_tree as cv
-
-    assert cb.MAX_CANDIDATES == 2048 and cv.MAX_DEPTH == 4096
-    with pytest.raises(ValueError, match="N=3000"):
-        cb.check_inputs(torch.zeros(2, 3000), 8)
-    cb.check_inputs(torch.zeros(2, 2048), 8)
-    with pytest.raises(TypeError, match="float64"):
-        cv.check_inputs(torch.zeros(1, 2, 3, dtype=torch.float64), None, 1)
-    with pytest.raises(ValueError, match="limit 4096"):
-        cv.check_inputs(torch.zeros(1, 5000, 1), None, 4999)
-    cv.check_inputs(torch.zeros(1, 5, 3, dtype=torch.bfloat16), torch.zeros(1, 5, 3, dtype=torch.float16), 4)
-    caches = [torch.zeros(4, 2, 3, 8, dtype=torch.bfloat16)]  # 48-byte slots
-    assert cc.access_unit(caches) == 16
-    assert cc.access_unit([torch.zeros(4, 2, 1, 7, dtype=torch.float16)]) == 2  # 14-byte slots
-    assert cc.access_unit([torch.zeros(64, dtype=torch.bfloat16)[1:].view(7, 1, 1, 9)]) == 2  # odd address
-    with pytest.raises(ValueError, match="CUDA tensors"):
-        cc.compact_kv_(caches, caches, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                       torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
-
-
-def test_fake_implementations_for_torch_compile():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import tlt_kernels._cuda.build_draft_tree  # noqa: F401  (registers the custom ops)
-    import tlt_kernels._cuda.compact_kv  # noqa: F401
-    import tlt_kernels._cuda.verify_tree  # noqa: F401
-
-    with FakeTensorMode():
-        B, T, V, D = 3, 6, 11, 4
-        i32 = lambda *s: torch.empty(s, dtype=torch.int32)  # noqa: E731
-        i64 = lambda *s: torch.empty(s, dtype=torch.int64)  # noqa: E731
-        out = torch.ops.tlt.verify_tree_cuda(torch.empty(B, T, V), i64(B, T), i32(B, T), i32(B), None, torch.empty(B),
-                                             None, None, i64(B), i64(B), D, True)
-        assert [tuple(t.shape) for t in out] == [(B, D + 1), (B,), (B, D + 1), (B,), (B, D, 2)]
-        assert all(t.dtype == torch.int32 for t in out)
-        tree = torch.ops.tlt.build_draft_tree_cuda(i32(B, 9), i64(B, 9), torch.empty(B, 9), 40, i64(B), True)
-        assert [tuple(t.shape) for t in tree] == [(B, 40), (B, 40), (B, 40), (B,), (B, 40, 2)]
-        assert tree[1].dtype == torch.int64
-        k = torch.empty(5, 4, 2, 8, dtype=torch.bfloat16)
-        new_ctx = torch.ops.tlt.compact_kv_cuda([k], [k.clone()], i32(B, 2), i32(B), i32(B, 3), i32(B))
-        assert tuple(new_ctx.shape) == (B,) and new_ctx.dtype == torch.int32
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: verify_tree
 # ---------------------------------------------------------------------------------------------
-
-def _random_parents(B, T, g, chain_frac=0.25):
-    par = torch.full((B, T), -1, dtype=torch.int32)
-    for i in range(1, T):
-        par[:, i] = torch.randint(0, i, (B,), generator=g, dtype=torch.int32)
-    chain = torch.rand(B, generator=g) < chain_frac
-    par[chain, 1:] = torch.arange(T - 1, dtype=torch.int32)
-    return par
-
-
-def _verify_inputs(B, T, V, seed, use_q, dtype=torch.float32, q_dtype=None):
-    g = torch.Generator().manual_seed(seed)
-    lg = torch.randn(B, T, V, generator=g) * 2.5
-    par = _random_parents(B, T, g)
-    toks = torch.randint(0, V, (B, T), generator=g)
-    # Make acceptances likely: many nodes propose their parent's argmax.
-    prop = lg.argmax(-1).gather(1, par.clamp(min=0).long())
-    toks = torch.where(torch.rand(B, T, generator=g) < 0.6, prop, toks)
-    n = torch.randint(1, T + 1, (B,), generator=g, dtype=torch.int32)
-    n[0] = T
-    q = None
-    if use_q:
-        q = torch.softmax(lg + 0.8 * torch.randn(B, T, V, generator=g), -1).to(q_dtype or torch.float32)
-    return lg.to(dtype), toks, par, n, q
-
 
 def _sampling_kw(name, B, g):
     if name == "greedy":
@@ -251,9 +106,9 @@ VERIFY_CASES = [
 @pytest.mark.parametrize("rule,use_q,V,T,B", VERIFY_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_same_tokens_as_reference_and_triton(rule, use_q, V, T, B, dtype):
-    _need_gpu_ext()
+    need_gpu_ext()
     g = torch.Generator().manual_seed(V * 7 + T)
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V + T, use_q=use_q, dtype=dtype,
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=V + T, use_q=use_q, dtype=dtype,
                                          q_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     kw = dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 977 - 5, offset=torch.arange(B) + 2**33,
               return_stats=True, **_sampling_kw(rule, B, g))
@@ -285,11 +140,11 @@ CLUSTER_CASES = [
 @pytest.mark.parametrize("rule,use_q,V,T,B", CLUSTER_CASES)
 @pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
 def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, cluster):
-    _need_gpu_ext()
+    need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
 
     g = torch.Generator().manual_seed(V + T + 1)
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V * 3 + T, use_q=use_q)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=V * 3 + T, use_q=use_q)
     kw = dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 31 + 7, offset=torch.arange(B) * 5,
               return_stats=True, **_sampling_kw(rule, B, g))
     ref = verify_tree(lg, toks, par, backend="torch", **kw)
@@ -309,12 +164,12 @@ def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, clu
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [2, 8, 16])
 def test_verify_cluster_graph_capture_and_bf16(monkeypatch, cluster):
-    _need_gpu_ext()
+    need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
 
     monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
     B, T, V = 5, 9, 12347
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=21, use_q=True, dtype=torch.bfloat16, q_dtype=torch.bfloat16)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=21, use_q=True, dtype=torch.bfloat16, q_dtype=torch.bfloat16)
     kw = dict(num_nodes=n, draft_probs=q, temperature=0.8, top_k=40, top_p=0.9, seed=torch.arange(B), return_stats=True)
     ref = verify_tree(lg, toks, par, backend="torch", **kw)
     dev = [t.cuda() for t in (lg, toks, par)]
@@ -361,9 +216,9 @@ def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dty
     or above it is a candidate. After top-k the need is the same integer, so outputs are identical; for top-p alone
     the need comes from the statistics' float Z and the normalizer from the kept candidates' 32.32 sum, so outputs
     may differ only at a float tie (at most ALLOW_TIES requests). Reruns are identical either way."""
-    _need_gpu_ext()
+    need_gpu_ext()
     g = torch.Generator().manual_seed(V + T + 3)
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=V * 5 + T, use_q=use_q, dtype=dtype)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=V * 5 + T, use_q=use_q, dtype=dtype)
     kw = _sampling_kw(rule, B, g)
     if "temperature" in kw:
         kw["temperature"] = kw["temperature"] * scale
@@ -382,7 +237,7 @@ def test_verify_topp_candidates_extremes(monkeypatch, cluster):
     above 0.999 (above it the full-row select runs), top-k then top-p up to 0.99999 (candidates = every token top-k
     keeps, at any top_p), peaked rows (Z ~ 1: the floor far below the max, one candidate kept) and near-flat rows
     (most of the row a candidate)."""
-    _need_gpu_ext()
+    need_gpu_ext()
     B, T, V = 12, 4, 30011
     g = torch.Generator().manual_seed(5)
     lg = torch.randn(B, T, V, generator=g) * 2
@@ -409,7 +264,7 @@ def test_verify_topp_equal_keys(monkeypatch, cluster):
     """Rows whose logits are all equal: every top-p candidate has the same key, so the radix select has no bit
     left to resolve and returns that key (keep every token). Compared with the reference and between the full-row
     and candidate paths."""
-    _need_gpu_ext()
+    need_gpu_ext()
     B, T, V = 6, 3, 4099
     g = torch.Generator().manual_seed(17)
     lg = torch.full((B, T, V), 0.25).add_(torch.arange(B, dtype=torch.float32).view(B, 1, 1))
@@ -434,11 +289,11 @@ def test_verify_topp_equal_keys(monkeypatch, cluster):
 def test_verify_auto_cluster_large_vocab(monkeypatch, use_q):
     """The launcher's own C (16 at B = 1 on an H100/H200, slices of 9504 tokens) against C = 1 and the reference,
     bf16 logits with fp32 draft probabilities as in the benchmark, odd strides of the kernel's loads."""
-    _need_gpu_ext()
+    need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
 
     B, T, V = 3, 7, 152064
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=99, use_q=use_q, dtype=torch.bfloat16)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=99, use_q=use_q, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     for rule in ("temp", "topp", "greedy"):
         kw = dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) + 11, return_stats=True, **_sampling_kw(rule, B, g))
@@ -458,12 +313,12 @@ def test_verify_auto_cluster_large_vocab(monkeypatch, use_q):
 def test_verify_large_tree_not_staged(monkeypatch, cluster):
     """T above the kernel's shared-memory staging limit (2048 nodes): parents and tokens are read from global
     memory during the walk. Some requests are chains of 2099 drafts (deep walks), others random trees."""
-    _need_gpu_ext()
+    need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
 
     monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
     B, T, V = 4, 2100, 23
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=7, use_q=True)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=7, use_q=True)
     par[1, 1:] = torch.arange(T - 1, dtype=torch.int32)  # at least one chain
     n[1] = T
     for rule in ("greedy", "temp"):
@@ -477,9 +332,9 @@ def test_verify_large_tree_not_staged(monkeypatch, cluster):
 @pytest.mark.cuda
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_verify_half_logits_strided_rows(q_dtype):
-    _need_gpu_ext()
+    need_gpu_ext()
     B, T, V = 7, 9, 1000
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=5, use_q=True, dtype=torch.float16, q_dtype=q_dtype)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=5, use_q=True, dtype=torch.float16, q_dtype=q_dtype)
     # Rows with a padded stride (vocabulary padded to 1003): unaligned row starts take the scalar path.
     big = torch.full((B, T, V + 3), float("nan"), dtype=lg.dtype)
     big[..., :V] = lg
@@ -491,11 +346,11 @@ def test_verify_half_logits_strided_rows(q_dtype):
 
 @pytest.mark.cuda
 def test_verify_poisoned_outputs_and_padding():
-    _need_gpu_ext()
+    need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
 
     B, T, V = 6, 8, 29
-    lg, toks, par, _, q = _verify_inputs(B, T, V, seed=9, use_q=True)
+    lg, toks, par, _, q = verify_inputs(B, T, V, seed=9, use_q=True)
     n = torch.tensor([1, 2, 3, 5, 8, 8], dtype=torch.int32)
     for b in range(B):
         lg[b, n[b]:] = float("nan")  # padding is never read
@@ -517,9 +372,9 @@ def test_verify_poisoned_outputs_and_padding():
 
 @pytest.mark.cuda
 def test_verify_error_flags_are_per_request():
-    _need_gpu_ext()
+    need_gpu_ext()
     B, T, V = 6, 5, 9
-    lg, toks, _, _, _ = _verify_inputs(B, T, V, seed=4, use_q=False)
+    lg, toks, _, _, _ = verify_inputs(B, T, V, seed=4, use_q=False)
     par = torch.tensor([[-1, 0, 1, 2, 3]] * B, dtype=torch.int32)
     toks[:, 1] = lg[:, 0].argmax(-1)  # node 1 always accepted (greedy)
     bad = lg.clone()
@@ -560,9 +415,9 @@ def test_verify_error_flags_are_per_request():
 
 @pytest.mark.cuda
 def test_verify_cuda_graph_capture_and_replay():
-    _need_gpu_ext()
+    need_gpu_ext()
     B, T, V = 9, 7, 300
-    lg, toks, par, n, q = _verify_inputs(B, T, V, seed=12, use_q=True)
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=12, use_q=True)
     dev = lambda t: t.cuda()  # noqa: E731
     lg, toks, par, n, q = map(dev, (lg, toks, par, n, q))
     temp = torch.full((B,), 0.9, device="cuda")
@@ -586,201 +441,9 @@ def test_verify_cuda_graph_capture_and_replay():
         assert not _diff_requests(eager, out, f"graph replay {step}"), "replayed graph differs from eager"
 
 
-# ---------------------------------------------------------------------------------------------
-# GPU: compact_kv
-# ---------------------------------------------------------------------------------------------
-
-def _compact_case(B, layers, Hkv, D, block_size, P, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(0, 3 * block_size, (B,), generator=g, dtype=torch.int32)
-    T = P + 3  # tree nodes per request (paths use nodes < T)
-    pages = [-(-(int(ctx[b]) + T) // block_size) for b in range(B)]
-    max_blocks = max(pages) + 2
-    num_blocks = sum(pages) + 1
-    perm = torch.randperm(num_blocks - 1, generator=g).to(torch.int32)
-    table = torch.full((B, max_blocks), num_blocks - 1, dtype=torch.int32)
-    o = 0
-    for b in range(B):
-        table[b, : pages[b]] = perm[o : o + pages[b]]
-        o += pages[b]
-    nacc = torch.randint(0, P, (B,), generator=g, dtype=torch.int32)
-    nacc[0] = P - 1
-    nodes = torch.full((B, P), -1, dtype=torch.int32)
-    for b in range(B):
-        k = int(nacc[b])
-        chain = torch.rand(1, generator=g).item() < 0.2
-        path = torch.arange(k + 1) if chain else torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(T - 1, generator=g)[:k].sort().values + 1])
-        nodes[b, : k + 1] = path.to(torch.int32)
-    mk = lambda: [torch.randn(num_blocks, block_size, Hkv, D, generator=g).to(dtype) for _ in range(layers)]  # noqa: E731
-    return mk(), mk(), table, ctx, nodes, nacc
-
-
-COMPACT_CASES = [
-    # (B, layers, Hkv, D, block_size, P, dtype)
-    (5, 3, 2, 64, 16, 6, torch.bfloat16),
-    (7, 2, 3, 24, 5, 9, torch.float16),      # awkward block size, 144-byte slots
-    (3, 1, 1, 7, 4, 5, torch.float16),       # 14-byte slots: 2-byte accesses
-    (4, 2, 8, 128, 16, 40, torch.bfloat16),  # long paths: narrow slabs
-    (6, 2, 2, 32, 8, 4, torch.float32),
-]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("B,layers,Hkv,D,block_size,P,dtype", COMPACT_CASES)
-def test_compact_kv_exact(B, layers, Hkv, D, block_size, P, dtype):
-    _need_gpu_ext()
-    ks, vs, table, ctx, nodes, nacc = _compact_case(B, layers, Hkv, D, block_size, P, dtype, seed=B * 13 + P)
-    ref_k, ref_v = [t.clone() for t in ks], [t.clone() for t in vs]
-    want = compact_kv(ref_k, ref_v, table, ctx, nodes, nacc, backend="torch")
-    gk, gv = [t.cuda() for t in ks], [t.cuda() for t in vs]
-    got = compact_kv(gk, gv, table.cuda(), ctx.cuda(), nodes.cuda(), nacc.cuda(), backend="cuda")
-    assert torch.equal(got.cpu(), want)
-    for name, a, b in [("k", ref_k, gk), ("v", ref_v, gv)]:
-        for layer, (x, y) in enumerate(zip(a, b)):
-            diff = (x.view(-1, Hkv * D) != y.cpu().view(-1, Hkv * D)).any(1).nonzero().flatten()
-            assert diff.numel() == 0, f"{name}_cache[{layer}]: flat rows {diff[:8].tolist()} differ from the reference"
-
-
-@pytest.mark.cuda
-def test_compact_kv_matches_triton_and_graph_replay():
-    _need_gpu_ext()
-    B, layers, Hkv, D, block_size, P = 6, 3, 2, 64, 16, 7
-    ks, vs, table, ctx, nodes, nacc = _compact_case(B, layers, Hkv, D, block_size, P, torch.bfloat16, seed=3)
-    tk, tv = [t.cuda() for t in ks], [t.cuda() for t in vs]
-    compact_kv(tk, tv, table.cuda(), ctx.cuda(), nodes.cuda(), nacc.cuda(), backend="triton")
-    gk, gv = [t.cuda() for t in ks], [t.cuda() for t in vs]
-    args = [table.cuda(), ctx.cuda(), nodes.cuda(), nacc.cuda()]
-    compact_kv(gk, gv, *args, backend="cuda", validate=False)  # warm-up also builds the pointer table
-    for x, y in zip(tk + tv, gk + gv):
-        assert torch.equal(x, y), "cuda and triton compaction differ"
-    # Capture on fresh copies, replay, compare with the eager result.
-    ck, cv = [t.cuda() for t in ks], [t.cuda() for t in vs]
-    compact_kv(ck, cv, *args, backend="cuda", validate=False)
-    for t, src in zip(ck + cv, ks + vs):
-        t.copy_(src)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        new_ctx = compact_kv(ck, cv, *args, backend="cuda", validate=False)
-    for t, src in zip(ck + cv, ks + vs):
-        t.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(new_ctx.cpu(), (ctx + nacc + 1).to(torch.int32))
-    for x, y in zip(gk + gv, ck + cv):
-        assert torch.equal(x, y), "graph replay differs from the eager compaction"
-
-
-# ---------------------------------------------------------------------------------------------
-# GPU: build_draft_tree
-# ---------------------------------------------------------------------------------------------
-
-def _candidates(B, N, g, ties=False):
-    par = torch.full((B, N), -1, dtype=torch.int32)
-    for c in range(1, N):
-        par[:, c] = torch.where(torch.rand(B, generator=g) < 0.2, torch.full((B,), -1, dtype=torch.int32),
-                                torch.randint(0, c, (B,), generator=g, dtype=torch.int32))
-    scores = -torch.rand(B, N, generator=g) * 8
-    if ties:
-        scores = (scores * 2).round() / 2  # many equal scores: tie-breaking by index matters
-        scores[:, ::7] = -0.0
-        scores[:, 3::7] = 0.0
-    scores = torch.where(torch.rand(B, N, generator=g) < 0.1, torch.full_like(scores, float("-inf")), scores)
-    tokens = torch.randint(0, 50000, (B, N), generator=g)
-    roots = torch.randint(0, 50000, (B,), generator=g)
-    return par, tokens, scores, roots
-
-
-BUILD_CASES = [(3, 1, 1), (5, 5, 3), (7, 37, 17), (4, 37, 64), (9, 300, 64), (3, 1000, 128), (2, 2048, 128), (4, 20, 40)]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("B,N,num_verify", BUILD_CASES)
-@pytest.mark.parametrize("ties", [False, True])
-def test_build_draft_tree_exact(B, N, num_verify, ties):
-    _need_gpu_ext()
-    g = torch.Generator().manual_seed(N * 31 + num_verify + ties)
-    par, tokens, scores, roots = _candidates(B, N, g, ties)
-    ref = build_draft_tree(par, tokens, scores, num_verify, roots, return_mask=True, backend="torch")
-    dev = [t.cuda() for t in (par, tokens, scores)]
-    got = build_draft_tree(*dev, num_verify, roots.cuda(), return_mask=True, backend="cuda")
-    tri = build_draft_tree(*dev, num_verify, roots.cuda(), return_mask=True, backend="triton")
-    for name, x, y, z in zip(("parents", "draft_tokens", "cand_index", "num_nodes", "tree_mask"), ref, got, tri):
-        x, y, z = x.cpu(), y.cpu(), z.cpu()
-        rows = (x != y).reshape(B, -1).any(1).nonzero().flatten().tolist()
-        assert not rows, f"{name} differs from the reference at request {rows[0]}: expected {x[rows[0]].tolist()} got {y[rows[0]].tolist()}"
-        assert torch.equal(y, z), f"{name} differs from the triton backend"
-    no_mask = build_draft_tree(*dev, num_verify, roots.cuda(), backend="cuda")
-    assert no_mask.tree_mask is None and torch.equal(no_mask.parents, got.parents)
-
-
-@pytest.mark.cuda
-def test_build_draft_tree_poisoned_outputs_and_graph():
-    _need_gpu_ext()
-    from tlt_kernels._cuda import build_draft_tree as cb
-
-    B, N, V = 5, 77, 40
-    g = torch.Generator().manual_seed(0)
-    par, tokens, scores, roots = (t.cuda() for t in _candidates(B, N, g))
-    outs = [poison_(torch.empty(B, V, dtype=torch.int32, device="cuda")), poison_(torch.empty(B, V, dtype=torch.int64, device="cuda")),
-            poison_(torch.empty(B, V, dtype=torch.int32, device="cuda")), poison_(torch.empty(B, dtype=torch.int32, device="cuda")),
-            poison_(torch.empty(B, V, 2, dtype=torch.int32, device="cuda"))]
-    cb.build_draft_tree_out(par, tokens, scores, roots, *outs)
-    for name, t in zip(("parents", "draft_tokens", "cand_index", "num_nodes", "tree_mask"), outs):
-        assert not (t == -12345).any(), f"{name} has unwritten entries"
-    ref = build_draft_tree(par.cpu(), tokens.cpu(), scores.cpu(), V, roots.cpu(), return_mask=True, backend="torch")
-    for x, y in zip(ref, outs):
-        assert torch.equal(x, y.cpu())
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tree = build_draft_tree(par, tokens, scores, V, roots, return_mask=True, validate=False, backend="cuda")
-    scores.copy_(scores.flip(1))  # new inputs, same buffers
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = build_draft_tree(par.cpu(), tokens.cpu(), scores.cpu(), V, roots.cpu(), return_mask=True, validate=False, backend="torch")
-    for x, y in zip(ref, tree):
-        assert torch.equal(x, y.cpu()), "graph replay differs from the reference"
-
-
-@pytest.mark.cuda
-def test_eager_direct_dispatch_matches_the_custom_op_on_the_gpu(monkeypatch):
-    """Plain eager calls launch _C without the torch.library op (tlt_kernels._backend.direct_dispatch_ok); the
-    op path (TLT_DIRECT_DISPATCH=0, torch.compile) must give the same bits for verify_tree and compact_kv."""
-    _need_gpu_ext()
-    import tlt_kernels._backend as backend
-    from tlt_kernels._cuda import compact_kv as ccv
-    from tlt_kernels._cuda import verify_tree as cvt
-
-    B, T, V = 5, 9, 4099
-    lg, toks, par, n, q = (t.cuda() if t is not None else None
-                           for t in _verify_inputs(B, T, V, seed=17, use_q=True, dtype=torch.bfloat16))
-    kw = dict(num_nodes=n, draft_probs=q, temperature=0.8, top_p=0.9, seed=torch.arange(B, device="cuda"),
-              return_stats=True, validate=False, backend="cuda")
-    ks, vs, table, ctx, nodes, nacc = _compact_case(4, 2, 2, 64, 16, 5, torch.bfloat16, seed=9)
-    counts = {"verify": [], "compact": []}
-    for name, entry in (("verify", cvt.verify_tree_cuda), ("compact", ccv.compact_kv)):
-        real = entry.op
-        monkeypatch.setattr(entry, "op", lambda *a, real=real, name=name: counts[name].append(1) or real(*a))
-    results = []
-    for direct in (True, False):
-        monkeypatch.setattr(backend, "DIRECT_DISPATCH", direct)
-        res = verify_tree(lg, toks, par, **kw)
-        gk, gv = [t.cuda() for t in ks], [t.cuda() for t in vs]
-        new_ctx = compact_kv(gk, gv, table.cuda(), ctx.cuda(), nodes.cuda(), nacc.cuda(), backend="cuda", validate=False)
-        torch.cuda.synchronize()
-        results.append((res, new_ctx.cpu(), [t.cpu() for t in gk + gv]))
-        assert counts == ({"verify": [], "compact": []} if direct else {"verify": [1], "compact": [1]})
-    (a, ctx_a, caches_a), (b, ctx_b, caches_b) = results
-    for field in ("tokens", "num_accepted", "accepted_nodes", "error", "stats"):
-        assert torch.equal(getattr(a, field), getattr(b, field)), field
-    assert torch.equal(ctx_a, ctx_b) and all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
-
-
 @pytest.mark.cuda
 def test_verify_empty_batch_with_validation():
-    _need_gpu_ext()
+    need_gpu_ext()
     from test_verify_tree import empty_batch_call
 
     empty_batch_call("cuda", "cuda")
-

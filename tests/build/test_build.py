@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _extension_path():
@@ -294,7 +294,7 @@ def test_cuda_errors_become_runtime_errors():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wgmma_building_blocks_match_torch(dtype):
-    """csrc/wgmma_sm90.cuh on one tile: 128-byte-swizzled staging, K-major and MN-major descriptors, the accumulator
+    """csrc/tree_attention/wgmma_sm90.cuh on one tile: 128-byte-swizzled staging, K-major and MN-major descriptors, the accumulator
     -> A-fragment mapping and both instruction wrappers, against torch (S = A B^T, O = P V with P = S rounded). The
     kernel also redoes both products with the 128-token tile's blocks (m64n128k16_ss, 128-row descriptors, the
     float[64] A fragment) on mirrored 128-row operands and marks every element they disagree on with +inf."""
@@ -339,19 +339,18 @@ def _ptxas_verbose_sm90(name: str, cubin: str = os.devnull):
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("nvcc not found")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = os.path.join(root, "csrc", name)
+    src = os.path.join(ROOT, "csrc", name)
     proc = subprocess.run([nvcc, "-cubin", src, "-o", cubin, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
-                           "--expt-relaxed-constexpr", "-O3", "-Xptxas=-v", "-I", os.path.join(root, "csrc")],
+                           "--expt-relaxed-constexpr", "-O3", "-Xptxas=-v", "-I", os.path.join(ROOT, "csrc")],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def test_sm90_kernel_compiles_without_wgmma_serialization():
-    """csrc/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes every wgmma of
+    """csrc/tree_attention/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes every wgmma of
     the kernel when an accumulator is read while in flight) and spills nothing."""
-    proc = _ptxas_verbose_sm90("tree_attention_ctx_sm90.cu")
+    proc = _ptxas_verbose_sm90("tree_attention/tree_attention_ctx_sm90.cu")
     assert "C7514" not in proc.stderr, proc.stderr
     assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
     assert all(" 0 bytes spill stores" in line for line in proc.stderr.splitlines() if "spill stores" in line), proc.stderr
@@ -364,12 +363,12 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
 
 
 def test_sm90_warp_specialized_kernel_compiles_without_serialization_or_spills():
-    """csrc/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend launches keep
+    """csrc/tree_attention/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend launches keep
     their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing; the TMA build keeps its
     small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
     import re
 
-    proc = _ptxas_verbose_sm90("tree_attention_ctx_sm90_ws.cu")
+    proc = _ptxas_verbose_sm90("tree_attention/tree_attention_ctx_sm90_ws.cu")
     assert "C7514" not in proc.stderr, proc.stderr
     lines = proc.stderr.splitlines()
     spills = {}
@@ -408,7 +407,7 @@ def _elf_section_sizes(path: str) -> dict:
 
 
 def test_verify_tree_kernels_do_not_spill(tmp_path):
-    """csrc/acceptance_verify_bf16.cu (bf16 logits, every draft-probability type, with and without the top-p candidate
+    """csrc/verify_tree/verify_tree_bf16.cu (bf16 logits, every draft-probability type, with and without the top-p candidate
     path): no verify_tree instantiation spills at the 128-register cap of two 256-thread CTAs per SM. Before 30a178f a
     top-p-free batch ran the spilling candidate instantiation (ncu: 177,024 local-memory requests in one chain4 B=16
     call; bench/RESULTS.md, 2026-11-26).
@@ -417,7 +416,7 @@ def test_verify_tree_kernels_do_not_spill(tmp_path):
     ~1.7x larger (342-360 KB of SASS, 547-560 KB with the candidate path) and top-p walks 3-10% slower (H200,
     same-run A/B, bench/RESULTS.md 2026-11-26 22:45)."""
     cubin = str(tmp_path / "verify_bf16.cubin")
-    proc = _ptxas_verbose_sm90("acceptance_verify_bf16.cu", cubin)
+    proc = _ptxas_verbose_sm90("verify_tree/verify_tree_bf16.cu", cubin)
     lines = proc.stderr.splitlines()
     entries = [i for i, line in enumerate(lines) if "Compiling entry function" in line and "verify_tree_kernel" in line]
     assert len(entries) == 6, proc.stderr[-3000:]

@@ -1,8 +1,8 @@
 // sm_90 warpgroup MMA building blocks (torch-free): 128-byte-swizzled shared-memory tiles, wgmma matrix
 // descriptors, and the two products of an attention tile, S = Q K^T (both operands from shared memory) and
 // O += P V (P from registers, V from shared memory). The CUDA port of the overlapped tree-attention schedule
-// (tlt_kernels/_triton/tree_attention_gluon.py), csrc/tree_attention_ctx_sm90.cu, is built from these;
-// csrc/wgmma_selftest.cu checks each piece against torch on a GPU.
+// (tlt_kernels/_triton/tree_attention_gluon.py), csrc/tree_attention/tree_attention_ctx_sm90.cu, is built from these;
+// csrc/tree_attention/wgmma_selftest.cu checks each piece against torch on a GPU.
 //
 // S is one m64n64 (64-token K tile) or m64n128 (128-token tile) product per k-step; every helper below takes the
 // tile's row count, so the same code addresses 64- and 128-row K/V tiles (and the 128-row Q tile).
@@ -25,8 +25,8 @@
 
 #include <cstdint>
 
-#include "launch_status.h"
-#include "tree_attention.cuh"  // tree_attn::smem_addr, tree_attn::TypeTraits<T>::pack
+#include "common/launch_status.h"
+#include "tree_attention/tree_attention.cuh"  // tree_attn::smem_addr, tree_attn::TypeTraits<T>::pack
 
 namespace tlt {
 namespace wgmma {

@@ -1,7 +1,7 @@
 """CUDA tree attention: the paths the kernel rework added (direct write vs partials + merge, row
 chunks made only of padding rows, non-power-of-two pages, the tuning variants, odd ``out`` views).
 
-Reuses the case builder and checker of tests/test_tree_attention_cuda.py (NaN-trapped pages,
+Reuses the case builder and checker of tests/ops/test_tree_attention_cuda.py (NaN-trapped pages,
 poisoned scratch and output, per-split scratch check).
 """
 from __future__ import annotations
@@ -92,8 +92,8 @@ def test_odd_out_view_goes_through_a_temporary():
     torch.testing.assert_close(out.float(), ref, atol=4e-3, rtol=4e-3)
 
 
-# The sm_90 wgmma path (csrc/tree_attention_ctx_sm90.cu), forced on: (B, T, Hkv, G, block_size, context lengths, dtype,
-# split_len, combined_kv). D = 128 (the kernel's only head dim); ragged num_nodes (padding rows) in every case.
+# The sm_90 wgmma path (csrc/tree_attention/tree_attention_ctx_sm90.cu), forced on: (B, T, Hkv, G, block_size,
+# context lengths, dtype, split_len, combined_kv). D = 128 (the kernel's only head dim); ragged num_nodes (padding rows) in every case.
 SM90_CASES = [
     # 7B-like rows (112 of 128), one split, a tail, an empty context, a context of one tile plus two tokens.
     (3, 16, 2, 7, 16, [4100, 0, 130], torch.bfloat16, None, False),

@@ -40,7 +40,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "tree_attention.h"
+#include "tree_attention/tree_attention.h"
 
 namespace tlt {
 namespace tree_attn {

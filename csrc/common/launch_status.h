@@ -10,7 +10,7 @@
 
 #include <string>
 
-#include "cuda_check.h"
+#include "common/cuda_check.h"
 
 namespace tlt {
 

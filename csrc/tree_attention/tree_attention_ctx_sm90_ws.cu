@@ -1,9 +1,9 @@
-// Warp-specialized build of the sm_90 tree-attention kernel (issue 3: T * G > 64 rows; written for the T=16 cases on
-// the H200, and for wide trees (T = 32, 64) in blocks of 128 rows, one CTA each). Same work and outputs as the two-warpgroup kernel in csrc/tree_attention_ctx_sm90.cu (see its header
-// for the span, the folded tree and the tile order); what differs is who waits for whom:
+// Warp-specialized build of the sm_90 tree-attention kernel (T * G > 64 rows, and wide trees (T = 32, 64) in blocks
+// of 128 rows, one CTA each). Same work and outputs as the two-warpgroup kernel in tree_attention_ctx_sm90.cu (see
+// its header for the span, the folded tree and the tile order); what differs is who waits for whom:
 //
 //   warpgroup 2 (producer): gathers K and V tiles through the block table into rings of 3 K and 4 V stages
-//     (cp.async), each slot guarded by a `full` and an `empty` mbarrier (csrc/sm90_pipeline.cuh). It runs ahead as
+//     (cp.async), each slot guarded by a `full` and an `empty` mbarrier (sm90_pipeline.cuh). It runs ahead as
 //     far as the rings allow, from the first cycle on, while the consumers load Q. V has the extra stage because a
 //     V tile is read one step later than its K tile (by P V) and so is held longer.
 //   warpgroups 0 and 1 (consumers, 64 rows each): Q in registers (the A operand of S, RS wgmma); wait on `full`,
@@ -13,9 +13,9 @@
 //     issues its step j, then warpgroup 0 its step j + 1, ...), so one warpgroup's softmax runs while the other's
 //     GEMMs hold the tensor cores. In the lockstep kernel both issued S_j together after the step's barrier and
 //     then both did their softmax, the tensor cores idle meanwhile.
-// Measured (bench/RESULTS.md, 2026-11-26 23:25-23:52): 2.43-2.47 us per 128-token tile on an H200 against 2.61-2.64
-// for the lockstep kernel (the copies alone would take 1.9 us: bench/ws_probe.sh); on an H100 the copy bandwidth's
-// 2.80-2.85 us, as before.
+// Why: one warpgroup's softmax no longer waits for the other's GEMMs, so a tile costs closer to its copies where
+// memory outruns the math; where the copies are the limit it changes nothing (figures: docs/CUDA_NOTES.md,
+// "Measurements behind the csrc rules").
 //
 // Registers: 384 threads at one CTA per SM leave 168 per thread at launch; setmaxnreg gives the producer 56 and each
 // consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use 220, one
@@ -30,11 +30,11 @@
 
 #include <cstdint>
 
-#include "launch_status.h"
-#include "sm90_pipeline.cuh"
-#include "tree_attention.cuh"  // tree_attn::cp_async_16, TypeTraits
-#include "tree_attention_sm90_tile.cuh"
-#include "wgmma_sm90.cuh"
+#include "common/launch_status.h"
+#include "tree_attention/sm90_pipeline.cuh"
+#include "tree_attention/tree_attention.cuh"  // tree_attn::cp_async_16, TypeTraits
+#include "tree_attention/tree_attention_sm90_tile.cuh"
+#include "tree_attention/wgmma_sm90.cuh"
 
 #ifndef TLT_WS_PROBE
 #define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, bench/ws_probe.cu; never in the package)
@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // The TMA build's tensor map of one cache (K or V): dims (head dim, KV heads, token rows), innermost first, strides
 // in bytes; boxes of 64 columns x 1 head x 16 token rows, 128-byte swizzle (the layout the wgmma descriptors
-// describe, csrc/wgmma_sm90.cuh). The encoder is the driver's, reached through the runtime (no libcuda link).
+// describe, csrc/tree_attention/wgmma_sm90.cuh). The encoder is the driver's, reached through the runtime (no libcuda link).
 // The driver's encoder, looked up once (a function-local static: thread-safe initialization, as engines launch from
 // several threads); nullptr when the driver has none.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() noexcept {

@@ -9,9 +9,9 @@
 #include <string>
 #include <type_traits>
 
-#include "launch_status.h"
-#include "tree_attention.cuh"
-#include "tree_attention.h"
+#include "common/launch_status.h"
+#include "tree_attention/tree_attention.cuh"
+#include "tree_attention/tree_attention.h"
 
 namespace tlt {
 namespace {
@@ -49,10 +49,8 @@ LaunchStatus check_common(const TreeAttentionParams& p) {
 //   D=64/128: Q fragments in registers, 4 / 3 ring stages (64-token tiles).
 //   D=256: Q re-read from shared memory (the O accumulator alone is 128 registers), 3 stages of
 //   32-token tiles.
-//   8 warps at D=128: 2 stages. Two H200 sweeps (bf16) put 2 vs 3 stages within run-to-run noise
-//   (7B (64, 4096, 16): 0.308 vs 0.317 ms in one, 0.334 vs 0.313 in the other); config 6 (128-token
-//   tiles, Q in shared memory) was 2-5% faster on every 8-warp case of the second sweep: the next
-//   default candidate once confirmed.
+//   8 warps at D=128: 2 stages (2 and 3 measured within run-to-run noise); config 6 (128-token
+//   tiles, Q in shared memory) is the next default candidate once confirmed (sweeps: docs/CUDA_NOTES.md).
 template <int D, int kWarps>
 using DefaultTraits = tree_attn::KernelTraits<D, kWarps, D == 64 ? 4 : (D == 128 && kWarps == 8 ? 2 : 3), D <= 128>;
 

@@ -1,0 +1,69 @@
+// verify_tree's host-facing interface (plain C++, torch-free): parameter struct, limits, launcher. The contract is
+// the pure-torch reference in tlt_kernels/reference/{verify_tree,sampling}.py.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/launch_status.h"
+
+namespace tlt {
+
+// Element types of logits / draft_probs (codes shared with tlt_kernels/_cuda/verify_tree.py).
+enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// One fused verification of B draft trees. Strides are in elements; the vocabulary dim is contiguous.
+//
+//   logits        [B, T, V] fp32/fp16/bf16 (logits_stride_{b,t})
+//   draft_probs   [B, T, V] fp32/fp16/bf16 or null (q_stride_{b,t}); null = deterministic candidates
+//   draft_tokens  int64 (tokens_int64) or int32 [B, >= T] (tokens_stride_b)
+//   parents       int32 [B, >= T] (parents_stride_b); num_nodes int32 [B]
+//   temperature   float32 [B] or null (all greedy); top_k int32 [B] or null; top_p float32 [B] or null
+//   seed, offset  int64 [B]
+//   scratch       float32 [B, 2, V] contiguous (ping-pong residual rows; only touched after a rejection)
+//   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
+//   out_stats     int32 [B, max_depth, 2] or null
+struct VerifyTreeParams {
+  const void* logits = nullptr;
+  const void* draft_probs = nullptr;
+  const void* draft_tokens = nullptr;
+  const int32_t* parents = nullptr;
+  const int32_t* num_nodes = nullptr;
+  const float* temperature = nullptr;
+  const int32_t* top_k = nullptr;
+  const float* top_p = nullptr;
+  const int64_t* seed = nullptr;
+  const int64_t* offset = nullptr;
+  float* scratch = nullptr;
+  int32_t* out_tokens = nullptr;
+  int32_t* out_num = nullptr;
+  int32_t* out_nodes = nullptr;
+  int32_t* out_error = nullptr;
+  int32_t* out_stats = nullptr;
+
+  int64_t logits_stride_b = 0, logits_stride_t = 0;
+  int64_t q_stride_b = 0, q_stride_t = 0;
+  int64_t tokens_stride_b = 0, parents_stride_b = 0;
+
+  int batch = 0;      // B
+  int num_tree = 0;   // T
+  int vocab = 0;      // V
+  int max_depth = 0;  // deepest node the walk may accept
+  int cluster = 0;    // CTAs per request: 0 = pick from B, V and the SM count; else 1, 2, 4, 8 or 16
+  bool tokens_int64 = true;
+  // Top-p threshold selected among compacted candidates (the full-row select's threshold, up to float ties; see
+  // topp_from_candidates). On by default in the Python glue (TLT_VERIFY_TOPP_COMPACT); used when top_p is given.
+  bool topp_compact = false;
+  ElemType logits_type = ElemType::kFloat32;
+  ElemType q_type = ElemType::kFloat32;
+};
+
+// Limits of the CUDA kernel (the Python glue reports them before launching).
+constexpr int kVerifyMaxDepthSmem = 4096;
+constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
+constexpr int kVerifyMaxCluster = 16;  // 16 needs the non-portable cluster attribute (Hopper)
+
+LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
+
+}  // namespace tlt
