@@ -1,6 +1,6 @@
-// pybind11 entry point of build_draft_tree. Torch-free: device pointers and the cudaStream_t arrive as Python ints, strides
-// in elements. The Python glue (tlt_kernels/_cuda/build_draft_tree.py) checks shapes and dtypes; the launcher re-checks
-// what the kernel relies on and returns a status, raised here.
+// pybind11 entry point of build_draft_tree. Torch-free: device pointers and the cudaStream_t arrive as Python ints,
+// strides in elements. The Python glue (tlt_kernels/_cuda/build_draft_tree.py) checks shapes and dtypes; the launcher
+// re-checks what the kernel relies on and returns a status, raised here.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 

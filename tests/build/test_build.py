@@ -294,9 +294,9 @@ def test_cuda_errors_become_runtime_errors():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wgmma_building_blocks_match_torch(dtype):
-    """csrc/tree_attention/wgmma_sm90.cuh on one tile: 128-byte-swizzled staging, K-major and MN-major descriptors, the accumulator
-    -> A-fragment mapping and both instruction wrappers, against torch (S = A B^T, O = P V with P = S rounded). The
-    kernel also redoes both products with the 128-token tile's blocks (m64n128k16_ss, 128-row descriptors, the
+    """csrc/tree_attention/wgmma_sm90.cuh on one tile: 128-byte-swizzled staging, K-major and MN-major descriptors, the
+    accumulator -> A-fragment mapping and both instruction wrappers, against torch (S = A B^T, O = P V with P = S
+    rounded). The kernel also redoes both products with the 128-token tile's blocks (m64n128k16_ss, 128-row descriptors, the
     float[64] A fragment) on mirrored 128-row operands and marks every element they disagree on with +inf."""
     ext = _ext_or_skip()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -348,8 +348,8 @@ def _ptxas_verbose_sm90(name: str, cubin: str = os.devnull):
 
 
 def test_sm90_kernel_compiles_without_wgmma_serialization():
-    """csrc/tree_attention/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes every wgmma of
-    the kernel when an accumulator is read while in flight) and spills nothing."""
+    """csrc/tree_attention/tree_attention_ctx_sm90.cu: ptxas keeps its wgmmas asynchronous (no C7514, which serializes
+    every wgmma of the kernel when an accumulator is read while in flight) and spills nothing."""
     proc = _ptxas_verbose_sm90("tree_attention/tree_attention_ctx_sm90.cu")
     assert "C7514" not in proc.stderr, proc.stderr
     assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
@@ -363,9 +363,9 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
 
 
 def test_sm90_warp_specialized_kernel_compiles_without_serialization_or_spills():
-    """csrc/tree_attention/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend launches keep
-    their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing; the TMA build keeps its
-    small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
+    """csrc/tree_attention/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend
+    launches keep their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing; the TMA
+    build keeps its small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
     import re
 
     proc = _ptxas_verbose_sm90("tree_attention/tree_attention_ctx_sm90_ws.cu")
