@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not part of the installed package
     sys.path.insert(0, str(ROOT))
 
@@ -312,7 +312,7 @@ def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
 
     if shutil.which("patch") is None:
         pytest.skip("patch(1) not installed")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     script = str(root / "bench" / "ab.sh")
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     usage = subprocess.run(["bash", script, "x.patch", "python"], capture_output=True, text=True, env=env)
