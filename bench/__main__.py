@@ -72,7 +72,10 @@ def _lookup(specs: Dict[str, SuiteSpec], wanted: str) -> Optional[SuiteSpec]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark tlt-kernels against its peers.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description="Benchmark tlt-kernels against its peers.",
+        epilog="`python -m bench report [--check]` regenerates docs/PERFORMANCE.md and the README's Performance table "
+               "from the runs of record in bench/results/<card>/<suite>.json (see --record).")
     p.add_argument("suites", nargs="*", help="suite names, or 'all' (see --list)")
     p.add_argument("--small", action="store_true", help="tiny sizes (always on for the CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")

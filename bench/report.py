@@ -33,7 +33,7 @@ def _headline_cells(records: Records, headline) -> List[str]:
         record = records.get(card, {}).get(headline.suite)
         value = headline.value(flat_rows(record)) if record else None
         cells.append(headline.fmt.format(value) if value is not None else "—")
-    ratio = ""
+    ratio = "—"
     for card in RATIO_CARDS:
         record = records.get(card, {}).get(headline.suite)
         value = headline.ratio_value(flat_rows(record)) if record else None
