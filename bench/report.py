@@ -131,10 +131,11 @@ def suite_section(record: Dict[str, Any]) -> List[str]:
         lines.append(f"- copy bandwidth (the HBM floor's copy, same run): {bw / 1e9:.0f} GB/s")
     peers = {k: p for k, p in (record.get("peers") or {}).items() if k != "impls"}
     peer_text = "; ".join(f"{k} {p.get('version')}" for k, p in peers.items())
-    impls = ", ".join((record.get("peers") or {}).get("impls", []))
-    lines.append(f"- peers in the same run: {peer_text or 'none named'}" + (f" (impls {impls})" if impls else ""))
+    impls = ", ".join(f"`{i}`" for i in (record.get("peers") or {}).get("impls", []))
+    lines.append(f"- peer libraries in the same run: {peer_text or 'none'}; impls other than ours: {impls or 'none'}")
     if record.get("source"):
-        lines.append(f"- source: {record['source']}")
+        block = f", run log block \"{record['run_log_block']}\"" if record.get("run_log_block") else ""
+        lines.append(f"- source: {record['source']}{block}")
     lines.append("")
     lines += suite_table(record)
     if record.get("notes"):
@@ -189,7 +190,7 @@ drafter and the adaptive engine, cold and warm. As requests finish the batch shr
 what speculation cuts. Redraw it from the run's step log (`TLT_E2E_STEPS` of the e2e suite) with:
 
 ```bash
-python -m bench.plot_steps bench/step_logs/h200_e2e_b128_2026-11-27_0644.json --out docs/e2e_tokens_per_s.png \
+python -m bench.plot_steps bench/step_logs/h200_e2e_b128_2026-11-27_0644.json --out docs/e2e_tokens_per_s.png \\
   --rows "plain,static-s4k2v8,static-s5k4v16 (spot drafter),adaptive,adaptive (warm)"
 ```
 """
