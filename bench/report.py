@@ -244,8 +244,9 @@ def performance_md(records: Records) -> str:
         lines += ["## GPU tests / sanitizer", ""] + tests
     lines += ["## Earlier runs", "",
               "The dated run log that preceded these records (every A/B, probe and partial run of 2026-11-26/27) was",
-              "`bench/RESULTS.md`; it is kept in git history: `git show 42a893b:bench/RESULTS.md`. Docs that cite a",
-              "\"run log\" block by its date and time refer to it.", ""]
+              "`bench/RESULTS.md`; it is kept in git history: `git show 42a893b:bench/RESULTS.md` (the last commit",
+              "before its removal). Docs that cite a \"run log\" block by its date and time refer to it; each record",
+              "converted from it names its block.", ""]
     return "\n".join(lines)
 
 
