@@ -176,7 +176,10 @@ python -m bench tree-attention --record     # replaces bench/results/<card>/tree
 python -m bench report                      # regenerates this page and the README's Performance table
 ```
 
-Commit the record and the regenerated files together; `tests/bench/test_report.py` fails when they disagree.
+On a GPU machine reached through a copy of the tree, write the records where the results come back
+(`--record $OUT/bench/results`, or `GPU_CHECK_BENCH_ARGS="--record $OUT/bench/results" bash bench/gpu_check.sh`) and
+copy `<card>/<suite>.json` into `bench/results/`. A failed or stopped suite is never recorded. Commit the record and
+the regenerated files together; `tests/bench/test_report.py` fails when they disagree.
 
 ## Reading the figures
 
