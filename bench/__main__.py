@@ -1,7 +1,10 @@
-"""CLI: ``python -m bench <suite|all> [suite ...] [--small] [--out DIR] [--device cuda|cpu] [--dtype bf16|fp16]``.
+"""CLI: ``python -m bench <suite|all> [suite ...] [--small] [--out DIR] [--device cuda|cpu] [--dtype bf16|fp16]
+[--record [DIR]]`` and ``python -m bench report [--check]``.
 
 Writes ``DIR/<suite>.json`` and ``DIR/<suite>.md`` per suite and ``DIR/summary.md`` for the whole
-invocation, and prints the Markdown. A suite that raises is reported as failed and the next one
+invocation, and prints the Markdown. With ``--record`` each suite that completes also replaces its run of record,
+``bench/results/<card>/<suite>.json`` (:mod:`bench.records`); ``report`` regenerates docs/PERFORMANCE.md and the
+README's Performance table from those records (:mod:`bench.report`). A suite that raises is reported as failed and the next one
 runs; the exit status is 1 when any suite failed, 2 on a usage error. On SIGTERM (``timeout`` at a
 deadline) the running suite stops, its report keeps the rows it measured (status ``stopped``), the
 summary is written, no further suite starts, and the exit status is 124.
@@ -19,6 +22,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
+
+from .records import RESULTS_DIR
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
@@ -67,17 +72,29 @@ def _lookup(specs: Dict[str, SuiteSpec], wanted: str) -> Optional[SuiteSpec]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark tlt-kernels against its peers.")
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description="Benchmark tlt-kernels against its peers.",
+        epilog="`python -m bench report [--check]` regenerates docs/PERFORMANCE.md and the README's Performance table "
+               "from the runs of record in bench/results/<card>/<suite>.json (see --record).")
     p.add_argument("suites", nargs="*", help="suite names, or 'all' (see --list)")
     p.add_argument("--small", action="store_true", help="tiny sizes (always on for the CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("--record", nargs="?", type=Path, const=RESULTS_DIR, default=None, metavar="DIR",
+                   help=f"make this run the run of record: replace DIR/<card>/<suite>.json for each suite that "
+                        f"completes (default DIR {RESULTS_DIR}); then `python -m bench report` regenerates "
+                        "docs/PERFORMANCE.md and the README table from the records. Without it only --out is written")
     return p
 
 
 def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        from .report import main as report_main
+
+        return report_main(argv[1:])
     args = _parser().parse_args(argv)
     import torch
 
@@ -193,8 +210,21 @@ def _run_one(spec: SuiteSpec, device, dtype, args, reports: List[str], stop: _St
 
     res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out)
     print(res.markdown, flush=True)
+    if args.record is not None:
+        _record(res, args.record)
     reports.append(res.markdown)
     return spec.name, res.status, len(res.data["rows"]), time.perf_counter() - t0
+
+
+def _record(res, root: Path) -> None:
+    """Replace the suite's run of record with this run; a failed or stopped run is never recorded."""
+    from .records import build_record, driver_version, write_record
+
+    if res.status != "ok":
+        print(f"not recorded: suite {res.suite} {res.status}", file=sys.stderr)
+        return
+    path = write_record(build_record(res.data, driver=driver_version()), root)
+    print(f"recorded {path}", flush=True)
 
 
 if __name__ == "__main__":

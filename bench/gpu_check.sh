@@ -12,7 +12,8 @@
 # Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine; the built
 # tlt_kernels/_C*.so lives in the tree, so a copy of the tree sent again through the device tool's `carry` loses it: the
 # suites then fall back to Triton, and the install row says '_C NOT built'), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
-# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small),
+# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small; "--record $OUT/bench/results"
+# makes the run the run of record: copy bench.tar.gz's bench/results/<card>/*.json into bench/results/, then `python -m bench report`),
 # GPU_CHECK_BENCH_FIRST=1 (benchmarks before tests), GPU_CHECK_DEADLINE (seconds from the start: no test file or
 # benchmark starts after it, and a running one is stopped at it (a suite's report keeps the rows it measured), so the summary and the partial logs still come back
 # inside a device call's limit; the benchmark's printed rows are kept in bench.tar.gz's bench/bench.log).

@@ -198,6 +198,7 @@ class BenchContext:
         self.rows: List[Row] = []
         self.notes: List[str] = []
         self._peers: Dict[str, Any] = {}
+        self.peer_versions: Dict[str, str] = {}  # peer -> its version, or why it was unavailable (for the record)
         self._keys = set()
 
     # -- timing -------------------------------------------------------------------------------
@@ -286,9 +287,11 @@ class BenchContext:
             mod = importlib.import_module(name)
         except Exception as exc:
             self.note(f"peer {name} unavailable: {type(exc).__name__}: {exc}")
+            self.peer_versions[name] = f"unavailable: {type(exc).__name__}: {exc}"
             mod = None
         else:
             self.note(f"peer {name} {getattr(mod, '__version__', '(version unknown)')} available")
+            self.peer_versions[name] = str(getattr(mod, "__version__", "version unknown"))
         self._peers[name] = mod
         return mod
 
@@ -464,6 +467,7 @@ def run_suite(suite: str, run: Callable[[BenchContext], None], device: torch.dev
         "copy_bytes": ctx.copy_bytes,
         "env": environment(ctx.device),
         "rows": rows,
+        "peers": ctx.peer_versions,
         "notes": ctx.notes,
     }
     md = render_markdown(data)

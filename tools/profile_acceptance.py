@@ -1,4 +1,4 @@
-"""Where the CUDA ``verify_tree`` time goes at small batch: ``python -m bench.profile_acceptance [--out DIR]`` (GPU).
+"""Where the CUDA ``verify_tree`` time goes at small batch: ``python -m tools.profile_acceptance [--out DIR]`` (GPU).
 
 The acceptance suite's cases (random logits, draft rows close to the target's) time the whole walk; this tool
 varies one thing at a time on chain and tree shapes at V=152064 (bf16 logits, fp32 draft probabilities), each

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `bench` is a top-level folder, not part of the installed package
     sys.path.insert(0, str(ROOT))
 
@@ -306,14 +306,14 @@ def test_e2e_static_oracle_charges_each_bin_at_the_best_arm():
 
 
 def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
-    """bench/ab.sh checks its usage and that the patch applies before it installs anything."""
+    """tools/ab.sh checks its usage and that the patch applies before it installs anything."""
     import os
     import shutil
 
     if shutil.which("patch") is None:
         pytest.skip("patch(1) not installed")
-    root = Path(__file__).resolve().parent.parent
-    script = str(root / "bench" / "ab.sh")
+    root = Path(__file__).resolve().parents[2]
+    script = str(root / "tools" / "ab.sh")
     env = {**os.environ, "OUT": str(tmp_path / "out")}
     usage = subprocess.run(["bash", script, "x.patch", "python"], capture_output=True, text=True, env=env)
     assert usage.returncode == 2 and "usage" in usage.stderr
@@ -325,7 +325,7 @@ def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
 
 
 def test_profile_phases_parses_marks_into_phase_medians():
-    from bench.profile_phases import _parse
+    from tools.profile_phases import _parse
 
     # the clock ticks twice per ns here; the global timer (ns) gives the scale
     text = "\n".join([
@@ -379,9 +379,9 @@ def test_acceptance_impls_knob(monkeypatch, tmp_path):
 
 
 def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
-    """bench.profile_tree_attention's fit: ms / waves = fixed + tiles * per_tile, exact on exact data whatever the
+    """tools.profile_tree_attention's fit: ms / waves = fixed + tiles * per_tile, exact on exact data whatever the
     waves, and its residual reports a point off the line."""
-    from bench.profile_tree_attention import fit_fixed_and_per_tile
+    from tools.profile_tree_attention import fit_fixed_and_per_tile
 
     fixed_us, tile_us = 20.0, 3.0
     pts = [(w, t, w * (fixed_us + t * tile_us) / 1e3) for w, t in ((2, 8.125), (2, 32.125), (1, 128.125), (4, 0.125))]
@@ -483,9 +483,9 @@ def test_finetune_target_updates_parameters_in_place():
 
 
 def test_selector_vs_oracle_charges_each_bin_and_names_the_best_arm(tmp_path, capsys):
-    """bench.selector_vs_oracle on e2e step logs: per bin the row's seconds, the best static row's time for the same
+    """tools.selector_vs_oracle on e2e step logs: per bin the row's seconds, the best static row's time for the same
     tokens, the difference and what the row played."""
-    from bench.selector_vs_oracle import compare, main
+    from tools.selector_vs_oracle import compare, main
 
     def steps(*rows):  # (batch_size, strategy, emitted, seconds)
         return [dict(step=i, batch_size=b, strategy=st, tree_width=1, emitted=e, accepted_length=e / b, seconds=t,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds and runs bench/ws_probe.cu on the GPU machine: bash bench/ws_probe.sh [B] [T] [L,...]. Each mode is one build
+# Builds and runs tools/ws_probe.cu on the GPU machine: bash tools/ws_probe.sh [B] [T] [L,...]. Each mode is one build
 # (WS_PROBE_MODES, default "0 1 2 3"): 0 the kernel as shipped (and the lockstep one), 1 streaming only, 2 math only,
 # 3 checkpoints inside the kernel (where a CTA's time goes). Needs nvcc; writes nothing outside /tmp.
 set -euo pipefail
@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODES=${WS_PROBE_MODES:-0 1 2 3}
 for mode in $MODES; do
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc -DTLT_WS_PROBE=$mode \
-    bench/ws_probe.cu csrc/tree_attention_ctx_sm90.cu csrc/tree_attention.cu -o /tmp/ws_probe_$mode &
+    tools/ws_probe.cu csrc/tree_attention_ctx_sm90.cu csrc/tree_attention.cu -o /tmp/ws_probe_$mode &
 done
 wait
 for mode in $MODES; do /tmp/ws_probe_$mode "${1:-64}" "${2:-16}" "${3:-1024,4096,16384}"; done

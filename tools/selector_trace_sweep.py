@@ -1,11 +1,11 @@
 """Compare ``CostModelPolicy`` configurations on the recorded engine traces, the simulated workloads and CPU cost.
 
-Reproduces the numbers behind the cost policy's defaults (issue 5: >= 97% of the best-arm-per-batch-size
+Reproduces the numbers behind the cost policy's defaults (>= 97% of the best-arm-per-batch-size
 oracle on the recorded H200 trace without losing the simulated targets)::
 
-    python -m bench.selector_trace_sweep                         # defaults vs no change-test skip, seeds 0-2
-    python -m bench.selector_trace_sweep --seeds 8 --workers 2   # seeds 0-7
-    python -m bench.selector_trace_sweep --config 'sd1=dict(model_sd=1.0)' --trace-only
+    python -m tools.selector_trace_sweep                         # defaults vs no change-test skip, seeds 0-2
+    python -m tools.selector_trace_sweep --seeds 8 --workers 2   # seeds 0-7
+    python -m tools.selector_trace_sweep --config 'sd1=dict(model_sd=1.0)' --trace-only
 
 Each ``--config NAME=EXPR`` is a Python expression giving the policy's keyword arguments (on top of the
 defaults). Per config it prints: ``vs_size_oracle`` on every trace of ``bench/traces`` (the best arm per

@@ -1,4 +1,4 @@
-"""Phase times inside one CUDA ``verify_tree`` walk: ``python -m bench.profile_phases [--shape chain4 --B 16 ...]`` (GPU).
+"""Phase times inside one CUDA ``verify_tree`` walk: ``python -m tools.profile_phases [--shape chain4 --B 16 ...]`` (GPU).
 
 Needs ``_C`` built with the kernel's developer marks::
 
@@ -26,7 +26,7 @@ from collections import defaultdict
 def _child(args) -> None:
     import torch
 
-    from bench.profile_acceptance import _case, _shape, _verify_kwargs
+    from tools.profile_acceptance import _case, _shape, _verify_kwargs
     from tlt_kernels import verify_tree
 
     dev = torch.device("cuda")
@@ -87,7 +87,7 @@ def main() -> None:
     if args.child:
         _child(args)
         return
-    proc = subprocess.run([sys.executable, "-m", "bench.profile_phases", "--child", *sys.argv[1:]], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tools.profile_phases", "--child", *sys.argv[1:]], capture_output=True,
                           text=True, env=os.environ.copy())
     if proc.returncode != 0:
         sys.exit(proc.stderr[-2000:])

@@ -5,7 +5,7 @@ batch-size bin (the oracle's bins, ``bench.suites.e2e.batch_bin``): the row's se
 arm of that bin would have taken for the same tokens, the difference, the strategies the row played, and which arm
 was best. Usage::
 
-    python -m bench.selector_vs_oracle steps.json [--row "adaptive (warm)"] [--statics "(spot drafter)"]
+    python -m tools.selector_vs_oracle steps.json [--row "adaptive (warm)"] [--statics "(spot drafter)"]
 
 ``--statics``: the static rows to take the oracle over, by a substring of their names ("(spot drafter)": the arms
 with the adaptive engine's drafter; "static-": every static row).

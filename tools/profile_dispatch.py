@@ -1,4 +1,4 @@
-"""Host cost of an eager ``verify_tree`` call, layer by layer: ``python -m bench.profile_dispatch [--out FILE]`` (GPU).
+"""Host cost of an eager ``verify_tree`` call, layer by layer: ``python -m tools.profile_dispatch [--out FILE]`` (GPU).
 
 The acceptance suite's eager ``tlt-cuda`` rows sit 100-320 us above its graph-replayed rows at B <= 16 (H200,
 2026-11-27 05:12): host time an engine's step graph never pays, but an eager caller does. This tool peels the
@@ -47,7 +47,7 @@ def host_us(fn, calls: int = 50, repeats: int = 7, sleep_cycles: int = 200_000_0
 
 
 def _layers(B: int, T: int, V: int, top_p, dev):
-    from bench.profile_acceptance import _case
+    from tools.profile_acceptance import _case
     from bench.suites.acceptance import TEMPERATURE
     from tlt_kernels import verify_tree
     from tlt_kernels._cuda import extension, ptr, stream_handle

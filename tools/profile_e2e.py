@@ -1,4 +1,4 @@
-"""Where a rollout step's time goes: ``python -m bench.profile_e2e [--out DIR]`` (GPU).
+"""Where a rollout step's time goes: ``python -m tools.profile_e2e [--out DIR]`` (GPU).
 
 Trains a small target briefly (the e2e suite's model shape), then for plain decoding and one static
 EAGLE strategy runs a graphed rollout under ``torch.profiler`` and prints, per configuration, the mean

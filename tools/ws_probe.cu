@@ -1,6 +1,6 @@
-// Timing probe of the warp-specialized sm_90 tree-attention kernel (issue 3), outside the package: is a 128-token
+// Timing probe of the warp-specialized sm_90 tree-attention kernel, outside the package: is a 128-token
 // tile bound by the copies or by the math, and where does a CTA's fixed time go? One build per mode on the GPU
-// machine (bench/ws_probe.sh):
+// machine (tools/ws_probe.sh):
 //   TLT_WS_PROBE=0  the kernel as shipped, and the lockstep two-warpgroup kernel beside it;
 //   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
 //   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Same-run A/B of a code change on the GPU machine, in one device call (bench/RESULTS.md compares only figures of one
+# Same-run A/B of a code change on the GPU machine, in one device call (docs/PERFORMANCE.md compares only figures of one
 # run): from the repository root,
-#   bash bench/ab.sh CHANGE.patch -- python -m bench.profile_acceptance --clusters 0
+#   bash tools/ab.sh CHANGE.patch -- python -m tools.profile_acceptance --clusters 0
 # installs the tree as it is (A) and runs the command, applies the patch (patch -p1: `git diff > CHANGE.patch` here),
 # reinstalls (B: CMake rebuilds only what the patch touches) and runs the command again, then reverses the patch and
 # reinstalls A, so the tree is left as it came. Logs: $OUT/ab_A.log, $OUT/ab_B.log (install logs: $OUT/ab_install.log).
@@ -10,7 +10,7 @@ set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ $# -lt 3 ] || [ "$2" != "--" ]; then
-  echo "usage: bash bench/ab.sh CHANGE.patch -- COMMAND [ARGS...]" >&2
+  echo "usage: bash tools/ab.sh CHANGE.patch -- COMMAND [ARGS...]" >&2
   exit 2
 fi
 PATCH=$(readlink -f "$1")

@@ -1,4 +1,4 @@
-"""Where tree attention's time goes per CTA (issue 3): the ops timed over a scan of context lengths at one batch
+"""Where tree attention's time goes per CTA: the ops timed over a scan of context lengths at one batch
 shape, then a least-squares fit per implementation of
 
     ms(L) = waves * (fixed + tiles(L) * per_tile),   waves = ceil(CTAs / SMs), tiles(L) = (L + T) / 128
@@ -6,7 +6,7 @@ shape, then a least-squares fit per implementation of
 so a cost paid once per CTA (prologue, tree tile, epilogue, launch) separates from the streaming cost per
 128-token tile (per_tile at 132 concurrent CTAs; its bytes are 64 KB per KV head at D=128, bf16).
 
-    python -m bench.profile_tree_attention [--model 7b] [--B 64] [--T 16] [--L 1024,2048,4096,8192,16384] [--graph]
+    python -m tools.profile_tree_attention [--model 7b] [--B 64] [--T 16] [--L 1024,2048,4096,8192,16384] [--graph]
 
 Prints one JSON line per (impl, L) and one per fit. Impls: tlt-triton, tlt-cuda sm90 (the sm_90 kernel forced on),
 tlt-cuda sm90 ws (its warp-specialized build, cp.async copies), tlt-cuda sm90 ws tma (the same with TMA copies of

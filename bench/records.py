@@ -1,0 +1,128 @@
+"""The run of record of a suite on a card: ``bench/results/<card>/<suite>.json``.
+
+``python -m bench <suite> --record`` writes one file per suite and card; a later ``--record`` run replaces it (git
+keeps the history), so the folder holds exactly one run per suite and card, the one the report
+(``python -m bench report``) turns into docs/PERFORMANCE.md and the README's Performance table.
+
+A record holds: ``suite``, ``card``, ``command``, ``commit``, ``date``, ``status``, ``versions`` (torch, triton,
+cuda, driver, device, python, tlt_kernels), ``dtype``, ``copy_bandwidth``, ``rows`` (as the harness derives them:
+``case``, ``impl``, ``ms``, ``bytes_moved``, ``gbps``, ``pct_hbm_floor``, ``speedup_vs`` and the suite's extra
+columns), ``peers`` (each peer library measured in the same run: version, or why it was unavailable, and its
+impls), ``units`` (what each row column means) and ``notes``. Records converted from the former run log carry
+``source``.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# What each row column holds; a suite's own columns are described in its module docstring.
+UNITS: Dict[str, str] = {
+    "ms": "milliseconds per call, median of many timed runs",
+    "bytes_moved": "the minimal bytes the op must read and write (each suite says what it counts)",
+    "gbps": "bytes_moved / time, in GB/s",
+    "pct_hbm_floor": "percent of the HBM floor: time of a device-to-device copy of bytes_moved (copy timed in the same run) over the op's time",
+    "speedup_vs": "per other impl of the same case: ms(other) / ms(this); > 1 means this impl is faster",
+    "tflops": "tensor-core TFLOP/s achieved",
+    "pct_roofline": "percent of max(HBM floor, tensor-core floor)",
+    "tokens_per_s": "generated tokens per second over the whole rollout",
+    "speedup_vs_plain": "rollout time of plain decoding over this row's, same run",
+    "tail_speedup_vs_plain": "the same over the tail (batch < B/4)",
+    "speedup_vs_best_static": "time of the best static strategy as deployed (frozen drafter) over this row's",
+    "accept_rate": "fraction of drafted tokens accepted",
+}
+
+# Files of bench/results/<card>/ that are records of other kinds (test and sanitizer runs), not suites.
+OTHER_RECORDS = ("gpu_tests", "sanitizer")
+
+
+def card_slug(device_name: Optional[str]) -> str:
+    """A short name for a card: 'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200'; no GPU -> 'cpu'."""
+    if not device_name:
+        return "cpu"
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", device_name.upper())
+    if match:
+        return match.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "gpu"
+
+
+def driver_version() -> Optional[str]:
+    """The NVIDIA driver's version from nvidia-smi; None where it is not installed."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+def _peers(result: Dict[str, Any]) -> Dict[str, Any]:
+    """Each peer library the suite tried, with its version (or why it failed) and the impls measured beside ours."""
+    peer_impls = sorted({r["impl"] for r in result["rows"] if not r["impl"].startswith("tlt")})
+    peers: Dict[str, Any] = {}
+    for name, version in (result.get("peers") or {}).items():
+        peers[name] = {"version": version, "impls": [i for i in peer_impls if i.startswith(name)]}
+    peers["impls"] = peer_impls
+    return peers
+
+
+def build_record(result: Dict[str, Any], driver: Optional[str] = None) -> Dict[str, Any]:
+    """The record of one suite run, from :func:`bench.harness.run_suite`'s ``data``."""
+    env = result["env"]
+    columns = {k for r in result["rows"] for k in r}
+    return {
+        "suite": result["suite"],
+        "card": card_slug(env.get("gpu")),
+        "command": env.get("command"),
+        "commit": env.get("git_commit"),
+        "date": env.get("date"),
+        "status": result["status"],
+        "versions": {
+            "torch": env.get("torch"), "triton": env.get("triton"), "cuda": env.get("cuda"), "driver": driver,
+            "device": env.get("gpu") or env.get("cpu"), "python": env.get("python"),
+            "tlt_kernels": env.get("tlt_kernels"),
+        },
+        "dtype": result.get("dtype"),
+        "small": result.get("small"),
+        "copy_bandwidth": result.get("copy_bandwidth"),
+        "rows": result["rows"],
+        "peers": _peers(result),
+        "units": {k: v for k, v in UNITS.items() if k in columns},
+        "notes": result.get("notes", []),
+    }
+
+
+def record_path(root: Path, card: str, suite: str) -> Path:
+    return Path(root) / card / f"{suite}.json"
+
+
+def write_record(record: Dict[str, Any], root: Path = RESULTS_DIR) -> Path:
+    """Replace ``<root>/<card>/<suite>.json`` with ``record``; returns the path."""
+    path = record_path(root, record["card"], record["suite"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def load_records(root: Path = RESULTS_DIR) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """``{card: {suite: record}}`` for every ``<root>/<card>/<name>.json``, test/sanitizer records included."""
+    records: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for path in sorted(Path(root).glob("*/*.json")):
+        records.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())
+    return records
+
+
+def flat_rows(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The record's rows as flat dicts: the case's parameters beside ``impl``, ``ms`` and the other columns."""
+    out = []
+    for row in record.get("rows", []):
+        flat = dict(row.get("case", {}))
+        flat.update({k: v for k, v in row.items() if k != "case"})
+        out.append(flat)
+    return out
