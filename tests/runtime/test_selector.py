@@ -117,11 +117,11 @@ def test_pending_observations_are_folded_in_fifo_without_waiting():
     s2 = sel.select(4)
     sel.update(s2, 4, 8, 0.01)  # ready, but queued behind the first (FIFO keeps ranks in lockstep)
     assert sel.observe_ready() == 2
-    assert sum(sel.policy.n[sel.bucket(4)]) == 0
+    assert sum(sel.policy.plays[sel.bucket(4)]) == 0
     slow.done = True
     sel.select(4)  # folds both in
     assert sel.observe_ready() == 0
-    assert sum(sel.policy.n[sel.bucket(4)]) == 2
+    assert sum(sel.policy.plays[sel.bucket(4)]) == 2
 
 
 def test_callback_values_and_tuple_lists():

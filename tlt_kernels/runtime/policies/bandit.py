@@ -24,6 +24,9 @@ class BucketedEpsilonGreedy(Policy):
         groups: optional ``{max_batch_size: [strategies]}``: a bucket whose sizes are <= the smallest
             key >= them may only use that verify-width group (TLT's batch-size -> draft-token table).
             Plain decoding is always in every group. ``None``: every arm in every bucket.
+
+    Attributes (per ``[bucket][arm]``): ``recent_rewards`` (the last ``window`` rewards), ``median_reward``,
+    ``plays``.
     """
 
     name = "beg"
@@ -36,10 +39,10 @@ class BucketedEpsilonGreedy(Policy):
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
-        A = len(arms)
-        self.hist = [[deque(maxlen=window) for _ in range(A)] for _ in range(num_buckets)]
-        self.med = [[0.0] * A for _ in range(num_buckets)]
-        self.n = [[0] * A for _ in range(num_buckets)]
+        num_arms = len(arms)
+        self.recent_rewards = [[deque(maxlen=window) for _ in range(num_arms)] for _ in range(num_buckets)]
+        self.median_reward = [[0.0] * num_arms for _ in range(num_buckets)]
+        self.plays = [[0] * num_arms for _ in range(num_buckets)]
         self._group_keys = sorted(self.groups) if self.groups else None
         if self.groups:
             idx = {s: i for i, s in enumerate(arms)}
@@ -61,27 +64,30 @@ class BucketedEpsilonGreedy(Policy):
 
     def choose(self, bucket, batch_size, allowed, step):
         allowed = self._group(batch_size, allowed)
-        a = first_unseen(self.n[bucket], allowed)
+        a = first_unseen(self.plays[bucket], allowed)
         if a >= 0:
             return a
         if self.rng.random() < self.epsilon:
             return allowed[self.rng.randrange(len(allowed))]
-        med = self.med[bucket]
-        return max(allowed, key=med.__getitem__)
+        median = self.median_reward[bucket]
+        return max(allowed, key=median.__getitem__)
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
-        h = self.hist[bucket][arm]
-        h.append(throughput_reward(emitted, elapsed))
-        self.n[bucket][arm] += 1
-        s = sorted(h)
+        rewards = self.recent_rewards[bucket][arm]
+        rewards.append(throughput_reward(emitted, elapsed))
+        self.plays[bucket][arm] += 1
+        s = sorted(rewards)
         m = len(s)
-        self.med[bucket][arm] = s[m // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
+        self.median_reward[bucket][arm] = s[m // 2] if m % 2 else 0.5 * (s[m // 2 - 1] + s[m // 2])
 
 
 class SlidingWindowUCB(Policy):
     """SW-UCB (Garivier & Moulines 2011): means and counts over the bucket's last ``window`` plays.
 
     Rewards are normalized by the best windowed mean of the bucket so ``c`` is scale-free.
+
+    Attributes: ``recent_plays[bucket]`` (``(arm, reward)`` of the last ``window`` plays), ``window_plays`` and
+    ``window_reward_sum`` per ``[bucket][arm]`` over them, ``bucket_plays[bucket]`` (all plays).
     """
 
     name = "ucb"
@@ -93,32 +99,32 @@ class SlidingWindowUCB(Policy):
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
-        A = len(arms)
-        self.plays = [deque() for _ in range(num_buckets)]
-        self.cnt = [[0] * A for _ in range(num_buckets)]
-        self.sum = [[0.0] * A for _ in range(num_buckets)]
-        self.t = [0] * num_buckets
+        num_arms = len(arms)
+        self.recent_plays = [deque() for _ in range(num_buckets)]
+        self.window_plays = [[0] * num_arms for _ in range(num_buckets)]
+        self.window_reward_sum = [[0.0] * num_arms for _ in range(num_buckets)]
+        self.bucket_plays = [0] * num_buckets
 
     def choose(self, bucket, batch_size, allowed, step):
-        cnt, sm = self.cnt[bucket], self.sum[bucket]
+        cnt, sm = self.window_plays[bucket], self.window_reward_sum[bucket]
         a = first_unseen(cnt, allowed)
         if a >= 0:
             return a
         best_mean = max(sm[a] / cnt[a] for a in allowed)
-        log_t = math.log(min(self.t[bucket], self.window) + 1)
+        log_t = math.log(min(self.bucket_plays[bucket], self.window) + 1)
         c = self.c * best_mean
         return max(allowed, key=lambda a: sm[a] / cnt[a] + c * math.sqrt(log_t / cnt[a]))
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
         r = throughput_reward(emitted, elapsed)
-        q = self.plays[bucket]
+        q = self.recent_plays[bucket]
         q.append((arm, r))
-        self.cnt[bucket][arm] += 1
-        self.sum[bucket][arm] += r
-        self.t[bucket] += 1
+        self.window_plays[bucket][arm] += 1
+        self.window_reward_sum[bucket][arm] += r
+        self.bucket_plays[bucket] += 1
         if len(q) > self.window:
             old, r_old = q.popleft()
-            cnt, sm = self.cnt[bucket], self.sum[bucket]
+            cnt, sm = self.window_plays[bucket], self.window_reward_sum[bucket]
             cnt[old] -= 1
             if 2.0 * r_old < sm[old]:
                 sm[old] -= r_old
@@ -127,7 +133,11 @@ class SlidingWindowUCB(Policy):
 
 
 class DiscountedThompson(Policy):
-    """Gaussian Thompson sampling; statistics decay by ``gamma = 1 - 1/window`` per play of the bucket."""
+    """Gaussian Thompson sampling; statistics decay by ``gamma = 1 - 1/window`` per play of the bucket.
+
+    Attributes (per ``[bucket][arm]``, discounted as of ``last_play``): ``weight`` (count), ``reward_sum``,
+    ``reward_sq_sum``; ``bucket_plays[bucket]``.
+    """
 
     name = "thompson"
 
@@ -138,21 +148,21 @@ class DiscountedThompson(Policy):
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
-        A = len(arms)
+        num_arms = len(arms)
         self.gamma = 1.0 - 1.0 / window
-        self.n = [[0.0] * A for _ in range(num_buckets)]
-        self.s = [[0.0] * A for _ in range(num_buckets)]
-        self.ss = [[0.0] * A for _ in range(num_buckets)]
-        self.last = [[0] * A for _ in range(num_buckets)]
-        self.t = [0] * num_buckets
+        self.weight = [[0.0] * num_arms for _ in range(num_buckets)]
+        self.reward_sum = [[0.0] * num_arms for _ in range(num_buckets)]
+        self.reward_sq_sum = [[0.0] * num_arms for _ in range(num_buckets)]
+        self.last_play = [[0] * num_arms for _ in range(num_buckets)]
+        self.bucket_plays = [0] * num_buckets
 
     def choose(self, bucket, batch_size, allowed, step):
-        n = self.n[bucket]
+        n = self.weight[bucket]
         a = first_unseen(n, allowed)
         if a >= 0:
             return a
-        t, last, g = self.t[bucket], self.last[bucket], self.gamma
-        s, ss = self.s[bucket], self.ss[bucket]
+        t, last, g = self.bucket_plays[bucket], self.last_play[bucket], self.gamma
+        s, ss = self.reward_sum[bucket], self.reward_sq_sum[bucket]
         best, best_v = allowed[0], -math.inf
         gauss = self.rng.gauss
         for a in allowed:
@@ -168,10 +178,10 @@ class DiscountedThompson(Policy):
 
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
         r = throughput_reward(emitted, elapsed)
-        self.t[bucket] += 1
-        t = self.t[bucket]
-        f = self.gamma ** (t - self.last[bucket][arm])
-        self.last[bucket][arm] = t
-        self.n[bucket][arm] = self.n[bucket][arm] * f + 1.0
-        self.s[bucket][arm] = self.s[bucket][arm] * f + r
-        self.ss[bucket][arm] = self.ss[bucket][arm] * f + r * r
+        self.bucket_plays[bucket] += 1
+        t = self.bucket_plays[bucket]
+        f = self.gamma ** (t - self.last_play[bucket][arm])
+        self.last_play[bucket][arm] = t
+        self.weight[bucket][arm] = self.weight[bucket][arm] * f + 1.0
+        self.reward_sum[bucket][arm] = self.reward_sum[bucket][arm] * f + r
+        self.reward_sq_sum[bucket][arm] = self.reward_sq_sum[bucket][arm] * f + r * r
