@@ -71,6 +71,7 @@ class CostTable:
         return s in self.table
 
     def predict(self, strategy: Strategy, batch_size: int) -> Optional[float]:
+        """Predicted step time in seconds of ``strategy`` at ``batch_size`` (int >= 1), or None without an entry."""
         entry = self.table.get(strategy)
         if entry is None:
             return None
