@@ -139,14 +139,18 @@ def test_policies_are_finite_on_legal_extremes(policy):
         sel.update(s, b, em, el, acc)
     assert sel.rejected == 0
     pol = sel.policy
-    for name in ("med", "sum", "s", "ss", "time_v", "tokens", "dep", "off"):
-        values = getattr(pol, name, None)
-        if values is None:
-            continue
-        flat = [x for row in values for x in (row if isinstance(row, list) else [row])]
-        assert all(math.isfinite(x) for x in flat), (name, flat)
+    # The cost policy's statistics live in its step-time and acceptance models.
+    parts = [pol, getattr(pol, "step_time", None), getattr(pol, "acceptance", None)]
+    for name in ("median_reward", "window_reward_sum", "reward_sum", "reward_sq_sum", "ratio", "tokens", "depth_offset",
+                 "width_offset"):
+        for part in parts:
+            values = getattr(part, name, None)
+            if values is None:
+                continue
+            flat = [x for row in values for x in (row if isinstance(row, list) else [row])]
+            assert all(math.isfinite(x) for x in flat), (name, flat)
     if policy == "cost":
-        assert math.isfinite(pol.lvl)
+        assert math.isfinite(pol.acceptance.level)
 
 
 def test_ucb_sum_recovers_exactly_when_an_extreme_reward_leaves_the_window():
@@ -159,8 +163,8 @@ def test_ucb_sum_recovers_exactly_when_an_extreme_reward_leaves_the_window():
         sel.update(s, 8, 16, 0.01)  # reward 1600 each; the extreme one leaves after the 4th
     bucket = sel.bucket(8)
     arm = sel.strategies.index(s)
-    assert sel.policy.cnt[bucket][arm] == 4
-    assert sel.policy.sum[bucket][arm] == pytest.approx(4 * 1600.0)
+    assert sel.policy.window_plays[bucket][arm] == 4
+    assert sel.policy.window_reward_sum[bucket][arm] == pytest.approx(4 * 1600.0)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "8", None])

@@ -2,8 +2,8 @@
 
 The timed loop runs the optimized code paths (cached per-batch-size tables in ``choose``, one pass over
 positions in ``observe``, the fast path of ``update``); the same observation stream replayed through a
-reference policy that recomputes every prediction from the readable formulas (:meth:`_alphas`,
-:meth:`_predict`) must make the same decisions. Timing claims live in the benchmark (median reported by
+reference policy that recomputes every prediction from the readable formulas (``SharedAcceptanceModel.alphas``,
+``CostModelPolicy.predict``) must make the same decisions. Timing claims live in the benchmark (median reported by
 pytest-benchmark and by ``python -m bench selector``), not in assertions.
 """
 import math
@@ -12,42 +12,52 @@ import pytest
 
 from tlt_kernels.runtime import POLICIES, CostTable, Strategy, StrategySelector
 from tlt_kernels.runtime.policies import CostModelPolicy
+from tlt_kernels.runtime.policies.acceptance_model import UNPLAYED_DRIFT, SharedAcceptanceModel
 from tlt_kernels.runtime.simulate import DEFAULT_ARMS, StepCost
 
 SIZES = (1, 16, 64, 256)
 
 
-class _ReferenceCost(CostModelPolicy):
-    """Same model, every prediction recomputed from the readable formulas."""
+class _ReferenceAcceptance(SharedAcceptanceModel):
+    """Same model, every arm's tokens recomputed from the readable formulas (:meth:`alphas`)."""
 
-    def _refresh(self, a, step, t2=None, cv=None):  # recomputes both from the formulas
+    def refresh(self, a, step, var=None, conditional_var=None):  # recomputes both from the formulas
         if self.depth[a] == 0:
             return
-        if self.obs_tokens[a] is not None:
-            self.tokens[a] = self.obs_tokens[a]
+        if self.observed_tokens[a] is not None:
+            self.tokens[a] = self.observed_tokens[a]
             return
-        P, i = self.P, self.grp[a] + 1
-        var = max(P[i][i] - P[0][i] ** 2 / P[0][0], 0.0)
-        u = self.ucb * math.sqrt(min(var + self.drift * (step - self.t_arm[a]), self._v0))
+        cov, i = self.cov, self.group[a] + 1
+        offset_var = max(cov[i][i] - cov[0][i] ** 2 / cov[0][0], 0.0)
+        u = self.ucb * math.sqrt(min(offset_var + UNPLAYED_DRIFT * (step - self.t_arm[a]), self.offset_var_prior))
         reach = total = 1.0
-        for alpha in self._alphas(a, step, u):
+        for alpha in self.alphas(a, step, u):
             reach *= alpha
             total += reach
         self.tokens[a] = total
 
+
+class _ReferenceCost(CostModelPolicy):
+    """Same model, every prediction recomputed from the readable formulas (:meth:`predict`)."""
+
+    def _make_acceptance_model(self, arms, window):
+        return _ReferenceAcceptance(arms, window, self.prior_accept, self.model_sd, self.offset_prior,
+                                    self.offset_mean, self.ucb)
+
     def choose(self, bucket, batch_size, allowed, step):
         for a in allowed:
-            if self._predict(bucket, a, batch_size) is None:
+            if self.predict(bucket, a, batch_size) is None:
                 return a
         # A never-played speculative arm is played once, the best predicted first, if it brings the model a
         # new width group or depth (or always, without explore_per_group), or if it predicts within
         # explore_margin of the best arm; otherwise the best prediction wins.
-        played = [b for b in range(len(self.arms)) if self.depth[b] and self.n_arm[b] > 0.0]
-        groups = {self.grp[b] for b in played}
+        group = self.acceptance.group
+        played = [b for b in range(len(self.arms)) if self.depth[b] and self.played[b]]
+        groups = {group[b] for b in played}
         deepest = max((self.depth[b] for b in played), default=0)
-        unplayed = [a for a in allowed if self.depth[a] and self.n_arm[a] == 0.0]
-        new = [a for a in unplayed if not self.explore_per_group or self.grp[a] not in groups or self.depth[a] > deepest]
-        predict = lambda a: self._predict(bucket, a, batch_size)  # noqa: E731
+        unplayed = [a for a in allowed if self.depth[a] and not self.played[a]]
+        new = [a for a in unplayed if not self.explore_per_group or group[a] not in groups or self.depth[a] > deepest]
+        predict = lambda a: self.predict(bucket, a, batch_size)  # noqa: E731
         if new:
             return max(new, key=predict)
         best = max(allowed, key=predict)

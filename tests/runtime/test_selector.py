@@ -117,11 +117,11 @@ def test_pending_observations_are_folded_in_fifo_without_waiting():
     s2 = sel.select(4)
     sel.update(s2, 4, 8, 0.01)  # ready, but queued behind the first (FIFO keeps ranks in lockstep)
     assert sel.observe_ready() == 2
-    assert sum(sel.policy.n[sel.bucket(4)]) == 0
+    assert sum(sel.policy.plays[sel.bucket(4)]) == 0
     slow.done = True
     sel.select(4)  # folds both in
     assert sel.observe_ready() == 0
-    assert sum(sel.policy.n[sel.bucket(4)]) == 2
+    assert sum(sel.policy.plays[sel.bucket(4)]) == 2
 
 
 def test_callback_values_and_tuple_lists():
@@ -246,24 +246,23 @@ def test_shared_acceptance_moves_unplayed_arms_with_the_level():
         _feed(sel, chain, 16, 0.7, 10, rng)
         play["arm"] = tree
         _feed_tree(sel, tree, 16, 0.7, 10, rng, 3.0)
-    assert pol.off[pol.grp[it]] - pol.off[pol.grp[ic]] == pytest.approx(math.log(3.0), abs=0.25)
-    before = pol._alphas(it, sel.step)[0]
+    model = pol.acceptance
+    assert model.width_offset[model.group[it]] - model.width_offset[model.group[ic]] == pytest.approx(math.log(3.0), abs=0.25)
+    before = model.alphas(it, sel.step)[0]
     play["arm"] = chain
     # The drafter got worse; only the chain sees it. The tree's own counts fade within ~window steps,
     # after which its prediction is the shared level plus its offset.
     _feed(sel, chain, 16, 0.3, 150, rng)
-    after = pol._alphas(it, sel.step)[0]
+    after = model.alphas(it, sel.step)[0]
     assert before == pytest.approx(1.0 - 0.3 ** 3.0, abs=0.05)
     assert after == pytest.approx(1.0 - 0.7 ** 3.0, abs=0.06), (before, after)
 
 
 def test_arms_of_equal_width_share_an_offset():
     sel = StrategySelector([Strategy(1, 1, 2), Strategy(5, 1, 6), Strategy(4, 4, 8), Strategy(6, 4, 16)], policy="cost")
-    g = sel.policy.grp
+    g = sel.policy.acceptance.group
     assert g[0] == -1  # plain decoding
     assert g[1] == g[2] != g[3] != g[4]  # chains share; 1.75 and 2.5 candidates per level differ
-    with pytest.raises(ValueError, match="slow"):
-        StrategySelector(ARMS, policy="cost", slow=0.5)
     with pytest.raises(ValueError, match="offset_prior"):
         StrategySelector(ARMS, policy="cost", ucb=-1.0)
 
@@ -291,7 +290,7 @@ def test_stale_arm_follows_the_level_up():
         _feed_tree(sel, tree, 8, 0.2, 40, rng, 2.0)  # the tree is what was played through the low phase
         play["arm"] = chain
         _feed(sel, chain, 8, 0.6, 15, rng)
-        got[sd] = pol._alphas(it, sel.step)[0]
+        got[sd] = pol.acceptance.alphas(it, sel.step)[0]
     low, truth = 1.0 - 0.8 ** 2.0, 1.0 - 0.4 ** 2.0
     # The alarm at the shift resets the level's variance, which lowers the model's weight until the level
     # is re-learned; still, after 15 steps the tree is past halfway to its new acceptance.
@@ -349,7 +348,7 @@ def test_early_alarm_on_a_first_play_still_corrects_the_prior():
     sel.available = lambda st, bb: st == chain
     _feed(sel, chain, 64, 0.2, 3, random.Random(0))  # acceptance far below the prior, from the first plays
     assert pol.changes and pol.changes[0] < 3
-    assert pol.support < 3.0
+    assert pol.detector.support < 3.0
 
 
 def _chain_run(sel, b, p, steps, rng):

@@ -1,0 +1,79 @@
+"""The cost-model policy as a composition: its parts, the choice rule, its options (kept and removed)."""
+import random
+
+import pytest
+
+from tlt_kernels.runtime import CostModelPolicy, Strategy
+from tlt_kernels.runtime.policies import (
+    CusumChangeDetector,
+    NoChangeDetector,
+    SharedAcceptanceModel,
+    StepTimeModel,
+    make_policy,
+)
+
+OFF, SHORT, DEEP = Strategy.off(), Strategy(2, 1, 3), Strategy(4, 1, 5)
+ARMS = [OFF, SHORT, DEEP]
+
+
+def _bound(**kw):
+    pol = CostModelPolicy(**kw)
+    pol.bind(ARMS, num_buckets=2, rng=random.Random(0), window=32)
+    return pol
+
+
+def test_the_policy_is_made_of_its_three_models():
+    pol = _bound(cost_table={s: [(1, 0.01)] for s in ARMS})
+    assert isinstance(pol.acceptance, SharedAcceptanceModel)
+    assert isinstance(pol.step_time, StepTimeModel)
+    assert isinstance(pol.detector, CusumChangeDetector)
+    assert pol.tokens is pol.acceptance.tokens and pol.changes is pol.detector.changes
+    assert isinstance(_bound(detect=None).detector, NoChangeDetector)
+
+
+def test_an_arm_without_a_table_entry_is_timed_first():
+    pol = _bound(cost_table={OFF: [(1, 0.01)], SHORT: [(1, 0.01)]})
+    assert pol.predict(0, 2, 4) is None
+    assert pol.choose(0, 4, [0, 1, 2], step=1) == 2
+    pol.observe(0, 2, 4, emitted=8.0, elapsed=0.02, accepted=[3.0, 2.0, 1.0, 0.0], step=1)
+    assert pol.predict(0, 2, 4) == pytest.approx(4 * pol.tokens[2] / 0.02)
+
+
+def test_the_best_predicted_first_play_then_the_best_prediction():
+    pol = _bound(cost_table={s: [(8, 0.01)] for s in ARMS})
+    assert pol.choose(0, 8, [0, 1, 2], step=1) == 2  # the deeper chain predicts more tokens at equal cost
+    pol.observe(0, 2, 8, emitted=20.0, elapsed=0.01, accepted=[6.0, 4.0, 2.0, 0.0], step=1)
+    assert pol.played == [False, False, True] and pol.deepest_played == 4
+    # SHORT's group and depths are measured: not forced, and no near-tie (fewer tokens, same cost).
+    assert pol.choose(0, 8, [0, 1, 2], step=2) == 2
+
+
+def test_accepted_counts_of_the_wrong_length_are_refused():
+    pol = _bound()
+    with pytest.raises(ValueError, match="accepted_per_position"):
+        pol.observe(0, 1, 4, emitted=6.0, elapsed=0.01, accepted=[1.0], step=1)
+
+
+def test_observed_tokens_are_used_without_accepted_counts():
+    pol = _bound(cost_table={s: [(1, 0.01)] for s in ARMS})
+    pol.observe(0, 1, 4, emitted=10.0, elapsed=0.01, accepted=None, step=1)
+    assert pol.tokens[1] == 2.5
+
+
+@pytest.mark.parametrize("option, value", [
+    ("prior_accept", 1.0), ("model_sd", 0.0), ("detect", 0.0), ("min_trials", -1.0), ("min_support", -1.0),
+    ("keep_on_change", 2.0), ("offset_prior", 0.0), ("offset_mean", float("nan")), ("explore_margin", 1.5),
+])
+def test_kept_options_are_validated(option, value):
+    with pytest.raises(ValueError, match=option):
+        CostModelPolicy(**{option: value})
+    with pytest.raises(ValueError, match="offset_prior"):
+        CostModelPolicy(ucb=-1.0)
+
+
+@pytest.mark.parametrize("option", ["explore", "detect_shift", "slow", "follow", "drift", "level_in_weight",
+                                    "refresh_tol"])
+def test_removed_options_are_refused(option):
+    """Options measured no better than the defaults (docs/RUNTIME.md) were removed; the defaults are constants."""
+    with pytest.raises(TypeError, match=option):
+        make_policy("cost", **{option: 0.0})

@@ -1,0 +1,209 @@
+"""The cost-model policy (``"cost"``, the selector's default): predicted throughput from a shared acceptance model
+and a step-time model, with change detection.
+
+Rule: play the arm maximizing ``B * tokens[a] / predicted step time``, where ``tokens[a]`` is the optimistic
+expected tokens per request (:class:`~.acceptance_model.SharedAcceptanceModel`) and the step time the start-up
+table corrected online per bucket (:class:`~.step_time_model.StepTimeModel`). A never-played speculative arm is
+played once, the best predicted first, if it is the first of its width group or deeper than every arm played so far
+(``explore_per_group``): only then does its first play measure a parameter the model lacks; otherwise it competes
+on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
+only its own counts settle). On an alarm of the change detector (:mod:`.change_detector`) the model forgets
+(:meth:`~.acceptance_model.SharedAcceptanceModel.forget`). docs/RUNTIME.md has the derivation and measurements.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence
+
+from .acceptance_model import SharedAcceptanceModel
+from .base import Policy
+from .change_detector import ChangeDetector, CusumChangeDetector, NoChangeDetector
+from .cost_table import CostTable
+from .step_time_model import StepTimeModel
+
+# How far (cloglog) the level may move before every arm's tokens are recomputed; in between only the played arm's
+# are. The CPU cost's main knob (docs/RUNTIME.md).
+LEVEL_REFRESH_TOLERANCE = 0.05
+
+
+def _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
+                   offset_mean, explore_margin) -> None:
+    if detect is not None and not detect > 0:
+        raise ValueError(f"detect must be a positive CUSUM threshold or None, got {detect}")
+    if not 0.0 <= keep_on_change <= 1.0:
+        raise ValueError(f"keep_on_change must be in [0, 1], got {keep_on_change}")
+    if not 0.0 < prior_accept < 1.0:
+        raise ValueError(f"prior_accept must be in (0, 1), got {prior_accept}")
+    if not (offset_prior > 0 and ucb >= 0):
+        raise ValueError(f"offset_prior must be > 0 and ucb >= 0; got {offset_prior}, {ucb}")
+    if not model_sd > 0:
+        raise ValueError(f"model_sd must be > 0; got {model_sd}")
+    if not min_trials >= 0:
+        raise ValueError(f"min_trials must be >= 0 (discounted steps of the arm's own), got {min_trials}")
+    if not min_support >= 0:
+        raise ValueError(f"min_support must be >= 0 (discounted steps since the last alarm), got {min_support}")
+    if not math.isfinite(offset_mean):
+        raise ValueError(f"offset_mean must be a finite number (a multiple of log(width)), got {offset_mean!r}")
+    if not 0.0 <= explore_margin <= 1.0:
+        raise ValueError(f"explore_margin must be in [0, 1] (a fraction of the best prediction), got {explore_margin}")
+
+
+class CostModelPolicy(Policy):
+    """Pick the arm maximizing ``B * E[tokens per request] / predicted step time`` (module docstring).
+
+    Args:
+        cost_table: a :class:`CostTable`, a ``{strategy: [(B, seconds), ...]}`` dict, or None (arms timed online).
+        prior_accept: single-candidate acceptance assumed before any observation, in (0, 1).
+        model_sd: how far (cloglog sd) the shared model may be from an arm's true acceptance; sets the model's
+            weight against the arm's own counts (smaller: trust the model more).
+        detect: CUSUM alarm threshold in nats (None disables change detection).
+        min_trials: once the level rests on ``min_support`` steps, the change test skips an arm with fewer than
+            this many discounted steps of its own (0: always test).
+        min_support: discounted steps since the last alarm (or the start) below which every play is tested.
+        keep_on_change: fraction of the arms' own acceptance counts kept after an alarm, in [0, 1].
+        offset_prior: prior standard deviation of the width and depth offsets (cloglog scale).
+        ucb: optimism of the choice, in standard deviations of the arm's width offset (0: greedy).
+        offset_mean: prior mean of a width group's offset, ``offset_mean * log(width)`` (1: ``width`` independent
+            candidates, the optimistic bound; 0: every arm starts as a chain).
+        explore_per_group: force a first play only of an arm that brings the model a new width group or depth, or
+            is a near-tie; False: of every arm.
+        explore_margin: the near-tie margin, a fraction of the best prediction in [0, 1].
+
+    Attributes (after ``bind``): ``acceptance`` (:class:`SharedAcceptanceModel`), ``step_time``
+    (:class:`StepTimeModel`), ``detector`` (:class:`ChangeDetector`); ``tokens`` and ``changes`` (steps of alarms).
+    """
+
+    name = "cost"
+
+    def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
+                 detect: Optional[float] = 8.0, min_trials: float = 1.0, min_support: float = 8.0,
+                 keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
+                 explore_per_group: bool = True, explore_margin: float = 0.05):
+        _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
+                       offset_mean, explore_margin)
+        if cost_table is not None and not isinstance(cost_table, CostTable):
+            cost_table = CostTable(cost_table)
+        self.cost_table = cost_table
+        self.prior_accept = prior_accept
+        self.model_sd = model_sd
+        self.detect = detect
+        self.min_trials = min_trials
+        self.min_support = min_support
+        self.keep_on_change = keep_on_change
+        self.offset_prior = offset_prior
+        self.ucb = ucb
+        self.offset_mean = offset_mean
+        self.explore_per_group = explore_per_group
+        self.explore_margin = explore_margin
+
+    def bind(self, arms, num_buckets, rng, window):
+        super().bind(arms, num_buckets, rng, window)
+        self.acceptance = self._make_acceptance_model(arms, window)
+        self.step_time = StepTimeModel(arms, self.cost_table, num_buckets, self.acceptance.gamma)
+        self.detector = self._make_change_detector(self.acceptance.gamma)
+        self.depth = [s.num_steps for s in arms]
+        self.played = [False] * len(arms)  # speculative arms whose acceptance was observed at least once
+        self.group_played = [False] * len(self.acceptance.width_offset)
+        self.deepest_played = 0
+
+    def _make_acceptance_model(self, arms: Sequence, window: int) -> SharedAcceptanceModel:
+        return SharedAcceptanceModel(arms, window, self.prior_accept, self.model_sd, self.offset_prior,
+                                     self.offset_mean, self.ucb)
+
+    def _make_change_detector(self, gamma: float) -> ChangeDetector:
+        if self.detect is None:
+            return NoChangeDetector()
+        return CusumChangeDetector(self.detect, min_trials=self.min_trials, min_support=self.min_support, gamma=gamma)
+
+    @property
+    def tokens(self) -> List[float]:
+        """Optimistic expected tokens per request per step of every arm (what the choice uses)."""
+        return self.acceptance.tokens
+
+    @property
+    def changes(self) -> List[int]:
+        """Steps at which a change in acceptance was detected."""
+        return self.detector.changes
+
+    def predict(self, bucket: int, a: int, batch_size: int) -> Optional[float]:
+        """Predicted throughput (tokens/s) of arm ``a``, or None when it must be observed first (the readable form
+        of what :meth:`choose` computes)."""
+        rate = self.step_time.table_rates(batch_size)
+        n, ratio = self.step_time.count[bucket][a], self.step_time.ratio[bucket][a]
+        if not rate[a]:
+            return batch_size * self.tokens[a] / ratio if n > 0 else None
+        return rate[a] * self.tokens[a] / (ratio if n > 0 else 1.0)
+
+    def choose(self, bucket, batch_size, allowed, step):
+        rate = self.step_time.table_rates(batch_size)
+        counts, ratios = self.step_time.count[bucket], self.step_time.ratio[bucket]
+        tokens, played, depth = self.acceptance.tokens, self.played, self.depth
+        best, best_v = -1, -1.0
+        new, new_v = -1, -1.0  # the never-played arm with the best (prior) prediction whose first play is forced
+        near, near_v = -1, -1.0  # the best never-played arm whose first play is optional (a near-tie)
+        for a in allowed:
+            r = rate[a]
+            if r:
+                v = r * tokens[a] / ratios[a] if counts[a] > 0 else r * tokens[a]
+            elif counts[a] > 0:
+                v = batch_size * tokens[a] / ratios[a]
+            else:
+                return a
+            if depth[a] and not played[a]:
+                if self._first_play_is_forced(a):
+                    if v > new_v:
+                        new, new_v = a, v
+                    continue
+                if v > near_v:
+                    near, near_v = a, v
+            if v > best_v:
+                best, best_v = a, v
+        if new >= 0:
+            return new
+        return near if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v else best
+
+    def _first_play_is_forced(self, a: int) -> bool:
+        """Whether never-played arm ``a``'s first play measures something the model lacks (a new width group or a
+        depth past every played arm), or every first play is forced."""
+        if not self.explore_per_group:
+            return True
+        return not (self.group_played[self.acceptance.group[a]] and self.depth[a] <= self.deepest_played)
+
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+        self.step_time.observe(bucket, arm, batch_size, elapsed)
+        d = self.depth[arm]
+        if d == 0:
+            return
+        model = self.acceptance
+        own = model.own_weight(arm, step)
+        self.played[arm] = True
+        self.group_played[model.group[arm]] = True
+        if d > self.deepest_played:
+            self.deepest_played = d
+        if accepted is None:
+            model.add_observed_tokens(arm, emitted / batch_size, step)
+            return
+        if len(accepted) != d:
+            raise ValueError(
+                f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
+            )
+        changed = self._fit(arm, accepted, batch_size, step, own)
+        model.add_own_counts(arm, accepted, batch_size, step, own)
+        # Other arms move only through the shared model: refresh them all when the level moved enough to matter
+        # (or on an alarm), else only the played arm (keeps select+update cheap).
+        if changed or abs(model.level - model.level_refreshed) > LEVEL_REFRESH_TOLERANCE:
+            model.refresh_all(step)
+        else:
+            model.refresh(arm, step)
+
+    def _fit(self, arm: int, accepted: Sequence[float], batch_size: int, step: int, own: float) -> bool:
+        """Change test and one Fisher-scoring step of the shared model; True on an alarm."""
+        model = self.acceptance
+        sum_w, sum_wr, trials, hits, expected = model.score_positions(arm, accepted, batch_size, step, own)
+        changed = self.detector.observe(step, model.own_trials[arm][1] * own, trials, hits, expected)
+        if changed:
+            model.forget(self.keep_on_change)
+        model.grow_level_variance(step)
+        if not sum_w <= 0.0:
+            model.fit_level(arm, sum_w, sum_wr)
+        return changed

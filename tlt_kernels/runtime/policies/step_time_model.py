@@ -1,0 +1,76 @@
+"""Step-time model of the cost policy: the start-up :class:`CostTable` corrected online per (bucket, arm).
+
+Rule: the predicted step time of arm ``a`` at batch size ``B`` in bucket ``k`` is ``table(a, B) * ratio[k][a]``,
+``ratio`` the discounted mean (factor ``gamma`` per observation of that bucket and arm) of observed / table time;
+the first observation replaces the prior ratio 1. An arm without a table entry uses the discounted mean observed
+time itself, and must be observed once before it can be predicted.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from ..strategy import Strategy
+from .cost_table import CostTable
+
+# Floor of a time ratio: a positive time must not underflow to 0.0 and divide by zero later.
+TINY_RATIO = 1e-300
+
+
+class StepTimeModel:
+    """Per-(bucket, arm) correction of the table's step times.
+
+    Args:
+        arms: the selector's arms (index = arm).
+        cost_table: the start-up table, or None (then every arm is timed online).
+        num_buckets: batch-size buckets of the selector.
+        gamma: discount per observation of a (bucket, arm), ``1 - 1 / window``.
+
+    Attributes:
+        count[bucket][arm]: discounted number of observations (0: never observed).
+        ratio[bucket][arm]: observed / table step time, or observed seconds for an arm without a table entry.
+    """
+
+    def __init__(self, arms: Sequence[Strategy], cost_table: Optional[CostTable], num_buckets: int, gamma: float):
+        self.arms = list(arms)
+        self.cost_table = cost_table
+        self.gamma = gamma
+        self.count = [[0.0] * len(arms) for _ in range(num_buckets)]
+        self.ratio = [[0.0] * len(arms) for _ in range(num_buckets)]
+        self._rate: Dict[int, List[float]] = {}  # batch size -> [B / table seconds] per arm (0: no entry)
+        self._secs: Dict[int, List[float]] = {}  # batch size -> [table seconds] per arm (0: no entry)
+
+    def _fill_tables(self, batch_size: int) -> List[float]:
+        secs = [0.0] * len(self.arms)
+        if self.cost_table is not None:
+            for a, s in enumerate(self.arms):
+                secs[a] = self.cost_table.predict(s, batch_size) or 0.0
+        self._secs[batch_size] = secs
+        rate = self._rate[batch_size] = [batch_size / t if t else 0.0 for t in secs]
+        return rate
+
+    def table_rates(self, batch_size: int) -> List[float]:
+        """``batch_size / table seconds`` per arm (0.0 for an arm without a table entry), cached per batch size."""
+        return self._rate.get(batch_size) or self._fill_tables(batch_size)
+
+    def table_seconds(self, batch_size: int) -> List[float]:
+        """Table seconds per arm (0.0 for an arm without a table entry), cached per batch size."""
+        secs = self._secs.get(batch_size)
+        if secs is None:
+            self._fill_tables(batch_size)
+            secs = self._secs[batch_size]
+        return secs
+
+    def observe(self, bucket: int, arm: int, batch_size: int, elapsed: float) -> None:
+        """Fold one step of ``elapsed`` seconds into the (bucket, arm) ratio."""
+        base = self.table_seconds(batch_size)[arm]
+        v = elapsed / base if base else elapsed
+        if not TINY_RATIO <= v <= 1.0 / TINY_RATIO:  # legal extremes stay finite and nonzero in the discounted mean
+            v = TINY_RATIO if v < TINY_RATIO else 1.0 / TINY_RATIO
+        counts, ratios = self.count[bucket], self.ratio[bucket]
+        n = counts[arm]
+        if n == 0:  # the first observation replaces the prior
+            ratios[arm] = v
+        else:
+            weight = 1.0 / (n * self.gamma + 1.0)
+            ratios[arm] += weight * (v - ratios[arm])
+        counts[arm] = n * self.gamma + 1.0
