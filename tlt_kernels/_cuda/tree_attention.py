@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Iterator, Optional
 
 import torch
 
+from .. import _switches
 from .._backend import cuda_capability
 from . import dtype_code, extension, ptr, stream_handle, strides
 
@@ -33,15 +33,6 @@ HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
 # in csrc/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
 CONFIG_OVERRIDE = 0
-
-
-def _auto_switch(name: str) -> Optional[bool]:
-    """An import-time switch read from the environment: unset, empty or "auto" -> None (the measured rule), "1" ->
-    True, "0" -> False; anything else a ValueError naming the variable."""
-    value = os.environ.get(name, "auto").strip().lower()
-    if value not in ("", "auto", "0", "1"):
-        raise ValueError(f"{name} must be auto, 0 or 1, got {value!r}")
-    return None if value in ("", "auto") else value == "1"
 
 
 # sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
@@ -55,7 +46,7 @@ def _auto_switch(name: str) -> Optional[bool]:
 # 2026-11-26 21:00-21:06 UTC: H100 92.3 / 96.3%, H200 83.6 / 87.4% against the mma.sync kernel's 84.3 / 88.0% and
 # 64.4 / 68.9%).
 # True ("1"): wherever covered; False ("0"): off.
-CONTEXT_SM90: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_CTX")
+CONTEXT_SM90: Optional[bool] = _switches.TREE_ATTENTION_CUDA_CTX.get()
 CONTEXT_SM90_MIN_ROWS = 1  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the lockstep kernels' rows (two warpgroups of 64); the warp-specialized one takes any
 # The sm_90 kernel's tile (kBlockN) where T*G > 64: 128 (the two-warpgroup kernel, the default: half the per-tile
@@ -73,10 +64,7 @@ ONE_WARPGROUP_ROWS = 64
 # consumer warpgroups ping-pong their GEMMs, Q in registers). False (0): the lockstep two-warpgroup kernel
 # (csrc/tree_attention_ctx_sm90.cu). Same-run figures, 7B/32B B=64 T=16 (bench/RESULTS.md, block "23:25-23:52"):
 # H200 71.5-78.9% of the HBM floor against 65.1-73.1%; H100 82.3-96.4% against 80.1-95.6%.
-_WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "1").strip()
-if _WS_ENV not in ("", "0", "1"):
-    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got {_WS_ENV!r}")
-CONTEXT_WARP_SPECIALIZED = _WS_ENV != "0"
+CONTEXT_WARP_SPECIALIZED: bool = _switches.TREE_ATTENTION_CUDA_WS.get()
 WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
 # The warp-specialized kernel's copies of whole context tiles: TMA (one instruction per 16-token page half; pages of
 # 16 tokens or more, else the kernel keeps cp.async) or 16-byte cp.async from every producer thread. None (default,
@@ -86,7 +74,7 @@ WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention.h, kSm90WarpSpecialized: ORe
 # outruns the math (peak bandwidth >= TMA_MIN_BANDWIDTH_GBPS: H200, 2026-11-27 "03:33": T=16 1.3-12.4% faster);
 # cp.async at T*G <= 128 on slower memory, where the H100 streams at its copy bandwidth either way (TMA -2.0% to
 # +0.6% there). True ("1") / False ("0"): everywhere / nowhere.
-CONTEXT_TMA: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_TMA")
+CONTEXT_TMA: Optional[bool] = _switches.TREE_ATTENTION_CUDA_TMA.get()
 TMA_FLAG = 2048  # csrc/tree_attention.h, kSm90Tma
 # Between the H100 SXM's 3352 GB/s and the H200's 4814 GB/s (2 x memory clock x bus width, as the driver reports them).
 TMA_MIN_BANDWIDTH_GBPS = 3700.0
