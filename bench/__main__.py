@@ -1,4 +1,9 @@
-"""CLI: ``python -m bench <suite|all> [suite ...] [--small] [--out DIR] [--device cuda|cpu] [--dtype bf16|fp16]``.
+"""CLI: ``python -m bench <suite|all> [suite ...] [--small] [--out DIR] [--device cuda|cpu] [--dtype bf16|fp16]
+[--progress] [--git-commit SHA] [suite flags ...]``.
+
+Each suite's parameters are flags (its module's ``FLAGS``, see :mod:`bench.flags`): ``python -m bench e2e --help``
+lists the e2e suite's, e.g. ``python -m bench e2e --batch 64 --drift 0``. Name the suites first, then the flags; a
+flag that no named suite declares is a usage error.
 
 Writes ``DIR/<suite>.json`` and ``DIR/<suite>.md`` per suite and ``DIR/summary.md`` for the whole
 invocation, and prints the Markdown. A suite that raises is reported as failed and the next one
@@ -18,7 +23,9 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .flags import Flag, add_suite_flags, suite_values
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
@@ -29,6 +36,7 @@ class SuiteSpec:
     module: str
     run: Optional[Callable] = None
     error: Optional[str] = None  # why the module could not be used (import error, missing SUITE/run)
+    flags: Tuple[Flag, ...] = ()  # the suite's parameters (its module's FLAGS)
 
 
 def discover(package: str = "bench.suites") -> Dict[str, SuiteSpec]:
@@ -52,7 +60,7 @@ def discover(package: str = "bench.suites") -> Dict[str, SuiteSpec]:
         if name in specs:
             specs[f"{name} ({modname})"] = SuiteSpec(name, modname, error=f"SUITE {name!r} is defined by both {specs[name].module} and {modname}")
             continue
-        specs[name] = SuiteSpec(name, modname, run=run)
+        specs[name] = SuiteSpec(name, modname, run=run, flags=tuple(getattr(mod, "FLAGS", ())))
     return specs
 
 
@@ -66,19 +74,46 @@ def _lookup(specs: Dict[str, SuiteSpec], wanted: str) -> Optional[SuiteSpec]:
     return None
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark tlt-kernels against its peers.")
+def _parser(chosen: Sequence["SuiteSpec"] = (), add_help: bool = True) -> argparse.ArgumentParser:
+    """The CLI's options, plus the flags of the ``chosen`` suites (one group per suite)."""
+    p = argparse.ArgumentParser(prog="python -m bench", description="Benchmark tlt-kernels against its peers.",
+                                add_help=add_help, epilog="python -m bench SUITE --help lists that suite's flags.")
     p.add_argument("suites", nargs="*", help="suite names, or 'all' (see --list)")
     p.add_argument("--small", action="store_true", help="tiny sizes (always on for the CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--list", action="store_true", help="list the suites and exit")
+    p.add_argument("--progress", action="store_true",
+                   help="print every row and note as it is recorded (a run cut off by a time limit keeps them in the log)")
+    p.add_argument("--git-commit", metavar="SHA", default=None,
+                   help="the commit to report (a copy of the tree without .git); default: asked of git")
+    add_suite_flags(p, [(s.name, s.flags) for s in chosen])
     return p
 
 
+def _choose(specs: Dict[str, SuiteSpec], names: Sequence[str]) -> Optional[List[SuiteSpec]]:
+    """The named suites ('all': every one), deduplicated in order; None after printing an error for an unknown name."""
+    chosen: List[SuiteSpec] = []
+    for wanted in names:
+        if wanted == "all":
+            chosen += list(specs.values())
+            continue
+        spec = _lookup(specs, wanted)
+        if spec is None:
+            print(f"error: unknown suite {wanted!r}; available: {', '.join(specs)} (or 'all')", file=sys.stderr)
+            return None
+        chosen.append(spec)
+    return list({id(s): s for s in chosen}.values())
+
+
 def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]] = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # First the suite names and the common options (the suites' flags are not known yet), then every flag against
+    # the named suites' (a usage error, exit 2, for a flag none of them declares).
+    args = _parser(add_help=False).parse_known_args(argv)[0]
+    if not args.suites:
+        _parser().parse_args(argv)  # --help, or a usage error for a flag of no suite
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -93,6 +128,10 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     from .harness import parse_dtype
 
     specs = discover() if specs is None else specs
+    chosen = _choose(specs, args.suites)
+    if chosen is None:
+        return 2
+    args = _parser(chosen).parse_args(argv)
     if args.list:
         for name, spec in specs.items():
             print(f"{name:24s} {spec.module}" + ("  (BROKEN: " + spec.error.splitlines()[0] + ")" if spec.error else ""))
@@ -100,17 +139,6 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     if not args.suites:
         print(f"error: name a suite or 'all'; available: {', '.join(specs)}", file=sys.stderr)
         return 2
-    chosen: List[SuiteSpec] = []
-    for wanted in args.suites:
-        if wanted == "all":
-            chosen += list(specs.values())
-            continue
-        spec = _lookup(specs, wanted)
-        if spec is None:
-            print(f"error: unknown suite {wanted!r}; available: {', '.join(specs)} (or 'all')", file=sys.stderr)
-            return 2
-        chosen.append(spec)
-    chosen = list({id(s): s for s in chosen}.values())
 
     dtype = parse_dtype(args.dtype)
     status = []
@@ -191,7 +219,8 @@ def _run_one(spec: SuiteSpec, device, dtype, args, reports: List[str], stop: _St
         finally:
             stop.armed = False
 
-    res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out)
+    res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out, params=suite_values(args, spec.flags),
+                    show_progress=args.progress, git_commit=args.git_commit)
     print(res.markdown, flush=True)
     reports.append(res.markdown)
     return spec.name, res.status, len(res.data["rows"]), time.perf_counter() - t0
