@@ -1,5 +1,9 @@
 """CLI: ``python -m bench <suite|all> [suite ...] [--small] [--out DIR] [--device cuda|cpu] [--dtype bf16|fp16]
-[--record [DIR]]`` and ``python -m bench report [--check]``.
+[--record [DIR]] [--progress] [--git-commit SHA] [suite flags ...]`` and ``python -m bench report [--check]``.
+
+Each suite's parameters are flags (its module's ``FLAGS``, see :mod:`bench.flags`): ``python -m bench e2e --help``
+lists the e2e suite's, e.g. ``python -m bench e2e --batch 64 --drift 0``. Name the suites first, then the flags; a
+flag that no named suite declares is a usage error.
 
 Writes ``DIR/<suite>.json`` and ``DIR/<suite>.md`` per suite and ``DIR/summary.md`` for the whole
 invocation, and prints the Markdown. With ``--record`` each suite that completes also replaces its run of record,
@@ -21,7 +25,9 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .flags import Flag, add_suite_flags, suite_values
 
 from .records import RESULTS_DIR
 
@@ -34,6 +40,7 @@ class SuiteSpec:
     module: str
     run: Optional[Callable] = None
     error: Optional[str] = None  # why the module could not be used (import error, missing SUITE/run)
+    flags: Tuple[Flag, ...] = ()  # the suite's parameters (its module's FLAGS)
 
 
 def discover(package: str = "bench.suites") -> Dict[str, SuiteSpec]:
@@ -57,7 +64,7 @@ def discover(package: str = "bench.suites") -> Dict[str, SuiteSpec]:
         if name in specs:
             specs[f"{name} ({modname})"] = SuiteSpec(name, modname, error=f"SUITE {name!r} is defined by both {specs[name].module} and {modname}")
             continue
-        specs[name] = SuiteSpec(name, modname, run=run)
+        specs[name] = SuiteSpec(name, modname, run=run, flags=tuple(getattr(mod, "FLAGS", ())))
     return specs
 
 
@@ -71,11 +78,13 @@ def _lookup(specs: Dict[str, SuiteSpec], wanted: str) -> Optional[SuiteSpec]:
     return None
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(chosen: Sequence["SuiteSpec"] = (), add_help: bool = True) -> argparse.ArgumentParser:
+    """The CLI's options, plus the flags of the ``chosen`` suites (one group per suite)."""
     p = argparse.ArgumentParser(
-        prog="python -m bench", description="Benchmark tlt-kernels against its peers.",
-        epilog="`python -m bench report [--check]` regenerates docs/PERFORMANCE.md and the README's Performance table "
-               "from the runs of record in bench/results/<card>/<suite>.json (see --record).")
+        prog="python -m bench", description="Benchmark tlt-kernels against its peers.", add_help=add_help,
+        epilog="python -m bench SUITE --help lists that suite's flags. `python -m bench report [--check]` regenerates "
+               "docs/PERFORMANCE.md and the README's Performance table from the runs of record in "
+               "bench/results/<card>/<suite>.json (see --record).")
     p.add_argument("suites", nargs="*", help="suite names, or 'all' (see --list)")
     p.add_argument("--small", action="store_true", help="tiny sizes (always on for the CPU)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
@@ -86,7 +95,27 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"make this run the run of record: replace DIR/<card>/<suite>.json for each suite that "
                         f"completes (default DIR {RESULTS_DIR}); then `python -m bench report` regenerates "
                         "docs/PERFORMANCE.md and the README table from the records. Without it only --out is written")
+    p.add_argument("--progress", action="store_true",
+                   help="print every row and note as it is recorded (a run cut off by a time limit keeps them in the log)")
+    p.add_argument("--git-commit", metavar="SHA", default=None,
+                   help="the commit to report (a copy of the tree without .git); default: asked of git")
+    add_suite_flags(p, [(s.name, s.flags) for s in chosen])
     return p
+
+
+def _choose(specs: Dict[str, SuiteSpec], names: Sequence[str]) -> Optional[List[SuiteSpec]]:
+    """The named suites ('all': every one), deduplicated in order; None after printing an error for an unknown name."""
+    chosen: List[SuiteSpec] = []
+    for wanted in names:
+        if wanted == "all":
+            chosen += list(specs.values())
+            continue
+        spec = _lookup(specs, wanted)
+        if spec is None:
+            print(f"error: unknown suite {wanted!r}; available: {', '.join(specs)} (or 'all')", file=sys.stderr)
+            return None
+        chosen.append(spec)
+    return list({id(s): s for s in chosen}.values())
 
 
 def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]] = None) -> int:
@@ -95,7 +124,11 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
         from .report import main as report_main
 
         return report_main(argv[1:])
-    args = _parser().parse_args(argv)
+    # First the suite names and the common options (the suites' flags are not known yet), then every flag against
+    # the named suites' (a usage error, exit 2, for a flag none of them declares).
+    args = _parser(add_help=False).parse_known_args(argv)[0]
+    if not args.suites:
+        _parser().parse_args(argv)  # --help, or a usage error for a flag of no suite
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -110,6 +143,10 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     from .harness import parse_dtype
 
     specs = discover() if specs is None else specs
+    chosen = _choose(specs, args.suites)
+    if chosen is None:
+        return 2
+    args = _parser(chosen).parse_args(argv)
     if args.list:
         for name, spec in specs.items():
             print(f"{name:24s} {spec.module}" + ("  (BROKEN: " + spec.error.splitlines()[0] + ")" if spec.error else ""))
@@ -117,17 +154,6 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     if not args.suites:
         print(f"error: name a suite or 'all'; available: {', '.join(specs)}", file=sys.stderr)
         return 2
-    chosen: List[SuiteSpec] = []
-    for wanted in args.suites:
-        if wanted == "all":
-            chosen += list(specs.values())
-            continue
-        spec = _lookup(specs, wanted)
-        if spec is None:
-            print(f"error: unknown suite {wanted!r}; available: {', '.join(specs)} (or 'all')", file=sys.stderr)
-            return 2
-        chosen.append(spec)
-    chosen = list({id(s): s for s in chosen}.values())
 
     dtype = parse_dtype(args.dtype)
     status = []
@@ -208,7 +234,8 @@ def _run_one(spec: SuiteSpec, device, dtype, args, reports: List[str], stop: _St
         finally:
             stop.armed = False
 
-    res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out)
+    res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out, params=suite_values(args, spec.flags),
+                    show_progress=args.progress, git_commit=args.git_commit)
     print(res.markdown, flush=True)
     if args.record is not None:
         _record(res, args.record)

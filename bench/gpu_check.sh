@@ -9,11 +9,12 @@
 #               GPU_CHECK_BENCH=0 skips).
 # Results land in $OUT (at most 6 files): install.log, nvidia-smi.log, pytest.log, flashinfer.log,
 # bench.tar.gz (every suite's .json/.md) and summary.md (phase table + every suite's table).
-# Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine; the built
+# Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git; passed to python -m bench as --git-commit), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine; the built
 # tlt_kernels/_C*.so lives in the tree, so a copy of the tree sent again through the device tool's `carry` loses it: the
 # suites then fall back to Triton, and the install row says '_C NOT built'), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
-# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments, e.g. --small; "--record $OUT/bench/results"
-# makes the run the run of record: copy bench.tar.gz's bench/results/<card>/*.json into bench/results/, then `python -m bench report`),
+# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments: --small, suite flags such as
+# --batch 64 --drift 0 (see python -m bench SUITE --help), or "--record $OUT/bench/results", which makes the run the run
+# of record: copy bench.tar.gz's bench/results/<card>/*.json into bench/results/, then `python -m bench report`),
 # GPU_CHECK_BENCH_FIRST=1 (benchmarks before tests), GPU_CHECK_DEADLINE (seconds from the start: no test file or
 # benchmark starts after it, and a running one is stopped at it (a suite's report keeps the rows it measured), so the summary and the partial logs still come back
 # inside a device call's limit; the benchmark's printed rows are kept in bench.tar.gz's bench/bench.log).
@@ -22,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
-export TLT_BENCH_PROGRESS=${TLT_BENCH_PROGRESS:-1} TLT_CUDA_ARCHS=${TLT_CUDA_ARCHS:-90a} PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_BREAK_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1
+export TLT_CUDA_ARCHS=${TLT_CUDA_ARCHS:-90a} PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_BREAK_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1
 PY=$(command -v python || command -v python3)
 SUITES=("$@")
 [ ${#SUITES[@]} -eq 0 ] && SUITES=(all)
@@ -120,9 +121,10 @@ elif [ "${GPU_CHECK_BENCH:-1}" != "0" ]; then
   mkdir -p "$OUT/bench"
   # At the deadline `timeout` sends SIGTERM: the running suite stops, its report keeps the rows it measured
   # (status "stopped"), no further suite starts, and python -m bench exits 124. The printed rows
-  # (TLT_BENCH_PROGRESS) are also kept in bench/bench.log.
+  # (--progress) are also kept in bench/bench.log.
   # shellcheck disable=SC2086
-  timeout "$(left)" ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} "$PY" -m bench "${SUITES[@]}" --out "$OUT/bench" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench/bench.log"
+  timeout "$(left)" ${BENCH_ENV[@]+"${BENCH_ENV[@]}"} "$PY" -m bench "${SUITES[@]}" --out "$OUT/bench" --progress \
+    ${TLT_GIT_COMMIT:+--git-commit "$TLT_GIT_COMMIT"} ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench/bench.log"
   rc=${PIPESTATUS[0]}
   n=$(ls "$OUT"/bench/*.json 2>/dev/null | wc -l)
   if [ "$rc" -eq 0 ]; then record bench ok $((SECONDS - t0)) "$n suite reports (${SUITES[*]})"

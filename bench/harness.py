@@ -117,10 +117,10 @@ def time_cuda_events_ms(fn: Callable[[], Any], warmup: int = 10, reps: int = 50)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def _git_commit() -> Optional[str]:
-    # The GPU machine gets a copy of the working tree without .git: the caller passes the commit.
-    if os.environ.get("TLT_GIT_COMMIT"):
-        return os.environ["TLT_GIT_COMMIT"]
+def _git_commit(given: Optional[str] = None) -> Optional[str]:
+    # The GPU machine gets a copy of the working tree without .git: the caller passes the commit (--git-commit).
+    if given:
+        return given
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
@@ -132,8 +132,9 @@ def _git_commit() -> Optional[str]:
         return None
 
 
-def environment(device: torch.device) -> Dict[str, Any]:
-    """Everything needed to reproduce or compare a figure: card, software versions, commit, date, command."""
+def environment(device: torch.device, git_commit: Optional[str] = None) -> Dict[str, Any]:
+    """Everything needed to reproduce or compare a figure: card, software versions, commit (``git_commit`` when
+    given, else asked of git), date, command."""
     env: Dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "bench", *sys.argv[1:]]),
@@ -156,7 +157,7 @@ def environment(device: torch.device) -> Dict[str, Any]:
         env["tlt_cuda_extension"] = tlt_kernels.cuda_extension_available()
     except Exception as exc:  # the harness must still report a broken package
         env["tlt_kernels"] = f"import failed: {type(exc).__name__}: {exc}"
-    env["git_commit"] = _git_commit()
+    env["git_commit"] = _git_commit(git_commit)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["gpu"] = props.name
@@ -178,6 +179,8 @@ class BenchContext:
         dtype: the activation dtype the suite should use (bf16 by default).
         small: tiny sizes; forced on when ``device`` is not CUDA.
         copy_bandwidth: bytes/s override (tests); by default measured lazily on CUDA, None on CPU.
+        params: the suite's parameters (its flags, see :mod:`bench.flags`); None: every flag's default.
+        show_progress: print every row and note as it is recorded (``--progress``).
     """
 
     def __init__(
@@ -187,8 +190,12 @@ class BenchContext:
         dtype: torch.dtype = torch.bfloat16,
         small: bool = False,
         copy_bandwidth: Optional[float] = None,
+        params: Any = None,
+        show_progress: bool = False,
     ):
         self.suite = suite
+        self.params = params
+        self.show_progress = bool(show_progress)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -274,9 +281,9 @@ class BenchContext:
         self.progress(f"note: {text}")
 
     def progress(self, text: str) -> None:
-        """Print ``text`` now when ``TLT_BENCH_PROGRESS`` is set: a run cut off by a time limit keeps what it
+        """Print ``text`` now when ``show_progress`` (``--progress``): a run cut off by a time limit keeps what it
         measured in the log (the JSON and the report are written at the end)."""
-        if os.environ.get("TLT_BENCH_PROGRESS", "0") not in ("", "0"):
+        if self.show_progress:
             print(f"   [{self.suite}] {text}", flush=True)
 
     def try_import(self, name: str):
@@ -437,10 +444,13 @@ class SuiteStopped(BaseException):
 
 
 def run_suite(suite: str, run: Callable[[BenchContext], None], device: torch.device, dtype: torch.dtype, small: bool,
-              out_dir: Optional[Path] = None, copy_bandwidth: Optional[float] = None) -> SuiteResult:
+              out_dir: Optional[Path] = None, copy_bandwidth: Optional[float] = None, params: Any = None,
+              show_progress: bool = False, git_commit: Optional[str] = None) -> SuiteResult:
     """Run one suite, never raising: a failure is recorded (with its traceback) next to the partial rows, and a
-    :class:`SuiteStopped` as status ``"stopped"`` with the rows measured before it."""
-    ctx = BenchContext(suite, device, dtype, small, copy_bandwidth=copy_bandwidth)
+    :class:`SuiteStopped` as status ``"stopped"`` with the rows measured before it. ``params``, ``show_progress``:
+    see :class:`BenchContext`; ``git_commit``: the commit to report (default: asked of git)."""
+    ctx = BenchContext(suite, device, dtype, small, copy_bandwidth=copy_bandwidth, params=params,
+                       show_progress=show_progress)
     t0 = time.perf_counter()
     error = None
     stopped = False
@@ -465,7 +475,7 @@ def run_suite(suite: str, run: Callable[[BenchContext], None], device: torch.dev
         "small": ctx.small,
         "copy_bandwidth": bw,
         "copy_bytes": ctx.copy_bytes,
-        "env": environment(ctx.device),
+        "env": environment(ctx.device, git_commit),
         "rows": rows,
         "peers": ctx.peer_versions,
         "notes": ctx.notes,

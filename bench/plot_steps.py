@@ -1,4 +1,4 @@
-"""Tokens/s over the rollout from the e2e suite's step logs (``TLT_E2E_STEPS=steps.json``), as a PNG (CPU; needs
+"""Tokens/s over the rollout from the e2e suite's step logs (``python -m bench e2e --write-steps steps.json``), as a PNG (CPU; needs
 matplotlib). The tail is where the curves part: plain decoding's tokens/s falls with the batch, speculation's less.
 Usage::
 
@@ -31,7 +31,7 @@ def load_rows(logs: Dict[str, List[dict]], rows: Sequence[str]) -> Dict[str, Sim
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("steps", help="step logs written by the e2e suite (TLT_E2E_STEPS)")
+    ap.add_argument("steps", help="step logs written by the e2e suite (--write-steps)")
     ap.add_argument("--rows", default="plain,adaptive", help="comma-separated row names")
     ap.add_argument("--out", default="e2e_tokens_per_s.png")
     args = ap.parse_args(argv)

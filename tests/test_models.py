@@ -571,7 +571,7 @@ def test_train_tiny_target_cuda():
 @pytest.mark.cuda
 def test_deterministic_training_repeats_bit_for_bit_on_the_gpu():
     """deterministic_training: two GPU trainings with the same seed give the same weights (the e2e suite's
-    TLT_E2E_DETERMINISTIC=1 relies on it); the warnings name any op still nondeterministic."""
+    --deterministic relies on it); the warnings name any op still nondeterministic."""
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU")
     corpus = load_corpus("base", 300_000)

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+
+from . import _switches
 
 BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
 
 # Eager calls (verify_tree, compact_kv, tree attention's plan.run) skip the torch.library custom op around a kernel
 # launch when nothing needs it: its Python dispatch cost 25-50 us per verify_tree call on an H200 host, more than the
 # kernel at small batch (bench.profile_dispatch, bench/RESULTS.md 2026-11-27 05:24). The op stays the path under
-# torch.compile and any tracing (see direct_dispatch_ok). TLT_DIRECT_DISPATCH=0 (read at import) always takes the op.
-DIRECT_DISPATCH = os.environ.get("TLT_DIRECT_DISPATCH", "1") not in ("", "0")
+# torch.compile and any tracing (see direct_dispatch_ok). TLT_DIRECT_DISPATCH=0 (tlt_kernels._switches) always takes the op.
+DIRECT_DISPATCH = _switches.DIRECT_DISPATCH.get()
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _jit_tracing_state = getattr(torch._C, "_get_tracing_state", None)
@@ -36,7 +37,8 @@ class BackendUnavailableError(RuntimeError):
 
 
 def triton_interpret_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET``, read at each call)."""
+    return _switches.triton_interpret()
 
 
 def process_constant(fn):

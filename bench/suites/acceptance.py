@@ -13,7 +13,7 @@ the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a
 Compare ``-graph`` rows with ``flashinfer-graph`` (both without host dispatch, as an engine's captured step runs
 them) and eager rows with ``flashinfer``: an eager call at small B is mostly host time on both sides
 (``python -m bench.profile_dispatch``). A failed FlashInfer capture is noted and ends its graph rows for the run
-(``TLT_ACCEPTANCE_FI_GRAPHS=0`` skips them).
+(``--no-flashinfer-graphs`` skips them).
 
 Trees are also timed against the chain of the same depth (chain5 for tree16, chain6 for tree32, chain7 for
 tree64; added to the run when a tree shape is), the issue's "tree verification with draft probabilities within
@@ -27,11 +27,13 @@ ideal one-read floor.
 """
 from __future__ import annotations
 
-import os
+import argparse
 
 import torch
 
 from tlt_kernels import BackendUnavailableError, verify_tree
+
+from ..flags import Flag, int_list, str_list, values
 
 SUITE = "acceptance"
 
@@ -96,54 +98,70 @@ def _flashinfer_chain(fi, logits, tokens, q, top_p):
 
 
 IMPLS = ("torch-composed", "tlt-triton", "tlt-cuda", "flashinfer")
+GPU_SHAPES = (("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64))
+SHAPES = tuple(f"{kind}{n}" for kind, n in GPU_SHAPES)  # their names, for --shapes
 
 
-def _impls_from_env() -> tuple:
-    """The impls to time: ``TLT_ACCEPTANCE_IMPLS="tlt-cuda,flashinfer"`` (each with its ``-graph`` row) skips the
-    others, e.g. the Triton kernel's compiles and the float64 reference's timing inside a time-limited lease (the
-    reference still runs once per case for ``accept_rate`` and ``same_as_ref``). Default: all."""
-    raw = os.environ.get("TLT_ACCEPTANCE_IMPLS", "")
-    if not raw.strip():
+def parse_impls(text: str) -> tuple:
+    """The impls to time: ``"tlt-cuda,flashinfer"`` (each with its ``-graph`` row) skips the others, e.g. the Triton
+    kernel's compiles and the float64 reference's timing inside a time-limited lease (the reference still runs once
+    per case for ``accept_rate`` and ``same_as_ref``). Empty: all."""
+    wanted = str_list(text)
+    if not wanted:
         return IMPLS
-    wanted = tuple(w.strip() for w in raw.split(",") if w.strip())
     unknown = sorted(set(wanted) - set(IMPLS))
     if unknown:
-        raise ValueError(f"TLT_ACCEPTANCE_IMPLS: unknown impls {unknown}; known: {', '.join(IMPLS)}")
+        raise argparse.ArgumentTypeError(f"unknown impls {unknown}; known: {', '.join(IMPLS)}")
     return wanted
+
+
+def parse_shapes(text: str) -> tuple:
+    """``"chain8,tree16"`` -> the shapes to run (GPU size), each one of :data:`SHAPES`."""
+    wanted = str_list(text)
+    unknown = sorted(set(wanted) - set(SHAPES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    return wanted
+
+
+# Shorter runs inside a time-limited lease: --batch-sizes 1,16,64 --vocab-sizes 152064 --shapes chain8,tree16
+# --impls tlt-cuda,flashinfer.
+FLAGS = (
+    Flag("--impls", IMPLS, "comma-separated impls to time (each with its -graph row), of " + ", ".join(IMPLS),
+         parse_impls, replaces="TLT_ACCEPTANCE_IMPLS", metavar="LIST"),
+    Flag("--batch-sizes", (1, 16, 64, 256), "comma-separated batch sizes (GPU size)", int_list,
+         replaces="TLT_ACCEPTANCE_BS", metavar="LIST"),
+    Flag("--vocab-sizes", (32000, 152064), "comma-separated vocabulary sizes (GPU size)", int_list,
+         replaces="TLT_ACCEPTANCE_VS", metavar="LIST"),
+    Flag("--shapes", SHAPES, "comma-separated draft shapes (GPU size), of " + ", ".join(SHAPES), parse_shapes,
+         replaces="TLT_ACCEPTANCE_SHAPES", metavar="LIST"),
+    Flag("--graphs", True, "also time each tlt impl replayed from a CUDA graph (-graph rows)", bool,
+         replaces="TLT_ACCEPTANCE_GRAPHS"),
+    Flag("--flashinfer-graphs", True, "also time FlashInfer replayed from a CUDA graph", bool,
+         replaces="TLT_ACCEPTANCE_FI_GRAPHS"),
+)
 
 
 def run(ctx) -> None:
     dev, dtype = ctx.device, ctx.dtype
+    p = values(ctx, FLAGS)
     if ctx.small:
         Bs, Vs, shapes = [2], [257], [("chain", 4), ("tree", 8)]
     else:
-        Bs, Vs = [1, 16, 64, 256], [32000, 152064]
-        shapes = [("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64)]
-        # Shorter runs inside a time-limited lease: TLT_ACCEPTANCE_BS="1,16,64", TLT_ACCEPTANCE_VS="152064",
-        # TLT_ACCEPTANCE_SHAPES="chain8,tree16", TLT_ACCEPTANCE_IMPLS="tlt-cuda,flashinfer".
-        if os.environ.get("TLT_ACCEPTANCE_BS"):
-            Bs = [int(b) for b in os.environ["TLT_ACCEPTANCE_BS"].split(",")]
-        if os.environ.get("TLT_ACCEPTANCE_VS"):
-            Vs = [int(v) for v in os.environ["TLT_ACCEPTANCE_VS"].split(",")]
-        if os.environ.get("TLT_ACCEPTANCE_SHAPES"):
-            wanted = {w.strip() for w in os.environ["TLT_ACCEPTANCE_SHAPES"].split(",")}
-            unknown = wanted - {f"{k}{t}" for k, t in shapes}
-            if unknown:
-                raise ValueError(f"TLT_ACCEPTANCE_SHAPES: unknown shapes {sorted(unknown)}; known: chain4, chain8, chain16, tree16, tree32, tree64")
-            shapes = [(k, t) for k, t in shapes if f"{k}{t}" in wanted]
+        Bs, Vs = list(p.batch_sizes), list(p.vocab_sizes)
+        shapes = [(kind, n) for kind, n in GPU_SHAPES if f"{kind}{n}" in p.shapes]
     # The chain of each tree's depth (binary heap of T nodes: depth floor(log2(T))), for the tree-vs-chain note.
     for kind, T in list(shapes):
         same_depth = ("chain", _heap_depth(T) + 1)
         if kind == "tree" and same_depth not in shapes:
             shapes.append(same_depth)
-    impls = _impls_from_env()
+    impls = p.impls
     fi = ctx.try_import("flashinfer") if dev.type == "cuda" and "flashinfer" in impls else None
     # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
-    graphs = dev.type == "cuda" and os.environ.get("TLT_ACCEPTANCE_GRAPHS", "1") not in ("", "0")
+    graphs = dev.type == "cuda" and bool(p.graphs)
     unavailable: set = set()  # kernel backends that could not run here (noted once)
-    # FlashInfer's pipeline replayed from a CUDA graph as well (captured cleanly in every case of bench.profile_dispatch
-    # on an H200, 2026-11-27); TLT_ACCEPTANCE_FI_GRAPHS=0 times it eagerly only.
-    fi_graphs = os.environ.get("TLT_ACCEPTANCE_FI_GRAPHS", "1") not in ("", "0")
+    # FlashInfer's pipeline replayed from a CUDA graph as well; --no-flashinfer-graphs times it eagerly only.
+    fi_graphs = bool(p.flashinfer_graphs)
     for V in Vs:
         for kind, T in shapes:
             for B in Bs:

@@ -15,19 +15,21 @@ Rows per case (impl):
   way: the same-machine baseline for the chunked design;
 * tree rows: ``ngram_propose_tree`` (one program per request, unchanged design).
 
-Sweep: ``TLT_NGRAM_SWEEP=1 python -m bench ngram`` also times the chunked kernel for every
-``CHUNKxWARPS`` config of ``TLT_NGRAM_SWEEP_CONFIGS`` (default below) on the ``random`` histories,
+Sweep: ``python -m bench ngram --sweep`` also times the chunked kernel for every
+``CHUNKxWARPS`` config of ``--sweep-configs`` (default below) on the ``random`` histories,
 as graph replays on CUDA (rows ``chunk<C>-w<W>``, with ``chunk`` / ``warps`` columns). The winner
 goes into ``tlt_kernels/_triton/ngram.py`` (``CHUNK``, ``NUM_WARPS``).
 """
 from __future__ import annotations
 
-import os
+import argparse
 
 import torch
 
 from tlt_kernels import BackendUnavailableError
 from tlt_kernels.ops.ngram import ngram_propose, ngram_propose_tree
+
+from ..flags import Flag, values
 
 SUITE = "ngram"
 
@@ -51,19 +53,27 @@ def _parse_configs(spec):
         try:
             chunk, warps = (int(x) for x in item.lower().split("x"))
         except ValueError:
-            raise ValueError(f"TLT_NGRAM_SWEEP_CONFIGS entries must look like 1024x4 (CHUNKxWARPS), got {item!r}") from None
+            raise argparse.ArgumentTypeError(f"entries must look like 1024x4 (CHUNKxWARPS), got {item!r}") from None
         configs.append((chunk, warps))
     return configs
+
+
+FLAGS = (
+    Flag("--sweep", False, "also time the chunked kernel for every --sweep-configs config (tuning)", bool,
+         replaces="TLT_NGRAM_SWEEP"),
+    Flag("--sweep-configs", None, f"comma-separated CHUNKxWARPS configs of the sweep (default: {SWEEP_CONFIGS}; "
+         f"{SWEEP_CONFIGS_SMALL} when small)", _parse_configs, replaces="TLT_NGRAM_SWEEP_CONFIGS", metavar="LIST"),
+)
 
 
 def _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes):
     from tlt_kernels._triton.ngram import ngram_propose_out
 
     B = tokens.shape[0]
-    spec = os.environ.get("TLT_NGRAM_SWEEP_CONFIGS", SWEEP_CONFIGS_SMALL if ctx.small else SWEEP_CONFIGS)
+    configs = values(ctx, FLAGS).sweep_configs or _parse_configs(SWEEP_CONFIGS_SMALL if ctx.small else SWEEP_CONFIGS)
     drafts = torch.empty(B, k, dtype=torch.int64, device=ctx.device)
     num = torch.empty(B, dtype=torch.int32, device=ctx.device)
-    for chunk, warps in _parse_configs(spec):
+    for chunk, warps in configs:
         def fn(chunk=chunk, warps=warps):
             ngram_propose_out(tokens, lengths, 1, max_n, drafts, num, chunk=chunk, num_warps=warps)
 
@@ -82,7 +92,7 @@ def run(ctx) -> None:
     else:
         cases = [(64, 2048, 8, 4), (256, 8192, 8, 4), (256, 32768, 8, 4)]
     cuda = ctx.device.type == "cuda"
-    sweep = os.environ.get("TLT_NGRAM_SWEEP", "0") not in ("", "0")
+    sweep = bool(values(ctx, FLAGS).sweep)
     for B, L, k, max_n in cases:
         for kind, vocab in (("random", 32000), ("repetitive", 16)):
             tokens, lengths = _histories(B, L, vocab, ctx.device)

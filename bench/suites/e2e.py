@@ -3,10 +3,10 @@
 1. A byte-level target is trained here on the stdlib corpus (no downloads) so acceptance is real.
 2. RL step 0: a plain rollout fills a RolloutBuffer and the EAGLE drafter is trained on it for a fixed number of
    optimizer steps; a copy of it is frozen there (the drafter a static deployment keeps).
-3. The policy drifts: ``TLT_E2E_DRIFT`` RL updates (default 2), each a fine-tune of the target on the shifted mix
+3. The policy drifts: ``--drift`` RL updates (default 2), each a fine-tune of the target on the shifted mix
    (``finetune_target``, in place). Between updates the RL step's rollout fills the buffer and the spot trainer
    trains on it for the same number of steps (its idle window), so the timed rollout's drafter is one RL step
-   behind the policy, as in TLT, and the frozen one ``TLT_E2E_DRIFT`` steps behind. ``TLT_E2E_DRIFT=0``: no drift,
+   behind the policy, as in TLT, and the frozen one ``--drift`` steps behind. ``--drift 0``: no drift,
    one drafter for every row.
 4. The rollout: ``B`` prompts with log-normal response lengths (most short, a few ~10x longer, like
    reasoning RL rollouts), greedy, run by
@@ -22,21 +22,14 @@ Rows: ``ms`` = rollout wall time; extras: tokens/s, tail seconds (steps with bat
 accepted length, speedups vs plain (whole rollout and tail), vs the best static strategy (frozen drafter: the issue's
 comparison) and vs the best static arm with the spot-trained drafter (the selector's gain alone).
 Notes: the per-batch-size oracle over the static arms (an estimate from their step logs: how much any choice among
-these arms could gain over the best one), strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too when
-``TLT_E2E_PLOT=path.png`` and matplotlib is installed). Sizes: ``TLT_E2E_BATCH``,
-``TLT_E2E_TRAIN_STEPS``, ``TLT_E2E_WARM_STEPS`` (the drafter's optimizer steps per RL step's idle window, default 2300), ``TLT_E2E_LAYERS`` (target depth, default 24: real targets have 28-64 layers against
-the drafter's one), ``TLT_E2E_HIDDEN`` (target width, default 512) override the GPU defaults; ``TLT_E2E_DTYPE`` (fp32 default, bf16) the target's dtype;
-each decoding step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``TLT_E2E_FUSE=0`` captures
-verify, draft and extend separately);
-``TLT_E2E_REPEATS=n`` times every row n times (default 3 on the GPU; median run kept, every run's tokens compared);
-``TLT_E2E_ATTN=triton`` runs the fp32 target's tree attention on the Triton kernel (default ``auto``: the torch path);
-``TLT_E2E_ARMS=s2k1v3,s4k1v5,...`` replaces the speculative arms; ``TLT_E2E_TRACE=path.json`` also records an every-arm trace of the rollout for the selector suite;
-``TLT_E2E_CACHE_DIR=dir`` keeps the trained target there and reuses it on the next run of the same configuration
-on the same machine (training is most of the setup);
-``TLT_E2E_DETERMINISTIC=1`` trains every model with deterministic kernels (:func:`tlt_kernels.models.deterministic_training`),
-so two runs on the same card compare the same models;
-``TLT_E2E_STEPS=path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per step),
-which ``python -m bench.selector_vs_oracle path.json`` compares with the per-batch-size oracle bin by bin.
+these arms could gain over the best one), strategies chosen per batch size, and tokens/s over time (ASCII; a PNG too with
+``--plot path.png`` when matplotlib is installed).
+
+Parameters: the flags of :data:`FLAGS` (``python -m bench e2e --help``). Sizes (``--batch``, ``--train-steps``,
+``--warm-steps``, ``--layers``, ``--hidden``) override the GPU defaults only; ``--small`` has its own. Each decoding
+step is one CUDA graph (``SpeculativeEngine(fuse_step=True)``; ``--no-fuse`` captures verify, draft and extend
+separately). ``--write-steps path.json`` writes every row's step log (batch size, strategy, emitted tokens, seconds per
+step) for offline comparison with the per-batch-size oracle.
 Targets (GPU): >= 2x plain on the rollout, >= 2.5x on the tail, >= 1.1x the best static strategy.
 """
 from __future__ import annotations
@@ -44,29 +37,63 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-import os
 import time
 
 import torch
 
+from ..flags import Flag, defaults, str_list, values
+
 SUITE = "e2e"
 
+FLAGS = (
+    Flag("--batch", 128, "requests in the rollout (GPU size)", int, replaces="TLT_E2E_BATCH", metavar="N"),
+    Flag("--layers", 24, "target depth (GPU size; real targets have 28-64 layers against the drafter's one)", int,
+         replaces="TLT_E2E_LAYERS", metavar="N"),
+    Flag("--hidden", 512, "target width, a multiple of 256 (GPU size)", int, replaces="TLT_E2E_HIDDEN", metavar="N"),
+    Flag("--train-steps", 1500, "the target's training steps (GPU size)", int, replaces="TLT_E2E_TRAIN_STEPS", metavar="N"),
+    Flag("--warm-steps", 2300, "the drafter's optimizer steps per RL step's idle window (GPU size)", int,
+         replaces="TLT_E2E_WARM_STEPS", metavar="N"),
+    Flag("--drift", 2, "RL updates (target fine-tunes) before the timed rollout; 0: no drift, one drafter", int,
+         replaces="TLT_E2E_DRIFT", metavar="N"),
+    Flag("--repeats", None, "times each row is run, the median kept (default: 3 on the GPU, 1 on the CPU)", int,
+         replaces="TLT_E2E_REPEATS", metavar="N"),
+    Flag("--arms", (), "comma-separated speculative arms, e.g. s2k1v3,s4k1v5 (default: the size's set; off is always "
+         "an arm)", str_list, replaces="TLT_E2E_ARMS", metavar="LIST"),
+    Flag("--deterministic", False, "train every model with deterministic kernels, so two runs on one card compare "
+         "the same models", bool, replaces="TLT_E2E_DETERMINISTIC"),
+    Flag("--target-dtype", "fp32", "the target's dtype on the GPU", str, ("fp32", "bf16", "fp16"), "TLT_E2E_DTYPE"),
+    Flag("--drafter-dtype", None, "the rollout drafters' dtype (default: bf16 on the GPU, fp32 on the CPU)", str,
+         ("fp32", "bf16"), "TLT_E2E_DRAFTER_DTYPE"),
+    Flag("--attn", "auto", "the target's tree-attention backend (auto: the torch path for an fp32 target)", str,
+         ("auto", "torch", "triton"), "TLT_E2E_ATTN"),
+    Flag("--fuse", True, "one CUDA graph per decoding step (--no-fuse: verify, draft and extend graphs)", bool,
+         replaces="TLT_E2E_FUSE"),
+    Flag("--cache-dir", "", "keep the trained target here and reuse it on the next run of the same configuration",
+         replaces="TLT_E2E_CACHE_DIR", metavar="DIR"),
+    Flag("--write-trace", None, "also record an every-arm trace of the rollout to this JSON file (for the "
+         "selector suite's --trace)", replaces="TLT_E2E_TRACE", metavar="PATH"),
+    Flag("--write-steps", None, "write every row's step log to this JSON file", replaces="TLT_E2E_STEPS", metavar="PATH"),
+    Flag("--plot", None, "also plot tokens/s over time to this PNG (needs matplotlib)", replaces="TLT_E2E_PLOT", metavar="PATH"),
+)
 
-def _sizes(small: bool) -> dict:
+
+def _sizes(small: bool, params=None) -> dict:
+    """The run's sizes: the CPU smoke test's when ``small``, else the GPU's, from ``params`` (the flags; defaults when
+    None)."""
     if small:
         return dict(cfg="tiny", train_steps=40, train_bs=8, train_seq=64, B=16, prompt_len=16, median=10, max_len=80,
-                    warm_steps=300, warm_cap_s=10.0, train_window=(8, 32), drift=2, drift_steps=20,
+                    warm_steps=300, warm_cap_s=10.0, train_window=(8, 32), drift_steps=20,
                     arms=((2, 1, 3), (4, 1, 5), (3, 2, 6), (4, 4, 12)))
-    hidden = int(os.environ.get("TLT_E2E_HIDDEN", 512))
-    if hidden <= 0 or hidden % 256:
-        raise ValueError(f"TLT_E2E_HIDDEN must be a positive multiple of 256 (heads of 64, 4 per KV head), got {hidden}")
-    return dict(cfg="medium", layers=int(os.environ.get("TLT_E2E_LAYERS", 24)), hidden=hidden,
-                train_steps=int(os.environ.get("TLT_E2E_TRAIN_STEPS", 1500)), train_bs=32, train_seq=256,
-                B=int(os.environ.get("TLT_E2E_BATCH", 128)), prompt_len=64, median=64, max_len=896,
-                warm_steps=int(os.environ.get("TLT_E2E_WARM_STEPS", 2300)), warm_cap_s=120.0,
-                train_window=(16, 128), drift=2, drift_steps=200,
-                # Cheap chains win at large batch sizes, deep trees in the tail (H200 traces in bench/traces): the
-                # arm set spans both so that the selector has a choice to make.
+    p = params if params is not None else defaults(FLAGS)
+    if p.hidden <= 0 or p.hidden % 256:
+        raise ValueError(f"--hidden must be a positive multiple of 256 (heads of 64, 4 per KV head), got {p.hidden}")
+    return dict(cfg="medium", layers=p.layers, hidden=p.hidden,
+                train_steps=p.train_steps, train_bs=32, train_seq=256,
+                B=p.batch, prompt_len=64, median=64, max_len=896,
+                warm_steps=p.warm_steps, warm_cap_s=120.0,
+                train_window=(16, 128), drift_steps=200,
+                # Cheap chains win at large batch sizes, deep trees in the tail (the recorded traces in bench/traces):
+                # the arm set spans both so that the selector has a choice to make.
                 arms=((1, 1, 2), (2, 1, 3), (3, 1, 4), (4, 1, 5), (4, 2, 8), (5, 4, 16), (6, 4, 24), (8, 4, 32)))
 
 
@@ -79,18 +106,18 @@ def target_config(hidden: int, layers: int):
                              num_q_heads=hidden // 64, num_kv_heads=hidden // 256, head_dim=64)
 
 
-def _cached_target(cfg, z: dict, dev, det: bool, train, training):
-    """The trained target, from ``TLT_E2E_CACHE_DIR`` when an earlier run on this machine saved one for the same
-    configuration (shape, training sizes, device name, torch version, deterministic flag), else trained and saved
-    there. Training is most of an e2e run's setup (2.5-3 min on an H100/H200), so back-to-back A/B runs on one
-    machine (a kernel or selector change) compare the same target and skip it. Returns ``(model, path or None)``."""
+def _cached_target(cfg, z: dict, dev, det: bool, train, training, cache_dir: str):
+    """The trained target, from ``cache_dir`` (``--cache-dir``; "" for none) when an earlier run on this machine saved
+    one for the same configuration (shape, training sizes, device name, torch version, deterministic flag), else
+    trained and saved there. Training is most of an e2e run's setup, so back-to-back A/B runs on one machine (a
+    kernel or selector change) compare the same target and skip it. Returns ``(model, path or None)``."""
     import dataclasses
     import json
     from pathlib import Path
 
     from tlt_kernels.models import LlamaForCausalLM
 
-    cache_dir = os.environ.get("TLT_E2E_CACHE_DIR", "").strip()
+    cache_dir = cache_dir.strip()
     if not cache_dir:
         with training():
             return train(), None
@@ -112,14 +139,6 @@ def _cached_target(cfg, z: dict, dev, det: bool, train, training):
     return model, None
 
 
-def _env_choice(name: str, default: str, choices: dict):
-    """``choices[os.environ[name]]`` (``default`` when unset), with an error naming the variable and its choices."""
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return choices[value]
-
-
 def _copy_selector(sel):
     """A deep copy of a selector's state that shares its ``available`` callback (an engine's bound method: a
     deep copy would copy the engine, its graphs and caches with it)."""
@@ -135,8 +154,7 @@ def _copy_selector(sel):
 def _lengths(B: int, median: int, max_len: int, gen: torch.Generator) -> list:
     """Log-normal response lengths (sigma 1), clamped, at the B stratified quantiles ``(i + 0.5) / B`` of the normal
     (in ``gen``'s random order over the prompts): the longest is ~14x the median at B=128 (the top quantile's
-    e^2.66), as "most short, a few 10x longer" asks. Independent draws left the workload to the seed: at B=128 the
-    draw after the prompts' gave a longest of only 6.25x the median (RESULTS.md, 2026-11-26 11:19)."""
+    e^2.66), as "most short, a few 10x longer" asks; independent draws left the longest to the seed."""
     z = torch.special.ndtri((torch.arange(B, dtype=torch.float64) + 0.5) / B)[torch.randperm(B, generator=gen)]
     return [int(min(max_len, max(2, round(median * math.exp(float(v)))))) for v in z]
 
@@ -238,18 +256,18 @@ def run(ctx) -> None:
     from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
     t_suite = time.perf_counter()
-    z = _sizes(ctx.small)
-    # TLT_E2E_ARMS="s2k1v3,s4k1v5,...": the speculative arms every static row and the selector use (off is always in).
-    spec = os.environ.get("TLT_E2E_ARMS", "").strip()
-    arms = [Strategy.parse(a.strip()) for a in spec.split(",") if a.strip()] if spec else [Strategy(*a) for a in z["arms"]]
+    p = values(ctx, FLAGS)
+    z = _sizes(ctx.small, p)
+    # --arms s2k1v3,s4k1v5,...: the speculative arms every static row and the selector use (off is always in).
+    arms = [Strategy.parse(a) for a in p.arms] if p.arms else [Strategy(*a) for a in z["arms"]]
     if not arms or any(a.is_off for a in arms):
-        raise ValueError(f"TLT_E2E_ARMS must list speculative strategies like 's4k1v5' (off is always an arm), got {spec!r}")
+        raise ValueError(f"--arms must list speculative strategies like 's4k1v5' (off is always an arm), got {','.join(p.arms)!r}")
     dev = ctx.device
     cuda = dev.type == "cuda"
     gen = torch.Generator().manual_seed(0)
-    # TLT_E2E_DETERMINISTIC=1: every training stage (target, drafter warm-up, RL updates, spot training) runs with
+    # --deterministic: every training stage (target, drafter warm-up, RL updates, spot training) runs with
     # deterministic kernels, so two runs on the same card train the same models and their rows differ only by timing.
-    det = _env_choice("TLT_E2E_DETERMINISTIC", "0", {"0": False, "1": True})
+    det = bool(p.deterministic)
     nondet_ops: set = set()
 
     def training():
@@ -261,21 +279,21 @@ def run(ctx) -> None:
         cfg = ModelConfig.tiny()
     else:
         # Depth matters more than width here: the EAGLE drafter is one decoder layer, so what one draft step costs
-        # next to a target pass is about 1 / num_layers (a real 7B target has 28 layers). TLT_E2E_LAYERS overrides.
+        # next to a target pass is about 1 / num_layers (a real 7B target has 28 layers). --layers overrides.
         # Width sets how much a verified token costs next to a step's fixed cost: a real target's verify pass at
         # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
-        # plain step. TLT_E2E_HIDDEN (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
+        # plain step. --hidden (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
         cfg = target_config(z["hidden"], z["layers"])
     target, cached = _cached_target(cfg, z, dev, det, lambda: train_tiny_target(
-        cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"]), training)
+        cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"]), training, p.cache_dir)
     # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
     # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
-    # TLT_E2E_DTYPE=bf16 runs the bf16 kernels instead.
-    dtype = _env_choice("TLT_E2E_DTYPE", "fp32", {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+    # --target-dtype bf16 runs the bf16 kernels instead.
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.target_dtype]
     if cuda:
         target = target.to(dtype)
     ctx.note(f"target {z['cfg']} ({cfg.num_layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
-             + (f"trained {z['train_steps']} steps: loaded from {cached} (TLT_E2E_CACHE_DIR)" if cached else
+             + (f"trained {z['train_steps']} steps: loaded from {cached} (--cache-dir)" if cached else
                 f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s"))
 
     corpus = load_corpus("base")
@@ -292,16 +310,16 @@ def run(ctx) -> None:
     graph_sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, B} & set(range(1, B + 1)))
 
     # One graph per decoding step (SpeculativeEngine(fuse_step=True)) for every run, plain included: one launch per step
-    # instead of several (H200, RESULTS.md: ~0.5 ms of host time per graph launch); TLT_E2E_FUSE=0 for separate graphs.
-    fuse = cuda and os.environ.get("TLT_E2E_FUSE", "1") not in ("", "0")
-    ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (TLT_E2E_FUSE)")
+    # instead of several, each graph launch costing host time; --no-fuse for separate graphs.
+    fuse = cuda and bool(p.fuse)
+    ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (--fuse)")
 
     # Tree attention of the target's verify pass: "auto" (an fp32 target runs the op's torch path: a gather of every
-    # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel). H200,
-    # 2026-11-26 08:43: "triton" made plain decoding 1.48x faster and the best static arm 1.07x, so adaptive fell from
-    # 1.07-1.10x to 1.02-1.04x the best static arm (bench/RESULTS.md); the default stays "auto".
-    attn = _env_choice("TLT_E2E_ATTN", "auto", {"auto": "auto", "torch": "torch", "triton": "triton"})
-    ctx.note(f"target tree attention: backend={attn!r} (TLT_E2E_ATTN)")
+    # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel). "triton"
+    # speeds plain decoding more than the speculative arms, so it shrinks the adaptive engine's margin; the default
+    # stays "auto" (docs/PERFORMANCE.md).
+    attn = p.attn
+    ctx.note(f"target tree attention: backend={attn!r} (--attn)")
 
     def engine(drafter, sel, **kw):
         t_build = time.perf_counter()
@@ -332,9 +350,9 @@ def run(ctx) -> None:
     train_drafter = EagleDrafter.for_target(target, seed=0)  # the same initial drafter in every run
     trainer = SpotTrainer(train_drafter, buf, lr=1e-3, warmup_steps=20, batch_size=z["train_window"][0],
                           seq_len=z["train_window"][1], autocast_dtype=torch.bfloat16 if cuda else None)
-    # A fixed number of optimizer steps, not a time budget: with 40 s, two H200 machines trained 2381 and 2212 steps
-    # (bench/RESULTS.md, 20:51 and 22:16 UTC), so each run's drafter, and its acceptance, depended on the machine's
-    # speed. The cap only stops a pathologically slow machine.
+    # A fixed number of optimizer steps, not a time budget: with a time budget, two machines of the same card trained
+    # different numbers of steps, so each run's drafter, and its acceptance, depended on the machine's speed. The cap
+    # only stops a pathologically slow machine.
     with training():
         st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
     if st.optimizer_steps < z["warm_steps"]:
@@ -344,13 +362,13 @@ def run(ctx) -> None:
     # The drafter a static deployment keeps: trained once, for the policy of RL step 0.
     frozen_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
 
-    # 3. The policy drifts (TLT_E2E_DRIFT RL updates, each a fine-tune of the target on the shifted mix, in place) before
+    # 3. The policy drifts (--drift RL updates, each a fine-tune of the target on the shifted mix, in place) before
     # the timed rollout. Between two updates the rollout of that RL step runs, its long tail leaves GPUs idle, and
     # the spot trainer trains the drafter on it (a fixed number of steps, the idle window); the timed rollout's
-    # drafter is then one RL step behind its policy, as in TLT, while the frozen one is TLT_E2E_DRIFT steps behind.
-    drift = int(os.environ.get("TLT_E2E_DRIFT", z["drift"]))
+    # drafter is then one RL step behind its policy, as in TLT, while the frozen one is --drift steps behind.
+    drift = int(p.drift)
     if drift < 0:
-        raise ValueError(f"TLT_E2E_DRIFT must be >= 0 (RL updates before the timed rollout), got {drift}")
+        raise ValueError(f"--drift must be >= 0 (RL updates before the timed rollout), got {drift}")
     shifted = shifted_corpus()
     for step in range(1, drift + 1):
         t_rl = time.perf_counter()
@@ -366,26 +384,26 @@ def run(ctx) -> None:
         ctx.note(line)
     spot_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
     if det:
-        ctx.note("deterministic training (TLT_E2E_DETERMINISTIC=1): "
+        ctx.note("deterministic training (--deterministic): "
                  + ("ops without a deterministic kernel (still nondeterministic): " + "; ".join(sorted(nondet_ops))
                     if nondet_ops else "no op warned of a nondeterministic kernel"))
 
-    # The rollout's drafter copies draft in bf16 on the GPU (TLT_E2E_DRAFTER_DTYPE=fp32 to change): drafts never
+    # The rollout's drafter copies draft in bf16 on the GPU (--drafter-dtype fp32 to change): drafts never
     # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.
-    draft_dtype = _env_choice("TLT_E2E_DRAFTER_DTYPE", "bf16" if cuda else "fp32", {"fp32": torch.float32, "bf16": torch.bfloat16})
-    ctx.note(f"rollout drafter dtype {draft_dtype} (TLT_E2E_DRAFTER_DTYPE); trainer weights float32")
+    draft_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[p.drafter_dtype or ("bf16" if cuda else "fp32")]
+    ctx.note(f"rollout drafter dtype {draft_dtype} (--drafter-dtype); trainer weights float32")
 
     def drafter_copy(state):
         d = EagleDrafter.for_target(target, dtype=draft_dtype)
         d.load_state_dict(state)
         return d
 
-    # 4. the rollout, every configuration on the same prompts, TLT_E2E_REPEATS times each (default 3 on the GPU, 1 on
+    # 4. the rollout, every configuration on the same prompts, --repeats times each (default 3 on the GPU, 1 on
     # the CPU): the row keeps the run of median wall time (the upper one of an even count) and every run's tokens
-    # must match. One H200 rollout varies by ~2% between runs, as much as the selector's margins.
-    repeats = int(os.environ.get("TLT_E2E_REPEATS", "3" if cuda else "1"))
+    # must match. One rollout varies between runs by as much as the selector's margins (docs/PERFORMANCE.md).
+    repeats = int(p.repeats if p.repeats is not None else 3 if cuda else 1)
     if repeats < 1:
-        raise ValueError(f"TLT_E2E_REPEATS must be >= 1, got {repeats}")
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     walls, same = {}, {}
 
     def timed(name, run_once):
@@ -444,30 +462,30 @@ def run(ctx) -> None:
         return ad.generate(prompts, lens)
 
     timed("adaptive (warm)", warm_run)
-    # Spot training changes the drafter as it runs, so this row is run once whatever TLT_E2E_REPEATS says, and last.
+    # Spot training changes the drafter as it runs, so this row is run once whatever --repeats says, and last.
     ad.selector, ad.spot_trainer, ad.rollout_buffer = fresh_selector(), trainer, buf
     outs["adaptive+spot-in-tail"] = ad.generate(prompts, lens)
     ad.spot_trainer = ad.rollout_buffer = None
     walls["adaptive+spot-in-tail"], same["adaptive+spot-in-tail"] = [round(outs["adaptive+spot-in-tail"].wall_s * 1e3, 1)], True
 
-    trace_path = os.environ.get("TLT_E2E_TRACE")
-    if trace_path:  # a recorded trace for the selector suite (TLT_SELECTOR_TRACE=...): every arm probed per step
+    trace_path = p.write_trace
+    if trace_path:  # a recorded trace for the selector suite (its --trace): every arm probed per step
         import json
 
         records = []
         engine(drafter_copy(spot_state), StrategySelector(arms, seed=0)).generate(prompts, lens, trace=records)
         with open(trace_path, "w") as f:
             json.dump(records, f)
-        ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: TLT_SELECTOR_TRACE={trace_path} python -m bench selector)")
+        ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: python -m bench selector --trace {trace_path})")
 
-    steps_path = os.environ.get("TLT_E2E_STEPS")
+    steps_path = p.write_steps
     if steps_path:  # every row's step log (its median run), for offline analysis of the selector against the oracle
         import dataclasses
         import json
 
         with open(steps_path, "w") as f:
             json.dump({name: [dataclasses.asdict(st) for st in o.steps] for name, o in outs.items()}, f)
-        ctx.note(f"step logs of {len(outs)} rows written to {steps_path} (TLT_E2E_STEPS)")
+        ctx.note(f"step logs of {len(outs)} rows written to {steps_path} (--write-steps)")
 
     plain = outs["plain"]
     # The target's comparison: the best static arm as deployed (frozen drafter). With drift, the same arms with the
@@ -514,7 +532,7 @@ def run(ctx) -> None:
              f"from their step logs, not run): {oracle:.3f} s, {best_spot.wall_s / oracle:.2f}x the best of them: the most "
              f"any per-batch-size choice among these arms could gain on this workload")
     ctx.note(f"greedy identical in every run: {all(o.tokens == ref for o in outs.values()) and all(same.values())} "
-             f"({repeats} run(s) per row, TLT_E2E_REPEATS; `ms` is the median run's)")
+             f"({repeats} run(s) per row, --repeats; `ms` is the median run's)")
     a = outs["adaptive"]
     by_batch = a.strategies_by_batch()
     lines = ["adaptive: strategies chosen per batch size (steps)"]
@@ -522,6 +540,6 @@ def run(ctx) -> None:
         lines.append(f"  B={bsz:>4}: " + ", ".join(f"{k} x{v}" for k, v in sorted(by_batch[bsz].items(), key=lambda kv: -kv[1])))
     ctx.note("\n".join(lines))
     ctx.note(_ascii_curve(outs))
-    path = os.environ.get("TLT_E2E_PLOT")
+    path = p.plot
     if path:
         ctx.note(_plot(outs, path))

@@ -7,22 +7,32 @@ re-convergence after a phase change: ``reconverge_steps`` (steps until the 20-st
 the oracle) and the stricter ``settle_steps`` (steps until 10 consecutive choices are within 1% of the
 oracle's throughput).
 The ``engine trace`` case replays every policy (and every static arm) on a trace of a real rollout in which the
-engine probed every arm at every step (``TLT_SELECTOR_TRACE=path.json`` to replay a recorded one).
+engine probed every arm at every step (``--trace path.json`` to replay a recorded one).
 The last cases time ``select + update`` per policy on this CPU (``ms`` is milliseconds per step: the
 median over 100-step chunks of 20000 steps, robust to other processes): ``cpu: select+update`` on a
 stationary stream (the method of the earlier numbers), ``cpu: select+update, drifting`` on a stream whose
 acceptance keeps moving, so the cost policy also recomputes every arm's prediction often (its worst case).
 
 Sizes: 600 steps and one seed with ``--small`` (always on a CPU device), 2400 steps and three seeds
-otherwise; ``TLT_SELECTOR_FULL=1`` forces the full run on a CPU and ``TLT_SELECTOR_SEEDS=8`` runs seeds
-0-7 (the selector's changes are judged on 8 seeds: 3 leave a 1% difference inside seed noise).
+otherwise; ``--full`` forces the full run on a CPU and ``--seeds 8`` runs seeds 0-7 (the selector's changes are
+judged on 8 seeds: 3 leave a 1% difference inside seed noise).
 """
 from __future__ import annotations
 
 import os
 import time
 
+from ..flags import Flag, positive_int, values
+
 SUITE = "selector"
+
+FLAGS = (
+    Flag("--trace", None, "also replay the policies on this engine trace (JSON, e.g. from e2e --write-trace) instead "
+         "of one recorded now", replaces="TLT_SELECTOR_TRACE", metavar="PATH"),
+    Flag("--full", False, "the full run (2400 steps per workload, --seeds seeds) even when small / on the CPU", bool,
+         replaces="TLT_SELECTOR_FULL"),
+    Flag("--seeds", 3, "seeds 0..N-1 per workload in the full run", positive_int, replaces="TLT_SELECTOR_SEEDS", metavar="N"),
+)
 
 POLICIES = ("beg", "ucb", "thompson", "cost")
 
@@ -124,22 +134,22 @@ def _trace_cost_table(trace):
 TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces")
 RECORDED_TRACES = {
     "h200_e2e_b128_24layer.json": "H200 e2e rollout 2026-11-26 05:25 UTC (24-layer fp32 target, EAGLE drafter, B=128, "
-                                  "TLT_E2E_FUSE=1: step times are graph replays)",
+                                  "fused step graphs: step times are graph replays)",
     "h200_e2e_b128_24layer_8arms.json": "H200 e2e rollout 2026-11-26 ~06:35 UTC (as above, eight arms s1k1v2..s8k4v32)",
     "h200_e2e_b256_24layer_8arms.json": "H200 e2e rollout 2026-11-26 ~06:43 UTC (as above, B=256, lengths up to 896)",
     "h200_e2e_b128_8arms_triton_attn.json": "H200 e2e rollout 2026-11-26 ~08:50 UTC (B=128, eight arms, the target's "
-                                            "tree attention on the exact-fp32 Triton kernel: TLT_E2E_ATTN=triton)",
+                                            "tree attention on the exact-fp32 Triton kernel: e2e --attn triton)",
 }
 
 
 def _engine_traces(ctx) -> None:
     """Policies replayed on the recorded GPU traces of ``bench/traces`` and on one more trace:
-    ``TLT_SELECTOR_TRACE=path.json``, or one recorded now."""
+    ``--trace path.json``, or one recorded now."""
     from tlt_kernels.runtime.simulate import load_trace
 
     for name, origin in RECORDED_TRACES.items():
         _engine_trace(ctx, load_trace(os.path.join(TRACES_DIR, name)), f"bench/traces/{name}: {origin}", name[:-5])
-    path = os.environ.get("TLT_SELECTOR_TRACE")
+    path = values(ctx, FLAGS).trace
     if path:
         _engine_trace(ctx, load_trace(path), f"loaded from {path}", os.path.basename(path))
     else:
@@ -206,8 +216,9 @@ def run(ctx) -> None:
     from tlt_kernels.runtime import DEFAULT_POLICY
     from tlt_kernels.runtime.simulate import DEFAULT_ARMS, evaluate, standard_workloads
 
-    full = not ctx.small or os.environ.get("TLT_SELECTOR_FULL", "0") not in ("", "0")
-    seeds = tuple(range(int(os.environ.get("TLT_SELECTOR_SEEDS", "3")))) if full else (0,)
+    p = values(ctx, FLAGS)
+    full = not ctx.small or bool(p.full)
+    seeds = tuple(range(p.seeds)) if full else (0,)
     ctx.note(f"arms: {[str(a) for a in DEFAULT_ARMS]}; {'2400' if full else '600'} steps per workload, "
              f"seeds {list(seeds)}; default policy: {DEFAULT_POLICY}")
     for wl in standard_workloads(small=not full):

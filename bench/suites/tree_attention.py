@@ -26,17 +26,18 @@ what the tree would cost if both were at the HBM floor).
 ``pct_roofline``: percent of max(HBM floor, tensor-core floor), the floor FLOPs taken at the dense
 matmul peak measured in the same run -- the honest target for the compute-bound T=64 rows.
 
-``TLT_TREE_ATTENTION_SWEEP=1`` adds tuning rows for the Triton kernel (see docs/TREE_ATTENTION.md);
-``TLT_TREE_ATTENTION_CASES=7b:64x4096x16,...`` restricts the cases and ``TLT_TREE_ATTENTION_PEERS=0``
-skips the non-tlt rows (both for tuning runs on a time budget).
+``--sweep`` adds tuning rows for the Triton kernel (see docs/TREE_ATTENTION.md); ``--cases 7b:64x4096x16,...``
+restricts the cases and ``--no-peers`` skips the non-tlt rows (both for tuning runs on a time budget).
 """
 from __future__ import annotations
 
-import os
+import argparse
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+
+from ..flags import Flag, values
 
 SUITE = "tree-attention"
 
@@ -153,10 +154,11 @@ def _bench_case(ctx, model, B, L, T):
                   f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
     if reference is not None and dev.type == "cuda":
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes(T), extra)
-    if reference is not None and os.environ.get("TLT_TREE_ATTENTION_SWEEP", "0") not in ("", "0") and dev.type == "cuda":
+    p = values(ctx, FLAGS)
+    if reference is not None and p.sweep and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes(T), extra)
 
-    if os.environ.get("TLT_TREE_ATTENTION_PEERS", "1") in ("", "0"):
+    if not p.peers:
         return
     mask = _dense_mask(parents, L)
     ms = ctx.time_ms(lambda: _sdpa(q, *_gather_dense(k_cache, v_cache, table, L + T), mask))
@@ -237,20 +239,35 @@ def _matmul_peak_flops(ctx):
     return _PEAK[key]
 
 
-def _selected_cases(models, cases):
-    """``TLT_TREE_ATTENTION_CASES="7b:64x4096x16,32b:256x2048x8"`` restricts the run (tuning on a budget)."""
-    spec = os.environ.get("TLT_TREE_ATTENTION_CASES", "").strip()
-    return parse_cases(spec) if spec else [(m, *c) for m in models for c in cases]
+def _selected_cases(models, cases, selected=()):
+    """``selected`` (``--cases 7b:64x4096x16,32b:256x2048x8``, parsed) restricts the run (tuning on a budget)."""
+    return list(selected) if selected else [(m, *c) for m in models for c in cases]
 
 
 def parse_cases(spec: str):
     """``"7b:64x4096x16,32b:256x2048x8"`` -> ``[(model, B, L, T), ...]``."""
     out = []
     for item in spec.split(","):
-        tag, shape = item.strip().split(":")
-        model = next(m for m in MODELS if m.endswith("-" + tag.lower()))
-        out.append((model, *(int(x) for x in shape.lower().split("x"))))
+        if not item.strip():
+            continue
+        try:
+            tag, shape = item.strip().split(":")
+            model = next(m for m in MODELS if m.endswith("-" + tag.lower()))
+            B, L, T = (int(x) for x in shape.lower().split("x"))
+        except (ValueError, StopIteration):
+            raise argparse.ArgumentTypeError(f"cases must look like 7b:64x4096x16 (model tag of {', '.join(MODELS)}: "
+                                             f"BxLxT), got {item.strip()!r}") from None
+        out.append((model, B, L, T))
     return out
+
+
+FLAGS = (
+    Flag("--sweep", False, "add tuning rows for the Triton kernel (CUDA)", bool, replaces="TLT_TREE_ATTENTION_SWEEP"),
+    Flag("--cases", (), "comma-separated cases MODEL:BxLxT, e.g. 7b:64x4096x16 (default: the size's)", parse_cases,
+         replaces="TLT_TREE_ATTENTION_CASES", metavar="LIST"),
+    Flag("--peers", True, "also time the non-tlt rows (torch SDPA, flex-attention, FlashInfer)", bool,
+         replaces="TLT_TREE_ATTENTION_PEERS"),
+)
 
 
 def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes, extra):
@@ -360,7 +377,7 @@ def run(ctx) -> None:
     else:
         cases, models = CASES, list(MODELS)
     ctx.note("torch-sdpa includes gathering K/V out of the pages; the '(pre-gathered)' rows start from contiguous K/V")
-    for model, B, L, T in _selected_cases(models, cases):
+    for model, B, L, T in _selected_cases(models, cases, values(ctx, FLAGS).cases):
         _bench_case(ctx, model, B, L, T)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -224,6 +224,64 @@ def test_cli_usage_errors(tmp_path, capsys):
     assert main(["demo", "demo", "--device", "cpu", "--out", str(tmp_path)], specs=specs) == 0  # deduplicated
 
 
+def test_cli_e2e_help_lists_its_flags_and_an_unknown_flag_is_a_usage_error():
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "bench", *argv], cwd=ROOT, capture_output=True,  # noqa: E731
+                                       text=True, timeout=120)
+    proc = run("e2e", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--batch", "--drift", "--arms", "--deterministic", "--no-fuse", "--write-steps", "--small", "--out",
+                 "--progress"):
+        assert flag in proc.stdout, flag
+    assert "--impls" not in proc.stdout  # another suite's flag
+    proc = run("e2e", "--batch", "8", "--no-such-flag")
+    assert proc.returncode == 2 and "unrecognized arguments: --no-such-flag" in proc.stderr, proc.stderr
+    proc = run("copy", "--drift", "2")  # a flag of a suite that was not named
+    assert proc.returncode == 2 and "unrecognized arguments: --drift 2" in proc.stderr, proc.stderr
+
+
+def _suite_records_params(ctx):
+    ctx.add({"n": ctx.params.n}, "tlt-x", 1.0)
+    ctx.note(f"word={ctx.params.word}")
+    ctx.progress("visible progress")
+
+
+def test_cli_passes_each_suite_its_flags(tmp_path, capsys):
+    from bench.flags import Flag
+
+    n = Flag("--n", 1, "a number", int)
+    specs = {"a": SuiteSpec("a", "fake.a", run=_suite_records_params, flags=(n, Flag("--word", "x", "a word"))),
+             "b": SuiteSpec("b", "fake.b", run=_suite_records_params, flags=(Flag("--n", 2, "a number", int), Flag("--word", "y", "a word")))}
+    argv = ["all", "--device", "cpu", "--out", str(tmp_path), "--word", "z", "--progress", "--git-commit", "abc123"]
+    assert main(argv, specs=specs) == 0
+    a, b = (json.loads((tmp_path / f"{k}.json").read_text()) for k in "ab")
+    assert a["rows"][0]["case"] == {"n": 1} and b["rows"][0]["case"] == {"n": 2}  # each suite's own default
+    assert a["notes"] == ["word=z"] and b["notes"] == ["word=z"]  # a flag both declare applies to both
+    assert a["env"]["git_commit"] == "abc123"
+    assert "[a] visible progress" in capsys.readouterr().out
+    assert main(["a", "--device", "cpu", "--out", str(tmp_path), "--n", "5"], specs=specs) == 0
+    assert json.loads((tmp_path / "a.json").read_text())["rows"][0]["case"] == {"n": 5}
+    with pytest.raises(SystemExit) as exc:
+        main(["a", "--device", "cpu", "--out", str(tmp_path), "--n", "five"], specs=specs)
+    assert exc.value.code == 2
+
+
+def test_suites_declare_flags_and_read_no_environment():
+    """Every suite parameter is a flag (documented, with the variable it replaced), the flags of all suites fit one
+    parser (a name two suites share has one type), and no suite reads the environment."""
+    import argparse
+
+    from bench.flags import add_suite_flags
+
+    specs = discover()
+    add_suite_flags(argparse.ArgumentParser(), [(name, spec.flags) for name, spec in specs.items()])
+    for name, spec in specs.items():
+        for flag in spec.flags:
+            assert flag.name.startswith("--") and flag.help and flag.replaces.startswith("TLT_"), (name, flag)
+    assert {f.dest for f in specs["e2e"].flags} >= {"batch", "drift", "arms", "repeats", "cache_dir"}
+    for path in sorted((ROOT / "bench" / "suites").glob("*.py")):
+        assert "os.environ" not in path.read_text() and "getenv" not in path.read_text(), path
+
+
 def test_cli_runs_copy_suite_end_to_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "copy", "--small", "--device", "cpu", "--out", str(tmp_path)],
@@ -248,20 +306,26 @@ def test_copy_bandwidth_on_gpu():
     assert 70 < ctx.derived_rows()[0]["pct_hbm_floor"] < 130
 
 
-def test_e2e_knobs_fail_with_the_variable_named(monkeypatch):
-    """A misspelled e2e knob names the variable and its choices instead of a bare KeyError."""
+def _e2e_params(*argv):
+    from bench.flags import parse
     from bench.suites import e2e
 
-    monkeypatch.setenv("TLT_E2E_ATTN", "tritn")
-    with pytest.raises(ValueError, match="TLT_E2E_ATTN must be one of auto, torch, triton, got 'tritn'"):
-        e2e._env_choice("TLT_E2E_ATTN", "auto", {"auto": 1, "torch": 2, "triton": 3})
-    monkeypatch.delenv("TLT_E2E_ATTN")
-    assert e2e._env_choice("TLT_E2E_ATTN", "torch", {"auto": 1, "torch": 2}) == 2
-    monkeypatch.setenv("TLT_E2E_HIDDEN", "700")
-    with pytest.raises(ValueError, match="TLT_E2E_HIDDEN must be a positive multiple of 256"):
-        e2e._sizes(small=False)
-    monkeypatch.setenv("TLT_E2E_HIDDEN", "1024")
-    assert e2e._sizes(small=False)["hidden"] == 1024
+    return parse(e2e.FLAGS, list(argv), prog="e2e")
+
+
+def test_e2e_knobs_fail_with_the_flag_named(capsys):
+    """A misspelled e2e knob names the flag and its choices instead of a bare KeyError."""
+    from bench.suites import e2e
+
+    with pytest.raises(SystemExit) as exc:
+        _e2e_params("--attn", "tritn")
+    assert exc.value.code == 2
+    assert "argument --attn: invalid choice: 'tritn' (choose from 'auto', 'torch', 'triton')" in capsys.readouterr().err
+    assert _e2e_params("--attn", "torch").attn == "torch" and _e2e_params().attn == "auto"
+    with pytest.raises(ValueError, match="--hidden must be a positive multiple of 256"):
+        e2e._sizes(small=False, params=_e2e_params("--hidden", "700"))
+    assert e2e._sizes(small=False, params=_e2e_params("--hidden", "1024"))["hidden"] == 1024
+    assert e2e._sizes(small=False)["hidden"] == 512 and e2e._sizes(small=False)["B"] == 128  # the defaults
 
 
 def test_e2e_selector_copy_keeps_state_and_shares_the_callback():
@@ -360,19 +424,17 @@ def test_acceptance_tree_vs_same_depth_chain_note():
     assert notes == ["tree16 / chain5 (depth 4), B=16 V=152064 top_p=0.9 tlt-cuda-graph: 1.50x (target <= 1.5x)"]
 
 
-def test_acceptance_impls_knob(monkeypatch, tmp_path):
-    from bench.suites.acceptance import IMPLS, _impls_from_env
+def test_acceptance_impls_knob(tmp_path, capsys):
+    from bench.flags import parse
+    from bench.suites.acceptance import FLAGS, IMPLS
 
-    monkeypatch.delenv("TLT_ACCEPTANCE_IMPLS", raising=False)
-    assert _impls_from_env() == IMPLS
-    monkeypatch.setenv("TLT_ACCEPTANCE_IMPLS", " tlt-triton , flashinfer")
-    assert _impls_from_env() == ("tlt-triton", "flashinfer")
-    monkeypatch.setenv("TLT_ACCEPTANCE_IMPLS", "tlt-cuda,cutlass")
-    with pytest.raises(ValueError, match="TLT_ACCEPTANCE_IMPLS: unknown impls \\['cutlass'\\]"):
-        _impls_from_env()
+    assert parse(FLAGS, []).impls == IMPLS
+    assert parse(FLAGS, ["--impls", " tlt-triton , flashinfer"]).impls == ("tlt-triton", "flashinfer")
+    with pytest.raises(SystemExit) as exc:
+        parse(FLAGS, ["--impls", "tlt-cuda,cutlass"])
+    assert exc.value.code == 2 and "argument --impls: unknown impls ['cutlass']" in capsys.readouterr().err
     # A small CPU run keeps only the impls asked for (the reference still runs, untimed, for the rates).
-    monkeypatch.setenv("TLT_ACCEPTANCE_IMPLS", "tlt-triton")
-    assert main(["acceptance", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert main(["acceptance", "--device", "cpu", "--out", str(tmp_path), "--impls", "tlt-triton"]) == 0
     data = json.loads((tmp_path / "acceptance.json").read_text())
     assert {r["impl"] for r in data["rows"]} == {"tlt-triton"}
     assert all("accept_rate" in r and "same_as_ref" in r for r in data["rows"])
@@ -391,14 +453,13 @@ def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     assert fit_fixed_and_per_tile(off)[2] > 1.0
 
 
-def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(monkeypatch, tmp_path):
+def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(tmp_path):
     """The README main job's e2e suite at CPU size: the policy drifts before the timed rollout, every static arm is
     timed with the frozen drafter and with the spot-trained one, and every row's tokens equal plain decoding's."""
     from bench.suites import e2e
 
-    monkeypatch.setenv("TLT_E2E_DRIFT", "2")
-    monkeypatch.setenv("TLT_E2E_STEPS", str(tmp_path / "steps.json"))
-    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
+    params = _e2e_params("--drift", "2", "--write-steps", str(tmp_path / "steps.json"))
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True, params=params)
     assert res.status == "ok", res.data["error"]
     rows = {r["impl"]: r for r in res.data["rows"]}
     logs = json.loads((tmp_path / "steps.json").read_text())
@@ -416,30 +477,28 @@ def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(monkeypatch, 
     assert "RL update 1" in notes and "RL update 2" in notes and "spot-trained the drafter" in notes
 
 
-def test_e2e_suite_small_without_drift_has_one_drafter(monkeypatch):
-    """TLT_E2E_DRIFT=0: no RL update, one drafter for every row, so both comparisons name the same best arm."""
+def test_e2e_suite_small_without_drift_has_one_drafter():
+    """--drift 0: no RL update, one drafter for every row, so both comparisons name the same best arm."""
     from bench.suites import e2e
 
-    monkeypatch.setenv("TLT_E2E_DRIFT", "0")
-    monkeypatch.setenv("TLT_E2E_DETERMINISTIC", "1")  # also: the deterministic-training knob runs and is reported
-    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
+    params = _e2e_params("--drift", "0", "--deterministic")  # also: the deterministic-training knob runs and is reported
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True, params=params)
     assert res.status == "ok", res.data["error"]
     rows = {r["impl"]: r for r in res.data["rows"]}
     assert not any(k.endswith("(spot drafter)") for k in rows) and all(r["greedy_identical"] for r in rows.values())
     for name in ("adaptive", "adaptive (warm)"):
         assert rows[name]["speedup_vs_best_static"] == rows[name]["speedup_vs_best_static_spot_drafter"]
     notes = "\n".join(res.data["notes"])
-    assert "RL update" not in notes and "deterministic training (TLT_E2E_DETERMINISTIC=1)" in notes
+    assert "RL update" not in notes and "deterministic training (--deterministic)" in notes
     assert not torch.are_deterministic_algorithms_enabled(), "the suite must restore the global setting"
 
 
-def test_e2e_target_cache_reuses_the_trained_target(monkeypatch, tmp_path):
-    """TLT_E2E_CACHE_DIR: the second run loads the target the first trained, and every row comes out the same."""
+def test_e2e_target_cache_reuses_the_trained_target(tmp_path):
+    """--cache-dir: the second run loads the target the first trained, and every row comes out the same."""
     from bench.suites import e2e
 
-    monkeypatch.setenv("TLT_E2E_DRIFT", "0")
-    monkeypatch.setenv("TLT_E2E_CACHE_DIR", str(tmp_path / "cache"))
-    runs = [run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True) for _ in range(2)]
+    params = _e2e_params("--drift", "0", "--cache-dir", str(tmp_path / "cache"))
+    runs = [run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True, params=params) for _ in range(2)]
     assert all(r.status == "ok" for r in runs), [r.data["error"] for r in runs]
     notes = ["\n".join(r.data["notes"]) for r in runs]
     assert "loaded from" not in notes[0] and "loaded from" in notes[1]
@@ -453,16 +512,14 @@ def test_e2e_target_cache_reuses_the_trained_target(monkeypatch, tmp_path):
     assert all(r["greedy_identical"] for res in runs for r in res.data["rows"])
 
 
-def test_e2e_drift_knob_is_validated(monkeypatch):
+def test_e2e_drift_knob_is_validated(capsys):
     from bench.suites import e2e
 
-    monkeypatch.setenv("TLT_E2E_DRIFT", "-1")
-    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
-    assert res.status == "failed" and "TLT_E2E_DRIFT must be >= 0" in res.data["error"]
-    monkeypatch.setenv("TLT_E2E_DRIFT", "0")
-    monkeypatch.setenv("TLT_E2E_DETERMINISTIC", "yes")
-    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True)
-    assert res.status == "failed" and "TLT_E2E_DETERMINISTIC must be one of 0, 1" in res.data["error"]
+    res = run_suite("e2e", e2e.run, torch.device("cpu"), torch.float32, small=True, params=_e2e_params("--drift", "-1"))
+    assert res.status == "failed" and "--drift must be >= 0" in res.data["error"]
+    with pytest.raises(SystemExit) as exc:  # --deterministic is an on/off flag: a value is a usage error
+        _e2e_params("--drift", "0", "--deterministic", "yes")
+    assert exc.value.code == 2 and "unrecognized arguments: yes" in capsys.readouterr().err
 
 
 def test_finetune_target_updates_parameters_in_place():

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Iterator, Optional
 
 import torch
 
+from .. import _switches
 from .._backend import cuda_capability
 from . import dtype_code, extension, ptr, stream_handle, strides
 
@@ -35,16 +35,7 @@ HEAD_DIMS = (64, 128, 256)
 CONFIG_OVERRIDE = 0
 
 
-def _auto_switch(name: str) -> Optional[bool]:
-    """An import-time switch read from the environment: unset, empty or "auto" -> None (the measured rule), "1" ->
-    True, "0" -> False; anything else a ValueError naming the variable."""
-    value = os.environ.get(name, "auto").strip().lower()
-    if value not in ("", "auto", "0", "1"):
-        raise ValueError(f"{name} must be auto, 0 or 1, got {value!r}")
-    return None if value in ("", "auto") else value == "1"
-
-
-# sm_90 path (issue 3): step 1 on the wgmma kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
+# sm_90 path: step 1 on the wgmma kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu) instead of the mma.sync one,
 # same outputs (the tree folded into each request's last split, out written for one-split requests, the merge for
 # the rest). Covers sm_90, D=128, T <= 64, split_len a multiple of the tile (context_tile), power-of-two pages of
 # contiguous token rows (stride(0) == block_size * stride(1)), and T*G <= 128 rows, or any T*G with the
@@ -53,7 +44,7 @@ def _auto_switch(name: str) -> Optional[bool]:
 # two-warpgroup kernel (T*G > 64) and the one-warpgroup kernel (T*G <= 64) measured faster than the mma.sync kernel,
 # one split or several (figures: docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
 # True ("1"): wherever covered; False ("0"): off.
-CONTEXT_SM90: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_CTX")
+CONTEXT_SM90: Optional[bool] = _switches.TREE_ATTENTION_CUDA_CTX.get()
 CONTEXT_SM90_MIN_ROWS = 1  # the auto rule: T*G at least this
 CONTEXT_SM90_MAX_ROWS = 128  # the lockstep kernels' rows (two warpgroups of 64); the warp-specialized one takes any
 # The sm_90 kernel's tile (kBlockN) where T*G > 64: 128 (the two-warpgroup kernel, the default: half the per-tile
@@ -70,10 +61,7 @@ ONE_WARPGROUP_ROWS = 64
 # mbarriers, the two consumer warpgroups ping-pong their GEMMs, Q in registers). False (0): the lockstep two-warpgroup
 # kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu). The default because it measured faster on both cards
 # (docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
-_WS_ENV = os.environ.get("TLT_TREE_ATTENTION_CUDA_WS", "1").strip()
-if _WS_ENV not in ("", "0", "1"):
-    raise ValueError(f"TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got {_WS_ENV!r}")
-CONTEXT_WARP_SPECIALIZED = _WS_ENV != "0"
+CONTEXT_WARP_SPECIALIZED: bool = _switches.TREE_ATTENTION_CUDA_WS.get()
 WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention/tree_attention.h, kSm90WarpSpecialized: ORed into the launch config
 # The warp-specialized kernel's copies of whole context tiles: TMA (one instruction per 16-token page half; pages of
 # 16 tokens or more, else the kernel keeps cp.async) or 16-byte cp.async from every producer thread. None (default,
@@ -82,7 +70,7 @@ WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention/tree_attention.h, kSm90WarpS
 # outruns the math (peak bandwidth >= TMA_MIN_BANDWIDTH_GBPS); cp.async at T*G <= 128 on slower memory, which streams
 # at its copy bandwidth either way (figures: docs/CUDA_NOTES.md, "Measurements behind the csrc rules").
 # True ("1") / False ("0"): everywhere / nowhere.
-CONTEXT_TMA: Optional[bool] = _auto_switch("TLT_TREE_ATTENTION_CUDA_TMA")
+CONTEXT_TMA: Optional[bool] = _switches.TREE_ATTENTION_CUDA_TMA.get()
 TMA_FLAG = 2048  # csrc/tree_attention/tree_attention.h, kSm90Tma
 # Between the peak bandwidths of the slower and the faster card measured (2 x memory clock x bus width, as the driver
 # reports them; the two cards' figures are in docs/CUDA_NOTES.md).

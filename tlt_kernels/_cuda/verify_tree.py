@@ -11,11 +11,11 @@ the same Philox4x32-10 as :mod:`tlt_kernels.rng`. No host synchronization: CUDA-
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional
 
 import torch
 
+from .. import _switches
 from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op
 from . import extension, ptr, stream_handle
 
@@ -24,14 +24,14 @@ __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
 _ELEM = {torch.float32: "ELEM_FLOAT32", torch.float16: "ELEM_FLOAT16", torch.bfloat16: "ELEM_BFLOAT16"}
 MAX_DEPTH = 4096  # _C.VERIFY_MAX_DEPTH: min(max_depth, T - 1) is staged in shared memory
 # CTAs per request: 0 = the launcher's choice; 1, 2, 4, 8 or 16 force it (tests and tuning only; read at
-# import from TLT_VERIFY_CLUSTER, tests monkeypatch it).
-CLUSTER_SIZE = int(os.environ.get("TLT_VERIFY_CLUSTER", "0") or 0)
+# import from TLT_VERIFY_CLUSTER by tlt_kernels._switches, tests monkeypatch it).
+CLUSTER_SIZE = _switches.VERIFY_CLUSTER.get()
 # Top-p threshold among compacted candidates: the full-row radix select's threshold (up to float ties for top-p
 # alone, whose need comes from the row's float Z;
 # tests/ops/test_verify_tree_cuda.py::test_verify_topp_candidates_same_bits) in fewer passes, so faster
 # (docs/CUDA_NOTES.md, "Measurements behind the csrc rules"). On by default; TLT_VERIFY_TOPP_COMPACT=0 at import
-# turns it off.
-TOPP_COMPACT = os.environ.get("TLT_VERIFY_TOPP_COMPACT", "1") not in ("", "0")
+# turns it off (tlt_kernels._switches).
+TOPP_COMPACT = _switches.VERIFY_TOPP_COMPACT.get()
 
 
 _ELEM_CODES: dict = {}  # dtype -> the extension's code, filled on first use

@@ -19,7 +19,7 @@ i.e. >= ~24 KB per SM; we aim for 32-64 KB. A CHUNK=1024, 4-warp program issues 
 sm_90 build takes 61 registers per thread at MAX_N=4 (int64; 38 for int32), so 8 programs fit per
 SM: ~64 KB in flight per SM, and B=256, L=8192 is 2048 programs, ~2 waves. The MAX_N-1 shifted
 reloads of the tile should hit L1. CHUNK, NUM_WARPS and MIN_PROGRAMS are module constants so they can
-be swept on the GPU (``TLT_NGRAM_SWEEP=1 python -m bench ngram``).
+be swept on the GPU (``python -m bench ngram --sweep``).
 
 ``ngram_propose_tree`` (and the ``rowscan`` baseline of ``ngram_propose``, kept for same-machine
 comparisons) use one program per request that scans its history backwards in tiles and stops once

@@ -57,8 +57,8 @@ PARTIAL_CONFIGS = {
 CHUNK_BLOCK_M = 64  # row tile when T * G exceeds MAX_BLOCK_M (D <= 128); see row_tile
 MERGE_BLOCK_R = 16
 # (BLOCK_N, num_warps, num_stages[, BLOCK_M[, maxnreg]]) forced for every shape when set (BLOCK_M None =
-# the default row tile); the benchmark's tuning sweep (TLT_TREE_ATTENTION_SWEEP=1 python -m bench
-# tree-attention) and bench/tree_attention_variants.py set it.
+# the default row tile); the benchmark's tuning sweep (python -m bench tree-attention --sweep)
+# and bench/tree_attention_variants.py set it.
 CONFIG_OVERRIDE = None
 # Context-loop structure: 1 = unmasked whole tiles with the page ids prefetched one trip ahead, then a
 # masked tail (default); 0 = the previous every-tile-masked loop, kept only as the baseline of
