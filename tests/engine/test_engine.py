@@ -292,6 +292,23 @@ def test_a_custom_drafter_plugs_into_the_engine(target, prompts):
                           fuse_step=True)
 
 
+def test_a_custom_drafter_runs_with_captured_verify_graphs(target, prompts):
+    """A drafter with host-side state drafts eagerly while the verify forward replays its captured graphs."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    eng = SpeculativeEngine(target, OracleDrafter(ref.tokens), Strategy(3, 1, 4), pool, max_batch_size=8, max_seq_len=64)
+    eng.capture_graphs([2, 8])
+    assert eng.graph_error is None, eng.graph_error
+    assert {k[0] for k in pool.keys()} == {("verify", 1), ("verify", 4)}
+    out = eng.generate(prompts, MAX_NEW)
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    assert all(s.graph for s in out.steps) and out.mean_accepted_length() > 2.0
+
+
 def test_tree_width():
     assert tree_width(Strategy.off(), "eagle") == 1
     assert tree_width(Strategy(3, 2, 7), "eagle") == 7
