@@ -6,24 +6,37 @@
 * :class:`SpotTrainer` -- preemptible training in idle windows from a :class:`RolloutBuffer`,
   publishing :class:`DrafterWeights` versions through a :class:`WeightsHolder`;
 * :class:`DrafterQuality` / :func:`evaluate_acceptance` -- accepted-length tracking;
-* :mod:`tlt_kernels.drafter.distributed` -- data-parallel training and weight broadcast.
+* :mod:`tlt_kernels.drafter.distributed` -- data-parallel training and weight broadcast;
+* :class:`Drafter` -- the interface :class:`~tlt_kernels.engine.SpeculativeEngine` drives
+  (:class:`NoDrafter`, :class:`NGramRolloutDrafter`, :class:`EagleRolloutDrafter`, or a user's
+  :class:`DrafterBase` subclass; docs/DRAFTERS.md, "Writing your own drafter").
 """
+from .base import AcceptedPath, Drafter, DrafterBase, NoDrafter, ProposedTree
 from .buffer import RolloutBuffer, TrainBatch
+from .eagle_rollout import EagleRolloutDrafter
 from .eagle import DrafterKVCache, EagleConfig, EagleDraft, EagleDrafter, EagleState, accepted_length_greedy, num_candidates
 from .ngram_drafter import ChainTree, NGramDrafter, drafts_to_tree
+from .ngram_rollout import NGramRolloutDrafter
 from .spot_trainer import DrafterQuality, RunStats, SpotTrainer, eagle_loss, evaluate_acceptance
 from .weights import DrafterWeights, WeightsHolder
 
 __all__ = [
+    "AcceptedPath",
     "ChainTree",
+    "Drafter",
+    "DrafterBase",
     "DrafterKVCache",
     "DrafterQuality",
     "DrafterWeights",
     "EagleConfig",
     "EagleDraft",
     "EagleDrafter",
+    "EagleRolloutDrafter",
     "EagleState",
     "NGramDrafter",
+    "NGramRolloutDrafter",
+    "NoDrafter",
+    "ProposedTree",
     "RolloutBuffer",
     "RunStats",
     "SpotTrainer",

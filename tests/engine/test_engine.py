@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from tlt_kernels.drafter import EagleDrafter, NGramDrafter, RolloutBuffer, SpotTrainer
+from tlt_kernels.drafter.base import Drafter, DrafterBase, ProposedTree
 from tlt_kernels.engine import SpeculativeEngine, tree_width
 from tlt_kernels.models import ModelConfig, load_corpus, reference_generate, train_tiny_target
 from tlt_kernels.models.train_tiny import sample_windows
 from tlt_kernels.runtime import Strategy, StrategySelector
+from tlt_kernels.tree import chain_parents
 
 MAX_NEW = [5, 23, 9, 30, 3, 17, 1]
 
@@ -244,6 +246,67 @@ def test_validation_errors(target, prompts):
         eng.generate(prompts[:2], 39)
     # A failed call leaves the cache usable.
     assert eng.generate(prompts[:2], 3).lengths.tolist() == [3, 3]
+
+
+class OracleDrafter(DrafterBase):
+    """A user's drafter (docs/DRAFTERS.md, "Writing your own drafter"): it proposes the next ``num_steps`` tokens
+    of a known continuation (here plain greedy decoding's), so every draft it makes is right."""
+
+    def __init__(self, continuation):
+        self.continuation = continuation  # int64 [B, N]
+        self.proposals = 0
+
+    def tree_width(self, strategy):
+        return 1 if strategy.is_off else 1 + strategy.num_steps
+
+    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden):
+        self.generated = torch.ones(prompts.shape[0], dtype=torch.int64, device=prompts.device)
+
+    def propose(self, strategy, rows, state_rows, graphs):
+        self.proposals += 1
+        k, N = strategy.num_steps, self.continuation.shape[1]
+        done = self.generated[rows]
+        positions = (done.unsqueeze(1) + torch.arange(k, device=rows.device)).clamp(max=N - 1)
+        drafts = self.continuation[rows].gather(1, positions)
+        tokens = torch.cat([torch.zeros_like(drafts[:, :1]), drafts], 1)  # node 0: the engine writes the root
+        num_nodes = 1 + (N - done).clamp(min=0, max=k)
+        return ProposedTree(tokens, chain_parents(rows.shape[0], k + 1, rows.device), num_nodes.to(torch.int32))
+
+    def commit(self, rows, state_rows, path, graphs, new_state=None):
+        self.generated[rows] += path.num_new.to(torch.int64)
+
+
+def test_a_custom_drafter_plugs_into_the_engine(target, prompts):
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    oracle = OracleDrafter(ref.tokens)
+    assert isinstance(oracle, Drafter)
+    eng = SpeculativeEngine(target, oracle, Strategy(3, 1, 4), max_batch_size=8, max_seq_len=64)
+    out = eng.generate(prompts, MAX_NEW)
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    assert oracle.proposals == len(out.steps) > 0
+    assert out.mean_accepted_length() > 2.0  # its proposals are used: right drafts are accepted
+    assert eng.drafter is None  # no weights module for a spot trainer
+    with pytest.raises(ValueError, match="fuse_step"):
+        SpeculativeEngine(target, OracleDrafter(ref.tokens), Strategy(3, 1, 4), max_batch_size=8, max_seq_len=64,
+                          fuse_step=True)
+
+
+def test_a_custom_drafter_runs_with_captured_verify_graphs(target, prompts):
+    """A drafter with host-side state drafts eagerly while the verify forward replays its captured graphs."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    eng = SpeculativeEngine(target, OracleDrafter(ref.tokens), Strategy(3, 1, 4), pool, max_batch_size=8, max_seq_len=64)
+    eng.capture_graphs([2, 8])
+    assert eng.graph_error is None, eng.graph_error
+    assert {k[0] for k in pool.keys()} == {("verify", 1), ("verify", 4)}
+    out = eng.generate(prompts, MAX_NEW)
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    assert all(s.graph for s in out.steps) and out.mean_accepted_length() > 2.0
 
 
 def test_tree_width():

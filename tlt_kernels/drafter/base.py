@@ -1,0 +1,191 @@
+"""The drafter interface of :class:`~tlt_kernels.engine.SpeculativeEngine`: what any drafter gives the engine.
+
+A rollout drafter proposes a token tree per running request every step and learns the tokens the target accepted.
+The engine drives it through :class:`Drafter` and never asks which drafter it has; :class:`NoDrafter` (plain
+decoding), :class:`~tlt_kernels.drafter.ngram_rollout.NGramRolloutDrafter` and
+:class:`~tlt_kernels.drafter.eagle_rollout.EagleRolloutDrafter` implement it, and so can a user's class
+(docs/DRAFTERS.md, "Writing your own drafter"). :class:`DrafterBase` gives every method a default.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Callable, Hashable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import torch
+
+# One graph a drafter asks the engine to capture: (name, fn(*inputs) -> tensors, example_inputs(batch_size)).
+GraphSpec = Tuple[Hashable, Callable, Callable[[int], list]]
+
+
+class ProposedTree(NamedTuple):
+    """Draft token trees of ``b`` requests, ``T`` nodes each (node 0 = the root).
+
+    ``tokens`` int64 ``[b, T]`` (node 0 may hold anything: the engine writes each request's last token there),
+    ``parents`` int32 ``[b, T]`` (``parents[:, 0] = -1``, every other parent index below its node), ``num_nodes``
+    int32 ``[b]`` in ``[1, T]`` (nodes past it are padding).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+
+
+class AcceptedPath:
+    """What the target accepted this step, for ``b`` requests and trees of ``T`` nodes.
+
+    ``tokens`` int64 ``[b, T]``: the accepted drafts then the target's own token (first ``num_new[b]`` valid, the
+    rest >= 0 padding); ``num_new`` int32 ``[b]`` in ``[1, T]`` (accepted drafts + 1); ``hidden`` ``[b, T, H]`` in
+    the target's dtype: the target's features (last layer, before the final norm) of the accepted path's nodes.
+    ``tokens`` and ``num_new`` are computed on first use (a drafter that ignores them costs no kernel launch).
+    """
+
+    def __init__(self, emitted: torch.Tensor, num_accepted: torch.Tensor, hidden: torch.Tensor):
+        self._emitted, self._num_accepted, self.hidden = emitted, num_accepted, hidden
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        return self._emitted.clamp(min=0)
+
+    @cached_property
+    def num_new(self) -> torch.Tensor:
+        return (self._num_accepted + 1).to(torch.int32)
+
+
+@runtime_checkable
+class GraphCalls(Protocol):
+    """The engine's graph replayer, handed to :meth:`Drafter.propose` / :meth:`Drafter.commit`."""
+
+    def call(self, name: Hashable, fn: Callable, inputs: Sequence[torch.Tensor], batch_size: int):
+        """``fn(*inputs)``'s outputs for ``batch_size`` rows: replayed from the captured graph ``name`` when one
+        covers the batch (outputs cut to ``batch_size`` rows), else ``fn`` called eagerly. Returns ``(outputs,
+        replayed)``."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A drafter the engine can drive (every method is called with no gradient, on the target's device).
+
+    ``rows`` are int64 ``[b]`` device indices of the running requests in ``[0, B)`` (``B``: the rollout's batch).
+    ``state_rows`` is the list of per-request state tensors (first dimension ``b``) the drafter's graphs take
+    (``[]`` for a drafter without device state).
+    """
+
+    module: Optional[torch.nn.Module]  # trainable weights the spot trainer publishes into, or None
+
+    def tree_width(self, strategy) -> int:
+        """Nodes ``T`` of the tree proposed per request under ``strategy`` (root included; 1 = no drafts)."""
+
+    def bind(self, *, strategies: Sequence, fuse_step: bool, device: torch.device, max_batch_size: int,
+             slots_per_request: int, block_size: int) -> None:
+        """Once, at engine construction: check the strategies (ValueError) and allocate per-engine memory."""
+
+    def start(self, prompts: torch.Tensor, prompt_lens: torch.Tensor, first_tokens: torch.Tensor,
+              prefill_hidden: torch.Tensor) -> None:
+        """A rollout starts: ``prompts`` int64 ``[B, L]`` (``prompt_lens`` int64 ``[B]`` valid), ``first_tokens``
+        int64 ``[B]`` (drawn from the prefill), ``prefill_hidden`` ``[B, L, H]`` target features of the prompts."""
+
+    def state_rows(self, rows: torch.Tensor) -> List[torch.Tensor]:
+        """This step's state of the running ``rows`` (gathered copies, the drafter graphs' inputs)."""
+
+    def propose(self, strategy, rows: torch.Tensor, state_rows: List[torch.Tensor], graphs: GraphCalls) -> ProposedTree:
+        """Draft trees of ``tree_width(strategy) > 1`` nodes for ``rows``."""
+
+    def commit(self, rows: torch.Tensor, state_rows: List[torch.Tensor], path: AcceptedPath, graphs: GraphCalls,
+               new_state: Optional[List[torch.Tensor]] = None) -> None:
+        """Learn the accepted path of every running row. ``new_state``: the rows' new state, already computed by
+        a fused step graph (:meth:`fused_functions`'s commit function); None: compute it here."""
+
+    def finish(self) -> None:
+        """The rollout ended (also after an error): free per-rollout memory."""
+
+    def load_published(self, holder) -> None:
+        """Load the spot trainer's newest published weights from ``holder`` (a WeightsHolder), if any."""
+
+    def graph_specs(self, strategies: Sequence, widths: Sequence[int]) -> List[GraphSpec]:
+        """Graphs to capture next to the verify forward (separate-graph steps)."""
+
+    def graph_names(self, strategy) -> Tuple[list, list]:
+        """Names of the graphs a step of ``strategy`` replays before and after the verify forward."""
+
+    def fused_functions(self, strategy) -> Tuple[Optional[Callable], Optional[Callable]]:
+        """For the fused step graph: ``(draft(*state_rows) -> (tokens, parents, num_nodes) or None,
+        commit(state_rows, emitted, num_accepted, path_hidden) -> new state tensors or None)``."""
+
+    def pad_state_rows(self, batch_size: int) -> List[torch.Tensor]:
+        """``batch_size`` harmless padding rows of state (example inputs of the fused step graphs)."""
+
+
+def root_only_tree(roots: torch.Tensor) -> ProposedTree:
+    """A one-node tree per request (plain decoding): ``roots`` int64 ``[b]``."""
+    b, dev = roots.shape[0], roots.device
+    return ProposedTree(roots.unsqueeze(1), torch.full((b, 1), -1, dtype=torch.int32, device=dev),
+                     torch.ones(b, dtype=torch.int32, device=dev))
+
+
+class DrafterBase:
+    """Defaults for every :class:`Drafter` method: no device state, no graphs of its own, no fused step.
+
+    A subclass must implement :meth:`tree_width` and :meth:`propose`; :meth:`start` and :meth:`commit` usually too.
+    """
+
+    module: Optional[torch.nn.Module] = None
+    # None: the drafter runs inside a fused step graph; else the ValueError message for fuse_step=True.
+    fused_step_error: Optional[str] = ("fuse_step=True supports plain decoding and the EAGLE drafter; use "
+                                       "fuse_step=False with this drafter")
+
+    def tree_width(self, strategy) -> int:
+        raise NotImplementedError
+
+    def bind(self, *, strategies, fuse_step, device, max_batch_size, slots_per_request, block_size) -> None:
+        if fuse_step and self.fused_step_error is not None:
+            raise ValueError(self.fused_step_error)
+
+    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
+        pass
+
+    def state_rows(self, rows) -> List[torch.Tensor]:
+        return []
+
+    def propose(self, strategy, rows, state_rows, graphs) -> ProposedTree:
+        raise NotImplementedError
+
+    def commit(self, rows, state_rows, path, graphs, new_state=None) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def load_published(self, holder) -> None:
+        pass
+
+    def graph_specs(self, strategies, widths) -> List[GraphSpec]:
+        return []
+
+    def graph_names(self, strategy) -> Tuple[list, list]:
+        return [], []
+
+    def fused_functions(self, strategy):
+        raise ValueError(self.fused_step_error)
+
+    def pad_state_rows(self, batch_size: int) -> List[torch.Tensor]:
+        return []
+
+
+class NoDrafter(DrafterBase):
+    """Plain decoding: every tree is the root alone; strategies that draft are refused at construction."""
+
+    fused_step_error = None
+
+    def tree_width(self, strategy) -> int:
+        return 1
+
+    def bind(self, *, strategies, fuse_step, device, max_batch_size, slots_per_request, block_size) -> None:
+        drafting = [str(s) for s in strategies if not s.is_off]
+        if drafting:
+            raise ValueError(f"strategies {drafting} need a drafter; pass drafter='ngram' or an EagleDrafter")
+
+    def propose(self, strategy, rows, state_rows, graphs) -> ProposedTree:
+        raise ValueError("NoDrafter proposes no drafts (every strategy it accepts has tree width 1)")
+
+    def fused_functions(self, strategy):
+        return None, None

@@ -1,0 +1,47 @@
+"""Feature capture for the rollout buffer: every request's target features and tokens, committed position by
+committed position, so that a finished request's whole sequence can go to the spot trainer's buffer."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+
+class FeatureCapture:
+    """``features`` ``[B, S, H]`` (the target's dtype) and ``tokens`` int64 ``[B, S]`` of a rollout; column
+    ``S - 1`` is a write sink for masked scatters.
+
+    Args:
+        prompts: int64 ``[B, L]``; prefill_hidden: ``[B, L, H]`` target features of the prompts.
+        columns: ``S`` (more than any request's prompt + generated + widest tree).
+    """
+
+    def __init__(self, prompts: torch.Tensor, prefill_hidden: torch.Tensor, columns: int):
+        B, L = prompts.shape
+        dev = prompts.device
+        self.features = torch.zeros(B, columns, prefill_hidden.shape[-1], dtype=prefill_hidden.dtype, device=dev)
+        self.tokens = torch.zeros(B, columns, dtype=torch.int64, device=dev)
+        self.features[:, :L] = prefill_hidden
+        self.tokens[:, :L] = prompts
+
+    def record(self, rows, context_lens, num_accepted, path_hidden, path_tokens) -> None:
+        """Committed positions ``context_lens + j`` (``j <= num_accepted``, int64 ``[b]``) of ``rows`` take the
+        accepted path's features (``path_hidden [b, T, H]``) and tokens (``path_tokens`` int64 ``[b, T]``)."""
+        width, sink = path_tokens.shape[1], self.tokens.shape[1] - 1
+        j = torch.arange(width, device=path_tokens.device).unsqueeze(0)
+        on_path = j <= num_accepted.unsqueeze(1)
+        positions = torch.where(on_path, context_lens.to(torch.int64).unsqueeze(1) + j, torch.full_like(j, sink))
+        feature_rows, token_rows = self.features[rows], self.tokens[rows]
+        feature_rows.scatter_(1, positions.unsqueeze(2).expand(-1, -1, feature_rows.shape[-1]),
+                              path_hidden.to(feature_rows.dtype))
+        token_rows.scatter_(1, positions, path_tokens)
+        self.features[rows], self.tokens[rows] = feature_rows, token_rows
+
+    def add_to_buffer(self, buffer, requests: List[int], context_lens: torch.Tensor, step: int) -> None:
+        """Hand ``requests``' sequences (their first ``context_lens[r]`` positions) to ``buffer`` (a RolloutBuffer)."""
+        if not requests:
+            return
+        idx = torch.tensor(requests, device=self.features.device)
+        lengths = context_lens[idx].to(torch.int64)
+        longest = int(lengths.max())
+        buffer.add(self.features[idx, :longest], self.tokens[idx, :longest], step=step, lengths=lengths.cpu())

@@ -1,0 +1,49 @@
+"""Spot training in the rollout's tail: the spot trainer runs on a side thread (and CUDA stream) from the step the
+batch falls below a fraction of its start until the rollout ends."""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+
+
+class SpotSession:
+    """One rollout's spot-training run. ``result``: the trainer's stats (or ``{"error": ...}``), empty until it ran."""
+
+    def __init__(self, trainer, batch_fraction: float, start_batch_size: int):
+        self.trainer, self.batch_fraction, self.start_batch_size = trainer, batch_fraction, start_batch_size
+        self.stop_event = threading.Event()
+        self.result: dict = {}
+        self.thread: Optional[threading.Thread] = None
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None
+
+    def maybe_start(self, running_requests: int) -> None:
+        """Start once the batch (``running_requests`` > 0) is in the tail and the buffer holds tokens."""
+        if (self.trainer is not None and self.thread is None and running_requests
+                and running_requests < self.batch_fraction * self.start_batch_size
+                and self.trainer.buffer.num_tokens > 0):
+            self.thread = threading.Thread(target=self._body, name="tlt-spot-trainer", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.stop_event.set()
+            self.thread.join()
+
+    def _body(self) -> None:
+        trainer = self.trainer
+        try:
+            if trainer.device.type == "cuda":
+                side = torch.cuda.Stream(trainer.device)
+                with torch.cuda.stream(side):
+                    stats = trainer.run(stop=self.stop_event)
+            else:
+                stats = trainer.run(stop=self.stop_event)
+            self.result.update(micro_steps=stats.micro_steps, optimizer_steps=stats.optimizer_steps, tokens=stats.tokens,
+                               seconds=stats.elapsed_s, last_loss=stats.last_loss, version=stats.published_version)
+        except Exception as exc:  # pragma: no cover - reported, never kills the rollout
+            self.result["error"] = f"{type(exc).__name__}: {exc}"

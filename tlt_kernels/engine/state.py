@@ -1,0 +1,131 @@
+"""What a rollout carries from step to step (:class:`RolloutState`) and the step's token bookkeeping: emitting
+up to each request's budget and EOS, committing the accepted path, and the one host transfer per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, NamedTuple, Optional
+
+import torch
+
+from .records import StepLog
+
+
+class Emission(NamedTuple):
+    """One step's emitted counts: ``counts`` int64 ``[b]`` (0 for a failed row), ``finished`` bool ``[b]`` (budget
+    reached, EOS emitted or failed), ``failed`` bool ``[b]`` (the target's logits held NaN/+inf on the row's path)."""
+
+    counts: torch.Tensor
+    finished: torch.Tensor
+    failed: torch.Tensor
+
+
+class StepCounts(NamedTuple):
+    """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` bool ``[b]`` CPU tensors,
+    ``emitted`` tokens, ``tried`` (accepted + 1 summed over rows that did not fail), ``generated`` tokens so far,
+    ``accepted_per_depth`` (rows whose path reached depth 1..num_steps; None when nobody asked)."""
+
+    finished: torch.Tensor
+    failed: torch.Tensor
+    emitted: int
+    tried: int
+    generated: int
+    accepted_per_depth: Optional[list]
+
+
+@dataclass
+class RolloutState:
+    """A rollout of ``B`` requests. Device tensors: ``block_table`` int32 ``[B, blocks]`` (their KV blocks),
+    ``context_lens`` int32 ``[B]`` (committed tokens), ``offsets`` int64 ``[B]`` (Philox counter, one per step),
+    ``root_tokens`` int64 ``[B]`` (last emitted token), ``output_tokens`` int64 ``[B, W]`` (generated tokens, -1 past
+    them; column ``W - 1`` is a write sink), ``generated`` int64 ``[B]``, ``max_new_tokens`` int64 ``[B]``.
+    Host: ``active_rows`` int64 ``[b]`` (requests still running), ``finish_s`` (seconds from the start at which each
+    request finished), ``errors`` (failed requests), ``steps`` (the step log), ``deferred`` (finished requests whose
+    features wait for the spot trainer to stop before entering the buffer); and the rollout's sampling parameters,
+    EOS id, feature capture, spot-training session, progress bar and trace."""
+
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    offsets: torch.Tensor
+    root_tokens: torch.Tensor
+    output_tokens: torch.Tensor
+    generated: torch.Tensor
+    max_new_tokens: torch.Tensor
+    active_rows: torch.Tensor
+    start_time: float
+    prefill_s: float
+    start_batch_size: int
+    finish_s: List[float]
+    errors: List[int]
+    sampling: Any = None  # RequestSampling: per-request sampling parameters
+    eos_token_id: Optional[int] = None
+    features: Any = None  # FeatureCapture for the rollout buffer, or None
+    spot: Any = None  # SpotSession
+    progress: Any = None  # ProgressBar
+    trace: Optional[list] = None  # where probe records go (generate's ``trace``)
+    steps: List[StepLog] = field(default_factory=list)
+    deferred: List[int] = field(default_factory=list)
+    _active_on_device: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        """Requests still running."""
+        return self.active_rows.numel()
+
+    def active_on_device(self) -> torch.Tensor:
+        """The device copy of ``active_rows`` (it changes only when requests finish)."""
+        if self._active_on_device is None:
+            self._active_on_device = self.active_rows.to(self.generated.device)
+        return self._active_on_device
+
+    def emit(self, rows, emitted, num_accepted, failed, eos_token_id) -> Emission:
+        """Write each row's accepted tokens (``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``) up to
+        its budget, cut after EOS; ``failed`` bool ``[b]`` rows emit nothing."""
+        width = emitted.shape[1]
+        j = torch.arange(width, device=emitted.device).unsqueeze(0)
+        budget_left = self.max_new_tokens[rows]
+        counts = torch.minimum(num_accepted + 1, budget_left - self.generated[rows])
+        if eos_token_id is not None:
+            is_eos = (emitted == eos_token_id) & (j < counts.unsqueeze(1))
+            first_eos = torch.where(is_eos, j, torch.full_like(j, width)).min(1).values
+            counts = torch.minimum(counts, first_eos + 1)
+        counts = counts.masked_fill(failed, 0)
+        sink = self.output_tokens.shape[1] - 1
+        positions = torch.where(j < counts.unsqueeze(1), self.generated[rows].unsqueeze(1) + j, torch.full_like(j, sink))
+        out_rows = self.output_tokens[rows]
+        out_rows.scatter_(1, positions, emitted.clamp(min=0))
+        out_rows[:, sink] = -1
+        self.output_tokens[rows] = out_rows
+        self.generated[rows] += counts
+        finished = (self.generated[rows] >= budget_left) | failed
+        if eos_token_id is not None:
+            finished |= first_eos < width
+        return Emission(counts, finished, failed)
+
+    def commit(self, rows, new_context_lens, emitted, num_accepted) -> None:
+        """The accepted path becomes context: new context lengths, the next Philox counter, the new root token."""
+        self.context_lens[rows] = new_context_lens
+        self.offsets[rows] += 1
+        self.root_tokens[rows] = emitted.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+
+    def read_counts(self, emission: Emission, num_accepted, depth: int) -> StepCounts:
+        """One device-to-host transfer per step (each sync stalls the CPU until the GPU drains, so the next step's
+        launches cannot overlap this step's kernels). ``depth`` > 0 also counts acceptance per draft depth."""
+        b = num_accepted.shape[0]
+        parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64), emission.counts.sum().view(1),
+                 (num_accepted + 1).masked_fill(emission.failed, 0).sum().view(1), self.generated.sum().view(1)]
+        if depth > 0:
+            parts.append((num_accepted.unsqueeze(1) >= torch.arange(1, depth + 1, device=num_accepted.device)).sum(0))
+        host = torch.cat(parts).tolist()
+        return StepCounts(torch.tensor(host[:b], dtype=torch.bool), torch.tensor(host[b: 2 * b], dtype=torch.bool),
+                          host[2 * b], host[2 * b + 1], host[2 * b + 2], host[2 * b + 3:] if depth > 0 else None)
+
+    def retire(self, counts: StepCounts, elapsed_s: float) -> List[int]:
+        """Drop finished rows from ``active_rows``; returns the ones that finished without an error."""
+        finished = self.active_rows[counts.finished]
+        for row in finished.tolist():
+            self.finish_s[row] = elapsed_s
+        self.errors += self.active_rows[counts.failed].tolist()
+        clean = self.active_rows[counts.finished & ~counts.failed].tolist()  # a failed request's features may hold NaN
+        self.active_rows = self.active_rows[~counts.finished]
+        self._active_on_device = None
+        return clean
