@@ -99,7 +99,7 @@ def _sizes(small: bool, params=None) -> dict:
 
 def target_config(hidden: int, layers: int):
     """The GPU target's shape: ``hidden`` wide (a multiple of 256), ``layers`` deep, SwiGLU 3x, heads of 64 with
-    4 query heads per KV head (the e2e suite and ``bench.profile_e2e`` build the same model)."""
+    4 query heads per KV head (the e2e suite and ``tools.profile_e2e`` build the same model)."""
     from tlt_kernels.models import ModelConfig
 
     return ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
