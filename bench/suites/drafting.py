@@ -10,7 +10,7 @@ Rows per case (impl):
 
 * ``tlt-triton``: the public op (validation off), host overhead included when the GPU outruns it;
 * ``tlt-triton-graph`` (CUDA): the same op captured in a CUDA graph and replayed: GPU time only,
-  the number to hold against the issue-6 target (B=256, L=8192, k=8, n in [1,4] under 20 us);
+  the number to hold against the n-gram target (B=256, L=8192, k=8, n in [1,4] under 20 us);
 * ``tlt-triton-rowscan-graph`` (CUDA): the previous one-program-per-request kernel, replayed the same
   way: the same-machine baseline for the chunked design;
 * tree rows: ``ngram_propose_tree`` (one program per request, unchanged design).
