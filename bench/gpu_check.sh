@@ -4,7 +4,9 @@
 # Phases, each one's failure reported but never stopping the next:
 #   1. install: pip install --no-build-isolation --no-deps -e . (builds tlt_kernels._C for sm_90a);
 #   2. nvidia-smi + versions;
-#   3. tests:   python -m pytest on the GPU, one process per test file (GPU_CHECK_TEST_FILES picks files)   (GPU_CHECK_TESTS=0 skips);
+#   3. tests:   python -m pytest on the GPU, one process per test file: every tests/**/test_*.py, sorted by path
+#               (GPU_CHECK_TEST_FILES picks files, e.g. "tests/ops/test_verify_tree_cuda.py tests/build/test_build.py";
+#               GPU_CHECK_TESTS=0 skips);
 #   4. bench:   python -m bench <suites> (FlashInfer as a peer when .peer/setup_flashinfer.sh exists;
 #               GPU_CHECK_BENCH=0 skips).
 # Results land in $OUT (at most 6 files): install.log, nvidia-smi.log, pytest.log, flashinfer.log,
@@ -12,7 +14,7 @@
 # Knobs: TLT_GIT_COMMIT (the commit measured: the GPU copy has no .git; passed to python -m bench as --git-commit), GPU_CHECK_INSTALL=0 (reuse an earlier install on a warm machine; the built
 # tlt_kernels/_C*.so lives in the tree, so a copy of the tree sent again through the device tool's `carry` loses it: the
 # suites then fall back to Triton, and the install row says '_C NOT built'), GPU_CHECK_TEST_TIMEOUT (seconds per test, default 300), GPU_CHECK_PYTEST_ARGS (extra
-# pytest arguments, e.g. a test file), GPU_CHECK_BENCH_ARGS (extra bench arguments: --small, suite flags such as
+# pytest arguments given to every file's run, e.g. "-k cuda" or "-x"), GPU_CHECK_BENCH_ARGS (extra bench arguments: --small, suite flags such as
 # --batch 64 --drift 0 (see python -m bench SUITE --help), or "--record $OUT/bench/results", which makes the run the run
 # of record: copy bench.tar.gz's bench/results/<card>/*.json into bench/results/, then `python -m bench report`),
 # GPU_CHECK_BENCH_FIRST=1 (benchmarks before tests), GPU_CHECK_DEADLINE (seconds from the start: no test file or
@@ -73,7 +75,8 @@ if [ "${GPU_CHECK_TESTS:-1}" != "0" ]; then
   # One pytest process per test file: a crash (a fatal CUDA error, an abort) in one file cannot hide
   # the results of the others. Each file's summary line goes into the phase table.
   : > "$OUT/pytest.log"
-  files=${GPU_CHECK_TEST_FILES:-$(ls tests/test_*.py)}
+  # Every test file under tests/ (the tests live in subfolders: tests/ops, tests/runtime, ...), in a stable order.
+  files=${GPU_CHECK_TEST_FILES:-$(find tests -type f -name 'test_*.py' | LC_ALL=C sort)}
   nfail=0
   timeout_arg=""
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg="--timeout ${GPU_CHECK_TEST_TIMEOUT:-300}"

@@ -190,7 +190,7 @@ dependent rows: docs/CUDA_NOTES.md and docs/TREE_ATTENTION.md explain both.
 The README's plot (`docs/e2e_tokens_per_s.png`) is tokens/s per step over an e2e rollout (H200, B = 128): plain
 decoding, the best static strategy (fixed strategy, drafter trained once), the best static arm with the spot-trained
 drafter and the adaptive engine, cold and warm. As requests finish the batch shrinks; plain decoding's long tail is
-what speculation cuts. Redraw it from the run's step log (`TLT_E2E_STEPS` of the e2e suite) with:
+what speculation cuts. Redraw it from the run's step log (the e2e suite's `--write-steps`) with:
 
 ```bash
 python -m bench.plot_steps bench/step_logs/h200_e2e_b128_2026-11-27_0644.json --out docs/e2e_tokens_per_s.png \\

@@ -19,8 +19,8 @@ from . import _switches
 BACKENDS: Tuple[str, ...] = ("torch", "triton", "cuda")
 
 # Eager calls (verify_tree, compact_kv, tree attention's plan.run) skip the torch.library custom op around a kernel
-# launch when nothing needs it: its Python dispatch cost 25-50 us per verify_tree call on an H200 host, more than the
-# kernel at small batch (bench.profile_dispatch, bench/RESULTS.md 2026-11-27 05:24). The op stays the path under
+# launch when nothing needs it: its Python dispatch can cost more than the kernel at small batch (figures:
+# docs/ARCHITECTURE.md, "Direct dispatch"; python -m tools.profile_dispatch). The op stays the path under
 # torch.compile and any tracing (see direct_dispatch_ok). TLT_DIRECT_DISPATCH=0 (tlt_kernels._switches) always takes the op.
 DIRECT_DISPATCH = _switches.DIRECT_DISPATCH.get()
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", None)

@@ -24,9 +24,9 @@ def main() -> None:
     ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
     ap.add_argument("--fuse", action="store_true", help="SpeculativeEngine(fuse_step=True): one graph per step")
     ap.add_argument("--layers", type=int, default=6, help="target depth (the e2e suite's default is 24)")
-    ap.add_argument("--hidden", type=int, default=512, help="target width, a multiple of 256 (e2e: TLT_E2E_HIDDEN)")
+    ap.add_argument("--hidden", type=int, default=512, help="target width, a multiple of 256 (e2e: --hidden)")
     ap.add_argument("--attn", default="auto", choices=("auto", "torch", "triton"),
-                    help="tree-attention backend of the verify pass (an fp32 target: auto = torch; e2e: TLT_E2E_ATTN)")
+                    help="tree-attention backend of the verify pass (an fp32 target: auto = torch; e2e: --attn)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,6 +1,6 @@
 """Where the adaptive engine loses time against the per-batch-size oracle, bin by bin (CPU; no GPU needed).
 
-Reads the step logs the e2e suite writes with ``TLT_E2E_STEPS=steps.json`` and, for one adaptive row, prints per
+Reads the step logs the e2e suite writes with ``--write-steps steps.json`` and, for one adaptive row, prints per
 batch-size bin (the oracle's bins, ``bench.suites.e2e.batch_bin``): the row's seconds there, what the best static
 arm of that bin would have taken for the same tokens, the difference, the strategies the row played, and which arm
 was best. Usage::
@@ -50,7 +50,7 @@ def compare(logs: Dict[str, List[dict]], row: str, statics: str) -> List[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("steps", help="the JSON the e2e suite wrote with TLT_E2E_STEPS")
+    ap.add_argument("steps", help="the JSON the e2e suite wrote with --write-steps")
     ap.add_argument("--row", default="adaptive (warm)")
     ap.add_argument("--statics", default="(spot drafter)")
     args = ap.parse_args(argv)

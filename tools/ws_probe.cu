@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "../csrc/tree_attention_ctx_sm90_ws.cu"
+#include "../csrc/tree_attention/tree_attention_ctx_sm90_ws.cu"
 
 #define CHECK(x)                                                                           \
   do {                                                                                     \

@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODES=${WS_PROBE_MODES:-0 1 2 3}
 for mode in $MODES; do
   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Icsrc -DTLT_WS_PROBE=$mode \
-    tools/ws_probe.cu csrc/tree_attention_ctx_sm90.cu csrc/tree_attention.cu -o /tmp/ws_probe_$mode &
+    tools/ws_probe.cu csrc/tree_attention/tree_attention_ctx_sm90.cu csrc/tree_attention/tree_attention.cu -o /tmp/ws_probe_$mode &
 done
 wait
 for mode in $MODES; do /tmp/ws_probe_$mode "${1:-64}" "${2:-16}" "${3:-1024,4096,16384}"; done

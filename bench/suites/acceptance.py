@@ -12,7 +12,7 @@ the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a
 (chains only) when FlashInfer is importable: ``flashinfer`` eagerly, ``flashinfer-graph`` replayed from a CUDA graph.
 Compare ``-graph`` rows with ``flashinfer-graph`` (both without host dispatch, as an engine's captured step runs
 them) and eager rows with ``flashinfer``: an eager call at small B is mostly host time on both sides
-(``python -m bench.profile_dispatch``). A failed FlashInfer capture is noted and ends its graph rows for the run
+(``python -m tools.profile_dispatch``). A failed FlashInfer capture is noted and ends its graph rows for the run
 (``--no-flashinfer-graphs`` skips them).
 
 Trees are also timed against the chain of the same depth (chain5 for tree16, chain6 for tree32, chain7 for

@@ -63,7 +63,7 @@ def _bench_ngram(ctx) -> None:
             raise AssertionError(f"ngram_propose backend {backend} disagrees with torch for {case}")
         op = lambda: ngram_propose(tokens, lengths, k, 1, max_n, validate=False, backend=backend)  # noqa: E731
         # The eager row includes Python dispatch; the graph row (GPU time, how an engine runs it) is the one the
-        # issue-6 target (< 20 us) is held against.
+        # n-gram target (< 20 us) is held against.
         ctx.add(case, f"tlt-{backend}", ctx.time_ms(op), bytes_moved=nbytes)
         if ctx.device.type == "cuda":
             ms = ctx.time_graph_ms(op)

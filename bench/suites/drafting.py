@@ -10,7 +10,7 @@ Rows per case (impl):
 
 * ``tlt-triton``: the public op (validation off), host overhead included when the GPU outruns it;
 * ``tlt-triton-graph`` (CUDA): the same op captured in a CUDA graph and replayed: GPU time only,
-  the number to hold against the issue-6 target (B=256, L=8192, k=8, n in [1,4] under 20 us);
+  the number to hold against the n-gram target (B=256, L=8192, k=8, n in [1,4] under 20 us);
 * ``tlt-triton-rowscan-graph`` (CUDA): the previous one-program-per-request kernel, replayed the same
   way: the same-machine baseline for the chunked design;
 * tree rows: ``ngram_propose_tree`` (one program per request, unchanged design).
@@ -135,5 +135,5 @@ def run(ctx) -> None:
     if cuda:
         from tlt_kernels._triton import ngram as kern
 
-        ctx.note(f"ngram target (issue 6): B=256, L=8192, k=8, n in [1,4] under 20 us on H100/H200 (compare the tlt-triton-graph row). "
+        ctx.note(f"ngram target: B=256, L=8192, k=8, n in [1,4] under 20 us on H100/H200 (compare the tlt-triton-graph row). "
                  f"Chunked kernel defaults: CHUNK={kern.CHUNK}, NUM_WARPS={kern.NUM_WARPS}, MIN_PROGRAMS={kern.MIN_PROGRAMS}.")

@@ -99,7 +99,7 @@ def _sizes(small: bool, params=None) -> dict:
 
 def target_config(hidden: int, layers: int):
     """The GPU target's shape: ``hidden`` wide (a multiple of 256), ``layers`` deep, SwiGLU 3x, heads of 64 with
-    4 query heads per KV head (the e2e suite and ``bench.profile_e2e`` build the same model)."""
+    4 query heads per KV head (the e2e suite and ``tools.profile_e2e`` build the same model)."""
     from tlt_kernels.models import ModelConfig
 
     return ModelConfig.small(hidden_size=hidden, intermediate_size=3 * hidden, num_layers=layers,
@@ -310,14 +310,15 @@ def run(ctx) -> None:
     graph_sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, B} & set(range(1, B + 1)))
 
     # One graph per decoding step (SpeculativeEngine(fuse_step=True)) for every run, plain included: one launch per step
-    # instead of several, each graph launch costing host time; --no-fuse for separate graphs.
+    # instead of several, each graph launch costing host time (docs/RUNTIME.md, "The e2e suite's settings"); --no-fuse
+    # for separate graphs.
     fuse = cuda and bool(p.fuse)
     ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (--fuse)")
 
     # Tree attention of the target's verify pass: "auto" (an fp32 target runs the op's torch path: a gather of every
     # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel). "triton"
     # speeds plain decoding more than the speculative arms, so it shrinks the adaptive engine's margin; the default
-    # stays "auto" (docs/PERFORMANCE.md).
+    # stays "auto" (docs/RUNTIME.md, "The e2e suite's settings").
     attn = p.attn
     ctx.note(f"target tree attention: backend={attn!r} (--attn)")
 
@@ -352,7 +353,7 @@ def run(ctx) -> None:
                           seq_len=z["train_window"][1], autocast_dtype=torch.bfloat16 if cuda else None)
     # A fixed number of optimizer steps, not a time budget: with a time budget, two machines of the same card trained
     # different numbers of steps, so each run's drafter, and its acceptance, depended on the machine's speed. The cap
-    # only stops a pathologically slow machine.
+    # only stops a pathologically slow machine (docs/RUNTIME.md, "The e2e suite's settings").
     with training():
         st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
     if st.optimizer_steps < z["warm_steps"]:
@@ -400,7 +401,8 @@ def run(ctx) -> None:
 
     # 4. the rollout, every configuration on the same prompts, --repeats times each (default 3 on the GPU, 1 on
     # the CPU): the row keeps the run of median wall time (the upper one of an even count) and every run's tokens
-    # must match. One rollout varies between runs by as much as the selector's margins (docs/PERFORMANCE.md).
+    # must match. One rollout varies between runs by as much as the selector's margins (docs/RUNTIME.md, "The e2e
+    # suite's settings").
     repeats = int(p.repeats if p.repeats is not None else 3 if cuda else 1)
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")

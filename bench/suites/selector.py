@@ -130,7 +130,7 @@ def _trace_cost_table(trace):
 
 
 # Engine traces recorded on a GPU and kept in the repository (every arm probed at every step by replaying its
-# step graph): the selector suite replays them on any machine. See bench/RESULTS.md for how each was recorded.
+# step graph): the selector suite replays them on any machine. How each was recorded: its entry below.
 TRACES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces")
 RECORDED_TRACES = {
     "h200_e2e_b128_24layer.json": "H200 e2e rollout 2026-11-26 05:25 UTC (24-layer fp32 target, EAGLE drafter, B=128, "
@@ -208,7 +208,7 @@ def _engine_trace(ctx, trace, origin: str, label: str) -> None:
                 vs_best_static=round(same_work_ms(best) / ms, 4),
                 vs_off=round(same_work_ms(off) / ms, 4) if off else None, choices=str(res.choices))
     ctx.note(f"engine trace: {origin}; every arm probed at every step, so each policy is replayed against the "
-             "per-step hindsight oracle of the trace (vs_oracle) and against the best arm per batch size over the trace (vs_size_oracle, the issue's oracle); the cost policy starts from the trace's median step time per (arm, batch size), what measure_cost_table gives the engine at start-up; ms = time "
+             "per-step hindsight oracle of the trace (vs_oracle) and against the best arm per batch size over the trace (vs_size_oracle, the oracle of the selector's targets); the cost policy starts from the trace's median step time per (arm, batch size), what measure_cost_table gives the engine at start-up; ms = time "
              "to emit the oracle's tokens of every step at the run's per-step efficiency (the same work for every row)")
 
 

@@ -1,11 +1,11 @@
-"""Suite "tree-attention": draft-tree attention over a paged KV cache (issue 3).
+"""Suite "tree-attention": draft-tree attention over a paged KV cache.
 
 Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometry, D=128, page 16,
 every request with context L and a random tree of T nodes. Impls:
 
 * ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
 * ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
-  other side of its context-path rule (``csrc/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
+  other side of its context-path rule (``csrc/tree_attention/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
   ``scaled_dot_product_attention`` with a boolean ``[B, 1, T, L+T]`` mask -- what a rollout engine
   without a tree kernel pays per layer;
@@ -183,7 +183,7 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
     not take the sm_90 context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128), and
     ``tlt-cuda ctx-sm90 64-row chunks`` where the default is its two-warpgroup build (T * G > 64: the one-warpgroup
     build, one CTA per 64 rows), with ``tlt-cuda ctx-sm90 warp-specialized`` (or ``lockstep``) the other build of the
-    128-token kernel (csrc/tree_attention_ctx_sm90.cu, csrc/tree_attention_ctx_sm90_ws.cu), each checked against the
+    128-token kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu, csrc/tree_attention/tree_attention_ctx_sm90_ws.cu), each checked against the
     first tlt row. A failure is noted, not fatal."""
     import tlt_kernels._cuda.tree_attention as ct
     from tlt_kernels._backend import backend_unavailable_reason

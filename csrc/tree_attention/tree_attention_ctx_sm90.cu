@@ -1,4 +1,4 @@
-// Tree attention on sm_90 wgmma (issue 3): the CUDA backend's path for plans with T*G <= 128 rows (and any T*G with
+// Tree attention on sm_90 wgmma: the CUDA backend's path for plans with T*G <= 128 rows (and any T*G with
 // the warp-specialized build, csrc/tree_attention/tree_attention_ctx_sm90_ws.cu)
 // (see tlt_kernels/_cuda/tree_attention.py, TLT_TREE_ATTENTION_CUDA_CTX); the CUDA twin of the Gluon context kernel
 // (tlt_kernels/_triton/tree_attention_gluon.py), extended to the whole op.

@@ -21,7 +21,7 @@
 // consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use 220, one
 // 4-byte spill).
 // Shared memory: 7 x 32 KB of K/V tiles + 14 mbarriers, plus 1 KB to align the swizzled tiles (224 KB + 1 KB).
-// The Q-in-shared-memory build (3 + 3 stages) and a 4 K + 3 V build remain as bench/ws_probe.cu's variants.
+// The Q-in-shared-memory build (3 + 3 stages) and a 4 K + 3 V build remain as tools/ws_probe.cu's variants.
 #include <cuda.h>  // CUtensorMap (the TMA build; no driver call is linked: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -37,11 +37,11 @@
 #include "tree_attention/wgmma_sm90.cuh"
 
 #ifndef TLT_WS_PROBE
-#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, bench/ws_probe.cu; never in the package)
+#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, tools/ws_probe.cu; never in the package)
 #endif
 #if TLT_WS_PROBE == 3
 // 32 slots per CTA in p.partial_lse: clock64 at checkpoint i (0-7, 10-15), %globaltimer at the start (8) and the end
-// (9), and the cycles one thread spent per activity (16-22: see bench/ws_probe.cu).
+// (9), and the cycles one thread spent per activity (16-22: see tools/ws_probe.cu).
 #define TLT_WS_SLOTS() \
   (reinterpret_cast<uint64_t*>(p.partial_lse) + ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 32)
 #define TLT_WS_STAMP(i, cond)                                     \
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       TLT_WS_TIC(t_empty_k);
       if (i >= kStagesK) sm90::mbarrier_wait(empty_k(sk), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
       TLT_WS_ACC(5, t_empty_k);
-#if TLT_WS_PROBE == 2  // bench/ws_probe.cu: math only, the slots marked full without a copy
+#if TLT_WS_PROBE == 2  // tools/ws_probe.cu: math only, the slots marked full without a copy
       sm90::mbarrier_arrive(full_k(sk));
       if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
       sm90::mbarrier_arrive(full_v(sv));
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sm90::mbarrier_wait(full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
     TLT_WS_ACC(0, t_full);
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
-#if TLT_WS_PROBE == 1  // bench/ws_probe.cu: streaming only, each slot released as soon as it is full
+#if TLT_WS_PROBE == 1  // tools/ws_probe.cu: streaming only, each slot released as soon as it is full
     if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));
     if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStagesV));
     if (j == n) break;

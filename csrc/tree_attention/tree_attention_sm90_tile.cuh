@@ -260,7 +260,7 @@ LaunchStatus launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads,
 // The warp-specialized two-consumer build (csrc/tree_attention/tree_attention_ctx_sm90_ws.cu): 128-token tiles, any T * G in blocks
 // of 128 rows, grid (splits << p.row_block_shift, Hkv, B); the caller (launch_tree_attention_sm90) has checked the
 // params. variant: 0 (default) Q in registers, 3 K and 4 V stages, cp.async copies; 4 the same with whole context
-// tiles by TMA (needs p.block_size >= 16 and p.cache_tokens); bench/ws_probe.cu also times 1 (4 K and 3 V stages),
+// tiles by TMA (needs p.block_size >= 16 and p.cache_tokens); tools/ws_probe.cu also times 1 (4 K and 3 V stages),
 // 2 (Q in shared memory, 3 + 3 stages) and 3 (2 + 2, probe builds only).
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
                                           int variant = 0) noexcept;

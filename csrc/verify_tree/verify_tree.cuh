@@ -55,7 +55,7 @@ constexpr float kFixedScale = 4294967296.0f;       // 2^32: weights in (0, 1] as
 constexpr int kNegInfKey = -2139095041;            // ordered_key(-inf): keeps every token
 constexpr int kNoToken = 0x7fffffff;               // "not found" of the sample scan's min-reduction
 
-// Developer phase timing (bench/profile_phases.py builds with CUDAFLAGS=-DTLT_VERIFY_PROFILE=1; never in a
+// Developer phase timing (tools/profile_phases.py, run with an extension built with CUDAFLAGS=-DTLT_VERIFY_PROFILE=1; never in a
 // release build): CTA 0's thread 0 stores (SM clock, global timer) at each mark, one global store each (no
 // printf between marks: it costs tens of microseconds), and prints them all at the kernel's end.
 #ifdef TLT_VERIFY_PROFILE

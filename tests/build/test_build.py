@@ -170,7 +170,7 @@ def test_cuda_tma_switch_is_parsed():
 def test_fast_memory_threshold_lies_between_the_measured_cards():
     """The auto TMA rule's bandwidth threshold separates the H100 SXM (TMA measured -2.0% to +0.6% at T=16) from the
     H200 (+1.3% to +12.4%): the driver's peak bandwidths (2 x memory clock x bus width) were 3352.32 GB/s on an H100
-    and 4814.30 GB/s on two H200s (bench/RESULTS.md, 2026-11-27 03:33-04:13)."""
+    and 4814.30 GB/s on two H200s (the run log: docs/PERFORMANCE.md, Earlier runs, 2026-11-27 03:33-04:13)."""
     from tlt_kernels._cuda import tree_attention as ct
 
     assert 3352.32 < ct.TMA_MIN_BANDWIDTH_GBPS < 4814.30
@@ -410,11 +410,11 @@ def test_verify_tree_kernels_do_not_spill(tmp_path):
     """csrc/verify_tree/verify_tree_bf16.cu (bf16 logits, every draft-probability type, with and without the top-p candidate
     path): no verify_tree instantiation spills at the 128-register cap of two 256-thread CTAs per SM. Before 30a178f a
     top-p-free batch ran the spilling candidate instantiation (ncu: 177,024 local-memory requests in one chain4 B=16
-    call; bench/RESULTS.md, 2026-11-26).
+    call; the run log: docs/PERFORMANCE.md, Earlier runs, 2026-11-26).
 
     And the row visit is inlined once: with two call sites (the root and each accepted node) every instantiation was
     ~1.7x larger (342-360 KB of SASS, 547-560 KB with the candidate path) and top-p walks 3-10% slower (H200,
-    same-run A/B, bench/RESULTS.md 2026-11-26 22:45)."""
+    same-run A/B, the run log: docs/PERFORMANCE.md, Earlier runs, 2026-11-26 22:45)."""
     cubin = str(tmp_path / "verify_bf16.cubin")
     proc = _ptxas_verbose_sm90("verify_tree/verify_tree_bf16.cu", cubin)
     lines = proc.stderr.splitlines()

@@ -1,4 +1,4 @@
-"""Issue 26 ("no silent wrong answers") for the runtime: garbage measurements never poison a selector, policies stay
+"""No silent wrong answers, for the runtime: garbage measurements never poison a selector, policies stay
 finite on legal extremes, cost tables and traces are validated where they are built or loaded."""
 import json
 import math

@@ -268,7 +268,7 @@ def test_arms_of_equal_width_share_an_offset():
 
 
 def test_stale_arm_follows_the_level_up():
-    """The up-shift case of issue 5: a tree played through a low-acceptance phase keeps its own counts;
+    """The up-shift case: a tree played through a low-acceptance phase keeps its own counts;
     when acceptance rises and only a chain is played, the tree's estimate must follow the shared level
     up. The model weighs ``1 / ((model_sd^2 + Var(lvl)) I)`` steps against the arm's own (at most
     ~window) steps, so stale counts no longer hold the arm down until they fade (``model_sd=10``: counts
@@ -302,7 +302,7 @@ def test_stale_arm_follows_the_level_up():
 
 @pytest.mark.parametrize("min_trials", [0.0, 1.0])
 def test_first_play_of_a_misfit_arm_does_not_move_a_measured_arm(min_trials):
-    """The H200 engine-trace failure (issue 5): a chain measured for 40 steps, then the first play of a
+    """The H200 engine-trace failure: a chain measured for 40 steps, then the first play of a
     deep tree that accepts far less than its prior width suggests. That surprise says the shared model
     misfits the tree, not that acceptance changed: with ``min_trials=1`` (the default; the level rests on
     40 > ``min_support`` steps) it does not alarm, so the level keeps its small variance, the tree's own

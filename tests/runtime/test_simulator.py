@@ -120,9 +120,9 @@ def test_settle_metric():
 
 @pytest.mark.parametrize("name", ["phase-shift-B64", "phase-shift-B128", "phase-shift-mixed",
                                   "drafter-warmup-B16", "target-drift-B48", "long-tail-256"])
-def test_issue5_targets_on_short_runs(name):
-    """Issue 5's targets where a 600-step, one-seed CPU run can show them (batch 1-32 need the
-    2400-step benchmark: start-up exploration weighs too much in 600 steps)."""
+def test_selector_targets_on_short_runs(name):
+    """The adaptive selector's targets (vs_oracle, vs_off, re-convergence) where a 600-step, one-seed CPU run can
+    show them (batch 1-32 need the 2400-step benchmark: start-up exploration weighs too much in 600 steps)."""
     wl = [w for w in standard_workloads(small=True) if w.name == name][0]
     # The benchmark's targets are means over seeds; one 600-step seed of the long tail swings +-3% (0.95-1.02
     # over seeds 0-7), so that workload is averaged over four seeds here.

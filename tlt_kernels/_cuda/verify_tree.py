@@ -49,7 +49,7 @@ def elem_code(dtype: torch.dtype) -> int:
 
 def _as(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
     """``t`` as a contiguous ``dtype`` tensor; no dispatcher call when it already is one (the common case: each
-    no-op ``.to()`` / ``.contiguous()`` is host time of an eager call, bench.profile_dispatch)."""
+    no-op ``.to()`` / ``.contiguous()`` is host time of an eager call, python -m tools.profile_dispatch)."""
     if t is None or (t.dtype == dtype and t.is_contiguous()):
         return t
     return t.to(dtype).contiguous()

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 # Tuning knobs of the chunked ngram_propose (see the module docstring for the reasoning).
-# Swept on an H200 (bench/RESULTS.md, 2026-11-26 03:2x, graph replays, B=256, k=8, n<=4): 512x4 was the fastest
-# or within 5% of it at L = 2k/8k/32k (8.5/14.3/34.1 us); 1024x4 took 9.7/17.2/41.8 us.
+# 512 x 4 warps: the fastest (or within noise of it) at every history length of the sweep, where 1024 x 4 was
+# slower throughout (figures: docs/DRAFTERS.md, "N-gram drafter").
 CHUNK = 512  # history positions (ends) per program; a power of two
 NUM_WARPS = 4  # warps per chunk program
 MIN_CHUNK = 128  # CHUNK is halved down to this while the grid has fewer than MIN_PROGRAMS programs

@@ -34,7 +34,8 @@ LOG2E = 1.4426950408889634
 # Largest row tile per head dim: the fp32 accumulator is BLOCK_M x D and must stay in registers.
 MAX_BLOCK_M = {64: 128, 128: 128, 256: 64}
 
-# (head_dim, BLOCK_M) -> (BLOCK_N, num_warps, num_stages[, maxnreg]), hand-picked for H100/H200 (sm_90).
+# (head_dim, BLOCK_M) -> (BLOCK_N, num_warps, num_stages[, maxnreg]), hand-picked for sm_90 (docs/TREE_ATTENTION.md,
+# "Tuning").
 # Retune from `python -m bench tree-attention`: BLOCK_N trades K/V tile size (bigger = fewer loop
 # trips, better latency hiding) against registers for the [BLOCK_M, BLOCK_N] score tile. A 4th entry
 # caps registers per thread (the `maxnreg` compile option), e.g. to fit two programs per SM.
@@ -46,9 +47,8 @@ PARTIAL_CONFIGS = {
     (128, 16): (64, 4, 3),
     (128, 32): (64, 4, 3),
     (128, 64): (64, 4, 3),
-    # H200 sweep: 0.273 ms vs 0.302 ms for (64, 8, 2) at 7B (64, 4096, 16). Still the best of the two-programs-
-    # per-SM configs measured for T=16 (bench/tree_attention_variants.py, H200, interleaved rounds): (32, 8, 4,
-    # maxnreg 128) 4-7% slower, (32, 4, 3) -4..+3%, 64-row programs 4-6% slower.
+    # The sweep's winner at T=16, also ahead of the two-programs-per-SM configs (docs/TREE_ATTENTION.md,
+    # "Measurements behind the defaults").
     (128, 128): (128, 8, 3),
     (256, 16): (32, 4, 2),
     (256, 32): (32, 4, 2),
@@ -57,17 +57,17 @@ PARTIAL_CONFIGS = {
 CHUNK_BLOCK_M = 64  # row tile when T * G exceeds MAX_BLOCK_M (D <= 128); see row_tile
 MERGE_BLOCK_R = 16
 # (BLOCK_N, num_warps, num_stages[, BLOCK_M[, maxnreg]]) forced for every shape when set (BLOCK_M None =
-# the default row tile); the benchmark's tuning sweep (python -m bench tree-attention --sweep)
-# and bench/tree_attention_variants.py set it.
+# the default row tile); the benchmark's tuning sweep (python -m bench tree-attention --sweep) and the
+# tests of the non-default configs (tests/test_tree_attention_triton_variants.py) set it.
 CONFIG_OVERRIDE = None
 # Context-loop structure: 1 = unmasked whole tiles with the page ids prefetched one trip ahead, then a
-# masked tail (default); 0 = the previous every-tile-masked loop, kept only as the baseline of
-# bench/tree_attention_variants.py.
+# masked tail (default); 0 = the previous every-tile-masked loop, kept as the reference the pipelined loop is
+# tested against (tests/test_tree_attention_triton_variants.py).
 PIPELINE = 1
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
-# Off: on an H200 tau = 8 measured 3-7% slower at T=8 and T=16 (the block-wide max it branches on costs a
-# cross-warp reduction and barrier per tile, more than the accumulator multiply it skips). Kept as a
-# variant of bench/tree_attention_variants.py.
+# Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
+# accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
+# correctness tests (tests/test_tree_attention_triton_variants.py), for a retune on another card.
 LAZY_RESCALE = 0.0
 
 
@@ -206,7 +206,7 @@ def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs
 def _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
                                stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
                                BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Context tokens ``start .. end-1``, the legacy loop (``PIPELINE = 0``, kept for bench/tree_attention_variants.py):
+    """Context tokens ``start .. end-1``, the legacy loop (``PIPELINE = 0``, the tests' reference for the pipelined loop):
     every tile masked, page ids looked up inside the tile. The pipeliner turns that lookup into an async copy too,
     and its wait for the lookup of tile i+1 (the newest group) drains the K/V copies of tile i+1 as well, so the
     loads of a tile never overlap the math of the previous one. Returns the softmax state and the page flag."""
@@ -481,10 +481,9 @@ def _tree_attn_merge_kernel(
 def row_tile(head_dim: int, num_rows: int) -> int:
     """BLOCK_M for ``num_rows = T * G``: all rows in one program up to MAX_BLOCK_M, else chunks of 64.
 
-    When the rows need several programs anyway (T = 32 / 64 with G = 7), 64-row chunks win on the H200
-    sweep (7B (32, 8192, 64): 0.93 ms vs 0.99 ms; (8, 32768, 32): 0.52 vs 0.53 ms): half the
-    registers per program, more programs in flight, and the chunks of one split run side by side, so
-    their K/V re-reads come from L2.
+    When the rows need several programs anyway (T = 32 / 64 with G = 7), 64-row chunks win the sweep
+    (docs/TREE_ATTENTION.md, "Measurements behind the defaults"): half the registers per program, more
+    programs in flight, and the chunks of one split run side by side, so their K/V re-reads come from L2.
     """
     block_m = min(MAX_BLOCK_M[head_dim], max(16, _next_pow2(num_rows)))
     if num_rows > block_m and head_dim <= 128:

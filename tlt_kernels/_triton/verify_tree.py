@@ -467,7 +467,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
         block_size = min(1024, triton.next_power_of_2(V))
         # The streaming passes (row statistics, residual, sampling) carry no histogram: without top-k/top-p they
         # take 2048-wide tiles, half the dependent trips over a 152k row (one program walks a request, so a pass
-        # is latency-bound: H200, B=1, chain4 without top-p took 0.62 ms at 1024-wide tiles, ~0.75 us per tile).
+        # is latency-bound, so the time goes with the tile count; figures: docs/CUDA_NOTES.md, "Backend order").
         # ptxas for sm_90 (8 warps): 2048 keeps 0 spills there, 4096 spills 104 B; with top-p the kernel already
         # spills 60 B at 1024 and 200 B at 2048, so it keeps 1024.
         plain = top_k is None and top_p is None

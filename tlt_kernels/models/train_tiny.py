@@ -150,8 +150,8 @@ def deterministic_training(enabled: bool = True, seen: Optional[Set[str]] = None
     restored on exit. For cuBLAS, ``CUBLAS_WORKSPACE_CONFIG`` is set to ``:4096:8`` when
     unset: it only takes effect if the process has not used cuBLAS yet. Attention
     (``F.scaled_dot_product_attention``) runs on its math backend inside the block: the fused backends' backward
-    passes (cuDNN, flash, memory-efficient) stay nondeterministic under ``warn_only`` (they only warn; an H200 run
-    picked cuDNN's), while the math one is matmuls and a softmax. ``enabled=False``: a no-op."""
+    passes (cuDNN, flash, memory-efficient) stay nondeterministic under ``warn_only`` (they only warn; a GPU run
+    can pick cuDNN's), while the math one is matmuls and a softmax. ``enabled=False``: a no-op."""
     seen = set() if seen is None else seen
     if not enabled:
         yield seen

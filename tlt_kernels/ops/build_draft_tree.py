@@ -24,7 +24,7 @@ _BUILD = register_op(
         "triton": "tlt_kernels._triton.build_draft_tree:build_draft_tree",
         "cuda": "tlt_kernels._cuda.build_draft_tree:build_draft_tree",
     },
-    # CUDA first: 1.3-1.8x faster than Triton on every tree-building case of the H200 run in bench/RESULTS.md.
+    # CUDA first: faster than Triton on every tree-building case (docs/CUDA_NOTES.md, "Backend order").
     preference=("cuda", "triton", "torch"),
 )
 

@@ -15,8 +15,8 @@ _COMPACT = register_op(
         "triton": "tlt_kernels._triton.compact_kv:compact_kv",
         "cuda": "tlt_kernels._cuda.compact_kv:compact_kv",
     },
-    # Measured on an H200 (bench/RESULTS.md): Triton faster at B=64 (0.42 vs 0.46 ms), CUDA at B=256
-    # (0.25 vs 0.35 ms); Triton stays first until a size-aware choice is worth the complexity.
+    # Triton first: it wins at small batch and CUDA at large (docs/CUDA_NOTES.md, "Backend order"); Triton stays
+    # first until a size-aware choice is worth the complexity.
     preference=("triton", "cuda", "torch"),
 )
 

@@ -38,12 +38,9 @@ _BACKENDS = register_op(
         "triton": "tlt_kernels._triton.tree_attention:run_triton",
         "cuda": "tlt_kernels._cuda.tree_attention:run_cuda",
     },
-    # Triton first: as fast or faster than the CUDA backend on almost every suite case (bench/RESULTS.md,
-    # 2026-11-26, CUDA time / Triton time: H100 0.99-1.09x at T <= 16 and 1.5-1.8x at T = 32/64 but 0.57x at 7B
-    # B=1; H200 1.37x geomean over the 12 cases). Since 2026-11-27 the CUDA backend runs wide trees (T*G > 128) on
-    # the warp-specialized sm_90 kernel with TMA copies: 0.80-0.95x Triton's time on five of the six T = 32/64 shapes
-    # and 1.03x on the sixth, on an H100 (bench.profile_tree_attention, RESULTS "01:46-01:55"); 0.98-1.06x at T=16,
-    # and Triton stays ahead at T=8 on the H200. Swap (or choose per shape) when the CUDA backend leads on both cards.
+    # Triton first: as fast or faster than the CUDA backend on most suite cases, and still ahead at T=8 on one of
+    # the two cards measured (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Swap (or choose per
+    # shape) when the CUDA backend leads on both cards.
     preference=("triton", "cuda", "torch"),
 )
 
@@ -52,11 +49,10 @@ KERNEL_MAX_NODES = 64
 MAX_BLOCK_SIZE = 128
 SPLIT_ALIGN = 64  # split_len is a multiple of this (a whole number of K/V tiles)
 MIN_SPLIT_LEN = 256  # below this a split's fixed cost (q load, partial write, merge read) dominates
-_DEFAULT_SM_COUNT = 132  # H100 SXM; used when planning for a CPU tensor
+_DEFAULT_SM_COUNT = 132  # an sm_90 SXM part's SM count; used when planning for a CPU tensor
 SPLIT_WAVES = 1  # target programs per SM of the default split (see default_split_len)
-# Longest split when the rows need several programs (T * G > 128): measured on an H200, 4096-token
-# splits beat longer ones there (7B (8, 32768, 32): 0.52 ms at S=7 vs 0.65 ms at S=4), while for
-# T * G <= 128 more splits only add partial traffic (7B (64, 4096, 16): S=2 is 9% slower than S=1).
+# Longest split when the rows need several programs (T * G > 128): there more, shorter splits put more programs in
+# flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").

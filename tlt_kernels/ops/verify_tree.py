@@ -20,10 +20,8 @@ _BACKENDS = register_op(
         "triton": "tlt_kernels._triton.verify_tree:verify_tree_triton",
         "cuda": "tlt_kernels._cuda.verify_tree:verify_tree_cuda",
     },
-    # CUDA first: bench/suites/acceptance.py measured it 4-16x faster than the Triton kernel from CUDA graphs (H100,
-    # 2026-11-26 19:30, V = 152064, fp32 logits: chain4 B=16 0.062 vs 0.614 ms, top-p 0.9 0.186 vs 2.66 ms; chain8 B=16
-    # 0.085 vs 0.930 ms), and 3-7x at V = 32000 with the older one-CTA kernel (H200, 2026-11-26 03:49). Triton stays
-    # the fallback where tlt_kernels._C is not built.
+    # CUDA first: several times faster than the Triton kernel from CUDA graphs on every acceptance case
+    # (docs/CUDA_NOTES.md, "Backend order"). Triton stays the fallback where tlt_kernels._C is not built.
     preference=("cuda", "triton", "torch"),
 )
 
@@ -123,8 +121,8 @@ def _unit_last_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _validate(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, max_depth: int) -> None:
     """The value checks of ``validate=True`` with two small device-to-host copies (the tree metadata; one sum and
     one minimum per draft row with the per-request parameters), checked on the host; an error's exact
-    draft-probability element is looked up afterwards, on the failing row only. The checks used to run as ~10
-    synchronizing device ops (1.2-2.0 ms per call on an H200, bench.profile_dispatch)."""
+    draft-probability element is looked up afterwards, on the failing row only: a few host round trips instead of
+    one synchronizing device op per check (docs/INTEGRATION.md, "Calling the ops from your engine", has the cost)."""
     B, T, V = logits.shape
     if B == 0:
         return
