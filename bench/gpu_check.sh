@@ -71,7 +71,7 @@ if [ "${GPU_CHECK_TESTS:-1}" != "0" ]; then
   # One pytest process per test file: a crash (a fatal CUDA error, an abort) in one file cannot hide
   # the results of the others. Each file's summary line goes into the phase table.
   : > "$OUT/pytest.log"
-  files=${GPU_CHECK_TEST_FILES:-$(ls tests/test_*.py)}
+  files=${GPU_CHECK_TEST_FILES:-$(ls tests/test_*.py tests/*/test_*.py)}
   nfail=0
   timeout_arg=""
   "$PY" -c "import pytest_timeout" 2>/dev/null && timeout_arg="--timeout ${GPU_CHECK_TEST_TIMEOUT:-300}"

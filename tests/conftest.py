@@ -1,5 +1,6 @@
 """Shared test fixtures: GPU skipping, poisoned outputs, seeded generators."""
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,12 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Test modules share helpers by module name (basenames are unique across tests/), also across subfolders (a file in
+# tests/ imports from tests/ops/test_verify_tree.py): every subfolder is importable whichever file runs alone.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _sub in sorted(os.listdir(_TESTS)):
+    if os.path.isdir(os.path.join(_TESTS, _sub)) and not _sub.startswith((".", "_")) and os.path.join(_TESTS, _sub) not in sys.path:
+        sys.path.append(os.path.join(_TESTS, _sub))
 
 
 def pytest_configure(config):
