@@ -40,6 +40,23 @@ def kernel_devices():
     return ["cuda"] if HAS_CUDA else ["cpu"]
 
 
+def agreement_backends():
+    """``pytest.param`` per backend for an op's agreement test against the torch reference: the kernel backends
+    carry their mark, so they skip where they cannot run (no GPU, no interpreter); see also :func:`need_backend`."""
+    return [pytest.param("torch", id="torch"), pytest.param("triton", marks=pytest.mark.triton, id="triton"),
+            pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
+
+
+def need_backend(op_name: str, backend: str, device) -> None:
+    """Skips unless ``op_name`` runs on ``backend`` for tensors on ``device`` (the op has no such backend, the CUDA
+    extension is not built, ...), with the registry's reason."""
+    from tlt_kernels._backend import available_backends
+
+    reason = available_backends(op_name, device=device)[op_name][backend]
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill an output buffer with a value no kernel writes, so unwritten elements are caught."""
     if t.dtype.is_floating_point:
