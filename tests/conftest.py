@@ -1,4 +1,4 @@
-"""Shared test fixtures: GPU skipping, poisoned outputs, seeded generators."""
+"""Shared test fixtures: GPU skipping, backends of the ops' agreement tests, poisoned outputs, seeded generators."""
 import os
 import sys
 
@@ -15,8 +15,9 @@ TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # tests/ imports from tests/ops/test_verify_tree.py): every subfolder is importable whichever file runs alone.
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 for _sub in sorted(os.listdir(_TESTS)):
-    if os.path.isdir(os.path.join(_TESTS, _sub)) and not _sub.startswith((".", "_")) and os.path.join(_TESTS, _sub) not in sys.path:
-        sys.path.append(os.path.join(_TESTS, _sub))
+    _path = os.path.join(_TESTS, _sub)
+    if os.path.isdir(_path) and not _sub.startswith((".", "_")) and _path not in sys.path:
+        sys.path.append(_path)
 
 
 def pytest_configure(config):
