@@ -1,5 +1,6 @@
-"""Shared test fixtures: GPU skipping, poisoned outputs, seeded generators."""
+"""Shared test fixtures: GPU skipping, backends of the ops' agreement tests, poisoned outputs, seeded generators."""
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,13 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Test modules share helpers by module name (basenames are unique across tests/), also across subfolders (a file in
+# tests/ imports from tests/ops/test_verify_tree.py): every subfolder is importable whichever file runs alone.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _sub in sorted(os.listdir(_TESTS)):
+    _path = os.path.join(_TESTS, _sub)
+    if os.path.isdir(_path) and not _sub.startswith((".", "_")) and _path not in sys.path:
+        sys.path.append(_path)
 
 
 def pytest_configure(config):
@@ -31,6 +39,23 @@ def pytest_collection_modifyitems(config, items):
 def kernel_devices():
     """Devices a kernel test should run on: the GPU when present, else the CPU (interpreter)."""
     return ["cuda"] if HAS_CUDA else ["cpu"]
+
+
+def agreement_backends():
+    """``pytest.param`` per backend for an op's agreement test against the torch reference: the kernel backends
+    carry their mark, so they skip where they cannot run (no GPU, no interpreter); see also :func:`need_backend`."""
+    return [pytest.param("torch", id="torch"), pytest.param("triton", marks=pytest.mark.triton, id="triton"),
+            pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]
+
+
+def need_backend(op_name: str, backend: str, device) -> None:
+    """Skips unless ``op_name`` runs on ``backend`` for tensors on ``device`` (the op has no such backend, the CUDA
+    extension is not built, ...), with the registry's reason."""
+    from tlt_kernels._backend import available_backends
+
+    reason = available_backends(op_name, device=device)[op_name][backend]
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Hypothesis profiles, strategies and helpers shared by the property suite (``tests/test_properties_*.py``).
+"""Hypothesis profiles, strategies and helpers shared by the property suite (``tests/ops/test_properties_*.py``).
 
 Profiles (chosen by the ``TLT_HYPOTHESIS_PROFILE`` environment variable, default ``ci``):
 
@@ -6,7 +6,7 @@ Profiles (chosen by the ``TLT_HYPOTHESIS_PROFILE`` environment variable, default
   sized for a 2-core CPU machine where Triton kernels run in the interpreter (~1 min for the whole suite);
 * ``long``: 25x the examples, random (not derandomized), for hunting on demand::
 
-      TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_*.py
+      TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_*.py
 
 * ``dev``: ``ci``'s examples with hypothesis' verbose output (each example printed).
 

@@ -36,21 +36,22 @@ ACCEPTANCE_CUDA_TESTS = [
 
 # (tool, pytest arguments): small cases of every kernel; the sanitizers slow a launch by 10-100x.
 CHECKS = [  # most recently changed kernels first: a budget that runs out skips the last ones
-    ("memcheck", ["tests/test_tree_attention_edge_cases.py", "-k", "nan_contract_on_cuda_paths or unchecked_out_of_range_page_on_cuda"]),
-    ("memcheck", ["tests/test_verify_tree_edge_cases.py", "-k", "cuda"]),
+    ("memcheck", ["tests/ops/test_tree_attention_edge_cases.py", "-k", "nan_contract_on_cuda_paths or unchecked_out_of_range_page_on_cuda"]),
+    ("memcheck", ["tests/ops/test_verify_tree_edge_cases.py", "-k", "cuda"]),
     ("racecheck", ["tests/ops/test_tree_attention_cuda.py", "-m", "not slow", "-k", "matches_reference"]),
     ("racecheck", ["tests/ops/test_compact_kv_cuda.py", "tests/ops/test_build_draft_tree_cuda.py", "-m", "not slow",
                    "-k", "compact_kv_exact or build_draft_tree_exact"]),
-    ("memcheck", ["tests/test_strides.py", "-k", "verify_tree or compact_kv or build_draft_tree"]),
+    ("memcheck", ["tests/ops/test_strides.py", "-k", "verify_tree or compact_kv or build_draft_tree"]),
     # Graph-capture tests are left out: without the caching allocator a capture's allocations are cudaMalloc calls,
     # which capture forbids, so they fail for the sanitizer's setting, not the kernels.
     ("memcheck", [*ACCEPTANCE_CUDA_TESTS, "-m", "not slow", "-k", "not graph"]),
     ("memcheck", ["tests/ops/test_tree_attention_cuda.py", "-m", "not slow", "-k", "not graph"]),
     ("racecheck", ["tests/ops/test_verify_tree_cuda.py", "-m", "not slow", "-k", "same_tokens"]),
-    ("memcheck", ["tests/test_verify_tree_triton.py", "-m", "not slow"]),
+    ("memcheck", ["tests/ops/test_verify_tree_triton.py", "-m", "not slow"]),
+    ("memcheck", ["tests/ops/test_verify_tree.py", "-k", "same_tokens_as_reference and triton"]),
     # Triton kernels under memcheck: the edge-case paths (NaN rows, strided views) and the strided launchers.
-    ("memcheck", ["tests/test_tree_attention_edge_cases.py", "-k", "triton and (views or nan_in_an_attended_slot)"]),
-    ("memcheck", ["tests/test_strides.py", "-k", "compact_kv or ngram"]),
+    ("memcheck", ["tests/ops/test_tree_attention_edge_cases.py", "-k", "triton and (views or nan_in_an_attended_slot)"]),
+    ("memcheck", ["tests/ops/test_strides.py", "-k", "compact_kv or ngram"]),
 ]
 
 

@@ -1,4 +1,5 @@
-"""verify_tree: hand-worked rules, exact losslessness (analytic brute force), Monte Carlo of the reference.
+"""verify_tree: every backend against the reference, hand-worked rules, exact losslessness (analytic brute force),
+Monte Carlo of the reference.
 
 The exact tests use a tiny Markov "target": the logits after a node depend only on that node's
 token, ``logits = L[token]``. A brute force enumerates the walk analytically (acceptance
@@ -13,12 +14,71 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from conftest import agreement_backends, kernel_devices, need_backend
 from scipy import stats as sstats
 
 import tlt_kernels
 from tlt_kernels import chain_parents, verify_tree
 
 NEG = float("-inf")
+DEV = kernel_devices()[0]
+
+# ----------------------------------------------------------------------------------------------
+# Every backend against the torch reference (the helpers are shared with test_verify_tree_triton.py)
+
+
+def verify_inputs(B, T, V, parents, seed, use_q, dtype=torch.float32):
+    """Random ``[B, T, V]`` logits (``dtype``), tokens, ``parents`` for every request, draft probabilities if
+    ``use_q``; the root's first child usually proposes the argmax, so acceptances are likely."""
+    g = torch.Generator().manual_seed(seed)
+    lg = torch.randn(B, T, V, generator=g) * 2
+    toks = torch.randint(0, V, (B, T), generator=g)
+    # Make acceptances likely: the first child of the root usually proposes the argmax.
+    if T > 1:
+        toks[:, 1] = torch.where(torch.rand(B, generator=g) < 0.7, lg[:, 0].argmax(-1), toks[:, 1])
+    par = torch.tensor(parents, dtype=torch.int32).expand(B, T).contiguous()
+    q = torch.softmax(lg + 0.7 * torch.randn(B, T, V, generator=g), -1) if use_q else None
+    return lg.to(dtype), toks, par, q
+
+
+TREE = [-1, 0, 0, 1, 1, 2, 3]
+CHAIN = [-1, 0, 1, 2, 3]
+CONFIGS = {
+    "greedy-tree": (TREE, False, dict()),
+    "temp-tree": (TREE, False, dict(temperature=0.9)),
+    "topk-tree": (TREE, False, dict(temperature=0.7, top_k=3)),
+    "topp-chain": (CHAIN, False, dict(temperature=1.1, top_p=0.8)),
+    "topk-topp-q-tree": (TREE, True, dict(temperature=0.8, top_k=6, top_p=0.9)),
+    "q-chain": (CHAIN, True, dict(temperature=1.0)),
+    "mixed-q-tree": (TREE, True, dict(temperature=[0.0, 0.7, None, 1.3], top_k=[0, 2, 5, None], top_p=[1.0, 0.95, 0.5, 0.7])),
+}
+
+
+def compare_outputs(a, b):
+    """Asserts two verify_tree results (the reference's first) are equal, output by output."""
+    for name, x, y in zip(("tokens", "num_accepted", "accepted_nodes", "error", "stats"), a, b):
+        if x is None:
+            assert y is None
+            continue
+        assert torch.equal(x.cpu(), y.cpu()), f"{name} differs:\nreference {x}\nbackend   {y}"
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("V", [37, 5])
+def test_same_tokens_as_reference(backend, name, V):
+    """Every backend emits the torch reference's outputs (tokens, paths, error flags, stats) for the same seeds and
+    offset, on the kernel device (the GPU, or the CPU under the interpreter)."""
+    need_backend("verify_tree", backend, torch.device(DEV))
+    parents, use_q, kw = CONFIGS[name]
+    B, T = 4, len(parents)
+    lg, toks, par, q = verify_inputs(B, T, V, parents, seed=V, use_q=use_q)
+    args = dict(draft_probs=q, seed=torch.arange(B) * 31 + 7, offset=11, return_stats=True, **kw)
+    ref = verify_tree(lg, toks, par, backend="torch", **args)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = verify_tree(dev(lg), dev(toks), dev(par), backend=backend, **{**args, "draft_probs": dev(q), "seed": dev(args["seed"])})
+    compare_outputs(ref, got)
+
 
 # ----------------------------------------------------------------------------------------------
 # Markov target / draft models and the analytic brute force

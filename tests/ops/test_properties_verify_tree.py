@@ -12,7 +12,7 @@ emitted tokens in ``[0, V)`` and in the support of the filtered target row, ``nu
 consistent with the path; greedy requests follow an independent greedy walk.
 
 Invalid problems must raise ValueError/TypeError naming the argument.
-Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_verify_tree.py``.
+Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_verify_tree.py``.
 """
 import math
 

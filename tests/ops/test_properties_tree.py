@@ -4,7 +4,7 @@
 Valid problems: random trees (ragged ``num_nodes``, garbage padding, int32/int64, B = 0.., T = 1..40 so the packed
 mask spans two words and bit 31), in every layout of :mod:`strategies`; results must equal naive loops and the
 contiguous layout's. Invalid problems must raise ValueError/TypeError naming the argument.
-Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_tree.py``.
+Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_tree.py``.
 """
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""Fused Triton verify_tree: bit-exact Philox, same tokens as the reference, error flags, distribution.
+"""Fused Triton verify_tree: bit-exact Philox, the kernel's paths against the reference (its agreement test over every
+backend is test_verify_tree.py's first), error flags, distribution.
 
 On the CPU these run in the Triton interpreter (slow per op), so batches are tiny there; the GPU
 runs the full-size Monte Carlo.
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, compile_for_sm90, kernel_devices, poison_
-from test_verify_tree import ALPHA, MC_B, biased, chi2_pvalue, empty_batch_call, monte_carlo_first_two
+from test_verify_tree import (ALPHA, CHAIN, MC_B, TREE, biased, chi2_pvalue, compare_outputs, empty_batch_call,
+                              monte_carlo_first_two, verify_inputs)
 from tlt_kernels import rng, verify_tree
 
 pytestmark = pytest.mark.triton
@@ -32,57 +34,11 @@ def test_philox_bit_exact():
         assert ((got > 0) & (got < 1)).all()
 
 
-def _inputs(B, T, V, parents, seed, use_q, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    lg = torch.randn(B, T, V, generator=g) * 2
-    toks = torch.randint(0, V, (B, T), generator=g)
-    # Make acceptances likely: the first child of the root usually proposes the argmax.
-    if T > 1:
-        toks[:, 1] = torch.where(torch.rand(B, generator=g) < 0.7, lg[:, 0].argmax(-1), toks[:, 1])
-    par = torch.tensor(parents, dtype=torch.int32).expand(B, T).contiguous()
-    q = torch.softmax(lg + 0.7 * torch.randn(B, T, V, generator=g), -1) if use_q else None
-    return lg.to(dtype), toks, par, q
-
-
-TREE = [-1, 0, 0, 1, 1, 2, 3]
-CHAIN = [-1, 0, 1, 2, 3]
-CONFIGS = {
-    "greedy-tree": (TREE, False, dict()),
-    "temp-tree": (TREE, False, dict(temperature=0.9)),
-    "topk-tree": (TREE, False, dict(temperature=0.7, top_k=3)),
-    "topp-chain": (CHAIN, False, dict(temperature=1.1, top_p=0.8)),
-    "topk-topp-q-tree": (TREE, True, dict(temperature=0.8, top_k=6, top_p=0.9)),
-    "q-chain": (CHAIN, True, dict(temperature=1.0)),
-    "mixed-q-tree": (TREE, True, dict(temperature=[0.0, 0.7, None, 1.3], top_k=[0, 2, 5, None], top_p=[1.0, 0.95, 0.5, 0.7])),
-}
-
-
-def _compare(a, b):
-    for name, x, y in zip(("tokens", "num_accepted", "accepted_nodes", "error", "stats"), a, b):
-        if x is None:
-            assert y is None
-            continue
-        assert torch.equal(x.cpu(), y.cpu()), f"{name} differs:\nreference {x}\ntriton    {y}"
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("V", [37, 5])
-def test_same_tokens_as_reference(name, V):
-    parents, use_q, kw = CONFIGS[name]
-    B, T = 4, len(parents)
-    lg, toks, par, q = _inputs(B, T, V, parents, seed=V, use_q=use_q)
-    args = dict(draft_probs=q, seed=torch.arange(B) * 31 + 7, offset=11, return_stats=True, **kw)
-    ref = verify_tree(lg, toks, par, backend="torch", **args)
-    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
-    got = verify_tree(dev(lg), dev(toks), dev(par), backend="triton", **{**args, "draft_probs": dev(q), "seed": dev(args["seed"])})
-    _compare(ref, got)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_and_multi_tile(dtype):
     # block_size 16 over V = 45 exercises several tiles and a ragged last tile.
     B, V = 3, 45
-    lg, toks, par, q = _inputs(B, len(TREE), V, TREE, seed=3, use_q=True, dtype=dtype)
+    lg, toks, par, q = verify_inputs(B, len(TREE), V, TREE, seed=3, use_q=True, dtype=dtype)
     kw = dict(temperature=0.8, top_k=9, top_p=0.85)
     ref = verify_tree(lg, toks, par, draft_probs=q.to(dtype), seed=torch.arange(B), return_stats=True, backend="torch", **kw)
     tv = _tri()
@@ -90,12 +46,12 @@ def test_low_precision_and_multi_tile(dtype):
     temp, k, p = torch.full((B,), 0.8), torch.full((B,), 9, dtype=torch.int32), torch.full((B,), 0.85)
     out = tv._launch(*(t.to(DEV) for t in (lg, toks, par, n, q.to(dtype), temp, k, p, torch.arange(B), torch.zeros(B, dtype=torch.int64))),
                      max_depth=len(TREE) - 1, return_stats=True, block_size=16)
-    _compare(ref, out)
+    compare_outputs(ref, out)
 
 
 def test_poisoned_outputs_fully_written_and_padding():
     B, T, V = 4, len(TREE), 11
-    lg, toks, par, q = _inputs(B, T, V, TREE, seed=9, use_q=True)
+    lg, toks, par, q = verify_inputs(B, T, V, TREE, seed=9, use_q=True)
     n = torch.tensor([1, 3, 5, 7], dtype=torch.int32)
     for b in range(B):
         lg[b, n[b]:] = float("nan")  # padding is never read
@@ -109,7 +65,7 @@ def test_poisoned_outputs_fully_written_and_padding():
     for t in out:
         assert not (t == -12345).any()
     ref = verify_tree(lg, toks, par, num_nodes=n, draft_probs=q, temperature=1.0, seed=seeds, max_depth=max_depth, return_stats=True)
-    _compare(ref, out)
+    compare_outputs(ref, out)
 
 
 def _random_case(g):
@@ -163,7 +119,7 @@ def test_random_cases_same_as_reference():
 
 def test_error_flags_are_per_request():
     B, T, V = 5, len(CHAIN), 9
-    lg, toks, par, _ = _inputs(B, T, V, CHAIN, seed=4, use_q=False)
+    lg, toks, par, _ = verify_inputs(B, T, V, CHAIN, seed=4, use_q=False)
     toks[:, 1] = lg[:, 0].argmax(-1)  # node 1 always accepted (greedy)
     bad = lg.clone()
     bad[0, 0, 3] = float("nan")  # root row NaN
@@ -184,25 +140,25 @@ def test_error_flags_are_per_request():
     ref = verify_tree(lg[3:4], toks[3:4], par[3:4], seed=torch.tensor([3]), return_stats=True)
     if ref.num_accepted[0] < 4:  # node 4's NaN row was not visited: request 3 is unaffected
         assert err[3] == 0
-        _compare(ref, tuple(t[3:4] for t in got))
+        compare_outputs(ref, tuple(t[3:4] for t in got))
     else:
         assert err[3] == 1
     # The reference flags the same requests and resets the same outputs (one contract on every backend).
-    _compare(verify_tree(bad, toks_bad, par, backend="torch", validate=False, **kw), got)
+    compare_outputs(verify_tree(bad, toks_bad, par, backend="torch", validate=False, **kw), got)
 
 
 def test_root_only_and_zero_depth():
     B, V = 3, 7
-    lg, toks, par, _ = _inputs(B, 1, V, [-1], seed=1, use_q=False)
+    lg, toks, par, _ = verify_inputs(B, 1, V, [-1], seed=1, use_q=False)
     for kw in (dict(), dict(temperature=0.8, top_p=0.9)):
         ref = verify_tree(lg, toks, par, seed=torch.arange(B), **kw)
         got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), seed=torch.arange(B).to(DEV), backend="triton", **kw)
-        _compare(ref, got)
-    lg, toks, par, _ = _inputs(B, len(TREE), V, TREE, seed=2, use_q=False)
+        compare_outputs(ref, got)
+    lg, toks, par, _ = verify_inputs(B, len(TREE), V, TREE, seed=2, use_q=False)
     kw = dict(temperature=1.0, seed=torch.arange(B), max_depth=0, validate=False)
     ref = verify_tree(lg, toks, par, **kw)
     got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), backend="triton", **{**kw, "seed": kw["seed"].to(DEV)})
-    _compare(ref, got)
+    compare_outputs(ref, got)
     assert got.tokens.shape == (B, 1) and (got.num_accepted == 0).all()
 
 
@@ -251,7 +207,7 @@ def test_triton_monte_carlo_interpreter_small():
 @pytest.mark.cuda
 def test_cuda_graph_capture_and_torch_compile():
     B, T, V = 64, len(TREE), 32000
-    lg, toks, par, q = (t.cuda() if t is not None else None for t in _inputs(B, T, V, TREE, seed=5, use_q=True))
+    lg, toks, par, q = (t.cuda() if t is not None else None for t in verify_inputs(B, T, V, TREE, seed=5, use_q=True))
     seeds = torch.arange(B, device="cuda")
     offset = torch.zeros(B, dtype=torch.int64, device="cuda")
     kw = dict(draft_probs=q, temperature=0.8, top_p=0.9, offset=offset, backend="triton", return_stats=True)
@@ -264,9 +220,9 @@ def test_cuda_graph_capture_and_torch_compile():
     static_seed.copy_(seeds + 1000)
     graph.replay()
     again = verify_tree(lg, toks, par, seed=seeds + 1000, **kw)
-    _compare(again, out)
+    compare_outputs(again, out)
     compiled = torch.compile(lambda l, s: verify_tree(l, toks, par, seed=s, validate=False, **kw))
-    _compare(eager, compiled(lg, seeds))
+    compare_outputs(eager, compiled(lg, seeds))
 
 
 _COMPILE_SM90 = r"""
@@ -335,7 +291,7 @@ def test_top_p_over_compacted_candidates_matches_reference(top_p):
     # The default tile (1024) gives three tiles at V = 3000.
     got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), backend="triton", **{**args, "draft_probs": q.to(DEV),
                                                                                    "seed": args["seed"].to(DEV)})
-    _compare(ref, got)
+    compare_outputs(ref, got)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +313,7 @@ def test_eager_call_launches_directly_and_matches_the_custom_op_path(monkeypatch
     import tlt_kernels._backend as backend
 
     B, T, V = 3, len(TREE), 37
-    lg, toks, par, q = (t.to(DEV) for t in _inputs(B, T, V, TREE, seed=11, use_q=True))
+    lg, toks, par, q = (t.to(DEV) for t in verify_inputs(B, T, V, TREE, seed=11, use_q=True))
     kw = dict(draft_probs=q, temperature=[0.0, 0.8, 1.2], top_p=0.9, seed=torch.arange(B, device=DEV),
               return_stats=True, backend="triton")
     calls = _counting_op(monkeypatch, _tri().verify_tree_triton)
@@ -366,7 +322,7 @@ def test_eager_call_launches_directly_and_matches_the_custom_op_path(monkeypatch
     monkeypatch.setattr(backend, "DIRECT_DISPATCH", False)
     through_op = verify_tree(lg, toks, par, **kw)
     assert calls == [1]
-    _compare(direct, through_op)
+    compare_outputs(direct, through_op)
     assert torch.equal(direct.stats, through_op.stats)
 
 
@@ -413,14 +369,14 @@ def test_direct_dispatch_only_in_plain_eager(monkeypatch):
 
 def test_compiled_call_goes_through_the_custom_op(monkeypatch):
     B, T, V = 2, len(CHAIN), 29
-    lg, toks, par, _ = (t.to(DEV) if t is not None else None for t in _inputs(B, T, V, CHAIN, seed=3, use_q=False))
+    lg, toks, par, _ = (t.to(DEV) if t is not None else None for t in verify_inputs(B, T, V, CHAIN, seed=3, use_q=False))
     seeds = torch.arange(B, device=DEV)
     kw = dict(temperature=0.7, top_k=5, validate=False, backend="triton")
     eager = verify_tree(lg, toks, par, seed=seeds, **kw)
     torch._dynamo.reset()
     compiled = torch.compile(lambda l, s: verify_tree(l, toks, par, seed=s, **kw), backend="eager", fullgraph=True)
     calls = _counting_op(monkeypatch, _tri().verify_tree_triton)
-    _compare(eager, compiled(lg, seeds))
+    compare_outputs(eager, compiled(lg, seeds))
     assert calls, "under torch.compile the call must stay on the custom op"
 
 

@@ -1,7 +1,7 @@
 """ngram_propose / ngram_propose_tree: hand-worked histories, brute-force oracles, bad inputs, Triton parity."""
 import pytest
 import torch
-from conftest import compile_for_sm90, kernel_devices, poison_
+from conftest import agreement_backends, compile_for_sm90, kernel_devices, need_backend, poison_
 
 from tlt_kernels import ngram_propose, validate_tree
 from tlt_kernels.ops.ngram import ngram_propose_tree
@@ -60,6 +60,39 @@ def check_propose(out, tokens, lengths, k, min_n, max_n):
         want = brute_propose(h, k, min_n, max_n)
         assert int(out.num_drafts[b]) == len(want), f"request {b}: history {h}"
         assert out.drafts[b].tolist() == want + [-1] * (k - len(want)), f"request {b}: history {h}"
+
+
+# Agreement cases, ((B, L, vocab), (k, R, min_n, max_n)): R None is ngram_propose (one chain), else
+# ngram_propose_tree over the R most recent occurrences.
+PROPOSE_CASES = [(shape, (k, None, lo, hi)) for shape in [(1, 1, 2), (3, 37, 3), (7, 130, 4), (2, 300, 2)]
+                 for k, lo, hi in [(1, 1, 1), (8, 1, 4), (5, 2, 5)]]
+TREE_CASES = [(shape, config) for shape in [(1, 1, 2), (3, 45, 3), (4, 140, 2)]
+              for config in [(1, 1, 1, 2), (3, 4, 1, 3), (4, 3, 2, 4)]]
+AGREEMENT_CASES = [pytest.param(*case, id=f"{op}-{'-'.join(map(str, case[0] + case[1]))}")
+                   for op, cases in (("propose", PROPOSE_CASES), ("tree", TREE_CASES)) for case in cases]
+
+
+def propose(tokens, lengths, k, R, min_n, max_n, backend):
+    """ngram_propose (``R`` None) or ngram_propose_tree of one agreement case."""
+    if R is None:
+        return ngram_propose(tokens, lengths, k, min_n, max_n, backend=backend)
+    return ngram_propose_tree(tokens, lengths, k, R, min_n, max_n, backend=backend)
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("shape,config", AGREEMENT_CASES)
+def test_matches_reference(backend, shape, config, gen):
+    """Every backend gives the torch reference's outputs: ngram_propose's drafts for int64 and int32 histories,
+    ngram_propose_tree's trie (parents, tokens, sizes) for int64 ones."""
+    device = kernel_devices()[0]
+    R = config[1]
+    need_backend("ngram_propose" if R is None else "ngram_propose_tree", backend, torch.device(device))
+    tokens, lengths = random_histories(*shape, gen)
+    ref = propose(tokens, lengths, *config, backend="torch")
+    for dtype in (torch.int64, torch.int32) if R is None else (torch.int64,):
+        out = propose(tokens.to(device, dtype), lengths.to(device), *config, backend=backend)
+        for name in ref._fields:
+            assert torch.equal(getattr(out, name).cpu(), getattr(ref, name)), name
 
 
 def test_hand_worked():
@@ -151,18 +184,6 @@ def test_bad_inputs():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("device", kernel_devices())
-@pytest.mark.parametrize("B,L,vocab", [(1, 1, 2), (3, 37, 3), (7, 130, 4), (2, 300, 2)])
-@pytest.mark.parametrize("k,min_n,max_n", [(1, 1, 1), (8, 1, 4), (5, 2, 5)])
-def test_triton_matches_reference(device, B, L, vocab, k, min_n, max_n, gen):
-    tokens, lengths = random_histories(B, L, vocab, gen)
-    ref = ngram_propose(tokens, lengths, k, min_n, max_n, backend="torch")
-    for dtype in (torch.int64, torch.int32):
-        out = ngram_propose(tokens.to(device, dtype), lengths.to(device), k, min_n, max_n, backend="triton")
-        assert torch.equal(out.drafts.cpu(), ref.drafts) and torch.equal(out.num_drafts.cpu(), ref.num_drafts)
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("device", kernel_devices())
 def test_triton_writes_every_output(device, gen):
     from tlt_kernels._triton.ngram import ngram_propose_out
 
@@ -172,18 +193,6 @@ def test_triton_writes_every_output(device, gen):
     ngram_propose_out(tokens.to(device), lengths.to(device), 1, 3, drafts, num)
     ref = ngram_propose(tokens, lengths, 4, 1, 3, backend="torch")
     assert torch.equal(drafts.cpu(), ref.drafts) and torch.equal(num.cpu(), ref.num_drafts)
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("device", kernel_devices())
-@pytest.mark.parametrize("B,L,vocab", [(1, 1, 2), (3, 45, 3), (4, 140, 2)])
-@pytest.mark.parametrize("k,R,min_n,max_n", [(1, 1, 1, 2), (3, 4, 1, 3), (4, 3, 2, 4)])
-def test_triton_tree_matches_reference(device, B, L, vocab, k, R, min_n, max_n, gen):
-    tokens, lengths = random_histories(B, L, vocab, gen)
-    ref = ngram_propose_tree(tokens, lengths, k, R, min_n, max_n, backend="torch")
-    out = ngram_propose_tree(tokens.to(device), lengths.to(device), k, R, min_n, max_n, backend="triton")
-    for name in ref._fields:
-        assert torch.equal(getattr(out, name).cpu(), getattr(ref, name)), name
 
 
 @pytest.mark.cuda

@@ -8,7 +8,7 @@ the caches of a naive per-slot move (and of the torch reference on contiguous in
 and return ``context_lens + num_accepted + 1``.
 
 Invalid problems must raise ValueError/TypeError naming the argument.
-Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_compact_kv.py``.
+Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_compact_kv.py``.
 """
 import math
 

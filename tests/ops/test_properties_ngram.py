@@ -8,7 +8,7 @@ recent occurrence of the longest matching suffix n-gram, i.e. a continuation pre
 valid trie of such continuations, padded as documented.
 
 Invalid problems must raise ValueError/TypeError naming the argument.
-Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_ngram.py``.
+Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_ngram.py``.
 """
 import pytest
 import torch

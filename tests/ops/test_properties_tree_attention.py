@@ -10,7 +10,7 @@ lists or scalars. Every backend must match a float64 naive attention within the 
 rows exactly zero and leave the parts of ``out``'s buffer outside the view untouched; a plan serves several layers.
 
 Invalid problems must raise ValueError/TypeError naming the argument.
-Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_tree_attention.py``.
+Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_tree_attention.py``.
 """
 import math
 import os

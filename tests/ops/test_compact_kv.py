@@ -1,7 +1,7 @@
 """compact_kv: exact slot-level checks on paged caches, multi-layer, bad inputs, Triton parity."""
 import pytest
 import torch
-from conftest import kernel_devices
+from conftest import agreement_backends, kernel_devices, need_backend
 
 from tlt_kernels import compact_kv
 
@@ -52,6 +52,25 @@ def check(ks, vs, before_k, before_v, want):
                 if ll == l and kk == kind:
                     exp[blk, off] = row
             assert torch.equal(now, exp), f"layer {l} {'kv'[kind]}"
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("block_size,B,layers", [(1, 3, 2), (3, 7, 3), (16, 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chain", [False, True])
+def test_matches_reference(backend, block_size, B, layers, dtype, chain, gen):
+    """Every backend moves the same bits as the torch reference on CPU tensors (kernels on the GPU, or the CPU
+    under the interpreter)."""
+    device = kernel_devices()[0]
+    need_backend("compact_kv", backend, torch.device(device))
+    ks, vs, table, ctx, nodes, nacc = make_case(B, block_size, layers, gen, Hkv=3, D=5, dtype=dtype, chain=chain)
+    ref_k, ref_v = [k.clone() for k in ks], [v.clone() for v in vs]
+    ref_new = compact_kv(ref_k, ref_v, table, ctx, nodes, nacc, backend="torch")
+    dk, dv = [k.to(device) for k in ks], [v.to(device) for v in vs]
+    new = compact_kv(dk, dv, table.to(device), ctx.to(device), nodes.to(device), nacc.to(device), backend=backend)
+    assert torch.equal(new.cpu(), ref_new)
+    for l in range(layers):
+        assert torch.equal(dk[l].cpu(), ref_k[l]) and torch.equal(dv[l].cpu(), ref_v[l]), f"layer {l}"
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16])
@@ -116,22 +135,6 @@ def test_bad_inputs(gen):
 
 
 # ----------------------------------------------------------------------------- Triton kernel
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("device", kernel_devices())
-@pytest.mark.parametrize("block_size,B,layers", [(1, 3, 2), (3, 7, 3), (16, 2, 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chain", [False, True])
-def test_triton_matches_reference(device, block_size, B, layers, dtype, chain, gen):
-    ks, vs, table, ctx, nodes, nacc = make_case(B, block_size, layers, gen, Hkv=3, D=5, dtype=dtype, chain=chain)
-    ref_k, ref_v = [k.clone() for k in ks], [v.clone() for v in vs]
-    ref_new = compact_kv(ref_k, ref_v, table, ctx, nodes, nacc, backend="torch")
-    dk, dv = [k.to(device) for k in ks], [v.to(device) for v in vs]
-    new = compact_kv(dk, dv, table.to(device), ctx.to(device), nodes.to(device), nacc.to(device), backend="triton")
-    assert torch.equal(new.cpu(), ref_new)
-    for l in range(layers):
-        assert torch.equal(dk[l].cpu(), ref_k[l]) and torch.equal(dv[l].cpu(), ref_v[l]), f"layer {l}"
 
 
 @pytest.mark.cuda

@@ -8,7 +8,7 @@ valid, ancestor-closed tree whose tokens are the candidates' tokens, padded as d
 ancestor mask, and with cumulative scores it is plain top-(num_verify - 1).
 
 Invalid problems must raise ValueError/TypeError naming the argument.
-Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/test_properties_build_draft_tree.py``.
+Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_build_draft_tree.py``.
 """
 import math
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from conftest import kernel_devices, poison_
+from conftest import agreement_backends, kernel_devices, need_backend, poison_
 
 from tlt_kernels import build_draft_tree, tree_ancestor_mask_packed, validate_tree
 
@@ -60,6 +60,21 @@ def check_against_brute_force(out, parents, tokens, scores, V, root):
         assert out.draft_tokens[b].tolist() == t, f"request {b}"
         assert out.cand_index[b].tolist() == i, f"request {b}"
         assert int(out.num_nodes[b]) == n, f"request {b}"
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("B,N,V", [(1, 1, 2), (3, 17, 8), (7, 50, 16), (2, 40, 37), (3, 5, 40)])
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_matches_reference(backend, B, N, V, cumulative, gen):
+    """Every backend builds the torch reference's tree (all outputs, the packed mask included) on the same device."""
+    device = kernel_devices()[0]
+    need_backend("build_draft_tree", backend, torch.device(device))
+    parents, tokens, scores, root = random_candidates(B, N, gen, cumulative=cumulative, ties=not cumulative)
+    args = [x.to(device) for x in (parents, tokens, scores)]
+    ref = build_draft_tree(*args, V, root.to(device), return_mask=True, backend="torch")
+    out = build_draft_tree(*args, V, root.to(device), return_mask=True, backend=backend)
+    for name in ref._fields:
+        assert torch.equal(getattr(out, name), getattr(ref, name)), name
 
 
 def test_hand_worked():
@@ -175,19 +190,6 @@ def test_bad_inputs():
 
 
 # ----------------------------------------------------------------------------- Triton kernel
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("device", kernel_devices())
-@pytest.mark.parametrize("B,N,V", [(1, 1, 2), (3, 17, 8), (7, 50, 16), (2, 40, 37), (3, 5, 40)])
-@pytest.mark.parametrize("cumulative", [True, False])
-def test_triton_matches_reference(device, B, N, V, cumulative, gen):
-    parents, tokens, scores, root = random_candidates(B, N, gen, cumulative=cumulative, ties=not cumulative)
-    args = [x.to(device) for x in (parents, tokens, scores)]
-    ref = build_draft_tree(*args, V, root.to(device), return_mask=True, backend="torch")
-    out = build_draft_tree(*args, V, root.to(device), return_mask=True, backend="triton")
-    for name in ref._fields:
-        assert torch.equal(getattr(out, name), getattr(ref, name)), name
 
 
 @pytest.mark.triton

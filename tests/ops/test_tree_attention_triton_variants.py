@@ -1,7 +1,7 @@
 """Triton tree attention: the pipelined context loop (whole tiles with page ids prefetched one trip
 ahead, then a masked tail) against the fp32 reference and against the previous loop (``PIPELINE = 0``).
 
-tests/test_tree_attention.py mostly has contexts of at most one tile per split; these cases run several
+tests/ops/test_tree_attention.py mostly has contexts of at most one tile per split; these cases run several
 whole tiles per split (so the carried page ids matter), tiles that straddle pages, pages larger than a
 tile, split starts that are not tile-aligned, and tails of every length class.
 """
