@@ -58,16 +58,16 @@ CHUNK_BLOCK_M = 64  # row tile when T * G exceeds MAX_BLOCK_M (D <= 128); see ro
 MERGE_BLOCK_R = 16
 # (BLOCK_N, num_warps, num_stages[, BLOCK_M[, maxnreg]]) forced for every shape when set (BLOCK_M None =
 # the default row tile); the benchmark's tuning sweep (python -m bench tree-attention --sweep) and the
-# tests of the non-default configs (tests/test_tree_attention_triton_variants.py) set it.
+# tests of the non-default configs (tests/ops/test_tree_attention_triton_variants.py) set it.
 CONFIG_OVERRIDE = None
 # Context-loop structure: 1 = unmasked whole tiles with the page ids prefetched one trip ahead, then a
 # masked tail (default); 0 = the previous every-tile-masked loop, kept as the reference the pipelined loop is
-# tested against (tests/test_tree_attention_triton_variants.py).
+# tested against (tests/ops/test_tree_attention_triton_variants.py).
 PIPELINE = 1
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
-# correctness tests (tests/test_tree_attention_triton_variants.py), for a retune on another card.
+# correctness tests (tests/ops/test_tree_attention_triton_variants.py), for a retune on another card.
 LAZY_RESCALE = 0.0
 
 
@@ -493,7 +493,7 @@ def row_tile(head_dim: int, num_rows: int) -> int:
 
 # fp32 inputs (an fp32 model's verify pass): exact fp32 products (``input_precision="ieee"``, no TF32) run on
 # the FMA units with both operands in registers, which is register-hungry: ptxas for sm_90 (no GPU needed,
-# tests/test_tree_attention_triton_variants.py) spills 1.7 KB at 128 rows x 32 keys (D=64), none at 64 x 16.
+# tests/ops/test_tree_attention_triton_variants.py) spills 1.7 KB at 128 rows x 32 keys (D=64), none at 64 x 16.
 # So: 16-key tiles, 8 warps, 2 stages, and row tiles of at most FP32_MAX_BLOCK_M[D] (more rows: chunks).
 FP32_CONFIG = (16, 8, 2)  # (BLOCK_N, num_warps, num_stages)
 FP32_MAX_BLOCK_M = {64: 64, 128: 32, 256: 16}

@@ -418,7 +418,7 @@ def _assume_constant_result(fn):
     """``torch.compiler.assume_constant_result`` without importing torch._dynamo (and Triton) at our import.
 
     The public decorator only imports dynamo and sets this marker; doing the same here keeps
-    ``import tlt_kernels`` light. tests/test_tree_attention.py compiles the op with fullgraph=True on the
+    ``import tlt_kernels`` light. tests/ops/test_tree_attention.py compiles the op with fullgraph=True on the
     GPU, which fails loudly if a torch release ever changes the marker.
     """
     fn._dynamo_marked_constant = True
