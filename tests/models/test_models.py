@@ -80,8 +80,8 @@ def test_config_from_hf_dicts():
     assert ModelConfig.from_hf(qwen).attention_bias
     with pytest.raises(NotImplementedError, match="sliding"):
         ModelConfig.from_hf(dict(qwen, use_sliding_window=True, sliding_window=16))
-    with pytest.raises(NotImplementedError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_hf(dict(llama, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}))
+    with pytest.raises(NotImplementedError, match="rope_scaling type 'dynamic' is not supported .dynamic NTK"):
+        ModelConfig.from_hf(dict(llama, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig.tiny(num_kv_heads=3)
 
@@ -332,14 +332,32 @@ def test_reference_generate_sampling_and_eos():
 
 
 # -- transformers parity -------------------------------------------------------------------------
+def _yarn(**params):
+    """A YaRN scaling whose ramp and attention factor are both non-trivial at the tests' 40 positions."""
+    return dict({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, **params)
+
+
 def _hf_cases():
     return [
         ("llama", dict(attention_bias=False, tie_word_embeddings=False)),
         ("llama", dict(attention_bias=True, tie_word_embeddings=True,
                        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                      "original_max_position_embeddings": 16})),
+        ("llama", dict(rope_scaling=_yarn(beta_fast=8.0, beta_slow=0.05, truncate=False))),
+        ("llama", dict(rope_scaling=_yarn(mscale=0.8, mscale_all_dim=0.5))),
+        ("llama", dict(rope_scaling=_yarn(attention_factor=1.3))),
         ("qwen2", dict(tie_word_embeddings=False)),
+        ("qwen2", dict(rope_scaling=_yarn())),
+        # Qwen3: an explicit head_dim (16) unlike hidden_size / heads (8), q/k norms, no biases.
+        ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+        ("qwen3", dict(head_dim=16, attention_bias=True, rope_scaling=_yarn(factor=2.0))),
     ]
+
+
+def _hf_classes(transformers, kind):
+    return {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[kind]
 
 
 @pytest.mark.parametrize("kind,extra", _hf_cases())
@@ -347,7 +365,7 @@ def test_from_hf_matches_transformers(kind, extra, gen):
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=2, max_position_embeddings=128, rope_theta=1000.0)
-    cls_cfg, cls_model = (transformers.LlamaConfig, transformers.LlamaForCausalLM) if kind == "llama" else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)
+    cls_cfg, cls_model = _hf_classes(transformers, kind)
     hf_cfg = cls_cfg(**common, **extra)
     torch.manual_seed(0)
     hf = cls_model(hf_cfg).eval()
@@ -357,6 +375,9 @@ def test_from_hf_matches_transformers(kind, extra, gen):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.3)
     ours = LlamaForCausalLM.from_hf(hf_cfg, hf.state_dict())
     assert ours.config.attention_bias == (kind == "qwen2" or extra.get("attention_bias", False))
+    assert ours.config.qk_norm == (kind == "qwen3") and ours.config.head_dim == extra.get("head_dim", 8)
+    if "rope_scaling" in extra:  # the config dict reached transformers' rotary embedding as that type
+        assert hf.model.rotary_emb.rope_type == ours.config.rope_scaling["rope_type"]
     tokens = torch.randint(0, 97, (2, 40), generator=gen)
     with torch.no_grad():
         ref = hf(tokens).logits

@@ -150,8 +150,69 @@ def test_rope_scaling_is_validated_where_the_config_is_built(scaling, why):
     if isinstance(scaling, dict):
         with pytest.raises(ValueError, match=why):
             ModelConfig.from_hf(dict(LLAMA, rope_scaling=scaling))
-    with pytest.raises(NotImplementedError, match="rope_scaling type 'yarn' is not supported"):
-        ModelConfig.tiny(rope_scaling={"rope_type": "yarn", "factor": 2.0})
+    with pytest.raises(NotImplementedError, match="rope_scaling type 'dynamic' is not supported"):
+        ModelConfig.tiny(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("scaling,why", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_scaling of type 'yarn' needs 'original_max_position_embeddings'"),
+    (dict(YARN, factor=-2.0), r"rope_scaling\['factor'\] must be a finite number > 0 for type 'yarn'"),
+    (dict(YARN, attention_factor=0.0), r"rope_scaling\['attention_factor'\] must be null or a finite number > 0"),
+    (dict(YARN, beta_fast="32"), r"rope_scaling\['beta_fast'\] must be null or a finite number > 0"),
+    (dict(YARN, mscale=float("inf")), r"rope_scaling\['mscale'\] must be null or a finite number > 0"),
+    (dict(YARN, beta_fast=1.0, beta_slow=4.0), "needs beta_fast >= beta_slow"),
+    (dict(YARN, truncate="yes"), r"rope_scaling\['truncate'\] must be a bool"),
+])
+def test_yarn_parameters_are_validated(scaling, why):
+    with pytest.raises(ValueError, match=why):
+        ModelConfig.tiny(rope_scaling=scaling)
+
+
+def test_hf_yarn_defaults_follow_transformers():
+    """A config.json may leave out what transformers fills in: the pre-training length (max_position_embeddings,
+    unless a top-level original_max_position_embeddings says otherwise) and a null yarn factor (their ratio)."""
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    assert ModelConfig.from_hf(dict(LLAMA, max_position_embeddings=256, rope_scaling=yarn)).rope_scaling == dict(
+        yarn, original_max_position_embeddings=256)
+    top = ModelConfig.from_hf(dict(LLAMA, max_position_embeddings=256, original_max_position_embeddings=32, rope_scaling=yarn))
+    assert top.rope_scaling["original_max_position_embeddings"] == 32
+    null_factor = dict(yarn, factor=None, original_max_position_embeddings=64)
+    assert ModelConfig.from_hf(dict(LLAMA, max_position_embeddings=256, rope_scaling=null_factor)).rope_scaling["factor"] == 4.0
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen3Config(**{k: v for k, v in LLAMA.items() if k != "model_type"}, max_position_embeddings=256,
+                                  rope_parameters=dict(yarn, rope_theta=1e4))
+    assert ModelConfig.from_hf(hf) == ModelConfig.from_hf(dict(LLAMA, model_type="qwen3", max_position_embeddings=256,
+                                                               rope_scaling=yarn))
+
+
+QWEN3 = dict(LLAMA, model_type="qwen3", head_dim=32, use_sliding_window=False, sliding_window=None, max_window_layers=28)
+
+
+def test_qwen3_config_reads_its_fields():
+    c = ModelConfig.from_hf(QWEN3)
+    assert (c.qk_norm, c.head_dim, c.attention_bias, c.attention_out_bias) == (True, 32, False, False)
+    c = ModelConfig.from_hf(dict(QWEN3, attention_bias=True, sliding_window=4096, layer_types=["full_attention"] * 2))
+    assert (c.attention_bias, c.attention_out_bias) == (True, True)  # a window size alone slides nothing
+    assert not ModelConfig.from_hf(LLAMA).qk_norm
+    no_head_dim = {k: v for k, v in QWEN3.items() if k != "head_dim"}
+    assert ModelConfig.from_hf(no_head_dim).head_dim == 128  # Qwen3Config's default, not hidden_size / heads
+
+
+@pytest.mark.parametrize("fields,why", [
+    (dict(use_sliding_window=True, sliding_window=4096), r"use_sliding_window=True .*sliding_window=4096, max_window_layers=28"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), r"layer_types \['sliding_attention'\] are not supported"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not supported"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+     "partial_rotary_factor=0.25"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_scaling type 'longrope' is not supported"),
+    (dict(model_type="gemma"), r"model_type 'gemma' is not supported; expected one of \('llama', 'mistral', 'qwen2', 'qwen3'\)"),
+])
+def test_qwen3_features_we_do_not_compute_are_named(fields, why):
+    with pytest.raises(NotImplementedError, match=why):
+        ModelConfig.from_hf(dict(QWEN3, **fields))
 
 
 @pytest.mark.parametrize("field,value,why", [

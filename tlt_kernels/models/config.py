@@ -1,4 +1,4 @@
-"""Shape and numerics of a Llama/Qwen2-style decoder, readable from a ``transformers`` config."""
+"""Shape and numerics of a Llama/Qwen2/Qwen3-style decoder, readable from a ``transformers`` config."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,12 +6,20 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-_SUPPORTED_ROPE = ("default", "linear", "llama3")
-
+_SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+_SUPPORTED_MODELS = ("llama", "mistral", "qwen2", "qwen3")
 
 # The parameters each supported RoPE scaling reads (rope_inv_freq); each must be a finite number > 0.
 _ROPE_PARAMS = {"default": (), "linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings")}
+# Parameters a type may carry; null means "use the default" (transformers reads them with `or`/`get`).
+_ROPE_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+# Types transformers ships that this decoder cannot reproduce, and why.
+_ROPE_UNSUPPORTED_WHY = {
+    "dynamic": "dynamic NTK recomputes the frequencies from the current sequence length once it passes "
+               "max_position_embeddings, while a paged cache keeps keys rotated at earlier lengths",
+}
 
 
 def _number(x, low: float) -> bool:
@@ -26,25 +34,36 @@ def _check_rope_scaling(rs) -> None:
         raise ValueError(f"rope_scaling must be a dict with 'rope_type' (one of {_SUPPORTED_ROPE}) or None, got {rs!r}")
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind not in _SUPPORTED_ROPE:
-        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported; supported: {_SUPPORTED_ROPE}")
+        why = f" ({_ROPE_UNSUPPORTED_WHY[kind]})" if kind in _ROPE_UNSUPPORTED_WHY else ""
+        raise NotImplementedError(f"rope_scaling type {kind!r} is not supported{why}; supported: {_SUPPORTED_ROPE}")
     for key in _ROPE_PARAMS[kind]:
         if key not in rs:
             raise ValueError(f"rope_scaling of type {kind!r} needs {key!r} (a finite number > 0), got {rs!r}")
         if not _number(rs[key], 0.0):
             raise ValueError(f"rope_scaling[{key!r}] must be a finite number > 0 for type {kind!r}, got {rs[key]!r}")
+    for key in _ROPE_OPTIONAL.get(kind, ()):
+        if rs.get(key) is not None and not _number(rs[key], 0.0):
+            raise ValueError(f"rope_scaling[{key!r}] must be null or a finite number > 0 for type {kind!r}, got {rs[key]!r}")
     if kind == "llama3" and not rs["high_freq_factor"] > rs["low_freq_factor"]:
         raise ValueError(f"rope_scaling of type 'llama3' needs high_freq_factor > low_freq_factor (the smoothing band "
                          f"divides by their difference), got {rs['high_freq_factor']!r} and {rs['low_freq_factor']!r}")
+    if kind == "yarn" and not isinstance(rs.get("truncate", True), bool):
+        raise ValueError(f"rope_scaling['truncate'] must be a bool for type 'yarn', got {rs['truncate']!r}")
+    if kind == "yarn" and (rs.get("beta_fast") or 32) < (rs.get("beta_slow") or 1):
+        # The ramp between the two correction dimensions would run backwards.
+        raise ValueError(f"rope_scaling of type 'yarn' needs beta_fast >= beta_slow (defaults 32 and 1), got "
+                         f"{rs.get('beta_fast')!r} and {rs.get('beta_slow')!r}")
 
 
 @dataclass
 class ModelConfig:
     """Everything :class:`~tlt_kernels.models.llama.LlamaForCausalLM` needs to build its weights.
 
-    ``attention_bias`` adds biases to the q/k/v projections (Qwen2 always has them; Llama has a flag),
-    ``attention_out_bias`` to the output projection (Llama's ``attention_bias`` flag sets both).
-    ``rope_scaling`` is ``None`` (plain RoPE) or a transformers-style dict with ``rope_type`` in
-    ``("default", "linear", "llama3")`` and that type's parameters.
+    ``attention_bias`` adds biases to the q/k/v projections (Qwen2 always has them; Llama and Qwen3 have a
+    flag), ``attention_out_bias`` to the output projection (Llama's and Qwen3's ``attention_bias`` flag sets
+    both). ``qk_norm`` applies a per-head RMSNorm (weights of size ``head_dim``) to q and k after the
+    projection and before RoPE (Qwen3). ``rope_scaling`` is ``None`` (plain RoPE) or a transformers-style
+    dict with ``rope_type`` in ``("default", "linear", "llama3", "yarn")`` and that type's parameters.
     """
 
     vocab_size: int
@@ -61,6 +80,7 @@ class ModelConfig:
     attention_bias: bool = False
     attention_out_bias: bool = False
     rope_scaling: Optional[Dict[str, Any]] = None
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_q_heads", "num_kv_heads", "head_dim"):
@@ -114,12 +134,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config) -> "ModelConfig":
-        """Read a transformers ``LlamaConfig`` / ``Qwen2Config`` (or its ``to_dict()``).
+        """Read a transformers ``LlamaConfig`` / ``MistralConfig`` / ``Qwen2Config`` / ``Qwen3Config`` (or its
+        ``to_dict()``).
 
-        Handles both transformers 4.x (``rope_theta`` / ``rope_scaling``) and 5.x
-        (``rope_parameters``) spellings. Features this decoder does not implement (sliding-window
-        attention, MLP biases, activations other than SiLU) raise ``NotImplementedError`` instead of
-        silently computing something else.
+        Handles both transformers 4.x (``rope_theta`` / ``rope_scaling``) and 5.x (``rope_parameters``)
+        spellings. Features this decoder does not implement (sliding-window attention, MLP biases,
+        activations other than SiLU, partial rotary embeddings) raise ``NotImplementedError`` naming the
+        field instead of silently computing something else.
         """
         if isinstance(config, dict):
             d = dict(config)
@@ -128,21 +149,20 @@ class ModelConfig:
         else:
             raise TypeError(f"config must be a transformers config or its to_dict(), got {type(config).__name__}")
         model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise NotImplementedError(f"model_type {model_type!r} is not supported; expected 'llama' or 'qwen2'")
+        if model_type not in _SUPPORTED_MODELS:
+            raise NotImplementedError(f"model_type {model_type!r} is not supported; expected one of {_SUPPORTED_MODELS}")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads") if d.get(k) is None]
         if missing:
             raise ValueError(f"HF config is missing {missing}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("mlp_bias", False):
-            raise NotImplementedError("mlp_bias=True is not supported")
-        if d.get("use_sliding_window", False) or (model_type == "mistral" and d.get("sliding_window")):
-            raise NotImplementedError("sliding-window attention is not supported")
+        _check_hf_features(d, model_type)
 
         rope_theta, scaling = _hf_rope(d)
         n_heads = _hf_int(d, "num_attention_heads")
         hidden = _hf_int(d, "hidden_size")
+        # Qwen2 always carries q/k/v biases (and none on o_proj) and has no flag for them; the others' flag biases all four.
+        in_bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
+        # Qwen3Config's head_dim defaults to 128 whatever hidden_size / heads is; the others derive it.
+        head_dim = _hf_int(d, "head_dim", 128 if model_type == "qwen3" else hidden // n_heads)
         return cls(
             vocab_size=_hf_int(d, "vocab_size"),
             hidden_size=hidden,
@@ -150,19 +170,45 @@ class ModelConfig:
             num_layers=_hf_int(d, "num_hidden_layers"),
             num_q_heads=n_heads,
             num_kv_heads=_hf_int(d, "num_key_value_heads", n_heads),
-            head_dim=_hf_int(d, "head_dim", hidden // n_heads),
+            head_dim=head_dim,
             rope_theta=rope_theta,
             rms_norm_eps=_hf_float(d, "rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             max_position_embeddings=_hf_int(d, "max_position_embeddings", 4096),
-            # Qwen2 always carries q/k/v biases and has no flag for them.
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            attention_out_bias=False if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_bias=in_bias,
+            attention_out_bias=False if model_type == "qwen2" else in_bias,
             rope_scaling=scaling,
+            qk_norm=model_type == "qwen3",
         )
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_hf_features(d: Dict[str, Any], model_type: str) -> None:
+    """NotImplementedError naming the first field of the HF config dict ``d`` that asks for something this decoder
+    does not compute."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+    if d.get("mlp_bias", False):
+        raise NotImplementedError("mlp_bias=True is not supported")
+    # Qwen2/Qwen3 slide a window over layers >= max_window_layers only when use_sliding_window is set (their
+    # configs carry a sliding_window size either way); Mistral slides whenever sliding_window is set.
+    if d.get("use_sliding_window", False):
+        raise NotImplementedError(f"use_sliding_window=True (sliding-window attention, sliding_window="
+                                  f"{d.get('sliding_window')!r}, max_window_layers={d.get('max_window_layers')!r}) is not supported")
+    if model_type == "mistral" and d.get("sliding_window"):
+        raise NotImplementedError(f"sliding-window attention (sliding_window={d['sliding_window']!r}) is not supported")
+    layer_types = d.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        other = sorted({str(t) for t in layer_types if t != "full_attention"})
+        raise NotImplementedError(f"layer_types {other} are not supported: every layer must be 'full_attention'")
+    partial = d.get("partial_rotary_factor")
+    for rope in (d.get("rope_parameters"), d.get("rope_scaling")):
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+            partial = rope["partial_rotary_factor"]
+    if partial is not None and partial != 1:
+        raise NotImplementedError(f"partial_rotary_factor={partial!r} is not supported (RoPE over the whole head only)")
 
 
 def _hf_int(d: Dict[str, Any], key: str, default: Optional[int] = None) -> int:
@@ -206,6 +252,22 @@ def _hf_rope(d: Dict[str, Any]):
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return rope_theta, None
-    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type")}
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     scaling["rope_type"] = kind
+    if kind in ("llama3", "yarn"):
+        _hf_fill_original_context(d, scaling)
     return rope_theta, scaling
+
+
+def _hf_fill_original_context(d: Dict[str, Any], scaling: Dict[str, Any]) -> None:
+    """Fill the pre-training context length of a llama3/yarn ``scaling`` dict as transformers'
+    ``standardize_rope_params`` does: a top-level ``original_max_position_embeddings`` wins (Phi-3 style
+    configs), else the dict's own, else ``max_position_embeddings``. A yarn ``factor`` of null is the ratio of
+    the two lengths (DeepSeek-V3 style configs)."""
+    if d.get("original_max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+    elif scaling.get("original_max_position_embeddings") is None and d.get("max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = d["max_position_embeddings"]
+    original = scaling.get("original_max_position_embeddings")
+    if scaling["rope_type"] == "yarn" and scaling.get("factor") is None and _number(original, 0.0):
+        scaling["factor"] = _hf_int(d, "max_position_embeddings", 4096) / original

@@ -1,4 +1,4 @@
-"""A Llama/Qwen2-style decoder (RMSNorm, RoPE, GQA, SwiGLU) that runs on our ops.
+"""A Llama/Qwen2/Qwen3-style decoder (RMSNorm, RoPE, GQA, SwiGLU, optional q/k norm) that runs on our ops.
 
 Three ways to run the same weights:
 
@@ -14,8 +14,9 @@ Three ways to run the same weights:
 None of these mutate ``context_lens``: the caller advances it (by ``lengths`` after a prefill, by the
 accepted path length after verification, once the accepted K/V are compacted).
 
-Numerics follow transformers' Llama/Qwen2 (RMSNorm in fp32 then cast; cos/sin computed in fp32 then
-cast to the activation dtype), so :meth:`from_hf` reproduces a transformers model's logits.
+Numerics follow transformers' Llama/Qwen2/Qwen3 (RMSNorm in fp32 then cast; cos/sin computed in fp32, scaled
+by the RoPE attention factor, then cast to the activation dtype), so :meth:`from_hf` reproduces a
+transformers model's logits.
 """
 from __future__ import annotations
 
@@ -73,9 +74,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
-    """fp32 ``[head_dim / 2]`` rotation frequencies ``theta^(-2i/D)``, with Llama-3 / linear scaling."""
+    """fp32 ``[head_dim / 2]`` rotation frequencies ``theta^(-2i/D)``, with linear / Llama-3 / YaRN scaling."""
     D = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D))
+    # theta^(2i/D) first, then its inverse: the order transformers uses, so the fp32 rounding matches.
+    pos_freqs = config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D)
+    inv = 1.0 / pos_freqs
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
@@ -91,14 +94,74 @@ def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(pos_freqs, config, scaling)
     return inv
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin: [B, T, D]`` for integer ``positions: [B, T]`` (angles in fp32, then cast)."""
+def _yarn_inv_freq(pos_freqs: torch.Tensor, config: ModelConfig, scaling) -> torch.Tensor:
+    """YaRN frequencies from ``pos_freqs = theta^(2i/D)`` (fp32 ``[D/2]``), as transformers computes them.
+
+    Dimension pairs that turn more than ``beta_fast`` times over the original context keep their frequency
+    (extrapolation), those turning fewer than ``beta_slow`` times are divided by ``factor`` (interpolation),
+    and a linear ramp over the pair index blends the two between those correction dimensions.
+    """
+    D, base = config.head_dim, config.rope_theta
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    # null (or 0) means the paper's defaults, as transformers reads them with `or`.
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # The (fractional) dimension whose wavelength fits `rotations` times into the original context.
+        return D * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # a one-point ramp would divide by zero
+    ramp = ((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(pos_freqs.device)
+    extrapolation_weight = 1 - ramp
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (1.0 except for YaRN).
+
+    YaRN: ``attention_factor`` when given; else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when
+    both are set, else ``mscale(factor)``, with ``mscale(s, m=1) = 0.1 * m * ln(s) + 1`` for ``s > 1`` and 1 below.
+    It scales every attention logit by its square (q and k are both rotated), keeping the softmax
+    entropy of long contexts close to the pre-training one.
+    """
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+                 attention_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin: [B, T, D]`` for integer ``positions: [B, T]``: angles in fp32, scaled by ``attention_factor``
+    (:func:`rope_attention_factor`) in fp32, then cast to ``dtype``."""
     freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -117,13 +180,20 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(H, config.num_kv_heads * D, bias=config.attention_bias)
         self.v_proj = nn.Linear(H, config.num_kv_heads * D, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.num_q_heads * D, H, bias=config.attention_out_bias)
+        # Qwen3: one RMSNorm over each head's D features of q and of k, shared by all heads.
+        self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """``x: [B, T, H]`` -> rotated ``q: [B, T, Hq, D]``, rotated ``k`` and ``v: [B, T, Hkv, D]``."""
+        """``x: [B, T, H]`` -> rotated ``q: [B, T, Hq, D]``, rotated ``k`` and ``v: [B, T, Hkv, D]``.
+
+        With ``qk_norm`` q and k are normalised per head before the rotation, as transformers' Qwen3 does."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_q_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
@@ -164,7 +234,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
 
 # -- the model ---------------------------------------------------------------------------------------
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 causal LM. Weights: ``embed_tokens``, ``layers[i]`` (``self_attn.{q,k,v,o}_proj``,
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM. Weights: ``embed_tokens``, ``layers[i]``
+    (``self_attn.{q,k,v,o}_proj``, with ``config.qk_norm`` also ``self_attn.{q,k}_norm``,
     ``mlp.{gate,up,down}_proj``, ``input_layernorm``, ``post_attention_layernorm``), ``norm``, ``lm_head``
     (tied to ``embed_tokens`` when ``config.tie_word_embeddings``)."""
 
@@ -179,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the frequencies.
         self._inv_freq = rope_inv_freq(config)
+        self._rope_attention_factor = rope_attention_factor(config)
         self.sm_scale = config.head_dim**-0.5
 
     # -- shared trunk --------------------------------------------------------------------------------
@@ -194,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(tokens)
         if not devices_equal(self._inv_freq.device, x.device):
             self._inv_freq = rope_inv_freq(self.config, x.device)
-        cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype, self._rope_attention_factor)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
             o = attend(i, q, k, v)
@@ -388,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights named as in transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``.
+        """Copy weights named as in transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``.
 
         ``model.layers.{i}.self_attn.q_proj.weight`` -> ``layers.{i}.self_attn.q_proj.weight`` etc.;
         ``lm_head.weight`` may be absent (or is ignored) when embeddings are tied. Values are cast to
