@@ -1,6 +1,5 @@
 """Shared test fixtures: GPU skipping, backends of the ops' agreement tests, poisoned outputs, seeded generators."""
 import os
-import sys
 
 import pytest
 import torch
@@ -11,13 +10,6 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Test modules share helpers by module name (basenames are unique across tests/), also across subfolders (a file in
-# tests/ imports from tests/ops/test_verify_tree.py): every subfolder is importable whichever file runs alone.
-_TESTS = os.path.dirname(os.path.abspath(__file__))
-for _sub in sorted(os.listdir(_TESTS)):
-    _path = os.path.join(_TESTS, _sub)
-    if os.path.isdir(_path) and not _sub.startswith((".", "_")) and _path not in sys.path:
-        sys.path.append(_path)
 
 
 def pytest_addoption(parser):

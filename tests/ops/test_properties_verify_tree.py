@@ -15,6 +15,7 @@ Invalid problems must raise ValueError/TypeError naming the argument.
 Long run: ``TLT_HYPOTHESIS_PROFILE=long python -m pytest -q tests/ops/test_properties_verify_tree.py``.
 """
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -206,7 +207,31 @@ def _support(row, temp, k, p):
     return set(keep.nonzero().flatten().tolist())
 
 
+class _Request(NamedTuple):
+    """One request of a checked call: its inputs (float64 logits ``[T, V]``, int64 parents and draft tokens ``[T]``,
+    its host sampling parameters) and its outputs as Python values."""
+
+    what: str
+    b: int
+    logits: torch.Tensor
+    parents: torch.Tensor
+    draft_tokens: torch.Tensor
+    num_nodes: int
+    max_depth: int
+    temp: object
+    k: object
+    p: object
+    num_accepted: int
+    path: list
+    out: list
+    stats: object
+
+    def children(self, node):
+        return [c for c in range(1, self.num_nodes) if self.parents[c] == node]
+
+
 def check_invariants(problem, host, res, what):
+    """Asserts the invariants of a verify_tree result ``res`` on ``problem`` (``what`` names the call in messages)."""
     logits = problem["logits"].contiguous().to(torch.float64)
     B, T, V = logits.shape
     par = problem["parents"].contiguous().to(torch.int64)
@@ -222,57 +247,88 @@ def check_invariants(problem, host, res, what):
     temps, ks, ps = host["temps"], host["ks"], host["ps"]
     for b in range(B):
         err = int(res.error[b])
-        na = int(res.num_accepted[b])
-        path = res.accepted_nodes[b].tolist()
-        out = res.tokens[b].tolist()
         assert err in (0, 1), f"{what}: error[{b}] = {err}"
+        r = _Request(what, b, logits[b], par[b], toks[b], int(n[b]), max_depth,
+                     temps[b] if temps is not None else None, ks[b] if ks is not None else None,
+                     ps[b] if ps is not None else None, int(res.num_accepted[b]), res.accepted_nodes[b].tolist(),
+                     res.tokens[b].tolist(), res.stats[b] if res.stats is not None else None)
         if err:
-            assert any(not _row_ok(logits[b, i]) for i in range(int(n[b]))), f"{what}: request {b} flagged, all rows ok"
-            assert na == 0 and out == [-1] * P and path == [0] + [-1] * (P - 1), f"{what}: request {b} flagged"
-            if res.stats is not None:
-                assert not res.stats[b].any()
+            _check_flagged(r)
             continue
-        assert 0 <= na <= min(max_depth, int(depth[b, : int(n[b])].max())), f"{what}: num_accepted[{b}] = {na}"
-        assert path[0] == 0 and path[na + 1:] == [-1] * (P - na - 1), f"{what}: accepted_nodes[{b}] = {path}"
-        assert out[na + 1:] == [-1] * (P - na - 1), f"{what}: tokens[{b}] = {out}"
-        temp = temps[b] if temps is not None else None
-        k = ks[b] if ks is not None else None
-        p = ps[b] if ps is not None else None
-        for d in range(1, na + 1):
-            node = path[d]
-            assert 0 < node < int(n[b]) and par[b, node] == path[d - 1], f"{what}: request {b} path {path} is no path"
-            assert out[d - 1] == toks[b, node], f"{what}: tokens[{b}, {d - 1}] = {out[d - 1]} is not node {node}'s token"
-        for d in range(na + 1):
-            node = path[d]
-            row = logits[b, node]
-            assert _row_ok(row), f"{what}: request {b} visited row {node} that has no distribution but no error"
-            assert 0 <= out[d] < V, f"{what}: tokens[{b}, {d}] = {out[d]} outside [0, V={V})"
-            assert out[d] in _support(row, temp, k, p), (
-                f"{what}: tokens[{b}, {d}] = {out[d]} has probability 0 under row {node} (temperature {temp}, top_k {k}, "
-                f"top_p {p}): row {row.tolist()}")
-        if not temp:  # greedy: an independent walk
-            want_path, want_out, cur = [0], [], 0
-            while True:
-                a = _argmax(logits[b, cur])
-                kids = [c for c in range(1, int(n[b])) if par[b, c] == cur] if len(want_path) - 1 < max_depth else []
-                hit = next((c for c in kids if toks[b, c] == a), None)
-                if hit is None:
-                    want_out.append(a)
-                    break
-                want_path.append(hit)
-                want_out.append(a)
-                cur = hit
-            assert path[: na + 1] == want_path and out[: na + 1] == want_out, (
-                f"{what}: greedy request {b}: path {path[: na + 1]} tokens {out[: na + 1]}, want {want_path} {want_out}")
-        if res.stats is not None:
-            st_ = res.stats[b]
-            assert st_.shape == (max_depth, 2)
-            assert st_[:, 1].tolist() == [1] * na + [0] * (max_depth - na), f"{what}: stats[{b}] = {st_.tolist()}"
-            for d in range(max_depth):
-                kids = sum(1 for c in range(1, int(n[b])) if par[b, c] == path[d]) if d <= na else 0
-                tried = int(st_[d, 0])
-                ok = (1 <= tried <= kids) if d < na else tried == kids  # at depth na + 1 every child was tried
-                assert ok, f"{what}: stats[{b}] = {st_.tolist()} for path {path[: na + 1]}"
+        deepest = int(depth[b, : r.num_nodes].max())
+        _check_path(r, deepest)
+        _check_support(r)
+        if not r.temp:
+            _check_greedy_walk(r)
+        if r.stats is not None:
+            _check_stats(r)
+
+
+def _check_flagged(r: _Request):
+    """A flagged request has a row without a distribution, and the reset outputs."""
+    what, b, P = r.what, r.b, r.max_depth + 1
+    assert any(not _row_ok(r.logits[i]) for i in range(r.num_nodes)), f"{what}: request {b} flagged, all rows ok"
+    assert r.num_accepted == 0 and r.out == [-1] * P and r.path == [0] + [-1] * (P - 1), f"{what}: request {b} flagged"
+    if r.stats is not None:
+        assert not r.stats.any()
+
+
+def _check_path(r: _Request, deepest: int):
+    """``accepted_nodes`` is a root-to-node path of at most ``min(max_depth, deepest)`` nodes whose draft tokens are
+    the emitted ones; -1 padding after it."""
+    what, b, na, path, out, P = r.what, r.b, r.num_accepted, r.path, r.out, r.max_depth + 1
+    assert 0 <= na <= min(r.max_depth, deepest), f"{what}: num_accepted[{b}] = {na}"
+    assert path[0] == 0 and path[na + 1:] == [-1] * (P - na - 1), f"{what}: accepted_nodes[{b}] = {path}"
+    assert out[na + 1:] == [-1] * (P - na - 1), f"{what}: tokens[{b}] = {out}"
+    for d in range(1, na + 1):
+        node = path[d]
+        assert 0 < node < r.num_nodes and r.parents[node] == path[d - 1], f"{what}: request {b} path {path} is no path"
+        assert out[d - 1] == r.draft_tokens[node], (
+            f"{what}: tokens[{b}, {d - 1}] = {out[d - 1]} is not node {node}'s token")
+
+
+def _check_support(r: _Request):
+    """Every visited row has a distribution, and each emitted token lies in ``[0, V)`` and in its filtered support."""
+    what, b, out, V = r.what, r.b, r.out, r.logits.shape[1]
+    for d in range(r.num_accepted + 1):
+        node = r.path[d]
+        row = r.logits[node]
+        assert _row_ok(row), f"{what}: request {b} visited row {node} that has no distribution but no error"
+        assert 0 <= out[d] < V, f"{what}: tokens[{b}, {d}] = {out[d]} outside [0, V={V})"
+        assert out[d] in _support(row, r.temp, r.k, r.p), (
+            f"{what}: tokens[{b}, {d}] = {out[d]} has probability 0 under row {node} (temperature {r.temp}, "
+            f"top_k {r.k}, top_p {r.p}): row {row.tolist()}")
+
+
+def _check_greedy_walk(r: _Request):
+    """A greedy request follows an independent walk: the first child whose token is the argmax, then the argmax."""
+    na = r.num_accepted
+    want_path, want_out, cur = [0], [], 0
+    while True:
+        a = _argmax(r.logits[cur])
+        kids = r.children(cur) if len(want_path) - 1 < r.max_depth else []
+        hit = next((c for c in kids if r.draft_tokens[c] == a), None)
+        if hit is None:
+            want_out.append(a)
+            break
+        want_path.append(hit)
+        want_out.append(a)
+        cur = hit
+    assert r.path[: na + 1] == want_path and r.out[: na + 1] == want_out, (
+        f"{r.what}: greedy request {r.b}: path {r.path[: na + 1]} tokens {r.out[: na + 1]}, "
+        f"want {want_path} {want_out}")
+
+
+def _check_stats(r: _Request):
+    """Stats consistent with the path: one acceptance per accepted depth, and children tried within each node's."""
+    na, st_, max_depth = r.num_accepted, r.stats, r.max_depth
+    assert st_.shape == (max_depth, 2)
+    assert st_[:, 1].tolist() == [1] * na + [0] * (max_depth - na), f"{r.what}: stats[{r.b}] = {st_.tolist()}"
+    for d in range(max_depth):
+        kids = len(r.children(r.path[d])) if d <= na else 0
+        tried = int(st_[d, 0])
+        ok = (1 <= tried <= kids) if d < na else tried == kids  # at depth na + 1 every child was tried
+        assert ok, f"{r.what}: stats[{r.b}] = {st_.tolist()} for path {r.path[: na + 1]}"
 
 
 def _call(problem, backend):

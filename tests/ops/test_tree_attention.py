@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import kernel_devices, poison_
+from conftest import kernel_devices, need_backend, poison_
 
 import tlt_kernels
 from tlt_kernels._backend import backend_unavailable_reason
@@ -13,12 +13,6 @@ from tlt_kernels.reference.tree_attention import gather_request_kv, request_mask
 DEVICE = torch.device(kernel_devices()[0])
 ON_GPU = DEVICE.type == "cuda"
 BACKENDS = ["torch", "triton", "cuda"]
-
-
-def _need(backend, device=DEVICE):
-    reason = backend_unavailable_reason(backend, device)
-    if reason is not None:
-        pytest.skip(reason)
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -138,7 +132,7 @@ AGREEMENT_CASES = ([pytest.param(name, id=name) for name in CPU_CASES]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", AGREEMENT_CASES)
 def test_matches_reference(backend, name):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = {**CPU_CASES, **GPU_CASES}[name]
     case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
     plan = make_plan(case, split_len=split_len)
@@ -194,7 +188,7 @@ def test_nan_in_unused_cache_slots_gpu(backend, name):
 
 
 def _check_nan_in_unused_cache_slots(backend, spec):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = spec
     case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
     assert fill_unused_slots_with_nan_(case) > 0
@@ -207,7 +201,7 @@ def _check_nan_in_unused_cache_slots(backend, spec):
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_plan_reused_across_layers_and_scale(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     layers = [make_case([45, 9], 6, 4, 2, 64, 16, torch.bfloat16, ("random", "star"), [6, 4], seed=s) for s in (1, 2)]
     # Same tree and tables in every layer; only q / k / v differ.
     for key in ("block_table", "context_lens", "parents", "num_nodes"):
@@ -222,7 +216,7 @@ def test_plan_reused_across_layers_and_scale(backend):
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_public_op(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     case = make_case([20, 66], 4, 4, 1, 64, 16, torch.float16, ("binary",), [4, 2])
     out = tlt_kernels.tree_attention(**case, backend=backend)
     check_against_reference(out, case)
@@ -237,7 +231,7 @@ def test_torch_backend_any_head_dim_and_large_trees():
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_kernel_backends_reject_unsupported_shapes(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     big_tree = make_case([9], 65, 2, 1, 64, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="T=65"):
         tlt_kernels.tree_attention(**big_tree, backend=backend)
@@ -304,7 +298,7 @@ def test_eager_run_launches_directly_and_compile_keeps_the_op(monkeypatch):
     layer); TLT_DIRECT_DISPATCH=0 and torch.compile go through the op; all give the same bits."""
     import tlt_kernels._backend as backend_mod
 
-    _need("triton")
+    need_backend("tree_attention", "triton", DEVICE)
     case = make_case([40, 7], 4, 4, 2, 64, 16, torch.bfloat16, ("random",), [4, 2])
     plan = make_plan(case)
     calls = []
@@ -322,7 +316,7 @@ def test_eager_run_launches_directly_and_compile_keeps_the_op(monkeypatch):
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_dynamo_traces_plan_run_without_graph_breaks(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     case = make_case([40, 7], 4, 4, 2, 64, 16, torch.bfloat16, ("random",), [4, 2])
     plan = make_plan(case)
 
@@ -336,7 +330,7 @@ def test_dynamo_traces_plan_run_without_graph_breaks(backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_cuda_graph_capture_and_replay(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     case = make_case([300, 1100, 4], 8, 28, 4, 128, 16, torch.bfloat16, ("random",), [8, 3, 8])
     plan = make_plan(case, split_len=256)
     q, k, v = case["q"], case["k_cache"], case["v_cache"]
@@ -363,7 +357,7 @@ def test_cuda_graph_capture_and_replay(backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_torch_compile(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     case = make_case([300, 77], 8, 28, 4, 128, 16, torch.bfloat16, ("random",), [8, 5])
     plan = make_plan(case)
 
@@ -496,7 +490,7 @@ def test_fp32_runs_on_triton_and_cuda_refuses_it():
     """The CUDA kernel reads half precision: under "auto" fp32 inputs go to triton; asked for by name, a clear error."""
     from tlt_kernels.ops.tree_attention import _choose_backend
 
-    _need("triton")
+    need_backend("tree_attention", "triton", DEVICE)
     case = make_case([40, 3], 4, 4, 2, 64, 16, torch.float32)
     assert _choose_backend("auto", DEVICE, 4, 64, True) == "triton"
     plan = make_plan(case)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from conftest import poison_, sm90_rule_spy
-from test_tree_attention import BACKENDS, DEVICE, _need, fill_unused_slots_with_nan_, make_case, make_plan
+from conftest import need_backend, poison_, sm90_rule_spy
+from test_tree_attention import BACKENDS, DEVICE, fill_unused_slots_with_nan_, make_case, make_plan
 
 import tlt_kernels
 from tlt_kernels.ops import tree_attention as ta
@@ -67,7 +67,7 @@ def _views(case):
 def test_views_give_the_contiguous_result(backend):
     """plan/run on views (a slice of a wider q, K/V interleaved in one buffer, transposed tables, a strided length
     column, a slice of a wider out, and a q whose head dim is strided) give exactly the contiguous result."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
     case = _case()
     want = _run(case, backend, split_len=64)
@@ -89,7 +89,7 @@ def test_views_give_the_contiguous_result(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_sharing_memory_is_refused(backend):
     """An out whose elements share memory (an expanded view) cannot hold the result: refused, never written wrong."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     case = _case(torch.float16)
     plan = make_plan(case)
     B, T, Hq, D = case["q"].shape
@@ -149,7 +149,7 @@ def test_nan_in_an_attended_slot_reaches_exactly_its_rows(backend, split_len, si
     """A NaN in the K or V of one live slot (context or tree): every row that attends it holds NaN, every other row
     equals the NaN-free result, with NaN and inf garbage in every unattended slot (past the context, padding nodes'
     slots, spare pages) that must never reach the output."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
     which, b, slot, kv_head = NAN_SITES[site]
     case = _case()
@@ -179,7 +179,7 @@ def _fill_unused_slots_with_inf_(case):
 @pytest.mark.parametrize("split_len", [64, None], ids=["4-splits", "1-split"])
 def test_nan_in_every_split_of_a_request(backend, split_len):
     """A NaN in each of a request's splits (every partial LSE NaN): the merge must still give NaN, not zeros."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
     case = _case()
     clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
@@ -198,7 +198,7 @@ def test_out_of_range_page_raises_at_run_when_the_plan_had_no_num_blocks(backend
     """plan without num_blocks (it cannot know the cache), then run with a used entry past the cache: a ValueError
     naming block_table, the request, the entry, the value and [0, num_blocks), from the plan's record of the table
     (no sync at run). Entries a request does not use may hold anything."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
     case = _case()
     nb = case["k_cache"].shape[0]
@@ -224,7 +224,7 @@ def test_unchecked_out_of_range_page_is_never_read_and_gives_nan(backend):
     """validate=False (the host never reads the table): a used entry out of [0, num_blocks) is not read (the
     interpreter segfaulted, a GPU would read past the cache) and its request's rows come out NaN; the other requests
     are exact."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
     case = _case()
     ref = tree_attention_reference(**case, out_dtype=torch.float32)
@@ -267,7 +267,7 @@ def test_page_check_of_a_plan_built_during_capture(monkeypatch):
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cache_page_count_must_match_the_plan(backend):
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
     case = _case()
     nb = case["k_cache"].shape[0]
@@ -308,7 +308,7 @@ def test_nonsense_plan_arguments(name, value, message):
 def test_bad_sm_scale_is_refused(value):
     """A negative scale made the Triton kernel's running max (kept on unscaled scores) a minimum: NaN where the
     reference is finite. Non-numbers, NaN and inf are refused the same way, naming sm_scale."""
-    _need("triton")
+    need_backend("tree_attention", "triton", DEVICE)
     case = _case(torch.float32)
     plan = make_plan(case)
     for backend in ("torch", "triton"):
@@ -365,7 +365,7 @@ def _sm90_case(seed=0, wide=False):
 @pytest.mark.parametrize("site", ["K-context", "V-context", "K-tree", "V-tree", "V-tree-root", "K-tree-leaf"])
 def test_nan_contract_on_cuda_paths(path, split_len, site, monkeypatch):
     """The NaN contract through each CUDA kernel (NaN/inf garbage in unattended slots, one NaN in a live slot)."""
-    _need("cuda")
+    need_backend("tree_attention", "cuda", DEVICE)
     wide = path.endswith("-wide")
     path = path.removesuffix("-wide")
     used = _force_cuda_path(monkeypatch, path)
@@ -385,7 +385,7 @@ def test_nan_contract_on_cuda_paths(path, split_len, site, monkeypatch):
 @pytest.mark.parametrize("path", SM90_PATHS)
 def test_unchecked_out_of_range_page_on_cuda_paths(path, monkeypatch):
     """validate=False and a used page id past the cache (or negative): never read, the request's rows NaN."""
-    _need("cuda")
+    need_backend("tree_attention", "cuda", DEVICE)
     _force_cuda_path(monkeypatch, path)
     case = _sm90_case()
     ref = tree_attention_reference(**case, out_dtype=torch.float32)
@@ -407,7 +407,7 @@ def test_unchecked_out_of_range_page_on_cuda_paths(path, monkeypatch):
 def test_replayed_graph_with_an_out_of_range_page(backend):
     """A captured run replayed after the table changed (no host check possible): an out-of-range used page gives
     NaN rows for its request, the others stay exact, and the process survives (no illegal address)."""
-    _need(backend)
+    need_backend("tree_attention", backend, DEVICE)
     case = _sm90_case()
     ref = tree_attention_reference(**case, out_dtype=torch.float32)
     table = case["block_table"]

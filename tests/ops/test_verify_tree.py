@@ -10,6 +10,7 @@ brute force. Helpers here are reused by ``test_verify_tree_triton.py``.
 """
 import itertools
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from conftest import agreement_backends, kernel_devices, need_backend
 from scipy import stats as sstats
 
 import tlt_kernels
-from tlt_kernels import chain_parents, verify_tree
+from tlt_kernels import VerifyResult, chain_parents, verify_tree
 
 NEG = float("-inf")
 DEV = kernel_devices()[0]
@@ -656,115 +657,117 @@ def test_empty_batch_validates_and_returns_empty_outputs():
     empty_batch_call("torch")
 
 
-def test_bad_inputs():
-    lg, toks, parents, q = _random_inputs(B=2, T=6, V=10)
+class _BadInputs(NamedTuple):
+    """The valid call that ``test_bad_inputs`` changes one argument of."""
 
-    def call(**over):
-        kw = dict(logits=lg, draft_tokens=toks, parents=parents)
-        kw.update(over)
-        return verify_tree(**kw)
+    logits: torch.Tensor
+    draft_tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor
 
-    with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
-        call(logits=lg.numpy())
-    with pytest.raises(TypeError, match="logits must have dtype"):
-        call(logits=lg.double())
-    with pytest.raises(ValueError, match="logits must be 3-D"):
-        call(logits=lg[0])
-    with pytest.raises(TypeError, match="draft_tokens must have dtype"):
-        call(draft_tokens=toks.float())
-    with pytest.raises(ValueError, match="draft_tokens has size 5 on dim 1"):
-        call(draft_tokens=toks[:, :5])
-    with pytest.raises(ValueError, match="parents has size 3 on dim 0"):
-        call(parents=torch.cat([parents, parents[:1]]))
-    with pytest.raises(ValueError, match="num_nodes has size 3 on dim 0"):
-        call(num_nodes=torch.tensor([1, 2, 3], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"num_nodes\[1\] = 7 is outside"):
-        call(num_nodes=torch.tensor([2, 7], dtype=torch.int32))
-    with pytest.raises(ValueError, match="request 0, node 0"):
-        p = parents.clone()
-        p[0, 0] = 0
-        call(parents=p)
-    with pytest.raises(ValueError, match="request 1, node 4 has parent 4"):
-        p = parents.clone()
-        p[1, 4] = 4
-        call(parents=p)
-    with pytest.raises(ValueError, match=r"draft_tokens\[1, 3\] = 10 is outside the vocabulary"):
-        t = toks.clone()
-        t[1, 3] = 10
-        call(draft_tokens=t)
-    with pytest.raises(ValueError, match=r"draft_tokens\[0, 2\] = -1"):
-        t = toks.clone()
-        t[0, 2] = -1
-        call(draft_tokens=t)
-    t = toks.clone()
-    t[:, 0] = -5  # the root's token is never read
-    call(draft_tokens=t)
-    with pytest.raises(ValueError, match="draft_probs has size 9 on dim 2"):
-        call(draft_probs=q[..., :9])
-    with pytest.raises(TypeError, match="draft_probs must have dtype"):
-        call(draft_probs=q.double())
-    nan, inf = float("nan"), float("inf")
-    # (elements or whole rows set, the error): one corrupted row at a time, then two bad rows (the first row's first
-    # bad element wins).
-    for edits, match in [
-        ({(1, 2, 3): -0.5}, r"draft_probs\[1, 2, 3\] = -0.5"),
-        ({(0, 1, 0): nan}, r"draft_probs\[0, 1, 0\] = nan"),
-        ({(1, 4, 2): -inf}, r"draft_probs\[1, 4, 2\] = -inf"),
-        ({(0, 3, 7): inf}, r"draft_probs\[0, 3, 7\] = inf"),
-        ({(1, 0): 3e38}, r"draft_probs\[1, 0\] sums to inf in float32: rows must have a finite sum"),
-        ({(0, 1): 0.0}, r"draft_probs\[0, 1\] sums to 0"),
-        ({(1, 2, 3): -0.5, (1, 3, 0): nan}, r"draft_probs\[1, 2, 3\] = -0.5"),
-    ]:
-        bad = q.clone()
-        for where, value in edits.items():
-            bad[where] = value
-        with pytest.raises(ValueError, match=match):
-            call(draft_probs=bad)
-    bad = q.clone()
-    bad[:, 5] = 0  # node 5 is a leaf: its draft row is never used
-    call(draft_probs=bad)
-    short = torch.tensor([4, 6], dtype=torch.int32)
-    bad = q.clone()
-    bad[0, 4:] = float("nan")  # rows past num_nodes[0] are padding: never checked
-    call(draft_probs=bad, num_nodes=short)
-    with pytest.raises(ValueError, match="temperature = -1"):
-        call(temperature=-1.0)
-    with pytest.raises(ValueError, match=r"temperature\[1\] = nan"):
-        call(temperature=[1.0, float("nan")])
-    with pytest.raises(ValueError, match=r"temperature\[0\] = -0.5"):
-        call(temperature=torch.tensor([-0.5, 1.0]))
-    with pytest.raises(ValueError, match="temperature has 3 entries"):
-        call(temperature=[1.0, 1.0, 1.0])
-    with pytest.raises(ValueError, match=r"temperature must be a scalar or a \[B\]=2 tensor"):
-        call(temperature=torch.ones(3))
-    with pytest.raises(TypeError, match="top_k must be an integer"):
-        call(top_k=torch.tensor([1.5, 2.0]))
-    with pytest.raises(ValueError, match="top_k = -1"):
-        call(top_k=-1)
-    with pytest.raises(ValueError, match=r"top_k\[1\] = -3"):
-        call(top_k=torch.tensor([2, -3]))
-    for bad_p in (0.0, 1.5, -0.1):
-        with pytest.raises(ValueError, match=f"top_p = {bad_p}"):
-            call(top_p=bad_p)
-    with pytest.raises(ValueError, match=r"top_p\[1\]"):
-        call(top_p=torch.tensor([0.5, 0.0]))
-    with pytest.raises(TypeError, match="seed must be an integer"):
-        call(seed=torch.tensor([0.5, 1.0]))
-    with pytest.raises(ValueError, match="seed has 3 entries"):
-        call(seed=[1, 2, 3])
-    with pytest.raises(ValueError, match="offset must be a scalar or a"):
-        call(offset=torch.zeros(2, 2, dtype=torch.int64))
-    for bad_d in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="max_depth must be a non-negative int"):
-            call(max_depth=bad_d)
-    with pytest.raises(ValueError, match="unknown backend"):
-        call(backend="nope")
-    with pytest.raises(tlt_kernels.BackendUnavailableError):
-        call(backend="cuda")
+
+def _edited(t: torch.Tensor, edits) -> torch.Tensor:
+    """A copy of ``t`` with ``t[where] = value`` for each ``(where, value)`` of ``edits``."""
+    t = t.clone()
+    for where, value in edits:
+        t[where] = value
+    return t
+
+
+_NAN, _INF = float("nan"), float("inf")
+# (id, the changed arguments of the call as a function of its inputs, the error raised, what its message matches).
+BAD_INPUTS = [
+    ("logits-numpy", lambda i: dict(logits=i.logits.numpy()), TypeError, "logits must be a torch.Tensor"),
+    ("logits-float64", lambda i: dict(logits=i.logits.double()), TypeError, "logits must have dtype"),
+    ("logits-2d", lambda i: dict(logits=i.logits[0]), ValueError, "logits must be 3-D"),
+    ("tokens-float", lambda i: dict(draft_tokens=i.draft_tokens.float()), TypeError, "draft_tokens must have dtype"),
+    ("tokens-short", lambda i: dict(draft_tokens=i.draft_tokens[:, :5]), ValueError,
+     "draft_tokens has size 5 on dim 1"),
+    ("parents-rows", lambda i: dict(parents=torch.cat([i.parents, i.parents[:1]])), ValueError,
+     "parents has size 3 on dim 0"),
+    ("num-nodes-size", lambda i: dict(num_nodes=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError,
+     "num_nodes has size 3 on dim 0"),
+    ("num-nodes-range", lambda i: dict(num_nodes=torch.tensor([2, 7], dtype=torch.int32)), ValueError,
+     r"num_nodes\[1\] = 7 is outside"),
+    ("root-parent", lambda i: dict(parents=_edited(i.parents, [((0, 0), 0)])), ValueError, "request 0, node 0"),
+    ("self-parent", lambda i: dict(parents=_edited(i.parents, [((1, 4), 4)])), ValueError,
+     "request 1, node 4 has parent 4"),
+    ("token-past-vocab", lambda i: dict(draft_tokens=_edited(i.draft_tokens, [((1, 3), 10)])), ValueError,
+     r"draft_tokens\[1, 3\] = 10 is outside the vocabulary"),
+    ("token-negative", lambda i: dict(draft_tokens=_edited(i.draft_tokens, [((0, 2), -1)])), ValueError,
+     r"draft_tokens\[0, 2\] = -1"),
+    ("probs-vocab", lambda i: dict(draft_probs=i.draft_probs[..., :9]), ValueError, "draft_probs has size 9 on dim 2"),
+    ("probs-float64", lambda i: dict(draft_probs=i.draft_probs.double()), TypeError, "draft_probs must have dtype"),
+    # One corrupted draft row at a time (elements or whole rows set), then two bad rows (the first row's first bad
+    # element wins).
+    ("probs-negative", lambda i: dict(draft_probs=_edited(i.draft_probs, [((1, 2, 3), -0.5)])), ValueError,
+     r"draft_probs\[1, 2, 3\] = -0.5"),
+    ("probs-nan", lambda i: dict(draft_probs=_edited(i.draft_probs, [((0, 1, 0), _NAN)])), ValueError,
+     r"draft_probs\[0, 1, 0\] = nan"),
+    ("probs-minus-inf", lambda i: dict(draft_probs=_edited(i.draft_probs, [((1, 4, 2), -_INF)])), ValueError,
+     r"draft_probs\[1, 4, 2\] = -inf"),
+    ("probs-inf", lambda i: dict(draft_probs=_edited(i.draft_probs, [((0, 3, 7), _INF)])), ValueError,
+     r"draft_probs\[0, 3, 7\] = inf"),
+    ("probs-sum-overflows", lambda i: dict(draft_probs=_edited(i.draft_probs, [((1, 0), 3e38)])), ValueError,
+     r"draft_probs\[1, 0\] sums to inf in float32: rows must have a finite sum"),
+    ("probs-zero-row", lambda i: dict(draft_probs=_edited(i.draft_probs, [((0, 1), 0.0)])), ValueError,
+     r"draft_probs\[0, 1\] sums to 0"),
+    ("probs-two-bad-rows", lambda i: dict(draft_probs=_edited(i.draft_probs, [((1, 2, 3), -0.5), ((1, 3, 0), _NAN)])),
+     ValueError, r"draft_probs\[1, 2, 3\] = -0.5"),
+    ("temperature-negative", lambda i: dict(temperature=-1.0), ValueError, "temperature = -1"),
+    ("temperature-list-nan", lambda i: dict(temperature=[1.0, _NAN]), ValueError, r"temperature\[1\] = nan"),
+    ("temperature-tensor-negative", lambda i: dict(temperature=torch.tensor([-0.5, 1.0])), ValueError,
+     r"temperature\[0\] = -0.5"),
+    ("temperature-list-long", lambda i: dict(temperature=[1.0, 1.0, 1.0]), ValueError, "temperature has 3 entries"),
+    ("temperature-tensor-long", lambda i: dict(temperature=torch.ones(3)), ValueError,
+     r"temperature must be a scalar or a \[B\]=2 tensor"),
+    ("top-k-float", lambda i: dict(top_k=torch.tensor([1.5, 2.0])), TypeError, "top_k must be an integer"),
+    ("top-k-negative", lambda i: dict(top_k=-1), ValueError, "top_k = -1"),
+    ("top-k-tensor-negative", lambda i: dict(top_k=torch.tensor([2, -3])), ValueError, r"top_k\[1\] = -3"),
+    *[(f"top-p-{bad_p}", lambda i, bad_p=bad_p: dict(top_p=bad_p), ValueError, f"top_p = {bad_p}")
+      for bad_p in (0.0, 1.5, -0.1)],
+    ("top-p-tensor-zero", lambda i: dict(top_p=torch.tensor([0.5, 0.0])), ValueError, r"top_p\[1\]"),
+    ("seed-float", lambda i: dict(seed=torch.tensor([0.5, 1.0])), TypeError, "seed must be an integer"),
+    ("seed-list-long", lambda i: dict(seed=[1, 2, 3]), ValueError, "seed has 3 entries"),
+    ("offset-2d", lambda i: dict(offset=torch.zeros(2, 2, dtype=torch.int64)), ValueError,
+     "offset must be a scalar or a"),
+    *[(f"max-depth-{bad_d}", lambda i, bad_d=bad_d: dict(max_depth=bad_d), ValueError,
+       "max_depth must be a non-negative int") for bad_d in (-1, 1.5, True)],
+    ("backend-unknown", lambda i: dict(backend="nope"), ValueError, "unknown backend"),
+    ("backend-cuda", lambda i: dict(backend="cuda"), tlt_kernels.BackendUnavailableError, None),
+]
+
+# (id, the changed arguments): inputs that look wrong but are never read, or not checked; the call succeeds.
+ACCEPTED_INPUTS = [
+    # The root's token is never read.
+    ("root-token-negative", lambda i: dict(draft_tokens=_edited(i.draft_tokens, [((slice(None), 0), -5)]))),
+    # Node 5 is a leaf: its draft row is never used.
+    ("leaf-probs-zero", lambda i: dict(draft_probs=_edited(i.draft_probs, [((slice(None), 5), 0)]))),
+    # Rows past num_nodes[0] are padding: never checked.
+    ("padding-probs-nan", lambda i: dict(draft_probs=_edited(i.draft_probs, [((0, slice(4, None)), _NAN)]),
+                                         num_nodes=torch.tensor([4, 6], dtype=torch.int32))),
     # validate=False skips the value checks (the caller vouches for the inputs).
-    t = toks.clone()
-    t[0, 0] = 99
-    call(draft_tokens=t, validate=False)
+    ("unvalidated-root-token", lambda i: dict(draft_tokens=_edited(i.draft_tokens, [((0, 0), 99)]), validate=False)),
+]
+
+
+def _call_changed(change) -> VerifyResult:
+    """``verify_tree`` on the small valid call of :class:`_BadInputs`, with ``change(inputs)``'s arguments instead."""
+    inputs = _BadInputs(*_random_inputs(B=2, T=6, V=10))
+    kw = dict(logits=inputs.logits, draft_tokens=inputs.draft_tokens, parents=inputs.parents)
+    kw.update(change(inputs))
+    return verify_tree(**kw)
+
+
+@pytest.mark.parametrize("change, error, match", [pytest.param(*case[1:], id=case[0]) for case in BAD_INPUTS])
+def test_bad_inputs(change, error, match):
+    with pytest.raises(error, match=match):
+        _call_changed(change)
+
+
+@pytest.mark.parametrize("change", [pytest.param(case[1], id=case[0]) for case in ACCEPTED_INPUTS])
+def test_inputs_never_read_or_unchecked_pass(change):
+    _call_changed(change)
 
 
 @pytest.mark.cuda

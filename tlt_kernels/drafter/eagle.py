@@ -474,63 +474,55 @@ class EagleDrafter(nn.Module):
         B, H = state.last_hidden.shape
         K = topk
         dev = state.last_hidden.device
-        rows = torch.arange(B, device=dev).unsqueeze(1)
-        ck, cv = self._gather_context(cache, state.block_table)
-        ctx = state.context_lens.to(torch.int64)
-        ctx_mask = torch.arange(ck.shape[1], device=dev).unsqueeze(0) < ctx.unsqueeze(1)  # [B, Lc]
-        # The context part in the layout every depth's attention reads, made once per draft.
-        ck_t, cv_h = ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous()
-
+        context = self._draft_context(state, cache)
         logp = torch.log_softmax(self.head_logits(state.last_hidden).float(), -1)
         score, tok = logp.topk(K, dim=-1)  # [B, K]
         cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
         cand_tok, cand_score = [tok], [score]
-        # Frontier: candidate indices, tokens, scores, parent feature, parent's processed slot.
-        f_idx = torch.arange(K, device=dev).expand(B, K)
-        f_tok, f_score = tok, score
-        f_feat = state.last_hidden.unsqueeze(1).expand(B, K, H)
-        f_proc_parent = torch.full((B, K), -1, dtype=torch.int64, device=dev)
-        tk, tv, anc = [], [], None  # processed nodes' K/V and ancestor mask
-        base = K
-        for s in range(1, depth):
-            x = self._input(f_feat, f_tok)
-            q, k, v = self._qkv(x, (ctx + s - 1).unsqueeze(1).expand(B, K))
-            tk.append(k)
-            tv.append(v)
-            P = len(tk) * K  # processed nodes so far (this step's are the last K)
-            new = torch.zeros(B, K, P, dtype=torch.bool, device=dev)
-            if anc is not None:
-                # A node sees its parent's ancestors, plus itself.
-                par_rows = anc.gather(1, f_proc_parent.clamp(min=0).unsqueeze(2).expand(B, K, anc.shape[2]))
-                new[:, :, : P - K] = par_rows & (f_proc_parent >= 0).unsqueeze(2)
-                anc = torch.cat([torch.cat([anc, torch.zeros(B, anc.shape[1], K, dtype=torch.bool, device=dev)], 2), new], 1)
-            else:
-                anc = new
-            anc[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
-            tree_k, tree_v = torch.cat(tk, 1), torch.cat(tv, 1)  # [B, P, Hkv, D]: this draft's nodes so far
-            parts = [(ck_t, cv_h, ctx_mask.unsqueeze(1).expand(B, K, -1)),
-                     (tree_k.permute(0, 2, 3, 1), tree_v.transpose(1, 2), anc[:, P - K :])]
-            g = self._finish(x, self._attend_parts(q, parts))  # [B, K, H]
-            clogp = torch.log_softmax(self.head_logits(g).float(), -1)
-            c_score, c_tok = clogp.topk(K, dim=-1)  # [B, K, K]
-            c_score = (f_score.unsqueeze(2) + c_score).reshape(B, K * K)
+        frontier = _Frontier(cand_index=torch.arange(K, device=dev).expand(B, K), tokens=tok, scores=score,
+                             parent_features=state.last_hidden.unsqueeze(1).expand(B, K, H),
+                             parent_rows=torch.full((B, K), -1, dtype=torch.int64, device=dev))
+        drafted = _DraftedNodes([], [], None)
+        for step in range(1, depth):
+            g = self._expand_frontier(frontier, context, drafted, step)  # [B, K, H]
+            c_score, c_tok = torch.log_softmax(self.head_logits(g).float(), -1).topk(K, dim=-1)  # [B, K, K]
+            c_score = (frontier.scores.unsqueeze(2) + c_score).reshape(B, K * K)
             c_tok = c_tok.reshape(B, K * K)
-            c_par = f_idx.unsqueeze(2).expand(B, K, K).reshape(B, K * K).to(torch.int32)
-            cand_par.append(c_par)
+            cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K).to(torch.int32))
             cand_tok.append(c_tok)
             cand_score.append(c_score)
-            # Next frontier: the K best new children.
-            f_score, best = c_score.topk(K, dim=-1)
-            f_tok = c_tok.gather(1, best)
-            f_idx = base + best
-            f_feat = g[rows, best // K]
-            f_proc_parent = (P - K) + best // K
-            base += K * K
+            frontier = _next_frontier(g, c_tok, c_score, first_index=K + (step - 1) * K * K,
+                                      first_row=(len(drafted.keys) - 1) * K)
         cand_parents = torch.cat(cand_par, 1)
         cand_tokens = torch.cat(cand_tok, 1)
         cand_scores = torch.cat(cand_score, 1).float()
         tree = build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, state.root_tokens, return_mask=return_mask, validate=False)
         return EagleDraft(tree, cand_parents, cand_tokens, cand_scores)
+
+    def _draft_context(self, state: EagleState, cache: DrafterKVCache):
+        """The cached context in the layout every depth's attention reads, made once per draft: ``(keys [B, Hkv, D,
+        Lc], values [B, Hkv, Lc, D], context_lens int64 [B], mask bool [B, Lc] of the cached slots)``."""
+        ck, cv = self._gather_context(cache, state.block_table)
+        ctx = state.context_lens.to(torch.int64)
+        ctx_mask = torch.arange(ck.shape[1], device=ck.device).unsqueeze(0) < ctx.unsqueeze(1)  # [B, Lc]
+        return ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous(), ctx, ctx_mask
+
+    def _expand_frontier(self, frontier: "_Frontier", context, drafted: "_DraftedNodes", step: int) -> torch.Tensor:
+        """Runs the frontier's pairs (parent feature, token) at slot ``context_lens + step - 1``, attending to the
+        context and to their drafted ancestors and themselves; appends their K/V and ancestor rows to ``drafted``
+        and returns their predicted features ``[B, K, H]``."""
+        ck_t, cv_h, ctx, ctx_mask = context
+        B, K = frontier.tokens.shape
+        x = self._input(frontier.parent_features, frontier.tokens)
+        q, k, v = self._qkv(x, (ctx + step - 1).unsqueeze(1).expand(B, K))
+        drafted.keys.append(k)
+        drafted.values.append(v)
+        drafted.ancestors = _extend_ancestors(drafted.ancestors, frontier.parent_rows, K)
+        P = drafted.ancestors.shape[1]  # processed nodes so far (this step's are the last K)
+        tree_k, tree_v = torch.cat(drafted.keys, 1), torch.cat(drafted.values, 1)  # [B, P, Hkv, D]
+        parts = [(ck_t, cv_h, ctx_mask.unsqueeze(1).expand(B, K, -1)),
+                 (tree_k.permute(0, 2, 3, 1), tree_v.transpose(1, 2), drafted.ancestors[:, P - K :])]
+        return self._finish(x, self._attend_parts(q, parts))
 
     # -- versioned weights -----------------------------------------------------------------------
 
@@ -546,6 +538,56 @@ class EagleDrafter(nn.Module):
             return False
         self.load_weights(w)
         return True
+
+
+class _Frontier(NamedTuple):
+    """The candidates a draft step expands, ``[B, K]`` each: their indices among all candidates, tokens and
+    cumulative log-probs, their parents' predicted features (``[B, K, H]``) and their parents' rows among the
+    processed nodes (-1: the root)."""
+
+    cand_index: torch.Tensor
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    parent_features: torch.Tensor
+    parent_rows: torch.Tensor
+
+
+@dataclass
+class _DraftedNodes:
+    """The nodes a draft has processed so far, K per step: their K/V (``[B, K, Hkv, D]`` per step) and the ancestor
+    mask ``bool [B, P, P]`` (row i: node i's ancestors among them, and itself)."""
+
+    keys: list
+    values: list
+    ancestors: Optional[torch.Tensor]
+
+
+def _extend_ancestors(ancestors: Optional[torch.Tensor], parent_rows: torch.Tensor, K: int) -> torch.Tensor:
+    """The ancestor mask with K new nodes appended: a node sees its parent's ancestors, plus itself."""
+    B = parent_rows.shape[0]
+    dev = parent_rows.device
+    P = K if ancestors is None else ancestors.shape[1] + K
+    new = torch.zeros(B, K, P, dtype=torch.bool, device=dev)
+    if ancestors is not None:
+        par_rows = ancestors.gather(1, parent_rows.clamp(min=0).unsqueeze(2).expand(B, K, ancestors.shape[2]))
+        new[:, :, : P - K] = par_rows & (parent_rows >= 0).unsqueeze(2)
+        widened = torch.cat([ancestors, torch.zeros(B, ancestors.shape[1], K, dtype=torch.bool, device=dev)], 2)
+        ancestors = torch.cat([widened, new], 1)
+    else:
+        ancestors = new
+    ancestors[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
+    return ancestors
+
+
+def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, first_index: int,
+                   first_row: int) -> _Frontier:
+    """The K best of a step's ``K * K`` children (``c_tok``, ``c_score`` ``[B, K * K]``; ``g [B, K, H]`` their parents'
+    predicted features), whose candidate indices start at ``first_index`` and parents' rows at ``first_row``."""
+    B, K = g.shape[:2]
+    rows = torch.arange(B, device=g.device).unsqueeze(1)
+    scores, best = c_score.topk(K, dim=-1)
+    return _Frontier(cand_index=first_index + best, tokens=c_tok.gather(1, best), scores=scores,
+                     parent_features=g[rows, best // K], parent_rows=first_row + best // K)
 
 
 def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tensor, n: int) -> None:

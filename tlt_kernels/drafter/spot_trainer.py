@@ -216,31 +216,14 @@ class SpotTrainer:
         check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
         stats = RunStats()
         steps0, micro0, tok0 = self.optimizer_steps, self.micro_steps, self.tokens_seen
-        cuda = self.device.type == "cuda"
         while True:
-            if check is not None and check():
-                stats.stopped_by = "stop"
-                break
-            if deadline is not None and time.perf_counter() >= deadline:
-                stats.stopped_by = "time_budget"
-                break
-            if max_steps is not None and self.optimizer_steps - steps0 >= max_steps and self._accum == 0:
-                stats.stopped_by = "max_steps"
-                break
-            if self.buffer.num_tokens == 0:
-                stats.stopped_by = "empty_buffer"
+            stats.stopped_by = self._stop_reason(check, deadline, max_steps, steps0)
+            if stats.stopped_by:
                 break
             self.micro_step()
-            if cuda:
-                # Bound the queue to one micro-step so a stop is honoured within about one micro-step.
-                if self._inflight is not None:
-                    self._inflight.synchronize()
-                self._inflight = torch.cuda.Event()
-                self._inflight.record()
+            self._bound_inflight()
         self.discard_partial()
-        if cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-            self._inflight = None
+        self._drain_inflight()
         stats.micro_steps = self.micro_steps - micro0
         stats.optimizer_steps = self.optimizer_steps - steps0
         stats.tokens = self.tokens_seen - tok0
@@ -248,17 +231,49 @@ class SpotTrainer:
             stats.last_loss = float(self._last_loss)
             self.history.append((self.optimizer_steps, stats.last_loss))
         if publish and stats.optimizer_steps:
-            # One check per run (the run has synchronized already): a rollout drafter with NaN weights would
-            # draft garbage, and the acceptance, not the output, would drop silently.
-            if bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
-                stats.published_version = self.publish().version
-            else:
-                stats.nonfinite_weights = True
-                warnings.warn(f"SpotTrainer.run: the drafter's weights are no longer finite after optimizer step "
-                              f"{self.optimizer_steps} (loss {stats.last_loss}); not published, the rollout keeps "
-                              f"version {self.holder.version}", RuntimeWarning, stacklevel=2)
+            self._publish_if_finite(stats)
         stats.elapsed_s = time.perf_counter() - t0
         return stats
+
+    def _stop_reason(self, check, deadline: Optional[float], max_steps: Optional[int], steps0: int) -> str:
+        """Why :meth:`run` stops before the next micro-step (a :attr:`RunStats.stopped_by` value), or "" to go on."""
+        if check is not None and check():
+            return "stop"
+        if deadline is not None and time.perf_counter() >= deadline:
+            return "time_budget"
+        if max_steps is not None and self.optimizer_steps - steps0 >= max_steps and self._accum == 0:
+            return "max_steps"
+        if self.buffer.num_tokens == 0:
+            return "empty_buffer"
+        return ""
+
+    def _bound_inflight(self) -> None:
+        """On CUDA, bounds the queue to one micro-step so a stop is honoured within about one micro-step."""
+        if self.device.type != "cuda":
+            return
+        if self._inflight is not None:
+            self._inflight.synchronize()
+        self._inflight = torch.cuda.Event()
+        self._inflight.record()
+
+    def _drain_inflight(self) -> None:
+        """On CUDA, waits for every queued training kernel."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+            self._inflight = None
+
+    def _publish_if_finite(self, stats: RunStats) -> None:
+        """Publishes the weights (recording the version in ``stats``) unless one is not finite (then warns)."""
+        # One check per run (the run has synchronized already): a rollout drafter with NaN weights would
+        # draft garbage, and the acceptance, not the output, would drop silently.
+        if bool(torch.stack([torch.isfinite(p).all() for p in self.params]).all()):
+            stats.published_version = self.publish().version
+        else:
+            stats.nonfinite_weights = True
+            # stacklevel 3: the warning points at run's caller.
+            warnings.warn(f"SpotTrainer.run: the drafter's weights are no longer finite after optimizer step "
+                          f"{self.optimizer_steps} (loss {stats.last_loss}); not published, the rollout keeps "
+                          f"version {self.holder.version}", RuntimeWarning, stacklevel=3)
 
     def publish(self) -> DrafterWeights:
         """Snapshot the drafter's weights into ``holder`` as a new version."""

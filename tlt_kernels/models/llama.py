@@ -401,17 +401,8 @@ class LlamaForCausalLM(nn.Module):
             ``logits [B, T, V]`` (node i's row predicts the token after the path root..i) and
             ``hidden [B, T, H]`` (last layer, before the final norm). Padding rows are garbage.
         """
-        check_tensor("tokens", tokens, dtype=_INT, ndim=2, device=self.device)
+        kernel = self._check_tree_args(tokens, parents, cache, block_table, context_lens, backend)
         B, T = tokens.shape
-        check_tensor("parents", parents, dtype=_INT, shape=(B, T), device=self.device)
-        self._check_cache(cache, block_table, context_lens, B)
-        half = self.dtype in (torch.bfloat16, torch.float16)
-        if backend not in BACKEND_NAMES:
-            raise ValueError(f"backend={backend!r} is not one of {BACKEND_NAMES}")
-        if not half and backend == "cuda":
-            raise ValueError(f"backend={backend!r} needs a bf16/fp16 model (the CUDA tree-attention kernel is half precision); "
-                             f"this model is {self.dtype}: use backend='auto', 'torch' or 'triton'")
-        kernel = half or backend == "triton"
         checked = validate and not _capturing(tokens)
         n = validate_tree(parents, num_nodes) if checked else resolve_num_nodes(parents, num_nodes)
         idx = torch.arange(T, device=tokens.device).unsqueeze(0)
@@ -438,6 +429,21 @@ class LlamaForCausalLM(nn.Module):
 
         hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend)
         return self.logits(hidden), hidden
+
+    def _check_tree_args(self, tokens, parents, cache: PagedKVCache, block_table, context_lens, backend: str) -> bool:
+        """forward_tree's metadata checks (no sync): dtypes, shapes, devices, the cache and the backend. Returns
+        whether attention runs the op's kernels (half-precision models, or ``backend="triton"``)."""
+        check_tensor("tokens", tokens, dtype=_INT, ndim=2, device=self.device)
+        B, T = tokens.shape
+        check_tensor("parents", parents, dtype=_INT, shape=(B, T), device=self.device)
+        self._check_cache(cache, block_table, context_lens, B)
+        half = self.dtype in (torch.bfloat16, torch.float16)
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend={backend!r} is not one of {BACKEND_NAMES}")
+        if not half and backend == "cuda":
+            raise ValueError(f"backend={backend!r} needs a bf16/fp16 model (the CUDA tree-attention kernel is half precision); "
+                             f"this model is {self.dtype}: use backend='auto', 'torch' or 'triton'")
+        return half or backend == "triton"
 
     def _check_tree_inputs(self, tokens, pad, cache: PagedKVCache, block_table, context_lens) -> None:
         """forward_tree's host checks (one sync each): token ids of the real nodes, context lengths and room."""

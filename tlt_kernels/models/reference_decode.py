@@ -98,25 +98,9 @@ def reference_generate(
     B, L = tokens.shape
     _check_args(model, tokens, lens, max_new_tokens)
     N = max_new_tokens
-    S = L + N
-    cfg = model.config
-    kc = [torch.zeros(B, S, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=model.dtype) for _ in range(cfg.num_layers)]
-    vc = [torch.zeros_like(k) for k in kc]
-    rows = torch.arange(B, device=device)
+    k_cache, v_cache = _contiguous_caches(model, B, L + N)
     seeds = seed.to(device=device, dtype=torch.int64) if isinstance(seed, torch.Tensor) else torch.full((B,), seed, dtype=torch.int64, device=device)
-
-    # Prompt: right-padded, causal; padding rows are clamped to their request's last token.
-    j = torch.arange(L, device=device).unsqueeze(0)
-    last = j.minimum(lens.unsqueeze(1) - 1)
-    s = torch.arange(S, device=device).view(1, 1, S)
-    mask = (s <= last.unsqueeze(2)).unsqueeze(1)
-
-    def attend_prompt(i, q, k, v):
-        kc[i][:, :L], vc[i][:, :L] = k, v
-        return _sdpa(q, kc[i], vc[i], mask, False, model.sm_scale)
-
-    hidden = model._trunk(tokens, j.expand(B, L), attend_prompt)
-    step_logits = model.logits(hidden[rows, lens - 1])
+    step_logits = _prefill(model, tokens, lens, k_cache, v_cache)
 
     out = torch.full((B, N), -1, dtype=torch.int64, device=device)
     all_logits = [] if return_logits else None
@@ -131,15 +115,51 @@ def reference_generate(
             done = done | (nxt == eos_token_id)
         if t == N - 1 or bool(done.all()):
             break
-        step_mask = (s.view(1, S) <= pos.unsqueeze(1)).view(B, 1, 1, S)
-
-        def attend_step(i, q, k, v):
-            kc[i][rows, pos], vc[i][rows, pos] = k[:, 0], v[:, 0]
-            return _sdpa(q, kc[i], vc[i], step_mask, False, model.sm_scale)
-
-        hidden = model._trunk(nxt.unsqueeze(1), pos.unsqueeze(1), attend_step)
-        step_logits = model.logits(hidden[:, 0])
+        step_logits = _decode_step(model, nxt, pos, k_cache, v_cache)
         pos = pos + 1
     lengths = (out >= 0).sum(1)
     logits = torch.stack(all_logits, 1) if return_logits else None
     return Generation(out, lengths, logits)
+
+
+def _contiguous_caches(model: LlamaForCausalLM, batch_size: int, num_slots: int):
+    """Zeroed per-layer K and V caches, ``[B, S, Hkv, D]`` each in the model's dtype."""
+    cfg = model.config
+    shape = (batch_size, num_slots, cfg.num_kv_heads, cfg.head_dim)
+    k_cache = [torch.zeros(shape, device=model.device, dtype=model.dtype) for _ in range(cfg.num_layers)]
+    return k_cache, [torch.zeros_like(k) for k in k_cache]
+
+
+def _prefill(model: LlamaForCausalLM, tokens: torch.Tensor, lens: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+    """Runs the right-padded prompts ``[B, L]`` into cache slots ``0..L-1``; returns the logits after each prompt's
+    last token. Causal; padding rows are clamped to their request's last token."""
+    B, L = tokens.shape
+    S = k_cache[0].shape[1]
+    device = tokens.device
+    j = torch.arange(L, device=device).unsqueeze(0)
+    last = j.minimum(lens.unsqueeze(1) - 1)
+    s = torch.arange(S, device=device).view(1, 1, S)
+    mask = (s <= last.unsqueeze(2)).unsqueeze(1)
+
+    def attend_prompt(i, q, k, v):
+        k_cache[i][:, :L], v_cache[i][:, :L] = k, v
+        return _sdpa(q, k_cache[i], v_cache[i], mask, False, model.sm_scale)
+
+    hidden = model._trunk(tokens, j.expand(B, L), attend_prompt)
+    return model.logits(hidden[torch.arange(B, device=device), lens - 1])
+
+
+def _decode_step(model: LlamaForCausalLM, tokens: torch.Tensor, pos: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+    """Runs one token per request (``tokens [B]``) at position and cache slot ``pos [B]``, attending to slots
+    ``0..pos``; returns the next logits ``[B, V]``."""
+    B = tokens.shape[0]
+    S = k_cache[0].shape[1]
+    rows = torch.arange(B, device=tokens.device)
+    step_mask = (torch.arange(S, device=tokens.device).view(1, S) <= pos.unsqueeze(1)).view(B, 1, 1, S)
+
+    def attend_step(i, q, k, v):
+        k_cache[i][rows, pos], v_cache[i][rows, pos] = k[:, 0], v[:, 0]
+        return _sdpa(q, k_cache[i], v_cache[i], step_mask, False, model.sm_scale)
+
+    hidden = model._trunk(tokens.unsqueeze(1), pos.unsqueeze(1), attend_step)
+    return model.logits(hidden[:, 0])

@@ -256,6 +256,33 @@ def plan_tree_attention(
         A :class:`TreeAttentionPlan`; only ``tree_mask`` and the scratch are freshly allocated.
     """
     _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks, validate)
+    parents, context_lens, block_table, num_nodes = _plan_tables(parents, context_lens, block_table, num_nodes)
+    B, T = parents.shape
+    dev = parents.device
+    capturing = _capturing()
+    checked = validate and not capturing
+    max_page = None
+    if checked:
+        max_page = _validate_plan(parents, context_lens, num_nodes, block_table, block_size, num_blocks)
+    G = num_q_heads // num_kv_heads
+    num_splits, split_len = _context_split(context_lens, block_table.shape[1] * block_size, max_context_len, split_len,
+                                           num_kv_heads, T * G, head_dim, capturing=capturing, checked=checked)
+    M = T * G
+    return TreeAttentionPlan(
+        batch_size=B, num_tree=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, group=G, head_dim=head_dim,
+        block_size=block_size, num_splits=num_splits, split_len=split_len,
+        tree_mask=dense(tree_ancestor_mask_packed(parents, num_nodes)),
+        context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
+        partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
+        partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
+        num_blocks=num_blocks, max_page=max_page, check_pages_at_run=validate and capturing,
+    )
+
+
+def _plan_tables(parents, context_lens, block_table, num_nodes):
+    """The plan's per-request tables, checked (shapes, dtypes, devices, and the values of scalars and lists, which
+    become ``[B]`` tensors; nothing is read back from the device) and made dense: ``(parents [B, T], context_lens
+    int32 [B], block_table int32 [B, max_blocks], num_nodes int32 [B])``."""
     check_tensor("parents", parents, dtype=(torch.int32, torch.int64), ndim=2)
     parents = dense(parents)
     B, T = parents.shape
@@ -269,38 +296,44 @@ def plan_tree_attention(
         raise ValueError(f"block_table has {block_table.shape[0]} rows, expected one per request (B={B})")
     block_table = _int32(block_table)
     num_nodes = dense(resolve_num_nodes(parents, num_nodes))  # int32, saturated
+    return parents, context_lens, block_table, num_nodes
 
-    capturing = _capturing()
-    max_page = None
-    if validate and not capturing:
-        try:
-            validate_tree(parents, num_nodes)
-        except ValueError as exc:
-            raise ValueError(f"parents: {exc}") from None
-        max_page = _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks)
+
+def _validate_plan(parents, context_lens, num_nodes, block_table, block_size, num_blocks) -> Tuple[int, int, int]:
+    """The value checks of ``validate=True`` (host sync): the trees, then the tables. Returns the largest used page
+    (see :func:`_validate_tables`)."""
+    try:
+        validate_tree(parents, num_nodes)
+    except ValueError as exc:
+        raise ValueError(f"parents: {exc}") from None
+    return _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks)
+
+
+def _sm_count_of(device: torch.device) -> int:
+    """The SM count the default split is sized for: the GPU's, or an sm_90 SXM part's for a CPU tensor."""
+    if device.type != "cuda":
+        return _DEFAULT_SM_COUNT
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _context_split(context_lens, table_capacity: int, max_context_len, split_len, num_kv_heads: int, num_rows: int,
+                   head_dim: int, *, capturing: bool, checked: bool) -> Tuple[int, int]:
+    """``(num_splits, split_len)`` of the flash-decoding split: ``split_len`` given or :func:`default_split_len`, and
+    enough splits to cover ``max_context_len`` (when None: the longest of ``context_lens``, one sync, or the table's
+    capacity during capture). When ``checked``, a given ``max_context_len`` that the lengths exceed raises."""
+    B = context_lens.shape[0]
     if max_context_len is None:
         # Reading the lengths would sync; during capture the table's capacity is a safe upper bound.
-        max_context_len = block_table.shape[1] * block_size if capturing else (int(context_lens.max()) if B else 0)
+        max_context_len = table_capacity if capturing else (int(context_lens.max()) if B else 0)
     if split_len is None:
-        sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else _DEFAULT_SM_COUNT
-        split_len = default_split_len(B, num_kv_heads, max_context_len, sms, T * (num_q_heads // num_kv_heads), head_dim)
+        split_len = default_split_len(B, num_kv_heads, max_context_len, _sm_count_of(context_lens.device), num_rows,
+                                      head_dim)
     num_splits = max(1, -(-max_context_len // split_len))
-    if validate and not capturing:
+    if checked:
         longest = int(context_lens.max()) if B else 0
         if longest > num_splits * split_len:
             raise ValueError(f"context_lens reaches {longest} but max_context_len={max_context_len} was given (must be an upper bound)")
-
-    G = num_q_heads // num_kv_heads
-    M = T * G
-    return TreeAttentionPlan(
-        batch_size=B, num_tree=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, group=G, head_dim=head_dim,
-        block_size=block_size, num_splits=num_splits, split_len=split_len,
-        tree_mask=dense(tree_ancestor_mask_packed(parents, num_nodes)),
-        context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
-        partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
-        partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
-        num_blocks=num_blocks, max_page=max_page, check_pages_at_run=validate and capturing,
-    )
+    return num_splits, split_len
 
 
 def _validate_tables(context_lens, num_nodes, block_table, block_size, num_blocks) -> Tuple[int, int, int]:

@@ -176,6 +176,48 @@ def _validate(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, max_de
             raise ValueError(f"{name}[{b}] = {value} is invalid: expected {expected}")
 
 
+def _check_inputs(logits, draft_tokens, parents, num_nodes, draft_probs, max_depth):
+    """Dtype, shape and device checks (metadata only: no sync); returns ``(num_nodes int32 [B], max_depth)`` with
+    their defaults (T nodes, depth ``T - 1``) filled in."""
+    check_tensor("logits", logits, dtype=_FLOATS, ndim=3)
+    B, T, V = logits.shape
+    dev = logits.device
+    if T < 1 or V < 1:
+        raise ValueError(f"logits must have T >= 1 nodes and V >= 1 tokens, got shape {tuple(logits.shape)}")
+    check_tensor("draft_tokens", draft_tokens, dtype=_INTS, shape=(B, T), device=dev)
+    check_tensor("parents", parents, dtype=_INTS, shape=(B, T), device=dev)
+    num_nodes = resolve_num_nodes(parents, num_nodes)
+    if draft_probs is not None:
+        check_tensor("draft_probs", draft_probs, dtype=_FLOATS, shape=(B, T, V), device=dev)
+    if max_depth is None:
+        max_depth = T - 1
+    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
+        raise ValueError(f"max_depth must be a non-negative int, got {max_depth!r}")
+    return num_nodes, max_depth
+
+
+def _sampling_params(temperature, top_k, top_p, seed, offset, B, device):
+    """The per-request parameters as ``[B]`` device tensors: ``(temperature float32 | None, top_k int32 | None,
+    top_p float32 | None, seed int64, offset int64)``. Without seeds, they are drawn from torch's default CPU
+    generator."""
+    temperature = _float_param("temperature", temperature, B, device, 0.0)
+    top_k = _top_k_param(top_k, B, device)
+    top_p = _float_param("top_p", top_p, B, device, 1.0)
+    if seed is None:
+        seed = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64).to(device)
+    seed = _u64_param("seed", seed, B, device)
+    offset = _u64_param("offset", 0 if offset is None else offset, B, device)
+    return temperature, top_k, top_p, seed, offset
+
+
+def _kernel_layout(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset):
+    """The backends' inputs in the layout the kernels index: row-major strides (logits / draft_probs: any batch and
+    node strides, a unit vocabulary stride). Views are made dense here, once (device copies, no sync, capturable)."""
+    logits, draft_probs = _unit_last_stride(logits), _unit_last_stride(draft_probs)
+    return (logits, dense(draft_tokens), dense(parents), dense(num_nodes), draft_probs, dense(temperature),
+            dense(top_k), dense(top_p), dense(seed), dense(offset))
+
+
 def verify_tree(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -252,38 +294,13 @@ def verify_tree(
       top_k outside ``[1, V)`` and a top_p that is not < 1 are off, and a sampled request whose tested draft row
       has no finite positive float32 sum is flagged.
     """
-    check_tensor("logits", logits, dtype=_FLOATS, ndim=3)
-    B, T, V = logits.shape
+    num_nodes_resolved, max_depth = _check_inputs(logits, draft_tokens, parents, num_nodes, draft_probs, max_depth)
     dev = logits.device
-    if T < 1 or V < 1:
-        raise ValueError(f"logits must have T >= 1 nodes and V >= 1 tokens, got shape {tuple(logits.shape)}")
-    check_tensor("draft_tokens", draft_tokens, dtype=_INTS, shape=(B, T), device=dev)
-    check_tensor("parents", parents, dtype=_INTS, shape=(B, T), device=dev)
-    n = resolve_num_nodes(parents, num_nodes)
-    if draft_probs is not None:
-        check_tensor("draft_probs", draft_probs, dtype=_FLOATS, shape=(B, T, V), device=dev)
-    if max_depth is None:
-        max_depth = T - 1
-    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
-        raise ValueError(f"max_depth must be a non-negative int, got {max_depth!r}")
-
-    temp = _float_param("temperature", temperature, B, dev, 0.0)
-    k = _top_k_param(top_k, B, dev)
-    tp = _float_param("top_p", top_p, B, dev, 1.0)
-    if seed is None:
-        seed = torch.randint(-(2**63), 2**63 - 1, (B,), dtype=torch.int64).to(dev)
-    seed = _u64_param("seed", seed, B, dev)
-    offset = _u64_param("offset", 0 if offset is None else offset, B, dev)
-
+    temp, k, tp, seed, offset = _sampling_params(temperature, top_k, top_p, seed, offset, logits.shape[0], dev)
     if validate and not _capturing():
         # The tree checks read the caller's num_nodes (int64 values past int32 are reported, not wrapped).
-        _validate(logits, draft_tokens, parents, n if num_nodes is None else num_nodes, draft_probs, temp, k, tp,
-                  max_depth)
-
-    # The kernels index every input with row-major strides (logits / draft_probs: any batch and node strides, unit
-    # vocabulary stride): views are made dense here, once (device copies, no sync, capturable).
-    logits, draft_probs = _unit_last_stride(logits), _unit_last_stride(draft_probs)
-    draft_tokens, parents, n = dense(draft_tokens), dense(parents), dense(n)
-    temp, k, tp, seed, offset = dense(temp), dense(k), dense(tp), dense(seed), dense(offset)
+        _validate(logits, draft_tokens, parents, num_nodes_resolved if num_nodes is None else num_nodes, draft_probs,
+                  temp, k, tp, max_depth)
+    inputs = _kernel_layout(logits, draft_tokens, parents, num_nodes_resolved, draft_probs, temp, k, tp, seed, offset)
     _, fn = _BACKENDS.resolve(backend, dev)
-    return fn(logits, draft_tokens, parents, n, draft_probs, temp, k, tp, seed, offset, max_depth, return_stats)
+    return fn(*inputs, max_depth, return_stats)

@@ -103,6 +103,7 @@ def make_verify_tree_op(op_name: str, launch):
     verify.op = op  # looked up per call, so tests can wrap it
     return op, verify
 
+
 def verify_tree_reference(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -126,116 +127,163 @@ def verify_tree_reference(
             (all greedy). top_k: ``int32 [B]`` (0 = off) or None. top_p: ``float32 [B]`` (1 = off)
             or None. seed, offset: ``int64 [B]``. max_depth: deepest node the walk may accept.
     """
-    B, T, V = logits.shape
-    dev = logits.device
-    ar = torch.arange(B, device=dev)
-    n = resolve_num_nodes(parents, num_nodes).to(torch.int64)
-    idx = torch.arange(T, device=dev)
-    par = parents.to(torch.int64)
-    is_node = (idx.unsqueeze(0) < n.unsqueeze(1)) & (idx.unsqueeze(0) > 0)
-    toks = draft_tokens.to(torch.int64)
-    seed = seed.to(torch.int64)
-    offset = offset.to(torch.int64)
+    walk = _Walk(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                 max_depth)
+    for depth in range(max_depth):
+        if not walk.step(depth):
+            break
+    walk.emit_final(walk.active)
+    return walk.result(return_stats)
 
-    error = torch.zeros(B, dtype=torch.bool, device=dev)
-    sampled = torch.zeros(B, dtype=torch.bool, device=dev) if temperature is None else temperature.to(dev) > 0
 
-    def probs_at(node: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-        """The rows' target distributions; a visited row without one flags its request (and is replaced by zeros,
-        so that no NaN reaches the other requests' arithmetic)."""
-        nonlocal error
-        rows = logits[ar, node]
+def _accept_rule(p: torch.Tensor, q: Optional[torch.Tensor], x: torch.Tensor, u: torch.Tensor, sampled: torch.Tensor):
+    """Whether each request accepts its child token ``x`` with coin ``u`` under its current distribution ``p``, and
+    the residual a rejection leaves: ``(accept, residual normalized where it has mass, its mass [B, 1])``.
+
+    With the draft rows ``q``: accept iff ``u * q(x) < p(x)``, residual ``max(p - q, 0)`` (greedy requests accept
+    the argmax whatever the draft row holds, as the kernels do). Without: accept iff ``u < p(x)``, residual ``p``
+    with ``x`` zeroed."""
+    rows = torch.arange(p.shape[0], device=p.device)
+    px = p[rows, x]
+    if q is not None:
+        accept = torch.where(sampled, u * q[rows, x] < px, px > 0)
+        residual = (p - q).clamp(min=0)
+    else:
+        accept = u < px
+        residual = p.clone()
+        residual[rows, x] = 0.0
+    mass = residual.sum(1, keepdim=True)
+    return accept, residual / torch.where(mass > 0, mass, torch.ones_like(mass)), mass
+
+
+class _Walk:
+    """The walks of every request of a batch, advanced one depth at a time: the current node ``cur`` and its
+    (residual) target distribution ``p``, the requests still walking (``active``) or flagged (``error``), and the
+    outputs written so far."""
+
+    def __init__(self, logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                 max_depth):
+        B, T, V = logits.shape
+        dev = logits.device
+        self.logits, self.draft_probs, self.vocab_size = logits, draft_probs, V
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.seed, self.offset = seed.to(torch.int64), offset.to(torch.int64)
+        self.rows = torch.arange(B, device=dev)
+        self.node_ids = torch.arange(T, device=dev)
+        n = resolve_num_nodes(parents, num_nodes).to(torch.int64)
+        self.parents = parents.to(torch.int64)
+        self.is_node = (self.node_ids.unsqueeze(0) < n.unsqueeze(1)) & (self.node_ids.unsqueeze(0) > 0)
+        self.draft_tokens = draft_tokens.to(torch.int64)
+        self.error = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.sampled = (torch.zeros(B, dtype=torch.bool, device=dev) if temperature is None
+                        else temperature.to(dev) > 0)
+        self.tokens = torch.full((B, max_depth + 1), -1, dtype=torch.int32, device=dev)
+        self.nodes = torch.full((B, max_depth + 1), -1, dtype=torch.int32, device=dev)
+        self.nodes[:, 0] = 0
+        self.stats = torch.zeros(B, max(max_depth, 0), 2, dtype=torch.int32, device=dev)
+        self.num_accepted = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.cur = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.active = torch.ones(B, dtype=torch.bool, device=dev)
+        self.p = self.target_dist(self.cur)
+        self.active = self.active & ~self.error
+
+    def target_dist(self, node: torch.Tensor) -> torch.Tensor:
+        """The rows' target distributions; a visited row without one flags its (active) request, and is replaced by
+        zeros, so that no NaN reaches the other requests' arithmetic."""
+        rows = self.logits[self.rows, node]
         bad = row_errors(rows)
-        error = error | (bad & active)
-        return target_probs(torch.where(bad.unsqueeze(1), torch.zeros_like(rows), rows), temperature, top_k, top_p)
+        self.error = self.error | (bad & self.active)
+        rows = torch.where(bad.unsqueeze(1), torch.zeros_like(rows), rows)
+        return target_probs(rows, self.temperature, self.top_k, self.top_p)
 
-    def draft_row(node: torch.Tensor):
+    def draft_rows(self, node: torch.Tensor):
         """The normalized draft rows, and whether each is unusable: a float32 sum (the kernels' precision) that is
         not finite and positive flags a sampled request when a child is tested against it, as the kernels do."""
-        q = draft_probs[ar, node]
+        q = self.draft_probs[self.rows, node]
         s32 = q.sum(1, dtype=torch.float32)
         q = q.to(torch.float64)
         s = q.sum(1, keepdim=True)
         return q / torch.where(s > 0, s, torch.ones_like(s)), ~(torch.isfinite(s32) & (s32 > 0))
 
-    tokens = torch.full((B, max_depth + 1), -1, dtype=torch.int32, device=dev)
-    nodes = torch.full((B, max_depth + 1), -1, dtype=torch.int32, device=dev)
-    nodes[:, 0] = 0
-    stats = torch.zeros(B, max(max_depth, 0), 2, dtype=torch.int32, device=dev)
-    num_acc = torch.zeros(B, dtype=torch.int64, device=dev)
+    def children_in_order(self):
+        """``(order [B, width], num_children [B], width)``: the children of ``cur`` in increasing index order
+        (non-children sorted last), ``width`` the most children an active request has."""
+        child = self.is_node & (self.parents == self.cur.unsqueeze(1))
+        num_children = child.sum(1)
+        width = int(num_children[self.active].max()) if self.active.any() else 0
+        T = self.node_ids.shape[0]
+        order = torch.where(child, self.node_ids, self.node_ids + T).argsort(dim=1)[:, :width]
+        return order, num_children, width
 
-    cur = torch.zeros(B, dtype=torch.int64, device=dev)
-    active = torch.ones(B, dtype=torch.bool, device=dev)
-    p = probs_at(cur, active)
-    active = active & ~error
+    def step(self, depth: int) -> bool:
+        """One depth: the active requests try the children of ``cur`` in index order and move to the first accepted
+        one; a request that accepts none emits its final token. Returns whether any request walks on."""
+        order, num_children, width = self.children_in_order()
+        if width == 0:
+            return False
+        q, q_bad = self.draft_rows(self.cur) if self.draft_probs is not None else (None, None)
+        accepted = torch.zeros_like(self.active)
+        nxt = self.cur.clone()
+        for rank in range(width):
+            child = order[:, rank]
+            trying = self.active & ~accepted & (rank < num_children)
+            won = self.try_child(child, trying, q, q_bad, depth)
+            accepted |= won
+            nxt = torch.where(won, child, nxt)
+        self.stats[:, depth, 1] = accepted.to(torch.int32)
+        self.emit_final(self.active & ~accepted)
+        self.move_to(accepted, nxt)
+        if not self.active.any():
+            return False
+        self.p = torch.where(self.active.unsqueeze(1), self.target_dist(self.cur), self.p)
+        self.active = self.active & ~self.error
+        return True
 
-    def finish(rows: torch.Tensor) -> None:
-        nonlocal error
+    def try_child(self, child, trying, q, q_bad, depth: int) -> torch.Tensor:
+        """The ``trying`` requests test ``child`` with its coin; a rejection leaves ``p`` the residual. A child token
+        outside ``[0, V)`` (or an unusable draft row of a sampled request) flags the request instead. Returns the
+        requests that accepted ``child``."""
+        V = self.vocab_size
+        x = self.draft_tokens[self.rows, child]
+        invalid = trying & ((x < 0) | (x >= V))
+        if q is not None:
+            invalid = invalid | (trying & self.sampled & q_bad)
+        self.error = self.error | invalid
+        trying = trying & ~invalid
+        self.active = self.active & ~invalid
+        u = uniform(self.seed, self.offset, child, PURPOSE_ACCEPT).to(torch.float64)
+        accept, residual, mass = _accept_rule(self.p, q, x.clamp(0, V - 1), u, self.sampled)
+        rejected = trying & ~accept
+        self.p = torch.where((rejected.unsqueeze(1) & (mass > 0)), residual, self.p)
+        self.stats[:, depth, 0] += trying.to(torch.int32)
+        return trying & accept
+
+    def emit_final(self, rows: torch.Tensor) -> None:
+        """The requests of ``rows`` emit their final token: an inverse-CDF sample of ``p``."""
         # A distribution without positive mass has no token to emit: flagged (it cannot arise from a valid row,
         # whose maximal logits weigh exactly 1).
-        error = error | (rows & ~(p.sum(1) > 0))
-        u = uniform(seed, offset, cur, PURPOSE_SAMPLE)
-        final = sample_inverse_cdf(p, u)
-        tokens[ar, num_acc] = torch.where(rows, final.to(torch.int32), tokens[ar, num_acc])
+        self.error = self.error | (rows & ~(self.p.sum(1) > 0))
+        u = uniform(self.seed, self.offset, self.cur, PURPOSE_SAMPLE)
+        final = sample_inverse_cdf(self.p, u)
+        at = (self.rows, self.num_accepted)
+        self.tokens[at] = torch.where(rows, final.to(torch.int32), self.tokens[at])
 
-    for d in range(max_depth):
-        # Children of cur in increasing index order: sort child indices first, non-children last.
-        child = is_node & (par == cur.unsqueeze(1))
-        nchild = child.sum(1)
-        width = int(nchild[active].max()) if active.any() else 0
-        if width == 0:
-            break
-        order = torch.where(child, idx, idx + T).argsort(dim=1)[:, :width]
-        q, q_bad = draft_row(cur) if draft_probs is not None else (None, None)
-        accepted = torch.zeros(B, dtype=torch.bool, device=dev)
-        nxt = cur.clone()
-        for r in range(width):
-            c = order[:, r]
-            trying = active & ~accepted & (r < nchild)
-            x = toks[ar, c]
-            out_of_range = trying & ((x < 0) | (x >= V))
-            if q is not None:
-                out_of_range = out_of_range | (trying & sampled & q_bad)
-            error = error | out_of_range
-            trying = trying & ~out_of_range
-            active = active & ~out_of_range
-            x = x.clamp(0, V - 1)
-            u = uniform(seed, offset, c, PURPOSE_ACCEPT).to(torch.float64)
-            px = p[ar, x]
-            if q is not None:
-                # Greedy requests accept the argmax whatever the draft row holds (as the kernels do).
-                acc = torch.where(sampled, u * q[ar, x] < px, px > 0)
-                resid = (p - q).clamp(min=0)
-            else:
-                acc = u < px
-                resid = p.clone()
-                resid[ar, x] = 0.0
-            mass = resid.sum(1, keepdim=True)
-            resid = resid / torch.where(mass > 0, mass, torch.ones_like(mass))
-            rejected = trying & ~acc
-            p = torch.where((rejected.unsqueeze(1) & (mass > 0)), resid, p)
-            stats[:, d, 0] += trying.to(torch.int32)
-            won = trying & acc
-            accepted |= won
-            nxt = torch.where(won, c, nxt)
-        stats[:, d, 1] = accepted.to(torch.int32)
-        finish(active & ~accepted)
-        tokens[ar, num_acc] = torch.where(accepted, toks[ar, nxt].to(torch.int32), tokens[ar, num_acc])
-        num_acc = num_acc + accepted.to(torch.int64)
-        nodes[ar, num_acc] = torch.where(accepted, nxt.to(torch.int32), nodes[ar, num_acc])
-        active = accepted
-        cur = nxt
-        if not active.any():
-            break
-        p = torch.where(active.unsqueeze(1), probs_at(cur, active), p)
-        active = active & ~error
-    finish(active)
+    def move_to(self, accepted: torch.Tensor, nxt: torch.Tensor) -> None:
+        """The ``accepted`` requests record child ``nxt`` (token and node) and move to it; the others stop."""
+        at = (self.rows, self.num_accepted)
+        self.tokens[at] = torch.where(accepted, self.draft_tokens[self.rows, nxt].to(torch.int32), self.tokens[at])
+        self.num_accepted = self.num_accepted + accepted.to(torch.int64)
+        at = (self.rows, self.num_accepted)
+        self.nodes[at] = torch.where(accepted, nxt.to(torch.int32), self.nodes[at])
+        self.active = accepted
+        self.cur = nxt
 
-    # A flagged request's outputs are reset, as the kernels leave them.
-    err = error.unsqueeze(1)
-    tokens = tokens.masked_fill(err, -1)
-    nodes = nodes.masked_fill(err, -1)
-    nodes[:, 0] = 0
-    num_acc = num_acc.masked_fill(error, 0)
-    stats = stats.masked_fill(err.unsqueeze(2), 0)
-    return VerifyResult(tokens, num_acc.to(torch.int32), nodes, error.to(torch.int32), stats if return_stats else None)
+    def result(self, return_stats: bool) -> VerifyResult:
+        """The outputs, with a flagged request's reset as the kernels leave them."""
+        err = self.error.unsqueeze(1)
+        tokens = self.tokens.masked_fill(err, -1)
+        nodes = self.nodes.masked_fill(err, -1)
+        nodes[:, 0] = 0
+        num_accepted = self.num_accepted.masked_fill(self.error, 0).to(torch.int32)
+        stats = self.stats.masked_fill(err.unsqueeze(2), 0)
+        return VerifyResult(tokens, num_accepted, nodes, self.error.to(torch.int32), stats if return_stats else None)

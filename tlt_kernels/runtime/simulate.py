@@ -189,18 +189,14 @@ def run(workload: Workload, choose: Callable[[int, int], Strategy],
     accepted_per_position)`` receives noisy observations."""
     rng = np.random.default_rng(seed)
     wl = workload
-    remaining = None
-    if wl.long_tail is not None:
-        nreq, med, sig, cap = wl.long_tail
-        lens = np.minimum(np.maximum(rng.lognormal(math.log(med), sig, nreq).astype(np.int64), 1), cap)
-        remaining = lens.copy()
+    remaining = _response_lengths(rng, wl.long_tail) if wl.long_tail is not None else None
     tokens = time_s = 0.0
     eff_log: List[float] = []
     oracle_time: List[float] = []
     changes: List[int] = []
     choices: Dict[str, int] = {}
     last_phase = wl.phase(0)
-    cache: Dict[tuple, float] = {}
+    oracle_cache: Dict[tuple, tuple] = {}
     t = 0
     while t < wl.steps:
         if remaining is not None:
@@ -209,7 +205,7 @@ def run(workload: Workload, choose: Callable[[int, int], Strategy],
             if b == 0:
                 break
         else:
-            b = wl.batch_size(t)
+            active, b = None, wl.batch_size(t)
         ph = wl.phase(t)
         if ph != last_phase:
             changes.append(t)
@@ -217,33 +213,49 @@ def run(workload: Workload, choose: Callable[[int, int], Strategy],
         s = choose(b, t)
         choices[str(s)] = choices.get(str(s), 0) + 1
         al = wl.alpha(t)
-        key = (round(al, 4), b, round(wl.ctx_k(t), 2))
-        best = cache.get(key)
-        if best is None:
-            o = max(arms, key=lambda a: expected_tokens(a, al, wl.depth_decay) / wl.expected_time(a, b, t))
-            best = (expected_tokens(o, al, wl.depth_decay) / wl.expected_time(o, b, t), wl.expected_time(o, b, t))
-            cache[key] = best
-        oracle_time.append(best[1])
-        best = best[0]
-        eff = alpha_eff(s, al, wl.depth_decay)
-        reach = _sample_reach(rng, eff, b)
+        best, best_time = _oracle_step(oracle_cache, wl, arms, al, b, t)
+        oracle_time.append(best_time)
+        reach = _sample_reach(rng, alpha_eff(s, al, wl.depth_decay), b)
         t_exp = wl.expected_time(s, b, t)
         eff_log.append(expected_tokens(s, al, wl.depth_decay) / t_exp / best)
-        if remaining is not None:
-            idx = np.nonzero(active)[0]
-            got = np.minimum(reach + 1, remaining[idx])
-            remaining[idx] -= got
-            emitted = int(got.sum())
-        else:
-            emitted = int(reach.sum()) + b
+        emitted = _emit(reach, b, remaining, active)
         tokens += emitted
         time_s += t_exp
         if observe is not None:
             t_obs = t_exp * math.exp(wl.noise * rng.standard_normal())
-            acc = [int((reach > j).sum()) for j in range(s.num_steps)]
-            observe(s, b, emitted, t_obs, acc)
+            observe(s, b, emitted, t_obs, [int((reach > j).sum()) for j in range(s.num_steps)])
         t += 1
     return RunResult(tokens, time_s, t, eff_log, oracle_time, changes, choices)
+
+
+def _response_lengths(rng: np.random.Generator, long_tail: tuple) -> np.ndarray:
+    """A long tail's response lengths: ``num_requests`` log-normal draws, clipped to ``[1, max_len]``."""
+    nreq, med, sig, cap = long_tail
+    return np.minimum(np.maximum(rng.lognormal(math.log(med), sig, nreq).astype(np.int64), 1), cap)
+
+
+def _oracle_step(cache: Dict[tuple, tuple], wl: Workload, arms: Sequence[Strategy], al: float, b: int,
+                 t: int) -> tuple:
+    """The oracle's ``(expected throughput, expected step time)`` at acceptance ``al`` and batch size ``b``, cached
+    per (acceptance, batch size, context length)."""
+    key = (round(al, 4), b, round(wl.ctx_k(t), 2))
+    best = cache.get(key)
+    if best is None:
+        o = max(arms, key=lambda a: expected_tokens(a, al, wl.depth_decay) / wl.expected_time(a, b, t))
+        best = (expected_tokens(o, al, wl.depth_decay) / wl.expected_time(o, b, t), wl.expected_time(o, b, t))
+        cache[key] = best
+    return best
+
+
+def _emit(reach: np.ndarray, b: int, remaining: Optional[np.ndarray], active: Optional[np.ndarray]) -> int:
+    """Tokens emitted by one step (each request's accepted drafts plus one); a long tail's active requests emit at
+    most what remains of their responses, which ``remaining`` loses (in place)."""
+    if remaining is None:
+        return int(reach.sum()) + b
+    idx = np.nonzero(active)[0]
+    got = np.minimum(reach + 1, remaining[idx])
+    remaining[idx] -= got
+    return int(got.sum())
 
 
 def run_selector(workload: Workload, selector: StrategySelector, seed: int = 0) -> RunResult:
@@ -432,50 +444,62 @@ def evaluate(workload: Workload, make_selector, arms: Sequence[Strategy] = DEFAU
                "choices": {}} for k in makers}
     base = {"oracle": [], "best-static": [], "off": []}
     for seed in seeds:
-        table = measure_cost_table(workload, arms, seed)
-        statics = {str(a): run_static(workload, a, arms, seed) for a in arms}
-        orc_run = run_oracle(workload, arms, seed)
-        if workload.long_tail is not None:
-            orc = orc_run.throughput
-            score = {k: r.throughput / orc for k, r in statics.items()}
-            work_s = orc_run.time_s
-        else:
-            score = {k: r.oracle_fraction for k, r in statics.items()}
-            work_s = float(np.sum(orc_run.oracle_time))
+        table, score, orc, work_s = _seed_baselines(workload, arms, seed)
         best_static = max(score.values())
         base["oracle"].append(work_s)
         base["best-static"].append(work_s / best_static)
         base["off"].append(work_s / score["off"])
         for name, mk in makers.items():
-            sel = mk(arms, table, seed)
-            t0 = time.perf_counter()
-            res = run_selector(workload, sel, seed)
-            a = acc[name]
-            a["us"].append((time.perf_counter() - t0) / max(res.steps, 1))
-            for k, v in res.choices.items():
-                a["choices"][k] = a["choices"].get(k, 0) + v
-            mine = res.throughput / orc if workload.long_tail is not None else res.oracle_fraction
-            a["vs_oracle"].append(mine)
-            a["vs_best_static"].append(mine / best_static)
-            a["vs_off"].append(mine / score["off"])
-            a["sim_s"].append(work_s / mine)
-            r = reconvergence_steps(res)
-            if r is not None:
-                a["reconv"].append(r)
-                a["settle"].append(settle_steps(res))
-    out = {}
-    for name, a in acc.items():
-        out[name] = {
-            "vs_oracle": float(np.mean(a["vs_oracle"])),
-            "vs_best_static": float(np.mean(a["vs_best_static"])),
-            "vs_off": float(np.mean(a["vs_off"])),
-            "reconverge_steps": max(a["reconv"]) if a["reconv"] else None,
-            "settle_steps": max(a["settle"]) if a["settle"] else None,
-            "sim_us_per_step": float(np.mean(a["us"])) * 1e6,
-            "sim_s": float(np.mean(a["sim_s"])),
-            "choices": a["choices"],
-        }
+            _score_selector(acc[name], workload, mk(arms, table, seed), seed, orc, best_static, score["off"], work_s)
+    out = {name: _summary(a) for name, a in acc.items()}
     if single:
         return out["_"]
     out["_baselines"] = {k: float(np.mean(v)) for k, v in base.items()}
     return out
+
+
+def _seed_baselines(workload: Workload, arms: Sequence[Strategy], seed: int):
+    """One seed's baselines: ``(start-up cost table, each static arm's score relative to the oracle, the oracle's
+    throughput (long tails; else None), the oracle's seconds for the work)``."""
+    table = measure_cost_table(workload, arms, seed)
+    statics = {str(a): run_static(workload, a, arms, seed) for a in arms}
+    orc_run = run_oracle(workload, arms, seed)
+    if workload.long_tail is not None:
+        orc = orc_run.throughput
+        score = {k: r.throughput / orc for k, r in statics.items()}
+        return table, score, orc, orc_run.time_s
+    score = {k: r.oracle_fraction for k, r in statics.items()}
+    return table, score, None, float(np.sum(orc_run.oracle_time))
+
+
+def _score_selector(a: dict, workload: Workload, selector, seed: int, orc: Optional[float], best_static: float,
+                    off_score: float, work_s: float) -> None:
+    """Simulates one selector on one seed and appends its scores to the tally ``a``."""
+    t0 = time.perf_counter()
+    res = run_selector(workload, selector, seed)
+    a["us"].append((time.perf_counter() - t0) / max(res.steps, 1))
+    for k, v in res.choices.items():
+        a["choices"][k] = a["choices"].get(k, 0) + v
+    mine = res.throughput / orc if workload.long_tail is not None else res.oracle_fraction
+    a["vs_oracle"].append(mine)
+    a["vs_best_static"].append(mine / best_static)
+    a["vs_off"].append(mine / off_score)
+    a["sim_s"].append(work_s / mine)
+    r = reconvergence_steps(res)
+    if r is not None:
+        a["reconv"].append(r)
+        a["settle"].append(settle_steps(res))
+
+
+def _summary(a: dict) -> dict:
+    """A selector's scores over the seeds (see :func:`evaluate`)."""
+    return {
+        "vs_oracle": float(np.mean(a["vs_oracle"])),
+        "vs_best_static": float(np.mean(a["vs_best_static"])),
+        "vs_off": float(np.mean(a["vs_off"])),
+        "reconverge_steps": max(a["reconv"]) if a["reconv"] else None,
+        "settle_steps": max(a["settle"]) if a["settle"] else None,
+        "sim_us_per_step": float(np.mean(a["us"])) * 1e6,
+        "sim_s": float(np.mean(a["sim_s"])),
+        "choices": a["choices"],
+    }
