@@ -129,16 +129,9 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
     args = _parser(add_help=False).parse_known_args(argv)[0]
     if not args.suites:
         _parser().parse_args(argv)  # --help, or a usage error for a flag of no suite
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+    device = _device(args.device)
+    if device is None:
         return 2
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        # Like tests/conftest.py: Triton kernels run in the CPU interpreter. This must happen before
-        # any @triton.jit function is defined, i.e. before the suites are imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
     from .harness import parse_dtype
 
@@ -155,31 +148,57 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
         print(f"error: name a suite or 'all'; available: {', '.join(specs)}", file=sys.stderr)
         return 2
 
-    dtype = parse_dtype(args.dtype)
+    status, reports, stopped = _run_suites(chosen, device, parse_dtype(args.dtype), args)
+    failed = _write_summary(args.out, chosen, status, reports)
+    if stopped:
+        return 124
+    return 1 if failed else 0
+
+
+def _device(name: Optional[str]):
+    """The device ``--device`` names (default: cuda when available); None, after an error, for CUDA without one."""
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return None
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        # Like tests/conftest.py: Triton kernels run in the CPU interpreter. This must happen before
+        # any @triton.jit function is defined, i.e. before the suites are imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return device
+
+
+def _run_suites(chosen: Sequence[SuiteSpec], device, dtype, args):
+    """Runs the suites in order until one is stopped by SIGTERM: ``(summary rows, Markdown reports, stopped)``."""
     status = []
-    reports = []
+    reports: List[str] = []
     stop = _StopOnSigterm()
     with stop:
         for spec in chosen:
             if stop.signalled:
                 break
             status.append(_run_one(spec, device, dtype, args, reports, stop))
+    return status, reports, stop.signalled
+
+
+def _write_summary(out: Path, chosen: Sequence[SuiteSpec], status, reports: List[str]) -> List[str]:
+    """Writes and prints the summary table (``out/summary.md`` with every report); returns the failed suites."""
     table = ["| suite | status | rows | seconds |", "|---|---|---|---|"]
     table += [f"| {n} | {s} | {r} | {t:.1f} |" for n, s, r, t in status]
     skipped = [s.name for s in chosen[len(status):]]
     if skipped:
         table.append("")
         table.append(f"Not started (stopped by SIGTERM): {', '.join(skipped)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.md").write_text("# Benchmark summary\n\n" + "\n".join(table) + "\n\n" + "\n".join(reports))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text("# Benchmark summary\n\n" + "\n".join(table) + "\n\n" + "\n".join(reports))
     print("\n".join(table))
-    print(f"reports in {args.out}")
+    print(f"reports in {out}")
     failed = [n for n, s, _, _ in status if s != "ok"]
     if failed:
         print(f"FAILED suites: {', '.join(failed)}", file=sys.stderr)
-    if stop.signalled:
-        return 124
-    return 1 if failed else 0
+    return failed
 
 
 class _StopOnSigterm:

@@ -37,57 +37,74 @@ def fit_fixed_and_per_tile(points):
     return fixed, per_tile, (A @ sol - ys[:, None]).abs().max().item()
 
 
-def main(argv=None) -> int:
+def _parse_args(argv):
+    """The command line's options."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="7b", choices=["7b", "32b"])
     ap.add_argument("--B", type=int, default=64)
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--L", default="1024,2048,4096,8192,16384")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _impls(dev) -> list:
+    """The implementations to time: ``(row, backend, sm_90 path, its warp-specialized build, TMA copies in it)``."""
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    impls = [("tlt-triton", "triton", None, False, False)]
+    if backend_unavailable_reason("cuda", dev) is not None:
+        return impls
+    return impls + [("tlt-cuda sm90", "cuda", True, False, False), ("tlt-cuda sm90 ws", "cuda", True, True, False),
+                    ("tlt-cuda sm90 ws tma", "cuda", True, True, True), ("tlt-cuda mma.sync", "cuda", False, False, False)]
+
+
+def _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points) -> None:
+    """Times every impl at context ``L``: one JSON line each, its (waves, tiles, ms) point appended to ``points``."""
+    import tlt_kernels._cuda.tree_attention as ct
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    dev = ctx.device
+    inp = _make_inputs(args.B, L, args.T, Hq, Hkv, HEAD_DIM, torch.bfloat16, dev)
+    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
+    out = torch.empty_like(inp["q"])
+    nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 4 + 2 * inp["q"].numel() * 2
+    for name, backend, sm90, ws, tma in impls:
+        with ct.forced_context_path(sm90 if sm90 is not None else ct.CONTEXT_SM90), \
+                mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws), mock.patch.object(ct, "CONTEXT_TMA", tma):
+            if backend == "cuda" and ct._use_context_sm90(plan, inp["q"], inp["k_cache"], inp["v_cache"]) != sm90:
+                continue
+
+            def fn():
+                plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out=out, backend=backend)
+
+            ms = ctx.time_graph_ms(fn) if args.graph else ctx.time_ms(fn)
+        ctas = args.B * Hkv * plan.num_splits
+        tiles = (L + args.T) / 128 / plan.num_splits
+        points[name].append((math.ceil(ctas / sms), tiles, ms))
+        # Tensor-core work: S = Q K^T and P V over the context and the tree, every query row (wide trees are
+        # bound by it, not by the bytes).
+        flops = 4 * args.B * (L + args.T) * Hq * args.T * HEAD_DIM
+        print(json.dumps(dict(impl=name, B=args.B, L=L, T=args.T, model=args.model, ms=round(ms, 4),
+                              pct_floor=round(100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3), 1),
+                              tflops=round(flops / (ms * 1e-3) / 1e12, 1),
+                              splits=plan.num_splits, graph=args.graph)), flush=True)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    import tlt_kernels._cuda.tree_attention as ct
-    from tlt_kernels._backend import backend_unavailable_reason
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-
     dev = torch.device("cuda")
     ctx = BenchContext("tree-attention", dev, torch.bfloat16, small=False)
     Hq, Hkv = MODELS["qwen2.5-7b" if args.model == "7b" else "qwen2.5-32b"]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    # (row, backend, sm_90 path, its warp-specialized build, TMA copies in it)
-    impls = [("tlt-triton", "triton", None, False, False)]
-    if backend_unavailable_reason("cuda", dev) is None:
-        impls += [("tlt-cuda sm90", "cuda", True, False, False), ("tlt-cuda sm90 ws", "cuda", True, True, False),
-                  ("tlt-cuda sm90 ws tma", "cuda", True, True, True), ("tlt-cuda mma.sync", "cuda", False, False, False)]
+    impls = _impls(dev)
     points = {name: [] for name, *_ in impls}
     for L in (int(x) for x in args.L.split(",")):
-        inp = _make_inputs(args.B, L, args.T, Hq, Hkv, HEAD_DIM, torch.bfloat16, dev)
-        plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
-        out = torch.empty_like(inp["q"])
-        nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 4 + 2 * inp["q"].numel() * 2
-        for name, backend, sm90, ws, tma in impls:
-            with ct.forced_context_path(sm90 if sm90 is not None else ct.CONTEXT_SM90), \
-                    mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws), mock.patch.object(ct, "CONTEXT_TMA", tma):
-                if backend == "cuda" and ct._use_context_sm90(plan, inp["q"], inp["k_cache"], inp["v_cache"]) != sm90:
-                    continue
-
-                def fn():
-                    plan.run(inp["q"], inp["k_cache"], inp["v_cache"], out=out, backend=backend)
-
-                ms = ctx.time_graph_ms(fn) if args.graph else ctx.time_ms(fn)
-            ctas = args.B * Hkv * plan.num_splits
-            tiles = (L + args.T) / 128 / plan.num_splits
-            points[name].append((math.ceil(ctas / sms), tiles, ms))
-            # Tensor-core work: S = Q K^T and P V over the context and the tree, every query row (wide trees are
-            # bound by it, not by the bytes).
-            flops = 4 * args.B * (L + args.T) * Hq * args.T * HEAD_DIM
-            print(json.dumps(dict(impl=name, B=args.B, L=L, T=args.T, model=args.model, ms=round(ms, 4),
-                                  pct_floor=round(100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3), 1),
-                                  tflops=round(flops / (ms * 1e-3) / 1e12, 1),
-                                  splits=plan.num_splits, graph=args.graph)), flush=True)
+        _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points)
     for name, pts in points.items():
         if len(pts) < 2:
             continue

@@ -28,6 +28,8 @@ ideal one-read floor.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -142,9 +144,8 @@ FLAGS = (
 )
 
 
-def run(ctx) -> None:
-    dev, dtype = ctx.device, ctx.dtype
-    p = values(ctx, FLAGS)
+def _sizes(ctx, p):
+    """``(batch sizes, vocabulary sizes, shapes)`` of the run; shapes include the chain of each tree's depth."""
     if ctx.small:
         Bs, Vs, shapes = [2], [257], [("chain", 4), ("tree", 8)]
     else:
@@ -155,65 +156,102 @@ def run(ctx) -> None:
         same_depth = ("chain", _heap_depth(T) + 1)
         if kind == "tree" and same_depth not in shapes:
             shapes.append(same_depth)
-    impls = p.impls
-    fi = ctx.try_import("flashinfer") if dev.type == "cuda" and "flashinfer" in impls else None
-    # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
-    graphs = dev.type == "cuda" and bool(p.graphs)
-    unavailable: set = set()  # kernel backends that could not run here (noted once)
-    # FlashInfer's pipeline replayed from a CUDA graph as well; --no-flashinfer-graphs times it eagerly only.
-    fi_graphs = bool(p.flashinfer_graphs)
+    return Bs, Vs, shapes
+
+
+@dataclass
+class _Impls:
+    """The impls a run times, and what it learns as it goes: a failed FlashInfer call or capture ends its rows."""
+
+    names: tuple  # --impls
+    graphs: bool  # the tlt impls' -graph rows
+    fi: Any  # the flashinfer module, None when it is not timed (any more)
+    fi_graphs: bool  # the flashinfer-graph rows
+    unavailable: set = field(default_factory=set)  # kernel backends that could not run here (noted once)
+
+
+def run(ctx) -> None:
+    dev = ctx.device
+    p = values(ctx, FLAGS)
+    Bs, Vs, shapes = _sizes(ctx, p)
+    impls = _Impls(
+        names=p.impls,
+        fi=ctx.try_import("flashinfer") if dev.type == "cuda" and "flashinfer" in p.impls else None,
+        # Graph-replayed rows (``<impl>-graph``): at small B the eager call is mostly Python dispatch on both sides.
+        graphs=dev.type == "cuda" and bool(p.graphs),
+        # FlashInfer's pipeline replayed from a CUDA graph as well; --no-flashinfer-graphs times it eagerly only.
+        fi_graphs=bool(p.flashinfer_graphs),
+    )
     for V in Vs:
         for kind, T in shapes:
             for B in Bs:
-                parents = _parents(kind, T, B, dev)
-                logits, tokens, q = _case(B, T, V, parents, dtype, dev)
-                seeds = torch.arange(B, dtype=torch.int64, device=dev)
-                for top_p in (None, 0.9):
-                    case = {"shape": f"{kind}{T}", "B": B, "V": V, "top_p": top_p or 1.0}
-                    kw = dict(draft_probs=q, temperature=TEMPERATURE, top_p=top_p, seed=seeds, validate=False)
-                    ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
-                    tried = ref.stats[:, :, 0].sum().item()
-                    extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
-                                 mean_accepted=round(ref.num_accepted.float().mean().item(), 3))
-                    nbytes = _bytes(ref, V, logits.element_size(), q.element_size())
-                    heavy = B * T * V > 64 * 16 * 152064 and not ctx.small
-                    if not heavy and "torch-composed" in impls:
-                        ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
-                        ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
-                    for impl, name in (("triton", "tlt-triton"), ("cuda", "tlt-cuda")):
-                        if name in unavailable or name not in impls:
-                            continue
-                        try:
-                            got = verify_tree(logits, tokens, parents, return_stats=True, backend=impl, **kw)
-                        except BackendUnavailableError as exc:
-                            ctx.note(f"{name} skipped: {exc}")
-                            unavailable.add(name)
-                            continue
-                        same = (got.tokens == ref.tokens).all(1).float().mean().item()
-                        op = lambda: verify_tree(logits, tokens, parents, backend=impl, **kw)  # noqa: E731
-                        ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
-                        if graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
-                            ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
-                    if fi is not None and kind == "chain":
-                        try:
-                            _flashinfer_chain(fi, logits, tokens, q, top_p)
-                            ms = ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
-                        except Exception as exc:  # API differences between FlashInfer versions
-                            ctx.note(f"flashinfer chain_speculative_sampling failed on {case}: {type(exc).__name__}: {exc}")
-                            fi = None
-                        else:
-                            # FlashInfer reads every row of the chain (it does not skip rejected ones).
-                            full = B * T * V * logits.element_size() + B * (T - 1) * V * q.element_size()
-                            ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
-                            if graphs and fi_graphs:  # graph against graph: how an engine's step graph runs it
-                                try:
-                                    ms = ctx.time_graph_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
-                                except Exception as exc:
-                                    ctx.note(f"flashinfer-graph: capture failed on {case} ({type(exc).__name__}: {exc}); "
-                                             "no further flashinfer-graph rows")
-                                    fi_graphs = False
-                                else:
-                                    ctx.add(case, "flashinfer-graph", ms, bytes_moved=full, **extra)
-                    if heavy and "torch-composed" in impls:
-                        ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
+                _bench_shape(ctx, impls, kind, T, B, V)
     _note_tree_vs_chain(ctx, shapes)
+
+
+def _bench_shape(ctx, impls: _Impls, kind: str, T: int, B: int, V: int) -> None:
+    """Every row of one draft shape at batch size ``B`` and vocabulary ``V``, without and with top-p."""
+    dev = ctx.device
+    parents = _parents(kind, T, B, dev)
+    logits, tokens, q = _case(B, T, V, parents, ctx.dtype, dev)
+    seeds = torch.arange(B, dtype=torch.int64, device=dev)
+    for top_p in (None, 0.9):
+        case = {"shape": f"{kind}{T}", "B": B, "V": V, "top_p": top_p or 1.0}
+        kw = dict(draft_probs=q, temperature=TEMPERATURE, top_p=top_p, seed=seeds, validate=False)
+        ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
+        tried = ref.stats[:, :, 0].sum().item()
+        extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
+                     mean_accepted=round(ref.num_accepted.float().mean().item(), 3))
+        nbytes = _bytes(ref, V, logits.element_size(), q.element_size())
+        heavy = B * T * V > 64 * 16 * 152064 and not ctx.small
+        if not heavy and "torch-composed" in impls.names:
+            ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
+            ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
+        _bench_kernels(ctx, impls, case, logits, tokens, parents, kw, ref, nbytes, extra)
+        if impls.fi is not None and kind == "chain":
+            _bench_flashinfer(ctx, impls, case, logits, tokens, q, top_p, extra)
+        if heavy and "torch-composed" in impls.names:
+            ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
+
+
+def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, nbytes, extra) -> None:
+    """The ``tlt-triton`` / ``tlt-cuda`` rows (and their ``-graph`` rows), each compared with the reference ``ref``."""
+    for impl, name in (("triton", "tlt-triton"), ("cuda", "tlt-cuda")):
+        if name in impls.unavailable or name not in impls.names:
+            continue
+        try:
+            got = verify_tree(logits, tokens, parents, return_stats=True, backend=impl, **kw)
+        except BackendUnavailableError as exc:
+            ctx.note(f"{name} skipped: {exc}")
+            impls.unavailable.add(name)
+            continue
+        same = (got.tokens == ref.tokens).all(1).float().mean().item()
+        op = lambda: verify_tree(logits, tokens, parents, backend=impl, **kw)  # noqa: E731
+        ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+        if impls.graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
+            ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
+
+
+def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra) -> None:
+    """The ``flashinfer`` row of a chain and its ``flashinfer-graph`` row; a failure is noted and ends those rows."""
+    fi = impls.fi
+    try:
+        _flashinfer_chain(fi, logits, tokens, q, top_p)
+        ms = ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
+    except Exception as exc:  # API differences between FlashInfer versions
+        ctx.note(f"flashinfer chain_speculative_sampling failed on {case}: {type(exc).__name__}: {exc}")
+        impls.fi = None
+        return
+    # FlashInfer reads every row of the chain (it does not skip rejected ones).
+    B, T, V = tokens.shape[0], tokens.shape[1], logits.shape[-1]
+    full = B * T * V * logits.element_size() + B * (T - 1) * V * q.element_size()
+    ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
+    if impls.graphs and impls.fi_graphs:  # graph against graph: how an engine's step graph runs it
+        try:
+            ms = ctx.time_graph_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
+        except Exception as exc:
+            ctx.note(f"flashinfer-graph: capture failed on {case} ({type(exc).__name__}: {exc}); "
+                     "no further flashinfer-graph rows")
+            impls.fi_graphs = False
+        else:
+            ctx.add(case, "flashinfer-graph", ms, bytes_moved=full, **extra)

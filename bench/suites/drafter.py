@@ -182,61 +182,88 @@ def _bench_training(ctx, trainer, s) -> None:
 
 
 def _bench_adaptation(ctx) -> None:
-    from tlt_kernels.models.config import ModelConfig
-    from tlt_kernels.models.train_tiny import finetune_target, load_corpus, shifted_corpus, train_tiny_target
+    from tlt_kernels.models.train_tiny import load_corpus, shifted_corpus
 
     s = _sizes(ctx.small)
-    dev = ctx.device
-    cfg = getattr(ModelConfig, s["cfg"])(vocab_size=256)
     t0 = time.perf_counter()
     max_bytes = 400_000 if ctx.small else 4_000_000
     base, shifted = load_corpus("base", max_bytes), shifted_corpus(max_bytes)
-    target = train_tiny_target(cfg, s["target_steps"], dev, seed=0, batch_size=s["target_bs"], seq_len=s["target_seq"], corpus=base)
-    ctx.note(f"adaptation: target {s['cfg']} trained {s['target_steps']} steps in {time.perf_counter() - t0:.1f}s")
+    target = _train_target(ctx, s, base, t0)
     gen = torch.Generator().manual_seed(0)
-
-    torch.manual_seed(0)
-    spot = EagleDrafter.for_target(target)
-    buf = RolloutBuffer(capacity_tokens=64 * 1024 if ctx.small else 2 * 1024 * 1024, recency_decay=0.5, device=dev, storage_dtype=torch.float32 if ctx.small else torch.bfloat16)
-    for _ in range(s["rollouts_per_step"] * 2):
-        toks, feats = _rollouts(target, base, s["prompts"], s["prompt_len"], s["new_tokens"], gen, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-        buf.add(feats, toks, step=0)
-    trainer = SpotTrainer(spot, buf, lr=1e-3, warmup_steps=20, batch_size=s["train_bs"], seq_len=s["train_seq"], feature_noise=0.05)
-    trainer.run(max_steps=s["warm_steps"])
+    spot, buf, trainer = _warm_up_spot_drafter(ctx, s, target, base, gen)
     _bench_training(ctx, trainer, s)
     frozen = EagleDrafter.for_target(target)
     frozen.load_state_dict(copy.deepcopy(spot.state_dict()))
     frozen.eval()
 
-    T = s["num_verify"]
-    P = s["prompt_len"] + s["new_tokens"] // 2
     results = {"eagle-frozen": [], "eagle-spot": [], "ngram": []}
     for step in range(s["drift_steps"] + 1):
         if step > 0:
-            # RL update, then the rollout phase: new rollouts are captured; the long tail leaves the
-            # GPU idle for idle_s, the only time the spot trainer may run.
-            loss = finetune_target(target, shifted, s["drift_target_steps"], gen, lr=s["drift_lr"], batch_size=s["target_bs"],
-                                   seq_len=s["target_seq"])
-            for _ in range(s["rollouts_per_step"]):
-                toks, feats = _rollouts(target, shifted, s["prompts"], s["prompt_len"], s["new_tokens"], gen, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
-                buf.add(feats, toks, step=step)
-            st = trainer.run(time_budget_s=s["idle_s"])
-            ctx.note(f"adaptation step {step}: target loss {loss:.3f}; spot trainer {st.optimizer_steps} steps, {st.tokens} pairs in the {s['idle_s']}s idle window")
-        corpus = base if step == 0 else shifted
-        held, _ = _rollouts(target, corpus, s["eval_prompts"], s["prompt_len"], s["new_tokens"], torch.Generator().manual_seed(10_000 + step), seed=10_000 + step)
-        prefixes = held[:, :P].contiguous()
-        spot.eval()
-        for impl, fn in (
-            ("eagle-frozen", _eagle_draft_fn(frozen, prefixes, s)),
-            ("eagle-spot", _eagle_draft_fn(spot, prefixes, s)),
-            ("ngram", _ngram_draft_fn(prefixes, s["depth"])),
-        ):
-            t1 = time.perf_counter()
-            acc = _accept_len(target, prefixes, fn, T)
-            results[impl].append(acc)
-            ctx.add({"part": "adaptation", "rl_step": step}, impl, (time.perf_counter() - t1) * 1e3, accept_len=round(acc, 3),
-                    kept=round(acc / results[impl][0], 3))
-    keep_spot = results["eagle-spot"][-1] / results["eagle-spot"][0]
+            _rl_step(ctx, s, step, target, shifted, buf, trainer, gen)
+        _bench_accept_lens(ctx, s, step, target, base if step == 0 else shifted, frozen, spot, results)
+    _note_adaptation(ctx, results)
+
+
+def _train_target(ctx, s, base, t0):
+    """The adaptation's target, trained on the base corpus (noted with the seconds since ``t0``)."""
+    from tlt_kernels.models.config import ModelConfig
+    from tlt_kernels.models.train_tiny import train_tiny_target
+
+    cfg = getattr(ModelConfig, s["cfg"])(vocab_size=256)
+    target = train_tiny_target(cfg, s["target_steps"], ctx.device, seed=0, batch_size=s["target_bs"], seq_len=s["target_seq"], corpus=base)
+    ctx.note(f"adaptation: target {s['cfg']} trained {s['target_steps']} steps in {time.perf_counter() - t0:.1f}s")
+    return target
+
+
+def _warm_up_spot_drafter(ctx, s, target, base, gen):
+    """``(drafter, buffer, trainer)``: the EAGLE drafter warmed up on rollouts of the initial target."""
+    torch.manual_seed(0)
+    spot = EagleDrafter.for_target(target)
+    buf = RolloutBuffer(capacity_tokens=64 * 1024 if ctx.small else 2 * 1024 * 1024, recency_decay=0.5, device=ctx.device, storage_dtype=torch.float32 if ctx.small else torch.bfloat16)
+    for _ in range(s["rollouts_per_step"] * 2):
+        toks, feats = _rollouts(target, base, s["prompts"], s["prompt_len"], s["new_tokens"], gen, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        buf.add(feats, toks, step=0)
+    trainer = SpotTrainer(spot, buf, lr=1e-3, warmup_steps=20, batch_size=s["train_bs"], seq_len=s["train_seq"], feature_noise=0.05)
+    trainer.run(max_steps=s["warm_steps"])
+    return spot, buf, trainer
+
+
+def _rl_step(ctx, s, step, target, shifted, buf, trainer, gen) -> None:
+    """RL step ``step``: the target fine-tuned on the shifted mix, its rollouts buffered, the idle window trained."""
+    from tlt_kernels.models.train_tiny import finetune_target
+
+    # RL update, then the rollout phase: new rollouts are captured; the long tail leaves the
+    # GPU idle for idle_s, the only time the spot trainer may run.
+    loss = finetune_target(target, shifted, s["drift_target_steps"], gen, lr=s["drift_lr"], batch_size=s["target_bs"],
+                           seq_len=s["target_seq"])
+    for _ in range(s["rollouts_per_step"]):
+        toks, feats = _rollouts(target, shifted, s["prompts"], s["prompt_len"], s["new_tokens"], gen, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        buf.add(feats, toks, step=step)
+    st = trainer.run(time_budget_s=s["idle_s"])
+    ctx.note(f"adaptation step {step}: target loss {loss:.3f}; spot trainer {st.optimizer_steps} steps, {st.tokens} pairs in the {s['idle_s']}s idle window")
+
+
+def _bench_accept_lens(ctx, s, step, target, corpus, frozen, spot, results) -> None:
+    """One row per drafter: its accepted length on held-out rollouts of the current target (appended to ``results``)."""
+    T = s["num_verify"]
+    P = s["prompt_len"] + s["new_tokens"] // 2
+    held, _ = _rollouts(target, corpus, s["eval_prompts"], s["prompt_len"], s["new_tokens"], torch.Generator().manual_seed(10_000 + step), seed=10_000 + step)
+    prefixes = held[:, :P].contiguous()
+    spot.eval()
+    for impl, fn in (
+        ("eagle-frozen", _eagle_draft_fn(frozen, prefixes, s)),
+        ("eagle-spot", _eagle_draft_fn(spot, prefixes, s)),
+        ("ngram", _ngram_draft_fn(prefixes, s["depth"])),
+    ):
+        t1 = time.perf_counter()
+        acc = _accept_len(target, prefixes, fn, T)
+        results[impl].append(acc)
+        ctx.add({"part": "adaptation", "rl_step": step}, impl, (time.perf_counter() - t1) * 1e3, accept_len=round(acc, 3),
+                kept=round(acc / results[impl][0], 3))
+
+
+def _note_adaptation(ctx, results) -> None:
+    """The accepted lengths per RL step, and whether the spot and frozen drafters meet their targets."""
     keep_frozen = results["eagle-frozen"][-1] / results["eagle-frozen"][0]
     min_spot = min(results["eagle-spot"]) / results["eagle-spot"][0]
     ctx.note(
@@ -246,7 +273,6 @@ def _bench_adaptation(ctx) -> None:
         + f"frozen keeps {keep_frozen:.0%} at the end (target <= 75%): {'MET' if keep_frozen <= 0.75 else 'NOT met'}"
         + (" (small run: sizes too tiny for the targets to be meaningful)" if ctx.small else "")
     )
-    del keep_spot
 
 
 def run(ctx) -> None:

@@ -247,87 +247,110 @@ def _plot(outs: dict, path: str) -> str:
     return f"plot written to {path}"
 
 
-def run(ctx) -> None:
-    from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
-    from tlt_kernels.engine import SpeculativeEngine
-    from tlt_kernels.models import (ModelConfig, deterministic_training, finetune_target, load_corpus, shifted_corpus,
-                                    train_tiny_target)
-    from tlt_kernels.models.train_tiny import sample_windows
-    from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
+def _parse_arms(params, sizes: dict) -> list:
+    """The speculative arms of the static rows and the selector: ``--arms`` or the size's set (off is implied)."""
+    from tlt_kernels.runtime import Strategy
 
-    t_suite = time.perf_counter()
-    p = values(ctx, FLAGS)
-    z = _sizes(ctx.small, p)
-    # --arms s2k1v3,s4k1v5,...: the speculative arms every static row and the selector use (off is always in).
-    arms = [Strategy.parse(a) for a in p.arms] if p.arms else [Strategy(*a) for a in z["arms"]]
+    arms = [Strategy.parse(a) for a in params.arms] if params.arms else [Strategy(*a) for a in sizes["arms"]]
     if not arms or any(a.is_off for a in arms):
-        raise ValueError(f"--arms must list speculative strategies like 's4k1v5' (off is always an arm), got {','.join(p.arms)!r}")
-    dev = ctx.device
-    cuda = dev.type == "cuda"
-    gen = torch.Generator().manual_seed(0)
-    # --deterministic: every training stage (target, drafter warm-up, RL updates, spot training) runs with
-    # deterministic kernels, so two runs on the same card train the same models and their rows differ only by timing.
-    det = bool(p.deterministic)
-    nondet_ops: set = set()
+        raise ValueError(f"--arms must list speculative strategies like 's4k1v5' (off is always an arm), got {','.join(params.arms)!r}")
+    return arms
 
-    def training():
-        return deterministic_training(det, nondet_ops)
 
-    # 1. target
-    t0 = time.perf_counter()
-    if z["cfg"] == "tiny":
-        cfg = ModelConfig.tiny()
-    else:
-        # Depth matters more than width here: the EAGLE drafter is one decoder layer, so what one draft step costs
-        # next to a target pass is about 1 / num_layers (a real 7B target has 28 layers). --layers overrides.
-        # Width sets how much a verified token costs next to a step's fixed cost: a real target's verify pass at
-        # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
-        # plain step. --hidden (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
-        cfg = target_config(z["hidden"], z["layers"])
-    target, cached = _cached_target(cfg, z, dev, det, lambda: train_tiny_target(
-        cfg, steps=z["train_steps"], device=dev, batch_size=z["train_bs"], seq_len=z["train_seq"]), training, p.cache_dir)
-    # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
-    # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
-    # --target-dtype bf16 runs the bf16 kernels instead.
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.target_dtype]
-    if cuda:
-        target = target.to(dtype)
-    ctx.note(f"target {z['cfg']} ({cfg.num_layers} layers, {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M params, {target.dtype}) "
-             + (f"trained {z['train_steps']} steps: loaded from {cached} (--cache-dir)" if cached else
-                f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s"))
+class _E2ERun:
+    """One e2e run's state, built phase by phase (the module docstring's steps 1-4) by the methods below."""
 
-    corpus = load_corpus("base")
-    B = z["B"]
-    prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
-    lens = _lengths(B, z["median"], z["max_len"], gen)
-    max_seq = z["prompt_len"] + max(lens)
-    ctx.note(f"rollout: B={B}, prompt {z['prompt_len']} tokens, response lengths median {sorted(lens)[B // 2]}, "
-             f"max {max(lens)}, total {sum(lens)} tokens (log-normal, sigma 1)")
+    def __init__(self, ctx):
+        self.t_suite = time.perf_counter()
+        self.ctx = ctx
+        self.params = values(ctx, FLAGS)
+        self.sizes = _sizes(ctx.small, self.params)
+        self.arms = _parse_arms(self.params, self.sizes)
+        self.dev = ctx.device
+        self.cuda = self.dev.type == "cuda"
+        self.gen = torch.Generator().manual_seed(0)
+        # --deterministic: every training stage (target, drafter warm-up, RL updates, spot training) runs with
+        # deterministic kernels, so two runs on the same card train the same models and their rows differ only by
+        # timing.
+        self.det = bool(self.params.deterministic)
+        self.nondet_ops: set = set()
+        self.outs: dict = {}  # per timed row: its median run
+        self.walls: dict = {}  # per timed row: every run's wall ms
+        self.same: dict = {}  # per timed row: whether every run emitted the same tokens
 
-    def make_pool():
-        return GraphPool() if cuda else None
+    def training(self):
+        """The context every training stage runs in (deterministic kernels with ``--deterministic``)."""
+        from tlt_kernels.models import deterministic_training
 
-    graph_sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, B} & set(range(1, B + 1)))
+        return deterministic_training(self.det, self.nondet_ops)
 
-    # One graph per decoding step (SpeculativeEngine(fuse_step=True)) for every run, plain included: one launch per step
-    # instead of several, each graph launch costing host time (docs/RUNTIME.md, "The e2e suite's settings"); --no-fuse
-    # for separate graphs.
-    fuse = cuda and bool(p.fuse)
-    ctx.note(f"graphs per step: {'one fused step graph' if fuse else 'verify + draft + extend graphs'} (--fuse)")
+    def train_target(self) -> None:
+        """1. The target: trained here (or loaded from ``--cache-dir``), in ``--target-dtype`` on the GPU; noted."""
+        from tlt_kernels.models import ModelConfig, train_tiny_target
 
-    # Tree attention of the target's verify pass: "auto" (an fp32 target runs the op's torch path: a gather of every
-    # request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton kernel). "triton"
-    # speeds plain decoding more than the speculative arms, so it shrinks the adaptive engine's margin; the default
-    # stays "auto" (docs/RUNTIME.md, "The e2e suite's settings").
-    attn = p.attn
-    ctx.note(f"target tree attention: backend={attn!r} (--attn)")
+        z, p = self.sizes, self.params
+        t0 = time.perf_counter()
+        if z["cfg"] == "tiny":
+            cfg = ModelConfig.tiny()
+        else:
+            # Depth matters more than width here: the EAGLE drafter is one decoder layer, so what one draft step costs
+            # next to a target pass is about 1 / num_layers (a real 7B target has 28 layers). --layers overrides.
+            # Width sets how much a verified token costs next to a step's fixed cost: a real target's verify pass at
+            # batch 128 x 16 tokens is compute-bound (tens of times a plain step), a narrow toy's barely more than a
+            # plain step. --hidden (a multiple of 256) overrides; heads of 64, 4 query heads per KV head.
+            cfg = target_config(z["hidden"], z["layers"])
+        target, cached = _cached_target(cfg, z, self.dev, self.det, lambda: train_tiny_target(
+            cfg, steps=z["train_steps"], device=self.dev, batch_size=z["train_bs"], seq_len=z["train_seq"]),
+            self.training, p.cache_dir)
+        # fp32 by default: plain decoding and tree verification reduce in different orders, and in bf16 that flips
+        # greedy near-ties, so "greedy outputs identical" would measure rounding, not the engine.
+        # --target-dtype bf16 runs the bf16 kernels instead.
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.target_dtype]
+        if self.cuda:
+            target = target.to(dtype)
+        self.target = target
+        num_params = sum(w.numel() for w in target.parameters())
+        self.ctx.note(f"target {z['cfg']} ({cfg.num_layers} layers, {num_params / 1e6:.1f}M params, {target.dtype}) "
+                      + (f"trained {z['train_steps']} steps: loaded from {cached} (--cache-dir)" if cached else
+                         f"trained {z['train_steps']} steps in {time.perf_counter() - t0:.1f}s"))
 
-    def engine(drafter, sel, **kw):
+    def plan_rollout(self) -> None:
+        """The timed rollout's prompts and response lengths, its engines' graph sizes, ``--fuse`` and ``--attn``."""
+        from tlt_kernels.models import load_corpus
+        from tlt_kernels.models.train_tiny import sample_windows
+
+        ctx, z = self.ctx, self.sizes
+        self.corpus = load_corpus("base")
+        B = self.batch = z["B"]
+        self.prompts = sample_windows(self.corpus, B, z["prompt_len"], self.gen).to(self.dev)
+        lens = self.lens = _lengths(B, z["median"], z["max_len"], self.gen)
+        self.max_seq = z["prompt_len"] + max(lens)
+        ctx.note(f"rollout: B={B}, prompt {z['prompt_len']} tokens, response lengths median {sorted(lens)[B // 2]}, "
+                 f"max {max(lens)}, total {sum(lens)} tokens (log-normal, sigma 1)")
+        self.graph_sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, B} & set(range(1, B + 1)))
+        # One graph per decoding step (SpeculativeEngine(fuse_step=True)) for every run, plain included: one launch
+        # per step instead of several, each graph launch costing host time (docs/RUNTIME.md, "The e2e suite's
+        # settings"); --no-fuse for separate graphs.
+        self.fuse = self.cuda and bool(self.params.fuse)
+        ctx.note(f"graphs per step: {'one fused step graph' if self.fuse else 'verify + draft + extend graphs'} (--fuse)")
+        # Tree attention of the target's verify pass: "auto" (an fp32 target runs the op's torch path: a gather of
+        # every request's padded context per layer, which dominates a step) or "triton" (the exact-fp32 Triton
+        # kernel). "triton" speeds plain decoding more than the speculative arms, so it shrinks the adaptive engine's
+        # margin; the default stays "auto" (docs/RUNTIME.md, "The e2e suite's settings").
+        self.attn = self.params.attn
+        ctx.note(f"target tree attention: backend={self.attn!r} (--attn)")
+
+    def engine(self, drafter, sel, **kw):
+        """A SpeculativeEngine of the target for ``drafter`` and ``sel``, its graphs captured (GPU) and warmed up."""
+        from tlt_kernels.engine import SpeculativeEngine
+        from tlt_kernels.runtime import GraphPool
+
+        ctx = self.ctx
         t_build = time.perf_counter()
-        eng = SpeculativeEngine(target, drafter, sel, make_pool(), max_batch_size=B, max_seq_len=max_seq, fuse_step=fuse,
-                                backend=attn, **kw)
-        if cuda:
-            st = eng.capture_graphs(graph_sizes)
+        eng = SpeculativeEngine(self.target, drafter, sel, GraphPool() if self.cuda else None, max_batch_size=self.batch,
+                                max_seq_len=self.max_seq, fuse_step=self.fuse, backend=self.attn, **kw)
+        if self.cuda:
+            st = eng.capture_graphs(self.graph_sizes)
             if eng.graph_retry_error:
                 ctx.note(f"graph capture of {sel} failed once and was retried ({eng.graph_retry_error})")
             if eng.graph_error:
@@ -335,178 +358,230 @@ def run(ctx) -> None:
             else:
                 ctx.note(f"graphs for {sel}: {st['graphs']} captured in {st['capture_seconds']:.1f}s")
         # Warm-up (lazy imports, kernel compilation, allocator) so the timed rollout is steady state.
-        buf_, eng.rollout_buffer = eng.rollout_buffer, None
+        buffer, eng.rollout_buffer = eng.rollout_buffer, None
         t_warm = time.perf_counter()
-        eng.generate(prompts[:2], 4)
-        eng.rollout_buffer = buf_
+        eng.generate(self.prompts[:2], 4)
+        eng.rollout_buffer = buffer
         ctx.progress(f"engine for {sel}: built and captured in {t_warm - t_build:.1f} s, warm-up rollout "
                      f"{time.perf_counter() - t_warm:.1f} s")
         return eng
 
-    # 2. RL step 0: a plain rollout fills a RolloutBuffer and the EAGLE drafter is trained on it (the warm-up).
-    buf = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.float32 if not cuda else torch.bfloat16)
-    prev_prompts = sample_windows(corpus, B, z["prompt_len"], gen).to(dev)
-    plain_eng = engine(None, Strategy.off(), rollout_buffer=buf)
-    plain_eng.generate(prev_prompts, lens)
-    train_drafter = EagleDrafter.for_target(target, seed=0)  # the same initial drafter in every run
-    trainer = SpotTrainer(train_drafter, buf, lr=1e-3, warmup_steps=20, batch_size=z["train_window"][0],
-                          seq_len=z["train_window"][1], autocast_dtype=torch.bfloat16 if cuda else None)
-    # A fixed number of optimizer steps, not a time budget: with a time budget, two machines of the same card trained
-    # different numbers of steps, so each run's drafter, and its acceptance, depended on the machine's speed. The cap
-    # only stops a pathologically slow machine (docs/RUNTIME.md, "The e2e suite's settings").
-    with training():
-        st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
-    if st.optimizer_steps < z["warm_steps"]:
-        ctx.note(f"drafter warm-up stopped at its {z['warm_cap_s']:.0f} s cap after {st.optimizer_steps} of "
-                 f"{z['warm_steps']} steps: this run's drafter is weaker than the configuration's")
-    ctx.note(f"drafter warm-up: {st.optimizer_steps} steps in {st.elapsed_s:.1f}s, loss {st.last_loss}")
-    # The drafter a static deployment keeps: trained once, for the policy of RL step 0.
-    frozen_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
+    def spot_train(self):
+        """Trains the drafter for one RL step's idle window; returns the trainer's stats."""
+        # A fixed number of optimizer steps, not a time budget: with a time budget, two machines of the same card
+        # trained different numbers of steps, so each run's drafter, and its acceptance, depended on the machine's
+        # speed. The cap only stops a pathologically slow machine (docs/RUNTIME.md, "The e2e suite's settings").
+        with self.training():
+            return self.trainer.run(max_steps=self.sizes["warm_steps"], time_budget_s=self.sizes["warm_cap_s"])
 
-    # 3. The policy drifts (--drift RL updates, each a fine-tune of the target on the shifted mix, in place) before
-    # the timed rollout. Between two updates the rollout of that RL step runs, its long tail leaves GPUs idle, and
-    # the spot trainer trains the drafter on it (a fixed number of steps, the idle window); the timed rollout's
-    # drafter is then one RL step behind its policy, as in TLT, while the frozen one is --drift steps behind.
-    drift = int(p.drift)
-    if drift < 0:
-        raise ValueError(f"--drift must be >= 0 (RL updates before the timed rollout), got {drift}")
-    shifted = shifted_corpus()
-    for step in range(1, drift + 1):
-        t_rl = time.perf_counter()
-        with training():
-            loss = finetune_target(target, shifted, z["drift_steps"], gen, lr=1e-3, batch_size=z["train_bs"], seq_len=z["train_seq"])
-        line = f"RL update {step}: target fine-tuned {z['drift_steps']} steps on the shifted mix (loss {loss:.3f}) in {time.perf_counter() - t_rl:.1f}s"
-        if step < drift:
-            plain_eng.generate(sample_windows(corpus, B, z["prompt_len"], gen).to(dev), lens)
-            # The same idle-window budget as RL step 0's warm-up: every RL step's tail leaves the GPUs as idle.
-            with training():
-                st = trainer.run(max_steps=z["warm_steps"], time_budget_s=z["warm_cap_s"])
-            line += f"; its rollout spot-trained the drafter {st.optimizer_steps} steps in {st.elapsed_s:.1f}s (loss {st.last_loss})"
-        ctx.note(line)
-    spot_state = {k: v.detach().clone() for k, v in train_drafter.state_dict().items()}
-    if det:
-        ctx.note("deterministic training (--deterministic): "
-                 + ("ops without a deterministic kernel (still nondeterministic): " + "; ".join(sorted(nondet_ops))
-                    if nondet_ops else "no op warned of a nondeterministic kernel"))
+    def warm_up_drafter(self) -> None:
+        """2. RL step 0: a plain rollout fills a RolloutBuffer and the EAGLE drafter is trained on it (the warm-up)."""
+        from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
+        from tlt_kernels.models.train_tiny import sample_windows
+        from tlt_kernels.runtime import Strategy
 
-    # The rollout's drafter copies draft in bf16 on the GPU (--drafter-dtype fp32 to change): drafts never
-    # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.
-    draft_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[p.drafter_dtype or ("bf16" if cuda else "fp32")]
-    ctx.note(f"rollout drafter dtype {draft_dtype} (--drafter-dtype); trainer weights float32")
+        ctx, z, cuda = self.ctx, self.sizes, self.cuda
+        self.buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.float32 if not cuda else torch.bfloat16)
+        self.prev_prompts = sample_windows(self.corpus, self.batch, z["prompt_len"], self.gen).to(self.dev)
+        self.plain_engine = self.engine(None, Strategy.off(), rollout_buffer=self.buffer)
+        self.plain_engine.generate(self.prev_prompts, self.lens)
+        self.train_drafter = EagleDrafter.for_target(self.target, seed=0)  # the same initial drafter in every run
+        self.trainer = SpotTrainer(self.train_drafter, self.buffer, lr=1e-3, warmup_steps=20,
+                                   batch_size=z["train_window"][0], seq_len=z["train_window"][1],
+                                   autocast_dtype=torch.bfloat16 if cuda else None)
+        st = self.spot_train()
+        if st.optimizer_steps < z["warm_steps"]:
+            ctx.note(f"drafter warm-up stopped at its {z['warm_cap_s']:.0f} s cap after {st.optimizer_steps} of "
+                     f"{z['warm_steps']} steps: this run's drafter is weaker than the configuration's")
+        ctx.note(f"drafter warm-up: {st.optimizer_steps} steps in {st.elapsed_s:.1f}s, loss {st.last_loss}")
+        # The drafter a static deployment keeps: trained once, for the policy of RL step 0.
+        self.frozen_state = {k: v.detach().clone() for k, v in self.train_drafter.state_dict().items()}
 
-    def drafter_copy(state):
-        d = EagleDrafter.for_target(target, dtype=draft_dtype)
-        d.load_state_dict(state)
-        return d
+    def drift_policy(self) -> None:
+        """3. The policy drifts: ``--drift`` RL updates before the timed rollout, the drafter spot-trained between."""
+        # Each RL update is a fine-tune of the target on the shifted mix, in place. Between two updates the rollout of
+        # that RL step runs, its long tail leaves GPUs idle, and the spot trainer trains the drafter on it (a fixed
+        # number of steps, the idle window); the timed rollout's drafter is then one RL step behind its policy, as in
+        # TLT, while the frozen one is --drift steps behind.
+        from tlt_kernels.models import finetune_target, shifted_corpus
+        from tlt_kernels.models.train_tiny import sample_windows
 
-    # 4. the rollout, every configuration on the same prompts, --repeats times each (default 3 on the GPU, 1 on
-    # the CPU): the row keeps the run of median wall time (the upper one of an even count) and every run's tokens
-    # must match. One rollout varies between runs by as much as the selector's margins (docs/RUNTIME.md, "The e2e
-    # suite's settings").
-    repeats = int(p.repeats if p.repeats is not None else 3 if cuda else 1)
-    if repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    walls, same = {}, {}
+        ctx, z = self.ctx, self.sizes
+        drift = self.drift = int(self.params.drift)
+        if drift < 0:
+            raise ValueError(f"--drift must be >= 0 (RL updates before the timed rollout), got {drift}")
+        shifted = shifted_corpus()
+        for step in range(1, drift + 1):
+            t_rl = time.perf_counter()
+            with self.training():
+                loss = finetune_target(self.target, shifted, z["drift_steps"], self.gen, lr=1e-3,
+                                       batch_size=z["train_bs"], seq_len=z["train_seq"])
+            line = f"RL update {step}: target fine-tuned {z['drift_steps']} steps on the shifted mix (loss {loss:.3f}) in {time.perf_counter() - t_rl:.1f}s"
+            if step < drift:
+                self.plain_engine.generate(sample_windows(self.corpus, self.batch, z["prompt_len"], self.gen).to(self.dev),
+                                           self.lens)
+                # The same idle-window budget as RL step 0's warm-up: every RL step's tail leaves the GPUs as idle.
+                st = self.spot_train()
+                line += f"; its rollout spot-trained the drafter {st.optimizer_steps} steps in {st.elapsed_s:.1f}s (loss {st.last_loss})"
+            ctx.note(line)
+        self.spot_state = {k: v.detach().clone() for k, v in self.train_drafter.state_dict().items()}
+        if self.det:
+            ctx.note("deterministic training (--deterministic): "
+                     + ("ops without a deterministic kernel (still nondeterministic): " + "; ".join(sorted(self.nondet_ops))
+                        if self.nondet_ops else "no op warned of a nondeterministic kernel"))
 
-    def timed(name, run_once):
+    def choose_drafter_dtype(self) -> None:
+        """The rollout drafters' dtype (``--drafter-dtype``), noted."""
+        # The rollout's drafter copies draft in bf16 on the GPU (--drafter-dtype fp32 to change): drafts never
+        # change the output (verification is lossless), only how many are accepted; the trainer keeps fp32 weights.
+        self.draft_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
+            self.params.drafter_dtype or ("bf16" if self.cuda else "fp32")]
+        self.ctx.note(f"rollout drafter dtype {self.draft_dtype} (--drafter-dtype); trainer weights float32")
+
+    def drafter_copy(self, state):
+        """A rollout drafter (in the rollout's drafter dtype) holding the weights ``state``."""
+        from tlt_kernels.drafter import EagleDrafter
+
+        drafter = EagleDrafter.for_target(self.target, dtype=self.draft_dtype)
+        drafter.load_state_dict(state)
+        return drafter
+
+    def choose_repeats(self) -> None:
+        """4. The rollout's ``--repeats``: how many times each row runs (validated)."""
+        # Every configuration runs on the same prompts, --repeats times each (default 3 on the GPU, 1 on the CPU): the
+        # row keeps the run of median wall time (the upper one of an even count) and every run's tokens must match.
+        # One rollout varies between runs by as much as the selector's margins (docs/RUNTIME.md, "The e2e suite's
+        # settings").
+        p = self.params
+        self.repeats = int(p.repeats if p.repeats is not None else 3 if self.cuda else 1)
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+
+    def timed(self, name: str, run_once) -> None:
+        """Runs the rollout ``run_once`` ``repeats`` times and records row ``name``'s median run."""
         runs = []
-        for _ in range(repeats):
+        for _ in range(self.repeats):
             runs.append(run_once())
             o = runs[-1]
             if o.errors:  # shorter outputs would time as a faster rollout
                 raise RuntimeError(f"{name}: the target's logits held NaN/+inf for requests {o.errors}; "
                                    "a rollout that stops requests early is not a measurement")
-            ctx.progress(f"{name}: {o.wall_s * 1e3:.1f} ms, {len(o.steps)} steps, tail {_tail_seconds(o, B):.3f} s, "
-                         f"accepted {o.mean_accepted_length():.3f} (suite at {time.perf_counter() - t_suite:.0f} s)")
-        outs[name] = sorted(runs, key=lambda o: o.wall_s)[len(runs) // 2]
-        walls[name] = [round(o.wall_s * 1e3, 1) for o in runs]
-        same[name] = all(o.tokens == runs[0].tokens for o in runs)
+            self.ctx.progress(f"{name}: {o.wall_s * 1e3:.1f} ms, {len(o.steps)} steps, tail {_tail_seconds(o, self.batch):.3f} s, "
+                              f"accepted {o.mean_accepted_length():.3f} (suite at {time.perf_counter() - self.t_suite:.0f} s)")
+        self.outs[name] = sorted(runs, key=lambda o: o.wall_s)[len(runs) // 2]
+        self.walls[name] = [round(o.wall_s * 1e3, 1) for o in runs]
+        self.same[name] = all(o.tokens == runs[0].tokens for o in runs)
 
-    plain_eng.rollout_buffer = None
-    outs = {}
-    timed("plain", lambda: plain_eng.generate(prompts, lens))
-    ref = outs["plain"].tokens
-    # Each static arm once with the frozen drafter (a static deployment: fixed strategy, drafter never retrained) and,
-    # with drift, once more with the spot-trained drafter loaded into the same engine (in place: its graphs replay the
-    # new weights), which isolates what the selector alone adds.
-    for s in arms:
-        eng_s = engine(drafter_copy(frozen_state), s)
-        timed(f"static-{s}", lambda: eng_s.generate(prompts, lens))
-        if drift:
-            eng_s.drafter.load_state_dict(spot_state)
-            timed(f"static-{s} (spot drafter)", lambda: eng_s.generate(prompts, lens))
-    # The adaptive engine: selector + the spot-trained drafter, one engine for its three rows. TLT trains the drafter
-    # on GPUs the long tail leaves idle (other ranks); on this one GPU, training during the rollout competes with it
-    # (and with its Python thread for the GIL), so that is a separate row.
-    ad = engine(drafter_copy(spot_state), StrategySelector(arms, seed=0))
-    table = None
-    if cuda and not ad.graph_error:  # the cost policy's start-up table: each arm's graphs replayed at every captured size
-        t_table = time.perf_counter()
-        table = ad.measure_cost_table()
-        ctx.progress(f"cost table measured in {time.perf_counter() - t_table:.1f} s")
+    def time_plain_and_statics(self) -> None:
+        """Times the ``plain`` row and the ``static-<s>`` rows."""
+        prompts, lens = self.prompts, self.lens
+        self.plain_engine.rollout_buffer = None
+        self.timed("plain", lambda: self.plain_engine.generate(prompts, lens))
+        # Each static arm once with the frozen drafter (a static deployment: fixed strategy, drafter never retrained)
+        # and, with drift, once more with the spot-trained drafter loaded into the same engine (in place: its graphs
+        # replay the new weights), which isolates what the selector alone adds.
+        for s in self.arms:
+            eng_s = self.engine(self.drafter_copy(self.frozen_state), s)
+            self.timed(f"static-{s}", lambda: eng_s.generate(prompts, lens))
+            if self.drift:
+                eng_s.drafter.load_state_dict(self.spot_state)
+                self.timed(f"static-{s} (spot drafter)", lambda: eng_s.generate(prompts, lens))
 
-    def fresh_selector():
-        return StrategySelector(arms, seed=0, cost_table=table, available=ad.covers if table else None)
+    def time_adaptive(self) -> None:
+        """Times the ``adaptive``, ``adaptive (warm)`` and ``adaptive+spot-in-tail`` rows."""
+        # The adaptive engine: selector + the spot-trained drafter, one engine for its three rows. TLT trains the
+        # drafter on GPUs the long tail leaves idle (other ranks); on this one GPU, training during the rollout
+        # competes with it (and with its Python thread for the GIL), so that is a separate row.
+        from tlt_kernels.runtime import StrategySelector
 
-    def cold_run():
-        ad.selector = fresh_selector()  # a new selector every run
-        return ad.generate(prompts, lens)
+        prompts, lens, arms = self.prompts, self.lens, self.arms
+        ad = self.adaptive_engine = self.engine(self.drafter_copy(self.spot_state), StrategySelector(arms, seed=0))
+        table = None
+        if self.cuda and not ad.graph_error:  # the cost policy's start-up table: each arm's graphs replayed at every captured size
+            t_table = time.perf_counter()
+            table = ad.measure_cost_table()
+            self.ctx.progress(f"cost table measured in {time.perf_counter() - t_table:.1f} s")
 
-    timed("adaptive", cold_run)
-    # In RL training the selector lives across rollouts: "adaptive (warm)" keeps the one that decoded the previous
-    # step's prompts, so the timed rollout pays no first-visit exploration.
-    ad.selector = fresh_selector()
-    ad.generate(prev_prompts, lens)
-    warmed = _copy_selector(ad.selector)
+        def fresh_selector():
+            return StrategySelector(arms, seed=0, cost_table=table, available=ad.covers if table else None)
 
-    def warm_run():
-        ad.selector = _copy_selector(warmed)  # every run starts from the selector of the previous step
-        return ad.generate(prompts, lens)
+        def cold_run():
+            ad.selector = fresh_selector()  # a new selector every run
+            return ad.generate(prompts, lens)
 
-    timed("adaptive (warm)", warm_run)
-    # Spot training changes the drafter as it runs, so this row is run once whatever --repeats says, and last.
-    ad.selector, ad.spot_trainer, ad.rollout_buffer = fresh_selector(), trainer, buf
-    outs["adaptive+spot-in-tail"] = ad.generate(prompts, lens)
-    ad.spot_trainer = ad.rollout_buffer = None
-    walls["adaptive+spot-in-tail"], same["adaptive+spot-in-tail"] = [round(outs["adaptive+spot-in-tail"].wall_s * 1e3, 1)], True
+        self.timed("adaptive", cold_run)
+        # In RL training the selector lives across rollouts: "adaptive (warm)" keeps the one that decoded the previous
+        # step's prompts, so the timed rollout pays no first-visit exploration.
+        ad.selector = fresh_selector()
+        ad.generate(self.prev_prompts, lens)
+        warmed = _copy_selector(ad.selector)
 
-    trace_path = p.write_trace
-    if trace_path:  # a recorded trace for the selector suite (its --trace): every arm probed per step
+        def warm_run():
+            ad.selector = _copy_selector(warmed)  # every run starts from the selector of the previous step
+            return ad.generate(prompts, lens)
+
+        self.timed("adaptive (warm)", warm_run)
+        # Spot training changes the drafter as it runs, so this row is run once whatever --repeats says, and last.
+        ad.selector, ad.spot_trainer, ad.rollout_buffer = fresh_selector(), self.trainer, self.buffer
+        self.outs["adaptive+spot-in-tail"] = ad.generate(prompts, lens)
+        ad.spot_trainer = ad.rollout_buffer = None
+        self.walls["adaptive+spot-in-tail"] = [round(self.outs["adaptive+spot-in-tail"].wall_s * 1e3, 1)]
+        self.same["adaptive+spot-in-tail"] = True
+
+    def write_trace(self) -> None:
+        """``--write-trace``: a recorded trace for the selector suite (its --trace), every arm probed per step."""
         import json
 
+        from tlt_kernels.runtime import StrategySelector
+
+        trace_path = self.params.write_trace
+        if not trace_path:
+            return
         records = []
-        engine(drafter_copy(spot_state), StrategySelector(arms, seed=0)).generate(prompts, lens, trace=records)
+        self.engine(self.drafter_copy(self.spot_state), StrategySelector(self.arms, seed=0)).generate(
+            self.prompts, self.lens, trace=records)
         with open(trace_path, "w") as f:
             json.dump(records, f)
-        ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: python -m bench selector --trace {trace_path})")
+        self.ctx.note(f"engine trace of {len(records)} steps written to {trace_path} (replay: python -m bench selector --trace {trace_path})")
 
-    steps_path = p.write_steps
-    if steps_path:  # every row's step log (its median run), for offline analysis of the selector against the oracle
+    def write_step_logs(self) -> None:
+        """``--write-steps``: every row's step log (its median run), for offline comparison with the oracle."""
         import dataclasses
         import json
 
+        steps_path = self.params.write_steps
+        if not steps_path:
+            return
         with open(steps_path, "w") as f:
-            json.dump({name: [dataclasses.asdict(st) for st in o.steps] for name, o in outs.items()}, f)
-        ctx.note(f"step logs of {len(outs)} rows written to {steps_path} (--write-steps)")
+            json.dump({name: [dataclasses.asdict(st) for st in o.steps] for name, o in self.outs.items()}, f)
+        self.ctx.note(f"step logs of {len(self.outs)} rows written to {steps_path} (--write-steps)")
 
-    plain = outs["plain"]
+
+def _best_statics(outs: dict):
+    """``(best_name, best_spot_name, spot_statics)``: the fastest static row with the frozen and the spot drafter."""
     # The target's comparison: the best static arm as deployed (frozen drafter). With drift, the same arms with the
     # spot-trained drafter are reported too (the selector's gain alone), and the oracle is taken over those: they are
-    # the arms the selector chooses among.
+    # the arms the selector chooses among. Without drift both are the frozen rows.
     statics = {k: v for k, v in outs.items() if k.startswith("static-") and not k.endswith("(spot drafter)")}
     spot_statics = {k: v for k, v in outs.items() if k.endswith("(spot drafter)")} or statics
     best_name = min(statics, key=lambda k: statics[k].wall_s)
-    best = statics[best_name]
     best_spot_name = min(spot_statics, key=lambda k: spot_statics[k].wall_s)
-    best_spot = spot_statics[best_spot_name]
+    return best_name, best_spot_name, spot_statics
+
+
+def _add_rows(e2e: _E2ERun, best_name: str, best_spot_name: str) -> None:
+    """One row per timed configuration: wall ms, throughput, tail, acceptance, greedy identity and speedups."""
+    outs, B, lens = e2e.outs, e2e.batch, e2e.lens
+    plain, ref = outs["plain"], outs["plain"].tokens
+    best, best_spot = outs[best_name], outs[best_spot_name]
     tail_plain = _tail_seconds(plain, B)
     case = {"B": B, "tokens": sum(lens), "max_len": max(lens)}
     for name, o in outs.items():
         tail = _tail_seconds(o, B)
         extra = dict(
             tokens_per_s=round(o.tokens_per_s, 1), tail_s=round(tail, 4), accepted_length=round(o.mean_accepted_length(), 3),
-            steps=len(o.steps), greedy_identical=o.tokens == ref and same[name], output_sha=_digest(o.tokens),
-            runs_ms=walls[name],
+            steps=len(o.steps), greedy_identical=o.tokens == ref and e2e.same[name], output_sha=_digest(o.tokens),
+            runs_ms=e2e.walls[name],
             speedup_vs_plain=round(plain.wall_s / o.wall_s, 3),
             tail_speedup_vs_plain=round(tail_plain / tail, 3) if tail > 0 else None,
             graph_steps=sum(s.graph for s in o.steps),
@@ -517,8 +592,15 @@ def run(ctx) -> None:
             extra["speedup_vs_best_static_spot_drafter"] = round(best_spot.wall_s / o.wall_s, 3)
             if o.spot:
                 extra["spot_steps"] = o.spot.get("optimizer_steps")
-        ctx.add(case, name, o.wall_s * 1e3, **extra)
+        e2e.ctx.add(case, name, o.wall_s * 1e3, **extra)
 
+
+def _note_speedups(e2e: _E2ERun, best_name: str, best_spot_name: str, spot_statics: dict) -> None:
+    """Notes: the adaptive rows against plain and the best static arms, the oracle, and greedy identity."""
+    ctx, outs, B, drift = e2e.ctx, e2e.outs, e2e.batch, e2e.drift
+    plain, ref = outs["plain"], outs["plain"].tokens
+    best, best_spot = outs[best_name], outs[best_spot_name]
+    tail_plain = _tail_seconds(plain, B)
     for name in ("adaptive", "adaptive (warm)"):
         a = outs[name]
         ctx.note(
@@ -533,15 +615,37 @@ def run(ctx) -> None:
     ctx.note(f"per-batch-size oracle over the static arms{' with the spot-trained drafter' if drift else ''} (estimated "
              f"from their step logs, not run): {oracle:.3f} s, {best_spot.wall_s / oracle:.2f}x the best of them: the most "
              f"any per-batch-size choice among these arms could gain on this workload")
-    ctx.note(f"greedy identical in every run: {all(o.tokens == ref for o in outs.values()) and all(same.values())} "
-             f"({repeats} run(s) per row, --repeats; `ms` is the median run's)")
-    a = outs["adaptive"]
-    by_batch = a.strategies_by_batch()
+    ctx.note(f"greedy identical in every run: {all(o.tokens == ref for o in outs.values()) and all(e2e.same.values())} "
+             f"({e2e.repeats} run(s) per row, --repeats; `ms` is the median run's)")
+
+
+def _note_strategies_and_curve(e2e: _E2ERun) -> None:
+    """Notes: the adaptive row's strategies per batch size, and tokens/s over time (a PNG too with ``--plot``)."""
+    ctx, outs = e2e.ctx, e2e.outs
+    by_batch = outs["adaptive"].strategies_by_batch()
     lines = ["adaptive: strategies chosen per batch size (steps)"]
     for bsz in sorted(by_batch, reverse=True):
         lines.append(f"  B={bsz:>4}: " + ", ".join(f"{k} x{v}" for k, v in sorted(by_batch[bsz].items(), key=lambda kv: -kv[1])))
     ctx.note("\n".join(lines))
     ctx.note(_ascii_curve(outs))
-    path = p.plot
+    path = e2e.params.plot
     if path:
         ctx.note(_plot(outs, path))
+
+
+def run(ctx) -> None:
+    e2e = _E2ERun(ctx)
+    e2e.train_target()
+    e2e.plan_rollout()
+    e2e.warm_up_drafter()
+    e2e.drift_policy()
+    e2e.choose_drafter_dtype()
+    e2e.choose_repeats()
+    e2e.time_plain_and_statics()
+    e2e.time_adaptive()
+    e2e.write_trace()
+    e2e.write_step_logs()
+    best_name, best_spot_name, spot_statics = _best_statics(e2e.outs)
+    _add_rows(e2e, best_name, best_spot_name)
+    _note_speedups(e2e, best_name, best_spot_name, spot_statics)
+    _note_strategies_and_curve(e2e)

@@ -221,10 +221,40 @@ def run(ctx) -> None:
     if ctx.device.type != "cuda":
         _cpu_bookkeeping(ctx)
         return
-    dims = (1, 512, 1024, 8, 2, 64) if ctx.small else (4, 3584, 18944, 28, 4, 128)
-    context_len = 512 if ctx.small else CONTEXT_LEN
     sizes = SIZES[:6] if ctx.small else SIZES
     strats = _strategies()
+    fns, inputs = _gpu_model(ctx, strats, sizes)
+    every = [(s, b) for s in strats for b in sizes]
+    _time_first_calls(ctx, fns, inputs, strats, sizes)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_reserved()
+
+    # 1) The largest graph alone, in a fresh pool.
+    big_s, big_b = strats[-1], sizes[-1]
+    pool, total_s = _measure(ctx, fns, inputs, [(big_s, big_b)], sizes)
+    single = _row(ctx, {"graphs": 1, "what": f"largest alone ({big_s}, B={big_b})"}, "tlt-graph-pool", pool, total_s)
+    del pool
+    _free()
+
+    # 2) and 3): every graph in one shared pool, then replays from it.
+    case = {"graphs": len(every), "what": "capture all"}
+    _measure_shared_pool(ctx, fns, inputs, strats, sizes, case, single)
+
+    # 4) Every graph in torch's private pools (one per graph), measured by the same code.
+    pool, total_s = _measure(ctx, fns, inputs, every, sizes, shared=False)
+    _row(ctx, case, "torch-private-pools", pool, total_s, single)
+    del pool
+    _free()
+    leaked = torch.cuda.memory_reserved() - start
+    ctx.note(f"reserved after releasing every pool: {leaked / 2**20:+.1f} MiB vs the start (memory not handed "
+             "back, e.g. per-stream library workspaces of the three capture streams)")
+
+
+def _gpu_model(ctx, strats, sizes):
+    """``(fns, inputs)`` per strategy of the GPU stack (every key's attention plan prepared); notes the model."""
+    dims = (1, 512, 1024, 8, 2, 64) if ctx.small else (4, 3584, 18944, 28, 4, 128)
+    context_len = 512 if ctx.small else CONTEXT_LEN
     make, attn = _model(ctx, *dims, context_len, sizes[-1], strats)
     hidden = dims[1]
     fns = {s: make(s) for s in strats}
@@ -236,8 +266,11 @@ def run(ctx) -> None:
     ctx.note(f"model: layers={dims[0]} hidden={dims[1]} inter={dims[2]} Hq={dims[3]} Hkv={dims[4]} D={dims[5]}; "
              f"{len(strats)} strategies x {len(sizes)} sizes; {_attention_note(attn, strats, ctx.device)}")
     ctx.note(MEMORY_DEFINITION)
-    big_s, big_b = strats[-1], sizes[-1]
-    every = [(s, b) for s in strats for b in sizes]
+    return fns, inputs
+
+
+def _time_first_calls(ctx, fns, inputs, strats, sizes) -> None:
+    """The JIT-compile row: one eager call per strategy, timed together."""
     # One eager call per strategy first: Triton compiles each tree shape's kernel once per process (and caches
     # it on disk). That one-time cost is reported on its own row, not hidden in whichever measurement runs first.
     torch.cuda.synchronize()
@@ -247,45 +280,31 @@ def run(ctx) -> None:
     torch.cuda.synchronize()
     ctx.add({"graphs": 0, "what": "JIT compile: first eager call per strategy (once per process)"}, "tlt-graph-pool",
             (time.perf_counter() - t0) * 1e3)
-    n = len(every)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    start = torch.cuda.memory_reserved()
 
-    # 1) The largest graph alone, in a fresh pool.
-    pool, total_s = _measure(ctx, fns, inputs, [(big_s, big_b)], sizes)
-    single = _row(ctx, {"graphs": 1, "what": f"largest alone ({big_s}, B={big_b})"}, "tlt-graph-pool", pool, total_s)
-    del pool
-    _free()
 
-    # 2) Every graph in one shared pool, largest first.
-    case = {"graphs": n, "what": "capture all"}
-    pool, total_s = _measure(ctx, fns, inputs, every, sizes)
+def _measure_shared_pool(ctx, fns, inputs, strats, sizes, case, single) -> None:
+    """Rows of every graph captured in one shared pool (largest first) and of replays from it; frees the pool."""
+    big_s, big_b = strats[-1], sizes[-1]
+    pool, total_s = _measure(ctx, fns, inputs, [(s, b) for s in strats for b in sizes], sizes)
     shared = _row(ctx, case, "tlt-graph-pool", pool, total_s, single)
     first = max(pool._graph_bytes, key=pool._graph_bytes.get)
     ctx.note(f"largest single graph ({big_s}, B={big_b}): {single / 2**30:.3f} GiB; in the shared pool the "
              f"largest capture growth was ({first[0]}, B={first[1]}): {pool._graph_bytes[first] / 2**30:.3f} GiB")
     if shared < single:
         ctx.note("INCONSISTENT: the shared pool measured smaller than its largest graph alone")
+    _time_replays(ctx, pool, fns, inputs, (strats[0], strats[1], big_s), (1, 16, sizes[-1]))
+    st = pool.stats()
+    ctx.note(f"pool stats after replays: hits={st['hits']} misses={st['misses']} "
+             f"padding_waste={st['padding_waste']:.3f} pool_gib={st['pool_bytes'] / 2**30:.3f}")
+    del pool
+    _free()
 
-    # 3) Replay (copy-in, replay, prefix views) vs eager launches, a few keys.
-    for s in (strats[0], strats[1], big_s):
-        for b in (1, 16, sizes[-1]):
+
+def _time_replays(ctx, pool, fns, inputs, strats, batch_sizes) -> None:
+    """Rows of replays (copy-in, replay, prefix views) against eager launches, per strategy and batch size."""
+    for s in strats:
+        for b in batch_sizes:
             x = inputs[s](b)[0]
             rcase = {"strategy": str(s), "B": b}
             ctx.add(rcase, "tlt-graph-pool", ctx.time_ms(lambda: pool.run(s, (x,), batch_size=b)))
             ctx.add(rcase, "eager", ctx.time_ms(lambda: fns[s](x)))
-    st = pool.stats()
-    ctx.note(f"pool stats after replays: hits={st['hits']} misses={st['misses']} "
-             f"padding_waste={st['padding_waste']:.3f} pool_gib={st['pool_bytes'] / 2**30:.3f}")
-    del x, pool
-    _free()
-
-    # 4) Every graph in torch's private pools (one per graph), measured by the same code.
-    pool, total_s = _measure(ctx, fns, inputs, every, sizes, shared=False)
-    _row(ctx, case, "torch-private-pools", pool, total_s, single)
-    del pool
-    _free()
-    leaked = torch.cuda.memory_reserved() - start
-    ctx.note(f"reserved after releasing every pool: {leaked / 2**20:+.1f} MiB vs the start (memory not handed "
-             "back, e.g. per-stream library workspaces of the three capture streams)")

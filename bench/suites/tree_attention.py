@@ -99,45 +99,68 @@ def _check(name, got, want, ctx):
         raise AssertionError(f"{name}: max |diff| {err:.3g} vs the tlt result on case {ctx}")
 
 
+class _CaseCost:
+    """A case's HBM bytes and tensor-core FLOPs, and the roofline columns of a row timed at ``ms``."""
+
+    def __init__(self, ctx, B, L, T, Hq, Hkv, D, element_size):
+        self.B, self.L, self.T, self.Hq, self.Hkv, self.D, self.element_size = B, L, T, Hq, Hkv, D, element_size
+        self.flops = 4 * B * Hq * T * (L + T) * D
+        self.peak = _matmul_peak_flops(ctx)
+        self.bw = ctx.copy_bandwidth
+
+    def nbytes(self, t_nodes: int) -> int:
+        """K and V of the context and ``t_nodes`` tree nodes, plus q and out, each read or written once."""
+        elt = self.element_size
+        return self.B * (self.L + t_nodes) * self.Hkv * self.D * 2 * elt + 2 * self.B * t_nodes * self.Hq * self.D * elt
+
+    def extra(self, ms: float) -> dict:
+        """The ``tflops`` column and, on the GPU, ``pct_roofline``."""
+        row = {"tflops": self.flops / (ms * 1e-3) / 1e12}
+        if self.peak and self.bw:
+            # The roofline floor: the larger of the HBM floor and the tensor-core floor (T=64, G=7 rows
+            # have ~2.4x more MMA time than HBM time, so 80% of the byte floor is out of reach there).
+            row["pct_roofline"] = 100.0 * max(self.nbytes(self.T) / self.bw, self.flops / self.peak) / (ms * 1e-3)
+        return row
+
+
 def _bench_case(ctx, model, B, L, T):
-    from tlt_kernels._backend import backend_unavailable_reason
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     Hq, Hkv = MODELS[model]
     D, dtype, dev = HEAD_DIM, ctx.dtype, ctx.device
     inp = _make_inputs(B, L, T, Hq, Hkv, D, dtype, dev)
     q, k_cache, v_cache, table, parents = inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["parents"]
-    elt = q.element_size()
     case = {"model": model, "B": B, "L": L, "T": T}
-
-    def nbytes(t_nodes):
-        return B * (L + t_nodes) * Hkv * D * 2 * elt + 2 * B * t_nodes * Hq * D * elt
-
-    flops = 4 * B * Hq * T * (L + T) * D
-    peak = _matmul_peak_flops(ctx)
-    bw = ctx.copy_bandwidth
-
-    def extra(ms):
-        row = {"tflops": flops / (ms * 1e-3) / 1e12}
-        if peak and bw:
-            # The roofline floor: the larger of the HBM floor and the tensor-core floor (T=64, G=7 rows
-            # have ~2.4x more MMA time than HBM time, so 80% of the byte floor is out of reach there).
-            row["pct_roofline"] = 100.0 * max(nbytes(T) / bw, flops / peak) / (ms * 1e-3)
-        return row
+    cost = _CaseCost(ctx, B, L, T, Hq, Hkv, D, q.element_size())
 
     def plan_for(p, split_len=None):
         return plan_tree_attention(p, inp["context_lens"], table, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
                                    block_size=PAGE, max_context_len=L, split_len=split_len)
 
     plan = plan_for(parents)
-    decode_parents = parents[:, :1].contiguous()
-    decode_plan = plan_for(decode_parents)
-    q1 = q[:, :1].contiguous()
+    decode_plan = plan_for(parents[:, :1].contiguous())
     out = torch.empty_like(q)
+    reference = _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost)
+    if reference is not None and dev.type == "cuda":
+        _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
+    p = values(ctx, FLAGS)
+    if reference is not None and p.sweep and dev.type == "cuda":
+        _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
+    if p.peers:
+        _bench_peers(ctx, case, inp, reference, cost)
+
+
+def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
+    """The ``tlt-<backend>`` rows; returns the first one's output (the reference for the other rows) or None."""
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    T = q.shape[1]
+    nbytes = cost.nbytes(T)
+    q1 = q[:, :1].contiguous()
     out1 = torch.empty_like(q1)
     reference = None
     for backend in ("triton", "cuda"):
-        if backend_unavailable_reason(backend, dev) is not None:
+        if backend_unavailable_reason(backend, ctx.device) is not None:
             continue
         plan.run(q, k_cache, v_cache, out=out, backend=backend)
         if reference is None:
@@ -146,36 +169,41 @@ def _bench_case(ctx, model, B, L, T):
             _check(f"tlt-{backend}", out, reference, case)
         ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
         ms1 = ctx.time_ms(lambda: decode_plan.run(q1, k_cache, v_cache, out=out1, backend=backend))
-        row = extra(ms)
-        ctx.add(case, f"tlt-{backend}", ms, bytes_moved=nbytes(T), num_splits=plan.num_splits, split_len=plan.split_len,
-                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes(T) / nbytes(1), **row)
+        row = cost.extra(ms)
+        ctx.add(case, f"tlt-{backend}", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
+                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes / cost.nbytes(1), **row)
         if ctx.copy_bandwidth:
-            print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes(T) / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
+            print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
                   f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
-    if reference is not None and dev.type == "cuda":
-        _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes(T), extra)
-    p = values(ctx, FLAGS)
-    if reference is not None and p.sweep and dev.type == "cuda":
-        _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes(T), extra)
+    return reference
 
-    if not p.peers:
-        return
-    mask = _dense_mask(parents, L)
-    ms = ctx.time_ms(lambda: _sdpa(q, *_gather_dense(k_cache, v_cache, table, L + T), mask))
-    ctx.add(case, "torch-sdpa", ms, bytes_moved=nbytes(T), **extra(ms))
-    k, v = _gather_dense(k_cache, v_cache, table, L + T)
+
+def _bench_peers(ctx, case, inp, reference, cost):
+    """The non-tlt rows: torch SDPA with and without the gather, flex-attention and FlashInfer (CUDA)."""
+    L, T = case["L"], case["T"]
+    Hq, Hkv = MODELS[case["model"]]
+    mask = _dense_mask(inp["parents"], L)
+    _bench_sdpa(ctx, case, inp, mask, reference, cost)  # its gathered K/V are freed before FlashInfer's workspace
+    fi = ctx.try_import("flashinfer")
+    if fi is not None and ctx.device.type == "cuda":
+        _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, HEAD_DIM, L, T, reference, cost.nbytes(T), cost.extra)
+
+
+def _bench_sdpa(ctx, case, inp, mask, reference, cost):
+    """The ``torch-sdpa`` rows (gather included, then pre-gathered) and, on CUDA, flex-attention on the same K/V."""
+    q, table = inp["q"], inp["block_table"]
+    L, T = case["L"], case["T"]
+    nbytes = cost.nbytes(T)
+    ms = ctx.time_ms(lambda: _sdpa(q, *_gather_dense(inp["k_cache"], inp["v_cache"], table, L + T), mask))
+    ctx.add(case, "torch-sdpa", ms, bytes_moved=nbytes, **cost.extra(ms))
+    k, v = _gather_dense(inp["k_cache"], inp["v_cache"], table, L + T)
     got = _sdpa(q, k, v, mask)
     if reference is not None:
         _check("torch-sdpa", got, reference, case)
     ms = ctx.time_ms(lambda: _sdpa(q, k, v, mask))
-    ctx.add(case, "torch-sdpa (pre-gathered)", ms, bytes_moved=nbytes(T), **extra(ms))
-
-    if dev.type == "cuda":
-        _bench_flex(ctx, case, q, k, v, mask, reference, nbytes(T), extra)
-    del k, v, got
-    fi = ctx.try_import("flashinfer")
-    if fi is not None and dev.type == "cuda":
-        _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nbytes(T), extra)
+    ctx.add(case, "torch-sdpa (pre-gathered)", ms, bytes_moved=nbytes, **cost.extra(ms))
+    if ctx.device.type == "cuda":
+        _bench_flex(ctx, case, q, k, v, mask, reference, nbytes, cost.extra)
 
 
 def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, nbytes, extra):
