@@ -24,15 +24,9 @@ from ..reference.build_draft_tree import empty_draft_tree_outputs
 
 
 @triton.jit
-def _build_draft_tree_kernel(
-    CandParents_ptr, CandTokens_ptr, CandScores_ptr, RootTokens_ptr,
-    Parents_ptr, Tokens_ptr, CandIndex_ptr, NumNodes_ptr, Mask_ptr,
-    N, V,
-    stride_cp, stride_ct, stride_cs, stride_p, stride_t, stride_ci, stride_mb, stride_mr,
-    BLOCK_N: tl.constexpr, V_POW2: tl.constexpr, WORDS: tl.constexpr, WORDS_POW2: tl.constexpr, WRITE_MASK: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_N)
+def _candidate_keys(CandParents_ptr, CandScores_ptr, b, stride_cp, stride_cs, c, N, BLOCK_N: tl.constexpr):
+    """Request b's candidate parents, which candidates are usable (in range, score > -inf), and their int64
+    selection keys."""
     in_range = c < N
     par = tl.load(CandParents_ptr + b * stride_cp + c, mask=in_range, other=-1)
     score = tl.load(CandScores_ptr + b * stride_cs + c, mask=in_range, other=float("-inf")).to(tl.float32)
@@ -45,6 +39,13 @@ def _build_draft_tree_kernel(
     bits = score.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     key = (ordered.to(tl.int64) << 32) | (BLOCK_N - 1 - c).to(tl.int64)
+    return par, usable, key
+
+
+@triton.jit
+def _select_frontier(key, par, usable, c, V, BLOCK_N: tl.constexpr):
+    """Greedy frontier selection: ``V - 1`` rounds, each taking the eligible candidate of the largest key
+    (eligible: a root child, or a child of a taken candidate). Returns which candidates were taken."""
     NO_KEY: tl.constexpr = -9223372036854775808
     elig = usable & (par == -1)
     taken = c < 0
@@ -57,13 +58,26 @@ def _build_draft_tree_kernel(
         best = (BLOCK_N - 1 - (k_max & 0xFFFFFFFF)).to(tl.int32)
         taken = taken | (found & (c == best))
         elig = elig | (found & usable & (par == best))
+    return taken
 
+
+@triton.jit
+def _tree_nodes(taken, par):
+    """Node ids (1-based, in candidate order; 0 for candidates not kept), the parent node of each candidate,
+    and the node count (root included)."""
     kept = taken.to(tl.int32)
     node = tl.cumsum(kept, axis=0) * kept  # node id (1-based) of kept candidates, else 0
     par_safe = tl.maximum(par, 0)
     par_node = tl.where(par < 0, 0, tl.gather(node, par_safe, axis=0))
     num_nodes = 1 + tl.sum(kept, axis=0)
+    return node, par_node, num_nodes
 
+
+@triton.jit
+def _store_tree(CandTokens_ptr, RootTokens_ptr, Parents_ptr, Tokens_ptr, CandIndex_ptr, NumNodes_ptr, b, stride_ct,
+                stride_p, stride_t, stride_ci, c, taken, node, par_node, num_nodes, V, V_POW2: tl.constexpr):
+    """Write request b's nodes, then its root and padding (positions no kept candidate owns) and node count.
+    Returns the positions ``p`` and which of them were filled as root or padding."""
     out = b * stride_p
     tok = tl.load(CandTokens_ptr + b * stride_ct + c, mask=taken, other=0)
     tl.store(Parents_ptr + out + node, par_node, mask=taken)
@@ -77,28 +91,54 @@ def _build_draft_tree_kernel(
     tl.store(Tokens_ptr + b * stride_t + p, tl.where(p == 0, root_tok, 0), mask=fill)
     tl.store(CandIndex_ptr + b * stride_ci + p, tl.full([V_POW2], -1, tl.int32), mask=fill)
     tl.store(NumNodes_ptr + b, num_nodes)
+    return p, fill
 
+
+@triton.jit
+def _store_ancestor_mask(Mask_ptr, b, stride_mb, stride_mr, c, taken, node, par, num_nodes, p, fill,
+                         BLOCK_N: tl.constexpr, WORDS: tl.constexpr, WORDS_POW2: tl.constexpr):
+    """Write request b's packed ancestor mask: a kept candidate's row has its own bit, its ancestors' and the
+    root's; the root row only bit 0; padding rows zero."""
+    w = tl.arange(0, WORDS_POW2)
+    one = tl.full([BLOCK_N, WORDS_POW2], 1, tl.int32)
+    # Row of candidate c: itself, its ancestors, and the root (bit 0 of word 0).
+    row_bits = tl.where(w[None, :] == 0, one, 0)
+    cur = tl.where(taken, c, -1)
+    walking = num_nodes > 1
+    while walking:  # as many rounds as the deepest path is long
+        on = cur >= 0
+        cur_node = tl.gather(node, tl.maximum(cur, 0), axis=0)
+        bit = one << (cur_node % 32)[:, None]
+        row_bits = row_bits | tl.where(on[:, None] & (w[None, :] == (cur_node // 32)[:, None]), bit, 0)
+        cur = tl.where(on, tl.gather(par, tl.maximum(cur, 0), axis=0), -1)
+        walking = tl.max(cur, axis=0) >= 0
+    mrow = Mask_ptr + b * stride_mb
+    m_ok = taken[:, None] & (w[None, :] < WORDS)
+    tl.store(mrow + node[:, None].to(tl.int64) * stride_mr + w[None, :], row_bits, mask=m_ok)
+    # Root row: only bit 0; padding rows: zero.
+    root_row = tl.where(w[None, :] == 0, tl.where(p[:, None] == 0, 1, 0), 0)
+    p_ok = fill[:, None] & (w[None, :] < WORDS)
+    tl.store(mrow + p[:, None].to(tl.int64) * stride_mr + w[None, :], root_row.to(tl.int32), mask=p_ok)
+
+
+@triton.jit
+def _build_draft_tree_kernel(
+    CandParents_ptr, CandTokens_ptr, CandScores_ptr, RootTokens_ptr,
+    Parents_ptr, Tokens_ptr, CandIndex_ptr, NumNodes_ptr, Mask_ptr,
+    N, V,
+    stride_cp, stride_ct, stride_cs, stride_p, stride_t, stride_ci, stride_mb, stride_mr,
+    BLOCK_N: tl.constexpr, V_POW2: tl.constexpr, WORDS: tl.constexpr, WORDS_POW2: tl.constexpr, WRITE_MASK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_N)
+    par, usable, key = _candidate_keys(CandParents_ptr, CandScores_ptr, b, stride_cp, stride_cs, c, N, BLOCK_N)
+    taken = _select_frontier(key, par, usable, c, V, BLOCK_N)
+    node, par_node, num_nodes = _tree_nodes(taken, par)
+    p, fill = _store_tree(CandTokens_ptr, RootTokens_ptr, Parents_ptr, Tokens_ptr, CandIndex_ptr, NumNodes_ptr, b,
+                          stride_ct, stride_p, stride_t, stride_ci, c, taken, node, par_node, num_nodes, V, V_POW2)
     if WRITE_MASK:
-        w = tl.arange(0, WORDS_POW2)
-        one = tl.full([BLOCK_N, WORDS_POW2], 1, tl.int32)
-        # Row of candidate c: itself, its ancestors, and the root (bit 0 of word 0).
-        row_bits = tl.where(w[None, :] == 0, one, 0)
-        cur = tl.where(taken, c, -1)
-        walking = num_nodes > 1
-        while walking:  # as many rounds as the deepest path is long
-            on = cur >= 0
-            cur_node = tl.gather(node, tl.maximum(cur, 0), axis=0)
-            bit = one << (cur_node % 32)[:, None]
-            row_bits = row_bits | tl.where(on[:, None] & (w[None, :] == (cur_node // 32)[:, None]), bit, 0)
-            cur = tl.where(on, tl.gather(par, tl.maximum(cur, 0), axis=0), -1)
-            walking = tl.max(cur, axis=0) >= 0
-        mrow = Mask_ptr + b * stride_mb
-        m_ok = taken[:, None] & (w[None, :] < WORDS)
-        tl.store(mrow + node[:, None].to(tl.int64) * stride_mr + w[None, :], row_bits, mask=m_ok)
-        # Root row: only bit 0; padding rows: zero.
-        root_row = tl.where(w[None, :] == 0, tl.where(p[:, None] == 0, 1, 0), 0)
-        p_ok = fill[:, None] & (w[None, :] < WORDS)
-        tl.store(mrow + p[:, None].to(tl.int64) * stride_mr + w[None, :], root_row.to(tl.int32), mask=p_ok)
+        _store_ancestor_mask(Mask_ptr, b, stride_mb, stride_mr, c, taken, node, par, num_nodes, p, fill, BLOCK_N, WORDS,
+                             WORDS_POW2)
 
 
 def build_draft_tree_out(cand_parents, cand_tokens, cand_scores, root_tokens, parents, draft_tokens, cand_index, num_nodes, tree_mask: Optional[torch.Tensor] = None) -> None:

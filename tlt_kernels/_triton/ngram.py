@@ -161,19 +161,9 @@ def _ngram_rowscan_kernel(
 
 
 @triton.jit
-def _ngram_tree_kernel(
-    Tokens_ptr, Lengths_ptr, Parents_ptr, DraftTokens_ptr, NumNodes_ptr,
-    stride_tb, stride_pb, stride_db, K, T,
-    R: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_POW2: tl.constexpr,
-    R_POW2: tl.constexpr, K_POW2: tl.constexpr, F_POW2: tl.constexpr, T_POW2: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    row_ptr = Tokens_ptr + b * stride_tb
-    length = tl.load(Lengths_ptr + b).to(tl.int64)
-    n_star, e_star = _longest_match(row_ptr, length, MIN_N, MAX_N, BLOCK_SIZE, N_POW2)
-
-    # Pass 2: the R most recent ends with m(e) >= n*, newest first (ends[r] = -1: no branch r).
-    rvec = tl.arange(0, R_POW2)
+def _recent_match_ends(row_ptr, length, n_star, rvec, R: tl.constexpr, MAX_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       R_POW2: tl.constexpr):
+    """The R most recent ends with m(e) >= n*, newest first (ends[r] = -1: no branch r)."""
     ends = tl.full([R_POW2], -1, dtype=tl.int64)
     cnt = tl.where(n_star > 0, 0, R)  # nothing to collect without a match
     offs = tl.arange(0, BLOCK_SIZE).to(tl.int64)
@@ -188,17 +178,15 @@ def _ngram_tree_kernel(
             cnt += take.to(tl.int32)
             hit = hit & (e != e_max)
         hi -= BLOCK_SIZE
+    return ends
 
-    # Continuation token (r, j) = h[ends[r] + 1 + j], present while j < min(K, len - ends[r] - 1).
-    # Flattened branch-major: f = r * K + j, the reference's node insertion order.
-    f = tl.arange(0, F_POW2)
-    r_f = f // K
-    j_f = (f % K).to(tl.int64)
-    end_f = tl.sum(tl.where(r_f[:, None] == rvec[None, :], ends[None, :], 0), axis=1)  # ends[r_f]
-    valid_f = (f < R * K) & (end_f >= 0) & (j_f < length - end_f - 1)
-    tok_f = tl.load(row_ptr + end_f + 1 + j_f, mask=valid_f, other=0).to(tl.int64)
 
-    # same[f, r2]: branch r2 shares the first j_f + 1 tokens of (r_f, j_f). canon[f] = first such r2.
+@triton.jit
+def _branch_prefix_owner(row_ptr, length, ends, rvec, end_f, j_f, K, R: tl.constexpr, R_POW2: tl.constexpr,
+                         K_POW2: tl.constexpr):
+    """canon[f]: the first branch r2 whose first ``j_f + 1`` tokens equal those of flattened position f (its own
+    branch when no earlier one shares that prefix); positions sharing a canon branch are one tree node."""
+    # same[f, r2]: branch r2 shares the first j_f + 1 tokens of (r_f, j_f).
     jj = tl.arange(0, K_POW2).to(tl.int64)
     end3 = end_f[:, None, None]
     end_r2 = ends[None, :, None]
@@ -210,17 +198,24 @@ def _ngram_tree_kernel(
     eq = (tok_a == tok_b) & ok_a & ok_b
     in_prefix = j3 <= j_f[:, None, None]
     same = tl.min(tl.where(in_prefix, eq.to(tl.int32), 1), axis=2) > 0
-    canon = tl.min(tl.where(same & (rvec[None, :] < R), rvec[None, :], R_POW2), axis=1)
-    is_new = valid_f & (canon == r_f)
-    node = tl.cumsum(is_new.to(tl.int32), axis=0) * is_new.to(tl.int32)  # 1-based ids of new nodes
+    return tl.min(tl.where(same & (rvec[None, :] < R), rvec[None, :], R_POW2), axis=1)
 
-    # Parent of new node (r, j > 0) is the node standing for (canon[f - 1], j - 1).
+
+@triton.jit
+def _node_parents(f, canon, node, j_f, K):
+    """Parent node of each flattened position: new node (r, j > 0) hangs under the node standing for
+    (canon[f - 1], j - 1); the first token of a branch (j = 0) hangs under the root."""
     canon_prev = tl.sum(tl.where(f[None, :] == f[:, None] - 1, canon[None, :], 0), axis=1)
     up = canon_prev * K + (j_f - 1).to(tl.int32)
     par_f = tl.sum(tl.where(f[None, :] == up[:, None], node[None, :], 0), axis=1)
-    par_f = tl.where(j_f == 0, 0, par_f)
+    return tl.where(j_f == 0, 0, par_f)
 
-    # Write every output position once: node p takes the f with node[f] == p.
+
+@triton.jit
+def _store_ngram_tree(row_ptr, length, b, Parents_ptr, DraftTokens_ptr, NumNodes_ptr, stride_pb, stride_db, node, is_new,
+                      par_f, tok_f, T, T_POW2: tl.constexpr):
+    """Write request b's every output position once (node p takes the f with node[f] == p; the root holds the last
+    history token), and its node count."""
     p = tl.arange(0, T_POW2)
     pick = (node[None, :] == p[:, None]) & is_new[None, :]
     par_p = tl.sum(tl.where(pick, par_f[None, :], 0), axis=1)
@@ -231,6 +226,39 @@ def _ngram_tree_kernel(
     tl.store(Parents_ptr + b * stride_pb + p, par_p.to(tl.int32), mask=p < T)
     tl.store(DraftTokens_ptr + b * stride_db + p, tok_p, mask=p < T)
     tl.store(NumNodes_ptr + b, (1 + tl.sum(is_new.to(tl.int32), axis=0)).to(tl.int32))
+
+
+@triton.jit
+def _ngram_tree_kernel(
+    Tokens_ptr, Lengths_ptr, Parents_ptr, DraftTokens_ptr, NumNodes_ptr,
+    stride_tb, stride_pb, stride_db, K, T,
+    R: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_POW2: tl.constexpr,
+    R_POW2: tl.constexpr, K_POW2: tl.constexpr, F_POW2: tl.constexpr, T_POW2: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    row_ptr = Tokens_ptr + b * stride_tb
+    length = tl.load(Lengths_ptr + b).to(tl.int64)
+    n_star, e_star = _longest_match(row_ptr, length, MIN_N, MAX_N, BLOCK_SIZE, N_POW2)
+
+    # Pass 2: the branches' ends.
+    rvec = tl.arange(0, R_POW2)
+    ends = _recent_match_ends(row_ptr, length, n_star, rvec, R, MAX_N, BLOCK_SIZE, R_POW2)
+
+    # Continuation token (r, j) = h[ends[r] + 1 + j], present while j < min(K, len - ends[r] - 1).
+    # Flattened branch-major: f = r * K + j, the reference's node insertion order.
+    f = tl.arange(0, F_POW2)
+    r_f = f // K
+    j_f = (f % K).to(tl.int64)
+    end_f = tl.sum(tl.where(r_f[:, None] == rvec[None, :], ends[None, :], 0), axis=1)  # ends[r_f]
+    valid_f = (f < R * K) & (end_f >= 0) & (j_f < length - end_f - 1)
+    tok_f = tl.load(row_ptr + end_f + 1 + j_f, mask=valid_f, other=0).to(tl.int64)
+
+    canon = _branch_prefix_owner(row_ptr, length, ends, rvec, end_f, j_f, K, R, R_POW2, K_POW2)
+    is_new = valid_f & (canon == r_f)
+    node = tl.cumsum(is_new.to(tl.int32), axis=0) * is_new.to(tl.int32)  # 1-based ids of new nodes
+    par_f = _node_parents(f, canon, node, j_f, K)
+    _store_ngram_tree(row_ptr, length, b, Parents_ptr, DraftTokens_ptr, NumNodes_ptr, stride_pb, stride_db, node, is_new,
+                      par_f, tok_f, T, T_POW2)
 
 
 def _scan_block(L: int) -> int:

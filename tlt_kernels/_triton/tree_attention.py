@@ -301,6 +301,86 @@ def _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits):
 
 
 @triton.jit
+def _load_query_rows(Q_ptr, b64, h, chunk, stride_qb, stride_qt, stride_qh, T: tl.constexpr, G: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+    """The program's query rows ``offs_m`` (row ``t * G + g``: node t, query head ``h * G + g``), which of them exist
+    (``row_ok``), their node ``t`` and query head ``qh``, the head-dim offsets and the rows ``q [BLOCK_M, D]``."""
+    offs_m = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < T * G
+    t = offs_m // G
+    qh = h * G + offs_m % G
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q_ptr + b64 * stride_qb + (t * stride_qt + qh * stride_qh).to(tl.int64)[:, None] + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if INTERPRET:
+        q = q.to(tl.float32)
+    return offs_m, row_ok, t, qh, offs_d, q
+
+
+@triton.jit
+def _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d, split, ctx, n_nodes,
+                  n_splits_b, qk_scale, split_len, num_blocks, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                  stride_vh, stride_bt, T: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                  INTERPRET: tl.constexpr, PIPELINE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """The online-softmax state ``(m, l, acc)`` of the rows over this split's context tokens, plus the tree tokens
+    when this is the request's last non-empty split, and the page flag (see ``_checked_pages``)."""
+    # Finite start so a fully masked row (a padding node) yields p = 0, not exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = BlockTable_ptr + b64 * stride_bt
+    k_head = K_ptr + h * stride_kh
+    v_head = V_ptr + h * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # Context part of this split: no mask besides the split's end.
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    if PIPELINE == 0:
+        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d,
+                                                             stride_kp, stride_ks, stride_vp, stride_vs, num_blocks,
+                                                             m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
+                                                             DOT_PRECISION)
+    else:
+        m_i, l_i, acc, page_bad = _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp,
+                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
+                                                     qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+                                                     DOT_PRECISION)
+
+    # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
+    if split == n_splits_b - 1:
+        m_i, l_i, acc, tile_bad = _tree_tile(q, k_head, v_head, bt_row, TreeMask_ptr + (b64 * T + t) * W, ctx,
+                                             n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                             num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_T, INTERPRET,
+                                             DOT_PRECISION)
+        page_bad = page_bad | tile_bad
+    return m_i, l_i, acc, page_bad
+
+
+@triton.jit
+def _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
+                      n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS: tl.constexpr,
+                      T: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr,
+                      DROP_BITS: tl.constexpr):
+    """Write a split's rows: straight to ``out`` when the request has one split, else its partial rows and LSEs
+    into slot ``split`` of the scratch for the merge kernel."""
+    if n_splits_b == 1:
+        # The whole request was this program (split 0): write the final rows, zeros for padding nodes.
+        if split == 0:
+            o = tl.where((t < n_nodes)[:, None], o, 0.0)
+            o_ptrs = Out_ptr + b64 * stride_ob + (t * stride_ot + qh * stride_oh).to(tl.int64)[:, None] + offs_d[None, :]
+            tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
+    else:
+        if split < n_splits_b:
+            row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + split) * (T * G) + offs_m
+            tl.store(PartialLse_ptr + row, lse, mask=row_ok)
+            tl.store(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+
+
+@triton.jit
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
@@ -336,60 +416,17 @@ def _tree_attn_partial_kernel(
     split = pid0 // NUM_M_CHUNKS
     chunk = pid0 % NUM_M_CHUNKS
 
-    offs_m = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < T * G
-    t = offs_m // G
-    qh = h * G + offs_m % G
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q_ptr + b64 * stride_qb + (t * stride_qt + qh * stride_qh).to(tl.int64)[:, None] + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    if INTERPRET:
-        q = q.to(tl.float32)
-
-    # Finite start so a fully masked row (a padding node) yields p = 0, not exp2(-inf + inf) = NaN.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    bt_row = BlockTable_ptr + b64 * stride_bt
-    k_head = K_ptr + h * stride_kh
-    v_head = V_ptr + h * stride_vh
-    offs_n = tl.arange(0, BLOCK_N)
-
-    # Context part of this split: no mask besides the split's end.
-    start = split * split_len
-    end = tl.minimum(start + split_len, ctx)
-    if PIPELINE == 0:
-        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d,
-                                                             stride_kp, stride_ks, stride_vp, stride_vs, num_blocks,
-                                                             m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
-                                                             DOT_PRECISION)
-    else:
-        m_i, l_i, acc, page_bad = _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp,
-                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
-                                                     qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
-                                                     DOT_PRECISION)
-
-    # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
-    if split == n_splits_b - 1:
-        m_i, l_i, acc, tile_bad = _tree_tile(q, k_head, v_head, bt_row, TreeMask_ptr + (b64 * T + t) * W, ctx,
-                                                      n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
-                                                      stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-                                                      BLOCK_T, INTERPRET, DOT_PRECISION)
-        page_bad = page_bad | tile_bad
-
+    offs_m, row_ok, t, qh, offs_d, q = _load_query_rows(Q_ptr, b64, h, chunk, stride_qb, stride_qt, stride_qh, T, G,
+                                                        HEAD_DIM, BLOCK_M, INTERPRET)
+    m_i, l_i, acc, page_bad = _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d,
+                                            split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks, stride_kp,
+                                            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, T, W,
+                                            HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_T, INTERPRET, PIPELINE,
+                                            LAZY_RESCALE, DOT_PRECISION)
     o, lse = _split_result(acc, m_i, l_i, page_bad != 0)
-    if n_splits_b == 1:
-        # The whole request was this program (split 0): write the final rows, zeros for padding nodes.
-        if split == 0:
-            o = tl.where((t < n_nodes)[:, None], o, 0.0)
-            o_ptrs = Out_ptr + b64 * stride_ob + (t * stride_ot + qh * stride_oh).to(tl.int64)[:, None] + offs_d[None, :]
-            tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
-    else:
-        if split < n_splits_b:
-            row = ((b64 * NUM_KV_HEADS + h) * (num_splits + 1) + split) * (T * G) + offs_m
-            tl.store(PartialLse_ptr + row, lse, mask=row_ok)
-            tl.store(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None])
+    _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
+                      n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T, G, HEAD_DIM,
+                      INTERPRET, DROP_BITS)
 
 
 @triton.jit

@@ -278,19 +278,10 @@ def _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, ks, mx
 
 
 @triton.jit
-def _verify_tree_kernel(
-    logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, num_nodes_ptr,
-    temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr, scratch_ptr,
-    out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr,
-    T, V, max_depth,
-    stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb,
-    HAS_Q: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    STATS: tl.constexpr, NODE_BLOCK: tl.constexpr, DEPTH_BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    zero = tl.program_id(0) * 0  # an int32 tensor, so loop indices can be used as tensors
-    n = tl.load(num_nodes_ptr + b)
+def _sampling_params(temp_ptr, top_k_ptr, top_p_ptr, b, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                     HAS_TOP_P: tl.constexpr):
+    """Request b's (greedy, ks, top_k, top_p): greedy 1 unless the temperature is > 0, ``ks = log2(e) / T'``,
+    top_k 0 when off, top_p 1.0 when off."""
     temp = 0.0
     if HAS_TEMP:
         temp = tl.load(temp_ptr + b).to(tl.float32)
@@ -306,102 +297,89 @@ def _verify_tree_kernel(
         top_p = tl.load(top_p_ptr + b).to(tl.float32)
     # Off unless < 1 (NaN too); at least 2**-126, which keeps only the maximal logits as any top_p <= 1 / V does.
     top_p = tl.where(top_p < 1.0, tl.maximum(top_p, 1.1754943508222875e-38), 1.0)
-    seed = tl.load(seed_ptr + b)
-    offset = tl.load(offset_ptr + b)
-    # Two scratch rows, ping-pong: a rejection writes its residual into the row not in use while summing it, and
-    # adopts it only if its mass is positive (a zero residual keeps the current distribution).
-    scr_base = scratch_ptr + b * 2 * V
-    res_i = zero
-    scr_ptr = scr_base
+    return greedy, ks, top_k, top_p
 
-    d_idx = tl.arange(0, DEPTH_BLOCK)
-    path_tokens = tl.full([DEPTH_BLOCK], -1, tl.int32)
-    path_nodes = tl.where(d_idx == 0, 0, -1)
-    tried = tl.zeros([DEPTH_BLOCK], tl.int32)
-    took = tl.zeros([DEPTH_BLOCK], tl.int32)
 
-    # Every coin of the request at once, across lanes, off the walk's serial path.
-    t_idx = tl.arange(0, NODE_BLOCK)
-    # Parents of the whole tree (T <= NODE_BLOCK): whether a node has children decides if its draft row is summed.
-    par_vec = tl.load(parents_ptr + b * stride_pb + t_idx, mask=t_idx < n, other=-2)
-    coin_accept = _philox_uniform(seed, offset, t_idx, 0)
-    coin_sample = _philox_uniform(seed, offset, t_idx, 1)
-
-    cur = zero
-    depth = zero
-    row_ptr = logits_ptr + b * stride_lb
-    want_q = zero
+@triton.jit
+def _visit_node(logits_ptr, dprobs_ptr, b, node, depth, par_vec, t_idx, scr_base, V, max_depth, greedy, ks, top_k, top_p,
+                stride_lb, stride_lt, stride_qb, stride_qt, HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
+    """The logits row of ``node`` (at ``depth``) and its ``_row_state`` (bad, argmax, thr, mx, Z, qsum); the draft
+    row is summed only when the node's children will be tested against it (``_wants_draft_sum``)."""
+    row_ptr = logits_ptr + b * stride_lb + node.to(tl.int64) * stride_lt
+    want_q = node * 0
     if HAS_Q:
-        want_q = _wants_draft_sum(par_vec, t_idx, zero, greedy, zero, max_depth)
+        want_q = _wants_draft_sum(par_vec, t_idx, node, greedy, depth, max_depth)
     # A visited row's top-p candidates go to scratch row 0: no residual is live when a row is visited.
-    err, arg, thr, mx, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb, want_q, scr_base, V, greedy, ks, top_k,
-                                            top_p, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
-    has_res = 0
-    S = 1.0
-    q_ready = 0
-    # A while loop: the CPU interpreter cannot take a tensor bound in range(); the tile loops use
-    # constexpr trip counts (NUM_TILES) so the GPU keeps pipelined for loops there.
-    # Nodes are topologically ordered, so one scan over node indices meets every child of the
-    # current node in increasing order, and the children of an accepted node all come after it.
-    j = zero + 1
-    while j < n:
-        par = tl.load(parents_ptr + b * stride_pb + j)
-        if (par == cur) & (depth < max_depth) & (err == 0):
-            x = tl.load(tokens_ptr + b * stride_tb + j).to(tl.int32)
-            tried += (d_idx == depth).to(tl.int32)
-            err = err | ((x < 0) | (x >= V)).to(tl.int32)
-            x = tl.minimum(tl.maximum(x, 0), V - 1)
-            dq_ptr = dprobs_ptr + b * stride_qb + cur.to(tl.int64) * stride_qt
-            accept = x == arg
-            px = 0.0
-            if greedy == 0:
-                if HAS_Q:
-                    if q_ready == 0:  # qsum came with the row's pass; checked when its first child is tested
-                        err = err | ((qsum <= 0.0) | (qsum != qsum) | (qsum == float("inf"))).to(tl.int32)
-                        q_ready = 1
-                if has_res != 0:
-                    px = tl.load(scr_ptr + x) / S
-                else:
-                    lx = tl.load(row_ptr + x).to(tl.float32)
-                    px = tl.where(_order_key(lx) >= thr, _weight(lx, mx, ks), 0.0) / Z
-                u = tl.sum(tl.where(t_idx == j, coin_accept, 0.0), axis=0)
-                if HAS_Q:
-                    qx = tl.load(dq_ptr + x).to(tl.float32) / qsum
-                    accept = u * qx < px
-                else:
-                    accept = u < px
-            accept = accept & (err == 0)
-            if accept:
-                path_tokens = tl.where(d_idx == depth, x, path_tokens)
-                took += (d_idx == depth).to(tl.int32)
-                depth += 1
-                path_nodes = tl.where(d_idx == depth, j, path_nodes)
-                cur = j
-                row_ptr = logits_ptr + b * stride_lb + j.to(tl.int64) * stride_lt
-                want_q = zero
-                if HAS_Q:
-                    want_q = _wants_draft_sum(par_vec, t_idx, j, greedy, depth, max_depth)
-                err, arg, thr, mx, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + j.to(tl.int64) * stride_qt,
-                                                        want_q, scr_base, V, greedy, ks, top_k, top_p, NUM_TILES,
-                                                       BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
-                has_res = 0
-                S = 1.0
-                q_ready = 0
-            else:
-                if (greedy == 0) & (err == 0):
-                    dst_ptr = scr_base + (1 - res_i) * V
-                    R = _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, ks, mx, Z, qsum, x,
-                                       HAS_Q, NUM_STREAM_TILES, STREAM_BLOCK)
-                    # Orders this pass's writes before every thread's later single-element reads of the row
-                    # (and before the next pass overwrites the row this one read).
-                    tl.debug_barrier()
-                    if R > 0.0:
-                        res_i = 1 - res_i
-                        scr_ptr = dst_ptr
-                        has_res = 1
-                        S = R
-        j += 1
+    bad, arg, thr, mx, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + node.to(tl.int64) * stride_qt, want_q,
+                                            scr_base, V, greedy, ks, top_k, top_p, NUM_TILES, BLOCK_SIZE,
+                                            NUM_STREAM_TILES, STREAM_BLOCK)
+    return row_ptr, bad, arg, thr, mx, Z, qsum
 
+
+@triton.jit
+def _accept_child(x, j, arg, greedy, err, q_ready, row_ptr, scr_ptr, dq_ptr, has_res, S, thr, ks, mx, Z, qsum, t_idx,
+                  coin_accept, HAS_Q: tl.constexpr):
+    """The accept test of child ``j`` proposing token ``x``: greedy, ``x`` must be the row's argmax; sampled,
+    ``u * q(x) < p(x)`` with the child's coin u, p the current distribution and q the draft row (``u < p(x)``
+    without draft rows). Returns (accept, err, q_ready): the draft row's sum is checked when its first child is
+    tested, and an error rejects."""
+    accept = x == arg
+    px = 0.0
+    if greedy == 0:
+        if HAS_Q:
+            if q_ready == 0:  # qsum came with the row's pass; checked when its first child is tested
+                err = err | ((qsum <= 0.0) | (qsum != qsum) | (qsum == float("inf"))).to(tl.int32)
+                q_ready = 1
+        if has_res != 0:
+            px = tl.load(scr_ptr + x) / S
+        else:
+            lx = tl.load(row_ptr + x).to(tl.float32)
+            px = tl.where(_order_key(lx) >= thr, _weight(lx, mx, ks), 0.0) / Z
+        u = tl.sum(tl.where(t_idx == j, coin_accept, 0.0), axis=0)
+        if HAS_Q:
+            qx = tl.load(dq_ptr + x).to(tl.float32) / qsum
+            accept = u * qx < px
+        else:
+            accept = u < px
+    accept = accept & (err == 0)
+    return accept, err, q_ready
+
+
+@triton.jit
+def _record_accepted(path_tokens, path_nodes, took, d_idx, depth, x, j):
+    """Appends accepted child ``j`` (token ``x``) to the path: (path_tokens, path_nodes, took, depth + 1)."""
+    path_tokens = tl.where(d_idx == depth, x, path_tokens)
+    took += (d_idx == depth).to(tl.int32)
+    depth += 1
+    path_nodes = tl.where(d_idx == depth, j, path_nodes)
+    return path_tokens, path_nodes, took, depth
+
+
+@triton.jit
+def _reject_child(row_ptr, scr_ptr, scr_base, dq_ptr, res_i, has_res, S, thr, ks, mx, Z, qsum, x, V,
+                  HAS_Q: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
+    """Writes the residual after rejecting token ``x`` into the scratch row not in use and adopts it if its mass is
+    positive. Returns the residual state (res_i, scr_ptr, has_res, S)."""
+    dst_ptr = scr_base + (1 - res_i) * V
+    R = _residual_pass(row_ptr, scr_ptr, dst_ptr, dq_ptr, V, has_res, S, thr, ks, mx, Z, qsum, x,
+                       HAS_Q, NUM_STREAM_TILES, STREAM_BLOCK)
+    # Orders this pass's writes before every thread's later single-element reads of the row
+    # (and before the next pass overwrites the row this one read).
+    tl.debug_barrier()
+    if R > 0.0:
+        res_i = 1 - res_i
+        scr_ptr = dst_ptr
+        has_res = 1
+        S = R
+    return res_i, scr_ptr, has_res, S
+
+
+@triton.jit
+def _final_token(arg, greedy, err, cur, t_idx, coin_sample, row_ptr, scr_ptr, has_res, S, thr, ks, mx, Z, V,
+                 NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
+    """The token drawn at the walk's last node ``cur``: its argmax when greedy, else an inverse-CDF draw with the
+    node's sample coin from the current distribution. Returns (token, err); no token of positive mass sets err."""
     final = arg
     if (greedy == 0) & (err == 0):
         u = tl.sum(tl.where(t_idx == cur, coin_sample, 0.0), axis=0)
@@ -430,7 +408,67 @@ def _verify_tree_kernel(
         final = tl.where(found < V, found, last)
         # No token of positive mass (no valid row leads here: its maximal logits weigh 1): flagged, never emitted.
         err = err | (final >= V).to(tl.int32)
+    return final, err
 
+
+@triton.jit
+def _walk_tree(logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, b, n, zero, scr_base, res_i, scr_ptr, d_idx, path_tokens,
+               path_nodes, tried, took, par_vec, t_idx, coin_accept, coin_sample, greedy, ks, top_k, top_p, V, max_depth,
+               stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb, HAS_Q: tl.constexpr,
+               NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr,
+               STREAM_BLOCK: tl.constexpr):
+    """Walks request b's tree from the root, testing each child of the current node in order, descending into the
+    first accepted one, then draws the final token (``_final_token``). ``res_i``/``scr_ptr`` name the scratch row
+    in use, the path vectors are the per-depth outputs so far. Returns (err, depth, final token, path_tokens,
+    path_nodes, tried, took)."""
+    cur = zero
+    depth = zero
+    row_ptr, err, arg, thr, mx, Z, qsum = _visit_node(logits_ptr, dprobs_ptr, b, cur, depth, par_vec, t_idx, scr_base, V,
+                                                      max_depth, greedy, ks, top_k, top_p, stride_lb, stride_lt, stride_qb,
+                                                      stride_qt, HAS_Q, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES,
+                                                      STREAM_BLOCK)
+    has_res = 0
+    S = 1.0
+    q_ready = 0
+    # A while loop: the CPU interpreter cannot take a tensor bound in range(); the tile loops use
+    # constexpr trip counts (NUM_TILES) so the GPU keeps pipelined for loops there.
+    # Nodes are topologically ordered, so one scan over node indices meets every child of the
+    # current node in increasing order, and the children of an accepted node all come after it.
+    j = zero + 1
+    while j < n:
+        par = tl.load(parents_ptr + b * stride_pb + j)
+        if (par == cur) & (depth < max_depth) & (err == 0):
+            x = tl.load(tokens_ptr + b * stride_tb + j).to(tl.int32)
+            tried += (d_idx == depth).to(tl.int32)
+            err = err | ((x < 0) | (x >= V)).to(tl.int32)
+            x = tl.minimum(tl.maximum(x, 0), V - 1)
+            dq_ptr = dprobs_ptr + b * stride_qb + cur.to(tl.int64) * stride_qt
+            accept, err, q_ready = _accept_child(x, j, arg, greedy, err, q_ready, row_ptr, scr_ptr, dq_ptr, has_res, S,
+                                                 thr, ks, mx, Z, qsum, t_idx, coin_accept, HAS_Q)
+            if accept:
+                path_tokens, path_nodes, took, depth = _record_accepted(path_tokens, path_nodes, took, d_idx, depth, x, j)
+                cur = j
+                row_ptr, err, arg, thr, mx, Z, qsum = _visit_node(logits_ptr, dprobs_ptr, b, j, depth, par_vec, t_idx,
+                                                                  scr_base, V, max_depth, greedy, ks, top_k, top_p,
+                                                                  stride_lb, stride_lt, stride_qb, stride_qt, HAS_Q,
+                                                                  NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
+                has_res = 0
+                S = 1.0
+                q_ready = 0
+            elif (greedy == 0) & (err == 0):
+                res_i, scr_ptr, has_res, S = _reject_child(row_ptr, scr_ptr, scr_base, dq_ptr, res_i, has_res, S, thr,
+                                                           ks, mx, Z, qsum, x, V, HAS_Q, NUM_STREAM_TILES, STREAM_BLOCK)
+        j += 1
+    final, err = _final_token(arg, greedy, err, cur, t_idx, coin_sample, row_ptr, scr_ptr, has_res, S, thr, ks, mx, Z, V,
+                              NUM_STREAM_TILES, STREAM_BLOCK)
+    return err, depth, final, path_tokens, path_nodes, tried, took
+
+
+@triton.jit
+def _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, b, err, depth, final,
+                   d_idx, path_tokens, path_nodes, tried, took, max_depth, STATS: tl.constexpr):
+    """Writes request b's outputs: the accepted tokens with the final one at ``depth``, the accepted nodes, their
+    count, the error flag and the per-depth (tried, took) stats; an erroring request gets an empty result."""
     ok = err == 0
     path_tokens = tl.where(d_idx == depth, final, path_tokens)
     path_tokens = tl.where(ok, path_tokens, -1)
@@ -445,6 +483,52 @@ def _verify_tree_kernel(
         base = out_stats_ptr + b * max_depth * 2 + d_idx * 2
         tl.store(base, tl.where(ok, tried, 0), mask=smask)
         tl.store(base + 1, tl.where(ok, took, 0), mask=smask)
+
+
+@triton.jit
+def _verify_tree_kernel(
+    logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, num_nodes_ptr,
+    temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr, scratch_ptr,
+    out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr,
+    T, V, max_depth,
+    stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb,
+    HAS_Q: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+    STATS: tl.constexpr, NODE_BLOCK: tl.constexpr, DEPTH_BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    zero = tl.program_id(0) * 0  # an int32 tensor, so loop indices can be used as tensors
+    n = tl.load(num_nodes_ptr + b)
+    greedy, ks, top_k, top_p = _sampling_params(temp_ptr, top_k_ptr, top_p_ptr, b, HAS_TEMP, HAS_TOP_K, HAS_TOP_P)
+    seed = tl.load(seed_ptr + b)
+    offset = tl.load(offset_ptr + b)
+
+    # Two scratch rows, ping-pong: a rejection writes its residual into the row not in use while summing it, and
+    # adopts it only if its mass is positive (a zero residual keeps the current distribution).
+    scr_base = scratch_ptr + b * 2 * V
+    res_i = zero
+    scr_ptr = scr_base
+
+    d_idx = tl.arange(0, DEPTH_BLOCK)
+    path_tokens = tl.full([DEPTH_BLOCK], -1, tl.int32)
+    path_nodes = tl.where(d_idx == 0, 0, -1)
+    tried = tl.zeros([DEPTH_BLOCK], tl.int32)
+    took = tl.zeros([DEPTH_BLOCK], tl.int32)
+
+    # Every coin of the request at once, across lanes, off the walk's serial path.
+    t_idx = tl.arange(0, NODE_BLOCK)
+    # Parents of the whole tree (T <= NODE_BLOCK): whether a node has children decides if its draft row is summed.
+    par_vec = tl.load(parents_ptr + b * stride_pb + t_idx, mask=t_idx < n, other=-2)
+    coin_accept = _philox_uniform(seed, offset, t_idx, 0)
+    coin_sample = _philox_uniform(seed, offset, t_idx, 1)
+
+    err, depth, final, path_tokens, path_nodes, tried, took = _walk_tree(
+        logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, b, n, zero, scr_base, res_i, scr_ptr, d_idx, path_tokens,
+        path_nodes, tried, took, par_vec, t_idx, coin_accept, coin_sample, greedy, ks, top_k, top_p, V, max_depth,
+        stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb, HAS_Q, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES,
+        STREAM_BLOCK)
+    _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, b, err, depth, final, d_idx,
+                   path_tokens, path_nodes, tried, took, max_depth, STATS)
 
 
 def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
