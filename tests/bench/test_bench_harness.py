@@ -439,7 +439,9 @@ def test_acceptance_impls_knob(tmp_path, capsys):
     assert main(["acceptance", "--device", device, "--small", "--out", str(tmp_path), "--impls", "tlt-triton"]) == 0
     data = json.loads((tmp_path / "acceptance.json").read_text())
     assert {r["impl"].removesuffix("-graph") for r in data["rows"]} == {"tlt-triton"}  # on a GPU, with its graph row
-    assert all("accept_rate" in r and "same_as_ref" in r for r in data["rows"])
+    # Every row carries the acceptance rate; the reference check is made on the eager call (a -graph row replays it).
+    assert all("accept_rate" in r for r in data["rows"])
+    assert all("same_as_ref" in r for r in data["rows"] if not r["impl"].endswith("-graph"))
 
 
 def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
