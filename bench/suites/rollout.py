@@ -61,6 +61,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from tlt_kernels.engine.probe import synced_seconds
+
 from ..flags import Flag, int_list, non_negative_int, positive_int, str_list, values
 
 SUITE = "rollout"
@@ -290,17 +292,6 @@ def own_tokens(row: Sequence[int], length: int, eos_id: Optional[int]) -> List[i
     return row
 
 
-def synced_seconds(device: torch.device, fn):
-    """``(fn(), wall seconds)`` between device synchronizations."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, time.perf_counter() - start
-
-
 def hf_generate(models: Models, work: Workload, eos_id: Optional[int], compile_config=None,
                 max_new_tokens: Optional[int] = None):
     """``(tokens per request, wall seconds)`` of transformers' greedy generate of ``work`` (every request to the
@@ -315,7 +306,7 @@ def hf_generate(models: Models, work: Workload, eos_id: Optional[int], compile_c
     if compile_config is not None:
         kwargs.update(cache_implementation="static", compile_config=compile_config)
     with torch.no_grad():
-        out, wall_s = synced_seconds(hf.device, lambda: hf.generate(ids, attention_mask=mask, **kwargs))
+        wall_s, out = synced_seconds(hf.device, lambda: hf.generate(ids, attention_mask=mask, **kwargs))
     rows = out[:, ids.shape[1]:].tolist()
     return [own_tokens(row, n, eos_id) for row, n in zip(rows, work.lengths)], wall_s
 
