@@ -1,0 +1,78 @@
+"""``python -m tlt_kernels.engine.train_drafter`` on the CPU: a tiny random transformers Llama with a byte-level
+tokenizer and a chat template, three train prompts and one heldout prompt."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer  # noqa: E402
+from tlt_kernels.engine import train_drafter  # noqa: E402
+from tlt_kernels.models import load_pretrained  # noqa: E402
+
+
+def _tiny_model_directory(path):
+    """A tiny transformers Llama with a byte-level tokenizer and a ChatML-style chat template, saved to ``path``
+    (the approach of tests/bench/test_rollout_suite.py)."""
+    import tokenizers
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    specials = ["<|im_start|>", "<|im_end|>"]
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({t: len(vocab) + i for i, t in enumerate(specials)})
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                     chat_template=template)
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                      eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _prompts_file(path):
+    lines = [{"id": f"chat-{i}", "split": "train", "messages": [{"role": "user", "content": text}]}
+             for i, text in enumerate(["Tell me about rivers.", "Write a haiku.", "What is 2 + 3?"])]
+    lines.append({"id": "chat-9", "split": "heldout", "messages": [{"role": "user", "content": "Explain tides."}]})
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+
+
+def test_train_drafter_writes_a_trained_checkpoint(tmp_path, capsys):
+    model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
+    _tiny_model_directory(model)
+    _prompts_file(prompts)
+    summary = train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts),
+                                  "--steps", "6", "--max-new-tokens", "12", "--batch", "2", "--device", "cpu",
+                                  "--train-batch", "4", "--seq-len", "16", "--eval"])
+    assert summary["train_prompts"] == 3 and summary["generated_tokens"] > 0 and summary["steps"] == 6
+    assert out.is_file()
+    assert summary["accepted_length"] >= 1.0 and summary["accepted_length_initial"] >= 1.0
+    assert '"accepted_length"' in capsys.readouterr().out
+
+    target = load_pretrained(model)
+    initial = EagleDrafter.for_target(target, seed=0)
+    trainer = SpotTrainer(EagleDrafter.for_target(target, seed=0), RolloutBuffer(16), autocast_dtype=None)
+    trainer.load_checkpoint(str(out))
+    assert trainer.optimizer_steps == 6
+    trained = trainer.drafter.state_dict()
+    assert any(not torch.equal(v, trained[k]) for k, v in initial.state_dict().items())
+
+    rollout = pytest.importorskip("bench.suites.rollout")  # the rollout suite's --eagle-checkpoint reads it
+    loaded = rollout.load_eagle(str(out), target, torch.float32)
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+
+
+def test_read_prompts_takes_the_split_and_names_bad_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    _prompts_file(path)
+    assert len(train_drafter.read_prompts(path, "train")) == 3 and len(train_drafter.read_prompts(path, "heldout")) == 1
+    path.write_text('{"split": "train"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        train_drafter.read_prompts(path, "train")
