@@ -111,3 +111,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def tiny_transformers_directory(path, hidden_size: int = 128, head_dim: int = 64) -> None:
+    """A tiny transformers Llama with a byte-level tokenizer and a ChatML-style chat template, saved to ``path``."""
+    import tokenizers
+    import torch
+    import transformers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    specials = ["<|im_start|>", "<|im_end|>"]
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({t: len(vocab) + i for i, t in enumerate(specials)})
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                                     chat_template=template)
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+                                      eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)

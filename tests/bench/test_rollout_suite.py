@@ -13,6 +13,7 @@ from bench.harness import run_suite
 pytest.importorskip("transformers")
 
 from bench.suites import rollout  # noqa: E402  (after the skip: the suite's models need transformers)
+from conftest import tiny_transformers_directory  # noqa: E402
 
 SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
 ENGINE_IMPLS = {"plain"} | {f"{drafter} {arm}" for drafter in ("ngram", "eagle")
@@ -80,32 +81,8 @@ def test_step_cost_rows(small_run):
     assert any("hf-static-compiled not run (--no-hf-compile)" in n for n in small_run["notes"])
 
 
-def _tiny_model_directory(path):
-    """A tiny transformers Llama with a byte-level tokenizer and a ChatML-style chat template, saved to ``path``."""
-    import tokenizers
-    import transformers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    specials = ["<|im_start|>", "<|im_end|>"]
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({t: len(vocab) + i for i, t in enumerate(specials)})
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                                     chat_template=template)
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                                      eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
 def test_model_file_directory_runs_the_chat_template_path(tmp_path):
-    _tiny_model_directory(tmp_path / "model")
+    tiny_transformers_directory(tmp_path / "model")
     res = _run(["--model-file", str(tmp_path / "model"), "--split", "heldout", "--categories", "chat",
                 "--batches", "2", "--tail-batch", "0", "--arms", "s2k1v3", "--step-batches", "2"])
     assert res.status == "ok", res.data["error"]

@@ -10,31 +10,7 @@ pytest.importorskip("transformers")
 from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer  # noqa: E402
 from tlt_kernels.engine import train_drafter  # noqa: E402
 from tlt_kernels.models import load_pretrained  # noqa: E402
-
-
-def _tiny_model_directory(path):
-    """A tiny transformers Llama with a byte-level tokenizer and a ChatML-style chat template, saved to ``path``
-    (the approach of tests/bench/test_rollout_suite.py)."""
-    import tokenizers
-    import transformers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    specials = ["<|im_start|>", "<|im_end|>"]
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({t: len(vocab) + i for i, t in enumerate(specials)})
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                                     chat_template=template)
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                                      eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+from conftest import tiny_transformers_directory  # noqa: E402
 
 
 def _prompts_file(path):
@@ -46,7 +22,7 @@ def _prompts_file(path):
 
 def test_train_drafter_writes_a_trained_checkpoint(tmp_path, capsys):
     model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
-    _tiny_model_directory(model)
+    tiny_transformers_directory(model, hidden_size=64, head_dim=32)
     _prompts_file(prompts)
     summary = train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts),
                                   "--steps", "6", "--max-new-tokens", "12", "--batch", "2", "--device", "cpu",
