@@ -258,7 +258,7 @@ class SpeculativeEngine:
         try:
             rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)
             rollout.trace = trace
-            while rollout.active_rows.numel():
+            while rollout.active_rows:
                 self._step(rollout)
             wall_s = self._finish(rollout)
         finally:
@@ -308,13 +308,14 @@ class SpeculativeEngine:
         if self.rollout_buffer is not None:  # last column: write sink for masked scatters
             features = FeatureCapture(prompt_tokens, hidden, self.max_seq_len + self.max_width + 2)
         prefill_s = time.perf_counter() - start_time
-        done_host, failed_host = torch.stack([done, failed]).cpu()  # one transfer
-        finish_s = [prefill_s if is_done else 0.0 for is_done in done_host.tolist()]
+        done_host, failed_host, lens_host = torch.stack([done.long(), failed.long(), prompt_lens.long()]).tolist()
+        finish_s = [prefill_s if is_done else 0.0 for is_done in done_host]
         return RolloutState(
             block_table=block_table, context_lens=prompt_lens.to(torch.int32).clone(), offsets=offsets,
             root_tokens=first_tokens.clone(), output_tokens=output_tokens, generated=generated,
-            max_new_tokens=max_new_dev, active_rows=(~done_host).nonzero().flatten(), start_time=start_time,
-            prefill_s=prefill_s, start_batch_size=B, finish_s=finish_s, errors=failed_host.nonzero().flatten().tolist(),
+            max_new_tokens=max_new_dev, active_rows=[b for b in range(B) if not done_host[b]],
+            context_lens_host=lens_host, start_time=start_time, prefill_s=prefill_s, start_batch_size=B,
+            finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]],
             sampling=sampling, eos_token_id=eos_token_id, features=features,
             spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B),
             progress=ProgressBar(int(max_new.sum()), self.progress))
@@ -327,16 +328,18 @@ class SpeculativeEngine:
         if self.spot_trainer is not None:
             self.tree_drafter.load_published(self.spot_trainer.holder)
         inputs = StepInputs(rows, rollout.block_table[rows], rollout.context_lens[rows], rollout.root_tokens[rows],
-                            self.tree_drafter.state_rows(rows), rollout.sampling, rollout.offsets)
+                            self.tree_drafter.state_rows(rows), rollout.sampling, rollout.offsets,
+                            max_context_len=rollout.max_context_len())
         if rollout.trace is not None:
             rollout.trace.append(probe_arms(self.step_runner, self.strategies, self.covers, inputs, self.device))
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
         emission = rollout.emit(rows, result.emitted, num_accepted, result.error.bool(), rollout.eos_token_id)
         self._commit(rollout, inputs, result, num_accepted)
-        counts = rollout.read_counts(emission, num_accepted, strategy.num_steps if self.selector is not None else 0)
+        depth = strategy.num_steps if self.selector is not None else 0
+        counts = rollout.read_counts(emission, num_accepted, result.context_lens, depth)  # the step's one read
         elapsed_s = self._record(rollout, strategy, result, counts, started)
-        if bool(counts.finished.any()):
+        if any(counts.finished):
             self._retire(rollout, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
 
@@ -351,7 +354,7 @@ class SpeculativeEngine:
 
     def _record(self, rollout: RolloutState, strategy, result: StepResult, counts: StepCounts, started: float) -> float:
         """The selector's update, the step log and the progress bar; returns the seconds since the rollout started."""
-        batch_size = counts.finished.shape[0]
+        batch_size = len(counts.finished)
         step_s = time.perf_counter() - started
         elapsed_s = time.perf_counter() - rollout.start_time
         if self.selector is not None:

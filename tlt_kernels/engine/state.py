@@ -20,12 +20,13 @@ class Emission(NamedTuple):
 
 
 class StepCounts(NamedTuple):
-    """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` bool ``[b]`` CPU tensors,
-    ``emitted`` tokens, ``tried`` (accepted + 1 summed over rows that did not fail), ``generated`` tokens so far,
-    ``accepted_per_depth`` (rows whose path reached depth 1..num_steps; None when nobody asked)."""
+    """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` lists of ``b`` bools (Python
+    lists: the host's bookkeeping then costs no tensor op), ``emitted`` tokens, ``tried`` (accepted + 1 summed over
+    rows that did not fail), ``generated`` tokens so far, ``accepted_per_depth`` (rows whose path reached depth
+    1..num_steps; None when nobody asked)."""
 
-    finished: torch.Tensor
-    failed: torch.Tensor
+    finished: List[bool]
+    failed: List[bool]
     emitted: int
     tried: int
     generated: int
@@ -38,10 +39,12 @@ class RolloutState:
     ``context_lens`` int32 ``[B]`` (committed tokens), ``offsets`` int64 ``[B]`` (Philox counter, one per step),
     ``root_tokens`` int64 ``[B]`` (last emitted token), ``output_tokens`` int64 ``[B, W]`` (generated tokens, -1 past
     them; column ``W - 1`` is a write sink), ``generated`` int64 ``[B]``, ``max_new_tokens`` int64 ``[B]``.
-    Host: ``active_rows`` int64 ``[b]`` (requests still running), ``finish_s`` (seconds from the start at which each
-    request finished), ``errors`` (failed requests), ``steps`` (the step log), ``deferred`` (finished requests whose
-    features wait for the spot trainer to stop before entering the buffer); and the rollout's sampling parameters,
-    EOS id, feature capture, spot-training session, progress bar and trace."""
+    Host (Python lists, kept up to date from the step's one transfer): ``active_rows`` (requests still running),
+    ``context_lens_host`` (``context_lens`` of every request, exact for the running ones: the eager attention
+    plan's ``max_context_len``, which it would otherwise read from the device), ``finish_s`` (seconds from the start
+    at which each request finished), ``errors`` (failed requests), ``steps`` (the step log), ``deferred`` (finished
+    requests whose features wait for the spot trainer to stop before entering the buffer); and the rollout's
+    sampling parameters, EOS id, feature capture, spot-training session, progress bar and trace."""
 
     block_table: torch.Tensor
     context_lens: torch.Tensor
@@ -50,7 +53,8 @@ class RolloutState:
     output_tokens: torch.Tensor
     generated: torch.Tensor
     max_new_tokens: torch.Tensor
-    active_rows: torch.Tensor
+    active_rows: List[int]
+    context_lens_host: List[int]
     start_time: float
     prefill_s: float
     start_batch_size: int
@@ -65,23 +69,39 @@ class RolloutState:
     steps: List[StepLog] = field(default_factory=list)
     deferred: List[int] = field(default_factory=list)
     _active_on_device: Optional[torch.Tensor] = None
+    _aranges: dict = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
         """Requests still running."""
-        return self.active_rows.numel()
+        return len(self.active_rows)
 
     def active_on_device(self) -> torch.Tensor:
-        """The device copy of ``active_rows`` (it changes only when requests finish)."""
+        """The device copy of ``active_rows`` (made again only when requests finish). On CUDA the copy goes through
+        pinned memory, non-blocking: a copy from pageable memory would wait for the stream to drain (a sync)."""
         if self._active_on_device is None:
-            self._active_on_device = self.active_rows.to(self.generated.device)
+            rows, device = torch.tensor(self.active_rows, dtype=torch.int64), self.generated.device
+            if device.type == "cuda":
+                rows = rows.pin_memory()  # the caching host allocator keeps it alive until the copy ran
+            self._active_on_device = rows.to(device, non_blocking=True)
         return self._active_on_device
+
+    def max_context_len(self) -> int:
+        """The longest context of the running requests, from the host copy (no device read)."""
+        return max(self.context_lens_host[row] for row in self.active_rows)
+
+    def arange(self, start: int, end: int, device) -> torch.Tensor:
+        """``torch.arange(start, end)`` on ``device``, made once per rollout (a constant: no launch per step)."""
+        key = (start, end, str(device))
+        if key not in self._aranges:
+            self._aranges[key] = torch.arange(start, end, device=device)
+        return self._aranges[key]
 
     def emit(self, rows, emitted, num_accepted, failed, eos_token_id) -> Emission:
         """Write each row's accepted tokens (``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``) up to
         its budget, cut after EOS; ``failed`` bool ``[b]`` rows emit nothing."""
         width = emitted.shape[1]
-        j = torch.arange(width, device=emitted.device).unsqueeze(0)
+        j = self.arange(0, width, emitted.device).unsqueeze(0)
         budget_left = self.max_new_tokens[rows]
         counts = torch.minimum(num_accepted + 1, budget_left - self.generated[rows])
         if eos_token_id is not None:
@@ -107,25 +127,32 @@ class RolloutState:
         self.offsets[rows] += 1
         self.root_tokens[rows] = emitted.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
 
-    def read_counts(self, emission: Emission, num_accepted, depth: int) -> StepCounts:
-        """One device-to-host transfer per step (each sync stalls the CPU until the GPU drains, so the next step's
-        launches cannot overlap this step's kernels). ``depth`` > 0 also counts acceptance per draft depth."""
+    def read_counts(self, emission: Emission, num_accepted, new_context_lens, depth: int) -> StepCounts:
+        """The step's one device-to-host transfer (each sync stalls the CPU until the GPU drains, so the next step's
+        launches cannot overlap this step's kernels): everything the host needs, concatenated and read at once.
+        Also updates ``context_lens_host`` from ``new_context_lens`` (int32 ``[b]``, the rows after compaction).
+        ``depth`` > 0 also counts acceptance per draft depth."""
         b = num_accepted.shape[0]
-        parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64), emission.counts.sum().view(1),
-                 (num_accepted + 1).masked_fill(emission.failed, 0).sum().view(1), self.generated.sum().view(1)]
+        parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64), new_context_lens.to(torch.int64),
+                 emission.counts.sum().view(1), (num_accepted + 1).masked_fill(emission.failed, 0).sum().view(1),
+                 self.generated.sum().view(1)]
         if depth > 0:
-            parts.append((num_accepted.unsqueeze(1) >= torch.arange(1, depth + 1, device=num_accepted.device)).sum(0))
+            parts.append((num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)).sum(0))
         host = torch.cat(parts).tolist()
-        return StepCounts(torch.tensor(host[:b], dtype=torch.bool), torch.tensor(host[b: 2 * b], dtype=torch.bool),
-                          host[2 * b], host[2 * b + 1], host[2 * b + 2], host[2 * b + 3:] if depth > 0 else None)
+        for row, context_len in zip(self.active_rows, host[2 * b: 3 * b]):
+            self.context_lens_host[row] = context_len
+        emitted, tried, generated = host[3 * b: 3 * b + 3]
+        return StepCounts([bool(v) for v in host[:b]], [bool(v) for v in host[b: 2 * b]], emitted, tried, generated,
+                          host[3 * b + 3:] if depth > 0 else None)
 
     def retire(self, counts: StepCounts, elapsed_s: float) -> List[int]:
-        """Drop finished rows from ``active_rows``; returns the ones that finished without an error."""
-        finished = self.active_rows[counts.finished]
-        for row in finished.tolist():
-            self.finish_s[row] = elapsed_s
-        self.errors += self.active_rows[counts.failed].tolist()
-        clean = self.active_rows[counts.finished & ~counts.failed].tolist()  # a failed request's features may hold NaN
-        self.active_rows = self.active_rows[~counts.finished]
+        """Drop finished rows from ``active_rows``; returns the ones that finished without an error (host lists)."""
+        rows = list(zip(self.active_rows, counts.finished, counts.failed))
+        for row, finished, _ in rows:
+            if finished:
+                self.finish_s[row] = elapsed_s
+        self.errors += [row for row, _, failed in rows if failed]
+        clean = [row for row, finished, failed in rows if finished and not failed]  # a failed row's features: NaN
+        self.active_rows = [row for row, finished, _ in rows if not finished]
         self._active_on_device = None
         return clean

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -24,7 +24,9 @@ from .sampling import RequestSampling
 class StepInputs:
     """The running rows of one step: ``rows`` int64 ``[b]`` (device), their ``block_table`` int32 ``[b, blocks]``,
     ``context_lens`` int32 ``[b]`` before the step, ``root_tokens`` int64 ``[b]``, the drafter's ``drafter_state``
-    rows, and the rollout's sampling parameters and Philox ``offsets`` int64 ``[B]``."""
+    rows, and the rollout's sampling parameters and Philox ``offsets`` int64 ``[B]``. ``max_context_len``: the
+    longest of ``context_lens``, known on the host: an eager verify forward sizes its attention plan with it instead
+    of reading the lengths from the device (None: it reads them)."""
 
     rows: torch.Tensor
     block_table: torch.Tensor
@@ -33,6 +35,7 @@ class StepInputs:
     drafter_state: List[torch.Tensor]
     sampling: RequestSampling
     offsets: torch.Tensor
+    max_context_len: Optional[int] = None
 
     @property
     def batch_size(self) -> int:
@@ -72,10 +75,12 @@ class TargetStep:
         self.target, self.cache, self.sink_table, self.backend = target, cache, sink_table, backend
         self.device = target.device
 
-    def verify_forward(self, tokens, parents, num_nodes, block_table, context_lens):
-        """``(logits [b, T, V], hidden [b, T, H])`` of the tree nodes (the verify graphs' function)."""
+    def verify_forward(self, tokens, parents, num_nodes, block_table, context_lens, max_context_len=None):
+        """``(logits [b, T, V], hidden [b, T, H])`` of the tree nodes (the verify graphs' function). ``max_context_len``
+        (an upper bound of ``context_lens``) spares the plan a device read; a graph capture passes none (the plan
+        then takes the table's capacity)."""
         return self.target.forward_tree(tokens, parents, num_nodes, self.cache, block_table, context_lens,
-                                        validate=False, backend=self.backend)
+                                        validate=False, backend=self.backend, max_context_len=max_context_len)
 
     def accept(self, tree: ProposedTree, logits, hidden, block_table, context_lens, sampling: dict) -> tuple:
         """verify_tree + compact_kv + the accepted path's features: ``(emitted int64 [b, T], num_accepted int32
@@ -148,8 +153,9 @@ class SeparateGraphStepRunner(StepRunner):
     def run(self, strategy, inputs: StepInputs) -> StepResult:
         tree = self.propose(strategy, inputs)
         verify_inputs = (*tree, inputs.block_table, inputs.context_lens)
-        (logits, hidden), replayed = self.graphs.call(("verify", tree.tokens.shape[1]), self.target_step.verify_forward,
-                                                      verify_inputs, inputs.batch_size)
+        eager = partial(self.target_step.verify_forward, max_context_len=inputs.max_context_len)  # no device read
+        (logits, hidden), replayed = self.graphs.call(("verify", tree.tokens.shape[1]), eager, verify_inputs,
+                                                      inputs.batch_size)
         accepted = self.target_step.accept(tree, logits, hidden, inputs.block_table, inputs.context_lens,
                                            inputs.verify_sampling)
         return StepResult(*accepted, drafter_state=None, replayed=replayed, width=tree.tokens.shape[1])

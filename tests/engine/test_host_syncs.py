@@ -1,0 +1,176 @@
+"""Host reads per decoding step: the engine's step reads the device at most once (docs/RUNTIME.md, "Host reads per
+step").
+
+Every device-to-host read stalls the CPU until the GPU drains, so the next step's launches cannot overlap this
+step's kernels. On the CPU nothing syncs, so the test counts the calls that *would* read a CUDA tensor: ``item``,
+``tolist``, ``cpu``, ``numpy``, ``bool``/``int``/``float`` of a tensor, ``nonzero`` (its size is data dependent) and
+indexing with a boolean mask. Only calls made while ``SpeculativeEngine._step`` runs are counted (prefill and the
+result's assembly read the device on purpose). The engine keeps its host bookkeeping in Python lists, so every
+counted call is a read a CUDA rollout would pay. Not counted, because a CUDA rollout does not run them: the ops'
+``torch`` reference backends (``tlt_kernels/reference/``; on CUDA, ``backend="auto"`` runs the Triton/CUDA
+kernels) and the closures a fake graph backend replays (a captured CUDA graph replays no Python).
+"""
+import collections
+import contextlib
+import traceback
+
+import pytest
+import torch
+
+from tlt_kernels.drafter import EagleDrafter
+from tlt_kernels.engine import SpeculativeEngine
+from tlt_kernels.models import ModelConfig, reference_generate, train_tiny_target
+from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
+from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+MAX_NEW = [5, 23, 9, 30, 3, 17, 1]
+PROMPTS = [[(7 * b + 3 * i) % 200 + 10 for i in range(6 + 2 * b)] for b in range(len(MAX_NEW))]
+
+# The contract: reads per step. The one left is RolloutState.read_counts' single ``tolist`` of the step's
+# outcome (finished / failed flags, new context lengths, emitted and tried totals, tokens so far, acceptance per
+# depth), which the host needs to retire requests, feed the selector and size the next step's attention plan.
+MAX_READS_PER_STEP = 1
+
+
+class ReadCounter:
+    """Counts tensor reads (by the line of the caller in tlt_kernels) while ``active``."""
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
+
+    def __init__(self):
+        self.active = False
+        self.reads = collections.Counter()
+
+    def _where(self):
+        """The caller's ``file:line code`` in tlt_kernels; None inside a reference op (not run on CUDA)."""
+        stack = traceback.extract_stack()[:-3]
+        if any("tlt_kernels/reference/" in frame.filename for frame in stack):
+            return None
+        for frame in reversed(stack):
+            if "tlt_kernels" in frame.filename and "/tests/" not in frame.filename:
+                return f"{frame.filename.rsplit('tlt_kernels/', 1)[-1]}:{frame.lineno} {frame.line}"
+        return "?"
+
+    def _note(self, what: str) -> None:
+        if self.active:
+            where = self._where()
+            if where is not None:
+                self.reads[f"{what} @ {where}"] += 1
+
+    @staticmethod
+    def _is_mask(index) -> bool:
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+    @contextlib.contextmanager
+    def patched(self, monkeypatch):
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t, *args, _original=original, _name=name, **kwargs):
+                if t.numel() >= 1:
+                    self._note(_name)
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, wrapper)
+        getitem, nonzero = torch.Tensor.__getitem__, torch.nonzero
+
+        def masked_getitem(t, index):
+            if self._is_mask(index):
+                self._note("mask index")
+            return getitem(t, index)
+
+        def nonzero_fn(t, *args, **kwargs):
+            self._note("torch.nonzero")
+            return nonzero(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "__getitem__", masked_getitem)
+        monkeypatch.setattr(torch, "nonzero", nonzero_fn)
+        yield self
+
+
+@pytest.fixture(scope="module")
+def target():
+    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+
+
+def _engine(target, kind, fuse):
+    pool = None
+    if fuse is not None:
+        pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    torch.manual_seed(0)
+    if kind == "none":
+        drafter, sel = None, Strategy.off()
+    elif kind == "ngram":
+        drafter, sel = "ngram", StrategySelector([Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(3, 2, 7)], seed=0)
+    else:
+        drafter, sel = EagleDrafter.for_target(target), StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 6)], seed=0)
+    eng = SpeculativeEngine(target, drafter, sel, pool, max_batch_size=8, max_seq_len=64, fuse_step=bool(fuse))
+    if pool is not None:
+        eng.capture_graphs([2, 8])
+        assert eng.graph_error is None, eng.graph_error
+    return eng
+
+
+def count_step_reads(eng, monkeypatch, **generate_kwargs):
+    """``(output, reads per step [list of Counters])`` of one rollout, counting only inside ``_step``."""
+    counter, per_step = ReadCounter(), []
+    step = eng._step
+
+    def counted_step(rollout):
+        counter.reads = collections.Counter()
+        counter.active = True
+        try:
+            step(rollout)
+        finally:
+            counter.active = False
+        per_step.append(counter.reads)
+
+    monkeypatch.setattr(eng, "_step", counted_step)
+    if eng.graph_pool is not None:  # a replayed CUDA graph runs no Python: the fake backend's closures do not count
+        run = eng.graph_pool.run
+
+        def replay(*args, **kwargs):
+            active, counter.active = counter.active, False
+            try:
+                return run(*args, **kwargs)
+            finally:
+                counter.active = active
+
+        monkeypatch.setattr(eng.graph_pool, "run", replay)
+    with counter.patched(monkeypatch):
+        out = eng.generate(PROMPTS, MAX_NEW, **generate_kwargs)
+    return out, per_step
+
+
+# (drafter, runner): None = eager, False = separate graphs (fake backend), True = fused step graphs.
+CASES = [("none", None), ("ngram", None), ("eagle", None), ("none", False), ("eagle", False), ("none", True),
+         ("eagle", True)]
+
+
+@pytest.mark.parametrize("kind,fuse", CASES, ids=lambda v: str(v))
+def test_one_host_read_per_step(target, monkeypatch, kind, fuse):
+    eng = _engine(target, kind, fuse)
+    out, per_step = count_step_reads(eng, monkeypatch)
+    assert len(per_step) == len(out.steps) > 3
+    for i, reads in enumerate(per_step):
+        assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i} ({kind}, fuse={fuse}): {dict(reads)}"
+    # Counting changed nothing: greedy output is still plain decoding's.
+    ref = reference_generate(target, PROMPTS, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+
+
+def test_one_host_read_per_step_with_sampling_and_eos(target, monkeypatch):
+    """Sampling (temperature, top-p) and an EOS id add no read."""
+    eng = _engine(target, "ngram", None)
+    out, per_step = count_step_reads(eng, monkeypatch, temperature=0.8, top_p=0.9, seed=list(range(7)),
+                                     eos_token_id=out_token(target))
+    for i, reads in enumerate(per_step):
+        assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i}: {dict(reads)}"
+
+
+def out_token(target) -> int:
+    """A token the tiny target emits often (so EOS does stop some requests)."""
+    ref = reference_generate(target, PROMPTS, 8)
+    return int(torch.mode(ref.tokens.flatten()).values)
