@@ -220,28 +220,12 @@ def tiny_hf_model(seed: int = 0):
         return transformers.LlamaForCausalLM(config).eval()
 
 
-def _require_gguf_readers() -> None:
-    """transformers reads GGUF files only with ``gguf`` and ``accelerate`` installed; say so before it fails deeper."""
-    import importlib.util
-
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ImportError(f"reading a GGUF model needs {' and '.join(missing)}: pip install {' '.join(missing)}")
-
-
 def load_real_models(path: Path, device: torch.device, dtype: torch.dtype):
     """``(ours, transformers' model, tokenizer)`` of a ``.gguf`` file (dequantized to fp32, then cast) or a
     transformers directory, both in ``dtype`` on ``device``; local files only."""
-    import transformers
+    from tlt_kernels.models import LlamaForCausalLM, load_tokenizer, load_transformers_model
 
-    from tlt_kernels.models import LlamaForCausalLM, load_tokenizer
-
-    if path.suffix == ".gguf":
-        _require_gguf_readers()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32, local_files_only=True)
-    else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    hf = load_transformers_model(path, dtype=torch.float32 if path.suffix == ".gguf" else dtype)
     ours = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=device, dtype=dtype)
     return ours, hf.to(device=device, dtype=dtype).eval(), load_tokenizer(path)
 

@@ -2,6 +2,7 @@
 
 * :func:`load_pretrained` -- a local transformers directory (``config.json`` + safetensors / ``.bin`` shards,
   honouring the shard index) or a GGUF file (dequantized through transformers' GGUF reader);
+* :func:`load_transformers_model` -- transformers' own model of the same checkpoint (for a peer, or a state dict);
 * :func:`load_tokenizer` -- ``transformers.AutoTokenizer`` for the same path (never a hand-written tokenizer);
 * :func:`chat_prompt_ids` -- a conversation through the tokenizer's chat template, ready for generation.
 
@@ -43,18 +44,29 @@ def load_pretrained(path: PathLike, *, gguf_file: Optional[str] = None, device="
     directory, gguf_name = _resolve(path, gguf_file)
     if gguf_name is None:
         return load_checkpoint(directory, device=device, dtype=dtype)
-    transformers = _import_transformers(for_gguf=True)
-    if importlib.util.find_spec("accelerate") is None:
-        # transformers refuses GGUF model loading without it (a ValueError from deep inside from_pretrained).
-        raise ImportError("loading a GGUF model through transformers needs the 'accelerate' package: pip install accelerate")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(directory), gguf_file=gguf_name, dtype=torch.float32, local_files_only=True)
+    hf = load_transformers_model(directory, gguf_file=gguf_name)
     try:
         return LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=device, dtype=dtype or torch.float32)
     finally:
         # Our model holds copies; drop transformers' fp32 weights now rather than at the caller's next collection.
         del hf
         gc.collect()
+
+
+def load_transformers_model(path: PathLike, *, gguf_file: Optional[str] = None, dtype: Optional[torch.dtype] = None):
+    """transformers' ``AutoModelForCausalLM`` of the checkpoint at ``path`` (same arguments as :func:`load_pretrained`),
+    on the CPU, local files only: for a peer that runs transformers itself, or to build ours from its state dict.
+    ``dtype``: default fp32 for a GGUF file (its blocks are dequantized to fp32), transformers' own for a directory."""
+    directory, gguf_name = _resolve(path, gguf_file)
+    transformers = _import_transformers(for_gguf=gguf_name is not None)
+    if gguf_name is None:
+        extra = {} if dtype is None else {"dtype": dtype}
+        return transformers.AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True, **extra)
+    if importlib.util.find_spec("accelerate") is None:
+        # transformers refuses GGUF model loading without it (a ValueError from deep inside from_pretrained).
+        raise ImportError("loading a GGUF model through transformers needs the 'accelerate' package: pip install accelerate")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory), gguf_file=gguf_name, dtype=dtype or torch.float32, local_files_only=True)
 
 
 def load_tokenizer(path: PathLike, *, gguf_file: Optional[str] = None):
