@@ -3,13 +3,13 @@
 ::
 
     python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--steps N] [--max-new-tokens N]
-        [--batch N] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
+        [--batch N] [--samples N] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
 
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
    ``bench/data/prompts.jsonl``) go through the chat template;
-3. a plain :class:`SpeculativeEngine` answers them in batches of ``--batch`` (sampling at ``--temperature``,
-   0 = greedy), its rollout buffer capturing every sequence's target features (last layer, before the final
+3. a plain :class:`SpeculativeEngine` answers each ``--samples`` times in batches of ``--batch`` (sampling at
+   ``--temperature``, 0 = greedy; one seed per answer), its rollout buffer capturing every sequence's target features (last layer, before the final
    norm) and tokens -- the path the spot trainer reads in a live rollout;
 4. a :class:`~tlt_kernels.drafter.SpotTrainer` trains a fresh :class:`~tlt_kernels.drafter.EagleDrafter` for
    ``--steps`` optimizer steps on that buffer and saves its checkpoint to ``--out``
@@ -58,6 +58,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per prompt")
     p.add_argument("--batch", type=int, default=32, help="prompts per rollout batch")
+    p.add_argument("--samples", type=int, default=4,
+                   help="answers per train prompt (each its own seed; more data, as an RL group gives)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts (0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,8 +75,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if not _REPO_PROMPTS.is_file():
             p.error(f"--prompts is required ({_REPO_PROMPTS} does not exist)")
         args.prompts = str(_REPO_PROMPTS)
-    if min(args.steps, args.max_new_tokens, args.batch, args.train_batch, args.seq_len) < 1 or args.temperature < 0:
-        p.error("--steps, --max-new-tokens, --batch, --train-batch and --seq-len must be >= 1, --temperature >= 0")
+    if min(args.steps, args.max_new_tokens, args.batch, args.samples, args.train_batch, args.seq_len) < 1 or args.temperature < 0:
+        p.error("--steps, --max-new-tokens, --batch, --samples, --train-batch and --seq-len must be >= 1, --temperature >= 0")
     return args
 
 
@@ -153,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     cuda = target.device.type == "cuda"
     buffer = RolloutBuffer(capacity_tokens=1 << 24, recency_decay=1.0,
                            storage_dtype=torch.bfloat16 if cuda else torch.float32)
-    train = encode_prompts(tokenizer, args.prompts, "train")
+    train = encode_prompts(tokenizer, args.prompts, "train") * args.samples
     generated = generate_into(target, train, buffer, batch=args.batch, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, seed=args.seed, eos_token_id=eos)
     summary = {"train_prompts": len(train), "generated_tokens": generated, "buffer_tokens": buffer.num_tokens,

@@ -1,0 +1,118 @@
+"""Where a real model's rollout step goes, host and GPU: ``python -m tools.profile_rollout --model-file PATH``.
+
+For plain decoding and the n-gram drafter's ``--arm`` at each ``--batches`` size: a graphed rollout of ``--tokens``
+tokens per request on the chat prompts of ``bench/data/prompts.jsonl``, then the same rollout under ``cProfile``
+(the host's Python functions by own time, per step) and under ``torch.profiler`` (the GPU's kernels per step, their
+count and time, and the host's operators by self CPU time). A developer tool: its figures steer the engine's
+optimisation; recorded figures come from ``python -m bench rollout`` (its step-cost rows).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+
+def _parse_args():
+    ap = argparse.ArgumentParser(prog="python -m tools.profile_rollout", description=__doc__.split("\n")[0])
+    ap.add_argument("--model-file", required=True, help="a .gguf file or a transformers directory")
+    ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
+    ap.add_argument("--tokens", type=int, default=96, help="new tokens per request")
+    ap.add_argument("--arm", default="s4k1v5", help="the n-gram drafter's static strategy ('' for plain only)")
+    ap.add_argument("--out", type=Path, default=None, help="also write the report to DIR/profile_rollout.md")
+    return ap.parse_args()
+
+
+def _engine(target, drafter, strategy, max_batch: int, max_seq: int):
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.runtime import GraphPool
+
+    eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=max_batch, max_seq_len=max_seq,
+                            fuse_step=drafter is None)
+    eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
+    eng.generate([[1, 2, 3]], 4)
+    return eng
+
+
+def _host_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
+    """cProfile's top functions by own time, per step."""
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.generate(prompts, tokens)
+    torch.cuda.synchronize()
+    prof.disable()
+    stream = io.StringIO()
+    pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(25)
+    lines = ["### host Python by own time (cProfile, whole rollout; divide by the steps)", f"steps: {steps}", "```"]
+    lines += [line for line in stream.getvalue().splitlines() if line.strip()][-27:]
+    return lines + ["```"]
+
+
+def _torch_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eng.generate(prompts, tokens)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"]
+    lines = [f"### GPU kernels per step: {sum(e.count for e in kernels) / steps:.0f} launches, "
+             f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]:
+        lines.append(f"- {e.key[:90]}: {e.count / steps:.1f}/step, {e.self_device_time_total / steps:.1f} us/step")
+    lines.append("### host operators by self CPU time (per step)")
+    host = [e for e in events if e.device_type.name == "CPU"]
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:20]:
+        lines.append(f"- {e.key[:90]}: {e.count / steps:.1f}/step, {e.self_cpu_time_total / steps:.1f} us/step")
+    return lines
+
+
+def _profile(name, eng, prompts, tokens: int) -> List[str]:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, tokens)
+    wall = time.perf_counter() - t0
+    steps = len(out.steps)
+    step_ms = sorted(s.seconds * 1e3 for s in out.steps)
+    lines = [f"## {name}, B={len(prompts)}: {steps} steps, {1e3 * wall / steps:.3f} ms/step (median step "
+             f"{step_ms[len(step_ms) // 2]:.3f} ms), accepted length {out.mean_accepted_length():.2f}, "
+             f"graph steps {sum(s.graph for s in out.steps)}"]
+    return lines + _host_profile(eng, prompts, tokens, steps) + _torch_profile(eng, prompts, tokens, steps)
+
+
+def main() -> None:
+    args = _parse_args()
+    from bench.prompts import load_prompts
+    from tlt_kernels.models import chat_prompt_ids, load_pretrained, load_tokenizer
+    from tlt_kernels.runtime import Strategy
+
+    target = load_pretrained(args.model_file, device=torch.device("cuda"), dtype=torch.bfloat16)
+    tokenizer = load_tokenizer(args.model_file)
+    prompt_ids = [chat_prompt_ids(tokenizer, p.chat()) for p in load_prompts()]
+    batches = [int(b) for b in args.batches.split(",")]
+    max_seq = max(len(p) for p in prompt_ids) + args.tokens + 16
+    configs = [("plain", None, Strategy.off())]
+    if args.arm:
+        configs.append((f"ngram {args.arm}", "ngram", Strategy.parse(args.arm)))
+    lines = []
+    for name, drafter, strategy in configs:
+        eng = _engine(target, drafter, strategy, max(batches), max_seq)
+        for batch in batches:
+            prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
+            lines += _profile(name, eng, prompts, args.tokens)
+        del eng
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_rollout.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
