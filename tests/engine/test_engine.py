@@ -583,3 +583,39 @@ def test_failed_capture_is_retried_once(target, prompts, times):
         assert eng.graph_error is not None and "previous error during capture" in eng.graph_error
         assert stats == {"error": eng.graph_error}
         assert not any(s.graph for s in out.steps)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle"])
+def test_separate_runner_plain_steps_replay_one_step_graph(target, prompts, kind):
+    """fuse_step=False: a plain ("off") step of a drafting engine replays the whole-step graph a plain engine
+    replays (verify, accept, compaction in one graph), so the adaptive engine's "off" arm costs what plain decoding
+    costs; the drafter still sees every accepted token (drafting steps after plain ones equal plain decoding)."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    off, chain = Strategy.off(), Strategy(2, 1, 3)
+    eng = SpeculativeEngine(target, _drafter(kind, target), StrategySelector([chain], seed=0), pool, max_batch_size=8,
+                            max_seq_len=64)
+    eng.capture_graphs([2, 8])
+    assert eng.graph_error is None, eng.graph_error
+    step_key = ("step", off.num_steps, off.topk, off.num_verify)
+    assert step_key in {k[0] for k in pool.keys()} and ("verify", 1) in {k[0] for k in pool.keys()}
+    assert eng.step_runner.graph_names(off) == [step_key] and eng.covers(off, 5)
+
+    def arms(batch_size):  # alternate plain and drafting steps: the drafter's state must follow both
+        arms.calls += 1
+        return off if arms.calls % 2 else chain
+    arms.calls = 0
+    eng.selector.select = arms
+    plain_runs = []
+    run_plain = eng.step_runner.plain.run
+    eng.step_runner.plain.run = lambda *a: plain_runs.append(1) or run_plain(*a)
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    for b, n in enumerate(MAX_NEW):
+        assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+    plain_steps = [s for s in out.steps if s.strategy == "off"]
+    assert plain_steps and all(s.graph and s.tree_width == 1 for s in plain_steps)
+    assert len(plain_runs) == len(plain_steps)
+    assert any(s.strategy != "off" for s in out.steps)

@@ -27,7 +27,8 @@ def test_train_drafter_writes_a_trained_checkpoint(tmp_path, capsys):
     summary = train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts),
                                   "--steps", "6", "--max-new-tokens", "12", "--batch", "2", "--device", "cpu",
                                   "--train-batch", "4", "--seq-len", "16", "--eval"])
-    assert summary["train_prompts"] == 3 and summary["generated_tokens"] > 0 and summary["steps"] == 6
+    assert summary["train_prompts"] == 3 and summary["answers"] == 12  # --samples 4 by default
+    assert summary["generated_tokens"] > 0 and summary["steps"] == 6
     assert out.is_file()
     assert summary["accepted_length"] >= 1.0 and summary["accepted_length_initial"] >= 1.0
     assert '"accepted_length"' in capsys.readouterr().out

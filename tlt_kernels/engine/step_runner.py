@@ -1,20 +1,22 @@
 """One decoding step's propose -> verify -> accept, behind one interface with two implementations:
 
 * :class:`SeparateGraphStepRunner`: the drafter's graphs, then the verify forward's graph (one per tree width and
-  padded batch size), then acceptance and KV compaction; each part runs eagerly where no graph covers it.
+  padded batch size), then acceptance and KV compaction; each part runs eagerly where no graph covers it. Plain
+  steps (tree width 1) draft nothing, so they replay one graph of the whole step like the fused runner's: an
+  adaptive engine's "off" arm then costs what a plain engine's step costs.
 * :class:`FusedGraphStepRunner`: the whole step (draft, verify forward, accept, KV compaction, drafter extension)
   as one graph per (strategy, padded batch size): one launch per step instead of three. Without a graph for the
   batch it falls back to the separate runner (whose parts then run eagerly).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from typing import List, NamedTuple, Optional
 
 import torch
 
-from ..drafter.base import ProposedTree, root_only_tree
+from ..drafter.base import NoDrafter, ProposedTree, root_only_tree
 from ..ops.compact_kv import compact_kv
 from ..ops.verify_tree import verify_tree
 from .sampling import RequestSampling
@@ -134,9 +136,24 @@ class StepRunner:
 
 
 class SeparateGraphStepRunner(StepRunner):
-    """Drafter graphs, then the verify graph, then accept + compaction (see the module docstring)."""
+    """Drafter graphs, then the verify graph, then accept + compaction; plain steps replay one fused graph of the
+    whole step when ``plain_graph`` (see the module docstring)."""
+
+    def __init__(self, target_step: TargetStep, drafter, graphs, plain_graph: bool = True):
+        super().__init__(target_step, drafter, graphs)
+        # The plain step's graph holds no drafter: the drafter commits the accepted token eagerly, as after any step.
+        self.plain = FusedGraphStepRunner(target_step, NoDrafter(), graphs, fallback=self) if plain_graph else None
+
+    def _plain(self, strategy, batch_size: Optional[int] = None) -> bool:
+        """Whether ``strategy`` runs the plain step's graph (at ``batch_size``, when given)."""
+        if self.plain is None or self.drafter.tree_width(strategy) != 1 or not self.graphs.registered(
+                self.plain.step_key(strategy)):
+            return False
+        return batch_size is None or self.plain.covers(strategy, batch_size)
 
     def register_graphs(self, strategies, widths, sizes) -> None:
+        if self.plain is not None:
+            self.plain.register_graphs([s for s in strategies if self.drafter.tree_width(s) == 1], [1], sizes)
         for width in widths:
             self._add_graph(("verify", width), self.target_step.verify_forward, sizes,
                             lambda B, width=width: self.target_step.pad_verify_inputs(width, B))
@@ -144,13 +161,21 @@ class SeparateGraphStepRunner(StepRunner):
             self._add_graph(name, fn, sizes, example_inputs)
 
     def covers(self, strategy, batch_size: int) -> bool:
+        if self._plain(strategy):
+            return self.plain.covers(strategy, batch_size)
         return self.graphs.pool.covers(("verify", self.drafter.tree_width(strategy)), batch_size)
 
     def graph_names(self, strategy) -> list:
+        if self._plain(strategy):
+            return self.plain.graph_names(strategy)
         before, after = self.drafter.graph_names(strategy)
         return [*before, ("verify", self.drafter.tree_width(strategy)), *after]
 
     def run(self, strategy, inputs: StepInputs) -> StepResult:
+        if self._plain(strategy, inputs.batch_size) and self.graphs.padded_size(self.plain.step_key(strategy),
+                                                                                 inputs.batch_size) is not None:
+            result = self.plain.run(strategy, replace(inputs, drafter_state=[]))
+            return result._replace(drafter_state=None)  # the drafter's own commit computes its state
         tree = self.propose(strategy, inputs)
         verify_inputs = (*tree, inputs.block_table, inputs.context_lens)
         eager = partial(self.target_step.verify_forward, max_context_len=inputs.max_context_len)  # no device read
@@ -173,9 +198,9 @@ class SeparateGraphStepRunner(StepRunner):
 class FusedGraphStepRunner(StepRunner):
     """One graph per (strategy, padded batch size); the separate runner where none covers the batch."""
 
-    def __init__(self, target_step: TargetStep, drafter, graphs):
+    def __init__(self, target_step: TargetStep, drafter, graphs, fallback: Optional[StepRunner] = None):
         super().__init__(target_step, drafter, graphs)
-        self.fallback = SeparateGraphStepRunner(target_step, drafter, graphs)
+        self.fallback = fallback or SeparateGraphStepRunner(target_step, drafter, graphs, plain_graph=False)
 
     @staticmethod
     def step_key(strategy):

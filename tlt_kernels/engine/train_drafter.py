@@ -155,12 +155,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     cuda = target.device.type == "cuda"
     buffer = RolloutBuffer(capacity_tokens=1 << 24, recency_decay=1.0,
                            storage_dtype=torch.bfloat16 if cuda else torch.float32)
-    train = encode_prompts(tokenizer, args.prompts, "train") * args.samples
+    prompts = encode_prompts(tokenizer, args.prompts, "train")
+    train = prompts * args.samples
     generated = generate_into(target, train, buffer, batch=args.batch, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, seed=args.seed, eos_token_id=eos)
-    summary = {"train_prompts": len(train), "generated_tokens": generated, "buffer_tokens": buffer.num_tokens,
+    summary = {"train_prompts": len(prompts), "answers": len(train), "generated_tokens": generated, "buffer_tokens": buffer.num_tokens,
                "rollout_s": round(time.perf_counter() - t0, 2)}
-    print(f"train_drafter: {len(train)} prompts, {generated} tokens generated, {buffer.num_tokens} positions buffered")
+    print(f"train_drafter: {len(prompts)} prompts, {len(train)} answers, {generated} tokens generated, {buffer.num_tokens} positions buffered")
     trainer = make_trainer(target, buffer, args)
     heldout = _heldout_sequences(target, tokenizer, args, eos) if args.eval else None
     if heldout is not None:
