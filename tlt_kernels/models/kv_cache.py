@@ -107,12 +107,17 @@ class PagedKVCache:
         device); without it every token is written, with no host synchronization (CUDA-graph safe).
         """
         idx = self.flat_index(block_table, slots)
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
         if mask is not None:
             idx, k, v = idx[mask], k[mask], v[mask]
-        kf.index_copy_(0, idx.flatten(), k.reshape(-1, *kf.shape[1:]).to(self.dtype))
-        vf.index_copy_(0, idx.flatten(), v.reshape(-1, *vf.shape[1:]).to(self.dtype))
+        self.write_at(layer, idx.flatten(), k, v)
+
+    def write_at(self, layer: int, flat_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v`` (``[..., Hkv, D]``, ``N`` tokens) at rows ``flat_index`` (int64 ``[N]``, from
+        :meth:`flat_index`) of layer ``layer``: a step computes the index once for all its layers."""
+        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        kf.index_copy_(0, flat_index, k.reshape(-1, *kf.shape[1:]).to(self.dtype))
+        vf.index_copy_(0, flat_index, v.reshape(-1, *vf.shape[1:]).to(self.dtype))
 
     def gather(self, layer: int, block_table: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """K/V of slots ``0 .. num_slots-1`` of every request as contiguous ``[B, num_slots, Hkv, D]``."""

@@ -417,10 +417,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"plan was built for B={plan.batch_size}, T={plan.num_tree}; the tokens are B={B}, T={T}")
         ctx = context_lens.long().unsqueeze(1)
         positions = ctx + tree_depths(parents, n).long()
-        slots = ctx + idx
+        flat_slots = cache.flat_index(block_table, ctx + idx).flatten()  # one index for every layer's K/V write
 
         def attend(i, q, k, v):
-            cache.write(i, block_table, slots, k, v)
+            cache.write_at(i, flat_slots, k, v)
             # Padding rows come back as zeros (the op's contract), so their K/V in later layers -- written
             # to scratch slots that kernels load and mask -- stay finite.
             if kernel:
