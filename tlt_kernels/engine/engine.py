@@ -327,7 +327,7 @@ class SpeculativeEngine:
         strategy = self.static if self.selector is None else self.selector.select(batch_size)
         if self.spot_trainer is not None:
             self.tree_drafter.load_published(self.spot_trainer.holder)
-        inputs = StepInputs(rows, rollout.block_table[rows], rollout.context_lens[rows], rollout.root_tokens[rows],
+        inputs = StepInputs(rows, rollout.active_block_table(), rollout.context_lens[rows], rollout.root_tokens[rows],
                             self.tree_drafter.state_rows(rows), rollout.sampling, rollout.offsets,
                             max_context_len=rollout.max_context_len())
         if rollout.trace is not None:

@@ -29,6 +29,8 @@ class RequestSampling:
         # The fused step graph always takes tensors: temperature 0 = greedy, top_k 0 and top_p 1 = off.
         self.top_k_or_off = self.top_k if self.top_k is not None else torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.top_p_or_off = self.top_p if self.top_p is not None else torch.ones(batch_size, dtype=torch.float32, device=device)
+        # The running rows change only when requests finish: their parameters are gathered once per set of rows.
+        self._rows, self._row_params = None, None
 
     def verify_kwargs(self, rows: torch.Tensor, offsets: torch.Tensor) -> dict:
         """:func:`~tlt_kernels.verify_tree`'s sampling arguments for ``rows`` (int64 ``[b]``) at counter ``offsets``
@@ -39,5 +41,8 @@ class RequestSampling:
 
     def graph_inputs(self, rows: torch.Tensor, offsets: torch.Tensor) -> tuple:
         """The fused step graph's sampling inputs for ``rows``: (temperature, top_k, top_p, seed, offset)."""
-        return (self.temperature[rows], self.top_k_or_off[rows], self.top_p_or_off[rows], self.seeds[rows],
-                offsets[rows])
+        if self._rows is not rows:  # the same tensor object until a request finishes (RolloutState.active_on_device)
+            self._rows = rows
+            self._row_params = (self.temperature[rows], self.top_k_or_off[rows], self.top_p_or_off[rows],
+                                self.seeds[rows])
+        return (*self._row_params, offsets[rows])

@@ -69,6 +69,7 @@ class RolloutState:
     steps: List[StepLog] = field(default_factory=list)
     deferred: List[int] = field(default_factory=list)
     _active_on_device: Optional[torch.Tensor] = None
+    _active_block_table: Optional[torch.Tensor] = None
     _aranges: dict = field(default_factory=dict)
 
     @property
@@ -84,7 +85,14 @@ class RolloutState:
             if device.type == "cuda":
                 rows = rows.pin_memory()  # the caching host allocator keeps it alive until the copy ran
             self._active_on_device = rows.to(device, non_blocking=True)
+            self._active_block_table = None
         return self._active_on_device
+
+    def active_block_table(self) -> torch.Tensor:
+        """``block_table`` of the running rows, gathered again only when requests finish (the table is constant)."""
+        if self._active_block_table is None:
+            self._active_block_table = self.block_table[self.active_on_device()]
+        return self._active_block_table
 
     def max_context_len(self) -> int:
         """The longest context of the running requests, from the host copy (no device read)."""
