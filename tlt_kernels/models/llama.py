@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 from .._backend import BACKENDS
 from .._validation import check_tensor, devices_equal
+from ..ops.rms_norm import rms_norm
+from ..ops.rotary import apply_rotary
+from ..ops.silu_and_mul import silu_and_mul
 from ..ops.tree_attention import plan_tree_attention
 from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
@@ -262,17 +265,42 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         if not devices_equal(self._inv_freq.device, x.device):
             self._inv_freq = rope_inv_freq(self.config, x.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype, self._rope_attention_factor)
+        if fused:
+            return self._fused_trunk(x, cos, sin, attend)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
             o = attend(i, q, k, v)
             x = x + layer.self_attn.o_proj(o.flatten(2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
+
+    def _fused_trunk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The layers on the fused ops, the same rounding as the unfused loop (inference only: no autograd
+        formulas): each residual add rides in the next RMSNorm's kernel, q and k rotate in one launch, SiLU * up in
+        one. A step of a small model is bound by its launch count, not by bytes (docs/MODELS.md)."""
+        eps, layers = self.config.rms_norm_eps, self.layers
+        h, residual = rms_norm(x, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            B, T, _ = h.shape
+            q = attn.q_proj(h).view(B, T, attn.num_q_heads, attn.head_dim)
+            k = attn.k_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)
+            v = attn.v_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)
+            if attn.q_norm is not None:
+                q, k = rms_norm(q, attn.q_norm.weight, eps)[0], rms_norm(k, attn.k_norm.weight, eps)[0]
+            q, k = apply_rotary(q, k, cos, sin)
+            o = attn.o_proj(attend(i, q, k, v).flatten(2))
+            h, residual = rms_norm(o, layer.post_attention_layernorm.weight, eps, residual=residual)
+            m = mlp.down_proj(silu_and_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            if i + 1 == len(layers):
+                return residual + m
+            h, residual = rms_norm(m, layers[i + 1].input_layernorm.weight, eps, residual=residual)
+        return x  # no layers
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(hidden))``: ``[..., H]`` -> ``[..., V]``."""
@@ -427,7 +455,7 @@ class LlamaForCausalLM(nn.Module):
                 return plan.run(q, cache.k[i], cache.v[i], sm_scale=self.sm_scale, backend=backend)
             return run_torch(plan, q, cache.k[i], cache.v[i], torch.empty_like(q), self.sm_scale)
 
-        hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend)
+        hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend, fused=kernel)
         return self.logits(hidden), hidden
 
     def _check_tree_args(self, tokens, parents, cache: PagedKVCache, block_table, context_lens, backend: str) -> bool:
