@@ -15,14 +15,17 @@ def strided(t: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def assert_within_ulp(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Equal shapes and dtypes, finite, and every element within one unit in the last place of the other."""
+def assert_within_ulp(got: torch.Tensor, want: torch.Tensor, what: str, scale=None, ulps: int = 1) -> None:
+    """Equal shapes and dtypes, finite, and every element within ``ulps`` units in the last place of ``max(|want|,
+    scale)``: ``scale`` (a tensor broadcast to ``want``) is the size of the terms a sum cancelled, where a rounding
+    step of the terms (an fp32 FMA, one ulp of an intermediate) shows against a small result."""
     assert got.shape == want.shape and got.dtype == want.dtype, what
     assert torch.isfinite(got).all(), f"{what}: non-finite output"
     g, w = got.double(), want.double()
-    tol = ULP[got.dtype] * w.abs().clamp(min=1e-3) * 1.01
+    size = w.abs() if scale is None else torch.maximum(w.abs(), scale.double().expand_as(w))
+    tol = ulps * ULP[got.dtype] * size.clamp(min=1e-3) * 1.01
     bad = (g - w).abs() > tol
-    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off by more than an ulp, e.g. " \
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.numel()} elements off by more than {ulps} ulp, e.g. " \
                           f"{g[bad][:3].tolist()} vs {w[bad][:3].tolist()}"
 
 

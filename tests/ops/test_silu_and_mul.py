@@ -27,7 +27,8 @@ def test_agrees_with_reference(backend, dtype, rows, width):
     skip_interpreted_bf16(backend, dtype, device)
     gate, up = _inputs(rows, width, dtype, device)
     got = silu_and_mul(strided(gate), strided(up), backend=backend)
-    assert_within_ulp(got, reference(gate, up), f"{backend} {dtype} {rows}x{width}")
+    # silu's fp32 exp may differ by an ulp, rounded to the dtype before the product: two ulps of the product.
+    assert_within_ulp(got, reference(gate, up), f"{backend} {dtype} {rows}x{width}", ulps=2)
 
 
 def test_reference_is_silu_times_up():
@@ -53,4 +54,4 @@ def test_validation_names_the_argument():
        dtype=st.sampled_from([torch.float32, torch.float16]))
 def test_property_triton_matches_reference(rows, width, seed, dtype):
     gate, up = _inputs(rows, width, dtype, kernel_devices()[0], seed=seed)
-    assert_within_ulp(silu_and_mul(gate, up, backend="triton"), reference(gate, up), "property")
+    assert_within_ulp(silu_and_mul(gate, up, backend="triton"), reference(gate, up), "property", ulps=2)
