@@ -152,7 +152,8 @@ CASES = [("none", None), ("ngram", None), ("eagle", None), ("none", False), ("ea
 def test_one_host_read_per_step(target, monkeypatch, kind, fuse):
     eng = _engine(target, kind, fuse)
     out, per_step = count_step_reads(eng, monkeypatch)
-    assert len(per_step) == len(out.steps) > 3
+    # One loop turn per step, and one for an overlapped step launched after the last request finished (no step).
+    assert len(out.steps) > 3 and len(per_step) in (len(out.steps), len(out.steps) + 1)
     for i, reads in enumerate(per_step):
         assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i} ({kind}, fuse={fuse}): {dict(reads)}"
     # Counting changed nothing: greedy output is still plain decoding's.

@@ -58,7 +58,7 @@ from .probe import measure_cost_table, probe_arms
 from .records import GenerateOutput, ProgressBar, StepLog
 from .sampling import RequestSampling
 from .spot import SpotSession
-from .state import RolloutState, StepCounts
+from .state import LaunchedStep, RolloutState, StepCounts
 from .step_runner import FusedGraphStepRunner, SeparateGraphStepRunner, StepInputs, StepResult, TargetStep
 
 __all__ = ["GenerateOutput", "SpeculativeEngine", "StepLog", "tree_width"]
@@ -114,11 +114,17 @@ class SpeculativeEngine:
             one launch per step instead of three. Plain decoding and the EAGLE drafter only.
         progress: draw a progress bar on stderr. Per-step records go to the ``tlt_kernels.engine``
             logger (DEBUG) and to :attr:`GenerateOutput.steps`.
+        overlap_steps: launch each step before reading the previous step's outcome, so the host's per-step work
+            (reading the outcome, the selector, retiring requests, preparing the next launch) runs while the GPU
+            computes instead of between steps. A request that finishes then rides along in one more step, which
+            changes nothing of it (its tokens, context, features and Philox counter stay); the selector learns
+            from each step one step later. Off with a spot trainer or ``trace=`` (both work between steps).
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
-                 spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False):
+                 spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
+                 overlap_steps: bool = True):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -138,9 +144,11 @@ class SpeculativeEngine:
         self.backend, self.progress, self.fuse_step = backend, progress, fuse_step
         self.spot_trainer, self.rollout_buffer = spot_trainer, rollout_buffer
         self.spot_batch_fraction = spot_batch_fraction
+        self.overlap_steps = bool(overlap_steps)
         self.rollout_step = 0
-        # Every request row covers prompt + generated + the widest tree (tree nodes sit past the context).
-        self.slots_per_request = max_seq_len + self.max_width + 1
+        # Every request row covers prompt + generated + the widest tree (tree nodes sit past the context), and one
+        # more tree: an overlapped step may run a request once after its last step (its slots are scratch).
+        self.slots_per_request = max_seq_len + 2 * self.max_width + 1
         self.tree_drafter.bind(strategies=self.strategies, fuse_step=fuse_step, device=self.device,
                                max_batch_size=max_batch_size, slots_per_request=self.slots_per_request,
                                block_size=block_size)
@@ -258,8 +266,10 @@ class SpeculativeEngine:
         try:
             rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)
             rollout.trace = trace
+            rollout.overlap = self.overlap_steps and trace is None and self.spot_trainer is None
             while rollout.active_rows:
                 self._step(rollout)
+            self._finish_pending(rollout)
             wall_s = self._finish(rollout)
         finally:
             self.cache.free(block_table)
@@ -314,14 +324,30 @@ class SpeculativeEngine:
             block_table=block_table, context_lens=prompt_lens.to(torch.int32).clone(), offsets=offsets,
             root_tokens=first_tokens.clone(), output_tokens=output_tokens, generated=generated,
             max_new_tokens=max_new_dev, active_rows=[b for b in range(B) if not done_host[b]],
-            context_lens_host=lens_host, start_time=start_time, prefill_s=prefill_s, start_batch_size=B,
+            context_lens_host=lens_host, done=done, start_time=start_time, prefill_s=prefill_s, start_batch_size=B,
             finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]],
             sampling=sampling, eos_token_id=eos_token_id, features=features,
             spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B),
             progress=ProgressBar(int(max_new.sum()), self.progress))
 
     def _step(self, rollout: RolloutState) -> None:
-        """select -> propose -> verify -> emit (budget, EOS) -> commit -> retire -> selector update."""
+        """One turn of the loop: launch a step, then read the outcome of the step before it (overlapped steps: the
+        GPU runs this step while the host reads, records and retires the last one); or read this one at once."""
+        launched = self._launch(rollout)
+        if rollout.pending is not None:
+            self._finish_step(rollout, rollout.pending)
+        rollout.pending, rollout.pending_width = launched, launched.width
+        if not rollout.overlap:
+            self._finish_pending(rollout)
+
+    def _finish_pending(self, rollout: RolloutState) -> None:
+        if rollout.pending is not None:
+            pending, rollout.pending, rollout.pending_width = rollout.pending, None, 0
+            self._finish_step(rollout, pending)
+
+    def _launch(self, rollout: RolloutState) -> LaunchedStep:
+        """select -> propose -> verify -> emit (budget, EOS) -> commit, all queued on the device; the outcome's
+        transfer to the host is started, not waited for."""
         started = time.perf_counter()
         batch_size, rows = rollout.batch_size, rollout.active_on_device()
         strategy = self.static if self.selector is None else self.selector.select(batch_size)
@@ -335,41 +361,55 @@ class SpeculativeEngine:
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
         emission = rollout.emit(rows, result.emitted, num_accepted, result.error.bool(), rollout.eos_token_id)
-        self._commit(rollout, inputs, result, num_accepted)
+        self._commit(rollout, inputs, result, num_accepted, emission.was_done | emission.failed)
         depth = strategy.num_steps if self.selector is not None else 0
-        counts = rollout.read_counts(emission, num_accepted, result.context_lens, depth)  # the step's one read
-        elapsed_s = self._record(rollout, strategy, result, counts, started)
+        staged = rollout.stage_counts(emission, num_accepted, result.context_lens, list(rollout.active_rows), depth)
+        return LaunchedStep(strategy, result.width, result.replayed, staged, started)
+
+    def _finish_step(self, rollout: RolloutState, step: LaunchedStep) -> None:
+        """Read a launched step's outcome (the step's one device-to-host read), then record and retire."""
+        counts = rollout.read_counts(step.staged)
+        elapsed_s = self._record(rollout, step, counts)
         if any(counts.finished):
-            self._retire(rollout, counts, elapsed_s)
+            self._retire(rollout, step.staged.rows, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
 
-    def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted) -> None:
-        """The accepted path becomes context: the rollout's state, the drafter's, the captured features."""
-        rollout.commit(inputs.rows, result.context_lens, result.emitted, num_accepted)
+    def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, keep) -> None:
+        """The accepted path becomes context: the rollout's state, the drafter's, the captured features. Rows that
+        had finished or failed now (``keep`` bool ``[b]``) keep their state (an overlapped step may run them once
+        more: a failed row's -1 token must not become its root); their drafter rows may take the path (never read
+        again)."""
+        rollout.commit(inputs.rows, result.context_lens, result.emitted, num_accepted, keep)
         path = AcceptedPath(result.emitted, num_accepted, result.path_hidden)
         self.tree_drafter.commit(inputs.rows, inputs.drafter_state, path, self.graphs, new_state=result.drafter_state)
         if rollout.features is not None:
-            rollout.features.record(inputs.rows, inputs.context_lens, num_accepted, result.path_hidden,
-                                    result.path_tokens)
+            rollout.features.record(inputs.rows, inputs.context_lens, num_accepted.masked_fill(keep, -1),
+                                    result.path_hidden, result.path_tokens)
 
-    def _record(self, rollout: RolloutState, strategy, result: StepResult, counts: StepCounts, started: float) -> float:
-        """The selector's update, the step log and the progress bar; returns the seconds since the rollout started."""
-        batch_size = len(counts.finished)
-        step_s = time.perf_counter() - started
-        elapsed_s = time.perf_counter() - rollout.start_time
+    def _record(self, rollout: RolloutState, step: LaunchedStep, counts: StepCounts) -> float:
+        """The selector's update, the step log and the progress bar; returns the seconds since the rollout started.
+        A step's time runs from its launch, or from the previous read when steps overlap (the GPU was busy with
+        this step since then), to its read."""
+        batch_size = counts.was_done.count(False)  # rows that had finished before ride along and count for nothing
+        now = time.perf_counter()
+        step_s = now - max(step.started, rollout.last_read_s)
+        rollout.last_read_s = now
+        elapsed_s = now - rollout.start_time
+        if batch_size == 0:  # an overlapped step after the last request finished: no step of the rollout
+            return elapsed_s
         if self.selector is not None:
-            self.selector.update(strategy, batch_size, counts.tried, step_s, counts.accepted_per_depth)
-        record = StepLog(len(rollout.steps), batch_size, str(strategy), result.width, counts.emitted,
-                         counts.emitted / batch_size, step_s, elapsed_s, result.replayed)
+            self.selector.update(step.strategy, batch_size, counts.tried, step_s, counts.accepted_per_depth)
+        record = StepLog(len(rollout.steps), batch_size, str(step.strategy), step.width, counts.emitted,
+                         counts.emitted / batch_size, step_s, elapsed_s, step.replayed)
         rollout.steps.append(record)
-        log.debug("step %d batch %d %s T=%d emitted %d acc %.2f %.0f tok/s", record.step, batch_size, strategy,
-                  result.width, counts.emitted, record.accepted_length, record.tokens_per_s)
+        log.debug("step %d batch %d %s T=%d emitted %d acc %.2f %.0f tok/s", record.step, batch_size, step.strategy,
+                  step.width, counts.emitted, record.accepted_length, record.tokens_per_s)
         rollout.progress.update(counts.generated, record)
         return elapsed_s
 
-    def _retire(self, rollout: RolloutState, counts: StepCounts, elapsed_s: float) -> None:
+    def _retire(self, rollout: RolloutState, rows: List[int], counts: StepCounts, elapsed_s: float) -> None:
         """Finished requests leave the batch; their features go to the buffer (after the spot trainer, if it runs)."""
-        clean = rollout.retire(counts, elapsed_s)
+        clean = rollout.retire(rows, counts, elapsed_s)
         if rollout.features is not None:
             if rollout.spot.running:
                 rollout.deferred += clean

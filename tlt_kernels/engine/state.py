@@ -11,22 +11,48 @@ from .records import StepLog
 
 
 class Emission(NamedTuple):
-    """One step's emitted counts: ``counts`` int64 ``[b]`` (0 for a failed row), ``finished`` bool ``[b]`` (budget
-    reached, EOS emitted or failed), ``failed`` bool ``[b]`` (the target's logits held NaN/+inf on the row's path)."""
+    """One step's emitted counts: ``counts`` int64 ``[b]`` (0 for a failed or already finished row), ``finished``
+    bool ``[b]`` (budget reached, EOS emitted, failed, or finished before), ``failed`` bool ``[b]`` (the target's
+    logits held NaN/+inf on the row's path this step), ``was_done`` bool ``[b]`` (the row had finished at an earlier
+    step whose outcome the host had not read when this step was launched: the step changes nothing of it)."""
 
     counts: torch.Tensor
     finished: torch.Tensor
     failed: torch.Tensor
+    was_done: torch.Tensor
+
+
+class StagedCounts(NamedTuple):
+    """A step's outcome on its way to the host: ``values`` (int64, pinned host memory on CUDA, written by a
+    non-blocking copy), ``ready`` (a CUDA event recorded after the copy; None on the CPU), the step's ``rows``
+    (host list) and its per-depth ``depth``."""
+
+    values: torch.Tensor
+    ready: Any
+    rows: List[int]
+    depth: int
+
+
+class LaunchedStep(NamedTuple):
+    """A step whose work is queued on the device and whose outcome is on its way to the host: its ``strategy``,
+    tree ``width``, whether it ``replayed`` graphs, the ``staged`` outcome and when it was ``started``."""
+
+    strategy: Any
+    width: int
+    replayed: bool
+    staged: StagedCounts
+    started: float
 
 
 class StepCounts(NamedTuple):
-    """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` lists of ``b`` bools (Python
-    lists: the host's bookkeeping then costs no tensor op), ``emitted`` tokens, ``tried`` (accepted + 1 summed over
-    rows that did not fail), ``generated`` tokens so far, ``accepted_per_depth`` (rows whose path reached depth
-    1..num_steps; None when nobody asked)."""
+    """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` / ``was_done`` lists of ``b``
+    bools (Python lists: the host's bookkeeping then costs no tensor op), ``emitted`` tokens, ``tried`` (accepted + 1
+    summed over rows that neither failed nor had finished), ``generated`` tokens so far, ``accepted_per_depth`` (rows
+    whose path reached depth 1..num_steps; None when nobody asked)."""
 
     finished: List[bool]
     failed: List[bool]
+    was_done: List[bool]
     emitted: int
     tried: int
     generated: int
@@ -68,6 +94,11 @@ class RolloutState:
     trace: Optional[list] = None  # where probe records go (generate's ``trace``)
     steps: List[StepLog] = field(default_factory=list)
     deferred: List[int] = field(default_factory=list)
+    done: Optional[torch.Tensor] = None  # bool [B] on the device: finished, as the device knows it
+    overlap: bool = False  # launch a step before reading the previous one's outcome (SpeculativeEngine.overlap_steps)
+    pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
+    pending_width: int = 0  # tree width of a launched step whose outcome the host has not read (0: none)
+    last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
     _active_on_device: Optional[torch.Tensor] = None
     _active_block_table: Optional[torch.Tensor] = None
     _aranges: dict = field(default_factory=dict)
@@ -95,8 +126,9 @@ class RolloutState:
         return self._active_block_table
 
     def max_context_len(self) -> int:
-        """The longest context of the running requests, from the host copy (no device read)."""
-        return max(self.context_lens_host[row] for row in self.active_rows)
+        """An upper bound of the running requests' contexts from the host copy (no device read): exact, plus the
+        tree width of a launched step the host has not read yet (it adds at most that many tokens)."""
+        return max(self.context_lens_host[row] for row in self.active_rows) + self.pending_width
 
     def arange(self, start: int, end: int, device) -> torch.Tensor:
         """``torch.arange(start, end)`` on ``device``, made once per rollout (a constant: no launch per step)."""
@@ -107,16 +139,19 @@ class RolloutState:
 
     def emit(self, rows, emitted, num_accepted, failed, eos_token_id) -> Emission:
         """Write each row's accepted tokens (``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``) up to
-        its budget, cut after EOS; ``failed`` bool ``[b]`` rows emit nothing."""
+        its budget, cut after EOS; ``failed`` bool ``[b]`` rows, and rows that finished at an earlier step, emit
+        nothing. Marks the rows that finish in :attr:`done`."""
         width = emitted.shape[1]
         j = self.arange(0, width, emitted.device).unsqueeze(0)
+        was_done = self.done[rows]
+        failed = failed & ~was_done
         budget_left = self.max_new_tokens[rows]
         counts = torch.minimum(num_accepted + 1, budget_left - self.generated[rows])
         if eos_token_id is not None:
             is_eos = (emitted == eos_token_id) & (j < counts.unsqueeze(1))
             first_eos = torch.where(is_eos, j, torch.full_like(j, width)).min(1).values
             counts = torch.minimum(counts, first_eos + 1)
-        counts = counts.masked_fill(failed, 0)
+        counts = counts.masked_fill(failed | was_done, 0)
         sink = self.output_tokens.shape[1] - 1
         positions = torch.where(j < counts.unsqueeze(1), self.generated[rows].unsqueeze(1) + j, torch.full_like(j, sink))
         out_rows = self.output_tokens[rows]
@@ -124,43 +159,67 @@ class RolloutState:
         out_rows[:, sink] = -1
         self.output_tokens[rows] = out_rows
         self.generated[rows] += counts
-        finished = (self.generated[rows] >= budget_left) | failed
+        finished = (self.generated[rows] >= budget_left) | failed | was_done
         if eos_token_id is not None:
             finished |= first_eos < width
-        return Emission(counts, finished, failed)
+        self.done[rows] = finished
+        return Emission(counts, finished, failed, was_done)
 
-    def commit(self, rows, new_context_lens, emitted, num_accepted) -> None:
-        """The accepted path becomes context: new context lengths, the next Philox counter, the new root token."""
-        self.context_lens[rows] = new_context_lens
-        self.offsets[rows] += 1
-        self.root_tokens[rows] = emitted.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    def commit(self, rows, new_context_lens, emitted, num_accepted, keep) -> None:
+        """The accepted path becomes context: new context lengths, the next Philox counter, the new root token;
+        ``keep`` bool ``[b]`` rows (finished before, or failed) keep theirs."""
+        self.context_lens[rows] = torch.where(keep, self.context_lens[rows], new_context_lens)
+        self.offsets[rows] += (~keep).to(torch.int64)
+        roots = emitted.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+        self.root_tokens[rows] = torch.where(keep, self.root_tokens[rows], roots)
 
-    def read_counts(self, emission: Emission, num_accepted, new_context_lens, depth: int) -> StepCounts:
-        """The step's one device-to-host transfer (each sync stalls the CPU until the GPU drains, so the next step's
-        launches cannot overlap this step's kernels): everything the host needs, concatenated and read at once.
-        Also updates ``context_lens_host`` from ``new_context_lens`` (int32 ``[b]``, the rows after compaction).
-        ``depth`` > 0 also counts acceptance per draft depth."""
-        b = num_accepted.shape[0]
-        parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64), new_context_lens.to(torch.int64),
-                 emission.counts.sum().view(1), (num_accepted + 1).masked_fill(emission.failed, 0).sum().view(1),
+    def stage_counts(self, emission: Emission, num_accepted, new_context_lens, rows: List[int],
+                     depth: int) -> StagedCounts:
+        """Start the step's one device-to-host transfer: everything the host needs, concatenated, copied without
+        blocking into pinned memory (each blocking read stalls the CPU until the GPU drains, so the next step's
+        launches could not overlap this step's kernels). :meth:`read_counts` waits for it. ``depth`` > 0 also
+        counts acceptance per draft depth."""
+        live = ~(emission.failed | emission.was_done)
+        parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64),
+                 emission.was_done.to(torch.int64), new_context_lens.to(torch.int64),
+                 emission.counts.sum().view(1), (num_accepted + 1).masked_fill(~live, 0).sum().view(1),
                  self.generated.sum().view(1)]
         if depth > 0:
-            parts.append((num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)).sum(0))
-        host = torch.cat(parts).tolist()
-        for row, context_len in zip(self.active_rows, host[2 * b: 3 * b]):
-            self.context_lens_host[row] = context_len
-        emitted, tried, generated = host[3 * b: 3 * b + 3]
-        return StepCounts([bool(v) for v in host[:b]], [bool(v) for v in host[b: 2 * b]], emitted, tried, generated,
-                          host[3 * b + 3:] if depth > 0 else None)
+            reached = num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)
+            parts.append((reached & live.unsqueeze(1)).sum(0))
+        values = torch.cat(parts)
+        if values.device.type != "cuda":
+            return StagedCounts(values, None, rows, depth)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StagedCounts(host, ready, rows, depth)
 
-    def retire(self, counts: StepCounts, elapsed_s: float) -> List[int]:
-        """Drop finished rows from ``active_rows``; returns the ones that finished without an error (host lists)."""
-        rows = list(zip(self.active_rows, counts.finished, counts.failed))
-        for row, finished, _ in rows:
-            if finished:
-                self.finish_s[row] = elapsed_s
-        self.errors += [row for row, _, failed in rows if failed]
-        clean = [row for row, finished, failed in rows if finished and not failed]  # a failed row's features: NaN
-        self.active_rows = [row for row, finished, _ in rows if not finished]
+    def read_counts(self, staged: StagedCounts) -> StepCounts:
+        """The host's copy of a staged step's outcome (waits for that step's transfer only). Also updates
+        ``context_lens_host`` of the step's rows that were still running."""
+        if staged.ready is not None:
+            staged.ready.synchronize()
+        host = staged.values.tolist()
+        b = len(staged.rows)
+        finished, failed, was_done = ([bool(v) for v in host[k * b:(k + 1) * b]] for k in range(3))
+        for row, done_before, context_len in zip(staged.rows, was_done, host[3 * b: 4 * b]):
+            if not done_before:
+                self.context_lens_host[row] = context_len
+        emitted, tried, generated = host[4 * b: 4 * b + 3]
+        return StepCounts(finished, failed, was_done, emitted, tried, generated,
+                          host[4 * b + 3:] if staged.depth > 0 else None)
+
+    def retire(self, rows: List[int], counts: StepCounts, elapsed_s: float) -> List[int]:
+        """Drop the step's ``rows`` that finished at this step from ``active_rows`` (rows that had finished before
+        left at their own step); returns the ones that finished without an error (host lists)."""
+        ended = [(row, failed) for row, finished, failed, done_before in
+                 zip(rows, counts.finished, counts.failed, counts.was_done) if finished and not done_before]
+        for row, _ in ended:
+            self.finish_s[row] = elapsed_s
+        self.errors += [row for row, failed in ended if failed]
+        leaving = {row for row, _ in ended}
+        self.active_rows = [row for row in self.active_rows if row not in leaving]
         self._active_on_device = None
-        return clean
+        return [row for row, failed in ended if not failed]  # a failed row's features: NaN
