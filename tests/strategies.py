@@ -215,3 +215,24 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 INF = math.inf
+
+
+_MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``|got - want|`` in units of the larger of the two values' last place in their (shared) float dtype, as fp64
+    (0 where equal, inf where only one is NaN); callers take ``.max()``, so an empty input gives ``[0.]``."""
+    if want.numel() == 0:
+        return torch.zeros(1, dtype=torch.float64)
+    bits = _MANTISSA_BITS[want.dtype]
+    tiny = torch.finfo(want.dtype).tiny
+    g, w = got.double(), want.double()
+
+    def ulp(v):
+        _, e = torch.frexp(v.abs().clamp_min(tiny))
+        return torch.ldexp(torch.ones_like(v), (e - 1 - bits).to(torch.int64))
+
+    diff = (g - w).abs() / torch.maximum(ulp(g), ulp(w))
+    same = (g == w) | (g.isnan() & w.isnan())
+    return torch.where(same, torch.zeros_like(diff), torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff))

@@ -8,8 +8,8 @@ behind ``backend="auto"``):
 * :func:`compact_kv` -- move the accepted path's K/V to contiguous cache slots;
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
 * :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history;
-* :func:`rms_norm`, :func:`apply_rotary`, :func:`silu_and_mul` -- a decoder layer's elementwise parts fused
-  (residual add + RMSNorm, RoPE of q and k, SwiGLU), one launch each.
+* :func:`rms_norm`, :func:`silu_and_mul`, :func:`apply_rotary` -- fused elementwise parts of a Llama layer
+  (RMSNorm with residual add, SiLU-and-multiply, rotate-half RoPE of q and k).
 
 Layers above the ops (each imports the ops, never the reverse): :mod:`tlt_kernels.runtime`
 (strategy selector, CUDA-graph pool), :mod:`tlt_kernels.models` (Llama/Qwen2-style target over a
@@ -21,10 +21,10 @@ Importing this package never imports Triton or the CUDA extension and never quer
 from ._backend import BACKENDS, BackendUnavailableError, available_backends, cuda_extension_available
 from .ops.build_draft_tree import DraftTree, build_draft_tree
 from .ops.compact_kv import compact_kv
+from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
 from .ops.rms_norm import rms_norm
 from .ops.rotary import apply_rotary
 from .ops.silu_and_mul import silu_and_mul
-from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
 from .ops.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from .ops.verify_tree import VerifyResult, verify_tree
 from .tree import (
@@ -57,9 +57,9 @@ __all__ = [
     "ngram_propose",
     "ngram_propose_tree",
     "plan_tree_attention",
+    "pack_tree_mask",
     "rms_norm",
     "silu_and_mul",
-    "pack_tree_mask",
     "tree_ancestor_mask",
     "tree_ancestor_mask_packed",
     "tree_attention",

@@ -126,3 +126,26 @@ def per_request(name: str, value, batch: int, device: torch.device, dtype: torch
     if len(seq) != batch:
         raise ValueError(f"{name} has {len(seq)} entries, expected one per request (B={batch})")
     return torch.tensor(seq, dtype=dtype, device=device)
+
+
+FLOAT_ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_unit_last_stride(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s last dim must be contiguous (stride 1; any stride when it has one element): kernels read rows as
+    unit-stride vectors and take the leading dims' strides as they come."""
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have at least one dim, got a 0-D tensor")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    return t
+
+
+def check_float(name: str, value) -> float:
+    """``value`` must be a real Python number (not a bool), finite and >= 0 (TypeError / ValueError naming it)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (value >= 0.0 and value < float("inf")):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return value

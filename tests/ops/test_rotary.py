@@ -1,79 +1,159 @@
-"""apply_rotary: every backend against the reference (odd head counts, GQA, head dims 2..96, strided q/k views of
-one packed projection); the reference against transformers' rotate-half formula; validation; a property test."""
+"""apply_rotary: every backend against the torch reference (awkward head dims, q/k as views of one packed qkv
+projection, cos/sin expanded over the batch), the reference against transformers' formula, validation,
+torch.compile, and a hypothesis property."""
 import pytest
 import torch
 from conftest import agreement_backends, kernel_devices, need_backend
-from fused_cases import DTYPES, assert_within_ulp, skip_interpreted_bf16
-from hypothesis import given, settings
+from hypothesis import given, note
 from hypothesis import strategies as st
+from strategies import FLOAT_DTYPES, assert_rejects, backend_params, budget, gen, seeds
 
+import tlt_kernels
 from tlt_kernels import apply_rotary
-from tlt_kernels.reference.rotary import apply_rotary as reference
+from tlt_kernels.ops.rotary import _ROTARY
 
 
-def _inputs(B, T, HQ, HK, D, dtype, device, seed=0):
-    """q and k as views of one packed [B, T, (HQ + 2 HK) * D] projection (strided like a fused qkv would be)."""
-    g = torch.Generator().manual_seed(seed)
-    packed = torch.randn(B, T, (HQ + 2 * HK) * D, generator=g).to(dtype).to(device)
-    q = packed[..., :HQ * D].view(B, T, HQ, D)
-    k = packed[..., HQ * D:(HQ + HK) * D].view(B, T, HK, D)
-    angles = torch.rand(B, T, D // 2, generator=g) * 50
-    emb = torch.cat((angles, angles), -1)
-    return q, k, emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+def packed_qkv(B, T, Hq, Hkv, D, dtype, g):
+    """``q [B, T, Hq, D]`` and ``k [B, T, Hkv, D]`` as views of one ``[B, T, (Hq + 2 Hkv) D]`` projection."""
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[..., : Hq * D].view(B, T, Hq, D)
+    k = qkv[..., Hq * D: (Hq + Hkv) * D].view(B, T, Hkv, D)
+    return q, k
 
 
-def _terms(x):
-    """The size of the two terms each output sums (|cos|, |sin| <= 1): the row's largest |x|."""
-    return x.abs().amax(-1, keepdim=True)
+def cos_sin(B, T, D, dtype, g, expanded=False):
+    """Real RoPE tables (``cat(freqs, freqs)`` at random positions), or, with ``expanded``, one row of random values
+    broadcast over the batch (stride 0)."""
+    if expanded:
+        c, s = (torch.randn(1, T, D, generator=g).to(dtype).expand(B, T, D) for _ in range(2))
+        return c, s
+    pos = torch.randint(0, 4096, (B, T), generator=g).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    freqs = pos[..., None] * inv
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def transformers_rope(q, k, cos, sin):
+    """transformers' apply_rotary_pos_emb on ``[B, H, T, D]`` tensors (unsqueeze_dim=1), written out."""
+    def rotate_half(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def check(got, want, dtype):
+    """bf16 / fp16: torch's bits (each product and the sum are single roundings of exact fp32 values); fp32: a tight
+    tolerance (a GPU compiler may contract a product and the sum into one fused multiply-add)."""
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
+        assert not g.isnan().any()
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(g, w)
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,T,HQ,HK,D", [(1, 1, 1, 1, 2), (3, 1, 9, 3, 64), (1, 5, 3, 1, 96), (2, 3, 4, 4, 16)])
-def test_agrees_with_reference(backend, dtype, B, T, HQ, HK, D):
-    device = kernel_devices()[0] if backend != "torch" else "cpu"
-    need_backend("apply_rotary", backend, device)
-    skip_interpreted_bf16(backend, dtype, device)
-    q, k, cos, sin = _inputs(B, T, HQ, HK, D, dtype, device)
-    assert B * T == 1 or not q.is_contiguous()  # a view of the packed projection
-    got_q, got_k = apply_rotary(q, k, cos, sin, backend=backend)
-    want_q, want_k = reference(q, k, cos, sin)
-    assert_within_ulp(got_q, want_q, f"q {backend} {dtype}", scale=_terms(q))
-    assert_within_ulp(got_k, want_k, f"k {backend} {dtype}", scale=_terms(k))
+@pytest.mark.parametrize("D", [2, 64, 96])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (1, 5)])
+def test_matches_reference(backend, D, dtype, B, T, gen):
+    device = kernel_devices()[0]
+    need_backend("apply_rotary", backend, torch.device(device))
+    for (Hq, Hkv), expanded in (((3, 1), False), ((2, 2), True)):
+        q, k = packed_qkv(B, T, Hq, Hkv, D, dtype, gen)
+        cos, sin = cos_sin(B, T, D, dtype, gen, expanded)
+        want = apply_rotary(q, k, cos, sin, backend="torch")
+        got = apply_rotary(*(t.to(device) for t in (q, k, cos, sin)), backend=backend)
+        check([t.cpu() for t in got], want, dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_reference_is_transformers_rope(dtype, gen):
+    q, k = packed_qkv(2, 3, 4, 2, 64, dtype, gen)
+    cos, sin = cos_sin(2, 3, 64, dtype, gen)
+    want_q, want_k = transformers_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    got_q, got_k = apply_rotary(q, k, cos, sin)
+    assert torch.equal(got_q, want_q.transpose(1, 2)) and torch.equal(got_k, want_k.transpose(1, 2))
     assert got_q.is_contiguous() and got_k.is_contiguous()
 
 
-def test_reference_is_rotate_half():
-    q, k, cos, sin = _inputs(2, 3, 2, 1, 8, torch.float32, "cpu")
-    got_q, _ = reference(q, k, cos, sin)
-    x1, x2 = q[..., :4], q[..., 4:]
-    c, s = cos[:, :, None, :4], sin[:, :, None, :4]  # both halves share the angle
-    torch.testing.assert_close(got_q, torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1))
-    same = reference(q, k, torch.ones_like(cos), torch.zeros_like(sin))  # angle 0: no rotation
-    assert torch.equal(same[0], q) and torch.equal(same[1], k)
+def test_auto_is_the_reference_on_cpu():
+    assert _ROTARY.choose("auto", torch.device("cpu")) == "torch"
 
 
-def test_validation_names_the_argument():
-    q, k, cos, sin = _inputs(1, 2, 2, 1, 8, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="q must be 4-D"):
-        apply_rotary(q[0], k, cos, sin)
-    with pytest.raises(ValueError, match="even"):
-        apply_rotary(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7])
-    with pytest.raises(TypeError, match="k must have dtype"):
-        apply_rotary(q, k.half(), cos, sin)
-    with pytest.raises(ValueError, match="cos"):
-        apply_rotary(q, k, cos[:, :1], sin)
-    with pytest.raises(ValueError, match="sin"):
-        apply_rotary(q, k, cos, sin[..., :4])
+@pytest.mark.parametrize("backend", backend_params())
+def test_torch_compile(backend, gen):
+    q, k = packed_qkv(2, 3, 3, 1, 64, torch.bfloat16, gen)
+    cos, sin = cos_sin(2, 3, 64, torch.bfloat16, gen)
+
+    def fn(q, k, cos, sin):
+        return apply_rotary(q, k, cos * 1.0, sin, backend=backend)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, cos, sin)
+    want = fn(q, k, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.triton
-@settings(max_examples=10, deadline=None)
-@given(B=st.integers(1, 3), T=st.integers(1, 3), HQ=st.integers(1, 5), HK=st.integers(1, 3),
-       half=st.integers(1, 20), seed=st.integers(0, 2**16), dtype=st.sampled_from([torch.float32, torch.float16]))
-def test_property_triton_matches_reference(B, T, HQ, HK, half, seed, dtype):
-    q, k, cos, sin = _inputs(B, T, HQ, HK, 2 * half, dtype, kernel_devices()[0], seed=seed)
-    got_q, got_k = apply_rotary(q, k, cos, sin, backend="triton")
-    want_q, want_k = reference(q, k, cos, sin)
-    assert_within_ulp(got_q, want_q, "q", scale=_terms(q))
-    assert_within_ulp(got_k, want_k, "k", scale=_terms(k))
+def test_bad_inputs(gen):
+    q, k = packed_qkv(2, 3, 2, 2, 8, torch.bfloat16, gen)
+    cos, sin = cos_sin(2, 3, 8, torch.bfloat16, gen)
+    swap = lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2)  # noqa: E731 - last dim not contiguous
+    odd_q, odd_k = packed_qkv(2, 3, 2, 1, 7, torch.bfloat16, gen)
+    cases = [
+        ("q", dict(q=q.to(torch.int32))),
+        (("q", "k"), dict(q=q.float())),  # k no longer matches q
+        ("q", dict(q=q[0])),
+        ("q", dict(q=odd_q, k=odd_k, cos=cos[..., :7], sin=sin[..., :7])),
+        ("q", dict(q=swap(q))),
+        ("k", dict(k=k.half())),
+        ("k", dict(k=k[:1])),
+        ("k", dict(k=k[..., :4])),
+        ("k", dict(k=swap(k))),
+        ("k", dict(k=k.to("meta"))),
+        ("cos", dict(cos=cos.float())),
+        ("cos", dict(cos=cos[:, :2])),
+        ("cos", dict(cos=swap(cos))),
+        ("sin", dict(sin=sin[..., :4])),
+        ("sin", dict(sin=sin.to("meta"))),
+        ("sin", dict(sin=sin.tolist())),
+        ("backend", dict(backend="tpu")),
+    ]
+    for name, bad in cases:
+        args = dict(q=q, k=k, cos=cos, sin=sin, backend="torch")
+        args.update(bad)
+        assert_rejects(apply_rotary, name, args["q"], args["k"], args["cos"], args["sin"], backend=args["backend"])
+
+
+def test_exported():
+    assert tlt_kernels.apply_rotary is apply_rotary and "apply_rotary" in tlt_kernels.__all__
+
+
+# ----------------------------------------------------------------------------------------------- property
+@budget(10)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_property_matches_reference(backend, data):
+    """Any B, T (0..3), head counts (1..5, Hq and Hkv independent), even D (2..40), float dtype, q/k packed or
+    separate (k a head slice), cos/sin real or expanded: torch's bits (fp32: tight), no NaN from finite inputs."""
+    dtype = data.draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
+    B, T = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 3), label="T")
+    Hq, Hkv = data.draw(st.integers(1, 5), label="Hq"), data.draw(st.integers(1, 5), label="Hkv")
+    D = 2 * data.draw(st.integers(1, 20), label="D/2")
+    g = gen(data.draw(seeds))
+    layout = data.draw(st.sampled_from(["packed", "contiguous", "head_slice"]), label="layout")
+    note(f"layout {layout}")
+    if layout == "packed":
+        q, k = packed_qkv(B, T, Hq, Hkv, D, dtype, g)
+    else:
+        q = torch.randn(B, T, Hq, D, generator=g).to(dtype)
+        k = torch.randn(B, T, Hkv + 1, D, generator=g).to(dtype)
+        k = k[:, :, 1:] if layout == "head_slice" else k[:, :, :Hkv].contiguous()
+    cos, sin = cos_sin(B, T, D, dtype, g, expanded=data.draw(st.booleans(), label="expanded"))
+    want = apply_rotary(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), backend="torch")
+    got = apply_rotary(q, k, cos, sin, backend=backend)
+    check(got, want, dtype)

@@ -1,6 +1,15 @@
-"""Triton rotary embedding of q and k in one launch: grid ``(B*T, Hq + Hkv)``, a program rotates one head of one
-token with the token's ``cos``/``sin``. Each product and the sum are rounded to the dtype, as the reference's
-half-precision torch ops round them."""
+"""Triton rotate-half rotary embedding of q and k in one launch.
+
+Grid ``(B * T,)``: a program loads the row's ``cos`` / ``sin`` once and rotates all ``Hq`` query heads and all
+``Hkv`` key heads of that row as ``[heads, D/2]`` tiles (first and second halves apart). Strides of the batch,
+token and head dims are passed, so views of one packed qkv projection are read in place; outputs are new
+contiguous ``[B, T, H, D]`` tensors. bf16 / fp16 values are upcast to fp32 for the arithmetic; each product and
+the sum are rounded to the activation dtype, torch's order (:mod:`tlt_kernels.reference.rotary`). Products and
+sums of two values of that dtype are single fp32 operations that round to the same bits as torch's.
+
+Eager calls launch directly; otherwise the launch runs inside the custom op ``tlt::apply_rotary`` (fake
+implementation for ``torch.compile``; no host sync).
+"""
 from __future__ import annotations
 
 from typing import Tuple
@@ -9,44 +18,100 @@ import torch
 import triton
 import triton.language as tl
 
+from .._backend import direct_dispatch_ok
+from .rounding import hand_round, round_to
+
 
 @triton.jit
-def _rotary_kernel(Q_ptr, K_ptr, Cos_ptr, Sin_ptr, QOut_ptr, KOut_ptr, HQ, HK, D,
-                   BLOCK: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
+def _rotate_heads(X_ptr, stride_h, Out_ptr, c1, c2, s1, s2, NH, HALF, NH_POW2: tl.constexpr,
+                  HALF_POW2: tl.constexpr, HAND_ROUND: tl.constexpr):
+    """Rotate ``NH`` heads of one row: ``X_ptr`` / ``Out_ptr`` point at head 0; ``c1, c2, s1, s2`` are the fp32
+    ``[1, HALF_POW2]`` halves of cos / sin."""
+    h = tl.arange(0, NH_POW2)[:, None].to(tl.int64)
+    d = tl.arange(0, HALF_POW2)[None, :]
+    m = (h < NH) & (d < HALF)
+    dt = Out_ptr.dtype.element_ty
+    x1 = tl.load(X_ptr + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(X_ptr + h * stride_h + HALF + d, mask=m, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1): each product rounded to the dtype, then the sum.
+    a1 = round_to(x1 * c1, dt, HAND_ROUND).to(tl.float32)
+    b1 = round_to(-x2 * s1, dt, HAND_ROUND).to(tl.float32)
+    a2 = round_to(x2 * c2, dt, HAND_ROUND).to(tl.float32)
+    b2 = round_to(x1 * s2, dt, HAND_ROUND).to(tl.float32)
+    o1 = round_to(a1 + b1, dt, HAND_ROUND)
+    o2 = round_to(a2 + b2, dt, HAND_ROUND)
+    out = Out_ptr + h * (2 * HALF) + d
+    tl.store(out, o1, mask=m)
+    tl.store(out + HALF, o2, mask=m)
+
+
+@triton.jit
+def _rotary_kernel(
+    Q_ptr, K_ptr, Cos_ptr, Sin_ptr, QOut_ptr, KOut_ptr, T, HQ, HKV, HALF,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_b, sc_t, ss_b, ss_t,
+    HQ_POW2: tl.constexpr, HKV_POW2: tl.constexpr, HALF_POW2: tl.constexpr, HAND_ROUND: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    d = tl.arange(0, HALF_POW2)[None, :]
+    dm = d < HALF
+    cos = Cos_ptr + b * sc_b + t * sc_t
+    sin = Sin_ptr + b * ss_b + t * ss_t
+    c1 = tl.load(cos + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, c1, c2, s1, s2, HQ, HALF,
+                  HQ_POW2, HALF_POW2, HAND_ROUND)
+    _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KOut_ptr + row * HKV * 2 * HALF, c1, c2, s1, s2, HKV, HALF,
+                  HKV_POW2, HALF_POW2, HAND_ROUND)
+
+
+def apply_rotary_out(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     q_out: torch.Tensor, k_out: torch.Tensor) -> None:
+    """Launch into ``q_out`` / ``k_out`` (new contiguous); ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``,
+    ``cos, sin [B, T, D]``, all with a unit last stride and even ``D`` (validated by
+    :func:`tlt_kernels.ops.rotary.apply_rotary`)."""
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    if B * T == 0 or D == 0:
+        return
     half = D // 2
-    partner = tl.where(cols < half, cols + half, cols - half)  # rotate_half: (-x2, x1)
-    sign = tl.where(cols < half, -1.0, 1.0)
-    c = tl.load(Cos_ptr + token * D + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(Sin_ptr + token * D + cols, mask=mask, other=0.0).to(tl.float32)
-    # A program is a q head (head < HQ) or a k head: the other tensor's loads and stores are masked off.
-    is_q = head < HQ
-    q_off = (token * HQ + head) * D
-    k_off = (token * HK + head - HQ) * D
-    in_q = mask & is_q
-    in_k = mask & (head >= HQ)
-    x = tl.load(Q_ptr + q_off + cols, mask=in_q, other=0.0).to(tl.float32) + \
-        tl.load(K_ptr + k_off + cols, mask=in_k, other=0.0).to(tl.float32)
-    partner_x = tl.load(Q_ptr + q_off + partner, mask=in_q, other=0.0).to(tl.float32) + \
-        tl.load(K_ptr + k_off + partner, mask=in_k, other=0.0).to(tl.float32)
-    dtype = QOut_ptr.dtype.element_ty
-    a = (x * c).to(dtype).to(tl.float32)
-    b = (partner_x * sign * s).to(dtype).to(tl.float32)
-    out = (a + b).to(dtype)
-    tl.store(QOut_ptr + q_off + cols, out, mask=in_q)
-    tl.store(KOut_ptr + k_off + cols, out, mask=in_k)
+    hq2, hkv2, half2 = triton.next_power_of_2(HQ), triton.next_power_of_2(HKV), triton.next_power_of_2(half)
+    tile = max(hq2, hkv2) * half2
+    _rotary_kernel[(B * T,)](
+        q, k, cos, sin, q_out, k_out, T, HQ, HKV, half,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        HQ_POW2=hq2, HKV_POW2=hkv2, HALF_POW2=half2, HAND_ROUND=hand_round(q.dtype),
+        num_warps=1 if tile <= 256 else 4 if tile <= 4096 else 8,
+    )
+
+
+def _empty_outputs(q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+@torch.library.custom_op("tlt::apply_rotary", mutates_args=())
+def _apply_rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    q_out, k_out = _empty_outputs(q, k)
+    apply_rotary_out(q, k, cos, sin, q_out, k_out)
+    return q_out, k_out
+
+
+@_apply_rotary_op.register_fake
+def _(q, k, cos, sin):
+    return _empty_outputs(q, k)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``q: [B, T, Hq, D]``, ``k: [B, T, Hkv, D]``, ``cos, sin: [B, T, D]``, all contiguous, one dtype."""
-    B, T, HQ, D = q.shape
-    HK = k.shape[2]
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    if B * T and HQ + HK:
-        _rotary_kernel[(B * T, HQ + HK)](q, k, cos, sin, q_out, k_out, HQ, HK, D,
-                                         BLOCK=triton.next_power_of_2(D))
-    return q_out, k_out
+    """Backend of :func:`tlt_kernels.ops.rotary.apply_rotary`: new contiguous ``(q_out, k_out)``."""
+    if direct_dispatch_ok(q, k, cos, sin):  # plain eager: launch without the op's dispatch
+        q_out, k_out = _empty_outputs(q, k)
+        apply_rotary_out(q, k, cos, sin, q_out, k_out)
+        return q_out, k_out
+    return torch.ops.tlt.apply_rotary(q, k, cos, sin)

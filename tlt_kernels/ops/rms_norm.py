@@ -1,7 +1,9 @@
-"""``rms_norm``: RMSNorm with the residual add of a pre-norm decoder fused in (one launch instead of about eight).
+"""``rms_norm``: RMSNorm of the last dim with an optional fused residual add (transformers' Llama rounding).
 
-Backends: ``torch`` (the reference) and ``triton``; no CUDA C++ backend (a launch-bound elementwise row op, which
-Triton serves). Not a ``torch.library`` custom op: the model calls it only in its inference path (no autograd).
+Backends: ``torch`` (the reference, :mod:`tlt_kernels.reference.rms_norm`) and ``triton``
+(:mod:`tlt_kernels._triton.rms_norm`, one launch instead of the reference's handful of elementwise kernels). There is
+no CUDA C++ backend: PyTorch's own fused ``torch.nn.functional.rms_norm`` (different rounding) or a later CUDA
+backend are the alternatives. ``auto`` picks Triton on a GPU and the torch reference on CPU tensors.
 """
 from __future__ import annotations
 
@@ -10,41 +12,48 @@ from typing import Optional, Tuple
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor, dense
+from .._validation import FLOAT_ACTIVATIONS, check_float, check_tensor, check_unit_last_stride, dense
 
 _RMS_NORM = register_op(
     "rms_norm",
-    {"torch": "tlt_kernels.reference.rms_norm:rms_norm", "triton": "tlt_kernels._triton.rms_norm:rms_norm"},
+    {
+        "torch": "tlt_kernels.reference.rms_norm:rms_norm",
+        "triton": "tlt_kernels._triton.rms_norm:rms_norm",
+    },
     preference=("triton", "torch"),
 )
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None, *,
-             backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
-    """``h = x + residual`` (or ``x``), then ``out = weight * (h * rsqrt(mean(h^2, -1) + eps))``.
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+    *,
+    backend: str = "auto",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``weight * rmsnorm(h)`` of ``h = x`` or ``h = x + residual``, and ``h`` (the next residual stream).
 
-    The mean and rsqrt are fp32; the normalised value is cast to the dtype before the weight product, and the add
-    is rounded to the dtype: transformers' Llama RMSNorm after a residual add, to the last bit but for the fp32
-    sum's reduction order.
+    Rounding as transformers' Llama RMSNorm: ``h`` in x's dtype; ``hf = h.float()``;
+    ``normed = (hf * rsqrt(mean(hf * hf, -1) + eps)).to(x.dtype)``; ``out = weight * normed`` in x's dtype.
 
     Args:
-        x: ``[..., H]`` fp32 / fp16 / bf16.
-        weight: ``[H]``, x's dtype.
-        eps: added to the mean square.
-        residual: None or ``[..., H]`` like ``x``.
-        backend: ``"auto"`` (Triton on CUDA, the reference on the CPU), ``"torch"`` or ``"triton"``.
+        x: ``[..., H]`` bf16 / fp16 / fp32, last dim contiguous (leading dims may be strided, e.g. a slice).
+        weight: ``[H]`` of x's dtype.
+        eps: added to the mean of squares (a Python float >= 0).
+        residual: None, or a tensor of x's shape and dtype (last dim contiguous).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
     Returns:
-        ``(out, h)``, both ``[..., H]`` in x's dtype; ``h`` is the sum (``x`` itself without a residual), the next
-        layer's residual.
+        ``(out, residual_out)``: ``out`` a new tensor of x's shape and dtype; ``residual_out`` is ``x + residual``
+        (a new tensor) or, when ``residual`` is None, ``x`` itself (no copy).
     """
-    check_tensor("x", x, dtype=FLOATS)
-    if x.ndim < 1:
-        raise ValueError("x must have at least one dimension (the features)")
+    check_tensor("x", x, dtype=FLOAT_ACTIVATIONS)
+    check_unit_last_stride("x", x)
     check_tensor("weight", weight, dtype=x.dtype, shape=(x.shape[-1],), device=x.device)
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype, shape=tuple(x.shape), device=x.device)
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+        check_unit_last_stride("residual", residual)
+    eps = check_float("eps", eps)
     _, fn = _RMS_NORM.resolve(backend, x.device)
-    return fn(dense(x), dense(weight), float(eps), dense(residual))
+    return fn(x, dense(weight), eps, residual)

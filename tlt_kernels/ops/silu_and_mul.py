@@ -1,34 +1,41 @@
-"""``silu_and_mul``: the SwiGLU activation ``silu(gate) * up`` in one launch.
+"""``silu_and_mul``: the activation of a gated MLP, ``silu(gate) * up``, with torch's rounding.
 
-Backends: ``torch`` (the reference) and ``triton``; no CUDA C++ backend (a launch-bound elementwise op). Not a
-``torch.library`` custom op: the model calls it only in its inference path.
+Backends: ``torch`` (the reference, :mod:`tlt_kernels.reference.silu_and_mul`) and ``triton``
+(:mod:`tlt_kernels._triton.silu_and_mul`, one launch instead of two). There is no CUDA C++ backend: PyTorch's fused
+kernels (``torch.compile``) or a later CUDA backend are the alternatives. ``auto`` picks Triton on a GPU and the
+torch reference on CPU tensors.
 """
 from __future__ import annotations
 
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor, dense
-from .rms_norm import FLOATS
+from .._validation import FLOAT_ACTIVATIONS, check_tensor, check_unit_last_stride
 
 _SILU_AND_MUL = register_op(
     "silu_and_mul",
-    {"torch": "tlt_kernels.reference.silu_and_mul:silu_and_mul",
-     "triton": "tlt_kernels._triton.silu_and_mul:silu_and_mul"},
+    {
+        "torch": "tlt_kernels.reference.silu_and_mul:silu_and_mul",
+        "triton": "tlt_kernels._triton.silu_and_mul:silu_and_mul",
+    },
     preference=("triton", "torch"),
 )
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``F.silu(gate) * up``: silu in fp32 rounded to the dtype, then the product rounded to the dtype.
+    """``F.silu(gate) * up``: the SiLU computed in fp32 and rounded to the dtype, then the product in the dtype.
 
     Args:
-        gate, up: ``[..., I]``, same shape, fp32 / fp16 / bf16.
-        backend: ``"auto"`` (Triton on CUDA, the reference on the CPU), ``"torch"`` or ``"triton"``.
+        gate, up: ``[..., I]`` of one shape and dtype (bf16 / fp16 / fp32), last dim contiguous (leading dims may
+            be strided, e.g. the two halves of one packed gate/up projection).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
     Returns:
-        ``[..., I]`` in gate's dtype.
+        A new tensor of gate's shape and dtype.
     """
-    check_tensor("gate", gate, dtype=FLOATS)
+    check_tensor("gate", gate, dtype=FLOAT_ACTIVATIONS)
+    check_unit_last_stride("gate", gate)
     check_tensor("up", up, dtype=gate.dtype, shape=tuple(gate.shape), device=gate.device)
+    check_unit_last_stride("up", up)
     _, fn = _SILU_AND_MUL.resolve(backend, gate.device)
-    return fn(dense(gate), dense(up))
+    return fn(gate, up)

@@ -1,6 +1,8 @@
-"""Reference rotary position embedding, "rotate half" pairing (pure torch), as transformers' Llama applies it:
-``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, each product and
-the sum rounded to the activation dtype."""
+"""Reference rotate-half rotary embedding of q and k (pure torch, CPU and GPU), as in transformers' Llama.
+
+``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``, in the
+activation dtype: each product rounded to it, then the sum.
+"""
 from __future__ import annotations
 
 from typing import Tuple
@@ -8,14 +10,19 @@ from typing import Tuple
 import torch
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x: [B, T, H, D]`` rotated by ``cos, sin: [B, T, D]``."""
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``cat(-x[..., D/2:], x[..., :D/2])`` over the last dim."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(rotate(q), rotate(k))``."""
-    return rotate(q, cos, sin), rotate(k, cos, sin)
+    """Rotate ``q [B, T, Hq, D]`` and ``k [B, T, Hkv, D]`` by ``cos, sin [B, T, D]`` (all one dtype).
+
+    Returns new contiguous tensors of q's and k's shapes.
+    """
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    q_out = (q * c + rotate_half(q) * s).contiguous()
+    k_out = (k * c + rotate_half(k) * s).contiguous()
+    return q_out, k_out
