@@ -5,6 +5,11 @@ tokens per request on the chat prompts of ``bench/data/prompts.jsonl``, then the
 (the host's Python functions by own time, per step) and under ``torch.profiler`` (the GPU's kernels per step, their
 count and time, and the host's operators by self CPU time). A developer tool: its figures steer the engine's
 optimisation; recorded figures come from ``python -m bench rollout`` (its step-cost rows).
+
+``--random-smollm2`` builds the default model's shapes (30 layers, 576 wide, GQA 9/3, vocabulary 49152) with random
+bf16 weights instead (the same kernels and step cost, nothing to load; prompts of random tokens, so drafts are rarely
+accepted); ``--overlap off|on|both`` sets ``SpeculativeEngine(overlap_steps=)``, ``both`` runs each configuration
+twice for a same-run A/B; ``--no-detail`` prints only the summary lines (no cProfile, no torch.profiler).
 """
 from __future__ import annotations
 
@@ -21,7 +26,12 @@ import torch
 
 def _parse_args():
     ap = argparse.ArgumentParser(prog="python -m tools.profile_rollout", description=__doc__.split("\n")[0])
-    ap.add_argument("--model-file", required=True, help="a .gguf file or a transformers directory")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model-file", help="a .gguf file or a transformers directory")
+    source.add_argument("--random-smollm2", action="store_true", help="the default model's shapes, random weights")
+    ap.add_argument("--overlap", choices=("off", "on", "both"), default="on", help="overlapped steps (default on)")
+    ap.add_argument("--detail", action=argparse.BooleanOptionalAction, default=True,
+                    help="cProfile and torch.profiler tables (default on)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per request")
     ap.add_argument("--arm", default="s4k1v5", help="the n-gram drafter's static strategy ('' for plain only)")
@@ -29,12 +39,12 @@ def _parse_args():
     return ap.parse_args()
 
 
-def _engine(target, drafter, strategy, max_batch: int, max_seq: int):
+def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool):
     from tlt_kernels.engine import SpeculativeEngine
     from tlt_kernels.runtime import GraphPool
 
     eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=max_batch, max_seq_len=max_seq,
-                            fuse_step=drafter is None)
+                            fuse_step=drafter is None, overlap_steps=overlap)
     eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
     eng.generate([[1, 2, 3]], 4)
     return eng
@@ -73,40 +83,63 @@ def _torch_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
     return lines
 
 
-def _profile(name, eng, prompts, tokens: int) -> List[str]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = eng.generate(prompts, tokens)
-    wall = time.perf_counter() - t0
+def _profile(name, eng, prompts, tokens: int, detail: bool) -> List[str]:
+    """The summary line (medians of 3 rollouts: decode ms per step, prefill excluded), then the tables."""
+    per_step, medians = [], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        out = eng.generate(prompts, tokens)
+        decode_s = out.wall_s - out.prefill_s
+        per_step.append(1e3 * decode_s / len(out.steps))
+        medians.append(sorted(s.seconds for s in out.steps)[len(out.steps) // 2] * 1e3)
     steps = len(out.steps)
-    step_ms = sorted(s.seconds * 1e3 for s in out.steps)
-    lines = [f"## {name}, B={len(prompts)}: {steps} steps, {1e3 * wall / steps:.3f} ms/step (median step "
-             f"{step_ms[len(step_ms) // 2]:.3f} ms), accepted length {out.mean_accepted_length():.2f}, "
+    lines = [f"## {name}, B={len(prompts)}: {steps} steps, decode {sorted(per_step)[1]:.3f} ms/step (median step "
+             f"{sorted(medians)[1]:.3f} ms), accepted length {out.mean_accepted_length():.2f}, "
              f"graph steps {sum(s.graph for s in out.steps)}"]
+    if not detail:
+        return lines
     return lines + _host_profile(eng, prompts, tokens, steps) + _torch_profile(eng, prompts, tokens, steps)
+
+
+def _target_and_prompts(args):
+    """The target (bf16, CUDA) and prompt token lists: the chat prompts through the model's tokenizer, or random
+    tokens of the prompt set's lengths for the random model."""
+    from bench.prompts import load_prompts
+    from tlt_kernels.models import LlamaForCausalLM, ModelConfig, chat_prompt_ids, load_pretrained, load_tokenizer
+
+    if args.model_file:
+        target = load_pretrained(args.model_file, device=torch.device("cuda"), dtype=torch.bfloat16)
+        tokenizer = load_tokenizer(args.model_file)
+        return target, [chat_prompt_ids(tokenizer, p.chat()) for p in load_prompts()]
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_q_heads=9,
+                         num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, max_position_embeddings=8192)
+    target = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    return target, [torch.randint(0, 49152, (96 + 8 * (i % 16),), generator=g).tolist() for i in range(96)]
 
 
 def main() -> None:
     args = _parse_args()
-    from bench.prompts import load_prompts
-    from tlt_kernels.models import chat_prompt_ids, load_pretrained, load_tokenizer
     from tlt_kernels.runtime import Strategy
 
-    target = load_pretrained(args.model_file, device=torch.device("cuda"), dtype=torch.bfloat16)
-    tokenizer = load_tokenizer(args.model_file)
-    prompt_ids = [chat_prompt_ids(tokenizer, p.chat()) for p in load_prompts()]
+    target, prompt_ids = _target_and_prompts(args)
     batches = [int(b) for b in args.batches.split(",")]
     max_seq = max(len(p) for p in prompt_ids) + args.tokens + 16
     configs = [("plain", None, Strategy.off())]
     if args.arm:
         configs.append((f"ngram {args.arm}", "ngram", Strategy.parse(args.arm)))
+    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
     lines = []
     for name, drafter, strategy in configs:
-        eng = _engine(target, drafter, strategy, max(batches), max_seq)
-        for batch in batches:
-            prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
-            lines += _profile(name, eng, prompts, args.tokens)
-        del eng
+        for overlap in overlaps:
+            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap)
+            for batch in batches:
+                prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
+                lines += _profile(f"{name} (overlap {'on' if overlap else 'off'})", eng, prompts, args.tokens,
+                                  args.detail)
+            del eng
     text = "\n".join(lines)
     print(text)
     if args.out:
