@@ -84,6 +84,10 @@ def _ngram_256x8k(r: Row) -> bool:
     return r.get("B") == 256 and r.get("L") == 8192 and r.get("k") == 8 and r.get("branches") in (None, "")
 
 
+def _uniform(batch: int) -> Callable[[Row], bool]:
+    return lambda r: r.get("workload") == "uniform" and r.get("B") == batch
+
+
 HEADLINES: List[Headline] = [
     Headline("`tree_attention` Triton, T = 8, L >= 2048 (vs FlashInfer custom-mask prefill)", "% of the HBM floor",
              "tree-attention", "tlt-triton", _tree(8, True), "pct_hbm_floor", "T = 8 cases with L >= 2048",
@@ -106,6 +110,11 @@ HEADLINES: List[Headline] = [
     Headline("`ngram_propose`, 256 histories of 8k tokens, graph-replayed (vs the torch reference)", "time, us",
              "ngram", "tlt-triton-graph", _ngram_256x8k, "ms", "B = 256, L = 8192, k = 8 (random and repetitive)",
              scale=1000.0, ratio=_vs("torch-ref")),
+    Headline("rollout of SmolLM2-135M-Instruct, B = 1, plain decoding (vs transformers `generate`, eager)",
+             "tokens/s", "rollout", "plain", _uniform(1), "tokens_per_s", "the uniform B = 1 `plain` row",
+             fmt="{:.0f}", ratio=_vs("hf-eager")),
+    Headline("the same, B = 32", "tokens/s", "rollout", "plain", _uniform(32), "tokens_per_s",
+             "the uniform B = 32 `plain` row", fmt="{:.0f}", ratio=_vs("hf-eager")),
     Headline("e2e rollout, B = 128, adaptive engine (vs the best static strategy as deployed)",
              "speed-up over plain decoding", "e2e", "adaptive", _b128, "speedup_vs_plain",
              "the `adaptive` row", fmt="{:.2f}x", ratio=_column("speedup_vs_best_static")),

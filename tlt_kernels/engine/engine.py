@@ -12,6 +12,11 @@ One decoding step over the ``b`` requests still running::
     requests that finished leave the batch                   # retire
     selector.update(s, b, emitted, step_seconds, accepted_per_position)
 
+The host reads a step's outcome once (finished rows, counts for the selector). With ``overlap_steps`` (the default)
+it launches step t+1 before reading step t's outcome, so that read, the selector update and the next launch's
+preparation run while the GPU computes; a request that finished at step t rides along in step t+1 and changes
+nothing there (docs/RUNTIME.md, "Overlapped steps").
+
 The modules: :mod:`.state` (what a rollout carries, emit/commit/retire), :mod:`.step_runner` (propose -> verify ->
 accept, separate or fused graphs), :mod:`.graphs` (replay-or-eager, capture), :mod:`.capture` (features for the
 rollout buffer), :mod:`.probe` (arm probing, cost table), :mod:`.spot` (the spot-training thread),
