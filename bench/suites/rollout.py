@@ -27,7 +27,7 @@ Rows per workload (greedy, each after an untimed warm-up):
 * ``eagle <arm>``, ``eagle adaptive``, ``eagle adaptive (warm)``: the same with the EAGLE drafter of
   ``--eagle-checkpoint`` (without one a note says so).
 
-Rollout rows: ``ms`` = the rollout's wall time (prefill included); ``tokens_per_s`` (tokens emitted / wall; the
+Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of median wall time of ``--repeats``); ``tokens_per_s`` (tokens emitted / wall; the
 tokens the requests asked for unless ``--eos``), ``steps`` (decoding steps after the prefill), ``accepted_length``
 (tokens per request per step, the bonus token included; 1.0 without drafting), ``tail_s`` (seconds of steps with
 batch < B/4), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
@@ -94,6 +94,8 @@ FLAGS = (
          int_list, metavar="LIST"),
     Flag("--step-tokens", None, "tokens per request of a step-cost run (default: 64; small 8)", positive_int,
          metavar="N"),
+    Flag("--repeats", None, "rollouts per engine row; the row is the one of median wall time (default: 3; small 1)",
+         positive_int, metavar="N"),
 )
 
 # Chains win at large batch sizes and trees in the tail (the e2e suite's traces): the set spans both.
@@ -112,6 +114,7 @@ class Sizes:
     step_batches: Tuple[int, ...]
     step_tokens: int
     arms: Tuple[str, ...]
+    repeats: int
 
 
 def sizes(small: bool, p) -> Sizes:
@@ -125,7 +128,8 @@ def sizes(small: bool, p) -> Sizes:
         raise ValueError(f"--batches and --step-batches must be positive sizes, got {batches}, {step_batches}")
     return Sizes(batches=tuple(batches), tail_batch=pick(p.tail_batch, 64, 4),
                  max_new_tokens=pick(p.max_new_tokens, 256, 8), step_batches=tuple(step_batches),
-                 step_tokens=pick(p.step_tokens, 64, 8), arms=tuple(pick(p.arms, GPU_ARMS, SMALL_ARMS)))
+                 step_tokens=pick(p.step_tokens, 64, 8), arms=tuple(pick(p.arms, GPU_ARMS, SMALL_ARMS)),
+                 repeats=pick(p.repeats, 3, 1))
 
 
 # -- prompts and workloads ------------------------------------------------------------------------------------------
@@ -537,7 +541,8 @@ class RolloutRun:
             self._adaptive_rows(eng, config)
         else:
             for work in self.works:
-                self.add_engine_row(work, config.name, eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+                out = self.median_run(lambda: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+                self.add_engine_row(work, config.name, out)
             for batch in self.z.step_batches:
                 self.step_cost_row(eng, f"{config.name} step", batch)
         del eng
@@ -560,13 +565,24 @@ class RolloutRun:
         def fresh():  # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
             return StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers)
 
-        for work in self.works:
+        def cold(work):
             eng.selector = fresh()
-            self.add_engine_row(work, config.name, eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+            return eng.generate(work.prompts, work.lengths, eos_token_id=self.eos)
+
+        def warm(work):
             eng.selector = fresh()
             eng.generate(work.previous, work.lengths, eos_token_id=self.eos)
-            self.add_engine_row(work, f"{config.name} (warm)",
-                                eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+            return eng.generate(work.prompts, work.lengths, eos_token_id=self.eos)
+
+        for work in self.works:
+            self.add_engine_row(work, config.name, self.median_run(lambda: cold(work)))
+            self.add_engine_row(work, f"{config.name} (warm)", self.median_run(lambda: warm(work)))
+
+    def median_run(self, rollout):
+        """The output of the run of median wall time among ``--repeats`` calls of ``rollout`` (each a whole rollout:
+        one run's wall time moves by several percent from run to run at small batch)."""
+        outs = [rollout() for _ in range(self.z.repeats)]
+        return sorted(outs, key=lambda out: out.wall_s)[len(outs) // 2]
 
     # -- per-step cost -----------------------------------------------------------------------------------------------
     def step_cost_row(self, eng, impl: str, batch: int) -> None:

@@ -114,3 +114,15 @@ def test_helpers():
     assert (gpu.step_batches, gpu.step_tokens, gpu.arms) == ((1, 32), 64, rollout.GPU_ARMS)
     small = rollout.sizes(True, parse(rollout.FLAGS, ["--batches", "2,3"], prog="rollout"))
     assert (small.batches, small.max_new_tokens, small.arms) == ((2, 3), 8, SMALL_ARMS)
+
+
+def test_median_run_keeps_the_run_of_median_wall_time():
+    from types import SimpleNamespace
+
+    walls = iter([3.0, 1.0, 2.0])
+    state = SimpleNamespace(z=SimpleNamespace(repeats=3))
+    out = rollout.RolloutRun.median_run(state, lambda: SimpleNamespace(wall_s=next(walls)))
+    assert out.wall_s == 2.0
+    params = parse(rollout.FLAGS, ["--repeats", "5"], prog="rollout")
+    assert rollout.sizes(False, params).repeats == 5
+    assert rollout.sizes(True, parse(rollout.FLAGS, [], prog="rollout")).repeats == 1
