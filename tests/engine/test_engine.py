@@ -622,5 +622,6 @@ def test_separate_runner_plain_steps_replay_one_step_graph(target, prompts, kind
         assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
     plain_steps = [s for s in out.steps if s.strategy == "off"]
     assert plain_steps and all(s.graph and s.tree_width == 1 for s in plain_steps)
-    assert len(plain_runs) == len(plain_steps)
+    # (and one more when the overlapped step launched after the last request finished was a plain one)
+    assert len(plain_runs) in (len(plain_steps), len(plain_steps) + 1)
     assert any(s.strategy != "off" for s in out.steps)

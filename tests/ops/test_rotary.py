@@ -44,16 +44,16 @@ def transformers_rope(q, k, cos, sin):
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
-def check(got, want, dtype):
-    """bf16 / fp16: torch's bits (each product and the sum are single roundings of exact fp32 values); fp32: a tight
-    tolerance (a GPU compiler may contract a product and the sum into one fused multiply-add)."""
-    for g, w in zip(got, want):
+def check(got, want, dtype, inputs):
+    """Within one unit in the last place of the dtype of the terms each output sums (|x| of the row's inputs, since
+    |cos|, |sin| <= 1): fp32 on a GPU may contract a product and the sum into one fused multiply-add, and bf16 / fp16
+    on the GPU differed from the CPU reference's bits in the first GPU run, by a rounding of a term; where the sum
+    cancels, that is many units of the small result, hence the terms' scale."""
+    for g, w, x in zip(got, want, inputs):
         assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous()
         assert not g.isnan().any()
-        if dtype == torch.float32:
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
-        else:
-            assert torch.equal(g, w)
+        terms = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-3)
+        assert ((g.float() - w.float()).abs() <= torch.finfo(dtype).eps * terms * 1.01).all()
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
@@ -68,7 +68,7 @@ def test_matches_reference(backend, D, dtype, B, T, gen):
         cos, sin = cos_sin(B, T, D, dtype, gen, expanded)
         want = apply_rotary(q, k, cos, sin, backend="torch")
         got = apply_rotary(*(t.to(device) for t in (q, k, cos, sin)), backend=backend)
-        check([t.cpu() for t in got], want, dtype)
+        check([t.cpu() for t in got], want, dtype, (q, k))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -139,7 +139,7 @@ def test_exported():
 @pytest.mark.parametrize("backend", backend_params())
 def test_property_matches_reference(backend, data):
     """Any B, T (0..3), head counts (1..5, Hq and Hkv independent), even D (2..40), float dtype, q/k packed or
-    separate (k a head slice), cos/sin real or expanded: torch's bits (fp32: tight), no NaN from finite inputs."""
+    separate (k a head slice), cos/sin real or expanded: within an ulp of the summed terms, no NaN from finite inputs."""
     dtype = data.draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
     B, T = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 3), label="T")
     Hq, Hkv = data.draw(st.integers(1, 5), label="Hq"), data.draw(st.integers(1, 5), label="Hkv")
@@ -156,4 +156,4 @@ def test_property_matches_reference(backend, data):
     cos, sin = cos_sin(B, T, D, dtype, g, expanded=data.draw(st.booleans(), label="expanded"))
     want = apply_rotary(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), backend="torch")
     got = apply_rotary(q, k, cos, sin, backend=backend)
-    check(got, want, dtype)
+    check([t.cpu() for t in got], want, dtype, (q, k))

@@ -20,13 +20,15 @@ def packed_gate_up(shape, I, dtype, g, scale=4.0):
 
 def check_out(got, want, gate, up):
     """bf16 / fp16: ``got`` is ``act * up`` (torch's product in the dtype) for ``act`` the reference's rounded SiLU or
-    one of its two neighbours (the SiLU's fp32 exp may differ in its last bit between implementations, which can
-    move the rounded SiLU by an ulp); fp32: within a few fp32 ulps of the reference (that exp difference carried
+    one of its two neighbours (the SiLU's fp32 exp may differ in its last bits between implementations, which can
+    move the rounded SiLU by an ulp); fp32: within 32 fp32 ulps of the reference (that exp difference carried
     through the division and the product)."""
     assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
     assert not got.isnan().any()
     if want.dtype == torch.float32:
-        assert float(ulps_apart(got, want).max()) <= 4.0
+        # On the GPU tl.exp is an approximate exp2 of x * log2(e): its relative error grows with |x| (up to 10 ulps
+        # at |x| ~ 12 in the first GPU run), carried through the division and the product.
+        assert float(ulps_apart(got, want).max()) <= 32.0
         return
     act = torch.nn.functional.silu(gate)
     bits = act.contiguous().view(torch.int16)
