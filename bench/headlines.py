@@ -118,10 +118,6 @@ HEADLINES: List[Headline] = [
     Headline("e2e rollout, B = 128, adaptive engine (vs the best static strategy as deployed)",
              "speed-up over plain decoding", "e2e", "adaptive", _b128, "speedup_vs_plain",
              "the `adaptive` row", fmt="{:.2f}x", ratio=_column("speedup_vs_best_static")),
-    Headline("the same, warm selector", "speed-up over plain decoding", "e2e", "adaptive (warm)", _b128,
-             "speedup_vs_plain", "the `adaptive (warm)` row", fmt="{:.2f}x", ratio=_column("speedup_vs_best_static")),
     Headline("e2e, the tail (batch < B/4), adaptive engine", "speed-up over plain decoding", "e2e", "adaptive",
              _b128, "tail_speedup_vs_plain", "the `adaptive` row", fmt="{:.2f}x"),
-    Headline("the same, warm selector", "speed-up over plain decoding", "e2e", "adaptive (warm)",
-             _b128, "tail_speedup_vs_plain", "the `adaptive (warm)` row", fmt="{:.2f}x"),
 ]
