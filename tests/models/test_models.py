@@ -632,3 +632,50 @@ def test_fused_trunk_equals_the_unfused_layers(dtype, qk_norm):
         fused = model._trunk(tokens, positions, attend, fused=True)
         plain = model._trunk(tokens, positions, attend, fused=False)
     assert torch.equal(fused, plain)
+
+
+def test_packed_projections_run_one_gemm_and_unpack_when_a_weight_moves(monkeypatch):
+    """pack_projections: q/k/v and gate/up weights become views of one tensor each (no copy), the fused trunk's
+    output is unchanged, in-place updates of a parameter reach the packed tensor, and a parameter given new storage
+    unpacks its group (the separate projections run again, still right)."""
+    import dataclasses
+
+    torch.manual_seed(0)
+    config = dataclasses.replace(ModelConfig.tiny(), attention_bias=True)
+    model = LlamaForCausalLM(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 4))
+    positions = torch.arange(4).expand(2, 4)
+
+    def attend(i, q, k, v):
+        group = q.shape[2] // k.shape[2]
+        return q + k.repeat_interleave(group, 2) * v.repeat_interleave(group, 2)
+
+    def trunk():
+        with torch.no_grad():
+            return model._trunk(tokens, positions, attend, fused=True)
+
+    before = trunk()
+    model.pack_projections()
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.packed_qkv.valid() and mlp.packed_gate_up.valid()
+    assert attn.q_proj.weight.data_ptr() == attn.packed_qkv.weight.data_ptr()  # a view, not a copy
+    assert attn.k_proj.bias.untyped_storage().data_ptr() == attn.packed_qkv.bias.untyped_storage().data_ptr()
+    from tlt_kernels.models.packing import PackedLinears
+
+    calls = []
+    packed_call = PackedLinears.__call__
+    monkeypatch.setattr(PackedLinears, "__call__", lambda self, x: calls.append(len(self.sizes)) or packed_call(self, x))
+    torch.testing.assert_close(trunk(), before, rtol=1e-6, atol=1e-6)
+    assert calls == [3, 2] * config.num_layers  # one GEMM for q/k/v and one for gate/up, per layer
+    with torch.no_grad():
+        mlp.up_proj.weight.mul_(2.0)  # in place: the packed tensor sees it
+    assert mlp.packed_gate_up.valid() and torch.equal(mlp.packed_gate_up.weight[mlp.gate_proj.out_features:],
+                                                      mlp.up_proj.weight)
+    updated = trunk()
+    mlp.up_proj.weight.data = mlp.up_proj.weight.data.clone()  # new storage: the group unpacks
+    assert not mlp.packed_gate_up.valid()
+    calls.clear()
+    torch.testing.assert_close(trunk(), updated, rtol=1e-6, atol=1e-6)
+    assert calls == [3] + [3, 2] * (config.num_layers - 1)  # layer 0's gate/up ran separately
+    model.pack_projections()  # packs the moved group again
+    assert mlp.packed_gate_up.valid()

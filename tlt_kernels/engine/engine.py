@@ -133,6 +133,8 @@ class SpeculativeEngine:
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
+        if hasattr(target, "pack_projections"):  # q/k/v and gate/up as one GEMM each in every step (views: no copy)
+            target.pack_projections()
         self.tree_drafter = as_drafter(drafter, self.device)  # the Drafter the steps drive
         self.drafter = self.tree_drafter.module
         if selector is None:

@@ -21,7 +21,7 @@ transformers model's logits.
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -37,6 +37,7 @@ from ..reference.tree_attention import run_torch
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
 from .config import ModelConfig
 from .kv_cache import PagedKVCache
+from .packing import PackedLinears
 
 _INT = (torch.int32, torch.int64)
 BACKEND_NAMES = ("auto",) + tuple(BACKENDS)
@@ -186,6 +187,7 @@ class LlamaAttention(nn.Module):
         # Qwen3: one RMSNorm over each head's D features of q and of k, shared by all heads.
         self.q_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(D, config.rms_norm_eps) if config.qk_norm else None
+        self.packed_qkv: Optional[PackedLinears] = None  # see LlamaForCausalLM.pack_projections
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``x: [B, T, H]`` -> rotated ``q: [B, T, Hq, D]``, rotated ``k`` and ``v: [B, T, Hkv, D]``.
@@ -206,6 +208,7 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.packed_gate_up: Optional[PackedLinears] = None  # see LlamaForCausalLM.pack_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -218,6 +221,14 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+
+
+def _projections(x: torch.Tensor, packed: Optional[PackedLinears], linears) -> List[torch.Tensor]:
+    """``[lin(x) for lin in linears]``: one GEMM when ``packed`` (from :meth:`LlamaForCausalLM.pack_projections`)
+    still holds their weights, else one each."""
+    if packed is not None and packed.valid():
+        return packed(x)
+    return [lin(x) for lin in linears]
 
 
 # Attention callback: (layer index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> out [B,T,Hq,D].
@@ -288,19 +299,32 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             B, T, _ = h.shape
-            q = attn.q_proj(h).view(B, T, attn.num_q_heads, attn.head_dim)
-            k = attn.k_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)
-            v = attn.v_proj(h).view(B, T, attn.num_kv_heads, attn.head_dim)
+            q, k, v = _projections(h, attn.packed_qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
+            q = q.view(B, T, attn.num_q_heads, attn.head_dim)
+            k = k.view(B, T, attn.num_kv_heads, attn.head_dim)
+            v = v.view(B, T, attn.num_kv_heads, attn.head_dim)
             if attn.q_norm is not None:
                 q, k = rms_norm(q, attn.q_norm.weight, eps)[0], rms_norm(k, attn.k_norm.weight, eps)[0]
             q, k = apply_rotary(q, k, cos, sin)
             o = attn.o_proj(attend(i, q, k, v).flatten(2))
             h, residual = rms_norm(o, layer.post_attention_layernorm.weight, eps, residual=residual)
-            m = mlp.down_proj(silu_and_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            m = mlp.down_proj(silu_and_mul(*_projections(h, mlp.packed_gate_up, (mlp.gate_proj, mlp.up_proj))))
             if i + 1 == len(layers):
                 return residual + m
             h, residual = rms_norm(m, layers[i + 1].input_layernorm.weight, eps, residual=residual)
         return x  # no layers
+
+    def pack_projections(self) -> None:
+        """Pack every layer's q/k/v and gate/up weights into one tensor each (:mod:`.packing`): the inference path
+        (:meth:`forward_tree`) then runs one GEMM for each group. The parameters become views of the packed
+        tensors (no extra memory); a parameter given new storage later (``model.to(...)``) unpacks that layer's
+        group, which then runs separately again. Idempotent."""
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.packed_qkv is None or not attn.packed_qkv.valid():
+                attn.packed_qkv = PackedLinears([attn.q_proj, attn.k_proj, attn.v_proj])
+            if mlp.packed_gate_up is None or not mlp.packed_gate_up.valid():
+                mlp.packed_gate_up = PackedLinears([mlp.gate_proj, mlp.up_proj])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(hidden))``: ``[..., H]`` -> ``[..., V]``."""
