@@ -88,8 +88,11 @@ FLAGS = (
          str_list, metavar="LIST"),
     Flag("--eagle-checkpoint", None, "an EAGLE drafter for the model (a state dict or a SpotTrainer checkpoint): "
          "adds the eagle rows", metavar="PATH"),
+    Flag("--hf-eager", True, "run transformers' generate (eager) on every workload (--no-hf-eager: skip it)", bool),
     Flag("--hf-compile", True, "also run transformers' generate with a static cache and its compiled decode step",
          bool),
+    Flag("--drafters", ("ngram", "eagle"), "comma-separated drafters whose rows run (eagle needs --eagle-checkpoint): "
+         "split a long run into several", str_list, metavar="LIST"),
     Flag("--step-batches", None, "comma-separated batch sizes of the step-cost rows (default: 1,32; small 1,4)",
          int_list, metavar="LIST"),
     Flag("--step-tokens", None, "tokens per request of a step-cost run (default: 64; small 8)", positive_int,
@@ -454,10 +457,12 @@ class RolloutRun:
     # -- transformers' rows ------------------------------------------------------------------------------------------
     def hf_rows(self) -> None:
         """``hf-eager`` and ``hf-static-compiled`` on every workload, then transformers' model is freed."""
-        for work in self.works:
+        for work in self.works if self.p.hf_eager else ():
             hf_generate(self.models, work, self.eos, max_new_tokens=2)  # warm-up: allocator, lazy imports
             tokens, wall_s = hf_generate(self.models, work, self.eos)
             self.add_rollout_row(work, "hf-eager", tokens, wall_s, max(work.lengths) - 1, 1.0)
+        if not self.p.hf_eager:
+            self.ctx.note("hf-eager not run (--no-hf-eager)")
         if not self.p.hf_compile:
             self.ctx.note("hf-static-compiled not run (--no-hf-compile)")
         else:
@@ -502,7 +507,10 @@ class RolloutRun:
         arms = tuple(Strategy.parse(a) for a in self.z.arms)
         if not arms or any(a.is_off for a in arms):
             raise ValueError(f"--arms must list speculative strategies like s4k1v5, got {','.join(self.z.arms)!r}")
-        drafters = ["ngram"] + (["eagle"] if self.p.eagle_checkpoint else [])
+        unknown = set(self.p.drafters) - {"ngram", "eagle"}
+        if unknown:
+            raise ValueError(f"--drafters takes ngram and eagle, got {','.join(sorted(unknown))}")
+        drafters = [d for d in ("ngram", "eagle") if d in self.p.drafters and (d != "eagle" or self.p.eagle_checkpoint)]
         out = [EngineConfig("plain", "none", (Strategy.off(),))]
         for drafter in drafters:
             out += [EngineConfig(f"{drafter} {arm}", drafter, (arm,)) for arm in arms]

@@ -126,3 +126,18 @@ def test_median_run_keeps_the_run_of_median_wall_time():
     params = parse(rollout.FLAGS, ["--repeats", "5"], prog="rollout")
     assert rollout.sizes(False, params).repeats == 5
     assert rollout.sizes(True, parse(rollout.FLAGS, [], prog="rollout")).repeats == 1
+
+
+def test_drafters_flag_picks_the_configurations():
+    from types import SimpleNamespace
+
+    def names(argv):
+        state = SimpleNamespace(p=parse(rollout.FLAGS, argv, prog="rollout"), z=rollout.sizes(True, parse(
+            rollout.FLAGS, argv, prog="rollout")))
+        return [c.name for c in rollout.RolloutRun.configs(state)]
+
+    assert names([]) == ["plain", "ngram s2k1v3", "ngram s4k1v5", "ngram s3k2v6", "ngram adaptive"]
+    assert names(["--drafters", "eagle", "--eagle-checkpoint", "x.pt"])[1:] == [
+        "eagle s2k1v3", "eagle s4k1v5", "eagle s3k2v6", "eagle adaptive"]
+    with pytest.raises(ValueError, match="--drafters"):
+        names(["--drafters", "medusa"])
