@@ -98,7 +98,7 @@ FLAGS = (
     Flag("--step-tokens", None, "tokens per request of a step-cost run (default: 64; small 8)", positive_int,
          metavar="N"),
     Flag("--repeats", None, "rollouts per engine row; the row is the one of median wall time (default: 3; small 1)",
-         positive_int, metavar="N"),
+         int, metavar="N"),  # int like e2e's --repeats (one CLI option for both); checked in sizes()
 )
 
 # Chains win at large batch sizes and trees in the tail (the e2e suite's traces): the set spans both.
@@ -127,6 +127,8 @@ def sizes(small: bool, p) -> Sizes:
 
     batches = pick(p.batches, (1, 4, 16, 64, 256), (1, 4))
     step_batches = pick(p.step_batches, (1, 32), (1, 4))
+    if p.repeats is not None and p.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {p.repeats}")
     if not batches or min(batches + step_batches) < 1:
         raise ValueError(f"--batches and --step-batches must be positive sizes, got {batches}, {step_batches}")
     return Sizes(batches=tuple(batches), tail_batch=pick(p.tail_batch, 64, 4),
