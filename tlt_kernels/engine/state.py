@@ -7,7 +7,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..ops.rollout_step import rollout_step
+from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, rollout_step
 from .records import StepLog
 
 # Whether RolloutState.finish_step runs the one-launch Triton kernel: None = on CUDA tensors (the torch path's ~45
@@ -216,11 +216,13 @@ class RolloutState:
         ``[b]`` (device), ``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``, ``error`` bool or int
         ``[b]`` (verify failed), ``new_context_lens`` int32 ``[b]``; ``active_rows`` the host's list of the rows.
 
-        ``use_kernel`` (default :data:`STEP_KERNEL`, and with it None: on CUDA tensors) does all three in one
+        ``use_kernel`` (default :data:`STEP_KERNEL`, and with it None: on CUDA tensors, for up to 1024 rows) does all three in one
         Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`), with the same results. Neither path
         reads the device: the staging vector goes to the host by a non-blocking copy."""
         if use_kernel is None:
-            use_kernel = STEP_KERNEL if STEP_KERNEL is not None else emitted.device.type == "cuda"
+            # More rows than the kernel's one program holds (a shape: no device read): the torch path.
+            use_kernel = emitted.shape[0] <= KERNEL_MAX_ROWS and (
+                STEP_KERNEL if STEP_KERNEL is not None else emitted.device.type == "cuda")
         if not use_kernel:
             failed = error if error.dtype == torch.bool else error != 0
             emission = self.emit(rows, emitted, num_accepted, failed, eos_token_id)

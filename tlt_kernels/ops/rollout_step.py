@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+MAX_ROWS = 1024  # the kernel's one program holds every row (tlt_kernels._triton.rollout_step.MAX_ROWS)
+
 
 def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id: Optional[int], depth: int,
                  output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens):
