@@ -209,3 +209,44 @@ def test_the_counter_sees_each_kind_of_read(monkeypatch):
                                                  "mask index @ here": 1, "torch.nonzero @ here": 1})
     monkeypatch.undo()
     assert torch.tensor([x[0], x[1], 0]).tolist() == [0, 1, 0]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("kind,fuse,sampled", [("eagle", None, False), ("ngram", None, True), ("none", True, False)],
+                         ids=str)
+def test_the_rollout_step_kernel_adds_no_read(target, monkeypatch, kind, fuse, sampled):
+    """The one-launch rollout step (RolloutState.finish_step's kernel path, taken on CUDA; forced here, in the
+    interpreter) reads the device no more than the torch path, and the rollout is the torch path's. The kernel's
+    interpreted run is not counted (on a GPU a launch reads nothing); its Python wrapper is."""
+    from tlt_kernels._triton import rollout_step as kernel_module
+    from tlt_kernels.engine import state as state_module
+
+    kwargs = dict(temperature=0.8, top_p=0.9, seed=list(range(7)), eos_token_id=out_token(target)) if sampled else {}
+    want = _engine(target, kind, fuse).generate(PROMPTS, MAX_NEW, **kwargs)
+    counter_box, launches, real = [], [], kernel_module._rollout_step_kernel
+
+    class Uncounted:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(grid)
+                active, counter_box[0].active = counter_box[0].active, False
+                try:
+                    return real[grid](*args, **kw)
+                finally:
+                    counter_box[0].active = active
+            return launch
+
+    monkeypatch.setattr(kernel_module, "_rollout_step_kernel", Uncounted())
+    monkeypatch.setattr(state_module, "STEP_KERNEL", True)
+    real_patched = ReadCounter.patched
+
+    def patched(self, mp):  # keep a handle on the counter count_step_reads makes
+        counter_box[:] = [self]
+        return real_patched(self, mp)
+
+    monkeypatch.setattr(ReadCounter, "patched", patched)
+    out, per_step = count_step_reads(_engine(target, kind, fuse), monkeypatch, **kwargs)
+    assert len(launches) >= len(out.steps) > 3
+    for i, reads in enumerate(per_step):
+        assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i} ({kind}, fuse={fuse}): {dict(reads)}"
+    assert out.tokens == want.tokens and torch.equal(out.lengths, want.lengths) and out.errors == want.errors

@@ -367,10 +367,11 @@ class SpeculativeEngine:
             rollout.trace.append(probe_arms(self.step_runner, self.strategies, self.covers, inputs, self.device))
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
-        emission = rollout.emit(rows, result.emitted, num_accepted, result.error.bool(), rollout.eos_token_id)
-        self._commit(rollout, inputs, result, num_accepted, emission.was_done | emission.failed)
         depth = strategy.num_steps if self.selector is not None else 0
-        staged = rollout.stage_counts(emission, num_accepted, result.context_lens, list(rollout.active_rows), depth)
+        # emit, commit of the rollout's state, staging of the outcome: one Triton launch on CUDA (torch elsewhere).
+        emission, staged = rollout.finish_step(rows, result.emitted, num_accepted, result.error, result.context_lens,
+                                               rollout.eos_token_id, depth, list(rollout.active_rows))
+        self._commit(rollout, inputs, result, num_accepted, emission.keep)
         return LaunchedStep(strategy, result.width, result.replayed, staged, started)
 
     def _finish_step(self, rollout: RolloutState, step: LaunchedStep) -> None:
@@ -382,11 +383,10 @@ class SpeculativeEngine:
         rollout.spot.maybe_start(rollout.batch_size)
 
     def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, keep) -> None:
-        """The accepted path becomes context: the rollout's state, the drafter's, the captured features. Rows that
-        had finished or failed now (``keep`` bool ``[b]``) keep their state (an overlapped step may run them once
-        more: a failed row's -1 token must not become its root); their drafter rows may take the path (never read
-        again)."""
-        rollout.commit(inputs.rows, result.context_lens, result.emitted, num_accepted, keep)
+        """The accepted path becomes the drafter's context and the captured features (the rollout's state was
+        committed by :meth:`RolloutState.finish_step`, which reads nothing these change). Rows that had finished or
+        failed now (``keep`` bool ``[b]``) keep their state (an overlapped step may run them once more: a failed
+        row's -1 token must not become its root); their drafter rows may take the path (never read again)."""
         path = AcceptedPath(result.emitted, num_accepted, result.path_hidden)
         self.tree_drafter.commit(inputs.rows, inputs.drafter_state, path, self.graphs, new_state=result.drafter_state)
         if rollout.features is not None:

@@ -7,19 +7,27 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, rollout_step
 from .records import StepLog
+
+# Whether RolloutState.finish_step runs the one-launch Triton kernel: None = on CUDA tensors (the torch path's ~45
+# small launches cost more host time than a small model's step leaves); True / False force it (tests set True to
+# run the kernel in Triton's CPU interpreter).
+STEP_KERNEL: Optional[bool] = None
 
 
 class Emission(NamedTuple):
     """One step's emitted counts: ``counts`` int64 ``[b]`` (0 for a failed or already finished row), ``finished``
     bool ``[b]`` (budget reached, EOS emitted, failed, or finished before), ``failed`` bool ``[b]`` (the target's
     logits held NaN/+inf on the row's path this step), ``was_done`` bool ``[b]`` (the row had finished at an earlier
-    step whose outcome the host had not read when this step was launched: the step changes nothing of it)."""
+    step whose outcome the host had not read when this step was launched: the step changes nothing of it),
+    ``keep`` bool ``[b]`` (``was_done | failed``: the rows whose state the commit keeps)."""
 
     counts: torch.Tensor
     finished: torch.Tensor
     failed: torch.Tensor
     was_done: torch.Tensor
+    keep: Optional[torch.Tensor] = None
 
 
 class StagedCounts(NamedTuple):
@@ -163,7 +171,7 @@ class RolloutState:
         if eos_token_id is not None:
             finished |= first_eos < width
         self.done[rows] = finished
-        return Emission(counts, finished, failed, was_done)
+        return Emission(counts, finished, failed, was_done, failed | was_done)
 
     def commit(self, rows, new_context_lens, emitted, num_accepted, keep) -> None:
         """The accepted path becomes context: new context lengths, the next Philox counter, the new root token;
@@ -187,7 +195,12 @@ class RolloutState:
         if depth > 0:
             reached = num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)
             parts.append((reached & live.unsqueeze(1)).sum(0))
-        values = torch.cat(parts)
+        return self._to_host(torch.cat(parts), rows, depth)
+
+    @staticmethod
+    def _to_host(values: torch.Tensor, rows: List[int], depth: int) -> StagedCounts:
+        """Start copying the staging vector ``values`` (int64) to pinned host memory, non-blocking, and record an
+        event after it (CUDA); on the CPU it is already there."""
         if values.device.type != "cuda":
             return StagedCounts(values, None, rows, depth)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
@@ -195,6 +208,31 @@ class RolloutState:
         ready = torch.cuda.Event()
         ready.record()
         return StagedCounts(host, ready, rows, depth)
+
+    def finish_step(self, rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth: int,
+                    active_rows: List[int], use_kernel: Optional[bool] = None):
+        """A step's bookkeeping once verify ran: :meth:`emit`, :meth:`commit` (rows in ``Emission.keep`` keep their
+        state) and :meth:`stage_counts`, in that order; returns ``(Emission, StagedCounts)``. ``rows`` int64
+        ``[b]`` (device), ``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``, ``error`` bool or int
+        ``[b]`` (verify failed), ``new_context_lens`` int32 ``[b]``; ``active_rows`` the host's list of the rows.
+
+        ``use_kernel`` (default :data:`STEP_KERNEL`, and with it None: on CUDA tensors, for up to 1024 rows) does all three in one
+        Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`), with the same results. Neither path
+        reads the device: the staging vector goes to the host by a non-blocking copy."""
+        if use_kernel is None:
+            # More rows than the kernel's one program holds (a shape: no device read): the torch path.
+            use_kernel = emitted.shape[0] <= KERNEL_MAX_ROWS and (
+                STEP_KERNEL if STEP_KERNEL is not None else emitted.device.type == "cuda")
+        if not use_kernel:
+            failed = error if error.dtype == torch.bool else error != 0
+            emission = self.emit(rows, emitted, num_accepted, failed, eos_token_id)
+            self.commit(rows, new_context_lens, emitted, num_accepted, emission.keep)
+            return emission, self.stage_counts(emission, num_accepted, new_context_lens, active_rows, depth)
+        out = rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth,
+                           self.output_tokens, self.generated, self.max_new_tokens, self.done, self.context_lens,
+                           self.offsets, self.root_tokens)
+        emission = Emission(out.counts, out.finished, out.failed, out.was_done, out.keep)
+        return emission, self._to_host(out.values, active_rows, depth)
 
     def read_counts(self, staged: StagedCounts) -> StepCounts:
         """The host's copy of a staged step's outcome (waits for that step's transfer only). Also updates

@@ -1,0 +1,21 @@
+"""``rollout_step``: a decoding step's token bookkeeping (emit up to budget and EOS, commit the accepted path, the
+staging vector for the host) in one Triton launch (:mod:`tlt_kernels._triton.rollout_step`).
+
+Not a registered op: its torch path is :class:`tlt_kernels.engine.state.RolloutState`'s ``emit``, ``commit`` and
+``stage_counts`` (the engine's state, which this layer may not import); :meth:`RolloutState.finish_step` picks one.
+Triton is imported at the first call, never at package import.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+MAX_ROWS = 1024  # the kernel's one program holds every row (tlt_kernels._triton.rollout_step.MAX_ROWS)
+
+
+def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id: Optional[int], depth: int,
+                 output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens):
+    """See :func:`tlt_kernels._triton.rollout_step.rollout_step` (shapes, dtypes, what is updated in place)."""
+    from .._triton.rollout_step import rollout_step as launch
+
+    return launch(rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth,
+                  output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens)
