@@ -9,7 +9,7 @@ optimisation; recorded figures come from ``python -m bench rollout`` (its step-c
 ``--random-smollm2`` builds the default model's shapes (30 layers, 576 wide, GQA 9/3, vocabulary 49152) with random
 bf16 weights instead (the same kernels and step cost, nothing to load; prompts of random tokens, so drafts are rarely
 accepted); ``--overlap off|on|both`` sets ``SpeculativeEngine(overlap_steps=)``, ``both`` runs each configuration
-twice for a same-run A/B; ``--no-detail`` prints only the summary lines (no cProfile, no torch.profiler).
+twice for a same-run A/B; ``--step-kernel`` runs the step's bookkeeping in one launch; ``--no-detail`` prints only the summary lines (no cProfile, no torch.profiler).
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def _parse_args():
     source.add_argument("--model-file", help="a .gguf file or a transformers directory")
     source.add_argument("--random-smollm2", action="store_true", help="the default model's shapes, random weights")
     ap.add_argument("--overlap", choices=("off", "on", "both"), default="on", help="overlapped steps (default on)")
+    ap.add_argument("--step-kernel", action="store_true", help="SpeculativeEngine(step_kernel=True): the step's "
+                    "bookkeeping in one Triton launch")
     ap.add_argument("--detail", action=argparse.BooleanOptionalAction, default=True,
                     help="cProfile and torch.profiler tables (default on)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
@@ -39,12 +41,12 @@ def _parse_args():
     return ap.parse_args()
 
 
-def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool):
+def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool, step_kernel: bool):
     from tlt_kernels.engine import SpeculativeEngine
     from tlt_kernels.runtime import GraphPool
 
     eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=max_batch, max_seq_len=max_seq,
-                            fuse_step=drafter is None, overlap_steps=overlap)
+                            fuse_step=drafter is None, overlap_steps=overlap, step_kernel=step_kernel)
     eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
     eng.generate([[1, 2, 3]], 4)
     return eng
@@ -134,7 +136,7 @@ def main() -> None:
     lines = []
     for name, drafter, strategy in configs:
         for overlap in overlaps:
-            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap)
+            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, args.step_kernel)
             for batch in batches:
                 prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
                 lines += _profile(f"{name} (overlap {'on' if overlap else 'off'})", eng, prompts, args.tokens,

@@ -215,11 +215,10 @@ def test_the_counter_sees_each_kind_of_read(monkeypatch):
 @pytest.mark.parametrize("kind,fuse,sampled", [("eagle", None, False), ("ngram", None, True), ("none", True, False)],
                          ids=str)
 def test_the_rollout_step_kernel_adds_no_read(target, monkeypatch, kind, fuse, sampled):
-    """The one-launch rollout step (RolloutState.finish_step's kernel path, taken on CUDA; forced here, in the
-    interpreter) reads the device no more than the torch path, and the rollout is the torch path's. The kernel's
+    """The one-launch rollout step (RolloutState.finish_step's kernel path, SpeculativeEngine(step_kernel=True); here
+    in the interpreter) reads the device no more than the torch path, and the rollout is the torch path's. The kernel's
     interpreted run is not counted (on a GPU a launch reads nothing); its Python wrapper is."""
     from tlt_kernels._triton import rollout_step as kernel_module
-    from tlt_kernels.engine import state as state_module
 
     kwargs = dict(temperature=0.8, top_p=0.9, seed=list(range(7)), eos_token_id=out_token(target)) if sampled else {}
     want = _engine(target, kind, fuse).generate(PROMPTS, MAX_NEW, **kwargs)
@@ -237,7 +236,6 @@ def test_the_rollout_step_kernel_adds_no_read(target, monkeypatch, kind, fuse, s
             return launch
 
     monkeypatch.setattr(kernel_module, "_rollout_step_kernel", Uncounted())
-    monkeypatch.setattr(state_module, "STEP_KERNEL", True)
     real_patched = ReadCounter.patched
 
     def patched(self, mp):  # keep a handle on the counter count_step_reads makes
@@ -245,7 +243,9 @@ def test_the_rollout_step_kernel_adds_no_read(target, monkeypatch, kind, fuse, s
         return real_patched(self, mp)
 
     monkeypatch.setattr(ReadCounter, "patched", patched)
-    out, per_step = count_step_reads(_engine(target, kind, fuse), monkeypatch, **kwargs)
+    eng = _engine(target, kind, fuse)
+    eng.step_kernel = True  # the kernel path (Triton's interpreter on the CPU)
+    out, per_step = count_step_reads(eng, monkeypatch, **kwargs)
     assert len(launches) >= len(out.steps) > 3
     for i, reads in enumerate(per_step):
         assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i} ({kind}, fuse={fuse}): {dict(reads)}"

@@ -117,8 +117,8 @@ def test_the_torch_path_is_emit_commit_stage():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-def test_the_kernel_runs_on_cuda_by_default(monkeypatch):
-    """use_kernel=None: STEP_KERNEL when set, else the kernel exactly on CUDA tensors."""
+def test_use_kernel_follows_the_rollouts_step_kernel(monkeypatch):
+    """use_kernel=None: the kernel exactly when the rollout's step_kernel is set (SpeculativeEngine(step_kernel=))."""
     calls = []
 
     class Launched(Exception):
@@ -130,9 +130,9 @@ def test_the_kernel_runs_on_cuda_by_default(monkeypatch):
 
     monkeypatch.setattr(state_mod, "rollout_step", launch)
     state, inputs = _case(3)
-    state.finish_step(**inputs)  # CPU tensors: the torch path
+    state.finish_step(**inputs)  # step_kernel off (the default): the torch path
     assert not calls
-    monkeypatch.setattr(state_mod, "STEP_KERNEL", True)
+    state.step_kernel = True
     with pytest.raises(Launched):
         state.finish_step(**inputs)
     assert len(calls) == 1

@@ -10,11 +10,6 @@ import torch
 from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, rollout_step
 from .records import StepLog
 
-# Whether RolloutState.finish_step runs the one-launch Triton kernel: None = on CUDA tensors (the torch path's ~45
-# small launches cost more host time than a small model's step leaves); True / False force it (tests set True to
-# run the kernel in Triton's CPU interpreter).
-STEP_KERNEL: Optional[bool] = None
-
 
 class Emission(NamedTuple):
     """One step's emitted counts: ``counts`` int64 ``[b]`` (0 for a failed or already finished row), ``finished``
@@ -104,6 +99,7 @@ class RolloutState:
     deferred: List[int] = field(default_factory=list)
     done: Optional[torch.Tensor] = None  # bool [B] on the device: finished, as the device knows it
     overlap: bool = False  # launch a step before reading the previous one's outcome (SpeculativeEngine.overlap_steps)
+    step_kernel: bool = False  # finish_step in one Triton launch (SpeculativeEngine.step_kernel)
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
     pending_width: int = 0  # tree width of a launched step whose outcome the host has not read (0: none)
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
@@ -216,13 +212,13 @@ class RolloutState:
         ``[b]`` (device), ``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``, ``error`` bool or int
         ``[b]`` (verify failed), ``new_context_lens`` int32 ``[b]``; ``active_rows`` the host's list of the rows.
 
-        ``use_kernel`` (default :data:`STEP_KERNEL`, and with it None: on CUDA tensors, for up to 1024 rows) does all three in one
-        Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`), with the same results. Neither path
-        reads the device: the staging vector goes to the host by a non-blocking copy."""
+        ``use_kernel`` (default: the rollout's :attr:`step_kernel`, for up to 1024 rows) does all three in one
+        Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`; on the CPU only under Triton's
+        interpreter), with the same results. Neither path reads the device: the staging vector goes to the host by a
+        non-blocking copy."""
         if use_kernel is None:
             # More rows than the kernel's one program holds (a shape: no device read): the torch path.
-            use_kernel = emitted.shape[0] <= KERNEL_MAX_ROWS and (
-                STEP_KERNEL if STEP_KERNEL is not None else emitted.device.type == "cuda")
+            use_kernel = self.step_kernel and emitted.shape[0] <= KERNEL_MAX_ROWS
         if not use_kernel:
             failed = error if error.dtype == torch.bool else error != 0
             emission = self.emit(rows, emitted, num_accepted, failed, eos_token_id)
