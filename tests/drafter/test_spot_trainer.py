@@ -192,3 +192,33 @@ def test_quality_tracker():
     q.record([3.0, 3.0], version=2)
     assert q.value == pytest.approx(2.0) and not q.is_weak
     assert q.by_version == {1: 1.0, 2: 3.0}
+
+
+def test_normalized_hidden_loss_trains_and_tracks_the_feature_spread():
+    """normalize_hidden: the regression runs in units of each dimension's spread (a real model's last-layer
+    features hold a few huge dimensions); the drafter still learns the target, the scale starts at the first batch's
+    per-dimension std, and a batch without two valid pairs leaves it unchanged."""
+    from tlt_kernels.drafter.buffer import TrainBatch
+    from tlt_kernels.drafter.spot_trainer import eagle_loss
+
+    tgt, d, buf, tr = _setup(normalize_hidden=True, feature_noise=0.05)
+    toks, feats = tgt.rollout(torch.arange(4) * 7 % 32, 20)
+    stats = tr.run(max_steps=150)
+    assert stats.optimizer_steps == 150 and tr.feature_scale is not None and tr.feature_scale.shape == (64,)
+    assert evaluate_acceptance(d, feats, toks, depth=4, topk=2, num_verify=8, num_starts=4) >= 4.5
+
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 5, 64, generator=g) * torch.linspace(0.1, 100.0, 64)
+    valid = torch.tensor([[True, True, False, True], [False, True, True, False]])
+    batch = TrainBatch(features, torch.zeros(2, 5, dtype=torch.int64), torch.arange(5).expand(2, 5), valid,
+                       torch.zeros(2, dtype=torch.int64))
+    tr.feature_scale = None
+    tr._update_feature_scale(batch)
+    torch.testing.assert_close(tr.feature_scale, features[:, 1:][valid].std(0, unbiased=False).clamp(min=1e-3))
+    before = tr.feature_scale.clone()
+    tr._update_feature_scale(TrainBatch(features, batch.tokens, batch.positions, torch.zeros_like(valid),
+                                        batch.steps))
+    assert torch.equal(tr.feature_scale, before)
+    plain, _ = eagle_loss(d, batch)
+    ones, _ = eagle_loss(d, batch, feature_scale=torch.ones(64))
+    torch.testing.assert_close(plain, ones)

@@ -53,3 +53,23 @@ def test_read_prompts_takes_the_split_and_names_bad_lines(tmp_path):
     path.write_text('{"split": "train"}\n')
     with pytest.raises(ValueError, match="p.jsonl:1"):
         train_drafter.read_prompts(path, "train")
+
+
+def test_normalize_hidden_flag_reaches_the_trainer(monkeypatch, tmp_path):
+    """--normalize-hidden sets SpotTrainer(normalize_hidden=True); it is off by default."""
+    seen = []
+    real = train_drafter.SpotTrainer
+
+    def trainer(*args, **kwargs):
+        seen.append(kwargs["normalize_hidden"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_drafter, "SpotTrainer", trainer)
+    model, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
+    tiny_transformers_directory(model, hidden_size=64, head_dim=32)
+    _prompts_file(prompts)
+    common = ["--model-file", str(model), "--prompts", str(prompts), "--steps", "2", "--max-new-tokens", "4",
+              "--batch", "2", "--samples", "1", "--device", "cpu", "--train-batch", "2", "--seq-len", "8"]
+    train_drafter.main(common + ["--out", str(tmp_path / "a.pt")])
+    train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--normalize-hidden"])
+    assert seen == [False, True]

@@ -37,21 +37,27 @@ _CHECKPOINT_KEYS = ("drafter", "optimizer", "scheduler", "generator", "optimizer
 StopCondition = Union[None, Callable[[], bool], "threading.Event"]  # noqa: F821
 
 
-def eagle_loss(drafter: EagleDrafter, batch: TrainBatch, hidden_weight: float = 1.0, token_weight: float = 0.1, feature_noise: float = 0.0, generator=None):
+def eagle_loss(drafter: EagleDrafter, batch: TrainBatch, hidden_weight: float = 1.0, token_weight: float = 0.1,
+               feature_noise: float = 0.0, generator=None, feature_scale: Optional[torch.Tensor] = None):
     """EAGLE loss of one :class:`TrainBatch`; returns ``(loss, stats dict of floats-as-tensors)``.
 
     ``feature_noise`` adds ``U(-a, a)`` to the input features (EAGLE's robustness trick: at draft
-    depth > 1 the drafter reads its own, imperfect, features).
+    depth > 1 the drafter reads its own, imperfect, features). ``feature_scale`` (float32 ``[H]`` or None): the
+    feature regression and the noise are taken per dimension in units of it -- a real model's last-layer features
+    can hold a few dimensions thousands of times larger than the rest, which otherwise own the smooth-L1 term.
     """
     f_in = batch.features[:, :-1]
+    scale = feature_scale.to(f_in.device) if feature_scale is not None else None
     if feature_noise > 0:
         noise = torch.rand(f_in.shape, generator=generator, device="cpu" if generator is not None else f_in.device)
-        f_in = f_in + (noise.to(f_in.device) * 2 - 1) * feature_noise
+        noise = (noise.to(f_in.device) * 2 - 1) * feature_noise
+        f_in = f_in + (noise * scale if scale is not None else noise)
     pred = drafter(f_in, batch.tokens[:, 1:], batch.positions[:, :-1])
     tgt = batch.features[:, 1:]
     m = batch.valid.to(torch.float32)
     denom = m.sum().clamp(min=1.0)
-    h_loss = (F.smooth_l1_loss(pred.float(), tgt.float(), reduction="none").mean(-1) * m).sum() / denom
+    pred_r, tgt_r = (pred.float(), tgt.float()) if scale is None else (pred.float() / scale, tgt.float() / scale)
+    h_loss = (F.smooth_l1_loss(pred_r, tgt_r, reduction="none").mean(-1) * m).sum() / denom
     with torch.no_grad():
         p_tgt = torch.softmax(drafter.head_logits(tgt).float(), -1)
     logq = torch.log_softmax(drafter.head_logits(pred).float(), -1)
@@ -93,6 +99,8 @@ class SpotTrainer:
         batch_size, seq_len: windows per micro-step and pairs per window.
         grad_accum: micro-steps per optimizer step.
         hidden_weight, token_weight, feature_noise: see :func:`eagle_loss`.
+        normalize_hidden: regress features (and scale the noise) per dimension in units of their spread, a running
+            estimate over the batches (:func:`eagle_loss`'s ``feature_scale``; :attr:`feature_scale`).
         autocast_dtype: autocast dtype on CUDA (``None`` = full precision); ignored on the CPU.
         process_group: when set (``torch.distributed``), gradients are averaged over its ranks
             before clipping (data-parallel training; see :mod:`tlt_kernels.drafter.distributed`).
@@ -116,6 +124,7 @@ class SpotTrainer:
         hidden_weight: float = 1.0,
         token_weight: float = 0.1,
         feature_noise: float = 0.0,
+        normalize_hidden: bool = False,
         autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
         process_group=None,
         seed: int = 0,
@@ -127,6 +136,8 @@ class SpotTrainer:
         self.holder = holder if holder is not None else WeightsHolder()
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         self.hidden_weight, self.token_weight, self.feature_noise = hidden_weight, token_weight, feature_noise
+        self.normalize_hidden = normalize_hidden
+        self.feature_scale: Optional[torch.Tensor] = None  # float32 [H], the running per-dimension spread
         self.max_grad_norm = max_grad_norm
         self.autocast_dtype = autocast_dtype
         self.process_group = process_group
@@ -159,8 +170,11 @@ class SpotTrainer:
         self.drafter.train()
         batch = self.buffer.sample(self.batch_size, self.seq_len, self.generator, device=self.device)
         use_amp = self.device.type == "cuda" and self.autocast_dtype is not None
+        if self.normalize_hidden:
+            self._update_feature_scale(batch)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
-            loss, stats = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise, self.generator)
+            loss, stats = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise,
+                                     self.generator, self.feature_scale)
         (loss / self.grad_accum).backward()
         self._accum += 1
         self.micro_steps += 1
@@ -169,6 +183,21 @@ class SpotTrainer:
             self._optimizer_step()
         self._last_loss = loss.detach()
         return self._last_loss
+
+    @torch.no_grad()
+    def _update_feature_scale(self, batch: TrainBatch, momentum: float = 0.99) -> None:
+        """Running per-dimension standard deviation of the batches' target features (the first batch sets it), so
+        the scale follows the target as RL moves it; floored so a constant dimension cannot divide by zero. Device
+        ops only (no host read): a batch without two valid pairs leaves the scale as it was."""
+        tgt, m = batch.features[:, 1:].float(), batch.valid.unsqueeze(-1).float()
+        n = m.sum((0, 1))
+        mean = (tgt * m).sum((0, 1)) / n.clamp(min=1.0)
+        spread = (((tgt - mean) ** 2 * m).sum((0, 1)) / n.clamp(min=1.0)).sqrt().clamp(min=1e-3)
+        previous = self.feature_scale
+        if previous is None:
+            self.feature_scale = torch.where(n > 1, spread, torch.ones_like(spread))
+        else:
+            self.feature_scale = torch.where(n > 1, previous * momentum + spread * (1 - momentum), previous)
 
     def _optimizer_step(self) -> None:
         if self.process_group is not None:
