@@ -348,13 +348,13 @@ class SpeculativeEngine:
         launched = self._launch(rollout)
         if rollout.pending is not None:
             self._finish_step(rollout, rollout.pending)
-        rollout.pending, rollout.pending_width = launched, launched.width
+        rollout.pending = launched
         if not rollout.overlap:
             self._finish_pending(rollout)
 
     def _finish_pending(self, rollout: RolloutState) -> None:
         if rollout.pending is not None:
-            pending, rollout.pending, rollout.pending_width = rollout.pending, None, 0
+            pending, rollout.pending = rollout.pending, None
             self._finish_step(rollout, pending)
 
     def _launch(self, rollout: RolloutState) -> LaunchedStep:
@@ -373,7 +373,7 @@ class SpeculativeEngine:
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
         depth = strategy.num_steps if self.selector is not None else 0
-        # emit, commit of the rollout's state, staging of the outcome: one Triton launch on CUDA (torch elsewhere).
+        # emit, commit of the rollout's state, staging of the outcome (one Triton launch with step_kernel).
         emission, staged = rollout.finish_step(rows, result.emitted, num_accepted, result.error, result.context_lens,
                                                rollout.eos_token_id, depth, list(rollout.active_rows))
         self._commit(rollout, inputs, result, num_accepted, emission.keep)

@@ -22,7 +22,7 @@ class Emission(NamedTuple):
     finished: torch.Tensor
     failed: torch.Tensor
     was_done: torch.Tensor
-    keep: Optional[torch.Tensor] = None
+    keep: torch.Tensor
 
 
 class StagedCounts(NamedTuple):
@@ -101,7 +101,6 @@ class RolloutState:
     overlap: bool = False  # launch a step before reading the previous one's outcome (SpeculativeEngine.overlap_steps)
     step_kernel: bool = False  # finish_step in one Triton launch (SpeculativeEngine.step_kernel)
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
-    pending_width: int = 0  # tree width of a launched step whose outcome the host has not read (0: none)
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
     _active_on_device: Optional[torch.Tensor] = None
     _active_block_table: Optional[torch.Tensor] = None
@@ -132,7 +131,8 @@ class RolloutState:
     def max_context_len(self) -> int:
         """An upper bound of the running requests' contexts from the host copy (no device read): exact, plus the
         tree width of a launched step the host has not read yet (it adds at most that many tokens)."""
-        return max(self.context_lens_host[row] for row in self.active_rows) + self.pending_width
+        growth = self.pending.width if self.pending is not None else 0
+        return max(self.context_lens_host[row] for row in self.active_rows) + growth
 
     def arange(self, start: int, end: int, device) -> torch.Tensor:
         """``torch.arange(start, end)`` on ``device``, made once per rollout (a constant: no launch per step)."""
@@ -183,7 +183,7 @@ class RolloutState:
         blocking into pinned memory (each blocking read stalls the CPU until the GPU drains, so the next step's
         launches could not overlap this step's kernels). :meth:`read_counts` waits for it. ``depth`` > 0 also
         counts acceptance per draft depth."""
-        live = ~(emission.failed | emission.was_done)
+        live = ~emission.keep
         parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64),
                  emission.was_done.to(torch.int64), new_context_lens.to(torch.int64),
                  emission.counts.sum().view(1), (num_accepted + 1).masked_fill(~live, 0).sum().view(1),
