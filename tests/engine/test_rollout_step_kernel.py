@@ -133,9 +133,29 @@ def test_use_kernel_follows_the_rollouts_step_kernel(monkeypatch):
     state.finish_step(**inputs)  # step_kernel off (the default): the torch path
     assert not calls
     state.step_kernel = True
+    monkeypatch.setattr(state_mod, "kernel_can_run_on", lambda device: True)
     with pytest.raises(Launched):
         state.finish_step(**inputs)
     assert len(calls) == 1
+    monkeypatch.setattr(state_mod, "kernel_can_run_on", lambda device: False)  # e.g. the CPU without the interpreter
+    state.finish_step(**inputs)
+    assert len(calls) == 1
+
+
+def test_the_op_names_a_device_it_cannot_run_on(monkeypatch):
+    """On the CPU without Triton's interpreter the op raises a ValueError naming ``emitted`` (no launch, whose
+    own error would only say a pointer cannot be accessed)."""
+    from tlt_kernels.ops import rollout_step as op
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    state, inputs = _case(4)
+    if inputs["emitted"].is_cuda:
+        pytest.skip("the case's tensors are on a GPU")
+    with pytest.raises(ValueError, match="emitted is on cpu"):
+        op.rollout_step(inputs["rows"], inputs["emitted"], inputs["num_accepted"], inputs["error"],
+                        inputs["new_context_lens"], inputs["eos_token_id"], inputs["depth"], state.output_tokens,
+                        state.generated, state.max_new_tokens, state.done, state.context_lens, state.offsets,
+                        state.root_tokens)
 
 
 _COMPILE_SM90 = r"""

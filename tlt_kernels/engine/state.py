@@ -7,7 +7,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, rollout_step
+from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, can_run_on as kernel_can_run_on, rollout_step
 from .records import StepLog
 
 
@@ -212,13 +212,15 @@ class RolloutState:
         ``[b]`` (device), ``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``, ``error`` bool or int
         ``[b]`` (verify failed), ``new_context_lens`` int32 ``[b]``; ``active_rows`` the host's list of the rows.
 
-        ``use_kernel`` (default: the rollout's :attr:`step_kernel`, for up to 1024 rows) does all three in one
-        Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`; on the CPU only under Triton's
-        interpreter), with the same results. Neither path reads the device: the staging vector goes to the host by a
-        non-blocking copy."""
+        ``use_kernel`` (default: the rollout's :attr:`step_kernel`, for up to 1024 rows on a device the kernel runs
+        on) does all three in one Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`; on the CPU only
+        under Triton's interpreter), with the same results. Neither path reads the device: the staging vector goes to
+        the host by a non-blocking copy."""
         if use_kernel is None:
-            # More rows than the kernel's one program holds (a shape: no device read): the torch path.
-            use_kernel = self.step_kernel and emitted.shape[0] <= KERNEL_MAX_ROWS
+            # More rows than the kernel's one program holds (a shape: no device read), or a device it cannot run on:
+            # the torch path.
+            use_kernel = (self.step_kernel and emitted.shape[0] <= KERNEL_MAX_ROWS
+                          and kernel_can_run_on(emitted.device))
         if not use_kernel:
             failed = error if error.dtype == torch.bool else error != 0
             emission = self.emit(rows, emitted, num_accepted, failed, eos_token_id)

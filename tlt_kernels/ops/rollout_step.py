@@ -9,12 +9,23 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .._backend import triton_interpret_enabled
+
 MAX_ROWS = 1024  # the kernel's one program holds every row (tlt_kernels._triton.rollout_step.MAX_ROWS)
+
+
+def can_run_on(device) -> bool:
+    """Whether the kernel runs on tensors of ``device``: CUDA, or the CPU under Triton's interpreter."""
+    return device.type == "cuda" or triton_interpret_enabled()
 
 
 def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id: Optional[int], depth: int,
                  output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens):
-    """See :func:`tlt_kernels._triton.rollout_step.rollout_step` (shapes, dtypes, what is updated in place)."""
+    """See :func:`tlt_kernels._triton.rollout_step.rollout_step` (shapes, dtypes, what is updated in place).
+    Raises ValueError naming ``emitted`` when its device cannot run the kernel (CPU without the interpreter)."""
+    if not can_run_on(emitted.device):
+        raise ValueError(f"rollout_step: emitted is on {emitted.device}; the kernel needs CUDA tensors "
+                         "(or TRITON_INTERPRET=1 on the CPU)")
     from .._triton.rollout_step import rollout_step as launch
 
     return launch(rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth,
