@@ -30,8 +30,8 @@ def _parse_args():
     source.add_argument("--model-file", help="a .gguf file or a transformers directory")
     source.add_argument("--random-smollm2", action="store_true", help="the default model's shapes, random weights")
     ap.add_argument("--overlap", choices=("off", "on", "both"), default="on", help="overlapped steps (default on)")
-    ap.add_argument("--step-kernel", action="store_true", help="SpeculativeEngine(step_kernel=True): the step's "
-                    "bookkeeping in one Triton launch")
+    ap.add_argument("--step-kernel", choices=("off", "on", "both"), default="on",
+                    help="SpeculativeEngine(step_kernel=): the step's bookkeeping in one Triton launch (default on)")
     ap.add_argument("--detail", action=argparse.BooleanOptionalAction, default=True,
                     help="cProfile and torch.profiler tables (default on)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
@@ -132,16 +132,17 @@ def main() -> None:
     configs = [("plain", None, Strategy.off())]
     if args.arm:
         configs.append((f"ngram {args.arm}", "ngram", Strategy.parse(args.arm)))
-    overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.overlap]
+    choices = {"off": [False], "on": [True], "both": [False, True]}
     lines = []
     for name, drafter, strategy in configs:
-        for overlap in overlaps:
-            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, args.step_kernel)
-            for batch in batches:
-                prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
-                lines += _profile(f"{name} (overlap {'on' if overlap else 'off'})", eng, prompts, args.tokens,
-                                  args.detail)
-            del eng
+        for overlap in choices[args.overlap]:
+            for step_kernel in choices[args.step_kernel]:
+                eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, step_kernel)
+                label = f"{name} (overlap {'on' if overlap else 'off'}, step kernel {'on' if step_kernel else 'off'})"
+                for batch in batches:
+                    prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
+                    lines += _profile(label, eng, prompts, args.tokens, args.detail)
+                del eng
     text = "\n".join(lines)
     print(text)
     if args.out:

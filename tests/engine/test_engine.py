@@ -551,10 +551,13 @@ class _FailingOnceBackend:
         from tlt_kernels.runtime.graph_pool import FakeGraphBackend
 
         self._inner = FakeGraphBackend(lambda key: 0)
-        self.fail_at, self.times, self.calls = fail_at, times, 0
+        self.fail_at, self.times, self.calls, self.renewed_at = fail_at, times, 0, []
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+    def renew_pool(self):
+        self.renewed_at.append(self.calls)
 
     def capture(self, fn):
         self.calls += 1
@@ -576,6 +579,7 @@ def test_failed_capture_is_retried_once(target, prompts, times):
                             fuse_step=True)
     stats = eng.capture_graphs([2, 8])
     assert eng.graph_retry_error is not None and "previous error during capture" in eng.graph_retry_error
+    assert backend.renewed_at == [2]  # the retry captures into a fresh pool, once, after the failed capture
     out = eng.generate(prompts, MAX_NEW)
     ref = reference_generate(target, prompts, max(MAX_NEW))
     for b, n in enumerate(MAX_NEW):

@@ -118,7 +118,8 @@ def test_the_torch_path_is_emit_commit_stage():
 
 
 def test_use_kernel_follows_the_rollouts_step_kernel(monkeypatch):
-    """use_kernel=None: the kernel exactly when the rollout's step_kernel is set (SpeculativeEngine(step_kernel=))."""
+    """use_kernel=None: the kernel when the rollout's step_kernel is True, or None (the default) on CUDA tensors;
+    never on a device the kernel cannot run on (SpeculativeEngine(step_kernel=))."""
     calls = []
 
     class Launched(Exception):
@@ -130,8 +131,17 @@ def test_use_kernel_follows_the_rollouts_step_kernel(monkeypatch):
 
     monkeypatch.setattr(state_mod, "rollout_step", launch)
     state, inputs = _case(3)
-    state.finish_step(**inputs)  # step_kernel off (the default): the torch path
+    state.step_kernel = False
+    state.finish_step(**inputs)  # step_kernel off: the torch path
     assert not calls
+    state.step_kernel = None  # the default: the kernel on CUDA tensors only
+    if inputs["emitted"].is_cuda:
+        with pytest.raises(Launched):
+            state.finish_step(**inputs)
+        calls.clear()
+    else:
+        state.finish_step(**inputs)
+        assert not calls
     state.step_kernel = True
     monkeypatch.setattr(state_mod, "kernel_can_run_on", lambda device: True)
     with pytest.raises(Launched):

@@ -409,3 +409,48 @@ def test_run_fill_rest_resets_padding_rows_to_the_example_inputs():
     with pytest.raises(ValueError, match="takes at most"):
         pool.run("double", (torch.zeros(5, 3),), batch_size=4, fill_rest=True)
     assert pool.stats()["misses"] == 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_cuda_capture_pauses_the_garbage_collector(monkeypatch, fails):
+    """CudaGraphBackend.capture runs the captured function with Python's collector off (a collection mid-capture
+    could destroy a dead engine's graphs, which invalidates the capture) and turns it back on afterwards, also when
+    the capture raises; torch.cuda.graph is stood in for so this runs without a GPU."""
+    import contextlib
+    import gc
+
+    from tlt_kernels.runtime.graph_pool import CudaGraphBackend
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", lambda *args, **kwargs: contextlib.nullcontext())
+    backend = object.__new__(CudaGraphBackend)  # no device: only capture's own logic runs
+    backend.pool, backend.stream = None, None
+    seen = []
+
+    def body():
+        seen.append(gc.isenabled())
+        if fails:
+            raise RuntimeError("capture invalidated")
+
+    assert gc.isenabled()
+    if fails:
+        with pytest.raises(RuntimeError, match="invalidated"):
+            backend.capture(body)
+    else:
+        assert backend.capture(body) == "graph"
+    assert seen == [False] and gc.isenabled()
+
+
+def test_renew_pool_gives_a_fresh_handle(monkeypatch):
+    """After a failed capture the retry records into a new pool handle (a shared pool only)."""
+    from tlt_kernels.runtime.graph_pool import CudaGraphBackend
+
+    handles = iter([(0, 7), (0, 8)])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    backend = object.__new__(CudaGraphBackend)
+    backend.shared_pool, backend.pool = True, (0, 6)
+    backend.renew_pool()
+    assert backend.pool == (0, 7)
+    backend.shared_pool, backend.pool = False, None  # private pools: torch's default per graph, nothing to renew
+    backend.renew_pool()
+    assert backend.pool is None

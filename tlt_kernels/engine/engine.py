@@ -125,14 +125,14 @@ class SpeculativeEngine:
             changes nothing of it (its tokens, context, features and Philox counter stay); the selector learns
             from each step one step later. Off with a spot trainer or ``trace=`` (both work between steps).
         step_kernel: do a step's bookkeeping (emit, commit, the host transfer's staging) in one Triton launch
-            instead of about 45 small torch ops (``RolloutState.finish_step``; docs/RUNTIME.md). Off by default until
-            it has been timed and checked on a GPU.
+            instead of about 45 small torch ops (``RolloutState.finish_step``; docs/RUNTIME.md). ``None`` (default):
+            on a GPU; True also runs it on the CPU under Triton's interpreter; False: the torch ops.
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
-                 overlap_steps: bool = True, step_kernel: bool = False):
+                 overlap_steps: bool = True, step_kernel: Optional[bool] = None):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -155,7 +155,7 @@ class SpeculativeEngine:
         self.spot_trainer, self.rollout_buffer = spot_trainer, rollout_buffer
         self.spot_batch_fraction = spot_batch_fraction
         self.overlap_steps = bool(overlap_steps)
-        self.step_kernel = bool(step_kernel)
+        self.step_kernel = None if step_kernel is None else bool(step_kernel)
         self.rollout_step = 0
         # Every request row covers prompt + generated + the widest tree (tree nodes sit past the context), and one
         # more tree: an overlapped step may run a request once after its last step (its slots are scratch).

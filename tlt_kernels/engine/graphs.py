@@ -71,4 +71,5 @@ class GraphReplay:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             gc.collect()
+            self.pool.backend.renew_pool()
             self.pool.capture()

@@ -99,7 +99,8 @@ class RolloutState:
     deferred: List[int] = field(default_factory=list)
     done: Optional[torch.Tensor] = None  # bool [B] on the device: finished, as the device knows it
     overlap: bool = False  # launch a step before reading the previous one's outcome (SpeculativeEngine.overlap_steps)
-    step_kernel: bool = False  # finish_step in one Triton launch (SpeculativeEngine.step_kernel)
+    # finish_step in one Triton launch: True, False, or None = on CUDA tensors only (SpeculativeEngine.step_kernel)
+    step_kernel: Optional[bool] = None
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
     _active_on_device: Optional[torch.Tensor] = None
@@ -212,15 +213,15 @@ class RolloutState:
         ``[b]`` (device), ``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``, ``error`` bool or int
         ``[b]`` (verify failed), ``new_context_lens`` int32 ``[b]``; ``active_rows`` the host's list of the rows.
 
-        ``use_kernel`` (default: the rollout's :attr:`step_kernel`, for up to 1024 rows on a device the kernel runs
-        on) does all three in one Triton launch (:func:`tlt_kernels.ops.rollout_step.rollout_step`; on the CPU only
-        under Triton's interpreter), with the same results. Neither path reads the device: the staging vector goes to
-        the host by a non-blocking copy."""
+        ``use_kernel`` (default: the rollout's :attr:`step_kernel`; ``None`` there means on CUDA tensors; at most
+        1024 rows, on a device the kernel runs on) does all three in one Triton launch
+        (:func:`tlt_kernels.ops.rollout_step.rollout_step`; on the CPU only under Triton's interpreter), with the same
+        results. Neither path reads the device: the staging vector goes to the host by a non-blocking copy."""
         if use_kernel is None:
             # More rows than the kernel's one program holds (a shape: no device read), or a device it cannot run on:
             # the torch path.
-            use_kernel = (self.step_kernel and emitted.shape[0] <= KERNEL_MAX_ROWS
-                          and kernel_can_run_on(emitted.device))
+            wanted = emitted.is_cuda if self.step_kernel is None else self.step_kernel
+            use_kernel = wanted and emitted.shape[0] <= KERNEL_MAX_ROWS and kernel_can_run_on(emitted.device)
         if not use_kernel:
             failed = error if error.dtype == torch.bool else error != 0
             emission = self.emit(rows, emitted, num_accepted, failed, eos_token_id)

@@ -109,9 +109,23 @@ class CudaGraphBackend:
         # Note: entering torch.cuda.graph synchronizes and empties the allocator cache. "thread_local": an
         # unsafe CUDA call on another thread (an engine's spot-trainer thread) must not invalidate this capture;
         # the capturing thread itself is still checked.
-        with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-            fn()
+        # Python's collector is paused while capturing: a dead engine's graphs freed by a collection mid-capture
+        # would be destroyed while the stream captures, which CUDA forbids and which invalidates the capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                fn()
+        finally:
+            if collecting:
+                gc.enable()
         return g
+
+    def renew_pool(self) -> None:
+        """Capture later graphs into a fresh memory pool: after a failed capture torch may still hold the old
+        pool as being recorded to ("beginAllocateToPool: already recording"), which would fail the retry."""
+        if self.shared_pool:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def replay(self, g) -> None:
         g.replay()
@@ -182,6 +196,9 @@ class FakeGraphBackend:
     def warmup(self, fn, iters):
         self.run_eager(fn, iters)
         return self.graph_bytes(self._key)
+
+    def renew_pool(self) -> None:
+        """Nothing to renew: the model has no pool state a failed capture could leave behind."""
 
     def capture(self, fn):
         self.empty_cache()
