@@ -26,12 +26,13 @@ def test_train_drafter_writes_a_trained_checkpoint(tmp_path, capsys):
     _prompts_file(prompts)
     summary = train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts),
                                   "--steps", "6", "--max-new-tokens", "12", "--batch", "2", "--device", "cpu",
-                                  "--train-batch", "4", "--seq-len", "16", "--eval"])
+                                  "--train-batch", "4", "--seq-len", "16", "--eval", "--report-every", "4"])
     assert summary["train_prompts"] == 3 and summary["answers"] == 12  # --samples 4 by default
     assert summary["generated_tokens"] > 0 and summary["steps"] == 6
     assert out.is_file()
     assert summary["accepted_length"] >= 1.0 and summary["accepted_length_initial"] >= 1.0
-    assert '"accepted_length"' in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert '"accepted_length"' in printed and "step 4, loss" in printed and "step 6, loss" in printed
 
     target = load_pretrained(model)
     initial = EagleDrafter.for_target(target, seed=0)
@@ -73,3 +74,18 @@ def test_normalize_hidden_flag_reaches_the_trainer(monkeypatch, tmp_path):
     train_drafter.main(common + ["--out", str(tmp_path / "a.pt")])
     train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--normalize-hidden"])
     assert seen == [False, True]
+
+
+def test_train_seconds_stops_early_and_still_saves(tmp_path):
+    """--train-seconds bounds the training: a budget that runs out at once leaves fewer steps than --steps, and the
+    checkpoint is written all the same (a run inside a timed device call keeps what it trained)."""
+    model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
+    tiny_transformers_directory(model, hidden_size=64, head_dim=32)
+    _prompts_file(prompts)
+    summary = train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts),
+                                  "--steps", "1000", "--max-new-tokens", "4", "--batch", "2", "--samples", "1",
+                                  "--device", "cpu", "--train-batch", "2", "--seq-len", "8",
+                                  "--train-seconds", "1e-6"])
+    assert summary["steps"] < 1000 and out.is_file()
+    with pytest.raises(SystemExit):
+        train_drafter.parse_args(["--model-file", "m", "--out", "o", "--train-seconds", "0"])

@@ -3,7 +3,7 @@
 ::
 
     python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--steps N] [--max-new-tokens N]
-        [--batch N] [--samples N] [--normalize-hidden] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
+        [--batch N] [--samples N] [--normalize-hidden] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
 
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
@@ -67,6 +67,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="target dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--prompts", default=None, help=f"JSON-lines prompt file (default: {_REPO_PROMPTS} if it exists)")
     p.add_argument("--eval", action="store_true", help="report the accepted length on the heldout prompts")
+    p.add_argument("--train-seconds", type=float, default=None,
+                   help="stop training after this many seconds even before --steps (the checkpoint is still saved)")
+    p.add_argument("--report-every", type=int, default=500, help="print the loss every this many optimizer steps")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-batch", type=int, default=8, help="windows per optimizer step")
     p.add_argument("--seq-len", type=int, default=256, help="pairs per training window")
@@ -80,6 +83,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.prompts = str(_REPO_PROMPTS)
     if min(args.steps, args.max_new_tokens, args.batch, args.samples, args.train_batch, args.seq_len) < 1 or args.temperature < 0:
         p.error("--steps, --max-new-tokens, --batch, --samples, --train-batch and --seq-len must be >= 1, --temperature >= 0")
+    if args.report_every < 1 or (args.train_seconds is not None and args.train_seconds <= 0):
+        p.error("--report-every must be >= 1 and --train-seconds > 0")
     return args
 
 
@@ -170,14 +175,31 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     heldout = _heldout_sequences(target, tokenizer, args, eos) if args.eval else None
     if heldout is not None:
         summary["accepted_length_initial"] = accepted_length(trainer.drafter, heldout)
-    stats = trainer.run(max_steps=args.steps)
+    steps, train_s, last_loss = run_training(trainer, args)
     trainer.save_checkpoint(args.out)
-    summary.update(steps=stats.optimizer_steps, last_loss=stats.last_loss, train_s=round(stats.elapsed_s, 2),
-                   out=str(args.out))
+    summary.update(steps=steps, last_loss=last_loss, train_s=round(train_s, 2), out=str(args.out))
     if heldout is not None:
         summary["accepted_length"] = accepted_length(trainer.drafter, heldout)
     print("train_drafter: " + json.dumps(summary))
     return summary
+
+
+def run_training(trainer: SpotTrainer, args: argparse.Namespace):
+    """``--steps`` optimizer steps (fewer when ``--train-seconds`` runs out), printing the loss every
+    ``--report-every`` steps; returns ``(steps, seconds, last loss)``."""
+    steps, elapsed_s, last_loss = 0, 0.0, None
+    while steps < args.steps:
+        budget = None if args.train_seconds is None else args.train_seconds - elapsed_s
+        if budget is not None and budget <= 0:
+            break
+        stats = trainer.run(max_steps=min(args.report_every, args.steps - steps), time_budget_s=budget,
+                            publish=False)
+        steps, elapsed_s, last_loss = steps + stats.optimizer_steps, elapsed_s + stats.elapsed_s, stats.last_loss
+        loss = "n/a" if last_loss is None else f"{last_loss:.4g}"
+        print(f"train_drafter: step {steps}, loss {loss}, {elapsed_s:.1f} s", flush=True)
+        if stats.optimizer_steps == 0:
+            break
+    return steps, elapsed_s, last_loss
 
 
 def _heldout_sequences(target, tokenizer, args: argparse.Namespace, eos) -> _Sequences:
