@@ -170,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                               temperature=args.temperature, seed=args.seed, eos_token_id=eos)
     summary = {"train_prompts": len(prompts), "answers": len(train), "generated_tokens": generated, "buffer_tokens": buffer.num_tokens,
                "rollout_s": round(time.perf_counter() - t0, 2)}
-    print(f"train_drafter: {len(prompts)} prompts, {len(train)} answers, {generated} tokens generated, {buffer.num_tokens} positions buffered")
+    print(f"train_drafter: {len(prompts)} prompts, {len(train)} answers, {generated} tokens generated, {buffer.num_tokens} positions buffered in {summary['rollout_s']} s", flush=True)
     trainer = make_trainer(target, buffer, args)
     heldout = _heldout_sequences(target, tokenizer, args, eos) if args.eval else None
     if heldout is not None:
