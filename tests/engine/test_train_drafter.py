@@ -57,7 +57,8 @@ def test_read_prompts_takes_the_split_and_names_bad_lines(tmp_path):
 
 
 def test_normalize_hidden_flag_reaches_the_trainer(monkeypatch, tmp_path):
-    """--normalize-hidden sets SpotTrainer(normalize_hidden=True); it is off by default."""
+    """--normalize-hidden sets SpotTrainer(normalize_hidden=True) and is on by default; --no-normalize-hidden turns
+    it off."""
     seen = []
     real = train_drafter.SpotTrainer
 
@@ -72,8 +73,8 @@ def test_normalize_hidden_flag_reaches_the_trainer(monkeypatch, tmp_path):
     common = ["--model-file", str(model), "--prompts", str(prompts), "--steps", "2", "--max-new-tokens", "4",
               "--batch", "2", "--samples", "1", "--device", "cpu", "--train-batch", "2", "--seq-len", "8"]
     train_drafter.main(common + ["--out", str(tmp_path / "a.pt")])
-    train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--normalize-hidden"])
-    assert seen == [False, True]
+    train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--no-normalize-hidden"])
+    assert seen == [True, False]
 
 
 def test_train_seconds_stops_early_and_still_saves(tmp_path):

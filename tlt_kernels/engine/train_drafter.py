@@ -3,7 +3,7 @@
 ::
 
     python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--steps N] [--max-new-tokens N]
-        [--batch N] [--samples N] [--normalize-hidden] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
+        [--batch N] [--samples N] [--no-normalize-hidden] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
 
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
@@ -73,9 +73,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-batch", type=int, default=8, help="windows per optimizer step")
     p.add_argument("--seq-len", type=int, default=256, help="pairs per training window")
-    p.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=False,
-                   help="regress features per dimension in units of their spread (SpotTrainer(normalize_hidden=)): "
-                        "for targets whose last-layer features hold a few huge dimensions")
+    p.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=True,
+                   help="regress features per dimension in units of their spread (SpotTrainer(normalize_hidden=); "
+                        "default on): for targets whose last-layer features hold a few huge dimensions")
     args = p.parse_args(argv)
     if args.prompts is None:
         if not _REPO_PROMPTS.is_file():
