@@ -141,6 +141,7 @@ FLAGS = (
          replaces="TLT_ACCEPTANCE_GRAPHS"),
     Flag("--flashinfer-graphs", True, "also time FlashInfer replayed from a CUDA graph", bool,
          replaces="TLT_ACCEPTANCE_FI_GRAPHS"),
+    Flag("--logprobs", True, "also time each tlt impl returning both log-probs (-logprobs rows)", bool),
 )
 
 
@@ -167,6 +168,7 @@ class _Impls:
     graphs: bool  # the tlt impls' -graph rows
     fi: Any  # the flashinfer module, None when it is not timed (any more)
     fi_graphs: bool  # the flashinfer-graph rows
+    logprobs: bool = False  # the tlt impls' -logprobs rows (return_logprobs and return_raw_logprobs)
     unavailable: set = field(default_factory=set)  # kernel backends that could not run here (noted once)
 
 
@@ -181,6 +183,7 @@ def run(ctx) -> None:
         graphs=dev.type == "cuda" and bool(p.graphs),
         # FlashInfer's pipeline replayed from a CUDA graph as well; --no-flashinfer-graphs times it eagerly only.
         fi_graphs=bool(p.flashinfer_graphs),
+        logprobs=bool(p.logprobs),
     )
     for V in Vs:
         for kind, T in shapes:
@@ -230,6 +233,18 @@ def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, n
         ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
         if impls.graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
             ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
+        if impls.logprobs:  # the cost of scoring the emitted tokens: each row against its plain row of the case
+            _bench_logprobs(ctx, impls.graphs, case, name, impl, (logits, tokens, parents), kw, ref, nbytes, extra)
+
+
+def _bench_logprobs(ctx, graphs: bool, case, name, impl, tree, kw, ref, nbytes, extra) -> None:
+    """``<impl>-logprobs`` (and ``-logprobs-graph``): the call with both log-prob outputs on (``tree`` = logits,
+    draft tokens, parents); its tokens are checked against the reference's too."""
+    op = lambda: verify_tree(*tree, backend=impl, return_logprobs=True, return_raw_logprobs=True, **kw)  # noqa: E731
+    same = (op().tokens == ref.tokens).all(1).float().mean().item()
+    ctx.add(case, f"{name}-logprobs", ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+    if graphs:
+        ctx.add(case, f"{name}-logprobs-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
 
 
 def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra) -> None:

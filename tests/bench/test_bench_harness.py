@@ -440,7 +440,8 @@ def test_acceptance_impls_knob(tmp_path, capsys):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert main(["acceptance", "--device", device, "--small", "--out", str(tmp_path), "--impls", "tlt-triton"]) == 0
     data = json.loads((tmp_path / "acceptance.json").read_text())
-    assert {r["impl"].removesuffix("-graph") for r in data["rows"]} == {"tlt-triton"}  # on a GPU, with its graph row
+    impls = {r["impl"].removesuffix("-graph") for r in data["rows"]}  # on a GPU, with the graph rows
+    assert impls == {"tlt-triton", "tlt-triton-logprobs"}  # --logprobs is on by default: the scoring's cost
     # Every row carries the acceptance rate; the reference check is made on the eager call (a -graph row replays it).
     assert all("accept_rate" in r for r in data["rows"])
     assert all("same_as_ref" in r for r in data["rows"] if not r["impl"].endswith("-graph"))

@@ -111,6 +111,9 @@ def test_random_cases_same_as_reference():
         got = verify_tree(lg.to(DEV), toks.to(DEV), par.to(DEV), backend="triton", **dev_kw)
         same = torch.ones(lg.shape[0], dtype=torch.bool)
         for x, y in zip(ref, got):
+            if x is None:  # an output not asked for
+                assert y is None
+                continue
             same &= (x == y.cpu()).flatten(1).all(1) if x.dim() > 1 else x == y.cpu()
         differing += int((~same).sum())
         requests += lg.shape[0]
@@ -140,7 +143,7 @@ def test_error_flags_are_per_request():
     ref = verify_tree(lg[3:4], toks[3:4], par[3:4], seed=torch.tensor([3]), return_stats=True)
     if ref.num_accepted[0] < 4:  # node 4's NaN row was not visited: request 3 is unaffected
         assert err[3] == 0
-        compare_outputs(ref, tuple(t[3:4] for t in got))
+        compare_outputs(ref, tuple(None if t is None else t[3:4] for t in got))
     else:
         assert err[3] == 1
     # The reference flags the same requests and resets the same outputs (one contract on every backend).

@@ -8,7 +8,7 @@ import torch
 
 from .._backend import register_op
 from .._validation import check_tensor, dense, per_request
-from ..reference.verify_tree import VerifyResult
+from ..reference.verify_tree import VerifyResult, path_logprobs
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
 
 __all__ = ["VerifyResult", "verify_tree"]
@@ -233,6 +233,8 @@ def verify_tree(
     return_stats: bool = False,
     validate: bool = True,
     backend: str = "auto",
+    return_logprobs: bool = False,
+    return_raw_logprobs: bool = False,
 ) -> VerifyResult:
     """Accept the longest path of a draft tree that the target agrees with, losslessly.
 
@@ -274,10 +276,18 @@ def verify_tree(
         validate: check tree validity, token ids and value ranges (needs a host sync). Skipped
             automatically while a CUDA graph is being captured.
         backend: "auto", "torch", "triton" or "cuda".
+        return_logprobs: also return ``logprobs float32 [B, max_depth+1]``: each emitted token's log-probability
+            under its row's sampling distribution (after temperature, top-k and top-p; 0 for greedy requests, whose
+            distribution is a point mass), what an RL trainer's importance ratio needs from the rollout.
+        return_raw_logprobs: also return ``raw_logprobs float32 [B, max_depth+1]``: the same tokens under
+            ``log_softmax`` of the logits (temperature 1, no filter).
 
     Returns:
         :class:`VerifyResult` ``(tokens int32 [B, max_depth+1], num_accepted int32 [B],
-        accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None)``.
+        accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None,
+        logprobs float32 [B, max_depth+1] | None, raw_logprobs float32 [B, max_depth+1] | None)``. Log-probs are
+        0 past ``num_accepted`` and on flagged requests; they read only the rows the walk read (the accepted path's),
+        computed after the walk in float64 torch ops on every backend (no host sync: capturable).
         On every backend, a request whose walk visits a row holding NaN/+inf or only -inf (or tries a child
         whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
         -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
@@ -303,4 +313,9 @@ def verify_tree(
                   temp, k, tp, max_depth)
     inputs = _kernel_layout(logits, draft_tokens, parents, num_nodes_resolved, draft_probs, temp, k, tp, seed, offset)
     _, fn = _BACKENDS.resolve(backend, dev)
-    return fn(*inputs, max_depth, return_stats)
+    result = fn(*inputs, max_depth, return_stats)
+    if not (return_logprobs or return_raw_logprobs):
+        return result
+    logprobs, raw_logprobs = path_logprobs(inputs[0], result, temp, k, tp, sampled=bool(return_logprobs),
+                                           raw=bool(return_raw_logprobs))
+    return result._replace(logprobs=logprobs, raw_logprobs=raw_logprobs)

@@ -48,6 +48,12 @@ class VerifyResult(NamedTuple):
             num_accepted 0, accepted_nodes ``[0, -1, ...]``, stats 0); other requests are unaffected.
         stats: None, or ``int32 [B, max_depth, 2]``: ``[:, d, 0]`` children tried at depth ``d+1``,
             ``[:, d, 1]`` whether one was accepted there (0/1).
+        logprobs: None, or ``float32 [B, max_depth+1]``: ``logprobs[b, j]`` is the log-probability of
+            ``tokens[b, j]`` under the target's sampling distribution (temperature, top-k, top-p) of the row that
+            predicted it, row ``accepted_nodes[b, j]``; 0 for a greedy request's tokens (a point mass at the
+            argmax), 0 on padding and on flagged requests. (:func:`path_logprobs`.)
+        raw_logprobs: None, or ``float32 [B, max_depth+1]``: the same tokens under the raw distribution,
+            ``log_softmax`` of the row's logits at temperature 1 with no filter; 0 on padding and flagged requests.
     """
 
     tokens: torch.Tensor
@@ -55,6 +61,42 @@ class VerifyResult(NamedTuple):
     accepted_nodes: torch.Tensor
     error: torch.Tensor
     stats: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    raw_logprobs: Optional[torch.Tensor] = None
+
+
+def path_logprobs(logits: torch.Tensor, result: VerifyResult, temperature: Optional[torch.Tensor],
+                  top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor], sampled: bool = True,
+                  raw: bool = False):
+    """``(logprobs | None, raw_logprobs | None)``, each ``float32 [B, max_depth+1]``, of the tokens a walk emitted
+    (see :class:`VerifyResult`). Token ``j`` of a request was predicted by row ``accepted_nodes[j]`` (the accepted
+    node it hangs from, or for the final token the last accepted node), so only rows the walk read are read. Its law
+    is the row's target distribution whether it was an accepted draft or the final sample (the acceptance rule is
+    lossless), so that distribution is the one scored, not the residual the final token was drawn from. float64
+    arithmetic, no host sync (capturable); ``sampled`` / ``raw`` pick the outputs."""
+    if not (sampled or raw):
+        return None, None
+    B, W = result.tokens.shape
+    V = logits.shape[2]
+    emitted = (torch.arange(W, device=logits.device).unsqueeze(0) <= result.num_accepted.unsqueeze(1).long())
+    emitted &= ~result.error.bool().unsqueeze(1)
+    nodes = torch.where(emitted, result.accepted_nodes.long(), torch.zeros_like(result.accepted_nodes, dtype=torch.long))
+    rows = logits.gather(1, nodes.unsqueeze(2).expand(B, W, V)).reshape(B * W, V).to(torch.float64)
+    rows = torch.where(emitted.reshape(B * W, 1), rows, torch.zeros_like(rows))  # no NaN from rows never scored
+    token = torch.where(emitted, result.tokens.long(), torch.zeros_like(result.tokens, dtype=torch.long))
+    token = token.reshape(B * W, 1)
+
+    def scored(values):
+        return torch.where(emitted, values.reshape(B, W), torch.zeros_like(values.reshape(B, W))).to(torch.float32)
+
+    per_row = lambda t: None if t is None else t.repeat_interleave(W)  # noqa: E731  ([B] -> one value per row)
+    out_sampled = out_raw = None
+    if sampled:
+        probs = target_probs(rows, per_row(temperature), per_row(top_k), per_row(top_p))
+        out_sampled = scored(probs.gather(1, token).squeeze(1).log())
+    if raw:
+        out_raw = scored(torch.log_softmax(rows, dim=1).gather(1, token).squeeze(1))
+    return out_sampled, out_raw
 
 
 def empty_verify_outputs(logits: torch.Tensor, max_depth: int, return_stats: bool):
