@@ -127,12 +127,16 @@ class SpeculativeEngine:
         step_kernel: do a step's bookkeeping (emit, commit, the host transfer's staging) in one Triton launch
             instead of about 45 small torch ops (``RolloutState.finish_step``; docs/RUNTIME.md). ``None`` (default):
             on a GPU; True also runs it on the CPU under Triton's interpreter; False: the torch ops.
+        logprobs: score every emitted token: :attr:`GenerateOutput.logprobs` (under the distribution it was
+            sampled from) and :attr:`GenerateOutput.raw_logprobs` (``log_softmax`` of the target's logits), what an
+            RL trainer's importance ratios need from the rollout. Set at construction: the step graphs capture the
+            scoring (``verify_tree(return_logprobs=True, return_raw_logprobs=True)``).
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
-                 overlap_steps: bool = True, step_kernel: Optional[bool] = None):
+                 overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -170,8 +174,9 @@ class SpeculativeEngine:
         self.graph_pool = graph_pool
         self.graphs = GraphReplay(graph_pool)
         runner_class = FusedGraphStepRunner if fuse_step else SeparateGraphStepRunner
-        self.step_runner = runner_class(TargetStep(target, self.cache, self.sink_table, backend), self.tree_drafter,
-                                        self.graphs)
+        self.logprobs = bool(logprobs)
+        self.step_runner = runner_class(TargetStep(target, self.cache, self.sink_table, backend, self.logprobs),
+                                        self.tree_drafter, self.graphs)
 
     @property
     def graph_error(self) -> Optional[str]:
@@ -291,35 +296,51 @@ class SpeculativeEngine:
         if errors:
             warnings.warn(f"SpeculativeEngine.generate: the target's logits held NaN/+inf (or only -inf) for requests "
                           f"{errors}; they stopped at that step (GenerateOutput.errors)", RuntimeWarning, stacklevel=2)
+        return self._output(rollout, wall_s, errors)
+
+    @staticmethod
+    def _output(rollout: RolloutState, wall_s: float, errors: List[int]) -> GenerateOutput:
+        """The result: each request's tokens (and log-probs when scored), read from the device once."""
         lengths = rollout.generated.cpu()
-        output_tokens = rollout.output_tokens.cpu()
-        tokens = [output_tokens[b, : int(lengths[b])].tolist() for b in range(lengths.shape[0])]
-        return GenerateOutput(tokens, lengths, rollout.finish_s, rollout.steps, wall_s, rollout.prefill_s,
-                              rollout.spot.result or None, errors)
+        per_request = lambda values: [values[b, : int(lengths[b])].tolist() for b in range(lengths.shape[0])]  # noqa: E731
+        logprobs = raw_logprobs = None
+        if rollout.output_scores is not None:
+            scores = rollout.output_scores.cpu()
+            logprobs, raw_logprobs = per_request(scores[:, :, 0]), per_request(scores[:, :, 1])
+        return GenerateOutput(per_request(rollout.output_tokens.cpu()), lengths, rollout.finish_s, rollout.steps,
+                              wall_s, rollout.prefill_s, rollout.spot.result or None, errors, logprobs, raw_logprobs)
 
     def _prefill(self, prompt_tokens, prompt_lens, block_table, sampling):
         """The prompts' KV and the first token of each request, drawn from the prompt's last logits (offset 0, node
-        0): ``(first_tokens int64 [B], failed bool [B], prefill_hidden [B, L, H], offsets int64 [B])``."""
+        0): ``(first_tokens int64 [B], failed bool [B], prefill_hidden [B, L, H], offsets int64 [B], first_scores
+        float32 [B, 2] (sampling, raw log-probs) or None)``."""
         B, dev = prompt_tokens.shape[0], self.device
         logits, hidden = self.target.prefill(prompt_tokens, prompt_lens.to(torch.int32), self.cache, block_table,
                                              torch.zeros(B, dtype=torch.int32, device=dev))
         offsets = torch.zeros(B, dtype=torch.int64, device=dev)
         first = verify_tree(logits.unsqueeze(1), torch.zeros(B, 1, dtype=torch.int64, device=dev),
                             torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+                            return_logprobs=self.logprobs, return_raw_logprobs=self.logprobs,
                             **sampling.verify_kwargs(torch.arange(B, device=dev), offsets))
         # failed: requests whose logits held NaN/+inf (verify_tree's error flag): they emit nothing more.
         failed = first.error.bool()
         first_tokens = first.tokens[:, 0].to(torch.int64).clamp(min=0)  # a failed request's -1 never reaches a drafter
         offsets += 1
-        return first_tokens, failed, hidden, offsets
+        scores = torch.stack([first.logprobs[:, 0], first.raw_logprobs[:, 0]], 1) if self.logprobs else None
+        return first_tokens, failed, hidden, offsets, scores
 
     def _start(self, prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id) -> RolloutState:
         """Prefill, the drafter's start, and the rollout's state (requests done at the first token already out)."""
         start_time = time.perf_counter()
         B, dev = prompt_tokens.shape[0], self.device
-        first_tokens, failed, hidden, offsets = self._prefill(prompt_tokens, prompt_lens, block_table, sampling)
+        first_tokens, failed, hidden, offsets, first_scores = self._prefill(prompt_tokens, prompt_lens, block_table,
+                                                                            sampling)
         output_tokens = torch.full((B, int(max_new.max()) + self.max_width + 1), -1, dtype=torch.int64, device=dev)
         output_tokens[:, 0] = first_tokens
+        output_scores = None
+        if first_scores is not None:  # the same columns as output_tokens
+            output_scores = torch.zeros((*output_tokens.shape, 2), dtype=torch.float32, device=dev)
+            output_scores[:, 0] = first_scores
         generated = (~failed).to(torch.int64)
         max_new_dev = max_new.to(dev)
         done = (generated >= max_new_dev) | failed
@@ -337,7 +358,7 @@ class SpeculativeEngine:
             root_tokens=first_tokens.clone(), output_tokens=output_tokens, generated=generated,
             max_new_tokens=max_new_dev, active_rows=[b for b in range(B) if not done_host[b]],
             context_lens_host=lens_host, done=done, start_time=start_time, prefill_s=prefill_s, start_batch_size=B,
-            finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]],
+            finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]], output_scores=output_scores,
             sampling=sampling, eos_token_id=eos_token_id, features=features,
             spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B),
             progress=ProgressBar(int(max_new.sum()), self.progress))
@@ -374,8 +395,11 @@ class SpeculativeEngine:
         num_accepted = result.num_accepted.to(torch.int64)
         depth = strategy.num_steps if self.selector is not None else 0
         # emit, commit of the rollout's state, staging of the outcome (one Triton launch with step_kernel).
+        start = rollout.generated[rows] if result.scores is not None else None  # a copy: emit advances generated
         emission, staged = rollout.finish_step(rows, result.emitted, num_accepted, result.error, result.context_lens,
                                                rollout.eos_token_id, depth, list(rollout.active_rows))
+        if start is not None:
+            rollout.record_scores(rows, start, emission.counts, result.scores)
         self._commit(rollout, inputs, result, num_accepted, emission.keep)
         return LaunchedStep(strategy, result.width, result.replayed, staged, started)
 

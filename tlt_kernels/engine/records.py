@@ -41,6 +41,10 @@ class GenerateOutput:
     (None when it did not run). ``errors``: the requests stopped because the target's logits on their path held
     NaN/+inf or only -inf (``verify_tree``'s error flag; a diverged policy): their ``tokens`` end before the step that
     failed, and they never enter the rollout buffer. ``generate`` also warns when the list is not empty.
+    ``logprobs`` / ``raw_logprobs`` (engines built with ``logprobs=True``, else None): per request, one float per
+    token of ``tokens``: its log-probability under the sampling distribution it was drawn from (temperature, top-k,
+    top-p; 0 for greedy requests) and under the raw ``log_softmax`` of the target's logits
+    (:func:`~tlt_kernels.verify_tree`'s ``return_logprobs`` / ``return_raw_logprobs``).
     """
 
     tokens: List[List[int]]
@@ -51,6 +55,8 @@ class GenerateOutput:
     prefill_s: float
     spot: Optional[dict] = None
     errors: List[int] = field(default_factory=list)
+    logprobs: Optional[List[List[float]]] = None
+    raw_logprobs: Optional[List[List[float]]] = None
 
     @property
     def num_tokens(self) -> int:

@@ -103,6 +103,8 @@ class RolloutState:
     step_kernel: Optional[bool] = None
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
+    # float32 [B, W, 2]: the sampling and raw log-probs of output_tokens' tokens (same columns), or None (not scored)
+    output_scores: Optional[torch.Tensor] = None
     _active_on_device: Optional[torch.Tensor] = None
     _active_block_table: Optional[torch.Tensor] = None
     _aranges: dict = field(default_factory=dict)
@@ -169,6 +171,17 @@ class RolloutState:
             finished |= first_eos < width
         self.done[rows] = finished
         return Emission(counts, finished, failed, was_done, failed | was_done)
+
+    def record_scores(self, rows, start, counts, scores) -> None:
+        """Store a step's log-probs (``scores`` float32 ``[b, T, 2]``, aligned with ``emitted``) beside the tokens
+        :meth:`emit` wrote: row ``r``'s first ``counts[r]`` at columns ``start[r]`` on (``start`` int64 ``[b]``:
+        ``generated`` before the step), the rest into the sink column. Device ops only."""
+        j = self.arange(0, scores.shape[1], scores.device).unsqueeze(0)
+        sink = self.output_scores.shape[1] - 1
+        positions = torch.where(j < counts.unsqueeze(1), start.unsqueeze(1) + j, torch.full_like(j, sink))
+        out_rows = self.output_scores[rows]
+        out_rows.scatter_(1, positions.unsqueeze(2).expand(-1, -1, 2), scores.to(out_rows.dtype))
+        self.output_scores[rows] = out_rows
 
     def commit(self, rows, new_context_lens, emitted, num_accepted, keep) -> None:
         """The accepted path becomes context: new context lengths, the next Philox counter, the new root token;

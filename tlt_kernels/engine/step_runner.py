@@ -57,7 +57,8 @@ class StepResult(NamedTuple):
     then the target's token, -1 past them), ``num_accepted`` int32 ``[b]``, ``context_lens`` int32 ``[b]`` after
     compaction, ``path_hidden`` ``[b, T, H]`` and ``path_tokens`` int64 ``[b, T]`` of the accepted path, ``error``
     int32 ``[b]`` (verify_tree's NaN/+inf flag), ``drafter_state`` (the rows' new drafter state from a fused graph;
-    None: the drafter's commit computes it), ``replayed`` (from graphs or eager)."""
+    None: the drafter's commit computes it), ``replayed`` (from graphs or eager), ``scores`` float32 ``[b, T, 2]``
+    (the emitted tokens' sampling and raw log-probs, when the target step scores them; else None)."""
 
     emitted: torch.Tensor
     num_accepted: torch.Tensor
@@ -68,14 +69,16 @@ class StepResult(NamedTuple):
     drafter_state: Optional[List[torch.Tensor]]
     replayed: bool
     width: int
+    scores: Optional[torch.Tensor] = None
 
 
 class TargetStep:
     """The target's side of a step: the verify forward over the paged cache, acceptance and KV compaction."""
 
-    def __init__(self, target, cache, sink_table: torch.Tensor, backend: str):
+    def __init__(self, target, cache, sink_table: torch.Tensor, backend: str, logprobs: bool = False):
         self.target, self.cache, self.sink_table, self.backend = target, cache, sink_table, backend
         self.device = target.device
+        self.logprobs = logprobs  # accept() also returns the emitted tokens' log-probs
 
     def verify_forward(self, tokens, parents, num_nodes, block_table, context_lens, max_context_len=None):
         """``(logits [b, T, V], hidden [b, T, H])`` of the tree nodes (the verify graphs' function). ``max_context_len``
@@ -86,15 +89,19 @@ class TargetStep:
 
     def accept(self, tree: ProposedTree, logits, hidden, block_table, context_lens, sampling: dict) -> tuple:
         """verify_tree + compact_kv + the accepted path's features: ``(emitted int64 [b, T], num_accepted int32
-        [b], new context_lens int32 [b], path_hidden [b, T, H], path_tokens int64 [b, T], error int32 [b])``."""
+        [b], new context_lens int32 [b], path_hidden [b, T, H], path_tokens int64 [b, T], error int32 [b])``, then
+        with :attr:`logprobs` the emitted tokens' ``scores`` float32 ``[b, T, 2]`` (sampling, raw log-probs)."""
         tokens, parents, num_nodes = tree
         width = tokens.shape[1]
-        res = verify_tree(logits, tokens, parents, num_nodes, max_depth=width - 1, validate=False, **sampling)
+        res = verify_tree(logits, tokens, parents, num_nodes, max_depth=width - 1, validate=False,
+                          return_logprobs=self.logprobs, return_raw_logprobs=self.logprobs, **sampling)
         new_context_lens = compact_kv(self.cache.k, self.cache.v, block_table, context_lens, res.accepted_nodes,
                                       res.num_accepted, validate=False)
         path = res.accepted_nodes.to(torch.int64).clamp(min=0)  # [b, T]
         path_hidden = hidden.gather(1, path.unsqueeze(2).expand(-1, -1, hidden.shape[-1]))
-        return res.tokens.to(torch.int64), res.num_accepted, new_context_lens, path_hidden, tokens.gather(1, path), res.error
+        outputs = (res.tokens.to(torch.int64), res.num_accepted, new_context_lens, path_hidden, tokens.gather(1, path),
+                   res.error)
+        return outputs + (torch.stack([res.logprobs, res.raw_logprobs], 2),) if self.logprobs else outputs
 
     def pad_verify_inputs(self, width: int, p: int):
         """Padding rows of the verify graph (its example inputs): a 1-node tree at slot 0 of the sink request,
@@ -183,7 +190,9 @@ class SeparateGraphStepRunner(StepRunner):
                                                       inputs.batch_size)
         accepted = self.target_step.accept(tree, logits, hidden, inputs.block_table, inputs.context_lens,
                                            inputs.verify_sampling)
-        return StepResult(*accepted, drafter_state=None, replayed=replayed, width=tree.tokens.shape[1])
+        scores = accepted[6] if self.target_step.logprobs else None
+        return StepResult(*accepted[:6], drafter_state=None, replayed=replayed, width=tree.tokens.shape[1],
+                          scores=scores)
 
     def propose(self, strategy, inputs: StepInputs) -> ProposedTree:
         """The drafter's trees with each request's last token at the root (a root alone for width 1)."""
@@ -223,9 +232,10 @@ class FusedGraphStepRunner(StepRunner):
         graph_inputs = [inputs.block_table, inputs.context_lens, inputs.root_tokens, *inputs.graph_sampling,
                         *inputs.drafter_state]
         outputs = self.graphs.replay(self.step_key(strategy), graph_inputs, inputs.batch_size)
-        emitted, num_accepted, context_lens, path_hidden, path_tokens, error, *drafter_state = outputs
-        return StepResult(emitted, num_accepted, context_lens, path_hidden, path_tokens, error, drafter_state,
-                          replayed=True, width=self.drafter.tree_width(strategy))
+        emitted, num_accepted, context_lens, path_hidden, path_tokens, error, *rest = outputs
+        scores = rest.pop(0) if self.target_step.logprobs else None  # the graph's outputs: accept's, then the state
+        return StepResult(emitted, num_accepted, context_lens, path_hidden, path_tokens, error, rest,
+                          replayed=True, width=self.drafter.tree_width(strategy), scores=scores)
 
     def _step_fn(self, strategy):
         draft, commit = self.drafter.fused_functions(strategy)
