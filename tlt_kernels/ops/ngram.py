@@ -1,4 +1,5 @@
-"""``ngram_propose`` / ``ngram_propose_tree``: model-free drafts from each request's own history."""
+"""``ngram_propose`` / ``ngram_propose_tree``: model-free drafts from each request's own history, or from its
+group's (``siblings=``)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -55,7 +56,25 @@ def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
             raise ValueError(f"lengths[{b}] = {int(lens[b])} is outside [0, L={L}] (L = tokens.shape[1])")
 
 
-def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, validate: bool = True, backend: str = "auto") -> NGramDrafts:
+def _check_siblings(siblings, tokens, validate: bool, backend: str):
+    """``siblings`` int ``[B, S]`` on ``tokens``' device, each in ``[-1, B)`` (values read only when ``validate``);
+    the group path runs on the torch backend (returned)."""
+    B = tokens.shape[0]
+    check_tensor("siblings", siblings, dtype=(torch.int32, torch.int64), ndim=2, device=tokens.device)
+    if siblings.shape[0] != B:
+        raise ValueError(f"siblings must have one row per request ({B}), got shape {tuple(siblings.shape)}")
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"siblings= runs on the torch backend (backend='auto' or 'torch'), got backend={backend!r}")
+    if validate and not _capturing(tokens.device) and siblings.numel():
+        values = siblings.cpu()
+        bad = ((values < -1) | (values >= B)).nonzero()
+        if bad.numel():
+            b, s = (int(v) for v in bad[0])
+            raise ValueError(f"siblings[{b}, {s}] = {int(values[b, s])} is outside [-1, B={B}) (-1 = empty slot)")
+
+
+def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, validate: bool = True, backend: str = "auto",
+                  siblings=None) -> NGramDrafts:
     """Propose up to ``k`` draft tokens per request by prompt lookup in its own history.
 
     For request ``b`` (history ``h = tokens[b, :lengths[b]]``), find the longest ``n`` in
@@ -70,18 +89,29 @@ def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, valid
         min_n, max_n: n-gram sizes tried, ``1 <= min_n <= max_n``.
         validate: check ``lengths``' values (reads them on the host; skipped under CUDA-graph capture).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        siblings: ``int32``/``int64 [B, S]`` or None: the rows whose histories request ``b`` may also draw from
+            (its group's other responses, finished ones included; -1 = empty slot). The longest ``n`` is then
+            searched in every source; its occurrence comes from the request's own history when it has one, else
+            from the first sibling (in the order given) that has one, most recent first
+            (:mod:`tlt_kernels.reference.ngram_group`). Runs on the torch backend (device ops, no host sync).
 
     Returns:
         :class:`NGramDrafts` ``(drafts int64 [B, k], -1 padded; num_drafts int32 [B])``.
     """
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
+    if siblings is not None:
+        from ..reference.ngram_group import ngram_propose_group
+
+        _check_siblings(siblings, tokens, validate, backend)
+        return NGramDrafts(*ngram_propose_group(tokens, lengths, siblings, k, min_n, max_n))
     _, fn = _NGRAM.resolve(backend, tokens.device)
     drafts, num = fn(dense(tokens), dense(lengths), k, min_n, max_n)
     return NGramDrafts(drafts, num)
 
 
 def ngram_propose_tree(
-    tokens, lengths, k: int, num_branches: int, min_n: int = 1, max_n: int = 4, validate: bool = True, backend: str = "auto"
+    tokens, lengths, k: int, num_branches: int, min_n: int = 1, max_n: int = 4, validate: bool = True, backend: str = "auto",
+    siblings=None,
 ) -> NGramTree:
     """Propose a token tree from several earlier occurrences of the longest matching n-gram.
 
@@ -91,7 +121,9 @@ def ngram_propose_tree(
     are numbered in insertion order (branch by branch, then by depth), which is topological.
 
     Args:
-        tokens, lengths, k, min_n, max_n, validate, backend: as in :func:`ngram_propose`.
+        tokens, lengths, k, min_n, max_n, validate, backend, siblings: as in :func:`ngram_propose` (with
+            siblings, the branches are the first ``num_branches`` occurrences in (own history, then siblings in
+            order; most recent first) order).
         num_branches: number of occurrences used, ``>= 1``.
 
     Returns:
@@ -102,5 +134,10 @@ def ngram_propose_tree(
     """
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
     check_int("num_branches", num_branches, 1)
+    if siblings is not None:
+        from ..reference.ngram_group import ngram_propose_tree_group
+
+        _check_siblings(siblings, tokens, validate, backend)
+        return NGramTree(*ngram_propose_tree_group(tokens, lengths, siblings, k, num_branches, min_n, max_n))
     _, fn = _NGRAM_TREE.resolve(backend, tokens.device)
     return NGramTree(*fn(dense(tokens), dense(lengths), k, num_branches, min_n, max_n))

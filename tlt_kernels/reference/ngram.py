@@ -76,7 +76,6 @@ def ngram_propose_tree(tokens: torch.Tensor, lengths: torch.Tensor, k: int, num_
     B, L = tokens.shape
     R = num_branches
     dev = tokens.device
-    T = 1 + R * k
     tokens = tokens.to(torch.int64)
     lens = lengths.to(torch.int64)
     m = match_lengths(tokens, lengths, max_n)
@@ -87,6 +86,17 @@ def ngram_propose_tree(tokens: torch.Tensor, lengths: torch.Tensor, k: int, num_
         ends_all = torch.cat([ends_all, torch.full((B, R - L), -1, device=dev, dtype=torch.int64)], dim=1)
     ends = ends_all.topk(R, dim=1).values  # most recent first; -1 = no branch
     cont, count = _continuations(tokens, lens, ends, k)  # [B, R, k]
+    last_token = tokens.gather(1, (lens - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return merge_trie(cont, count, torch.where(lens > 0, last_token, torch.zeros_like(last_token)))
+
+
+def merge_trie(cont: torch.Tensor, count: torch.Tensor, roots: torch.Tensor):
+    """The trie of ``R`` continuations (``cont`` int64 ``[B, R, k]``, the first ``count[b, r]`` valid) under
+    ``roots`` int64 ``[B]``: ``(parents int32 [B, 1 + R*k], draft_tokens int64, num_nodes int32 [B])`` (see
+    :func:`ngram_propose_tree`)."""
+    B, R, k = cont.shape
+    dev = cont.device
+    T = 1 + R * k
     j = torch.arange(k, device=dev)
     valid = j.view(1, 1, k) < count.unsqueeze(2)  # [B, R, k]
     # same[b, r, r2, j]: branches r and r2 share their first j+1 tokens (both long enough).
@@ -106,7 +116,6 @@ def ngram_propose_tree(tokens: torch.Tensor, lengths: torch.Tensor, k: int, num_
     parents = torch.zeros(B, T + 1, dtype=torch.int64, device=dev).scatter_(1, dst, par.reshape(B, R * k))[:, :T]
     draft = torch.zeros(B, T + 1, dtype=torch.int64, device=dev).scatter_(1, dst, cont.reshape(B, R * k))[:, :T]
     parents[:, 0] = -1
-    last_token = tokens.gather(1, (lens - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    draft[:, 0] = torch.where(lens > 0, last_token, torch.zeros_like(last_token))
+    draft[:, 0] = roots
     num_nodes = (1 + is_new.sum(dim=(1, 2))).to(torch.int32)
     return parents.to(torch.int32), draft, num_nodes
