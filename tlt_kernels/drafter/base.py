@@ -68,6 +68,11 @@ class Drafter(Protocol):
     ``rows`` are int64 ``[b]`` device indices of the running requests in ``[0, B)`` (``B``: the rollout's batch).
     ``state_rows`` is the list of per-request state tensors (first dimension ``b``) the drafter's graphs take
     (``[]`` for a drafter without device state).
+
+    Optional (not part of the protocol, so existing drafters stay valid; :class:`DrafterBase` has it):
+    ``set_groups(siblings)``, called after :meth:`start` when ``generate`` is given request groups, with
+    ``siblings`` int64 ``[B, S]``: the other rows of each request's group (-1 padded). A drafter that can draft
+    from them (the n-gram drafter) keeps them for the rollout; others ignore them.
     """
 
     module: Optional[torch.nn.Module]  # trainable weights the spot trainer publishes into, or None
@@ -142,6 +147,9 @@ class DrafterBase:
 
     def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
         pass
+
+    def set_groups(self, siblings: torch.Tensor) -> None:
+        pass  # this drafter drafts from each request alone
 
     def state_rows(self, rows) -> List[torch.Tensor]:
         return []

@@ -71,6 +71,8 @@ class NGramDrafter:
         self.buffer = torch.zeros(batch_size, max_len + 1, dtype=torch.int64, device=device)
         self.device = self.buffer.device  # normalized: "cuda" becomes "cuda:<current>", the buffer's own device
         self.lengths = torch.zeros(batch_size, dtype=torch.int32, device=self.device)
+        # int64 [B, S] or None: rows each history may also draw from (its group; ngram_propose's siblings=)
+        self.siblings: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -148,7 +150,8 @@ class NGramDrafter:
         """Chain drafts: :class:`tlt_kernels.NGramDrafts` (``drafts int64 [B, k]``, ``num_drafts int32 [B]``)."""
         from ..ops.ngram import ngram_propose
 
-        return ngram_propose(self.buffer, self.lengths, k, self.min_n, self.max_n, validate=validate, backend=self.backend)
+        return ngram_propose(self.buffer, self.lengths, k, self.min_n, self.max_n, validate=validate, backend=self.backend,
+                             siblings=self.siblings)
 
     def root_tokens(self) -> torch.Tensor:
         """``int64 [B]`` last token of each history (0 when empty)."""
@@ -165,4 +168,5 @@ class NGramDrafter:
         ``T = 1 + num_branches * k``."""
         from ..ops.ngram import ngram_propose_tree
 
-        return ngram_propose_tree(self.buffer, self.lengths, k, num_branches, self.min_n, self.max_n, validate=validate, backend=self.backend)
+        return ngram_propose_tree(self.buffer, self.lengths, k, num_branches, self.min_n, self.max_n, validate=validate,
+                                  backend=self.backend, siblings=self.siblings)

@@ -47,6 +47,10 @@ class NGramRolloutDrafter(DrafterBase):
         self.histories.reset(torch.arange(B, device=dev), prompts, prompt_lens)
         self.histories.append(first_tokens.unsqueeze(1), torch.ones(B, dtype=torch.int32, device=dev))
 
+    def set_groups(self, siblings: torch.Tensor) -> None:
+        """Draft from the request's whole group: ``siblings`` int64 ``[B, S]`` (ngram_propose's ``siblings=``)."""
+        self.histories.siblings = siblings
+
     def propose(self, strategy, rows, state_rows, graphs) -> ProposedTree:
         width = self.tree_width(strategy)
         if strategy.topk <= 1:

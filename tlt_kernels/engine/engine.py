@@ -59,6 +59,7 @@ from ..ops.verify_tree import verify_tree
 from ..runtime.strategy import Strategy
 from .capture import FeatureCapture
 from .graphs import GraphReplay
+from .groups import sibling_table
 from .probe import measure_cost_table, probe_arms
 from .records import GenerateOutput, ProgressBar, StepLog
 from .sampling import RequestSampling
@@ -256,7 +257,8 @@ class SpeculativeEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
-                 eos_token_id: Optional[int] = None, trace: Optional[list] = None) -> GenerateOutput:
+                 eos_token_id: Optional[int] = None, trace: Optional[list] = None,
+                 groups: Optional[Sequence] = None) -> GenerateOutput:
         """Generate a rollout batch.
 
         Args:
@@ -270,6 +272,9 @@ class SpeculativeEngine:
                 format: before each step every strategy is *probed* on the live batch (drafted, verified and
                 accepted without committing; the real step then overwrites the probed KV slots) and timed, so the
                 selector can be replayed against the trace's hindsight oracle. Slow (one probe per arm per step).
+            groups: one hashable group id per request (GRPO: the prompt's id for each of its ``G`` responses), or
+                None. The n-gram drafter then drafts from the histories of the request's whole group, finished
+                requests included (:func:`tlt_kernels.ngram_propose`'s ``siblings=``); other drafters ignore it.
         Returns:
             :class:`GenerateOutput`.
         """
@@ -278,9 +283,12 @@ class SpeculativeEngine:
         prompt_tokens, prompt_lens = _as_padded(prompts, self.device)
         max_new = self._check_request_args(prompt_tokens, prompt_lens, max_new_tokens, eos_token_id)
         sampling = RequestSampling(prompt_tokens.shape[0], self.device, temperature, top_k, top_p, seed)
+        siblings = sibling_table(groups, prompt_tokens.shape[0], self.device)
         block_table, _ = self.cache.allocate(prompt_tokens.shape[0], self.slots_per_request)
         try:
             rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)
+            if siblings is not None:
+                self.tree_drafter.set_groups(siblings)
             rollout.trace = trace
             rollout.overlap = self.overlap_steps and trace is None and self.spot_trainer is None
             rollout.step_kernel = self.step_kernel
