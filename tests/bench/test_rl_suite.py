@@ -1,0 +1,74 @@
+"""The RL suite (``python -m bench rl``) and its parts: the task, GRPO's arithmetic, the tiny CPU run."""
+import json
+
+import pytest
+import torch
+
+from bench.__main__ import main
+from bench.grpo import (common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue,
+                        response_logprobs)
+from bench.rl_task import problems, reward
+
+
+def test_problems_are_reproducible_and_their_answers_hold():
+    a, b = problems(50, seed=3), problems(50, seed=3)
+    assert a == b and problems(50, seed=4) != a
+    for problem in a:
+        assert problem.answer >= 0 and "?" in problem.question
+        assert reward(f"So the answer is {problem.answer}.", problem.answer) == 1.0
+    assert reward("It is 1,234 in all", 1234) == 1.0
+    assert reward("first 5, then 7", 5) == 0.0  # the last integer counts
+    assert reward("no number", 3) == 0.0
+
+
+def test_group_advantages_are_normalized_per_group():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), group_size=3)
+    assert torch.allclose(adv[:3], torch.tensor([2 ** 0.5, -(2 ** -0.5), -(2 ** -0.5)]), atol=1e-3)
+    assert torch.equal(adv[3:], torch.zeros(3))  # a group with one reward carries no signal
+
+
+def test_grpo_loss_raises_the_logprob_of_rewarded_responses():
+    """On policy (ratio 1) the loss's gradient pushes a positive-advantage response's log-probs up and a negative
+    one's down; the clip stops the push once the ratio leaves [1 - eps, 1 + eps]."""
+    logp = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    loss = grpo_loss(logp, logp.detach(), mask, torch.tensor([1.0, -1.0]))
+    loss.backward()
+    assert (logp.grad[0] < 0).all() and logp.grad[1, 0] > 0 and logp.grad[1, 1] == 0
+    far = logp.detach() + 1.0  # ratio e > 1 + eps with a positive advantage: clipped, no gradient
+    far.requires_grad_(True)
+    grpo_loss(far, logp.detach(), mask, torch.tensor([1.0, 1.0])).backward()
+    assert torch.equal(far.grad, torch.zeros_like(far.grad))
+
+
+def test_response_logprobs_equal_log_softmax_at_the_response_tokens():
+    torch.manual_seed(0)
+    table = torch.randn(20, 11)
+    logits_fn = lambda t: table[t]  # noqa: E731  (logits depend on the token at each position)
+    prompts, responses = [[1, 2, 3], [4]], [[5, 6], [7, 8, 9]]
+    logp, mask = response_logprobs(logits_fn, "cpu", prompts, responses)
+    assert mask.tolist() == [[True, True, False], [True, True, True]]
+    want = torch.log_softmax(table, 1)
+    assert torch.allclose(logp[0, :2], torch.stack([want[3, 5], want[5, 6]]))
+    assert torch.allclose(logp[1], torch.stack([want[4, 7], want[7, 8], want[8, 9]]))
+
+
+def test_permutation_test_and_common_prefix():
+    assert permutation_pvalue([1.0] * 30, [0.0] * 30) < 0.01
+    assert permutation_pvalue([1.0, 0.0] * 20, [0.0, 1.0] * 20) > 0.5
+    assert common_prefix_max_diff([[1, 2, 3]], [[-0.1, -0.2, -0.3]], [[1, 2, 4]], [[-0.1, -0.25, -9.0]]) == \
+        pytest.approx(0.05)
+
+
+def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
+    assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "rl.json").read_text())
+    rows = data["rows"]
+    assert {r["impl"] for r in rows} == {"spec", "plain", "hf"}
+    per_step = [r for r in rows if r["case"]["step"] != "all"]
+    assert len(per_step) == 3 * 2 and all(r["tokens"] > 0 and r["ms"] > 0 for r in per_step)
+    assert all(r["tail_s"] is not None for r in per_step if r["impl"] != "hf")
+    notes = " ".join(data["notes"])
+    assert "permutation test" in notes and "largest difference" in notes
+    diff = float(notes.split("largest difference ")[1].split()[0])
+    assert diff < 1e-4  # fp32 on the CPU: the two engines score shared tokens alike
