@@ -20,8 +20,8 @@ fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout
 ``mean_reward``, ``tokens``; per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
 ``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: a permutation test of the per-response rewards
 of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
-``plain`` on the tokens their first rollouts share (same weights and seeds). On the GPU the EAGLE drafter and the
-spot trainer are not in the loop yet.
+``plain`` on the tokens their first rollouts share (same weights and seeds). ``python -m bench.plot_rl rl.json`` draws
+reward and rollout time per step. The EAGLE drafter and the spot trainer are not in the loop yet.
 """
 from __future__ import annotations
 

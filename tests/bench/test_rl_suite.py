@@ -72,3 +72,12 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     assert "permutation test" in notes and "largest difference" in notes
     diff = float(notes.split("largest difference ")[1].split()[0])
     assert diff < 1e-4  # fp32 on the CPU: the two engines score shared tokens alike
+
+
+def test_plot_series_reads_the_per_step_rows(tmp_path):
+    from bench.plot_rl import series
+
+    assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "plain,hf"]) == 0
+    points = series(json.loads((tmp_path / "rl.json").read_text()))
+    assert set(points) == {"plain", "hf"}
+    assert [p[0] for p in points["plain"]] == [0, 1] and all(p[2] > 0 for p in points["hf"])
