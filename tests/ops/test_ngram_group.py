@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import agreement_backends, kernel_devices, need_backend
 from test_ngram import random_histories
 from tlt_kernels import ngram_propose, validate_tree
 from tlt_kernels.ops.ngram import ngram_propose_tree
@@ -107,16 +108,22 @@ def test_without_usable_siblings_it_is_the_self_only_op(gen):
                 assert torch.equal(x, y)
 
 
-def test_a_finished_sibling_drafts_for_the_straggler():
+@pytest.mark.parametrize("backend", agreement_backends())
+def test_a_finished_sibling_drafts_for_the_straggler(backend):
     """Row 0 finished ``... 5 6 7 8 9``; row 1 has just written ``5 6``: its own history holds no match, its
-    sibling's continues it; the own history wins a tie of the same length."""
-    tokens = torch.tensor([[1, 5, 6, 7, 8, 9, 0], [2, 3, 5, 6, 0, 0, 0], [5, 6, 4, 2, 5, 6, 0]])
-    lengths = torch.tensor([6, 4, 6])
-    siblings = torch.tensor([[1, 2], [0, -1], [0, 1]])
-    out = ngram_propose(tokens, lengths, 3, 1, 2, siblings=siblings)
+    sibling's continues it; the own history wins a tie of the same length; among siblings the first listed wins."""
+    dev = torch.device(kernel_devices()[0]) if backend != "torch" else torch.device("cpu")
+    need_backend("ngram_propose_group", backend, dev)
+    tokens = torch.tensor([[1, 5, 6, 7, 8, 9, 0], [2, 3, 5, 6, 0, 0, 0], [5, 6, 4, 2, 5, 6, 0],
+                           [5, 6, 1, 1, 0, 0, 0], [0, 3, 5, 6, 0, 0, 0]])
+    lengths = torch.tensor([6, 4, 6, 4, 4])
+    siblings = torch.tensor([[1, 2], [0, -1], [0, 1], [-1, -1], [3, 0]])
+    out = ngram_propose(tokens.to(dev), lengths.to(dev), 3, 1, 2, siblings=siblings.to(dev), backend=backend)
+    out = type(out)(*(t.cpu() for t in out))
+    assert out.drafts[4].tolist() == [1, 1, -1]  # sibling 3 is listed before sibling 0
     assert out.drafts[1].tolist() == [7, 8, 9] and int(out.num_drafts[1]) == 3
     assert out.drafts[2].tolist() == [4, 2, 5]  # its own "5 6" (at 0-1) outranks sibling 0's
-    alone = ngram_propose(tokens, lengths, 3, 1, 2)
+    alone = ngram_propose(tokens, lengths, 3, 1, 2, backend="torch")
     assert alone.num_drafts[1] == 0  # without the group: nothing
 
 
@@ -137,8 +144,28 @@ def test_bad_siblings_are_named():
         ngram_propose(tokens, lengths, 2, siblings=torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(TypeError, match="siblings"):
         ngram_propose(tokens, lengths, 2, siblings=torch.zeros(3, 1))
-    with pytest.raises(ValueError, match="torch backend"):
+    with pytest.raises(ValueError, match="siblings= runs on the backends"):
         ngram_propose_tree(tokens, lengths, 2, 2, siblings=torch.zeros(3, 1, dtype=torch.int64), backend="triton")
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("B,L,vocab,S,k,min_n,max_n", [(1, 1, 2, 1, 1, 1, 2), (5, 37, 3, 4, 4, 1, 3),
+                                                       (6, 70, 2, 5, 3, 2, 4), (4, 20, 4, 0, 2, 1, 1),
+                                                       (3, 300, 3, 2, 6, 1, 4), (8, 24, 8, 7, 3, 1, 3),
+                                                       (8, 40, 6, 7, 4, 2, 4), (6, 16, 12, 5, 2, 1, 2)])
+def test_chain_backends_match_the_reference(backend, B, L, vocab, S, k, min_n, max_n, gen):
+    """Every backend of the chain (Triton: one launch per call) against the torch reference, with poisoned outputs
+    checked as fully written, strided histories included."""
+    dev = torch.device(kernel_devices()[0]) if backend != "torch" else torch.device("cpu")
+    need_backend("ngram_propose_group", backend, dev)
+    tokens, lengths = random_histories(B, L, vocab, gen)
+    siblings = _groups(B, S, gen)
+    want = ngram_propose(tokens, lengths, k, min_n, max_n, siblings=siblings, backend="torch")
+    wide = torch.zeros(B, L + 7, dtype=tokens.dtype)
+    wide[:, 3:3 + L] = tokens  # a strided view: rows of L + 7
+    got = ngram_propose(wide[:, 3:3 + L].to(dev), lengths.to(dev), k, min_n, max_n, siblings=siblings.to(dev),
+                        backend=backend)
+    assert torch.equal(got.drafts.cpu(), want.drafts) and torch.equal(got.num_drafts.cpu(), want.num_drafts)
 
 
 def test_group_drafting_compiles_and_has_no_host_sync():

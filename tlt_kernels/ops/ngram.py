@@ -26,6 +26,12 @@ _NGRAM = register_op(
     {"torch": "tlt_kernels.reference.ngram:ngram_propose", "triton": "tlt_kernels._triton.ngram:ngram_propose"},
     preference=("triton", "torch"),
 )
+_NGRAM_GROUP = register_op(
+    "ngram_propose_group",
+    {"torch": "tlt_kernels.reference.ngram_group:ngram_propose_group",
+     "triton": "tlt_kernels._triton.ngram_group:ngram_propose_group"},
+    preference=("triton", "torch"),
+)
 _NGRAM_TREE = register_op(
     "ngram_propose_tree",
     {"torch": "tlt_kernels.reference.ngram:ngram_propose_tree", "triton": "tlt_kernels._triton.ngram:ngram_propose_tree"},
@@ -56,15 +62,15 @@ def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
             raise ValueError(f"lengths[{b}] = {int(lens[b])} is outside [0, L={L}] (L = tokens.shape[1])")
 
 
-def _check_siblings(siblings, tokens, validate: bool, backend: str):
+def _check_siblings(siblings, tokens, validate: bool, backend: str, backends=("auto", "torch", "triton")):
     """``siblings`` int ``[B, S]`` on ``tokens``' device, each in ``[-1, B)`` (values read only when ``validate``);
-    the group path runs on the torch backend (returned)."""
+    ``backend`` one of ``backends`` (the group paths the op has)."""
     B = tokens.shape[0]
     check_tensor("siblings", siblings, dtype=(torch.int32, torch.int64), ndim=2, device=tokens.device)
     if siblings.shape[0] != B:
         raise ValueError(f"siblings must have one row per request ({B}), got shape {tuple(siblings.shape)}")
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"siblings= runs on the torch backend (backend='auto' or 'torch'), got backend={backend!r}")
+    if backend not in backends:
+        raise ValueError(f"siblings= runs on the backends {backends} here, got backend={backend!r}")
     if validate and not _capturing(tokens.device) and siblings.numel():
         values = siblings.cpu()
         bad = ((values < -1) | (values >= B)).nonzero()
@@ -93,17 +99,17 @@ def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, valid
             (its group's other responses, finished ones included; -1 = empty slot). The longest ``n`` is then
             searched in every source; its occurrence comes from the request's own history when it has one, else
             from the first sibling (in the order given) that has one, most recent first
-            (:mod:`tlt_kernels.reference.ngram_group`). Runs on the torch backend (device ops, no host sync).
+            (:mod:`tlt_kernels.reference.ngram_group`); one Triton launch (``tlt_kernels._triton.ngram_group``),
+            or the torch reference.
 
     Returns:
         :class:`NGramDrafts` ``(drafts int64 [B, k], -1 padded; num_drafts int32 [B])``.
     """
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
     if siblings is not None:
-        from ..reference.ngram_group import ngram_propose_group
-
         _check_siblings(siblings, tokens, validate, backend)
-        return NGramDrafts(*ngram_propose_group(tokens, lengths, siblings, k, min_n, max_n))
+        _, fn = _NGRAM_GROUP.resolve(backend, tokens.device)
+        return NGramDrafts(*fn(dense(tokens), dense(lengths), dense(siblings), k, min_n, max_n))
     _, fn = _NGRAM.resolve(backend, tokens.device)
     drafts, num = fn(dense(tokens), dense(lengths), k, min_n, max_n)
     return NGramDrafts(drafts, num)
@@ -137,7 +143,7 @@ def ngram_propose_tree(
     if siblings is not None:
         from ..reference.ngram_group import ngram_propose_tree_group
 
-        _check_siblings(siblings, tokens, validate, backend)
+        _check_siblings(siblings, tokens, validate, backend, backends=("auto", "torch"))  # no Triton tree yet
         return NGramTree(*ngram_propose_tree_group(tokens, lengths, siblings, k, num_branches, min_n, max_n))
     _, fn = _NGRAM_TREE.resolve(backend, tokens.device)
     return NGramTree(*fn(dense(tokens), dense(lengths), k, num_branches, min_n, max_n))
