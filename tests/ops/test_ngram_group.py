@@ -177,3 +177,31 @@ def test_group_drafting_compiles_and_has_no_host_sync():
                              backend="eager", fullgraph=True)  # fullgraph: a host read would break the graph
     got = compiled(tokens, lengths)
     assert torch.equal(got.drafts, eager.drafts) and torch.equal(got.num_drafts, eager.num_drafts)
+
+
+_COMPILE_GROUP_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tlt_kernels._triton import ngram_group as m
+
+fn = m._ngram_group_kernel
+names = fn.arg_names
+for tok in ("*i64", "*i32"):
+    for max_n, block, k in ((4, 2048, 8), (1, 16, 1), (3, 256, 5)):
+        consts = dict(MIN_N=1, MAX_N=max_n, BLOCK_SIZE=block, N_POW2=triton.next_power_of_2(max_n + 1),
+                      BLOCK_K=triton.next_power_of_2(k))
+        types = [tok, "*i32", "*i64", "*i64", "*i32", "i64", "i64", "i64", "i32", "i32"]
+        runtime = [n for n in names if n not in consts]
+        sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
+        src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+"""
+
+
+@pytest.mark.slow
+def test_group_kernel_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile the group kernel for sm_90."""
+    from conftest import compile_for_sm90
+
+    compile_for_sm90(_COMPILE_GROUP_SM90)
