@@ -15,7 +15,8 @@ seeds (``--ways``):
 * ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
 * ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
 
-Rows: per way and step (``case`` ``{"step": i}``): ``ms`` = rollout wall time, ``tail_s`` (seconds of steps with
+Each way first runs one untimed rollout (compilation, allocator growth). Rows: per way and step (``case``
+``{"step": i}``): ``ms`` = rollout wall time, ``tail_s`` (seconds of steps with
 fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
 ``mean_reward``, ``tokens``; per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
 ``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: a permutation test of the per-response rewards
@@ -187,6 +188,11 @@ class RLRun:
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
         return way
 
+    def warm_up(self, way: Way) -> None:
+        """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), no update."""
+        prompts = [self.prompt_ids[i] for i in range(self.prompts_per_step) for _ in range(self.group)]
+        way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed - 1)
+
     def step(self, way: Way, index: int) -> None:
         """One RL step of ``way``: rollout, rewards, advantages, the GRPO loss, an optimizer step; one row."""
         chosen = range(index * self.prompts_per_step, (index + 1) * self.prompts_per_step)
@@ -242,6 +248,7 @@ def run(ctx) -> None:
     ways = []
     for name in state.p.ways:
         way = state.way(name)
+        state.warm_up(way)
         for index in range(state.steps):
             state.step(way, index)
         ctx.progress(f"{name}: {state.steps} steps")

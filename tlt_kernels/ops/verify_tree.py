@@ -318,4 +318,5 @@ def verify_tree(
         return result
     logprobs, raw_logprobs = path_logprobs(inputs[0], result, temp, k, tp, sampled=bool(return_logprobs),
                                            raw=bool(return_raw_logprobs))
-    return result._replace(logprobs=logprobs, raw_logprobs=raw_logprobs)
+    # A new VerifyResult rather than _replace: TorchDynamo (torch 2.11) mistraces NamedTuple._replace.
+    return VerifyResult(*result[:5], logprobs, raw_logprobs)
