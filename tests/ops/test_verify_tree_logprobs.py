@@ -88,6 +88,25 @@ def test_top_k_renormalizes_over_the_kept_tokens(backend):
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("V", [50, 333])
+def test_top_p_and_top_k_match_the_reference(backend, V):
+    """The kernel backends' scoring (bisection thresholds in float32) against the float64 reference's, top-p and
+    top-k together, greedy rows mixed in; random logits have no ties at the boundary."""
+    B, T = 8, 5
+    logits, tokens, parents, _ = _case(B, T, V, seed=V)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.9, 1.0, 2.0, 0.5])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 0.05, 0.99, 0.3, 0.7])
+    top_k = torch.tensor([0, 0, 7, 3, 0, V - 1, 2, 1], dtype=torch.int32)
+    got = _run(backend, logits, tokens, parents, temperature, top_p=top_p, top_k=top_k)
+    want = verify_tree(logits, tokens, parents, temperature=temperature, top_p=top_p, top_k=top_k,
+                       seed=torch.arange(B), backend="torch", return_logprobs=True, return_raw_logprobs=True)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logprobs, want.logprobs, atol=TOL, rtol=0)
+    assert torch.allclose(got.raw_logprobs, want.raw_logprobs, atol=TOL, rtol=0)
+    assert (got.logprobs[3] == 0).all()  # greedy
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
 def test_padding_and_flagged_requests_are_zero(backend):
     B, T, V = 4, 6, 40
     logits, tokens, parents, temperature = _case(B, T, V, seed=3)
@@ -176,3 +195,30 @@ def test_logprobs_in_a_cuda_graph():
     want = verify_tree(logits * 0.5, tokens, parents, **kw)
     assert torch.equal(out.tokens, want.tokens)
     assert torch.allclose(out.logprobs, want.logprobs) and torch.allclose(out.raw_logprobs, want.raw_logprobs)
+
+
+_COMPILE_SM90 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tlt_kernels._triton import path_logprobs as m
+
+fn = m._path_logprobs_kernel
+names = fn.arg_names
+for logits in ("*bf16", "*fp32", "*fp16"):
+    for flags in ((True, True, True), (False, False, False), (True, False, True)):
+        consts = dict(HAS_TEMP=flags[0], HAS_TOPK=flags[1], HAS_TOPP=flags[2], BLOCK=4096)
+        types = [logits, "*i32", "*i32", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i64"] * 5 + ["i32"]
+        runtime = [n for n in names if n not in consts]
+        sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
+        src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+"""
+
+
+@pytest.mark.slow
+def test_scoring_kernel_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile the scoring kernel for sm_90."""
+    from conftest import compile_for_sm90
+
+    compile_for_sm90(_COMPILE_SM90)

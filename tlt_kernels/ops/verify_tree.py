@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .._backend import register_op
+from .._backend import backend_unavailable_reason, register_op
 from .._validation import check_tensor, dense, per_request
 from ..reference.verify_tree import VerifyResult, path_logprobs
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
@@ -218,6 +218,18 @@ def _kernel_layout(logits, draft_tokens, parents, num_nodes, draft_probs, temper
             dense(top_k), dense(top_p), dense(seed), dense(offset))
 
 
+def _score(logits, result: VerifyResult, temperature, top_k, top_p, backend: str, device, sampled: bool, raw: bool):
+    """The walk's log-probs (:func:`path_logprobs`'s contract): one Triton pass over the accepted path's rows where
+    Triton runs (every kernel backend), else the float64 torch pass (``backend="torch"``, or no Triton here)."""
+    if backend != "torch" and backend_unavailable_reason("triton", device) is None:
+        from .._triton.path_logprobs import path_logprobs as launch
+
+        scores = launch(logits, result.tokens, result.accepted_nodes, result.num_accepted, result.error, temperature,
+                        top_k, top_p)
+        return scores[0] if sampled else None, scores[1] if raw else None
+    return path_logprobs(logits, result, temperature, top_k, top_p, sampled=sampled, raw=raw)
+
+
 def verify_tree(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -287,7 +299,8 @@ def verify_tree(
         accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None,
         logprobs float32 [B, max_depth+1] | None, raw_logprobs float32 [B, max_depth+1] | None)``. Log-probs are
         0 past ``num_accepted`` and on flagged requests; they read only the rows the walk read (the accepted path's),
-        computed after the walk in float64 torch ops on every backend (no host sync: capturable).
+        after the walk: one Triton launch on the kernel backends (:mod:`tlt_kernels._triton.path_logprobs`, float32),
+        float64 torch ops on ``backend="torch"``; no host sync (capturable).
         On every backend, a request whose walk visits a row holding NaN/+inf or only -inf (or tries a child
         whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
         -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
@@ -316,7 +329,7 @@ def verify_tree(
     result = fn(*inputs, max_depth, return_stats)
     if not (return_logprobs or return_raw_logprobs):
         return result
-    logprobs, raw_logprobs = path_logprobs(inputs[0], result, temp, k, tp, sampled=bool(return_logprobs),
-                                           raw=bool(return_raw_logprobs))
+    logprobs, raw_logprobs = _score(inputs[0], result, temp, k, tp, backend, dev, bool(return_logprobs),
+                                    bool(return_raw_logprobs))
     # A new VerifyResult rather than _replace: TorchDynamo (torch 2.11) mistraces NamedTuple._replace.
     return VerifyResult(*result[:5], logprobs, raw_logprobs)
