@@ -192,3 +192,12 @@ for has_eos, block_b, block_t, bool_error in ((True, 256, 64, False), (False, 1,
 def test_kernel_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects: compile the kernel for sm_90 (needs ptxas only)."""
     compile_for_sm90(_COMPILE_SM90)
+
+
+def test_the_ops_row_bound_is_the_kernels():
+    """ops.rollout_step repeats the kernel's MAX_ROWS (the op module must not import Triton at package import):
+    the two must agree, or finish_step would send the kernel more rows than its one program holds."""
+    from tlt_kernels._triton import rollout_step as kernel
+    from tlt_kernels.ops import rollout_step as op
+
+    assert op.MAX_ROWS == kernel.MAX_ROWS
