@@ -7,11 +7,12 @@ the seed (:mod:`bench.rl_task`), reward 1 when the response's last integer is th
 
 Each RL step: ``--prompts-per-step`` problems, ``--group-size`` responses each at ``--temperature``, rewards,
 group-normalized advantages, the clipped GRPO loss over the response tokens with the rollout's log-probs as the old
-policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs three ways, each from the same initial weights and
+policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs four ways, each from the same initial weights and
 seeds (``--ways``):
 
 * ``spec``: our engine with the adaptive selector over ``--arms`` and the n-gram drafter drafting from each
   request's group (``generate(groups=)``), log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
+* ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
 * ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
 * ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
 
@@ -41,7 +42,7 @@ from ..rl_task import problems, reward
 from .rollout import byte_prompt_ids, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
-WAYS = ("spec", "plain", "hf")
+WAYS = ("spec", "spec-self", "plain", "hf")
 
 FLAGS = (
     Flag("--model-file", None, "the policy: a .gguf file or a transformers directory (default: the embedded model)",
@@ -94,10 +95,10 @@ def _sizes(small: bool, p):
             pick(p.max_new_tokens, 256, 10))
 
 
-def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int], speculative: bool):
+def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int], use_groups: bool):
     def rollout(prompts, groups, seed) -> Rollout:
         kwargs = dict(temperature=temperature, seed=[seed * 100_003 + i for i in range(len(prompts))],
-                      eos_token_id=eos, groups=groups if speculative else None)
+                      eos_token_id=eos, groups=groups if use_groups else None)
         seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
         quarter = max(1, len(prompts) // 4)
         tail = sum(s.step_s for s in out.steps if s.batch_size < quarter)
@@ -174,7 +175,7 @@ class RLRun:
             way = Way(name, hf, lambda t: hf(t).logits, _hf_rollout(hf, self.pad, self.max_new, temperature, self.eos))
         else:
             model = copy.deepcopy(self.ours)
-            speculative = name == "spec"
+            speculative = name.startswith("spec")
             selector = (StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed) if speculative
                         else Strategy.off())
             batch = self.prompts_per_step * self.group
@@ -185,7 +186,7 @@ class RLRun:
             if self.cuda:
                 engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
             way = Way(name, model, lambda t: model(t, validate=False)[0],
-                      _engine_rollout(engine, self.max_new, temperature, self.eos, speculative))
+                      _engine_rollout(engine, self.max_new, temperature, self.eos, name == "spec"))
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
         return way
 
