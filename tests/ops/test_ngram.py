@@ -29,20 +29,24 @@ def brute_propose(h, k, min_n, max_n):
     return h[occ[0] + n : occ[0] + n + k] if occ else []
 
 
-def brute_tree(h, k, R, min_n, max_n):
-    """Trie of the continuations of the R most recent occurrences: (parents, tokens)."""
-    n, occ = brute_best(h, min_n, max_n)
-    parents, toks = [-1], [h[-1] if h else 0]
-    children = {}
-    for s in occ[:R]:
+def brute_trie(root_token, continuations):
+    """The trie of token lists under a root, nodes numbered in insertion order: (parents, tokens)."""
+    parents, toks, children = [-1], [root_token], {}
+    for continuation in continuations:
         cur = 0
-        for t in h[s + n : s + n + k]:
+        for t in continuation:
             if (cur, t) not in children:
                 children[(cur, t)] = len(parents)
                 parents.append(cur)
                 toks.append(t)
             cur = children[(cur, t)]
     return parents, toks
+
+
+def brute_tree(h, k, R, min_n, max_n):
+    """Trie of the continuations of the R most recent occurrences: (parents, tokens)."""
+    n, occ = brute_best(h, min_n, max_n)
+    return brute_trie(h[-1] if h else 0, [h[s + n : s + n + k] for s in occ[:R]])
 
 
 def random_histories(B, L, vocab, gen, min_len=0):

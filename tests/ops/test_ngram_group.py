@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import agreement_backends, kernel_devices, need_backend
-from test_ngram import random_histories
+from test_ngram import brute_trie, random_histories
 from tlt_kernels import ngram_propose, validate_tree
 from tlt_kernels.ops.ngram import ngram_propose_tree
 
@@ -47,16 +47,7 @@ def brute_chain(histories, b, sibling_row, k, min_n, max_n):
 def brute_tree(histories, b, sibling_row, k, R, min_n, max_n):
     _, found = brute_ranked(histories, b, sibling_row, min_n, max_n)
     h = histories[b]
-    parents, toks, children = [-1], [h[-1] if h else 0], {}
-    for r, e in found[:R]:
-        cur = 0
-        for t in histories[r][e + 1: e + 1 + k]:
-            if (cur, t) not in children:
-                children[(cur, t)] = len(parents)
-                parents.append(cur)
-                toks.append(t)
-            cur = children[(cur, t)]
-    return parents, toks
+    return brute_trie(h[-1] if h else 0, [histories[r][e + 1: e + 1 + k] for r, e in found[:R]])
 
 
 def _groups(B, S, gen):

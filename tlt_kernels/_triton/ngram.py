@@ -107,20 +107,29 @@ def _ngram_combine_kernel(
 
 
 @triton.jit
-def _match_tile(row_ptr, length, e, MAX_N: tl.constexpr):
-    """``m(e)`` for a tile of ends ``e`` (int64 [BLOCK]); 0 outside ``0 <= e <= len-2``."""
-    ok = (e >= 0) & (e <= length - 2)
+def _match_tile_in(src_ptr, src_len, q_ptr, q_len, e, MAX_N: tl.constexpr):
+    """``m(e)``: the common suffix of ``src[:e+1]`` and the query history (capped at MAX_N), for a tile of ends
+    ``e`` (int64 [BLOCK]); 0 outside ``0 <= e <= src_len - 2``. The source is the query's own history except when
+    drafting from a request's group (:mod:`tlt_kernels._triton.ngram_group`)."""
+    ok = (e >= 0) & (e <= src_len - 2)
     m = tl.zeros(e.shape, dtype=tl.int32)
     run = ok
     for i in tl.static_range(MAX_N):
-        # h[len-1-i] (the suffix read backwards) vs h[e-i]; a mismatch ends the run for good. The load
+        # q[len-1-i] (the suffix read backwards) vs src[e-i]; a mismatch ends the run for good. The load
         # is masked by bounds only (not by `run`) so the MAX_N loads do not wait on each other.
-        suf_pos = length - 1 - i
-        suf = tl.load(row_ptr + tl.maximum(suf_pos, 0))
-        tok = tl.load(row_ptr + (e - i), mask=ok & (e - i >= 0), other=0)
+        suf_pos = q_len - 1 - i
+        suf = tl.load(q_ptr + tl.maximum(suf_pos, 0))
+        tok = tl.load(src_ptr + (e - i), mask=ok & (e - i >= 0), other=0)
         run = run & (e - i >= 0) & (suf_pos >= 0) & (tok == suf)
         m += run.to(tl.int32)
     return m
+
+
+@triton.jit
+def _match_tile(row_ptr, length, e, MAX_N: tl.constexpr):
+    """``m(e)`` for a tile of ends ``e`` (int64 [BLOCK]) of the request's own history; 0 outside
+    ``0 <= e <= len-2``."""
+    return _match_tile_in(row_ptr, length, row_ptr, length, e, MAX_N)
 
 
 @triton.jit

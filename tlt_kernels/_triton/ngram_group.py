@@ -15,23 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ngram import _scan_block, _scan_warps, _store_continuation
-
-
-@triton.jit
-def _match_tile_in(src_ptr, src_len, q_ptr, q_len, e, MAX_N: tl.constexpr):
-    """``m(e)``: the common suffix of ``src[:e+1]`` and the query history (capped at MAX_N), for a tile of ends
-    ``e`` (int64 [BLOCK]); 0 outside ``0 <= e <= src_len - 2``."""
-    ok = (e >= 0) & (e <= src_len - 2)
-    m = tl.zeros(e.shape, dtype=tl.int32)
-    run = ok
-    for i in tl.static_range(MAX_N):
-        suf_pos = q_len - 1 - i
-        suf = tl.load(q_ptr + tl.maximum(suf_pos, 0))
-        tok = tl.load(src_ptr + (e - i), mask=ok & (e - i >= 0), other=0)
-        run = run & (e - i >= 0) & (suf_pos >= 0) & (tok == suf)
-        m += run.to(tl.int32)
-    return m
+from .ngram import _match_tile_in, _scan_block, _scan_warps, _store_continuation
 
 
 @triton.jit
