@@ -7,12 +7,15 @@ the seed (:mod:`bench.rl_task`), reward 1 when the response's last integer is th
 
 Each RL step: ``--prompts-per-step`` problems, ``--group-size`` responses each at ``--temperature``, rewards,
 group-normalized advantages, the clipped GRPO loss over the response tokens with the rollout's log-probs as the old
-policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs four ways, each from the same initial weights and
+policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs five ways, each from the same initial weights and
 seeds (``--ways``):
 
 * ``spec``: our engine with the adaptive selector over ``--arms`` and the n-gram drafter drafting from each
   request's group (``generate(groups=)``), log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
+* ``spec-eagle``: the adaptive selector with an EAGLE drafter that starts untrained and is spot-trained in each
+  rollout's tail on the responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it keeps up
+  as the policy's weights change (the rollout is then not overlapped: the trainer works between steps);
 * ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
 * ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
 
@@ -23,7 +26,8 @@ fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout
 ``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: a permutation test of the per-response rewards
 of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
 ``plain`` on the tokens their first rollouts share (same weights and seeds). ``python -m bench.plot_rl rl.json`` draws
-reward and rollout time per step. The EAGLE drafter and the spot trainer are not in the loop yet.
+reward and rollout time per step. One engine drafts with one drafter: EAGLE and group n-gram drafts are separate
+ways, not yet one tree.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from ..rl_task import problems, reward
 from .rollout import byte_prompt_ids, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
-WAYS = ("spec", "spec-self", "plain", "hf")
+WAYS = ("spec", "spec-self", "spec-eagle", "plain", "hf")
 
 FLAGS = (
     Flag("--model-file", None, "the policy: a .gguf file or a transformers directory (default: the embedded model)",
@@ -166,29 +170,43 @@ class RLRun:
 
     def way(self, name: str) -> Way:
         """A way with its own copy of the initial weights and an AdamW over them."""
+        if name == "hf":
+            hf = copy.deepcopy(self.hf)
+            way = Way(name, hf, lambda t: hf(t).logits,
+                      _hf_rollout(hf, self.pad, self.max_new, self.p.temperature, self.eos))
+        else:
+            model = copy.deepcopy(self.ours)
+            way = Way(name, model, lambda t: model(t, validate=False)[0],
+                      _engine_rollout(self._engine(name, model), self.max_new, self.p.temperature, self.eos,
+                                      use_groups=name == "spec"))
+        way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
+        return way
+
+    def _engine(self, name: str, model):
+        """Our engine for ``name`` over ``model`` (log-probs on; CUDA graphs captured on the GPU): plain decoding,
+        the n-gram drafter (spec, spec-self) or the EAGLE drafter spot-trained in the rollout's tail (spec-eagle)."""
+        from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
         from tlt_kernels.engine import SpeculativeEngine
         from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
-        temperature = self.p.temperature
-        if name == "hf":
-            hf = copy.deepcopy(self.hf)
-            way = Way(name, hf, lambda t: hf(t).logits, _hf_rollout(hf, self.pad, self.max_new, temperature, self.eos))
-        else:
-            model = copy.deepcopy(self.ours)
-            speculative = name.startswith("spec")
-            selector = (StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed) if speculative
-                        else Strategy.off())
-            batch = self.prompts_per_step * self.group
-            engine = SpeculativeEngine(model, "ngram" if speculative else None, selector,
-                                       GraphPool() if self.cuda else None, max_batch_size=batch,
-                                       max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
-                                       fuse_step=self.cuda and not speculative, logprobs=True)
-            if self.cuda:
-                engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
-            way = Way(name, model, lambda t: model(t, validate=False)[0],
-                      _engine_rollout(engine, self.max_new, temperature, self.eos, name == "spec"))
-        way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
-        return way
+        batch = self.prompts_per_step * self.group
+        drafter, selector, extra = None, Strategy.off(), {}
+        if name.startswith("spec"):
+            selector = StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed)
+            drafter = "ngram"
+        if name == "spec-eagle":  # a fresh drafter that the spot trainer keeps up with the changing policy
+            buffer = RolloutBuffer(capacity_tokens=1 << 22,
+                                   storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
+            trainer = SpotTrainer(EagleDrafter.for_target(model, seed=self.p.seed), buffer, lr=1e-3,
+                                  warmup_steps=20, autocast_dtype=torch.bfloat16 if self.cuda else None)
+            drafter = EagleDrafter.for_target(model, seed=self.p.seed)
+            extra = dict(spot_trainer=trainer, rollout_buffer=buffer)
+        engine = SpeculativeEngine(model, drafter, selector, GraphPool() if self.cuda else None, max_batch_size=batch,
+                                   max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
+                                   fuse_step=self.cuda and drafter != "ngram", logprobs=True, **extra)
+        if self.cuda:
+            engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
+        return engine
 
     def warm_up(self, way: Way) -> None:
         """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), no update."""
