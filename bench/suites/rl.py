@@ -61,8 +61,7 @@ FLAGS = (
     Flag("--max-new-tokens", None, "response budget (default: 256; small 10)", positive_int),
     Flag("--temperature", 1.0, "sampling temperature of the rollouts", float),
     Flag("--lr", 1e-5, "AdamW learning rate of the policy", float),
-    # Chains: the group chain is one Triton launch; group trees (topk > 1) run the torch reference.
-    Flag("--arms", ("s2k1v3", "s4k1v5", "s6k1v7"), "comma-separated arms of the spec way's selector", str_list,
+    Flag("--arms", ("s2k1v3", "s4k1v5", "s4k2v9"), "comma-separated arms of the spec way's selector", str_list,
          metavar="LIST"),
     Flag("--seed", 0, "problem and sampling seed", int),
 )

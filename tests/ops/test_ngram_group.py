@@ -136,7 +136,7 @@ def test_bad_siblings_are_named():
     with pytest.raises(TypeError, match="siblings"):
         ngram_propose(tokens, lengths, 2, siblings=torch.zeros(3, 1))
     with pytest.raises(ValueError, match="siblings= runs on the backends"):
-        ngram_propose_tree(tokens, lengths, 2, 2, siblings=torch.zeros(3, 1, dtype=torch.int64), backend="triton")
+        ngram_propose_tree(tokens, lengths, 2, 2, siblings=torch.zeros(3, 1, dtype=torch.int64), backend="cuda")
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
@@ -157,6 +157,28 @@ def test_chain_backends_match_the_reference(backend, B, L, vocab, S, k, min_n, m
     got = ngram_propose(wide[:, 3:3 + L].to(dev), lengths.to(dev), k, min_n, max_n, siblings=siblings.to(dev),
                         backend=backend)
     assert torch.equal(got.drafts.cpu(), want.drafts) and torch.equal(got.num_drafts.cpu(), want.num_drafts)
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("B,L,vocab,S,k,R,min_n,max_n", [(1, 1, 2, 1, 1, 1, 1, 2), (5, 37, 3, 4, 3, 4, 1, 3),
+                                                         (8, 24, 8, 7, 3, 3, 1, 3), (8, 40, 6, 7, 4, 2, 2, 4),
+                                                         (6, 16, 12, 5, 2, 5, 1, 2), (4, 20, 4, 0, 2, 3, 1, 1),
+                                                         (3, 200, 3, 2, 5, 3, 1, 4)])
+def test_tree_backends_match_the_reference(backend, B, L, vocab, S, k, R, min_n, max_n, gen):
+    """Every backend of the group tree (Triton: one launch per call) against the torch reference, strided
+    histories included; the trees are valid."""
+    dev = torch.device(kernel_devices()[0]) if backend != "torch" else torch.device("cpu")
+    need_backend("ngram_propose_tree_group", backend, dev)
+    tokens, lengths = random_histories(B, L, vocab, gen)
+    siblings = _groups(B, S, gen)
+    want = ngram_propose_tree(tokens, lengths, k, R, min_n, max_n, siblings=siblings, backend="torch")
+    wide = torch.zeros(B, L + 5, dtype=tokens.dtype)
+    wide[:, 2:2 + L] = tokens
+    got = ngram_propose_tree(wide[:, 2:2 + L].to(dev), lengths.to(dev), k, R, min_n, max_n,
+                             siblings=siblings.to(dev), backend=backend)
+    for name, x, y in zip(("parents", "draft_tokens", "num_nodes"), want, got):
+        assert torch.equal(x, y.cpu()), name
+    validate_tree(got.parents.cpu(), got.num_nodes.cpu())
 
 
 def test_group_drafting_compiles_and_has_no_host_sync():
@@ -187,12 +209,25 @@ for tok in ("*i64", "*i32"):
         sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
         src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+tree = m._ngram_group_tree_kernel
+names = tree.arg_names
+for tok in ("*i64", "*i32"):
+    for R, k, max_n, block in ((4, 8, 4, 2048), (1, 1, 1, 16), (3, 5, 3, 256)):
+        T = 1 + R * k
+        consts = dict(R=R, MIN_N=1, MAX_N=max_n, BLOCK_SIZE=block, N_POW2=triton.next_power_of_2(max_n + 1),
+                      R_POW2=triton.next_power_of_2(R), K_POW2=triton.next_power_of_2(k),
+                      F_POW2=triton.next_power_of_2(R * k), T_POW2=triton.next_power_of_2(T))
+        types = [tok, "*i32", "*i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32", "i32", "i32"]
+        runtime = [n for n in names if n not in consts]
+        sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
+        src = ASTSource(tree, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 """
 
 
 @pytest.mark.slow
 def test_group_kernel_compiles_for_sm90():
-    """The interpreter accepts code the compiler rejects: compile the group kernel for sm_90."""
+    """The interpreter accepts code the compiler rejects: compile the group kernels (chain, tree) for sm_90."""
     from conftest import compile_for_sm90
 
     compile_for_sm90(_COMPILE_GROUP_SM90)

@@ -32,6 +32,12 @@ _NGRAM_GROUP = register_op(
      "triton": "tlt_kernels._triton.ngram_group:ngram_propose_group"},
     preference=("triton", "torch"),
 )
+_NGRAM_TREE_GROUP = register_op(
+    "ngram_propose_tree_group",
+    {"torch": "tlt_kernels.reference.ngram_group:ngram_propose_tree_group",
+     "triton": "tlt_kernels._triton.ngram_group:ngram_propose_tree_group"},
+    preference=("triton", "torch"),
+)
 _NGRAM_TREE = register_op(
     "ngram_propose_tree",
     {"torch": "tlt_kernels.reference.ngram:ngram_propose_tree", "triton": "tlt_kernels._triton.ngram:ngram_propose_tree"},
@@ -62,9 +68,10 @@ def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
             raise ValueError(f"lengths[{b}] = {int(lens[b])} is outside [0, L={L}] (L = tokens.shape[1])")
 
 
-def _check_siblings(siblings, tokens, validate: bool, backend: str, backends=("auto", "torch", "triton")):
+def _check_siblings(siblings, tokens, validate: bool, backend: str):
     """``siblings`` int ``[B, S]`` on ``tokens``' device, each in ``[-1, B)`` (values read only when ``validate``);
-    ``backend`` one of ``backends`` (the group paths the op has)."""
+    ``backend`` one the group paths have."""
+    backends = ("auto", "torch", "triton")
     B = tokens.shape[0]
     check_tensor("siblings", siblings, dtype=(torch.int32, torch.int64), ndim=2, device=tokens.device)
     if siblings.shape[0] != B:
@@ -100,7 +107,7 @@ def ngram_propose(tokens, lengths, k: int, min_n: int = 1, max_n: int = 4, valid
             searched in every source; its occurrence comes from the request's own history when it has one, else
             from the first sibling (in the order given) that has one, most recent first
             (:mod:`tlt_kernels.reference.ngram_group`); one Triton launch (``tlt_kernels._triton.ngram_group``),
-            or the torch reference.
+            or the torch reference (chain and tree alike).
 
     Returns:
         :class:`NGramDrafts` ``(drafts int64 [B, k], -1 padded; num_drafts int32 [B])``.
@@ -141,9 +148,8 @@ def ngram_propose_tree(
     _check_inputs(tokens, lengths, k, min_n, max_n, validate)
     check_int("num_branches", num_branches, 1)
     if siblings is not None:
-        from ..reference.ngram_group import ngram_propose_tree_group
-
-        _check_siblings(siblings, tokens, validate, backend, backends=("auto", "torch"))  # no Triton tree yet
-        return NGramTree(*ngram_propose_tree_group(tokens, lengths, siblings, k, num_branches, min_n, max_n))
+        _check_siblings(siblings, tokens, validate, backend)
+        _, fn = _NGRAM_TREE_GROUP.resolve(backend, tokens.device)
+        return NGramTree(*fn(dense(tokens), dense(lengths), dense(siblings), k, num_branches, min_n, max_n))
     _, fn = _NGRAM_TREE.resolve(backend, tokens.device)
     return NGramTree(*fn(dense(tokens), dense(lengths), k, num_branches, min_n, max_n))
