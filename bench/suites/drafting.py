@@ -13,7 +13,9 @@ Rows per case (impl):
   the number to hold against the n-gram target (B=256, L=8192, k=8, n in [1,4] under 20 us);
 * ``tlt-triton-rowscan-graph`` (CUDA): the previous one-program-per-request kernel, replayed the same
   way: the same-machine baseline for the chunked design;
-* tree rows: ``ngram_propose_tree`` (one program per request, unchanged design).
+* tree rows: ``ngram_propose_tree`` (one program per request, unchanged design);
+* group rows (histories up to 8k): ``tlt-triton-group`` / ``tlt-triton-group-tree`` (and ``-graph``), each request
+  drafting from its group of 8 consecutive rows (``siblings=``), checked against the torch reference.
 
 Sweep: ``python -m bench ngram --sweep`` also times the chunked kernel for every
 ``CHUNKxWARPS`` config of ``--sweep-configs`` (default below) on the ``random`` histories,
@@ -86,6 +88,33 @@ def _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes):
         ctx.add(case, f"chunk{chunk}-w{warps}", ms, bytes_moved=nbytes, chunk=chunk, warps=warps)
 
 
+GROUP = 8  # responses per prompt of the group rows (GRPO's G)
+
+
+def _bench_group(ctx, case, tokens, lengths, k: int, max_n: int) -> None:
+    """``tlt-triton-group`` (chain) and ``tlt-triton-group-tree`` rows: every request drafts from its group of
+    GROUP consecutive rows (``siblings=``), checked against the torch reference; ``bytes_moved`` = each request's
+    group's histories read once. Graph-replayed rows on CUDA."""
+    from tlt_kernels.engine.groups import sibling_table
+
+    B = tokens.shape[0]
+    siblings = sibling_table([b // GROUP for b in range(B)], B, tokens.device)
+    nbytes = int(lengths.sum()) * tokens.element_size() * min(GROUP, B)
+    # The chain and tree rows share their self-only rows' cases, so the report holds them side by side.
+    for name, fn, extra, gcase in (("tlt-triton-group", ngram_propose, (k,), case),
+                                   ("tlt-triton-group-tree", ngram_propose_tree, (k // 2, 4),
+                                    dict(case, k=k // 2, branches=4))):
+        call = lambda backend, fn=fn, extra=extra: fn(tokens, lengths, *extra, 1, max_n, validate=False,  # noqa: E731
+                                                      backend=backend, siblings=siblings)
+        want, got = call("torch"), call("triton")
+        if not all(torch.equal(a, b) for a, b in zip(want, got)):
+            raise AssertionError(f"{name} != torch for {gcase}")
+        ctx.add(gcase, name, ctx.time_ms(lambda: call("triton")), bytes_moved=nbytes, group=min(GROUP, B))
+        if ctx.device.type == "cuda":
+            ctx.add(gcase, f"{name}-graph", ctx.time_graph_ms(lambda: call("triton")), bytes_moved=nbytes,
+                    group=min(GROUP, B))
+
+
 def run(ctx) -> None:
     if ctx.small:
         cases = [(4, 256, 8, 4)]
@@ -122,6 +151,8 @@ def run(ctx) -> None:
                         bytes_moved=nbytes)
             if sweep and kind == "random":
                 _sweep(ctx, case, tokens, lengths, k, max_n, ref, nbytes)
+            if L <= 8192:  # the reference's memory grows with B * GROUP * L * max_n
+                _bench_group(ctx, case, tokens, lengths, k, max_n)
             R = 4
             tcase = dict(case, k=k // 2, branches=R)
             tree_args = (tokens, lengths, k // 2, R, 1, max_n)
