@@ -59,7 +59,8 @@ FLAGS = (
     Flag("--prompts-per-step", None, "problems per step (default: 8; small 2)", positive_int),
     Flag("--group-size", None, "responses per problem, G (default: 8; small 3)", positive_int),
     Flag("--max-new-tokens", None, "response budget (default: 256; small 10)", positive_int),
-    Flag("--temperature", 1.0, "sampling temperature of the rollouts", float),
+    Flag("--temperature", 1.0, "sampling temperature of the rollouts (> 0; the loss scores logits / temperature)",
+         float),
     Flag("--lr", 1e-5, "AdamW learning rate of the policy", float),
     Flag("--arms", ("s2k1v3", "s4k1v5", "s4k2v9"), "comma-separated arms of the spec way's selector", str_list,
          metavar="LIST"),
@@ -69,7 +70,8 @@ FLAGS = (
 
 @dataclass
 class Rollout:
-    """One step's responses (token lists), their old log-probs, and the rollout's timing and shape."""
+    """One step's responses (token lists), their old log-probs (under the sampling distribution: the logits over the
+    temperature, as the loss's forward scores them), and the rollout's timing and shape."""
 
     responses: List[List[int]]
     old_logprobs: List[List[float]]
@@ -122,7 +124,7 @@ def _hf_rollout(hf, pad_id: int, max_new: int, temperature: float, eos: Optional
         responses = [own_tokens(row, max_new, eos) for row in out[:, ids.shape[1]:].tolist()]
         responses = [r if r else [pad_id] for r in responses]
         with torch.no_grad():
-            logp, mask_r = response_logprobs(lambda t: hf(t).logits, hf.device, prompts, responses)
+            logp, mask_r = response_logprobs(lambda t: hf(t).logits / temperature, hf.device, prompts, responses)
         return Rollout(responses, [row[m].tolist() for row, m in zip(logp, mask_r)], seconds)
     return rollout
 
@@ -137,6 +139,8 @@ class RLRun:
         unknown = sorted(set(self.p.ways) - set(WAYS))
         if unknown:
             raise ValueError(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
+        if not self.p.temperature > 0:
+            raise ValueError(f"--temperature must be > 0 (GRPO samples its groups), got {self.p.temperature}")
 
     def load(self) -> None:
         """The models (ours and transformers'), how text becomes prompt ids and back, and every step's problems."""
@@ -171,11 +175,11 @@ class RLRun:
         """A way with its own copy of the initial weights and an AdamW over them."""
         if name == "hf":
             hf = copy.deepcopy(self.hf)
-            way = Way(name, hf, lambda t: hf(t).logits,
+            way = Way(name, hf, lambda t: hf(t).logits / self.p.temperature,
                       _hf_rollout(hf, self.pad, self.max_new, self.p.temperature, self.eos))
         else:
             model = copy.deepcopy(self.ours)
-            way = Way(name, model, lambda t: model(t, validate=False)[0],
+            way = Way(name, model, lambda t: model(t, validate=False)[0] / self.p.temperature,
                       _engine_rollout(self._engine(name, model), self.max_new, self.p.temperature, self.eos,
                                       use_groups=name == "spec"))
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)

@@ -81,3 +81,24 @@ def test_plot_series_reads_the_per_step_rows(tmp_path):
     points = series(json.loads((tmp_path / "rl.json").read_text()))
     assert set(points) == {"plain", "hf"}
     assert [p[0] for p in points["plain"]] == [0, 1] and all(p[2] > 0 for p in points["hf"])
+
+
+def test_the_rollouts_log_probs_are_the_losss_at_any_temperature():
+    """On policy the GRPO ratio must be 1: the engine's rollout log-probs (under the sampling law) equal the loss's
+    forward over logits / temperature at the same tokens, at a temperature other than 1."""
+    from bench.suites.rollout import tiny_hf_model
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.models import LlamaForCausalLM
+
+    hf = tiny_hf_model()
+    model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), dtype=torch.float32)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out = SpeculativeEngine(model, "ngram", None, max_batch_size=2, max_seq_len=32, logprobs=True).generate(
+        prompts, 8, temperature=0.7, seed=[1, 2])
+    logp, mask = response_logprobs(lambda t: model(t, validate=False)[0] / 0.7, "cpu", prompts, out.tokens)
+    for b in range(2):
+        assert torch.allclose(logp[b][mask[b]], torch.tensor(out.logprobs[b]), atol=1e-4)
+
+
+def test_the_temperature_must_be_positive(tmp_path):
+    assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--temperature", "0"]) == 1
