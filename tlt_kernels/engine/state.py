@@ -159,12 +159,7 @@ class RolloutState:
             first_eos = torch.where(is_eos, j, torch.full_like(j, width)).min(1).values
             counts = torch.minimum(counts, first_eos + 1)
         counts = counts.masked_fill(failed | was_done, 0)
-        sink = self.output_tokens.shape[1] - 1
-        positions = torch.where(j < counts.unsqueeze(1), self.generated[rows].unsqueeze(1) + j, torch.full_like(j, sink))
-        out_rows = self.output_tokens[rows]
-        out_rows.scatter_(1, positions, emitted.clamp(min=0))
-        out_rows[:, sink] = -1
-        self.output_tokens[rows] = out_rows
+        self._write_columns(self.output_tokens, rows, self.generated[rows], counts, emitted.clamp(min=0), fill=-1)
         self.generated[rows] += counts
         finished = (self.generated[rows] >= budget_left) | failed | was_done
         if eos_token_id is not None:
@@ -176,12 +171,19 @@ class RolloutState:
         """Store a step's log-probs (``scores`` float32 ``[b, T, 2]``, aligned with ``emitted``) beside the tokens
         :meth:`emit` wrote: row ``r``'s first ``counts[r]`` at columns ``start[r]`` on (``start`` int64 ``[b]``:
         ``generated`` before the step), the rest into the sink column. Device ops only."""
-        j = self.arange(0, scores.shape[1], scores.device).unsqueeze(0)
-        sink = self.output_scores.shape[1] - 1
+        self._write_columns(self.output_scores, rows, start, counts, scores.to(self.output_scores.dtype), fill=0.0)
+
+    def _write_columns(self, table, rows, start, counts, values, fill) -> None:
+        """``table[rows[r], start[r] + j] = values[r, j]`` for ``j < counts[r]`` (``values`` ``[b, T, ...]``); the
+        other writes go to the table's last column, a sink reset to ``fill``. Device ops only (no data-dependent
+        shape)."""
+        j = self.arange(0, values.shape[1], values.device).unsqueeze(0)
+        sink = table.shape[1] - 1
         positions = torch.where(j < counts.unsqueeze(1), start.unsqueeze(1) + j, torch.full_like(j, sink))
-        out_rows = self.output_scores[rows]
-        out_rows.scatter_(1, positions.unsqueeze(2).expand(-1, -1, 2), scores.to(out_rows.dtype))
-        self.output_scores[rows] = out_rows
+        out_rows = table[rows]
+        out_rows.scatter_(1, positions.view(*positions.shape, *[1] * (values.dim() - 2)).expand_as(values), values)
+        out_rows[:, sink] = fill
+        table[rows] = out_rows
 
     def commit(self, rows, new_context_lens, emitted, num_accepted, keep) -> None:
         """The accepted path becomes context: new context lengths, the next Philox counter, the new root token;
