@@ -358,32 +358,40 @@ def _(tokens, lengths, k, min_n, max_n):
     return tokens.new_empty(B, k, dtype=torch.int64), tokens.new_empty(B, dtype=torch.int32)
 
 
+def empty_tree_outputs(tokens: torch.Tensor, k: int, num_branches: int):
+    """Uninitialized tree outputs (also the fake-tensor shapes): ``(parents int32 [B, T], draft_tokens int64 [B, T],
+    num_nodes int32 [B])``, ``T = 1 + num_branches * k``."""
+    B, T = tokens.shape[0], 1 + num_branches * k
+    return (tokens.new_empty(B, T, dtype=torch.int32), tokens.new_empty(B, T, dtype=torch.int64),
+            tokens.new_empty(B, dtype=torch.int32))
+
+
+def tree_launch_config(L: int, k: int, num_branches: int, max_n: int) -> dict:
+    """The tree kernels' block sizes and warps for histories of ``L`` positions (self-only and group alike)."""
+    return dict(R=num_branches, MAX_N=max_n, BLOCK_SIZE=_scan_block(L), N_POW2=triton.next_power_of_2(max_n + 1),
+                R_POW2=triton.next_power_of_2(num_branches), K_POW2=triton.next_power_of_2(k),
+                F_POW2=triton.next_power_of_2(num_branches * k), T_POW2=triton.next_power_of_2(1 + num_branches * k),
+                num_warps=_scan_warps(L))
+
+
 @torch.library.custom_op("tlt::ngram_propose_tree", mutates_args=())
 def _ngram_propose_tree_op(
     tokens: torch.Tensor, lengths: torch.Tensor, k: int, num_branches: int, min_n: int, max_n: int
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, L = tokens.shape
-    T = 1 + num_branches * k
-    dev = tokens.device
-    parents = torch.empty(B, T, dtype=torch.int32, device=dev)
-    draft = torch.empty(B, T, dtype=torch.int64, device=dev)
-    num = torch.empty(B, dtype=torch.int32, device=dev)
+    parents, draft, num = empty_tree_outputs(tokens, k, num_branches)
     if tokens.stride(1) != 1:
         tokens = tokens.contiguous()
     _ngram_tree_kernel[(B,)](
-        tokens, lengths, parents, draft, num, tokens.stride(0), parents.stride(0), draft.stride(0), k, T,
-        R=num_branches, MIN_N=min_n, MAX_N=max_n, BLOCK_SIZE=_scan_block(L), N_POW2=triton.next_power_of_2(max_n + 1),
-        R_POW2=triton.next_power_of_2(num_branches), K_POW2=triton.next_power_of_2(k),
-        F_POW2=triton.next_power_of_2(num_branches * k), T_POW2=triton.next_power_of_2(T), num_warps=_scan_warps(L),
+        tokens, lengths, parents, draft, num, tokens.stride(0), parents.stride(0), draft.stride(0), k,
+        parents.shape[1], MIN_N=min_n, **tree_launch_config(L, k, num_branches, max_n),
     )
     return parents, draft, num
 
 
 @_ngram_propose_tree_op.register_fake
 def _(tokens, lengths, k, num_branches, min_n, max_n):
-    B = tokens.shape[0]
-    T = 1 + num_branches * k
-    return (tokens.new_empty(B, T, dtype=torch.int32), tokens.new_empty(B, T, dtype=torch.int64), tokens.new_empty(B, dtype=torch.int32))
+    return empty_tree_outputs(tokens, k, num_branches)
 
 
 def ngram_propose(tokens, lengths, k, min_n, max_n):

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .ngram import (_match_tile_in, _node_parents, _scan_block, _scan_warps, _store_continuation,
-                    _store_ngram_tree)
+                    _store_ngram_tree, empty_tree_outputs, tree_launch_config)
 
 
 @triton.jit
@@ -204,31 +204,22 @@ def ngram_propose_group(tokens, lengths, siblings, k, min_n, max_n):
 def _ngram_group_tree_op(tokens: torch.Tensor, lengths: torch.Tensor, siblings: torch.Tensor, k: int,
                          num_branches: int, min_n: int, max_n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, L = tokens.shape
-    T = 1 + num_branches * k
-    dev = tokens.device
-    parents = torch.empty(B, T, dtype=torch.int32, device=dev)
-    draft = torch.empty(B, T, dtype=torch.int64, device=dev)
-    num = torch.empty(B, dtype=torch.int32, device=dev)
+    parents, draft, num = empty_tree_outputs(tokens, k, num_branches)
     if B == 0:
         return parents, draft, num
     tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
-    siblings = siblings if siblings.shape[1] > 0 else torch.full((B, 1), -1, dtype=siblings.dtype, device=dev)
+    siblings = siblings if siblings.shape[1] > 0 else torch.full((B, 1), -1, dtype=siblings.dtype, device=tokens.device)
     _ngram_group_tree_kernel[(B,)](
         tokens, lengths, siblings, parents, draft, num, tokens.stride(0), siblings.stride(0), parents.stride(0),
-        draft.stride(0), siblings.shape[1], k, T, R=num_branches, MIN_N=min_n, MAX_N=max_n,
-        BLOCK_SIZE=_scan_block(L), N_POW2=triton.next_power_of_2(max_n + 1),
-        R_POW2=triton.next_power_of_2(num_branches), K_POW2=triton.next_power_of_2(k),
-        F_POW2=triton.next_power_of_2(num_branches * k), T_POW2=triton.next_power_of_2(T), num_warps=_scan_warps(L),
+        draft.stride(0), siblings.shape[1], k, parents.shape[1], MIN_N=min_n,
+        **tree_launch_config(L, k, num_branches, max_n),
     )
     return parents, draft, num
 
 
 @_ngram_group_tree_op.register_fake
 def _(tokens, lengths, siblings, k, num_branches, min_n, max_n):
-    B = tokens.shape[0]
-    T = 1 + num_branches * k
-    return (tokens.new_empty(B, T, dtype=torch.int32), tokens.new_empty(B, T, dtype=torch.int64),
-            tokens.new_empty(B, dtype=torch.int32))
+    return empty_tree_outputs(tokens, k, num_branches)
 
 
 def ngram_propose_tree_group(tokens, lengths, siblings, k, num_branches, min_n, max_n):
