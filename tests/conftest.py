@@ -67,9 +67,28 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(-12345 if t.dtype != torch.bool else True)
 
 
+# Prepended to every compile_for_sm90 script: ``compile_sm90(fn, types, consts, num_warps)`` compiles the @triton.jit
+# ``fn`` for sm_90 with ``types`` (Triton type strings of its runtime arguments, in order) and ``consts`` (its
+# constexprs by name).
+SM90_PRELUDE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_sm90(fn, types, consts, num_warps):
+    names = fn.arg_names
+    runtime = [n for n in names if n not in consts]
+    sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
+    src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+"""
+
+
 def compile_for_sm90(script: str) -> None:
-    """Run ``script`` (it calls ``triton.compile`` for sm_90) in a fresh interpreter with ``TRITON_INTERPRET=0``:
-    the interpreter accepts code the compiler rejects. Skips when ptxas is missing; fails with its stderr."""
+    """Run ``script`` (it calls ``triton.compile`` for sm_90, for instance through :data:`SM90_PRELUDE`'s
+    ``compile_sm90``, which it may use) in a fresh interpreter with ``TRITON_INTERPRET=0``: the interpreter accepts
+    code the compiler rejects. Skips when ptxas is missing; fails with its stderr."""
     import shutil
     import subprocess
     import sys
@@ -78,7 +97,7 @@ def compile_for_sm90(script: str) -> None:
         pytest.skip("ptxas not found")
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", SM90_PRELUDE + script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -169,22 +169,14 @@ def test_the_op_names_a_device_it_cannot_run_on(monkeypatch):
 
 
 _COMPILE_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from tlt_kernels._triton import rollout_step as m
 
-fn = m._rollout_step_kernel
-names = fn.arg_names
 for has_eos, block_b, block_t, bool_error in ((True, 256, 64, False), (False, 1, 1, True), (True, 1024, 16, False)):
     consts = dict(HAS_EOS=has_eos, BLOCK_B=block_b, BLOCK_T=block_t, BLOCK_ALL=4096, BLOCK_D=4)
     types = ["*i64", "*i64", "*i32", "*i1" if bool_error else "*i32", "*i32",
              "*i64", "*i64", "*i64", "*i1", "*i32", "*i64", "*i64",
              "*i64", "*i64", "*i1", "*i1", "*i1", "*i1"] + ["i32"] * 4 + ["i64"] + ["i32"] * 4
-    runtime = [n for n in names if n not in consts]
-    sig = dict(zip(runtime, types), **{k: "constexpr" for k in consts})
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=m._num_warps(block_b * block_t)))
+    compile_sm90(m._rollout_step_kernel, types, consts, m._num_warps(block_b * block_t))
 """
 
 

@@ -335,17 +335,7 @@ def test_chunk_config():
 
 
 _COMPILE_NGRAM_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from tlt_kernels._triton import ngram as m
-
-def compile_sm90(fn, types, consts, num_warps):
-    names = fn.arg_names
-    runtime = [n for n in names if n not in consts]
-    sig = dict(zip(runtime, types), **{k: "constexpr" for k in consts})
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 for tok in ("*i64", "*i32"):
     for chunk, warps, max_n in ((m.CHUNK, m.NUM_WARPS, 4), (2048, 8, 5), (128, 1, 1)):

@@ -194,34 +194,21 @@ def test_group_drafting_compiles_and_has_no_host_sync():
 
 _COMPILE_GROUP_SM90 = r"""
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from tlt_kernels._triton import ngram_group as m
 
-fn = m._ngram_group_kernel
-names = fn.arg_names
 for tok in ("*i64", "*i32"):
     for max_n, block, k in ((4, 2048, 8), (1, 16, 1), (3, 256, 5)):
         consts = dict(MIN_N=1, MAX_N=max_n, BLOCK_SIZE=block, N_POW2=triton.next_power_of_2(max_n + 1),
                       BLOCK_K=triton.next_power_of_2(k))
-        types = [tok, "*i32", "*i64", "*i64", "*i32", "i64", "i64", "i64", "i32", "i32"]
-        runtime = [n for n in names if n not in consts]
-        sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
-        src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-tree = m._ngram_group_tree_kernel
-names = tree.arg_names
-for tok in ("*i64", "*i32"):
+        compile_sm90(m._ngram_group_kernel, [tok, "*i32", "*i64", "*i64", "*i32", "i64", "i64", "i64", "i32", "i32"],
+                     consts, 4)
     for R, k, max_n, block in ((4, 8, 4, 2048), (1, 1, 1, 16), (3, 5, 3, 256)):
         T = 1 + R * k
         consts = dict(R=R, MIN_N=1, MAX_N=max_n, BLOCK_SIZE=block, N_POW2=triton.next_power_of_2(max_n + 1),
                       R_POW2=triton.next_power_of_2(R), K_POW2=triton.next_power_of_2(k),
                       F_POW2=triton.next_power_of_2(R * k), T_POW2=triton.next_power_of_2(T))
         types = [tok, "*i32", "*i64", "*i32", "*i64", "*i32", "i64", "i64", "i64", "i64", "i32", "i32", "i32"]
-        runtime = [n for n in names if n not in consts]
-        sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
-        src = ASTSource(tree, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        compile_sm90(m._ngram_group_tree_kernel, types, consts, 4)
 """
 
 

@@ -198,21 +198,13 @@ def test_logprobs_in_a_cuda_graph():
 
 
 _COMPILE_SM90 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from tlt_kernels._triton import path_logprobs as m
 
-fn = m._path_logprobs_kernel
-names = fn.arg_names
 for logits in ("*bf16", "*fp32", "*fp16"):
     for flags in ((True, True, True), (False, False, False), (True, False, True)):
         consts = dict(HAS_TEMP=flags[0], HAS_TOPK=flags[1], HAS_TOPP=flags[2], BLOCK=4096)
         types = [logits, "*i32", "*i32", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i64"] * 5 + ["i32"]
-        runtime = [n for n in names if n not in consts]
-        sig = dict(zip(runtime, types), **{c: "constexpr" for c in consts})
-        src = ASTSource(fn, sig, constexprs={(names.index(c),): v for c, v in consts.items()})
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        compile_sm90(m._path_logprobs_kernel, types, consts, 4)
 """
 
 
