@@ -100,14 +100,18 @@ def _sizes(small: bool, p):
             pick(p.max_new_tokens, 256, 10))
 
 
+def tail_seconds(steps, num_requests: int) -> float:
+    """Seconds of the steps run with fewer than a quarter of the ``num_requests`` requests left (the tail)."""
+    return sum(step.seconds for step in steps if 4 * step.batch_size < num_requests)
+
+
 def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int], use_groups: bool):
     def rollout(prompts, groups, seed) -> Rollout:
         kwargs = dict(temperature=temperature, seed=[seed * 100_003 + i for i in range(len(prompts))],
                       eos_token_id=eos, groups=groups if use_groups else None)
         seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
-        quarter = max(1, len(prompts) // 4)
-        tail = sum(s.step_s for s in out.steps if s.batch_size < quarter)
-        return Rollout(out.tokens, out.logprobs, seconds, tail, out.mean_accepted_length())
+        return Rollout(out.tokens, out.logprobs, seconds, tail_seconds(out.steps, len(prompts)),
+                       out.mean_accepted_length())
     return rollout
 
 
