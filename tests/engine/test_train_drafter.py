@@ -90,3 +90,22 @@ def test_train_seconds_stops_early_and_still_saves(tmp_path):
     assert summary["steps"] < 1000 and out.is_file()
     with pytest.raises(SystemExit):
         train_drafter.parse_args(["--model-file", "m", "--out", "o", "--train-seconds", "0"])
+
+
+def test_a_checkpoint_is_saved_at_every_report(monkeypatch, tmp_path):
+    """A run killed by a time limit after a report keeps what it trained up to that report."""
+    saved = []
+    real = SpotTrainer.save_checkpoint
+
+    def save(self, path):
+        saved.append(self.optimizer_steps)
+        real(self, path)
+
+    monkeypatch.setattr(SpotTrainer, "save_checkpoint", save)
+    model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
+    tiny_transformers_directory(model, hidden_size=64, head_dim=32)
+    _prompts_file(prompts)
+    train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts), "--steps", "6",
+                        "--max-new-tokens", "4", "--batch", "2", "--samples", "1", "--device", "cpu",
+                        "--train-batch", "2", "--seq-len", "8", "--report-every", "4"])
+    assert saved[:2] == [4, 6] and saved[-1] == 6 and out.is_file()

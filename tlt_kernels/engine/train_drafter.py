@@ -8,12 +8,12 @@
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
    ``bench/data/prompts.jsonl``) go through the chat template;
-3. a plain :class:`SpeculativeEngine` answers each ``--samples`` times in batches of ``--batch`` (sampling at
+3. a plain :class:`SpeculativeEngine` (whole-step CUDA graphs on a GPU) answers each ``--samples`` times in batches of ``--batch`` (sampling at
    ``--temperature``, 0 = greedy; one seed per answer), its rollout buffer capturing every sequence's target features (last layer, before the final
    norm) and tokens -- the path the spot trainer reads in a live rollout;
 4. a :class:`~tlt_kernels.drafter.SpotTrainer` trains a fresh :class:`~tlt_kernels.drafter.EagleDrafter` for
-   ``--steps`` optimizer steps on that buffer and saves its checkpoint to ``--out``
-   (:meth:`SpotTrainer.save_checkpoint`; ``python -m bench rollout --eagle-checkpoint`` loads it);
+   ``--steps`` optimizer steps on that buffer and saves its checkpoint to ``--out`` at every report and at the end
+   (:meth:`SpotTrainer.save_checkpoint`, atomic; ``python -m bench rollout --eagle-checkpoint`` loads it);
 5. with ``--eval``: the mean accepted length (:func:`~tlt_kernels.drafter.spot_trainer.evaluate_acceptance`) on
    greedy answers to the ``"heldout"`` prompts, before and after training.
 """
@@ -30,7 +30,7 @@ import torch
 from ..drafter import EagleDrafter, RolloutBuffer, SpotTrainer
 from ..drafter.spot_trainer import evaluate_acceptance
 from ..models.pretrained import chat_prompt_ids, load_pretrained, load_tokenizer
-from ..runtime import Strategy
+from ..runtime import GraphPool, Strategy
 from .engine import SpeculativeEngine
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -109,8 +109,12 @@ def generate_into(target, prompts: List[List[int]], buffer, *, batch: int, max_n
     """Answers ``prompts`` with plain decoding, ``batch`` at a time; every sequence (prompt + answer) goes to
     ``buffer`` (anything with RolloutBuffer's ``add``). Returns the number of generated tokens."""
     max_seq = max(len(p) for p in prompts) + max_new_tokens + 1
-    engine = SpeculativeEngine(target, None, Strategy.off(), max_batch_size=min(batch, len(prompts)),
-                               max_seq_len=max_seq, rollout_buffer=buffer)
+    cuda = target.device.type == "cuda"  # whole-step CUDA graphs there: eager steps are launch-bound
+    engine = SpeculativeEngine(target, None, Strategy.off(), GraphPool() if cuda else None,
+                               max_batch_size=min(batch, len(prompts)), max_seq_len=max_seq, rollout_buffer=buffer,
+                               fuse_step=cuda)
+    if cuda:
+        engine.capture_graphs()
     generated = 0
     for start in range(0, len(prompts), batch):
         chunk = prompts[start:start + batch]
@@ -186,7 +190,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
 def run_training(trainer: SpotTrainer, args: argparse.Namespace):
     """``--steps`` optimizer steps (fewer when ``--train-seconds`` runs out), printing the loss every
-    ``--report-every`` steps; returns ``(steps, seconds, last loss)``."""
+    ``--report-every`` steps and saving the checkpoint to ``--out`` each time (a run cut off by a time limit keeps
+    its progress); returns ``(steps, seconds, last loss)``."""
     steps, elapsed_s, last_loss = 0, 0.0, None
     while steps < args.steps:
         budget = None if args.train_seconds is None else args.train_seconds - elapsed_s
@@ -196,7 +201,8 @@ def run_training(trainer: SpotTrainer, args: argparse.Namespace):
                             publish=False)
         steps, elapsed_s, last_loss = steps + stats.optimizer_steps, elapsed_s + stats.elapsed_s, stats.last_loss
         loss = "n/a" if last_loss is None else f"{last_loss:.4g}"
-        print(f"train_drafter: step {steps}, loss {loss}, {elapsed_s:.1f} s", flush=True)
+        trainer.save_checkpoint(args.out)
+        print(f"train_drafter: step {steps}, loss {loss}, {elapsed_s:.1f} s, saved {args.out}", flush=True)
         if stats.optimizer_steps == 0:
             break
     return steps, elapsed_s, last_loss
