@@ -23,7 +23,8 @@ Each way first runs one untimed rollout (compilation, allocator growth). Rows: p
 ``{"step": i}``): ``ms`` = rollout wall time, ``tail_s`` (seconds of steps with
 fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
 ``mean_reward``, ``tokens``; per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
-``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: a permutation test of the per-response rewards
+``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: the decoding steps each selector gave each
+strategy; a permutation test of the per-response rewards
 of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
 ``plain`` on the tokens their first rollouts share (same weights and seeds). ``python -m bench.plot_rl rl.json`` draws
 reward and rollout time per step. One engine drafts with one drafter: EAGLE and group n-gram drafts are separate
@@ -34,7 +35,8 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from collections import Counter
+from typing import Dict, List, Optional
 
 import torch
 
@@ -78,6 +80,7 @@ class Rollout:
     seconds: float
     tail_s: Optional[float] = None
     accepted_length: float = 1.0
+    arm_steps: Dict[str, int] = field(default_factory=dict)  # decoding steps per strategy (our engine only)
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Way:
     rows: List[dict] = field(default_factory=list)
     rewards: List[float] = field(default_factory=list)
     first: Optional[Rollout] = None
+    arm_steps: Counter = field(default_factory=Counter)
 
 
 def _sizes(small: bool, p):
@@ -111,7 +115,7 @@ def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int]
                       eos_token_id=eos, groups=groups if use_groups else None)
         seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
         return Rollout(out.tokens, out.logprobs, seconds, tail_seconds(out.steps, len(prompts)),
-                       out.mean_accepted_length())
+                       out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)))
     return rollout
 
 
@@ -227,6 +231,7 @@ class RLRun:
         answers = [self.problems[i].answer for i in chosen for _ in range(self.group)]
         out = way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed + index)
         way.first = way.first or out
+        way.arm_steps.update(out.arm_steps)
         rewards = [reward(self.decode(r), answer) for r, answer in zip(out.responses, answers)]
         train_s, loss = synced_seconds(self.device, lambda: self._update(way, prompts, out, rewards))
         way.rewards += rewards
@@ -256,6 +261,9 @@ class RLRun:
             self.ctx.add({"step": "all"}, way.name, total("rollout_s") * 1e3, tail_s=total("tail_s"),
                          step_s=total("step_s"), mean_reward=sum(way.rewards) / max(1, len(way.rewards)),
                          tokens=int(total("tokens")))
+            if way.arm_steps:  # what the selector chose: a loss to plain shows in which arms ran
+                arms = ", ".join(f"{arm} {count}" for arm, count in way.arm_steps.most_common())
+                self.ctx.note(f"{way.name}: decoding steps per strategy over the timed rollouts: {arms}")
         by_name = {way.name: way for way in ways}
         if "spec" in by_name and "plain" in by_name:
             spec, plain = by_name["spec"], by_name["plain"]

@@ -70,6 +70,7 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     assert all(r["tail_s"] is not None for r in per_step if r["impl"] != "hf")
     notes = " ".join(data["notes"])
     assert "permutation test" in notes and "largest difference" in notes
+    assert "spec: decoding steps per strategy" in notes and "hf: decoding steps" not in notes
     diff = float(notes.split("largest difference ")[1].split()[0])
     assert diff < 1e-4  # fp32 on the CPU: the two engines score shared tokens alike
 
