@@ -107,6 +107,40 @@ def test_top_p_and_top_k_match_the_reference(backend, V):
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_rows_of_several_tiles_score_like_the_reference(backend, top_p):
+    """V = 4500 spans three of the Triton walk's 2048-wide streaming tiles (the last one ragged): the raw normalizer
+    it sums online next to the sampling one is rescaled whenever a later tile holds a larger logit (the rows are
+    built so that the max sits in the last tile for some requests), with and without top-p."""
+    B, T, V = 4, 5, 4500
+    logits, tokens, parents, _ = _case(B, T, V, seed=45)
+    logits[::2, :, -300:] += 4.0  # the row max in the last, ragged tile
+    temperature = torch.tensor([1.0, 0.6, 0.0, 1.7])
+    kw = {} if top_p is None else dict(top_p=torch.full((B,), top_p))
+    got = _run(backend, logits, tokens, parents, temperature, **kw)
+    want = verify_tree(logits, tokens, parents, temperature=temperature, seed=torch.arange(B), backend="torch",
+                       return_logprobs=True, return_raw_logprobs=True, **kw)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logprobs, want.logprobs, atol=TOL, rtol=0)
+    assert torch.allclose(got.raw_logprobs, want.raw_logprobs, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+def test_scoring_changes_no_decision(backend):
+    """The scored walk (fused on the Triton backend) emits the same tokens, counts and stats as the unscored one."""
+    logits, tokens, parents, temperature = _case(6, 7, 200, seed=11)
+    plain = _run(backend, logits, tokens, parents, temperature)
+    dev = torch.device(DEV) if backend != "torch" else torch.device("cpu")
+    unscored = verify_tree(logits.to(dev), tokens.to(dev), parents.to(dev), temperature=temperature.to(dev),
+                           seed=torch.arange(6, device=dev), backend=backend, return_stats=True)
+    scored = verify_tree(logits.to(dev), tokens.to(dev), parents.to(dev), temperature=temperature.to(dev),
+                         seed=torch.arange(6, device=dev), backend=backend, return_stats=True, return_logprobs=True)
+    for name in ("tokens", "num_accepted", "accepted_nodes", "error", "stats"):
+        assert torch.equal(getattr(unscored, name), getattr(scored, name)), name
+    assert torch.equal(scored.logprobs.cpu(), plain.logprobs) and scored.raw_logprobs is None
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
 def test_padding_and_flagged_requests_are_zero(backend):
     B, T, V = 4, 6, 40
     logits, tokens, parents, temperature = _case(B, T, V, seed=3)
@@ -166,10 +200,14 @@ def test_logprob_invariants_property(B, T, V, seed, temp):
     assert torch.allclose(out.raw_logprobs.double(), raw, atol=TOL, rtol=0)
 
 
-def test_logprobs_under_torch_compile():
-    logits, tokens, parents, temperature = _case(3, 4, 29, seed=5)
-    seeds = torch.arange(3)
-    kw = dict(temperature=temperature, validate=False, backend="torch", return_logprobs=True,
+@pytest.mark.parametrize("backend", [pytest.param("torch", id="torch"),
+                                     pytest.param("triton", marks=pytest.mark.triton, id="triton")])
+def test_logprobs_under_torch_compile(backend):
+    dev = torch.device(DEV) if backend != "torch" else torch.device("cpu")
+    need_backend("verify_tree", backend, dev)
+    logits, tokens, parents, temperature = (t.to(dev) for t in _case(3, 4, 29, seed=5))
+    seeds = torch.arange(3, device=dev)
+    kw = dict(temperature=temperature, validate=False, backend=backend, return_logprobs=True,
               return_raw_logprobs=True)
     eager = verify_tree(logits, tokens, parents, seed=seeds, **kw)
     torch._dynamo.reset()
@@ -180,10 +218,13 @@ def test_logprobs_under_torch_compile():
 
 
 @pytest.mark.cuda
-def test_logprobs_in_a_cuda_graph():
-    """No host sync: the scoring is captured with the walk and replays with new logits."""
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_logprobs_in_a_cuda_graph(backend):
+    """No host sync: the scoring is captured with the walk (fused on Triton, after it on CUDA) and replays with new
+    logits."""
+    need_backend("verify_tree", backend, torch.device("cuda"))
     logits, tokens, parents, temperature = (t.cuda() for t in _case(4, 5, 300, seed=9))
-    kw = dict(temperature=temperature, seed=torch.arange(4, device="cuda"), validate=False,
+    kw = dict(temperature=temperature, seed=torch.arange(4, device="cuda"), validate=False, backend=backend,
               return_logprobs=True, return_raw_logprobs=True)
     static = logits.clone()
     verify_tree(static, tokens, parents, **kw)  # warm-up

@@ -234,19 +234,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tlt_kernels._triton import verify_tree as m
 names = m._verify_tree_kernel.arg_names
-types = ["*bf16", "*fp32", "*i64", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*i64", "*i64", "*fp32"] + ["*i32"] * 5 + ["i32"] * 9
+types = (["*bf16", "*fp32", "*i64", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*i64", "*i64", "*fp32"] + ["*i32"] * 5
+         + ["*fp32"] + ["i32"] * 9)
 from tlt_kernels._triton import ptxas_report
 def compile_(num_warps, **consts):
     sig = dict(zip(names, types), **{k: "constexpr" for k in consts})
     src = ASTSource(m._verify_tree_kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 flags = dict(HAS_Q=True, HAS_TEMP=True, STATS=True, NODE_BLOCK=16, DEPTH_BLOCK=16)
-compile_(4, HAS_TOP_K=True, HAS_TOP_P=True, NUM_TILES=4, BLOCK_SIZE=256, NUM_STREAM_TILES=4, STREAM_BLOCK=256, **flags)
-# The launcher's V=152064 config without top-k/top-p: 2048-wide streaming tiles, and no register spills.
-c = compile_(8, HAS_TOP_K=False, HAS_TOP_P=False, NUM_TILES=149, BLOCK_SIZE=1024, NUM_STREAM_TILES=75,
-             STREAM_BLOCK=m.STREAM_BLOCK_MAX, **flags)
-regs, spills, log = ptxas_report(c.asm["ptx"])  # raises with ptxas's stderr if it fails
-assert spills == 0, f"STREAM_BLOCK_MAX={m.STREAM_BLOCK_MAX} spills {spills} bytes"
+for scores in (False, True):  # with SCORES the walk also writes the emitted tokens' log-probs
+    compile_(4, HAS_TOP_K=True, HAS_TOP_P=True, NUM_TILES=4, BLOCK_SIZE=256, NUM_STREAM_TILES=4, STREAM_BLOCK=256,
+             SCORES=scores, **flags)
+    # The launcher's V=152064 config without top-k/top-p: 2048-wide streaming tiles, and no register spills.
+    c = compile_(8, HAS_TOP_K=False, HAS_TOP_P=False, NUM_TILES=149, BLOCK_SIZE=1024, NUM_STREAM_TILES=75,
+                 STREAM_BLOCK=m.STREAM_BLOCK_MAX, SCORES=scores, **flags)
+    regs, spills, log = ptxas_report(c.asm["ptx"])  # raises with ptxas's stderr if it fails
+    assert spills == 0, f"STREAM_BLOCK_MAX={m.STREAM_BLOCK_MAX}, SCORES={scores}: spills {spills} bytes"
 """
 
 

@@ -191,8 +191,11 @@ def _top_p_candidates(row_ptr, cand_ptr, V, floor, ks, mx, tau, NUM_TILES: tl.co
 
 @triton.jit
 def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, NUM_TILES: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
-    """(bad, argmax, thr, mx, Z, qsum) of one row (mx: its max logit); thr/Z are only meaningful for sampled requests.
+               BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr,
+               SCORES: tl.constexpr):
+    """(bad, argmax, thr, mx, Z, qsum, Z1) of one row (mx: its max logit); thr/Z are only meaningful for sampled
+    requests. With ``SCORES``, ``Z1`` is the raw normalizer ``sum _weight(l, max, log2 e)`` (temperature 1, no
+    filter), summed online in the same pass (one more exp per element, no more bytes); else 1.
 
     One pass gives the argmax, the bad flag, online the normalizer ``Z = sum _weight(l, max, ks)`` (the running
     sum rescaled when the tile max grows) and, when ``want_q`` (the node has children to test against its
@@ -204,6 +207,7 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
     arg = 0
     bad = 0
     z = 0.0
+    z1 = 0.0
     qsum = 0.0
     for tile in range(NUM_STREAM_TILES):
         start = tile * STREAM_BLOCK
@@ -223,6 +227,9 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
         m_new = tl.where(finite, new_best, 0.0)
         z = tl.where(finite, z * _weight(tl.where(best > float("-inf"), best, m_new), m_new, ks), 0.0)
         z += tl.where(finite, tl.sum(_weight(xm, m_new, ks), axis=0), 0.0)
+        if SCORES:
+            z1 = tl.where(finite, z1 * _weight(tl.where(best > float("-inf"), best, m_new), m_new, 1.4426950408889634), 0.0)
+            z1 += tl.where(finite, tl.sum(_weight(xm, m_new, 1.4426950408889634), axis=0), 0.0)
         arg = tl.where(better, tile_arg, arg)
         best = new_best
     bad = bad | (best == float("-inf")).to(tl.int32)
@@ -230,6 +237,7 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
     thr = arg * 0 - 2139095041  # key(-inf): keeps every token
     mx = best
     Z = tl.where(bad == 0, z, 1.0)
+    Z1 = tl.where(bad == 0, z1, 1.0)
     if (bad == 0) & (greedy == 0):
         if (top_k > 0) & (top_k < V):
             thr, _ = _radix_select(row_ptr, V, thr, ks, mx, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
@@ -244,7 +252,7 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
             tl.debug_barrier()  # before the scratch row is reused for residuals
         elif top_p < 1.0:
             thr, Z = _radix_select(row_ptr, V, thr, ks, mx, top_p * Z, True, NUM_TILES, BLOCK_SIZE)
-    return bad, arg, thr, mx, Z, qsum
+    return bad, arg, thr, mx, Z, qsum, Z1
 
 
 @triton.jit
@@ -303,18 +311,19 @@ def _sampling_params(temp_ptr, top_k_ptr, top_p_ptr, b, HAS_TEMP: tl.constexpr, 
 @triton.jit
 def _visit_node(logits_ptr, dprobs_ptr, b, node, depth, par_vec, t_idx, scr_base, V, max_depth, greedy, ks, top_k, top_p,
                 stride_lb, stride_lt, stride_qb, stride_qt, HAS_Q: tl.constexpr, NUM_TILES: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr):
-    """The logits row of ``node`` (at ``depth``) and its ``_row_state`` (bad, argmax, thr, mx, Z, qsum); the draft
+                BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr,
+                SCORES: tl.constexpr):
+    """The logits row of ``node`` (at ``depth``) and its ``_row_state`` (bad, argmax, thr, mx, Z, qsum, Z1); the draft
     row is summed only when the node's children will be tested against it (``_wants_draft_sum``)."""
     row_ptr = logits_ptr + b * stride_lb + node.to(tl.int64) * stride_lt
     want_q = node * 0
     if HAS_Q:
         want_q = _wants_draft_sum(par_vec, t_idx, node, greedy, depth, max_depth)
     # A visited row's top-p candidates go to scratch row 0: no residual is live when a row is visited.
-    bad, arg, thr, mx, Z, qsum = _row_state(row_ptr, dprobs_ptr + b * stride_qb + node.to(tl.int64) * stride_qt, want_q,
-                                            scr_base, V, greedy, ks, top_k, top_p, NUM_TILES, BLOCK_SIZE,
-                                            NUM_STREAM_TILES, STREAM_BLOCK)
-    return row_ptr, bad, arg, thr, mx, Z, qsum
+    bad, arg, thr, mx, Z, qsum, Z1 = _row_state(row_ptr, dprobs_ptr + b * stride_qb + node.to(tl.int64) * stride_qt,
+                                                want_q, scr_base, V, greedy, ks, top_k, top_p, NUM_TILES, BLOCK_SIZE,
+                                                NUM_STREAM_TILES, STREAM_BLOCK, SCORES)
+    return row_ptr, bad, arg, thr, mx, Z, qsum, Z1
 
 
 @triton.jit
@@ -354,6 +363,21 @@ def _record_accepted(path_tokens, path_nodes, took, d_idx, depth, x, j):
     depth += 1
     path_nodes = tl.where(d_idx == depth, j, path_nodes)
     return path_tokens, path_nodes, took, depth
+
+
+@triton.jit
+def _score_token(row_ptr, x, greedy, mx, Z, Z1, ks, d_idx, depth, lp_sampled, lp_raw):
+    """Writes token ``x``'s log-probs under the current row into slot ``depth`` of ``(lp_sampled, lp_raw)``: the
+    sampling law's ``log(_weight(l, mx, ks) / Z)`` (0 for greedy: a point mass) and the raw ``log(_weight(l, mx,
+    log2 e) / Z1)``, as ``ln 2 * (log2 weight - log2 normalizer)`` (no exp/log round trip). One element of a row the
+    walk already read: the target's law of the row, not a residual, since acceptance is lossless."""
+    lx = tl.load(row_ptr + x).to(tl.float32)
+    h = tl.where(mx >= 5.070602400912918e30, 0.5, 1.0)  # _weight's halving, for rows whose max nears overflow
+    sampled = tl.where(greedy != 0, 0.0, 0.6931471805599453 * ((lx * h - mx * h) * (ks / h) - tl.log2(Z)))
+    raw = 0.6931471805599453 * ((lx * h - mx * h) * (1.4426950408889634 / h) - tl.log2(Z1))
+    lp_sampled = tl.where(d_idx == depth, sampled, lp_sampled)
+    lp_raw = tl.where(d_idx == depth, raw, lp_raw)
+    return lp_sampled, lp_raw
 
 
 @triton.jit
@@ -416,17 +440,20 @@ def _walk_tree(logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, b, n, zero, scr_
                path_nodes, tried, took, par_vec, t_idx, coin_accept, coin_sample, greedy, ks, top_k, top_p, V, max_depth,
                stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb, HAS_Q: tl.constexpr,
                NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_STREAM_TILES: tl.constexpr,
-               STREAM_BLOCK: tl.constexpr):
+               STREAM_BLOCK: tl.constexpr, SCORES: tl.constexpr):
     """Walks request b's tree from the root, testing each child of the current node in order, descending into the
     first accepted one, then draws the final token (``_final_token``). ``res_i``/``scr_ptr`` name the scratch row
     in use, the path vectors are the per-depth outputs so far. Returns (err, depth, final token, path_tokens,
-    path_nodes, tried, took)."""
+    path_nodes, tried, took, lp_sampled, lp_raw); with ``SCORES`` the last two hold each emitted token's log-probs
+    (``_score_token``), else zeros."""
     cur = zero
     depth = zero
-    row_ptr, err, arg, thr, mx, Z, qsum = _visit_node(logits_ptr, dprobs_ptr, b, cur, depth, par_vec, t_idx, scr_base, V,
-                                                      max_depth, greedy, ks, top_k, top_p, stride_lb, stride_lt, stride_qb,
-                                                      stride_qt, HAS_Q, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES,
-                                                      STREAM_BLOCK)
+    lp_sampled = d_idx.to(tl.float32) * 0.0
+    lp_raw = lp_sampled
+    row_ptr, err, arg, thr, mx, Z, qsum, Z1 = _visit_node(logits_ptr, dprobs_ptr, b, cur, depth, par_vec, t_idx,
+                                                          scr_base, V, max_depth, greedy, ks, top_k, top_p, stride_lb,
+                                                          stride_lt, stride_qb, stride_qt, HAS_Q, NUM_TILES, BLOCK_SIZE,
+                                                          NUM_STREAM_TILES, STREAM_BLOCK, SCORES)
     has_res = 0
     S = 1.0
     q_ready = 0
@@ -446,12 +473,16 @@ def _walk_tree(logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, b, n, zero, scr_
             accept, err, q_ready = _accept_child(x, j, arg, greedy, err, q_ready, row_ptr, scr_ptr, dq_ptr, has_res, S,
                                                  thr, ks, mx, Z, qsum, t_idx, coin_accept, HAS_Q)
             if accept:
+                if SCORES:
+                    lp_sampled, lp_raw = _score_token(row_ptr, x, greedy, mx, Z, Z1, ks, d_idx, depth, lp_sampled,
+                                                      lp_raw)
                 path_tokens, path_nodes, took, depth = _record_accepted(path_tokens, path_nodes, took, d_idx, depth, x, j)
                 cur = j
-                row_ptr, err, arg, thr, mx, Z, qsum = _visit_node(logits_ptr, dprobs_ptr, b, j, depth, par_vec, t_idx,
-                                                                  scr_base, V, max_depth, greedy, ks, top_k, top_p,
-                                                                  stride_lb, stride_lt, stride_qb, stride_qt, HAS_Q,
-                                                                  NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES, STREAM_BLOCK)
+                row_ptr, err, arg, thr, mx, Z, qsum, Z1 = _visit_node(logits_ptr, dprobs_ptr, b, j, depth, par_vec,
+                                                                      t_idx, scr_base, V, max_depth, greedy, ks, top_k,
+                                                                      top_p, stride_lb, stride_lt, stride_qb, stride_qt,
+                                                                      HAS_Q, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES,
+                                                                      STREAM_BLOCK, SCORES)
                 has_res = 0
                 S = 1.0
                 q_ready = 0
@@ -461,14 +492,19 @@ def _walk_tree(logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, b, n, zero, scr_
         j += 1
     final, err = _final_token(arg, greedy, err, cur, t_idx, coin_sample, row_ptr, scr_ptr, has_res, S, thr, ks, mx, Z, V,
                               NUM_STREAM_TILES, STREAM_BLOCK)
-    return err, depth, final, path_tokens, path_nodes, tried, took
+    if SCORES:
+        lp_sampled, lp_raw = _score_token(row_ptr, tl.minimum(tl.maximum(final, 0), V - 1), greedy, mx, Z, Z1, ks,
+                                          d_idx, depth, lp_sampled, lp_raw)
+    return err, depth, final, path_tokens, path_nodes, tried, took, lp_sampled, lp_raw
 
 
 @triton.jit
-def _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, b, err, depth, final,
-                   d_idx, path_tokens, path_nodes, tried, took, max_depth, STATS: tl.constexpr):
+def _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, out_scores_ptr, b, err,
+                   depth, final, d_idx, path_tokens, path_nodes, tried, took, lp_sampled, lp_raw, max_depth,
+                   STATS: tl.constexpr, SCORES: tl.constexpr):
     """Writes request b's outputs: the accepted tokens with the final one at ``depth``, the accepted nodes, their
-    count, the error flag and the per-depth (tried, took) stats; an erroring request gets an empty result."""
+    count, the error flag, the per-depth (tried, took) stats and the emitted tokens' (sampled, raw) log-probs (0 past
+    ``depth``); an erroring request gets an empty result."""
     ok = err == 0
     path_tokens = tl.where(d_idx == depth, final, path_tokens)
     path_tokens = tl.where(ok, path_tokens, -1)
@@ -483,17 +519,22 @@ def _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_
         base = out_stats_ptr + b * max_depth * 2 + d_idx * 2
         tl.store(base, tl.where(ok, tried, 0), mask=smask)
         tl.store(base + 1, tl.where(ok, took, 0), mask=smask)
+    if SCORES:
+        scored = ok & (d_idx <= depth)
+        base = out_scores_ptr + b * (max_depth + 1) * 2 + d_idx * 2
+        tl.store(base, tl.where(scored, lp_sampled, 0.0), mask=dmask)
+        tl.store(base + 1, tl.where(scored, lp_raw, 0.0), mask=dmask)
 
 
 @triton.jit
 def _verify_tree_kernel(
     logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, num_nodes_ptr,
     temp_ptr, top_k_ptr, top_p_ptr, seed_ptr, offset_ptr, scratch_ptr,
-    out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr,
+    out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, out_scores_ptr,
     T, V, max_depth,
     stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb,
     HAS_Q: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-    STATS: tl.constexpr, NODE_BLOCK: tl.constexpr, DEPTH_BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STATS: tl.constexpr, SCORES: tl.constexpr, NODE_BLOCK: tl.constexpr, DEPTH_BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_STREAM_TILES: tl.constexpr, STREAM_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -522,18 +563,19 @@ def _verify_tree_kernel(
     coin_accept = _philox_uniform(seed, offset, t_idx, 0)
     coin_sample = _philox_uniform(seed, offset, t_idx, 1)
 
-    err, depth, final, path_tokens, path_nodes, tried, took = _walk_tree(
+    err, depth, final, path_tokens, path_nodes, tried, took, lp_sampled, lp_raw = _walk_tree(
         logits_ptr, dprobs_ptr, tokens_ptr, parents_ptr, b, n, zero, scr_base, res_i, scr_ptr, d_idx, path_tokens,
         path_nodes, tried, took, par_vec, t_idx, coin_accept, coin_sample, greedy, ks, top_k, top_p, V, max_depth,
         stride_lb, stride_lt, stride_qb, stride_qt, stride_tb, stride_pb, HAS_Q, NUM_TILES, BLOCK_SIZE, NUM_STREAM_TILES,
-        STREAM_BLOCK)
-    _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, b, err, depth, final, d_idx,
-                   path_tokens, path_nodes, tried, took, max_depth, STATS)
+        STREAM_BLOCK, SCORES)
+    _store_outputs(out_tokens_ptr, out_num_ptr, out_nodes_ptr, out_err_ptr, out_stats_ptr, out_scores_ptr, b, err, depth,
+                   final, d_idx, path_tokens, path_nodes, tried, took, lp_sampled, lp_raw, max_depth, STATS, SCORES)
 
 
 def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-            max_depth, return_stats, block_size=None, out=None):
-    """Launch the kernel; ``out`` optionally supplies (tokens, num, nodes, error, stats) buffers."""
+            max_depth, return_stats, block_size=None, out=None, scores=None):
+    """Launch the kernel; ``out`` optionally supplies (tokens, num, nodes, error, stats) buffers; ``scores``, a
+    float32 ``[B, max_depth+1, 2]`` buffer, turns on the fused log-probs (sampled, raw) of the emitted tokens."""
     B, T, V = logits.shape
     dev = logits.device
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -568,11 +610,12 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             top_p.contiguous() if top_p is not None else dummy_f,
             seed.contiguous(), offset.contiguous(), scratch,
             out_tokens, out_num, out_nodes, out_err, out_stats if return_stats else out_err,
+            scores if scores is not None else out_err,
             T, V, max_depth,
             logits.stride(0), logits.stride(1), dprobs.stride(0), dprobs.stride(1),
             draft_tokens.stride(0), parents.stride(0),
             HAS_Q=has_q, HAS_TEMP=temperature is not None, HAS_TOP_K=top_k is not None,
-            HAS_TOP_P=top_p is not None, STATS=bool(return_stats),
+            HAS_TOP_P=top_p is not None, STATS=bool(return_stats), SCORES=scores is not None,
             NODE_BLOCK=triton.next_power_of_2(T), DEPTH_BLOCK=triton.next_power_of_2(max_depth + 1),
             NUM_TILES=triton.cdiv(V, block_size), BLOCK_SIZE=block_size,
             NUM_STREAM_TILES=triton.cdiv(V, stream_block), STREAM_BLOCK=stream_block, num_warps=num_warps,
@@ -582,3 +625,17 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
 
 _verify_tree_op, verify_tree_triton = make_verify_tree_op("tlt::verify_tree_triton", _launch)
 verify_tree_triton.__doc__ = """Triton backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op)."""
+
+
+def _launch_scored(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                   max_depth, return_stats):
+    """The walk with its fused log-probs: ``(tokens, num, nodes, error, stats, scores float32 [B, max_depth+1, 2])``."""
+    scores = torch.empty(logits.shape[0], max_depth + 1, 2, dtype=torch.float32, device=logits.device)
+    out = _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                  max_depth, return_stats, scores=scores)
+    return (*out, scores)
+
+
+_verify_tree_scored_op, verify_tree_triton_scored = make_verify_tree_op("tlt::verify_tree_triton_scored",
+                                                                        _launch_scored, scored=True)
+verify_tree_triton.scored = verify_tree_triton_scored  # the op takes it when log-probs are asked for

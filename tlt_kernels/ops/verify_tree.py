@@ -298,9 +298,10 @@ def verify_tree(
         :class:`VerifyResult` ``(tokens int32 [B, max_depth+1], num_accepted int32 [B],
         accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None,
         logprobs float32 [B, max_depth+1] | None, raw_logprobs float32 [B, max_depth+1] | None)``. Log-probs are
-        0 past ``num_accepted`` and on flagged requests; they read only the rows the walk read (the accepted path's),
-        after the walk: one Triton launch on the kernel backends (:mod:`tlt_kernels._triton.path_logprobs`, float32),
-        float64 torch ops on ``backend="torch"``; no host sync (capturable).
+        0 past ``num_accepted`` and on flagged requests; they read only the rows the walk read (the accepted path's).
+        Triton backend: fused into the walk (each visited row's pass also sums the raw normalizer; a token's score
+        reads one element). CUDA backend: one Triton launch after the walk (:mod:`tlt_kernels._triton.path_logprobs`,
+        float32). ``backend="torch"``: float64 torch ops. No host sync (capturable).
         On every backend, a request whose walk visits a row holding NaN/+inf or only -inf (or tries a child
         whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
         -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
@@ -326,8 +327,13 @@ def verify_tree(
                   temp, k, tp, max_depth)
     inputs = _kernel_layout(logits, draft_tokens, parents, num_nodes_resolved, draft_probs, temp, k, tp, seed, offset)
     _, fn = _BACKENDS.resolve(backend, dev)
+    scoring = bool(return_logprobs or return_raw_logprobs)
+    if scoring and getattr(fn, "scored", None) is not None:  # the walk scores its own tokens (Triton)
+        result = fn.scored(*inputs, max_depth, return_stats)
+        return VerifyResult(*result[:5], result.logprobs if return_logprobs else None,
+                            result.raw_logprobs if return_raw_logprobs else None)
     result = fn(*inputs, max_depth, return_stats)
-    if not (return_logprobs or return_raw_logprobs):
+    if not scoring:
         return result
     logprobs, raw_logprobs = _score(inputs[0], result, temp, k, tp, backend, dev, bool(return_logprobs),
                                     bool(return_raw_logprobs))

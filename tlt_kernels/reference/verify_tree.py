@@ -109,26 +109,34 @@ def empty_verify_outputs(logits: torch.Tensor, max_depth: int, return_stats: boo
 
 
 
-def make_verify_tree_op(op_name: str, launch):
+def make_verify_tree_op(op_name: str, launch, scored: bool = False):
     """A kernel backend's ``verify_tree``: ``launch(logits, draft_tokens, parents, num_nodes, draft_probs,
     temperature, top_k, top_p, seed, offset, max_depth, return_stats)`` returns ``(tokens, num_accepted,
-    accepted_nodes, error, stats)``. Returns ``(op, verify)``: the ``torch.library`` custom op ``op_name`` (fake
-    implementation from :func:`empty_verify_outputs`, for ``torch.compile``) and the backend entry point, which
-    takes already-validated inputs and returns a :class:`VerifyResult`."""
+    accepted_nodes, error, stats)``, and with ``scored`` also ``scores float32 [B, max_depth+1, 2]``: the emitted
+    tokens' (sampled, raw) log-probs computed in the walk. Returns ``(op, verify)``: the ``torch.library`` custom op
+    ``op_name`` (fake implementation from :func:`empty_verify_outputs`, for ``torch.compile``) and the backend entry
+    point, which takes already-validated inputs and returns a :class:`VerifyResult` (``logprobs`` and
+    ``raw_logprobs`` filled when ``scored``)."""
 
-    @torch.library.custom_op(op_name, mutates_args=())
-    def op(
+    def fake(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth,
+             return_stats):
+        out = empty_verify_outputs(logits, max_depth, return_stats)
+        if scored:
+            out = (*out, logits.new_empty((logits.shape[0], max_depth + 1, 2), dtype=torch.float32))
+        return out
+
+    def run_launch(
         logits: torch.Tensor, draft_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
         draft_probs: Optional[torch.Tensor], temperature: Optional[torch.Tensor], top_k: Optional[torch.Tensor],
         top_p: Optional[torch.Tensor], seed: torch.Tensor, offset: torch.Tensor, max_depth: int, return_stats: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ):
         return tuple(launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed,
                             offset, max_depth, return_stats))
 
-    @op.register_fake
-    def _(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset, max_depth,
-          return_stats):
-        return empty_verify_outputs(logits, max_depth, return_stats)
+    # The schema is read from the annotations: five tensors, six when scored.
+    run_launch.__annotations__["return"] = tuple.__class_getitem__((torch.Tensor,) * (6 if scored else 5))
+    op = torch.library.custom_op(op_name, run_launch, mutates_args=())
+    op.register_fake(fake)
 
     def verify(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
                max_depth, return_stats=False) -> VerifyResult:
@@ -139,8 +147,11 @@ def make_verify_tree_op(op_name: str, launch):
                 i64(seed), i64(offset), int(max_depth), bool(return_stats))
         # Plain eager calls launch directly (the op's dispatch is host time the kernel does not need).
         run = launch if direct_dispatch_ok(*args[:10]) else verify.op
-        tokens, num, nodes, err, stats = run(*args)
-        return VerifyResult(tokens, num, nodes, err, stats if return_stats else None)
+        tokens, num, nodes, err, stats, *scores = run(*args)
+        logprobs = raw_logprobs = None
+        if scored:
+            logprobs, raw_logprobs = scores[0][..., 0], scores[0][..., 1]
+        return VerifyResult(tokens, num, nodes, err, stats if return_stats else None, logprobs, raw_logprobs)
 
     verify.op = op  # looked up per call, so tests can wrap it
     return op, verify
