@@ -1,0 +1,11 @@
+"""Our kernels in the call shapes of the engines that exist: one module per engine.
+
+Each entry point takes that engine's tensors as its own kernels receive them and returns outputs in its layout, on
+the device, without host synchronization, so it can sit inside a captured step:
+
+* :mod:`tlt_kernels.integrations.flashinfer`: ``chain_speculative_sampling`` (draft probabilities, draft ids,
+  target probabilities) -> output tokens and the two counters.
+
+Every adapter keeps the lossless rule; where an engine offers a lossy one, its docstring says so. docs/INTEGRATION.md
+shows where each call goes in that engine's verification step.
+"""
