@@ -4,7 +4,9 @@ Each entry point takes that engine's tensors as its own kernels receive them and
 the device, without host synchronization, so it can sit inside a captured step:
 
 * :mod:`tlt_kernels.integrations.flashinfer`: ``chain_speculative_sampling`` (draft probabilities, draft ids,
-  target probabilities) -> output tokens and the two counters.
+  target probabilities) -> output tokens and the two counters;
+* :mod:`tlt_kernels.integrations.vllm`: ``rejection_sample`` (vLLM v1's flattened drafts with cumulative counts,
+  draft probabilities or none, target logits, bonus tokens, per-request sampling parameters) -> its output layout.
 
 Every adapter keeps the lossless rule; where an engine offers a lossy one, its docstring says so. docs/INTEGRATION.md
 shows where each call goes in that engine's verification step.
