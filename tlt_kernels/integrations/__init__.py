@@ -5,6 +5,9 @@ the device, without host synchronization, so it can sit inside a captured step:
 
 * :mod:`tlt_kernels.integrations.flashinfer`: ``chain_speculative_sampling`` (draft probabilities, draft ids,
   target probabilities) -> output tokens and the two counters;
+* :mod:`tlt_kernels.integrations.sglang`: ``verify_tree_greedy`` and ``tree_speculative_sampling_target_only``
+  (EAGLE trees as retrieval index plus first-child / next-sibling links) -> predicts, accept_index,
+  accept_token_num; ``retrieval_arrays`` (our trees in that layout);
 * :mod:`tlt_kernels.integrations.vllm`: ``rejection_sample`` (vLLM v1's flattened drafts with cumulative counts,
   draft probabilities or none, target logits, bonus tokens, per-request sampling parameters) -> its output layout.
 
