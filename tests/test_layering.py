@@ -27,7 +27,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "models": HELPERS | {"ops", "reference"},
     "drafter": HELPERS | {"ops", "reference", "models", "runtime"},
     "engine": HELPERS | {"ops", "reference", "models", "runtime", "drafter"},
-    "integrations": HELPERS | {"ops", "reference"},
+    "integrations": HELPERS | {"ops", "reference", "models", "runtime", "drafter", "engine"},
 }
 
 

@@ -10,6 +10,8 @@ the device, without host synchronization, so it can sit inside a captured step:
   accept_token_num; ``retrieval_arrays`` (our trees in that layout);
 * :mod:`tlt_kernels.integrations.vllm`: ``rejection_sample`` (vLLM v1's flattened drafts with cumulative counts,
   draft probabilities or none, target logits, bonus tokens, per-request sampling parameters) -> its output layout.
+* :mod:`tlt_kernels.integrations.transformers`: ``speculative_generate(model, input_ids, ...)`` in place of a
+  ``transformers`` model's ``generate`` (our engine underneath), and ``SpeculativeGenerator`` for loops.
 
 Every adapter keeps the lossless rule; where an engine offers a lossy one, its docstring says so. docs/INTEGRATION.md
 shows where each call goes in that engine's verification step.
