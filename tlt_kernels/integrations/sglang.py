@@ -43,7 +43,7 @@ def _links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor
     parent.scatter_(1, first, nodes)
     for _ in range(T):  # along each sibling list: a sibling has its predecessor's parent
         target = torch.where((next_sibling >= 0) & (parent[:, :T] >= 0), next_sibling, T)
-        parent.scatter_(1, target, parent[:, :T])
+        parent.scatter_(1, target, parent[:, :T].clone())  # read the previous round, not this one's writes
     parent[:, T] = -1
     return parent[:, :T]
 
