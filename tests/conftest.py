@@ -155,3 +155,31 @@ def tiny_transformers_directory(path, hidden_size: int = 128, head_dim: int = 64
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def two_sample_chi2(xs, ys, min_expected=5.0):
+    """Pearson chi-square homogeneity test of two samples of hashable outcomes; returns (stat, dof, p)."""
+    from collections import Counter
+
+    from scipy.stats import chi2
+
+    cx, cy = Counter(xs), Counter(ys)
+    nx, ny = len(xs), len(ys)
+    cats = sorted(set(cx) | set(cy), key=lambda k: -(cx[k] + cy[k]))
+    bins, other = [], [0, 0]
+    for k in cats:
+        tot = cx[k] + cy[k]
+        if tot * min(nx, ny) / (nx + ny) >= min_expected:
+            bins.append((cx[k], cy[k]))
+        else:
+            other[0] += cx[k]
+            other[1] += cy[k]
+    if sum(other):
+        bins.append(tuple(other))
+    stat = 0.0
+    for a, b in bins:
+        tot = a + b
+        ea, eb = tot * nx / (nx + ny), tot * ny / (nx + ny)
+        stat += (a - ea) ** 2 / ea + (b - eb) ** 2 / eb
+    dof = len(bins) - 1
+    return stat, dof, float(chi2.sf(stat, dof))

@@ -10,12 +10,15 @@ group-normalized advantages, the clipped GRPO loss over the response tokens with
 policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs five ways, each from the same initial weights and
 seeds (``--ways``):
 
-* ``spec``: our engine with the adaptive selector over ``--arms`` and the n-gram drafter drafting from each
-  request's group (``generate(groups=)``), log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
+* ``spec``: our engine with the adaptive selector over ``--arms``, drafting one tree per request from an EAGLE
+  drafter and, beside it, the n-gram drafter over the request's group (``drafter=[eagle, "ngram"]``,
+  ``generate(groups=)``); the EAGLE drafter starts untrained and is spot-trained in each rollout's tail on the
+  responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it keeps up as the policy's
+  weights change (the rollout is then not overlapped: the trainer works between steps); log-probs from the rollout
+  (``SpeculativeEngine(logprobs=True)``);
+* ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
-* ``spec-eagle``: the adaptive selector with an EAGLE drafter that starts untrained and is spot-trained in each
-  rollout's tail on the responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it keeps up
-  as the policy's weights change (the rollout is then not overlapped: the trainer works between steps);
+* ``spec-eagle``: the adaptive selector with the spot-trained EAGLE drafter alone;
 * ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
 * ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
 
@@ -27,8 +30,7 @@ fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout
 strategy; a permutation test of the per-response rewards
 of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
 ``plain`` on the tokens their first rollouts share (same weights and seeds). ``python -m bench.plot_rl rl.json`` draws
-reward and rollout time per step. One engine drafts with one drafter: EAGLE and group n-gram drafts are separate
-ways, not yet one tree.
+reward and rollout time per step.
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ from ..rl_task import problems, reward
 from .rollout import byte_prompt_ids, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
-WAYS = ("spec", "spec-self", "spec-eagle", "plain", "hf")
+WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "plain", "hf")
+GROUP_WAYS = ("spec", "spec-ngram")  # the ways whose n-gram drafter reads the request's group
 
 FLAGS = (
     Flag("--model-file", None, "the policy: a .gguf file or a transformers directory (default: the embedded model)",
@@ -189,14 +192,14 @@ class RLRun:
             model = copy.deepcopy(self.ours)
             way = Way(name, model, lambda t: model(t, validate=False)[0] / self.p.temperature,
                       _engine_rollout(self._engine(name, model), self.max_new, self.p.temperature, self.eos,
-                                      use_groups=name == "spec"))
+                                      use_groups=name in GROUP_WAYS))
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
         return way
 
     def _engine(self, name: str, model):
-        """Our engine for ``name`` over ``model`` (log-probs on; CUDA graphs captured on the GPU): plain decoding,
-        the n-gram drafter (spec, spec-self) or the EAGLE drafter spot-trained in the rollout's tail (spec-eagle)."""
-        from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
+        """Our engine for ``name`` over ``model`` (log-probs on; CUDA graphs captured on the GPU): plain decoding, the
+        n-gram drafter (spec-ngram, spec-self), the EAGLE drafter spot-trained in the rollout's tail (spec-eagle), or
+        both in one tree (spec)."""
         from tlt_kernels.engine import SpeculativeEngine
         from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
@@ -205,19 +208,24 @@ class RLRun:
         if name.startswith("spec"):
             selector = StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed)
             drafter = "ngram"
-        if name == "spec-eagle":  # a fresh drafter that the spot trainer keeps up with the changing policy
-            buffer = RolloutBuffer(capacity_tokens=1 << 22,
-                                   storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
-            trainer = SpotTrainer(EagleDrafter.for_target(model, seed=self.p.seed), buffer, lr=1e-3,
-                                  warmup_steps=20, autocast_dtype=torch.bfloat16 if self.cuda else None)
-            drafter = EagleDrafter.for_target(model, seed=self.p.seed)
-            extra = dict(spot_trainer=trainer, rollout_buffer=buffer)
+        if name in ("spec", "spec-eagle"):
+            eagle, extra = self._spot_trained_eagle(model)
+            drafter = [eagle, "ngram"] if name == "spec" else eagle
         engine = SpeculativeEngine(model, drafter, selector, GraphPool() if self.cuda else None, max_batch_size=batch,
                                    max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
-                                   fuse_step=self.cuda and drafter != "ngram", logprobs=True, **extra)
+                                   fuse_step=self.cuda and name in ("plain", "spec-eagle"), logprobs=True, **extra)
         if self.cuda:
             engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
         return engine
+
+    def _spot_trained_eagle(self, model):
+        """A fresh EAGLE drafter and the engine arguments of the spot trainer that keeps it up with the policy."""
+        from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
+
+        buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
+        trainer = SpotTrainer(EagleDrafter.for_target(model, seed=self.p.seed), buffer, lr=1e-3, warmup_steps=20,
+                              autocast_dtype=torch.bfloat16 if self.cuda else None)
+        return EagleDrafter.for_target(model, seed=self.p.seed), dict(spot_trainer=trainer, rollout_buffer=buffer)
 
     def warm_up(self, way: Way) -> None:
         """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), no update."""

@@ -64,9 +64,9 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "rl.json").read_text())
     rows = data["rows"]
-    assert {r["impl"] for r in rows} == {"spec", "spec-self", "spec-eagle", "plain", "hf"}
+    assert {r["impl"] for r in rows} == {"spec", "spec-ngram", "spec-self", "spec-eagle", "plain", "hf"}
     per_step = [r for r in rows if r["case"]["step"] != "all"]
-    assert len(per_step) == 5 * 2 and all(r["tokens"] > 0 and r["ms"] > 0 for r in per_step)
+    assert len(per_step) == 6 * 2 and all(r["tokens"] > 0 and r["ms"] > 0 for r in per_step)
     assert all(r["tail_s"] is not None for r in per_step if r["impl"] != "hf")
     notes = " ".join(data["notes"])
     assert "permutation test" in notes and "largest difference" in notes

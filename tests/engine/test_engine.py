@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from conftest import two_sample_chi2
+
 from tlt_kernels.drafter import EagleDrafter, NGramDrafter, RolloutBuffer, SpotTrainer
 from tlt_kernels.drafter.base import Drafter, DrafterBase, ProposedTree
 from tlt_kernels.engine import SpeculativeEngine, tree_width
@@ -95,34 +97,6 @@ def test_per_request_seed_is_reproducible_and_batch_independent(target, prompts)
     assert other.tokens != a.tokens
 
 
-def _two_sample_chi2(xs, ys, min_expected=5.0):
-    """Pearson chi-square homogeneity test of two samples of hashable outcomes; returns (stat, dof, p)."""
-    from collections import Counter
-
-    from scipy.stats import chi2
-
-    cx, cy = Counter(xs), Counter(ys)
-    nx, ny = len(xs), len(ys)
-    cats = sorted(set(cx) | set(cy), key=lambda k: -(cx[k] + cy[k]))
-    bins, other = [], [0, 0]
-    for k in cats:
-        tot = cx[k] + cy[k]
-        if tot * min(nx, ny) / (nx + ny) >= min_expected:
-            bins.append((cx[k], cy[k]))
-        else:
-            other[0] += cx[k]
-            other[1] += cy[k]
-    if sum(other):
-        bins.append(tuple(other))
-    stat = 0.0
-    for a, b in bins:
-        tot = a + b
-        ea, eb = tot * nx / (nx + ny), tot * ny / (nx + ny)
-        stat += (a - ea) ** 2 / ea + (b - eb) ** 2 / eb
-    dof = len(bins) - 1
-    return stat, dof, float(chi2.sf(stat, dof))
-
-
 @pytest.mark.parametrize("kind,strategy", [("eagle", Strategy(2, 2, 5))], ids=str)
 def test_sampling_matches_plain_sampling_in_distribution(target, kind, strategy):
     """Joint law of the first 3 tokens under speculative sampling = plain sampling (chi-square).
@@ -139,12 +113,12 @@ def test_sampling_matches_plain_sampling_in_distribution(target, kind, strategy)
     plain = reference_generate(target, [prompt] * N, n_tok, temperature=0.8, seed=torch.arange(N) + 10**6)
     xs = [tuple(t) for t in spec.tokens]
     ys = [tuple(t) for t in plain.as_lists()]
-    stat, dof, p = _two_sample_chi2(xs, ys)
+    stat, dof, p = two_sample_chi2(xs, ys)
     assert dof >= 5, "too few populated bins for a meaningful test"
     assert p > 1e-3, f"chi2={stat:.1f} dof={dof} p={p:.2e}"
     # Power check: a 20% hotter sampler is rejected by the same test.
     hot = reference_generate(target, [prompt] * N, n_tok, temperature=0.96, seed=torch.arange(N) + 2 * 10**6)
-    _, _, p_hot = _two_sample_chi2(xs, [tuple(t) for t in hot.as_lists()])
+    _, _, p_hot = two_sample_chi2(xs, [tuple(t) for t in hot.as_lists()])
     assert p_hot < p
 
 

@@ -110,7 +110,8 @@ class Drafter(Protocol):
         """Graphs to capture next to the verify forward (separate-graph steps)."""
 
     def graph_names(self, strategy) -> Tuple[list, list]:
-        """Names of the graphs a step of ``strategy`` replays before and after the verify forward."""
+        """Names of the graphs a step of ``strategy`` replays before and after the verify forward. (A drafter used
+        as a union's primary also takes ``path_width=``: the union's tree width, which its commit graphs see.)"""
 
     def fused_functions(self, strategy) -> Tuple[Optional[Callable], Optional[Callable]]:
         """For the fused step graph: ``(draft(*state_rows) -> (tokens, parents, num_nodes) or None,
@@ -169,7 +170,7 @@ class DrafterBase:
     def graph_specs(self, strategies, widths) -> List[GraphSpec]:
         return []
 
-    def graph_names(self, strategy) -> Tuple[list, list]:
+    def graph_names(self, strategy, path_width=None) -> Tuple[list, list]:
         return [], []
 
     def fused_functions(self, strategy):

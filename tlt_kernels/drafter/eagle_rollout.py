@@ -95,9 +95,9 @@ class EagleRolloutDrafter(DrafterBase):
         specs += [(("extend", w), self._extend_fn, lambda p, w=w: self._pad_rows(p, width=w)) for w in widths]
         return specs
 
-    def graph_names(self, strategy):
+    def graph_names(self, strategy, path_width=None):
         draft_key = self._draft_key(strategy)
-        return ([] if draft_key is None else [draft_key]), [("extend", self.tree_width(strategy))]
+        return ([] if draft_key is None else [draft_key]), [("extend", path_width or self.tree_width(strategy))]
 
     def fused_functions(self, strategy):
         draft = self._draft_fn(strategy) if self.tree_width(strategy) > 1 else None

@@ -8,8 +8,9 @@ from .eagle import EagleDrafter
 from .eagle_rollout import EagleRolloutDrafter, eagle_tree_width
 from .ngram_drafter import NGramDrafter
 from .ngram_rollout import NGramRolloutDrafter, ngram_tree_width
+from .union import UnionDrafter
 
-_EXPECTED = "None, 'ngram', an NGramDrafter, an EagleDrafter or a Drafter"
+_EXPECTED = "None, 'ngram', an NGramDrafter, an EagleDrafter, a Drafter, or a pair of them"
 
 # The drafter names tree_width() accepts, for the public helper of that name.
 _TREE_WIDTH_BY_NAME = {"none": lambda strategy: 1, "ngram": ngram_tree_width, "eagle": eagle_tree_width}
@@ -18,9 +19,14 @@ _TREE_WIDTH_BY_NAME = {"none": lambda strategy: 1, "ngram": ngram_tree_width, "e
 def as_drafter(spec, device: torch.device) -> Drafter:
     """``None`` -> :class:`NoDrafter`; ``"ngram"`` or an :class:`NGramDrafter` (its ``min_n``/``max_n``) -> an
     :class:`NGramRolloutDrafter`; an :class:`EagleDrafter` (on ``device``) -> an :class:`EagleRolloutDrafter`; an
-    object with the :class:`Drafter` methods is used as it is."""
+    object with the :class:`Drafter` methods is used as it is; a pair ``(primary, secondary)`` of those -> a
+    :class:`~tlt_kernels.drafter.union.UnionDrafter` (both trees verified as one, e.g. ``[eagle, "ngram"]``)."""
     if spec is None:
         return NoDrafter()
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != 2 or any(part is None for part in spec):
+            raise ValueError(f"drafter: a pair (primary, secondary) of drafters unites their trees, got {spec!r}")
+        return UnionDrafter(as_drafter(spec[0], device), as_drafter(spec[1], device))
     if isinstance(spec, str):
         if spec != "ngram":
             raise ValueError(f"drafter must be {_EXPECTED}, got {spec!r}")
