@@ -183,3 +183,22 @@ def two_sample_chi2(xs, ys, min_expected=5.0):
         stat += (a - ea) ** 2 / ea + (b - eb) ** 2 / eb
     dof = len(bins) - 1
     return stat, dof, float(chi2.sf(stat, dof))
+
+
+def tiny_trained_target():
+    """The engine tests' target: the tiny fp32 model trained 15 steps on the stdlib corpus (logits far from
+    uniform, so greedy comparisons are not decided by near-ties). A fresh model per call."""
+    from tlt_kernels.models import ModelConfig, train_tiny_target
+
+    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+
+
+def ragged_prompts(count: int, seed: int, first: int, step: int):
+    """``count`` corpus windows cut to ``first + step * b`` tokens (request ``b``): ragged prompts of real text."""
+    import torch
+
+    from tlt_kernels.models import load_corpus
+    from tlt_kernels.models.train_tiny import sample_windows
+
+    rows = sample_windows(load_corpus("base", 200_000), count, 16, torch.Generator().manual_seed(seed))
+    return [rows[b, : first + step * b].tolist() for b in range(count)]

@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
+from conftest import ragged_prompts, tiny_trained_target, two_sample_chi2
 from tlt_kernels.drafter import EagleDrafter
 from tlt_kernels.drafter.base import ProposedTree
 from tlt_kernels.drafter.union import UnionDrafter, union_tree
 from tlt_kernels.engine import SpeculativeEngine, tree_width
-from tlt_kernels.models import ModelConfig, load_corpus, reference_generate, train_tiny_target
-from tlt_kernels.models.train_tiny import sample_windows
+from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import Strategy, StrategySelector
 from tlt_kernels.tree import validate_tree
 
@@ -22,13 +22,12 @@ MAX_NEW = [5, 23, 9, 30, 3, 17, 1]
 
 @pytest.fixture(scope="module")
 def target():
-    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+    return tiny_trained_target()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rows = sample_windows(load_corpus("base", 200_000), len(MAX_NEW), 16, torch.Generator().manual_seed(0))
-    return [rows[b, : 6 + 2 * b].tolist() for b in range(len(MAX_NEW))]
+    return ragged_prompts(len(MAX_NEW), seed=0, first=6, step=2)
 
 
 def _random_tree(rng: random.Random, b: int, T: int) -> ProposedTree:
@@ -127,8 +126,6 @@ def test_pairs_are_checked_and_the_fused_step_refused(target):
 def test_sampling_with_the_pair_matches_plain_sampling_in_distribution(target):
     """Joint law of the first 3 sampled tokens with EAGLE + n-gram trees = plain sampling (chi-square), on a
     repetitive prompt so both branches get drafts accepted."""
-    from conftest import two_sample_chi2
-
     N, n_tok = 1500, 3
     prompt = list(b"        self.x = x\n        self.")
     eng = SpeculativeEngine(target, [EagleDrafter.for_target(target), "ngram"], Strategy(2, 2, 5), max_batch_size=N,

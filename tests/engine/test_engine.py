@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import two_sample_chi2
+from conftest import ragged_prompts, tiny_trained_target, two_sample_chi2
 
 from tlt_kernels.drafter import EagleDrafter, NGramDrafter, RolloutBuffer, SpotTrainer
 from tlt_kernels.drafter.base import Drafter, DrafterBase, ProposedTree
@@ -24,15 +24,12 @@ MAX_NEW = [5, 23, 9, 30, 3, 17, 1]
 
 @pytest.fixture(scope="module")
 def target():
-    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+    return tiny_trained_target()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    corpus = load_corpus("base", 200_000)
-    g = torch.Generator().manual_seed(0)
-    rows = sample_windows(corpus, len(MAX_NEW), 16, g)
-    return [rows[b, : 6 + 2 * b].tolist() for b in range(len(MAX_NEW))]  # ragged prompts
+    return ragged_prompts(len(MAX_NEW), seed=0, first=6, step=2)
 
 
 def _drafter(kind, target):
@@ -306,7 +303,7 @@ def test_tree_width():
 def test_gpu_graphs_greedy_matches_plain_decoding(target, prompts, kind):
     from tlt_kernels.runtime import GraphPool
 
-    gpu = train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0).cuda()
+    gpu = tiny_trained_target().cuda()
     sel = StrategySelector([Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(3, 2, 7)], seed=0)
     eng = SpeculativeEngine(gpu, _drafter(kind, gpu), sel, GraphPool(), max_batch_size=8, max_seq_len=64, backend="torch")
     stats = eng.capture_graphs([1, 2, 4, 8])
@@ -324,7 +321,7 @@ def test_gpu_graphs_greedy_matches_plain_decoding(target, prompts, kind):
 def test_gpu_fused_step_graphs_greedy_matches_plain_decoding(target, prompts, kind):
     from tlt_kernels.runtime import GraphPool
 
-    gpu = train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0).cuda()
+    gpu = tiny_trained_target().cuda()
     sel = StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 7)], seed=0) if kind == "eagle" else Strategy.off()
     eng = SpeculativeEngine(gpu, _drafter(kind, gpu), sel, GraphPool(), max_batch_size=8, max_seq_len=64, fuse_step=True)
     eng.capture_graphs([1, 2, 4, 8])

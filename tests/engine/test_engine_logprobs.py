@@ -7,9 +7,8 @@ tokens; graphs (fused and separate, on the CPU stand-in backend) and eager steps
 import pytest
 import torch
 
+from conftest import ragged_prompts, tiny_trained_target
 from tlt_kernels.engine import SpeculativeEngine
-from tlt_kernels.models import ModelConfig, load_corpus, train_tiny_target
-from tlt_kernels.models.train_tiny import sample_windows
 from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 from tlt_kernels.runtime.graph_pool import FakeGraphBackend
 
@@ -19,13 +18,12 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def target():
-    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+    return tiny_trained_target()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rows = sample_windows(load_corpus("base", 200_000), len(MAX_NEW), 16, torch.Generator().manual_seed(1))
-    return [rows[b, : 5 + 3 * b].tolist() for b in range(len(MAX_NEW))]
+    return ragged_prompts(len(MAX_NEW), seed=1, first=5, step=3)
 
 
 def dense_scores(target, prompt, tokens, temperature: float):
