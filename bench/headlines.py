@@ -84,6 +84,10 @@ def _ngram_256x8k(r: Row) -> bool:
     return r.get("B") == 256 and r.get("L") == 8192 and r.get("k") == 8 and r.get("branches") in (None, "")
 
 
+def _rl_step(r: Row) -> bool:
+    return r.get("step") not in (None, "all")
+
+
 def _uniform(batch: int) -> Callable[[Row], bool]:
     return lambda r: r.get("workload") == "uniform" and r.get("B") == batch
 
@@ -115,6 +119,11 @@ HEADLINES: List[Headline] = [
              fmt="{:.0f}", ratio=_vs("hf-eager")),
     Headline("the same, B = 32", "tokens/s", "rollout", "plain", _uniform(32), "tokens_per_s",
              "the uniform B = 32 `plain` row", fmt="{:.0f}", ratio=_vs("hf-eager")),
+    Headline("GRPO on SmolLM2-135M-Instruct (8 problems x G = 8, T = 1), plain decoding (vs transformers `generate`)",
+             "rollout s per RL step", "rl", "plain", _rl_step, "rollout_s", "the `plain` rows of the steps",
+             fmt="{:.2f}", ratio=_vs("hf")),
+    Headline("the same, adaptive speculative engine (vs our plain decoding)", "rollout s per RL step", "rl", "spec",
+             _rl_step, "rollout_s", "the `spec` rows of the steps", fmt="{:.2f}", ratio=_vs("plain")),
     Headline("e2e rollout, B = 128, adaptive engine (vs the best static strategy as deployed)",
              "speed-up over plain decoding", "e2e", "adaptive", _b128, "speedup_vs_plain",
              "the `adaptive` row", fmt="{:.2f}x", ratio=_column("speedup_vs_best_static")),
