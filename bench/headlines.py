@@ -122,8 +122,6 @@ HEADLINES: List[Headline] = [
     Headline("GRPO on SmolLM2-135M-Instruct (8 problems x G = 8, T = 1), plain decoding (vs transformers `generate`)",
              "rollout s per RL step", "rl", "plain", _rl_step, "rollout_s", "the `plain` rows of the steps",
              fmt="{:.2f}", ratio=_vs("hf")),
-    Headline("the same, adaptive speculative engine (vs our plain decoding)", "rollout s per RL step", "rl", "spec",
-             _rl_step, "rollout_s", "the `spec` rows of the steps", fmt="{:.2f}", ratio=_vs("plain")),
     Headline("e2e rollout, B = 128, adaptive engine (vs the best static strategy as deployed)",
              "speed-up over plain decoding", "e2e", "adaptive", _b128, "speedup_vs_plain",
              "the `adaptive` row", fmt="{:.2f}x", ratio=_column("speedup_vs_best_static")),

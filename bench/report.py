@@ -51,8 +51,8 @@ def readme_table(records: Records) -> str:
         lines.append("| " + " | ".join([h.label, h.metric] + _headline_cells(records, h)) + " |")
     lines += [
         "",
-        "One run of record per suite and card; each cell is the median over the rows that [docs/PERFORMANCE.md](docs/PERFORMANCE.md)",
-        "names (it has every row, command, commit and version); ratio: the H200's, > 1 means ours is faster.",
+        "Each cell: the median over the rows [docs/PERFORMANCE.md](docs/PERFORMANCE.md) names (every row, command, "
+        "commit and version of the runs of record); ratio: the H200's, > 1 means ours is faster.",
     ]
     return "\n".join(lines)
 
