@@ -196,3 +196,33 @@ def test_captured_in_a_cuda_graph():
     want = tree_speculative_sampling_target_only(candidates, index, next_token, next_sibling, logits, **kw)
     for got, expected in zip(out, want):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_build_tree_outputs_in_sglangs_layouts(seed):
+    """Positions are seq_lens + depth; the full mask holds, request after request, T rows of seq_len + T entries
+    (the prefix, then ancestors and self; padding rows all False); the query-length mask is the ancestor mask."""
+    from tlt_kernels import tree_ancestor_mask, tree_depths
+    from tlt_kernels.integrations.sglang import build_tree_outputs
+
+    g = torch.Generator().manual_seed(seed)
+    B, T = 3, 5
+    parents = torch.full((B, T), -1, dtype=torch.int32)
+    for i in range(1, T):
+        parents[:, i] = torch.randint(0, i, (B,), generator=g)
+    num_nodes = torch.randint(1, T + 1, (B,), generator=g).to(torch.int32)
+    seq_lens = torch.randint(0, 6, (B,), generator=g)
+    mask, positions, index, next_token, next_sibling = build_tree_outputs(parents, num_nodes, seq_lens,
+                                                                          int(seq_lens.sum()))
+    depths = tree_depths(parents, num_nodes)
+    assert positions.tolist() == (seq_lens.unsqueeze(1) + depths).reshape(-1).tolist()
+    ancestors = tree_ancestor_mask(parents, num_nodes)
+    want = []
+    for b in range(B):
+        for i in range(T):
+            valid = i < int(num_nodes[b])
+            want += [valid] * int(seq_lens[b]) + ancestors[b, i].tolist()
+    assert mask.dtype == torch.bool and mask.tolist() == want
+    qlen_mask, *rest = build_tree_outputs(parents, num_nodes, seq_lens)
+    assert torch.equal(qlen_mask, ancestors.reshape(-1))
+    assert all(torch.equal(a, b) for a, b in zip(rest, (positions, index, next_token, next_sibling)))

@@ -28,9 +28,9 @@ from typing import Optional, Tuple
 import torch
 
 from ..ops.verify_tree import verify_tree
-from ..tree import resolve_num_nodes, tree_depths
+from ..tree import resolve_num_nodes, tree_ancestor_mask, tree_depths
 
-__all__ = ["verify_tree_greedy", "tree_speculative_sampling_target_only", "retrieval_arrays"]
+__all__ = ["verify_tree_greedy", "tree_speculative_sampling_target_only", "retrieval_arrays", "build_tree_outputs"]
 
 
 def _links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
@@ -195,3 +195,40 @@ def retrieval_arrays(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = 
     none = lambda t: torch.where((t < T) & valid, t, -1)  # noqa: E731
     retrive_index = torch.where(valid, torch.arange(B, device=dev).unsqueeze(1) * T + index, -1)
     return retrive_index, none(first), none(sibling), tree_depths(parents, n)
+
+
+def build_tree_outputs(parents: torch.Tensor, num_nodes: Optional[torch.Tensor], seq_lens: torch.Tensor,
+                       seq_lens_sum: Optional[int] = None):
+    """Our tree (``parents int32 [B, T]``, e.g. :func:`tlt_kernels.build_draft_tree`'s) as SGLang's tree builder
+    returns it: ``(tree_mask, positions, retrive_index, retrive_next_token, retrive_next_sibling)``.
+
+    ``positions`` int64 ``[B * T]``: ``seq_lens[b] + depth``. ``tree_mask`` bool, flat: with ``seq_lens_sum`` (the
+    host int ``sum(seq_lens)``, as SGLang passes it) its full-mask layout, request after request ``T`` rows of
+    ``seq_lens[b] + T`` entries (the whole prefix, then the node's ancestors and itself); without it the
+    query-length-only layout ``[B, T, T]``. Padding nodes' rows and columns are False. The retrieval arrays are
+    :func:`retrieval_arrays`'. Device ops only (no host sync)."""
+    n = resolve_num_nodes(parents, num_nodes)
+    B, T = parents.shape
+    index, next_token, next_sibling, depths = retrieval_arrays(parents, n)
+    positions = (seq_lens.long().unsqueeze(1) + depths.long()).reshape(-1)
+    ancestors = tree_ancestor_mask(parents, n)
+    if seq_lens_sum is None:
+        return ancestors.reshape(-1), positions, index, next_token, next_sibling
+    return _full_mask(ancestors, n, seq_lens.long(), int(seq_lens_sum)), positions, index, next_token, next_sibling
+
+
+def _full_mask(ancestors: torch.Tensor, num_nodes: torch.Tensor, seq_lens: torch.Tensor,
+               seq_lens_sum: int) -> torch.Tensor:
+    """SGLang's full tree mask from ``ancestors bool [B, T, T]``: each request's ``T`` rows of ``L_b + T``."""
+    B, T, _ = ancestors.shape
+    dev = ancestors.device
+    row_len = seq_lens + T
+    block = T * row_len
+    starts = torch.cumsum(block, 0) - block
+    flat = torch.arange(T * seq_lens_sum + B * T * T, device=dev)
+    b = torch.searchsorted(starts, flat, right=True) - 1
+    local = flat - starts[b]
+    i, col = local // row_len[b], local % row_len[b]
+    in_prefix = col < seq_lens[b]
+    j = (col - seq_lens[b]).clamp(min=0, max=T - 1)
+    return torch.where(in_prefix, i < num_nodes.long()[b], ancestors[b, i.clamp(max=T - 1), j])
