@@ -3,15 +3,16 @@ prompt), finished siblings included; the output law does not change (greedy: pla
 import pytest
 import torch
 
+from conftest import tiny_trained_target
 from tlt_kernels.engine import SpeculativeEngine
 from tlt_kernels.engine.groups import sibling_table
-from tlt_kernels.models import ModelConfig, reference_generate, train_tiny_target
+from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import Strategy
 
 
 @pytest.fixture(scope="module")
 def target():
-    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+    return tiny_trained_target()
 
 
 def test_sibling_table():
@@ -46,3 +47,27 @@ def test_groups_are_checked_before_the_rollout(target):
         eng.generate([[1, 2, 3], [4, 5]], 4, groups=[0])
     plain = SpeculativeEngine(target, None, Strategy.off(), max_batch_size=4, max_seq_len=40)
     assert plain.generate([[1, 2, 3], [4, 5]], 4, groups=[0, 0]).tokens  # a drafter without groups ignores them
+
+
+class _WithoutGroups:
+    """A Drafter written against the protocol alone (no DrafterBase, no ``set_groups``): forwards everything else to
+    the n-gram drafter."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name == "set_groups":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_drafter_without_set_groups_takes_groups_as_self_only(target):
+    from tlt_kernels.drafter.ngram_rollout import NGramRolloutDrafter
+
+    batch = [[1, 2, 3, 1, 2], [4, 5, 4, 5]]
+    own = SpeculativeEngine(target, _WithoutGroups(NGramRolloutDrafter()), Strategy(3, 1, 4), max_batch_size=4,
+                            max_seq_len=40)
+    assert not hasattr(own.tree_drafter, "set_groups")
+    alone = own.generate(batch, 6)
+    assert own.generate(batch, 6, groups=[0, 0]).tokens == alone.tokens == reference_generate(target, batch, 6).as_lists()

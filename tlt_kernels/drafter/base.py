@@ -121,6 +121,14 @@ class Drafter(Protocol):
         """``batch_size`` harmless padding rows of state (example inputs of the fused step graphs)."""
 
 
+def hand_groups(drafter, siblings: torch.Tensor) -> None:
+    """Give ``drafter`` the rollout's sibling table if it takes one: ``set_groups`` is optional on :class:`Drafter`
+    (a drafter without it drafts from each request alone)."""
+    set_groups = getattr(drafter, "set_groups", None)
+    if set_groups is not None:
+        set_groups(siblings)
+
+
 def root_only_tree(roots: torch.Tensor) -> ProposedTree:
     """A one-node tree per request (plain decoding): ``roots`` int64 ``[b]``."""
     b, dev = roots.shape[0], roots.device

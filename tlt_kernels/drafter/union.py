@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 import torch
 
-from .base import DrafterBase, ProposedTree
+from .base import DrafterBase, ProposedTree, hand_groups
 
 
 def union_tree(first: ProposedTree, second: ProposedTree) -> ProposedTree:
@@ -75,7 +75,7 @@ class UnionDrafter(DrafterBase):
 
     def set_groups(self, siblings: torch.Tensor) -> None:
         for part in (self.primary, self.secondary):
-            getattr(part, "set_groups", lambda s: None)(siblings)
+            hand_groups(part, siblings)
 
     def state_rows(self, rows) -> List[torch.Tensor]:
         mine = self.primary.state_rows(rows)

@@ -51,7 +51,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from .._backend import BACKENDS
-from ..drafter.base import AcceptedPath
+from ..drafter.base import AcceptedPath, hand_groups
 from ..drafter.resolve import as_drafter, tree_width
 from ..models.kv_cache import PagedKVCache
 from ..models.llama import check_token_ids
@@ -288,7 +288,7 @@ class SpeculativeEngine:
         try:
             rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)
             if siblings is not None:
-                self.tree_drafter.set_groups(siblings)
+                hand_groups(self.tree_drafter, siblings)
             rollout.trace = trace
             rollout.overlap = self.overlap_steps and trace is None and self.spot_trainer is None
             rollout.step_kernel = self.step_kernel
