@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op
+from ..reference.verify_tree import empty_verify_outputs, empty_verify_scores, make_verify_tree_op
 
 
 # Widest tile of the streaming passes without top-k/top-p (the radix select keeps 1024: its [BLOCK, 16] histogram
@@ -90,12 +90,18 @@ def _order_key(x):
 
 
 @triton.jit
-def _weight(x, mx, ks):
-    """exp((x - mx) / T') as exp2((x - mx) * ks), ks = log2(e) / T': the max is subtracted before scaling, so the
-    weight is in [0, 1], exactly 1 at the max and never NaN for any T'. Where the row max reaches 2**102 both terms
-    are halved first (exact there), since x - mx could pass the float32 range."""
+def _log2_weight(x, mx, ks):
+    """(x - mx) * ks, ks = log2(e) / T': the max is subtracted before scaling, so it is <= 0 and never NaN for any
+    T'. Where the row max reaches 2**102 both terms are halved first (exact there), since x - mx could pass the
+    float32 range."""
     h = tl.where(mx >= 5.070602400912918e30, 0.5, 1.0)
-    return tl.exp2((x * h - mx * h) * (ks / h))
+    return (x * h - mx * h) * (ks / h)
+
+
+@triton.jit
+def _weight(x, mx, ks):
+    """exp((x - mx) / T') as exp2(_log2_weight): in [0, 1], exactly 1 at the max."""
+    return tl.exp2(_log2_weight(x, mx, ks))
 
 
 @triton.jit
@@ -372,9 +378,8 @@ def _score_token(row_ptr, x, greedy, mx, Z, Z1, ks, d_idx, depth, lp_sampled, lp
     log2 e) / Z1)``, as ``ln 2 * (log2 weight - log2 normalizer)`` (no exp/log round trip). One element of a row the
     walk already read: the target's law of the row, not a residual, since acceptance is lossless."""
     lx = tl.load(row_ptr + x).to(tl.float32)
-    h = tl.where(mx >= 5.070602400912918e30, 0.5, 1.0)  # _weight's halving, for rows whose max nears overflow
-    sampled = tl.where(greedy != 0, 0.0, 0.6931471805599453 * ((lx * h - mx * h) * (ks / h) - tl.log2(Z)))
-    raw = 0.6931471805599453 * ((lx * h - mx * h) * (1.4426950408889634 / h) - tl.log2(Z1))
+    sampled = tl.where(greedy != 0, 0.0, 0.6931471805599453 * (_log2_weight(lx, mx, ks) - tl.log2(Z)))
+    raw = 0.6931471805599453 * (_log2_weight(lx, mx, 1.4426950408889634) - tl.log2(Z1))
     lp_sampled = tl.where(d_idx == depth, sampled, lp_sampled)
     lp_raw = tl.where(d_idx == depth, raw, lp_raw)
     return lp_sampled, lp_raw
@@ -630,7 +635,7 @@ verify_tree_triton.__doc__ = """Triton backend of :func:`tlt_kernels.verify_tree
 def _launch_scored(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
                    max_depth, return_stats):
     """The walk with its fused log-probs: ``(tokens, num, nodes, error, stats, scores float32 [B, max_depth+1, 2])``."""
-    scores = torch.empty(logits.shape[0], max_depth + 1, 2, dtype=torch.float32, device=logits.device)
+    scores = empty_verify_scores(logits, max_depth)
     out = _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
                   max_depth, return_stats, scores=scores)
     return (*out, scores)

@@ -109,6 +109,11 @@ def empty_verify_outputs(logits: torch.Tensor, max_depth: int, return_stats: boo
 
 
 
+def empty_verify_scores(logits: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Uninitialized ``float32 [B, max_depth+1, 2]``: a scored walk's (sampled, raw) log-probs (also the fake)."""
+    return logits.new_empty((logits.shape[0], max_depth + 1, 2), dtype=torch.float32)
+
+
 def make_verify_tree_op(op_name: str, launch, scored: bool = False):
     """A kernel backend's ``verify_tree``: ``launch(logits, draft_tokens, parents, num_nodes, draft_probs,
     temperature, top_k, top_p, seed, offset, max_depth, return_stats)`` returns ``(tokens, num_accepted,
@@ -122,7 +127,7 @@ def make_verify_tree_op(op_name: str, launch, scored: bool = False):
              return_stats):
         out = empty_verify_outputs(logits, max_depth, return_stats)
         if scored:
-            out = (*out, logits.new_empty((logits.shape[0], max_depth + 1, 2), dtype=torch.float32))
+            out = (*out, empty_verify_scores(logits, max_depth))
         return out
 
     def run_launch(
