@@ -60,6 +60,12 @@ def check_tensor(
     return t
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream: validation that reads device values on
+    the host is skipped then (a host read is not allowed during capture)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``t`` itself when it is contiguous, else a contiguous copy (None stays None).
 

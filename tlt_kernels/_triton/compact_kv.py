@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._validation import capturing
 from ..reference.compact_kv import make_compact_kv_op
 
 
@@ -73,7 +74,7 @@ def _layer_offsets(caches: List[torch.Tensor]) -> torch.Tensor:
     if any(delta % itemsize for delta in deltas):
         raise ValueError(f"compact_kv (triton): every cache must be aligned to its dtype size ({itemsize} bytes)")
     offsets = [delta // itemsize for delta in deltas]
-    if base.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(base.device):
         # A host-to-device copy cannot be captured; scalar fills can (the value is a kernel argument).
         table = torch.empty(len(offsets), dtype=torch.int64, device=base.device)
         for i, off in enumerate(offsets):

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validation import check_positive_ints, check_tensor
+from .._validation import capturing, check_positive_ints, check_tensor
 
 # ---------------------------------------------------------------------------------------------
 # Configuration and shared target pieces
@@ -428,7 +428,7 @@ class EagleDrafter(nn.Module):
         check_tensor("next_tokens", next_tokens, dtype=torch.int64, shape=(B, n), device=dev)
         check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(B,), device=dev)
         check_tensor("state.context_lens", state.context_lens, shape=(B,), device=dev)
-        if validate and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if validate and not capturing(dev):
             _check_extend(state, cache, num_new, n)
         ctx = state.context_lens.to(torch.int64)
         i = torch.arange(n, device=dev)

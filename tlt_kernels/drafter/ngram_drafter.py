@@ -13,12 +13,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._backend import BACKENDS
-from .._validation import check_positive_ints, check_tensor
+from .._validation import capturing, check_positive_ints, check_tensor
 from ..tree import chain_parents
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _check_counts(name: str, counts: torch.Tensor, width: int, what: str) -> None:
@@ -98,7 +94,7 @@ class NGramDrafter:
         check_tensor("prompt_lens", prompt_lens, dtype=(torch.int32, torch.int64), shape=(R,), device=self.device)
         if prompts.shape[0] != R:
             raise ValueError(f"prompts has {prompts.shape[0]} rows, expected one per slot ({R})")
-        if not _capturing(self.device):
+        if not capturing(self.device):
             self._check_reset(slots, prompt_lens, prompts.shape[1])
         self.lengths[slots] = 0
         self.buffer[slots] = 0
@@ -117,7 +113,7 @@ class NGramDrafter:
         check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(self.batch_size,), device=self.device)
         if new_tokens.shape[0] != self.batch_size:
             raise ValueError(f"new_tokens has {new_tokens.shape[0]} rows, expected batch_size={self.batch_size}")
-        if validate and not _capturing(self.device):
+        if validate and not capturing(self.device):
             _check_counts("append: num_new", num_new, new_tokens.shape[1], "the width of new_tokens")
         self._scatter(None, new_tokens.to(torch.int64), num_new)
 

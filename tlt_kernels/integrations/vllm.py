@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .._validation import capturing
 from ..ops.verify_tree import verify_tree
 from ..tree import chain_parents
 
@@ -118,7 +119,7 @@ def rejection_sample(
     starts = ends - counts
     # Node 0 is the root; node i + 1 is draft i, scored by row i. Row n_b (after the last draft) is zeros: the walk
     # reaches it only when every draft was accepted, and then the bonus token replaces what it draws there.
-    if validate and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if validate and not capturing(device):
         _check_counts(counts, ends, max_spec_len, draft_token_ids.shape[0])
     logits = _padded(target_logits, starts, counts, width)
     tokens = torch.cat([draft_token_ids.new_zeros(B, 1), _padded(draft_token_ids, starts, counts, max_spec_len)], 1)

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._backend import BACKENDS
-from .._validation import check_tensor, devices_equal
+from .._validation import capturing, check_tensor, devices_equal
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import apply_rotary
 from ..ops.silu_and_mul import silu_and_mul
@@ -57,10 +57,6 @@ def check_token_ids(name: str, tokens: torch.Tensor, vocab_size: int, lengths: O
         b, j = (int(v) for v in bad.nonzero()[0])
         raise ValueError(f"{name}[{b}, {j}] = {int(tokens[b, j])} (request {b}, position {j}) is outside the "
                          f"vocabulary [0, vocab_size={vocab_size})")
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 # -- building blocks ---------------------------------------------------------------------------------
@@ -343,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
             ``logits [B, L, V]`` and ``hidden [B, L, H]`` (last layer, before the final norm), model dtype.
         """
         check_tensor("tokens", tokens, dtype=_INT, ndim=2)
-        if validate and not _capturing(tokens):
+        if validate and not capturing(tokens.device):
             check_token_ids("tokens", tokens, self.config.vocab_size)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
@@ -455,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
         """
         kernel = self._check_tree_args(tokens, parents, cache, block_table, context_lens, backend)
         B, T = tokens.shape
-        checked = validate and not _capturing(tokens)
+        checked = validate and not capturing(tokens.device)
         n = validate_tree(parents, num_nodes) if checked else resolve_num_nodes(parents, num_nodes)
         idx = torch.arange(T, device=tokens.device).unsqueeze(0)
         pad = idx >= n.unsqueeze(1)

@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor, dense
+from .._validation import capturing, check_tensor, dense
 
 
 class DraftTree(NamedTuple):
@@ -27,10 +27,6 @@ _BUILD = register_op(
     # CUDA first: faster than Triton on every tree-building case (docs/CUDA_NOTES.md, "Backend order").
     preference=("cuda", "triton", "torch"),
 )
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _validate_candidates(cand_parents: torch.Tensor, cand_scores: torch.Tensor) -> None:
@@ -98,7 +94,7 @@ def build_draft_tree(
         raise TypeError(f"num_verify must be a Python int, got {type(num_verify).__name__}")
     if num_verify < 1:
         raise ValueError(f"num_verify must be >= 1 (the root counts), got {num_verify}")
-    if validate and not _capturing(dev):
+    if validate and not capturing(dev):
         _validate_candidates(cand_parents, cand_scores)
     _, fn = _BUILD.resolve(backend, dev)
     parents, tokens, cand_index, num_nodes, mask = fn(

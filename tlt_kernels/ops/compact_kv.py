@@ -6,7 +6,7 @@ from typing import List, Sequence, Union
 import torch
 
 from .._backend import register_op
-from .._validation import check_tensor, dense
+from .._validation import capturing, check_tensor, dense
 
 _COMPACT = register_op(
     "compact_kv",
@@ -22,10 +22,6 @@ _COMPACT = register_op(
 
 Caches = Union[torch.Tensor, Sequence[torch.Tensor]]
 _INT = (torch.int32, torch.int64)
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _as_layers(name: str, caches: Caches) -> List[torch.Tensor]:
@@ -149,7 +145,7 @@ def compact_kv(
     check_tensor("context_lens", context_lens, dtype=_INT, shape=(B,), device=dev)
     check_tensor("num_accepted", num_accepted, dtype=_INT, shape=(B,), device=dev)
     num_blocks, block_size = ks[0].shape[:2]
-    if validate and not _capturing(dev):
+    if validate and not capturing(dev):
         _validate_values(block_table, context_lens, accepted_nodes, num_accepted, num_blocks, block_size)
     _, fn = _COMPACT.resolve(backend, dev)
     return fn(ks, vs, dense(block_table), dense(context_lens), dense(accepted_nodes), dense(num_accepted))

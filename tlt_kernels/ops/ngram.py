@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from .._backend import register_op
-from .._validation import check_int, check_tensor, dense
+from .._validation import capturing, check_int, check_tensor, dense
 
 
 class NGramDrafts(NamedTuple):
@@ -45,10 +45,6 @@ _NGRAM_TREE = register_op(
 )
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
     check_tensor("tokens", tokens, dtype=(torch.int32, torch.int64), ndim=2)
     B, L = tokens.shape
@@ -60,7 +56,7 @@ def _check_inputs(tokens, lengths, k, min_n, max_n, validate):
     check_int("max_n", max_n, 1)
     if min_n > max_n:
         raise ValueError(f"min_n must be <= max_n, got min_n={min_n} > max_n={max_n}")
-    if validate and not _capturing(tokens.device):
+    if validate and not capturing(tokens.device):
         lens = lengths.cpu()
         bad = ((lens < 0) | (lens > L)).nonzero()
         if bad.numel():
@@ -78,7 +74,7 @@ def _check_siblings(siblings, tokens, validate: bool, backend: str):
         raise ValueError(f"siblings must have one row per request ({B}), got shape {tuple(siblings.shape)}")
     if backend not in backends:
         raise ValueError(f"siblings= runs on the backends {backends} here, got backend={backend!r}")
-    if validate and not _capturing(tokens.device) and siblings.numel():
+    if validate and not capturing(tokens.device) and siblings.numel():
         values = siblings.cpu()
         bad = ((values < -1) | (values >= B)).nonzero()
         if bad.numel():
