@@ -7,14 +7,15 @@ the seed (:mod:`bench.rl_task`), reward 1 when the response's last integer is th
 
 Each RL step: ``--prompts-per-step`` problems, ``--group-size`` responses each at ``--temperature``, rewards,
 group-normalized advantages, the clipped GRPO loss over the response tokens with the rollout's log-probs as the old
-policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs five ways, each from the same initial weights and
+policy's, one AdamW step (:mod:`bench.grpo`). The same loop runs six ways, each from the same initial weights and
 seeds (``--ways``):
 
-* ``spec``: our engine with the adaptive selector over ``--arms``, drafting one tree per request from an EAGLE
+* ``spec``: our engine with the adaptive selector over ``--arms`` (on the GPU its cost policy starts from the engine's
+  measured step times, ``measure_cost_table``, as in the rollout suite), drafting one tree per request from an EAGLE
   drafter and, beside it, the n-gram drafter over the request's group (``drafter=[eagle, "ngram"]``,
-  ``generate(groups=)``); the EAGLE drafter starts untrained and is spot-trained in each rollout's tail on the
-  responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it keeps up as the policy's
-  weights change (the rollout is then not overlapped: the trainer works between steps); log-probs from the rollout
+  ``generate(groups=)``); the EAGLE drafter starts untrained (or from ``--eagle-checkpoint``) and is spot-trained
+  in each rollout's tail on the responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
+  keeps up as the policy's weights change (the rollout is then not overlapped: the trainer works between steps); log-probs from the rollout
   (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
@@ -47,7 +48,7 @@ from tlt_kernels.engine.probe import synced_seconds
 from ..flags import Flag, positive_int, str_list, values
 from ..grpo import common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..rl_task import problems, reward
-from .rollout import byte_prompt_ids, load_real_models, model_path, tiny_hf_model
+from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
 WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "plain", "hf")
@@ -70,6 +71,9 @@ FLAGS = (
     Flag("--arms", ("s2k1v3", "s4k1v5", "s4k2v9"), "comma-separated arms of the spec way's selector", str_list,
          metavar="LIST"),
     Flag("--seed", 0, "problem and sampling seed", int),
+    Flag("--eagle-checkpoint", None, "the EAGLE drafter the spec and spec-eagle ways start from (a state dict or a "
+         "SpotTrainer checkpoint, e.g. from python -m tlt_kernels.engine.train_drafter; default: untrained)",
+         metavar="PATH"),
 )
 
 
@@ -216,16 +220,24 @@ class RLRun:
                                    fuse_step=self.cuda and name in ("plain", "spec-eagle"), logprobs=True, **extra)
         if self.cuda:
             engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
+            if isinstance(selector, StrategySelector):  # the start-up table: no arm is judged on its first steps alone
+                engine.selector = StrategySelector(selector.strategies, seed=self.p.seed, available=engine.covers,
+                                                   cost_table=engine.measure_cost_table())
         return engine
 
     def _spot_trained_eagle(self, model):
         """A fresh EAGLE drafter and the engine arguments of the spot trainer that keeps it up with the policy."""
         from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
 
+        def fresh():  # the serving drafter and the trainer's copy start from the same weights
+            if self.p.eagle_checkpoint:
+                return load_eagle(self.p.eagle_checkpoint, model, model.dtype)
+            return EagleDrafter.for_target(model, seed=self.p.seed)
+
         buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
-        trainer = SpotTrainer(EagleDrafter.for_target(model, seed=self.p.seed), buffer, lr=1e-3, warmup_steps=20,
+        trainer = SpotTrainer(fresh(), buffer, lr=1e-3, warmup_steps=20,
                               autocast_dtype=torch.bfloat16 if self.cuda else None)
-        return EagleDrafter.for_target(model, seed=self.p.seed), dict(spot_trainer=trainer, rollout_buffer=buffer)
+        return fresh(), dict(spot_trainer=trainer, rollout_buffer=buffer)
 
     def warm_up(self, way: Way) -> None:
         """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), no update."""

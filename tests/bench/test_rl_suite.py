@@ -113,3 +113,31 @@ def test_tail_seconds_counts_steps_with_fewer_than_a_quarter_of_the_requests():
              for i, (batch, seconds) in enumerate([(16, 1.0), (4, 2.0), (3, 4.0), (1, 8.0)])]
     assert tail_seconds(steps, 16) == 12.0  # 3 and 1 are fewer than 16 / 4; 4 is not
     assert tail_seconds(steps, 4) == 0.0
+
+
+def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
+    """--eagle-checkpoint: the serving drafter and the spot trainer's copy both load it (two loads per way)."""
+    import bench.suites.rl as rl
+    from bench.suites.rollout import tiny_hf_model
+    from tlt_kernels.drafter import EagleDrafter
+    from tlt_kernels.models import LlamaForCausalLM
+
+    hf = tiny_hf_model()
+    target = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), dtype=torch.float32)
+    saved = EagleDrafter.for_target(target, seed=7).state_dict()
+    path = tmp_path / "eagle.pt"
+    torch.save(saved, path)
+    loaded = []
+
+    def recording_load(*args):  # what each load returns, checked before training can move it
+        drafter = load_eagle(*args)
+        assert all(torch.equal(drafter.state_dict()[k].cpu(), v) for k, v in saved.items())
+        loaded.append(drafter)
+        return drafter
+
+    load_eagle = rl.load_eagle
+    monkeypatch.setattr(rl, "load_eagle", recording_load)
+    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle",
+            "--eagle-checkpoint", str(path)]
+    assert main(argv) == 0
+    assert len(loaded) == 2 and loaded[0] is not loaded[1]  # the serving drafter and the trainer's own copy
