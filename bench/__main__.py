@@ -163,9 +163,10 @@ def _device(name: Optional[str]):
         print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return None
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
+    if device.type == "cpu" and not torch.cuda.is_available():
         # Like tests/conftest.py: Triton kernels run in the CPU interpreter. This must happen before
-        # any @triton.jit function is defined, i.e. before the suites are imported.
+        # any @triton.jit function is defined, i.e. before the suites are imported. With a GPU the kernels may
+        # already be compiled for it (a test process), so CPU runs there take the torch references instead.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return device
 

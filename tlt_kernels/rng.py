@@ -51,6 +51,8 @@ def as_words(x, device=None) -> torch.Tensor:
     """``int64`` tensor of 64-bit words (seeds, offsets): tensors as their int64 bits, Python integers modulo 2**64."""
     if isinstance(x, torch.Tensor):
         return x.to(device=device if device is not None else x.device, dtype=torch.int64)
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):  # a fill, not a host copy: capturable
+        return torch.full((), _wrap64(x), dtype=torch.int64, device=device)
     return torch.as_tensor(_wrap64(x), dtype=torch.int64, device=device)
 
 
