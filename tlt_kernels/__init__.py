@@ -9,7 +9,8 @@ behind ``backend="auto"``):
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
 * :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history;
 * :func:`rms_norm`, :func:`silu_and_mul`, :func:`apply_rotary` -- fused elementwise parts of a Llama layer
-  (RMSNorm with residual add, SiLU-and-multiply, rotate-half RoPE of q and k).
+  (RMSNorm with residual add, SiLU-and-multiply, rotate-half RoPE of q and k; :func:`rotary_to_cache` also stores
+  the rotated k and v at their KV-cache rows).
 
 Layers above the ops (each imports the ops, never the reverse): :mod:`tlt_kernels.runtime`
 (strategy selector, CUDA-graph pool), :mod:`tlt_kernels.models` (Llama/Qwen2-style target over a
@@ -23,7 +24,7 @@ from .ops.build_draft_tree import DraftTree, build_draft_tree
 from .ops.compact_kv import compact_kv
 from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
 from .ops.rms_norm import rms_norm
-from .ops.rotary import apply_rotary
+from .ops.rotary import apply_rotary, rotary_to_cache
 from .ops.silu_and_mul import silu_and_mul
 from .ops.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
 from .ops.verify_tree import VerifyResult, verify_tree
@@ -49,6 +50,7 @@ __all__ = [
     "TreeAttentionPlan",
     "VerifyResult",
     "apply_rotary",
+    "rotary_to_cache",
     "available_backends",
     "build_draft_tree",
     "chain_parents",

@@ -228,6 +228,30 @@ def test_tree_forward_fp32_triton_backend_matches_torch(gen):
     assert (triton_logits[valid.to(dev)].argmax(-1) == torch_logits[valid.to(dev)].argmax(-1)).all()
 
 
+@pytest.mark.triton
+def test_tree_forward_stores_k_and_v_in_the_rotation_launch(gen, monkeypatch):
+    """On the kernel path every layer's K/V write rides in rotary_to_cache (one call per layer, no separate copy),
+    and the cache it leaves equals the torch path's."""
+    import tlt_kernels.models.llama as llama
+
+    calls = []
+    real = llama.rotary_to_cache
+    monkeypatch.setattr(llama, "rotary_to_cache", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dev = "cuda" if HAS_CUDA else "cpu"
+    model = make_model(ModelConfig.tiny(head_dim=64, num_layers=2), device=dev)
+    cache, table, _, lens_t, _, _ = prefilled(model, [9, 3], gen, block_size=8, extra=6)
+    parents, n = random_tree(2, 5, gen)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 5), generator=gen).to(dev)
+    args = (tokens, parents.to(dev), n.to(dev), cache, table, lens_t)
+    model.forward_tree(*args, backend="triton")
+    assert len(calls) == model.config.num_layers
+    kernel_k = [layer.clone() for layer in cache.k]
+    kernel_v = [layer.clone() for layer in cache.v]
+    model.forward_tree(*args, backend="torch")  # rewrites the same slots through the cache's own write
+    for got, want in zip(kernel_k + kernel_v, cache.k + cache.v):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def _compact(cache, table, ctx, accepted):
     """Move K/V of slots ctx + accepted[k] to ctx + k (torch stand-in for compact_kv)."""
     for b, acc in enumerate(accepted):

@@ -159,3 +159,110 @@ def test_property_matches_reference(backend, data):
     want = apply_rotary(q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), backend="torch")
     got = apply_rotary(q, k, cos, sin, backend=backend)
     check([t.cpu() for t in got], want, dtype, (q, k), cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------- rotary_to_cache
+def packed_qkv_v(B, T, Hq, Hkv, D, dtype, g):
+    """``q, k, v`` as views of one packed projection (the model's layout)."""
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[..., : Hq * D].view(B, T, Hq, D)
+    k = qkv[..., Hq * D: (Hq + Hkv) * D].view(B, T, Hkv, D)
+    return q, k, qkv[..., (Hq + Hkv) * D:].view(B, T, Hkv, D)
+
+
+def cache_case(B, T, Hq, Hkv, D, dtype, g, spare=5):
+    """Inputs of rotary_to_cache: ``B * T`` distinct random rows of an ``[B * T + spare, Hkv, D]`` cache holding
+    random values (rows not named must keep them)."""
+    q, k, v = packed_qkv_v(B, T, Hq, Hkv, D, dtype, g)
+    cos, sin = cos_sin(B, T, D, dtype, g)
+    rows = B * T + spare
+    k_cache, v_cache = (torch.randn(rows, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    slots = torch.randperm(rows, generator=g)[: B * T]
+    return [q, k, v, cos, sin, k_cache, v_cache, slots]
+
+
+def run_to_cache(args, device, backend):
+    """``(q_out, k_cache, v_cache)`` on the CPU after rotary_to_cache on ``device`` (caches cloned first)."""
+    moved = [t.to(device) for t in args]
+    moved[5], moved[6] = moved[5].clone(), moved[6].clone()
+    q_out = tlt_kernels.rotary_to_cache(*moved, backend=backend)
+    return q_out.cpu(), moved[5].cpu(), moved[6].cpu()
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("D", [2, 64, 96])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("B,T,Hq,Hkv", [(1, 1, 3, 1), (3, 1, 2, 2), (2, 5, 7, 1)])
+def test_rotary_to_cache_is_rotary_then_the_cache_write(backend, D, dtype, B, T, Hq, Hkv, gen):
+    """q as apply_rotary's, the named cache rows hold apply_rotary's k and the untouched v, every other row keeps its
+    bits."""
+    device = kernel_devices()[0]
+    need_backend("rotary_to_cache", backend, torch.device(device))
+    args = cache_case(B, T, Hq, Hkv, D, dtype, gen)
+    q, k, v, cos, sin, k_cache, v_cache, slots = args
+    want_q, want_k = apply_rotary(q, k, cos, sin, backend="torch")
+    got_q, got_k_cache, got_v_cache = run_to_cache(args, device, backend)
+    check([got_q, got_k_cache[slots].view(B, T, Hkv, D)], [want_q, want_k], dtype, (q, k), cos, sin)
+    assert torch.equal(got_v_cache[slots], v.reshape(-1, Hkv, D))
+    others = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(got_k_cache[others], k_cache[others]) and torch.equal(got_v_cache[others], v_cache[others])
+
+
+def test_rotary_to_cache_bad_inputs(gen):
+    args = cache_case(2, 3, 2, 2, 8, torch.bfloat16, gen)
+    names = ["q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slots"]
+    cases = [
+        ("v", dict(v=args[2].half())),
+        ("v", dict(v=args[2][:, :, :1])),
+        ("k_cache", dict(k_cache=args[5].float())),
+        ("k_cache", dict(k_cache=args[5][:, :1])),
+        ("k_cache", dict(k_cache=args[5].transpose(0, 1).contiguous().transpose(0, 1))),
+        ("v_cache", dict(v_cache=args[6][:-1])),
+        ("slots", dict(slots=args[7].int())),
+        ("slots", dict(slots=args[7][:-1])),
+        ("slots", dict(slots=args[7] + args[5].shape[0])),
+        ("slots", dict(slots=args[7] - args[5].shape[0] - 1)),
+    ]
+    for name, bad in cases:
+        call = dict(zip(names, args))
+        call.update(bad)
+        assert_rejects(tlt_kernels.rotary_to_cache, name, *[call[n] for n in names], backend="torch")
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_rotary_to_cache_under_torch_compile(backend, gen):
+    """The custom op's fake and mutation annotations: a compiled call writes the caches like an eager one."""
+    args = cache_case(2, 3, 3, 1, 64, torch.bfloat16, gen)
+
+    def fn(q, k, v, cos, sin, k_cache, v_cache, slots):
+        return tlt_kernels.rotary_to_cache(q, k, v, cos * 1.0, sin, k_cache, v_cache, slots, backend=backend,
+                                           validate=False)
+
+    torch._dynamo.reset()
+    compiled = [t.clone() for t in args]
+    eager = [t.clone() for t in args]
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*compiled)
+    want = fn(*eager)
+    assert torch.equal(got, want) and torch.equal(compiled[5], eager[5]) and torch.equal(compiled[6], eager[6])
+
+
+@budget(10)
+@given(st.data())
+@pytest.mark.parametrize("backend", backend_params())
+def test_property_rotary_to_cache(backend, data):
+    """Any B, T (0..3), head counts, even D, dtype: the named rows as rotary + copy, the others untouched."""
+    dtype = data.draw(st.sampled_from(FLOAT_DTYPES), label="dtype")
+    B, T = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 3), label="T")
+    Hq, Hkv = data.draw(st.integers(1, 5), label="Hq"), data.draw(st.integers(1, 5), label="Hkv")
+    D = 2 * data.draw(st.integers(1, 20), label="D/2")
+    g = gen(data.draw(seeds))
+    args = cache_case(B, T, Hq, Hkv, D, dtype, g, spare=data.draw(st.integers(0, 4), label="spare"))
+    q, k, v, cos, sin, k_cache, v_cache, slots = args
+    want = run_to_cache(args, "cpu", "torch")
+    got = run_to_cache(args, kernel_devices()[0], backend)
+    rows = lambda cache: cache[slots].view(B, T, Hkv, D)  # noqa: E731 - the written rows in k's layout
+    check([got[0], rows(got[1])], [want[0], rows(want[1])], dtype, (q, k), cos, sin)
+    others = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(got[1][others], k_cache[others]) and torch.equal(got[2], want[2])

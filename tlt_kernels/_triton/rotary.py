@@ -7,8 +7,11 @@ contiguous ``[B, T, H, D]`` tensors. bf16 / fp16 values are upcast to fp32 for t
 the sum are rounded to the activation dtype, torch's order (:mod:`tlt_kernels.reference.rotary`). Products and
 sums of two values of that dtype are single fp32 operations that round to the same bits as torch's.
 
-Eager calls launch directly; otherwise the launch runs inside the custom op ``tlt::apply_rotary`` (fake
-implementation for ``torch.compile``; no host sync).
+``rotary_to_cache`` is the same launch with the rotated k and the untouched v stored at their KV-cache rows instead
+of new tensors (a decoding step's K/V write, without two more launches per layer).
+
+Eager calls launch directly; otherwise the launch runs inside the custom op ``tlt::apply_rotary`` /
+``tlt::rotary_to_cache`` (fake implementations for ``torch.compile``; no host sync).
 """
 from __future__ import annotations
 
@@ -68,6 +71,42 @@ def _rotary_kernel(
                   HKV_POW2, HALF_POW2, HAND_ROUND)
 
 
+@triton.jit
+def _copy_heads(X_ptr, stride_h, Out_ptr, NH, D, NH_POW2: tl.constexpr, D_POW2: tl.constexpr):
+    """Copy ``NH`` heads of one row (head stride ``stride_h``) to contiguous heads at ``Out_ptr``."""
+    h = tl.arange(0, NH_POW2)[:, None].to(tl.int64)
+    d = tl.arange(0, D_POW2)[None, :]
+    m = (h < NH) & (d < D)
+    tl.store(Out_ptr + h * D + d, tl.load(X_ptr + h * stride_h + d, mask=m, other=0.0), mask=m)
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    Q_ptr, K_ptr, V_ptr, Cos_ptr, Sin_ptr, Slots_ptr, QOut_ptr, KCache_ptr, VCache_ptr, T, HQ, HKV, HALF,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t, ss_b, ss_t,
+    HQ_POW2: tl.constexpr, HKV_POW2: tl.constexpr, HALF_POW2: tl.constexpr, HAND_ROUND: tl.constexpr,
+):
+    """:func:`_rotary_kernel` whose rotated k and untouched v go straight to their cache row ``Slots[row]``: the
+    K/V write of a decoding step without two more launches per layer."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    d = tl.arange(0, HALF_POW2)[None, :]
+    dm = d < HALF
+    cos = Cos_ptr + b * sc_b + t * sc_t
+    sin = Sin_ptr + b * ss_b + t * ss_t
+    c1 = tl.load(cos + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    cache_row = tl.load(Slots_ptr + row) * HKV * 2 * HALF
+    _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, c1, c2, s1, s2, HQ, HALF,
+                  HQ_POW2, HALF_POW2, HAND_ROUND)
+    _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KCache_ptr + cache_row, c1, c2, s1, s2, HKV, HALF,
+                  HKV_POW2, HALF_POW2, HAND_ROUND)
+    _copy_heads(V_ptr + b * sv_b + t * sv_t, sv_h, VCache_ptr + cache_row, HKV, 2 * HALF, HKV_POW2, 2 * HALF_POW2)
+
+
 def apply_rotary_out(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_out: torch.Tensor, k_out: torch.Tensor) -> None:
     """Launch into ``q_out`` / ``k_out`` (new contiguous); ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``,
@@ -115,3 +154,44 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         apply_rotary_out(q, k, cos, sin, q_out, k_out)
         return q_out, k_out
     return torch.ops.tlt.apply_rotary(q, k, cos, sin)
+
+
+def rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out) -> None:
+    """Launch: rotated q into ``q_out`` (new contiguous), rotated k and v into rows ``slots`` (int64 ``[B * T]``) of
+    the contiguous ``[N, Hkv, D]`` caches (validated by :func:`tlt_kernels.ops.rotary.rotary_to_cache`)."""
+    B, T, HQ, D = q.shape
+    HKV = k.shape[2]
+    if B * T == 0 or D == 0:
+        return
+    half = D // 2
+    hq2, hkv2, half2 = triton.next_power_of_2(HQ), triton.next_power_of_2(HKV), triton.next_power_of_2(half)
+    tile = max(hq2, hkv2) * half2
+    _rotary_cache_kernel[(B * T,)](
+        q, k, v, cos, sin, slots, q_out, k_cache, v_cache, T, HQ, HKV, half,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        HQ_POW2=hq2, HKV_POW2=hkv2, HALF_POW2=half2, HAND_ROUND=hand_round(q.dtype),
+        num_warps=1 if tile <= 256 else 4 if tile <= 4096 else 8,
+    )
+
+
+@torch.library.custom_op("tlt::rotary_to_cache", mutates_args=("k_cache", "v_cache"))
+def _rotary_to_cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out)
+    return q_out
+
+
+@_rotary_to_cache_op.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slots):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def rotary_to_cache(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
+    """Backend of :func:`tlt_kernels.ops.rotary.rotary_to_cache`: the rotated q, new contiguous."""
+    if direct_dispatch_ok(q, k, v, cos, sin, k_cache, v_cache, slots):
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out)
+        return q_out
+    return torch.ops.tlt.rotary_to_cache(q, k, v, cos, sin, k_cache, v_cache, slots)

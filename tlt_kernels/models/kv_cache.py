@@ -111,11 +111,15 @@ class PagedKVCache:
             idx, k, v = idx[mask], k[mask], v[mask]
         self.write_at(layer, idx.flatten(), k, v)
 
+    def layer_rows(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V caches as ``[num_blocks * block_size, Hkv, D]`` views (row = :meth:`flat_index`)."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
     def write_at(self, layer: int, flat_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v`` (``[..., Hkv, D]``, ``N`` tokens) at rows ``flat_index`` (int64 ``[N]``, from
         :meth:`flat_index`) of layer ``layer``: a step computes the index once for all its layers."""
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
+        kf, vf = self.layer_rows(layer)
         kf.index_copy_(0, flat_index, k.reshape(-1, *kf.shape[1:]).to(self.dtype))
         vf.index_copy_(0, flat_index, v.reshape(-1, *vf.shape[1:]).to(self.dtype))
 

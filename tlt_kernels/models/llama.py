@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .._backend import BACKENDS
 from .._validation import capturing, check_tensor, devices_equal
 from ..ops.rms_norm import rms_norm
-from ..ops.rotary import apply_rotary
+from ..ops.rotary import apply_rotary, rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
 from ..ops.tree_attention import plan_tree_attention
 from ..reference.tree_attention import run_torch
@@ -227,8 +227,12 @@ def _projections(x: torch.Tensor, packed: Optional[PackedLinears], linears) -> L
     return [lin(x) for lin in linears]
 
 
-# Attention callback: (layer index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> out [B,T,Hq,D].
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Attention callback: (layer index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> out [B,T,Hq,D]; k and v are None
+# when a StoreKV callback already stored them.
+Attend = Callable[[int, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
+# Rotate-and-store callback of the fused trunk: (layer index, q, k, v before RoPE, cos, sin) -> rotated q, with the
+# rotated k and v stored in the layer's cache (one launch: tlt_kernels.rotary_to_cache).
+StoreKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool, scale: float) -> torch.Tensor:
@@ -272,13 +276,14 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = False) -> torch.Tensor:
+    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = False,
+               store_kv: Optional[StoreKV] = None) -> torch.Tensor:
         x = self.embed_tokens(tokens)
         if not devices_equal(self._inv_freq.device, x.device):
             self._inv_freq = rope_inv_freq(self.config, x.device)
         cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype, self._rope_attention_factor)
         if fused:
-            return self._fused_trunk(x, cos, sin, attend)
+            return self._fused_trunk(x, cos, sin, attend, store_kv)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
             o = attend(i, q, k, v)
@@ -286,10 +291,12 @@ class LlamaForCausalLM(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
-    def _fused_trunk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def _fused_trunk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
+                     store_kv: Optional[StoreKV] = None) -> torch.Tensor:
         """The layers on the fused ops, the same rounding as the unfused loop (inference only: no autograd
-        formulas): each residual add rides in the next RMSNorm's kernel, q and k rotate in one launch, SiLU * up in
-        one. A step of a small model is bound by its launch count, not by bytes (docs/MODELS.md)."""
+        formulas): each residual add rides in the next RMSNorm's kernel, q and k rotate in one launch (with
+        ``store_kv``, the launch that also stores k and v in the cache), SiLU * up in one. A step of a small model
+        is bound by its launch count, not by bytes (docs/MODELS.md)."""
         eps, layers = self.config.rms_norm_eps, self.layers
         h, residual = rms_norm(x, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
@@ -301,8 +308,11 @@ class LlamaForCausalLM(nn.Module):
             v = v.view(B, T, attn.num_kv_heads, attn.head_dim)
             if attn.q_norm is not None:
                 q, k = rms_norm(q, attn.q_norm.weight, eps)[0], rms_norm(k, attn.k_norm.weight, eps)[0]
-            q, k = apply_rotary(q, k, cos, sin)
-            o = attn.o_proj(attend(i, q, k, v).flatten(2))
+            if store_kv is None:
+                q, k = apply_rotary(q, k, cos, sin)
+                o = attn.o_proj(attend(i, q, k, v).flatten(2))
+            else:
+                o = attn.o_proj(attend(i, store_kv(i, q, k, v, cos, sin), None, None).flatten(2))
             h, residual = rms_norm(o, layer.post_attention_layernorm.weight, eps, residual=residual)
             m = mlp.down_proj(silu_and_mul(*_projections(h, mlp.packed_gate_up, (mlp.gate_proj, mlp.up_proj))))
             if i + 1 == len(layers):
@@ -467,15 +477,20 @@ class LlamaForCausalLM(nn.Module):
         positions = ctx + tree_depths(parents, n).long()
         flat_slots = cache.flat_index(block_table, ctx + idx).flatten()  # one index for every layer's K/V write
 
+        def store_kv(i, q, k, v, cos, sin):  # the K/V write rides in the rotation's launch
+            return rotary_to_cache(q, k, v, cos, sin, *cache.layer_rows(i), flat_slots, validate=False)
+
         def attend(i, q, k, v):
-            cache.write_at(i, flat_slots, k, v)
+            if k is not None:
+                cache.write_at(i, flat_slots, k, v)
             # Padding rows come back as zeros (the op's contract), so their K/V in later layers -- written
             # to scratch slots that kernels load and mask -- stay finite.
             if kernel:
                 return plan.run(q, cache.k[i], cache.v[i], sm_scale=self.sm_scale, backend=backend)
             return run_torch(plan, q, cache.k[i], cache.v[i], torch.empty_like(q), self.sm_scale)
 
-        hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend, fused=kernel)
+        hidden = self._trunk(tokens.masked_fill(pad, 0), positions, attend, fused=kernel,
+                             store_kv=store_kv if cache.dtype == self.dtype else None)
         return self.logits(hidden), hidden
 
     def _check_tree_args(self, tokens, parents, cache: PagedKVCache, block_table, context_lens, backend: str) -> bool:

@@ -4,6 +4,9 @@ Backends: ``torch`` (the reference, :mod:`tlt_kernels.reference.rotary`) and ``t
 (:mod:`tlt_kernels._triton.rotary`, one launch instead of the reference's dozen elementwise kernels). There is no
 CUDA C++ backend: PyTorch's fused kernels (``torch.compile``) or a later CUDA backend are the alternatives.
 ``auto`` picks Triton on a GPU and the torch reference on CPU tensors.
+
+``rotary_to_cache``: the same rotation, with the rotated k and v stored straight into a layer's KV cache rows (a
+decoding step's K/V write rides in the rotation's launch instead of two copies per layer).
 """
 from __future__ import annotations
 
@@ -12,13 +15,21 @@ from typing import Tuple
 import torch
 
 from .._backend import register_op
-from .._validation import FLOAT_ACTIVATIONS, check_tensor, check_unit_last_stride
+from .._validation import FLOAT_ACTIVATIONS, capturing, check_tensor, check_unit_last_stride
 
 _ROTARY = register_op(
     "apply_rotary",
     {
         "torch": "tlt_kernels.reference.rotary:apply_rotary",
         "triton": "tlt_kernels._triton.rotary:apply_rotary",
+    },
+    preference=("triton", "torch"),
+)
+_ROTARY_TO_CACHE = register_op(
+    "rotary_to_cache",
+    {
+        "torch": "tlt_kernels.reference.rotary:rotary_to_cache",
+        "triton": "tlt_kernels._triton.rotary:rotary_to_cache",
     },
     preference=("triton", "torch"),
 )
@@ -47,6 +58,12 @@ def apply_rotary(
     Returns:
         ``(q_out, k_out)``: new contiguous tensors of q's and k's shapes.
     """
+    _check_rotary_inputs(q, k, cos, sin)
+    _, fn = _ROTARY.resolve(backend, q.device)
+    return fn(q, k, cos, sin)
+
+
+def _check_rotary_inputs(q, k, cos, sin) -> None:
     check_tensor("q", q, dtype=FLOAT_ACTIVATIONS, ndim=4)
     B, T, _, D = q.shape
     if D % 2:
@@ -57,5 +74,55 @@ def apply_rotary(
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(name, t, dtype=q.dtype, shape=(B, T, D), device=q.device)
         check_unit_last_stride(name, t)
-    _, fn = _ROTARY.resolve(backend, q.device)
-    return fn(q, k, cos, sin)
+
+
+def rotary_to_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """:func:`apply_rotary` of ``q`` and ``k``, with the rotated ``k`` and ``v`` stored at their cache rows.
+
+    Token ``(b, t)``'s rotated k and its v go to row ``slots[b * T + t]`` of ``k_cache`` / ``v_cache`` (written in
+    place); rows not named keep their values. Two tokens naming one row leave either token's values there.
+
+    Args:
+        q: ``[B, T, Hq, D]`` bf16 / fp16 / fp32, ``D`` even, last dim contiguous (a view of a packed qkv projection
+            is fine).
+        k, v: ``[B, T, Hkv, D]`` of q's dtype, last dim contiguous.
+        cos, sin: ``[B, T, D]`` of q's dtype, last dim contiguous.
+        k_cache, v_cache: contiguous ``[N, Hkv, D]`` of q's dtype (a layer's paged cache viewed as rows:
+            ``cache.view(-1, Hkv, D)``).
+        slots: int64 ``[B * T]`` rows, each in ``[0, N)``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        validate: check the slots' values (a host sync; skipped during CUDA-graph capture).
+
+    Returns:
+        the rotated q: a new contiguous ``[B, T, Hq, D]``.
+    """
+    _check_rotary_inputs(q, k, cos, sin)
+    B, T, _, D = q.shape
+    Hkv = k.shape[2]
+    check_tensor("v", v, dtype=q.dtype, shape=(B, T, Hkv, D), device=q.device)
+    check_unit_last_stride("v", v)
+    check_tensor("k_cache", k_cache, dtype=q.dtype, shape=(None, Hkv, D), device=q.device)
+    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=q.device)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (rows of Hkv * D values), got strides {t.stride()}")
+    check_tensor("slots", slots, dtype=torch.int64, shape=(B * T,), device=q.device)
+    if validate and slots.numel() and not capturing(q.device):
+        bad = (slots < 0) | (slots >= k_cache.shape[0])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"slots[{i}] = {int(slots[i])} is outside the cache's rows [0, {k_cache.shape[0]})")
+    _, fn = _ROTARY_TO_CACHE.resolve(backend, q.device)
+    return fn(q, k, v, cos, sin, k_cache, v_cache, slots)

@@ -26,3 +26,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     q_out = (q * c + rotate_half(q) * s).contiguous()
     k_out = (k * c + rotate_half(k) * s).contiguous()
     return q_out, k_out
+
+
+def rotary_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary`, then the rotated ``k`` and ``v`` (``[B, T, Hkv, D]``) stored at rows ``slots``
+    (int64 ``[B * T]``, row-major over ``(b, t)``) of ``k_cache`` / ``v_cache`` (``[N, Hkv, D]``, written in place).
+    Returns the rotated q (new contiguous)."""
+    q_out, k_out = apply_rotary(q, k, cos, sin)
+    k_cache.index_copy_(0, slots, k_out.reshape(-1, *k_cache.shape[1:]))
+    v_cache.index_copy_(0, slots, v.reshape(-1, *v_cache.shape[1:]))
+    return q_out
