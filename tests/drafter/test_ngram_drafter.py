@@ -27,6 +27,27 @@ def test_ragged_appends_match_python_lists(B, max_len, gen):
             assert dr.histories[b, : len(ref[b])].tolist() == ref[b]
 
 
+@pytest.mark.parametrize("B,max_len", [(3, 7), (6, 33)])
+def test_append_rows_matches_append_and_touches_only_its_rows(B, max_len, gen):
+    """append_rows (the fused step's in-place commit) gives the chosen rows what append gives them; the other rows
+    keep their histories; repeated sink rows (padding) write only the sink."""
+    full, part = NGramDrafter(B + 1, max_len), NGramDrafter(B + 1, max_len)
+    sink = B
+    for _ in range(6):
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        toks = torch.randint(0, 9, (B + 1, n), generator=gen)
+        num = torch.randint(0, n + 1, (B + 1,), generator=gen).to(torch.int32)
+        rows = torch.randperm(B, generator=gen)[: max(1, B // 2)]
+        masked = torch.zeros_like(num)
+        masked[rows] = num[rows]
+        full.append(toks, masked)
+        padded = torch.cat([rows, torch.full((3,), sink)])  # three padding rows, all at the sink
+        part.append_rows(padded, toks[padded], num[padded])
+        for b in range(B):
+            assert int(part.lengths[b]) == int(full.lengths[b])
+            assert torch.equal(part.histories[b, : int(full.lengths[b])], full.histories[b, : int(full.lengths[b])])
+
+
 def test_reset_slots_and_root_tokens():
     dr = NGramDrafter(3, 16)
     dr.append(torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]), torch.tensor([3, 2, 1], dtype=torch.int32))

@@ -10,7 +10,7 @@ import torch
 
 from conftest import ragged_prompts, tiny_trained_target, two_sample_chi2
 from tlt_kernels.drafter import EagleDrafter
-from tlt_kernels.drafter.base import ProposedTree
+from tlt_kernels.drafter.base import DrafterBase, ProposedTree
 from tlt_kernels.drafter.union import UnionDrafter, union_tree
 from tlt_kernels.engine import SpeculativeEngine, tree_width
 from tlt_kernels.models import reference_generate
@@ -114,13 +114,42 @@ def test_union_through_captured_graphs_on_a_fake_backend(target, prompts):
     assert all(s.graph for s in out.steps)
 
 
-def test_pairs_are_checked_and_the_fused_step_refused(target):
+class _EagerOnly(DrafterBase):
+    """A user's drafter without fused step functions (``fused_step_error`` left set)."""
+
+    def tree_width(self, strategy):
+        return 1 if strategy.is_off else 2
+
+
+def test_pairs_are_checked_and_the_fused_step_needs_both_parts(target):
     with pytest.raises(ValueError, match="pair"):
         SpeculativeEngine(target, [EagleDrafter.for_target(target)], Strategy(2, 1, 3), max_batch_size=2,
                           max_seq_len=32)
-    with pytest.raises(ValueError, match="two drafters"):
-        SpeculativeEngine(target, [EagleDrafter.for_target(target), "ngram"], Strategy(2, 1, 3), max_batch_size=2,
-                          max_seq_len=32, fuse_step=True)
+    for pair in ([EagleDrafter.for_target(target), _EagerOnly()], [_EagerOnly(), "ngram"]):
+        with pytest.raises(ValueError, match="fuse_step=True supports"):
+            SpeculativeEngine(target, pair, Strategy(2, 1, 3), max_batch_size=2, max_seq_len=32, fuse_step=True)
+    fused = SpeculativeEngine(target, [EagleDrafter.for_target(target), "ngram"], Strategy(2, 1, 3), max_batch_size=2,
+                              max_seq_len=32, fuse_step=True)
+    assert len(fused.tree_drafter.pad_state_rows(3)) == 5  # EAGLE's four state rows, then the n-gram history rows
+
+
+def test_fused_union_tree_is_capturable(target):
+    """The union's fused draft (both parts' drafts merged by union_tree) over padding rows: fixed shapes, and the
+    tree the separate steps merge."""
+    eng = SpeculativeEngine(target, [EagleDrafter.for_target(target), "ngram"], Strategy(3, 2, 6), max_batch_size=4,
+                            max_seq_len=32, fuse_step=True)
+    union = eng.tree_drafter
+    draft, commit = union.fused_functions(Strategy(3, 2, 6))
+    state = union.pad_state_rows(3)
+    tokens, parents, num_nodes = draft(*state)
+    assert tokens.shape == parents.shape == (3, union.tree_width(Strategy(3, 2, 6))) and num_nodes.shape == (3,)
+    want = union.propose(Strategy(3, 2, 6), state[4], state, _Eager())  # the separate steps' merge
+    assert all(torch.equal(a, b) for a, b in zip((tokens, parents, num_nodes), want))
+
+
+class _Eager:
+    def call(self, name, fn, inputs, batch_size):
+        return fn(*inputs), False
 
 
 def test_sampling_with_the_pair_matches_plain_sampling_in_distribution(target):

@@ -35,6 +35,8 @@ def prompts():
 def _drafter(kind, target):
     if kind == "eagle":
         return EagleDrafter.for_target(target)
+    if kind == "union":  # EAGLE's tree with the n-gram branch beside it
+        return [EagleDrafter.for_target(target), "ngram"]
     return None if kind == "none" else kind
 
 
@@ -131,7 +133,8 @@ def test_eos_stops_requests(target, prompts):
 
 @pytest.mark.parametrize("kind,strategy,fuse", [("none", Strategy.off(), False), ("ngram", Strategy(4, 1, 5), False),
                                                 ("eagle", Strategy(3, 2, 6), False), ("none", Strategy.off(), True),
-                                                ("eagle", Strategy(3, 2, 6), True)], ids=str)
+                                                ("eagle", Strategy(3, 2, 6), True), ("ngram", Strategy(4, 1, 5), True)],
+                         ids=str)
 @pytest.mark.parametrize("where", ["prefill", "step"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, strategy, fuse, where, overlap):
@@ -317,12 +320,12 @@ def test_gpu_graphs_greedy_matches_plain_decoding(target, prompts, kind):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kind", ["none", "eagle"])
+@pytest.mark.parametrize("kind", ["none", "eagle", "ngram", "union"])
 def test_gpu_fused_step_graphs_greedy_matches_plain_decoding(target, prompts, kind):
     from tlt_kernels.runtime import GraphPool
 
     gpu = tiny_trained_target().cuda()
-    sel = StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 7)], seed=0) if kind == "eagle" else Strategy.off()
+    sel = StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 7)], seed=0) if kind != "none" else Strategy.off()
     eng = SpeculativeEngine(gpu, _drafter(kind, gpu), sel, GraphPool(), max_batch_size=8, max_seq_len=64, fuse_step=True)
     eng.capture_graphs([1, 2, 4, 8])
     assert eng.graph_error is None, eng.graph_error
@@ -376,7 +379,7 @@ def test_eagle_graph_paths_on_cpu_fake_backend(target, prompts):
     assert st["misses"] == 0 and st["hits"] >= 3 * len(out.steps) - sum(s.strategy == "off" for s in out.steps)
 
 
-@pytest.mark.parametrize("kind", ["none", "eagle"])
+@pytest.mark.parametrize("kind", ["none", "eagle", "ngram", "union"])
 def test_fused_step_graphs_on_cpu_fake_backend(target, prompts, kind):
     """fuse_step=True: one "graph" per (strategy, padded size) runs draft, verify, accept, compaction and the
     drafter's extension. Greedy equals plain decoding; sampling equals the unfused engine token for token
@@ -436,11 +439,6 @@ def test_trace_probes_replay_the_fused_step_graphs(target, prompts):
         assert rec["arms"][st.strategy]["emitted"] >= st.emitted
     # Three probes and the real step per decoding step, all from step graphs.
     assert pool.stats()["hits"] == 4 * len(out.steps) and pool.stats()["misses"] == 0
-
-
-def test_fuse_step_rejects_the_ngram_drafter(target):
-    with pytest.raises(ValueError, match="fuse_step"):
-        SpeculativeEngine(target, "ngram", Strategy(4, 1, 5), max_batch_size=2, max_seq_len=32, fuse_step=True)
 
 
 def test_bf16_drafter_keeps_greedy_output(target, prompts):

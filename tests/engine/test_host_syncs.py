@@ -163,7 +163,7 @@ def count_step_reads(eng, monkeypatch, **generate_kwargs):
 
 # (drafter, runner): None = eager, False = separate graphs (fake backend), True = fused step graphs.
 CASES = [("none", None), ("ngram", None), ("eagle", None), ("none", False), ("eagle", False), ("none", True),
-         ("eagle", True)]
+         ("eagle", True), ("ngram", True)]
 
 
 @pytest.mark.parametrize("kind,fuse", CASES, ids=lambda v: str(v))

@@ -69,10 +69,11 @@ class Drafter(Protocol):
     ``state_rows`` is the list of per-request state tensors (first dimension ``b``) the drafter's graphs take
     (``[]`` for a drafter without device state).
 
-    Optional (not part of the protocol, so existing drafters stay valid; :class:`DrafterBase` has it):
+    Optional (not part of the protocol, so existing drafters stay valid; :class:`DrafterBase` has them):
     ``set_groups(siblings)``, called after :meth:`start` when ``generate`` is given request groups, with
     ``siblings`` int64 ``[B, S]``: the other rows of each request's group (-1 padded). A drafter that can draft
-    from them (the n-gram drafter) keeps them for the rollout; others ignore them.
+    from them (the n-gram drafter) keeps them for the rollout; others ignore them. ``snapshot() -> restore()``: a
+    drafter whose fused commit writes its state in place (the n-gram histories) restores it after a trace probe.
     """
 
     module: Optional[torch.nn.Module]  # trainable weights the spot trainer publishes into, or None
@@ -144,8 +145,8 @@ class DrafterBase:
 
     module: Optional[torch.nn.Module] = None
     # None: the drafter runs inside a fused step graph; else the ValueError message for fuse_step=True.
-    fused_step_error: Optional[str] = ("fuse_step=True supports plain decoding and the EAGLE drafter; use "
-                                       "fuse_step=False with this drafter")
+    fused_step_error: Optional[str] = ("fuse_step=True supports plain decoding, the n-gram and EAGLE drafters and "
+                                       "their union; use fuse_step=False with this drafter")
 
     def tree_width(self, strategy) -> int:
         raise NotImplementedError
@@ -174,6 +175,11 @@ class DrafterBase:
 
     def load_published(self, holder) -> None:
         pass
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that restores the state this drafter's fused step graph changes in place (a trace probe runs
+        a step without committing it). Optional, like ``set_groups``; here: nothing changes in place."""
+        return lambda: None
 
     def graph_specs(self, strategies, widths) -> List[GraphSpec]:
         return []

@@ -117,6 +117,24 @@ class NGramDrafter:
             _check_counts("append: num_new", num_new, new_tokens.shape[1], "the width of new_tokens")
         self._scatter(None, new_tokens.to(torch.int64), num_new)
 
+    def append_rows(self, rows: torch.Tensor, new_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Append ``new_tokens int64 [R, n]`` (first ``num_new[r]`` of each, in ``[0, n]``) to the histories of
+        ``rows`` (int64 ``[R]``), in place: what :meth:`append` does for the whole batch, for some rows only.
+
+        ``rows`` must be distinct, except for a repeated row nobody reads (the fused step's padding rows all point
+        at one sink row: which of their writes lands there does not matter). Pure device work with fixed shapes and
+        no host sync (a captured graph's commit); no value checks, so the caller builds ``num_new`` in range.
+        """
+        n = new_tokens.shape[1]
+        lens = self.lengths[rows].to(torch.int64)
+        columns = torch.arange(n, device=self.device)
+        pos = lens.unsqueeze(1) + columns
+        keep = (columns < num_new.to(torch.int64).unsqueeze(1)) & (pos < self.max_len)
+        pos = torch.where(keep, pos, self.max_len)  # the sink column takes the writes past num_new or max_len
+        self.buffer.index_put_((rows.unsqueeze(1).expand(-1, n), pos), new_tokens.to(torch.int64))
+        new_lens = (lens + num_new.to(torch.int64)).clamp(max=self.max_len).to(torch.int32)
+        self.lengths.index_put_((rows,), new_lens)
+
     def _check_reset(self, slots: torch.Tensor, prompt_lens: torch.Tensor, P: int) -> None:
         s = slots.tolist()
         bad = [v for v in s if not 0 <= v < self.batch_size]

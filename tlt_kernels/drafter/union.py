@@ -46,16 +46,17 @@ def union_tree(first: ProposedTree, second: ProposedTree) -> ProposedTree:
 class UnionDrafter(DrafterBase):
     """``primary``'s tree with ``secondary``'s branch beside it (see the module docstring). ``module`` (the
     weights a spot trainer publishes into) is the primary's. The primary's graphs are captured for the union's
-    widths; the secondary's must need no graph of its own. No fused step (the n-gram drafter updates its histories
-    outside the step)."""
+    widths; the secondary's must need no graph of its own. With ``fuse_step=True`` it runs inside the step graph when
+    both parts do: the state rows are the primary's then the secondary's, the draft merges both drafts with
+    :func:`union_tree` (device ops, fixed shapes), the commit hands each part its own rows and new state."""
 
-    fused_step_error = ("fuse_step=True is not available with two drafters (the n-gram drafter updates its "
-                        "histories outside the step); use fuse_step=False")
+    fused_step_error = None  # each part raises its own at bind
 
     def __init__(self, primary, secondary):
         self.primary, self.secondary = primary, secondary
         self.module = primary.module
         self._split = 0  # how many of the state rows are the primary's
+        self._new_state_split = 0  # how many of a fused commit's new state tensors are the primary's
 
     def tree_width(self, strategy) -> int:
         if strategy.is_off:
@@ -66,8 +67,10 @@ class UnionDrafter(DrafterBase):
         super().bind(strategies=strategies, fuse_step=fuse_step, device=device, max_batch_size=max_batch_size,
                      slots_per_request=slots_per_request, block_size=block_size)
         for part in (self.primary, self.secondary):
-            part.bind(strategies=strategies, fuse_step=False, device=device, max_batch_size=max_batch_size,
+            part.bind(strategies=strategies, fuse_step=fuse_step, device=device, max_batch_size=max_batch_size,
                       slots_per_request=slots_per_request, block_size=block_size)
+        if fuse_step:  # the step graphs split their state rows before any rollout has called state_rows
+            self._split = len(self.primary.pad_state_rows(1))
 
     def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
         for part in (self.primary, self.secondary):
@@ -88,12 +91,39 @@ class UnionDrafter(DrafterBase):
         return union_tree(first, second)
 
     def commit(self, rows, state_rows, path, graphs, new_state=None) -> None:
-        self.primary.commit(rows, state_rows[: self._split], path, graphs)
-        self.secondary.commit(rows, state_rows[self._split:], path, graphs)
+        first_state = second_state = None  # None: each part computes its new state itself
+        if new_state is not None:  # from a fused step graph: the primary's tensors, then the secondary's
+            first_state, second_state = new_state[: self._new_state_split], new_state[self._new_state_split:]
+        self.primary.commit(rows, state_rows[: self._split], path, graphs, new_state=first_state)
+        self.secondary.commit(rows, state_rows[self._split:], path, graphs, new_state=second_state)
 
     def finish(self) -> None:
         for part in (self.primary, self.secondary):
             part.finish()
+
+    def snapshot(self):
+        """Restores what either part's fused step changes in place (a part without ``snapshot`` changes nothing)."""
+        restores = [getattr(part, "snapshot", lambda: (lambda: None))() for part in (self.primary, self.secondary)]
+        return lambda: [restore() for restore in restores]
+
+    def fused_functions(self, strategy):
+        first_draft, first_commit = self.primary.fused_functions(strategy)
+        second_draft, second_commit = self.secondary.fused_functions(strategy)
+
+        def draft(*state_rows):
+            first = ProposedTree(*first_draft(*state_rows[: self._split]))
+            return union_tree(first, ProposedTree(*second_draft(*state_rows[self._split:])))
+
+        def commit(state_rows, emitted, num_accepted, path_hidden):
+            first = list(first_commit(state_rows[: self._split], emitted, num_accepted, path_hidden) or [])
+            second = list(second_commit(state_rows[self._split:], emitted, num_accepted, path_hidden) or [])
+            self._new_state_split = len(first)  # set when the graph is first run, before any replay returns state
+            return first + second
+
+        return (draft if self.tree_width(strategy) > 1 else None), commit
+
+    def pad_state_rows(self, batch_size: int):
+        return [*self.primary.pad_state_rows(batch_size), *self.secondary.pad_state_rows(batch_size)]
 
     def load_published(self, holder) -> None:
         self.primary.load_published(holder)

@@ -117,7 +117,10 @@ class SpeculativeEngine:
         backend: tree-attention backend of the verify forward (``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``).
         fuse_step: capture the whole decoding step (draft, verify forward, accept, KV compaction, drafter
             extension) as one graph per (strategy, padded batch size) instead of one graph per part:
-            one launch per step instead of three. Plain decoding and the EAGLE drafter only.
+            one launch per step instead of three. Plain decoding, the n-gram and EAGLE drafters and their union
+            (a custom drafter opts in with ``fused_step_error = None``); the n-gram histories then live in buffers
+            allocated here for ``max_batch_size`` requests, and ``generate(groups=)`` takes groups of at most the
+            drafter's ``max_group_size`` (``NGramRolloutDrafter``, default 16).
         progress: draw a progress bar on stderr. Per-step records go to the ``tlt_kernels.engine``
             logger (DEBUG) and to :attr:`GenerateOutput.steps`.
         overlap_steps: launch each step before reading the previous step's outcome, so the host's per-step work

@@ -24,12 +24,15 @@ def probe_arms(runner, strategies, covers, inputs, device: torch.device) -> dict
 
     Only cache slots past each request's context are written (tree nodes, then their compaction; the drafter's
     too), and the real step rewrites them before anything reads them. A fused runner replays each strategy's step
-    graph, so the recorded step times are those of the real steps."""
+    graph, so the recorded step times are those of the real steps; a drafter whose fused commit writes in place
+    (``snapshot``, optional) gets its state back after each probe."""
     batch_size = inputs.batch_size
+    snapshot = getattr(runner.drafter, "snapshot", None)
     arms = {}
     for strategy in strategies:
         if not covers(strategy, batch_size):
             continue
+        restore = snapshot() if snapshot is not None else None
 
         def probe(strategy=strategy):
             num_accepted = runner.run(strategy, inputs).num_accepted.to(torch.int64)
@@ -38,6 +41,8 @@ def probe_arms(runner, strategies, covers, inputs, device: torch.device) -> dict
             return torch.cat(counts).tolist()
 
         seconds, host = synced_seconds(device, probe)
+        if restore is not None:
+            restore()
         arms[str(strategy)] = {"step_time": seconds, "emitted": host[0], "accepted": host[1:]}
     return {"batch_size": batch_size, "arms": arms}
 
