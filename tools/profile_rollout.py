@@ -46,7 +46,7 @@ def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bo
     from tlt_kernels.runtime import GraphPool
 
     eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=max_batch, max_seq_len=max_seq,
-                            fuse_step=drafter is None, overlap_steps=overlap, step_kernel=step_kernel)
+                            fuse_step=True, overlap_steps=overlap, step_kernel=step_kernel)
     eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
     eng.generate([[1, 2, 3]], 4)
     return eng

@@ -217,7 +217,7 @@ class RLRun:
             drafter = [eagle, "ngram"] if name == "spec" else eagle
         engine = SpeculativeEngine(model, drafter, selector, GraphPool() if self.cuda else None, max_batch_size=batch,
                                    max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
-                                   fuse_step=self.cuda and name in ("plain", "spec-eagle"), logprobs=True, **extra)
+                                   fuse_step=self.cuda, logprobs=True, **extra)
         if self.cuda:
             engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
             if isinstance(selector, StrategySelector):  # the start-up table: no arm is judged on its first steps alone

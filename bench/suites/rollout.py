@@ -45,8 +45,8 @@ close a step comes to that read at the measured copy bandwidth (``floor_ms``). A
 the CPU the kernel columns are empty.
 
 Parameters: the flags of :data:`FLAGS` (``python -m bench rollout --help``). On the GPU each engine captures its steps
-as CUDA graphs at every batch size it runs; plain and EAGLE as one graph per step, the n-gram drafter (whose
-histories are updated outside the step) as separate graphs. Engines run one after another, each freed before the
+as CUDA graphs at every batch size it runs, one graph per step (``fuse_step``: drafting, verification and the
+drafter's update in one launch, for every drafter). Engines run one after another, each freed before the
 next, so one KV cache is allocated at a time.
 """
 from __future__ import annotations
@@ -520,8 +520,7 @@ class RolloutRun:
         return out
 
     def engine(self, config: EngineConfig):
-        """The engine of ``config``, graphs captured (GPU) and warmed up. One graph per step where the drafter allows
-        it (plain, EAGLE): the n-gram drafter updates its histories outside the step, so it runs separate graphs."""
+        """The engine of ``config``, graphs captured (GPU, one per step) and warmed up."""
         from tlt_kernels.engine import SpeculativeEngine
         from tlt_kernels.runtime import GraphPool, StrategySelector
 
@@ -532,7 +531,7 @@ class RolloutRun:
         t0 = time.perf_counter()
         eng = SpeculativeEngine(self.models.ours, drafter, selector, GraphPool() if self.cuda else None,
                                 max_batch_size=self.max_batch, max_seq_len=self.max_seq,
-                                fuse_step=self.cuda and config.drafter != "ngram")
+                                fuse_step=self.cuda)
         if self.cuda:
             stats = eng.capture_graphs(self.graph_sizes)
             if eng.graph_error:
