@@ -5,6 +5,7 @@ behind ``backend="auto"``):
 
 * :func:`tree_attention` -- attention of draft-tree nodes over a paged KV cache plus their ancestors;
 * :func:`verify_tree` -- lossless acceptance of a draft tree from the target's logits;
+* :func:`verify_chain_block` -- block verification of draft chains (lossless, accepts at least as many drafts);
 * :func:`compact_kv` -- move the accepted path's K/V to contiguous cache slots;
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
 * :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history;
@@ -27,6 +28,7 @@ from .ops.rms_norm import rms_norm
 from .ops.rotary import apply_rotary, rotary_to_cache
 from .ops.silu_and_mul import silu_and_mul
 from .ops.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
+from .ops.verify_chain_block import BlockVerifyResult, verify_chain_block
 from .ops.verify_tree import VerifyResult, verify_tree
 from .tree import (
     chain_parents,
@@ -44,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "BlockVerifyResult",
     "DraftTree",
     "NGramDrafts",
     "NGramTree",
@@ -69,5 +72,6 @@ __all__ = [
     "tree_positions",
     "unpack_tree_mask",
     "validate_tree",
+    "verify_chain_block",
     "verify_tree",
 ]
