@@ -49,6 +49,18 @@ def _rotate_heads(X_ptr, stride_h, Out_ptr, c1, c2, s1, s2, NH, HALF, NH_POW2: t
 
 
 @triton.jit
+def _row_tables(Cos_row, Sin_row, HALF, HALF_POW2: tl.constexpr):
+    """One row's cos / sin halves as fp32 ``[1, HALF_POW2]`` tiles ``(c1, c2, s1, s2)``."""
+    d = tl.arange(0, HALF_POW2)[None, :]
+    dm = d < HALF
+    c1 = tl.load(Cos_row + d, mask=dm, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos_row + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin_row + d, mask=dm, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin_row + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _rotary_kernel(
     Q_ptr, K_ptr, Cos_ptr, Sin_ptr, QOut_ptr, KOut_ptr, T, HQ, HKV, HALF,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_b, sc_t, ss_b, ss_t,
@@ -57,14 +69,7 @@ def _rotary_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
-    d = tl.arange(0, HALF_POW2)[None, :]
-    dm = d < HALF
-    cos = Cos_ptr + b * sc_b + t * sc_t
-    sin = Sin_ptr + b * ss_b + t * ss_t
-    c1 = tl.load(cos + d, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(cos + HALF + d, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(sin + d, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _row_tables(Cos_ptr + b * sc_b + t * sc_t, Sin_ptr + b * ss_b + t * ss_t, HALF, HALF_POW2)
     _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, c1, c2, s1, s2, HQ, HALF,
                   HQ_POW2, HALF_POW2, HAND_ROUND)
     _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KOut_ptr + row * HKV * 2 * HALF, c1, c2, s1, s2, HKV, HALF,
@@ -91,14 +96,7 @@ def _rotary_cache_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
-    d = tl.arange(0, HALF_POW2)[None, :]
-    dm = d < HALF
-    cos = Cos_ptr + b * sc_b + t * sc_t
-    sin = Sin_ptr + b * ss_b + t * ss_t
-    c1 = tl.load(cos + d, mask=dm, other=0.0).to(tl.float32)
-    c2 = tl.load(cos + HALF + d, mask=dm, other=0.0).to(tl.float32)
-    s1 = tl.load(sin + d, mask=dm, other=0.0).to(tl.float32)
-    s2 = tl.load(sin + HALF + d, mask=dm, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _row_tables(Cos_ptr + b * sc_b + t * sc_t, Sin_ptr + b * ss_b + t * ss_t, HALF, HALF_POW2)
     cache_row = tl.load(Slots_ptr + row) * HKV * 2 * HALF
     _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, c1, c2, s1, s2, HQ, HALF,
                   HQ_POW2, HALF_POW2, HAND_ROUND)
