@@ -18,9 +18,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from conftest import tiny_trained_target
+
 from tlt_kernels.drafter import EagleDrafter
 from tlt_kernels.engine import SpeculativeEngine
-from tlt_kernels.models import ModelConfig, reference_generate, train_tiny_target
+from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 from tlt_kernels.runtime.graph_pool import FakeGraphBackend
 
@@ -109,7 +111,7 @@ class _MaskIndexing(TorchFunctionMode):
 
 @pytest.fixture(scope="module")
 def target():
-    return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
+    return tiny_trained_target()
 
 
 def _engine(target, kind, fuse):

@@ -105,6 +105,16 @@ def _rotary_cache_kernel(
     _copy_heads(V_ptr + b * sv_b + t * sv_t, sv_h, VCache_ptr + cache_row, HKV, 2 * HALF, HKV_POW2, 2 * HALF_POW2)
 
 
+def _launch_shape(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """The kernels' compile-time sizes and warp count for ``q [B, T, Hq, D]`` / ``k [B, T, Hkv, D]``: power-of-two
+    head and half-dim tiles; one warp for a tile of at most 256 values, 4 up to 4096, else 8."""
+    hq2, hkv2 = triton.next_power_of_2(q.shape[2]), triton.next_power_of_2(k.shape[2])
+    half2 = triton.next_power_of_2(q.shape[3] // 2)
+    tile = max(hq2, hkv2) * half2
+    return dict(HQ_POW2=hq2, HKV_POW2=hkv2, HALF_POW2=half2, HAND_ROUND=hand_round(q.dtype),
+                num_warps=1 if tile <= 256 else 4 if tile <= 4096 else 8)
+
+
 def apply_rotary_out(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      q_out: torch.Tensor, k_out: torch.Tensor) -> None:
     """Launch into ``q_out`` / ``k_out`` (new contiguous); ``q [B, T, Hq, D]``, ``k [B, T, Hkv, D]``,
@@ -114,15 +124,10 @@ def apply_rotary_out(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     HKV = k.shape[2]
     if B * T == 0 or D == 0:
         return
-    half = D // 2
-    hq2, hkv2, half2 = triton.next_power_of_2(HQ), triton.next_power_of_2(HKV), triton.next_power_of_2(half)
-    tile = max(hq2, hkv2) * half2
     _rotary_kernel[(B * T,)](
-        q, k, cos, sin, q_out, k_out, T, HQ, HKV, half,
+        q, k, cos, sin, q_out, k_out, T, HQ, HKV, D // 2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        HQ_POW2=hq2, HKV_POW2=hkv2, HALF_POW2=half2, HAND_ROUND=hand_round(q.dtype),
-        num_warps=1 if tile <= 256 else 4 if tile <= 4096 else 8,
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), **_launch_shape(q, k),
     )
 
 
@@ -161,15 +166,11 @@ def rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out) -> No
     HKV = k.shape[2]
     if B * T == 0 or D == 0:
         return
-    half = D // 2
-    hq2, hkv2, half2 = triton.next_power_of_2(HQ), triton.next_power_of_2(HKV), triton.next_power_of_2(half)
-    tile = max(hq2, hkv2) * half2
     _rotary_cache_kernel[(B * T,)](
-        q, k, v, cos, sin, slots, q_out, k_cache, v_cache, T, HQ, HKV, half,
+        q, k, v, cos, sin, slots, q_out, k_cache, v_cache, T, HQ, HKV, D // 2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        HQ_POW2=hq2, HKV_POW2=hkv2, HALF_POW2=half2, HAND_ROUND=hand_round(q.dtype),
-        num_warps=1 if tile <= 256 else 4 if tile <= 4096 else 8,
+        **_launch_shape(q, k),
     )
 
 
