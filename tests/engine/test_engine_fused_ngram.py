@@ -194,3 +194,30 @@ def test_gpu_fused_graphs_equal_separate_steps(prompts, kind, groups):
     first = fused.generate(prompts, MAX_NEW, **kw)
     assert first.tokens == separate.generate(prompts, MAX_NEW, **kw).tokens
     assert fused.generate(prompts, MAX_NEW, **kw).tokens == first.tokens
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["ngram", "union"])
+def test_gpu_no_jit_compile_after_the_first_rollout(prompts, kind):
+    """Once an engine has captured its graphs and run one rollout, later rollouts compile no Triton kernel, whatever
+    batch sizes their steps shrink through and whatever arms a fresh selector picks: a compile in the middle of a
+    rollout costs hundreds of milliseconds (the step kernel's launch sizes are the engine's, not the step's)."""
+    import triton
+
+    gpu = tiny_trained_target().cuda()
+    eng = _engine(gpu, kind, True, sizes=(1, 2, 4, 8), device="cuda")
+    sampled = dict(temperature=1.0, seed=[7] * len(MAX_NEW))
+    eng.generate(prompts, 12, **sampled)  # warm-up: every request runs every step (the batch does not shrink)
+    compiled, sizes, arms = [], set(), set()
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs["repr"])
+    try:
+        for seed in range(3):
+            eng.selector = StrategySelector(ARMS, seed=seed, available=eng.covers)
+            out = eng.generate(prompts, MAX_NEW, **sampled)
+            sizes |= {s.batch_size for s in out.steps}
+            arms |= {s.strategy for s in out.steps}
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = hook
+    assert len(sizes) > 3 and len(arms) > 1, (sizes, arms)
+    assert not compiled, compiled

@@ -60,10 +60,11 @@ def _to(state: RolloutState, inputs: dict, device) -> tuple:
     return state, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def _check_agreement(seed: int, **kwargs) -> None:
+def _check_agreement(seed: int, step_blocks=None, **kwargs) -> None:
     state, inputs = _case(seed, **kwargs)
     ref_state, ref_inputs = _to(state, inputs, "cpu")
     ker_state, ker_inputs = _to(state, inputs, DEV)
+    ker_state.step_blocks = step_blocks
     ref, ref_staged = ref_state.finish_step(**ref_inputs, use_kernel=False)
     out, staged = ker_state.finish_step(**ker_inputs, use_kernel=True)
     if staged.ready is not None:
@@ -99,6 +100,34 @@ def test_kernel_edges(B, T, depth, eos):
        eos=st.sampled_from([None, "random"]))
 def test_kernel_matches_the_torch_path_property(seed, B, T, depth, eos):
     _check_agreement(seed, B=B, T=T, eos=eos, depth=depth)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("seed", range(12))
+def test_kernel_with_the_engines_blocks(seed):
+    """An engine's fixed (block_rows, block_tokens), wider than the step needs: the same results."""
+    _check_agreement(2000 + seed, step_blocks=(64, 16))
+
+
+def test_fixed_blocks_make_one_variant():
+    """With an engine's bounds every step's launch has the same compile-time sizes, whatever its row count, tree
+    width and depth (a new variant mid-rollout is a JIT compile); without them the sizes fit the step."""
+    from tlt_kernels._triton.rollout_step import block_sizes
+
+    seen = {block_sizes(b, T, 40, depth, 64, 16) for b in range(1, 41) for T in range(1, 10) for depth in range(5)}
+    assert seen == {(64, 16, 64, 16)}
+    assert block_sizes(3, 5, 40, 2) == (4, 8, 64, 2)
+    assert block_sizes(1, 1, 1, 0) == (1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("blocks,name", [((32, 16), "block_rows"), ((48, 16), "block_rows"),
+                                         ((64, 4), "block_tokens"), ((64, 12), "block_tokens")])
+def test_bad_blocks_are_named(blocks, name):
+    """Bounds below the step's sizes, or not powers of two, raise a ValueError naming the argument."""
+    from tlt_kernels._triton.rollout_step import block_sizes
+
+    with pytest.raises(ValueError, match=name):
+        block_sizes(5, 9, 40, 4, *blocks)
 
 
 def test_the_torch_path_is_emit_commit_stage():

@@ -34,7 +34,15 @@ class StepOutputs(NamedTuple):
     keep: torch.Tensor
 
 
-@triton.jit
+# The compiled variant depends only on the dtypes and the block sizes: no specialization on the ints' values (b == 1,
+# multiples of 16) or the pointers' alignment, which change with the batch from step to step. Each new variant is a
+# JIT compile of hundreds of milliseconds in the middle of a rollout.
+_INT_ARGS = ["b", "T", "B", "depth", "eos", "stride_e0", "stride_e1", "stride_o0", "stride_o1"]
+_POINTER_ARGS = ["Rows", "Emitted", "NumAcc", "Error", "NewCtx", "Out", "Generated", "MaxNew", "Done", "CtxLens",
+                 "Offsets", "Roots", "Values", "Counts", "Finished", "Failed", "WasDone", "Keep"]
+
+
+@triton.jit(do_not_specialize=_INT_ARGS, do_not_specialize_on_alignment=_POINTER_ARGS)
 def _rollout_step_kernel(
     Rows, Emitted, NumAcc, Error, NewCtx,
     Out, Generated, MaxNew, Done, CtxLens, Offsets, Roots,
@@ -118,30 +126,46 @@ def _num_warps(cells: int) -> int:
     return max(1, min(16, triton.next_power_of_2(cells) // 512))
 
 
+def block_sizes(b: int, T: int, B: int, depth: int, block_rows: Optional[int] = None,
+                block_tokens: Optional[int] = None) -> tuple:
+    """``(BLOCK_B, BLOCK_T, BLOCK_ALL, BLOCK_D)`` of a launch: the caller's bounds when given (an engine passes its
+    own, so that every step of every rollout runs one compiled variant), else the smallest powers of two."""
+    for name, value, need in (("block_rows", block_rows, B), ("block_tokens", block_tokens, max(T, depth))):
+        if value is not None and (value < need or value & (value - 1)):
+            raise ValueError(f"rollout_step: {name} must be a power of two >= {need}, got {value}")
+    block_all = triton.next_power_of_2(B) if block_rows is None else block_rows
+    block_t = triton.next_power_of_2(T) if block_tokens is None else block_tokens
+    block_b = triton.next_power_of_2(b) if block_rows is None else min(block_all, MAX_ROWS)
+    block_d = triton.next_power_of_2(max(depth, 1)) if block_tokens is None else block_t
+    return block_b, block_t, block_all, block_d
+
+
 def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id: Optional[int], depth: int,
-                 output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens) -> StepOutputs:
+                 output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens,
+                 block_rows: Optional[int] = None, block_tokens: Optional[int] = None) -> StepOutputs:
     """Launch the step's bookkeeping. Inputs of ``b`` rows: ``rows`` int64 ``[b]`` (distinct requests),
     ``emitted`` int64 ``[b, T]``, ``num_accepted`` int32/int64 ``[b]``, ``error`` bool/int ``[b]``,
     ``new_context_lens`` int32 ``[b]``. State of ``B`` requests, updated in place: ``output_tokens`` int64
     ``[B, W]``, ``generated`` / ``max_new_tokens`` int64 ``[B]``, ``done`` bool ``[B]``, ``context_lens`` int32
-    ``[B]``, ``offsets`` / ``root_tokens`` int64 ``[B]``. No host read: the caller stages ``values`` to the host."""
+    ``[B]``, ``offsets`` / ``root_tokens`` int64 ``[B]``. No host read: the caller stages ``values`` to the host.
+    ``block_rows`` (a power of two >= ``B``) and ``block_tokens`` (>= ``T`` and ``depth``) fix the tile, so
+    steps of any ``b``, ``T`` and depth below them share one compiled kernel; default: fitted to this call."""
     b, T = emitted.shape
     B = generated.shape[0]
     assert 1 <= b <= MAX_ROWS and rows.shape == (b,), (b, tuple(rows.shape))
     assert T >= 1 and depth >= 0 and generated.is_contiguous() and done.dtype == torch.bool
+    block_b, block_t, block_all, block_d = block_sizes(b, T, B, depth, block_rows, block_tokens)
     dev = emitted.device
     values = torch.empty(4 * b + 3 + depth, dtype=torch.int64, device=dev)
     counts = torch.empty(b, dtype=torch.int64, device=dev)
     flags = torch.empty(4, b, dtype=torch.bool, device=dev)  # finished, failed, was_done, keep: one allocation
-    block_b, block_t = triton.next_power_of_2(b), triton.next_power_of_2(T)
     _rollout_step_kernel[(1,)](
         rows, emitted, num_accepted, error, new_context_lens,
         output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens,
         values, counts, flags[0], flags[1], flags[2], flags[3],
         b, T, B, depth, 0 if eos_token_id is None else int(eos_token_id),
         emitted.stride(0), emitted.stride(1), output_tokens.stride(0), output_tokens.stride(1),
-        HAS_EOS=eos_token_id is not None, BLOCK_B=block_b, BLOCK_T=block_t,
-        BLOCK_ALL=triton.next_power_of_2(B), BLOCK_D=triton.next_power_of_2(max(depth, 1)),
+        HAS_EOS=eos_token_id is not None, BLOCK_B=block_b, BLOCK_T=block_t, BLOCK_ALL=block_all, BLOCK_D=block_d,
         num_warps=_num_warps(block_b * block_t),
     )
     return StepOutputs(values, counts, flags[0], flags[1], flags[2], flags[3])

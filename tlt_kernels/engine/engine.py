@@ -164,6 +164,8 @@ class SpeculativeEngine:
         self.spot_batch_fraction = spot_batch_fraction
         self.overlap_steps = bool(overlap_steps)
         self.step_kernel = None if step_kernel is None else bool(step_kernel)
+        # One compiled step kernel for every batch size and strategy (a new variant mid-rollout is a JIT compile).
+        self.step_blocks = (1 << (self.max_batch_size - 1).bit_length(), 1 << (self.max_width - 1).bit_length())
         self.rollout_step = 0
         # Every request row covers prompt + generated + the widest tree (tree nodes sit past the context), and one
         # more tree: an overlapped step may run a request once after its last step (its slots are scratch).
@@ -295,6 +297,7 @@ class SpeculativeEngine:
             rollout.trace = trace
             rollout.overlap = self.overlap_steps and trace is None and self.spot_trainer is None
             rollout.step_kernel = self.step_kernel
+            rollout.step_blocks = self.step_blocks
             while rollout.active_rows:
                 self._step(rollout)
             self._finish_pending(rollout)

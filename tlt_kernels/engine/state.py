@@ -3,7 +3,7 @@ up to each request's budget and EOS, committing the accepted path, and the one h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -101,6 +101,9 @@ class RolloutState:
     overlap: bool = False  # launch a step before reading the previous one's outcome (SpeculativeEngine.overlap_steps)
     # finish_step in one Triton launch: True, False, or None = on CUDA tensors only (SpeculativeEngine.step_kernel)
     step_kernel: Optional[bool] = None
+    # The step kernel's (block_rows, block_tokens): the engine's bounds, so that one compiled variant serves every
+    # step of every rollout (None: fitted to each step, a new JIT compile whenever the batch crosses a power of two)
+    step_blocks: Optional[Tuple[int, int]] = None
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
     # float32 [B, W, 2]: the sampling and raw log-probs of output_tokens' tokens (same columns), or None (not scored)
@@ -244,7 +247,7 @@ class RolloutState:
             return emission, self.stage_counts(emission, num_accepted, new_context_lens, active_rows, depth)
         out = rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth,
                            self.output_tokens, self.generated, self.max_new_tokens, self.done, self.context_lens,
-                           self.offsets, self.root_tokens)
+                           self.offsets, self.root_tokens, *(self.step_blocks or ()))
         emission = Emission(out.counts, out.finished, out.failed, out.was_done, out.keep)
         return emission, self._to_host(out.values, active_rows, depth)
 

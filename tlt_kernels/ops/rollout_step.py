@@ -20,8 +20,10 @@ def can_run_on(device) -> bool:
 
 
 def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id: Optional[int], depth: int,
-                 output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens):
-    """See :func:`tlt_kernels._triton.rollout_step.rollout_step` (shapes, dtypes, what is updated in place).
+                 output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens,
+                 block_rows: Optional[int] = None, block_tokens: Optional[int] = None):
+    """See :func:`tlt_kernels._triton.rollout_step.rollout_step` (shapes, dtypes, what is updated in place; the block
+    bounds that let every step share one compiled kernel).
     Raises ValueError naming ``emitted`` when its device cannot run the kernel (CPU without the interpreter)."""
     if not can_run_on(emitted.device):
         raise ValueError(f"rollout_step: emitted is on {emitted.device}; the kernel needs CUDA tensors "
@@ -29,4 +31,5 @@ def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token
     from .._triton.rollout_step import rollout_step as launch
 
     return launch(rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth,
-                  output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens)
+                  output_tokens, generated, max_new_tokens, done, context_lens, offsets, root_tokens,
+                  block_rows=block_rows, block_tokens=block_tokens)
