@@ -296,6 +296,28 @@ def test_tree_width():
     assert tree_width(Strategy(3, 3, 8), "ngram") == 7
 
 
+def test_the_selector_learns_the_lagging_rows_acceptance(target, prompts):
+    """Each speculative step's update carries the acceptance of the live rows with the most tokens left (a static
+    batch ends when they do): ``accepted_rows`` of them, counts that never exceed them and fall with depth. Budgets
+    here are ragged, so the lagging rows are the longest requests: request 3 (30 tokens) alone at first."""
+    updates = []
+
+    class Recording(StrategySelector):
+        def update(self, strategy, batch_size, emitted, elapsed, accepted=None, accepted_rows=None):
+            updates.append((strategy, batch_size, accepted, accepted_rows))
+            super().update(strategy, batch_size, emitted, elapsed, accepted, accepted_rows=accepted_rows)
+
+    sel = Recording([Strategy(2, 1, 3), Strategy(4, 1, 5)], seed=0)
+    eng = SpeculativeEngine(target, "ngram", sel, max_batch_size=8, max_seq_len=64, overlap_steps=False)
+    eng.generate(prompts, MAX_NEW)
+    speculative = [u for u in updates if u[0].num_steps]
+    assert speculative
+    for strategy, batch_size, accepted, rows in speculative:
+        assert 1 <= rows <= batch_size and len(accepted) == strategy.num_steps
+        assert all(0 <= x <= prev for x, prev in zip(accepted, [rows] + accepted[:-1]))
+    assert speculative[0][3] == 1  # request 3 has the most tokens left
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the verify forward replayed from a GraphPool
 # ---------------------------------------------------------------------------------------------

@@ -109,6 +109,25 @@ def test_kernel_with_the_engines_blocks(seed):
     _check_agreement(2000 + seed, step_blocks=(64, 16))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_lagging_rows_are_staged(seed):
+    """The staged lagging rows: the live rows (not failed, not finished before) with the most tokens left before the
+    step, and how many of them reached each depth (the kernel stages the same vector: the tests above)."""
+    state, inputs = _case(3000 + seed, depth=3)
+    rows, num_accepted = inputs["rows"], inputs["num_accepted"]
+    left = (state.max_new_tokens - state.generated)[rows]
+    live = ~(state.done[rows] | inputs["error"].bool())
+    _, staged = state.finish_step(**inputs, use_kernel=False)
+    counts = state.read_counts(staged)
+    if not live.any():
+        assert counts.lagging_rows == 0 and counts.lagging_accepted_per_depth == [0, 0, 0]
+        return
+    lagging = live & (left == left[live].max())
+    assert counts.lagging_rows == int(lagging.sum()) >= 1
+    assert counts.lagging_accepted_per_depth == [int((lagging & (num_accepted >= d)).sum()) for d in (1, 2, 3)]
+    assert counts.accepted_per_depth == [int((live & (num_accepted >= d)).sum()) for d in (1, 2, 3)]
+
+
 def test_fixed_blocks_make_one_variant():
     """With an engine's bounds every step's launch has the same compile-time sizes, whatever its row count, tree
     width and depth (a new variant mid-rollout is a JIT compile); without them the sizes fit the step."""

@@ -406,3 +406,48 @@ def test_a_near_tie_gets_its_first_play(margin):
     assert (short in picks) == (margin > 0), picks
     with pytest.raises(ValueError, match="explore_margin"):
         StrategySelector([short], policy="cost", explore_margin=1.5)
+
+
+def test_accepted_rows_fold_counts_in_as_fractions_of_the_batch():
+    """Counts over ``accepted_rows`` requests reach the policy as the same fractions of the batch; counts over the
+    whole batch pass unchanged; a bad ``accepted_rows`` raises naming it."""
+    seen = []
+
+    class Recorder(POLICIES["cost"]):
+        def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+            seen.append(accepted)
+            super().observe(bucket, arm, batch_size, emitted, elapsed, accepted, step)
+
+    sel = StrategySelector(ARMS, policy=Recorder(), seed=0)
+    arm = Strategy(3, 1, 4)
+    sel.update(arm, 32, 40, 0.01, [4, 2, 1], accepted_rows=8)
+    sel.update(arm, 32, 40, 0.01, [4, 2, 1], accepted_rows=32)
+    sel.update(arm, 32, 40, 0.01, [4, 2, 1])
+    assert seen == [[16.0, 8.0, 4.0], [4, 2, 1], [4, 2, 1]]
+    for bad in (0, 33, 2.5, True):
+        with pytest.raises(ValueError, match="accepted_rows"):
+            sel.update(arm, 32, 40, 0.01, [4, 2, 1], accepted_rows=bad)
+
+
+def test_lagging_rows_acceptance_decides_for_a_static_batch():
+    """A batch whose drafts are accepted for a few fast requests only: per step the batch's mean acceptance pays
+    for speculation, but the requests that decide when the batch finishes (the lagging ones) accept nothing. Fed
+    their counts (``accepted_rows``), the cost policy settles on plain decoding; fed the batch's, it does not."""
+    arm, b = Strategy(4, 1, 5), 32
+    table = CostTable({Strategy.off(): [(1, 1.0e-3), (64, 1.0e-3)], arm: [(1, 1.2e-3), (64, 1.2e-3)]})
+
+    def late_picks(lagging_only):
+        sel = StrategySelector([arm], policy="cost", cost_table=table, seed=0)
+        picks = []
+        for _ in range(200):
+            s = sel.select(b)
+            picks.append(s)
+            if s == arm:  # 8 requests accept all 4 drafts, the 24 lagging ones none
+                kw = dict(accepted_rows=24) if lagging_only else {}
+                sel.update(s, b, b + 32, 1.2e-3, [0, 0, 0, 0] if lagging_only else [8, 8, 8, 8], **kw)
+            else:
+                sel.update(s, b, b, 1.0e-3)
+        return picks[-100:]
+
+    assert late_picks(lagging_only=True).count(Strategy.off()) >= 90
+    assert late_picks(lagging_only=False).count(arm) >= 90

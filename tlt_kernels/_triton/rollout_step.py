@@ -22,7 +22,7 @@ MAX_ROWS = 1024  # one program holds every row: beyond this the tile would not f
 
 
 class StepOutputs(NamedTuple):
-    """The kernel's outputs: ``values`` int64 ``[4b + 3 + depth]`` (the staging vector, laid out as
+    """The kernel's outputs: ``values`` int64 ``[staged_length(b, depth)]`` (the staging vector, laid out as
     ``RolloutState.stage_counts`` builds it), ``counts`` int64 ``[b]``, ``finished`` / ``failed`` / ``was_done`` /
     ``keep`` bool ``[b]``."""
 
@@ -97,15 +97,17 @@ def _rollout_step_kernel(
     tl.store(Failed + i, failed, mask=in_b)
     tl.store(WasDone + i, was_done, mask=in_b)
     tl.store(Keep + i, keep, mask=in_b)
-    _stage(Values, NewCtx, Generated, i, in_b, commit, n_acc, counts, finished, failed, was_done, b, B, depth,
-           BLOCK_ALL, BLOCK_D)
+    _stage(Values, NewCtx, Generated, i, in_b, commit, n_acc, counts, max_new - gen + counts, finished, failed,
+           was_done, b, B, depth, BLOCK_ALL, BLOCK_D)
 
 
 @triton.jit
-def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, finished, failed, was_done, b, B, depth,
+def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, left, finished, failed, was_done, b, B, depth,
            BLOCK_ALL: tl.constexpr, BLOCK_D: tl.constexpr):
     """The staging vector: finished, failed, was_done, new context lengths (``[b]`` each), emitted tokens, tried
-    tokens (accepted + 1 of the live rows), generated tokens of all ``B``, rows reaching each depth 1..depth."""
+    tokens (accepted + 1 of the live rows), generated tokens of all ``B``, rows reaching each depth 1..depth; with
+    ``depth`` > 0 then the lagging rows (live rows with the most tokens ``left`` before the step) and how many of them
+    reached each depth."""
     tl.store(Values + i, finished.to(tl.int64), mask=in_b)
     tl.store(Values + b + i, failed.to(tl.int64), mask=in_b)
     tl.store(Values + 2 * b + i, was_done.to(tl.int64), mask=in_b)
@@ -119,6 +121,15 @@ def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, finished, fa
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     reached = live[:, None] & (n_acc[:, None] >= d[None, :] + 1)
     tl.store(Values + 4 * b + 3 + d, tl.sum(reached.to(tl.int64), axis=0), mask=d < depth)
+    lagging = live & (left == tl.max(tl.where(live, left, -1), axis=0))
+    tl.store(Values + 4 * b + 3 + depth, tl.sum(lagging.to(tl.int64), axis=0), mask=depth > 0)
+    lagging_reached = lagging[:, None] & (n_acc[:, None] >= d[None, :] + 1)
+    tl.store(Values + 4 * b + 4 + depth + d, tl.sum(lagging_reached.to(tl.int64), axis=0), mask=d < depth)
+
+
+def staged_length(b: int, depth: int) -> int:
+    """Length of a step's staging vector: 4 entries per row, 3 totals, and with drafts ``2 * depth + 1`` counts."""
+    return 4 * b + 3 + (2 * depth + 1 if depth > 0 else 0)
 
 
 def _num_warps(cells: int) -> int:
@@ -156,7 +167,7 @@ def rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token
     assert T >= 1 and depth >= 0 and generated.is_contiguous() and done.dtype == torch.bool
     block_b, block_t, block_all, block_d = block_sizes(b, T, B, depth, block_rows, block_tokens)
     dev = emitted.device
-    values = torch.empty(4 * b + 3 + depth, dtype=torch.int64, device=dev)
+    values = torch.empty(staged_length(b, depth), dtype=torch.int64, device=dev)
     counts = torch.empty(b, dtype=torch.int64, device=dev)
     flags = torch.empty(4, b, dtype=torch.bool, device=dev)  # finished, failed, was_done, keep: one allocation
     _rollout_step_kernel[(1,)](

@@ -448,7 +448,11 @@ class SpeculativeEngine:
         if batch_size == 0:  # an overlapped step after the last request finished: no step of the rollout
             return elapsed_s
         if self.selector is not None:
-            self.selector.update(step.strategy, batch_size, counts.tried, step_s, counts.accepted_per_depth)
+            # The acceptance the selector learns is the lagging rows': the rollout ends when they finish.
+            lagging = counts.lagging_rows or None
+            self.selector.update(step.strategy, batch_size, counts.tried, step_s,
+                                 counts.lagging_accepted_per_depth if lagging else counts.accepted_per_depth,
+                                 accepted_rows=lagging)
         record = StepLog(len(rollout.steps), batch_size, str(step.strategy), step.width, counts.emitted,
                          counts.emitted / batch_size, step_s, elapsed_s, step.replayed)
         rollout.steps.append(record)

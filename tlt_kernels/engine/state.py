@@ -16,13 +16,15 @@ class Emission(NamedTuple):
     bool ``[b]`` (budget reached, EOS emitted, failed, or finished before), ``failed`` bool ``[b]`` (the target's
     logits held NaN/+inf on the row's path this step), ``was_done`` bool ``[b]`` (the row had finished at an earlier
     step whose outcome the host had not read when this step was launched: the step changes nothing of it),
-    ``keep`` bool ``[b]`` (``was_done | failed``: the rows whose state the commit keeps)."""
+    ``keep`` bool ``[b]`` (``was_done | failed``: the rows whose state the commit keeps), ``left`` int64 ``[b]``
+    (tokens each row had left of its budget before the step; None from the step kernel, which stages its own)."""
 
     counts: torch.Tensor
     finished: torch.Tensor
     failed: torch.Tensor
     was_done: torch.Tensor
     keep: torch.Tensor
+    left: Optional[torch.Tensor] = None
 
 
 class StagedCounts(NamedTuple):
@@ -51,7 +53,9 @@ class StepCounts(NamedTuple):
     """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` / ``was_done`` lists of ``b``
     bools (Python lists: the host's bookkeeping then costs no tensor op), ``emitted`` tokens, ``tried`` (accepted + 1
     summed over rows that neither failed nor had finished), ``generated`` tokens so far, ``accepted_per_depth`` (rows
-    whose path reached depth 1..num_steps; None when nobody asked)."""
+    whose path reached depth 1..num_steps; None when nobody asked), ``lagging_rows`` (live rows with the most tokens
+    left before the step: a static batch finishes when they do) and ``lagging_accepted_per_depth`` (how many of them
+    reached each depth; both None when nobody asked)."""
 
     finished: List[bool]
     failed: List[bool]
@@ -60,6 +64,8 @@ class StepCounts(NamedTuple):
     tried: int
     generated: int
     accepted_per_depth: Optional[list]
+    lagging_rows: Optional[int] = None
+    lagging_accepted_per_depth: Optional[list] = None
 
 
 @dataclass
@@ -156,7 +162,8 @@ class RolloutState:
         was_done = self.done[rows]
         failed = failed & ~was_done
         budget_left = self.max_new_tokens[rows]
-        counts = torch.minimum(num_accepted + 1, budget_left - self.generated[rows])
+        left = budget_left - self.generated[rows]
+        counts = torch.minimum(num_accepted + 1, left)
         if eos_token_id is not None:
             is_eos = (emitted == eos_token_id) & (j < counts.unsqueeze(1))
             first_eos = torch.where(is_eos, j, torch.full_like(j, width)).min(1).values
@@ -168,7 +175,7 @@ class RolloutState:
         if eos_token_id is not None:
             finished |= first_eos < width
         self.done[rows] = finished
-        return Emission(counts, finished, failed, was_done, failed | was_done)
+        return Emission(counts, finished, failed, was_done, failed | was_done, left)
 
     def record_scores(self, rows, start, counts, scores) -> None:
         """Store a step's log-probs (``scores`` float32 ``[b, T, 2]``, aligned with ``emitted``) beside the tokens
@@ -210,6 +217,9 @@ class RolloutState:
         if depth > 0:
             reached = num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)
             parts.append((reached & live.unsqueeze(1)).sum(0))
+            left = emission.left
+            lagging = live & (left == torch.where(live, left, torch.full_like(left, -1)).max())
+            parts += [lagging.sum().view(1), (reached & lagging.unsqueeze(1)).sum(0)]
         return self._to_host(torch.cat(parts), rows, depth)
 
     @staticmethod
@@ -263,8 +273,12 @@ class RolloutState:
             if not done_before:
                 self.context_lens_host[row] = context_len
         emitted, tried, generated = host[4 * b: 4 * b + 3]
-        return StepCounts(finished, failed, was_done, emitted, tried, generated,
-                          host[4 * b + 3:] if staged.depth > 0 else None)
+        depth = staged.depth
+        if depth == 0:
+            return StepCounts(finished, failed, was_done, emitted, tried, generated, None)
+        lagging = host[4 * b + 3 + depth: 4 * b + 4 + 2 * depth]
+        return StepCounts(finished, failed, was_done, emitted, tried, generated, host[4 * b + 3: 4 * b + 3 + depth],
+                          lagging[0], lagging[1:])
 
     def retire(self, rows: List[int], counts: StepCounts, elapsed_s: float) -> List[int]:
         """Drop the step's ``rows`` that finished at this step from ``active_rows`` (rows that had finished before

@@ -155,7 +155,7 @@ class StrategySelector:
         return s
 
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
-               accepted_per_position=None) -> None:
+               accepted_per_position=None, accepted_rows: Optional[int] = None) -> None:
         """Record one step's outcome (garbage measurements are ignored and counted: see the class docstring).
 
         Args:
@@ -165,12 +165,18 @@ class StrategySelector:
             elapsed_s: step seconds: float, a ``(start, end)`` CUDA event pair, or a pending handle.
             accepted_per_position: optional ``[num_steps]`` counts, entry ``i`` = requests whose accepted
                 path has at least ``i + 1`` draft tokens (list, tensor, or pending handle).
+            accepted_rows: how many requests ``accepted_per_position`` counts over, an int in ``[1, batch_size]``
+                (default: the whole batch). A static batch finishes when its lagging requests do, so
+                :class:`~tlt_kernels.engine.SpeculativeEngine` passes their counts: the acceptance the policy
+                learns is theirs (as a fraction of them), the step time is the whole batch's.
         """
         arm = self._index.get(strategy)
         if arm is None:
             raise ValueError(f"update got strategy {strategy}, which is not one of the selector's strategies")
         if type(batch_size) is not int or batch_size < 1:
             batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
+        if accepted_rows is not None and accepted_per_position is not None:
+            accepted_per_position = self._per_batch(accepted_per_position, accepted_rows, batch_size)
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):
@@ -194,6 +200,17 @@ class StrategySelector:
                as_pending(accepted_per_position), self.step)
         self._pending.append(obs)
         self._drain()
+
+    @staticmethod
+    def _per_batch(accepted: list, rows: int, batch_size: int) -> list:
+        """Counts over ``rows`` requests as the same fractions of ``batch_size`` (a host list; a caller's error
+        raises ValueError naming ``accepted_rows``)."""
+        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= batch_size:
+            raise ValueError(f"accepted_rows must be an int in [1, batch_size={batch_size}], got {rows!r}")
+        if type(accepted) is not list:
+            raise ValueError("accepted_rows needs accepted_per_position as a host list of counts, got "
+                             f"{type(accepted).__name__}")
+        return accepted if rows == batch_size else [x * batch_size / rows for x in accepted]
 
     def observe_ready(self) -> int:
         """Fold in pending observations that are ready; returns how many remain pending."""
