@@ -26,7 +26,7 @@ seeds (``--ways``):
 Each way first runs one untimed rollout (compilation, allocator growth). Rows: per way and step (``case``
 ``{"step": i}``): ``ms`` = rollout wall time, ``tail_s`` (seconds of steps with
 fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
-``mean_reward``, ``tokens``; per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
+``mean_reward``, ``tokens``, ``jit_compiles`` (Triton compiles during the rollout; a note names them); per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
 ``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: the decoding steps each selector gave each
 strategy; a permutation test of the per-response rewards
 of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
@@ -48,6 +48,7 @@ from tlt_kernels.engine.probe import synced_seconds
 from ..flags import Flag, positive_int, str_list, values
 from ..grpo import common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..rl_task import problems, reward
+from ..jit_compiles import CompileCounter
 from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
@@ -249,7 +250,11 @@ class RLRun:
         chosen = range(index * self.prompts_per_step, (index + 1) * self.prompts_per_step)
         prompts = [self.prompt_ids[i] for i in chosen for _ in range(self.group)]
         answers = [self.problems[i].answer for i in chosen for _ in range(self.group)]
-        out = way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed + index)
+        with CompileCounter() as jit:
+            out = way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed + index)
+        if jit.count:
+            self.ctx.note(f"{way.name}, step {index}: {jit.count} Triton compiles in the rollout: "
+                          + ", ".join(f"{name} {n}" for name, n in jit.kernels.most_common()))
         way.first = way.first or out
         way.arm_steps.update(out.arm_steps)
         rewards = [reward(self.decode(r), answer) for r, answer in zip(out.responses, answers)]
@@ -257,7 +262,7 @@ class RLRun:
         way.rewards += rewards
         way.rows.append(dict(step=index, rollout_s=out.seconds, tail_s=out.tail_s, step_s=out.seconds + train_s,
                              accepted_length=out.accepted_length, mean_reward=sum(rewards) / len(rewards),
-                             tokens=sum(len(r) for r in out.responses), loss=loss))
+                             tokens=sum(len(r) for r in out.responses), loss=loss, jit_compiles=jit.count))
         self.ctx.add({"step": index}, way.name, out.seconds * 1e3, **{k: v for k, v in way.rows[-1].items()
                                                                        if k != "step"})
 
@@ -280,7 +285,7 @@ class RLRun:
                                  else sum(r[key] or 0.0 for r in way.rows))
             self.ctx.add({"step": "all"}, way.name, total("rollout_s") * 1e3, tail_s=total("tail_s"),
                          step_s=total("step_s"), mean_reward=sum(way.rewards) / max(1, len(way.rewards)),
-                         tokens=int(total("tokens")))
+                         tokens=int(total("tokens")), jit_compiles=int(total("jit_compiles")))
             if way.arm_steps:  # what the selector chose: a loss to plain shows in which arms ran
                 arms = ", ".join(f"{arm} {count}" for arm, count in way.arm_steps.most_common())
                 self.ctx.note(f"{way.name}: decoding steps per strategy over the timed rollouts: {arms}")

@@ -31,7 +31,8 @@ Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of med
 tokens the requests asked for unless ``--eos``), ``steps`` (decoding steps after the prefill), ``accepted_length``
 (tokens per request per step, the bonus token included; 1.0 without drafting), ``tail_s`` (seconds of steps with
 batch < B/4), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
-tokens) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
+tokens), ``jit_compiles`` (Triton compiles during the row's timed rollouts, all repeats: 0 once an engine is
+warmed up; a note names the kernels otherwise) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
 transformers). A difference is recorded, never raised, with a note naming the first differing request and position:
 in bf16 a tree verification and a plain step reduce in different orders, and transformers' kernels differ from ours,
 so a greedy near-tie can flip; the CPU run is fp32.
@@ -62,6 +63,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from tlt_kernels.engine.probe import synced_seconds
+
+from ..jit_compiles import CompileCounter
 
 from ..flags import Flag, int_list, non_negative_int, positive_int, str_list, values
 
@@ -362,6 +365,7 @@ class RolloutRun:
         self.refs: Dict[str, List[List[int]]] = {}
         self.identical: Dict[str, bool] = {}
         self.step_prompts: List[List[int]] = []
+        self.timed_compiles = CompileCounter()  # the last median_run's
 
     # -- set-up ------------------------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -453,8 +457,13 @@ class RolloutRun:
         if out.errors:  # shorter outputs would time as a faster rollout
             raise RuntimeError(f"{impl}: the target's logits held NaN/+inf for requests {out.errors}")
         tail_s = sum(s.seconds for s in out.steps if s.batch_size < work.batch / 4)
+        jit = self.timed_compiles
+        if jit.count:
+            self.ctx.note(f"{impl}, {work.name} B={work.batch}: {jit.count} Triton compiles in its timed rollouts: "
+                          + ", ".join(f"{name} {n}" for name, n in jit.kernels.most_common()))
         self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
-                             tail_s=round(tail_s, 4), graph_steps=sum(s.graph for s in out.steps))
+                             tail_s=round(tail_s, 4), graph_steps=sum(s.graph for s in out.steps),
+                             jit_compiles=jit.count)
 
     # -- transformers' rows ------------------------------------------------------------------------------------------
     def hf_rows(self) -> None:
@@ -589,8 +598,10 @@ class RolloutRun:
 
     def median_run(self, rollout):
         """The output of the run of median wall time among ``--repeats`` calls of ``rollout`` (each a whole rollout:
-        one run's wall time moves by several percent from run to run at small batch)."""
-        outs = [rollout() for _ in range(self.z.repeats)]
+        one run's wall time moves by several percent from run to run at small batch). The Triton compiles of all
+        the calls are kept in :attr:`timed_compiles` for the row."""
+        with CompileCounter() as self.timed_compiles:
+            outs = [rollout() for _ in range(self.z.repeats)]
         return sorted(outs, key=lambda out: out.wall_s)[len(outs) // 2]
 
     # -- per-step cost -----------------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ def test_engine_rows_are_greedy_identical_to_plain_and_emit_every_token(small_ru
             assert r["tokens"] == r["case"]["B"] * 8, r  # --max-new-tokens is 8 when small
     # The n-gram drafts of the tiny model's repetitive output are accepted: the identity covers accepted drafts.
     assert max(r["accepted_length"] for r in rollouts if r["impl"].startswith("ngram")) > 1.2
+    # Every engine row says how many Triton compiles its timed rollouts paid (none run on the CPU's interpreter).
+    assert all(r["jit_compiles"] == 0 for r in rollouts if not r["impl"].startswith("hf-")), rollouts
 
 
 def test_step_cost_rows(small_run):
