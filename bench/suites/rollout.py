@@ -20,11 +20,13 @@ Rows per workload (greedy, each after an untimed warm-up):
   fails; ``warmup_s``: its untimed first run, compilation included). Both decode every request to the longest
   one's length (static batching) and count each request's own tokens;
 * ``plain``: our engine without drafting (CUDA graphs of the step on the GPU);
+* ``ngram off``: plain decoding in an engine with the n-gram drafter, whose state every step keeps up (what an
+  adaptive engine's plain steps cost, against ``plain``'s);
 * ``ngram <arm>``: each static ``--arms`` strategy with the n-gram (prompt lookup) drafter;
 * ``ngram adaptive``: the StrategySelector over those arms, cold (a fresh selector; on the GPU with its start-up
   cost table from ``measure_cost_table``); ``ngram adaptive (warm)`` keeps the selector of a previous rollout over
   the next prompts of the cycle, as RL training keeps it from one step to the next;
-* ``eagle <arm>``, ``eagle adaptive``, ``eagle adaptive (warm)``: the same with the EAGLE drafter of
+* ``eagle off``, ``eagle <arm>``, ``eagle adaptive``, ``eagle adaptive (warm)``: the same with the EAGLE drafter of
   ``--eagle-checkpoint`` (without one a note says so).
 
 Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of median wall time of ``--repeats``); ``tokens_per_s`` (tokens emitted / wall; the
@@ -37,7 +39,8 @@ transformers). A difference is recorded, never raised, with a note naming the fi
 in bf16 a tree verification and a plain step reduce in different orders, and transformers' kernels differ from ours,
 so a greedy near-tie can flip; the CPU run is fp32.
 
-Step-cost rows (``workload`` ``step-cost``, impls ``plain step``, ``ngram <arm> step``, ``eagle <arm> step``), at each
+Step-cost rows (``workload`` ``step-cost``, impls ``plain step``, ``ngram off step``, ``ngram <arm> step``, the same
+for ``eagle``), at each
 ``--step-batches`` size over ``--step-tokens`` tokens per request: ``ms`` = the median wall time of one decoding step;
 ``kernel_ms_per_step`` = GPU kernel time per step (torch.profiler: the kernels of a run minus those of its prefill-only
 run, over its steps); ``kernel_share`` = kernel / wall (what is left is host time and gaps between launches);
@@ -524,6 +527,9 @@ class RolloutRun:
         drafters = [d for d in ("ngram", "eagle") if d in self.p.drafters and (d != "eagle" or self.p.eagle_checkpoint)]
         out = [EngineConfig("plain", "none", (Strategy.off(),))]
         for drafter in drafters:
+            # "off": plain decoding in an engine that carries the drafter (its state kept up every step), what an
+            # adaptive engine's plain steps cost against the plain engine's.
+            out.append(EngineConfig(f"{drafter} off", drafter, (Strategy.off(),)))
             out += [EngineConfig(f"{drafter} {arm}", drafter, (arm,)) for arm in arms]
             out.append(EngineConfig(f"{drafter} adaptive", drafter, arms, adaptive=True))
         return out

@@ -17,7 +17,7 @@ from conftest import tiny_transformers_directory  # noqa: E402
 
 SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
 ENGINE_IMPLS = {"plain"} | {f"{drafter} {arm}" for drafter in ("ngram", "eagle")
-                            for arm in SMALL_ARMS + ("adaptive", "adaptive (warm)")}
+                            for arm in ("off",) + SMALL_ARMS + ("adaptive", "adaptive (warm)")}
 
 
 def _run(argv, out_dir=None):
@@ -75,7 +75,7 @@ def test_engine_rows_are_greedy_identical_to_plain_and_emit_every_token(small_ru
 def test_step_cost_rows(small_run):
     steps = [r for r in small_run["rows"] if r["case"]["workload"] == "step-cost"]
     expected = {("plain step", b) for b in (1, 4)} | {(f"{d} {a} step", b) for d in ("ngram", "eagle")
-                                                      for a in SMALL_ARMS for b in (1, 4)}
+                                                      for a in ("off",) + SMALL_ARMS for b in (1, 4)}
     assert {(r["impl"], r["case"]["B"]) for r in steps} == expected
     for r in steps:
         assert r["ms"] > 0 and r["bytes_moved"] > 0 and "kernel_ms_per_step" not in r, r  # no kernel time on the CPU
@@ -89,8 +89,8 @@ def test_model_file_directory_runs_the_chat_template_path(tmp_path):
                 "--batches", "2", "--tail-batch", "0", "--arms", "s2k1v3", "--step-batches", "2"])
     assert res.status == "ok", res.data["error"]
     rows = res.data["rows"]
-    assert {r["impl"] for r in rows} == {"plain", "hf-eager", "ngram s2k1v3", "ngram adaptive",
-                                         "ngram adaptive (warm)", "plain step", "ngram s2k1v3 step"}
+    assert {r["impl"] for r in rows} == {"plain", "hf-eager", "ngram off", "ngram s2k1v3", "ngram adaptive",
+                                         "ngram adaptive (warm)", "plain step", "ngram off step", "ngram s2k1v3 step"}
     assert all(r["greedy_identical"] for r in rows if r["case"]["workload"] == "uniform" and r["impl"] != "hf-eager")
     assert any("chat-template prompts" in n and "4 prompts" in n for n in res.data["notes"])
 
@@ -138,8 +138,8 @@ def test_drafters_flag_picks_the_configurations():
             rollout.FLAGS, argv, prog="rollout")))
         return [c.name for c in rollout.RolloutRun.configs(state)]
 
-    assert names([]) == ["plain", "ngram s2k1v3", "ngram s4k1v5", "ngram s3k2v6", "ngram adaptive"]
+    assert names([]) == ["plain", "ngram off", "ngram s2k1v3", "ngram s4k1v5", "ngram s3k2v6", "ngram adaptive"]
     assert names(["--drafters", "eagle", "--eagle-checkpoint", "x.pt"])[1:] == [
-        "eagle s2k1v3", "eagle s4k1v5", "eagle s3k2v6", "eagle adaptive"]
+        "eagle off", "eagle s2k1v3", "eagle s4k1v5", "eagle s3k2v6", "eagle adaptive"]
     with pytest.raises(ValueError, match="--drafters"):
         names(["--drafters", "medusa"])
