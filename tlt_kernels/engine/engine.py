@@ -10,7 +10,7 @@ One decoding step over the ``b`` requests still running::
     emit res.tokens up to each budget, cut after EOS         # emit
     drafter.commit(rows, accepted path)                      # commit (EAGLE: target features of the path)
     requests that finished leave the batch                   # retire
-    selector.update(s, b, emitted, step_seconds, accepted_per_position)
+    selector.update(s, b, emitted, step_seconds, lagging rows' accepted_per_position)   # they decide the end
 
 The host reads a step's outcome once (finished rows, counts for the selector). With ``overlap_steps`` (the default)
 it launches step t+1 before reading step t's outcome, so that read, the selector update and the next launch's
