@@ -406,17 +406,19 @@ def _elf_section_sizes(path: str) -> dict:
     return sizes
 
 
-def test_verify_tree_kernels_do_not_spill(tmp_path):
+@pytest.mark.parametrize("tu", ["verify_tree_bf16.cu", "verify_tree_bf16_scored.cu"])
+def test_verify_tree_kernels_do_not_spill(tmp_path, tu):
     """csrc/verify_tree/verify_tree_bf16.cu (bf16 logits, every draft-probability type, with and without the top-p candidate
-    path): no verify_tree instantiation spills at the 128-register cap of two 256-thread CTAs per SM. Before 30a178f a
-    top-p-free batch ran the spilling candidate instantiation (ncu: 177,024 local-memory requests in one chain4 B=16
-    call; the run log: docs/PERFORMANCE.md, Earlier runs, 2026-11-26).
+    path) and its scored twin (the same walk also writing log-probs): no verify_tree instantiation spills at the
+    128-register cap of two 256-thread CTAs per SM. Before 30a178f a top-p-free batch ran the spilling candidate
+    instantiation (ncu: 177,024 local-memory requests in one chain4 B=16 call; the run log: docs/PERFORMANCE.md,
+    Earlier runs, 2026-11-26).
 
     And the row visit is inlined once: with two call sites (the root and each accepted node) every instantiation was
     ~1.7x larger (342-360 KB of SASS, 547-560 KB with the candidate path) and top-p walks 3-10% slower (H200,
     same-run A/B, the run log: docs/PERFORMANCE.md, Earlier runs, 2026-11-26 22:45)."""
     cubin = str(tmp_path / "verify_bf16.cubin")
-    proc = _ptxas_verbose_sm90("verify_tree/verify_tree_bf16.cu", cubin)
+    proc = _ptxas_verbose_sm90(f"verify_tree/{tu}", cubin)
     lines = proc.stderr.splitlines()
     entries = [i for i, line in enumerate(lines) if "Compiling entry function" in line and "verify_tree_kernel" in line]
     assert len(entries) == 6, proc.stderr[-3000:]
@@ -426,5 +428,8 @@ def test_verify_tree_kernels_do_not_spill(tmp_path):
     text = {k: v for k, v in _elf_section_sizes(cubin).items() if k.startswith(".text.") and "verify_tree_kernel" in k}
     assert len(text) == 6, text
     for name, size in text.items():
+        # verify_tree_kernel<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>
+        scored = re.search(r"Lb[01]ELb([01])ELb[01]EEEvNS_16VerifyTreeParamsEi$", name).group(1)
+        assert scored == ("1" if tu.endswith("_scored.cu") else "0"), name
         candidates = name.endswith("Lb1EEEvNS_16VerifyTreeParamsEi")  # TOPP_COMPACT = true
         assert size <= (352 if candidates else 256) * 1024, (name, size)

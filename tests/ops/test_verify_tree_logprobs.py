@@ -2,14 +2,17 @@
 
 Checked against an independent computation (``log_softmax`` of the scored row, in float64), on every backend, at
 awkward sizes, with greedy and sampled requests mixed, top-k, flagged requests and padding; the chain of a
-speculative step scores its tokens as plain decoding of the same sequence does; torch.compile and CUDA graphs."""
+speculative step scores its tokens as plain decoding of the same sequence does; torch.compile and CUDA graphs. The
+CUDA backend's fused scoring (``verify_tree_cuda.scored``) also at every cluster size, on flagged requests, at any
+output width and on poisoned buffers."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import agreement_backends, kernel_devices, need_backend
+from conftest import agreement_backends, kernel_devices, need_backend, poison_
 from tlt_kernels import chain_parents, verify_tree
+from tlt_kernels.reference.verify_tree import path_logprobs
 
 DEV = kernel_devices()[0]
 TOL = 1e-4
@@ -127,7 +130,8 @@ def test_rows_of_several_tiles_score_like_the_reference(backend, top_p):
 
 @pytest.mark.parametrize("backend", agreement_backends())
 def test_scoring_changes_no_decision(backend):
-    """The scored walk (fused on the Triton backend) emits the same tokens, counts and stats as the unscored one."""
+    """The scored walk (fused on the Triton and CUDA backends) emits the same tokens, counts and stats as the unscored
+    one."""
     logits, tokens, parents, temperature = _case(6, 7, 200, seed=11)
     plain = _run(backend, logits, tokens, parents, temperature)
     dev = torch.device(DEV) if backend != "torch" else torch.device("cpu")
@@ -200,8 +204,7 @@ def test_logprob_invariants_property(B, T, V, seed, temp):
     assert torch.allclose(out.raw_logprobs.double(), raw, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("torch", id="torch"),
-                                     pytest.param("triton", marks=pytest.mark.triton, id="triton")])
+@pytest.mark.parametrize("backend", agreement_backends())
 def test_logprobs_under_torch_compile(backend):
     dev = torch.device(DEV) if backend != "torch" else torch.device("cpu")
     need_backend("verify_tree", backend, dev)
@@ -220,8 +223,8 @@ def test_logprobs_under_torch_compile(backend):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_logprobs_in_a_cuda_graph(backend):
-    """No host sync: the scoring is captured with the walk (fused on Triton, after it on CUDA) and replays with new
-    logits."""
+    """No host sync: the scoring is captured with the walk (fused into it on both kernel backends) and replays with
+    new logits."""
     need_backend("verify_tree", backend, torch.device("cuda"))
     logits, tokens, parents, temperature = (t.cuda() for t in _case(4, 5, 300, seed=9))
     kw = dict(temperature=temperature, seed=torch.arange(4, device="cuda"), validate=False, backend=backend,
@@ -255,3 +258,266 @@ def test_scoring_kernel_compiles_for_sm90():
     from conftest import compile_for_sm90
 
     compile_for_sm90(_COMPILE_SM90)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA backend: the walk scores its own tokens (tlt_kernels._cuda.verify_tree: verify_tree_cuda.scored)
+# ---------------------------------------------------------------------------------------------
+
+def test_cuda_scored_op_registers_with_its_fake():
+    """CPU: the CUDA backend has a scored entry point (so the op scores in the walk, not in a pass after it), a
+    torch.library op of its own whose fake gives six outputs, the scores ``float32 [B, max_depth+1, 2]``, on fake
+    tensors and on meta tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tlt_kernels._cuda.verify_tree import verify_tree_cuda
+
+    assert verify_tree_cuda.scored is not None and verify_tree_cuda.scored.op is not verify_tree_cuda.op
+    B, T, V, D = 3, 6, 11, 4
+
+    def call(dev, stats):
+        i32 = lambda *s: torch.empty(s, dtype=torch.int32, device=dev)  # noqa: E731
+        i64 = lambda *s: torch.empty(s, dtype=torch.int64, device=dev)  # noqa: E731
+        return torch.ops.tlt.verify_tree_cuda_scored(torch.empty(B, T, V, device=dev, dtype=torch.bfloat16), i64(B, T),
+                                                     i32(B, T), i32(B), None, torch.empty(B, device=dev), None, None,
+                                                     i64(B), i64(B), D, stats)
+
+    with FakeTensorMode():
+        fake = call("cpu", True)
+    for out, stats_rows in ((fake, D), (call("meta", False), 0)):
+        assert [tuple(t.shape) for t in out] == [(B, D + 1), (B,), (B, D + 1), (B,), (B, stats_rows, 2), (B, D + 1, 2)]
+        assert [t.dtype for t in out] == [torch.int32] * 5 + [torch.float32]
+
+
+def _cuda_kw(rule, B, g):
+    """Per-request sampling tensors of a rule (``None`` where off), in the op's dtypes."""
+    temp = torch.rand(B, generator=g) * 1.5 + 0.1
+    if rule == "greedy":
+        return dict(temperature=None, top_k=None, top_p=None)
+    if rule == "temp1":  # temperature exactly 1 (the raw normalizer is the sampling one), greedy rows mixed in
+        return dict(temperature=torch.where(torch.arange(B) % 3 == 0, torch.zeros(B), torch.ones(B)), top_k=None,
+                    top_p=None)
+    if rule == "topp":
+        return dict(temperature=temp, top_k=None, top_p=torch.rand(B, generator=g) * 0.9 + 0.05)
+    if rule == "mixed":  # greedy rows, top-k, top-p, both, neither
+        temp[::3] = 0.0
+        return dict(temperature=temp, top_k=torch.randint(0, 8, (B,), generator=g, dtype=torch.int32),
+                    top_p=torch.where(torch.rand(B, generator=g) < 0.5, torch.ones(B), torch.rand(B, generator=g) * 0.8 + 0.2))
+    if rule == "topk-topp":
+        return dict(temperature=temp, top_k=torch.randint(0, 40, (B,), generator=g, dtype=torch.int32),
+                    top_p=torch.rand(B, generator=g) * 0.9 + 0.1)
+    raise KeyError(rule)
+
+
+def _poisoned_scores(monkeypatch):
+    """Makes the CUDA glue allocate NaN-filled score buffers, so an element the kernel leaves unwritten shows up."""
+    from tlt_kernels._cuda import verify_tree as cv
+
+    real = cv.empty_verify_scores
+    monkeypatch.setattr(cv, "empty_verify_scores", lambda *a: poison_(real(*a)))
+
+
+def _no_scoring_pass(monkeypatch):
+    """Fails a test if the op scores after the walk instead of taking the CUDA walk's fused scores."""
+    from tlt_kernels.ops import verify_tree as op
+
+    def fail(*a, **k):
+        raise AssertionError("the CUDA backend must score in the walk (verify_tree_cuda.scored)")
+
+    monkeypatch.setattr(op, "_score", fail)
+
+
+def _check_cuda_scores(logits, out, kw, label, tol=TOL):
+    """``out`` (CUDA, scored) against the float64 reference's scores of the same tokens (:func:`path_logprobs`);
+    exactly 0 past each request's final token and on flagged requests."""
+    out = type(out)(*(None if t is None else t.cpu() for t in out))
+    temp, k, tp = (None if kw.get(n) is None else kw[n].cpu() for n in ("temperature", "top_k", "top_p"))
+    want_s, want_r = path_logprobs(logits.cpu(), out, temp, k, tp, sampled=True, raw=True)
+    for name, got, want in (("logprobs", out.logprobs, want_s), ("raw_logprobs", out.raw_logprobs, want_r)):
+        assert got.dtype == torch.float32 and got.shape == out.tokens.shape, name
+        assert torch.isfinite(got).all(), f"{label}: {name} not finite (unwritten?): {got}"
+        err = (got.double() - want.double()).abs()
+        assert err.max() <= tol, f"{label}: {name} off by {err.max().item():.3g} at {divmod(int(err.argmax()), got.shape[1])}"
+        past = torch.arange(got.shape[1]).unsqueeze(0) > out.num_accepted.unsqueeze(1).long()
+        assert (got[past | out.error.bool().unsqueeze(1)] == 0).all(), f"{label}: {name} not 0 past the path"
+
+
+CUDA_SCORED_CASES = [
+    # (rule, draft-probability dtype or None, V, T, B, logits dtype): odd V (unaligned rows), slices of several
+    # 2048-token chunks; fp32 or no draft rows with top-p run the candidate-top-p instantiations too
+    ("mixed", torch.float32, 4099, 13, 9, torch.bfloat16),
+    ("temp1", None, 20011, 9, 5, torch.float32),
+    ("topk-topp", torch.float16, 32003, 9, 7, torch.float16),
+    ("greedy", None, 5, 6, 11, torch.float32),  # most slices of a cluster empty
+    ("topp", torch.bfloat16, 8191, 7, 3, torch.bfloat16),
+    ("topp", None, 30011, 5, 4, torch.float32),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rule,q_dtype,V,T,B,dtype", CUDA_SCORED_CASES)
+@pytest.mark.parametrize("cluster", [0, 1, 2, 4, 8, 16])
+def test_cuda_scored_walk_matches_the_reference(monkeypatch, rule, q_dtype, V, T, B, dtype, cluster):
+    """The CUDA walk's fused scores against the float64 reference's of the same tokens, at every cluster size (the
+    raw normalizer folded over 1 to 16 CTAs; 0 = the launcher's choice), greedy / temperature-1 / top-k / top-p rows,
+    fp32 / fp16 / bf16 logits and draft rows (rejections, then later children accepted), the top-p threshold over
+    the full row and over compacted candidates; every element written (poisoned buffers); the plain outputs are the
+    same bits with scoring on and off; reruns are identical."""
+    need_backend("verify_tree", "cuda", torch.device("cuda"))
+    from cuda_cases import verify_inputs
+    from tlt_kernels._cuda import verify_tree as cv
+
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=V + T, use_q=q_dtype is not None, dtype=dtype, q_dtype=q_dtype)
+    sampling = _cuda_kw(rule, B, torch.Generator().manual_seed(V))
+    kw = {k: v.cuda() for k, v in dict(num_nodes=n, draft_probs=q, seed=torch.arange(B) * 7 + 1,
+                                       offset=torch.arange(B) + 2**33, **sampling).items() if v is not None}
+    args = (lg.cuda(), toks.cuda(), par.cuda())
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    _poisoned_scores(monkeypatch)
+    _no_scoring_pass(monkeypatch)
+    for compact in ((False, True) if "top_p" in kw else (True,)):
+        monkeypatch.setattr(cv, "TOPP_COMPACT", compact)
+        label = f"scored[{rule} q={q_dtype} V={V} {dtype} C={cluster} compact={compact}]"
+        plain = verify_tree(*args, backend="cuda", return_stats=True, **kw)
+        got = verify_tree(*args, backend="cuda", return_stats=True, return_logprobs=True, return_raw_logprobs=True, **kw)
+        for name in ("tokens", "num_accepted", "accepted_nodes", "error", "stats"):
+            assert torch.equal(getattr(plain, name), getattr(got, name)), f"{label}: {name} changed by scoring"
+        _check_cuda_scores(lg, got, kw, label)
+        again = verify_tree(*args, backend="cuda", return_logprobs=True, return_raw_logprobs=True, **kw)
+        assert torch.equal(again.logprobs, got.logprobs) and torch.equal(again.raw_logprobs, got.raw_logprobs), label
+        assert (got.num_accepted > 0).any() or T == 1, label
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_cuda_scores_of_flagged_requests_are_zero(monkeypatch, cluster):
+    """Requests flagged after accepting drafts (a NaN in a row deeper on the path; a draft token outside the
+    vocabulary tried after an accept, validate=False): the pairs written at their accepts are reset to 0 with the
+    rest of their outputs; the other requests keep reference scores."""
+    need_backend("verify_tree", "cuda", torch.device("cuda"))
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    _poisoned_scores(monkeypatch)
+    B, T, V = 4, 5, 9001
+    g = torch.Generator().manual_seed(4)
+    lg = torch.randn(B, T, V, generator=g)
+    peak = torch.randint(0, V, (B, T), generator=g)
+    lg.scatter_(2, peak.unsqueeze(2), 30.0)  # peaked rows: each chain draft below is accepted (p ~ 1)
+    toks = torch.zeros(B, T, dtype=torch.int64)
+    toks[:, 1:] = peak[:, :-1]
+    lg[1, 2, 7] = float("nan")  # request 1: visited after two accepts
+    toks[2, 3] = V + 5  # request 2: tried after two accepts
+    kw = dict(temperature=torch.tensor([0.0, 0.7, 0.0, 1.3]).cuda(), seed=torch.arange(B).cuda())
+    out = verify_tree(lg.cuda(), toks.cuda(), chain_parents(B, T).cuda(), backend="cuda", validate=False,
+                      return_logprobs=True, return_raw_logprobs=True, **kw)
+    assert out.error.tolist() == [0, 1, 1, 0]
+    assert (out.logprobs[1:3] == 0).all() and (out.raw_logprobs[1:3] == 0).all()
+    assert out.num_accepted[[0, 3]].tolist() == [T - 1, T - 1]
+    _check_cuda_scores(lg, out, kw, f"flagged C={cluster}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_depth", [0, 2, 6, 11])
+def test_cuda_scores_fill_any_width(monkeypatch, max_depth):
+    """Output widths below, at and past the tree's depth (max_depth + 1 columns; beyond T - 1 the kernel's staged
+    path stops at T - 1): every column written, 0 past the final token."""
+    need_backend("verify_tree", "cuda", torch.device("cuda"))
+    from cuda_cases import verify_inputs
+
+    _poisoned_scores(monkeypatch)
+    B, T, V = 6, 7, 999
+    lg, toks, par, n, q = verify_inputs(B, T, V, seed=max_depth, use_q=True)
+    par[0, 1:] = torch.arange(T - 1, dtype=torch.int32)  # a chain: deep walks
+    kw = dict(num_nodes=n.cuda(), draft_probs=q.cuda(), temperature=torch.full((B,), 0.8).cuda(),
+              seed=torch.arange(B).cuda())
+    # validate=False: trees deeper than max_depth are legal to the kernel (the walk stops there).
+    out = verify_tree(lg.cuda(), toks.cuda(), par.cuda(), backend="cuda", max_depth=max_depth, validate=False,
+                      return_logprobs=True, return_raw_logprobs=True, **kw)
+    assert out.logprobs.shape == (B, max_depth + 1)
+    _check_cuda_scores(lg, out, kw, f"max_depth={max_depth}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [1, 4])
+def test_cuda_scores_of_deep_unstaged_trees(monkeypatch, cluster):
+    """T = 2100 (past the kernel's shared-memory staging of the tree) with a 2099-draft chain accepted whole: a pair
+    per depth, written at each accept."""
+    need_backend("verify_tree", "cuda", torch.device("cuda"))
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    B, T, V = 2, 2100, 23
+    g = torch.Generator().manual_seed(8)
+    lg = torch.randn(B, T, V, generator=g) * 3
+    toks = torch.zeros(B, T, dtype=torch.int64)
+    toks[:, 1:] = lg[:, :-1].argmax(-1)
+    kw = dict(temperature=torch.tensor([0.0, 1.0]).cuda(), top_k=torch.tensor([0, 1], dtype=torch.int32).cuda(),
+              seed=torch.arange(B).cuda())
+    out = verify_tree(lg.cuda(), toks.cuda(), chain_parents(B, T).cuda(), backend="cuda", return_logprobs=True,
+                      return_raw_logprobs=True, **kw)
+    assert out.num_accepted.tolist() == [T - 1, T - 1]  # greedy, and top-1 (a point mass at the argmax)
+    _check_cuda_scores(lg, out, kw, f"T={T} C={cluster}")
+
+
+@pytest.mark.cuda
+def test_cuda_scores_of_huge_logits():
+    """Rows whose maximum is at least 2**102 (the weights' halved exponent, so that x - max stays finite): equal
+    logits of 2**110 score -ln V under both laws (0 sampled for greedy requests); one row also holds -2**110."""
+    need_backend("verify_tree", "cuda", torch.device("cuda"))
+    B, T, V = 3, 2, 4099
+    lg = torch.full((B, T, V), 2.0**110)
+    lg[2, :, :1000] = -(2.0**110)  # their weights underflow: uniform over the other V - 1000
+    toks = torch.zeros(B, T, dtype=torch.int64)
+    toks[2, 1] = 2000
+    kw = dict(temperature=torch.tensor([0.0, 0.9, 2.0]).cuda(), seed=torch.arange(B).cuda())
+    out = verify_tree(lg.cuda(), toks.cuda(), chain_parents(B, T).cuda(), backend="cuda", return_logprobs=True,
+                      return_raw_logprobs=True, **kw)
+    _check_cuda_scores(lg, out, kw, "huge logits")
+    live = torch.tensor([V, V, V - 1000], dtype=torch.float64).log().neg()
+    assert torch.allclose(out.raw_logprobs[:, 0].cpu().double(), live, atol=TOL, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cluster", [2, 16])
+def test_cuda_scored_walk_in_a_cuda_graph(monkeypatch, cluster):
+    """The scored cluster kernel captured in a CUDA graph: replays with new logits give the eager call's bits."""
+    need_backend("verify_tree", "cuda", torch.device("cuda"))
+    from cuda_cases import verify_inputs
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    B, T, V = 5, 9, 12347
+    lg, toks, par, n, q = (t.cuda() for t in verify_inputs(B, T, V, seed=21, use_q=True, dtype=torch.bfloat16,
+                                                            q_dtype=torch.bfloat16))
+    kw = dict(num_nodes=n, draft_probs=q, temperature=torch.tensor([0.8, 0.0, 1.0, 1.2, 0.5]).cuda(), top_k=40,
+              top_p=0.9, seed=torch.arange(B).cuda(), validate=False, backend="cuda", return_logprobs=True,
+              return_raw_logprobs=True)
+    static = lg.clone()
+    verify_tree(static, toks, par, **kw)  # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = verify_tree(static, toks, par, **kw)
+    for scale in (0.5, 1.5):
+        static.copy_(lg * scale)
+        graph.replay()
+        want = verify_tree(lg * scale, toks, par, **kw)
+        for name in ("tokens", "num_accepted", "logprobs", "raw_logprobs"):
+            assert torch.equal(getattr(out, name), getattr(want, name)), f"C={cluster} x{scale}: {name}"
+
+
+def test_cuda_launcher_takes_a_scores_pointer():
+    """CPU, with the extension built: ``_C.verify_tree`` takes ``scores`` (0 = the plain kernel) and checks the
+    other pointers before any CUDA call either way."""
+    from cuda_cases import ext_or_skip
+
+    ext = ext_or_skip()
+    args = dict(logits=0, draft_probs=0, draft_tokens=0, parents=0, num_nodes=0, temperature=0, top_k=0, top_p=0,
+                seed=0, offset=0, scratch=0, out_tokens=0, out_num=0, out_nodes=0, out_error=0, out_stats=0,
+                logits_stride_b=0, logits_stride_t=0, q_stride_b=0, q_stride_t=0, tokens_stride_b=0,
+                parents_stride_b=0, batch=1, num_tree=3, vocab=5, max_depth=2, tokens_int64=True, logits_dtype=0,
+                q_dtype=0, stream=0)
+    for scores in (0, 4096):
+        with pytest.raises(ValueError, match="device pointers"):
+            ext.verify_tree(**args, scores=scores)
+        ext.verify_tree(**{**args, "batch": 0}, scores=scores)  # nothing to do: no launch

@@ -408,22 +408,26 @@ def test_a_near_tie_gets_its_first_play(margin):
         StrategySelector([short], policy="cost", explore_margin=1.5)
 
 
-def test_accepted_rows_fold_counts_in_as_fractions_of_the_batch():
-    """Counts over ``accepted_rows`` requests reach the policy as the same fractions of the batch; counts over the
-    whole batch pass unchanged; a bad ``accepted_rows`` raises naming it."""
+def test_accepted_rows_reach_the_policy_with_the_counts():
+    """Counts over ``accepted_rows`` requests reach the policy unchanged, with that number (the fit's sample size;
+    also through the pending path); none is passed when not given (a policy written without the argument still
+    works); counts above ``accepted_rows`` are garbage; a bad ``accepted_rows`` raises naming it."""
     seen = []
 
     class Recorder(POLICIES["cost"]):
-        def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
-            seen.append(accepted)
-            super().observe(bucket, arm, batch_size, emitted, elapsed, accepted, step)
+        def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step, **kw):
+            seen.append((accepted, kw.get("accepted_rows")))
+            super().observe(bucket, arm, batch_size, emitted, elapsed, accepted, step, **kw)
 
     sel = StrategySelector(ARMS, policy=Recorder(), seed=0)
     arm = Strategy(3, 1, 4)
     sel.update(arm, 32, 40, 0.01, [4, 2, 1], accepted_rows=8)
-    sel.update(arm, 32, 40, 0.01, [4, 2, 1], accepted_rows=32)
     sel.update(arm, 32, 40, 0.01, [4, 2, 1])
-    assert seen == [[16.0, 8.0, 4.0], [4, 2, 1], [4, 2, 1]]
+    sel.update(arm, 32, 40, CallbackValue(lambda: 0.01), [4, 2, 1], accepted_rows=4)
+    assert seen == [([4, 2, 1], 8), ([4, 2, 1], None), ([4, 2, 1], 4)]
+    with pytest.warns(RuntimeWarning, match="accepted_per_position"):
+        sel.update(arm, 32, 40, 0.01, [9, 2, 1], accepted_rows=8)  # 9 of 8 requests
+    assert sel.rejected == 1 and len(seen) == 3
     for bad in (0, 33, 2.5, True):
         with pytest.raises(ValueError, match="accepted_rows"):
             sel.update(arm, 32, 40, 0.01, [4, 2, 1], accepted_rows=bad)
@@ -451,3 +455,21 @@ def test_lagging_rows_acceptance_decides_for_a_static_batch():
 
     assert late_picks(lagging_only=True).count(Strategy.off()) >= 90
     assert late_picks(lagging_only=False).count(arm) >= 90
+
+
+def test_one_lagging_row_that_accepts_keeps_the_batch_speculating():
+    """One lagging request (``accepted_rows=1``) whose drafts are mostly accepted: its counts are one request's,
+    so a miss moves the fit by one trial, not by the batch; the policy keeps the speculative arm."""
+    arm, b = Strategy(4, 1, 5), 32
+    table = CostTable({Strategy.off(): [(1, 1.0e-3), (64, 1.0e-3)], arm: [(1, 1.2e-3), (64, 1.2e-3)]})
+    sel = StrategySelector([arm], policy="cost", cost_table=table, seed=0)
+    rng, picks = random.Random(0), []
+    for _ in range(300):
+        s = sel.select(b)
+        picks.append(s)
+        if s == arm:
+            reach = _reach(arm, 1, 0.8, rng)
+            sel.update(s, b, b + 4, 1.2e-3, reach, accepted_rows=1)
+        else:
+            sel.update(s, b, b, 1.0e-3)
+    assert picks[-150:].count(arm) >= 140

@@ -7,6 +7,11 @@ in two waves, picked by the launcher from B, V and the SM count) walks one reque
 select on the logits' order-preserving keys (integer histograms: deterministic run to run), folds
 every statistic over the cluster in rank order (bit-identical in every CTA), and draws the coins with
 the same Philox4x32-10 as :mod:`tlt_kernels.rng`. No host synchronization: CUDA-graph capturable.
+
+``verify_tree_cuda.scored`` is the same walk with the emitted tokens' log-probs
+(``verify_tree(return_logprobs=, return_raw_logprobs=)``) written by the kernel itself (separate instantiations; the
+plain kernel is unchanged): the sampled one from the statistics the walk already folds for each visited row, the raw
+one from a temperature-1 normalizer summed in the same pass and folded with them.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Optional
 import torch
 
 from .. import _switches
-from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op
+from ..reference.verify_tree import empty_verify_outputs, empty_verify_scores, make_verify_tree_op
 from . import extension, ptr, stream_handle
 
 __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
@@ -69,8 +74,10 @@ def check_inputs(logits: torch.Tensor, draft_probs: Optional[torch.Tensor], max_
 
 
 def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-            max_depth, return_stats, out=None):
-    """Launch ``_C.verify_tree``; ``out`` optionally supplies (tokens, num, nodes, error, stats) int32 buffers."""
+            max_depth, return_stats, out=None, scores=None):
+    """Launch ``_C.verify_tree``; ``out`` optionally supplies (tokens, num, nodes, error, stats) int32 buffers;
+    ``scores``, a contiguous float32 ``[B, max_depth+1, 2]`` buffer, runs the scored kernel, which also writes the
+    emitted tokens' (sampled, raw) log-probs there."""
     B, T, V = logits.shape
     dev = logits.device
     if dev.type != "cuda":
@@ -111,7 +118,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             batch=B, num_tree=T, vocab=V, max_depth=int(max_depth),
             tokens_int64=draft_tokens.dtype == torch.int64, logits_dtype=elem_code(logits.dtype),
             q_dtype=elem_code(draft_probs.dtype) if draft_probs is not None else 0,
-            stream=stream_handle(dev), cluster_size=CLUSTER_SIZE, topp_compact=TOPP_COMPACT,
+            stream=stream_handle(dev), cluster_size=CLUSTER_SIZE, topp_compact=TOPP_COMPACT, scores=ptr(scores),
         )
     return out
 
@@ -125,3 +132,17 @@ verify_tree_cuda.__doc__ = """CUDA backend of :func:`tlt_kernels.verify_tree` (i
     int32 [B]`` / ``top_p float32 [B]`` or None, ``seed, offset int64 [B]``. Visited rows with
     NaN/+inf (or all -inf) set ``error[b] = 1`` instead of raising.
     """
+
+
+def _launch_scored(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                   max_depth, return_stats):
+    """The walk with its fused log-probs: ``(tokens, num, nodes, error, stats, scores float32 [B, max_depth+1, 2])``."""
+    scores = empty_verify_scores(logits, max_depth)
+    out = _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                  max_depth, return_stats, scores=scores)
+    return (*out, scores)
+
+
+_verify_tree_scored_op, verify_tree_cuda_scored = make_verify_tree_op("tlt::verify_tree_cuda_scored", _launch_scored,
+                                                                      scored=True)
+verify_tree_cuda.scored = verify_tree_cuda_scored  # the op takes it when log-probs are asked for

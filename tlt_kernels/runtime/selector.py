@@ -168,15 +168,15 @@ class StrategySelector:
             accepted_rows: how many requests ``accepted_per_position`` counts over, an int in ``[1, batch_size]``
                 (default: the whole batch). A static batch finishes when its lagging requests do, so
                 :class:`~tlt_kernels.engine.SpeculativeEngine` passes their counts: the acceptance the policy
-                learns is theirs (as a fraction of them), the step time is the whole batch's.
+                learns is theirs, with their number as its sample size; the step time is the whole batch's.
         """
         arm = self._index.get(strategy)
         if arm is None:
             raise ValueError(f"update got strategy {strategy}, which is not one of the selector's strategies")
         if type(batch_size) is not int or batch_size < 1:
             batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
-        if accepted_rows is not None and accepted_per_position is not None:
-            accepted_per_position = self._per_batch(accepted_per_position, accepted_rows, batch_size)
+        if accepted_rows is not None:
+            accepted_rows = self._check_accepted_rows(accepted_rows, batch_size)
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):
@@ -184,33 +184,37 @@ class StrategySelector:
             # The common case inline (NaN fails every comparison); anything it doubts goes through _fold's checks.
             ok = 0 <= emitted_tokens < _INF and 0 < elapsed_s < _INF
             if ok and d and acc is not None:
-                ok, prev = len(acc) == d, batch_size
+                ok, prev = len(acc) == d, accepted_rows or batch_size
                 for x in acc:
                     if not 0 <= x <= prev:
                         ok = False
                         break
                     prev = x
             if ok:
-                self.policy.observe(self.bucket(batch_size), arm, batch_size, float(emitted_tokens),
-                                    float(elapsed_s), acc if d else None, self.step)
+                self._observe(arm, batch_size, float(emitted_tokens), float(elapsed_s), acc if d else None,
+                              self.step, accepted_rows)
             else:
-                self._fold(arm, batch_size, emitted_tokens, elapsed_s, acc, self.step)
+                self._fold(arm, batch_size, emitted_tokens, elapsed_s, acc, self.step, accepted_rows)
             return
         obs = (arm, batch_size, as_pending(emitted_tokens), as_pending(elapsed_s),
-               as_pending(accepted_per_position), self.step)
+               as_pending(accepted_per_position), self.step, accepted_rows)
         self._pending.append(obs)
         self._drain()
 
     @staticmethod
-    def _per_batch(accepted: list, rows: int, batch_size: int) -> list:
-        """Counts over ``rows`` requests as the same fractions of ``batch_size`` (a host list; a caller's error
-        raises ValueError naming ``accepted_rows``)."""
-        if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= batch_size:
+    def _check_accepted_rows(rows, batch_size: int) -> int:
+        """``rows`` as an int in ``[1, batch_size]``, or a ValueError naming ``accepted_rows``."""
+        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not 1 <= rows <= batch_size:
             raise ValueError(f"accepted_rows must be an int in [1, batch_size={batch_size}], got {rows!r}")
-        if type(accepted) is not list:
-            raise ValueError("accepted_rows needs accepted_per_position as a host list of counts, got "
-                             f"{type(accepted).__name__}")
-        return accepted if rows == batch_size else [x * batch_size / rows for x in accepted]
+        return int(rows)
+
+    def _observe(self, arm: int, b: int, em: float, el: float, acc, step: int, rows: Optional[int]) -> None:
+        """Hand a checked observation to the policy (``accepted_rows`` only when given: a policy written before it
+        existed still works without it)."""
+        if rows is None:
+            self.policy.observe(self.bucket(b), arm, b, em, el, acc, step)
+        else:
+            self.policy.observe(self.bucket(b), arm, b, em, el, acc, step, accepted_rows=rows)
 
     def observe_ready(self) -> int:
         """Fold in pending observations that are ready; returns how many remain pending."""
@@ -220,7 +224,7 @@ class StrategySelector:
     def _drain(self) -> None:
         q = self._pending
         while q:
-            arm, b, em, el, acc, step = q[0]
+            arm, b, em, el, acc, step, rows = q[0]
             if ((isinstance(em, Pending) and not em.ready()) or (isinstance(el, Pending) and not el.ready())
                     or (isinstance(acc, Pending) and not acc.ready())):
                 return
@@ -231,9 +235,9 @@ class StrategySelector:
                 el = el.get()
             if isinstance(acc, Pending):
                 acc = acc.get()
-            self._fold(arm, b, _scalar(em), _scalar(el), acc, step)
+            self._fold(arm, b, _scalar(em), _scalar(el), acc, step, rows)
 
-    def _fold(self, arm: int, b: int, em, el, acc, step: int) -> None:
+    def _fold(self, arm: int, b: int, em, el, acc, step: int, rows: Optional[int] = None) -> None:
         """Validate one observation, then hand it to the policy; the one entry point of every policy's data."""
         s = self.strategies[arm]
         d = s.num_steps
@@ -241,11 +245,11 @@ class StrategySelector:
             raise ValueError(f"accepted_per_position for {s} must have num_steps={d} entries, got {len(acc)}")
         if el <= 0:  # a finite time <= 0 is a caller's error (swapped events or clock readings), not a measurement
             raise ValueError(f"elapsed_s must be > 0 seconds, got {el} for {s}")
-        why = self._garbage(arm, b, em, el, acc if d else None)
+        why = self._garbage(arm, rows or b, em, el, acc if d else None)
         if why is not None:
             self._reject(s, b, why)
             return
-        self.policy.observe(self.bucket(b), arm, b, float(em), float(el), acc if d else None, step)
+        self._observe(arm, b, float(em), float(el), acc if d else None, step, rows)
 
     def _garbage(self, arm: int, b: int, em, el, acc) -> Optional[str]:
         """Why the observation cannot come from a real step, or None. NaN fails every comparison below."""

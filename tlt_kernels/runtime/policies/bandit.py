@@ -72,7 +72,7 @@ class BucketedEpsilonGreedy(Policy):
         median = self.median_reward[bucket]
         return max(allowed, key=median.__getitem__)
 
-    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step, accepted_rows=None):
         rewards = self.recent_rewards[bucket][arm]
         rewards.append(throughput_reward(emitted, elapsed))
         self.plays[bucket][arm] += 1
@@ -115,7 +115,7 @@ class SlidingWindowUCB(Policy):
         c = self.c * best_mean
         return max(allowed, key=lambda a: sm[a] / cnt[a] + c * math.sqrt(log_t / cnt[a]))
 
-    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step, accepted_rows=None):
         r = throughput_reward(emitted, elapsed)
         q = self.recent_plays[bucket]
         q.append((arm, r))
@@ -176,7 +176,7 @@ class DiscountedThompson(Policy):
                 best, best_v = a, v
         return best
 
-    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step, accepted_rows=None):
         r = throughput_reward(emitted, elapsed)
         self.bucket_plays[bucket] += 1
         t = self.bucket_plays[bucket]

@@ -34,9 +34,10 @@ class Policy:
         raise NotImplementedError
 
     def observe(self, bucket: int, arm: int, batch_size: int, emitted: float, elapsed: float,
-                accepted: Optional[Sequence[float]], step: int) -> None:
+                accepted: Optional[Sequence[float]], step: int, accepted_rows: Optional[int] = None) -> None:
         """Fold in one step: ``emitted`` tokens over the batch in ``elapsed`` seconds; ``accepted[i]`` = requests
-        whose accepted path has at least ``i + 1`` draft tokens (``[num_steps]`` floats), or None."""
+        whose accepted path has at least ``i + 1`` draft tokens (``[num_steps]`` floats), or None; counted over
+        ``accepted_rows`` requests of the batch (None: all ``batch_size``)."""
         raise NotImplementedError
 
 

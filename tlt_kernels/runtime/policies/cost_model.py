@@ -169,7 +169,7 @@ class CostModelPolicy(Policy):
             return True
         return not (self.group_played[self.acceptance.group[a]] and self.depth[a] <= self.deepest_played)
 
-    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step):
+    def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step, accepted_rows=None):
         self.step_time.observe(bucket, arm, batch_size, elapsed)
         d = self.depth[arm]
         if d == 0:
@@ -187,8 +187,9 @@ class CostModelPolicy(Policy):
             raise ValueError(
                 f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
             )
-        changed = self._fit(arm, accepted, batch_size, step, own)
-        model.add_own_counts(arm, accepted, batch_size, step, own)
+        trials = accepted_rows or batch_size  # the requests the counts are over: the fit's sample size
+        changed = self._fit(arm, accepted, trials, step, own)
+        model.add_own_counts(arm, accepted, trials, step, own)
         # Other arms move only through the shared model: refresh them all when the level moved enough to matter
         # (or on an alarm), else only the played arm (keeps select+update cheap).
         if changed or abs(model.level - model.level_refreshed) > LEVEL_REFRESH_TOLERANCE:
