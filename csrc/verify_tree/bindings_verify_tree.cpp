@@ -22,7 +22,8 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
                        uintptr_t out_nodes, uintptr_t out_error, uintptr_t out_stats, int64_t logits_stride_b,
                        int64_t logits_stride_t, int64_t q_stride_b, int64_t q_stride_t, int64_t tokens_stride_b,
                        int64_t parents_stride_b, int batch, int num_tree, int vocab, int max_depth, bool tokens_int64,
-                       int logits_dtype, int q_dtype, uintptr_t stream, int cluster_size, bool topp_compact) {
+                       int logits_dtype, int q_dtype, uintptr_t stream, int cluster_size, bool topp_compact,
+                       uintptr_t scores) {
   tlt::VerifyTreeParams p;
   p.logits = as_ptr<const void*>(logits);
   p.draft_probs = as_ptr<const void*>(draft_probs);
@@ -40,6 +41,7 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
   p.out_nodes = as_ptr<int32_t*>(out_nodes);
   p.out_error = as_ptr<int32_t*>(out_error);
   p.out_stats = as_ptr<int32_t*>(out_stats);
+  p.scores = as_ptr<float*>(scores);
   p.logits_stride_b = logits_stride_b;
   p.logits_stride_t = logits_stride_t;
   p.q_stride_b = q_stride_b;
@@ -72,9 +74,10 @@ void register_verify_tree(py::module_& m) {
         py::arg("logits_stride_t"), py::arg("q_stride_b"), py::arg("q_stride_t"), py::arg("tokens_stride_b"),
         py::arg("parents_stride_b"), py::arg("batch"), py::arg("num_tree"), py::arg("vocab"), py::arg("max_depth"),
         py::arg("tokens_int64"), py::arg("logits_dtype"), py::arg("q_dtype"), py::arg("stream"),
-        py::arg("cluster_size") = 0, py::arg("topp_compact") = false,
+        py::arg("cluster_size") = 0, py::arg("topp_compact") = false, py::arg("scores") = 0,
         "Fused tree verification, one CTA cluster per request (0 = null for draft_probs / temperature / top_k / "
-        "top_p / out_stats). scratch is float32 [B, 2, V]. cluster_size: CTAs per request, 0 = auto (from B, V "
+        "top_p / out_stats / scores). scratch is float32 [B, 2, V]. scores: float32 [B, max_depth + 1, 2], the "
+        "emitted tokens' (sampled, raw) log-probs written by the walk (0 past num_accepted and on flagged requests). cluster_size: CTAs per request, 0 = auto (from B, V "
         "and the SM count), else 1, 2, 4, 8 or 16 (> 1 needs sm_90; 16 a non-portable cluster size). topp_compact: "
         "select the top-p threshold among compacted candidates (the full-row threshold up to float ties). dtype codes: ELEM_FLOAT32 / "
         "ELEM_FLOAT16 / ELEM_BFLOAT16.");

@@ -1,5 +1,5 @@
 // Launcher of verify_tree: argument checks and logits-dtype dispatch; the launch itself is in verify_tree_launch.cuh,
-// compiled per logits dtype in verify_tree_{f32,f16,bf16}.cu. Torch-free.
+// compiled per logits dtype and scoring in verify_tree_{f32,f16,bf16}{,_scored}.cu. Torch-free.
 //
 // Like tree_attention/tree_attention.cu, no C++ exception leaves this nvcc-compiled translation unit: launchers
 // return a LaunchStatus and the host-compiled bindings (bindings_verify_tree.cpp) raise.
@@ -42,6 +42,12 @@ namespace {
 
 bool valid_type(ElemType t) { return t == ElemType::kFloat32 || t == ElemType::kFloat16 || t == ElemType::kBFloat16; }
 
+// The scored instantiations (which also write p.scores) where scores is set, else the plain ones.
+template <typename TL>
+LaunchStatus dispatch_scoring(const VerifyTreeParams& p, cudaStream_t stream) {
+  return p.scores ? detail::dispatch_verify_q<TL, true>(p, stream) : detail::dispatch_verify_q<TL, false>(p, stream);
+}
+
 }  // namespace
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept {
@@ -62,9 +68,9 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
                         p.out_tokens && p.out_num && p.out_nodes && p.out_error,
                     "logits, draft_tokens, parents, num_nodes, seed, offset, scratch and the outputs must be device pointers");
   switch (p.logits_type) {
-    case ElemType::kFloat32: return detail::dispatch_verify_q<float>(p, stream);
-    case ElemType::kFloat16: return detail::dispatch_verify_q<__half>(p, stream);
-    case ElemType::kBFloat16: return detail::dispatch_verify_q<__nv_bfloat16>(p, stream);
+    case ElemType::kFloat32: return dispatch_scoring<float>(p, stream);
+    case ElemType::kFloat16: return dispatch_scoring<__half>(p, stream);
+    case ElemType::kBFloat16: return dispatch_scoring<__nv_bfloat16>(p, stream);
   }
   TLT_STATUS_CHECK_ARG(false, "unknown logits dtype code " << static_cast<int>(p.logits_type));
 }

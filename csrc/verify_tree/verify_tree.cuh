@@ -46,6 +46,7 @@ constexpr int kVec = 8;                            // elements per thread per ch
 constexpr int kChunk = kVerifyThreads * kVec;      // elements per block-wide chunk
 constexpr int kLoadBytes = 160;                    // bytes a thread loads before processing any
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kTempMin = 0x1p-126f;              // T' = clamp(temperature, kTempMin, kTempMax): ks finite and normal
 constexpr float kTempMax = 0x1p126f;
 constexpr float kTopPMin = 0x1p-126f;              // smaller top_p act as this (it keeps only the maximal logits)
@@ -372,6 +373,67 @@ __device__ __forceinline__ Partial shfl_xor(const Partial& v, int o) {
   return r;
 }
 
+// The stats sweep's partial in scored kernels (p.scores): also the raw normalizer z1 = sum of 2^((x - m) log2 e)
+// (temperature 1, no filter) in the frame of p.m, the same running max as p.z's. The folds below take either type;
+// the unscored kernels fold plain Partials, so they shuffle and combine nothing more than before.
+struct ScoredPartial {
+  Partial p;
+  float z1;
+};
+
+__device__ __forceinline__ const Partial& stats_of(const Partial& v) { return v; }
+__device__ __forceinline__ const Partial& stats_of(const ScoredPartial& v) { return v.p; }
+__device__ __forceinline__ Partial identity_like(const Partial&, float m) { return partial_identity(m); }
+__device__ __forceinline__ ScoredPartial identity_like(const ScoredPartial&, float m) {
+  return ScoredPartial{partial_identity(m), 0.f};
+}
+
+// z1 folds like z, with the weights' temperature-1 scale: commutative bit for bit, so every CTA gets the same bits.
+__device__ __forceinline__ ScoredPartial combine(const ScoredPartial& a, const ScoredPartial& b, float ks) {
+  ScoredPartial r;
+  r.p = combine(a.p, b.p, ks);
+  if (r.p.m == -INFINITY) {
+    r.z1 = 0.f;
+  } else {
+    const Expo e = make_expo(r.p.m, kLog2e);
+    r.z1 = a.z1 * weight(a.p.m, e) + b.z1 * weight(b.p.m, e);
+  }
+  return r;
+}
+
+__device__ __forceinline__ ScoredPartial shfl_idx(const ScoredPartial& v, int l) {
+  return ScoredPartial{shfl_idx(v.p, l), __shfl_sync(0xffffffffu, v.z1, l)};
+}
+
+__device__ __forceinline__ ScoredPartial shfl_xor(const ScoredPartial& v, int o) {
+  return ScoredPartial{shfl_xor(v.p, o), __shfl_xor_sync(0xffffffffu, v.z1, o)};
+}
+
+// A thread's running temperature-1 normalizer over its vectors (scored kernels): z in the frame of the running max
+// m, rescaled when m grows, the same online form as row_state's sampling normalizer.
+struct RawNorm {
+  float m = -INFINITY, z = 0.f;
+};
+
+// Adds one vector x (its max vmax, from the caller's argmax tree) to r.
+__device__ __forceinline__ void raw_add(RawNorm& r, const float (&x)[kVec], float vmax) {
+  if (vmax > r.m) {
+    r.z *= weight(r.m, make_expo(vmax, kLog2e));  // m = -inf: z is 0 and stays 0
+    r.m = vmax;
+  }
+  if (r.m == -INFINITY) return;
+  const Expo e = make_expo(r.m, kLog2e);
+  float w[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) w[i] = weight(x[i], e);
+#pragma unroll
+  for (int s = 1; s < kVec; s <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kVec; i += 2 * s) w[i] += w[i + s];
+  }
+  r.z += w[0];
+}
+
 // This CTA's place in the mass of the current distribution, for the inverse-CDF sample: the sum of
 // ranks before it (pre), through it (end), of all (total), and the last rank with mass (-1: none).
 struct Plan {
@@ -402,17 +464,29 @@ struct VerifySmem {
   uint64_t sel[2];  // radix-select decision broadcast: digit, above
   double need;
   int cand_n;       // candidates compacted so far (topp_from_candidates)
+  // The scored kernels' stats folds (block_fold, cluster_fold of ScoredPartial). Last and not in a union with red /
+  // pub: the fields above keep their offsets, and the unscored kernels their code (a union moved them: +2 to 12
+  // registers there).
+  ScoredPartial red_scored[kVerifyThreads / 32];
+  ScoredPartial pub_scored[2];
 };
 
-// Every thread gets the CTA's fold (fixed tree: deterministic).
-__device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm, float ks) {
+__device__ __forceinline__ Partial* red_slots(VerifySmem& sm, const Partial&) { return sm.red; }
+__device__ __forceinline__ ScoredPartial* red_slots(VerifySmem& sm, const ScoredPartial&) { return sm.red_scored; }
+__device__ __forceinline__ Partial* pub_slots(VerifySmem& sm, const Partial&) { return sm.pub; }
+__device__ __forceinline__ ScoredPartial* pub_slots(VerifySmem& sm, const ScoredPartial&) { return sm.pub_scored; }
+
+// Every thread gets the CTA's fold (fixed tree: deterministic). P = Partial or ScoredPartial.
+template <typename P>
+__device__ __forceinline__ P block_fold(P v, VerifySmem& sm, float ks) {
+  P* red = red_slots(sm, v);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = combine(v, shfl_xor(v, o), ks);
-  if ((threadIdx.x & 31) == 0) sm.red[threadIdx.x >> 5] = v;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
   __syncthreads();
-  Partial r = sm.red[0];
+  P r = red[0];
 #pragma unroll
-  for (int w = 1; w < kVerifyThreads / 32; ++w) r = combine(r, sm.red[w], ks);
+  for (int w = 1; w < kVerifyThreads / 32; ++w) r = combine(r, red[w], ks);
   __syncthreads();
   return r;
 }
@@ -423,22 +497,23 @@ __device__ __forceinline__ Partial block_fold(Partial v, VerifySmem& sm, float k
 // makes one barrier per fold enough: a slot is rewritten two folds later, after a barrier that every
 // CTA reaches only once it has read the slot. With `plan`, also fills this CTA's place in the mass z
 // (rescaled to the fold's m) from an inclusive scan over ranks that every CTA computes identically,
-// so rank r's `end` and rank r + 1's `pre` are the same float.
-static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifySmem& sm, Plan* plan, float ks) {
+// so rank r's `end` and rank r + 1's `pre` are the same float. P = Partial or ScoredPartial (the plan reads z).
+template <typename P>
+static __device__ P cluster_fold(const P& mine, Cluster& cl, VerifySmem& sm, Plan* plan, float ks) {
 #if TLT_VERIFY_CLUSTERS
   if (cl.size > 1) {
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    Partial* slot = &sm.pub[cl.pub];
+    P* slot = &pub_slots(sm, mine)[cl.pub];
     cl.pub ^= 1;
     if (threadIdx.x == 0) *slot = mine;
     cluster.sync();  // arrive.release / wait.acquire: the slot is visible cluster-wide
     const int lane = threadIdx.x & 31;
-    const Partial part = lane < cl.size ? *cluster.map_shared_rank(slot, lane) : partial_identity(-INFINITY);
-    Partial acc = part;
+    const P part = lane < cl.size ? *cluster.map_shared_rank(slot, lane) : identity_like(mine, -INFINITY);
+    P acc = part;
     for (int o = 1; o < cl.size; o <<= 1) acc = combine(acc, shfl_xor(acc, o), ks);  // lanes < C stay among themselves
     acc = shfl_idx(acc, 0);
     if (plan) {
-      const float z = lane < cl.size ? scaled_z(part, acc.m, ks) : 0.f;
+      const float z = lane < cl.size ? scaled_z(stats_of(part), stats_of(acc).m, ks) : 0.f;
       float incl = z;
       for (int o = 1; o < cl.size; o <<= 1) {
         const float up = __shfl_up_sync(0xffffffffu, incl, o);
@@ -457,7 +532,7 @@ static __device__ Partial cluster_fold(const Partial& mine, Cluster& cl, VerifyS
   if (cl.size > 1) __trap();  // the launcher never asks for clusters below sm_90
 #endif
   if (plan) {
-    const float part = scaled_z(mine, mine.m, ks);
+    const float part = scaled_z(stats_of(mine), stats_of(mine).m, ks);
     *plan = Plan{0.f, part, part, part > 0.f ? 0 : -1};
   }
   return mine;
@@ -478,6 +553,8 @@ struct RowState {
   Expo e;     // the row max M and ks as weight() takes them
   float Z;    // normalizer of the kept weights
   float qsum; // sum of this node's draft row (when `want_q`)
+  float M;    // scored kernels: the row max, the frame of Z1
+  float Z1;   // scored kernels: the raw normalizer, sum of 2^((l - M) log2 e) over every token
 };
 
 __device__ __forceinline__ float target_weight(float x, int thr, const Expo& e) {
@@ -699,6 +776,23 @@ __device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi,
   TLT_PROF_MARK("norm");
 }
 
+// The stats sweep's partial folded over the CTA, then the cluster (with the sampling plan when `online`). Scored
+// kernels fold the raw normalizer `raw` with it, in the same shuffles and barriers, into z1 (in the frame of the
+// result's m); the others fold the plain Partial, as before.
+template <bool SCORED>
+__device__ __forceinline__ Partial fold_stats(const Partial& t, const RawNorm& raw, bool online, Cluster& cl,
+                                              VerifySmem& sm, Plan& plan, float ks, float& z1) {
+  if constexpr (SCORED) {
+    const ScoredPartial c = cluster_fold(block_fold(ScoredPartial{t, raw.z}, sm, ks), cl, sm, online ? &plan : nullptr, ks);
+    z1 = c.z1;
+    return c.p;
+  } else {
+    (void)raw;
+    (void)z1;
+    return cluster_fold(block_fold(t, sm, ks), cl, sm, online ? &plan : nullptr, ks);
+  }
+}
+
 // Statistics of a visited row over this CTA's slice, folded over the cluster: (bad, argmax) always;
 // for sampled requests m, Z and `plan` (online max/normalizer in the same pass when there is no
 // top-k / top-p; otherwise radix selects, then one normalizer pass); the draft-row sum when `want_q`.
@@ -706,7 +800,10 @@ __device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi,
 // index order, so strict > keeps the lowest index among ties; -0.0 == +0.0 as in the reference), a
 // NaN flag (+inf shows up as the max), an FMA and an exp2. Padding past hi loads -inf, which neither
 // wins the argmax nor adds weight.
-template <typename TL, typename TQ>
+// SCORED (the kernel writes log-probs): also M and Z1, the raw normalizer (temperature 1, no filter). Its running
+// sum is a second online accumulator of the same pass (one more exp2 per element), folded with the statistics; an
+// unfiltered row at temperature exactly 1 reuses Z (the same sum), so it adds nothing there.
+template <bool SCORED, typename TL, typename TQ>
 __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int lo, int hi, int V, bool greedy,
                               float ks, int top_k, float top_p, float* cand, Cluster& cl, VerifySmem& sm, Plan& plan) {
   const bool row_al = aligned16(row), q_al = want_q && aligned16(q_row);
@@ -714,6 +811,8 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   const bool online = !greedy && !cut_k && !cut_p;
   // The normalizer is also wanted as the candidates' bound (top-p over compacted candidates).
   const bool want_z = online || (cand != nullptr && cut_p && !cut_k && !greedy);
+  const bool want_z1 = SCORED && !(online && ks == kLog2e);
+  RawNorm raw;
   float bv = -INFINITY, m = -INFINITY, z = 0.f, qs = 0.f;
   Expo em = make_expo(0.f, ks);  // of the running max m, once m > -inf
   int bi = -1;
@@ -778,6 +877,9 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
         z += e[0];
       }
     }
+    if constexpr (SCORED) {
+      if (want_z1) raw_add(raw, x, v[0]);
+    }
   });
   TLT_PROF_MARK("stats_sweep");
   Partial t;
@@ -786,9 +888,12 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
                         static_cast<uint32_t>(~static_cast<uint32_t>(bi));
   t.bad = nan || bv == INFINITY;
   t.q = qs;
-  t.m = want_z ? m : 0.f;  // (m, z) unused otherwise: keep the fold's rescale trivially exact
+  // (m, z) unused otherwise: keep the fold's rescale trivially exact. Where both sums run, m == raw.m (the same
+  // updates of the same running max), so the fold's m is the frame of both.
+  t.m = want_z ? m : want_z1 ? raw.m : 0.f;
   t.z = want_z ? z : 0.f;
-  const Partial c = cluster_fold(block_fold(t, sm, ks), cl, sm, online ? &plan : nullptr, ks);
+  float z1 = 0.f;
+  const Partial c = fold_stats<SCORED>(t, raw, online, cl, sm, plan, ks, z1);
   RowState s;
   s.arg = static_cast<int>(~static_cast<uint32_t>(c.best));
   const float vmax = key_to_float(static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u));
@@ -798,6 +903,10 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   s.e = make_expo(M, ks);
   s.Z = online ? c.z : 1.f;
   s.qsum = c.q;
+  if constexpr (SCORED) {
+    s.M = c.m;  // = vmax on a good row: every scored row tracks the running max (want_z or want_z1)
+    s.Z1 = want_z1 ? z1 : c.z;
+  }
   TLT_PROF_MARK("stats");
   if (s.bad || greedy || online) return s;
   const int key_max = static_cast<int>(static_cast<uint32_t>(c.best >> 32) ^ 0x80000000u);  // ordered_key(vmax)
@@ -898,11 +1007,38 @@ __device__ int sample_slice(const TL* row, const float* res, bool has_res, const
   return found != kNoToken ? found : last >= 0 ? last : s.arg;
 }
 
+// An emitted token's log-probs under the visited row that predicted it (its logit l; the row's target law, not a
+// residual: the acceptance is lossless): the sampling law's ln(w(l) / Z) (0 for greedy rows, a point mass) and the
+// raw log_softmax ln(2^((l - M) log2 e) / Z1), each as ln 2 (log2 weight - log2 normalizer), with the exponents the
+// walk's weights use (no exp/log round trip).
+struct TokenScores {
+  float sampled, raw;
+};
+
+__device__ __forceinline__ TokenScores token_scores(float l, const RowState& s, bool greedy) {
+  const Expo r = make_expo(s.M, kLog2e);
+  TokenScores t;
+  t.sampled = greedy ? 0.f : kLn2 * (fmaf(l, s.e.h, -s.e.mh) * s.e.kh - log2f(s.Z));
+  t.raw = kLn2 * (fmaf(l, r.h, -r.mh) * r.kh - log2f(s.Z1));
+  return t;
+}
+
+// scores[at] = (sampled, raw): float32 pairs, at = b * (max_depth + 1) + depth.
+__device__ __forceinline__ void store_scores(float* scores, int64_t at, const TokenScores& t) {
+  scores[2 * at] = t.sampled;
+  scores[2 * at + 1] = t.raw;
+}
+
 // One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
 // `csize` = C, the cluster size the launcher chose (1: no cluster). TOPP_COMPACT: the top-p threshold is
 // selected among compacted candidates (p.topp_compact; a separate instantiation, so the default kernel's
 // registers are untouched: in the same kernel the extra path made the bf16/fp32 walk spill 244 bytes).
-template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
+// SCORED: p.scores is set; the walk writes each emitted token's log-probs (token_scores) from the statistics of
+// the rows it visits anyway (a separate instantiation too: the unscored kernels are unchanged).
+//   Who writes scores[b]: an accepted token's pair by rank 0's thread 0 at its accept; a sampled final token's by
+// the CTA that drew it (like its token); the rest of the row (a greedy final token, zeros past it, zeros for a
+// flagged request, overwriting the accepted pairs after the block barrier) by rank 0 with the other outputs.
+template <typename TL, typename TQ, bool HAS_Q, bool SCORED, bool TOPP_COMPACT = false>
 __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_kernel(const VerifyTreeParams p, int csize) {
   __shared__ VerifySmem sm;
   TLT_PROF_BEGIN();
@@ -984,8 +1120,8 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
     const bool want_q = HAS_Q && !greedy && depth < p.max_depth && child >= 0;
     // Top-p candidates go to the scratch row without the live residual (its last readers, the residual pass that
     // left it, are done); like residuals, they are written and read by the CTA that owns the slice only.
-    return row_state(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi, V,
-                     greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[res_i ^ 1] : nullptr, cl, sm, plan);
+    return row_state<SCORED>(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi,
+                             V, greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[res_i ^ 1] : nullptr, cl, sm, plan);
   };
   RowState s;
   int err = 0;
@@ -1043,6 +1179,13 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
         path_tok[depth] = x;
         took[depth] = 1;
         path_node[depth + 1] = j;
+      }
+      if constexpr (SCORED) {
+        // A greedy row accepts its argmax, whose logit is the row max M.
+        if (cl.rank == 0 && tid == 0) {
+          const float lx = greedy ? s.M : j == pf_j ? pf_l : to_float(__ldg(row + x));
+          store_scores(p.scores, static_cast<int64_t>(b) * (p.max_depth + 1) + depth, token_scores(lx, s, greedy));
+        }
       }
       ++depth;
       cur = j;
@@ -1111,11 +1254,20 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   int32_t* out_node = p.out_nodes + static_cast<int64_t>(b) * W;
   // Rank 0 writes the outputs, except the sampled final token, which its owner writes.
   const bool sampled_tok = !greedy && ok && plan.last >= 0;
-  if (owner && tid == 0) out_tok[depth] = final_tok;
+  if (owner && tid == 0) {
+    out_tok[depth] = final_tok;
+    if constexpr (SCORED)
+      store_scores(p.scores, static_cast<int64_t>(b) * W + depth, token_scores(to_float(__ldg(row + final_tok)), s, false));
+  }
   if (cl.rank == 0) {
     for (int d = tid; d < W; d += kVerifyThreads) {
       if (!(d == depth && sampled_tok)) out_tok[d] = !ok ? -1 : d < depth ? path_tok[d] : d == depth ? final_tok : -1;
       out_node[d] = d == 0 ? 0 : (ok && d <= depth) ? path_node[d] : -1;
+      if constexpr (SCORED) {
+        // A greedy final token is the argmax (logit M); a sampled one's pair is its owner's.
+        if (!ok || d > depth) store_scores(p.scores, static_cast<int64_t>(b) * W + d, TokenScores{0.f, 0.f});
+        else if (d == depth && !sampled_tok) store_scores(p.scores, static_cast<int64_t>(b) * W + d, token_scores(s.M, s, true));
+      }
     }
     if (p.out_stats) {
       int32_t* st = p.out_stats + static_cast<int64_t>(b) * p.max_depth * 2;

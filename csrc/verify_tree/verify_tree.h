@@ -24,6 +24,10 @@ enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 //   scratch       float32 [B, 2, V] contiguous (ping-pong residual rows; only touched after a rejection)
 //   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
 //   out_stats     int32 [B, max_depth, 2] or null
+//   scores        float32 [B, max_depth + 1, 2] or null (null: the plain kernels, which write no log-probs): each
+//                 emitted token's (sampled, raw) log-probs, [b, d] for d <= out_num[b]: under the row's sampling
+//                 law (temperature, top-k, top-p; 0 for greedy requests) and under log_softmax of its logits; 0 past
+//                 out_num[b] and on flagged requests (tlt_kernels/reference/verify_tree.py: path_logprobs)
 struct VerifyTreeParams {
   const void* logits = nullptr;
   const void* draft_probs = nullptr;
@@ -57,6 +61,7 @@ struct VerifyTreeParams {
   bool topp_compact = false;
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
+  float* scores = nullptr;  // float32 [B, max_depth + 1, 2] or null (see above)
 };
 
 // Limits of the CUDA kernel (the Python glue reports them before launching).

@@ -1,7 +1,8 @@
-// Launcher of the verify_tree kernel (cluster size choice, launch) for one logits dtype, shared by the three
-// translation units verify_tree_{f32,f16,bf16}.cu: each instantiates dispatch_verify_q<TL> for its TL, so
-// nvcc compiles the 18 kernel instantiations in three parallel jobs instead of one (the build's critical path).
-// Internal to csrc/verify_tree/; verify_tree.cu validates the arguments and calls dispatch_verify_q.
+// Launcher of the verify_tree kernel (cluster size choice, launch) for one logits dtype, shared by the six
+// translation units verify_tree_{f32,f16,bf16}{,_scored}.cu: each instantiates dispatch_verify_q<TL, SCORED> for its
+// TL and SCORED (p.scores set: the walk also writes log-probs), so nvcc compiles the 36 kernel instantiations in six
+// parallel jobs instead of one (the build's critical path). Internal to csrc/verify_tree/; verify_tree.cu validates
+// the arguments and calls dispatch_verify_q.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,8 +24,9 @@ constexpr int kMaxDevices = 64;  // per-device caches of the launcher (devices p
 // The current device's ordinal, compute capability major and SM count, cached per device (verify_tree.cu).
 LaunchStatus device_info(int& dev, int& major, int& sms);
 
-// verify_tree for logits of type TL: picks the draft-probability instantiation and launches it.
-template <typename TL>
+// verify_tree for logits of type TL: picks the draft-probability instantiation and launches it. SCORED must be
+// p.scores != nullptr.
+template <typename TL, bool SCORED>
 LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream);
 
 #ifdef TLT_DEFINE_VERIFY_LAUNCHERS
@@ -94,9 +96,9 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
   return {};
 }
 
-template <typename TL, typename TQ, bool HAS_Q, bool TOPP_COMPACT = false>
+template <typename TL, typename TQ, bool HAS_Q, bool SCORED, bool TOPP_COMPACT = false>
 LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
-  auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q, TOPP_COMPACT>;
+  auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>;
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
   // Path bookkeeping, plus parents and tokens of trees small enough to stage (see the kernel).
   const int staged = p.num_tree <= accept::kStageNodes ? 2 * p.num_tree : 0;
@@ -136,20 +138,24 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   return {};
 }
 
-template <typename TL>
+template <typename TL, bool SCORED>
 LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream) {
   // The top-p candidate path is instantiated for fp32 draft probabilities (or none) only; other draft dtypes run
   // the default kernel (same results either way). Without a top_p tensor no request filters by top-p: the plain
   // kernel is the same computation without the candidate path's code and registers (before the cp.async ring the
   // candidate instantiations spilled at the 128-register cap, and a top-p-free batch ran them).
   const bool compact = p.topp_compact && p.top_p != nullptr;
-  if (p.draft_probs == nullptr)
-    return compact ? launch_verify<TL, float, false, true>(p, stream) : launch_verify<TL, float, false>(p, stream);
+  TLT_STATUS_CHECK_ARG(SCORED == (p.scores != nullptr), "the scored launcher runs exactly when scores is set");
+  if (p.draft_probs == nullptr) {
+    return compact ? launch_verify<TL, float, false, SCORED, true>(p, stream)
+                   : launch_verify<TL, float, false, SCORED>(p, stream);
+  }
   switch (p.q_type) {
     case ElemType::kFloat32:
-      return compact ? launch_verify<TL, float, true, true>(p, stream) : launch_verify<TL, float, true>(p, stream);
-    case ElemType::kFloat16: return launch_verify<TL, __half, true>(p, stream);
-    case ElemType::kBFloat16: return launch_verify<TL, __nv_bfloat16, true>(p, stream);
+      return compact ? launch_verify<TL, float, true, SCORED, true>(p, stream)
+                     : launch_verify<TL, float, true, SCORED>(p, stream);
+    case ElemType::kFloat16: return launch_verify<TL, __half, true, SCORED>(p, stream);
+    case ElemType::kBFloat16: return launch_verify<TL, __nv_bfloat16, true, SCORED>(p, stream);
   }
   TLT_STATUS_CHECK_ARG(false, "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
 }
