@@ -239,8 +239,9 @@ def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, n
 
 def _bench_logprobs(ctx, graphs: bool, case, name, impl, tree, kw, ref, nbytes, extra) -> None:
     """``<impl>-logprobs`` (and ``-logprobs-graph``): the call with both log-prob outputs on (``tree`` = logits,
-    draft tokens, parents), which on both kernel backends runs the walk that scores its own tokens (``.scored``: the
-    Triton kernel's and the CUDA kernel's scored instantiations); its tokens are checked against the reference's too."""
+    draft tokens, parents), through the op's scoring path for the backend (Triton: the walk scores its own tokens;
+    CUDA: the walk, then the Triton pass, until its fused walk is the default); its tokens are checked against the
+    reference's too."""
     op = lambda: verify_tree(*tree, backend=impl, return_logprobs=True, return_raw_logprobs=True, **kw)  # noqa: E731
     same = (op().tokens == ref.tokens).all(1).float().mean().item()
     ctx.add(case, f"{name}-logprobs", ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)

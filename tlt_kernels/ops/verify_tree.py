@@ -220,7 +220,7 @@ def _kernel_layout(logits, draft_tokens, parents, num_nodes, draft_probs, temper
 
 def _score(logits, result: VerifyResult, temperature, top_k, top_p, backend: str, device, sampled: bool, raw: bool):
     """The walk's log-probs (:func:`path_logprobs`'s contract) for a backend whose walk does not score its own tokens
-    (no ``scored`` entry point; the Triton and CUDA walks have one): one Triton pass over the accepted path's rows
+    (no ``scored`` entry point; the Triton walk has one): one Triton pass over the accepted path's rows
     where Triton runs, else the float64 torch pass (``backend="torch"``, or no Triton here)."""
     if backend != "torch" and backend_unavailable_reason("triton", device) is None:
         from .._triton.path_logprobs import path_logprobs as launch
@@ -300,10 +300,11 @@ def verify_tree(
         accepted_nodes int32 [B, max_depth+1], error int32 [B], stats int32 [B, max_depth, 2] | None,
         logprobs float32 [B, max_depth+1] | None, raw_logprobs float32 [B, max_depth+1] | None)``. Log-probs are
         0 past ``num_accepted`` and on flagged requests; they read only the rows the walk read (the accepted path's).
-        Triton and CUDA backends: fused into the walk, float32 (each visited row's statistics pass also sums the raw,
-        temperature-1 normalizer, folded over the CUDA kernel's cluster with the other statistics; a token's scores
-        come from its row's normalizers and one element of the row). ``backend="torch"``: float64 torch ops. No host
-        sync (capturable).
+        Triton backend: fused into the walk, float32 (each visited row's statistics pass also sums the raw,
+        temperature-1 normalizer; a token's scores come from its row's normalizers and one element of the row). CUDA
+        backend: the walk, then one Triton pass over the accepted path's rows (:mod:`tlt_kernels._triton.path_logprobs`,
+        float32); its fused walk (``verify_tree_cuda_scored``) is built and tested but not yet run on a GPU, so not
+        yet the default. ``backend="torch"``: float64 torch ops. No host sync (capturable).
         On every backend, a request whose walk visits a row holding NaN/+inf or only -inf (or tries a child
         whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
         -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
@@ -330,7 +331,7 @@ def verify_tree(
     inputs = _kernel_layout(logits, draft_tokens, parents, num_nodes_resolved, draft_probs, temp, k, tp, seed, offset)
     _, fn = _BACKENDS.resolve(backend, dev)
     scoring = bool(return_logprobs or return_raw_logprobs)
-    if scoring and getattr(fn, "scored", None) is not None:  # the walk scores its own tokens (Triton, CUDA)
+    if scoring and getattr(fn, "scored", None) is not None:  # the walk scores its own tokens (Triton)
         result = fn.scored(*inputs, max_depth, return_stats)
         return VerifyResult(*result[:5], result.logprobs if return_logprobs else None,
                             result.raw_logprobs if return_raw_logprobs else None)
