@@ -319,11 +319,11 @@ def fused_cuda_scores(monkeypatch):
 
 
 def _poisoned_scores(monkeypatch):
-    """Makes the CUDA glue allocate NaN-filled score buffers, so an element the kernel leaves unwritten shows up."""
-    from tlt_kernels._cuda import verify_tree as cv
+    """Makes the scored launch allocate NaN-filled score buffers, so an element the kernel leaves unwritten shows up."""
+    from tlt_kernels.reference import verify_tree as ref
 
-    real = cv.empty_verify_scores
-    monkeypatch.setattr(cv, "empty_verify_scores", lambda *a: poison_(real(*a)))
+    real = ref.empty_verify_scores
+    monkeypatch.setattr(ref, "empty_verify_scores", lambda *a: poison_(real(*a)))
 
 
 def _no_scoring_pass(monkeypatch):

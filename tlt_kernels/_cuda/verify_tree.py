@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .. import _switches
-from ..reference.verify_tree import empty_verify_outputs, empty_verify_scores, make_verify_tree_op
+from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op, scored_launch
 from . import extension, ptr, stream_handle
 
 __all__ = ["verify_tree_cuda", "check_inputs", "elem_code"]
@@ -134,17 +134,8 @@ verify_tree_cuda.__doc__ = """CUDA backend of :func:`tlt_kernels.verify_tree` (i
     """
 
 
-def _launch_scored(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                   max_depth, return_stats):
-    """The walk with its fused log-probs: ``(tokens, num, nodes, error, stats, scores float32 [B, max_depth+1, 2])``."""
-    scores = empty_verify_scores(logits, max_depth)
-    out = _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                  max_depth, return_stats, scores=scores)
-    return (*out, scores)
-
-
-_verify_tree_scored_op, verify_tree_cuda_scored = make_verify_tree_op("tlt::verify_tree_cuda_scored", _launch_scored,
-                                                                      scored=True)
+_verify_tree_scored_op, verify_tree_cuda_scored = make_verify_tree_op("tlt::verify_tree_cuda_scored",
+                                                                      scored_launch(_launch), scored=True)
 # Not yet the op's path: the fused scores have not run on a GPU (tests/ops/test_verify_tree_logprobs.py's CUDA section
 # attaches it, `fused_cuda_scores`). Until those tests pass there, log-probs on this backend come from the walk then
 # the checked Triton pass (tlt_kernels._triton.path_logprobs); attaching it is this one assignment.

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.verify_tree import empty_verify_outputs, empty_verify_scores, make_verify_tree_op
+from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op, scored_launch
 
 
 # Widest tile of the streaming passes without top-k/top-p (the radix select keeps 1024: its [BLOCK, 16] histogram
@@ -632,15 +632,6 @@ _verify_tree_op, verify_tree_triton = make_verify_tree_op("tlt::verify_tree_trit
 verify_tree_triton.__doc__ = """Triton backend of :func:`tlt_kernels.verify_tree` (inputs already validated by the op)."""
 
 
-def _launch_scored(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                   max_depth, return_stats):
-    """The walk with its fused log-probs: ``(tokens, num, nodes, error, stats, scores float32 [B, max_depth+1, 2])``."""
-    scores = empty_verify_scores(logits, max_depth)
-    out = _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
-                  max_depth, return_stats, scores=scores)
-    return (*out, scores)
-
-
 _verify_tree_scored_op, verify_tree_triton_scored = make_verify_tree_op("tlt::verify_tree_triton_scored",
-                                                                        _launch_scored, scored=True)
+                                                                        scored_launch(_launch), scored=True)
 verify_tree_triton.scored = verify_tree_triton_scored  # the op takes it when log-probs are asked for

@@ -114,6 +114,20 @@ def empty_verify_scores(logits: torch.Tensor, max_depth: int) -> torch.Tensor:
     return logits.new_empty((logits.shape[0], max_depth + 1, 2), dtype=torch.float32)
 
 
+def scored_launch(launch):
+    """A backend's scored launch from its plain one, which takes ``scores=`` (a float32 ``[B, max_depth+1, 2]``
+    buffer the walk fills with the emitted tokens' log-probs): returns ``(tokens, num, nodes, error, stats,
+    scores)``, what :func:`make_verify_tree_op` with ``scored=True`` wraps."""
+    def launch_scored(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                      max_depth, return_stats):
+        scores = empty_verify_scores(logits, max_depth)
+        out = launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, top_k, top_p, seed, offset,
+                     max_depth, return_stats, scores=scores)
+        return (*out, scores)
+
+    return launch_scored
+
+
 def make_verify_tree_op(op_name: str, launch, scored: bool = False):
     """A kernel backend's ``verify_tree``: ``launch(logits, draft_tokens, parents, num_nodes, draft_probs,
     temperature, top_k, top_p, seed, offset, max_depth, return_stats)`` returns ``(tokens, num_accepted,
