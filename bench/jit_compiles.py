@@ -23,6 +23,11 @@ class CompileCounter:
     def count(self) -> int:
         return sum(self.kernels.values())
 
+    def describe(self, where: str) -> str:
+        """A note for a row: ``"<where>: N Triton compiles: kernel n, ..."``."""
+        kernels = ", ".join(f"{name} {n}" for name, n in self.kernels.most_common())
+        return f"{where}: {self.count} Triton compiles: {kernels}"
+
     def _hook(self, *args, **kwargs):
         fn = kwargs.get("fn")
         self.kernels[getattr(fn, "name", None) or "?"] += 1

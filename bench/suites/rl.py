@@ -47,8 +47,8 @@ from tlt_kernels.engine.probe import synced_seconds
 
 from ..flags import Flag, positive_int, str_list, values
 from ..grpo import common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
-from ..rl_task import problems, reward
 from ..jit_compiles import CompileCounter
+from ..rl_task import problems, reward
 from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
@@ -253,8 +253,7 @@ class RLRun:
         with CompileCounter() as jit:
             out = way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed + index)
         if jit.count:
-            self.ctx.note(f"{way.name}, step {index}: {jit.count} Triton compiles in the rollout: "
-                          + ", ".join(f"{name} {n}" for name, n in jit.kernels.most_common()))
+            self.ctx.note(jit.describe(f"{way.name}, step {index}, in the rollout"))
         way.first = way.first or out
         way.arm_steps.update(out.arm_steps)
         rewards = [reward(self.decode(r), answer) for r, answer in zip(out.responses, answers)]

@@ -67,9 +67,8 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..jit_compiles import CompileCounter
-
 from ..flags import Flag, int_list, non_negative_int, positive_int, str_list, values
+from ..jit_compiles import CompileCounter
 
 SUITE = "rollout"
 
@@ -462,8 +461,7 @@ class RolloutRun:
         tail_s = sum(s.seconds for s in out.steps if s.batch_size < work.batch / 4)
         jit = self.timed_compiles
         if jit.count:
-            self.ctx.note(f"{impl}, {work.name} B={work.batch}: {jit.count} Triton compiles in its timed rollouts: "
-                          + ", ".join(f"{name} {n}" for name, n in jit.kernels.most_common()))
+            self.ctx.note(jit.describe(f"{impl}, {work.name} B={work.batch}, in its timed rollouts"))
         self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
                              tail_s=round(tail_s, 4), graph_steps=sum(s.graph for s in out.steps),
                              jit_compiles=jit.count)

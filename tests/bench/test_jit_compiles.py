@@ -24,6 +24,7 @@ def test_counts_compiles_by_kernel_and_restores_the_hook():
             _compile("_attn")
             _compile("_step")
         assert jit.count == 3 and jit.kernels == {"_step": 2, "_attn": 1}
+        assert jit.describe("plain, B=4") == "plain, B=4: 3 Triton compiles: _step 2, _attn 1"
         assert seen == ["_step", "_attn", "_step"]  # the earlier hook still sees every compile
         assert knobs.runtime.jit_post_compile_hook is outer
     finally:
