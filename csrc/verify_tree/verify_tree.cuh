@@ -409,23 +409,26 @@ __device__ __forceinline__ ScoredPartial shfl_xor(const ScoredPartial& v, int o)
   return ScoredPartial{shfl_xor(v.p, o), __shfl_xor_sync(0xffffffffu, v.z1, o)};
 }
 
-// A thread's running temperature-1 normalizer over its vectors (scored kernels): z in the frame of the running max
-// m, rescaled when m grows, the same online form as row_state's sampling normalizer.
-struct RawNorm {
+// A thread's running sum of 2^((x - m) ks) over its vectors, online: m is the running max, z is in its frame and is
+// rescaled (once per vector) when m grows. One form for the sampling normalizer (ks = the temperature's scale) and
+// the scored kernels' raw one (ks = log2 e, temperature 1, no filter).
+struct OnlineSum {
   float m = -INFINITY, z = 0.f;
+  Expo e{1.f, 0.f, 0.f};  // of m, once m > -inf
 };
 
-// Adds one vector x (its max vmax, from the caller's argmax tree) to r.
-__device__ __forceinline__ void raw_add(RawNorm& r, const float (&x)[kVec], float vmax) {
+// Adds one vector x (its max vmax, from the caller's argmax tree) to r; the terms are summed pairwise (short
+// dependency chains).
+__device__ __forceinline__ void online_add(OnlineSum& r, const float (&x)[kVec], float vmax, float ks) {
   if (vmax > r.m) {
-    r.z *= weight(r.m, make_expo(vmax, kLog2e));  // m = -inf: z is 0 and stays 0
+    r.e = make_expo(vmax, ks);
+    r.z *= weight(r.m, r.e);  // m = -inf: z is 0 and stays 0
     r.m = vmax;
   }
-  if (r.m == -INFINITY) return;
-  const Expo e = make_expo(r.m, kLog2e);
+  if (r.m == -INFINITY) return;  // a row of -inf so far adds nothing (a NaN row is flagged bad anyway)
   float w[kVec];
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) w[i] = weight(x[i], e);
+  for (int i = 0; i < kVec; ++i) w[i] = weight(x[i], r.e);
 #pragma unroll
   for (int s = 1; s < kVec; s <<= 1) {
 #pragma unroll
@@ -780,7 +783,7 @@ __device__ void topp_from_candidates(const TL* row, bool row_al, int lo, int hi,
 // kernels fold the raw normalizer `raw` with it, in the same shuffles and barriers, into z1 (in the frame of the
 // result's m); the others fold the plain Partial, as before.
 template <bool SCORED>
-__device__ __forceinline__ Partial fold_stats(const Partial& t, const RawNorm& raw, bool online, Cluster& cl,
+__device__ __forceinline__ Partial fold_stats(const Partial& t, const OnlineSum& raw, bool online, Cluster& cl,
                                               VerifySmem& sm, Plan& plan, float ks, float& z1) {
   if constexpr (SCORED) {
     const ScoredPartial c = cluster_fold(block_fold(ScoredPartial{t, raw.z}, sm, ks), cl, sm, online ? &plan : nullptr, ks);
@@ -812,9 +815,8 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
   // The normalizer is also wanted as the candidates' bound (top-p over compacted candidates).
   const bool want_z = online || (cand != nullptr && cut_p && !cut_k && !greedy);
   const bool want_z1 = SCORED && !(online && ks == kLog2e);
-  RawNorm raw;
-  float bv = -INFINITY, m = -INFINITY, z = 0.f, qs = 0.f;
-  Expo em = make_expo(0.f, ks);  // of the running max m, once m > -inf
+  OnlineSum norm, raw;  // the sampling normalizer (want_z) and the raw one (want_z1)
+  float bv = -INFINITY, qs = 0.f;
   int bi = -1;
   bool nan = false;
   TLT_PROF_MARK("row");
@@ -858,27 +860,9 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
       for (int i = 0; i < kVec; i += 2 * w) qq[i] += qq[i + w];
     }
     qs += qq[0];
-    if (want_z) {
-      // Online normalizer: rescale z once per vector when the running max grows (a NaN row is bad anyway).
-      if (v[0] > m) {
-        em = make_expo(v[0], ks);
-        z *= weight(m, em);  // m = -inf: z is 0 and stays 0
-        m = v[0];
-      }
-      if (m > -INFINITY) {
-        float e[kVec];
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) e[i] = weight(x[i], em);
-#pragma unroll
-        for (int w = 1; w < kVec; w <<= 1) {
-#pragma unroll
-          for (int i = 0; i < kVec; i += 2 * w) e[i] += e[i + w];
-        }
-        z += e[0];
-      }
-    }
+    if (want_z) online_add(norm, x, v[0], ks);
     if constexpr (SCORED) {
-      if (want_z1) raw_add(raw, x, v[0]);
+      if (want_z1) online_add(raw, x, v[0], kLog2e);
     }
   });
   TLT_PROF_MARK("stats_sweep");
@@ -888,10 +872,10 @@ __device__ RowState row_state(const TL* row, const TQ* q_row, bool want_q, int l
                         static_cast<uint32_t>(~static_cast<uint32_t>(bi));
   t.bad = nan || bv == INFINITY;
   t.q = qs;
-  // (m, z) unused otherwise: keep the fold's rescale trivially exact. Where both sums run, m == raw.m (the same
+  // (m, z) unused otherwise: keep the fold's rescale trivially exact. Where both sums run, norm.m == raw.m (the same
   // updates of the same running max), so the fold's m is the frame of both.
-  t.m = want_z ? m : want_z1 ? raw.m : 0.f;
-  t.z = want_z ? z : 0.f;
+  t.m = want_z ? norm.m : want_z1 ? raw.m : 0.f;
+  t.z = want_z ? norm.z : 0.f;
   float z1 = 0.f;
   const Partial c = fold_stats<SCORED>(t, raw, online, cl, sm, plan, ks, z1);
   RowState s;
