@@ -239,9 +239,8 @@ def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, n
 
 def _bench_logprobs(ctx, graphs: bool, case, name, impl, tree, kw, ref, nbytes, extra) -> None:
     """``<impl>-logprobs`` (and ``-logprobs-graph``): the call with both log-prob outputs on (``tree`` = logits,
-    draft tokens, parents), through the op's scoring path for the backend (Triton: the walk scores its own tokens;
-    CUDA: the walk, then the Triton pass, until its fused walk is the default); its tokens are checked against the
-    reference's too."""
+    draft tokens, parents), through the op's scoring path for the backend (on both, the walk scores its own tokens);
+    its tokens are checked against the reference's too."""
     op = lambda: verify_tree(*tree, backend=impl, return_logprobs=True, return_raw_logprobs=True, **kw)  # noqa: E731
     same = (op().tokens == ref.tokens).all(1).float().mean().item()
     ctx.add(case, f"{name}-logprobs", ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)

@@ -266,13 +266,12 @@ def test_scoring_kernel_compiles_for_sm90():
 
 def test_cuda_scored_op_registers_with_its_fake():
     """CPU: the CUDA backend has a scored entry point, a torch.library op of its own whose fake gives six outputs, the
-    scores ``float32 [B, max_depth+1, 2]``, on fake tensors and on meta tensors; it is not yet the op's default path
-    (the walk's scores have not run on a GPU: the op scores after the walk until they have)."""
+    scores ``float32 [B, max_depth+1, 2]``, on fake tensors and on meta tensors; it is the op's log-prob path."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tlt_kernels._cuda.verify_tree import verify_tree_cuda, verify_tree_cuda_scored
 
-    assert verify_tree_cuda.scored is None and verify_tree_cuda_scored.op is not verify_tree_cuda.op
+    assert verify_tree_cuda.scored is verify_tree_cuda_scored and verify_tree_cuda_scored.op is not verify_tree_cuda.op
     B, T, V, D = 3, 6, 11, 4
 
     def call(dev, stats):
@@ -307,15 +306,6 @@ def _cuda_kw(rule, B, g):
         return dict(temperature=temp, top_k=torch.randint(0, 40, (B,), generator=g, dtype=torch.int32),
                     top_p=torch.rand(B, generator=g) * 0.9 + 0.1)
     raise KeyError(rule)
-
-
-@pytest.fixture
-def fused_cuda_scores(monkeypatch):
-    """The op takes the CUDA walk's fused scores (``verify_tree_cuda.scored``) for the test: not its default until
-    these tests have passed on a GPU (tlt_kernels/_cuda/verify_tree.py)."""
-    from tlt_kernels._cuda import verify_tree as cv
-
-    monkeypatch.setattr(cv.verify_tree_cuda, "scored", cv.verify_tree_cuda_scored)
 
 
 def _poisoned_scores(monkeypatch):
@@ -366,7 +356,7 @@ CUDA_SCORED_CASES = [
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule,q_dtype,V,T,B,dtype", CUDA_SCORED_CASES)
 @pytest.mark.parametrize("cluster", [0, 1, 2, 4, 8, 16])
-def test_cuda_scored_walk_matches_the_reference(fused_cuda_scores, monkeypatch, rule, q_dtype, V, T, B, dtype, cluster):
+def test_cuda_scored_walk_matches_the_reference(monkeypatch, rule, q_dtype, V, T, B, dtype, cluster):
     """The CUDA walk's fused scores against the float64 reference's of the same tokens, at every cluster size (the
     raw normalizer folded over 1 to 16 CTAs; 0 = the launcher's choice), greedy / temperature-1 / top-k / top-p rows,
     fp32 / fp16 / bf16 logits and draft rows (rejections, then later children accepted), the top-p threshold over
@@ -399,7 +389,7 @@ def test_cuda_scored_walk_matches_the_reference(fused_cuda_scores, monkeypatch, 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [1, 4])
-def test_cuda_scores_of_flagged_requests_are_zero(fused_cuda_scores, monkeypatch, cluster):
+def test_cuda_scores_of_flagged_requests_are_zero(monkeypatch, cluster):
     """Requests flagged after accepting drafts (a NaN in a row deeper on the path; a draft token outside the
     vocabulary tried after an accept, validate=False): the pairs written at their accepts are reset to 0 with the
     rest of their outputs; the other requests keep reference scores."""
@@ -428,7 +418,7 @@ def test_cuda_scores_of_flagged_requests_are_zero(fused_cuda_scores, monkeypatch
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("max_depth", [0, 2, 6, 11])
-def test_cuda_scores_fill_any_width(fused_cuda_scores, monkeypatch, max_depth):
+def test_cuda_scores_fill_any_width(monkeypatch, max_depth):
     """Output widths below, at and past the tree's depth (max_depth + 1 columns; beyond T - 1 the kernel's staged
     path stops at T - 1): every column written, 0 past the final token."""
     need_backend("verify_tree", "cuda", torch.device("cuda"))
@@ -449,7 +439,7 @@ def test_cuda_scores_fill_any_width(fused_cuda_scores, monkeypatch, max_depth):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [1, 4])
-def test_cuda_scores_of_deep_unstaged_trees(fused_cuda_scores, monkeypatch, cluster):
+def test_cuda_scores_of_deep_unstaged_trees(monkeypatch, cluster):
     """T = 2100 (past the kernel's shared-memory staging of the tree) with a 2099-draft chain accepted whole: a pair
     per depth, written at each accept."""
     need_backend("verify_tree", "cuda", torch.device("cuda"))
@@ -470,7 +460,7 @@ def test_cuda_scores_of_deep_unstaged_trees(fused_cuda_scores, monkeypatch, clus
 
 
 @pytest.mark.cuda
-def test_cuda_scores_of_huge_logits(fused_cuda_scores):
+def test_cuda_scores_of_huge_logits():
     """Rows whose maximum is at least 2**102 (the weights' halved exponent, so that x - max stays finite): equal
     logits of 2**110 score -ln V under both laws (0 sampled for greedy requests); one row also holds -2**110."""
     need_backend("verify_tree", "cuda", torch.device("cuda"))
@@ -489,7 +479,7 @@ def test_cuda_scores_of_huge_logits(fused_cuda_scores):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [2, 16])
-def test_cuda_scored_walk_in_a_cuda_graph(fused_cuda_scores, monkeypatch, cluster):
+def test_cuda_scored_walk_in_a_cuda_graph(monkeypatch, cluster):
     """The scored cluster kernel captured in a CUDA graph: replays with new logits give the eager call's bits."""
     need_backend("verify_tree", "cuda", torch.device("cuda"))
     from cuda_cases import verify_inputs

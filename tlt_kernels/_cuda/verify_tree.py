@@ -136,7 +136,5 @@ verify_tree_cuda.__doc__ = """CUDA backend of :func:`tlt_kernels.verify_tree` (i
 
 _verify_tree_scored_op, verify_tree_cuda_scored = make_verify_tree_op("tlt::verify_tree_cuda_scored",
                                                                       scored_launch(_launch), scored=True)
-# Not yet the op's path: the fused scores have not run on a GPU (tests/ops/test_verify_tree_logprobs.py's CUDA section
-# attaches it, `fused_cuda_scores`). Until those tests pass there, log-probs on this backend come from the walk then
-# the checked Triton pass (tlt_kernels._triton.path_logprobs); attaching it is this one assignment.
-verify_tree_cuda.scored = None
+# The op's log-prob path on this backend: the walk scores the tokens it emits (no second pass over the rows).
+verify_tree_cuda.scored = verify_tree_cuda_scored

@@ -302,9 +302,8 @@ def verify_tree(
         0 past ``num_accepted`` and on flagged requests; they read only the rows the walk read (the accepted path's).
         Triton backend: fused into the walk, float32 (each visited row's statistics pass also sums the raw,
         temperature-1 normalizer; a token's scores come from its row's normalizers and one element of the row). CUDA
-        backend: the walk, then one Triton pass over the accepted path's rows (:mod:`tlt_kernels._triton.path_logprobs`,
-        float32); its fused walk (``verify_tree_cuda_scored``) is built and tested but not yet run on a GPU, so not
-        yet the default. ``backend="torch"``: float64 torch ops. No host sync (capturable).
+        backend: fused the same way (``verify_tree_cuda_scored``, kernel instantiations of their own), float32.
+        ``backend="torch"``: float64 torch ops. No host sync (capturable).
         On every backend, a request whose walk visits a row holding NaN/+inf or only -inf (or tries a child
         whose token lies outside ``[0, V)``, which ``validate=True`` rejects up front) gets ``error[b] = 1``, tokens
         -1, num_accepted 0, accepted_nodes ``[0, -1, ...]`` and zero stats; the other requests are unaffected. No
