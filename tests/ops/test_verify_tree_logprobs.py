@@ -241,25 +241,6 @@ def test_logprobs_in_a_cuda_graph(backend):
     assert torch.allclose(out.logprobs, want.logprobs) and torch.allclose(out.raw_logprobs, want.raw_logprobs)
 
 
-_COMPILE_SM90 = r"""
-from tlt_kernels._triton import path_logprobs as m
-
-for logits in ("*bf16", "*fp32", "*fp16"):
-    for flags in ((True, True, True), (False, False, False), (True, False, True)):
-        consts = dict(HAS_TEMP=flags[0], HAS_TOPK=flags[1], HAS_TOPP=flags[2], BLOCK=4096)
-        types = [logits, "*i32", "*i32", "*i32", "*i32", "*fp32", "*i32", "*fp32", "*fp32", "*fp32"] + ["i64"] * 5 + ["i32"]
-        compile_sm90(m._path_logprobs_kernel, types, consts, 4)
-"""
-
-
-@pytest.mark.slow
-def test_scoring_kernel_compiles_for_sm90():
-    """The interpreter accepts code the compiler rejects: compile the scoring kernel for sm_90."""
-    from conftest import compile_for_sm90
-
-    compile_for_sm90(_COMPILE_SM90)
-
-
 # ---------------------------------------------------------------------------------------------
 # CUDA backend: the walk scores its own tokens (tlt_kernels._cuda.verify_tree: verify_tree_cuda.scored)
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .._backend import backend_unavailable_reason, register_op
+from .._backend import register_op
 from .._validation import check_tensor, dense, per_request
 from ..reference.verify_tree import VerifyResult, path_logprobs
 from ..tree import resolve_num_nodes, tree_depths, validate_tree
@@ -218,16 +218,9 @@ def _kernel_layout(logits, draft_tokens, parents, num_nodes, draft_probs, temper
             dense(top_k), dense(top_p), dense(seed), dense(offset))
 
 
-def _score(logits, result: VerifyResult, temperature, top_k, top_p, backend: str, device, sampled: bool, raw: bool):
-    """The walk's log-probs (:func:`path_logprobs`'s contract) for a backend whose walk does not score its own tokens
-    (no ``scored`` entry point; the Triton walk has one): one Triton pass over the accepted path's rows
-    where Triton runs, else the float64 torch pass (``backend="torch"``, or no Triton here)."""
-    if backend != "torch" and backend_unavailable_reason("triton", device) is None:
-        from .._triton.path_logprobs import path_logprobs as launch
-
-        scores = launch(logits, result.tokens, result.accepted_nodes, result.num_accepted, result.error, temperature,
-                        top_k, top_p)
-        return scores[0] if sampled else None, scores[1] if raw else None
+def _score(logits, result: VerifyResult, temperature, top_k, top_p, sampled: bool, raw: bool):
+    """The walk's log-probs for a backend whose walk does not score its own tokens (no ``scored`` entry point: the
+    torch reference; the Triton and CUDA walks have one): the float64 pass over the accepted path's rows."""
     return path_logprobs(logits, result, temperature, top_k, top_p, sampled=sampled, raw=raw)
 
 
@@ -330,14 +323,13 @@ def verify_tree(
     inputs = _kernel_layout(logits, draft_tokens, parents, num_nodes_resolved, draft_probs, temp, k, tp, seed, offset)
     _, fn = _BACKENDS.resolve(backend, dev)
     scoring = bool(return_logprobs or return_raw_logprobs)
-    if scoring and getattr(fn, "scored", None) is not None:  # the walk scores its own tokens (Triton)
+    if scoring and getattr(fn, "scored", None) is not None:  # the walk scores its own tokens (Triton, CUDA)
         result = fn.scored(*inputs, max_depth, return_stats)
         return VerifyResult(*result[:5], result.logprobs if return_logprobs else None,
                             result.raw_logprobs if return_raw_logprobs else None)
     result = fn(*inputs, max_depth, return_stats)
     if not scoring:
         return result
-    logprobs, raw_logprobs = _score(inputs[0], result, temp, k, tp, backend, dev, bool(return_logprobs),
-                                    bool(return_raw_logprobs))
+    logprobs, raw_logprobs = _score(inputs[0], result, temp, k, tp, bool(return_logprobs), bool(return_raw_logprobs))
     # A new VerifyResult rather than _replace: TorchDynamo (torch 2.11) mistraces NamedTuple._replace.
     return VerifyResult(*result[:5], logprobs, raw_logprobs)
