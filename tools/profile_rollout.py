@@ -1,6 +1,6 @@
 """Where a real model's rollout step goes, host and GPU: ``python -m tools.profile_rollout --model-file PATH``.
 
-For plain decoding and the n-gram drafter's ``--arm`` at each ``--batches`` size: a graphed rollout of ``--tokens``
+For plain decoding and each of ``--drafters`` (n-gram, EAGLE) at ``--arm`` at each ``--batches`` size: a graphed rollout of ``--tokens``
 tokens per request on the chat prompts of ``bench/data/prompts.jsonl``, then the same rollout under ``cProfile``
 (the host's Python functions by own time, per step) and under ``torch.profiler`` (the GPU's kernels per step, their
 count and time, and the host's operators by self CPU time). A developer tool: its figures steer the engine's
@@ -36,7 +36,9 @@ def _parse_args():
                     help="cProfile and torch.profiler tables (default on)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens per request")
-    ap.add_argument("--arm", default="s4k1v5", help="the n-gram drafter's static strategy ('' for plain only)")
+    ap.add_argument("--arm", default="s4k1v5", help="the drafters' static strategy ('off' included; '' for plain only)")
+    ap.add_argument("--drafters", default="ngram",
+                    help="comma-separated drafters run with --arm: ngram, eagle (an untrained bf16 EAGLE layer)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report to DIR/profile_rollout.md")
     return ap.parse_args()
 
@@ -122,6 +124,17 @@ def _target_and_prompts(args):
     return target, [torch.randint(0, 49152, (96 + 8 * (i % 16),), generator=g).tolist() for i in range(96)]
 
 
+def _drafter(name: str, target):
+    """The engine's ``drafter=`` for a ``--drafters`` name."""
+    if name == "ngram":
+        return "ngram"
+    if name == "eagle":
+        from tlt_kernels.drafter import EagleDrafter
+
+        return EagleDrafter.for_target(target, dtype=torch.bfloat16, seed=0)
+    raise ValueError(f"--drafters: unknown drafter {name!r} (ngram, eagle)")
+
+
 def main() -> None:
     args = _parse_args()
     from tlt_kernels.runtime import Strategy
@@ -131,7 +144,8 @@ def main() -> None:
     max_seq = max(len(p) for p in prompt_ids) + args.tokens + 16
     configs = [("plain", None, Strategy.off())]
     if args.arm:
-        configs.append((f"ngram {args.arm}", "ngram", Strategy.parse(args.arm)))
+        configs += [(f"{name} {args.arm}", _drafter(name, target), Strategy.parse(args.arm))
+                    for name in args.drafters.split(",")]
     choices = {"off": [False], "on": [True], "both": [False, True]}
     lines = []
     for name, drafter, strategy in configs:
