@@ -89,17 +89,19 @@ def _torch_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
 
 def _profile(name, eng, prompts, tokens: int, detail: bool) -> List[str]:
     """The summary line (medians of 3 rollouts: decode ms per step, prefill excluded), then the tables."""
-    per_step, medians = [], []
+    per_step, medians, prefills, walls = [], [], [], []
     for _ in range(3):
         torch.cuda.synchronize()
         out = eng.generate(prompts, tokens)
         decode_s = out.wall_s - out.prefill_s
         per_step.append(1e3 * decode_s / len(out.steps))
         medians.append(sorted(s.seconds for s in out.steps)[len(out.steps) // 2] * 1e3)
+        prefills.append(out.prefill_s * 1e3)
+        walls.append(out.wall_s * 1e3)
     steps = len(out.steps)
     lines = [f"## {name}, B={len(prompts)}: {steps} steps, decode {sorted(per_step)[1]:.3f} ms/step (median step "
-             f"{sorted(medians)[1]:.3f} ms), accepted length {out.mean_accepted_length():.2f}, "
-             f"graph steps {sum(s.graph for s in out.steps)}"]
+             f"{sorted(medians)[1]:.3f} ms), prefill {sorted(prefills)[1]:.2f} ms, wall {sorted(walls)[1]:.1f} ms, "
+             f"accepted length {out.mean_accepted_length():.2f}, graph steps {sum(s.graph for s in out.steps)}"]
     if not detail:
         return lines
     return lines + _host_profile(eng, prompts, tokens, steps) + _torch_profile(eng, prompts, tokens, steps)
