@@ -122,6 +122,49 @@ def test_prefill_matches_dense(bias, tie, block_size, gen):
         torch.testing.assert_close(hidden[b, :n], ref_hidden, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("context", [0, 3])
+def test_prefill_writes_only_each_requests_valid_slots(context, gen):
+    """A right-padded batch (a fresh one, or a chunk after ``context`` cached slots) writes slots
+    ``context .. context + length - 1`` of each request and nothing else: the padding tokens' writes land on their
+    request's last valid slot with that slot's own K/V, and no other request's block is touched."""
+    model = make_model()
+    lens = torch.tensor([6, 1, 11], dtype=torch.int32)
+    B, L, block = 3, 11, 4
+    cache = PagedKVCache(model.config, 3 * 5 + 4, block)
+    table, ctx = cache.allocate(B, L + context + 2, generator=gen)
+    ctx += context
+    poison = 12345.0  # finite: a masked slot still enters attention as 0 * V, and NaN would spread
+    for pool in (cache.k_pool, cache.v_pool):
+        pool.fill_(poison)
+    tokens = torch.randint(0, model.config.vocab_size, (B, L), generator=gen)
+    if context:  # the cached prefix must hold finite K/V: prefill it first, one request per call
+        for b in range(B):
+            model.prefill(tokens[b : b + 1, :context], torch.tensor([context], dtype=torch.int32), cache,
+                          table[b : b + 1], torch.zeros(1, dtype=torch.int32))
+    model.prefill(tokens, lens, cache, table, ctx)
+    written = torch.zeros(cache.num_blocks * block, dtype=torch.bool)
+    for b in range(B):
+        end = context + int(lens[b])
+        slots = cache.flat_index(table[b : b + 1], torch.arange(end).view(1, -1)).flatten()
+        written[slots] = True
+    for pool in (cache.k_pool, cache.v_pool):
+        changed = (pool.flatten(1, 2) != poison).flatten(2).any(-1)  # [layers, slots]
+        assert torch.equal(changed, written.expand_as(changed))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_prefill_matches_dense(dtype, gen):
+    """Half-precision models prefill on the fused layer ops; the dense forward runs the unfused ones, with the same
+    rounding: the two agree to half-precision accuracy on a right-padded batch."""
+    model = make_model(dtype=dtype)
+    lens = [7, 1, 13]
+    _, _, tokens, _, logits, hidden = prefilled(model, lens, gen, block_size=4)
+    for b, n in enumerate(lens):
+        ref_logits, ref_hidden = dense(model, tokens[b, :n])
+        torch.testing.assert_close(logits[b].float(), ref_logits[-1].float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(hidden[b, :n].float(), ref_hidden.float(), atol=3e-2, rtol=3e-2)
+
+
 def test_chunked_prefill_matches_one_shot(gen):
     model = make_model()
     cache, table, tokens, lens, logits, _ = prefilled(model, [9, 5], gen, block_size=4)

@@ -393,32 +393,47 @@ class LlamaForCausalLM(nn.Module):
         check_tensor("lengths", lengths, dtype=_INT, shape=(B,), device=self.device)
         self._check_cache(cache, block_table, context_lens, B)
         lens, ctx = lengths.long(), context_lens.long()
-        if bool(((lens < 1) | (lens > L)).any()):
-            raise ValueError(f"lengths must lie in [1, L={L}], got {lengths.tolist()}")
-        if bool((ctx < 0).any()):
-            raise ValueError(f"context_lens must be >= 0, got {context_lens.tolist()}")
-        check_token_ids("tokens", tokens, self.config.vocab_size, lens)
         end = ctx + lens
-        room = block_table.shape[1] * cache.block_size
-        if int(end.max()) > room:
-            raise ValueError(f"block_table covers {room} slots but context_lens + lengths reaches {int(end.max())}")
+        S = self._check_prefill_lengths(tokens, lens, ctx, end, block_table.shape[1] * cache.block_size)
         j = torch.arange(L, device=tokens.device).unsqueeze(0)
         valid = j < lens.unsqueeze(1)
         positions = ctx.unsqueeze(1) + j
-        S = int(end.max())
         s = torch.arange(S, device=tokens.device).view(1, 1, S)
         # Query j sees slots up to its own; padding rows are clamped to the last valid token so no row is empty.
         last = positions.minimum(end.unsqueeze(1) - 1).unsqueeze(2)
         mask = (s <= last).unsqueeze(1)
+        # One write index and one read index for every layer. A padding token writes its request's last valid
+        # slot with that token's own K/V (the same values twice): no masked write (a host sync per layer), and
+        # nothing lands outside the request's valid slots.
+        source = torch.minimum(j, lens.unsqueeze(1) - 1)
+        write_slots = cache.flat_index(block_table, ctx.unsqueeze(1) + source).flatten()
+        source_rows = (torch.arange(B, device=tokens.device).unsqueeze(1) * L + source).flatten()
+        read_slots = cache.flat_index(block_table, s.view(1, S).expand(B, S))
 
         def attend(i, q, k, v):
-            cache.write(i, block_table, positions, k, v, mask=valid)
-            kc, vc = cache.gather(i, block_table, S)
-            return _sdpa(q, kc.to(q.dtype), vc.to(q.dtype), mask, False, self.sm_scale)
+            cache.write_at(i, write_slots, k.flatten(0, 1)[source_rows], v.flatten(0, 1)[source_rows])
+            k_rows, v_rows = cache.layer_rows(i)
+            return _sdpa(q, k_rows[read_slots].to(q.dtype), v_rows[read_slots].to(q.dtype), mask, False, self.sm_scale)
 
-        hidden = self._trunk(tokens.masked_fill(~valid, 0), positions, attend)
+        # Half-precision models run the fused layer ops, as in forward_tree (fewer launches, the same rounding).
+        fused = self.dtype in (torch.bfloat16, torch.float16)
+        hidden = self._trunk(tokens.masked_fill(~valid, 0), positions, attend, fused=fused)
         last_hidden = hidden[torch.arange(B, device=tokens.device), lens - 1]
         return self.logits(last_hidden), hidden
+
+    def _check_prefill_lengths(self, tokens, lens, ctx, end, room: int) -> int:
+        """prefill's value checks in one host sync (plus the token ids'); returns the longest ``context + length``."""
+        L = tokens.shape[1]
+        lens_min, lens_max, ctx_min, end_max = (int(v) for v in torch.stack([lens.min(), lens.max(), ctx.min(),
+                                                                             end.max()]).tolist())
+        if lens_min < 1 or lens_max > L:
+            raise ValueError(f"lengths must lie in [1, L={L}], got {lens.tolist()}")
+        if ctx_min < 0:
+            raise ValueError(f"context_lens must be >= 0, got {ctx.tolist()}")
+        check_token_ids("tokens", tokens, self.config.vocab_size, lens)
+        if end_max > room:
+            raise ValueError(f"block_table covers {room} slots but context_lens + lengths reaches {end_max}")
+        return end_max
 
     def plan_tree(self, parents: torch.Tensor, num_nodes: Optional[torch.Tensor], cache: PagedKVCache, block_table: torch.Tensor,
                   context_lens: torch.Tensor, max_context_len: Optional[int] = None, validate: bool = True):
