@@ -20,8 +20,9 @@ Rows per workload (greedy, each after an untimed warm-up):
   fails; ``warmup_s``: its untimed first run, compilation included). Both decode every request to the longest
   one's length (static batching) and count each request's own tokens;
 * ``plain``: our engine without drafting (CUDA graphs of the step on the GPU);
-* ``ngram off``: plain decoding in an engine with the n-gram drafter, whose state every step keeps up (what an
-  adaptive engine's plain steps cost, against ``plain``'s);
+* ``ngram off``: plain decoding in an engine with the n-gram drafter, which learns the plain steps' tokens in one
+  deferred commit every ``lazy_commit_steps`` steps (what an adaptive engine's plain steps cost, against
+  ``plain``'s);
 * ``ngram <arm>``: each static ``--arms`` strategy with the n-gram (prompt lookup) drafter;
 * ``ngram adaptive``: the StrategySelector over those arms, cold (a fresh selector; on the GPU with its start-up
   cost table from ``measure_cost_table``); ``ngram adaptive (warm)`` keeps the selector of a previous rollout over
@@ -525,8 +526,8 @@ class RolloutRun:
         drafters = [d for d in ("ngram", "eagle") if d in self.p.drafters and (d != "eagle" or self.p.eagle_checkpoint)]
         out = [EngineConfig("plain", "none", (Strategy.off(),))]
         for drafter in drafters:
-            # "off": plain decoding in an engine that carries the drafter (its state kept up every step), what an
-            # adaptive engine's plain steps cost against the plain engine's.
+            # "off": plain decoding in an engine that carries the drafter (its commits deferred, then caught up),
+            # what an adaptive engine's plain steps cost against the plain engine's.
             out.append(EngineConfig(f"{drafter} off", drafter, (Strategy.off(),)))
             out += [EngineConfig(f"{drafter} {arm}", drafter, (arm,)) for arm in arms]
             out.append(EngineConfig(f"{drafter} adaptive", drafter, arms, adaptive=True))

@@ -381,7 +381,8 @@ def test_gpu_bf16_kernels_with_graphs():
 def test_eagle_graph_paths_on_cpu_fake_backend(target, prompts):
     """The padded draft / extend / verify graph inputs (sink rows, prefix outputs) through a GraphPool whose
     fake backend replays the captured closures: greedy output still equals plain decoding, and every step
-    ran from "graphs" (draft, extend and verify all hit)."""
+    ran from "graphs" (draft, extend and verify all hit; a plain step replays the plain step's graph, its drafter
+    commit deferred)."""
     from tlt_kernels.runtime import GraphPool
     from tlt_kernels.runtime.graph_pool import FakeGraphBackend
 
@@ -398,7 +399,7 @@ def test_eagle_graph_paths_on_cpu_fake_backend(target, prompts):
         assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
     assert all(s.graph for s in out.steps)
     st = pool.stats()
-    assert st["misses"] == 0 and st["hits"] >= 3 * len(out.steps) - sum(s.strategy == "off" for s in out.steps)
+    assert st["misses"] == 0 and st["hits"] >= 3 * len(out.steps) - 2 * sum(s.strategy == "off" for s in out.steps)
 
 
 @pytest.mark.parametrize("kind", ["none", "eagle", "ngram", "union"])

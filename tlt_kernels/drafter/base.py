@@ -74,6 +74,11 @@ class Drafter(Protocol):
     ``siblings`` int64 ``[B, S]``: the other rows of each request's group (-1 padded). A drafter that can draft
     from them (the n-gram drafter) keeps them for the rollout; others ignore them. ``snapshot() -> restore()``: a
     drafter whose fused commit writes its state in place (the n-gram histories) restores it after a trace probe.
+    ``lazy_commit`` (bool): the engine may defer this drafter's commits over plain steps and hand them over later
+    as one :class:`AcceptedPath` per request (up to ``SpeculativeEngine(lazy_commit_steps=)`` tokens wide, where
+    ``num_new`` may be 0: nothing to learn), through the same :meth:`commit` with ``new_state=None``, before the
+    next :meth:`propose`. ``commit_reads_hidden`` (bool): whether that commit reads ``path.hidden`` (else the
+    engine keeps no features for it).
     """
 
     module: Optional[torch.nn.Module]  # trainable weights the spot trainer publishes into, or None
@@ -144,6 +149,10 @@ class DrafterBase:
     """
 
     module: Optional[torch.nn.Module] = None
+    # The engine may defer commits over plain steps (Drafter's docstring); off by default: a custom drafter's
+    # commit may not take paths of any width.
+    lazy_commit: bool = False
+    commit_reads_hidden: bool = True
     # None: the drafter runs inside a fused step graph; else the ValueError message for fuse_step=True.
     fused_step_error: Optional[str] = ("fuse_step=True supports plain decoding, the n-gram and EAGLE drafters and "
                                        "their union; use fuse_step=False with this drafter")

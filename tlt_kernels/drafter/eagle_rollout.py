@@ -28,6 +28,7 @@ class EagleRolloutDrafter(DrafterBase):
     """Drives an :class:`~tlt_kernels.drafter.EagleDrafter` (``module``) over a rollout."""
 
     fused_step_error = None
+    lazy_commit = True  # the extension takes any number of pairs per request (0 included)
 
     def __init__(self, model: EagleDrafter, device: torch.device):
         model_device = next(model.parameters()).device

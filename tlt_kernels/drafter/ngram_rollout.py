@@ -47,6 +47,8 @@ class NGramRolloutDrafter(DrafterBase):
     """
 
     fused_step_error = None
+    lazy_commit = True  # the commit appends any number of tokens (0 included)
+    commit_reads_hidden = False
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_group_size: int = DEFAULT_MAX_GROUP_SIZE):
         check_positive_ints("NGramRolloutDrafter", max_group_size=max_group_size)

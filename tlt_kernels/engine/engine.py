@@ -57,6 +57,7 @@ from ..models.kv_cache import PagedKVCache
 from ..models.llama import check_token_ids
 from ..ops.verify_tree import verify_tree
 from ..runtime.strategy import Strategy
+from .backlog import DrafterBacklog
 from .capture import FeatureCapture
 from .graphs import GraphReplay
 from .groups import sibling_table
@@ -135,12 +136,17 @@ class SpeculativeEngine:
             sampled from) and :attr:`GenerateOutput.raw_logprobs` (``log_softmax`` of the target's logits), what an
             RL trainer's importance ratios need from the rollout. Set at construction: the step graphs capture the
             scoring (``verify_tree(return_logprobs=True, return_raw_logprobs=True)``).
+        lazy_commit_steps: with a drafter that allows it (the n-gram and EAGLE drafters: ``lazy_commit``), plain
+            steps leave the drafter alone and stash what they emitted (:mod:`tlt_kernels.engine.backlog`); the
+            drafter learns the stash as one path before its next draft, or after this many plain steps. A plain
+            step then costs what plain decoding's does. 0: the drafter commits every step.
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
-                 overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False):
+                 overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
+                 lazy_commit_steps: int = 32):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -179,10 +185,23 @@ class SpeculativeEngine:
         self.sink_table, _ = self.cache.allocate(1, self.slots_per_request)
         self.graph_pool = graph_pool
         self.graphs = GraphReplay(graph_pool)
-        runner_class = FusedGraphStepRunner if fuse_step else SeparateGraphStepRunner
+        self.backlog = self._backlog(lazy_commit_steps)
         self.logprobs = bool(logprobs)
-        self.step_runner = runner_class(TargetStep(target, self.cache, self.sink_table, backend, self.logprobs),
-                                        self.tree_drafter, self.graphs)
+        target_step = TargetStep(target, self.cache, self.sink_table, backend, self.logprobs)
+        if fuse_step:  # plain steps of a lazy drafter replay a graph without its commit
+            self.step_runner = FusedGraphStepRunner(target_step, self.tree_drafter, self.graphs,
+                                                    plain_steps_without_drafter=self.backlog is not None)
+        else:
+            self.step_runner = SeparateGraphStepRunner(target_step, self.tree_drafter, self.graphs)
+
+    def _backlog(self, lazy_commit_steps) -> Optional[DrafterBacklog]:
+        """The stash of deferred plain steps (None: the drafter commits every step)."""
+        if not _int(lazy_commit_steps, 0):
+            raise ValueError(f"lazy_commit_steps must be an int >= 0, got {lazy_commit_steps!r}")
+        if lazy_commit_steps == 0 or not getattr(self.tree_drafter, "lazy_commit", False):
+            return None
+        return DrafterBacklog(self.max_batch_size, lazy_commit_steps, self.target.config.hidden_size,
+                              self.target.dtype, self.device, getattr(self.tree_drafter, "commit_reads_hidden", True))
 
     @property
     def graph_error(self) -> Optional[str]:
@@ -304,6 +323,8 @@ class SpeculativeEngine:
             wall_s = self._finish(rollout)
         finally:
             self.cache.free(block_table)
+            if self.backlog is not None:
+                self.backlog.clear()
             self.tree_drafter.finish()
         self.rollout_step += 1
         errors = sorted(rollout.errors)
@@ -400,9 +421,13 @@ class SpeculativeEngine:
         strategy = self.static if self.selector is None else self.selector.select(batch_size)
         if self.spot_trainer is not None:
             self.tree_drafter.load_published(self.spot_trainer.holder)
+        # A plain step defers the drafter's commit (trace probes draft from the live state: never then).
+        deferred = self.backlog is not None and rollout.trace is None and self.tree_drafter.tree_width(strategy) == 1
+        if self.backlog is not None and self.backlog.size and (self.backlog.full or not deferred):
+            self._catch_up()
         inputs = StepInputs(rows, rollout.active_block_table(), rollout.context_lens[rows], rollout.root_tokens[rows],
-                            self.tree_drafter.state_rows(rows), rollout.sampling, rollout.offsets,
-                            max_context_len=rollout.max_context_len())
+                            [] if deferred else self.tree_drafter.state_rows(rows), rollout.sampling,
+                            rollout.offsets, max_context_len=rollout.max_context_len())
         if rollout.trace is not None:
             rollout.trace.append(probe_arms(self.step_runner, self.strategies, self.covers, inputs, self.device))
         result = self.step_runner.run(strategy, inputs)
@@ -414,8 +439,14 @@ class SpeculativeEngine:
                                                rollout.eos_token_id, depth, list(rollout.active_rows))
         if start is not None:
             rollout.record_scores(rows, start, emission.counts, result.scores)
-        self._commit(rollout, inputs, result, num_accepted, emission.keep)
+        self._commit(rollout, inputs, result, num_accepted, emission.keep, deferred)
         return LaunchedStep(strategy, result.width, result.replayed, staged, started)
+
+    def _catch_up(self) -> None:
+        """The drafter learns the deferred plain steps, one path per request (before it drafts, or when the backlog
+        is full); device work only."""
+        rows, path = self.backlog.take()
+        self.tree_drafter.commit(rows, self.tree_drafter.state_rows(rows), path, self.graphs)
 
     def _finish_step(self, rollout: RolloutState, step: LaunchedStep) -> None:
         """Read a launched step's outcome (the step's one device-to-host read), then record and retire."""
@@ -425,13 +456,19 @@ class SpeculativeEngine:
             self._retire(rollout, step.staged.rows, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
 
-    def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, keep) -> None:
-        """The accepted path becomes the drafter's context and the captured features (the rollout's state was
-        committed by :meth:`RolloutState.finish_step`, which reads nothing these change). Rows that had finished or
-        failed now (``keep`` bool ``[b]``) keep their state (an overlapped step may run them once more: a failed
-        row's -1 token must not become its root); their drafter rows may take the path (never read again)."""
-        path = AcceptedPath(result.emitted, num_accepted, result.path_hidden)
-        self.tree_drafter.commit(inputs.rows, inputs.drafter_state, path, self.graphs, new_state=result.drafter_state)
+    def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, keep,
+                deferred: bool) -> None:
+        """The accepted path becomes the drafter's context (or, ``deferred``, joins the backlog) and the captured
+        features (the rollout's state was committed by :meth:`RolloutState.finish_step`, which reads nothing these
+        change). Rows that had finished or failed now (``keep`` bool ``[b]``) keep their state (an overlapped step
+        may run them once more: a failed row's -1 token must not become its root); their drafter rows may take the
+        path (never read again)."""
+        if deferred:
+            self.backlog.stash(inputs.rows, result.emitted[:, 0], result.path_hidden[:, 0], keep)
+        else:
+            path = AcceptedPath(result.emitted, num_accepted, result.path_hidden)
+            self.tree_drafter.commit(inputs.rows, inputs.drafter_state, path, self.graphs,
+                                     new_state=result.drafter_state)
         if rollout.features is not None:
             rollout.features.record(inputs.rows, inputs.context_lens, num_accepted.masked_fill(keep, -1),
                                     result.path_hidden, result.path_tokens)

@@ -6,7 +6,8 @@
   adaptive engine's "off" arm then costs what a plain engine's step costs.
 * :class:`FusedGraphStepRunner`: the whole step (draft, verify forward, accept, KV compaction, drafter extension)
   as one graph per (strategy, padded batch size): one launch per step instead of three. Without a graph for the
-  batch it falls back to the separate runner (whose parts then run eagerly).
+  batch it falls back to the separate runner (whose parts then run eagerly). With a drafter whose commits the engine
+  defers over plain steps, plain steps replay the drafter-free graph too.
 """
 from __future__ import annotations
 
@@ -205,18 +206,32 @@ class SeparateGraphStepRunner(StepRunner):
 
 
 class FusedGraphStepRunner(StepRunner):
-    """One graph per (strategy, padded batch size); the separate runner where none covers the batch."""
+    """One graph per (strategy, padded batch size); the separate runner where none covers the batch.
 
-    def __init__(self, target_step: TargetStep, drafter, graphs, fallback: Optional[StepRunner] = None):
+    ``plain_steps_without_drafter``: plain steps (tree width 1) replay a graph of the step without the drafter's
+    commit and return ``drafter_state=None``, so the engine commits them itself, or defers them (a ``lazy_commit``
+    drafter: :mod:`tlt_kernels.engine.backlog`)."""
+
+    def __init__(self, target_step: TargetStep, drafter, graphs, fallback: Optional[StepRunner] = None,
+                 plain_steps_without_drafter: bool = False):
         super().__init__(target_step, drafter, graphs)
         self.fallback = fallback or SeparateGraphStepRunner(target_step, drafter, graphs, plain_graph=False)
+        self.plain = FusedGraphStepRunner(target_step, NoDrafter(), graphs, fallback=self.fallback) \
+            if plain_steps_without_drafter else None
 
     @staticmethod
     def step_key(strategy):
         return ("step", strategy.num_steps, strategy.topk, strategy.num_verify)
 
+    def _runner(self, strategy) -> "FusedGraphStepRunner":
+        """The runner of ``strategy``'s steps: the drafter-free one for plain steps when there is one, else this."""
+        return self.plain if self.plain is not None and self.drafter.tree_width(strategy) == 1 else self
+
     def register_graphs(self, strategies, widths, sizes) -> None:
         for strategy in strategies:
+            if self._runner(strategy) is not self:
+                self.plain.register_graphs([strategy], widths, sizes)
+                continue
             self._add_graph(self.step_key(strategy), self._step_fn(strategy), sizes,
                             lambda B, strategy=strategy: self._pad_step(B))
 
@@ -227,6 +242,9 @@ class FusedGraphStepRunner(StepRunner):
         return [self.step_key(strategy)]
 
     def run(self, strategy, inputs: StepInputs) -> StepResult:
+        if self._runner(strategy) is not self:
+            result = self.plain.run(strategy, replace(inputs, drafter_state=[]))
+            return result._replace(drafter_state=None)  # the engine commits (or defers) the drafter's part
         if self.graphs.padded_size(self.step_key(strategy), inputs.batch_size) is None:
             return self.fallback.run(strategy, inputs)
         graph_inputs = [inputs.block_table, inputs.context_lens, inputs.root_tokens, *inputs.graph_sampling,
