@@ -46,6 +46,14 @@ def check_batch_size(batch_size, where: str) -> int:
     raise ValueError(f"{where}: batch_size must be an int >= 1 (requests in the step), got {batch_size!r}")
 
 
+def check_accepted_rows(rows, batch_size: int) -> int:
+    """``rows`` (the lagging rows an update's acceptance counts cover) as an int in ``[1, batch_size]``, or a
+    ValueError naming ``accepted_rows``."""
+    if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not 1 <= rows <= batch_size:
+        raise ValueError(f"accepted_rows must be an int in [1, batch_size={batch_size}], got {rows!r}")
+    return int(rows)
+
+
 def _scalar(value):
     """A 1-element list (what a ``[1]`` tensor's ``tolist()`` gives) as its element; anything else unchanged."""
     return value[0] if type(value) is list and len(value) == 1 else value
@@ -176,7 +184,7 @@ class StrategySelector:
         if type(batch_size) is not int or batch_size < 1:
             batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
         if accepted_rows is not None:
-            accepted_rows = self._check_accepted_rows(accepted_rows, batch_size)
+            accepted_rows = check_accepted_rows(accepted_rows, batch_size)
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):
@@ -200,13 +208,6 @@ class StrategySelector:
                as_pending(accepted_per_position), self.step, accepted_rows)
         self._pending.append(obs)
         self._drain()
-
-    @staticmethod
-    def _check_accepted_rows(rows, batch_size: int) -> int:
-        """``rows`` as an int in ``[1, batch_size]``, or a ValueError naming ``accepted_rows``."""
-        if isinstance(rows, bool) or not isinstance(rows, numbers.Integral) or not 1 <= rows <= batch_size:
-            raise ValueError(f"accepted_rows must be an int in [1, batch_size={batch_size}], got {rows!r}")
-        return int(rows)
 
     def _observe(self, arm: int, b: int, em: float, el: float, acc, step: int, rows: Optional[int]) -> None:
         """Hand a checked observation to the policy (``accepted_rows`` only when given: a policy written before it
