@@ -62,7 +62,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -111,6 +111,13 @@ FLAGS = (
 GPU_ARMS = ("s2k1v3", "s4k1v5", "s4k2v8", "s5k4v16")
 SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
 TOP_KERNELS = 5
+
+
+class MedianRun(NamedTuple):
+    """A row's timed rollouts: the output of median wall time and the Triton compiles of all of them."""
+
+    out: Any  # GenerateOutput
+    compiles: CompileCounter
 
 
 @dataclass(frozen=True)
@@ -368,7 +375,6 @@ class RolloutRun:
         self.refs: Dict[str, List[List[int]]] = {}
         self.identical: Dict[str, bool] = {}
         self.step_prompts: List[List[int]] = []
-        self.timed_compiles = CompileCounter()  # the last median_run's
 
     # -- set-up ------------------------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -456,11 +462,11 @@ class RolloutRun:
                      accepted_length=round(accepted, 3), tokens=emitted, full_length=full,
                      greedy_identical=diff is None, **extra)
 
-    def add_engine_row(self, work: Workload, impl: str, out) -> None:
+    def add_engine_row(self, work: Workload, impl: str, run: "MedianRun") -> None:
+        out, jit = run
         if out.errors:  # shorter outputs would time as a faster rollout
             raise RuntimeError(f"{impl}: the target's logits held NaN/+inf for requests {out.errors}")
         tail_s = sum(s.seconds for s in out.steps if s.batch_size < work.batch / 4)
-        jit = self.timed_compiles
         if jit.count:
             self.ctx.note(jit.describe(f"{impl}, {work.name} B={work.batch}, in its timed rollouts"))
         self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
@@ -564,8 +570,8 @@ class RolloutRun:
             self._adaptive_rows(eng, config)
         else:
             for work in self.works:
-                out = self.median_run(lambda: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
-                self.add_engine_row(work, config.name, out)
+                run = self.median_run(lambda: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
+                self.add_engine_row(work, config.name, run)
             for batch in self.z.step_batches:
                 self.step_cost_row(eng, f"{config.name} step", batch)
         del eng
@@ -601,13 +607,13 @@ class RolloutRun:
             self.add_engine_row(work, config.name, self.median_run(lambda: cold(work)))
             self.add_engine_row(work, f"{config.name} (warm)", self.median_run(lambda: warm(work)))
 
-    def median_run(self, rollout):
+    def median_run(self, rollout) -> "MedianRun":
         """The output of the run of median wall time among ``--repeats`` calls of ``rollout`` (each a whole rollout:
-        one run's wall time moves by several percent from run to run at small batch). The Triton compiles of all
-        the calls are kept in :attr:`timed_compiles` for the row."""
-        with CompileCounter() as self.timed_compiles:
+        one run's wall time moves by several percent from run to run at small batch), with the Triton compiles of
+        all the calls."""
+        with CompileCounter() as compiles:
             outs = [rollout() for _ in range(self.z.repeats)]
-        return sorted(outs, key=lambda out: out.wall_s)[len(outs) // 2]
+        return MedianRun(sorted(outs, key=lambda out: out.wall_s)[len(outs) // 2], compiles)
 
     # -- per-step cost -----------------------------------------------------------------------------------------------
     def step_cost_row(self, eng, impl: str, batch: int) -> None:

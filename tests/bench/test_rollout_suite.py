@@ -123,8 +123,8 @@ def test_median_run_keeps_the_run_of_median_wall_time():
 
     walls = iter([3.0, 1.0, 2.0])
     state = SimpleNamespace(z=SimpleNamespace(repeats=3))
-    out = rollout.RolloutRun.median_run(state, lambda: SimpleNamespace(wall_s=next(walls)))
-    assert out.wall_s == 2.0
+    run = rollout.RolloutRun.median_run(state, lambda: SimpleNamespace(wall_s=next(walls)))
+    assert run.out.wall_s == 2.0 and run.compiles.count == 0  # nothing compiled while the three ran
     params = parse(rollout.FLAGS, ["--repeats", "5"], prog="rollout")
     assert rollout.sizes(False, params).repeats == 5
     assert rollout.sizes(True, parse(rollout.FLAGS, [], prog="rollout")).repeats == 1
