@@ -43,6 +43,30 @@ def _ragged_extend(d, st, cache, feats, nxt, splits):
         done += torch.tensor(chunk)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_rotate_half_in_float32(dtype):
+    """The drafter's q/k rotation, written out: ``x * cos + rotate_half(x) * sin`` at angle ``pos * theta ** (-2i / D)``,
+    in float32 and rounded to x's dtype once, with one cos/sin for q and k; bit for bit."""
+    from tlt_kernels.drafter.eagle import _rope_cos_sin, _rope_inv_freq, _rotate
+
+    g = torch.Generator().manual_seed(3)
+    theta, D = 5e5, 16
+    q = torch.randn(2, 5, 4, D, generator=g).to(dtype)
+    k = torch.randn(2, 5, 2, D, generator=g).to(dtype)
+    pos = torch.randint(0, 3000, (2, 5), generator=g)
+    i = torch.arange(D // 2, dtype=torch.float32)
+    angle = pos.float().unsqueeze(-1) * (1.0 / theta ** (2 * i / D))  # [B, T, D/2]
+
+    def want(x):
+        xf, c, s = x.float(), angle.cos().unsqueeze(-2), angle.sin().unsqueeze(-2)
+        x1, x2 = xf[..., : D // 2], xf[..., D // 2 :]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1).to(dtype)
+
+    cos, sin = _rope_cos_sin(pos, _rope_inv_freq(D, theta, "cpu"))
+    for x in (q, k):
+        assert torch.equal(_rotate(x, cos, sin), want(x))
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
 def test_extend_matches_forward(block_size, heads):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -121,13 +121,21 @@ class RMSNorm(nn.Module):
         return _rms_norm(x, self.weight, self.eps)
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (Llama/Qwen2). ``x [..., T, Hx, D]``, ``pos int [..., T]``."""
-    D = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
+def _rope_inv_freq(head_dim: int, theta: float, device) -> torch.Tensor:
+    """float32 ``[D/2]``: ``theta ** (-2i / D)``, the rotation frequencies."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def _rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin [..., T, 1, D]`` of positions ``pos int [..., T]``, made once for every head of q and k."""
     ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., T, D/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).unsqueeze(-2)  # [..., T, 1, D]
-    sin = torch.cat([ang.sin(), ang.sin()], -1).unsqueeze(-2)
+    cos, sin = ang.cos(), ang.sin()
+    return torch.cat([cos, cos], -1).unsqueeze(-2), torch.cat([sin, sin], -1).unsqueeze(-2)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Llama/Qwen2) of ``x [..., T, Hx, D]`` in float32, rounded to x's dtype once."""
+    D = x.shape[-1]
     xf = x.float()
     rot = torch.cat([-xf[..., D // 2 :], xf[..., : D // 2]], -1)
     return (xf * cos + rot * sin).to(x.dtype)
@@ -254,6 +262,9 @@ class EagleDrafter(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
         # A plain tuple hides the target's modules from parameters()/state_dict()/.to().
         self._shared = (embed_tokens, lm_head, final_norm)
+        # RoPE frequencies per device, float32 whatever the weights' dtype (not a buffer: .to(dtype) would round
+        # them); made on first use, outside any graph capture (the graphs' warm-up runs first).
+        self._inv_freq_by_device: dict = {}
         self.weights_version = 0
         self._init_weights()
 
@@ -331,7 +342,15 @@ class EagleDrafter(nn.Module):
         q = self.q_proj(h).view(*shp, c.num_q_heads, c.head_dim)
         k = self.k_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
         v = self.v_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
-        return _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta), v
+        cos, sin = _rope_cos_sin(pos, self._inv_freq(q.device))
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _inv_freq(self, device) -> torch.Tensor:
+        freq = self._inv_freq_by_device.get(device)
+        if freq is None:
+            freq = self._inv_freq_by_device[device] = _rope_inv_freq(self.config.head_dim, self.config.rope_theta,
+                                                                      device)
+        return freq
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = x + self.o_proj(attn.flatten(-2))
