@@ -40,41 +40,50 @@ def _scripted():
     return StrategySelector(ARMS, seed=0, decision_hook=lambda strategy, batch_size: next(script))
 
 
-def _engine(target, drafter, lazy_commit_steps, fuse=False, selector=None):
+def _engine(target, drafter, lazy_commit_steps, fuse=False, step_kernel=None):
     pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
-    eng = SpeculativeEngine(target, drafter, selector or _scripted(), pool, max_batch_size=4, max_seq_len=64,
-                            fuse_step=fuse, lazy_commit_steps=lazy_commit_steps)
+    eng = SpeculativeEngine(target, drafter, _scripted(), pool, max_batch_size=4, max_seq_len=64, fuse_step=fuse,
+                            lazy_commit_steps=lazy_commit_steps, step_kernel=step_kernel)
     eng.capture_graphs([2, 4])
     assert eng.graph_error is None, eng.graph_error
     return eng
 
 
-def test_backlog_stashes_per_row_counts_and_takes_one_path():
-    """Rows of later steps are a subset of the first step's; a row stops counting once finished (``keep``); take
-    returns each row's tokens and features in order, and empties the backlog."""
+def test_backlog_takes_each_rows_tokens_since_its_first_step():
+    """Rows of later steps are a subset of the first step's; a row's tokens are those it emitted since the first
+    step (none more once finished or failed); take returns them from the output, with the stashed features, in
+    order, and empties the backlog."""
     backlog = DrafterBacklog(6, 4, 3, torch.float32, "cpu", features=True)
+    output = torch.arange(60).view(6, 10)  # row b's token at column j: 10 * b + j
+    generated = torch.tensor([0, 3, 5, 0, 2, 0])  # rows 1, 2, 4 start at 3, 5, 2 tokens
     rows = torch.tensor([4, 1, 2])
     hidden = lambda b, t: torch.full((b, 3), float(t))  # noqa: E731
-    backlog.stash(rows, torch.tensor([10, 11, 12]), hidden(3, 0), torch.tensor([False, False, False]))
-    backlog.stash(rows, torch.tensor([20, -1, 22]), hidden(3, 1), torch.tensor([False, True, False]))  # 1 failed
-    backlog.stash(torch.tensor([4, 2]), torch.tensor([30, 32]), hidden(2, 2), torch.tensor([False, True]))
+
+    def step(step_rows, counts, t):
+        generated[step_rows] += counts
+        backlog.stash(step_rows, hidden(len(step_rows), t), generated, counts)
+
+    step(rows, torch.tensor([1, 1, 1]), 0)
+    step(rows, torch.tensor([1, 0, 1]), 1)  # row 1 failed or finished
+    step(torch.tensor([4, 2]), torch.tensor([1, 0]), 2)  # row 2 finished before this step (rides along)
     assert backlog.size == 3 and not backlog.full
-    taken, path = backlog.take()
+    taken, path = backlog.take(output, generated)
     assert taken.tolist() == [4, 1, 2] and backlog.size == 0 and backlog.rows is None
     assert path.num_new.tolist() == [3, 1, 2]
-    assert path.tokens[0].tolist() == [10, 20, 30] and path.tokens[1, :1].tolist() == [11]
-    assert path.tokens[2, :2].tolist() == [12, 22] and int(path.tokens.min()) >= 0
+    assert path.tokens[0].tolist() == [42, 43, 44] and path.tokens[1, :1].tolist() == [13]
+    assert path.tokens[2, :2].tolist() == [25, 26]
     assert path.hidden[0, :, 0].tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(RuntimeError, match="nothing is stashed"):
-        backlog.take()
+        backlog.take(output, generated)
 
 
 def test_a_full_backlog_refuses_another_stash():
     backlog = DrafterBacklog(2, 1, 3, torch.float32, "cpu", features=False)
-    backlog.stash(torch.tensor([0]), torch.tensor([5]), torch.zeros(1, 3), torch.tensor([False]))
+    one = torch.ones(1, dtype=torch.int64)
+    backlog.stash(torch.tensor([0]), torch.zeros(1, 3), torch.tensor([4, 0]), one)
     assert backlog.full and backlog.hidden is None
     with pytest.raises(RuntimeError, match="full"):
-        backlog.stash(torch.tensor([0]), torch.tensor([5]), torch.zeros(1, 3), torch.tensor([False]))
+        backlog.stash(torch.tensor([0]), torch.zeros(1, 3), torch.tensor([5, 0]), one)
 
 
 def _histories(eng, batch):
@@ -84,15 +93,16 @@ def _histories(eng, batch):
     return [ngram.persistent.buffer[b, :n].tolist() for b, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("fuse,step_kernel", [(False, None), (True, None), (True, True)],
+                         ids=["separate", "fused", "fused-step-kernel"])
 @pytest.mark.parametrize("lazy_commit_steps", [2, 32])
-def test_lazy_ngram_commits_equal_eager_ones(target, prompts, fuse, lazy_commit_steps):
+def test_lazy_ngram_commits_equal_eager_ones(target, prompts, fuse, step_kernel, lazy_commit_steps):
     """Same tokens and the same drafts (every step's strategy and accepted length) as an engine whose drafter
     commits every step; greedy tokens are plain decoding's. Fused, each history holds the request's prompt and
     tokens (the plain steps after the last draft were never needed, so they may be missing at its end; a drafting
     step's commit may run past the budget, as without deferral)."""
-    lazy = _engine(target, NGramRolloutDrafter(), lazy_commit_steps, fuse)
-    eager = _engine(target, NGramRolloutDrafter(), 0, fuse)
+    lazy = _engine(target, NGramRolloutDrafter(), lazy_commit_steps, fuse, step_kernel)
+    eager = _engine(target, NGramRolloutDrafter(), 0, fuse, step_kernel)
     assert lazy.backlog is not None and eager.backlog is None
     out_lazy, out_eager = lazy.generate(prompts, MAX_NEW), eager.generate(prompts, MAX_NEW)
     assert out_lazy.tokens == out_eager.tokens

@@ -2,14 +2,15 @@
 
 A plain step (the "off" arm) drafts nothing, so keeping the drafter current after it (appending to the n-gram
 histories, extending the EAGLE layer's KV cache with the step's feature) is work that no step reads until the next
-drafting step. For a drafter that allows it (``lazy_commit``), the engine stashes each plain step's emitted token,
-and the target's feature of the token before it for a drafter that reads features, here; before the next drafting
-step, or when the backlog is full, it hands the whole backlog to the drafter's ``commit`` as one accepted path per
-request. The drafter ends in the state it would have had (the n-gram histories exactly; the EAGLE layer's KV up to
-the rounding of one forward over the backlog instead of one per token).
+drafting step. For a drafter that allows it (``lazy_commit``), the engine records here where the plain steps began
+in each request's output, and stashes the target's feature of each step's root for a drafter that reads features;
+before the next drafting step, or when the backlog is full, it hands the whole backlog to the drafter's ``commit``
+as one accepted path per request, its tokens read from the rollout's output. The drafter ends in the state it
+would have had (the n-gram histories exactly; the EAGLE layer's KV up to the rounding of one forward over the
+backlog instead of one per token).
 
 Rows only leave a rollout, so every row of a later plain step was in the first one: the backlog's rows are the
-first step's, each with its own count (a row stops counting once it has finished or failed).
+first step's, and each row's tokens are those it emitted since (none more once it has finished or failed).
 """
 from __future__ import annotations
 
@@ -21,19 +22,19 @@ from ..drafter.base import AcceptedPath
 
 
 class DrafterBacklog:
-    """Up to ``capacity`` plain steps' tokens (int64 ``[max_batch_size, capacity]``), features (``[max_batch_size,
-    capacity, hidden_size]`` in ``dtype``, only with ``features=True``) and per-request counts (int32), on
-    ``device``. Device writes only: stashing and taking never synchronize with the host."""
+    """Up to ``capacity`` plain steps: where each request's tokens began (int64 ``[max_batch_size]``) and, with
+    ``features=True``, the steps' features (``[max_batch_size, capacity, hidden_size]`` in ``dtype``), on
+    ``device``. Device work only: stashing and taking never synchronize with the host; a stash writes nothing
+    without features, except at the first step."""
 
     def __init__(self, max_batch_size: int, capacity: int, hidden_size: int, dtype: torch.dtype, device,
                  features: bool):
         if capacity < 1:
             raise ValueError(f"DrafterBacklog: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self.tokens = torch.zeros(max_batch_size, capacity, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(max_batch_size, capacity, hidden_size, dtype=dtype, device=device) if features \
             else None
-        self.counts = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self.start = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # tokens before the first step
         self.size = 0  # plain steps stashed since the last take (host)
         self.rows: Optional[torch.Tensor] = None  # int64 [r]: the rows of the first stashed step
 
@@ -41,30 +42,32 @@ class DrafterBacklog:
     def full(self) -> bool:
         return self.size == self.capacity
 
-    def stash(self, rows: torch.Tensor, emitted: torch.Tensor, hidden: torch.Tensor, keep: torch.Tensor) -> None:
-        """One plain step of ``rows`` (int64 ``[b]``): its ``emitted`` tokens (int64 ``[b]``, -1 on a failed row),
-        the target's ``hidden`` ``[b, H]`` of each row's previous token, and ``keep`` (bool ``[b]``: rows that had
-        finished before the step or failed in it, which learn nothing from it)."""
+    def stash(self, rows: torch.Tensor, hidden: torch.Tensor, generated: torch.Tensor, counts: torch.Tensor) -> None:
+        """One plain step of ``rows`` (int64 ``[b]``): the target's ``hidden`` ``[b, H]`` of each row's root (the
+        token before the one the step emitted), the rollout's ``generated`` (int64 ``[B]``, this step's tokens
+        included) and the step's emitted ``counts`` (int64 ``[b]``)."""
         if self.full:
             raise RuntimeError("DrafterBacklog.stash: the backlog is full; take() it first")
         if self.size == 0:
             self.rows = rows
-            self.counts[rows] = 0
-        self.tokens[rows, self.size] = emitted.clamp(min=0)
+            self.start[rows] = generated[rows] - counts
         if self.hidden is not None:
             self.hidden[rows, self.size] = hidden.to(self.hidden.dtype)
-        self.counts[rows] += (~keep).to(torch.int32)
         self.size += 1
 
-    def take(self) -> Tuple[torch.Tensor, AcceptedPath]:
-        """The backlog as ``(rows int64 [r], AcceptedPath)`` of width ``size``: each row's first ``num_new`` tokens,
-        where ``num_new`` may be 0 (a row that finished or failed at the first stashed step; a lazy drafter's commit
-        takes 0 as "nothing to learn"). Empties the backlog."""
+    def take(self, output_tokens: torch.Tensor, generated: torch.Tensor) -> Tuple[torch.Tensor, AcceptedPath]:
+        """The backlog as ``(rows int64 [r], AcceptedPath)`` of width ``size``, from the rollout's ``output_tokens``
+        (int64 ``[B, W]``) and ``generated`` (int64 ``[B]``): each row's tokens since the first step, ``num_new``
+        of them, which may be 0 (a row that finished or failed at the first step; a lazy drafter's commit takes 0 as
+        "nothing to learn"). Empties the backlog."""
         if self.size == 0:
             raise RuntimeError("DrafterBacklog.take: nothing is stashed")
         rows, width = self.rows, self.size
+        start = self.start[rows]
+        columns = (start.unsqueeze(1) + torch.arange(width, device=start.device)).clamp(max=output_tokens.shape[1] - 1)
+        tokens = output_tokens[rows].gather(1, columns)
         hidden = self.hidden[rows, :width] if self.hidden is not None else None
-        path = AcceptedPath(self.tokens[rows, :width], self.counts[rows] - 1, hidden)
+        path = AcceptedPath(tokens, generated[rows] - start - 1, hidden)
         self.size, self.rows = 0, None
         return rows, path
 

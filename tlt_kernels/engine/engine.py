@@ -137,9 +137,9 @@ class SpeculativeEngine:
             RL trainer's importance ratios need from the rollout. Set at construction: the step graphs capture the
             scoring (``verify_tree(return_logprobs=True, return_raw_logprobs=True)``).
         lazy_commit_steps: with a drafter that allows it (the n-gram and EAGLE drafters: ``lazy_commit``), plain
-            steps leave the drafter alone and stash what they emitted (:mod:`tlt_kernels.engine.backlog`); the
-            drafter learns the stash as one path before its next draft, or after this many plain steps. A plain
-            step then costs what plain decoding's does. 0: the drafter commits every step.
+            steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the drafter
+            learns the backlog as one path before its next draft, or after this many plain steps. A plain step then
+            costs about what plain decoding's does. 0: the drafter commits every step.
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
@@ -424,7 +424,7 @@ class SpeculativeEngine:
         # A plain step defers the drafter's commit (trace probes draft from the live state: never then).
         deferred = self.backlog is not None and rollout.trace is None and self.tree_drafter.tree_width(strategy) == 1
         if self.backlog is not None and self.backlog.size and (self.backlog.full or not deferred):
-            self._catch_up()
+            self._catch_up(rollout)
         inputs = StepInputs(rows, rollout.active_block_table(), rollout.context_lens[rows], rollout.root_tokens[rows],
                             [] if deferred else self.tree_drafter.state_rows(rows), rollout.sampling,
                             rollout.offsets, max_context_len=rollout.max_context_len())
@@ -439,13 +439,13 @@ class SpeculativeEngine:
                                                rollout.eos_token_id, depth, list(rollout.active_rows))
         if start is not None:
             rollout.record_scores(rows, start, emission.counts, result.scores)
-        self._commit(rollout, inputs, result, num_accepted, emission.keep, deferred)
+        self._commit(rollout, inputs, result, num_accepted, emission, deferred)
         return LaunchedStep(strategy, result.width, result.replayed, staged, started)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, rollout: RolloutState) -> None:
         """The drafter learns the deferred plain steps, one path per request (before it drafts, or when the backlog
         is full); device work only."""
-        rows, path = self.backlog.take()
+        rows, path = self.backlog.take(rollout.output_tokens, rollout.generated)
         self.tree_drafter.commit(rows, self.tree_drafter.state_rows(rows), path, self.graphs)
 
     def _finish_step(self, rollout: RolloutState, step: LaunchedStep) -> None:
@@ -456,21 +456,21 @@ class SpeculativeEngine:
             self._retire(rollout, step.staged.rows, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
 
-    def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, keep,
+    def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, emission,
                 deferred: bool) -> None:
         """The accepted path becomes the drafter's context (or, ``deferred``, joins the backlog) and the captured
         features (the rollout's state was committed by :meth:`RolloutState.finish_step`, which reads nothing these
-        change). Rows that had finished or failed now (``keep`` bool ``[b]``) keep their state (an overlapped step
-        may run them once more: a failed row's -1 token must not become its root); their drafter rows may take the
-        path (never read again)."""
+        change). Rows that had finished or failed now (``emission.keep`` bool ``[b]``) keep their state (an
+        overlapped step may run them once more: a failed row's -1 token must not become its root); their drafter
+        rows may take the path (never read again)."""
         if deferred:
-            self.backlog.stash(inputs.rows, result.emitted[:, 0], result.path_hidden[:, 0], keep)
+            self.backlog.stash(inputs.rows, result.path_hidden[:, 0], rollout.generated, emission.counts)
         else:
             path = AcceptedPath(result.emitted, num_accepted, result.path_hidden)
             self.tree_drafter.commit(inputs.rows, inputs.drafter_state, path, self.graphs,
                                      new_state=result.drafter_state)
         if rollout.features is not None:
-            rollout.features.record(inputs.rows, inputs.context_lens, num_accepted.masked_fill(keep, -1),
+            rollout.features.record(inputs.rows, inputs.context_lens, num_accepted.masked_fill(emission.keep, -1),
                                     result.path_hidden, result.path_tokens)
 
     def _record(self, rollout: RolloutState, step: LaunchedStep, counts: StepCounts) -> float:
