@@ -15,8 +15,8 @@ seeds (``--ways``):
   drafter and, beside it, the n-gram drafter over the request's group (``drafter=[eagle, "ngram"]``,
   ``generate(groups=)``); the EAGLE drafter starts untrained (or from ``--eagle-checkpoint``) and is spot-trained
   in each rollout's tail on the responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
-  keeps up as the policy's weights change (the rollout is then not overlapped: the trainer works between steps); log-probs from the rollout
-  (``SpeculativeEngine(logprobs=True)``);
+  keeps up as the policy's weights change (steps stop overlapping once the trainer starts: it works between
+  steps); log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
 * ``spec-eagle``: the adaptive selector with the spot-trained EAGLE drafter alone;

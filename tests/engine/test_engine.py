@@ -190,7 +190,13 @@ def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, 
     assert bad not in buffered and sorted(buffered) == [b for b in range(len(MAX_NEW)) if b not in (bad, 6)]
 
 
-def test_spot_trainer_runs_in_the_tail(target, prompts):
+def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch):
+    """The trainer starts in the tail and trains; steps overlap until it starts and not after (it works between
+    steps); greedy output is plain decoding's."""
+    overlapped = []  # (steps overlap, trainer running) at each step
+    real_step = SpeculativeEngine._step
+    monkeypatch.setattr(SpeculativeEngine, "_step", lambda self, rollout: (
+        overlapped.append((rollout.overlap, rollout.spot.running)), real_step(self, rollout)))
     rollout = EagleDrafter.for_target(target)
     train = EagleDrafter.for_target(target)
     buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
@@ -203,6 +209,8 @@ def test_spot_trainer_runs_in_the_tail(target, prompts):
     assert buf.num_tokens > 0
     assert out.spot is not None and "error" not in out.spot, out.spot
     assert out.spot["micro_steps"] >= 1
+    assert overlapped[0] == (True, False) and (False, True) in overlapped
+    assert all(not overlap for overlap, running in overlapped if running)
     # Greedy output is unaffected by drafter weight swaps mid-rollout.
     ref = reference_generate(target, prompts, max(lens))
     assert out.tokens[6] == ref.tokens[6, :90].tolist()

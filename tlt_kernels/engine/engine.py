@@ -128,7 +128,8 @@ class SpeculativeEngine:
             (reading the outcome, the selector, retiring requests, preparing the next launch) runs while the GPU
             computes instead of between steps. A request that finishes then rides along in one more step, which
             changes nothing of it (its tokens, context, features and Philox counter stay); the selector learns
-            from each step one step later. Off with a spot trainer or ``trace=`` (both work between steps).
+            from each step one step later. Off with ``trace=``, and from the step a spot trainer starts in the tail
+            (both work between steps).
         step_kernel: do a step's bookkeeping (emit, commit, the host transfer's staging) in one Triton launch
             instead of about 45 small torch ops (``RolloutState.finish_step``; docs/RUNTIME.md). ``None`` (default):
             on a GPU; True also runs it on the CPU under Triton's interpreter; False: the torch ops.
@@ -314,7 +315,7 @@ class SpeculativeEngine:
             if siblings is not None:
                 hand_groups(self.tree_drafter, siblings)
             rollout.trace = trace
-            rollout.overlap = self.overlap_steps and trace is None and self.spot_trainer is None
+            rollout.overlap = self.overlap_steps and trace is None  # and off once a spot trainer starts
             rollout.step_kernel = self.step_kernel
             rollout.step_blocks = self.step_blocks
             while rollout.active_rows:
@@ -455,6 +456,8 @@ class SpeculativeEngine:
         if any(counts.finished):
             self._retire(rollout, step.staged.rows, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
+        if rollout.spot.running:  # the trainer works between steps from now on (the step in flight is read next)
+            rollout.overlap = False
 
     def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, emission,
                 deferred: bool) -> None:
