@@ -6,6 +6,8 @@ meaningless). GPU tests capture the verify forward through a GraphPool.
 """
 import math
 
+import sys
+
 import pytest
 import torch
 
@@ -197,6 +199,7 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch):
     real_step = SpeculativeEngine._step
     monkeypatch.setattr(SpeculativeEngine, "_step", lambda self, rollout: (
         overlapped.append((rollout.overlap, rollout.spot.running)), real_step(self, rollout)))
+    interval_before = sys.getswitchinterval()
     rollout = EagleDrafter.for_target(target)
     train = EagleDrafter.for_target(target)
     buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
@@ -210,6 +213,7 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch):
     assert out.spot is not None and "error" not in out.spot, out.spot
     assert out.spot["micro_steps"] >= 1
     assert overlapped[0] == (True, False) and (False, True) in overlapped
+    assert sys.getswitchinterval() == interval_before  # lowered while the trainer ran, restored at the end
     assert all(not overlap for overlap, running in overlapped if running)
     # Greedy output is unaffected by drafter weight swaps mid-rollout.
     ref = reference_generate(target, prompts, max(lens))

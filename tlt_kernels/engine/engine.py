@@ -82,6 +82,14 @@ def _int(v, low: int) -> bool:
     return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= low
 
 
+def _check_switch_interval(seconds) -> Optional[float]:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not 0 < seconds < math.inf:
+        raise ValueError(f"spot_switch_interval_s must be a positive number of seconds or None, got {seconds!r}")
+    return float(seconds)
+
+
 def _check_sizes(max_batch_size, max_seq_len, block_size, backend) -> None:
     """The engine's capacity arguments: ints (a float would reach the cache's shapes) and a known backend name."""
     if not (_int(max_batch_size, 1) and _int(max_seq_len, 2)):
@@ -115,6 +123,9 @@ class SpeculativeEngine:
             its own copy of the drafter) and the :class:`~tlt_kernels.drafter.RolloutBuffer` it samples;
             the engine fills the buffer with finished requests and trains in the tail.
         spot_batch_fraction: the tail starts when the batch is below this fraction of its start.
+        spot_switch_interval_s: the interpreter's thread switch interval (``sys.setswitchinterval``, process-wide)
+            while the spot trainer's thread runs, restored after; the rollout's loop waits up to one interval for
+            the interpreter's lock after each wait for the GPU (:mod:`tlt_kernels.engine.spot`). None: left alone.
         backend: tree-attention backend of the verify forward (``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``).
         fuse_step: capture the whole decoding step (draft, verify forward, accept, KV compaction, drafter
             extension) as one graph per (strategy, padded batch size) instead of one graph per part:
@@ -147,7 +158,7 @@ class SpeculativeEngine:
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
                  overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
-                 lazy_commit_steps: int = 32):
+                 lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -169,6 +180,7 @@ class SpeculativeEngine:
         self.backend, self.progress, self.fuse_step = backend, progress, fuse_step
         self.spot_trainer, self.rollout_buffer = spot_trainer, rollout_buffer
         self.spot_batch_fraction = spot_batch_fraction
+        self.spot_switch_interval_s = _check_switch_interval(spot_switch_interval_s)
         self.overlap_steps = bool(overlap_steps)
         self.step_kernel = None if step_kernel is None else bool(step_kernel)
         # One compiled step kernel for every batch size and strategy (a new variant mid-rollout is a JIT compile).
@@ -310,6 +322,7 @@ class SpeculativeEngine:
         sampling = RequestSampling(prompt_tokens.shape[0], self.device, temperature, top_k, top_p, seed)
         siblings = sibling_table(groups, prompt_tokens.shape[0], self.device)
         block_table, _ = self.cache.allocate(prompt_tokens.shape[0], self.slots_per_request)
+        rollout = None
         try:
             rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)
             if siblings is not None:
@@ -323,6 +336,8 @@ class SpeculativeEngine:
             self._finish_pending(rollout)
             wall_s = self._finish(rollout)
         finally:
+            if rollout is not None:  # after an error too: the trainer's thread and the switch interval
+                rollout.spot.stop()
             self.cache.free(block_table)
             if self.backlog is not None:
                 self.backlog.clear()
@@ -396,7 +411,7 @@ class SpeculativeEngine:
             context_lens_host=lens_host, done=done, start_time=start_time, prefill_s=prefill_s, start_batch_size=B,
             finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]], output_scores=output_scores,
             sampling=sampling, eos_token_id=eos_token_id, features=features,
-            spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B),
+            spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B, self.spot_switch_interval_s),
             progress=ProgressBar(int(max_new.sum()), self.progress))
 
     def _step(self, rollout: RolloutState) -> None:

@@ -1,7 +1,14 @@
 """Spot training in the rollout's tail: the spot trainer runs on a side thread (and CUDA stream) from the step the
-batch falls below a fraction of its start until the rollout ends."""
+batch falls below a fraction of its start until the rollout ends.
+
+Both threads need the interpreter's lock, and the rollout's loop gives it up at every wait for the GPU; a thread
+that wants it back waits until the holder's switch interval runs out (5 ms by default, several decoding steps of
+a small model in the tail). While the trainer runs, the session lowers the interval (``switch_interval_s``) and
+restores it after.
+"""
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Optional
 
@@ -11,8 +18,11 @@ import torch
 class SpotSession:
     """One rollout's spot-training run. ``result``: the trainer's stats (or ``{"error": ...}``), empty until it ran."""
 
-    def __init__(self, trainer, batch_fraction: float, start_batch_size: int):
+    def __init__(self, trainer, batch_fraction: float, start_batch_size: int,
+                 switch_interval_s: Optional[float] = None):
         self.trainer, self.batch_fraction, self.start_batch_size = trainer, batch_fraction, start_batch_size
+        self.switch_interval_s = switch_interval_s  # while the trainer runs (None: leave the interpreter's)
+        self._saved_interval: Optional[float] = None
         self.stop_event = threading.Event()
         self.result: dict = {}
         self.thread: Optional[threading.Thread] = None
@@ -26,6 +36,9 @@ class SpotSession:
         if (self.trainer is not None and self.thread is None and running_requests
                 and running_requests < self.batch_fraction * self.start_batch_size
                 and self.trainer.buffer.num_tokens > 0):
+            if self.switch_interval_s is not None:
+                self._saved_interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved_interval, self.switch_interval_s))
             self.thread = threading.Thread(target=self._body, name="tlt-spot-trainer", daemon=True)
             self.thread.start()
 
@@ -33,6 +46,9 @@ class SpotSession:
         if self.thread is not None:
             self.stop_event.set()
             self.thread.join()
+        if self._saved_interval is not None:
+            sys.setswitchinterval(self._saved_interval)
+            self._saved_interval = None
 
     def _body(self) -> None:
         trainer = self.trainer
