@@ -12,11 +12,13 @@ import torch
 
 from conftest import ragged_prompts, tiny_trained_target
 from tlt_kernels.drafter import EagleDrafter, NGramRolloutDrafter
+from tlt_kernels.drafter.base import DrafterBase, ProposedTree
 from tlt_kernels.engine import SpeculativeEngine
 from tlt_kernels.engine.backlog import DrafterBacklog
 from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+from tlt_kernels.tree import chain_parents
 
 MAX_NEW = [30, 22, 9, 26]
 ARMS = [Strategy(2, 1, 3), Strategy(4, 1, 5)]
@@ -129,6 +131,19 @@ def test_lazy_eagle_commits_equal_eager_ones(target, prompts):
     assert [(s.strategy, s.emitted) for s in outs[0].steps] == [(s.strategy, s.emitted) for s in outs[1].steps]
 
 
+def test_lazy_union_commits_equal_eager_ones(target, prompts):
+    """A union of two drafters that defer (EAGLE and n-gram, the GRPO suite's) defers too: the same drafts and
+    tokens as committing every step."""
+    outs = []
+    for steps in (3, 0):
+        torch.manual_seed(0)
+        eng = _engine(target, [EagleDrafter.for_target(target), NGramRolloutDrafter()], steps, fuse=True)
+        assert (eng.backlog is not None) == (steps > 0) and (steps == 0 or eng.backlog.hidden is not None)
+        outs.append(eng.generate(prompts, MAX_NEW))
+    assert outs[0].tokens == outs[1].tokens
+    assert [(s.strategy, s.emitted) for s in outs[0].steps] == [(s.strategy, s.emitted) for s in outs[1].steps]
+
+
 def test_a_static_plain_engine_commits_only_a_full_backlog(target, prompts, monkeypatch):
     """Steps of the off arm with a lazy drafter: no commit until the backlog is full (every 4th plain step here)."""
     eng = SpeculativeEngine(target, "ngram", Strategy.off(), max_batch_size=4, max_seq_len=64, overlap_steps=False,
@@ -141,11 +156,29 @@ def test_a_static_plain_engine_commits_only_a_full_backlog(target, prompts, monk
     assert commits == [4] * ((len(out.steps) - 1) // 4)
 
 
-def test_drafters_that_do_not_allow_it_commit_every_step(target):
-    """A union of drafters (no ``lazy_commit``) and ``lazy_commit_steps=0`` keep no backlog; a bad value is named."""
-    torch.manual_seed(0)
-    union = SpeculativeEngine(target, [EagleDrafter.for_target(target), NGramRolloutDrafter()], _scripted(),
-                              max_batch_size=4, max_seq_len=64)
+class ChainOfZeros(DrafterBase):
+    """A custom drafter that does not declare ``lazy_commit``: it proposes chains of token 0."""
+
+    def tree_width(self, strategy):
+        return 1 if strategy.is_off else 1 + strategy.num_steps
+
+    def propose(self, strategy, rows, state_rows, graphs):
+        k = strategy.num_steps
+        return ProposedTree(torch.zeros(rows.shape[0], k + 1, dtype=torch.int64),
+                            chain_parents(rows.shape[0], k + 1, rows.device),
+                            torch.full((rows.shape[0],), k + 1, dtype=torch.int32))
+
+
+def test_drafters_that_do_not_allow_it_commit_every_step(target, prompts):
+    """A custom drafter without ``lazy_commit``, a union with one, and ``lazy_commit_steps=0`` keep no backlog (and
+    the custom drafter's engine still decodes greedily as plain decoding); a bad value is named."""
+    custom = SpeculativeEngine(target, ChainOfZeros(), _scripted(), max_batch_size=4, max_seq_len=64)
+    assert custom.backlog is None
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    out = custom.generate(prompts, MAX_NEW)
+    assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(MAX_NEW))
+    union = SpeculativeEngine(target, [ChainOfZeros(), NGramRolloutDrafter()], _scripted(), max_batch_size=4,
+                              max_seq_len=64)
     assert union.backlog is None
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="lazy_commit_steps"):

@@ -58,6 +58,15 @@ class UnionDrafter(DrafterBase):
         self._split = 0  # how many of the state rows are the primary's
         self._new_state_split = 0  # how many of a fused commit's new state tensors are the primary's
 
+    @property
+    def lazy_commit(self) -> bool:
+        """Deferred commits (the engine's backlog) when both parts take them."""
+        return all(getattr(part, "lazy_commit", False) for part in (self.primary, self.secondary))
+
+    @property
+    def commit_reads_hidden(self) -> bool:
+        return any(getattr(part, "commit_reads_hidden", True) for part in (self.primary, self.secondary))
+
     def tree_width(self, strategy) -> int:
         if strategy.is_off:
             return 1

@@ -148,10 +148,10 @@ class SpeculativeEngine:
             sampled from) and :attr:`GenerateOutput.raw_logprobs` (``log_softmax`` of the target's logits), what an
             RL trainer's importance ratios need from the rollout. Set at construction: the step graphs capture the
             scoring (``verify_tree(return_logprobs=True, return_raw_logprobs=True)``).
-        lazy_commit_steps: with a drafter that allows it (the n-gram and EAGLE drafters: ``lazy_commit``), plain
-            steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the drafter
-            learns the backlog as one path before its next draft, or after this many plain steps. A plain step then
-            costs about what plain decoding's does. 0: the drafter commits every step.
+        lazy_commit_steps: with a drafter that allows it (``lazy_commit``: the n-gram and EAGLE drafters, their
+            union), plain steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the
+            drafter learns the backlog as one path before its next draft, or after this many plain steps. A plain
+            step then costs about what plain decoding's does. 0: the drafter commits every step.
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
