@@ -304,7 +304,7 @@ def _no_scoring_pass(monkeypatch):
     def fail(*a, **k):
         raise AssertionError("the CUDA backend must score in the walk (verify_tree_cuda.scored)")
 
-    monkeypatch.setattr(op, "_score", fail)
+    monkeypatch.setattr(op, "path_logprobs", fail)  # the pass after the walk, for a walk that does not score
 
 
 def _check_cuda_scores(logits, out, kw, label, tol=TOL):

@@ -218,12 +218,6 @@ def _kernel_layout(logits, draft_tokens, parents, num_nodes, draft_probs, temper
             dense(top_k), dense(top_p), dense(seed), dense(offset))
 
 
-def _score(logits, result: VerifyResult, temperature, top_k, top_p, sampled: bool, raw: bool):
-    """The walk's log-probs for a backend whose walk does not score its own tokens (no ``scored`` entry point: the
-    torch reference; the Triton and CUDA walks have one): the float64 pass over the accepted path's rows."""
-    return path_logprobs(logits, result, temperature, top_k, top_p, sampled=sampled, raw=raw)
-
-
 def verify_tree(
     logits: torch.Tensor,
     draft_tokens: torch.Tensor,
@@ -330,6 +324,8 @@ def verify_tree(
     result = fn(*inputs, max_depth, return_stats)
     if not scoring:
         return result
-    logprobs, raw_logprobs = _score(inputs[0], result, temp, k, tp, bool(return_logprobs), bool(return_raw_logprobs))
+    # A backend whose walk does not score its own tokens (the torch reference): the float64 pass over the path's rows.
+    logprobs, raw_logprobs = path_logprobs(inputs[0], result, temp, k, tp, sampled=bool(return_logprobs),
+                                           raw=bool(return_raw_logprobs))
     # A new VerifyResult rather than _replace: TorchDynamo (torch 2.11) mistraces NamedTuple._replace.
     return VerifyResult(*result[:5], logprobs, raw_logprobs)
