@@ -123,11 +123,14 @@ class PagedKVCache:
         kf.index_copy_(0, flat_index, k.reshape(-1, *kf.shape[1:]).to(self.dtype))
         vf.index_copy_(0, flat_index, v.reshape(-1, *vf.shape[1:]).to(self.dtype))
 
+    def read_at(self, layer: int, flat_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K/V of layer ``layer`` at rows ``flat_index`` (int64 ``[...]``, from :meth:`flat_index`) as new
+        ``[..., Hkv, D]`` tensors: a prefill computes the index once for all its layers."""
+        kf, vf = self.layer_rows(layer)
+        return kf[flat_index], vf[flat_index]
+
     def gather(self, layer: int, block_table: torch.Tensor, num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """K/V of slots ``0 .. num_slots-1`` of every request as contiguous ``[B, num_slots, Hkv, D]``."""
         B = block_table.shape[0]
         slots = torch.arange(num_slots, device=block_table.device).unsqueeze(0).expand(B, num_slots)
-        idx = self.flat_index(block_table, slots)
-        kf = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        vf = self.v[layer].view(-1, *self.v[layer].shape[2:])
-        return kf[idx], vf[idx]
+        return self.read_at(layer, self.flat_index(block_table, slots))

@@ -412,8 +412,8 @@ class LlamaForCausalLM(nn.Module):
 
         def attend(i, q, k, v):
             cache.write_at(i, write_slots, k.flatten(0, 1)[source_rows], v.flatten(0, 1)[source_rows])
-            k_rows, v_rows = cache.layer_rows(i)
-            return _sdpa(q, k_rows[read_slots].to(q.dtype), v_rows[read_slots].to(q.dtype), mask, False, self.sm_scale)
+            k_context, v_context = cache.read_at(i, read_slots)
+            return _sdpa(q, k_context.to(q.dtype), v_context.to(q.dtype), mask, False, self.sm_scale)
 
         # Half-precision models run the fused layer ops, as in forward_tree (fewer launches, the same rounding).
         fused = self.dtype in (torch.bfloat16, torch.float16)
