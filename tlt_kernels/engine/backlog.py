@@ -68,7 +68,7 @@ class DrafterBacklog:
         tokens = output_tokens[rows].gather(1, columns)
         hidden = self.hidden[rows, :width] if self.hidden is not None else None
         path = AcceptedPath(tokens, generated[rows] - start - 1, hidden)
-        self.size, self.rows = 0, None
+        self.clear()
         return rows, path
 
     def clear(self) -> None:

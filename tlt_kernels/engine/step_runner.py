@@ -117,6 +117,12 @@ class TargetStep:
         return tokens, parents, num_nodes, block_table, context_lens
 
 
+def _drafter_free_step(plain: "StepRunner", strategy, inputs: StepInputs) -> StepResult:
+    """A plain step on ``plain``, a runner whose graphs hold no drafter: no drafter state in, ``drafter_state=None``
+    out, so the engine commits (or defers) the drafter's part itself."""
+    return plain.run(strategy, replace(inputs, drafter_state=[]))._replace(drafter_state=None)
+
+
 class StepRunner:
     """The step-runner interface: graphs to register, which batches they cover, and :meth:`run`."""
 
@@ -182,8 +188,7 @@ class SeparateGraphStepRunner(StepRunner):
     def run(self, strategy, inputs: StepInputs) -> StepResult:
         if self._plain(strategy, inputs.batch_size) and self.graphs.padded_size(self.plain.step_key(strategy),
                                                                                  inputs.batch_size) is not None:
-            result = self.plain.run(strategy, replace(inputs, drafter_state=[]))
-            return result._replace(drafter_state=None)  # the drafter's own commit computes its state
+            return _drafter_free_step(self.plain, strategy, inputs)
         tree = self.propose(strategy, inputs)
         verify_inputs = (*tree, inputs.block_table, inputs.context_lens)
         eager = partial(self.target_step.verify_forward, max_context_len=inputs.max_context_len)  # no device read
@@ -243,8 +248,7 @@ class FusedGraphStepRunner(StepRunner):
 
     def run(self, strategy, inputs: StepInputs) -> StepResult:
         if self._runner(strategy) is not self:
-            result = self.plain.run(strategy, replace(inputs, drafter_state=[]))
-            return result._replace(drafter_state=None)  # the engine commits (or defers) the drafter's part
+            return _drafter_free_step(self.plain, strategy, inputs)
         if self.graphs.padded_size(self.step_key(strategy), inputs.batch_size) is None:
             return self.fallback.run(strategy, inputs)
         graph_inputs = [inputs.block_table, inputs.context_lens, inputs.root_tokens, *inputs.graph_sampling,
