@@ -27,7 +27,7 @@ from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
 from .ops.rms_norm import rms_norm
 from .ops.rotary import apply_rotary, rotary_to_cache
 from .ops.silu_and_mul import silu_and_mul
-from .ops.tree_attention import TreeAttentionPlan, plan_tree_attention, tree_attention
+from .ops.tree_attention import TreeAttentionPlan, plan_masked_attention, plan_tree_attention, tree_attention
 from .ops.verify_chain_block import BlockVerifyResult, verify_chain_block
 from .ops.verify_tree import VerifyResult, verify_tree
 from .tree import (
@@ -61,6 +61,7 @@ __all__ = [
     "cuda_extension_available",
     "ngram_propose",
     "ngram_propose_tree",
+    "plan_masked_attention",
     "plan_tree_attention",
     "pack_tree_mask",
     "rms_norm",

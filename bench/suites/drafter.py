@@ -132,7 +132,7 @@ def _accept_len(target, prefixes, draft_fn, T):
 def _eagle_draft_fn(drafter, prefixes, s):
     def fn(hidden, root):
         R, P = prefixes.shape
-        dc = DrafterKVCache(drafter.config, 1 + R * (-(-P // 16)), 16, device=hidden.device, dtype=torch.float32)
+        dc = DrafterKVCache(drafter.config, 1 + R * drafter.blocks_per_request(P, 16), 16, device=hidden.device, dtype=torch.float32)
         st = drafter.new_state(dc, R, P)
         nxt = torch.cat([prefixes[:, 1:], root.unsqueeze(1)], 1)
         drafter.extend(st, dc, hidden.float(), nxt, torch.full((R,), P, dtype=torch.int32, device=hidden.device))

@@ -34,8 +34,8 @@ def _pairs(d, B, n, seed=0):
 # -- EagleDrafter.extend ------------------------------------------------------------------------------------------
 def test_extend_past_the_block_table_raises_and_leaves_the_cache_alone():
     _, d = _drafter()
-    cache = DrafterKVCache(d.config, 8, block_size=4)
-    st = d.new_state(cache, 2, 8)  # 2 blocks of 4: 8 slots per request
+    cache = DrafterKVCache(d.config, 1 + 2 * d.blocks_per_request(8, 4), block_size=4)
+    st = d.new_state(cache, 2, 8)  # 8 slots per request, and the scratch past them
     f, t = _pairs(d, 2, 6)
     d.extend(st, cache, f, t, torch.tensor([6, 3], dtype=torch.int32))
     k_before, ctx_before = cache.k.clone(), st.context_lens.clone()
@@ -51,7 +51,7 @@ def test_extend_past_the_block_table_raises_and_leaves_the_cache_alone():
                                          ([1, 4], r"num_new\[1\] = 4 is outside \[0, n=3\]")])
 def test_extend_rejects_counts_outside_the_given_pairs(num_new, why):
     _, d = _drafter()
-    cache = DrafterKVCache(d.config, 8, block_size=4)
+    cache = DrafterKVCache(d.config, 1 + 2 * d.blocks_per_request(8, 4), block_size=4)
     st = d.new_state(cache, 2, 8)
     f, t = _pairs(d, 2, 3)
     with pytest.raises(ValueError, match=why):
@@ -63,7 +63,7 @@ def test_extend_validate_false_skips_the_host_check(monkeypatch):
     import tlt_kernels.drafter.eagle as eagle
 
     _, d = _drafter()
-    cache = DrafterKVCache(d.config, 8, block_size=4)
+    cache = DrafterKVCache(d.config, 1 + 2 * d.blocks_per_request(8, 4), block_size=4)
     st = d.new_state(cache, 2, 8)
     calls = []
     monkeypatch.setattr(eagle, "_check_extend", lambda *a: calls.append(a))
@@ -228,7 +228,7 @@ def test_spot_trainer_checkpoint_errors_name_the_file(tmp_path):
 
 def test_draft_topk_above_the_vocabulary():
     _, d = _drafter(vocab=64)
-    cache = DrafterKVCache(d.config, 8, block_size=4)
+    cache = DrafterKVCache(d.config, 1 + 1 * d.blocks_per_request(8, 4), block_size=4)
     st = d.new_state(cache, 1, 8)
     with pytest.raises(ValueError, match=r"topk <= vocab_size=64, got depth=2, topk=65"):
         d.draft(st, cache, depth=2, topk=65, num_verify=4)

@@ -28,6 +28,15 @@ def _strong(d):
     return d
 
 
+@pytest.fixture(params=["fused", "dense"])
+def decode_path(request, monkeypatch):
+    """Both decoding paths of extend and draft: the fused ops (what a drafter of the cache's dtype runs for up to 64
+    new tokens) and the dense reference (wider commits and drafts, or a cache of another dtype)."""
+    if request.param == "dense":
+        monkeypatch.setattr(EagleDrafter, "_fused", lambda self, cache, width: False)
+    return request.param
+
+
 def _ragged_extend(d, st, cache, feats, nxt, splits):
     """Feed pairs in chunks of per-request sizes ``splits[c][b]`` (0 allowed)."""
     B = feats.shape[0]
@@ -69,7 +78,7 @@ def test_rope_is_rotate_half_in_float32(dtype):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
-def test_extend_matches_forward(block_size, heads):
+def test_extend_matches_forward(block_size, heads, decode_path):
     tgt = _target(num_q_heads=heads[0], num_kv_heads=heads[1])
     d = _strong(EagleDrafter.for_target(tgt).eval())
     B, L = 3, 19
@@ -77,7 +86,7 @@ def test_extend_matches_forward(block_size, heads):
     with torch.no_grad():
         feats = tgt(toks[:, :L])[1]
         g = d(feats, toks[:, 1:])
-    cache = DrafterKVCache(d.config, 2 + B * (-(-L // block_size)), block_size)
+    cache = DrafterKVCache(d.config, 2 + B * d.blocks_per_request(L, block_size), block_size)
     st = d.new_state(cache, B, L)
     _ragged_extend(d, st, cache, feats, toks[:, 1:], [[5, 0, 19], [0, 7, 0], [14, 12, 0]])
     assert st.context_lens.tolist() == [L] * B
@@ -87,14 +96,14 @@ def test_extend_matches_forward(block_size, heads):
 
 @pytest.mark.parametrize("depth,topk", [(1, 3), (2, 3), (3, 2)])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 1)])
-def test_draft_scores_match_forward_paths(depth, topk, heads):
+def test_draft_scores_match_forward_paths(depth, topk, heads, decode_path):
     tgt = _target(num_q_heads=heads[0], num_kv_heads=heads[1])
     d = _strong(EagleDrafter.for_target(tgt).eval())
     B, L = 2, 9
     toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         feats = tgt(toks[:, :L])[1]
-    cache = DrafterKVCache(d.config, 16, 4)
+    cache = DrafterKVCache(d.config, 1 + B * d.blocks_per_request(L, 4), 4)
     st = d.new_state(cache, B, L)
     d.extend(st, cache, feats, toks[:, 1:], torch.full((B,), L, dtype=torch.int32))
     out = d.draft(st, cache, depth, topk, num_verify=5)
@@ -184,3 +193,48 @@ def test_accepted_length_greedy():
     acc = accepted_length_greedy(parents, tokens, torch.tensor([6, 4], dtype=torch.int32), cont)
     # Request 0: path 2 (6) -> 4 (8) -> 5 (3); request 1: 1 -> 2 then 3 (token 3 != 4).
     assert acc.tolist() == [4, 3]
+
+
+def _bf16_gpu_drafter(B, L, seed=4):
+    """A bf16 drafter of head_dim 64 (the attention kernels' size) on the GPU, its cache filled with L pairs."""
+    torch.manual_seed(0)
+    tgt = LlamaForCausalLM(ModelConfig.small(vocab_size=512, num_q_heads=6, num_kv_heads=2)).cuda().to(torch.bfloat16)
+    d = _strong(EagleDrafter.for_target(tgt, seed=0, dtype=torch.float32)).to("cuda", torch.bfloat16).eval()
+    d.pack_projections()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    feats = torch.randn(B, L, d.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    toks = torch.randint(0, 512, (B, L), device="cuda", generator=g)
+    cache = DrafterKVCache(d.config, 1 + 2 * B * d.blocks_per_request(L + 8, 16), 16, device="cuda", dtype=torch.bfloat16)
+    return d, cache, feats, toks
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("B", [1, 5])
+def test_fused_path_on_the_kernels_matches_the_dense_path(B, monkeypatch):
+    """bf16 on the GPU: the fused path (the attention, RMSNorm, rotary and SiLU kernels) commits and drafts what the
+    dense reference does, within bf16 rounding; the draft replayed from a CUDA graph gives the eager draft's bits."""
+    d, cache, feats, toks = _bf16_gpu_drafter(B, 37)
+    lens = torch.tensor([37, 20, 1, 33, 9][:B], dtype=torch.int32, device="cuda")
+    states, drafts = {}, {}
+    for path in ("dense", "fused"):
+        with monkeypatch.context() as m:
+            if path == "dense":
+                m.setattr(EagleDrafter, "_fused", lambda self, cache, width: False)
+            st = states[path] = d.new_state(cache, B, 45)
+            d.extend(st, cache, feats[:, :30], toks[:, :30], lens.clamp(max=30), validate=False)
+            d.extend(st, cache, feats[:, 30:], toks[:, 30:], (lens - 30).clamp(min=0), validate=False)
+            drafts[path] = d.draft(st, cache, depth=4, topk=3, num_verify=8)
+    fused, dense = states["fused"].last_hidden.float(), states["dense"].last_hidden.float()
+    assert float((fused - dense).norm() / dense.norm()) < 0.02
+    assert torch.equal(states["fused"].context_lens, lens) and torch.equal(states["fused"].root_tokens, states["dense"].root_tokens)
+    # Depth-1 candidates come from last_hidden alone; deeper ones may swap near-ties, so compare the best scores.
+    torch.testing.assert_close(drafts["fused"].cand_scores[:, :3], drafts["dense"].cand_scores[:, :3], atol=0.15, rtol=0.05)
+    st = states["fused"]
+    eager = d.draft(st, cache, depth=4, topk=3, num_verify=8)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = d.draft(st, cache, depth=4, topk=3, num_verify=8)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.cand_tokens, eager.cand_tokens) and torch.equal(captured.cand_scores, eager.cand_scores)

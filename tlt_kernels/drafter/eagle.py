@@ -22,7 +22,8 @@ Decoding flow (per request):
    ``q(. | g_{L-1})``; expanding a depth-``d`` candidate ``c`` runs the pair (feature predicted for
    its parent, ``c``) at slot ``L + d - 1`` (EAGLE's feature re-use), attending to the cached context
    and to its drafted ancestors only. The candidates (cumulative log-probs) go to
-   :func:`tlt_kernels.build_draft_tree`. Drafted pairs are never written to the cache.
+   :func:`tlt_kernels.build_draft_tree`. Drafted pairs are never committed: the fused path stores their K/V in
+   scratch slots past the context, which the next commit overwrites (:mod:`.eagle_fused`).
 3. the target verifies the tree; with accepted nodes ``a_1..a_m`` (features ``f_root, f_{a_1}..``)
    and the bonus token ``x``, ``extend(state, [f_root, f_{a_1}, .., f_{a_m}], [a_1, .., a_m, x])``
    commits ``m + 1`` pairs computed from the *target's* features.
@@ -42,6 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._validation import capturing, check_positive_ints, check_tensor
+from ..models.packing import PackedLinears
+from ..ops.rms_norm import rms_norm
+from .eagle_fused import SCRATCH_SLOTS, FusedExpansion, extend_fused
 
 # ---------------------------------------------------------------------------------------------
 # Configuration and shared target pieces
@@ -265,6 +269,8 @@ class EagleDrafter(nn.Module):
         # RoPE frequencies per device, float32 whatever the weights' dtype (not a buffer: .to(dtype) would round
         # them); made on first use, outside any graph capture (the graphs' warm-up runs first).
         self._inv_freq_by_device: dict = {}
+        self._packed_qkv: Optional[PackedLinears] = None  # see pack_projections
+        self._packed_gate_up: Optional[PackedLinears] = None
         self.weights_version = 0
         self._init_weights()
 
@@ -318,11 +324,15 @@ class EagleDrafter(nn.Module):
     def embed_weight(self) -> torch.Tensor:
         return self._shared[0].weight.detach()
 
-    def head_logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """``lm_head(final_norm(feature))`` with the target's weights (no grad into them)."""
+    def head_logits(self, feature: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``lm_head(final_norm(feature))`` with the target's weights (no grad into them). ``fused``: the norm in one
+        kernel when the feature has the norm's dtype (decoding only: the kernel has no autograd formula)."""
         _, lm_head, norm = self._shared
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or self.config.rms_norm_eps
-        x = _rms_norm(feature, norm.weight.detach(), eps)
+        if fused and feature.dtype == norm.weight.dtype:
+            x = rms_norm(feature, norm.weight.detach(), eps)[0]
+        else:
+            x = _rms_norm(feature, norm.weight.detach(), eps)
         w = lm_head.weight.detach()
         bias = lm_head.bias.detach() if getattr(lm_head, "bias", None) is not None else None
         # Cast the activations, never the [V, H] weight (a copy of it per call would dominate).
@@ -342,10 +352,32 @@ class EagleDrafter(nn.Module):
         q = self.q_proj(h).view(*shp, c.num_q_heads, c.head_dim)
         k = self.k_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
         v = self.v_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
-        cos, sin = _rope_cos_sin(pos, self._inv_freq(q.device))
+        cos, sin = _rope_cos_sin(pos, self.rope_inv_freq(q.device))
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def _inv_freq(self, device) -> torch.Tensor:
+    def qkv_projections(self, h: torch.Tensor):
+        """``q, k, v`` of ``h [..., H]``: one GEMM once :meth:`pack_projections` has packed them, else three."""
+        if self._packed_qkv is not None and self._packed_qkv.valid():
+            return self._packed_qkv(h)
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
+    def gate_up_projections(self, h: torch.Tensor):
+        """``gate, up`` of ``h [..., H]``: one GEMM once packed, else two."""
+        if self._packed_gate_up is not None and self._packed_gate_up.valid():
+            return self._packed_gate_up(h)
+        return self.gate_proj(h), self.up_proj(h)
+
+    def pack_projections(self) -> None:
+        """Pack q/k/v and gate/up into one weight each (:mod:`tlt_kernels.models.packing`) for the decoding paths:
+        the parameters become views of the packed tensors, so in-place updates (``load_state_dict``, an optimizer
+        step) keep them packed; anything giving a parameter new storage unpacks (the separate GEMMs run). Idempotent."""
+        if self._packed_qkv is None or not self._packed_qkv.valid():
+            self._packed_qkv = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
+        if self._packed_gate_up is None or not self._packed_gate_up.valid():
+            self._packed_gate_up = PackedLinears([self.gate_proj, self.up_proj])
+
+    def rope_inv_freq(self, device) -> torch.Tensor:
+        """float32 ``[D/2]`` RoPE frequencies on ``device`` (made on first use, outside any graph capture)."""
         freq = self._inv_freq_by_device.get(device)
         if freq is None:
             freq = self._inv_freq_by_device[device] = _rope_inv_freq(self.config.head_dim, self.config.rope_theta,
@@ -406,10 +438,18 @@ class EagleDrafter(nn.Module):
 
     # -- decoding ------------------------------------------------------------------------------
 
+    @staticmethod
+    def blocks_per_request(max_tokens: int, block_size: int) -> int:
+        """Blocks :meth:`new_state` takes per request: ``max_tokens`` pairs plus the fused path's
+        :data:`~tlt_kernels.drafter.eagle_fused.SCRATCH_SLOTS` slots past them."""
+        return -(-(max_tokens + SCRATCH_SLOTS) // block_size)
+
     def new_state(self, cache: DrafterKVCache, batch_size: int, max_tokens: int) -> EagleState:
+        """A state of ``batch_size`` requests of up to ``max_tokens`` pairs each, whose tables take
+        :meth:`blocks_per_request` blocks each from ``cache``."""
         dev = cache.k.device
         return EagleState(
-            block_table=cache.allocate(batch_size, max_tokens),
+            block_table=cache.allocate(batch_size, max_tokens + SCRATCH_SLOTS),
             context_lens=torch.zeros(batch_size, dtype=torch.int32, device=dev),
             last_hidden=torch.zeros(batch_size, self.config.hidden_size, dtype=self.fc.weight.dtype, device=dev),
             root_tokens=torch.zeros(batch_size, dtype=torch.int64, device=dev),
@@ -434,10 +474,10 @@ class EagleDrafter(nn.Module):
             features: ``[B, n, H]`` target features of the new positions.
             next_tokens: ``int64 [B, n]``, the token following each feature.
             num_new: ``int32 [B]`` valid pairs per request, in ``[0, n]``.
-            validate: check ``num_new`` and that ``context_lens + num_new`` fits the state's block table (one host
-                sync; skipped while a CUDA graph is captured). Past the table a write would land in its last
-                block and overwrite earlier pairs. ``False``: the caller guarantees both (the engine does, by
-                construction), with no host sync.
+            validate: check ``num_new`` and that ``context_lens + num_new`` fits the state's block table less its
+                scratch slots (one host sync; skipped while a CUDA graph is captured). Past the table a write would
+                land in its last block and overwrite earlier pairs. ``False``: the caller guarantees both (the engine
+                does, by construction), with no host sync.
         """
         if features.dim() != 3:
             raise ValueError(f"features must be [B, n, H], got shape {tuple(features.shape)}")
@@ -449,11 +489,31 @@ class EagleDrafter(nn.Module):
         check_tensor("state.context_lens", state.context_lens, shape=(B,), device=dev)
         if validate and not capturing(dev):
             _check_extend(state, cache, num_new, n)
+        x = self._input(features, next_tokens)
+        if self._fused(cache, n):
+            g = extend_fused(self, state, cache, x)
+        else:
+            g = self._extend_dense(state, cache, x, num_new)
+        last = (num_new.to(torch.int64) - 1).clamp(min=0)
+        has = (num_new > 0).unsqueeze(1)
+        rows = torch.arange(B, device=dev)
+        state.last_hidden.copy_(torch.where(has, g[rows, last].to(state.last_hidden.dtype), state.last_hidden))
+        state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
+        state.context_lens.add_(num_new.to(state.context_lens.dtype))
+
+    def _fused(self, cache: DrafterKVCache, width: int) -> bool:
+        """Whether ``width`` new tokens run the fused path (:mod:`.eagle_fused`): the kernels take that many, and the
+        cache holds the drafter's dtype (the K/V store rides in the rotation's launch)."""
+        return width <= SCRATCH_SLOTS and cache.k.dtype == self.fc.weight.dtype
+
+    def _extend_dense(self, state: EagleState, cache: DrafterKVCache, x: torch.Tensor, num_new: torch.Tensor):
+        """The reference commit: ``g [B, n, H]`` of the pairs ``x [B, n, H]``, each seeing every cached slot up to its
+        own through the whole gathered table; the valid pairs' K/V written first (the others to the sink block 0)."""
+        B, n, _ = x.shape
         ctx = state.context_lens.to(torch.int64)
-        i = torch.arange(n, device=dev)
+        i = torch.arange(n, device=x.device)
         valid = i.unsqueeze(0) < num_new.to(torch.int64).unsqueeze(1)  # [B, n]
         slot = ctx.unsqueeze(1) + i  # [B, n]
-        x = self._input(features, next_tokens)
         q, k, v = self._qkv(x, slot)
         bs = cache.block_size
         blk = state.block_table.long().gather(1, (slot // bs).clamp(max=state.block_table.shape[1] - 1))
@@ -462,16 +522,8 @@ class EagleDrafter(nn.Module):
         cache.k[blk, off] = k.to(cache.k.dtype)
         cache.v[blk, off] = v.to(cache.v.dtype)
         ck, cv = self._gather_context(cache, state.block_table)
-        key_slot = torch.arange(ck.shape[1], device=dev)
-        # Pair i sees every cached slot up to and including its own.
-        mask = key_slot.view(1, 1, -1) <= slot.unsqueeze(2)
-        g = self._finish(x, self._attend_parts(q, [(ck.permute(0, 2, 3, 1), cv.transpose(1, 2), mask)]))
-        last = (num_new.to(torch.int64) - 1).clamp(min=0)
-        has = (num_new > 0).unsqueeze(1)
-        rows = torch.arange(B, device=dev)
-        state.last_hidden.copy_(torch.where(has, g[rows, last].to(state.last_hidden.dtype), state.last_hidden))
-        state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
-        state.context_lens.add_(num_new.to(state.context_lens.dtype))
+        mask = torch.arange(ck.shape[1], device=x.device).view(1, 1, -1) <= slot.unsqueeze(2)
+        return self._finish(x, self._attend_parts(q, [(ck.permute(0, 2, 3, 1), cv.transpose(1, 2), mask)]))
 
     @torch.no_grad()
     def draft(self, state: EagleState, cache: DrafterKVCache, depth: int, topk: int, num_verify: int, return_mask: bool = False) -> EagleDraft:
@@ -493,55 +545,32 @@ class EagleDrafter(nn.Module):
         B, H = state.last_hidden.shape
         K = topk
         dev = state.last_hidden.device
-        context = self._draft_context(state, cache)
-        logp = torch.log_softmax(self.head_logits(state.last_hidden).float(), -1)
+        fused = self._fused(cache, (depth - 1) * K)
+        expand = FusedExpansion(self, state, cache, depth) if fused else _DenseExpansion(self, state, cache)
+        logp = torch.log_softmax(self.head_logits(state.last_hidden, fused).float(), -1)
         score, tok = logp.topk(K, dim=-1)  # [B, K]
         cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
         cand_tok, cand_score = [tok], [score]
         frontier = _Frontier(cand_index=torch.arange(K, device=dev).expand(B, K), tokens=tok, scores=score,
                              parent_features=state.last_hidden.unsqueeze(1).expand(B, K, H),
                              parent_rows=torch.full((B, K), -1, dtype=torch.int64, device=dev))
-        drafted = _DraftedNodes([], [], None)
+        ancestors = None  # bool [B, P, P] over the P nodes expanded so far (row i: node i's ancestors and itself)
         for step in range(1, depth):
-            g = self._expand_frontier(frontier, context, drafted, step)  # [B, K, H]
-            c_score, c_tok = torch.log_softmax(self.head_logits(g).float(), -1).topk(K, dim=-1)  # [B, K, K]
+            ancestors = _extend_ancestors(ancestors, frontier.parent_rows, K)
+            g = expand(self._input(frontier.parent_features, frontier.tokens), ancestors, step)  # [B, K, H]
+            c_score, c_tok = torch.log_softmax(self.head_logits(g, fused).float(), -1).topk(K, dim=-1)  # [B, K, K]
             c_score = (frontier.scores.unsqueeze(2) + c_score).reshape(B, K * K)
             c_tok = c_tok.reshape(B, K * K)
             cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K).to(torch.int32))
             cand_tok.append(c_tok)
             cand_score.append(c_score)
             frontier = _next_frontier(g, c_tok, c_score, first_index=K + (step - 1) * K * K,
-                                      first_row=(len(drafted.keys) - 1) * K)
+                                      first_row=ancestors.shape[1] - K)
         cand_parents = torch.cat(cand_par, 1)
         cand_tokens = torch.cat(cand_tok, 1)
         cand_scores = torch.cat(cand_score, 1).float()
         tree = build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, state.root_tokens, return_mask=return_mask, validate=False)
         return EagleDraft(tree, cand_parents, cand_tokens, cand_scores)
-
-    def _draft_context(self, state: EagleState, cache: DrafterKVCache):
-        """The cached context in the layout every depth's attention reads, made once per draft: ``(keys [B, Hkv, D,
-        Lc], values [B, Hkv, Lc, D], context_lens int64 [B], mask bool [B, Lc] of the cached slots)``."""
-        ck, cv = self._gather_context(cache, state.block_table)
-        ctx = state.context_lens.to(torch.int64)
-        ctx_mask = torch.arange(ck.shape[1], device=ck.device).unsqueeze(0) < ctx.unsqueeze(1)  # [B, Lc]
-        return ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous(), ctx, ctx_mask
-
-    def _expand_frontier(self, frontier: "_Frontier", context, drafted: "_DraftedNodes", step: int) -> torch.Tensor:
-        """Runs the frontier's pairs (parent feature, token) at slot ``context_lens + step - 1``, attending to the
-        context and to their drafted ancestors and themselves; appends their K/V and ancestor rows to ``drafted``
-        and returns their predicted features ``[B, K, H]``."""
-        ck_t, cv_h, ctx, ctx_mask = context
-        B, K = frontier.tokens.shape
-        x = self._input(frontier.parent_features, frontier.tokens)
-        q, k, v = self._qkv(x, (ctx + step - 1).unsqueeze(1).expand(B, K))
-        drafted.keys.append(k)
-        drafted.values.append(v)
-        drafted.ancestors = _extend_ancestors(drafted.ancestors, frontier.parent_rows, K)
-        P = drafted.ancestors.shape[1]  # processed nodes so far (this step's are the last K)
-        tree_k, tree_v = torch.cat(drafted.keys, 1), torch.cat(drafted.values, 1)  # [B, P, Hkv, D]
-        parts = [(ck_t, cv_h, ctx_mask.unsqueeze(1).expand(B, K, -1)),
-                 (tree_k.permute(0, 2, 3, 1), tree_v.transpose(1, 2), drafted.ancestors[:, P - K :])]
-        return self._finish(x, self._attend_parts(q, parts))
 
     # -- versioned weights -----------------------------------------------------------------------
 
@@ -571,14 +600,30 @@ class _Frontier(NamedTuple):
     parent_rows: torch.Tensor
 
 
-@dataclass
-class _DraftedNodes:
-    """The nodes a draft has processed so far, K per step: their K/V (``[B, K, Hkv, D]`` per step) and the ancestor
-    mask ``bool [B, P, P]`` (row i: node i's ancestors among them, and itself)."""
+class _DenseExpansion:
+    """The reference of :class:`~tlt_kernels.drafter.eagle_fused.FusedExpansion` (same call): the context gathered
+    once per draft (``keys [B, Hkv, D, Lc]``, ``values [B, Hkv, Lc, D]``, a mask of the cached slots), the expanded
+    nodes' K/V kept per step, attention over both parts in one fp32 softmax."""
 
-    keys: list
-    values: list
-    ancestors: Optional[torch.Tensor]
+    def __init__(self, drafter: "EagleDrafter", state: EagleState, cache: DrafterKVCache):
+        self.drafter = drafter
+        ck, cv = drafter._gather_context(cache, state.block_table)
+        self.context_lens = state.context_lens.to(torch.int64)
+        self.context_mask = torch.arange(ck.shape[1], device=ck.device).unsqueeze(0) < self.context_lens.unsqueeze(1)
+        self.context = (ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous())
+        self.keys, self.values = [], []
+
+    def __call__(self, x: torch.Tensor, ancestors: torch.Tensor, step: int) -> torch.Tensor:
+        B, K, _ = x.shape
+        d = self.drafter
+        q, k, v = d._qkv(x, (self.context_lens + step - 1).unsqueeze(1).expand(B, K))
+        self.keys.append(k)
+        self.values.append(v)
+        P = ancestors.shape[1]
+        tree_k, tree_v = torch.cat(self.keys, 1), torch.cat(self.values, 1)  # [B, P, Hkv, D]
+        parts = [(*self.context, self.context_mask.unsqueeze(1).expand(B, K, -1)),
+                 (tree_k.permute(0, 2, 3, 1), tree_v.transpose(1, 2), ancestors[:, P - K :])]
+        return d._finish(x, d._attend_parts(q, parts))
 
 
 def _extend_ancestors(ancestors: Optional[torch.Tensor], parent_rows: torch.Tensor, K: int) -> torch.Tensor:
@@ -611,7 +656,7 @@ def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, 
 
 def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tensor, n: int) -> None:
     """``0 <= num_new <= n`` and ``context_lens + num_new <= `` the table's slots, per request (one host sync)."""
-    room = state.block_table.shape[1] * cache.block_size
+    room = state.block_table.shape[1] * cache.block_size - SCRATCH_SLOTS  # new_state's scratch stays free
     ctx = state.context_lens.to(torch.int64)
     new = num_new.to(torch.int64)
     bad = (new < 0) | (new > n) | (ctx < 0) | (ctx + new > room)
@@ -622,8 +667,8 @@ def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tenso
     if not 0 <= k <= n:
         raise ValueError(f"EagleDrafter.extend: num_new[{b}] = {k} is outside [0, n={n}] (the pairs given per request)")
     raise ValueError(f"EagleDrafter.extend: request {b} holds context_lens = {c} pairs and adds num_new = {k}, past the "
-                     f"{room} slots of its block table ({state.block_table.shape[1]} blocks of {cache.block_size}); "
-                     "allocate the state with a larger max_tokens")
+                     f"{room} slots of its block table ({state.block_table.shape[1]} blocks of {cache.block_size}, "
+                     f"less {SCRATCH_SLOTS} scratch slots); allocate the state with a larger max_tokens")
 
 
 def num_candidates(depth: int, topk: int) -> int:

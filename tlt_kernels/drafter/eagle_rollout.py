@@ -48,10 +48,11 @@ class EagleRolloutDrafter(DrafterBase):
         return eagle_tree_width(strategy)
 
     def bind(self, *, strategies, fuse_step, device, max_batch_size, slots_per_request, block_size) -> None:
-        blocks_per_request = -(-slots_per_request // block_size)
+        blocks_per_request = self.module.blocks_per_request(slots_per_request, block_size)
         self.slots_per_request = slots_per_request
         self.cache = DrafterKVCache(self.module.config, 1 + max_batch_size * blocks_per_request, block_size,
                                     device=device, dtype=self.dtype)
+        self.module.pack_projections()  # one GEMM for q/k/v and one for gate/up in every draft and commit
 
     # -- a rollout ----------------------------------------------------------------------------------
     def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
@@ -134,7 +135,7 @@ class EagleRolloutDrafter(DrafterBase):
         ``width``."""
         dev, dtype = self.device, self.dtype
         hidden_size = self.module.config.hidden_size
-        blocks = -(-self.slots_per_request // self.cache.block_size)
+        blocks = self.module.blocks_per_request(self.slots_per_request, self.cache.block_size)
         rows = [torch.zeros(p, blocks, dtype=torch.int32, device=dev), torch.zeros(p, dtype=torch.int32, device=dev),
                 torch.zeros(p, hidden_size, dtype=dtype, device=dev), torch.zeros(p, dtype=torch.int64, device=dev)]
         if width is not None:

@@ -456,7 +456,7 @@ def evaluate_acceptance(
         nxt[r, :p] = tokens[b, 1 : p + 1]
         cont[r] = tokens[b, p + 1 : p + 1 + depth]
     num_new = torch.tensor([p for _, p in rows], dtype=torch.int32, device=dev)
-    nb = 1 + R * -(-P // block_size)
+    nb = 1 + R * drafter.blocks_per_request(P, block_size)
     cache = DrafterKVCache(drafter.config, nb, block_size, device=dev, dtype=next(drafter.parameters()).dtype)
     state = drafter.new_state(cache, R, P)
     drafter.extend(state, cache, feats, nxt, num_new)

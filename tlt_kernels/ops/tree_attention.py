@@ -27,9 +27,9 @@ import torch
 from .._backend import backend_unavailable_reason, direct_dispatch_ok, process_constant, register_op
 from .._validation import check_tensor, dense, per_request, saturate_to
 from ..reference.tree_attention import run_torch
-from ..tree import resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
+from ..tree import pack_tree_mask, resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
 
-__all__ = ["TreeAttentionPlan", "plan_tree_attention", "run", "tree_attention"]
+__all__ = ["TreeAttentionPlan", "plan_masked_attention", "plan_tree_attention", "run", "tree_attention"]
 
 _BACKENDS = register_op(
     "tree_attention",
@@ -257,25 +257,73 @@ def plan_tree_attention(
     """
     _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks, validate)
     parents, context_lens, block_table, num_nodes = _plan_tables(parents, context_lens, block_table, num_nodes)
-    B, T = parents.shape
-    dev = parents.device
     capturing = _capturing()
     checked = validate and not capturing
     max_page = None
     if checked:
         max_page = _validate_plan(parents, context_lens, num_nodes, block_table, block_size, num_blocks)
+    return _make_plan(dense(tree_ancestor_mask_packed(parents, num_nodes)), context_lens, block_table, num_nodes,
+                      num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks,
+                      max_page=max_page, check_pages_at_run=validate and capturing, checked=checked)
+
+
+def plan_masked_attention(
+    mask: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_context_len: int,
+    num_blocks: Optional[int] = None,
+) -> TreeAttentionPlan:
+    """A plan whose ``T`` new tokens see each other through an explicit mask instead of a tree's ancestors.
+
+    For visibility patterns that no single ``parents`` row describes: the forest of nodes a drafter has expanded so far
+    (several roots), or a causal chunk of new tokens. Token ``j`` of request ``b`` is at slot ``context_lens[b] + j``
+    and every token sees the whole context, as in :func:`plan_tree_attention`. No value checks and no host sync
+    (CUDA-graph capturable): the caller guarantees the table covers ``context_lens + T`` slots.
+
+    Args:
+        mask: ``bool [B, T, T]``; ``mask[b, i, j]``: token i sees token j. Every row sees the whole context as well;
+            give each row at least itself, so that no row sees nothing (an empty context and an empty row).
+        context_lens: ``int32 [B]``; block_table: ``int32 [B, max_blocks]``.
+        num_q_heads, num_kv_heads, head_dim, block_size: model / cache geometry.
+        max_context_len: an upper bound of ``context_lens`` (the table's capacity will do): sizes the context split.
+        num_blocks: pages in the cache (``run`` checks the caches against it).
+    """
+    check_tensor("mask", mask, dtype=torch.bool, ndim=3)
+    B, T, T2 = mask.shape
+    if T != T2 or T < 1:
+        raise ValueError(f"mask must be [B, T, T] with T >= 1, got shape {tuple(mask.shape)}")
+    check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B,), device=mask.device)
+    check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=mask.device)
+    _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, False)
+    # Every row is a node: the mask alone says what each sees.
+    num_nodes = torch.full((B,), T, dtype=torch.int32, device=mask.device)
+    return _make_plan(dense(pack_tree_mask(mask)), dense(context_lens), dense(block_table), num_nodes, num_q_heads,
+                      num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, max_page=None,
+                      check_pages_at_run=False, checked=False)
+
+
+def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num_kv_heads, head_dim, block_size,
+               max_context_len, split_len, num_blocks, *, max_page, check_pages_at_run, checked) -> TreeAttentionPlan:
+    """The plan around a packed mask ``int32 [B, T, ceil(T/32)]``: the context split and the fp32 scratch."""
+    B, T = tree_mask.shape[:2]
     G = num_q_heads // num_kv_heads
     num_splits, split_len = _context_split(context_lens, block_table.shape[1] * block_size, max_context_len, split_len,
-                                           num_kv_heads, T * G, head_dim, capturing=capturing, checked=checked)
+                                           num_kv_heads, T * G, head_dim, capturing=_capturing(), checked=checked)
     M = T * G
+    dev = tree_mask.device
     return TreeAttentionPlan(
         batch_size=B, num_tree=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, group=G, head_dim=head_dim,
-        block_size=block_size, num_splits=num_splits, split_len=split_len,
-        tree_mask=dense(tree_ancestor_mask_packed(parents, num_nodes)),
+        block_size=block_size, num_splits=num_splits, split_len=split_len, tree_mask=tree_mask,
         context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
         partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
-        num_blocks=num_blocks, max_page=max_page, check_pages_at_run=validate and capturing,
+        num_blocks=num_blocks, max_page=max_page, check_pages_at_run=check_pages_at_run,
     )
 
 

@@ -1,0 +1,117 @@
+"""The EAGLE drafter's decoding on the fused ops: the math of :class:`~tlt_kernels.drafter.EagleDrafter`'s dense path
+(``eagle.py``) in a launch count fit for a small model's step.
+
+A small model's step is bound by its kernel launches, not by bytes (docs/MODELS.md). The dense path spends about 150
+launches per draft depth: RoPE and the RMSNorms as elementwise torch ops, and an attention that gathers every
+request's whole padded context and masks it densely. Here the drafter's layer runs the target's fused kernels: one
+RMSNorm kernel (the residual add inside), one packed q/k/v GEMM, RoPE and the K/V store in one launch, the paged
+tree-attention kernels over the cached context plus the new tokens, SiLU * up in one.
+
+Where the new tokens live. A commit (:func:`extend_fused`) writes its ``n`` pairs at slots ``context_lens + i``, the
+padding ones too (past the committed pairs: later commits overwrite them). A draft (:class:`FusedExpansion`) writes
+the ``r``-th node it expands at slot ``context_lens + r``, again past the committed pairs. Both stay within
+:data:`SCRATCH_SLOTS` slots past the context, which :meth:`EagleDrafter.new_state` reserves in every block table.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..ops.rms_norm import rms_norm
+from ..ops.rotary import rotary_to_cache
+from ..ops.silu_and_mul import silu_and_mul
+from ..ops.tree_attention import KERNEL_MAX_NODES, plan_masked_attention
+
+# Slots a block table keeps past its committed pairs for the fused path's new tokens: the widest forest or commit
+# the attention kernels take (a wider one runs the dense path).
+SCRATCH_SLOTS = KERNEL_MAX_NODES
+
+
+def flat_rows(block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``int64 [B * T]`` rows of slots ``int [B, T]`` in a ``[num_blocks * block_size, Hkv, D]`` view of a cache."""
+    slots = slots.to(torch.int64)
+    block = block_table.to(torch.int64).gather(1, slots // block_size)
+    return (block * block_size + slots % block_size).flatten()
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [B, T, D]`` in ``dtype`` (the rotary kernel's layout) of positions ``int [B, T]``; angles in float32."""
+    angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    angle = torch.cat([angle, angle], -1)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, plan, cache,
+                earlier_queries: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's layer over ``x [B, T, H]`` (``g`` of the module docstring of ``eagle.py``).
+
+    The T tokens' K/V go to cache rows ``rows int64 [B * T]``; attention runs ``plan`` (a
+    :func:`~tlt_kernels.plan_masked_attention` plan) over ``earlier_queries [B, P - T, Hq, D]`` (the rotated queries
+    of the plan's earlier tokens, None when ``P = T``) and the T new ones. Returns ``g [B, T, H]`` and the rotated
+    queries of all P tokens.
+    """
+    c = drafter.config
+    B, T, _ = x.shape
+    h, residual = rms_norm(x, drafter.input_norm.weight, c.rms_norm_eps)
+    q, k, v = drafter.qkv_projections(h)
+    q = q.view(B, T, c.num_q_heads, c.head_dim)
+    k = k.view(B, T, c.num_kv_heads, c.head_dim)
+    v = v.view(B, T, c.num_kv_heads, c.head_dim)
+    k_rows, v_rows = (t.view(-1, c.num_kv_heads, c.head_dim) for t in (cache.k, cache.v))
+    q = rotary_to_cache(q, k, v, cos, sin, k_rows, v_rows, rows, validate=False)
+    queries = q if earlier_queries is None else torch.cat([earlier_queries, q], 1)
+    attn = plan.run(queries, cache.k, cache.v, sm_scale=c.head_dim**-0.5)[:, -T:]
+    h, residual = rms_norm(drafter.o_proj(attn.flatten(-2)), drafter.post_norm.weight, c.rms_norm_eps,
+                           residual=residual)
+    gate, up = drafter.gate_up_projections(h)
+    return residual + drafter.down_proj(silu_and_mul(gate, up)), queries
+
+
+def _plan(drafter, mask: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor, cache):
+    c = drafter.config
+    return plan_masked_attention(mask, context_lens.to(torch.int32), block_table, num_q_heads=c.num_q_heads,
+                                 num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=cache.block_size,
+                                 max_context_len=block_table.shape[1] * cache.block_size, num_blocks=cache.num_blocks)
+
+
+def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
+    """The layer over a commit's pairs ``x [B, n, H]`` (``n <= SCRATCH_SLOTS``) at slots and positions
+    ``context_lens + i``, causal among themselves; every one of the n slots is written. Returns ``g [B, n, H]``."""
+    B, n, _ = x.shape
+    positions = state.context_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=x.device)
+    cos, sin = rope_tables(positions, drafter.rope_inv_freq(x.device), x.dtype)
+    causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril().expand(B, n, n)
+    plan = _plan(drafter, causal, state.context_lens, state.block_table, cache)
+    rows = flat_rows(state.block_table, positions, cache.block_size)
+    return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
+
+
+class FusedExpansion:
+    """The expansion steps of one draft (``EagleDrafter.draft``) on the fused layer.
+
+    Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
+    expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
+    hence a masked plan over all of them, whose earlier queries are kept and rerun: cheaper than a launch more.
+    """
+
+    def __init__(self, drafter, state, cache, depth: int):
+        self.drafter, self.state, self.cache = drafter, state, cache
+        dev = state.context_lens.device
+        self.context_lens = state.context_lens.to(torch.int64)
+        positions = self.context_lens.unsqueeze(1) + torch.arange(max(depth - 1, 1), device=dev)
+        self.cos, self.sin = rope_tables(positions, drafter.rope_inv_freq(dev), drafter.fc.weight.dtype)
+        self.queries: Optional[torch.Tensor] = None
+
+    def __call__(self, x: torch.Tensor, ancestors: torch.Tensor, step: int) -> torch.Tensor:
+        """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``; ``ancestors bool [B, P, P]`` covers every node expanded
+        so far, this step's K last."""
+        B, K, _ = x.shape
+        P = ancestors.shape[1]
+        slots = self.context_lens.unsqueeze(1) + torch.arange(P - K, P, device=x.device)
+        rows = flat_rows(self.state.block_table, slots, self.cache.block_size)
+        plan = _plan(self.drafter, ancestors, self.state.context_lens, self.state.block_table, self.cache)
+        cos = self.cos[:, step - 1 : step].expand(B, K, -1)
+        sin = self.sin[:, step - 1 : step].expand(B, K, -1)
+        g, self.queries = fused_layer(self.drafter, x, cos, sin, rows, plan, self.cache, self.queries)
+        return g
