@@ -130,6 +130,8 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     check_tensor("mask", mask, dtype=torch.bool, ndim=3)
     B, T, T2 = mask.shape
     words = (T2 + 31) // 32
+    if T2 <= 64:  # one int64 word per row, read as its two int32 halves: 5 launches, not 11 (a step's plan makes one)
+        return pack_bit_words(torch.where(mask, bit_values(T2, mask.device), 0).sum(-1), T2)
     padded = torch.zeros(B, T, words * 32, dtype=torch.int64, device=mask.device)
     padded[..., :T2] = mask.to(torch.int64)
     weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=mask.device), torch.arange(32, device=mask.device))
@@ -137,6 +139,19 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     # Fold into the int32 range (two's complement) so bit 31 survives.
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)
     return packed.to(torch.int32)
+
+
+def bit_values(n: int, device) -> torch.Tensor:
+    """``int64 [n]``: ``1 << j`` (``n <= 64``; bit 63 is the sign bit, so a sum of distinct bits never overflows)."""
+    return torch.bitwise_left_shift(torch.ones(n, dtype=torch.int64, device=device),
+                                    torch.arange(n, dtype=torch.int64, device=device))
+
+
+def pack_bit_words(words: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """``int64 [B, T]`` rows of bits (bit j: column j, ``num_cols <= 64``) -> :func:`pack_tree_mask`'s ``int32 [B, T,
+    ceil(num_cols / 32)]``: the words' int32 halves (little-endian: the low half is word 0), no arithmetic."""
+    halves = words.contiguous().view(torch.int32).view(*words.shape, 2)
+    return halves[..., : (num_cols + 31) // 32].contiguous()
 
 
 def unpack_tree_mask(packed: torch.Tensor, num_cols: int) -> torch.Tensor:

@@ -94,13 +94,16 @@ def test_a_tree_mask_gives_the_tree_plan():
     geometry = dict(num_q_heads=4, num_kv_heads=Hkv, head_dim=D, block_size=bs)
     tree = tlt.plan_tree_attention(parents, ctx, table, **geometry)
     masked = tlt.plan_masked_attention(tree_ancestor_mask(parents), ctx, table, max_context_len=20, **geometry)
-    assert torch.equal(masked.tree_mask, tree.tree_mask)
+    packed = tlt.plan_masked_attention(tlt.pack_tree_mask(tree_ancestor_mask(parents)), ctx, table,
+                                       max_context_len=20, **geometry)
+    assert torch.equal(masked.tree_mask, tree.tree_mask) and torch.equal(packed.tree_mask, tree.tree_mask)
     torch.testing.assert_close(masked.run(q, k, v), tree.run(q, k, v))
 
 
 @pytest.mark.parametrize("bad,why", [
-    (dict(mask=torch.ones(1, 3, 2, dtype=torch.bool)), r"mask must be \[B, T, T\]"),
-    (dict(mask=torch.ones(1, 3, 3)), "mask must have dtype bool"),
+    (dict(mask=torch.ones(1, 3, 2, dtype=torch.bool)), r"mask must be bool \[B, T, T\] or bit-packed"),
+    (dict(mask=torch.ones(1, 3, 3, dtype=torch.int32)), r"int32 \[B, T, ceil\(T / 32\)\]"),
+    (dict(mask=torch.ones(1, 3, 3)), "mask must have dtype"),
     (dict(context_lens=torch.zeros(2, dtype=torch.int32)), "context_lens"),
     (dict(max_context_len=-1), "max_context_len"),
 ])

@@ -547,25 +547,22 @@ class EagleDrafter(nn.Module):
         dev = state.last_hidden.device
         fused = self._fused(cache, (depth - 1) * K)
         expand = FusedExpansion(self, state, cache, depth) if fused else _DenseExpansion(self, state, cache)
-        logp = torch.log_softmax(self.head_logits(state.last_hidden, fused).float(), -1)
-        score, tok = logp.topk(K, dim=-1)  # [B, K]
+        score, tok = _top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
         cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
         cand_tok, cand_score = [tok], [score]
         frontier = _Frontier(cand_index=torch.arange(K, device=dev).expand(B, K), tokens=tok, scores=score,
                              parent_features=state.last_hidden.unsqueeze(1).expand(B, K, H),
                              parent_rows=torch.full((B, K), -1, dtype=torch.int64, device=dev))
-        ancestors = None  # bool [B, P, P] over the P nodes expanded so far (row i: node i's ancestors and itself)
         for step in range(1, depth):
-            ancestors = _extend_ancestors(ancestors, frontier.parent_rows, K)
-            g = expand(self._input(frontier.parent_features, frontier.tokens), ancestors, step)  # [B, K, H]
-            c_score, c_tok = torch.log_softmax(self.head_logits(g, fused).float(), -1).topk(K, dim=-1)  # [B, K, K]
+            g = expand(self._input(frontier.parent_features, frontier.tokens), frontier.parent_rows, step)  # [B, K, H]
+            c_score, c_tok = _top_logprobs(self.head_logits(g, fused), K)  # [B, K, K]
             c_score = (frontier.scores.unsqueeze(2) + c_score).reshape(B, K * K)
             c_tok = c_tok.reshape(B, K * K)
             cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K).to(torch.int32))
             cand_tok.append(c_tok)
             cand_score.append(c_score)
             frontier = _next_frontier(g, c_tok, c_score, first_index=K + (step - 1) * K * K,
-                                      first_row=ancestors.shape[1] - K)
+                                      first_row=(step - 1) * K)
         cand_parents = torch.cat(cand_par, 1)
         cand_tokens = torch.cat(cand_tok, 1)
         cand_scores = torch.cat(cand_score, 1).float()
@@ -612,10 +609,12 @@ class _DenseExpansion:
         self.context_mask = torch.arange(ck.shape[1], device=ck.device).unsqueeze(0) < self.context_lens.unsqueeze(1)
         self.context = (ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous())
         self.keys, self.values = [], []
+        self.ancestors = None  # bool [B, P, P] over the P nodes expanded so far (row i: its ancestors and itself)
 
-    def __call__(self, x: torch.Tensor, ancestors: torch.Tensor, step: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
         B, K, _ = x.shape
         d = self.drafter
+        ancestors = self.ancestors = _extend_ancestors(self.ancestors, parent_rows, K)
         q, k, v = d._qkv(x, (self.context_lens + step - 1).unsqueeze(1).expand(B, K))
         self.keys.append(k)
         self.values.append(v)
@@ -641,6 +640,13 @@ def _extend_ancestors(ancestors: Optional[torch.Tensor], parent_rows: torch.Tens
         ancestors = new
     ancestors[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
     return ancestors
+
+
+def _top_logprobs(logits: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(log-probs float32, tokens) [..., K]`` of the K most likely tokens of ``logits [..., V]``; for K = 1 one
+    reduction (a radix top-k over a large vocabulary is several launches)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return logp.max(-1, keepdim=True) if K == 1 else logp.topk(K, dim=-1)
 
 
 def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, first_index: int,

@@ -22,6 +22,7 @@ from ..ops.rms_norm import rms_norm
 from ..ops.rotary import rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
 from ..ops.tree_attention import KERNEL_MAX_NODES, plan_masked_attention
+from ..tree import bit_values, pack_bit_words
 
 # Slots a block table keeps past its committed pairs for the fused path's new tokens: the widest forest or commit
 # the attention kernels take (a wider one runs the dense path).
@@ -81,8 +82,9 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     B, n, _ = x.shape
     positions = state.context_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=x.device)
     cos, sin = rope_tables(positions, drafter.rope_inv_freq(x.device), x.dtype)
-    causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril().expand(B, n, n)
-    plan = _plan(drafter, causal, state.context_lens, state.block_table, cache)
+    # Row i sees pairs 0..i: the bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i.
+    causal = bit_values(n, x.device).cumsum(0).expand(B, n)
+    plan = _plan(drafter, pack_bit_words(causal, n), state.context_lens, state.block_table, cache)
     rows = flat_rows(state.block_table, positions, cache.block_size)
     return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
 
@@ -92,7 +94,8 @@ class FusedExpansion:
 
     Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
-    hence a masked plan over all of them, whose earlier queries are kept and rerun: cheaper than a launch more.
+    hence a masked plan over all of them, whose earlier queries are kept and rerun: cheaper than a launch more. The
+    mask is kept as one int64 word of bits per node (``P <= 64``): a node's word is its parent's plus its own bit.
     """
 
     def __init__(self, drafter, state, cache, depth: int):
@@ -102,15 +105,23 @@ class FusedExpansion:
         positions = self.context_lens.unsqueeze(1) + torch.arange(max(depth - 1, 1), device=dev)
         self.cos, self.sin = rope_tables(positions, drafter.rope_inv_freq(dev), drafter.fc.weight.dtype)
         self.queries: Optional[torch.Tensor] = None
+        self.words: Optional[torch.Tensor] = None  # int64 [B, P]: bit j of row i: node j is node i or its ancestor
 
-    def __call__(self, x: torch.Tensor, ancestors: torch.Tensor, step: int) -> torch.Tensor:
-        """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``; ``ancestors bool [B, P, P]`` covers every node expanded
-        so far, this step's K last."""
+    def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
+        """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``, whose parents are the expanded nodes ``parent_rows int64
+        [B, K]`` (-1: a root)."""
         B, K, _ = x.shape
-        P = ancestors.shape[1]
+        P = (step - 1) * K + K
+        own = bit_values(P, x.device)[P - K :]
+        if self.words is None:
+            self.words = own.expand(B, K)
+        else:
+            inherited = self.words.gather(1, parent_rows.clamp(min=0)).masked_fill(parent_rows < 0, 0)
+            self.words = torch.cat([self.words, inherited | own], 1)
         slots = self.context_lens.unsqueeze(1) + torch.arange(P - K, P, device=x.device)
         rows = flat_rows(self.state.block_table, slots, self.cache.block_size)
-        plan = _plan(self.drafter, ancestors, self.state.context_lens, self.state.block_table, self.cache)
+        plan = _plan(self.drafter, pack_bit_words(self.words, P), self.state.context_lens, self.state.block_table,
+                     self.cache)
         cos = self.cos[:, step - 1 : step].expand(B, K, -1)
         sin = self.sin[:, step - 1 : step].expand(B, K, -1)
         g, self.queries = fused_layer(self.drafter, x, cos, sin, rows, plan, self.cache, self.queries)

@@ -288,22 +288,26 @@ def plan_masked_attention(
 
     Args:
         mask: ``bool [B, T, T]``; ``mask[b, i, j]``: token i sees token j. Every row sees the whole context as well;
-            give each row at least itself, so that no row sees nothing (an empty context and an empty row).
+            give each row at least itself, so that no row sees nothing (an empty context and an empty row). Or the
+            same mask bit-packed, ``int32 [B, T, ceil(T / 32)]`` (:func:`tlt_kernels.pack_tree_mask`'s layout).
         context_lens: ``int32 [B]``; block_table: ``int32 [B, max_blocks]``.
         num_q_heads, num_kv_heads, head_dim, block_size: model / cache geometry.
         max_context_len: an upper bound of ``context_lens`` (the table's capacity will do): sizes the context split.
         num_blocks: pages in the cache (``run`` checks the caches against it).
     """
-    check_tensor("mask", mask, dtype=torch.bool, ndim=3)
-    B, T, T2 = mask.shape
-    if T != T2 or T < 1:
-        raise ValueError(f"mask must be [B, T, T] with T >= 1, got shape {tuple(mask.shape)}")
+    check_tensor("mask", mask, dtype=(torch.bool, torch.int32), ndim=3)
+    B, T, cols = mask.shape
+    words = (T + 31) // 32
+    if T < 1 or cols != (T if mask.dtype == torch.bool else words):
+        raise ValueError(f"mask must be bool [B, T, T] or bit-packed int32 [B, T, ceil(T / 32)] with T >= 1, got "
+                         f"{mask.dtype} of shape {tuple(mask.shape)}")
     check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B,), device=mask.device)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=mask.device)
     _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, False)
     # Every row is a node: the mask alone says what each sees.
     num_nodes = torch.full((B,), T, dtype=torch.int32, device=mask.device)
-    return _make_plan(dense(pack_tree_mask(mask)), dense(context_lens), dense(block_table), num_nodes, num_q_heads,
+    packed = pack_tree_mask(mask) if mask.dtype == torch.bool else mask
+    return _make_plan(dense(packed), dense(context_lens), dense(block_table), num_nodes, num_q_heads,
                       num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, max_page=None,
                       check_pages_at_run=False, checked=False)
 
