@@ -39,6 +39,7 @@ def _parse_args():
     ap.add_argument("--arm", default="s4k1v5", help="the drafters' static strategy ('off' included; '' for plain only)")
     ap.add_argument("--drafters", default="ngram",
                     help="comma-separated drafters run with --arm: ngram, eagle (an untrained bf16 EAGLE layer)")
+    ap.add_argument("--kernels", type=int, default=15, help="GPU kernels listed per configuration (default 15)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report to DIR/profile_rollout.md")
     return ap.parse_args()
 
@@ -68,7 +69,7 @@ def _host_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
     return lines + ["```"]
 
 
-def _torch_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
+def _torch_profile(eng, prompts, tokens: int, steps: int, num_kernels: int = 15) -> List[str]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -78,7 +79,7 @@ def _torch_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
     kernels = [e for e in events if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     lines = [f"### GPU kernels per step: {sum(e.count for e in kernels) / steps:.0f} launches, "
              f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms"]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]:
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:num_kernels]:
         lines.append(f"- {e.key[:90]}: {e.count / steps:.1f}/step, {e.self_device_time_total / steps:.1f} us/step")
     lines.append("### host operators by self CPU time (per step)")
     host = [e for e in events if e.device_type.name == "CPU"]
@@ -87,7 +88,7 @@ def _torch_profile(eng, prompts, tokens: int, steps: int) -> List[str]:
     return lines
 
 
-def _profile(name, eng, prompts, tokens: int, detail: bool) -> List[str]:
+def _profile(name, eng, prompts, tokens: int, detail: bool, num_kernels: int = 15) -> List[str]:
     """The summary line (medians of 3 rollouts: decode ms per step, prefill excluded), then the tables."""
     per_step, medians, prefills, walls = [], [], [], []
     for _ in range(3):
@@ -104,7 +105,7 @@ def _profile(name, eng, prompts, tokens: int, detail: bool) -> List[str]:
              f"accepted length {out.mean_accepted_length():.2f}, graph steps {sum(s.graph for s in out.steps)}"]
     if not detail:
         return lines
-    return lines + _host_profile(eng, prompts, tokens, steps) + _torch_profile(eng, prompts, tokens, steps)
+    return lines + _host_profile(eng, prompts, tokens, steps) + _torch_profile(eng, prompts, tokens, steps, num_kernels)
 
 
 def _target_and_prompts(args):
@@ -157,7 +158,7 @@ def main() -> None:
                 label = f"{name} (overlap {'on' if overlap else 'off'}, step kernel {'on' if step_kernel else 'off'})"
                 for batch in batches:
                     prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
-                    lines += _profile(label, eng, prompts, args.tokens, args.detail)
+                    lines += _profile(label, eng, prompts, args.tokens, args.detail, args.kernels)
                 del eng
     text = "\n".join(lines)
     print(text)
