@@ -72,9 +72,10 @@ def test_backlog_takes_each_rows_tokens_since_its_first_step():
     taken, path = backlog.take(output, generated)
     assert taken.tolist() == [4, 1, 2] and backlog.size == 0 and backlog.rows is None
     assert path.num_new.tolist() == [3, 1, 2]
-    assert path.tokens[0].tolist() == [42, 43, 44] and path.tokens[1, :1].tolist() == [13]
+    assert backlog.widths == [1, 2, 4] and path.tokens.shape == (3, 4)  # 3 steps: padded to the width 4
+    assert path.tokens[0, :3].tolist() == [42, 43, 44] and path.tokens[1, :1].tolist() == [13]
     assert path.tokens[2, :2].tolist() == [25, 26]
-    assert path.hidden[0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    assert path.hidden.shape == (3, 4, 3) and path.hidden[0, :3, 0].tolist() == [0.0, 1.0, 2.0]
     with pytest.raises(RuntimeError, match="nothing is stashed"):
         backlog.take(output, generated)
 

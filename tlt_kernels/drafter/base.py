@@ -113,7 +113,8 @@ class Drafter(Protocol):
         """Load the spot trainer's newest published weights from ``holder`` (a WeightsHolder), if any."""
 
     def graph_specs(self, strategies: Sequence, widths: Sequence[int]) -> List[GraphSpec]:
-        """Graphs to capture next to the verify forward (separate-graph steps)."""
+        """Graphs to capture next to the verify forward (separate-graph steps); with no ``strategies``, only the commit
+        graphs for accepted paths of ``widths`` (the engine's deferred backlog commits through them)."""
 
     def graph_names(self, strategy) -> Tuple[list, list]:
         """Names of the graphs a step of ``strategy`` replays before and after the verify forward. (A drafter used

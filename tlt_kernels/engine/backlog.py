@@ -11,6 +11,10 @@ backlog instead of one per token).
 
 Rows only leave a rollout, so every row of a later plain step was in the first one: the backlog's rows are the
 first step's, and each row's tokens are those it emitted since (none more once it has finished or failed).
+
+A taken path is padded to one of a few widths (:attr:`DrafterBacklog.widths`: powers of two, and the capacity): a
+drafter's commit of a new width is a graph to capture or a kernel to compile, so the widths are few and known when
+the engine captures its graphs.
 """
 from __future__ import annotations
 
@@ -37,6 +41,8 @@ class DrafterBacklog:
         self.start = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # tokens before the first step
         self.size = 0  # plain steps stashed since the last take (host)
         self.rows: Optional[torch.Tensor] = None  # int64 [r]: the rows of the first stashed step
+        # The widths a taken path has: powers of two below the capacity, and the capacity.
+        self.widths = sorted({1 << i for i in range(capacity.bit_length()) if 1 << i < capacity} | {capacity})
 
     @property
     def full(self) -> bool:
@@ -56,13 +62,14 @@ class DrafterBacklog:
         self.size += 1
 
     def take(self, output_tokens: torch.Tensor, generated: torch.Tensor) -> Tuple[torch.Tensor, AcceptedPath]:
-        """The backlog as ``(rows int64 [r], AcceptedPath)`` of width ``size``, from the rollout's ``output_tokens``
-        (int64 ``[B, W]``) and ``generated`` (int64 ``[B]``): each row's tokens since the first step, ``num_new``
-        of them, which may be 0 (a row that finished or failed at the first step; a lazy drafter's commit takes 0 as
-        "nothing to learn"). Empties the backlog."""
+        """The backlog as ``(rows int64 [r], AcceptedPath)`` from the rollout's ``output_tokens`` (int64 ``[B, W]``)
+        and ``generated`` (int64 ``[B]``): each row's tokens since the first step, ``num_new`` of them, which may be 0
+        (a row that finished or failed at the first step; a lazy drafter's commit takes 0 as "nothing to learn").
+        The path's width is the smallest of :attr:`widths` that holds ``size`` steps; columns past a row's
+        ``num_new`` are padding. Empties the backlog."""
         if self.size == 0:
             raise RuntimeError("DrafterBacklog.take: nothing is stashed")
-        rows, width = self.rows, self.size
+        rows, width = self.rows, next(w for w in self.widths if w >= self.size)
         start = self.start[rows]
         columns = (start.unsqueeze(1) + torch.arange(width, device=start.device)).clamp(max=output_tokens.shape[1] - 1)
         tokens = output_tokens[rows].gather(1, columns)

@@ -241,12 +241,18 @@ class SpeculativeEngine:
         if batch_sizes is None:
             batch_sizes = sorted({1 << i for i in range(int(math.log2(self.max_batch_size)) + 1)} | {self.max_batch_size})
         sizes = [b for b in batch_sizes if 1 <= b <= self.max_batch_size]
-        if not self.graphs.capture(lambda: self.step_runner.register_graphs(self.strategies, self.widths, sizes)):
+        if not self.graphs.capture(lambda: self._register_graphs(sizes)):
             return {"error": self.graph_error}
         if self.selector is not None and self.selector.available is None:
             self.selector.available = self.covers
             self.selector.invalidate_available()
         return self.graph_pool.stats()
+
+    def _register_graphs(self, sizes) -> None:
+        """Every strategy's step graphs, and the drafter's commit graphs for the backlog's path widths."""
+        self.step_runner.register_graphs(self.strategies, self.widths, sizes)
+        if self.backlog is not None:
+            self.step_runner.register_commit_graphs(self.backlog.widths, sizes)
 
     def covers(self, strategy: Strategy, batch_size: int) -> bool:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""

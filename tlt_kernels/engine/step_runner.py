@@ -133,6 +133,11 @@ class StepRunner:
         """Add this runner's graphs for ``sizes`` to the pool (names already registered are kept)."""
         raise NotImplementedError
 
+    def register_commit_graphs(self, widths, sizes) -> None:
+        """Add the drafter's commit graphs for paths of ``widths`` (a deferred backlog's) at ``sizes``."""
+        for name, fn, example_inputs in self.drafter.graph_specs([], widths):
+            self._add_graph(name, fn, sizes, example_inputs)
+
     def covers(self, strategy, batch_size: int) -> bool:
         """Whether a captured graph runs a step of ``strategy`` at ``batch_size``."""
         raise NotImplementedError
