@@ -546,7 +546,7 @@ class EagleDrafter(nn.Module):
         K = topk
         dev = state.last_hidden.device
         fused = self._fused(cache, (depth - 1) * K)
-        expand = FusedExpansion(self, state, cache, depth) if fused else _DenseExpansion(self, state, cache)
+        expand = FusedExpansion(self, state, cache, depth, K) if fused else _DenseExpansion(self, state, cache)
         score, tok = _top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
         cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
         cand_tok, cand_score = [tok], [score]

@@ -98,12 +98,17 @@ class FusedExpansion:
     mask is kept as one int64 word of bits per node (``P <= 64``): a node's word is its parent's plus its own bit.
     """
 
-    def __init__(self, drafter, state, cache, depth: int):
+    def __init__(self, drafter, state, cache, depth: int, topk: int):
         self.drafter, self.state, self.cache = drafter, state, cache
         dev = state.context_lens.device
-        self.context_lens = state.context_lens.to(torch.int64)
-        positions = self.context_lens.unsqueeze(1) + torch.arange(max(depth - 1, 1), device=dev)
-        self.cos, self.sin = rope_tables(positions, drafter.rope_inv_freq(dev), drafter.fc.weight.dtype)
+        context_lens = state.context_lens.to(torch.int64).unsqueeze(1)
+        num_nodes = (depth - 1) * topk  # the nodes the draft expands (none at depth 1)
+        if num_nodes:  # made once: each step slices them
+            positions = context_lens + torch.arange(depth - 1, device=dev)
+            self.cos, self.sin = rope_tables(positions, drafter.rope_inv_freq(dev), drafter.fc.weight.dtype)
+            self.rows = flat_rows(state.block_table, context_lens + torch.arange(num_nodes, device=dev),
+                                  cache.block_size).view(-1, num_nodes)  # [B, num_nodes]: node r's cache row
+            self.bits = bit_values(num_nodes, dev)
         self.queries: Optional[torch.Tensor] = None
         self.words: Optional[torch.Tensor] = None  # int64 [B, P]: bit j of row i: node j is node i or its ancestor
 
@@ -112,14 +117,13 @@ class FusedExpansion:
         [B, K]`` (-1: a root)."""
         B, K, _ = x.shape
         P = (step - 1) * K + K
-        own = bit_values(P, x.device)[P - K :]
+        own = self.bits[P - K : P]
         if self.words is None:
             self.words = own.expand(B, K)
         else:
             inherited = self.words.gather(1, parent_rows.clamp(min=0)).masked_fill(parent_rows < 0, 0)
             self.words = torch.cat([self.words, inherited | own], 1)
-        slots = self.context_lens.unsqueeze(1) + torch.arange(P - K, P, device=x.device)
-        rows = flat_rows(self.state.block_table, slots, self.cache.block_size)
+        rows = self.rows[:, P - K : P].reshape(-1)
         plan = _plan(self.drafter, pack_bit_words(self.words, P), self.state.context_lens, self.state.block_table,
                      self.cache)
         cos = self.cos[:, step - 1 : step].expand(B, K, -1)
