@@ -109,3 +109,26 @@ def test_a_checkpoint_is_saved_at_every_report(monkeypatch, tmp_path):
                         "--max-new-tokens", "4", "--batch", "2", "--samples", "1", "--device", "cpu",
                         "--train-batch", "2", "--seq-len", "8", "--report-every", "4"])
     assert saved[:2] == [4, 6] and saved[-1] == 6 and out.is_file()
+
+
+def test_loss_weights_reach_the_trainer(monkeypatch, tmp_path):
+    """--token-weight and --feature-noise set the SpotTrainer's loss (eagle_loss's token_weight and feature_noise);
+    negative values are refused."""
+    made = {}
+    real = SpotTrainer.__init__
+
+    def init(self, *args, **kwargs):
+        made.update(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpotTrainer, "__init__", init)
+    model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
+    tiny_transformers_directory(model, hidden_size=64, head_dim=32)
+    _prompts_file(prompts)
+    train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts), "--steps", "2",
+                        "--max-new-tokens", "4", "--batch", "2", "--samples", "1", "--device", "cpu",
+                        "--train-batch", "2", "--seq-len", "8", "--token-weight", "1.5", "--feature-noise", "0.2"])
+    assert made["token_weight"] == 1.5 and made["feature_noise"] == 0.2
+    for flag in ("--token-weight", "--feature-noise"):
+        with pytest.raises(SystemExit):
+            train_drafter.parse_args(["--model-file", "m", "--out", "o", flag, "-1"])

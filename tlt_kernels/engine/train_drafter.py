@@ -3,7 +3,7 @@
 ::
 
     python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--steps N] [--max-new-tokens N]
-        [--batch N] [--samples N] [--no-normalize-hidden] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
+        [--batch N] [--samples N] [--no-normalize-hidden] [--token-weight W] [--feature-noise A] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
 
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
@@ -73,6 +73,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-batch", type=int, default=8, help="windows per optimizer step")
     p.add_argument("--seq-len", type=int, default=256, help="pairs per training window")
+    p.add_argument("--token-weight", type=float, default=0.1,
+                   help="weight of the token term (soft cross-entropy against the target's distribution) next to the "
+                        "feature regression's 1 (eagle_loss)")
+    p.add_argument("--feature-noise", type=float, default=0.05,
+                   help="uniform noise on the input features, in units of their spread with --normalize-hidden")
     p.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=True,
                    help="regress features per dimension in units of their spread (SpotTrainer(normalize_hidden=); "
                         "default on): for targets whose last-layer features hold a few huge dimensions")
@@ -85,6 +90,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--steps, --max-new-tokens, --batch, --samples, --train-batch and --seq-len must be >= 1, --temperature >= 0")
     if args.report_every < 1 or (args.train_seconds is not None and args.train_seconds <= 0):
         p.error("--report-every must be >= 1 and --train-seconds > 0")
+    if not (args.token_weight >= 0 and args.feature_noise >= 0):
+        p.error("--token-weight and --feature-noise must be >= 0")
     return args
 
 
@@ -154,7 +161,8 @@ def make_trainer(target, buffer: RolloutBuffer, args: argparse.Namespace) -> Spo
     drafter = EagleDrafter.for_target(target, seed=args.seed)
     cuda = target.device.type == "cuda"
     return SpotTrainer(drafter, buffer, lr=args.lr, warmup_steps=min(50, max(1, args.steps // 10)),
-                       batch_size=args.train_batch, seq_len=args.seq_len, feature_noise=0.05, seed=args.seed,
+                       batch_size=args.train_batch, seq_len=args.seq_len, token_weight=args.token_weight,
+                       feature_noise=args.feature_noise, seed=args.seed,
                        normalize_hidden=args.normalize_hidden,
                        autocast_dtype=torch.bfloat16 if cuda else None)
 
