@@ -70,14 +70,15 @@ def permutation_pvalue(a: Sequence[float], b: Sequence[float], rounds: int = 200
     return (extreme + 1) / (rounds + 1)
 
 
-def common_prefix_max_diff(tokens_a: List[List[int]], logp_a: List[List[float]], tokens_b: List[List[int]],
-                           logp_b: List[List[float]]) -> float:
-    """The largest ``|logp_a - logp_b|`` over the tokens two rollouts of the same requests share (each pair's common
-    prefix): the lossless check of two decoders' scores."""
-    worst = 0.0
+def common_prefix_diffs(tokens_a: List[List[int]], logp_a: List[List[float]], tokens_b: List[List[int]],
+                        logp_b: List[List[float]]) -> List[float]:
+    """``|logp_a - logp_b|`` of every token two rollouts of the same requests share (each pair's common prefix): the
+    lossless check of two decoders' scores."""
+    diffs = []
     for ta, la, tb, lb in zip(tokens_a, logp_a, tokens_b, logp_b):
         for x, y, u, v in zip(ta, tb, la, lb):
             if x != y:
                 break
-            worst = max(worst, abs(u - v))
-    return worst
+            diffs.append(abs(u - v))
+    return diffs
+

@@ -46,7 +46,7 @@ import torch
 from tlt_kernels.engine.probe import synced_seconds
 
 from ..flags import Flag, positive_int, str_list, values
-from ..grpo import common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
+from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
 from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, tiny_hf_model
@@ -295,10 +295,15 @@ class RLRun:
                           f"steps): mean {sum(spec.rewards) / len(spec.rewards):.3f} vs "
                           f"{sum(plain.rewards) / len(plain.rewards):.3f}, p = "
                           f"{permutation_pvalue(spec.rewards, plain.rewards):.3f}")
-            diff = common_prefix_max_diff(spec.first.responses, spec.first.old_logprobs, plain.first.responses,
-                                          plain.first.old_logprobs)
-            self.ctx.note(f"log-probs, spec against plain on the tokens their first rollouts share (same weights "
-                          f"and seeds): largest difference {diff:.2e}")
+            diffs = sorted(common_prefix_diffs(spec.first.responses, spec.first.old_logprobs, plain.first.responses,
+                                               plain.first.old_logprobs))
+            if diffs:
+                # A speculative step verifies a tree where plain decoding runs one token: other kernels and GEMM
+                # shapes, so half-precision logits may round one step apart (1/8 at a logit of 16..32 in bf16).
+                self.ctx.note(f"log-probs, spec against plain on the {len(diffs)} tokens their first rollouts share "
+                              f"(same weights and seeds): median difference {diffs[len(diffs) // 2]:.2e}, 99th "
+                              f"percentile {diffs[int(0.99 * (len(diffs) - 1))]:.2e}, largest {diffs[-1]:.2e} "
+                              f"({str(self.ours.dtype).replace('torch.', '')} logits)")
 
 
 def run(ctx) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bench.__main__ import main
-from bench.grpo import (common_prefix_max_diff, group_advantages, grpo_loss, permutation_pvalue,
+from bench.grpo import (common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue,
                         response_logprobs)
 from bench.rl_task import problems, reward
 
@@ -56,8 +56,9 @@ def test_response_logprobs_equal_log_softmax_at_the_response_tokens():
 def test_permutation_test_and_common_prefix():
     assert permutation_pvalue([1.0] * 30, [0.0] * 30) < 0.01
     assert permutation_pvalue([1.0, 0.0] * 20, [0.0, 1.0] * 20) > 0.5
-    assert common_prefix_max_diff([[1, 2, 3]], [[-0.1, -0.2, -0.3]], [[1, 2, 4]], [[-0.1, -0.25, -9.0]]) == \
-        pytest.approx(0.05)
+    # Each pair's common prefix only: request 0 shares tokens 1, 2; request 1 shares nothing.
+    assert common_prefix_diffs([[1, 2, 3], [5]], [[-0.1, -0.2, -0.3], [-1.0]], [[1, 2, 4], [6]],
+                               [[-0.1, -0.25, -9.0], [-2.0]]) == pytest.approx([0.0, 0.05])
 
 
 def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
@@ -69,9 +70,9 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     assert len(per_step) == 6 * 2 and all(r["tokens"] > 0 and r["ms"] > 0 for r in per_step)
     assert all(r["tail_s"] is not None for r in per_step if r["impl"] != "hf")
     notes = " ".join(data["notes"])
-    assert "permutation test" in notes and "largest difference" in notes
+    assert "permutation test" in notes and "median difference" in notes and "(float32 logits)" in notes
     assert "spec: decoding steps per strategy" in notes and "hf: decoding steps" not in notes
-    diff = float(notes.split("largest difference ")[1].split()[0])
+    diff = float(notes.split(", largest ")[1].split()[0])
     assert diff < 1e-4  # fp32 on the CPU: the two engines score shared tokens alike
 
 
