@@ -94,7 +94,7 @@ class FusedExpansion:
 
     Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
-    hence a masked plan over all of them, whose earlier queries are kept and rerun: cheaper than a launch more. The
+    hence a masked plan over all of them; their earlier queries are kept and rerun (a few rows more, no launch more). The
     mask is kept as one int64 word of bits per node (``P <= 64``): a node's word is its parent's plus its own bit.
     """
 
@@ -116,7 +116,7 @@ class FusedExpansion:
         """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``, whose parents are the expanded nodes ``parent_rows int64
         [B, K]`` (-1: a root)."""
         B, K, _ = x.shape
-        P = (step - 1) * K + K
+        P = step * K  # nodes expanded so far, this step's K last
         own = self.bits[P - K : P]
         if self.words is None:
             self.words = own.expand(B, K)
