@@ -18,6 +18,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..models.kv_cache import paged_rows
+from ..models.llama import rope_cos_sin
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
@@ -27,20 +29,6 @@ from ..tree import bit_values, pack_bit_words
 # Slots a block table keeps past its committed pairs for the fused path's new tokens: the widest forest or commit
 # the attention kernels take (a wider one runs the dense path).
 SCRATCH_SLOTS = KERNEL_MAX_NODES
-
-
-def flat_rows(block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``int64 [B * T]`` rows of slots ``int [B, T]`` in a ``[num_blocks * block_size, Hkv, D]`` view of a cache."""
-    slots = slots.to(torch.int64)
-    block = block_table.to(torch.int64).gather(1, slots // block_size)
-    return (block * block_size + slots % block_size).flatten()
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin [B, T, D]`` in ``dtype`` (the rotary kernel's layout) of positions ``int [B, T]``; angles in float32."""
-    angle = positions.to(torch.float32).unsqueeze(-1) * inv_freq
-    angle = torch.cat([angle, angle], -1)
-    return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
 def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, plan, cache,
@@ -81,11 +69,11 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     ``context_lens + i``, causal among themselves; every one of the n slots is written. Returns ``g [B, n, H]``."""
     B, n, _ = x.shape
     positions = state.context_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=x.device)
-    cos, sin = rope_tables(positions, drafter.rope_inv_freq(x.device), x.dtype)
+    cos, sin = rope_cos_sin(drafter.rope_inv_freq(x.device), positions, x.dtype)
     # Row i sees pairs 0..i: the bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i.
     causal = bit_values(n, x.device).cumsum(0).expand(B, n)
     plan = _plan(drafter, pack_bit_words(causal, n), state.context_lens, state.block_table, cache)
-    rows = flat_rows(state.block_table, positions, cache.block_size)
+    rows = paged_rows(state.block_table, positions, cache.block_size).flatten()
     return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
 
 
@@ -94,8 +82,9 @@ class FusedExpansion:
 
     Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
-    hence a masked plan over all of them; their earlier queries are kept and rerun (a few rows more, no launch more). The
-    mask is kept as one int64 word of bits per node (``P <= 64``): a node's word is its parent's plus its own bit.
+    hence a masked plan over all of them; their earlier queries are kept and rerun (a few rows more, no launch
+    more). The mask is kept as one int64 word of bits per node (``P <= 64``): a node's word is its parent's plus its
+    own bit.
     """
 
     def __init__(self, drafter, state, cache, depth: int, topk: int):
@@ -105,9 +94,9 @@ class FusedExpansion:
         num_nodes = (depth - 1) * topk  # the nodes the draft expands (none at depth 1)
         if num_nodes:  # made once: each step slices them
             positions = context_lens + torch.arange(depth - 1, device=dev)
-            self.cos, self.sin = rope_tables(positions, drafter.rope_inv_freq(dev), drafter.fc.weight.dtype)
-            self.rows = flat_rows(state.block_table, context_lens + torch.arange(num_nodes, device=dev),
-                                  cache.block_size).view(-1, num_nodes)  # [B, num_nodes]: node r's cache row
+            self.cos, self.sin = rope_cos_sin(drafter.rope_inv_freq(dev), positions, drafter.fc.weight.dtype)
+            node_slots = context_lens + torch.arange(num_nodes, device=dev)
+            self.rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
             self.bits = bit_values(num_nodes, dev)
         self.queries: Optional[torch.Tensor] = None
         self.words: Optional[torch.Tensor] = None  # int64 [B, P]: bit j of row i: node j is node i or its ancestor

@@ -14,6 +14,19 @@ from .config import ModelConfig
 
 
 
+def paged_rows(block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``int64 [B, T]`` row of each slot (``int [B, T]``) in a ``[num_blocks * block_size, Hkv, D]`` view of a paged
+    cache whose requests' pages are ``block_table`` (``int32 [B, max_blocks]``).
+
+    Slots past the table's width are clamped to its last block; callers make sure such slots are never written
+    (they are masked or guaranteed in range).
+    """
+    slots = slots.to(torch.int64)
+    col = (slots // block_size).clamp(max=block_table.shape[1] - 1)
+    block = block_table.to(torch.int64).gather(1, col)
+    return block * block_size + slots % block_size
+
+
 class PagedKVCache:
     """K/V pools of every layer plus a free list of blocks.
 
@@ -89,15 +102,8 @@ class PagedKVCache:
         check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(batch,), device=self.device)
 
     def flat_index(self, block_table: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """``int64 [B, T]`` row of each slot in the ``[num_blocks * block_size, Hkv, D]`` view.
-
-        Slots past the table's width are clamped to its last block; callers make sure such slots are
-        never written (they are masked or guaranteed in range).
-        """
-        slots = slots.to(torch.int64)
-        col = (slots // self.block_size).clamp(max=block_table.shape[1] - 1)
-        block = block_table.to(torch.int64).gather(1, col)
-        return block * self.block_size + slots % self.block_size
+        """``int64 [B, T]`` row of each slot in the ``[num_blocks * block_size, Hkv, D]`` view (:func:`paged_rows`)."""
+        return paged_rows(block_table, slots, self.block_size)
 
     def write(self, layer: int, block_table: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: Optional[torch.Tensor] = None) -> None:
