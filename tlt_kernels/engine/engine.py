@@ -252,7 +252,7 @@ class SpeculativeEngine:
         """Every strategy's step graphs, and the drafter's commit graphs for the backlog's path widths."""
         self.step_runner.register_graphs(self.strategies, self.widths, sizes)
         if self.backlog is not None:
-            self.step_runner.register_commit_graphs(self.backlog.widths, sizes)
+            self.step_runner.register_drafter_graphs([], self.backlog.widths, sizes)
 
     def covers(self, strategy: Strategy, batch_size: int) -> bool:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""

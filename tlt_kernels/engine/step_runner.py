@@ -133,9 +133,10 @@ class StepRunner:
         """Add this runner's graphs for ``sizes`` to the pool (names already registered are kept)."""
         raise NotImplementedError
 
-    def register_commit_graphs(self, widths, sizes) -> None:
-        """Add the drafter's commit graphs for paths of ``widths`` (a deferred backlog's) at ``sizes``."""
-        for name, fn, example_inputs in self.drafter.graph_specs([], widths):
+    def register_drafter_graphs(self, strategies, widths, sizes) -> None:
+        """Add the drafter's own graphs at ``sizes``: its drafts of ``strategies`` and its commits of paths of
+        ``widths`` (no strategies: only the commits, such as a deferred backlog's)."""
+        for name, fn, example_inputs in self.drafter.graph_specs(strategies, widths):
             self._add_graph(name, fn, sizes, example_inputs)
 
     def covers(self, strategy, batch_size: int) -> bool:
@@ -176,8 +177,7 @@ class SeparateGraphStepRunner(StepRunner):
         for width in widths:
             self._add_graph(("verify", width), self.target_step.verify_forward, sizes,
                             lambda B, width=width: self.target_step.pad_verify_inputs(width, B))
-        for name, fn, example_inputs in self.drafter.graph_specs(strategies, widths):
-            self._add_graph(name, fn, sizes, example_inputs)
+        self.register_drafter_graphs(strategies, widths, sizes)
 
     def covers(self, strategy, batch_size: int) -> bool:
         if self._plain(strategy):
