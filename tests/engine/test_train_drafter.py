@@ -56,14 +56,15 @@ def test_read_prompts_takes_the_split_and_names_bad_lines(tmp_path):
         train_drafter.read_prompts(path, "train")
 
 
-def test_normalize_hidden_flag_reaches_the_trainer(monkeypatch, tmp_path):
+def test_trainer_flags_reach_the_trainer(monkeypatch, tmp_path):
     """--normalize-hidden sets SpotTrainer(normalize_hidden=True) and is on by default; --no-normalize-hidden turns
-    it off."""
+    it off. --token-weight and --feature-noise set the loss's token_weight and feature_noise (defaults 0.1, 0.05);
+    negative values are refused."""
     seen = []
     real = train_drafter.SpotTrainer
 
     def trainer(*args, **kwargs):
-        seen.append(kwargs["normalize_hidden"])
+        seen.append(kwargs)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train_drafter, "SpotTrainer", trainer)
@@ -73,8 +74,13 @@ def test_normalize_hidden_flag_reaches_the_trainer(monkeypatch, tmp_path):
     common = ["--model-file", str(model), "--prompts", str(prompts), "--steps", "2", "--max-new-tokens", "4",
               "--batch", "2", "--samples", "1", "--device", "cpu", "--train-batch", "2", "--seq-len", "8"]
     train_drafter.main(common + ["--out", str(tmp_path / "a.pt")])
-    train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--no-normalize-hidden"])
-    assert seen == [True, False]
+    train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--no-normalize-hidden", "--token-weight", "1.5",
+                                 "--feature-noise", "0.2"])
+    assert [kw["normalize_hidden"] for kw in seen] == [True, False]
+    assert [(kw["token_weight"], kw["feature_noise"]) for kw in seen] == [(0.1, 0.05), (1.5, 0.2)]
+    for flag in ("--token-weight", "--feature-noise"):
+        with pytest.raises(SystemExit):
+            train_drafter.parse_args(["--model-file", "m", "--out", "o", flag, "-1"])
 
 
 def test_train_seconds_stops_early_and_still_saves(tmp_path):
@@ -110,25 +116,3 @@ def test_a_checkpoint_is_saved_at_every_report(monkeypatch, tmp_path):
                         "--train-batch", "2", "--seq-len", "8", "--report-every", "4"])
     assert saved[:2] == [4, 6] and saved[-1] == 6 and out.is_file()
 
-
-def test_loss_weights_reach_the_trainer(monkeypatch, tmp_path):
-    """--token-weight and --feature-noise set the SpotTrainer's loss (eagle_loss's token_weight and feature_noise);
-    negative values are refused."""
-    made = {}
-    real = SpotTrainer.__init__
-
-    def init(self, *args, **kwargs):
-        made.update(kwargs)
-        real(self, *args, **kwargs)
-
-    monkeypatch.setattr(SpotTrainer, "__init__", init)
-    model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
-    tiny_transformers_directory(model, hidden_size=64, head_dim=32)
-    _prompts_file(prompts)
-    train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts), "--steps", "2",
-                        "--max-new-tokens", "4", "--batch", "2", "--samples", "1", "--device", "cpu",
-                        "--train-batch", "2", "--seq-len", "8", "--token-weight", "1.5", "--feature-noise", "0.2"])
-    assert made["token_weight"] == 1.5 and made["feature_noise"] == 0.2
-    for flag in ("--token-weight", "--feature-noise"):
-        with pytest.raises(SystemExit):
-            train_drafter.parse_args(["--model-file", "m", "--out", "o", flag, "-1"])
