@@ -115,4 +115,3 @@ def test_a_checkpoint_is_saved_at_every_report(monkeypatch, tmp_path):
                         "--max-new-tokens", "4", "--batch", "2", "--samples", "1", "--device", "cpu",
                         "--train-batch", "2", "--seq-len", "8", "--report-every", "4"])
     assert saved[:2] == [4, 6] and saved[-1] == 6 and out.is_file()
-
