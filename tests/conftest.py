@@ -193,6 +193,12 @@ def tiny_trained_target():
     return train_tiny_target(ModelConfig.tiny(), steps=15, batch_size=8, seq_len=32, seed=0)
 
 
+@pytest.fixture(scope="module")
+def target():
+    """:func:`tiny_trained_target`, one per test module (each module's engines pack its weights their own way)."""
+    return tiny_trained_target()
+
+
 def ragged_prompts(count: int, seed: int, first: int, step: int):
     """``count`` corpus windows cut to ``first + step * b`` tokens (request ``b``): ragged prompts of real text."""
     import torch

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import ragged_prompts, tiny_trained_target, two_sample_chi2
+from conftest import ragged_prompts, two_sample_chi2
 from tlt_kernels.drafter import EagleDrafter
 from tlt_kernels.drafter.base import DrafterBase, ProposedTree
 from tlt_kernels.drafter.union import UnionDrafter, union_tree
@@ -18,11 +18,6 @@ from tlt_kernels.runtime import Strategy, StrategySelector
 from tlt_kernels.tree import validate_tree
 
 MAX_NEW = [5, 23, 9, 30, 3, 17, 1]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,6 @@ MAX_NEW = [5, 23, 9, 30, 3, 17, 1]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return ragged_prompts(len(MAX_NEW), seed=0, first=6, step=2)
 

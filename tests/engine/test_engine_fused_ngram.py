@@ -22,11 +22,6 @@ ARMS = [Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(3, 2, 7)]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return ragged_prompts(len(MAX_NEW), seed=0, first=6, step=2)
 

@@ -3,16 +3,10 @@ prompt), finished siblings included; the output law does not change (greedy: pla
 import pytest
 import torch
 
-from conftest import tiny_trained_target
 from tlt_kernels.engine import SpeculativeEngine
 from tlt_kernels.engine.groups import sibling_table
 from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import Strategy
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
 
 
 def test_sibling_table():

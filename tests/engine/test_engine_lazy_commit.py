@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import ragged_prompts, tiny_trained_target
+from conftest import ragged_prompts
 from tlt_kernels.drafter import EagleDrafter, NGramRolloutDrafter
 from tlt_kernels.drafter.base import DrafterBase, ProposedTree
 from tlt_kernels.engine import SpeculativeEngine
@@ -24,11 +24,6 @@ MAX_NEW = [30, 22, 9, 26]
 ARMS = [Strategy(2, 1, 3), Strategy(4, 1, 5)]
 # Plain stretches of several lengths between drafting steps (the cycle repeats through the rollout).
 SCRIPT = [Strategy.off()] * 3 + [ARMS[1]] + [Strategy.off()] * 5 + [ARMS[0], ARMS[1]] + [Strategy.off()]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
 
 
 @pytest.fixture(scope="module")

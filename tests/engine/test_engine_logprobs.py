@@ -7,18 +7,13 @@ tokens; graphs (fused and separate, on the CPU stand-in backend) and eager steps
 import pytest
 import torch
 
-from conftest import ragged_prompts, tiny_trained_target
+from conftest import ragged_prompts
 from tlt_kernels.engine import SpeculativeEngine
 from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 from tlt_kernels.runtime.graph_pool import FakeGraphBackend
 
 MAX_NEW = [6, 17, 3, 12]
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
 
 
 @pytest.fixture(scope="module")

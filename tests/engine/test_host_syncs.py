@@ -18,7 +18,6 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from conftest import tiny_trained_target
 
 from tlt_kernels.drafter import EagleDrafter
 from tlt_kernels.engine import SpeculativeEngine
@@ -107,11 +106,6 @@ class _MaskIndexing(TorchFunctionMode):
         if func is torch.Tensor.__getitem__ and len(args) > 1 and self.counter._is_mask(args[1]):
             self.counter._note("mask index")
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_trained_target()
 
 
 def _engine(target, kind, fuse):
