@@ -94,6 +94,33 @@ def test_extend_matches_forward(block_size, heads, decode_path):
     torch.testing.assert_close(st.last_hidden, g[:, -1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_forward_unrolled_is_a_chain_of_drafts(heads, steps):
+    """Pass ``s`` at pair ``p`` of the unrolled forward equals the plain forward over the sequence a depth-``s``
+    draft sees: the real pairs ``<= p - s + 1``, then pairs ``p - s + 2 .. p`` fed the previous depth's prediction
+    (pass ``r`` at pair ``p - s + r``); written out per (s, p), fp32."""
+    tgt = _target(num_q_heads=heads[0], num_kv_heads=heads[1])
+    d = _strong(EagleDrafter.for_target(tgt).eval())
+    B, S = 2, 11
+    toks = torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(3, 3 + S).expand(B, S)  # offset positions: RoPE must follow the pairs' own positions
+    with torch.no_grad():
+        feats = tgt(toks[:, :S])[1]
+        passes = d.forward_unrolled(feats, toks[:, 1:], pos, steps=steps)
+        assert len(passes) == steps
+        torch.testing.assert_close(passes[0], d(feats, toks[:, 1:], pos), atol=1e-5, rtol=1e-5)
+        for s in range(2, steps + 1):
+            for p in range(s - 1, S):
+                chain = feats[:, : p + 1].clone()
+                for r in range(2, s + 1):  # pair p - s + r reads pass r - 1's prediction at the pair before it
+                    chain[:, p - s + r] = passes[r - 2][:, p - s + r - 1]
+                want = d(chain, toks[:, 1 : p + 2], pos[:, : p + 1])[:, -1]
+                torch.testing.assert_close(passes[s - 1][:, p], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="steps"):
+        d.forward_unrolled(feats, toks[:, 1:], steps=0)
+
+
 @pytest.mark.parametrize("depth,topk", [(1, 3), (2, 3), (3, 2)])
 @pytest.mark.parametrize("heads", [(4, 2), (4, 1)])
 def test_draft_scores_match_forward_paths(depth, topk, heads, decode_path):

@@ -222,3 +222,32 @@ def test_normalized_hidden_loss_trains_and_tracks_the_feature_spread():
     plain, _ = eagle_loss(d, batch)
     ones, _ = eagle_loss(d, batch, feature_scale=torch.ones(64))
     torch.testing.assert_close(plain, ones)
+
+
+def test_unrolled_loss_is_the_mean_over_depths_and_trains_deep_drafts():
+    """unroll_steps = n: the loss is the mean of the per-depth losses of forward_unrolled, each masking the pairs
+    before its depth (depth 1 alone is the teacher-forced loss, bit for bit); a trainer with it learns the target
+    as well as the teacher-forced one; fewer than one step is refused, naming the argument."""
+    from tlt_kernels.drafter.spot_trainer import _depth_losses, eagle_loss
+
+    tgt, d, buf, tr = _setup(unroll_steps=3)
+    batch = buf.sample(3, 12, torch.Generator().manual_seed(1))
+    one, stats_one = eagle_loss(d, batch, token_weight=0.5)
+    three, stats = eagle_loss(d, batch, token_weight=0.5, unroll_steps=3)
+    torch.testing.assert_close(stats["hidden_loss"], stats_one["hidden_loss"])
+    preds = d.forward_unrolled(batch.features[:, :-1], batch.tokens[:, 1:], batch.positions[:, :-1], steps=3)
+    tgt_f = batch.features[:, 1:]
+    p_tgt = torch.softmax(d.head_logits(tgt_f).float(), -1)
+    want = 0.0
+    for depth, pred in enumerate(preds):
+        m = batch.valid.float()
+        m[:, :depth] = 0
+        h, t, top1 = _depth_losses(d, pred, tgt_f, p_tgt, m, None)
+        want = want + (h + 0.5 * t) / 3
+    torch.testing.assert_close(three, want)
+    torch.testing.assert_close(stats["top1_deepest"], top1)
+    toks, feats = tgt.rollout(torch.arange(4) * 7 % 32, 20)
+    assert tr.run(max_steps=150).optimizer_steps == 150
+    assert evaluate_acceptance(d, feats, toks, depth=4, topk=2, num_verify=8, num_starts=4) >= 4.5
+    with pytest.raises(ValueError, match="unroll_steps"):
+        SpotTrainer(d, buf, unroll_steps=0)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -435,6 +435,45 @@ class EagleDrafter(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1), v.transpose(1, 2).repeat_interleave(G, 1), is_causal=True
         ).transpose(1, 2)
         return self._finish(x, attn)
+
+    def forward_unrolled(self, features: torch.Tensor, next_tokens: torch.Tensor,
+                         positions: Optional[torch.Tensor] = None, steps: int = 1) -> List[torch.Tensor]:
+        """Teacher-forced pass unrolled over ``steps`` draft depths ("training-time test"): what a draft computes.
+
+        At draft depth ``s`` a node's input feature is its parent's prediction, not a target feature, and it sees
+        the real context before the draft plus its own ancestors. Pass 1 is :meth:`forward`. Pass ``s`` feeds pair
+        ``p`` the prediction of pass ``s - 1`` at pair ``p - 1`` (with the real token ``t_{p+1}``: only accepted
+        paths, whose tokens are the real ones, matter) and lets it attend to pass 1's keys of pairs
+        ``<= p - s + 1`` (real features) and to pass ``r``'s key of pair ``p - s + r`` for ``r = 2..s`` (its
+        ancestors and itself).
+
+        Args: as :meth:`forward`; ``steps`` >= 1.
+
+        Returns:
+            ``[g^1, ..., g^steps]``, each ``[B, S, H]``: ``g^s[:, p]`` predicts ``f_{p+1}`` from real features of
+            pairs ``<= p - s + 1``. Pairs ``p < s - 1`` have no such draft; their entries are defined but
+            meaningless (callers mask them).
+        """
+        check_positive_ints("EagleDrafter.forward_unrolled", steps=steps)
+        B, S, _ = features.shape
+        if positions is None:
+            positions = torch.arange(S, device=features.device).expand(B, S)
+        x = self._input(features, next_tokens)
+        q, k, v = self._qkv(x, positions)
+        causal = torch.ones(S, S, dtype=torch.bool, device=features.device).tril()
+        real = (k.permute(0, 2, 3, 1), v.transpose(1, 2))  # k_t [B, Hkv, D, S], v [B, Hkv, S, D]
+        own = [self._finish(x, self._attend_parts(q, [(*real, causal.expand(B, S, S))]))]
+        drafted = []  # (k_t, v) of passes 2..s
+        for s in range(2, steps + 1):
+            parent = torch.cat([own[-1][:, :1], own[-1][:, :-1]], 1)  # pair p reads pass s-1's prediction at p-1
+            x = self._input(parent, next_tokens)
+            q, k, v = self._qkv(x, positions)
+            drafted.append((k.permute(0, 2, 3, 1), v.transpose(1, 2)))
+            parts = [(*real, causal.tril(-(s - 1)).expand(B, S, S))]
+            parts += [(k_t, v_r, torch.eye(S, dtype=torch.bool, device=x.device).roll(-(s - r), 1)
+                       .logical_and(causal).expand(B, S, S)) for r, (k_t, v_r) in enumerate(drafted, 2)]
+            own.append(self._finish(x, self._attend_parts(q, parts)))
+        return own
 
     # -- decoding ------------------------------------------------------------------------------
 

@@ -38,13 +38,17 @@ StopCondition = Union[None, Callable[[], bool], "threading.Event"]  # noqa: F821
 
 
 def eagle_loss(drafter: EagleDrafter, batch: TrainBatch, hidden_weight: float = 1.0, token_weight: float = 0.1,
-               feature_noise: float = 0.0, generator=None, feature_scale: Optional[torch.Tensor] = None):
+               feature_noise: float = 0.0, generator=None, feature_scale: Optional[torch.Tensor] = None,
+               unroll_steps: int = 1):
     """EAGLE loss of one :class:`TrainBatch`; returns ``(loss, stats dict of floats-as-tensors)``.
 
     ``feature_noise`` adds ``U(-a, a)`` to the input features (EAGLE's robustness trick: at draft
     depth > 1 the drafter reads its own, imperfect, features). ``feature_scale`` (float32 ``[H]`` or None): the
     feature regression and the noise are taken per dimension in units of it -- a real model's last-layer features
     can hold a few dimensions thousands of times larger than the rest, which otherwise own the smooth-L1 term.
+    ``unroll_steps``: the loss is the mean over draft depths ``1..unroll_steps`` of
+    :meth:`EagleDrafter.forward_unrolled` (depth ``s`` reads its own predictions, as a draft does; 1 = EAGLE's
+    teacher-forced loss). Stats: depth 1's losses and top-1 agreement, and the deepest depth's top-1.
     """
     f_in = batch.features[:, :-1]
     scale = feature_scale.to(f_in.device) if feature_scale is not None else None
@@ -52,20 +56,35 @@ def eagle_loss(drafter: EagleDrafter, batch: TrainBatch, hidden_weight: float = 
         noise = torch.rand(f_in.shape, generator=generator, device="cpu" if generator is not None else f_in.device)
         noise = (noise.to(f_in.device) * 2 - 1) * feature_noise
         f_in = f_in + (noise * scale if scale is not None else noise)
-    pred = drafter(f_in, batch.tokens[:, 1:], batch.positions[:, :-1])
+    if unroll_steps == 1:
+        preds = [drafter(f_in, batch.tokens[:, 1:], batch.positions[:, :-1])]
+    else:
+        preds = drafter.forward_unrolled(f_in, batch.tokens[:, 1:], batch.positions[:, :-1], steps=unroll_steps)
     tgt = batch.features[:, 1:]
-    m = batch.valid.to(torch.float32)
+    with torch.no_grad():
+        p_tgt = torch.softmax(drafter.head_logits(tgt).float(), -1)
+    loss, stats = 0.0, {}
+    for depth, pred in enumerate(preds):
+        m = batch.valid.to(torch.float32)
+        m[:, :depth] = 0  # pairs before the depth have no draft there
+        h_loss, t_loss, top1 = _depth_losses(drafter, pred, tgt, p_tgt, m, scale)
+        loss = loss + (hidden_weight * h_loss + token_weight * t_loss) / len(preds)
+        if depth == 0:
+            stats.update(hidden_loss=h_loss.detach(), token_loss=t_loss.detach(), top1=top1)
+    stats["top1_deepest"] = top1
+    return loss, stats
+
+
+def _depth_losses(drafter, pred, tgt, p_tgt, m, scale):
+    """Feature regression, soft cross-entropy and top-1 agreement of one depth's predictions over the pairs ``m``."""
     denom = m.sum().clamp(min=1.0)
     pred_r, tgt_r = (pred.float(), tgt.float()) if scale is None else (pred.float() / scale, tgt.float() / scale)
     h_loss = (F.smooth_l1_loss(pred_r, tgt_r, reduction="none").mean(-1) * m).sum() / denom
-    with torch.no_grad():
-        p_tgt = torch.softmax(drafter.head_logits(tgt).float(), -1)
     logq = torch.log_softmax(drafter.head_logits(pred).float(), -1)
     t_loss = (-(p_tgt * logq).sum(-1) * m).sum() / denom
     with torch.no_grad():
         top1 = ((logq.argmax(-1) == p_tgt.argmax(-1)).float() * m).sum() / denom
-    loss = hidden_weight * h_loss + token_weight * t_loss
-    return loss, {"hidden_loss": h_loss.detach(), "token_loss": t_loss.detach(), "top1": top1}
+    return h_loss, t_loss, top1
 
 
 @dataclass
@@ -98,7 +117,7 @@ class SpotTrainer:
         max_grad_norm: global-norm clipping (``None`` = off).
         batch_size, seq_len: windows per micro-step and pairs per window.
         grad_accum: micro-steps per optimizer step.
-        hidden_weight, token_weight, feature_noise: see :func:`eagle_loss`.
+        hidden_weight, token_weight, feature_noise, unroll_steps: see :func:`eagle_loss`.
         normalize_hidden: regress features (and scale the noise) per dimension in units of their spread, a running
             estimate over the batches (:func:`eagle_loss`'s ``feature_scale``; :attr:`feature_scale`).
         autocast_dtype: autocast dtype on CUDA (``None`` = full precision); ignored on the CPU.
@@ -124,18 +143,20 @@ class SpotTrainer:
         hidden_weight: float = 1.0,
         token_weight: float = 0.1,
         feature_noise: float = 0.0,
+        unroll_steps: int = 1,
         normalize_hidden: bool = False,
         autocast_dtype: Optional[torch.dtype] = torch.bfloat16,
         process_group=None,
         seed: int = 0,
     ):
-        if grad_accum < 1 or batch_size < 1 or seq_len < 1:
-            raise ValueError(f"grad_accum, batch_size and seq_len must be >= 1, got {grad_accum}, {batch_size}, {seq_len}")
+        check_positive_ints("SpotTrainer", grad_accum=grad_accum, batch_size=batch_size, seq_len=seq_len,
+                            unroll_steps=unroll_steps)
         self.drafter = drafter
         self.buffer = buffer
         self.holder = holder if holder is not None else WeightsHolder()
         self.batch_size, self.seq_len, self.grad_accum = batch_size, seq_len, grad_accum
         self.hidden_weight, self.token_weight, self.feature_noise = hidden_weight, token_weight, feature_noise
+        self.unroll_steps = unroll_steps
         self.normalize_hidden = normalize_hidden
         self.feature_scale: Optional[torch.Tensor] = None  # float32 [H], the running per-dimension spread
         self.max_grad_norm = max_grad_norm
@@ -174,7 +195,7 @@ class SpotTrainer:
             self._update_feature_scale(batch)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
             loss, stats = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise,
-                                     self.generator, self.feature_scale)
+                                     self.generator, self.feature_scale, self.unroll_steps)
         (loss / self.grad_accum).backward()
         self._accum += 1
         self.micro_steps += 1

@@ -3,7 +3,7 @@
 ::
 
     python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--steps N] [--max-new-tokens N]
-        [--batch N] [--samples N] [--no-normalize-hidden] [--token-weight W] [--feature-noise A] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
+        [--batch N] [--samples N] [--no-normalize-hidden] [--token-weight W] [--feature-noise A] [--unroll-steps N] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
 
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
@@ -78,6 +78,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "feature regression's 1 (eagle_loss)")
     p.add_argument("--feature-noise", type=float, default=0.05,
                    help="uniform noise on the input features, in units of their spread with --normalize-hidden")
+    p.add_argument("--unroll-steps", type=int, default=1,
+                   help="draft depths in the loss: depth s reads the drafter's own predictions, as a draft does "
+                        "(EagleDrafter.forward_unrolled; 1 = teacher forcing only)")
     p.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=True,
                    help="regress features per dimension in units of their spread (SpotTrainer(normalize_hidden=); "
                         "default on): for targets whose last-layer features hold a few huge dimensions")
@@ -86,8 +89,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if not _REPO_PROMPTS.is_file():
             p.error(f"--prompts is required ({_REPO_PROMPTS} does not exist)")
         args.prompts = str(_REPO_PROMPTS)
-    if min(args.steps, args.max_new_tokens, args.batch, args.samples, args.train_batch, args.seq_len) < 1 or args.temperature < 0:
-        p.error("--steps, --max-new-tokens, --batch, --samples, --train-batch and --seq-len must be >= 1, --temperature >= 0")
+    if min(args.steps, args.max_new_tokens, args.batch, args.samples, args.train_batch, args.seq_len,
+           args.unroll_steps) < 1 or args.temperature < 0:
+        p.error("--steps, --max-new-tokens, --batch, --samples, --train-batch, --seq-len and --unroll-steps must be >= 1, "
+                "--temperature >= 0")
     if args.report_every < 1 or (args.train_seconds is not None and args.train_seconds <= 0):
         p.error("--report-every must be >= 1 and --train-seconds > 0")
     if not (args.token_weight >= 0 and args.feature_noise >= 0):
@@ -162,7 +167,7 @@ def make_trainer(target, buffer: RolloutBuffer, args: argparse.Namespace) -> Spo
     cuda = target.device.type == "cuda"
     return SpotTrainer(drafter, buffer, lr=args.lr, warmup_steps=min(50, max(1, args.steps // 10)),
                        batch_size=args.train_batch, seq_len=args.seq_len, token_weight=args.token_weight,
-                       feature_noise=args.feature_noise, seed=args.seed,
+                       feature_noise=args.feature_noise, unroll_steps=args.unroll_steps, seed=args.seed,
                        normalize_hidden=args.normalize_hidden,
                        autocast_dtype=torch.bfloat16 if cuda else None)
 
