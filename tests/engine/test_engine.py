@@ -215,6 +215,39 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch):
     assert out.tokens[6] == ref.tokens[6, :90].tolist()
 
 
+@pytest.mark.cuda
+def test_gpu_rollout_with_a_spot_trainer_outranks_the_trainer_stream(prompts, monkeypatch):
+    """With a spot trainer on CUDA every step runs on a stream of higher priority than the trainer's (lower number:
+    higher priority), the caller's stream is current again afterwards, and greedy output is plain decoding's;
+    prioritize_rollout=False keeps the caller's stream."""
+    gpu = tiny_trained_target().cuda()
+    step_priorities, trainer_priorities = [], []
+    real_step, real_run = SpeculativeEngine._step, SpotTrainer.run
+    monkeypatch.setattr(SpeculativeEngine, "_step", lambda self, rollout: (
+        step_priorities.append(torch.cuda.current_stream().priority), real_step(self, rollout)))
+    monkeypatch.setattr(SpotTrainer, "run", lambda self, *a, **kw: (
+        trainer_priorities.append(torch.cuda.current_stream().priority), real_run(self, *a, **kw))[1])
+    lens = [4, 4, 4, 4, 4, 4, 40]
+    ref = reference_generate(gpu, prompts, max(lens))
+    caller = torch.cuda.current_stream()
+    for prioritize in (True, False):
+        step_priorities.clear()
+        buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
+        trainer = SpotTrainer(EagleDrafter.for_target(gpu), buf, batch_size=4, seq_len=8, warmup_steps=1)
+        eng = SpeculativeEngine(gpu, EagleDrafter.for_target(gpu), Strategy(2, 2, 4), max_batch_size=8,
+                                max_seq_len=64, spot_trainer=trainer, rollout_buffer=buf, backend="torch",
+                                prioritize_rollout=prioritize)
+        out = eng.generate(prompts, lens)
+        assert torch.cuda.current_stream() == caller
+        assert out.spot is not None and "error" not in out.spot, out.spot
+        assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))
+        assert len(set(step_priorities)) == 1
+        if prioritize:
+            assert step_priorities[0] < trainer_priorities[-1] == 0
+        else:
+            assert step_priorities[0] == caller.priority
+
+
 def test_validation_errors(target, prompts):
     with pytest.raises(ValueError, match="need a drafter"):
         SpeculativeEngine(target, None, Strategy(2, 1, 3))

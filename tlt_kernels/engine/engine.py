@@ -64,7 +64,7 @@ from .groups import sibling_table
 from .probe import measure_cost_table, probe_arms
 from .records import GenerateOutput, ProgressBar, StepLog
 from .sampling import RequestSampling
-from .spot import SpotSession
+from .spot import SpotSession, highest_priority_stream, priority_stream
 from .state import LaunchedStep, RolloutState, StepCounts
 from .step_runner import FusedGraphStepRunner, SeparateGraphStepRunner, StepInputs, StepResult, TargetStep
 
@@ -126,6 +126,9 @@ class SpeculativeEngine:
         spot_switch_interval_s: the interpreter's thread switch interval (``sys.setswitchinterval``, process-wide)
             while the spot trainer's thread runs, restored after; the rollout's loop waits up to one interval for
             the interpreter's lock after each wait for the GPU (:mod:`tlt_kernels.engine.spot`). None: left alone.
+        prioritize_rollout: with a spot trainer on CUDA, ``generate`` runs on a stream of the device's highest
+            priority (ordered after the caller's stream and before its later work), so the trainer's kernels, on a
+            stream of the lowest, yield to the tail's small ones at every kernel boundary. False: the caller's stream.
         backend: tree-attention backend of the verify forward (``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``).
         fuse_step: capture the whole decoding step (draft, verify forward, accept, KV compaction, drafter
             extension) as one graph per (strategy, padded batch size) instead of one graph per part:
@@ -158,7 +161,8 @@ class SpeculativeEngine:
                  max_seq_len: int = 2048, block_size: int = 16, spot_trainer=None, rollout_buffer=None,
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
                  overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
-                 lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4):
+                 lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4,
+                 prioritize_rollout: bool = True):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -181,6 +185,8 @@ class SpeculativeEngine:
         self.spot_trainer, self.rollout_buffer = spot_trainer, rollout_buffer
         self.spot_batch_fraction = spot_batch_fraction
         self.spot_switch_interval_s = _check_switch_interval(spot_switch_interval_s)
+        self.prioritize_rollout = bool(prioritize_rollout)
+        self._priority_stream = None  # made at the first rollout that needs it (no CUDA call at construction)
         self.overlap_steps = bool(overlap_steps)
         self.step_kernel = None if step_kernel is None else bool(step_kernel)
         # One compiled step kernel for every batch size and strategy (a new variant mid-rollout is a JIT compile).
@@ -323,10 +329,15 @@ class SpeculativeEngine:
         """
         from ..models.reference_decode import _as_padded
 
-        prompt_tokens, prompt_lens = _as_padded(prompts, self.device)
-        max_new = self._check_request_args(prompt_tokens, prompt_lens, max_new_tokens, eos_token_id)
-        sampling = RequestSampling(prompt_tokens.shape[0], self.device, temperature, top_k, top_p, seed)
-        siblings = sibling_table(groups, prompt_tokens.shape[0], self.device)
+        with priority_stream(self.device, self._rollout_stream()):
+            prompt_tokens, prompt_lens = _as_padded(prompts, self.device)
+            max_new = self._check_request_args(prompt_tokens, prompt_lens, max_new_tokens, eos_token_id)
+            sampling = RequestSampling(prompt_tokens.shape[0], self.device, temperature, top_k, top_p, seed)
+            siblings = sibling_table(groups, prompt_tokens.shape[0], self.device)
+            return self._rollout(prompt_tokens, prompt_lens, max_new, sampling, siblings, eos_token_id, trace)
+
+    def _rollout(self, prompt_tokens, prompt_lens, max_new, sampling, siblings, eos_token_id, trace) -> GenerateOutput:
+        """:meth:`generate` after its checks: start -> ``while active: step`` -> finish, and the output."""
         block_table, _ = self.cache.allocate(prompt_tokens.shape[0], self.slots_per_request)
         rollout = None
         try:
@@ -352,8 +363,17 @@ class SpeculativeEngine:
         errors = sorted(rollout.errors)
         if errors:
             warnings.warn(f"SpeculativeEngine.generate: the target's logits held NaN/+inf (or only -inf) for requests "
-                          f"{errors}; they stopped at that step (GenerateOutput.errors)", RuntimeWarning, stacklevel=2)
+                          f"{errors}; they stopped at that step (GenerateOutput.errors)", RuntimeWarning, stacklevel=3)
         return self._output(rollout, wall_s, errors)
+
+    def _rollout_stream(self):
+        """The stream ``generate`` runs on: with a spot trainer on CUDA (and ``prioritize_rollout``), one of the
+        device's highest priority, so the trainer's kernels yield to the rollout's; else None (the caller's)."""
+        if not (self.prioritize_rollout and self.spot_trainer is not None and self.device.type == "cuda"):
+            return None
+        if self._priority_stream is None:
+            self._priority_stream = highest_priority_stream(self.device)
+        return self._priority_stream
 
     @staticmethod
     def _output(rollout: RolloutState, wall_s: float, errors: List[int]) -> GenerateOutput:

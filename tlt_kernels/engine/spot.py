@@ -5,14 +5,44 @@ Both threads need the interpreter's lock, and the rollout's loop gives it up at 
 that wants it back waits until the holder's switch interval runs out (5 ms by default, several decoding steps of
 a small model in the tail). While the trainer runs, the session lowers the interval (``switch_interval_s``) and
 restores it after.
+
+The GPU is shared the same way: kernels of two streams interleave at kernel boundaries, and the trainer's large
+ones would delay the tail's small ones. The rollout therefore runs on a stream of the device's highest priority
+(:func:`priority_stream`; a graph launched into it runs at its priority) and the trainer on a stream of the lowest.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
+
+
+# Torch maps a priority outside the device's range to the nearest one it has: this asks for the highest.
+_HIGHEST_PRIORITY = -(1 << 10)
+
+
+@contextlib.contextmanager
+def priority_stream(device: torch.device, stream: Optional["torch.cuda.Stream"]) -> Iterator[None]:
+    """Work in the block runs on ``stream`` (a stream of ``device``; None: the current stream, unchanged), ordered
+    after the caller's stream's work before it and before the caller's work after it."""
+    if stream is None:
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        caller.wait_stream(stream)
+
+
+def highest_priority_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A new stream of ``device`` at the device's highest priority."""
+    return torch.cuda.Stream(device, priority=_HIGHEST_PRIORITY)
 
 
 class SpotSession:
@@ -54,7 +84,7 @@ class SpotSession:
         trainer = self.trainer
         try:
             if trainer.device.type == "cuda":
-                side = torch.cuda.Stream(trainer.device)
+                side = torch.cuda.Stream(trainer.device, priority=0)  # the lowest: the rollout's kernels go first
                 with torch.cuda.stream(side):
                     stats = trainer.run(stop=self.stop_event)
             else:
