@@ -59,7 +59,7 @@ def test_read_prompts_takes_the_split_and_names_bad_lines(tmp_path):
 def test_trainer_flags_reach_the_trainer(monkeypatch, tmp_path):
     """--normalize-hidden sets SpotTrainer(normalize_hidden=True) and is on by default; --no-normalize-hidden turns
     it off. --token-weight, --feature-noise and --unroll-steps set the loss's token_weight, feature_noise and
-    unroll_steps (defaults 0.1, 0.05, 1); negative weights and fewer than one step are refused."""
+    unroll_steps (defaults 0.1, 0.05, 3); negative weights and fewer than one step are refused."""
     seen = []
     real = train_drafter.SpotTrainer
 
@@ -75,10 +75,10 @@ def test_trainer_flags_reach_the_trainer(monkeypatch, tmp_path):
               "--batch", "2", "--samples", "1", "--device", "cpu", "--train-batch", "2", "--seq-len", "8"]
     train_drafter.main(common + ["--out", str(tmp_path / "a.pt")])
     train_drafter.main(common + ["--out", str(tmp_path / "b.pt"), "--no-normalize-hidden", "--token-weight", "1.5",
-                                 "--feature-noise", "0.2", "--unroll-steps", "3"])
+                                 "--feature-noise", "0.2", "--unroll-steps", "2"])
     assert [kw["normalize_hidden"] for kw in seen] == [True, False]
-    assert [(kw["token_weight"], kw["feature_noise"], kw["unroll_steps"]) for kw in seen] == [(0.1, 0.05, 1),
-                                                                                             (1.5, 0.2, 3)]
+    assert [(kw["token_weight"], kw["feature_noise"], kw["unroll_steps"]) for kw in seen] == [(0.1, 0.05, 3),
+                                                                                             (1.5, 0.2, 2)]
     for flag, value in (("--token-weight", "-1"), ("--feature-noise", "-1"), ("--unroll-steps", "0")):
         with pytest.raises(SystemExit):
             train_drafter.parse_args(["--model-file", "m", "--out", "o", flag, value])

@@ -78,9 +78,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "feature regression's 1 (eagle_loss)")
     p.add_argument("--feature-noise", type=float, default=0.05,
                    help="uniform noise on the input features, in units of their spread with --normalize-hidden")
-    p.add_argument("--unroll-steps", type=int, default=1,
+    p.add_argument("--unroll-steps", type=int, default=3,
                    help="draft depths in the loss: depth s reads the drafter's own predictions, as a draft does "
-                        "(EagleDrafter.forward_unrolled; 1 = teacher forcing only)")
+                        "(EagleDrafter.forward_unrolled; 1 = teacher forcing only; docs/DRAFTERS.md has the A/B)")
     p.add_argument("--normalize-hidden", action=argparse.BooleanOptionalAction, default=True,
                    help="regress features per dimension in units of their spread (SpotTrainer(normalize_hidden=); "
                         "default on): for targets whose last-layer features hold a few huge dimensions")
