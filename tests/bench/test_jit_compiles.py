@@ -36,3 +36,16 @@ def test_nothing_counted_outside_the_block():
         pass
     assert knobs.runtime.jit_post_compile_hook is None
     assert jit.count == 0 and not jit.kernels
+
+
+def test_variants_name_the_scalar_constexprs_of_each_compile():
+    """Each compile's number and bool constants, by argument name (Triton keys them by argument index tuples),
+    go into the note: which specialization was new."""
+    kernel = SimpleNamespace(name="_attn", jit_function=SimpleNamespace(arg_names=["q", "k", "BLOCK_T", "CAUSAL"]))
+    with CompileCounter() as jit:
+        knobs.runtime.jit_post_compile_hook(key=None, repr="_attn", fn=kernel,
+                                            compile={"constants": {(2,): 16, (3,): True, (0,): "skip"}},
+                                            is_manual_warmup=False, already_compiled=False)
+        _compile("_step")
+    assert jit.variants == [("_attn", {"BLOCK_T": 16, "CAUSAL": True}), ("_step", {})]
+    assert jit.describe("spec") == "spec: 2 Triton compiles: _attn 1, _step 1 [_attn(BLOCK_T=16, CAUSAL=True)]"
