@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._validation import capturing, check_positive_ints, check_tensor
+from ..models.kv_cache import paged_rows
 from ..models.packing import PackedLinears
 from ..ops.rms_norm import rms_norm
 from .eagle_fused import SCRATCH_SLOTS, FusedExpansion, extend_fused
@@ -554,12 +555,10 @@ class EagleDrafter(nn.Module):
         valid = i.unsqueeze(0) < num_new.to(torch.int64).unsqueeze(1)  # [B, n]
         slot = ctx.unsqueeze(1) + i  # [B, n]
         q, k, v = self._qkv(x, slot)
-        bs = cache.block_size
-        blk = state.block_table.long().gather(1, (slot // bs).clamp(max=state.block_table.shape[1] - 1))
-        blk = torch.where(valid, blk, torch.zeros_like(blk))  # invalid writes go to the sink block 0
-        off = slot % bs
-        cache.k[blk, off] = k.to(cache.k.dtype)
-        cache.v[blk, off] = v.to(cache.v.dtype)
+        rows = paged_rows(state.block_table, slot, cache.block_size)
+        rows = torch.where(valid, rows, slot % cache.block_size)  # invalid writes go to the sink block 0
+        cache.k.view(-1, *cache.k.shape[2:])[rows] = k.to(cache.k.dtype)
+        cache.v.view(-1, *cache.v.shape[2:])[rows] = v.to(cache.v.dtype)
         ck, cv = self._gather_context(cache, state.block_table)
         mask = torch.arange(ck.shape[1], device=x.device).view(1, 1, -1) <= slot.unsqueeze(2)
         return self._finish(x, self._attend_parts(q, [(ck.permute(0, 2, 3, 1), cv.transpose(1, 2), mask)]))
