@@ -462,6 +462,7 @@ class EagleDrafter(nn.Module):
         x = self._input(features, next_tokens)
         q, k, v = self._qkv(x, positions)
         causal = torch.ones(S, S, dtype=torch.bool, device=features.device).tril()
+        diagonal = torch.eye(S, dtype=torch.bool, device=features.device)
         real = (k.permute(0, 2, 3, 1), v.transpose(1, 2))  # k_t [B, Hkv, D, S], v [B, Hkv, S, D]
         own = [self._finish(x, self._attend_parts(q, [(*real, causal.expand(B, S, S))]))]
         drafted = []  # (k_t, v) of passes 2..s
@@ -471,8 +472,9 @@ class EagleDrafter(nn.Module):
             q, k, v = self._qkv(x, positions)
             drafted.append((k.permute(0, 2, 3, 1), v.transpose(1, 2)))
             parts = [(*real, causal.tril(-(s - 1)).expand(B, S, S))]
-            parts += [(k_t, v_r, torch.eye(S, dtype=torch.bool, device=x.device).roll(-(s - r), 1)
-                       .logical_and(causal).expand(B, S, S)) for r, (k_t, v_r) in enumerate(drafted, 2)]
+            # pass r's key of pair p - s + r: the diagonal moved s - r columns left (wrapped columns are past p)
+            parts += [(k_t, v_r, (diagonal.roll(-(s - r), 1) & causal).expand(B, S, S))
+                      for r, (k_t, v_r) in enumerate(drafted, 2)]
             own.append(self._finish(x, self._attend_parts(q, parts)))
         return own
 
