@@ -14,7 +14,12 @@ every request with context L and a random tree of T nodes. Impls:
 * ``flex-attention (pre-gathered)``: compiled ``flex_attention`` with a block mask built from the tree
   (block mask outside the timing), on contiguous K/V like the row above;
 * ``flashinfer``: ``BatchPrefillWithPagedKVCacheWrapper`` with ``custom_mask`` over the same pages
-  (``plan`` outside the timing), when FlashInfer imports.
+  (``plan`` outside the timing), when FlashInfer imports;
+* ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
+  q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
+  mask is bit-packed over them (:func:`xqa_tree_mask`); ``flashinfer decode (T=1)``: its decode wrapper for one
+  token over the same context as the tlt rows' ``decode_ms`` (the "a tree costs little more than a token" yardstick).
+  Every peer's output is checked against the tlt result before it is timed; a peer that fails is a note, not a row.
 
 ``bytes_moved`` = K and V of context + tree, plus q and out, each once (the HBM floor; block-table and
 tree-mask reads are < 0.1% and left out). Extra columns: ``tflops`` (QK^T and PV of the valid
@@ -45,6 +50,8 @@ MODELS = {"qwen2.5-7b": (28, 4), "qwen2.5-32b": (40, 8)}
 CASES = [(64, 4096, 16), (64, 16384, 16), (256, 2048, 8), (32, 8192, 64), (1, 32768, 64), (8, 32768, 32)]
 SMALL_GPU_CASES = [(8, 2048, 16), (2, 4096, 64)]
 CPU_CASES = [(2, 100, 4)]
+# Where a rollout's tail spends its time: a handful of requests, short trees, long contexts (--long-tail; 7B).
+LONG_TAIL_CASES = [(B, L, T) for B in (1, 2, 4, 8, 16) for T in (1, 4, 8) for L in (4096, 16384, 65536)]
 HEAD_DIM = 128
 PAGE = 16
 
@@ -147,7 +154,10 @@ def _bench_case(ctx, model, B, L, T):
     if reference is not None and p.sweep and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
     if p.peers:
-        _bench_peers(ctx, case, inp, reference, cost)
+        decode_reference = None
+        if reference is not None:  # the tlt decode kernel's output: what the T=1 peer is checked against
+            decode_reference = decode_plan.run(q[:, :1].contiguous(), k_cache, v_cache)
+        _bench_peers(ctx, case, inp, reference, decode_reference, cost)
 
 
 def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
@@ -178,15 +188,20 @@ def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
     return reference
 
 
-def _bench_peers(ctx, case, inp, reference, cost):
-    """The non-tlt rows: torch SDPA with and without the gather, flex-attention and FlashInfer (CUDA)."""
+def _bench_peers(ctx, case, inp, reference, decode_reference, cost):
+    """The non-tlt rows: torch SDPA with and without the gather, flex-attention and FlashInfer (CUDA): its custom-mask
+    prefill, and from 0.6 on its XQA speculative-decode attention and its decode kernel (T=1)."""
     L, T = case["L"], case["T"]
     Hq, Hkv = MODELS[case["model"]]
     mask = _dense_mask(inp["parents"], L)
     _bench_sdpa(ctx, case, inp, mask, reference, cost)  # its gathered K/V are freed before FlashInfer's workspace
     fi = ctx.try_import("flashinfer")
-    if fi is not None and ctx.device.type == "cuda":
-        _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, HEAD_DIM, L, T, reference, cost.nbytes(T), cost.extra)
+    if fi is None or ctx.device.type != "cuda":
+        return
+    _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, HEAD_DIM, L, T, reference, cost.nbytes(T), cost.extra)
+    if hasattr(getattr(fi, "decode", None), "trtllm_batch_decode_with_kv_cache"):  # 0.6 and later
+        _bench_flashinfer_xqa(ctx, fi, case, inp, reference, cost.nbytes(T), cost.extra)
+        _bench_flashinfer_decode(ctx, fi, case, inp, decode_reference, cost.nbytes(1), cost.extra)
 
 
 def _bench_sdpa(ctx, case, inp, mask, reference, cost):
@@ -293,6 +308,8 @@ FLAGS = (
     Flag("--sweep", False, "add tuning rows for the Triton kernel (CUDA)", bool, replaces="TLT_TREE_ATTENTION_SWEEP"),
     Flag("--cases", (), "comma-separated cases MODEL:BxLxT, e.g. 7b:64x4096x16 (default: the size's)", parse_cases,
          replaces="TLT_TREE_ATTENTION_CASES", metavar="LIST"),
+    Flag("--long-tail", False, "add the long-tail cases (7B; B 1-16, T 1/4/8, L 4k-64k) after the others (CUDA)",
+         bool),
     Flag("--peers", True, "also time the non-tlt rows (torch SDPA, flex-attention, FlashInfer)", bool,
          replaces="TLT_TREE_ATTENTION_PEERS"),
 )
@@ -373,6 +390,59 @@ def _bench_flex(ctx, case, q, k, v, mask, reference, nbytes, extra):
         ctx.note(f"flex-attention skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
 
 
+def xqa_tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """``uint16 [B, T, 2 * ceil(T / 32)]``: XQA's draft-block mask (bit ``j % 16`` of half-word ``j // 16`` of row
+    ``i``: node ``i`` sees node ``j``; rows aligned to 32 bits), the bit-packed ancestor mask's int32 words read as
+    little-endian half-words."""
+    from tlt_kernels.tree import tree_ancestor_mask_packed
+
+    return tree_ancestor_mask_packed(parents).view(torch.uint16)
+
+
+def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra):
+    """The ``flashinfer-xqa`` row: the tree's nodes are the last T of L + T tokens, the mask covers them only."""
+    try:
+        q, table = inp["q"], inp["block_table"]
+        B, T, Hq, D = q.shape
+        L = case["L"]
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)  # its semaphores must start at 0
+        seq_lens = torch.full((B,), L + T, dtype=torch.uint32, device=q.device)
+        mask = xqa_tree_mask(inp["parents"]) if T > 1 else None
+        flat = q.reshape(B * T, Hq, D)
+        call = lambda: fi.decode.trtllm_batch_decode_with_kv_cache(  # noqa: E731
+            flat, (inp["k_cache"], inp["v_cache"]), workspace, table, seq_lens, table.shape[1] * PAGE,
+            bmm1_scale=D**-0.5, bmm2_scale=1.0, kv_layout="NHD", backend="xqa", q_len_per_req=T, mask=mask)
+        got = call().view(B, T, Hq, D)
+        if reference is not None:
+            _check("flashinfer-xqa", got, reference, case)
+        ms = ctx.time_ms(call)
+        ctx.add(case, "flashinfer-xqa", ms, bytes_moved=nbytes, **extra(ms))
+    except Exception as exc:  # optional peer: report, do not fail the suite
+        ctx.note(f"flashinfer-xqa skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _bench_flashinfer_decode(ctx, fi, case, inp, decode_reference, nbytes, extra):
+    """The ``flashinfer decode (T=1)`` row: the decode wrapper for each request's first node over its L + 1 tokens."""
+    try:
+        q, table = inp["q"], inp["block_table"]
+        B, _, Hq, D = q.shape
+        Hkv, L, dev = inp["k_cache"].shape[2], case["L"], q.device
+        pages = -(-(L + 1) // PAGE)
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD")
+        indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages
+        last = torch.full((B,), (L + 1) - (pages - 1) * PAGE, dtype=torch.int32, device=dev)
+        wrapper.plan(indptr, table[:, :pages].reshape(-1), last, Hq, Hkv, D, PAGE, q_data_type=q.dtype,
+                     kv_data_type=inp["k_cache"].dtype)
+        q1, kv = q[:, 0].contiguous(), (inp["k_cache"], inp["v_cache"])
+        got = wrapper.run(q1, kv).view(B, 1, Hq, D)
+        if decode_reference is not None:
+            _check("flashinfer decode (T=1)", got, decode_reference, case)
+        ms = ctx.time_ms(lambda: wrapper.run(q1, kv))
+        ctx.add(case, "flashinfer decode (T=1)", ms, bytes_moved=nbytes, **extra(ms))
+    except Exception as exc:  # optional peer: report, do not fail the suite
+        ctx.note(f"flashinfer decode skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
+
+
 def _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nbytes, extra):
     try:
         B = inp["q"].shape[0]
@@ -405,7 +475,10 @@ def run(ctx) -> None:
     else:
         cases, models = CASES, list(MODELS)
     ctx.note("torch-sdpa includes gathering K/V out of the pages; the '(pre-gathered)' rows start from contiguous K/V")
-    for model, B, L, T in _selected_cases(models, cases, values(ctx, FLAGS).cases):
+    selected = _selected_cases(models, cases, values(ctx, FLAGS).cases)
+    if values(ctx, FLAGS).long_tail and ctx.device.type == "cuda":
+        selected += [("qwen2.5-7b", *c) for c in LONG_TAIL_CASES]
+    for model, B, L, T in selected:
         _bench_case(ctx, model, B, L, T)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()

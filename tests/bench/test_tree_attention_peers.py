@@ -1,0 +1,130 @@
+"""The tree-attention suite's FlashInfer 0.6 peers on the CPU: the XQA call and the decode wrapper get our inputs in
+the layout FlashInfer documents (``trtllm_batch_decode_with_kv_cache``: the draft block is the last ``T`` tokens of
+each sequence, its mask bit-packed as uint16 half-words of 32-bit rows; ``BatchDecodeWithPagedKVCacheWrapper``:
+CSR page indices and the last page's length). The fakes below compute what those documents say in torch; the suite's
+rows must then match the tlt reference, and a peer's failure is a note, not a row."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench.suites import tree_attention as suite
+from tlt_kernels.tree import tree_ancestor_mask
+
+
+def _attend(q, k, v, visible, scale):
+    """q ``[T, Hq, D]``, k/v ``[N, Hkv, D]``, visible ``bool [T, N]`` -> ``[T, Hq, D]`` (fp32, GQA)."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,nhd->htn", q.float(), kk) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("htn,nhd->thd", probs, vv)
+
+
+def _xqa(query, kv_cache, workspace, block_tables, seq_lens, max_seq_len, *, bmm1_scale, bmm2_scale, kv_layout,
+         backend, q_len_per_req, mask):
+    """FlashInfer's documented XQA speculative decode: row i of request b sees every token before the draft block
+    and draft token j where bit j of its mask row is set."""
+    assert backend == "xqa" and kv_layout == "NHD" and bmm2_scale == 1.0
+    assert workspace.dtype == torch.uint8 and not workspace.any() and seq_lens.dtype == torch.uint32
+    k_cache, v_cache = kv_cache
+    page = k_cache.shape[1]
+    T = q_len_per_req
+    B = query.shape[0] // T
+    assert mask.dtype == torch.uint16 and mask.shape == (B, T, 2 * (-(-T // 32)))
+    words = mask.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [B, T, W]: rows aligned to 32 bits
+    out = torch.empty(B * T, *query.shape[1:])
+    for b in range(B):
+        n = int(seq_lens[b].to(torch.int64))
+        slots = torch.arange(n)
+        rows = block_tables[b, slots // page].long() * page + slots % page
+        k = k_cache.reshape(-1, *k_cache.shape[2:])[rows]
+        v = v_cache.reshape(-1, *v_cache.shape[2:])[rows]
+        j = torch.arange(T)
+        draft = ((words[b][:, j // 32] >> (j % 32)) & 1).bool()  # [T, T]
+        visible = torch.cat([torch.ones(T, n - T, dtype=torch.bool), draft], 1)
+        out[b * T:(b + 1) * T] = _attend(query[b * T:(b + 1) * T], k, v, visible, bmm1_scale)
+    return out
+
+
+class _DecodeWrapper:
+    """FlashInfer's documented decode wrapper: request b reads pages indices[indptr[b]:indptr[b+1]], all full but
+    the last, which holds last_page_len[b] tokens."""
+
+    def __init__(self, workspace, layout):
+        assert layout == "NHD"
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, q_data_type,
+             kv_data_type):
+        self.indptr, self.indices, self.last, self.page = indptr, indices, last_page_len, page_size
+
+    def run(self, q, kv):
+        k_cache, v_cache = kv
+        out = torch.empty(q.shape)
+        for b in range(q.shape[0]):
+            pages = self.indices[self.indptr[b]:self.indptr[b + 1]].long()
+            n = (len(pages) - 1) * self.page + int(self.last[b])
+            k, v = k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n]
+            out[b] = _attend(q[b:b + 1], k, v, torch.ones(1, n, dtype=torch.bool), q.shape[-1] ** -0.5)[0]
+        return out
+
+
+class _Ctx:
+    def __init__(self):
+        self.rows, self.notes = [], []
+
+    def time_ms(self, fn):
+        fn()
+        return 1.0
+
+    def add(self, case, impl, ms, **columns):
+        self.rows.append((impl, ms, columns))
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+FAKE = SimpleNamespace(decode=SimpleNamespace(trtllm_batch_decode_with_kv_cache=_xqa),
+                       BatchDecodeWithPagedKVCacheWrapper=_DecodeWrapper)
+
+
+@pytest.mark.parametrize("B,L,T", [(2, 37, 5), (1, 100, 33), (3, 16, 8)])
+def test_xqa_and_decode_peers_match_the_tlt_rows(B, L, T):
+    """XQA with the packed tree mask equals our tree attention (T > 32 spans two mask words); the decode wrapper over
+    L + 1 tokens equals our T = 1 plan; each gets one row."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    Hq, Hkv, D = 4, 2, 16
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.float32, torch.device("cpu"))
+    case = {"model": "test", "B": B, "L": L, "T": T}
+
+    def plan_for(parents):
+        return plan_tree_attention(parents, inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
+
+    reference = plan_for(inp["parents"]).run(inp["q"], inp["k_cache"], inp["v_cache"], backend="torch")
+    decode_reference = plan_for(inp["parents"][:, :1].contiguous()).run(inp["q"][:, :1].contiguous(), inp["k_cache"],
+                                                                        inp["v_cache"], backend="torch")
+    ctx, extra = _Ctx(), lambda ms: {}
+    suite._bench_flashinfer_xqa(ctx, FAKE, case, inp, reference, 1, extra)
+    suite._bench_flashinfer_decode(ctx, FAKE, case, inp, decode_reference, 1, extra)
+    assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["flashinfer-xqa", "flashinfer decode (T=1)"]
+
+
+def test_xqa_mask_bits_are_the_ancestor_mask():
+    """Half-word h of row i, bit b: node i sees node 16 h + b; rows padded to 32 bits."""
+    parents = suite._random_parents(3, 40, torch.Generator().manual_seed(1))
+    mask = suite.xqa_tree_mask(parents)
+    assert mask.dtype == torch.uint16 and mask.shape == (3, 40, 4)
+    halves = mask.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((halves.unsqueeze(-1) >> torch.arange(16)) & 1).flatten(-2)[..., :40].bool()
+    assert torch.equal(bits, tree_ancestor_mask(parents))
+
+
+def test_a_peer_that_disagrees_is_a_note_not_a_row():
+    """A peer whose output differs from the tlt result is reported and never timed."""
+    inp = suite._make_inputs(1, 20, 4, 4, 2, 16, torch.float32, torch.device("cpu"))
+    case = {"model": "test", "B": 1, "L": 20, "T": 4}
+    ctx = _Ctx()
+    suite._bench_flashinfer_xqa(ctx, FAKE, case, inp, torch.zeros_like(inp["q"]), 1, lambda ms: {})
+    assert ctx.rows == [] and len(ctx.notes) == 1 and "flashinfer-xqa skipped" in ctx.notes[0]
