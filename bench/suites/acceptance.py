@@ -92,8 +92,13 @@ def _bytes(res, V, logit_bytes, q_bytes):
 
 
 def _flashinfer_chain(fi, logits, tokens, q, top_p):
-    """FlashInfer chain verification: softmax every row, then chain_speculative_sampling."""
-    probs = torch.softmax(logits.float() / TEMPERATURE, -1)
+    """FlashInfer chain verification: softmax every row (its fused temperature softmax where it has one, 0.4 and
+    later), then chain_speculative_sampling."""
+    if hasattr(fi.sampling, "softmax"):
+        rows = logits.float().view(-1, logits.shape[-1])
+        probs = fi.sampling.softmax(rows, TEMPERATURE).view(logits.shape)
+    else:
+        probs = torch.softmax(logits.float() / TEMPERATURE, -1)
     if top_p is not None:
         probs = fi.sampling.top_p_renorm_probs(probs.view(-1, probs.shape[-1]), top_p).view_as(probs)
     return fi.sampling.chain_speculative_sampling(q[:, :-1].contiguous(), tokens[:, 1:].to(torch.int32).contiguous(), probs)

@@ -594,3 +594,23 @@ def test_plot_steps_reads_the_e2e_step_logs(tmp_path, monkeypatch):
     monkeypatch.setattr(plot_steps, "_plot", lambda outs, out: drawn.update(outs=outs, out=out) or f"plot written to {out}")
     assert plot_steps.main([str(path), "--rows", "plain, adaptive", "--out", str(tmp_path / "p.png")]).startswith("plot written")
     assert list(drawn["outs"]) == ["plain", "adaptive"] and drawn["out"] == str(tmp_path / "p.png")
+
+
+def test_flashinfer_chain_uses_its_fused_softmax_where_it_has_one():
+    """The FlashInfer pipeline's probabilities come from its temperature softmax when the module has one (0.4 and
+    later), else from torch; both give chain_speculative_sampling the same rows."""
+    from types import SimpleNamespace
+
+    from bench.suites.acceptance import TEMPERATURE, _flashinfer_chain
+
+    seen = []
+    chain = lambda q, tokens, probs: seen.append(probs) or probs  # noqa: E731
+    fused = SimpleNamespace(softmax=lambda rows, t: torch.softmax(rows / t, -1) * 1.0, chain_speculative_sampling=chain)
+    logits = torch.randn(3, 5, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    tokens, q = torch.zeros(3, 5, dtype=torch.int64), torch.rand(3, 5, 11)
+    _flashinfer_chain(SimpleNamespace(sampling=fused), logits, tokens, q, None)
+    _flashinfer_chain(SimpleNamespace(sampling=SimpleNamespace(chain_speculative_sampling=chain)), logits, tokens, q,
+                      None)
+    assert seen[0].shape == logits.shape and seen[0].dtype == torch.float32
+    torch.testing.assert_close(seen[0], seen[1])
+    torch.testing.assert_close(seen[1], torch.softmax(logits.float() / TEMPERATURE, -1))
