@@ -20,6 +20,8 @@ seeds (``--ways``):
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
 * ``spec-eagle``: the adaptive selector with the spot-trained EAGLE drafter alone;
+* ``spec-eagle-frozen``: the same drafter never trained in the loop (untrained, or ``--eagle-checkpoint`` as it is):
+  beside ``spec-eagle``, what the spot trainer costs the tail and what its training buys;
 * ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
 * ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
 
@@ -52,7 +54,7 @@ from ..rl_task import problems, reward
 from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
-WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "plain", "hf")
+WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "spec-eagle-frozen", "plain", "hf")
 GROUP_WAYS = ("spec", "spec-ngram")  # the ways whose n-gram drafter reads the request's group
 
 FLAGS = (
@@ -203,8 +205,8 @@ class RLRun:
 
     def _engine(self, name: str, model):
         """Our engine for ``name`` over ``model`` (log-probs on; CUDA graphs captured on the GPU): plain decoding, the
-        n-gram drafter (spec-ngram, spec-self), the EAGLE drafter spot-trained in the rollout's tail (spec-eagle), or
-        both in one tree (spec)."""
+        n-gram drafter (spec-ngram, spec-self), the EAGLE drafter spot-trained in the rollout's tail (spec-eagle) or
+        frozen (spec-eagle-frozen), or both in one tree (spec)."""
         from tlt_kernels.engine import SpeculativeEngine
         from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 
@@ -216,6 +218,8 @@ class RLRun:
         if name in ("spec", "spec-eagle"):
             eagle, extra = self._spot_trained_eagle(model)
             drafter = [eagle, "ngram"] if name == "spec" else eagle
+        elif name == "spec-eagle-frozen":
+            drafter = self._initial_eagle(model)
         engine = SpeculativeEngine(model, drafter, selector, GraphPool() if self.cuda else None, max_batch_size=batch,
                                    max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
                                    fuse_step=self.cuda, logprobs=True, **extra)
@@ -228,17 +232,21 @@ class RLRun:
 
     def _spot_trained_eagle(self, model):
         """A fresh EAGLE drafter and the engine arguments of the spot trainer that keeps it up with the policy."""
-        from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
-
-        def fresh():  # the serving drafter and the trainer's copy start from the same weights
-            if self.p.eagle_checkpoint:
-                return load_eagle(self.p.eagle_checkpoint, model, model.dtype)
-            return EagleDrafter.for_target(model, seed=self.p.seed)
+        from tlt_kernels.drafter import RolloutBuffer, SpotTrainer
 
         buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
-        trainer = SpotTrainer(fresh(), buffer, lr=1e-3, warmup_steps=20,
+        # The serving drafter and the trainer's copy start from the same weights.
+        trainer = SpotTrainer(self._initial_eagle(model), buffer, lr=1e-3, warmup_steps=20,
                               autocast_dtype=torch.bfloat16 if self.cuda else None)
-        return fresh(), dict(spot_trainer=trainer, rollout_buffer=buffer)
+        return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer)
+
+    def _initial_eagle(self, model):
+        """The EAGLE drafter every EAGLE way starts from: ``--eagle-checkpoint``, or untrained from the seed."""
+        from tlt_kernels.drafter import EagleDrafter
+
+        if self.p.eagle_checkpoint:
+            return load_eagle(self.p.eagle_checkpoint, model, model.dtype)
+        return EagleDrafter.for_target(model, seed=self.p.seed)
 
     def warm_up(self, way: Way) -> None:
         """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), no update."""

@@ -65,9 +65,10 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "rl.json").read_text())
     rows = data["rows"]
-    assert {r["impl"] for r in rows} == {"spec", "spec-ngram", "spec-self", "spec-eagle", "plain", "hf"}
+    assert {r["impl"] for r in rows} == {"spec", "spec-ngram", "spec-self", "spec-eagle", "spec-eagle-frozen", "plain",
+                                         "hf"}
     per_step = [r for r in rows if r["case"]["step"] != "all"]
-    assert len(per_step) == 6 * 2 and all(r["tokens"] > 0 and r["ms"] > 0 for r in per_step)
+    assert len(per_step) == 7 * 2 and all(r["tokens"] > 0 and r["ms"] > 0 for r in per_step)
     assert all(r["tail_s"] is not None for r in per_step if r["impl"] != "hf")
     notes = " ".join(data["notes"])
     assert "permutation test" in notes and "median difference" in notes and "(float32 logits)" in notes
@@ -142,3 +143,32 @@ def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
             "--eagle-checkpoint", str(path)]
     assert main(argv) == 0
     assert len(loaded) == 2 and loaded[0] is not loaded[1]  # the serving drafter and the trainer's own copy
+
+
+def test_frozen_eagle_way_serves_the_checkpoint_without_a_spot_trainer(tmp_path, monkeypatch):
+    """spec-eagle-frozen loads --eagle-checkpoint once, serves it, and its engine has no spot trainer, so its drafter's
+    weights at the end are the checkpoint's."""
+    from bench.suites.rollout import tiny_hf_model
+    from tlt_kernels.drafter import EagleDrafter
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.models import LlamaForCausalLM
+
+    hf = tiny_hf_model()
+    target = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), dtype=torch.float32)
+    saved = EagleDrafter.for_target(target, seed=7).state_dict()
+    path = tmp_path / "eagle.pt"
+    torch.save(saved, path)
+    engines = []
+    real_init = SpeculativeEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(SpeculativeEngine, "__init__", recording_init)
+    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle-frozen",
+            "--eagle-checkpoint", str(path)]
+    assert main(argv) == 0
+    assert len(engines) == 1 and engines[0].spot_trainer is None
+    served = engines[0].drafter.state_dict()
+    assert all(torch.equal(served[k].cpu(), v) for k, v in saved.items())
