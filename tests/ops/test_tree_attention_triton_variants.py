@@ -133,7 +133,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tlt_kernels._triton import ptxas_report, tree_attention as m
 
-D, T, G, FP32 = {D}, {T}, {G}, {fp32}
+D, T, G, FP32, KV = {D}, {T}, {G}, {fp32}, {kv!r}
 block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=FP32)
 k = m._tree_attn_partial_kernel
 names = k.arg_names
@@ -143,11 +143,13 @@ consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
               DROP_BITS=0 if FP32 else 16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
 elem = "*fp32" if FP32 else "*bf16"
-sig = {{n: "constexpr" if n in consts else ptrs.get(n, elem) if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
+ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
+scales = ("qk_scale", "v_scale")
+sig = {{n: "constexpr" if n in consts else ptrs.get(n, elem) if n.endswith("_ptr") else "fp32" if n in scales else "i32"
        for n in names}}
 # What a launch specializes on: 16-byte aligned pointers, strides and split_len divisible by 16.
 attrs = {{(names.index(n),): [["tt.divisibility", 16]] for n in names
-         if sig[n] != "constexpr" and n not in ("qk_scale", "stride_bt", "num_splits", "num_blocks")}}
+         if sig[n] != "constexpr" and n not in (*scales, "stride_bt", "num_splits", "num_blocks")}}
 src = ASTSource(k, sig, constexprs={{(names.index(c),): v for c, v in consts.items()}}, attrs=attrs)
 opts = dict(num_warps=warps, num_stages=stages, **({{"maxnreg": maxnreg}} if maxnreg else {{}}))
 c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -180,7 +182,7 @@ def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
     premise of its speed)."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, checks=_T16_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, checks=_T16_CHECKS))
 
 
 @pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
@@ -190,4 +192,17 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     T*G=128) and the other head dims."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, checks=_FP32_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, checks=_FP32_CHECKS))
+
+
+@pytest.mark.parametrize("kv", ["*fp8e4nv", "*fp8e5"])
+def test_fp8_cache_config_compiles_for_sm90(kv):
+    """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each K/V tile to bf16 as loaded and
+    keeps the tensor-core products; it compiles for sm_90 within the shared-memory limit and without spills."""
+    from conftest import compile_for_sm90
+
+    checks = """
+assert "wgmma" in c.asm["ptx"] or "mma.sync" in c.asm["ptx"], "bf16 products over fp8 caches must use tensor cores"
+assert smem <= 227 * 1024 and spills == 0, (smem, spills)
+"""
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=kv, checks=checks))

@@ -164,7 +164,8 @@ def unsupported_reason(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return None
 
 
-def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float,
+             v_scale: float = 1.0) -> torch.Tensor:
     """Tree attention with the CUDA kernels; writes and returns ``out``.
 
     Args:
@@ -175,7 +176,10 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, rows 16-byte aligned.
         out: ``[B, T, Hq, D]`` q's dtype, ``stride(-1) == 1``; rows ``t >= num_nodes[b]`` become zeros.
         sm_scale: softmax scale (natural units).
+        v_scale: must be 1 (the op sends scaled V caches to triton or torch).
     """
+    if v_scale != 1.0:
+        raise ValueError(f"the CUDA tree-attention kernels read unscaled V caches, got v_scale={v_scale}")
     why = unsupported_reason(plan, q, k_cache, v_cache)
     if why is not None:
         raise ValueError(f"tree_attention (cuda backend): {why}")

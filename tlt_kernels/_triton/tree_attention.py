@@ -83,6 +83,9 @@ def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.
         # The CPU interpreter has no bf16 arithmetic; on the GPU bf16/fp16 operands keep tensor cores.
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:  # fp8 caches widen to q's dtype exactly (their scales are folded outside); a no-op otherwise
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk + bias, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -101,6 +104,9 @@ def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
     if INTERPRET:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     return _softmax_pv(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE,
                        DOT_PRECISION)
 
@@ -384,7 +390,7 @@ def _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
-    qk_scale, split_len, num_splits, num_blocks,
+    qk_scale, v_scale, split_len, num_splits, num_blocks,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -423,7 +429,7 @@ def _tree_attn_partial_kernel(
                                             stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, T, W,
                                             HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_T, INTERPRET, PIPELINE,
                                             LAZY_RESCALE, DOT_PRECISION)
-    o, lse = _split_result(acc, m_i, l_i, page_bad != 0)
+    o, lse = _split_result(acc * v_scale, m_i, l_i, page_bad != 0)
     _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
                       n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T, G, HEAD_DIM,
                       INTERPRET, DROP_BITS)
@@ -554,11 +560,12 @@ def kernel_config(head_dim: int, num_rows: int, fp32: bool = False):
 
 
 def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-               sm_scale: float) -> torch.Tensor:
+               sm_scale: float, v_scale: float = 1.0) -> torch.Tensor:
     """Run a :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` with Triton; writes and returns ``out``.
 
-    ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (same bf16/fp16/fp32 dtype,
-    stride 1 along D; fp32 multiplies in exact fp32, see ``FP32_CONFIG``). Launches the partial kernel and, when the plan has more than one split, the
+    ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (q's bf16/fp16/fp32 dtype, or fp8
+    with bf16/fp16 q, widened to q's dtype as loaded; stride 1 along D; fp32 multiplies in exact fp32, see
+    ``FP32_CONFIG``); ``v_scale`` multiplies each row's output (V's dequantization scale). Launches the partial kernel and, when the plan has more than one split, the
     merge kernel, on the current stream; no host synchronization.
     """
     B, T, Hq, D = q.shape
@@ -576,7 +583,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-        sm_scale * LOG2E, plan.split_len, plan.num_splits, min(k_cache.shape[0], v_cache.shape[0]),
+        sm_scale * LOG2E, v_scale, plan.split_len, plan.num_splits, min(k_cache.shape[0], v_cache.shape[0]),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -55,8 +55,12 @@ SPLIT_WAVES = 1  # target programs per SM of the default split (see default_spli
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# 8-bit float caches (read as value * scale): with bf16/fp16 queries, on the triton and torch backends.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").
 _HALF_ONLY = ("cuda",)
+# Backends that read caches of q's dtype without scales (fp8 caches, v_scale != 1: triton, else torch, under "auto").
+_UNSCALED_ONLY = ("cuda",)
 
 
 @dataclass
@@ -110,9 +114,11 @@ class TreeAttentionPlan:
     def device(self) -> torch.device:
         return self.tree_mask.device
 
-    def run(self, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto") -> torch.Tensor:
+    def run(self, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto", k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
         """See :func:`run`."""
-        return run(self, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend)
+        return run(self, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend, k_scale=k_scale,
+                   v_scale=v_scale)
 
 
 @process_constant
@@ -442,8 +448,9 @@ def _check_run_inputs(plan: TreeAttentionPlan, q, k_cache, v_cache, out) -> None
     B, T, Hq, Hkv, D = plan.batch_size, plan.num_tree, plan.num_q_heads, plan.num_kv_heads, plan.head_dim
     dev = plan.device
     check_tensor("q", q, dtype=_FLOAT_DTYPES, shape=(B, T, Hq, D), device=dev)
-    check_tensor("k_cache", k_cache, dtype=q.dtype, shape=(None, plan.block_size, Hkv, D), device=dev)
-    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
+    cache_dtypes = (q.dtype, *FP8_DTYPES) if q.dtype != torch.float32 else q.dtype
+    check_tensor("k_cache", k_cache, dtype=cache_dtypes, shape=(None, plan.block_size, Hkv, D), device=dev)
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(B, T, Hq, D), device=dev)
         if _overlaps_itself(out):
@@ -511,13 +518,16 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int, fp32: bool = False) -> str:
+def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int, fp32: bool = False,
+                    scaled: bool = False) -> str:
     """The backend to run (decided once at trace time under torch.compile, so no graph break)."""
     name = _BACKENDS.choose(backend, device)
-    if fp32 and name in _HALF_ONLY:
-        if backend != "auto":
-            raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
-        name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
+    for needed, unable, what in ((fp32, _HALF_ONLY, "reads bf16/fp16; fp32 inputs"),
+                                 (scaled, _UNSCALED_ONLY, "reads caches of q's dtype; fp8 caches and v_scale != 1")):
+        if needed and name in unable:
+            if backend != "auto":
+                raise ValueError(f"tree_attention backend {name!r} {what} run on 'triton' or 'torch'")
+            name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
         if why is not None:
@@ -528,7 +538,8 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
     return name
 
 
-def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto") -> torch.Tensor:
+def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto",
+        k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Tree attention of one layer with a prebuilt plan. No host synchronization (but one table read at the first run
     outside capture of a plan whose validation a capture skipped).
 
@@ -542,14 +553,18 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     Args:
         plan: from :func:`plan_tree_attention`.
         q: ``[B, T, Hq, D]`` bf16/fp16 queries of the tree nodes (fp32 too: triton or torch; the CUDA kernel is half precision).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype; node i's K/V already at slot
-            ``context_lens[b] + i``.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, or both fp8 (``float8_e4m3fn`` /
+            ``float8_e5m2``) with bf16/fp16 q; node i's K/V already at slot ``context_lens[b] + i``.
         out: optional ``[B, T, Hq, D]`` output buffer of q's dtype, written in place (any strides with a
             contiguous head dim; a view whose elements share memory is refused).
         sm_scale: a finite number >= 0, default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. Shapes the kernels do not cover
             (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
             and raise for an explicit kernel backend.
+        k_scale, v_scale: per-tensor dequantization scales, finite numbers > 0: the caches hold ``K / k_scale`` and
+            ``V / v_scale`` (an fp8 cache's usual scales; any cache dtype). ``k_scale`` folds into the softmax scale,
+            ``v_scale`` into each output row; fp8 caches and ``v_scale != 1`` run on triton or torch (``"cuda"``
+            raises, ``"auto"`` picks triton).
 
     Returns:
         ``out`` with rows at or past ``num_nodes[b]`` set to zero.
@@ -558,22 +573,32 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     _check_pages(plan, k_cache)
     # The kernels honour q's strides but need a contiguous head dim; q is small, so any other view is copied.
     q = q if q.stride(-1) == 1 else dense(q)
-    scale = _softmax_scale(sm_scale, plan.head_dim)
-    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32)
+    scale = _softmax_scale(sm_scale, plan.head_dim) * _dequant_scale("k_scale", k_scale)
+    v_scale = _dequant_scale("v_scale", v_scale)
+    scaled = k_cache.dtype in FP8_DTYPES or v_scale != 1.0
+    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32, scaled)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if name == "torch":
-        return run_torch(plan, q, k_cache, v_cache, out, scale)
+        return run_torch(plan, q, k_cache, v_cache, out, scale, v_scale)
     if direct_dispatch_ok(q, k_cache, v_cache, out, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
                           plan.partial_out, plan.partial_lse):
         # Plain eager: the kernel directly, without the mutating op's dispatch (host time per layer).
-        _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, scale)
+        _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, scale, v_scale)
         return out
     torch.ops.tlt.tree_attention_run(
         q, k_cache, v_cache, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-        plan.partial_out, plan.partial_lse, out, scale, plan.split_len, name,
+        plan.partial_out, plan.partial_lse, out, scale, v_scale, plan.split_len, name,
     )
     return out
+
+
+def _dequant_scale(name: str, value) -> float:
+    """A cache's dequantization scale as a float: a finite real number > 0 (bools and tensors refused: a scale read
+    from a device tensor would be a host sync per layer)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0.0 < float(value) < math.inf):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 @torch.library.custom_op("tlt::tree_attention_run", mutates_args=("partial_out", "partial_lse", "out"))
@@ -589,6 +614,7 @@ def _tree_attention_run_op(
     partial_lse: torch.Tensor,
     out: torch.Tensor,
     sm_scale: float,
+    v_scale: float,
     split_len: int,
     backend: str,
 ) -> None:
@@ -601,11 +627,12 @@ def _tree_attention_run_op(
         tree_mask=tree_mask, context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=partial_out, partial_lse=partial_lse,
     )
-    _BACKENDS.get(backend)(plan, q, k_cache, v_cache, out, sm_scale)
+    _BACKENDS.get(backend)(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
 
 
 @_tree_attention_run_op.register_fake
-def _(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out, sm_scale, split_len, backend):
+def _(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out, sm_scale,
+      v_scale, split_len, backend):
     return None
 
 
@@ -621,6 +648,8 @@ def tree_attention(
     out: Optional[torch.Tensor] = None,
     backend: str = "auto",
     validate: bool = True,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of draft-tree nodes over their request's paged context and their tree ancestors.
 
@@ -629,7 +658,8 @@ def tree_attention(
 
     Args:
         q: ``[B, T, Hq, D]`` bf16/fp16 (fp32 too: triton or torch; the CUDA kernel is half precision).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` of q's dtype, ``Hq % Hkv == 0``, block_size <= 128.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` of q's dtype (or both fp8 with bf16/fp16 q, read as
+            value * scale), ``Hq % Hkv == 0``, block_size <= 128.
         block_table: ``int32 [B, max_blocks]``; context_lens: ``int32 [B]``.
         parents: ``int32 [B, T]`` tree (``parents[b, 0] == -1``, ``0 <= parents[b, i] < i``).
         num_nodes: ``int32 [B]`` valid nodes per request, default T.
@@ -637,6 +667,7 @@ def tree_attention(
         out: optional ``[B, T, Hq, D]`` buffer.
         backend: ``"auto"`` | ``"torch"`` | ``"triton"`` | ``"cuda"``.
         validate: check the tree and table values (host sync; skipped during CUDA-graph capture).
+        k_scale, v_scale: the caches' dequantization scales (see :func:`run`).
 
     Returns:
         ``[B, T, Hq, D]`` of q's dtype; rows at or past ``num_nodes[b]`` are zeros.
@@ -646,8 +677,9 @@ def tree_attention(
     check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=4)
     B, T, Hq, D = q.shape
     dev = q.device
-    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=4, device=dev)
-    check_tensor("v_cache", v_cache, dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
+    check_tensor("k_cache", k_cache, dtype=(q.dtype, *FP8_DTYPES) if q.dtype != torch.float32 else q.dtype, ndim=4,
+                 device=dev)
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev)
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     if Dk != D:
         raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
@@ -662,4 +694,5 @@ def tree_attention(
         num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, block_size=block_size,
         num_blocks=num_blocks, validate=validate,
     )
-    return run(plan, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend)
+    return run(plan, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend, k_scale=k_scale,
+               v_scale=v_scale)

@@ -110,8 +110,12 @@ def _attend_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anc: torc
     return o + torch.where(anc[None, :, :, None], tree, 0.0).sum(dim=2).transpose(0, 1)
 
 
-def run_torch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def run_torch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, sm_scale: float,
+              v_scale: float = 1.0) -> torch.Tensor:
     """``torch`` backend of a tree-attention plan (shapes as in ``TreeAttentionPlan``); writes and returns ``out``.
+
+    Caches of any float dtype (fp8 included) are read in fp32; ``v_scale`` multiplies V (a cache's dequantization
+    scale; K's is folded into ``sm_scale`` by the op).
 
     No host synchronization: the context is padded to ``plan.num_splits * plan.split_len`` slots and masked by
     ``plan.context_lens``. Unused slots (past the context, padding nodes, pages of other requests) may hold anything,
@@ -128,6 +132,7 @@ def run_torch(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # Logical slots: padded context 0..L-1, then the tree at ctx + j.
     slots = torch.cat([torch.arange(L, device=dev).expand(B, L), ctx[:, None] + torch.arange(T, device=dev)], dim=1)
     k, v, bad_request = _gather_used_slots(plan, k_cache, v_cache, slots, torch.cat([ctx_ok, node_ok], dim=1))
+    v = v * v_scale
     tree_ok = unpack_tree_mask(plan.tree_mask, T)  # [B, T, T]
     mask = torch.cat([ctx_ok[:, None, :].expand(B, T, L), tree_ok], dim=2)  # [B, T, L+T]
 
