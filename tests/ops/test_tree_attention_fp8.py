@@ -8,6 +8,9 @@ is refused by name and skipped by "auto"; (4) bad scales are refused, naming the
 import pytest
 import torch
 from conftest import agreement_backends, kernel_devices, need_backend, poison_
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import backend_params, budget, seeds
 
 from test_tree_attention import make_case, make_plan
 
@@ -96,3 +99,23 @@ def test_rejects_bad_scales_and_dtypes():
         tlt_kernels.tree_attention(**{**case, "k_cache": fp8}, backend="torch")
     with pytest.raises(TypeError, match="k_cache must have dtype float32"):  # fp32 q reads fp32 caches only
         tlt_kernels.tree_attention(**{**case, "q": case["q"].float(), "k_cache": fp8}, backend="torch")
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@budget(12)
+@given(seed=seeds, T=st.integers(1, 6), G=st.integers(1, 3), bs=st.sampled_from([1, 4, 16]),
+       ctx=st.lists(st.integers(0, 90), min_size=1, max_size=3), fp8=st.sampled_from(FP8_DTYPES),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), k_scale=st.sampled_from([0.05, 1.0, 7.5]),
+       v_scale=st.sampled_from([0.125, 1.0, 3.0]), split_len=st.sampled_from([None, 64]))
+def test_property_fp8_caches_are_attention_over_cache_times_scale(backend, seed, T, G, bs, ctx, fp8, dtype, k_scale,
+                                                                  v_scale, split_len):
+    """Any small problem (ragged contexts, page sizes, GQA groups, one split or several): the output over fp8 caches
+    with scales is the fp32 reference's over ``cache * scale`` within the output dtype's rounding."""
+    case = make_case(ctx, T, 2 * G, 2, 64, bs, dtype, ("random", "chain"), seed=seed, device="cpu")
+    case, k_deq, v_deq = quantized(case, fp8, k_scale, v_scale)
+    plan = make_plan(case, split_len=split_len)
+    out = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
+              backend=backend, k_scale=k_scale, v_scale=v_scale)
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
+                                    out_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), want, atol=2e-2 * v_scale, rtol=2e-2)
