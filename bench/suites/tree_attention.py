@@ -15,6 +15,9 @@ every request with context L and a random tree of T nodes. Impls:
   (block mask outside the timing), on contiguous K/V like the row above;
 * ``flashinfer``: ``BatchPrefillWithPagedKVCacheWrapper`` with ``custom_mask`` over the same pages
   (``plan`` outside the timing), when FlashInfer imports;
+* ``tlt-triton fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case over e4m3 K/V
+  caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton kernel over the
+  caches' exact bf16 widening, XQA's against ours;
 * ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
   q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
   mask is bit-packed over them (:func:`xqa_tree_mask`); ``flashinfer decode (T=1)``: its decode wrapper for one
@@ -153,6 +156,8 @@ def _bench_case(ctx, model, B, L, T):
     p = values(ctx, FLAGS)
     if reference is not None and p.sweep and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
+    if p.fp8 and reference is not None and dev.type == "cuda":
+        _bench_fp8(ctx, case, plan, inp, cost, p.peers)
     if p.peers:
         decode_reference = None
         if reference is not None:  # the tlt decode kernel's output: what the T=1 peer is checked against
@@ -308,6 +313,8 @@ FLAGS = (
     Flag("--sweep", False, "add tuning rows for the Triton kernel (CUDA)", bool, replaces="TLT_TREE_ATTENTION_SWEEP"),
     Flag("--cases", (), "comma-separated cases MODEL:BxLxT, e.g. 7b:64x4096x16 (default: the size's)", parse_cases,
          replaces="TLT_TREE_ATTENTION_CASES", metavar="LIST"),
+    Flag("--fp8", True, "also time the Triton kernel (and FlashInfer's XQA with the peers) over e4m3 caches (CUDA)",
+         bool),
     Flag("--long-tail", False, "add the long-tail cases (7B; B 1-16, T 1/4/8, L 4k-64k) after the others (CUDA)",
          bool),
     Flag("--peers", True, "also time the non-tlt rows (torch SDPA, flex-attention, FlashInfer)", bool,
@@ -399,7 +406,30 @@ def xqa_tree_mask(parents: torch.Tensor) -> torch.Tensor:
     return tree_ancestor_mask_packed(parents).view(torch.uint16)
 
 
-def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra):
+def _bench_fp8(ctx, case, plan, inp, cost, peers):
+    """``tlt-triton fp8`` (and ``flashinfer-xqa fp8`` with the peers): the same case over e4m3 caches (scales 1),
+    checked against the Triton kernel over the caches' exact bf16 widening. Bytes: K/V at one byte per element."""
+    q = inp["q"]
+    k8, v8 = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
+    T = case["T"]
+    nbytes = cost.B * (cost.L + T) * cost.Hkv * cost.D * 2 + 2 * cost.B * T * cost.Hq * cost.D * q.element_size()
+    try:
+        widened = plan.run(q, k8.to(q.dtype), v8.to(q.dtype), backend="triton")
+        out = plan.run(q, k8, v8, backend="triton")
+        _check("tlt-triton fp8", out, widened, case)
+        ms = ctx.time_ms(lambda: plan.run(q, k8, v8, out=out, backend="triton"))
+        ctx.add(case, "tlt-triton fp8", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
+                **cost.extra(ms))
+    except Exception as exc:  # noqa: BLE001 - report, go on with the other rows
+        ctx.note(f"tlt-triton fp8 failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
+        return
+    fi = ctx.try_import("flashinfer") if peers else None
+    if fi is not None and hasattr(getattr(fi, "decode", None), "trtllm_batch_decode_with_kv_cache"):
+        _bench_flashinfer_xqa(ctx, fi, case, {**inp, "k_cache": k8, "v_cache": v8}, out, nbytes, cost.extra,
+                              impl="flashinfer-xqa fp8")
+
+
+def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra, impl="flashinfer-xqa"):
     """The ``flashinfer-xqa`` row: the tree's nodes are the last T of L + T tokens, the mask covers them only."""
     try:
         q, table = inp["q"], inp["block_table"]
@@ -414,11 +444,11 @@ def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra):
             bmm1_scale=D**-0.5, bmm2_scale=1.0, kv_layout="NHD", backend="xqa", q_len_per_req=T, mask=mask)
         got = call().view(B, T, Hq, D)
         if reference is not None:
-            _check("flashinfer-xqa", got, reference, case)
+            _check(impl, got, reference, case)
         ms = ctx.time_ms(call)
-        ctx.add(case, "flashinfer-xqa", ms, bytes_moved=nbytes, **extra(ms))
+        ctx.add(case, impl, ms, bytes_moved=nbytes, **extra(ms))
     except Exception as exc:  # optional peer: report, do not fail the suite
-        ctx.note(f"flashinfer-xqa skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
+        ctx.note(f"{impl} skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def _bench_flashinfer_decode(ctx, fi, case, inp, decode_reference, nbytes, extra):

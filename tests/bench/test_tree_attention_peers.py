@@ -128,3 +128,22 @@ def test_a_peer_that_disagrees_is_a_note_not_a_row():
     ctx = _Ctx()
     suite._bench_flashinfer_xqa(ctx, FAKE, case, inp, torch.zeros_like(inp["q"]), 1, lambda ms: {})
     assert ctx.rows == [] and len(ctx.notes) == 1 and "flashinfer-xqa skipped" in ctx.notes[0]
+
+
+@pytest.mark.triton
+def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
+    """``tlt-triton fp8`` runs over e4m3 caches, is checked against the kernel over their bf16 widening, and counts
+    one byte per K/V element; XQA gets the fp8 caches and is checked against it."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, L, T, Hq, Hkv, D = 2, 40, 5, 4, 2, 64
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device("cpu"))
+    case = {"model": "test", "B": B, "L": L, "T": T}
+    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                               num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
+    cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
+    ctx = _Ctx()
+    ctx.try_import = lambda name: FAKE
+    suite._bench_fp8(ctx, case, plan, inp, cost, peers=True)
+    assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8", "flashinfer-xqa fp8"]
+    assert ctx.rows[0][2]["bytes_moved"] == B * (L + T) * Hkv * D * 2 + 2 * B * T * Hq * D * 2
