@@ -117,9 +117,8 @@ def test_tail_seconds_counts_steps_with_fewer_than_a_quarter_of_the_requests():
     assert tail_seconds(steps, 4) == 0.0
 
 
-def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
-    """--eagle-checkpoint: the serving drafter and the spot trainer's copy both load it (two loads per way)."""
-    import bench.suites.rl as rl
+def _saved_eagle(tmp_path):
+    """``(state dict, path)`` of a seeded EAGLE drafter for the small suite's tiny target, saved under ``tmp_path``."""
     from bench.suites.rollout import tiny_hf_model
     from tlt_kernels.drafter import EagleDrafter
     from tlt_kernels.models import LlamaForCausalLM
@@ -129,6 +128,14 @@ def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
     saved = EagleDrafter.for_target(target, seed=7).state_dict()
     path = tmp_path / "eagle.pt"
     torch.save(saved, path)
+    return saved, path
+
+
+def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
+    """--eagle-checkpoint: the serving drafter and the spot trainer's copy both load it (two loads per way)."""
+    import bench.suites.rl as rl
+
+    saved, path = _saved_eagle(tmp_path)
     loaded = []
 
     def recording_load(*args):  # what each load returns, checked before training can move it
@@ -148,16 +155,9 @@ def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
 def test_frozen_eagle_way_serves_the_checkpoint_without_a_spot_trainer(tmp_path, monkeypatch):
     """spec-eagle-frozen loads --eagle-checkpoint once, serves it, and its engine has no spot trainer, so its drafter's
     weights at the end are the checkpoint's."""
-    from bench.suites.rollout import tiny_hf_model
-    from tlt_kernels.drafter import EagleDrafter
     from tlt_kernels.engine import SpeculativeEngine
-    from tlt_kernels.models import LlamaForCausalLM
 
-    hf = tiny_hf_model()
-    target = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), dtype=torch.float32)
-    saved = EagleDrafter.for_target(target, seed=7).state_dict()
-    path = tmp_path / "eagle.pt"
-    torch.save(saved, path)
+    saved, path = _saved_eagle(tmp_path)
     engines = []
     real_init = SpeculativeEngine.__init__
 
