@@ -133,6 +133,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -14,7 +14,8 @@ seeds (``--ways``):
   measured step times, ``measure_cost_table``, as in the rollout suite), drafting one tree per request from an EAGLE
   drafter and, beside it, the n-gram drafter over the request's group (``drafter=[eagle, "ngram"]``,
   ``generate(groups=)``); the EAGLE drafter starts untrained (or from ``--eagle-checkpoint``) and is spot-trained
-  in each rollout's tail on the responses of the current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
+  in each rollout's tail (``--spot-batch-fraction``; loss depths ``--spot-unroll-steps``) on the responses of the
+  current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
   keeps up as the policy's weights change (steps stop overlapping once the trainer starts: it works between
   steps); log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
@@ -47,7 +48,7 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import Flag, positive_int, str_list, values
+from ..flags import Flag, positive_int, str_list, unit_fraction, values
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
@@ -77,6 +78,10 @@ FLAGS = (
     Flag("--eagle-checkpoint", None, "the EAGLE drafter the spec and spec-eagle ways start from (a state dict or a "
          "SpotTrainer checkpoint, e.g. from python -m tlt_kernels.engine.train_drafter; default: untrained)",
          metavar="PATH"),
+    Flag("--spot-unroll-steps", 1, "draft depths in the spot trainer's loss (SpotTrainer(unroll_steps=))",
+         positive_int),
+    Flag("--spot-batch-fraction", 0.25, "the spot trainer starts when the batch falls below this fraction of its start "
+         "(SpeculativeEngine(spot_batch_fraction=))", unit_fraction),
 )
 
 
@@ -237,8 +242,9 @@ class RLRun:
         buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
         # The serving drafter and the trainer's copy start from the same weights.
         trainer = SpotTrainer(self._initial_eagle(model), buffer, lr=1e-3, warmup_steps=20,
-                              autocast_dtype=torch.bfloat16 if self.cuda else None)
-        return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer)
+                              unroll_steps=self.p.spot_unroll_steps, autocast_dtype=torch.bfloat16 if self.cuda else None)
+        return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer,
+                                                spot_batch_fraction=self.p.spot_batch_fraction)
 
     def _initial_eagle(self, model):
         """The EAGLE drafter every EAGLE way starts from: ``--eagle-checkpoint``, or untrained from the seed."""

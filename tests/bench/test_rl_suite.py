@@ -172,3 +172,27 @@ def test_frozen_eagle_way_serves_the_checkpoint_without_a_spot_trainer(tmp_path,
     assert len(engines) == 1 and engines[0].spot_trainer is None
     served = engines[0].drafter.state_dict()
     assert all(torch.equal(served[k].cpu(), v) for k, v in saved.items())
+
+
+def test_spot_flags_reach_the_trainer_and_the_engine(tmp_path, monkeypatch):
+    """--spot-unroll-steps sets the spot trainer's unroll_steps, --spot-batch-fraction the engine's
+    spot_batch_fraction (defaults 1 and 0.25); a fraction outside (0, 1] is a usage error."""
+    from bench.flags import parse
+    from bench.suites.rl import FLAGS
+    from tlt_kernels.engine import SpeculativeEngine
+
+    engines = []
+    real_init = SpeculativeEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(SpeculativeEngine, "__init__", recording_init)
+    base = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle"]
+    assert main(base) == 0
+    assert main(base + ["--spot-unroll-steps", "2", "--spot-batch-fraction", "0.5"]) == 0
+    assert [(e.spot_trainer.unroll_steps, e.spot_batch_fraction) for e in engines] == [(1, 0.25), (2, 0.5)]
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(SystemExit):
+            parse(FLAGS, ["--spot-batch-fraction", bad])
