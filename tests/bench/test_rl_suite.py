@@ -131,6 +131,21 @@ def _saved_eagle(tmp_path):
     return saved, path
 
 
+def _record_engines(monkeypatch) -> list:
+    """A list that receives every SpeculativeEngine the suite builds from now on (after its own __init__)."""
+    from tlt_kernels.engine import SpeculativeEngine
+
+    engines = []
+    real_init = SpeculativeEngine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(SpeculativeEngine, "__init__", recording_init)
+    return engines
+
+
 def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
     """--eagle-checkpoint: the serving drafter and the spot trainer's copy both load it (two loads per way)."""
     import bench.suites.rl as rl
@@ -155,17 +170,8 @@ def test_the_eagle_ways_start_from_the_given_checkpoint(tmp_path, monkeypatch):
 def test_frozen_eagle_way_serves_the_checkpoint_without_a_spot_trainer(tmp_path, monkeypatch):
     """spec-eagle-frozen loads --eagle-checkpoint once, serves it, and its engine has no spot trainer, so its drafter's
     weights at the end are the checkpoint's."""
-    from tlt_kernels.engine import SpeculativeEngine
-
     saved, path = _saved_eagle(tmp_path)
-    engines = []
-    real_init = SpeculativeEngine.__init__
-
-    def recording_init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        engines.append(self)
-
-    monkeypatch.setattr(SpeculativeEngine, "__init__", recording_init)
+    engines = _record_engines(monkeypatch)
     argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle-frozen",
             "--eagle-checkpoint", str(path)]
     assert main(argv) == 0
@@ -179,16 +185,8 @@ def test_spot_flags_reach_the_trainer_and_the_engine(tmp_path, monkeypatch):
     spot_batch_fraction (defaults 1 and 0.25); a fraction outside (0, 1] is a usage error."""
     from bench.flags import parse
     from bench.suites.rl import FLAGS
-    from tlt_kernels.engine import SpeculativeEngine
 
-    engines = []
-    real_init = SpeculativeEngine.__init__
-
-    def recording_init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        engines.append(self)
-
-    monkeypatch.setattr(SpeculativeEngine, "__init__", recording_init)
+    engines = _record_engines(monkeypatch)
     base = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle"]
     assert main(base) == 0
     assert main(base + ["--spot-unroll-steps", "2", "--spot-batch-fraction", "0.5"]) == 0
