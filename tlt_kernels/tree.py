@@ -134,8 +134,7 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
         return pack_bit_words(torch.where(mask, bit_values(T2, mask.device), 0).sum(-1), T2)
     padded = torch.zeros(B, T, words * 32, dtype=torch.int64, device=mask.device)
     padded[..., :T2] = mask.to(torch.int64)
-    weights = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int64, device=mask.device), torch.arange(32, device=mask.device))
-    packed = (padded.view(B, T, words, 32) * weights).sum(-1)
+    packed = (padded.view(B, T, words, 32) * bit_values(32, mask.device)).sum(-1)
     # Fold into the int32 range (two's complement) so bit 31 survives.
     packed = torch.where(packed >= 2**31, packed - 2**32, packed)
     return packed.to(torch.int32)
