@@ -458,7 +458,9 @@ def _bench_flashinfer_decode(ctx, fi, case, inp, decode_reference, nbytes, extra
         B, _, Hq, D = q.shape
         Hkv, L, dev = inp["k_cache"].shape[2], case["L"], q.device
         pages = -(-(L + 1) // PAGE)
-        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD")
+        # Its CUDA-core decode builds GQA groups 1, 2, 3, 4 and 8 only; groups of 4 and more run best on tensor cores.
+        wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev), "NHD",
+                                                        use_tensor_cores=Hq // Hkv >= 4)
         indptr = torch.arange(B + 1, dtype=torch.int32, device=dev) * pages
         last = torch.full((B,), (L + 1) - (pages - 1) * PAGE, dtype=torch.int32, device=dev)
         wrapper.plan(indptr, table[:, :pages].reshape(-1), last, Hq, Hkv, D, PAGE, q_data_type=q.dtype,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.suites import tree_attention as suite
+from conftest import kernel_devices
 from tlt_kernels.tree import tree_ancestor_mask
 
 
@@ -33,16 +34,16 @@ def _xqa(query, kv_cache, workspace, block_tables, seq_lens, max_seq_len, *, bmm
     B = query.shape[0] // T
     assert mask.dtype == torch.uint16 and mask.shape == (B, T, 2 * (-(-T // 32)))
     words = mask.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [B, T, W]: rows aligned to 32 bits
-    out = torch.empty(B * T, *query.shape[1:])
+    out = torch.empty(B * T, *query.shape[1:], device=query.device)
     for b in range(B):
         n = int(seq_lens[b].to(torch.int64))
-        slots = torch.arange(n)
+        slots = torch.arange(n, device=query.device)
         rows = block_tables[b, slots // page].long() * page + slots % page
         k = k_cache.reshape(-1, *k_cache.shape[2:])[rows]
         v = v_cache.reshape(-1, *v_cache.shape[2:])[rows]
-        j = torch.arange(T)
+        j = torch.arange(T, device=query.device)
         draft = ((words[b][:, j // 32] >> (j % 32)) & 1).bool()  # [T, T]
-        visible = torch.cat([torch.ones(T, n - T, dtype=torch.bool), draft], 1)
+        visible = torch.cat([torch.ones(T, n - T, dtype=torch.bool, device=query.device), draft], 1)
         out[b * T:(b + 1) * T] = _attend(query[b * T:(b + 1) * T], k, v, visible, bmm1_scale)
     return out
 
@@ -51,21 +52,25 @@ class _DecodeWrapper:
     """FlashInfer's documented decode wrapper: request b reads pages indices[indptr[b]:indptr[b+1]], all full but
     the last, which holds last_page_len[b] tokens."""
 
-    def __init__(self, workspace, layout):
+    def __init__(self, workspace, layout, use_tensor_cores=False):
         assert layout == "NHD"
+        self.use_tensor_cores = use_tensor_cores
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, q_data_type,
              kv_data_type):
+        # FlashInfer's CUDA-core decode builds GQA group sizes 1, 2, 3, 4 and 8 only (its documented dispatch).
+        assert self.use_tensor_cores or num_qo_heads // num_kv_heads in (1, 2, 3, 4, 8)
         self.indptr, self.indices, self.last, self.page = indptr, indices, last_page_len, page_size
 
     def run(self, q, kv):
         k_cache, v_cache = kv
-        out = torch.empty(q.shape)
+        out = torch.empty(q.shape, device=q.device)
         for b in range(q.shape[0]):
             pages = self.indices[self.indptr[b]:self.indptr[b + 1]].long()
             n = (len(pages) - 1) * self.page + int(self.last[b])
             k, v = k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n]
-            out[b] = _attend(q[b:b + 1], k, v, torch.ones(1, n, dtype=torch.bool), q.shape[-1] ** -0.5)[0]
+            visible = torch.ones(1, n, dtype=torch.bool, device=q.device)
+            out[b] = _attend(q[b:b + 1], k, v, visible, q.shape[-1] ** -0.5)[0]
         return out
 
 
@@ -88,13 +93,14 @@ FAKE = SimpleNamespace(decode=SimpleNamespace(trtllm_batch_decode_with_kv_cache=
                        BatchDecodeWithPagedKVCacheWrapper=_DecodeWrapper)
 
 
-@pytest.mark.parametrize("B,L,T", [(2, 37, 5), (1, 100, 33), (3, 16, 8)])
-def test_xqa_and_decode_peers_match_the_tlt_rows(B, L, T):
+@pytest.mark.parametrize("B,L,T,Hq", [(2, 37, 5, 4), (1, 100, 33, 4), (3, 16, 8, 14)])
+def test_xqa_and_decode_peers_match_the_tlt_rows(B, L, T, Hq):
     """XQA with the packed tree mask equals our tree attention (T > 32 spans two mask words); the decode wrapper over
-    L + 1 tokens equals our T = 1 plan; each gets one row."""
+    L + 1 tokens equals our T = 1 plan (GQA group 7, Qwen2.5-7B's, through its tensor-core decode); each gets one
+    row."""
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
-    Hq, Hkv, D = 4, 2, 16
+    Hkv, D = 2, 16
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.float32, torch.device("cpu"))
     case = {"model": "test", "B": B, "L": L, "T": T}
 
@@ -137,7 +143,8 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     B, L, T, Hq, Hkv, D = 2, 40, 5, 4, 2, 64
-    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device("cpu"))
+    # The kernel device: the GPU where there is one (the interpreter is off there), else the CPU's interpreter.
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
     case = {"model": "test", "B": B, "L": L, "T": T}
     plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)

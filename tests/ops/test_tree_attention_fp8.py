@@ -2,7 +2,8 @@
 
 The caches hold ``K / k_scale`` and ``V / v_scale`` in fp8; every backend that reads them must compute attention over
 ``cache * scale``. Checked: (1) at scales 1 an fp8 cache gives exactly what its bf16/fp16 widening gives (the widening
-is exact, and both paths then run the same arithmetic), bit for bit, on every backend; (2) with scales, the output
+is exact, and both paths then run the same arithmetic), bit for bit (compiled Triton: within a few output ulps, see
+the test); (2) with scales, the output
 against a float32 reference over the dequantized caches; (3) the CUDA backend, which reads caches of q's dtype only,
 is refused by name and skipped by "auto"; (4) bad scales are refused, naming the argument."""
 import pytest
@@ -49,7 +50,14 @@ def test_fp8_cache_equals_its_exact_widening(backend, fp8, name):
     out8 = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
                backend=backend)
     wide = run(plan, case["q"], case["k_cache"].to(dtype), case["v_cache"].to(dtype), backend=backend)
-    assert not out8.isnan().any() and torch.equal(out8, wide)
+    assert not out8.isnan().any()
+    if backend == "triton" and DEVICE.type == "cuda":
+        # Compiled, an fp8 tile widens in registers and may feed a different tensor-core instruction than a tile
+        # loaded straight to shared memory, so fp32 sums can differ in their last bits: a few output ulps, no more.
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out8, wide, rtol=4 * eps, atol=4 * eps * wide.abs().max().item())
+    else:
+        assert torch.equal(out8, wide)
 
 
 @pytest.mark.parametrize("backend", [b for b in agreement_backends() if b.values[0] != "cuda"])
