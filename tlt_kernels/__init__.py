@@ -9,6 +9,7 @@ behind ``backend="auto"``):
 * :func:`compact_kv` -- move the accepted path's K/V to contiguous cache slots;
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
 * :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history;
+* :func:`philox_uniform` -- the walks' counter-based random stream (:mod:`tlt_kernels.rng`) as a tensor;
 * :func:`rms_norm`, :func:`silu_and_mul`, :func:`apply_rotary` -- fused elementwise parts of a Llama layer
   (RMSNorm with residual add, SiLU-and-multiply, rotate-half RoPE of q and k; :func:`rotary_to_cache` also stores
   the rotated k and v at their KV-cache rows).
@@ -24,6 +25,7 @@ from ._backend import BACKENDS, BackendUnavailableError, available_backends, cud
 from .ops.build_draft_tree import DraftTree, build_draft_tree
 from .ops.compact_kv import compact_kv
 from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
+from .ops.philox_uniform import philox_uniform
 from .ops.rms_norm import rms_norm
 from .ops.rotary import apply_rotary, rotary_to_cache
 from .ops.silu_and_mul import silu_and_mul
@@ -64,6 +66,7 @@ __all__ = [
     "plan_masked_attention",
     "plan_tree_attention",
     "pack_tree_mask",
+    "philox_uniform",
     "rms_norm",
     "silu_and_mul",
     "tree_ancestor_mask",

@@ -11,7 +11,7 @@ import torch
 from conftest import HAS_CUDA, compile_for_sm90, kernel_devices, poison_
 from test_verify_tree import (ALPHA, CHAIN, MC_B, TREE, biased, chi2_pvalue, compare_outputs, empty_batch_call,
                               monte_carlo_first_two, verify_inputs)
-from tlt_kernels import rng, verify_tree
+from tlt_kernels import verify_tree
 
 pytestmark = pytest.mark.triton
 DEV = kernel_devices()[0]
@@ -21,17 +21,6 @@ def _tri():
     from tlt_kernels._triton import verify_tree as tv
 
     return tv
-
-
-def test_philox_bit_exact():
-    seeds = torch.tensor([0, 1, -1, 2**32 + 7, 2**40 + 3, -(2**63), 2**63 - 1, 12345678901, -987654321], dtype=torch.int64)
-    offsets = torch.tensor([0, 5, 2**32, 2**33 + 1, -1, 7, 2**62, 3, 1], dtype=torch.int64)
-    nodes = torch.tensor([0, 1, 2, 63, 64, 1000, 2**20, 5, 2**31 - 1], dtype=torch.int32)
-    for purpose in (rng.PURPOSE_ACCEPT, rng.PURPOSE_SAMPLE):
-        got = _tri().philox_uniform(seeds.to(DEV), offsets.to(DEV), nodes.to(DEV), purpose).cpu()
-        want = rng.uniform(seeds, offsets, nodes.to(torch.int64), purpose)
-        assert torch.equal(got, want)
-        assert ((got > 0) & (got < 1)).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

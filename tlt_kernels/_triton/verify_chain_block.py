@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .._backend import direct_dispatch_ok
 from ..reference.verify_chain_block import BlockVerifyResult, empty_block_outputs
-from .verify_tree import _philox_uniform
+from .philox import _philox_uniform
 
 BLOCK_MAX = 1024  # vocabulary tile of the streaming passes (not yet timed on a GPU)
 

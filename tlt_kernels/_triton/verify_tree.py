@@ -28,56 +28,12 @@ import triton
 import triton.language as tl
 
 from ..reference.verify_tree import empty_verify_outputs, make_verify_tree_op, scored_launch
+from .philox import _philox_uniform
 
 
 # Widest tile of the streaming passes without top-k/top-p (the radix select keeps 1024: its [BLOCK, 16] histogram
 # lives in registers). Not yet timed on a GPU.
 STREAM_BLOCK_MAX = 2048
-
-
-@triton.jit
-def _philox_uniform(seed, offset, node, purpose: tl.constexpr):
-    """Philox4x32-10 word 0 of counter (offset lo, offset hi, node, purpose), key = seed; see rng.py."""
-    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c0 = (offset & 0xFFFFFFFF).to(tl.uint32)
-    c1 = ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    c2 = node.to(tl.uint32)
-    c3 = c2 * 0 + purpose
-    k0 = c2 * 0 + k0
-    k1 = c2 * 0 + k1
-    c0 = c2 * 0 + c0
-    c1 = c2 * 0 + c1
-    for _ in tl.static_range(10):
-        hi0 = tl.umulhi(c0, 0xD2511F53)
-        lo0 = c0 * 0xD2511F53
-        hi1 = tl.umulhi(c2, 0xCD9E8D57)
-        lo1 = c2 * 0xCD9E8D57
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    return ((c0 >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-
-
-@triton.jit
-def _philox_uniform_kernel(seed_ptr, offset_ptr, node_ptr, out_ptr, N, PURPOSE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offs < N
-    seed = tl.load(seed_ptr + offs, mask=mask, other=0)
-    offset = tl.load(offset_ptr + offs, mask=mask, other=0)
-    node = tl.load(node_ptr + offs, mask=mask, other=0)
-    tl.store(out_ptr + offs, _philox_uniform(seed, offset, node, PURPOSE), mask=mask)
-
-
-def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, node: torch.Tensor, purpose: int) -> torch.Tensor:
-    """Triton twin of :func:`tlt_kernels.rng.uniform` (int64 seed/offset, int32 node, all ``[N]``)."""
-    N = seed.numel()
-    out = torch.empty(N, dtype=torch.float32, device=seed.device)
-    BLOCK = 128
-    _philox_uniform_kernel[(triton.cdiv(N, BLOCK),)](
-        seed.contiguous(), offset.contiguous(), node.to(torch.int32).contiguous(), out, N, PURPOSE=purpose, BLOCK_SIZE=BLOCK
-    )
-    return out
 
 
 @triton.jit

@@ -17,8 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..ops.philox_uniform import philox_uniform
 from ..ops.verify_tree import verify_tree
-from ..rng import PURPOSE_ACCEPT, as_words, uniform
+from ..rng import PURPOSE_ACCEPT, as_words
 from ..tree import chain_parents
 
 __all__ = ["chain_speculative_sampling"]
@@ -55,7 +56,8 @@ def _per_request(name: str, value, B: int, device) -> torch.Tensor:
     return words.expand(B)
 
 
-def _independent_accepts(draft_probs, draft_token_ids, target_probs, seed, offset, num_accepted) -> torch.Tensor:
+def _independent_accepts(draft_probs, draft_token_ids, target_probs, seed, offset, num_accepted,
+                         backend) -> torch.Tensor:
     """FlashInfer's ``accepted_token_num``: drafts that pass their own test ``u q(x) < p(x)`` (rows normalized),
     each with the coin the walk gives it, whether or not an earlier draft was rejected. The walk's own decisions
     stand where it made them (its first ``num_accepted`` drafts passed, the next one failed), so a float rounding
@@ -65,10 +67,17 @@ def _independent_accepts(draft_probs, draft_token_ids, target_probs, seed, offse
     q = draft_probs.float().gather(2, ids).squeeze(2) / draft_probs.float().sum(2)
     p = target_probs[:, :n].float().gather(2, ids).squeeze(2) / target_probs[:, :n].float().sum(2)
     position = torch.arange(n, device=draft_probs.device).unsqueeze(0)
-    coins = uniform(seed.unsqueeze(1), offset.unsqueeze(1), position + 1, PURPOSE_ACCEPT)
+    # One launch on the GPU (the torch reference's ten Philox rounds are ~160 launches, most of a small call's time).
+    coins = philox_uniform(seed.unsqueeze(1), offset.unsqueeze(1), position + 1, PURPOSE_ACCEPT, backend=backend)
     walked = num_accepted.long().unsqueeze(1)
     passed = torch.where(position < walked, True, torch.where(position == walked, False, coins * q < p))
     return passed.sum(1, dtype=torch.int32)
+
+
+def _coin_backend(backend: str) -> str:
+    """The coins' backend for the walk's ``backend``: philox_uniform has no CUDA C++ build (Triton's gives the same
+    bits)."""
+    return "triton" if backend == "cuda" else backend
 
 
 def chain_speculative_sampling(
@@ -112,7 +121,8 @@ def chain_speculative_sampling(
     result = verify_tree(target_probs.float().log(), tokens, chain_parents(B, n + 1, device), draft_probs=rows,
                          temperature=1.0, seed=seed, offset=offset, validate=validate, backend=backend)
     flagged = result.error.bool()
-    independent = _independent_accepts(draft_probs, draft_token_ids, target_probs, seed, offset, result.num_accepted)
+    independent = _independent_accepts(draft_probs, draft_token_ids, target_probs, seed, offset, result.num_accepted,
+                                       _coin_backend(backend))
     accepted = maybe_output_accepted_token_num
     emitted = maybe_output_emitted_draft_token_num
     accepted = torch.zeros(B, dtype=torch.int32, device=device) if accepted is None else accepted
