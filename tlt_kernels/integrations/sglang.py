@@ -19,7 +19,7 @@ would not emit at that rate, so it changes the output law: it is not offered. Ra
 Conversion: siblings in a linked list may come in any index order, while ``verify_tree`` tries children in
 increasing index order with every parent before its children; the tree is renumbered in depth-first preorder
 (siblings in list order), the logits rows gathered in that order, and the path mapped back. The renumbering is
-``O(T)`` small device ops (no host sync; capturable).
+``O(log T)`` small device ops by pointer jumping (no host sync; capturable).
 """
 from __future__ import annotations
 
@@ -33,42 +33,56 @@ from ..tree import resolve_num_nodes, tree_ancestor_mask, tree_depths
 __all__ = ["verify_tree_greedy", "tree_speculative_sampling_target_only", "retrieval_arrays", "build_tree_outputs"]
 
 
+def _rounds(T: int) -> int:
+    """Pointer-jumping rounds for chains of up to ``T`` nodes: ``2 ** rounds >= T`` (``ceil(log2 T)``)."""
+    return (T - 1).bit_length()
+
+
+def _jump(pointer: torch.Tensor, rounds: int) -> torch.Tensor:
+    """``pointer`` (``[B, W]``, values in ``[0, W)``) followed ``2 ** rounds`` times, by doubling."""
+    for _ in range(rounds):
+        pointer = pointer.gather(1, pointer)
+    return pointer
+
+
+def _padded(links: torch.Tensor) -> torch.Tensor:
+    """``links [B, T]`` with none (-1) as ``T`` and a column ``T`` mapping none to none: gathers need no masks."""
+    B, T = links.shape
+    return torch.cat([torch.where(links >= 0, links, T), links.new_full((B, 1), T)], 1)
+
+
 def _links(next_token: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
     """``int64 [B, T]`` parent of each node from the first-child / next-sibling links (-1: root or unreachable)."""
     B, T = next_token.shape
-    dev = next_token.device
-    parent = torch.full((B, T + 1), -1, dtype=torch.int64, device=dev)  # column T absorbs the -1 targets
-    nodes = torch.arange(T, device=dev).expand(B, T)
-    first = torch.where(next_token >= 0, next_token, T)
-    parent.scatter_(1, first, nodes)
-    for _ in range(T):  # along each sibling list: a sibling has its predecessor's parent
-        target = torch.where((next_sibling >= 0) & (parent[:, :T] >= 0), next_sibling, T)
-        parent.scatter_(1, target, parent[:, :T].clone())  # read the previous round, not this one's writes
-    parent[:, T] = -1
-    return parent[:, :T]
+    nodes = torch.arange(T, device=next_token.device).expand(B, T)
+    unlinked = torch.full((B, T + 1), -1, dtype=torch.int64, device=next_token.device)
+    target = lambda links: torch.where(links >= 0, links, T)  # noqa: E731  (-1 links write the dropped column T)
+    first_child_of = unlinked.scatter(1, target(next_token), nodes)[:, :T]
+    prev_sibling = unlinked.scatter(1, target(next_sibling), nodes)[:, :T]
+    # Siblings share a parent: the one whose first child heads their list (the list's node with no predecessor).
+    head = _jump(torch.where(prev_sibling >= 0, prev_sibling, nodes), _rounds(T))
+    return first_child_of.gather(1, head)
 
 
 def _preorder(next_token: torch.Tensor, next_sibling: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
     """``int64 [B, T]``: ``order[b, k]`` the node visited ``k``-th by a depth-first preorder from the root that
     takes children in list order (-1 past the reachable nodes)."""
     B, T = next_token.shape
-    at = lambda table, index: table.gather(1, index.clamp(min=0))  # noqa: E731
+    rounds = _rounds(T)
+    nodes = torch.arange(T, device=next_token.device).expand(B, T)
+    # Links below are padded (none: T, a fixed point). A node with a next sibling stops the climb; others go up.
+    climb = _padded(torch.where(next_sibling >= 0, nodes, parent))
+    has_next = _jump(climb, rounds)[:, :T]  # nearest ancestor-or-self with a next sibling (T: none)
     # succ(v): v's first child, else the next sibling of v or of its nearest ancestor that has one.
-    succ = next_token.clone()
-    climb = torch.arange(T, device=next_token.device).expand(B, T).clone()
-    pending = succ < 0
-    for _ in range(T):
-        sibling = at(next_sibling, climb)
-        take = pending & (sibling >= 0)
-        succ = torch.where(take, sibling, succ)
-        pending &= ~take & (at(parent, climb) >= 0)
-        climb = torch.where(pending, at(parent, climb), climb)
-    order = torch.full((B, T), -1, dtype=torch.int64, device=next_token.device)
-    order[:, 0] = 0
-    for k in range(1, T):
-        prev = order[:, k - 1]
-        order[:, k] = torch.where(prev >= 0, at(succ, prev.unsqueeze(1)).squeeze(1), -1)
-    return order
+    succ = _padded(torch.where(next_token >= 0, next_token, _padded(next_sibling).gather(1, has_next)))
+    # order[k] = succ^k(root), in doubling chunks: order[m:2m] = succ^m(order[:m]), then succ^m squared.
+    order = torch.zeros(B, T, dtype=torch.int64, device=next_token.device)
+    for r in range(rounds):
+        m = 1 << r
+        order[:, m:2 * m] = succ.gather(1, order[:, :min(m, T - m)])
+        if r + 1 < rounds:
+            succ = succ.gather(1, succ)
+    return torch.where(order < T, order, -1)
 
 
 def _as_tree(next_token, next_sibling):
