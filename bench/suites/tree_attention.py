@@ -34,6 +34,11 @@ what the tree would cost if both were at the HBM floor).
 ``pct_roofline``: percent of max(HBM floor, tensor-core floor), the floor FLOPs taken at the dense
 matmul peak measured in the same run -- the honest target for the compute-bound T=64 rows.
 
+Timing (``timing`` column): every row replayed from a CUDA graph (``--graphs``, the default on CUDA), as a captured
+rollout step runs it: GPU time, without Python dispatch or launch costs, which are most of a small case's eager time;
+a row whose capture fails is timed eagerly and says so. The tlt rows add ``eager_ms`` (a plain call, dispatch
+included).
+
 ``--sweep`` adds tuning rows for the Triton kernel (see docs/TREE_ATTENTION.md); ``--cases 7b:64x4096x16,...``
 restricts the cases and ``--no-peers`` skips the non-tlt rows (both for tuning runs on a time budget).
 """
@@ -133,7 +138,7 @@ class _CaseCost:
         return row
 
 
-def _bench_case(ctx, model, B, L, T):
+def _bench_case(ctx, model, B, L, T, flex=True):
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     Hq, Hkv = MODELS[model]
@@ -162,7 +167,7 @@ def _bench_case(ctx, model, B, L, T):
         decode_reference = None
         if reference is not None:  # the tlt decode kernel's output: what the T=1 peer is checked against
             decode_reference = decode_plan.run(q[:, :1].contiguous(), k_cache, v_cache)
-        _bench_peers(ctx, case, inp, reference, decode_reference, cost)
+        _bench_peers(ctx, case, inp, reference, decode_reference, cost, flex)
 
 
 def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
@@ -182,24 +187,28 @@ def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
             reference = out.clone()
         else:
             _check(f"tlt-{backend}", out, reference, case)
-        ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
-        ms1 = ctx.time_ms(lambda: decode_plan.run(q1, k_cache, v_cache, out=out1, backend=backend))
+        call = lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend)  # noqa: E731
+        ms, timing = _timed(ctx, call)
+        ms1, _ = _timed(ctx, lambda: decode_plan.run(q1, k_cache, v_cache, out=out1, backend=backend))
+        # eager_ms: what a caller without graphs pays per call, the op's Python dispatch and launches included.
+        eager_ms = ctx.time_ms(call) if timing == "graph" else ms
         row = cost.extra(ms)
         ctx.add(case, f"tlt-{backend}", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
-                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes / cost.nbytes(1), **row)
+                decode_ms=ms1, tree_over_decode=ms / ms1, ideal_ratio=nbytes / cost.nbytes(1), timing=timing,
+                eager_ms=eager_ms, **row)
         if ctx.copy_bandwidth:
             print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
                   f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
     return reference
 
 
-def _bench_peers(ctx, case, inp, reference, decode_reference, cost):
+def _bench_peers(ctx, case, inp, reference, decode_reference, cost, flex=True):
     """The non-tlt rows: torch SDPA with and without the gather, flex-attention and FlashInfer (CUDA): its custom-mask
     prefill, and from 0.6 on its XQA speculative-decode attention and its decode kernel (T=1)."""
     L, T = case["L"], case["T"]
     Hq, Hkv = MODELS[case["model"]]
     mask = _dense_mask(inp["parents"], L)
-    _bench_sdpa(ctx, case, inp, mask, reference, cost)  # its gathered K/V are freed before FlashInfer's workspace
+    _bench_sdpa(ctx, case, inp, mask, reference, cost, flex)  # its gathered K/V are freed before FlashInfer's workspace
     fi = ctx.try_import("flashinfer")
     if fi is None or ctx.device.type != "cuda":
         return
@@ -209,20 +218,21 @@ def _bench_peers(ctx, case, inp, reference, decode_reference, cost):
         _bench_flashinfer_decode(ctx, fi, case, inp, decode_reference, cost.nbytes(1), cost.extra)
 
 
-def _bench_sdpa(ctx, case, inp, mask, reference, cost):
-    """The ``torch-sdpa`` rows (gather included, then pre-gathered) and, on CUDA, flex-attention on the same K/V."""
+def _bench_sdpa(ctx, case, inp, mask, reference, cost, flex=True):
+    """The ``torch-sdpa`` rows (gather included, then pre-gathered) and, on CUDA with ``flex``, flex-attention on the
+    same K/V."""
     q, table = inp["q"], inp["block_table"]
     L, T = case["L"], case["T"]
     nbytes = cost.nbytes(T)
-    ms = ctx.time_ms(lambda: _sdpa(q, *_gather_dense(inp["k_cache"], inp["v_cache"], table, L + T), mask))
-    ctx.add(case, "torch-sdpa", ms, bytes_moved=nbytes, **cost.extra(ms))
+    ms, timing = _timed(ctx, lambda: _sdpa(q, *_gather_dense(inp["k_cache"], inp["v_cache"], table, L + T), mask))
+    ctx.add(case, "torch-sdpa", ms, bytes_moved=nbytes, timing=timing, **cost.extra(ms))
     k, v = _gather_dense(inp["k_cache"], inp["v_cache"], table, L + T)
     got = _sdpa(q, k, v, mask)
     if reference is not None:
         _check("torch-sdpa", got, reference, case)
-    ms = ctx.time_ms(lambda: _sdpa(q, k, v, mask))
-    ctx.add(case, "torch-sdpa (pre-gathered)", ms, bytes_moved=nbytes, **cost.extra(ms))
-    if ctx.device.type == "cuda":
+    ms, timing = _timed(ctx, lambda: _sdpa(q, k, v, mask))
+    ctx.add(case, "torch-sdpa (pre-gathered)", ms, bytes_moved=nbytes, timing=timing, **cost.extra(ms))
+    if flex and ctx.device.type == "cuda":
         _bench_flex(ctx, case, q, k, v, mask, reference, nbytes, cost.extra)
 
 
@@ -258,11 +268,12 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
                     continue
                 plan.run(q, k_cache, v_cache, out=out, backend=backend)
                 _check(name, out, reference, case)
-                ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
+                ms, timing = _timed(ctx, lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
         except Exception as exc:  # noqa: BLE001 - an experiment: report and go on with the peers
             ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
             continue
-        ctx.add(case, name, ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len, **extra(ms))
+        ctx.add(case, name, ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len, timing=timing,
+                **extra(ms))
         if ctx.copy_bandwidth:
             print(f"{case} {name}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM floor",
                   flush=True)
@@ -319,7 +330,22 @@ FLAGS = (
          bool),
     Flag("--peers", True, "also time the non-tlt rows (torch SDPA, flex-attention, FlashInfer)", bool,
          replaces="TLT_TREE_ATTENTION_PEERS"),
+    Flag("--graphs", True, "time every row replayed from a CUDA graph, as a captured step runs it (CUDA; eager where "
+         "capture fails); the tlt rows also report eager_ms (--no-graphs: eager timing only)", bool),
 )
+
+
+def _timed(ctx, fn):
+    """``(ms, timing)``: ``fn``'s median GPU time replayed from a CUDA graph (rollout engines capture their steps, so
+    this is the time a step pays, without Python dispatch or launch costs), else its eager time (``"eager"``: off,
+    not on CUDA, or a capture that failed, noted)."""
+    if values(ctx, FLAGS).graphs and ctx.device.type == "cuda":
+        try:
+            return ctx.time_graph_ms(fn), "graph"
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot be captured is timed eagerly
+            torch.cuda.synchronize()
+            ctx.note(f"capture failed, timed eagerly: {type(exc).__name__}: {str(exc)[:120]}")
+    return ctx.time_ms(fn), "eager"
 
 
 def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes, extra):
@@ -391,8 +417,8 @@ def _bench_flex(ctx, case, q, k, v, mask, reference, nbytes, extra):
         got = fn().transpose(1, 2)
         if reference is not None:
             _check("flex-attention", got, reference, case)
-        ms = ctx.time_ms(fn)
-        ctx.add(case, "flex-attention (pre-gathered)", ms, bytes_moved=nbytes, **extra(ms))
+        ms, timing = _timed(ctx, fn)
+        ctx.add(case, "flex-attention (pre-gathered)", ms, bytes_moved=nbytes, timing=timing, **extra(ms))
     except Exception as exc:  # optional peer: report, do not fail the suite
         ctx.note(f"flex-attention skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
 
@@ -417,9 +443,9 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers):
         widened = plan.run(q, k8.to(q.dtype), v8.to(q.dtype), backend="triton")
         out = plan.run(q, k8, v8, backend="triton")
         _check("tlt-triton fp8", out, widened, case)
-        ms = ctx.time_ms(lambda: plan.run(q, k8, v8, out=out, backend="triton"))
+        ms, timing = _timed(ctx, lambda: plan.run(q, k8, v8, out=out, backend="triton"))
         ctx.add(case, "tlt-triton fp8", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
-                **cost.extra(ms))
+                timing=timing, **cost.extra(ms))
     except Exception as exc:  # noqa: BLE001 - report, go on with the other rows
         ctx.note(f"tlt-triton fp8 failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
         return
@@ -445,8 +471,8 @@ def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra, impl="fl
         got = call().view(B, T, Hq, D)
         if reference is not None:
             _check(impl, got, reference, case)
-        ms = ctx.time_ms(call)
-        ctx.add(case, impl, ms, bytes_moved=nbytes, **extra(ms))
+        ms, timing = _timed(ctx, call)
+        ctx.add(case, impl, ms, bytes_moved=nbytes, timing=timing, **extra(ms))
     except Exception as exc:  # optional peer: report, do not fail the suite
         ctx.note(f"{impl} skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
 
@@ -469,8 +495,8 @@ def _bench_flashinfer_decode(ctx, fi, case, inp, decode_reference, nbytes, extra
         got = wrapper.run(q1, kv).view(B, 1, Hq, D)
         if decode_reference is not None:
             _check("flashinfer decode (T=1)", got, decode_reference, case)
-        ms = ctx.time_ms(lambda: wrapper.run(q1, kv))
-        ctx.add(case, "flashinfer decode (T=1)", ms, bytes_moved=nbytes, **extra(ms))
+        ms, timing = _timed(ctx, lambda: wrapper.run(q1, kv))
+        ctx.add(case, "flashinfer decode (T=1)", ms, bytes_moved=nbytes, timing=timing, **extra(ms))
     except Exception as exc:  # optional peer: report, do not fail the suite
         ctx.note(f"flashinfer decode skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
 
@@ -492,8 +518,8 @@ def _bench_flashinfer(ctx, fi, case, inp, mask, Hq, Hkv, D, L, T, reference, nby
         got = wrapper.run(q, kv).view(B, T, Hq, D)
         if reference is not None:
             _check("flashinfer", got, reference, case)
-        ms = ctx.time_ms(lambda: wrapper.run(q, kv))
-        ctx.add(case, "flashinfer", ms, bytes_moved=nbytes, **extra(ms))
+        ms, timing = _timed(ctx, lambda: wrapper.run(q, kv))
+        ctx.add(case, "flashinfer", ms, bytes_moved=nbytes, timing=timing, **extra(ms))
     except Exception as exc:
         ctx.note(f"flashinfer skipped for {case}: {type(exc).__name__}: {str(exc)[:200]}")
 
@@ -507,10 +533,12 @@ def run(ctx) -> None:
     else:
         cases, models = CASES, list(MODELS)
     ctx.note("torch-sdpa includes gathering K/V out of the pages; the '(pre-gathered)' rows start from contiguous K/V")
-    selected = _selected_cases(models, cases, values(ctx, FLAGS).cases)
+    selected = [(*c, True) for c in _selected_cases(models, cases, values(ctx, FLAGS).cases)]
     if values(ctx, FLAGS).long_tail and ctx.device.type == "cuda":
-        selected += [("qwen2.5-7b", *c) for c in LONG_TAIL_CASES]
-    for model, B, L, T in selected:
-        _bench_case(ctx, model, B, L, T)
+        # No flex-attention there: a compile per shape (most of a case's time), and far off the pace at these shapes.
+        ctx.note("long-tail cases: no flex-attention rows")
+        selected += [("qwen2.5-7b", *c, False) for c in LONG_TAIL_CASES]
+    for model, B, L, T, flex in selected:
+        _bench_case(ctx, model, B, L, T, flex)
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -75,6 +75,8 @@ class _DecodeWrapper:
 
 
 class _Ctx:
+    device = torch.device("cpu")  # timing stays eager (no graph capture of the fakes), whatever device the data is on
+
     def __init__(self):
         self.rows, self.notes = [], []
 
@@ -154,3 +156,37 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
     suite._bench_fp8(ctx, case, plan, inp, cost, peers=True)
     assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8", "flashinfer-xqa fp8"]
     assert ctx.rows[0][2]["bytes_moved"] == B * (L + T) * Hkv * D * 2 + 2 * B * T * Hq * D * 2
+    assert all(columns["timing"] == "eager" for _, _, columns in ctx.rows)
+
+
+class _GraphCtx(_Ctx):
+    """A CUDA context whose graph timing works or fails on demand (no GPU needed: the capture is faked)."""
+
+    device = torch.device("cuda")
+    params = None
+
+    def __init__(self, capture_fails):
+        super().__init__()
+        self.capture_fails = capture_fails
+
+    def time_graph_ms(self, fn):
+        if self.capture_fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 0.5
+
+    def time_ms(self, fn):
+        return 2.0
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_rows_are_timed_from_a_graph_or_say_they_were_not(capture_fails, monkeypatch):
+    """``--graphs``: a row is its graph replay's time (``timing="graph"``); a capture that fails falls back to the
+    eager time, says so in the row and in a note; ``--no-graphs`` times eagerly without trying."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    ctx = _GraphCtx(capture_fails)
+    ms, timing = suite._timed(ctx, lambda: None)
+    assert (ms, timing) == ((2.0, "eager") if capture_fails else (0.5, "graph"))
+    assert len(ctx.notes) == int(capture_fails) and all("capture failed" in n for n in ctx.notes)
+    ctx = _GraphCtx(capture_fails=False)
+    ctx.params = SimpleNamespace(graphs=False)
+    assert suite._timed(ctx, lambda: None) == (2.0, "eager") and ctx.notes == []
