@@ -55,7 +55,7 @@ def check_tensor(
         for axis, (want, got) in enumerate(zip(shape, t.shape)):
             if want is not None and want != got:
                 raise ValueError(f"{name} has size {got} on dim {axis}, expected {want} (shape {tuple(t.shape)})")
-    if device is not None and not devices_equal(t.device, device):
+    if device is not None and t.device != device and not devices_equal(t.device, device):  # equal: the common case
         raise ValueError(f"{name} is on {t.device}, expected {device} (all inputs must share one device)")
     return t
 

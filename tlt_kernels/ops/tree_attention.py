@@ -596,6 +596,8 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
 def _dequant_scale(name: str, value) -> float:
     """A cache's dequantization scale as a float: a finite real number > 0 (bools and tensors refused: a scale read
     from a device tensor would be a host sync per layer)."""
+    if type(value) is float and 0.0 < value < math.inf:  # the common case, without the numbers ABC checks
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0.0 < float(value) < math.inf):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
