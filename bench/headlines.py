@@ -73,7 +73,8 @@ def _tree(T: int, long_context: bool) -> Callable[[Row], bool]:
 
 
 def _chains(V: int) -> Callable[[Row], bool]:
-    return lambda r: str(r.get("shape", "")).startswith("chain") and r.get("V") == V
+    """Chain cases at vocabulary ``V`` with bf16 logits (records before --logits-dtypes hold bf16 only)."""
+    return lambda r: str(r.get("shape", "")).startswith("chain") and r.get("V") == V and r.get("logits", "bf16") == "bf16"
 
 
 def _b128(r: Row) -> bool:

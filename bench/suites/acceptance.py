@@ -1,7 +1,8 @@
 """Suite "acceptance": lossless verification of draft chains and trees (``verify_tree``).
 
 Cases: B in {1, 16, 64, 256}, V in {32000, 152064}, chains of 3/7/15 drafts and binary trees of
-16/32/64 nodes, temperature 0.7 with and without top-p 0.9, draft probabilities given. Target rows
+16/32/64 nodes, temperature 0.7 with and without top-p 0.9, bf16 and fp32 target logits (``--logits-dtypes``; the
+case's ``logits`` key), draft probabilities given (fp32). Target rows
 are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logits / 0.7 + 0.8 * noise)``
 of their parent's row, which accepts roughly 60-80% of tried drafts (the achieved rate is reported per
 case as ``accept_rate`` = accepted / tried children, and ``mean_accepted`` drafts per request).
@@ -73,16 +74,17 @@ def _heap_depth(T: int) -> int:
 
 def _note_tree_vs_chain(ctx, shapes) -> None:
     """One note per tree case: its time over the same-depth chain's (same B, V, top_p, impl; target <= 1.5x)."""
-    ms = {(r.case["shape"], r.case["B"], r.case["V"], r.case["top_p"], r.impl): r.ms for r in ctx.rows}
+    ms = {(r.case["shape"], r.case["B"], r.case["V"], r.case["top_p"], r.case["logits"], r.impl): r.ms
+          for r in ctx.rows}
     for kind, T in shapes:
         if kind != "tree":
             continue
         chain = f"chain{_heap_depth(T) + 1}"
-        for (shape, B, V, top_p, impl), t_ms in ms.items():
-            c_ms = ms.get((chain, B, V, top_p, impl))
+        for (shape, B, V, top_p, logits, impl), t_ms in ms.items():
+            c_ms = ms.get((chain, B, V, top_p, logits, impl))
             if shape == f"tree{T}" and impl.startswith("tlt-") and c_ms:
-                ctx.note(f"tree{T} / {chain} (depth {_heap_depth(T)}), B={B} V={V} top_p={top_p:g} {impl}: "
-                         f"{t_ms / c_ms:.2f}x (target <= 1.5x)")
+                ctx.note(f"tree{T} / {chain} (depth {_heap_depth(T)}), B={B} V={V} top_p={top_p:g} {logits} logits "
+                         f"{impl}: {t_ms / c_ms:.2f}x (target <= 1.5x)")
 
 
 def _bytes(res, V, logit_bytes, q_bytes):
@@ -122,6 +124,18 @@ def parse_impls(text: str) -> tuple:
     return wanted
 
 
+LOGITS_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_logits_dtypes(text: str) -> tuple:
+    """``"bf16,fp32"`` -> those names, each one of :data:`LOGITS_DTYPES`."""
+    wanted = str_list(text)
+    unknown = sorted(set(wanted) - set(LOGITS_DTYPES))
+    if unknown or not wanted:
+        raise argparse.ArgumentTypeError(f"unknown logits dtypes {unknown or text!r}; known: {', '.join(LOGITS_DTYPES)}")
+    return wanted
+
+
 def parse_shapes(text: str) -> tuple:
     """``"chain8,tree16"`` -> the shapes to run (GPU size), each one of :data:`SHAPES`."""
     wanted = str_list(text)
@@ -147,6 +161,10 @@ FLAGS = (
     Flag("--flashinfer-graphs", True, "also time FlashInfer replayed from a CUDA graph", bool,
          replaces="TLT_ACCEPTANCE_FI_GRAPHS"),
     Flag("--logprobs", True, "also time each tlt impl returning both log-probs (-logprobs rows)", bool),
+    Flag("--logits-dtypes", ("bf16", "fp32"), "comma-separated dtypes of the target logits, of bf16, fp16, fp32 (the "
+         "draft probabilities stay fp32); each is its own case", parse_logits_dtypes, metavar="LIST"),
+    Flag("--eager", True, "also time each impl called eagerly (--no-eager: the -graph rows only, where --graphs; the "
+         "graph-against-graph comparison in less time)", bool),
 )
 
 
@@ -174,6 +192,8 @@ class _Impls:
     fi: Any  # the flashinfer module, None when it is not timed (any more)
     fi_graphs: bool  # the flashinfer-graph rows
     logprobs: bool = False  # the tlt impls' -logprobs rows (return_logprobs and return_raw_logprobs)
+    eager: bool = True  # the eager rows (off: graph rows only)
+    logits_dtypes: tuple = ("bf16",)  # --logits-dtypes: one case per dtype
     unavailable: set = field(default_factory=set)  # kernel backends that could not run here (noted once)
 
 
@@ -189,6 +209,8 @@ def run(ctx) -> None:
         # FlashInfer's pipeline replayed from a CUDA graph as well; --no-flashinfer-graphs times it eagerly only.
         fi_graphs=bool(p.flashinfer_graphs),
         logprobs=bool(p.logprobs),
+        eager=bool(p.eager) or dev.type != "cuda",  # graph rows need CUDA: the CPU smoke run times eagerly
+        logits_dtypes=tuple(p.logits_dtypes),
     )
     for V in Vs:
         for kind, T in shapes:
@@ -201,25 +223,34 @@ def _bench_shape(ctx, impls: _Impls, kind: str, T: int, B: int, V: int) -> None:
     """Every row of one draft shape at batch size ``B`` and vocabulary ``V``, without and with top-p."""
     dev = ctx.device
     parents = _parents(kind, T, B, dev)
-    logits, tokens, q = _case(B, T, V, parents, ctx.dtype, dev)
-    seeds = torch.arange(B, dtype=torch.int64, device=dev)
-    for top_p in (None, 0.9):
-        case = {"shape": f"{kind}{T}", "B": B, "V": V, "top_p": top_p or 1.0}
-        kw = dict(draft_probs=q, temperature=TEMPERATURE, top_p=top_p, seed=seeds, validate=False)
-        ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
-        tried = ref.stats[:, :, 0].sum().item()
-        extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
-                     mean_accepted=round(ref.num_accepted.float().mean().item(), 3))
-        nbytes = _bytes(ref, V, logits.element_size(), q.element_size())
-        heavy = B * T * V > 64 * 16 * 152064 and not ctx.small
-        if not heavy and "torch-composed" in impls.names:
-            ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
-            ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
-        _bench_kernels(ctx, impls, case, logits, tokens, parents, kw, ref, nbytes, extra)
-        if impls.fi is not None and kind == "chain":
-            _bench_flashinfer(ctx, impls, case, logits, tokens, q, top_p, extra)
-        if heavy and "torch-composed" in impls.names:
-            ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
+    logits32, tokens, q = _case(B, T, V, parents, torch.float32, dev)
+    for dtype_name in impls.logits_dtypes:
+        logits = logits32.to(LOGITS_DTYPES[dtype_name])
+        for top_p in (None, 0.9):
+            case = {"shape": f"{kind}{T}", "B": B, "V": V, "top_p": top_p or 1.0, "logits": dtype_name}
+            _bench_case(ctx, impls, case, kind, logits, tokens, parents, q, top_p)
+
+
+def _bench_case(ctx, impls: _Impls, case, kind, logits, tokens, parents, q, top_p) -> None:
+    """The rows of one case: the reference, the tlt kernels, torch-composed and (chains) FlashInfer."""
+    B, V = logits.shape[0], logits.shape[-1]
+    seeds = torch.arange(B, dtype=torch.int64, device=ctx.device)
+    T = tokens.shape[1]
+    kw = dict(draft_probs=q, temperature=TEMPERATURE, top_p=top_p, seed=seeds, validate=False)
+    ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
+    tried = ref.stats[:, :, 0].sum().item()
+    extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
+                 mean_accepted=round(ref.num_accepted.float().mean().item(), 3))
+    nbytes = _bytes(ref, V, logits.element_size(), q.element_size())
+    heavy = B * T * V > 64 * 16 * 152064 and not ctx.small
+    if not heavy and "torch-composed" in impls.names:
+        ms = ctx.time_ms(lambda: verify_tree(logits, tokens, parents, backend="torch", **kw))
+        ctx.add(case, "torch-composed", ms, bytes_moved=nbytes, **extra)
+    _bench_kernels(ctx, impls, case, logits, tokens, parents, kw, ref, nbytes, extra)
+    if impls.fi is not None and kind == "chain":
+        _bench_flashinfer(ctx, impls, case, logits, tokens, q, top_p, extra)
+    if heavy and "torch-composed" in impls.names:
+        ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
 
 
 def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, nbytes, extra) -> None:
@@ -235,22 +266,26 @@ def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, n
             continue
         same = (got.tokens == ref.tokens).all(1).float().mean().item()
         op = lambda: verify_tree(logits, tokens, parents, backend=impl, **kw)  # noqa: E731
-        ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+        if impls.eager:
+            ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
         if impls.graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
-            ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
+            ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4),
+                    **extra)
         if impls.logprobs:  # the cost of scoring the emitted tokens: each row against its plain row of the case
-            _bench_logprobs(ctx, impls.graphs, case, name, impl, (logits, tokens, parents), kw, ref, nbytes, extra)
+            _bench_logprobs(ctx, impls, case, name, impl, (logits, tokens, parents), kw, ref, nbytes, extra)
 
 
-def _bench_logprobs(ctx, graphs: bool, case, name, impl, tree, kw, ref, nbytes, extra) -> None:
+def _bench_logprobs(ctx, impls: _Impls, case, name, impl, tree, kw, ref, nbytes, extra) -> None:
     """``<impl>-logprobs`` (and ``-logprobs-graph``): the call with both log-prob outputs on (``tree`` = logits,
     draft tokens, parents), through the op's scoring path for the backend (on both, the walk scores its own tokens);
     its tokens are checked against the reference's too."""
     op = lambda: verify_tree(*tree, backend=impl, return_logprobs=True, return_raw_logprobs=True, **kw)  # noqa: E731
     same = (op().tokens == ref.tokens).all(1).float().mean().item()
-    ctx.add(case, f"{name}-logprobs", ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
-    if graphs:
-        ctx.add(case, f"{name}-logprobs-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, **extra)
+    if impls.eager:
+        ctx.add(case, f"{name}-logprobs", ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+    if impls.graphs:
+        ctx.add(case, f"{name}-logprobs-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4),
+                **extra)
 
 
 def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra) -> None:
@@ -258,7 +293,7 @@ def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra)
     fi = impls.fi
     try:
         _flashinfer_chain(fi, logits, tokens, q, top_p)
-        ms = ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
+        ms = ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p)) if impls.eager else None
     except Exception as exc:  # API differences between FlashInfer versions
         ctx.note(f"flashinfer chain_speculative_sampling failed on {case}: {type(exc).__name__}: {exc}")
         impls.fi = None
@@ -266,7 +301,8 @@ def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra)
     # FlashInfer reads every row of the chain (it does not skip rejected ones).
     B, T, V = tokens.shape[0], tokens.shape[1], logits.shape[-1]
     full = B * T * V * logits.element_size() + B * (T - 1) * V * q.element_size()
-    ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
+    if ms is not None:
+        ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
     if impls.graphs and impls.fi_graphs:  # graph against graph: how an engine's step graph runs it
         try:
             ms = ctx.time_graph_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))

@@ -417,13 +417,15 @@ def test_acceptance_tree_vs_same_depth_chain_note():
     from bench.suites.acceptance import _heap_depth, _note_tree_vs_chain
 
     assert [_heap_depth(t) for t in (8, 16, 32, 64)] == [3, 4, 5, 6]
-    case = lambda shape: {"shape": shape, "B": 16, "V": 152064, "top_p": 0.9}  # noqa: E731
+    case = lambda shape, logits="bf16": {"shape": shape, "B": 16, "V": 152064, "top_p": 0.9, "logits": logits}  # noqa
     notes = []
     ctx = SimpleNamespace(rows=[Row(case("tree16"), "tlt-cuda-graph", 0.30), Row(case("chain5"), "tlt-cuda-graph", 0.20),
-                                Row(case("chain4"), "tlt-cuda-graph", 0.10), Row(case("tree16"), "flashinfer", 1.0)],
+                                Row(case("chain4"), "tlt-cuda-graph", 0.10), Row(case("tree16"), "flashinfer", 1.0),
+                                Row(case("tree16", "fp32"), "tlt-cuda-graph", 0.9)],  # no fp32 chain: no note
                           note=notes.append)
     _note_tree_vs_chain(ctx, [("chain", 4), ("tree", 16), ("chain", 5)])
-    assert notes == ["tree16 / chain5 (depth 4), B=16 V=152064 top_p=0.9 tlt-cuda-graph: 1.50x (target <= 1.5x)"]
+    assert notes == ["tree16 / chain5 (depth 4), B=16 V=152064 top_p=0.9 bf16 logits tlt-cuda-graph: 1.50x "
+                     "(target <= 1.5x)"]
 
 
 def test_acceptance_impls_knob(tmp_path, capsys):
@@ -444,7 +446,22 @@ def test_acceptance_impls_knob(tmp_path, capsys):
     assert impls == {"tlt-triton", "tlt-triton-logprobs"}  # --logprobs is on by default: the scoring's cost
     # Every row carries the acceptance rate; the reference check is made on the eager call (a -graph row replays it).
     assert all("accept_rate" in r for r in data["rows"])
-    assert all("same_as_ref" in r for r in data["rows"] if not r["impl"].endswith("-graph"))
+    assert all("same_as_ref" in r for r in data["rows"])
+    # One case per logits dtype (bf16 and fp32 by default), each checked against the reference.
+    assert {r["case"]["logits"] for r in data["rows"]} == {"bf16", "fp32"}
+    assert all(r["same_as_ref"] == 1.0 for r in data["rows"])
+
+
+def test_acceptance_logits_dtypes_and_eager_flags(capsys):
+    from bench.flags import parse
+    from bench.suites.acceptance import FLAGS
+
+    p = parse(FLAGS, ["--logits-dtypes", "fp32", "--no-eager"])
+    assert p.logits_dtypes == ("fp32",) and p.eager is False
+    assert parse(FLAGS, []).logits_dtypes == ("bf16", "fp32") and parse(FLAGS, []).eager is True
+    with pytest.raises(SystemExit) as exc:
+        parse(FLAGS, ["--logits-dtypes", "fp8"])
+    assert exc.value.code == 2 and "unknown logits dtypes ['fp8']" in capsys.readouterr().err
 
 
 def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
