@@ -11,7 +11,8 @@ Impls: ``tlt-triton`` and ``tlt-cuda`` (the fused kernels; ``-graph`` rows: the 
 graph, i.e. GPU time without Python dispatch), ``torch-composed`` (softmax + top-p + rejection in torch:
 the reference, float64), and FlashInfer's ``chain_speculative_sampling`` after a softmax of every row
 (chains only) when FlashInfer is importable: ``flashinfer`` eagerly, ``flashinfer-graph`` replayed from a CUDA graph.
-Compare ``-graph`` rows with ``flashinfer-graph`` (both without host dispatch, as an engine's captured step runs
+The tlt impls get the per-request parameters (temperature, top-p, seeds, offsets, node counts) as ``[B]`` device
+tensors, as an engine passes them. Compare ``-graph`` rows with ``flashinfer-graph`` (both without host dispatch, as an engine's captured step runs
 them) and eager rows with ``flashinfer``: an eager call at small B is mostly host time on both sides
 (``python -m tools.profile_dispatch``). A failed FlashInfer capture is noted and ends its graph rows for the run
 (``--no-flashinfer-graphs`` skips them).
@@ -234,9 +235,8 @@ def _bench_shape(ctx, impls: _Impls, kind: str, T: int, B: int, V: int) -> None:
 def _bench_case(ctx, impls: _Impls, case, kind, logits, tokens, parents, q, top_p) -> None:
     """The rows of one case: the reference, the tlt kernels, torch-composed and (chains) FlashInfer."""
     B, V = logits.shape[0], logits.shape[-1]
-    seeds = torch.arange(B, dtype=torch.int64, device=ctx.device)
     T = tokens.shape[1]
-    kw = dict(draft_probs=q, temperature=TEMPERATURE, top_p=top_p, seed=seeds, validate=False)
+    kw = _engine_sampling(B, T, top_p, ctx.device, draft_probs=q, validate=False)
     ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
     tried = ref.stats[:, :, 0].sum().item()
     extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
@@ -251,6 +251,16 @@ def _bench_case(ctx, impls: _Impls, case, kind, logits, tokens, parents, q, top_
         _bench_flashinfer(ctx, impls, case, logits, tokens, q, top_p, extra)
     if heavy and "torch-composed" in impls.names:
         ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
+
+
+def _engine_sampling(B: int, T: int, top_p, device, **kw) -> dict:
+    """verify_tree's per-request arguments as an engine passes them: ``[B]`` device tensors built once per step
+    (scalars would cost a fill launch each per call; FlashInfer gets its own fastest form, the scalars)."""
+    per_request = lambda value, dtype: torch.full((B,), value, dtype=dtype, device=device)  # noqa: E731
+    return dict(temperature=per_request(TEMPERATURE, torch.float32),
+                top_p=None if top_p is None else per_request(top_p, torch.float32),
+                seed=torch.arange(B, dtype=torch.int64, device=device), offset=per_request(0, torch.int64),
+                num_nodes=per_request(T, torch.int32), **kw)
 
 
 def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, nbytes, extra) -> None:
