@@ -4,6 +4,8 @@ Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometr
 every request with context L and a random tree of T nodes. Impls:
 
 * ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
+* ``tlt-triton one-wave split`` / ``tlt-cuda one-wave split``: the op with the most context splits whose programs fit
+  one wave (``default_split_len(within_wave=True)``), where that differs from the default split;
 * ``tlt-triton fused merge`` (sm_90, multi-split cases): the Triton op with ``FUSED_MERGE`` (the partial kernel's
   last program per row chunk merges the splits: one launch instead of two);
 * ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
@@ -160,6 +162,7 @@ def _bench_case(ctx, model, B, L, T, flex=True):
     reference = _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost)
     if reference is not None and dev.type == "cuda":
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
+        _bench_one_wave(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
     p = values(ctx, FLAGS)
     if reference is not None and p.sweep and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
@@ -202,6 +205,35 @@ def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
             print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
                   f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
     return reference
+
+
+def _bench_one_wave(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost):
+    """``tlt-<backend> one-wave split``: the same op with ``default_split_len(within_wave=True)`` (the most splits
+    whose programs fit one wave; the default's count can overshoot it by a few programs, which then run alone), where
+    that differs from the default split; checked against the first tlt row."""
+    from tlt_kernels._backend import backend_unavailable_reason
+    from tlt_kernels.ops.tree_attention import _sm_count_of, default_split_len
+
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    split_len = default_split_len(B, Hkv, case["L"], _sm_count_of(q.device), T * (Hq // Hkv), D, within_wave=True)
+    if split_len == plan.split_len:
+        return
+    wave_plan = plan_for(parents, split_len=split_len)
+    nbytes = cost.nbytes(T)
+    for backend in ("triton", "cuda"):
+        if backend_unavailable_reason(backend, ctx.device) is not None:
+            continue
+        name = f"tlt-{backend} one-wave split"
+        try:
+            wave_plan.run(q, k_cache, v_cache, out=out, backend=backend)
+            _check(name, out, reference, case)
+            ms, timing = _timed(ctx, lambda: wave_plan.run(q, k_cache, v_cache, out=out, backend=backend))
+        except Exception as exc:  # noqa: BLE001 - an experiment: report and go on
+            ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        ctx.add(case, name, ms, bytes_moved=nbytes, num_splits=wave_plan.num_splits, split_len=split_len,
+                timing=timing, **cost.extra(ms))
 
 
 def _bench_peers(ctx, case, inp, reference, decode_reference, cost, flex=True):

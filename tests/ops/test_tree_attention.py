@@ -248,6 +248,21 @@ def test_auto_falls_back_with_warning():
     check_against_reference(out, case)
 
 
+@pytest.mark.parametrize("B,L,T", [(1, 65536, 1), (8, 65536, 8), (4, 65536, 4), (2, 16384, 8), (16, 16384, 4),
+                                   (1, 4096, 1), (64, 4096, 16), (3, 1000, 5)])
+def test_split_len_within_one_wave(B, L, T):
+    """``within_wave``: the split covers the context in whole tiles, its programs (B x 4 KV heads per split) never
+    exceed the 132 SMs' one wave when there is more than one split, and it never splits more than the default; where
+    the default overshoots one wave (B = 8, L = 64k: 6 splits, 192 programs), it stays within (4 splits, 128)."""
+    default = default_split_len(B, 4, L, 132, num_rows=T * 7)
+    split = default_split_len(B, 4, L, 132, num_rows=T * 7, within_wave=True)
+    splits = max(1, -(-L // split))
+    assert split % 64 == 0 and splits * split >= L and splits <= max(1, -(-L // default))
+    assert splits == 1 or B * 4 * splits <= 132
+    if (B, L, T) == (8, 65536, 8):
+        assert (-(-L // default), splits) == (6, 4)
+
+
 def test_default_split_len():
     # A batch with a program per SM is not split (64 requests x 4 KV heads >= 132 SMs).
     assert default_split_len(64, 4, 4096, num_rows=16 * 7) >= 4096

@@ -137,6 +137,7 @@ def default_split_len(
     sm_count: int = _DEFAULT_SM_COUNT,
     num_rows: int = 1,
     head_dim: int = 128,
+    within_wave: bool = False,
 ) -> int:
     """Context tokens per split so that the partial kernel fills the GPU without needless splitting.
 
@@ -147,12 +148,19 @@ def default_split_len(
     ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes), while one program
     per SM already keeps enough K/V loads in flight to saturate HBM. Never below ``MIN_SPLIT_LEN``
     tokens per split; the result is a multiple of ``SPLIT_ALIGN``.
+
+    ``within_wave``: the other side of the wave boundary, for measuring it (the tree-attention suite's one-wave
+    rows): the most splits whose programs stay within ``SPLIT_WAVES * sm_count``, and split lengths rounded up, so
+    no program waits for a second wave (the default's count overshoots one wave by up to a split's programs).
     """
     max_rows = 64 if head_dim > 128 else 128
     chunked = num_rows > max_rows
     rows_per_program = 64 if (chunked or head_dim > 128) else max_rows
     programs = batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program)
-    want = max(1, -(-SPLIT_WAVES * sm_count // max(programs, 1)))
+    if within_wave:
+        want = max(1, SPLIT_WAVES * sm_count // max(programs, 1))
+    else:
+        want = max(1, -(-SPLIT_WAVES * sm_count // max(programs, 1)))
     if chunked:
         want = max(want, -(-max_context_len // CHUNKED_MAX_SPLIT_LEN))
     want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
@@ -164,6 +172,8 @@ def default_split_len(
     align = cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
     if want == 1:  # one split: its length only has to cover the context
         return max(align, -(-max_context_len // align) * align)
+    if within_wave:  # round up to whole tiles: the split count stays <= want
+        return max(MIN_SPLIT_LEN, -(-(-(-max_context_len // want)) // align) * align)
     # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
     return max(MIN_SPLIT_LEN, max_context_len // want // align * align)
 
