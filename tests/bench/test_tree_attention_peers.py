@@ -190,3 +190,33 @@ def test_rows_are_timed_from_a_graph_or_say_they_were_not(capture_fails, monkeyp
     ctx = _GraphCtx(capture_fails=False)
     ctx.params = SimpleNamespace(graphs=False)
     assert suite._timed(ctx, lambda: None) == (2.0, "eager") and ctx.notes == []
+
+
+@pytest.mark.triton
+def test_one_wave_rows_run_where_the_split_differs():
+    """``tlt-triton one-wave split``: a plan with ``default_split_len(within_wave=True)``, checked against the first
+    tlt row and timed, with its split; no row where it equals the default split."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, L, T, Hq, Hkv, D = 1, 4000, 4, 4, 2, 64
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
+    case = {"model": "test", "B": B, "L": L, "T": T}
+
+    def plan_for(parents, split_len=None):
+        return plan_tree_attention(parents, inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L,
+                                   split_len=split_len)
+
+    cost = SimpleNamespace(nbytes=lambda t: 1, extra=lambda ms: {})
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    plan = plan_for(inp["parents"], split_len=1024)  # 4 splits; the one-wave rule's: 16 of 256 (2 programs each)
+    reference = plan.run(q, k, v, backend="torch")
+    ctx = _Ctx()
+    suite._bench_one_wave(ctx, case, plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
+    assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["tlt-triton one-wave split"]
+    wave_split = ctx.rows[0][2]["split_len"]
+    assert wave_split == 256 and ctx.rows[0][2]["num_splits"] == 16 and ctx.rows[0][2]["timing"] == "eager"
+    ctx = _Ctx()
+    wave_plan = plan_for(inp["parents"], split_len=wave_split)
+    suite._bench_one_wave(ctx, case, wave_plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
+    assert ctx.rows == [] and ctx.notes == []
