@@ -173,7 +173,8 @@ def default_split_len(
     if want == 1:  # one split: its length only has to cover the context
         return max(align, -(-max_context_len // align) * align)
     if within_wave:  # round up to whole tiles: the split count stays <= want
-        return max(MIN_SPLIT_LEN, -(-(-(-max_context_len // want)) // align) * align)
+        per_split = -(-max_context_len // want)
+        return max(MIN_SPLIT_LEN, -(-per_split // align) * align)
     # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
     return max(MIN_SPLIT_LEN, max_context_len // want // align * align)
 
@@ -458,13 +459,17 @@ def _page_error(b: int, i: int, value: int, pages: Optional[int], num_blocks: Op
     return f"block_table[{b}, {i}] = {value} is used (request {b}{spans}) but not in {bound}"
 
 
+def _cache_dtypes(q_dtype: torch.dtype):
+    """The cache dtypes a query dtype reads: its own, and the fp8 formats for bf16/fp16 queries."""
+    return q_dtype if q_dtype == torch.float32 else (q_dtype, *FP8_DTYPES)
+
+
 def _check_run_inputs(plan: TreeAttentionPlan, q, k_cache, v_cache, out) -> None:
     """Shape / dtype / device / layout checks against the plan (metadata only: safe during capture)."""
     B, T, Hq, Hkv, D = plan.batch_size, plan.num_tree, plan.num_q_heads, plan.num_kv_heads, plan.head_dim
     dev = plan.device
     check_tensor("q", q, dtype=_FLOAT_DTYPES, shape=(B, T, Hq, D), device=dev)
-    cache_dtypes = (q.dtype, *FP8_DTYPES) if q.dtype != torch.float32 else q.dtype
-    check_tensor("k_cache", k_cache, dtype=cache_dtypes, shape=(None, plan.block_size, Hkv, D), device=dev)
+    check_tensor("k_cache", k_cache, dtype=_cache_dtypes(q.dtype), shape=(None, plan.block_size, Hkv, D), device=dev)
     check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev)
     if out is not None:
         check_tensor("out", out, dtype=q.dtype, shape=(B, T, Hq, D), device=dev)
@@ -695,8 +700,7 @@ def tree_attention(
     check_tensor("q", q, dtype=_FLOAT_DTYPES, ndim=4)
     B, T, Hq, D = q.shape
     dev = q.device
-    check_tensor("k_cache", k_cache, dtype=(q.dtype, *FP8_DTYPES) if q.dtype != torch.float32 else q.dtype, ndim=4,
-                 device=dev)
+    check_tensor("k_cache", k_cache, dtype=_cache_dtypes(q.dtype), ndim=4, device=dev)
     check_tensor("v_cache", v_cache, dtype=k_cache.dtype, shape=tuple(k_cache.shape), device=dev)
     num_blocks, block_size, Hkv, Dk = k_cache.shape
     if Dk != D:
