@@ -69,7 +69,13 @@ def _column(name: str) -> Callable[[Row], Optional[float]]:
 
 
 def _tree(T: int, long_context: bool) -> Callable[[Row], bool]:
-    return lambda r: r.get("T") == T and (not long_context or r.get("L", 0) >= 2048)
+    """The main (byte-bound, many-request) cases at ``T``: B >= 32, so the long-tail cases (B <= 16) count apart."""
+    return lambda r: r.get("T") == T and r.get("B", 0) >= 32 and (not long_context or r.get("L", 0) >= 2048)
+
+
+def _long_tail(r: Row) -> bool:
+    """The suite's long-tail cases (``--long-tail``): B <= 16 requests, T in {1, 4, 8}, L >= 4096."""
+    return r.get("B", 0) <= 16 and r.get("T") in (1, 4, 8) and r.get("L", 0) >= 4096
 
 
 def _chains(V: int) -> Callable[[Row], bool]:
@@ -94,18 +100,21 @@ def _uniform(batch: int) -> Callable[[Row], bool]:
 
 
 HEADLINES: List[Headline] = [
-    Headline("`tree_attention` Triton, T = 8, L >= 2048 (vs FlashInfer custom-mask prefill)", "% of the HBM floor",
-             "tree-attention", "tlt-triton", _tree(8, True), "pct_hbm_floor", "T = 8 cases with L >= 2048",
+    Headline("`tree_attention` Triton, T = 8, B >= 32, L >= 2048 (vs FlashInfer custom-mask prefill)", "% of the HBM floor",
+             "tree-attention", "tlt-triton", _tree(8, True), "pct_hbm_floor", "T = 8 cases with B >= 32 and L >= 2048",
              ratio=_vs("flashinfer")),
-    Headline("`tree_attention` CUDA, T = 8, L >= 2048 (vs FlashInfer)", "% of the HBM floor",
-             "tree-attention", "tlt-cuda", _tree(8, True), "pct_hbm_floor", "T = 8 cases with L >= 2048",
+    Headline("`tree_attention` CUDA, T = 8, B >= 32, L >= 2048 (vs FlashInfer)", "% of the HBM floor",
+             "tree-attention", "tlt-cuda", _tree(8, True), "pct_hbm_floor", "T = 8 cases with B >= 32 and L >= 2048",
              ratio=_vs("flashinfer")),
-    Headline("`tree_attention` Triton, T = 16 (vs FlashInfer)", "% of the HBM floor",
-             "tree-attention", "tlt-triton", _tree(16, False), "pct_hbm_floor", "T = 16 cases",
+    Headline("`tree_attention` Triton, T = 16, B >= 32 (vs FlashInfer)", "% of the HBM floor",
+             "tree-attention", "tlt-triton", _tree(16, False), "pct_hbm_floor", "T = 16 cases with B >= 32",
              ratio=_vs("flashinfer")),
-    Headline("`tree_attention` CUDA, T = 16 (vs FlashInfer)", "% of the HBM floor",
-             "tree-attention", "tlt-cuda", _tree(16, False), "pct_hbm_floor", "T = 16 cases",
+    Headline("`tree_attention` CUDA, T = 16, B >= 32 (vs FlashInfer)", "% of the HBM floor",
+             "tree-attention", "tlt-cuda", _tree(16, False), "pct_hbm_floor", "T = 16 cases with B >= 32",
              ratio=_vs("flashinfer")),
+    Headline("`tree_attention` Triton, long tail: B <= 16, T = 1/4/8, L 4k-64k (vs FlashInfer XQA)",
+             "% of the HBM floor", "tree-attention", "tlt-triton", _long_tail, "pct_hbm_floor",
+             "the long-tail cases (B <= 16, T in 1/4/8, L >= 4096)", ratio=_vs("flashinfer-xqa")),
     Headline("`verify_tree` chains, V = 152064, graph-replayed (vs FlashInfer's sampling pipeline, graph-replayed)",
              "time, us", "acceptance", "tlt-cuda-graph", _chains(152064), "ms", "chain cases at V = 152064",
              scale=1000.0, ratio=_vs("flashinfer-graph")),
