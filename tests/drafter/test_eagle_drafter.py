@@ -265,3 +265,59 @@ def test_fused_path_on_the_kernels_matches_the_dense_path(B, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.cand_tokens, eager.cand_tokens) and torch.equal(captured.cand_scores, eager.cand_scores)
+
+
+def _no_fused_extend(monkeypatch):
+    """Make the fused extension fail loudly: a test that passes then never took it."""
+    import tlt_kernels.drafter.eagle as eagle_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("extend took the fused path")
+
+    monkeypatch.setattr(eagle_module, "extend_fused", refuse)
+
+
+def test_extend_fused_false_takes_the_dense_path(monkeypatch):
+    """``extend(fused=False)`` runs the dense path even where the fused one applies (n <= 64, the drafter's dtype),
+    with the same result as the teacher-forced forward."""
+    tgt = _target()
+    d = _strong(EagleDrafter.for_target(tgt).eval())
+    B, L = 2, 13
+    toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        feats = tgt(toks[:, :L])[1]
+        g = d(feats, toks[:, 1:])
+    cache = DrafterKVCache(d.config, 2 + B * d.blocks_per_request(L, 4), 4)
+    assert d._fused(cache, L)  # the default would take the fused path here
+    st = d.new_state(cache, B, L)
+    _no_fused_extend(monkeypatch)
+    with torch.no_grad():
+        d.extend(st, cache, feats, toks[:, 1:], torch.full((B,), L, dtype=torch.int32), fused=False)
+    assert st.context_lens.tolist() == [L] * B
+    torch.testing.assert_close(st.last_hidden, g[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 16, 61])
+def test_rollout_start_prefills_on_the_dense_path(monkeypatch, prompt_len):
+    """A rollout's prefill (``EagleRolloutDrafter.start``) never takes the fused extension: its width is the padded
+    prompt length, a compile-time constant of the fused kernels, so each new length would JIT-compile mid-rollout.
+    Its state equals the teacher-forced forward over the prompt and the first sampled token."""
+    from tlt_kernels.drafter.eagle_rollout import EagleRolloutDrafter
+
+    tgt = _target()
+    d = _strong(EagleDrafter.for_target(tgt).eval())
+    B = 2
+    prompts = torch.randint(0, 64, (B, prompt_len), generator=torch.Generator().manual_seed(6))
+    first = torch.tensor([7, 9])
+    lens = torch.full((B,), prompt_len, dtype=torch.int64)
+    rollout = EagleRolloutDrafter(d, torch.device("cpu"))
+    rollout.bind(strategies=None, fuse_step=False, device=torch.device("cpu"), max_batch_size=B,
+                 slots_per_request=prompt_len + 8, block_size=4)
+    _no_fused_extend(monkeypatch)
+    with torch.no_grad():
+        feats = tgt(prompts)[1]
+        rollout.start(prompts, lens, first, feats)
+        want = d(feats, torch.cat([prompts[:, 1:], first[:, None]], 1))
+    assert rollout.state.context_lens.tolist() == [prompt_len] * B
+    assert rollout.state.root_tokens.tolist() == first.tolist()
+    torch.testing.assert_close(rollout.state.last_hidden, want[:, -1], atol=1e-5, rtol=1e-5)

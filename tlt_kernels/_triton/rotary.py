@@ -60,7 +60,12 @@ def _row_tables(Cos_row, Sin_row, HALF, HALF_POW2: tl.constexpr):
     return c1, c2, s1, s2
 
 
-@triton.jit
+# T (tokens per request) varies with each prefill's padded prompt length; specializing on it (T == 1, multiples of
+# 16) would JIT-compile a new variant in the middle of a rollout. It only divides the row index.
+_ROW_INT_ARGS = ["T"]
+
+
+@triton.jit(do_not_specialize=_ROW_INT_ARGS)
 def _rotary_kernel(
     Q_ptr, K_ptr, Cos_ptr, Sin_ptr, QOut_ptr, KOut_ptr, T, HQ, HKV, HALF,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sc_b, sc_t, ss_b, ss_t,
@@ -85,7 +90,7 @@ def _copy_heads(X_ptr, stride_h, Out_ptr, NH, D, NH_POW2: tl.constexpr, D_POW2: 
     tl.store(Out_ptr + h * D + d, tl.load(X_ptr + h * stride_h + d, mask=m, other=0.0), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_ROW_INT_ARGS)
 def _rotary_cache_kernel(
     Q_ptr, K_ptr, V_ptr, Cos_ptr, Sin_ptr, Slots_ptr, QOut_ptr, KCache_ptr, VCache_ptr, T, HQ, HKV, HALF,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t, ss_b, ss_t,

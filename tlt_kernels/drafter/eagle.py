@@ -506,7 +506,7 @@ class EagleDrafter(nn.Module):
 
     @torch.no_grad()
     def extend(self, state: EagleState, cache: DrafterKVCache, features: torch.Tensor, next_tokens: torch.Tensor,
-               num_new: torch.Tensor, validate: bool = True) -> None:
+               num_new: torch.Tensor, validate: bool = True, fused: bool = True) -> None:
         """Append pairs ``(features[:, i], next_tokens[:, i])`` for ``i < num_new[b]`` (prefill and commit).
 
         Args:
@@ -520,6 +520,9 @@ class EagleDrafter(nn.Module):
                 scratch slots (one host sync; skipped while a CUDA graph is captured). Past the table a write would
                 land in its last block and overwrite earlier pairs. ``False``: the caller guarantees both (the engine
                 does, by construction), with no host sync.
+            fused: take the fused path (:mod:`.eagle_fused`) where it applies (``n <= SCRATCH_SLOTS``, the cache in
+                the drafter's dtype); ``False``: the dense path always. A prefill passes ``False``: its width is the
+                padded prompt length, and the fused kernels compile one variant per width.
         """
         if features.dim() != 3:
             raise ValueError(f"features must be [B, n, H], got shape {tuple(features.shape)}")
@@ -532,7 +535,7 @@ class EagleDrafter(nn.Module):
         if validate and not capturing(dev):
             _check_extend(state, cache, num_new, n)
         x = self._input(features, next_tokens)
-        if self._fused(cache, n):
+        if fused and self._fused(cache, n):
             g = extend_fused(self, state, cache, x)
         else:
             g = self._extend_dense(state, cache, x, num_new)
