@@ -4,8 +4,9 @@ Cases ``(B, L, T)`` for Qwen2.5-7B (Hq=28, Hkv=4) and 32B (Hq=40, Hkv=8) geometr
 every request with context L and a random tree of T nodes. Impls:
 
 * ``tlt-triton`` / ``tlt-cuda``: ``plan.run`` (the plan is built once per step, outside the timing);
-* ``tlt-triton one-wave split`` / ``tlt-cuda one-wave split``: the op with the most context splits whose programs fit
-  one wave (``default_split_len(within_wave=True)``), where that differs from the default split;
+* ``tlt-<backend> one-wave split`` / ``tlt-<backend> two-per-SM split``: the op with the most context splits whose
+  programs fit one (two) per SM (``default_split_len(programs_per_sm=1 or 2)``), where that differs from the default
+  split and from the rows before it;
 * ``tlt-triton fused merge`` (sm_90, multi-split cases): the Triton op with ``FUSED_MERGE`` (the partial kernel's
   last program per row chunk merges the splits: one launch instead of two);
 * ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
@@ -162,7 +163,7 @@ def _bench_case(ctx, model, B, L, T, flex=True):
     reference = _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost)
     if reference is not None and dev.type == "cuda":
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
-        _bench_one_wave(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
+        _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
     p = values(ctx, FLAGS)
     if reference is not None and p.sweep and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
@@ -207,33 +208,44 @@ def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
     return reference
 
 
-def _bench_one_wave(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost):
-    """``tlt-<backend> one-wave split``: the same op with ``default_split_len(within_wave=True)`` (the most splits
-    whose programs fit one wave; the default's count can overshoot it by a few programs, which then run alone), where
-    that differs from the default split; checked against the first tlt row."""
+# The split rules timed beside the default: programs per SM -> row name.
+EVEN_SPLIT_ROWS = {1: "one-wave split", 2: "two-per-SM split"}
+
+
+def _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost):
+    """``tlt-<backend> one-wave split`` / ``two-per-SM split``: the same op with
+    ``default_split_len(programs_per_sm=k)`` (the most splits whose programs fit k per SM; the default's count can
+    overshoot a wave by a few programs, which then share an SM), where that differs from the default split and from
+    the rows before; checked against the first tlt row."""
     from tlt_kernels._backend import backend_unavailable_reason
     from tlt_kernels.ops.tree_attention import _sm_count_of, default_split_len
 
     B, T, Hq, D = q.shape
     Hkv = k_cache.shape[2]
-    split_len = default_split_len(B, Hkv, case["L"], _sm_count_of(q.device), T * (Hq // Hkv), D, within_wave=True)
-    if split_len == plan.split_len:
+    timed = {plan.split_len}
+    for per_sm, label in EVEN_SPLIT_ROWS.items():
+        split_len = default_split_len(B, Hkv, case["L"], _sm_count_of(q.device), T * (Hq // Hkv), D,
+                                      programs_per_sm=per_sm)
+        if split_len in timed:
+            continue
+        timed.add(split_len)
+        even_plan = plan_for(parents, split_len=split_len)
+        for backend in ("triton", "cuda"):
+            if backend_unavailable_reason(backend, ctx.device) is None:
+                _time_split_row(ctx, case, f"tlt-{backend} {label}", backend, even_plan, q, k_cache, v_cache, out,
+                                reference, cost)
+
+
+def _time_split_row(ctx, case, name, backend, plan, q, k_cache, v_cache, out, reference, cost):
+    try:
+        plan.run(q, k_cache, v_cache, out=out, backend=backend)
+        _check(name, out, reference, case)
+        ms, timing = _timed(ctx, lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
+    except Exception as exc:  # noqa: BLE001 - an experiment: report and go on
+        ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
         return
-    wave_plan = plan_for(parents, split_len=split_len)
-    nbytes = cost.nbytes(T)
-    for backend in ("triton", "cuda"):
-        if backend_unavailable_reason(backend, ctx.device) is not None:
-            continue
-        name = f"tlt-{backend} one-wave split"
-        try:
-            wave_plan.run(q, k_cache, v_cache, out=out, backend=backend)
-            _check(name, out, reference, case)
-            ms, timing = _timed(ctx, lambda: wave_plan.run(q, k_cache, v_cache, out=out, backend=backend))
-        except Exception as exc:  # noqa: BLE001 - an experiment: report and go on
-            ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
-            continue
-        ctx.add(case, name, ms, bytes_moved=nbytes, num_splits=wave_plan.num_splits, split_len=split_len,
-                timing=timing, **cost.extra(ms))
+    ctx.add(case, name, ms, bytes_moved=cost.nbytes(q.shape[1]), num_splits=plan.num_splits, split_len=plan.split_len,
+            timing=timing, **cost.extra(ms))
 
 
 def _bench_peers(ctx, case, inp, reference, decode_reference, cost, flex=True):

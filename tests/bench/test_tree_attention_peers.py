@@ -193,9 +193,10 @@ def test_rows_are_timed_from_a_graph_or_say_they_were_not(capture_fails, monkeyp
 
 
 @pytest.mark.triton
-def test_one_wave_rows_run_where_the_split_differs():
-    """``tlt-triton one-wave split``: a plan with ``default_split_len(within_wave=True)``, checked against the first
-    tlt row and timed, with its split; no row where it equals the default split."""
+def test_even_split_rows_run_where_the_split_differs():
+    """``tlt-triton one-wave split`` / ``two-per-SM split``: plans with ``default_split_len(programs_per_sm=1, 2)``,
+    checked against the first tlt row and timed, with their splits; no row whose split equals the default's or an
+    earlier row's."""
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     B, L, T, Hq, Hkv, D = 1, 4000, 4, 4, 2, 64
@@ -209,14 +210,16 @@ def test_one_wave_rows_run_where_the_split_differs():
 
     cost = SimpleNamespace(nbytes=lambda t: 1, extra=lambda ms: {})
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    plan = plan_for(inp["parents"], split_len=1024)  # 4 splits; the one-wave rule's: 16 of 256 (2 programs each)
+    plan = plan_for(inp["parents"], split_len=1024)  # 4 splits; both rules': 16 of 256 (2 programs each)
     reference = plan.run(q, k, v, backend="torch")
     ctx = _Ctx()
-    suite._bench_one_wave(ctx, case, plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
+    suite._bench_even_splits(ctx, case, plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
+    # At L = 4000 both rules hit the 256-token floor: one row, the first rule's.
     assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["tlt-triton one-wave split"]
-    wave_split = ctx.rows[0][2]["split_len"]
-    assert wave_split == 256 and ctx.rows[0][2]["num_splits"] == 16 and ctx.rows[0][2]["timing"] == "eager"
+    even_split = ctx.rows[0][2]["split_len"]
+    assert even_split == 256 and ctx.rows[0][2]["num_splits"] == 16 and ctx.rows[0][2]["timing"] == "eager"
     ctx = _Ctx()
-    wave_plan = plan_for(inp["parents"], split_len=wave_split)
-    suite._bench_one_wave(ctx, case, wave_plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
+    even_plan = plan_for(inp["parents"], split_len=even_split)
+    suite._bench_even_splits(ctx, case, even_plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference,
+                             cost)
     assert ctx.rows == [] and ctx.notes == []

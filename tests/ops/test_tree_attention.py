@@ -248,19 +248,26 @@ def test_auto_falls_back_with_warning():
     check_against_reference(out, case)
 
 
+@pytest.mark.parametrize("per_sm", [1, 2])
 @pytest.mark.parametrize("B,L,T", [(1, 65536, 1), (8, 65536, 8), (4, 65536, 4), (2, 16384, 8), (16, 16384, 4),
                                    (1, 4096, 1), (64, 4096, 16), (3, 1000, 5)])
-def test_split_len_within_one_wave(B, L, T):
-    """``within_wave``: the split covers the context in whole tiles, its programs (B x 4 KV heads per split) never
-    exceed the 132 SMs' one wave when there is more than one split, and it never splits more than the default; where
-    the default overshoots one wave (B = 8, L = 64k: 6 splits, 192 programs), it stays within (4 splits, 128)."""
-    default = default_split_len(B, 4, L, 132, num_rows=T * 7)
-    split = default_split_len(B, 4, L, 132, num_rows=T * 7, within_wave=True)
+def test_split_len_with_even_programs_per_sm(B, L, T, per_sm):
+    """``programs_per_sm = k``: the split covers the context in whole tiles, its programs (B x 4 KV heads per split)
+    never exceed k x the 132 SMs when there is more than one split; where the default
+    overshoots one wave (B = 8, L = 64k: 6 splits, 192 programs), one per SM stays within (4 splits, 128) and two
+    per SM takes 8 (256)."""
+    split = default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=per_sm)
     splits = max(1, -(-L // split))
-    assert split % 64 == 0 and splits * split >= L and splits <= max(1, -(-L // default))
-    assert splits == 1 or B * 4 * splits <= 132
+    assert split % 64 == 0 and split >= 256 and splits * split >= L
+    assert splits == 1 or B * 4 * splits <= per_sm * 132
     if (B, L, T) == (8, 65536, 8):
-        assert (-(-L // default), splits) == (6, 4)
+        default = default_split_len(B, 4, L, 132, num_rows=T * 7)
+        assert (-(-L // default), splits) == (6, {1: 4, 2: 8}[per_sm])
+
+
+def test_split_len_rejects_a_count_below_one():
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        default_split_len(1, 4, 4096, 132, programs_per_sm=0)
 
 
 def test_default_split_len():

@@ -137,7 +137,7 @@ def default_split_len(
     sm_count: int = _DEFAULT_SM_COUNT,
     num_rows: int = 1,
     head_dim: int = 128,
-    within_wave: bool = False,
+    programs_per_sm: Optional[int] = None,
 ) -> int:
     """Context tokens per split so that the partial kernel fills the GPU without needless splitting.
 
@@ -149,16 +149,19 @@ def default_split_len(
     per SM already keeps enough K/V loads in flight to saturate HBM. Never below ``MIN_SPLIT_LEN``
     tokens per split; the result is a multiple of ``SPLIT_ALIGN``.
 
-    ``within_wave``: the other side of the wave boundary, for measuring it (the tree-attention suite's one-wave
-    rows): the most splits whose programs stay within ``SPLIT_WAVES * sm_count``, and split lengths rounded up, so
-    no program waits for a second wave (the default's count overshoots one wave by up to a split's programs).
+    ``programs_per_sm = k``: the alternative the tree-attention suite measures beside the default (its ``one-wave``
+    and ``two-per-SM`` rows): the most splits whose programs stay within ``k * sm_count``, split lengths rounded up,
+    so the SMs get their programs evenly (the default's count can overshoot a wave by a few programs, which then
+    share an SM while the others idle; two programs of the partial kernel fit on an SM at once).
     """
     max_rows = 64 if head_dim > 128 else 128
     chunked = num_rows > max_rows
     rows_per_program = 64 if (chunked or head_dim > 128) else max_rows
     programs = batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program)
-    if within_wave:
-        want = max(1, SPLIT_WAVES * sm_count // max(programs, 1))
+    if programs_per_sm is not None:
+        if programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1 or None, got {programs_per_sm}")
+        want = max(1, programs_per_sm * sm_count // max(programs, 1))
     else:
         want = max(1, -(-SPLIT_WAVES * sm_count // max(programs, 1)))
     if chunked:
@@ -172,7 +175,7 @@ def default_split_len(
     align = cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
     if want == 1:  # one split: its length only has to cover the context
         return max(align, -(-max_context_len // align) * align)
-    if within_wave:  # round up to whole tiles: the split count stays <= want
+    if programs_per_sm is not None:  # round up to whole tiles: the split count stays <= want
         per_split = -(-max_context_len // want)
         return max(MIN_SPLIT_LEN, -(-per_split // align) * align)
     # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
