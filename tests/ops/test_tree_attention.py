@@ -253,16 +253,14 @@ def test_auto_falls_back_with_warning():
                                    (1, 4096, 1), (64, 4096, 16), (3, 1000, 5)])
 def test_split_len_with_even_programs_per_sm(B, L, T, per_sm):
     """``programs_per_sm = k``: the split covers the context in whole tiles, its programs (B x 4 KV heads per split)
-    never exceed k x the 132 SMs when there is more than one split; where the default
-    overshoots one wave (B = 8, L = 64k: 6 splits, 192 programs), one per SM stays within (4 splits, 128) and two
-    per SM takes 8 (256)."""
+    never exceed k x the 132 SMs when there is more than one split; at B = 8, L = 64k one per SM takes 4 splits
+    (128 programs) and two per SM 8 (256)."""
     split = default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=per_sm)
     splits = max(1, -(-L // split))
     assert split % 64 == 0 and split >= 256 and splits * split >= L
     assert splits == 1 or B * 4 * splits <= per_sm * 132
     if (B, L, T) == (8, 65536, 8):
-        default = default_split_len(B, 4, L, 132, num_rows=T * 7)
-        assert (-(-L // default), splits) == (6, {1: 4, 2: 8}[per_sm])
+        assert splits == {1: 4, 2: 8}[per_sm]
 
 
 def test_split_len_rejects_a_count_below_one():
@@ -296,11 +294,32 @@ def test_default_split_len():
     for rows in (cuda_rule.CONTEXT_SM90_MIN_ROWS, 64, 65, cuda_rule.CONTEXT_SM90_MAX_ROWS, 32 * 7, 64 * 7):
         assert default_split_len(64, 4, 4100, num_rows=rows) % cuda_rule.context_tile(rows) == 0, rows
     assert cuda_rule.context_tile(65) == cuda_rule.CONTEXT_BLOCK == 128
-    # ... and several splits of such rows too: whole 128-token tiles (7B heads, B=16, L=16384: 5376 = 42 tiles, 4
-    # splits), 64-token ones below the rule's rows (5440).
-    s_ctx = default_split_len(16, 4, 16384, num_rows=16 * 7)
-    assert s_ctx == 5376 and s_ctx % cuda_rule.CONTEXT_BLOCK == 0 and -(-16384 // s_ctx) == 4
-    assert default_split_len(16, 4, 16384, num_rows=8 * 7) == 5440
+    # ... and several splits of such rows too: whole 128-token tiles (7B heads, B=16, L=16500: the even rule's 4
+    # splits of 4125 tokens round up to 4224 = 33 tiles), 64-token ones below the rule's rows (4160).
+    s_ctx = default_split_len(16, 4, 16500, num_rows=16 * 7)
+    assert s_ctx == 4224 and s_ctx % cuda_rule.CONTEXT_BLOCK == 0 and -(-16500 // s_ctx) == 4
+    assert default_split_len(16, 4, 16500, num_rows=8 * 7) == 4160
+
+
+@pytest.mark.parametrize("B,L,T,splits", [(1, 65536, 1, 64), (2, 65536, 4, 32), (4, 16384, 1, 16), (8, 16384, 8, 8),
+                                          (16, 4096, 1, 4), (16, 65536, 8, 4)])
+def test_default_split_is_even_at_two_programs_per_sm(B, L, T, splits):
+    """Rows in one program, few requests, long contexts: the default gives every one of the 132 SMs two programs
+    of equal splits (B x 4 KV heads x splits <= 264, lengths rounded up, no short remainder split) of >= 1024
+    tokens."""
+    split = default_split_len(B, 4, L, 132, num_rows=T * 7)
+    assert split >= 1024 and -(-L // split) == splits and B * 4 * splits <= 264
+    assert split == default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2)
+    assert L - (splits - 1) * split > split - 128  # the last split is not a remainder
+
+
+@pytest.mark.parametrize("B,L,T", [(1, 16384, 1), (2, 16384, 4), (4, 4096, 4), (8, 4096, 8)])
+def test_default_split_keeps_the_wave_rule_below_the_even_minimum(B, L, T):
+    """Where two programs per SM would cut splits below 1024 tokens, the default keeps its one-wave rounding: at
+    least one program per SM (132), whole 64-token tiles of >= 256 tokens."""
+    split = default_split_len(B, 4, L, 132, num_rows=T * 7)
+    assert default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2) < 1024
+    assert split % 64 == 0 and split >= 256 and B * 4 * -(-L // split) >= 132
 
 
 def test_plan_contents():

@@ -51,6 +51,11 @@ SPLIT_ALIGN = 64  # split_len is a multiple of this (a whole number of K/V tiles
 MIN_SPLIT_LEN = 256  # below this a split's fixed cost (q load, partial write, merge read) dominates
 _DEFAULT_SM_COUNT = 132  # an sm_90 SXM part's SM count; used when planning for a CPU tensor
 SPLIT_WAVES = 1  # target programs per SM of the default split (see default_split_len)
+# The even split (default_split_len): two partial-kernel programs run on an SM at once, so splits that give every SM
+# two evenly measured faster at the long-tail shapes than the rounded one-wave rule, while their splits hold >= 1024
+# tokens (shorter ones lose to the per-split fixed cost; docs/TREE_ATTENTION.md, "Split choice").
+EVEN_PROGRAMS_PER_SM = 2
+EVEN_MIN_SPLIT_LEN = 1024
 # Longest split when the rows need several programs (T * G > 128): there more, shorter splits put more programs in
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
@@ -144,42 +149,66 @@ def default_split_len(
     A program owns one split of one KV head and up to ``R`` of the ``num_rows = T * G`` query rows
     (``R`` = 128, or 64 for ``head_dim`` 256: the kernels' largest row tile), so one split gives
     ``B * Hkv * ceil(num_rows / R)`` programs (``R`` = 64 when the rows need several programs). When
-    they do, splits are at most ``CHUNKED_MAX_SPLIT_LEN`` tokens (measured). Take about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs: every extra split writes and re-reads
-    ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes), while one program
-    per SM already keeps enough K/V loads in flight to saturate HBM. Never below ``MIN_SPLIT_LEN``
-    tokens per split; the result is a multiple of ``SPLIT_ALIGN``.
+    they do, splits are at most ``CHUNKED_MAX_SPLIT_LEN`` tokens (measured). Every extra split writes and re-reads
+    ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes). The rule:
 
-    ``programs_per_sm = k``: the alternative the tree-attention suite measures beside the default (its ``one-wave``
-    and ``two-per-SM`` rows): the most splits whose programs stay within ``k * sm_count``, split lengths rounded up,
-    so the SMs get their programs evenly (the default's count can overshoot a wave by a few programs, which then
-    share an SM while the others idle; two programs of the partial kernel fit on an SM at once).
+    * rows in one program: the most splits whose programs fit ``EVEN_PROGRAMS_PER_SM`` per SM, lengths rounded up
+      to whole tiles so every SM gets the same work, when those splits hold at least ``EVEN_MIN_SPLIT_LEN`` tokens;
+    * otherwise about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs (lengths rounded down, so
+      the count never falls short), never below ``MIN_SPLIT_LEN`` tokens.
+
+    The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90 kernel's tile where it may run).
+    ``programs_per_sm = k``: the even rule at ``k`` programs per SM whatever the split length (the tree-attention
+    suite's ``one-wave`` and ``two-per-SM`` rows).
     """
-    max_rows = 64 if head_dim > 128 else 128
-    chunked = num_rows > max_rows
-    rows_per_program = 64 if (chunked or head_dim > 128) else max_rows
-    programs = batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program)
+    chunked, programs = _split_programs(batch_size, num_kv_heads, num_rows, head_dim)
+    align = _split_align(num_rows, head_dim)
     if programs_per_sm is not None:
         if programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1 or None, got {programs_per_sm}")
-        want = max(1, programs_per_sm * sm_count // max(programs, 1))
-    else:
-        want = max(1, -(-SPLIT_WAVES * sm_count // max(programs, 1)))
-    if chunked:
-        want = max(want, -(-max_context_len // CHUNKED_MAX_SPLIT_LEN))
-    want = max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
-    # Where the CUDA backend's sm_90 kernel may run (its auto rule's rows, D=128; split_len a multiple of its tile),
-    # splits are whole tiles of it. The glue module holds the rule's numbers; importing it does not load the extension.
+        return _even_split_len(programs_per_sm, sm_count, programs, chunked, max_context_len, align)
+    if not chunked:
+        even = _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align)
+        if even >= EVEN_MIN_SPLIT_LEN:
+            return even
+    want = _clamp_splits(-(-SPLIT_WAVES * sm_count // programs), chunked, max_context_len)
+    if want == 1:  # one split: its length only has to cover the context
+        return max(align, -(-max_context_len // align) * align)
+    # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
+    return max(MIN_SPLIT_LEN, max_context_len // want // align * align)
+
+
+def _split_programs(batch_size: int, num_kv_heads: int, num_rows: int, head_dim: int) -> Tuple[bool, int]:
+    """``(chunked, programs per split)``: whether the rows need several programs, and how many programs a split has."""
+    max_rows = 64 if head_dim > 128 else 128
+    chunked = num_rows > max_rows
+    rows_per_program = 64 if (chunked or head_dim > 128) else max_rows
+    return chunked, max(1, batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program))
+
+
+def _split_align(num_rows: int, head_dim: int) -> int:
+    """Where the CUDA backend's sm_90 kernel may run (its auto rule's rows, D=128), splits are whole tiles of it. The
+    glue module holds the rule's numbers; importing it does not load the extension."""
     from .._cuda import tree_attention as cuda_rule
 
     ctx_rows = num_rows >= cuda_rule.CONTEXT_SM90_MIN_ROWS and cuda_rule.context_rows_covered(num_rows)
-    align = cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
-    if want == 1:  # one split: its length only has to cover the context
+    return cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
+
+
+def _clamp_splits(want: int, chunked: bool, max_context_len: int) -> int:
+    """``want`` splits, at least enough for ``CHUNKED_MAX_SPLIT_LEN`` when chunked, at most one per ``MIN_SPLIT_LEN``."""
+    if chunked:
+        want = max(want, -(-max_context_len // CHUNKED_MAX_SPLIT_LEN))
+    return max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
+
+
+def _even_split_len(per_sm: int, sm_count: int, programs: int, chunked: bool, max_context_len: int, align: int) -> int:
+    """The most splits whose programs fit ``per_sm`` per SM, lengths rounded up to whole tiles (the count stays
+    within the slots, and no split is a remainder shorter than the others by more than a tile)."""
+    want = _clamp_splits(max(1, per_sm * sm_count // programs), chunked, max_context_len)
+    if want == 1:
         return max(align, -(-max_context_len // align) * align)
-    if programs_per_sm is not None:  # round up to whole tiles: the split count stays <= want
-        per_split = -(-max_context_len // want)
-        return max(MIN_SPLIT_LEN, -(-per_split // align) * align)
-    # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
-    return max(MIN_SPLIT_LEN, max_context_len // want // align * align)
+    return max(MIN_SPLIT_LEN, -(-(-(-max_context_len // want)) // align) * align)
 
 
 def _capturing() -> bool:
