@@ -7,8 +7,6 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-<backend> one-wave split`` / ``tlt-<backend> two-per-SM split``: the op with the most context splits whose
   programs fit one (two) per SM (``default_split_len(programs_per_sm=1 or 2)``), where that differs from the default
   split and from the rows before it;
-* ``tlt-triton fused merge`` (sm_90, multi-split cases): the Triton op with ``FUSED_MERGE`` (the partial kernel's
-  last program per row chunk merges the splits: one launch instead of two);
 * ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
   other side of its context-path rule (``csrc/tree_attention/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
@@ -287,20 +285,14 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
     not take the sm_90 context kernel, ``tlt-cuda (no ctx-sm90)`` where it does (sm_90, bf16/fp16, T * G <= 128), and
     ``tlt-cuda ctx-sm90 64-row chunks`` where the default is its two-warpgroup build (T * G > 64: the one-warpgroup
     build, one CTA per 64 rows), with ``tlt-cuda ctx-sm90 warp-specialized`` (or ``lockstep``) the other build of the
-    128-token kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu, csrc/tree_attention/tree_attention_ctx_sm90_ws.cu), and
-    ``tlt-triton fused merge`` on multi-split plans, each checked against the first tlt row. A failure is noted, not
-    fatal."""
+    128-token kernel (csrc/tree_attention/tree_attention_ctx_sm90.cu, csrc/tree_attention/tree_attention_ctx_sm90_ws.cu),
+    each checked against the first tlt row. A failure is noted, not fatal."""
     import tlt_kernels._cuda.tree_attention as ct
     from tlt_kernels._backend import backend_unavailable_reason
 
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return
     variants = []
-    if plan.num_splits > 1 and backend_unavailable_reason("triton", q.device) is None:
-        import tlt_kernels._triton.tree_attention as tk
-
-        # The splits merged by the partial kernel's last program per row chunk: one launch instead of two.
-        variants.append(("tlt-triton fused merge", tk, "FUSED_MERGE", "triton", 1))
     if backend_unavailable_reason("cuda", q.device) is None:
         # The tlt-cuda row is the default rule (the context path where T*G <= 128); these rows force each side of it.
         if ct._use_context_sm90(plan, q, k_cache, v_cache):

@@ -138,7 +138,7 @@ block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp3
 k = m._tree_attn_partial_kernel
 names = k.arg_names
 ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
-        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32", "SplitTickets_ptr": "*i32"}}
+        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}}
 consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
               DROP_BITS=0 if FP32 else 16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
@@ -206,92 +206,3 @@ assert "wgmma" in c.asm["ptx"] or "mma.sync" in c.asm["ptx"], "bf16 products ove
 assert smem <= 227 * 1024 and spills == 0, (smem, spills)
 """
     compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=kv, checks=checks))
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("name", ["splits-of-three-tiles", "d128-bm128-unaligned-splits", "many-splits-chunks"])
-def test_fused_merge_equals_the_merge_kernel(name, monkeypatch):
-    """``FUSED_MERGE``: the program storing a row chunk's last split merges it: the same rows, bit for bit, as the
-    merge kernel's (the same arithmetic); every ticket is back at 0 after each run, so runs (graph replays) repeat."""
-    _need_triton()
-    if name == "many-splits-chunks":  # 7 splits, T * G = 96 rows: two 64-row chunks (T * G > MAX_BLOCK_M at D = 64)
-        case = make_case([430, 700, 3], 24, 8, 2, 64, 16, torch.bfloat16, num_nodes=[24, 9, 24], device=DEVICE)
-        split = 64
-    else:
-        case, split = _case(name)
-    plan = make_plan(case, split_len=split)
-    assert plan.num_splits > 1 and plan.split_tickets is not None
-    outs = []
-    for fused in (0, 1, 1):
-        monkeypatch.setattr(tk, "FUSED_MERGE", fused)
-        out = torch.full_like(case["q"], float("nan"))
-        plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="triton")
-        outs.append(out)
-        assert not plan.split_tickets.any()
-    check_against_reference(outs[1], case)
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
-
-
-@pytest.mark.triton
-def test_fused_merge_launches_one_kernel(monkeypatch):
-    """With ``FUSED_MERGE`` a multi-split run launches the partial kernel only; without, the merge kernel too."""
-    _need_triton()
-    case, split = _case("splits-of-three-tiles")
-    plan = make_plan(case, split_len=split)
-    launched = []
-    for kernel in ("_tree_attn_partial_kernel", "_tree_attn_merge_kernel"):
-        real = getattr(tk, kernel)
-        monkeypatch.setattr(tk, kernel, _Recorder(real, kernel, launched))
-    for fused in (0, 1):
-        monkeypatch.setattr(tk, "FUSED_MERGE", fused)
-        launched.clear()
-        plan.run(case["q"], case["k_cache"], case["v_cache"], backend="triton")
-        assert launched == (["_tree_attn_partial_kernel"] if fused else
-                            ["_tree_attn_partial_kernel", "_tree_attn_merge_kernel"])
-
-
-class _Recorder:
-    """``kernel[grid](...)`` that records the kernel's name, then launches it."""
-
-    def __init__(self, kernel, name, launched):
-        self.kernel, self.name, self.launched = kernel, name, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(self.name)
-        return self.kernel[grid]
-
-
-@pytest.mark.cuda
-def test_fused_merge_replays_from_a_cuda_graph(monkeypatch):
-    """Captured with ``FUSED_MERGE``, replays give the merge kernel's rows each time (the tickets reset in the graph)."""
-    _need_triton()
-    case, split = _case("splits-of-three-tiles")
-    plan = make_plan(case, split_len=split)
-    want = plan.run(case["q"], case["k_cache"], case["v_cache"], backend="triton")
-    monkeypatch.setattr(tk, "FUSED_MERGE", 1)
-    out = torch.full_like(case["q"], float("nan"))
-    plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="triton")  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="triton")
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, want) and not plan.split_tickets.any()
-
-
-def test_fused_merge_compiles_for_sm90_with_an_acq_rel_ticket():
-    """The partial kernel with ``FUSED_MERGE`` compiles for sm_90 (T = 16, G = 7): the ticket is a gpu-scope
-    acquire-release atomic, the other splits' rows are read past L1 (``ld.global.cg``), no register spills."""
-    from conftest import compile_for_sm90
-
-    checks = """
-ptx = c.asm["ptx"]
-tickets = [l for l in ptx.splitlines() if "atom." in l and ".add" in l]
-assert tickets and all(".acq_rel" in l and ".gpu" in l for l in tickets), f"ticket not acq_rel at gpu scope: {tickets}"
-assert "ld.global.cg" in ptx, "the merge must read the other splits' rows past L1"
-assert spills == 0, spills
-"""
-    src = _COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, checks=checks)
-    src = src.replace('DOT_PRECISION="ieee" if FP32 else "tf32")', 'DOT_PRECISION="ieee" if FP32 else "tf32", FUSED_MERGE=1)')
-    compile_for_sm90(src)

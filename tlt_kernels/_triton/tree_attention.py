@@ -69,11 +69,6 @@ PIPELINE = 1
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
 # correctness tests (tests/ops/test_tree_attention_triton_variants.py), for a retune on another card.
 LAZY_RESCALE = 0.0
-# Where a multi-split request's rows are merged: 0 = a second kernel after the partial kernel (default); 1 = in the
-# partial kernel, by the program that stores a row chunk's last split (a ticket per chunk in the plan's
-# ``split_tickets``): one launch per layer instead of two. Exact either way (the same merge arithmetic); not yet the
-# default: its GPU time is measured by the tree-attention suite's "tlt-triton fused merge" row.
-FUSED_MERGE = 0
 
 
 def _next_pow2(x: int) -> int:
@@ -391,33 +386,10 @@ def _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t
 
 
 @triton.jit
-def _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, SplitTickets_ptr, tickets_per_head, b64, h, chunk, t, qh,
-                   offs_m, offs_d, row_ok, split, n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh,
-                   NUM_KV_HEADS: tl.constexpr, T: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
-    """``FUSED_MERGE``: each program that stored a split's partial rows of a chunk takes the chunk's ticket; the one
-    that draws the last (``n_splits_b - 1``) merges the chunk's rows into ``out`` and resets the ticket to 0 for the
-    next run (a graph replay reuses the plan)."""
-    if n_splits_b > 1 and split < n_splits_b:
-        ticket_ptr = SplitTickets_ptr + (b64 * NUM_KV_HEADS + h) * tickets_per_head + chunk
-        tl.debug_barrier()  # all of this program's partial stores are issued before its ticket (released with it)
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_splits_b - 1:
-            tl.debug_barrier()  # every thread reads the other splits' rows after the acquire
-            base = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + offs_m
-            # ".cg": past this SM's L1, which is not coherent with the other programs' stores.
-            o = _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, T * G, HEAD_DIM,
-                            BLOCK_M, INTERPRET, ".cg")
-            _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stride_ot, stride_oh, INTERPRET,
-                        DROP_BITS)
-            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _tree_attn_partial_kernel(
     Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
-    BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr, SplitTickets_ptr,
-    qk_scale, v_scale, split_len, num_splits, num_blocks, tickets_per_head,
+    BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
+    qk_scale, v_scale, split_len, num_splits, num_blocks,
     stride_qb, stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -438,7 +410,6 @@ def _tree_attn_partial_kernel(
     PIPELINE: tl.constexpr = 1,
     LAZY_RESCALE: tl.constexpr = 0.0,
     DOT_PRECISION: tl.constexpr = "tf32",
-    FUSED_MERGE: tl.constexpr = 0,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -461,10 +432,6 @@ def _tree_attn_partial_kernel(
     _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
                       n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T, G, HEAD_DIM,
                       INTERPRET, DROP_BITS)
-    if FUSED_MERGE:
-        _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, SplitTickets_ptr, tickets_per_head, b64, h, chunk, t,
-                       qh, offs_m, offs_d, row_ok, split, n_nodes, n_splits_b, num_splits, stride_ob, stride_ot,
-                       stride_oh, NUM_KV_HEADS, T, G, HEAD_DIM, BLOCK_M, INTERPRET, DROP_BITS)
 
 
 @triton.jit
@@ -480,29 +447,28 @@ def _split_result(acc, m_i, l_i, page_bad):
 
 
 @triton.jit
-def _merge_max(PartialLse_ptr, row, row_ok, m, nan_rows, CACHE: tl.constexpr):
+def _merge_max(PartialLse_ptr, row, row_ok, m, nan_rows):
     """Running max of the splits' LSEs and the rows with a NaN LSE (a split that met a NaN): those are flagged and kept
     out of the max, whose NaN handling tl.maximum leaves unspecified."""
-    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=CACHE)
+    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
     return tl.maximum(m, tl.where(lse == lse, lse, float("-inf"))), nan_rows | (lse != lse).to(tl.int32)
 
 
 @triton.jit
-def _merge_add(PartialOut_ptr, PartialLse_ptr, row, row_ok, offs_d, m, acc, den, HEAD_DIM: tl.constexpr,
-               CACHE: tl.constexpr):
-    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=CACHE)
+def _merge_add(PartialOut_ptr, PartialLse_ptr, row, row_ok, offs_d, m, acc, den, HEAD_DIM: tl.constexpr):
+    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
     lse = tl.where(lse == lse, lse, float("-inf"))  # NaN rows are flagged by _merge_max
     w = tl.exp(lse - m)
     # An empty split's (LSE -inf) partial_out is undefined: never read it. Every other one is read even when its weight
     # underflows to 0, so a NaN in it reaches the row as in one softmax (0 * NaN = NaN).
     part = tl.load(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=(row_ok & (lse > float("-inf")))[:, None], other=0.0, cache_modifier=CACHE)
+                   mask=(row_ok & (lse > float("-inf")))[:, None], other=0.0)
     return acc + w[:, None] * part, den + w
 
 
 @triton.jit
 def _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr, CACHE: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
     """``out = sum_s e^{lse_s - m} o_s / sum_s e^{lse_s - m}`` (``m = max_s lse_s``) of the rows ``base`` (split 0's
     scratch rows; split s is ``ROWS`` further per split), NaN where a split met a NaN."""
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -512,21 +478,21 @@ def _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b
     if INTERPRET:  # see the partial kernel: no tensor bounds in range() under the interpreter
         s = 0
         while s < n_splits_b:
-            m, nan_rows = _merge_max(PartialLse_ptr, base + s * ROWS, row_ok, m, nan_rows, CACHE)
+            m, nan_rows = _merge_max(PartialLse_ptr, base + s * ROWS, row_ok, m, nan_rows)
             s += 1
         m = tl.where(m == float("-inf"), 0.0, m)
         s = 0
         while s < n_splits_b:
             acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * ROWS, row_ok, offs_d, m, acc, den,
-                                  HEAD_DIM, CACHE)
+                                  HEAD_DIM)
             s += 1
     else:
         for s in range(0, n_splits_b):
-            m, nan_rows = _merge_max(PartialLse_ptr, base + s * ROWS, row_ok, m, nan_rows, CACHE)
+            m, nan_rows = _merge_max(PartialLse_ptr, base + s * ROWS, row_ok, m, nan_rows)
         m = tl.where(m == float("-inf"), 0.0, m)
         for s in range(0, n_splits_b):
             acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * ROWS, row_ok, offs_d, m, acc, den,
-                                  HEAD_DIM, CACHE)
+                                  HEAD_DIM)
     o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     return tl.where((nan_rows != 0)[:, None], float("nan"), o)
 
@@ -556,7 +522,7 @@ def _tree_attn_merge_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         base = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + offs_r
         o = _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, T * G, HEAD_DIM, BLOCK_R,
-                        INTERPRET, "")
+                        INTERPRET)
         _store_rows(o, Out_ptr, b64, offs_r // G, h * G + offs_r % G, offs_d, row_ok, n_nodes, stride_ob, stride_ot,
                     stride_oh, INTERPRET, DROP_BITS)
 
@@ -615,7 +581,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (q's bf16/fp16/fp32 dtype, or fp8
     with bf16/fp16 q, widened to q's dtype as loaded; stride 1 along D; fp32 multiplies in exact fp32, see
     ``FP32_CONFIG``); ``v_scale`` multiplies each row's output (V's dequantization scale). Launches the partial kernel and, when the plan has more than one split, the
-    merge kernel (``FUSED_MERGE``: the partial kernel merges), on the current stream; no host synchronization.
+    merge kernel, on the current stream; no host synchronization.
     """
     B, T, Hq, D = q.shape
     Hkv, G = plan.num_kv_heads, plan.group
@@ -629,15 +595,10 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     reg_cap = {} if (maxnreg is None or interp) else {"maxnreg": maxnreg}
     block_t = max(16, _next_pow2(T))
     drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
-    tickets = plan.split_tickets
-    fused = bool(FUSED_MERGE) and plan.num_splits > 1 and tickets is not None and tickets.shape[2] >= chunks
-    if tickets is None:
-        tickets = plan.partial_lse  # never read: FUSED_MERGE is off for this launch
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
-        plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask, tickets,
+        plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
         sm_scale * LOG2E, v_scale, plan.split_len, plan.num_splits, min(k_cache.shape[0], v_cache.shape[0]),
-        tickets.shape[-1],
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -645,10 +606,10 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32", FUSED_MERGE=int(fused),
+        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=warps, num_stages=stages, **reg_cap,
     )
-    if plan.num_splits > 1 and not fused:
+    if plan.num_splits > 1:
         _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](
             out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
             plan.split_len, plan.num_splits,

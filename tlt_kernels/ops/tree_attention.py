@@ -90,9 +90,6 @@ class TreeAttentionPlan:
       scores, ``-inf`` for an empty split, whose ``partial_out`` is then undefined (a merge must not
       read it). A backend may use the scratch differently internally (the Triton backend folds the tree
       into the last non-empty context split and skips the scratch for single-split requests).
-    * ``split_tickets int32 [B, Hkv, ceil(T * G / 16)]``, zeros between runs: a backend that merges the splits inside
-      its partial kernel (Triton's ``FUSED_MERGE``) counts the stored splits of each row chunk here, and the last one
-      merges and resets its count. None in a plan built by hand: that backend launches its merge kernel instead.
     """
 
     batch_size: int
@@ -117,7 +114,6 @@ class TreeAttentionPlan:
     num_blocks: Optional[int] = None
     max_page: Optional[Tuple[int, int, int]] = None
     check_pages_at_run: bool = False
-    split_tickets: Optional[torch.Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -381,7 +377,6 @@ def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num
         partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
         partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
         num_blocks=num_blocks, max_page=max_page, check_pages_at_run=check_pages_at_run,
-        split_tickets=torch.zeros(B, num_kv_heads, -(-M // 16), dtype=torch.int32, device=dev),
     )
 
 
@@ -634,13 +629,13 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     if name == "torch":
         return run_torch(plan, q, k_cache, v_cache, out, scale, v_scale)
     if direct_dispatch_ok(q, k_cache, v_cache, out, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-                          plan.partial_out, plan.partial_lse, plan.split_tickets):
+                          plan.partial_out, plan.partial_lse):
         # Plain eager: the kernel directly, without the mutating op's dispatch (host time per layer).
         _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, scale, v_scale)
         return out
     torch.ops.tlt.tree_attention_run(
         q, k_cache, v_cache, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-        plan.partial_out, plan.partial_lse, out, scale, v_scale, plan.split_len, name, plan.split_tickets,
+        plan.partial_out, plan.partial_lse, out, scale, v_scale, plan.split_len, name,
     )
     return out
 
@@ -655,7 +650,7 @@ def _dequant_scale(name: str, value) -> float:
     return float(value)
 
 
-@torch.library.custom_op("tlt::tree_attention_run", mutates_args=("partial_out", "partial_lse", "out", "split_tickets"))
+@torch.library.custom_op("tlt::tree_attention_run", mutates_args=("partial_out", "partial_lse", "out"))
 def _tree_attention_run_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -671,7 +666,6 @@ def _tree_attention_run_op(
     v_scale: float,
     split_len: int,
     backend: str,
-    split_tickets: Optional[torch.Tensor],
 ) -> None:
     """Kernel backends behind one opaque op, so torch.compile neither traces nor breaks on them."""
     B, T, Hq, D = q.shape
@@ -680,14 +674,14 @@ def _tree_attention_run_op(
         batch_size=B, num_tree=T, num_q_heads=Hq, num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D,
         block_size=k_cache.shape[1], num_splits=partial_out.shape[2] - 1, split_len=split_len,
         tree_mask=tree_mask, context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
-        partial_out=partial_out, partial_lse=partial_lse, split_tickets=split_tickets,
+        partial_out=partial_out, partial_lse=partial_lse,
     )
     _BACKENDS.get(backend)(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
 
 
 @_tree_attention_run_op.register_fake
 def _(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out, sm_scale,
-      v_scale, split_len, backend, split_tickets):
+      v_scale, split_len, backend):
     return None
 
 
