@@ -687,8 +687,9 @@ def _extend_ancestors(ancestors: Optional[torch.Tensor], parent_rows: torch.Tens
 
 def _top_logprobs(logits: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(log-probs float32, tokens) [..., K]`` of the K most likely tokens of ``logits [..., V]``; for K = 1 one
-    reduction (a radix top-k over a large vocabulary is several launches)."""
-    logp = torch.log_softmax(logits.float(), -1)
+    reduction (a radix top-k over a large vocabulary is several launches). The softmax reads the logits in their dtype
+    and computes in float32: no separate cast launch and float32 copy of the ``[..., V]`` rows."""
+    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
     return logp.max(-1, keepdim=True) if K == 1 else logp.topk(K, dim=-1)
 
 
