@@ -400,6 +400,34 @@ def test_gpu_fused_step_graphs_greedy_matches_plain_decoding(target, prompts, ki
 
 
 @pytest.mark.cuda
+def test_gpu_eagle_rollouts_compile_nothing_for_new_prompt_lengths():
+    """A warmed-up bf16 EAGLE engine (fused steps, graphs) runs rollouts of padded prompt lengths it has not seen
+    without a Triton compile: the drafter's prefill takes the dense path, and the rotary kernels do not specialize on
+    the length (`bench rl` once compiled the tree-attention kernel mid-rollout: a step's prompts were 61 tokens after
+    66 at warm-up, and the fused prefill took the width as a constant)."""
+    from bench.jit_compiles import CompileCounter
+    from tlt_kernels.runtime import GraphPool
+
+    model = tiny_trained_target().cuda().to(torch.bfloat16)
+    sel = StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 7)], seed=0)
+    eng = SpeculativeEngine(model, EagleDrafter.for_target(model), sel, GraphPool(), max_batch_size=4, max_seq_len=128,
+                            fuse_step=True)
+    eng.capture_graphs([1, 2, 4])
+    assert eng.graph_error is None, eng.graph_error
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts_of(length):
+        return [torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist() for _ in range(4)]
+
+    eng.generate(prompts_of(30), 8)  # the warm-up: one prompt length
+    with CompileCounter() as jit:
+        for length in (17, 48, 61, 64, 2):
+            out = eng.generate(prompts_of(length), 8)
+            assert out.lengths.tolist() == [8] * 4
+    assert jit.count == 0, jit.describe("rollouts after the warm-up")
+
+
+@pytest.mark.cuda
 def test_gpu_bf16_kernels_with_graphs():
     """bf16 small target on the tree-attention kernels: runs under graphs; greedy agrees with plain
     bf16 decoding except after floating-point near-ties (checked on the first tokens)."""
