@@ -169,7 +169,7 @@ def default_split_len(
             return even
     want = _clamp_splits(-(-SPLIT_WAVES * sm_count // programs), chunked, max_context_len)
     if want == 1:  # one split: its length only has to cover the context
-        return max(align, -(-max_context_len // align) * align)
+        return _whole_tiles(max_context_len, align)
     # Round down to whole tiles so the split count stays >= want (MIN_SPLIT_LEN is whole tiles of either).
     return max(MIN_SPLIT_LEN, max_context_len // want // align * align)
 
@@ -203,8 +203,14 @@ def _even_split_len(per_sm: int, sm_count: int, programs: int, chunked: bool, ma
     within the slots, and no split is a remainder shorter than the others by more than a tile)."""
     want = _clamp_splits(max(1, per_sm * sm_count // programs), chunked, max_context_len)
     if want == 1:
-        return max(align, -(-max_context_len // align) * align)
-    return max(MIN_SPLIT_LEN, -(-(-(-max_context_len // want)) // align) * align)
+        return _whole_tiles(max_context_len, align)
+    per_split = -(-max_context_len // want)
+    return max(MIN_SPLIT_LEN, _whole_tiles(per_split, align))
+
+
+def _whole_tiles(tokens: int, align: int) -> int:
+    """``tokens`` rounded up to a multiple of ``align``, at least one tile."""
+    return max(align, -(-tokens // align) * align)
 
 
 def _capturing() -> bool:
