@@ -381,7 +381,8 @@ class _E2ERun:
         from tlt_kernels.runtime import Strategy
 
         ctx, z, cuda = self.ctx, self.sizes, self.cuda
-        self.buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.float32 if not cuda else torch.bfloat16)
+        self.buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.float32 if not cuda else torch.bfloat16,
+                                    pin_memory=cuda)  # pinned: adding a finished request never waits for the GPU
         self.prev_prompts = sample_windows(self.corpus, self.batch, z["prompt_len"], self.gen).to(self.dev)
         self.plain_engine = self.engine(None, Strategy.off(), rollout_buffer=self.buffer)
         self.plain_engine.generate(self.prev_prompts, self.lens)

@@ -239,7 +239,8 @@ class RLRun:
         """A fresh EAGLE drafter and the engine arguments of the spot trainer that keeps it up with the policy."""
         from tlt_kernels.drafter import RolloutBuffer, SpotTrainer
 
-        buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32)
+        buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32,
+                               pin_memory=self.cuda)  # pinned: adding a finished request never waits for the GPU
         # The serving drafter and the trainer's copy start from the same weights.
         trainer = SpotTrainer(self._initial_eagle(model), buffer, lr=1e-3, warmup_steps=20,
                               unroll_steps=self.p.spot_unroll_steps, autocast_dtype=torch.bfloat16 if self.cuda else None)

@@ -173,7 +173,7 @@ def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, 
     monkeypatch.setattr(target, "prefill", prefill)
     monkeypatch.setattr(target, "forward_tree", forward_tree)
     real_add = eng._add_to_buffer
-    monkeypatch.setattr(eng, "_add_to_buffer", lambda reqs, *a: (buffered.extend(reqs), real_add(reqs, *a)))
+    monkeypatch.setattr(eng, "_add_to_buffer", lambda rollout, reqs: (buffered.extend(reqs), real_add(rollout, reqs)))
     with pytest.warns(RuntimeWarning, match="NaN"):
         out = eng.generate(prompts, MAX_NEW)
     assert len(out.errors) == 1

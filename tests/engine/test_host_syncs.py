@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 
-from tlt_kernels.drafter import EagleDrafter
+from tlt_kernels.drafter import EagleDrafter, RolloutBuffer
 from tlt_kernels.engine import SpeculativeEngine
 from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
@@ -108,7 +108,7 @@ class _MaskIndexing(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _engine(target, kind, fuse):
+def _engine(target, kind, fuse, rollout_buffer=None):
     pool = None
     if fuse is not None:
         pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
@@ -119,7 +119,8 @@ def _engine(target, kind, fuse):
         drafter, sel = "ngram", StrategySelector([Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(3, 2, 7)], seed=0)
     else:
         drafter, sel = EagleDrafter.for_target(target), StrategySelector([Strategy(2, 1, 3), Strategy(3, 2, 6)], seed=0)
-    eng = SpeculativeEngine(target, drafter, sel, pool, max_batch_size=8, max_seq_len=64, fuse_step=bool(fuse))
+    eng = SpeculativeEngine(target, drafter, sel, pool, max_batch_size=8, max_seq_len=64, fuse_step=bool(fuse),
+                            rollout_buffer=rollout_buffer)
     if pool is not None:
         eng.capture_graphs([2, 8])
         assert eng.graph_error is None, eng.graph_error
@@ -174,6 +175,19 @@ def test_one_host_read_per_step(target, monkeypatch, kind, fuse):
     ref = reference_generate(target, PROMPTS, max(MAX_NEW))
     for b, n in enumerate(MAX_NEW):
         assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+
+
+@pytest.mark.parametrize("fuse", [None, True], ids=["eager", "fused"])
+def test_one_host_read_per_step_with_a_rollout_buffer(target, monkeypatch, fuse):
+    """Capturing features for the spot trainer adds no read: finished requests go to the buffer with their host
+    context lengths (a pinned or GPU buffer then copies without waiting; docs/RUNTIME.md)."""
+    buffer = RolloutBuffer(capacity_tokens=1 << 14, storage_dtype=torch.float32)
+    eng = _engine(target, "eagle", fuse, rollout_buffer=buffer)
+    out, per_step = count_step_reads(eng, monkeypatch)
+    assert buffer.num_tokens > 0 and len(buffer) == sum(n > 1 for n in MAX_NEW)  # the stepped requests
+    for i, reads in enumerate(per_step):
+        assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i}: {dict(reads)}"
+    assert out.errors == []
 
 
 def test_one_host_read_per_step_with_sampling_and_eos(target, monkeypatch):

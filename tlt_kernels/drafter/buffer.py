@@ -26,6 +26,13 @@ class _Entry:
     features: torch.Tensor  # [n, H]
     tokens: torch.Tensor  # int64 [n]
     step: int
+    ready: Optional["torch.cuda.Event"] = None  # pinned copies: done once this event is (None: already done)
+
+    def wait(self) -> None:
+        """Block until the entry's asynchronous copy (if any) has landed; only the reader waits."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
 
 
 @dataclass
@@ -67,8 +74,10 @@ class RolloutBuffer:
     Args:
         capacity_tokens: maximum positions kept (oldest step evicted first).
         recency_decay: sampling weight factor per step of age, in ``(0, 1]`` (1 = uniform).
-        device: where entries are stored (``"cpu"`` frees GPU memory for the rollout; the
-            copy is asynchronous from pinned memory when ``pin_memory``).
+        device: where entries are stored (``"cpu"`` frees GPU memory for the rollout). From a CUDA
+            rollout into the CPU, ``pin_memory=True`` makes the copy asynchronous: :meth:`add` then never
+            waits for the GPU (without it, every add drains the GPU's queue), and :meth:`sample` waits for the
+            copies it reads. A CUDA ``device`` keeps entries on the GPU (asynchronous as well).
         storage_dtype: dtype of the stored features (bf16 halves memory; training upcasts).
     """
 
@@ -114,12 +123,19 @@ class RolloutBuffer:
             )
         B, n, _ = features.shape
         lens = [n] * B if lengths is None else _lengths(lengths, B, n)
+        added = []
         for b in range(B):
             m = lens[b]
             if m < 2:
                 continue  # no (pair, target) in a segment shorter than 2
-            self._entries.append(_Entry(self._store(features[b, :m], self.storage_dtype), self._store(tokens[b, :m], torch.int64), int(step)))
+            added.append(_Entry(self._store(features[b, :m], self.storage_dtype), self._store(tokens[b, :m], torch.int64), int(step)))
             self.num_tokens += m
+        if added and self.pin_memory and features.is_cuda:  # the copies were queued on the current stream
+            ready = torch.cuda.Event()
+            ready.record()
+            for entry in added:
+                entry.ready = ready
+        self._entries.extend(added)
         self.newest_step = max(self.newest_step, int(step))
         self._evict()
 
@@ -157,6 +173,7 @@ class RolloutBuffer:
         steps = torch.zeros(batch_size, dtype=torch.int64)
         for r, i in enumerate(pick):
             e = entries[i]
+            e.wait()
             n = e.features.shape[0]
             hi = max(0, n - S1)
             start = int(torch.randint(hi + 1, (1,), generator=generator)) if hi else 0

@@ -25,23 +25,21 @@ class FeatureCapture:
         self.tokens[:, :L] = prompts
 
     def record(self, rows, context_lens, num_accepted, path_hidden, path_tokens) -> None:
-        """Committed positions ``context_lens + j`` (``j <= num_accepted``, int64 ``[b]``) of ``rows`` take the
-        accepted path's features (``path_hidden [b, T, H]``) and tokens (``path_tokens`` int64 ``[b, T]``)."""
+        """Committed positions ``context_lens + j`` (``j <= num_accepted``, int64 ``[b]``) of ``rows`` (int64 ``[b]``)
+        take the accepted path's features (``path_hidden [b, T, H]``) and tokens (``path_tokens`` int64 ``[b, T]``).
+        The other path slots go to the sink column; only the ``b * T`` written positions are touched."""
         width, sink = path_tokens.shape[1], self.tokens.shape[1] - 1
-        j = torch.arange(width, device=path_tokens.device).unsqueeze(0)
-        on_path = j <= num_accepted.unsqueeze(1)
-        positions = torch.where(on_path, context_lens.to(torch.int64).unsqueeze(1) + j, torch.full_like(j, sink))
-        feature_rows, token_rows = self.features[rows], self.tokens[rows]
-        feature_rows.scatter_(1, positions.unsqueeze(2).expand(-1, -1, feature_rows.shape[-1]),
-                              path_hidden.to(feature_rows.dtype))
-        token_rows.scatter_(1, positions, path_tokens)
-        self.features[rows], self.tokens[rows] = feature_rows, token_rows
+        j = torch.arange(width, device=path_tokens.device)
+        positions = torch.where(j <= num_accepted.unsqueeze(1), context_lens.to(torch.int64).unsqueeze(1) + j, sink)
+        where = (rows.unsqueeze(1), positions)  # [b, 1] broadcast against [b, T]
+        self.features.index_put_(where, path_hidden.to(self.features.dtype))
+        self.tokens.index_put_(where, path_tokens)
 
-    def add_to_buffer(self, buffer, requests: List[int], context_lens: torch.Tensor, step: int) -> None:
-        """Hand ``requests``' sequences (their first ``context_lens[r]`` positions) to ``buffer`` (a RolloutBuffer)."""
+    def add_to_buffer(self, buffer, requests: List[int], lengths: List[int], step: int) -> None:
+        """Hand ``requests``' sequences (their first ``lengths`` positions, host ints: the committed context lengths)
+        to ``buffer`` (a RolloutBuffer); reads nothing from the device."""
         if not requests:
             return
         idx = torch.tensor(requests, device=self.features.device)
-        lengths = context_lens[idx].to(torch.int64)
-        longest = int(lengths.max())
-        buffer.add(self.features[idx, :longest], self.tokens[idx, :longest], step=step, lengths=lengths.cpu())
+        longest = max(lengths)
+        buffer.add(self.features[idx, :longest], self.tokens[idx, :longest], step=step, lengths=lengths)

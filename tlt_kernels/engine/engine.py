@@ -549,7 +549,7 @@ class SpeculativeEngine:
             if rollout.spot.running:
                 rollout.deferred += clean
             else:
-                self._add_to_buffer(clean, rollout.features, rollout.context_lens)
+                self._add_to_buffer(rollout, clean)
 
     def _finish(self, rollout: RolloutState) -> float:
         """Stop the spot trainer, flush the deferred features, load the last published drafter; returns wall time."""
@@ -558,10 +558,13 @@ class SpeculativeEngine:
         rollout.spot.stop()
         wall_s = time.perf_counter() - rollout.start_time
         if rollout.features is not None and rollout.deferred:
-            self._add_to_buffer(rollout.deferred, rollout.features, rollout.context_lens)
+            self._add_to_buffer(rollout, rollout.deferred)
         if self.spot_trainer is not None:
             self.tree_drafter.load_published(self.spot_trainer.holder)
         return wall_s
 
-    def _add_to_buffer(self, requests: List[int], features: FeatureCapture, context_lens: torch.Tensor) -> None:
-        features.add_to_buffer(self.rollout_buffer, requests, context_lens, self.rollout_step)
+    def _add_to_buffer(self, rollout: RolloutState, requests: List[int]) -> None:
+        """Finished ``requests``' captured sequences go to the rollout buffer; their host context lengths are exact
+        (read with the step they finished at, unchanged since)."""
+        lengths = [rollout.context_lens_host[r] for r in requests]
+        rollout.features.add_to_buffer(self.rollout_buffer, requests, lengths, self.rollout_step)
