@@ -175,6 +175,18 @@ def cycle(prompt_ids: Sequence[List[int]], count: int, start: int = 0) -> List[L
     return [list(prompt_ids[(start + i) % len(prompt_ids)]) for i in range(count)]
 
 
+def arm_summary(steps) -> str:
+    """``strategy steps, tokens/step, ms/step`` per strategy of a rollout's step log (``StepLog``s), most steps first:
+    the realized rate of each arm the selector ran, to set beside the static arms' rows."""
+    per_arm = {}
+    for step in steps:
+        count, emitted, seconds = per_arm.get(step.strategy, (0, 0, 0.0))
+        per_arm[step.strategy] = (count + 1, emitted + step.emitted / step.batch_size, seconds + step.seconds)
+    ranked = sorted(per_arm.items(), key=lambda item: -item[1][0])
+    return "steps per strategy (steps, accepted length, ms per step): " + "; ".join(
+        f"{arm} {count}, {emitted / count:.2f}, {seconds / count * 1e3:.3f}" for arm, (count, emitted, seconds) in ranked)
+
+
 def tail_lengths(batch: int, median: int, cap: int, seed: int = 0) -> List[int]:
     """Log-normal lengths (sigma 1) at the ``batch`` stratified quantiles ``(i + 0.5) / batch`` of the normal, in a
     seeded random order, clamped to ``[2, cap]``: quantiles rather than draws, so the longest request is the same
@@ -469,6 +481,8 @@ class RolloutRun:
         tail_s = sum(s.seconds for s in out.steps if s.batch_size < work.batch / 4)
         if jit.count:
             self.ctx.note(jit.describe(f"{impl}, {work.name} B={work.batch}, in its timed rollouts"))
+        if "adaptive" in impl:  # where a loss to the best arm or to plain came from: what the selector chose
+            self.ctx.note(f"{impl}, {work.name} B={work.batch}: {arm_summary(out.steps)}")
         self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
                              tail_s=round(tail_s, 4), graph_steps=sum(s.graph for s in out.steps),
                              jit_compiles=jit.count)

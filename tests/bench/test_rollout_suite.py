@@ -72,6 +72,26 @@ def test_engine_rows_are_greedy_identical_to_plain_and_emit_every_token(small_ru
     assert all(r["jit_compiles"] == 0 for r in rollouts if not r["impl"].startswith("hf-")), rollouts
 
 
+def test_adaptive_rows_say_what_the_selector_ran(small_run):
+    adaptive = [r for r in small_run["rows"] if "adaptive" in r["impl"]]
+    for r in adaptive:
+        head = f"{r['impl']}, {r['case']['workload']} B={r['case']['B']}: steps per strategy"
+        notes = [n for n in small_run["notes"] if n.startswith(head)]
+        assert len(notes) == 1, (head, small_run["notes"])
+        # Every step is counted under one strategy: the counts add up to the row's steps.
+        counts = [int(part.strip().split(" ")[1].rstrip(",")) for part in notes[0].split(": ", 2)[2].split(";")]
+        assert sum(counts) == r["steps"], (notes[0], r["steps"])
+
+
+def test_arm_summary():
+    from tlt_kernels.engine.records import StepLog
+
+    steps = [StepLog(0, 2, "off", 1, 2, 1.0, 0.001, 0.001, True), StepLog(1, 2, "s2k1v3", 3, 5, 2.5, 0.003, 0.004, True),
+             StepLog(2, 1, "off", 1, 1, 1.0, 0.002, 0.006, True)]
+    assert rollout.arm_summary(steps) == ("steps per strategy (steps, accepted length, ms per step): "
+                                          "off 2, 1.00, 1.500; s2k1v3 1, 2.50, 3.000")
+
+
 def test_step_cost_rows(small_run):
     steps = [r for r in small_run["rows"] if r["case"]["workload"] == "step-cost"]
     expected = {("plain step", b) for b in (1, 4)} | {(f"{d} {a} step", b) for d in ("ngram", "eagle")
