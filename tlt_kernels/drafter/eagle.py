@@ -591,22 +591,22 @@ class EagleDrafter(nn.Module):
         fused = self._fused(cache, (depth - 1) * K)
         expand = FusedExpansion(self, state, cache, depth, K) if fused else _DenseExpansion(self, state, cache)
         score, tok = _top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
-        cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]
-        cand_tok, cand_score = [tok], [score]
+        roots = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+        cand_par, cand_tok, cand_score = [roots], [tok], [score]  # parents stay int64 until the one cast at the end
         frontier = _Frontier(cand_index=torch.arange(K, device=dev).expand(B, K), tokens=tok, scores=score,
-                             parent_features=state.last_hidden.unsqueeze(1).expand(B, K, H),
-                             parent_rows=torch.full((B, K), -1, dtype=torch.int64, device=dev))
+                             parent_features=state.last_hidden.unsqueeze(1).expand(B, K, H), parent_rows=roots)
+        batch_rows = torch.arange(B, device=dev).unsqueeze(1) if depth > 1 else None  # made once: a launch less a step
         for step in range(1, depth):
             g = expand(self._input(frontier.parent_features, frontier.tokens), frontier.parent_rows, step)  # [B, K, H]
             c_score, c_tok = _top_logprobs(self.head_logits(g, fused), K)  # [B, K, K]
             c_score = (frontier.scores.unsqueeze(2) + c_score).reshape(B, K * K)
             c_tok = c_tok.reshape(B, K * K)
-            cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K).to(torch.int32))
+            cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K))
             cand_tok.append(c_tok)
             cand_score.append(c_score)
-            frontier = _next_frontier(g, c_tok, c_score, first_index=K + (step - 1) * K * K,
+            frontier = _next_frontier(g, c_tok, c_score, batch_rows, first_index=K + (step - 1) * K * K,
                                       first_row=(step - 1) * K)
-        cand_parents = torch.cat(cand_par, 1)
+        cand_parents = (torch.cat(cand_par, 1) if depth > 1 else roots).to(torch.int32)
         cand_tokens = torch.cat(cand_tok, 1)
         cand_scores = torch.cat(cand_score, 1).float()
         tree = build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, state.root_tokens, return_mask=return_mask, validate=False)
@@ -693,15 +693,16 @@ def _top_logprobs(logits: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Ten
     return logp.max(-1, keepdim=True) if K == 1 else logp.topk(K, dim=-1)
 
 
-def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, first_index: int,
-                   first_row: int) -> _Frontier:
+def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, batch_rows: torch.Tensor,
+                   first_index: int, first_row: int) -> _Frontier:
     """The K best of a step's ``K * K`` children (``c_tok``, ``c_score`` ``[B, K * K]``; ``g [B, K, H]`` their parents'
-    predicted features), whose candidate indices start at ``first_index`` and parents' rows at ``first_row``."""
-    B, K = g.shape[:2]
-    rows = torch.arange(B, device=g.device).unsqueeze(1)
+    predicted features), whose candidate indices start at ``first_index`` and parents' rows at ``first_row``.
+    ``batch_rows``: int64 ``[B, 1]`` = ``arange(B)``."""
+    K = g.shape[1]
     scores, best = c_score.topk(K, dim=-1)
+    parent = best // K  # which of the K expanded nodes each child hangs from
     return _Frontier(cand_index=first_index + best, tokens=c_tok.gather(1, best), scores=scores,
-                     parent_features=g[rows, best // K], parent_rows=first_row + best // K)
+                     parent_features=g[batch_rows, parent], parent_rows=first_row + parent)
 
 
 def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tensor, n: int) -> None:

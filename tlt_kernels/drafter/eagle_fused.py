@@ -96,23 +96,24 @@ class FusedExpansion:
             positions = context_lens + torch.arange(depth - 1, device=dev)
             self.cos, self.sin = rope_cos_sin(drafter.rope_inv_freq(dev), positions, drafter.fc.weight.dtype)
             node_slots = context_lens + torch.arange(num_nodes, device=dev)
-            self.rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
+            rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
+            # [depth - 1, B * K]: step s's rows contiguous, so a step takes a view, not a copy
+            self.rows = rows.view(-1, depth - 1, topk).transpose(0, 1).reshape(depth - 1, -1)
             self.bits = bit_values(num_nodes, dev)
         self.queries: Optional[torch.Tensor] = None
         self.words: Optional[torch.Tensor] = None  # int64 [B, P]: bit j of row i: node j is node i or its ancestor
 
     def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
         """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``, whose parents are the expanded nodes ``parent_rows int64
-        [B, K]`` (-1: a root)."""
+        [B, K]``: the roots (-1) at step 1, expanded nodes (>= 0) after it, as ``EagleDrafter.draft`` makes them."""
         B, K, _ = x.shape
         P = step * K  # nodes expanded so far, this step's K last
         own = self.bits[P - K : P]
-        if self.words is None:
+        if self.words is None:  # step 1: the roots' children see the context and themselves
             self.words = own.expand(B, K)
         else:
-            inherited = self.words.gather(1, parent_rows.clamp(min=0)).masked_fill(parent_rows < 0, 0)
-            self.words = torch.cat([self.words, inherited | own], 1)
-        rows = self.rows[:, P - K : P].reshape(-1)
+            self.words = torch.cat([self.words, self.words.gather(1, parent_rows) | own], 1)
+        rows = self.rows[step - 1]
         plan = _plan(self.drafter, pack_bit_words(self.words, P), self.state.context_lens, self.state.block_table,
                      self.cache)
         cos = self.cos[:, step - 1 : step].expand(B, K, -1)
