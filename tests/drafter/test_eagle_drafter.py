@@ -76,16 +76,22 @@ def test_rope_is_rotate_half_in_float32(dtype):
         assert torch.equal(_rotate(x, cos, sin), want(x))
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
-def test_extend_matches_forward(block_size, heads, decode_path):
-    tgt = _target(num_q_heads=heads[0], num_kv_heads=heads[1])
+def _teacher_forced(tgt, B: int, L: int, seed: int):
+    """``(d, toks, feats, g)``: a strong drafter for ``tgt``, ``B`` random sequences of ``L + 1`` tokens, the target's
+    features of their first ``L`` tokens and the drafter's teacher-forced output over the pairs."""
     d = _strong(EagleDrafter.for_target(tgt).eval())
-    B, L = 3, 19
-    toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(1))
+    toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         feats = tgt(toks[:, :L])[1]
         g = d(feats, toks[:, 1:])
+    return d, toks, feats, g
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
+def test_extend_matches_forward(block_size, heads, decode_path):
+    B, L = 3, 19
+    d, toks, feats, g = _teacher_forced(_target(num_q_heads=heads[0], num_kv_heads=heads[1]), B, L, seed=1)
     cache = DrafterKVCache(d.config, 2 + B * d.blocks_per_request(L, block_size), block_size)
     st = d.new_state(cache, B, L)
     _ragged_extend(d, st, cache, feats, toks[:, 1:], [[5, 0, 19], [0, 7, 0], [14, 12, 0]])
@@ -280,13 +286,8 @@ def _no_fused_extend(monkeypatch):
 def test_extend_fused_false_takes_the_dense_path(monkeypatch):
     """``extend(fused=False)`` runs the dense path even where the fused one applies (n <= 64, the drafter's dtype),
     with the same result as the teacher-forced forward."""
-    tgt = _target()
-    d = _strong(EagleDrafter.for_target(tgt).eval())
     B, L = 2, 13
-    toks = torch.randint(0, 64, (B, L + 1), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        feats = tgt(toks[:, :L])[1]
-        g = d(feats, toks[:, 1:])
+    d, toks, feats, g = _teacher_forced(_target(), B, L, seed=4)
     cache = DrafterKVCache(d.config, 2 + B * d.blocks_per_request(L, 4), 4)
     assert d._fused(cache, L)  # the default would take the fused path here
     st = d.new_state(cache, B, L)
