@@ -30,6 +30,7 @@ try:  # functorch transforms (vmap, grad) wrap tensors that still report type to
     from torch._C._functorch import peek_interpreter_stack as _functorch_level
 except ImportError:  # pragma: no cover - depends on the torch build
     _functorch_level = None
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -126,8 +127,9 @@ def direct_dispatch_ok(*tensors) -> bool:
             if x is None:
                 continue
             # A subclass, or an input autograd would track: the op (with no autograd formula) must handle it, so a
-            # backward through it fails loudly instead of silently getting no gradient.
-            if type(x) is not torch.Tensor or (grad and x.requires_grad):
+            # backward through it fails loudly instead of silently getting no gradient. A Parameter (a model's
+            # weights) overrides nothing of torch's dispatch, so it launches directly like the plain tensor it holds.
+            if type(x) not in _PLAIN_TENSOR_TYPES or (grad and x.requires_grad):
                 return False
     return True
 

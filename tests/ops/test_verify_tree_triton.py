@@ -344,6 +344,12 @@ def test_direct_dispatch_only_in_plain_eager(monkeypatch):
     assert not backend.direct_dispatch_ok(x, w), "an input that requires grad goes through the op"
     with torch.no_grad():
         assert backend.direct_dispatch_ok(x, w)
+    weight = torch.nn.Parameter(torch.zeros(3))  # a model's weight: a Parameter, plain underneath
+    assert not backend.direct_dispatch_ok(x, weight), "a trainable weight with grad on goes through the op"
+    with torch.no_grad():
+        assert backend.direct_dispatch_ok(x, weight), "a model's weights under no_grad launch directly"
+    weight.requires_grad_(False)
+    assert backend.direct_dispatch_ok(x, weight)
     seen = []
 
     def probe(t):
