@@ -33,7 +33,8 @@ Rows per workload (greedy, each after an untimed warm-up):
 Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of median wall time of ``--repeats``); ``tokens_per_s`` (tokens emitted / wall; the
 tokens the requests asked for unless ``--eos``), ``steps`` (decoding steps after the prefill), ``accepted_length``
 (tokens per request per step, the bonus token included; 1.0 without drafting), ``tail_s`` (seconds of steps with
-batch < B/4), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
+batch < B/4), ``prefill_ms`` (engine rows: the prompts' prefill and the drafter's start, inside ``ms``: a
+fixed cost per rollout, eager), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
 tokens), ``jit_compiles`` (Triton compiles during the row's timed rollouts, all repeats: 0 once an engine is
 warmed up; a note names the kernels otherwise) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
 transformers). A difference is recorded, never raised, with a note naming the first differing request and position:
@@ -484,8 +485,8 @@ class RolloutRun:
         if "adaptive" in impl:  # where a loss to the best arm or to plain came from: what the selector chose
             self.ctx.note(f"{impl}, {work.name} B={work.batch}: {arm_summary(out.steps)}")
         self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
-                             tail_s=round(tail_s, 4), graph_steps=sum(s.graph for s in out.steps),
-                             jit_compiles=jit.count)
+                             tail_s=round(tail_s, 4), prefill_ms=round(out.prefill_s * 1e3, 3),
+                             graph_steps=sum(s.graph for s in out.steps), jit_compiles=jit.count)
 
     # -- transformers' rows ------------------------------------------------------------------------------------------
     def hf_rows(self) -> None:
