@@ -46,11 +46,13 @@ def test_groups_are_checked_before_the_rollout(target):
 
 class _WithoutGroups:
     """A Drafter written against the protocol alone (no DrafterBase, no ``set_groups``): forwards everything else to
-    the n-gram drafter. The protocol's methods are defined on the class (below), since Python 3.12's protocol check
-    looks attributes up statically and never calls ``__getattr__``."""
+    the n-gram drafter. The protocol's attributes are set on the instance and its methods defined on the class
+    (below), since Python 3.12's protocol check looks members up statically and never calls ``__getattr__``."""
 
     def __init__(self, inner):
         self._inner = inner
+        for name in Drafter.__annotations__:
+            setattr(self, name, getattr(inner, name))
 
     def __getattr__(self, name):
         if name == "set_groups":
