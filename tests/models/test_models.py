@@ -165,6 +165,18 @@ def test_half_precision_prefill_matches_dense(dtype, gen):
         torch.testing.assert_close(hidden[b, :n].float(), ref_hidden.float(), atol=3e-2, rtol=3e-2)
 
 
+def test_fresh_prefill_attends_without_reading_the_cache_back(gen, monkeypatch):
+    """Prompts with no cached context attend causally to their own K/V; a continued chunk reads its context back."""
+    model = make_model()
+    reads = []
+    original = PagedKVCache.read_at
+    monkeypatch.setattr(PagedKVCache, "read_at", lambda self, *a: reads.append(a[0]) or original(self, *a))
+    cache, table, tokens, lens, _, _ = prefilled(model, [6, 3], gen, block_size=4)
+    assert reads == []
+    model.prefill(tokens[:, :2], torch.tensor([2, 1], dtype=torch.int32), cache, table, lens)
+    assert reads == list(range(model.config.num_layers))
+
+
 def test_chunked_prefill_matches_one_shot(gen):
     model = make_model()
     cache, table, tokens, lens, logits, _ = prefilled(model, [9, 5], gen, block_size=4)

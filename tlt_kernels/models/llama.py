@@ -235,6 +235,17 @@ Attend = Callable[[int, torch.Tensor, Optional[torch.Tensor], Optional[torch.Ten
 StoreKV = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _prefill_context(cache: PagedKVCache, block_table: torch.Tensor, positions: torch.Tensor, end: torch.Tensor,
+                     num_slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A continued prefill's read index (int64 ``[B, S]``: slots ``0 .. S-1`` of every request, one index for every
+    layer) and mask (bool ``[B, 1, L, S]``): query ``j`` sees the slots up to its own position; padding rows are
+    clamped to the request's last valid token so no row is empty."""
+    slots = torch.arange(num_slots, device=positions.device)
+    last = positions.minimum(end.unsqueeze(1) - 1).unsqueeze(2)
+    read_slots = cache.flat_index(block_table, slots.view(1, -1).expand(positions.shape[0], -1))
+    return read_slots, (slots.view(1, 1, -1) <= last).unsqueeze(1)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool, scale: float) -> torch.Tensor:
     """SDPA on ``[B, T, H, D]`` layouts; K/V heads are repeated for GQA."""
     group = q.shape[2] // k.shape[2]
@@ -394,24 +405,24 @@ class LlamaForCausalLM(nn.Module):
         self._check_cache(cache, block_table, context_lens, B)
         lens, ctx = lengths.long(), context_lens.long()
         end = ctx + lens
-        S = self._check_prefill_lengths(tokens, lens, ctx, end, block_table.shape[1] * cache.block_size)
+        S, fresh = self._check_prefill_lengths(tokens, lens, ctx, end, block_table.shape[1] * cache.block_size)
         j = torch.arange(L, device=tokens.device).unsqueeze(0)
         valid = j < lens.unsqueeze(1)
         positions = ctx.unsqueeze(1) + j
-        s = torch.arange(S, device=tokens.device).view(1, 1, S)
-        # Query j sees slots up to its own; padding rows are clamped to the last valid token so no row is empty.
-        last = positions.minimum(end.unsqueeze(1) - 1).unsqueeze(2)
-        mask = (s <= last).unsqueeze(1)
-        # One write index and one read index for every layer. A padding token writes its request's last valid
-        # slot with that token's own K/V (the same values twice): no masked write (a host sync per layer), and
-        # nothing lands outside the request's valid slots.
+        # One write index for every layer. A padding token writes its request's last valid slot with that token's
+        # own K/V (the same values twice): no masked write (a host sync per layer), and nothing lands outside the
+        # request's valid slots.
         source = torch.minimum(j, lens.unsqueeze(1) - 1)
         write_slots = cache.flat_index(block_table, ctx.unsqueeze(1) + source).flatten()
         source_rows = (torch.arange(B, device=tokens.device).unsqueeze(1) * L + source).flatten()
-        read_slots = cache.flat_index(block_table, s.view(1, S).expand(B, S))
+        # Fresh prompts attend only to their own tokens: causal over them, no read-back of the cache.
+        context = None if fresh else _prefill_context(cache, block_table, positions, end, S)
 
         def attend(i, q, k, v):
             cache.write_at(i, write_slots, k.flatten(0, 1)[source_rows], v.flatten(0, 1)[source_rows])
+            if context is None:  # k, v are what the cache now holds (its dtype is the model's: _check_cache)
+                return _sdpa(q, k, v, None, True, self.sm_scale)
+            read_slots, mask = context
             k_context, v_context = cache.read_at(i, read_slots)
             return _sdpa(q, k_context.to(q.dtype), v_context.to(q.dtype), mask, False, self.sm_scale)
 
@@ -421,11 +432,12 @@ class LlamaForCausalLM(nn.Module):
         last_hidden = hidden[torch.arange(B, device=tokens.device), lens - 1]
         return self.logits(last_hidden), hidden
 
-    def _check_prefill_lengths(self, tokens, lens, ctx, end, room: int) -> int:
-        """prefill's value checks in one host sync (plus the token ids'); returns the longest ``context + length``."""
+    def _check_prefill_lengths(self, tokens, lens, ctx, end, room: int) -> Tuple[int, bool]:
+        """prefill's value checks in one host sync (plus the token ids'); returns the longest ``context + length`` and
+        whether every request starts fresh (no cached context)."""
         L = tokens.shape[1]
-        lens_min, lens_max, ctx_min, end_max = (int(v) for v in torch.stack([lens.min(), lens.max(), ctx.min(),
-                                                                             end.max()]).tolist())
+        lens_min, lens_max, ctx_min, ctx_max, end_max = (
+            int(v) for v in torch.stack([lens.min(), lens.max(), ctx.min(), ctx.max(), end.max()]).tolist())
         if lens_min < 1 or lens_max > L:
             raise ValueError(f"lengths must lie in [1, L={L}], got {lens.tolist()}")
         if ctx_min < 0:
@@ -433,7 +445,7 @@ class LlamaForCausalLM(nn.Module):
         check_token_ids("tokens", tokens, self.config.vocab_size, lens)
         if end_max > room:
             raise ValueError(f"block_table covers {room} slots but context_lens + lengths reaches {end_max}")
-        return end_max
+        return end_max, ctx_max == 0
 
     def plan_tree(self, parents: torch.Tensor, num_nodes: Optional[torch.Tensor], cache: PagedKVCache, block_table: torch.Tensor,
                   context_lens: torch.Tensor, max_context_len: Optional[int] = None, validate: bool = True):
