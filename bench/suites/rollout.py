@@ -52,8 +52,11 @@ the CPU the kernel columns are empty.
 
 Parameters: the flags of :data:`FLAGS` (``python -m bench rollout --help``). On the GPU each engine captures its steps
 as CUDA graphs at every batch size it runs, one graph per step (``fuse_step``: drafting, verification and the
-drafter's update in one launch, for every drafter). Engines run one after another, each freed before the
-next, so one KV cache is allocated at a time.
+drafter's update in one launch, for every drafter). By default (``--interleave``) every engine is built first and
+each workload's repeats go round the engines, so a drift of the machine over the run (clocks, other tenants) lands
+on every row alike instead of on the engines that ran last: same-run ratios of a few percent need it. With
+``--no-interleave`` engines run one after another, each freed before the next, so one KV cache is allocated at a
+time.
 """
 from __future__ import annotations
 
@@ -106,6 +109,9 @@ FLAGS = (
          metavar="N"),
     Flag("--repeats", None, "rollouts per engine row; the row is the one of median wall time (default: 3; small 1)",
          int, metavar="N"),  # int like e2e's --repeats (one CLI option for both); checked in sizes()
+    Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
+         "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
+         "(one KV cache and graph set in memory)", bool),
 )
 
 # Chains win at large batch sizes and trees in the tail (the e2e suite's traces): the set spans both.
@@ -375,6 +381,11 @@ class EngineConfig:
     adaptive: bool = False
 
 
+def median_wall(outs: Sequence[Any]) -> Any:
+    """The output of median wall time (the upper median of an even count) among rollouts' ``GenerateOutput``s."""
+    return sorted(outs, key=lambda out: out.wall_s)[len(outs) // 2]
+
+
 class RolloutRun:
     """The suite's state: the flags, the models, the workloads, ``plain``'s tokens per workload (the reference of
     every row's ``greedy_identical``) and the configuration every engine shares."""
@@ -581,33 +592,41 @@ class RolloutRun:
         """Every workload's rows of one engine, then (static configurations) its step-cost rows; the engine and its
         KV cache are freed before the next one is built."""
         eng = self.engine(config)
-        if config.adaptive:
-            self._adaptive_rows(eng, config)
-        else:
-            for work in self.works:
-                run = self.median_run(lambda: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))
-                self.add_engine_row(work, config.name, run)
-            for batch in self.z.step_batches:
-                self.step_cost_row(eng, f"{config.name} step", batch)
-        del eng
+        rollouts = self.rollouts(eng, config)
+        for work in self.works:
+            for impl, rollout in rollouts:
+                self.add_engine_row(work, impl, self.median_run(lambda: rollout(work)))
+        self.step_cost_rows(eng, config)
+        del eng, rollouts
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
 
-    def _adaptive_rows(self, eng, config: EngineConfig) -> None:
-        """Cold: a fresh selector per rollout (with the start-up cost table on the GPU). Warm: a fresh one that first
-        decodes the previous prompts of the cycle, then the timed rollout."""
-        from tlt_kernels.runtime import StrategySelector
+    def run_interleaved(self, configs: Sequence[EngineConfig]) -> None:
+        """Every engine built first; each workload's ``--repeats`` then go round the engines (A, B, C, A, B, C, ...),
+        so the machine's drift over the run (clocks, other tenants) lands on every row alike; rows, in
+        ``configs``' order per workload, and step-cost rows as :meth:`run_config`'s."""
+        engines = [(config, self.engine(config)) for config in configs]
+        plan = [(impl, rollout) for config, eng in engines for impl, rollout in self.rollouts(eng, config)]
+        for work in self.works:
+            outs: Dict[str, list] = {impl: [] for impl, _ in plan}
+            compiles = {impl: CompileCounter() for impl, _ in plan}
+            for _ in range(self.z.repeats):
+                for impl, rollout in plan:
+                    with compiles[impl]:
+                        outs[impl].append(rollout(work))
+            for impl, _ in plan:
+                self.add_engine_row(work, impl, MedianRun(median_wall(outs[impl]), compiles[impl]))
+        for config, eng in engines:
+            self.step_cost_rows(eng, config)
 
-        table = None
-        if self.cuda and not eng.graph_error:
-            try:
-                table = eng.measure_cost_table()
-            except Exception as exc:  # the selector still runs, from its online estimates alone
-                self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
-
-        def fresh():  # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
-            return StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers)
+    def rollouts(self, eng, config: EngineConfig) -> List[Tuple[str, Any]]:
+        """The timed rollouts an engine gives each workload, as ``(impl, rollout(work) -> GenerateOutput)``: its
+        static configuration's; or, adaptive, cold (a fresh selector per rollout, with the start-up cost table on the
+        GPU) and warm (a fresh one that first decodes the previous prompts of the cycle, then the timed rollout)."""
+        if not config.adaptive:
+            return [(config.name, lambda work: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))]
+        fresh = self._selector_factory(eng, config)
 
         def cold(work):
             eng.selector = fresh()
@@ -618,9 +637,20 @@ class RolloutRun:
             eng.generate(work.previous, work.lengths, eos_token_id=self.eos)
             return eng.generate(work.prompts, work.lengths, eos_token_id=self.eos)
 
-        for work in self.works:
-            self.add_engine_row(work, config.name, self.median_run(lambda: cold(work)))
-            self.add_engine_row(work, f"{config.name} (warm)", self.median_run(lambda: warm(work)))
+        return [(config.name, cold), (f"{config.name} (warm)", warm)]
+
+    def _selector_factory(self, eng, config: EngineConfig):
+        """A new adaptive selector per call, sharing the engine's start-up cost table (measured once, on the GPU)."""
+        from tlt_kernels.runtime import StrategySelector
+
+        table = None
+        if self.cuda and not eng.graph_error:
+            try:
+                table = eng.measure_cost_table()
+            except Exception as exc:  # the selector still runs, from its online estimates alone
+                self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
+        # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
+        return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers)
 
     def median_run(self, rollout) -> "MedianRun":
         """The output of the run of median wall time among ``--repeats`` calls of ``rollout`` (each a whole rollout:
@@ -628,9 +658,15 @@ class RolloutRun:
         all the calls."""
         with CompileCounter() as compiles:
             outs = [rollout() for _ in range(self.z.repeats)]
-        return MedianRun(sorted(outs, key=lambda out: out.wall_s)[len(outs) // 2], compiles)
+        return MedianRun(median_wall(outs), compiles)
 
     # -- per-step cost -----------------------------------------------------------------------------------------------
+    def step_cost_rows(self, eng, config: EngineConfig) -> None:
+        """A static configuration's step-cost rows, one per ``--step-batches`` size (none for adaptive ones)."""
+        if not config.adaptive:
+            for batch in self.z.step_batches:
+                self.step_cost_row(eng, f"{config.name} step", batch)
+
     def step_cost_row(self, eng, impl: str, batch: int) -> None:
         """Median wall time of a step at ``batch`` requests, GPU kernel time per step (GPU), the read-once floor."""
         prompts, tokens = self.step_prompts[:batch], self.z.step_tokens
@@ -677,9 +713,13 @@ def run(ctx) -> None:
     state = RolloutRun(ctx)
     state.load()
     configs = state.configs()
-    state.run_config(configs[0])  # plain first: every other row is compared to its tokens
-    state.hf_rows()
-    for config in configs[1:]:
-        state.run_config(config)
-        ctx.progress(f"{config.name} done (suite at {time.perf_counter() - t0:.0f} s)")
+    if state.p.interleave:
+        state.run_interleaved(configs)  # plain first in every workload: every other row is compared to its tokens
+        state.hf_rows()
+    else:
+        state.run_config(configs[0])  # plain first: every other row is compared to its tokens
+        state.hf_rows()
+        for config in configs[1:]:
+            state.run_config(config)
+            ctx.progress(f"{config.name} done (suite at {time.perf_counter() - t0:.0f} s)")
     state.summary()

@@ -165,3 +165,45 @@ def test_drafters_flag_picks_the_configurations():
         "eagle off", "eagle s2k1v3", "eagle s4k1v5", "eagle s3k2v6", "eagle adaptive"]
     with pytest.raises(ValueError, match="--drafters"):
         names(["--drafters", "medusa"])
+
+
+def test_interleaved_repeats_go_round_the_engines():
+    """Each workload's repeats visit every engine's rollouts in turn (A, B, A, B), rows come out per workload in the
+    configurations' order, each row the run of median wall time of its own repeats; step-cost rows follow."""
+    from types import SimpleNamespace
+
+    calls, rows, step_rows = [], [], []
+    walls = iter(range(100))
+    configs = [SimpleNamespace(name="plain"), SimpleNamespace(name="ngram adaptive")]
+
+    def rollouts(eng, config):
+        def rollout(impl):
+            return lambda work: calls.append((work, impl)) or SimpleNamespace(wall_s=next(walls), impl=impl)
+
+        impls = [config.name] + ([f"{config.name} (warm)"] if "adaptive" in config.name else [])
+        return [(impl, rollout(impl)) for impl in impls]
+
+    state = SimpleNamespace(z=SimpleNamespace(repeats=3), works=["w1", "w2"], engine=lambda config: config.name,
+                            rollouts=rollouts, step_cost_rows=lambda eng, config: step_rows.append(eng),
+                            add_engine_row=lambda work, impl, run: rows.append((work, impl, run.out.wall_s)))
+    rollout.RolloutRun.run_interleaved(state, configs)
+    impls = ["plain", "ngram adaptive", "ngram adaptive (warm)"]
+    assert calls == [(work, impl) for work in ("w1", "w2") for _ in range(3) for impl in impls]
+    # w1's walls: plain 0, 3, 6; cold 1, 4, 7; warm 2, 5, 8 -> medians 3, 4, 5 (then w2's: 12, 13, 14).
+    assert rows == [("w1", "plain", 3), ("w1", "ngram adaptive", 4), ("w1", "ngram adaptive (warm)", 5),
+                    ("w2", "plain", 12), ("w2", "ngram adaptive", 13), ("w2", "ngram adaptive (warm)", 14)]
+    assert step_rows == ["plain", "ngram adaptive"]  # step_cost_rows skips adaptive configurations itself
+
+
+def test_one_engine_at_a_time_gives_the_same_rows(eagle_checkpoint, small_run):
+    """--no-interleave (engines built and freed one after another): the same rows with the same outputs (the adaptive
+    rows' step counts follow measured times, so only the static rows' are compared)."""
+    res = _run(["--eagle-checkpoint", str(eagle_checkpoint), "--no-interleave"])
+    assert res.status == "ok", res.data["error"]
+    key = lambda r: (str(r["case"]), r["impl"])  # noqa: E731
+    sequential = {key(r): r for r in res.data["rows"]}
+    interleaved = {key(r): r for r in small_run["rows"]}
+    assert sequential.keys() == interleaved.keys()
+    for k, r in sequential.items():
+        same = ("tokens", "greedy_identical") + (() if "adaptive" in r["impl"] else ("steps", "accepted_length"))
+        assert [r.get(f) for f in same] == [interleaved[k].get(f) for f in same], k
