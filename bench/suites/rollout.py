@@ -617,6 +617,7 @@ class RolloutRun:
                         outs[impl].append(rollout(work))
             for impl, _ in plan:
                 self.add_engine_row(work, impl, MedianRun(median_wall(outs[impl]), compiles[impl]))
+            self.ctx.progress(f"{work.name} B={work.batch}: {len(plan)} rows x {self.z.repeats} repeats done")
         for config, eng in engines:
             self.step_cost_rows(eng, config)
 

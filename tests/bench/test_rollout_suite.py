@@ -183,15 +183,18 @@ def test_interleaved_repeats_go_round_the_engines():
         impls = [config.name] + ([f"{config.name} (warm)"] if "adaptive" in config.name else [])
         return [(impl, rollout(impl)) for impl in impls]
 
-    state = SimpleNamespace(z=SimpleNamespace(repeats=3), works=["w1", "w2"], engine=lambda config: config.name,
+    work = lambda name: SimpleNamespace(name=name, batch=2)  # noqa: E731
+    w1, w2 = work("w1"), work("w2")
+    state = SimpleNamespace(z=SimpleNamespace(repeats=3), works=[w1, w2], engine=lambda config: config.name,
+                            ctx=SimpleNamespace(progress=lambda message: None),
                             rollouts=rollouts, step_cost_rows=lambda eng, config: step_rows.append(eng),
                             add_engine_row=lambda work, impl, run: rows.append((work, impl, run.out.wall_s)))
     rollout.RolloutRun.run_interleaved(state, configs)
     impls = ["plain", "ngram adaptive", "ngram adaptive (warm)"]
-    assert calls == [(work, impl) for work in ("w1", "w2") for _ in range(3) for impl in impls]
+    assert calls == [(w, impl) for w in (w1, w2) for _ in range(3) for impl in impls]
     # w1's walls: plain 0, 3, 6; cold 1, 4, 7; warm 2, 5, 8 -> medians 3, 4, 5 (then w2's: 12, 13, 14).
-    assert rows == [("w1", "plain", 3), ("w1", "ngram adaptive", 4), ("w1", "ngram adaptive (warm)", 5),
-                    ("w2", "plain", 12), ("w2", "ngram adaptive", 13), ("w2", "ngram adaptive (warm)", 14)]
+    assert rows == [(w1, "plain", 3), (w1, "ngram adaptive", 4), (w1, "ngram adaptive (warm)", 5),
+                    (w2, "plain", 12), (w2, "ngram adaptive", 13), (w2, "ngram adaptive (warm)", 14)]
     assert step_rows == ["plain", "ngram adaptive"]  # step_cost_rows skips adaptive configurations itself
 
 
