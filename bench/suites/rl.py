@@ -57,6 +57,7 @@ from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, 
 SUITE = "rl"
 WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "spec-eagle-frozen", "plain", "hf")
 GROUP_WAYS = ("spec", "spec-ngram")  # the ways whose n-gram drafter reads the request's group
+SPOT_WAYS = ("spec", "spec-eagle")  # the ways whose EAGLE drafter a spot trainer keeps up in the tail
 
 FLAGS = (
     Flag("--model-file", None, "the policy: a .gguf file or a transformers directory (default: the embedded model)",
@@ -96,6 +97,8 @@ class Rollout:
     tail_s: Optional[float] = None
     accepted_length: float = 1.0
     arm_steps: Dict[str, int] = field(default_factory=dict)  # decoding steps per strategy (our engine only)
+    tail_steps: int = 0  # decoding steps in the tail (our engine only)
+    spot: Optional[dict] = None  # the spot trainer's stats for this rollout (GenerateOutput.spot), when it ran
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Way:
     rewards: List[float] = field(default_factory=list)
     first: Optional[Rollout] = None
     arm_steps: Counter = field(default_factory=Counter)
+    tail: List[float] = field(default_factory=lambda: [0, 0.0])  # tail steps and their seconds, over the rollouts
+    spot: Counter = field(default_factory=Counter)  # the spot trainer's micro-steps, optimizer steps and seconds
 
 
 def _sizes(small: bool, p):
@@ -124,13 +129,27 @@ def tail_seconds(steps, num_requests: int) -> float:
     return sum(step.seconds for step in steps if 4 * step.batch_size < num_requests)
 
 
+def tail_note(way) -> str:
+    """The tail's steps and mean step time, and (ways with a spot trainer) what the trainer did there: the tail's
+    step time beside the frozen way's is the trainer's cost to the rollout."""
+    steps, seconds = way.tail
+    text = f"tail: {steps} steps" + (f", {seconds / steps * 1e3:.3f} ms each" if steps else "")
+    if way.name not in SPOT_WAYS:
+        return text
+    if not way.spot:
+        return text + "; spot trainer: did not run"
+    return text + (f"; spot trainer: {way.spot['micro_steps']} micro-steps, {way.spot['optimizer_steps']} optimizer "
+                   f"steps, {way.spot['seconds']:.2f} s")
+
+
 def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int], use_groups: bool):
     def rollout(prompts, groups, seed) -> Rollout:
         kwargs = dict(temperature=temperature, seed=[seed * 100_003 + i for i in range(len(prompts))],
                       eos_token_id=eos, groups=groups if use_groups else None)
         seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
         return Rollout(out.tokens, out.logprobs, seconds, tail_seconds(out.steps, len(prompts)),
-                       out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)))
+                       out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)),
+                       sum(4 * step.batch_size < len(prompts) for step in out.steps), out.spot)
     return rollout
 
 
@@ -220,7 +239,7 @@ class RLRun:
         if name.startswith("spec"):
             selector = StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed)
             drafter = "ngram"
-        if name in ("spec", "spec-eagle"):
+        if name in SPOT_WAYS:
             eagle, extra = self._spot_trained_eagle(model)
             drafter = [eagle, "ngram"] if name == "spec" else eagle
         elif name == "spec-eagle-frozen":
@@ -271,6 +290,10 @@ class RLRun:
             self.ctx.note(jit.describe(f"{way.name}, step {index}, in the rollout"))
         way.first = way.first or out
         way.arm_steps.update(out.arm_steps)
+        way.tail[0] += out.tail_steps
+        way.tail[1] += out.tail_s or 0.0
+        if out.spot and "error" not in out.spot:
+            way.spot.update({key: out.spot.get(key, 0) for key in ("micro_steps", "optimizer_steps", "seconds")})
         rewards = [reward(self.decode(r), answer) for r, answer in zip(out.responses, answers)]
         train_s, loss = synced_seconds(self.device, lambda: self._update(way, prompts, out, rewards))
         way.rewards += rewards
@@ -302,7 +325,8 @@ class RLRun:
                          tokens=int(total("tokens")), jit_compiles=int(total("jit_compiles")))
             if way.arm_steps:  # what the selector chose: a loss to plain shows in which arms ran
                 arms = ", ".join(f"{arm} {count}" for arm, count in way.arm_steps.most_common())
-                self.ctx.note(f"{way.name}: decoding steps per strategy over the timed rollouts: {arms}")
+                self.ctx.note(f"{way.name}: decoding steps per strategy over the timed rollouts: {arms}; "
+                              f"{tail_note(way)}")
         by_name = {way.name: way for way in ways}
         if "spec" in by_name and "plain" in by_name:
             spec, plain = by_name["spec"], by_name["plain"]

@@ -73,6 +73,11 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     notes = " ".join(data["notes"])
     assert "permutation test" in notes and "median difference" in notes and "(float32 logits)" in notes
     assert "spec: decoding steps per strategy" in notes and "hf: decoding steps" not in notes
+    # Each engine way says how many steps its tails took and how long; the spot-trained way what its trainer did.
+    tails = {n.split(":")[0]: n for n in data["notes"] if "decoding steps per strategy" in n}
+    assert all("tail: " in note for note in tails.values()), tails
+    assert "spot trainer: " in tails["spec-eagle"] and "spot trainer" not in tails["spec-eagle-frozen"]
+    assert "spot trainer" not in tails["plain"]
     diff = float(notes.split(", largest ")[1].split()[0])
     assert diff < 1e-4  # fp32 on the CPU: the two engines score shared tokens alike
 
@@ -115,6 +120,20 @@ def test_tail_seconds_counts_steps_with_fewer_than_a_quarter_of_the_requests():
              for i, (batch, seconds) in enumerate([(16, 1.0), (4, 2.0), (3, 4.0), (1, 8.0)])]
     assert tail_seconds(steps, 16) == 12.0  # 3 and 1 are fewer than 16 / 4; 4 is not
     assert tail_seconds(steps, 4) == 0.0
+
+
+def test_tail_note_gives_the_tails_steps_and_the_trainers_work():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from bench.suites.rl import tail_note
+
+    way = SimpleNamespace(name="spec-eagle", tail=[4, 0.01],
+                          spot=Counter(micro_steps=7, optimizer_steps=3, seconds=0.5))
+    assert tail_note(way) == "tail: 4 steps, 2.500 ms each; spot trainer: 7 micro-steps, 3 optimizer steps, 0.50 s"
+    assert tail_note(SimpleNamespace(name="spec", tail=[0, 0.0], spot=Counter())) == (
+        "tail: 0 steps; spot trainer: did not run")
+    assert tail_note(SimpleNamespace(name="plain", tail=[2, 0.004], spot=Counter())) == "tail: 2 steps, 2.000 ms each"
 
 
 def _saved_eagle(tmp_path):
