@@ -210,3 +210,22 @@ def test_one_engine_at_a_time_gives_the_same_rows(eagle_checkpoint, small_run):
     for k, r in sequential.items():
         same = ("tokens", "greedy_identical") + (() if "adaptive" in r["impl"] else ("steps", "accepted_length"))
         assert [r.get(f) for f in same] == [interleaved[k].get(f) for f in same], k
+
+
+def test_prefill_lengths_reach_every_engine(monkeypatch):
+    import tlt_kernels.engine as engine_module
+
+    seen = []
+    original = engine_module.SpeculativeEngine
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("prefill_lengths"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "SpeculativeEngine", Recording)
+    res = _run(["--prefill-lengths", "16,64", "--drafters", "ngram", "--batches", "2", "--tail-batch", "0",
+                "--no-hf-eager"])
+    assert res.status == "ok", res.data["error"]
+    # 64 is past the small run's capacity (its longest prompt + 8 tokens < 64): it becomes that capacity.
+    assert seen and all(lengths[0] == 16 and 16 < lengths[1] < 64 and len(lengths) == 2 for lengths in seen), seen

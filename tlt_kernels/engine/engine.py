@@ -61,6 +61,7 @@ from .backlog import DrafterBacklog
 from .capture import FeatureCapture
 from .graphs import GraphReplay
 from .groups import sibling_table
+from .prefill import PrefillGraphs, check_prefill_lengths
 from .probe import measure_cost_table, probe_arms
 from .records import GenerateOutput, ProgressBar, StepLog
 from .sampling import RequestSampling
@@ -151,6 +152,10 @@ class SpeculativeEngine:
             sampled from) and :attr:`GenerateOutput.raw_logprobs` (``log_softmax`` of the target's logits), what an
             RL trainer's importance ratios need from the rollout. Set at construction: the step graphs capture the
             scoring (``verify_tree(return_logprobs=True, return_raw_logprobs=True)``).
+        prefill_lengths: prompt-length buckets whose prefill :meth:`capture_graphs` also records, at its batch
+            sizes (:mod:`tlt_kernels.engine.prefill`): a batch whose longest prompt fits a bucket replays it, padded,
+            instead of the eager prefill's hundreds of launches (the target needs ``prefill_fresh``). Each bucket
+            keeps static ``[max batch, bucket, H]`` hidden states. ``()`` (default): the eager prefill.
         lazy_commit_steps: with a drafter that allows it (``lazy_commit``: the n-gram and EAGLE drafters, their
             union), plain steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the
             drafter learns the backlog as one path before its next draft, or after this many plain steps. A plain
@@ -162,7 +167,7 @@ class SpeculativeEngine:
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
                  overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
                  lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4,
-                 prioritize_rollout: bool = True):
+                 prioritize_rollout: bool = True, prefill_lengths: Sequence[int] = ()):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -204,6 +209,8 @@ class SpeculativeEngine:
         self.sink_table, _ = self.cache.allocate(1, self.slots_per_request)
         self.graph_pool = graph_pool
         self.graphs = GraphReplay(graph_pool)
+        self.prefill_graphs = PrefillGraphs(target, self.cache, self.sink_table, self.graphs,
+                                            check_prefill_lengths(prefill_lengths, max_seq_len))
         self.backlog = self._backlog(lazy_commit_steps)
         self.logprobs = bool(logprobs)
         target_step = TargetStep(target, self.cache, self.sink_table, backend, self.logprobs)
@@ -259,6 +266,7 @@ class SpeculativeEngine:
         self.step_runner.register_graphs(self.strategies, self.widths, sizes)
         if self.backlog is not None:
             self.step_runner.register_drafter_graphs([], self.backlog.widths, sizes)
+        self.prefill_graphs.register(sizes)
 
     def covers(self, strategy: Strategy, batch_size: int) -> bool:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""
@@ -392,8 +400,10 @@ class SpeculativeEngine:
         0): ``(first_tokens int64 [B], failed bool [B], prefill_hidden [B, L, H], offsets int64 [B], first_scores
         float32 [B, 2] (sampling, raw log-probs) or None)``."""
         B, dev = prompt_tokens.shape[0], self.device
-        logits, hidden = self.target.prefill(prompt_tokens, prompt_lens.to(torch.int32), self.cache, block_table,
-                                             torch.zeros(B, dtype=torch.int32, device=dev))
+        replayed = self.prefill_graphs.run(prompt_tokens, prompt_lens, block_table)  # generate checked the prompts
+        logits, hidden = replayed if replayed is not None else self.target.prefill(
+            prompt_tokens, prompt_lens.to(torch.int32), self.cache, block_table, torch.zeros(B, dtype=torch.int32,
+                                                                                             device=dev))
         offsets = torch.zeros(B, dtype=torch.int64, device=dev)
         first = verify_tree(logits.unsqueeze(1), torch.zeros(B, 1, dtype=torch.int64, device=dev),
                             torch.full((B, 1), -1, dtype=torch.int32, device=dev),

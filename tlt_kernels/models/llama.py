@@ -406,17 +406,38 @@ class LlamaForCausalLM(nn.Module):
         lens, ctx = lengths.long(), context_lens.long()
         end = ctx + lens
         S, fresh = self._check_prefill_lengths(tokens, lens, ctx, end, block_table.shape[1] * cache.block_size)
+        return self._prefill(tokens, lens, cache, block_table, None if fresh else (ctx, end, S))
+
+    @torch.no_grad()
+    def prefill_fresh(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache,
+                      block_table: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`prefill` of prompts with no cached context (every ``context_lens`` 0), without its checks or its host
+        sync, so it can be captured in a CUDA graph: the caller guarantees what :meth:`prefill` checks (shapes and
+        dtypes, ``1 <= lengths[b] <= L``, token ids in the vocabulary, a table covering ``lengths`` slots, the cache
+        built with the model's dtype). Tokens past a request's length may be anything in the vocabulary, so a batch
+        can be padded to a fixed ``L``: the outputs of its valid positions do not change.
+
+        Returns:
+            ``logits [B, V]`` at each request's last valid token and ``hidden [B, L, H]`` (rows past ``lengths``
+            are garbage), as :meth:`prefill`.
+        """
+        return self._prefill(tokens, lengths.long(), cache, block_table, None)
+
+    def _prefill(self, tokens, lens, cache: PagedKVCache, block_table, continued) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The prefill after its checks. ``continued``: None for fresh prompts (causal over their own tokens, no
+        read-back of the cache), else ``(context_lens int64 [B], context_lens + lens, the longest of those)``."""
+        B, L = tokens.shape
         j = torch.arange(L, device=tokens.device).unsqueeze(0)
         valid = j < lens.unsqueeze(1)
-        positions = ctx.unsqueeze(1) + j
+        ctx = None if continued is None else continued[0]
+        positions = j.expand(B, L) if ctx is None else ctx.unsqueeze(1) + j
         # One write index for every layer. A padding token writes its request's last valid slot with that token's
         # own K/V (the same values twice): no masked write (a host sync per layer), and nothing lands outside the
         # request's valid slots.
         source = torch.minimum(j, lens.unsqueeze(1) - 1)
-        write_slots = cache.flat_index(block_table, ctx.unsqueeze(1) + source).flatten()
+        write_slots = cache.flat_index(block_table, source if ctx is None else ctx.unsqueeze(1) + source).flatten()
         source_rows = (torch.arange(B, device=tokens.device).unsqueeze(1) * L + source).flatten()
-        # Fresh prompts attend only to their own tokens: causal over them, no read-back of the cache.
-        context = None if fresh else _prefill_context(cache, block_table, positions, end, S)
+        context = None if ctx is None else _prefill_context(cache, block_table, positions, continued[1], continued[2])
 
         def attend(i, q, k, v):
             cache.write_at(i, write_slots, k.flatten(0, 1)[source_rows], v.flatten(0, 1)[source_rows])

@@ -1,0 +1,96 @@
+"""``SpeculativeEngine(prefill_lengths=)``: the prefill replayed from a graph per prompt-length bucket, padded, with
+the same outputs as the eager prefill; batches no graph holds run eagerly. On the CPU a fake graph backend replays
+the captured function itself, so these tests cover the registration, the padding and the fallbacks; whether the
+function captures on a GPU is the GPU tests' (tests/models: ``prefill_fresh`` makes no host read)."""
+import pytest
+import torch
+
+from conftest import ragged_prompts
+from tlt_kernels.engine import SpeculativeEngine
+from tlt_kernels.engine.prefill import check_prefill_lengths
+from tlt_kernels.runtime import GraphPool, Strategy
+from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+
+def _engine(target, prefill_lengths, drafter="ngram", strategy=Strategy(3, 1, 4)):
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+    eng = SpeculativeEngine(target, drafter, strategy, pool, max_batch_size=8, max_seq_len=96, fuse_step=True,
+                            prefill_lengths=prefill_lengths)
+    eng.capture_graphs([2, 8])
+    assert eng.graph_error is None, eng.graph_error
+    return eng
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_replayed_prefill_gives_the_eager_rollout(target, drafter, monkeypatch):
+    prompts = ragged_prompts(5, seed=3, first=4, step=5)  # 4 .. 24 tokens: padded into the 32-token bucket
+    strategy = Strategy.off() if drafter is None else Strategy(3, 1, 4)
+    eager = _engine(target, (), drafter, strategy).generate(prompts, 12)
+    eng = _engine(target, (8, 32), drafter, strategy)
+    replays = []
+    run = eng.prefill_graphs.graphs.replay
+    monkeypatch.setattr(eng.prefill_graphs.graphs, "replay", lambda name, *a: replays.append(name) or run(name, *a))
+    out = eng.generate(prompts, 12)
+    assert ("prefill", 32) in replays and eng.graph_pool.padded_size(("prefill", 32), 5) == 8
+    assert out.tokens == eager.tokens
+
+
+def test_batches_no_graph_holds_run_the_eager_prefill(target, monkeypatch):
+    eng = _engine(target, (8,))
+    calls = []
+    eager = eng.target.prefill
+    monkeypatch.setattr(eng.target, "prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
+    short = ragged_prompts(2, seed=4, first=3, step=2)
+    eng.generate(short, 4)
+    assert calls == []  # 3 and 5 tokens: the 8-token bucket
+    long = ragged_prompts(2, seed=4, first=9, step=2)
+    eng.generate(long, 4)
+    assert calls == [(2, 11)]  # longer than every bucket
+
+
+def test_prefill_fresh_pads_without_changing_the_valid_outputs(target):
+    """``prefill_fresh`` on a batch padded to a longer length: the valid positions' logits, hidden states and cached
+    K/V are those of ``prefill`` on the unpadded batch."""
+    from tlt_kernels.models import PagedKVCache
+
+    prompts = ragged_prompts(3, seed=5, first=3, step=4)  # 3, 7, 11 tokens
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    tokens = torch.zeros(3, 11, dtype=torch.int64)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    results = []
+    for fresh, width in ((False, 11), (True, 16)):
+        cache = PagedKVCache(target.config, 3 * 2 + 1, 16)
+        table, ctx = cache.allocate(3, 16)
+        padded = torch.nn.functional.pad(tokens, (0, width - 11), value=7)  # any token id past the lengths
+        logits, hidden = (target.prefill_fresh(padded, lens, cache, table) if fresh
+                          else target.prefill(tokens, lens, cache, table, ctx))
+        results.append((logits, hidden, cache.gather(1, table, 11)))
+    (logits, hidden, kv), (logits2, hidden2, kv2) = results
+    torch.testing.assert_close(logits2, logits, atol=1e-5, rtol=1e-5)
+    for b in range(3):
+        n = int(lens[b])
+        torch.testing.assert_close(hidden2[b, :n], hidden[b, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv2[0][b, :n], kv[0][b, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv2[1][b, :n], kv[1][b, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_fresh_reads_nothing_back_to_the_host(target, monkeypatch):
+    """What a CUDA graph cannot capture: a device-to-host read (``item``, ``tolist``, ``bool`` of a tensor, ...)."""
+    from tlt_kernels.models import PagedKVCache
+
+    cache = PagedKVCache(target.config, 5, 16)
+    table, _ = cache.allocate(2, 16)
+    tokens, lens = torch.ones(2, 9, dtype=torch.int64), torch.tensor([9, 4], dtype=torch.int32)
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        def read(*args, _name=name, **kwargs):
+            raise AssertionError(f"prefill_fresh read the device: Tensor.{_name}")
+        monkeypatch.setattr(torch.Tensor, name, read)
+    target.prefill_fresh(tokens, lens, cache, table)
+
+
+def test_prefill_lengths_are_checked():
+    assert check_prefill_lengths([64, 16, 64], 128) == (16, 64)
+    for bad in ([0], [129], [16.0], [True]):
+        with pytest.raises(ValueError, match="prefill_lengths"):
+            check_prefill_lengths(bad, 128)
