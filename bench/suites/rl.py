@@ -114,7 +114,7 @@ class Way:
     rewards: List[float] = field(default_factory=list)
     first: Optional[Rollout] = None
     arm_steps: Counter = field(default_factory=Counter)
-    tail: List[float] = field(default_factory=lambda: [0, 0.0])  # tail steps and their seconds, over the rollouts
+    tail_steps: int = 0  # decoding steps in the tails of the rollouts (their seconds: the rows' tail_s)
     spot: Counter = field(default_factory=Counter)  # the spot trainer's micro-steps, optimizer steps and seconds
 
 
@@ -124,15 +124,20 @@ def _sizes(small: bool, p):
             pick(p.max_new_tokens, 256, 10))
 
 
+def tail_steps(steps, num_requests: int) -> list:
+    """The steps run with fewer than a quarter of the ``num_requests`` requests left (the tail)."""
+    return [step for step in steps if 4 * step.batch_size < num_requests]
+
+
 def tail_seconds(steps, num_requests: int) -> float:
-    """Seconds of the steps run with fewer than a quarter of the ``num_requests`` requests left (the tail)."""
-    return sum(step.seconds for step in steps if 4 * step.batch_size < num_requests)
+    """Seconds of the tail's steps (:func:`tail_steps`)."""
+    return sum(step.seconds for step in tail_steps(steps, num_requests))
 
 
 def tail_note(way) -> str:
     """The tail's steps and mean step time, and (ways with a spot trainer) what the trainer did there: the tail's
     step time beside the frozen way's is the trainer's cost to the rollout."""
-    steps, seconds = way.tail
+    steps, seconds = way.tail_steps, sum(row["tail_s"] or 0.0 for row in way.rows)
     text = f"tail: {steps} steps" + (f", {seconds / steps * 1e3:.3f} ms each" if steps else "")
     if way.name not in SPOT_WAYS:
         return text
@@ -147,9 +152,10 @@ def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int]
         kwargs = dict(temperature=temperature, seed=[seed * 100_003 + i for i in range(len(prompts))],
                       eos_token_id=eos, groups=groups if use_groups else None)
         seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
-        return Rollout(out.tokens, out.logprobs, seconds, tail_seconds(out.steps, len(prompts)),
-                       out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)),
-                       sum(4 * step.batch_size < len(prompts) for step in out.steps), out.spot)
+        tail = tail_steps(out.steps, len(prompts))
+        return Rollout(out.tokens, out.logprobs, seconds, sum(step.seconds for step in tail),
+                       out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)), len(tail),
+                       out.spot)
     return rollout
 
 
@@ -290,8 +296,7 @@ class RLRun:
             self.ctx.note(jit.describe(f"{way.name}, step {index}, in the rollout"))
         way.first = way.first or out
         way.arm_steps.update(out.arm_steps)
-        way.tail[0] += out.tail_steps
-        way.tail[1] += out.tail_s or 0.0
+        way.tail_steps += out.tail_steps
         if out.spot and "error" not in out.spot:
             way.spot.update({key: out.spot.get(key, 0) for key in ("micro_steps", "optimizer_steps", "seconds")})
         rewards = [reward(self.decode(r), answer) for r, answer in zip(out.responses, answers)]

@@ -128,12 +128,13 @@ def test_tail_note_gives_the_tails_steps_and_the_trainers_work():
 
     from bench.suites.rl import tail_note
 
-    way = SimpleNamespace(name="spec-eagle", tail=[4, 0.01],
+    way = SimpleNamespace(name="spec-eagle", tail_steps=4, rows=[{"tail_s": 0.004}, {"tail_s": 0.006}],
                           spot=Counter(micro_steps=7, optimizer_steps=3, seconds=0.5))
     assert tail_note(way) == "tail: 4 steps, 2.500 ms each; spot trainer: 7 micro-steps, 3 optimizer steps, 0.50 s"
-    assert tail_note(SimpleNamespace(name="spec", tail=[0, 0.0], spot=Counter())) == (
+    assert tail_note(SimpleNamespace(name="spec", tail_steps=0, rows=[{"tail_s": 0.0}], spot=Counter())) == (
         "tail: 0 steps; spot trainer: did not run")
-    assert tail_note(SimpleNamespace(name="plain", tail=[2, 0.004], spot=Counter())) == "tail: 2 steps, 2.000 ms each"
+    plain = SimpleNamespace(name="plain", tail_steps=2, rows=[{"tail_s": 0.004}], spot=Counter())
+    assert tail_note(plain) == "tail: 2 steps, 2.000 ms each"
 
 
 def _saved_eagle(tmp_path):
