@@ -39,17 +39,22 @@ def _parse_args():
     ap.add_argument("--arm", default="s4k1v5", help="the drafters' static strategy ('off' included; '' for plain only)")
     ap.add_argument("--drafters", default="ngram",
                     help="comma-separated drafters run with --arm: ngram, eagle (an untrained bf16 EAGLE layer)")
+    ap.add_argument("--prefill-lengths", default="",
+                    help="comma-separated prompt-length buckets whose prefill replays a CUDA graph, profiled beside "
+                         "the eager prefill (default: the eager prefill only)")
     ap.add_argument("--kernels", type=int, default=15, help="GPU kernels listed per configuration (default 15)")
     ap.add_argument("--out", type=Path, default=None, help="also write the report to DIR/profile_rollout.md")
     return ap.parse_args()
 
 
-def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool, step_kernel: bool):
+def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool, step_kernel: bool,
+            prefill_lengths=()):
     from tlt_kernels.engine import SpeculativeEngine
     from tlt_kernels.runtime import GraphPool
 
     eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=max_batch, max_seq_len=max_seq,
-                            fuse_step=True, overlap_steps=overlap, step_kernel=step_kernel)
+                            fuse_step=True, overlap_steps=overlap, step_kernel=step_kernel,
+                            prefill_lengths=prefill_lengths)
     eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
     eng.generate([[1, 2, 3]], 4)
     return eng
@@ -138,6 +143,14 @@ def _drafter(name: str, target):
     raise ValueError(f"--drafters: unknown drafter {name!r} (ngram, eagle)")
 
 
+def _variants(args):
+    """(overlap, step kernel, prefill buckets) of every engine profiled per configuration."""
+    choices = {"off": [False], "on": [True], "both": [False, True]}
+    buckets = tuple(int(b) for b in args.prefill_lengths.split(",") if b)
+    prefills = [()] + ([buckets] if buckets else [])
+    return [(o, k, p) for o in choices[args.overlap] for k in choices[args.step_kernel] for p in prefills]
+
+
 def main() -> None:
     args = _parse_args()
     from tlt_kernels.runtime import Strategy
@@ -149,17 +162,16 @@ def main() -> None:
     if args.arm:
         configs += [(f"{name} {args.arm}", _drafter(name, target), Strategy.parse(args.arm))
                     for name in args.drafters.split(",")]
-    choices = {"off": [False], "on": [True], "both": [False, True]}
     lines = []
     for name, drafter, strategy in configs:
-        for overlap in choices[args.overlap]:
-            for step_kernel in choices[args.step_kernel]:
-                eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, step_kernel)
-                label = f"{name} (overlap {'on' if overlap else 'off'}, step kernel {'on' if step_kernel else 'off'})"
-                for batch in batches:
-                    prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
-                    lines += _profile(label, eng, prompts, args.tokens, args.detail, args.kernels)
-                del eng
+        for overlap, step_kernel, prefill in _variants(args):
+            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, step_kernel, prefill)
+            label = (f"{name} (overlap {'on' if overlap else 'off'}, step kernel {'on' if step_kernel else 'off'}, "
+                     f"prefill {'graphs ' + ','.join(map(str, prefill)) if prefill else 'eager'})")
+            for batch in batches:
+                prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
+                lines += _profile(label, eng, prompts, args.tokens, args.detail, args.kernels)
+            del eng
     text = "\n".join(lines)
     print(text)
     if args.out:

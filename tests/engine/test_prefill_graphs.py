@@ -94,3 +94,30 @@ def test_prefill_lengths_are_checked():
     for bad in ([0], [129], [16.0], [True]):
         with pytest.raises(ValueError, match="prefill_lengths"):
             check_prefill_lengths(bad, 128)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
+def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
+    """On a GPU, with real CUDA graphs: the prefill captured per bucket and replayed gives the eager engine's tokens
+    (plain, n-gram and EAGLE engines; the EAGLE drafter starts from the replayed hidden states)."""
+    from conftest import tiny_trained_target
+    from tlt_kernels.drafter import EagleDrafter
+
+    gpu = tiny_trained_target().cuda()
+    prompts = ragged_prompts(5, seed=3, first=4, step=5)
+
+    def engine(prefill_lengths):
+        strategy = Strategy.off() if drafter is None else Strategy(3, 1, 4)
+        draft = EagleDrafter.for_target(gpu, seed=0) if drafter == "eagle" else drafter
+        eng = SpeculativeEngine(gpu, draft, strategy, GraphPool(), max_batch_size=8, max_seq_len=96, fuse_step=True,
+                                prefill_lengths=prefill_lengths)
+        eng.capture_graphs([2, 8])
+        assert eng.graph_error is None, eng.graph_error
+        return eng
+
+    eager = engine(()).generate(prompts, 12)
+    replayed = engine((8, 32))
+    assert replayed.prefill_graphs.graphs.padded_size(("prefill", 32), 5) == 8
+    for _ in range(2):  # the second rollout replays over the first one's cache contents
+        assert replayed.generate(prompts, 12).tokens == eager.tokens
