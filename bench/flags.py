@@ -152,3 +152,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+# The engines' prefill buckets (SpeculativeEngine(prefill_lengths=)) of the suites that run a real model's prompts.
+PREFILL_LENGTHS_FLAG = Flag(
+    "--prefill-lengths", (64, 128, 256, 512, 1024), "comma-separated prompt-length buckets whose prefill every "
+    "engine replays from a CUDA graph (SpeculativeEngine(prefill_lengths=); a bucket past an engine's capacity "
+    "becomes that capacity); '' runs the eager prefill", int_list, metavar="LIST")
+
+
+def prefill_buckets(lengths: Sequence[int], capacity: int) -> Tuple[int, ...]:
+    """``lengths`` with each bucket past ``capacity`` (an engine's ``max_seq_len``) cut to it: such a bucket holds
+    any prompt the engine can take."""
+    return tuple(sorted({min(length, capacity) for length in lengths}))

@@ -48,7 +48,7 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import Flag, positive_int, str_list, unit_fraction, values
+from ..flags import PREFILL_LENGTHS_FLAG, Flag, positive_int, prefill_buckets, str_list, unit_fraction, values
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
@@ -83,6 +83,7 @@ FLAGS = (
          positive_int),
     Flag("--spot-batch-fraction", 0.25, "the spot trainer starts when the batch falls below this fraction of its start "
          "(SpeculativeEngine(spot_batch_fraction=))", unit_fraction),
+    PREFILL_LENGTHS_FLAG,
 )
 
 
@@ -250,9 +251,10 @@ class RLRun:
             drafter = [eagle, "ngram"] if name == "spec" else eagle
         elif name == "spec-eagle-frozen":
             drafter = self._initial_eagle(model)
+        capacity = max(len(p) for p in self.prompt_ids) + self.max_new + 1
         engine = SpeculativeEngine(model, drafter, selector, GraphPool() if self.cuda else None, max_batch_size=batch,
-                                   max_seq_len=max(len(p) for p in self.prompt_ids) + self.max_new + 1,
-                                   fuse_step=self.cuda, logprobs=True, **extra)
+                                   max_seq_len=capacity, fuse_step=self.cuda, logprobs=True,
+                                   prefill_lengths=prefill_buckets(self.p.prefill_lengths, capacity), **extra)
         if self.cuda:
             engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
             if isinstance(selector, StrategySelector):  # the start-up table: no arm is judged on its first steps alone

@@ -72,7 +72,8 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import Flag, int_list, non_negative_int, positive_int, str_list, values
+from ..flags import (PREFILL_LENGTHS_FLAG, Flag, int_list, non_negative_int, positive_int, prefill_buckets, str_list,
+                     values)
 from ..jit_compiles import CompileCounter
 
 SUITE = "rollout"
@@ -109,9 +110,7 @@ FLAGS = (
          metavar="N"),
     Flag("--repeats", None, "rollouts per engine row; the row is the one of median wall time (default: 3; small 1)",
          int, metavar="N"),  # int like e2e's --repeats (one CLI option for both); checked in sizes()
-    Flag("--prefill-lengths", (), "comma-separated prompt-length buckets whose prefill every engine replays from a "
-         "CUDA graph (SpeculativeEngine(prefill_lengths=); default: none, the eager prefill)", int_list,
-         metavar="LIST"),
+    PREFILL_LENGTHS_FLAG,
     Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
          "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
          "(one KV cache and graph set in memory)", bool),
@@ -430,8 +429,7 @@ class RolloutRun:
         longest = max(len(p) for p in prompt_ids)
         self.max_batch = max([w.batch for w in self.works] + list(self.z.step_batches))
         self.max_seq = longest + max([max(w.lengths) for w in self.works] + [self.z.step_tokens])
-        # A bucket past the engines' capacity holds any prompt they can take: it becomes that capacity.
-        self.prefill_lengths = tuple(sorted({min(b, self.max_seq) for b in self.p.prefill_lengths}))
+        self.prefill_lengths = prefill_buckets(self.p.prefill_lengths, self.max_seq)
         self.graph_sizes = sorted(({1 << i for i in range(9)} & set(range(1, self.max_batch + 1)))
                                   | {w.batch for w in self.works} | set(self.z.step_batches))
         self._note_setup(prompts, prompt_ids)

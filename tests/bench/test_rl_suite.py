@@ -214,3 +214,18 @@ def test_spot_flags_reach_the_trainer_and_the_engine(tmp_path, monkeypatch):
     for bad in ("0", "1.5", "x"):
         with pytest.raises(SystemExit):
             parse(FLAGS, ["--spot-batch-fraction", bad])
+
+
+def test_prefill_lengths_reach_every_engine_cut_to_its_capacity(tmp_path, monkeypatch):
+    """--prefill-lengths sets every way's engine's buckets (default 64 .. 1024), each cut to the engine's capacity;
+    '' gives the eager prefill."""
+    from bench.flags import PREFILL_LENGTHS_FLAG
+
+    engines = _record_engines(monkeypatch)
+    base = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "plain,spec-ngram"]
+    assert main(base) == 0
+    assert main(base + ["--prefill-lengths", ""]) == 0
+    capacity = engines[0].max_seq_len
+    expected = tuple(sorted({min(b, capacity) for b in PREFILL_LENGTHS_FLAG.default}))
+    assert capacity < 1024 and expected[-1] == capacity
+    assert [e.prefill_graphs.lengths for e in engines] == [expected, expected, (), ()]

@@ -12,10 +12,10 @@ from tlt_kernels.runtime import GraphPool, Strategy
 from tlt_kernels.runtime.graph_pool import FakeGraphBackend
 
 
-def _engine(target, prefill_lengths, drafter="ngram", strategy=Strategy(3, 1, 4)):
+def _engine(target, prefill_lengths, drafter="ngram", strategy=Strategy(3, 1, 4), **kwargs):
     pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
     eng = SpeculativeEngine(target, drafter, strategy, pool, max_batch_size=8, max_seq_len=96, fuse_step=True,
-                            prefill_lengths=prefill_lengths)
+                            prefill_lengths=prefill_lengths, **kwargs)
     eng.capture_graphs([2, 8])
     assert eng.graph_error is None, eng.graph_error
     return eng
@@ -46,6 +46,24 @@ def test_batches_no_graph_holds_run_the_eager_prefill(target, monkeypatch):
     long = ragged_prompts(2, seed=4, first=9, step=2)
     eng.generate(long, 4)
     assert calls == [(2, 11)]  # longer than every bucket
+
+
+def test_prefill_max_tokens_bounds_the_captured_batches(target, monkeypatch):
+    """A bucket's graphs exist only at batch sizes whose ``batch x bucket`` fits ``prefill_max_tokens``; a larger
+    batch of that bucket runs the eager prefill."""
+    eng = _engine(target, (8, 32), prefill_max_tokens=64)
+    assert eng.graph_pool.captured_sizes(("prefill", 8)) == [2, 8]
+    assert eng.graph_pool.captured_sizes(("prefill", 32)) == [2]
+    calls = []
+    eager = eng.target.prefill
+    monkeypatch.setattr(eng.target, "prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
+    eng.generate(ragged_prompts(2, seed=4, first=10, step=3), 4)  # 10, 13 tokens: 2 x 32 replayed
+    assert calls == []
+    eng.generate(ragged_prompts(3, seed=4, first=10, step=3), 4)  # 4 x 32 > 64 tokens: eager
+    assert calls == [(3, 16)]
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_max_tokens"):
+            _engine(target, (8,), prefill_max_tokens=bad)
 
 
 def test_prefill_fresh_pads_without_changing_the_valid_outputs(target):

@@ -61,7 +61,7 @@ from .backlog import DrafterBacklog
 from .capture import FeatureCapture
 from .graphs import GraphReplay
 from .groups import sibling_table
-from .prefill import PrefillGraphs, check_prefill_lengths
+from .prefill import PrefillGraphs, check_prefill_lengths, check_prefill_max_tokens
 from .probe import measure_cost_table, probe_arms
 from .records import GenerateOutput, ProgressBar, StepLog
 from .sampling import RequestSampling
@@ -155,7 +155,10 @@ class SpeculativeEngine:
         prefill_lengths: prompt-length buckets whose prefill :meth:`capture_graphs` also records, at its batch
             sizes (:mod:`tlt_kernels.engine.prefill`): a batch whose longest prompt fits a bucket replays it, padded,
             instead of the eager prefill's hundreds of launches (the target needs ``prefill_fresh``). Each bucket
-            keeps static ``[max batch, bucket, H]`` hidden states. ``()`` (default): the eager prefill.
+            keeps static ``[batch, bucket, H]`` hidden states per captured batch size. ``()`` (default): the eager
+            prefill.
+        prefill_max_tokens: a bucket's graph is captured only at batch sizes ``b`` with ``b * bucket`` at most this
+            (its memory grows with it); larger batches of that bucket run the eager prefill.
         lazy_commit_steps: with a drafter that allows it (``lazy_commit``: the n-gram and EAGLE drafters, their
             union), plain steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the
             drafter learns the backlog as one path before its next draft, or after this many plain steps. A plain
@@ -167,7 +170,8 @@ class SpeculativeEngine:
                  spot_batch_fraction: float = 0.25, backend: str = "auto", progress: bool = False, fuse_step: bool = False,
                  overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
                  lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4,
-                 prioritize_rollout: bool = True, prefill_lengths: Sequence[int] = ()):
+                 prioritize_rollout: bool = True, prefill_lengths: Sequence[int] = (),
+                 prefill_max_tokens: int = 32768):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -210,7 +214,8 @@ class SpeculativeEngine:
         self.graph_pool = graph_pool
         self.graphs = GraphReplay(graph_pool)
         self.prefill_graphs = PrefillGraphs(target, self.cache, self.sink_table, self.graphs,
-                                            check_prefill_lengths(prefill_lengths, max_seq_len))
+                                            check_prefill_lengths(prefill_lengths, max_seq_len),
+                                            check_prefill_max_tokens(prefill_max_tokens))
         self.backlog = self._backlog(lazy_commit_steps)
         self.logprobs = bool(logprobs)
         target_step = TargetStep(target, self.cache, self.sink_table, backend, self.logprobs)

@@ -15,6 +15,13 @@ import torch
 import torch.nn.functional as F
 
 
+def check_prefill_max_tokens(max_tokens: int) -> int:
+    """``prefill_max_tokens`` as a positive int (ValueError naming the argument)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"prefill_max_tokens must be a positive int, got {max_tokens!r}")
+    return max_tokens
+
+
 def check_prefill_lengths(lengths: Sequence[int], max_seq_len: int) -> Tuple[int, ...]:
     """``prefill_lengths`` as sorted distinct ints in ``[1, max_seq_len]`` (ValueError naming the argument)."""
     values = tuple(lengths)
@@ -27,15 +34,19 @@ class PrefillGraphs:
     """Graph ``("prefill", L)`` per bucket ``L`` of ``lengths``: ``(tokens int64 [b, L], lengths int32 [b],
     block_table int32 [b, W]) -> (logits [b, V], hidden [b, L, H])`` of ``target.prefill_fresh`` into ``cache``."""
 
-    def __init__(self, target, cache, sink_table: torch.Tensor, graphs, lengths: Sequence[int]):
+    def __init__(self, target, cache, sink_table: torch.Tensor, graphs, lengths: Sequence[int],
+                 max_tokens: int = 32768):
         self.target, self.cache, self.sink_table, self.graphs = target, cache, sink_table, graphs
-        self.lengths = tuple(lengths)
+        self.lengths, self.max_tokens = tuple(lengths), max_tokens
 
     def register(self, batch_sizes: Sequence[int]) -> None:
-        """Add every bucket's graph to the pool at ``batch_sizes`` (captured with the engine's other graphs)."""
+        """Add every bucket's graph to the pool at those of ``batch_sizes`` whose ``batch x bucket`` is at most
+        ``max_tokens`` (a graph's activations and static hidden states grow with it; larger batches run eagerly)."""
         for length in self.lengths:
-            self.graphs.pool.add(("prefill", length), self._prefill, batch_sizes,
-                                 lambda b, length=length: self._padding_inputs(b, length))
+            sizes = [b for b in batch_sizes if b * length <= self.max_tokens]
+            if sizes:
+                self.graphs.pool.add(("prefill", length), self._prefill, sizes,
+                                     lambda b, length=length: self._padding_inputs(b, length))
 
     def _prefill(self, tokens, lengths, block_table):
         return self.target.prefill_fresh(tokens, lengths, self.cache, block_table)
