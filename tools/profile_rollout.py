@@ -39,6 +39,9 @@ def _parse_args():
     ap.add_argument("--arm", default="s4k1v5", help="the drafters' static strategy ('off' included; '' for plain only)")
     ap.add_argument("--drafters", default="ngram",
                     help="comma-separated drafters run with --arm: ngram, eagle (an untrained bf16 EAGLE layer)")
+    ap.add_argument("--adaptive", default="",
+                    help="comma-separated arms of an adaptive selector (its start-up cost table measured) profiled "
+                         "per drafter beside --arm (default: none)")
     ap.add_argument("--prefill-lengths", default="",
                     help="comma-separated prompt-length buckets whose prefill replays a CUDA graph, profiled beside "
                          "the eager prefill (default: the eager prefill only)")
@@ -49,13 +52,22 @@ def _parse_args():
 
 def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool, step_kernel: bool,
             prefill_lengths=()):
+    """A warmed-up engine, graphs captured; ``strategy`` a list of arms: an adaptive selector over them, started
+    from the measured cost table as the suites start theirs."""
     from tlt_kernels.engine import SpeculativeEngine
-    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime import GraphPool, StrategySelector
+
+    adaptive = isinstance(strategy, list)
+    if adaptive:
+        strategy = StrategySelector(strategy, seed=0)
 
     eng = SpeculativeEngine(target, drafter, strategy, GraphPool(), max_batch_size=max_batch, max_seq_len=max_seq,
                             fuse_step=True, overlap_steps=overlap, step_kernel=step_kernel,
                             prefill_lengths=prefill_lengths)
     eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
+    if adaptive:
+        eng.selector = StrategySelector(eng.strategies, seed=0, available=eng.covers,
+                                        cost_table=eng.measure_cost_table())
     eng.generate([[1, 2, 3]], 4)
     return eng
 
@@ -107,10 +119,21 @@ def _profile(name, eng, prompts, tokens: int, detail: bool, num_kernels: int = 1
     steps = len(out.steps)
     lines = [f"## {name}, B={len(prompts)}: {steps} steps, decode {sorted(per_step)[1]:.3f} ms/step (median step "
              f"{sorted(medians)[1]:.3f} ms), prefill {sorted(prefills)[1]:.2f} ms, wall {sorted(walls)[1]:.1f} ms, "
-             f"accepted length {out.mean_accepted_length():.2f}, graph steps {sum(s.graph for s in out.steps)}"]
+             f"accepted length {out.mean_accepted_length():.2f}, graph steps {sum(s.graph for s in out.steps)}"
+             + _arm_summary(out.steps)]
     if not detail:
         return lines
     return lines + _host_profile(eng, prompts, tokens, steps) + _torch_profile(eng, prompts, tokens, steps, num_kernels)
+
+
+def _arm_summary(steps) -> str:
+    """``; <arm> <steps> x <median ms>`` per strategy, when more than one ran (an adaptive engine)."""
+    by_arm = {}
+    for step in steps:
+        by_arm.setdefault(step.strategy, []).append(step.seconds * 1e3)
+    if len(by_arm) < 2:
+        return ""
+    return "; " + ", ".join(f"{arm} {len(ms)} x {sorted(ms)[len(ms) // 2]:.3f} ms" for arm, ms in by_arm.items())
 
 
 def _target_and_prompts(args):
@@ -162,6 +185,9 @@ def main() -> None:
     if args.arm:
         configs += [(f"{name} {args.arm}", _drafter(name, target), Strategy.parse(args.arm))
                     for name in args.drafters.split(",")]
+    if args.adaptive:
+        arms = [Strategy.parse(a) for a in args.adaptive.split(",")]
+        configs += [(f"{name} adaptive", _drafter(name, target), arms) for name in args.drafters.split(",")]
     lines = []
     for name, drafter, strategy in configs:
         for overlap, step_kernel, prefill in _variants(args):
