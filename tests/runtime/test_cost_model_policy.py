@@ -48,23 +48,6 @@ def test_the_best_predicted_first_play_then_the_best_prediction():
     assert pol.choose(0, 8, [0, 1, 2], step=2) == 2
 
 
-@pytest.mark.parametrize("min_gain, gain, expected", [
-    (0.03, 1.02, 0),  # a played arm predicting 2% over plain decoding: plain decoding
-    (0.03, 1.05, 1),  # 5%: the arm
-    (0.0, 1.005, 1),  # no margin: the best prediction
-])
-def test_a_played_arm_must_beat_plain_decoding_by_min_gain(min_gain, gain, expected):
-    """Past exploration a speculative arm is played only when its prediction beats plain decoding's by
-    ``min_gain`` (a fraction of plain decoding's); plain decoding not allowed: the best arm whatever its gain."""
-    pol = _bound(cost_table={OFF: [(1, 1.0e-3)], SHORT: [(1, 1.2e-3)]}, min_gain=min_gain)
-    pol.played[1] = pol.group_played[pol.acceptance.group[1]] = True
-    pol.deepest_played = SHORT.num_steps
-    pol.acceptance.tokens[1] = 1.2 * gain  # SHORT's prediction is gain x plain decoding's
-    assert pol.predict(0, 1, 1) == pytest.approx(gain * pol.predict(0, 0, 1))
-    assert pol.choose(0, 1, [0, 1], step=5) == expected
-    assert pol.choose(0, 1, [1], step=5) == 1
-
-
 def test_accepted_counts_of_the_wrong_length_are_refused():
     pol = _bound()
     with pytest.raises(ValueError, match="accepted_per_position"):
@@ -80,7 +63,6 @@ def test_observed_tokens_are_used_without_accepted_counts():
 @pytest.mark.parametrize("option, value", [
     ("prior_accept", 1.0), ("model_sd", 0.0), ("detect", 0.0), ("min_trials", -1.0), ("min_support", -1.0),
     ("keep_on_change", 2.0), ("offset_prior", 0.0), ("offset_mean", float("nan")), ("explore_margin", 1.5),
-    ("min_gain", -0.01), ("min_gain", 1.5),
 ])
 def test_kept_options_are_validated(option, value):
     with pytest.raises(ValueError, match=option):

@@ -50,8 +50,7 @@ class _ReferenceCost(CostModelPolicy):
                 return a
         # A never-played speculative arm is played once, the best predicted first, if it brings the model a
         # new width group or depth (or always, without explore_per_group), or if it predicts within
-        # explore_margin of the best arm; otherwise the best prediction wins, but a speculative arm only when it
-        # predicts min_gain more than plain decoding (if allowed).
+        # explore_margin of the best arm; otherwise the best prediction wins.
         group = self.acceptance.group
         played = [b for b in range(len(self.arms)) if self.depth[b] and self.played[b]]
         groups = {group[b] for b in played}
@@ -65,9 +64,6 @@ class _ReferenceCost(CostModelPolicy):
         near = max(unplayed, key=predict, default=None)
         if near is not None and predict(near) >= (1.0 - self.explore_margin) * predict(best):
             return near
-        plain = [a for a in allowed if not self.depth[a]]
-        if plain and predict(best) < (1.0 + self.min_gain) * predict(plain[0]):
-            return plain[0]
         return best
 
 

@@ -7,11 +7,8 @@ table corrected online per bucket (:class:`~.step_time_model.StepTimeModel`). A 
 played once, the best predicted first, if it is the first of its width group or deeper than every arm played so far
 (``explore_per_group``): only then does its first play measure a parameter the model lacks; otherwise it competes
 on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
-only its own counts settle). Past exploration a speculative arm must predict ``min_gain`` more than plain decoding
-to be played: its prediction is optimistic and follows the lagging requests' mean, while a static batch ends with
-its slowest request, so a predicted gain smaller than that margin was measured to turn into a loss on a real model
-(docs/RUNTIME.md); the margin caps what the rule can give up against the best arm. On an alarm of the change
-detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`). docs/RUNTIME.md has the derivation and measurements.
+only its own counts settle). On an alarm of the change detector (:mod:`.change_detector`) the model forgets
+(:meth:`~.acceptance_model.SharedAcceptanceModel.forget`). docs/RUNTIME.md has the derivation and measurements.
 """
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ LEVEL_REFRESH_TOLERANCE = 0.05
 
 
 def _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
-                   offset_mean, explore_margin, min_gain=0.0) -> None:
+                   offset_mean, explore_margin) -> None:
     if detect is not None and not detect > 0:
         raise ValueError(f"detect must be a positive CUSUM threshold or None, got {detect}")
     if not 0.0 <= keep_on_change <= 1.0:
@@ -49,8 +46,6 @@ def _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep
         raise ValueError(f"offset_mean must be a finite number (a multiple of log(width)), got {offset_mean!r}")
     if not 0.0 <= explore_margin <= 1.0:
         raise ValueError(f"explore_margin must be in [0, 1] (a fraction of the best prediction), got {explore_margin}")
-    if not 0.0 <= min_gain <= 1.0:
-        raise ValueError(f"min_gain must be in [0, 1] (a fraction of plain decoding's prediction), got {min_gain}")
 
 
 class CostModelPolicy(Policy):
@@ -73,9 +68,6 @@ class CostModelPolicy(Policy):
         explore_per_group: force a first play only of an arm that brings the model a new width group or depth, or
             is a near-tie; False: of every arm.
         explore_margin: the near-tie margin, a fraction of the best prediction in [0, 1].
-        min_gain: the fraction by which a played speculative arm's prediction must beat plain decoding's (when
-            plain decoding is allowed) for the choice to leave plain decoding, in [0, 1]; forced first plays and
-            near-tie explorations are not held to it.
 
     Attributes (after ``bind``): ``acceptance`` (:class:`SharedAcceptanceModel`), ``step_time``
     (:class:`StepTimeModel`), ``detector`` (:class:`ChangeDetector`); ``tokens`` and ``changes`` (steps of alarms).
@@ -86,9 +78,9 @@ class CostModelPolicy(Policy):
     def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
                  detect: Optional[float] = 8.0, min_trials: float = 1.0, min_support: float = 8.0,
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
-                 explore_per_group: bool = True, explore_margin: float = 0.05, min_gain: float = 0.03):
+                 explore_per_group: bool = True, explore_margin: float = 0.05):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
-                       offset_mean, explore_margin, min_gain)
+                       offset_mean, explore_margin)
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         self.cost_table = cost_table
@@ -103,7 +95,6 @@ class CostModelPolicy(Policy):
         self.offset_mean = offset_mean
         self.explore_per_group = explore_per_group
         self.explore_margin = explore_margin
-        self.min_gain = min_gain
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -150,7 +141,6 @@ class CostModelPolicy(Policy):
         best, best_v = -1, -1.0
         new, new_v = -1, -1.0  # the never-played arm with the best (prior) prediction whose first play is forced
         near, near_v = -1, -1.0  # the best never-played arm whose first play is optional (a near-tie)
-        plain, plain_v = -1, -1.0  # plain decoding, when allowed: the arm a speculative one must beat by min_gain
         for a in allowed:
             r = rate[a]
             if r:
@@ -159,9 +149,7 @@ class CostModelPolicy(Policy):
                 v = batch_size * tokens[a] / ratios[a]
             else:
                 return a
-            if not depth[a]:
-                plain, plain_v = a, v
-            elif not played[a]:
+            if depth[a] and not played[a]:
                 if self._first_play_is_forced(a):
                     if v > new_v:
                         new, new_v = a, v
@@ -172,9 +160,7 @@ class CostModelPolicy(Policy):
                 best, best_v = a, v
         if new >= 0:
             return new
-        if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v:
-            return near
-        return plain if plain >= 0 and best_v < (1.0 + self.min_gain) * plain_v else best
+        return near if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v else best
 
     def _first_play_is_forced(self, a: int) -> bool:
         """Whether never-played arm ``a``'s first play measures something the model lacks (a new width group or a
