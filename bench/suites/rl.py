@@ -17,7 +17,10 @@ seeds (``--ways``):
   in each rollout's tail (``--spot-batch-fraction``; loss depths ``--spot-unroll-steps``) on the responses of the
   current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
   keeps up as the policy's weights change (steps stop overlapping once the trainer starts: it works between
-  steps); log-probs from the rollout (``SpeculativeEngine(logprobs=True)``);
+  steps); with ``--spot-device`` (e.g. ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the
+  drafter there (:meth:`~tlt_kernels.drafter.EagleDrafter.replica`) whose copy of the policy's head is refreshed
+  after every policy update, and publishes to the serving drafter on the rollout's device; log-probs from the
+  rollout (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
 * ``spec-eagle``: the adaptive selector with the spot-trained EAGLE drafter alone;
@@ -42,7 +45,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from collections import Counter
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -83,6 +86,9 @@ FLAGS = (
          positive_int),
     Flag("--spot-batch-fraction", 0.25, "the spot trainer starts when the batch falls below this fraction of its start "
          "(SpeculativeEngine(spot_batch_fraction=))", unit_fraction),
+    Flag("--spot-device", None, "the spot trainer's device (e.g. cuda:1, a GPU the rollout leaves idle): it trains a "
+         "replica of the drafter there and refreshes its copy of the policy's head after every policy update "
+         "(default: the rollout's device, sharing the policy's head)", metavar="DEVICE"),
     PREFILL_LENGTHS_FLAG,
 )
 
@@ -117,12 +123,26 @@ class Way:
     arm_steps: Counter = field(default_factory=Counter)
     tail_steps: int = 0  # decoding steps in the tails of the rollouts (their seconds: the rows' tail_s)
     spot: Counter = field(default_factory=Counter)  # the spot trainer's micro-steps, optimizer steps and seconds
+    after_update: Optional[Callable[[], None]] = None  # runs after each policy update (a replica's head refresh)
 
 
 def _sizes(small: bool, p):
     pick = lambda value, big, tiny: value if value is not None else (tiny if small else big)  # noqa: E731
     return (pick(p.steps, 8, 2), pick(p.prompts_per_step, 8, 2), pick(p.group_size, 8, 3),
             pick(p.max_new_tokens, 256, 10))
+
+
+def _spot_device(text: Optional[str]) -> Optional[torch.device]:
+    """``--spot-device`` as a device that exists here (None: not given), else a ValueError naming the flag."""
+    if not text:
+        return None
+    try:
+        device = torch.device(text)
+    except RuntimeError as exc:
+        raise ValueError(f"--spot-device: not a device: {text!r} ({exc})") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--spot-device {text}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def tail_steps(steps, num_requests: int) -> list:
@@ -190,6 +210,7 @@ class RLRun:
             raise ValueError(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
         if not self.p.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (GRPO samples its groups), got {self.p.temperature}")
+        self.spot_device = _spot_device(self.p.spot_device)
 
     def load(self) -> None:
         """The models (ours and transformers'), how text becomes prompt ids and back, and every step's problems."""
@@ -228,9 +249,13 @@ class RLRun:
                       _hf_rollout(hf, self.pad, self.max_new, self.p.temperature, self.eos))
         else:
             model = copy.deepcopy(self.ours)
+            engine = self._engine(name, model)
             way = Way(name, model, lambda t: model(t, validate=False)[0] / self.p.temperature,
-                      _engine_rollout(self._engine(name, model), self.max_new, self.p.temperature, self.eos,
+                      _engine_rollout(engine, self.max_new, self.p.temperature, self.eos,
                                       use_groups=name in GROUP_WAYS))
+            trainer = engine.spot_trainer
+            if trainer is not None and self.p.spot_device:  # the replica's copy of the head follows the policy
+                way.after_update = lambda: trainer.drafter.copy_shared_from(engine.drafter)
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
         return way
 
@@ -264,13 +289,17 @@ class RLRun:
 
     def _spot_trained_eagle(self, model):
         """A fresh EAGLE drafter and the engine arguments of the spot trainer that keeps it up with the policy."""
-        from tlt_kernels.drafter import RolloutBuffer, SpotTrainer
+        from tlt_kernels.drafter import RolloutBuffer, SpotTrainer, WeightsHolder
 
         buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32,
                                pin_memory=self.cuda)  # pinned: adding a finished request never waits for the GPU
-        # The serving drafter and the trainer's copy start from the same weights.
-        trainer = SpotTrainer(self._initial_eagle(model), buffer, lr=1e-3, warmup_steps=20,
-                              unroll_steps=self.p.spot_unroll_steps, autocast_dtype=torch.bfloat16 if self.cuda else None)
+        # The serving drafter and the trainer's copy start from the same weights; on another device the copy is a
+        # replica (its own head) and publishes to the serving drafter's device.
+        trained, holder = self._initial_eagle(model), None
+        if self.p.spot_device:
+            trained, holder = trained.replica(self.spot_device), WeightsHolder(device=model.device)
+        trainer = SpotTrainer(trained, buffer, holder, lr=1e-3, warmup_steps=20, unroll_steps=self.p.spot_unroll_steps,
+                              autocast_dtype=torch.bfloat16 if self.cuda else None)
         return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer,
                                                 spot_batch_fraction=self.p.spot_batch_fraction)
 
@@ -320,6 +349,8 @@ class RLRun:
         way.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         way.optimizer.step()
+        if way.after_update is not None:
+            way.after_update()
         return float(loss.detach())
 
     def summary(self, ways: List[Way]) -> None:

@@ -229,3 +229,23 @@ def test_prefill_lengths_reach_every_engine_cut_to_its_capacity(tmp_path, monkey
     expected = tuple(sorted({min(b, capacity) for b in PREFILL_LENGTHS_FLAG.default}))
     assert capacity < 1024 and expected[-1] == capacity
     assert [e.prefill_graphs.lengths for e in engines] == [expected, expected, (), ()]
+
+
+def test_spot_device_trains_a_replica_whose_head_follows_the_policy(tmp_path, monkeypatch):
+    """--spot-device: the spot-trained ways' trainer trains a replica of the serving drafter (no tensor shared with
+    it or the policy), publishing into a holder on the policy's device; after every policy update the replica's
+    copy of the head equals the policy's. A device that does not exist is refused, naming the flag."""
+    engines = _record_engines(monkeypatch)
+    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle", "--spot-device", "cpu"]
+    assert main(argv) == 0
+    (engine,) = engines
+    trainer, serving = engine.spot_trainer, engine.drafter
+    assert trainer.drafter is not serving and trainer.holder.device == torch.device("cpu")
+    policy = {t.data_ptr() for t in engine.target.state_dict().values()}
+    replica_head = [t for module in trainer.drafter._shared for t in module.state_dict().values()]
+    assert not {t.data_ptr() for t in replica_head} & policy
+    for mine, theirs in zip(trainer.drafter._shared, serving._shared):  # refreshed after the last update
+        for name, value in theirs.state_dict().items():
+            assert torch.equal(mine.state_dict()[name], value), name
+    for bad in ("gpu:0", "cuda:99"):
+        assert main(argv[:-1] + [bad]) != 0

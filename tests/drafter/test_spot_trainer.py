@@ -251,3 +251,46 @@ def test_unrolled_loss_is_the_mean_over_depths_and_trains_deep_drafts():
     assert evaluate_acceptance(d, feats, toks, depth=4, topk=2, num_verify=8, num_starts=4) >= 4.5
     with pytest.raises(ValueError, match="unroll_steps"):
         SpotTrainer(d, buf, unroll_steps=0)
+
+
+def _tensors(drafter):
+    """Data pointers of a drafter's own weights and of its copies of the target's (embedding, head, norm)."""
+    shared = [t for module in drafter._shared for t in module.state_dict().values()]
+    return {t.data_ptr() for t in list(drafter.state_dict().values()) + shared}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_replica_trains_apart_and_takes_the_targets_new_head(tied):
+    """EagleDrafter.replica (what a spot trainer on another GPU trains): no tensor shared with the drafter or the
+    target, the same drafts; its training reaches the serving drafter only through the holder; copy_shared_from
+    brings the target's changed head (an RL policy update) into its frozen copies."""
+    tgt, d, buf, _ = _setup()
+    if tied:
+        tgt.lm_head.weight = tgt.embed_tokens.weight
+    twin = d.replica("cpu")
+    assert not _tensors(twin) & (_tensors(d) | {t.data_ptr() for t in tgt.state_dict().values()})
+    assert (twin._shared[0].weight is twin._shared[1].weight) == tied
+    assert all(not p.requires_grad for module in twin._shared for p in module.parameters())
+    feature = torch.randn(3, 64)
+    torch.testing.assert_close(twin.head_logits(feature), d.head_logits(feature), rtol=0, atol=0)
+    serving = {k: v.clone() for k, v in d.state_dict().items()}
+    head = {k: v.clone() for k, v in tgt.state_dict().items()}
+    trainer = SpotTrainer(twin, buf, holder=WeightsHolder(), lr=3e-3, warmup_steps=1, batch_size=4, seq_len=8)
+    trainer.run(max_steps=3)
+    assert all(torch.equal(serving[k], v) for k, v in d.state_dict().items())  # untouched until it loads
+    assert all(torch.equal(head[k], v) for k, v in tgt.state_dict().items())  # the target never trains here
+    assert d.maybe_update(trainer.holder)
+    assert all(torch.equal(twin.state_dict()[k], v) for k, v in d.state_dict().items())
+    with torch.no_grad():
+        tgt.lm_head.weight.add_(1.0)
+        tgt.norm.weight.mul_(2.0)
+    assert not torch.equal(twin.head_logits(feature), d.head_logits(feature))
+    twin.copy_shared_from(d)
+    torch.testing.assert_close(twin.head_logits(feature), d.head_logits(feature), rtol=0, atol=0)
+
+
+def test_copy_shared_from_a_drafter_of_another_shape_is_refused():
+    tgt, d, _, _ = _setup()
+    other = EagleDrafter.for_target(tgt, intermediate_size=64, final_norm=nn.LayerNorm(64))
+    with pytest.raises(ValueError, match="copy_shared_from"):
+        d.replica("cpu").copy_shared_from(other)

@@ -248,6 +248,31 @@ def test_gpu_rollout_with_a_spot_trainer_outranks_the_trainer_stream(prompts, mo
             assert step_priorities[0] == caller.priority
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA GPU for the trainer")
+def test_gpu_spot_trainer_on_a_second_gpu_trains_a_replica_and_publishes_to_the_rollout(prompts):
+    """The trainer on cuda:1 trains a replica of the serving drafter (cuda:0), publishing into a holder on cuda:0
+    that the rollout loads between steps; greedy output stays plain decoding's."""
+    from tlt_kernels.drafter import WeightsHolder
+
+    gpu = tiny_trained_target().cuda()
+    lens = [4, 4, 4, 4, 4, 4, 40]
+    ref = reference_generate(gpu, prompts, max(lens))
+    serving = EagleDrafter.for_target(gpu)
+    buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
+    trainer = SpotTrainer(serving.replica("cuda:1"), buf, WeightsHolder(device=gpu.device), batch_size=4, seq_len=8,
+                          warmup_steps=1)
+    eng = SpeculativeEngine(gpu, serving, Strategy(2, 2, 4), max_batch_size=8, max_seq_len=64, spot_trainer=trainer,
+                            rollout_buffer=buf, backend="torch")
+    for _ in range(2):  # the second rollout's buffer holds the first's tokens: the trainer runs
+        out = eng.generate(prompts, lens)
+        assert out.spot is not None and "error" not in out.spot, out.spot
+        assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))
+    assert trainer.micro_steps > 0 and trainer.holder.version > 0
+    assert all(p.device == torch.device("cuda:1") for p in trainer.drafter.parameters())
+    assert all(w.device == gpu.device for w in trainer.holder.latest().state_dict.values())
+
+
 def test_validation_errors(target, prompts):
     with pytest.raises(ValueError, match="need a drafter"):
         SpeculativeEngine(target, None, Strategy(2, 1, 3))

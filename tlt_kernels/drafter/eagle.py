@@ -33,6 +33,7 @@ deterministic-candidate rule (``draft_probs=None``), which is lossless for any c
 """
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import dataclass
@@ -324,6 +325,33 @@ class EagleDrafter(nn.Module):
     @property
     def embed_weight(self) -> torch.Tensor:
         return self._shared[0].weight.detach()
+
+    def replica(self, device) -> "EagleDrafter":
+        """A copy of this drafter on ``device`` that shares nothing with it or with the target: its own weights (a
+        copy, same dtype) and frozen copies of the target's embedding, head and final norm (tied ones stay tied).
+        What a spot trainer on another GPU trains; :meth:`copy_shared_from` refreshes the head after the target
+        changed (an RL policy update)."""
+        device = torch.device(device)
+        head = copy.deepcopy(self._shared)  # one memo: a tied embedding and head stay one tensor
+        for module in head:
+            module.to(device).requires_grad_(False)
+        twin = EagleDrafter(self.config, *head)
+        twin.load_state_dict(self.state_dict())
+        twin.weights_version = self.weights_version
+        param = next(self.parameters())
+        return twin.to(device=device, dtype=param.dtype)
+
+    @torch.no_grad()
+    def copy_shared_from(self, source: "EagleDrafter") -> None:
+        """Copy ``source``'s view of the target (embedding, head, final norm) into this drafter's (a
+        :meth:`replica`'s) frozen copies, in place; its own weights are left alone."""
+        for mine, theirs in zip(self._shared, source._shared):
+            targets, values = mine.state_dict(keep_vars=True), theirs.state_dict()
+            if targets.keys() != values.keys():
+                raise ValueError(f"copy_shared_from: the source's shared module has tensors {sorted(values)}, "
+                                 f"this drafter's {sorted(targets)}")
+            for name, tensor in targets.items():
+                tensor.copy_(values[name], non_blocking=True)
 
     def head_logits(self, feature: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """``lm_head(final_norm(feature))`` with the target's weights (no grad into them). ``fused``: the norm in one
