@@ -106,8 +106,8 @@ def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, left, finish
            BLOCK_ALL: tl.constexpr, BLOCK_D: tl.constexpr):
     """The staging vector: finished, failed, was_done, new context lengths (``[b]`` each), emitted tokens, tried
     tokens (accepted + 1 of the live rows), generated tokens of all ``B``, rows reaching each depth 1..depth; with
-    ``depth`` > 0 then whether a live row ran and, 0/1 per depth, whether the critical row reached it: of the lagging
-    rows (live rows with the most tokens ``left`` before the step) the one that accepted fewest drafts."""
+    ``depth`` > 0 then the lagging rows (live rows with the most tokens ``left`` before the step) and how many of them
+    reached each depth."""
     tl.store(Values + i, finished.to(tl.int64), mask=in_b)
     tl.store(Values + b + i, failed.to(tl.int64), mask=in_b)
     tl.store(Values + 2 * b + i, was_done.to(tl.int64), mask=in_b)
@@ -122,10 +122,9 @@ def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, left, finish
     reached = live[:, None] & (n_acc[:, None] >= d[None, :] + 1)
     tl.store(Values + 4 * b + 3 + d, tl.sum(reached.to(tl.int64), axis=0), mask=d < depth)
     lagging = live & (left == tl.max(tl.where(live, left, -1), axis=0))
-    any_lagging = tl.sum(lagging.to(tl.int64), axis=0) > 0
-    critical = tl.min(tl.where(lagging, n_acc, depth), axis=0)  # the lagging row that accepted fewest drafts
-    tl.store(Values + 4 * b + 3 + depth, any_lagging.to(tl.int64), mask=depth > 0)
-    tl.store(Values + 4 * b + 4 + depth + d, ((critical >= d + 1) & any_lagging).to(tl.int64), mask=d < depth)
+    tl.store(Values + 4 * b + 3 + depth, tl.sum(lagging.to(tl.int64), axis=0), mask=depth > 0)
+    lagging_reached = lagging[:, None] & (n_acc[:, None] >= d[None, :] + 1)
+    tl.store(Values + 4 * b + 4 + depth + d, tl.sum(lagging_reached.to(tl.int64), axis=0), mask=d < depth)
 
 
 def staged_length(b: int, depth: int) -> int:

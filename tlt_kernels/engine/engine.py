@@ -10,7 +10,7 @@ One decoding step over the ``b`` requests still running::
     emit res.tokens up to each budget, cut after EOS         # emit
     drafter.commit(rows, accepted path)                      # commit (EAGLE: target features of the path)
     requests that finished leave the batch                   # retire
-    selector.update(s, b, emitted, step_seconds, the critical row's accepted_per_position)   # it decides the end
+    selector.update(s, b, emitted, step_seconds, lagging rows' accepted_per_position)   # they decide the end
 
 The host reads a step's outcome once (finished rows, counts for the selector). With ``overlap_steps`` (the default)
 it launches step t+1 before reading step t's outcome, so that read, the selector update and the next launch's
@@ -544,12 +544,11 @@ class SpeculativeEngine:
         if batch_size == 0:  # an overlapped step after the last request finished: no step of the rollout
             return elapsed_s
         if self.selector is not None:
-            # The acceptance the selector learns is the critical row's: the rollout ends when the lagging rows
-            # finish, and the most tokens left fall by what the least lucky of them accepted.
-            critical = counts.critical_rows or None
+            # The acceptance the selector learns is the lagging rows': the rollout ends when they finish.
+            lagging = counts.lagging_rows or None
             self.selector.update(step.strategy, batch_size, counts.tried, step_s,
-                                 counts.critical_accepted_per_depth if critical else counts.accepted_per_depth,
-                                 accepted_rows=critical)
+                                 counts.lagging_accepted_per_depth if lagging else counts.accepted_per_depth,
+                                 accepted_rows=lagging)
         record = StepLog(len(rollout.steps), batch_size, str(step.strategy), step.width, counts.emitted,
                          counts.emitted / batch_size, step_s, elapsed_s, step.replayed)
         rollout.steps.append(record)

@@ -53,11 +53,9 @@ class StepCounts(NamedTuple):
     """The host's copy of a step's outcome (one transfer): ``finished`` / ``failed`` / ``was_done`` lists of ``b``
     bools (Python lists: the host's bookkeeping then costs no tensor op), ``emitted`` tokens, ``tried`` (accepted + 1
     summed over rows that neither failed nor had finished), ``generated`` tokens so far, ``accepted_per_depth`` (rows
-    whose path reached depth 1..num_steps; None when nobody asked), ``critical_rows`` (1 when a live row ran, else 0)
-    and ``critical_accepted_per_depth`` (0/1 per depth: whether the critical row's path reached it; both None when
-    nobody asked). The critical row is, of the live rows with the most tokens left before the step (the lagging
-    ones: a static batch finishes when they do), the one that accepted fewest drafts: the batch's most tokens left
-    fall by its tokens, so its acceptance is the step's progress towards the rollout's end."""
+    whose path reached depth 1..num_steps; None when nobody asked), ``lagging_rows`` (live rows with the most tokens
+    left before the step: a static batch finishes when they do) and ``lagging_accepted_per_depth`` (how many of them
+    reached each depth; both None when nobody asked)."""
 
     finished: List[bool]
     failed: List[bool]
@@ -66,8 +64,8 @@ class StepCounts(NamedTuple):
     tried: int
     generated: int
     accepted_per_depth: Optional[list]
-    critical_rows: Optional[int] = None
-    critical_accepted_per_depth: Optional[list] = None
+    lagging_rows: Optional[int] = None
+    lagging_accepted_per_depth: Optional[list] = None
 
 
 @dataclass
@@ -221,10 +219,7 @@ class RolloutState:
             parts.append((reached & live.unsqueeze(1)).sum(0))
             left = emission.left
             lagging = live & (left == torch.where(live, left, torch.full_like(left, -1)).max())
-            critical = torch.where(lagging, num_accepted, torch.full_like(num_accepted, depth)).min()
-            any_lagging = lagging.any()
-            depths = self.arange(1, depth + 1, num_accepted.device)
-            parts += [any_lagging.to(torch.int64).view(1), ((critical >= depths) & any_lagging).to(torch.int64)]
+            parts += [lagging.sum().view(1), (reached & lagging.unsqueeze(1)).sum(0)]
         return self._to_host(torch.cat(parts), rows, depth)
 
     @staticmethod
@@ -281,9 +276,9 @@ class RolloutState:
         depth = staged.depth
         if depth == 0:
             return StepCounts(finished, failed, was_done, emitted, tried, generated, None)
-        critical = host[4 * b + 3 + depth: 4 * b + 4 + 2 * depth]
+        lagging = host[4 * b + 3 + depth: 4 * b + 4 + 2 * depth]
         return StepCounts(finished, failed, was_done, emitted, tried, generated, host[4 * b + 3: 4 * b + 3 + depth],
-                          critical[0], critical[1:])
+                          lagging[0], lagging[1:])
 
     def retire(self, rows: List[int], counts: StepCounts, elapsed_s: float) -> List[int]:
         """Drop the step's ``rows`` that finished at this step from ``active_rows`` (rows that had finished before
