@@ -212,6 +212,36 @@ def _engine_trace(ctx, trace, origin: str, label: str) -> None:
              "to emit the oracle's tokens of every step at the run's per-step efficiency (the same work for every row)")
 
 
+STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
+
+
+def _static_batches(ctx, seeds) -> None:
+    """Static batches of a launch-bound small target (:mod:`tlt_kernels.runtime.static_batch`): the wall time of each
+    static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given)."""
+    from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
+    from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, lagging_feedback,
+                                                  run_static_batch, selector_observer, static_batches)
+
+    arms = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
+    feedbacks = {"batch": batch_feedback, "lagging (the engine's)": lagging_feedback, "critical": critical_feedback}
+    for batch in static_batches():
+        table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32)] for a in arms})
+        seconds = {f"static {a}": sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
+        for name, feedback in feedbacks.items():
+            total = 0.0
+            for s in seeds:
+                selector = StrategySelector(arms, seed=s, cost_table=table)
+                total += run_static_batch(batch, selector.select, selector_observer(selector), feedback, s)
+            seconds[f"cost, {name} feedback"] = total
+        plain, best = seconds["static off"], min(seconds[f"static {a}"] for a in arms)
+        for name, total in seconds.items():
+            ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
+                    vs_best_static=round(best / total, 4))
+    ctx.note("static batches: every request has 128 tokens and its own acceptance; ms = the batch's simulated wall "
+             "time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is "
+             "what the selector learns after each step (tlt_kernels/runtime/static_batch.py)")
+
+
 def run(ctx) -> None:
     from tlt_kernels.runtime import DEFAULT_POLICY
     from tlt_kernels.runtime.simulate import DEFAULT_ARMS, evaluate, standard_workloads
@@ -233,6 +263,7 @@ def run(ctx) -> None:
                     vs_best_static=round(r["vs_best_static"], 4), vs_off=round(r["vs_off"], 4),
                     reconverge_steps=r["reconverge_steps"], settle_steps=r["settle_steps"])
     _engine_traces(ctx)
+    _static_batches(ctx, seeds)
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
     for p in POLICIES:

@@ -1,0 +1,59 @@
+"""The static-batch simulation (tlt_kernels.runtime.static_batch): the feedback rules, the batch's wall time."""
+import numpy as np
+import pytest
+
+from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
+from tlt_kernels.runtime.static_batch import (SMALL_MODEL_COST, StaticBatch, batch_feedback, critical_feedback,
+                                              lagging_feedback, run_static_batch, selector_observer, static_batches)
+
+REACH = np.array([3, 0, 2, 1, 0])
+LEFT = np.array([9, 12, 12, 5, 12])  # requests 1, 2 and 4 lag
+
+
+def test_feedback_rules_count_the_rows_they_name():
+    assert batch_feedback(REACH, LEFT, 3) == ([3, 2, 1], None)
+    assert lagging_feedback(REACH, LEFT, 3) == ([1, 1, 0], 3)  # request 2 reached depth 2, 1 and 4 none
+    assert critical_feedback(REACH, LEFT, 3) == ([0, 0, 0], 1)  # the lagging row that accepted fewest
+    assert critical_feedback(np.array([3, 2]), np.array([7, 7]), 3) == ([1, 1, 0], 1)
+
+
+def test_plain_decoding_takes_budget_steps_of_the_plain_step():
+    batch = StaticBatch("b", [0.5] * 4, budget=10)
+    seconds = run_static_batch(batch, lambda b: Strategy.off())
+    assert seconds == pytest.approx(10 * SMALL_MODEL_COST(Strategy.off(), 4))
+
+
+@pytest.mark.parametrize("alpha, faster", [(0.95, True), (0.0, False)])
+def test_a_static_arm_wins_or_loses_by_its_acceptance(alpha, faster):
+    batch = StaticBatch("b", [alpha] * 8, budget=64)
+    plain = run_static_batch(batch, lambda b: Strategy.off())
+    chain = run_static_batch(batch, lambda b: Strategy(4, 1, 5), seed=1)
+    assert (chain < plain) == faster
+
+
+def test_the_batch_ends_with_its_slowest_request():
+    """One request that accepts nothing among ones that accept everything: a chain's wall time is that request's
+    budget of steps at the chain's step cost."""
+    batch = StaticBatch("b", [0.0] + [0.999] * 7, budget=32)
+    arm = Strategy(3, 1, 4)
+    assert run_static_batch(batch, lambda b: arm) == pytest.approx(32 * SMALL_MODEL_COST(arm, 8), rel=0.05)
+
+
+def test_a_selector_fed_the_whole_batch_is_fooled_by_lucky_requests():
+    """A few requests accept long drafts, most none: the batch's counts make speculation look good while the
+    lagging requests' show it does not shorten the batch (the engine's rule)."""
+    batch = StaticBatch("b", [0.9] * 6 + [0.02] * 26, budget=96)
+    arms = (Strategy.off(), Strategy(4, 1, 5))
+    table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 8, 32)] for a in arms})
+    seconds = {}
+    for name, feedback in (("batch", batch_feedback), ("lagging", lagging_feedback)):
+        sel = StrategySelector(arms, seed=0, cost_table=table)
+        seconds[name] = run_static_batch(batch, sel.select, selector_observer(sel), feedback)
+    plain = run_static_batch(batch, lambda b: Strategy.off())
+    assert seconds["lagging"] < seconds["batch"] and seconds["lagging"] <= 1.05 * plain
+
+
+def test_static_batches_cover_the_batch_sizes():
+    batches = static_batches((1, 4))
+    assert [len(b.alphas) for b in batches] == [1, 1, 1, 4, 4, 4]
+    assert all(0.0 <= a <= 1.0 for b in batches for a in b.alphas)

@@ -1,0 +1,124 @@
+"""A static batch's rollout, simulated: what the engine's selector sees and what the batch's wall time is.
+
+:mod:`.simulate` scores a choice by its throughput at one acceptance shared by every request. A static batch
+(``SpeculativeEngine.generate``) ends when its last request does, and requests differ: a few accept long drafts,
+most accept little. So the wall time, not the batch's mean throughput, is the score here, and each request ``i``
+accepts with its own base acceptance ``alphas[i]`` (:func:`~.simulate.alpha_eff` per request).
+
+After each step the selector learns acceptance counts through a *feedback rule*, a function
+``(reach int [b], left_before int [b], depth) -> (accepted_per_position, accepted_rows or None)``:
+
+* :func:`batch_feedback`: every running request's counts (a throughput view);
+* :func:`lagging_feedback`: the engine's rule: the counts of the requests with the most tokens left before the step
+  (the lagging ones), over as many rows;
+* :func:`critical_feedback`: of the lagging requests, the one that accepted fewest drafts, as one row: the batch's
+  most tokens left fall by at most its tokens. Exact for one step, but after plain steps every request ties, so
+  the first speculative step's row is the worst of the whole batch: the rule undervalues an arm tried once after
+  plain decoding (docs/RUNTIME.md, "Static batches").
+
+:data:`SMALL_MODEL_COST` is a launch-bound small target's step time (docs/RUNTIME.md gives the measurements).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .simulate import StepCost, alpha_eff
+from .strategy import Strategy
+
+#: a small target on a fast GPU: every step costs about the same whatever the batch (launch-bound), a draft depth
+#: of a one-layer drafter ~13% of it
+SMALL_MODEL_COST = StepCost(t0=1.14e-3, kv=0.0, tok=1e-7, flop=1e-6, knee=2048, d0=0.15e-3, d_tok=1e-7,
+                            tree_overhead=0.06e-3)
+
+Feedback = Callable[[np.ndarray, np.ndarray, int], Tuple[List[int], Optional[int]]]
+
+
+def batch_feedback(reach: np.ndarray, left_before: np.ndarray, depth: int) -> Tuple[List[int], Optional[int]]:
+    """Rows reaching each depth among all running requests (no ``accepted_rows``: the whole batch)."""
+    return [int((reach > j).sum()) for j in range(depth)], None
+
+
+def lagging_feedback(reach: np.ndarray, left_before: np.ndarray, depth: int) -> Tuple[List[int], Optional[int]]:
+    """Rows reaching each depth among the requests with the most tokens left, and how many those are."""
+    lagging = left_before == left_before.max()
+    return [int(((reach > j) & lagging).sum()) for j in range(depth)], int(lagging.sum())
+
+
+def critical_feedback(reach: np.ndarray, left_before: np.ndarray, depth: int) -> Tuple[List[int], Optional[int]]:
+    """Whether the critical request (the lagging one that accepted fewest drafts) reached each depth, as one row."""
+    critical = int(reach[left_before == left_before.max()].min())
+    return [int(critical > j) for j in range(depth)], 1
+
+
+@dataclass
+class StaticBatch:
+    """``len(alphas)`` requests of ``budget`` tokens each, request ``i`` at base acceptance ``alphas[i]``; step times
+    from ``cost`` with log-normal noise ``noise`` on what the selector observes."""
+
+    name: str
+    alphas: Sequence[float]
+    budget: int
+    cost: StepCost = field(default_factory=lambda: SMALL_MODEL_COST)
+    noise: float = 0.03
+
+
+def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
+                     observe: Optional[Callable[..., None]] = None, feedback: Feedback = lagging_feedback,
+                     seed: int = 0) -> float:
+    """Simulated seconds until every request of ``batch`` has its tokens, with ``choose(batch_size) -> Strategy``
+    per step; ``observe(strategy, batch_size, emitted, seconds, accepted_per_position, accepted_rows)`` gets what
+    ``feedback`` makes of each step."""
+    rng = np.random.default_rng(seed)
+    alphas = np.asarray(batch.alphas, dtype=np.float64)
+    left = np.full(len(alphas), batch.budget, dtype=np.int64)
+    seconds = 0.0
+    while (left > 0).any():
+        running = np.nonzero(left > 0)[0]
+        strategy = choose(len(running))
+        reach = _sample_reach(rng, strategy, alphas[running])
+        step_s = batch.cost(strategy, len(running))
+        seconds += step_s
+        before = left[running].copy()
+        emitted = np.minimum(reach + 1, before)
+        left[running] -= emitted
+        if observe is not None:
+            accepted, rows = feedback(reach, before, strategy.num_steps)
+            observed_s = step_s * math.exp(batch.noise * rng.standard_normal())
+            observe(strategy, len(running), float(emitted.sum()), observed_s, accepted, rows)
+    return seconds
+
+
+def _sample_reach(rng: np.random.Generator, strategy: Strategy, alphas: np.ndarray) -> np.ndarray:
+    """Accepted drafts per request, ``[b]`` ints in ``[0, num_steps]``, each request at its own acceptance."""
+    if strategy.is_off:
+        return np.zeros(len(alphas), dtype=np.int64)
+    accept = np.array([alpha_eff(strategy, a) for a in alphas])
+    hits = rng.random(accept.shape) < accept
+    return np.cumprod(hits, axis=1).sum(axis=1)
+
+
+def selector_observer(selector) -> Callable[..., None]:
+    """``observe`` for :func:`run_static_batch` that feeds a :class:`~.selector.StrategySelector`."""
+    def observe(strategy, batch_size, emitted, seconds, accepted, rows):
+        if rows is None:
+            selector.update(strategy, batch_size, emitted, seconds, accepted)
+        else:
+            selector.update(strategy, batch_size, emitted, seconds, accepted, accepted_rows=rows)
+    return observe
+
+
+def static_batches(batch_sizes: Sequence[int] = (1, 4, 32), budget: int = 128, seed: int = 0) -> List[StaticBatch]:
+    """Per batch size: acceptance spread like a trained EAGLE drafter's (Beta(2, 3) per request), like n-gram
+    drafts on chat (80% of requests near 0.08, 20% near 0.75), and one level for all (0.5)."""
+    out = []
+    for size in batch_sizes:
+        rng = np.random.default_rng(seed + size)
+        mixed = np.where(rng.random(size) < 0.2, rng.beta(6, 2, size), rng.beta(1, 12, size))
+        out += [StaticBatch(f"static batch B={size}, eagle-like", rng.beta(2, 3, size), budget),
+                StaticBatch(f"static batch B={size}, ngram-like", mixed, budget),
+                StaticBatch(f"static batch B={size}, uniform 0.5", np.full(size, 0.5), budget)]
+    return out
