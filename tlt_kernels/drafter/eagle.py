@@ -351,7 +351,7 @@ class EagleDrafter(nn.Module):
                 raise ValueError(f"copy_shared_from: the source's shared module has tensors {sorted(values)}, "
                                  f"this drafter's {sorted(targets)}")
             for name, tensor in targets.items():
-                tensor.copy_(values[name], non_blocking=True)
+                tensor.copy_(values[name])
 
     def head_logits(self, feature: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """``lm_head(final_norm(feature))`` with the target's weights (no grad into them). ``fused``: the norm in one

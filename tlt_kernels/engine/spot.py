@@ -85,6 +85,8 @@ class SpotSession:
         try:
             if trainer.device.type == "cuda":
                 side = torch.cuda.Stream(trainer.device, priority=0)  # the lowest: the rollout's kernels go first
+                # After the work already queued on the trainer's device (e.g. a replica's head refreshed there).
+                side.wait_stream(torch.cuda.current_stream(trainer.device))
                 with torch.cuda.stream(side):
                     stats = trainer.run(stop=self.stop_event)
             else:
