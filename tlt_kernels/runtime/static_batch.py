@@ -104,10 +104,7 @@ def _sample_reach(rng: np.random.Generator, strategy: Strategy, alphas: np.ndarr
 def selector_observer(selector) -> Callable[..., None]:
     """``observe`` for :func:`run_static_batch` that feeds a :class:`~.selector.StrategySelector`."""
     def observe(strategy, batch_size, emitted, seconds, accepted, rows):
-        if rows is None:
-            selector.update(strategy, batch_size, emitted, seconds, accepted)
-        else:
-            selector.update(strategy, batch_size, emitted, seconds, accepted, accepted_rows=rows)
+        selector.update(strategy, batch_size, emitted, seconds, accepted, accepted_rows=rows)  # None: the whole batch
     return observe
 
 
