@@ -41,6 +41,8 @@ import time
 
 import torch
 
+from tlt_kernels.engine.records import tail_steps
+
 from ..flags import Flag, defaults, str_list, values
 
 SUITE = "e2e"
@@ -165,7 +167,7 @@ def _digest(tokens) -> str:
 
 
 def _tail_seconds(out, B0: int) -> float:
-    return sum(s.seconds for s in out.steps if s.batch_size < B0 / 4)
+    return sum(s.seconds for s in tail_steps(out.steps, B0))
 
 
 def batch_bin(b: int, bins_per_octave: int = 4) -> int:

@@ -50,6 +50,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from tlt_kernels.engine.probe import synced_seconds
+from tlt_kernels.engine.records import tail_steps
 
 from ..flags import PREFILL_LENGTHS_FLAG, Flag, positive_int, prefill_buckets, str_list, unit_fraction, values
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
@@ -143,16 +144,6 @@ def _spot_device(text: Optional[str]) -> Optional[torch.device]:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--spot-device {text}: this machine has {torch.cuda.device_count()} CUDA devices")
     return device
-
-
-def tail_steps(steps, num_requests: int) -> list:
-    """The steps run with fewer than a quarter of the ``num_requests`` requests left (the tail)."""
-    return [step for step in steps if 4 * step.batch_size < num_requests]
-
-
-def tail_seconds(steps, num_requests: int) -> float:
-    """Seconds of the tail's steps (:func:`tail_steps`)."""
-    return sum(step.seconds for step in tail_steps(steps, num_requests))
 
 
 def tail_note(way) -> str:
@@ -254,7 +245,7 @@ class RLRun:
                       _engine_rollout(engine, self.max_new, self.p.temperature, self.eos,
                                       use_groups=name in GROUP_WAYS))
             trainer = engine.spot_trainer
-            if trainer is not None and self.p.spot_device:  # the replica's copy of the head follows the policy
+            if trainer is not None and self.spot_device is not None:  # the replica's head follows the policy
                 way.after_update = lambda: trainer.drafter.copy_shared_from(engine.drafter)
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
         return way
@@ -296,7 +287,7 @@ class RLRun:
         # The serving drafter and the trainer's copy start from the same weights; on another device the copy is a
         # replica (its own head) and publishes to the serving drafter's device.
         trained, holder = self._initial_eagle(model), None
-        if self.p.spot_device:
+        if self.spot_device is not None:
             trained, holder = trained.replica(self.spot_device), WeightsHolder(device=model.device)
         trainer = SpotTrainer(trained, buffer, holder, lr=1e-3, warmup_steps=20, unroll_steps=self.p.spot_unroll_steps,
                               autocast_dtype=torch.bfloat16 if self.cuda else None)

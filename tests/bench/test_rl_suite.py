@@ -112,14 +112,13 @@ def test_the_temperature_must_be_positive(tmp_path):
     assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--temperature", "0"]) == 1
 
 
-def test_tail_seconds_counts_steps_with_fewer_than_a_quarter_of_the_requests():
-    from bench.suites.rl import tail_seconds
-    from tlt_kernels.engine.records import StepLog
+def test_tail_steps_are_the_steps_with_fewer_than_a_quarter_of_the_requests():
+    from tlt_kernels.engine.records import StepLog, tail_steps
 
     steps = [StepLog(i, batch, "off", 1, batch, 1.0, seconds, 0.0, True)
              for i, (batch, seconds) in enumerate([(16, 1.0), (4, 2.0), (3, 4.0), (1, 8.0)])]
-    assert tail_seconds(steps, 16) == 12.0  # 3 and 1 are fewer than 16 / 4; 4 is not
-    assert tail_seconds(steps, 4) == 0.0
+    assert sum(step.seconds for step in tail_steps(steps, 16)) == 12.0  # 3 and 1 are fewer than 16 / 4; 4 is not
+    assert sum(step.seconds for step in tail_steps(steps, 4)) == 0.0
 
 
 def test_tail_note_gives_the_tails_steps_and_the_trainers_work():

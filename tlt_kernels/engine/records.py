@@ -1,5 +1,5 @@
 """What a rollout returns: the per-step log (:class:`StepLog`), the result (:class:`GenerateOutput`), and the
-progress bar drawn from the step records."""
+progress bar drawn from the step records; :func:`tail_steps` picks the long tail's steps out of a log."""
 from __future__ import annotations
 
 import sys
@@ -29,6 +29,11 @@ class StepLog:
     @property
     def tokens_per_s(self) -> float:
         return self.emitted / self.seconds if self.seconds > 0 else float("inf")
+
+
+def tail_steps(steps: List[StepLog], num_requests: int) -> List[StepLog]:
+    """The steps run with fewer than a quarter of the rollout's ``num_requests`` requests left (its long tail)."""
+    return [step for step in steps if 4 * step.batch_size < num_requests]
 
 
 @dataclass
