@@ -14,7 +14,8 @@ seeds (``--ways``):
   measured step times, ``measure_cost_table``, as in the rollout suite), drafting one tree per request from an EAGLE
   drafter and, beside it, the n-gram drafter over the request's group (``drafter=[eagle, "ngram"]``,
   ``generate(groups=)``); the EAGLE drafter starts untrained (or from ``--eagle-checkpoint``) and is spot-trained
-  in each rollout's tail (``--spot-batch-fraction``; loss depths ``--spot-unroll-steps``) on the responses of the
+  in each rollout's tail (``--spot-batch-fraction``; loss depths ``--spot-unroll-steps``; the interpreter's switch
+  interval while it runs ``--spot-switch-interval``) on the responses of the
   current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
   keeps up as the policy's weights change (steps stop overlapping once the trainer starts: it works between
   steps); with ``--spot-device`` (e.g. ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the
@@ -52,7 +53,7 @@ import torch
 from tlt_kernels.engine.probe import synced_seconds
 from tlt_kernels.engine.records import tail_steps
 
-from ..flags import PREFILL_LENGTHS_FLAG, Flag, positive_int, prefill_buckets, str_list, unit_fraction, values
+from ..flags import PREFILL_LENGTHS_FLAG, Flag, positive_float, positive_int, prefill_buckets, str_list, unit_fraction, values
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
@@ -87,6 +88,9 @@ FLAGS = (
          positive_int),
     Flag("--spot-batch-fraction", 0.25, "the spot trainer starts when the batch falls below this fraction of its start "
          "(SpeculativeEngine(spot_batch_fraction=))", unit_fraction),
+    Flag("--spot-switch-interval", 2e-4, "the interpreter's thread switch interval in seconds while the spot trainer "
+         "runs (SpeculativeEngine(spot_switch_interval_s=)): after each wait for the GPU the rollout's loop waits up "
+         "to one interval for the interpreter's lock", positive_float, metavar="SECONDS"),
     Flag("--spot-device", None, "the spot trainer's device (e.g. cuda:1, a GPU the rollout leaves idle): it trains a "
          "replica of the drafter there and refreshes its copy of the policy's head after every policy update "
          "(default: the rollout's device, sharing the policy's head)", metavar="DEVICE"),
@@ -292,7 +296,8 @@ class RLRun:
         trainer = SpotTrainer(trained, buffer, holder, lr=1e-3, warmup_steps=20, unroll_steps=self.p.spot_unroll_steps,
                               autocast_dtype=torch.bfloat16 if self.cuda else None)
         return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer,
-                                                spot_batch_fraction=self.p.spot_batch_fraction)
+                                                spot_batch_fraction=self.p.spot_batch_fraction,
+                                                spot_switch_interval_s=self.p.spot_switch_interval)
 
     def _initial_eagle(self, model):
         """The EAGLE drafter every EAGLE way starts from: ``--eagle-checkpoint``, or untrained from the seed."""

@@ -201,18 +201,24 @@ def test_frozen_eagle_way_serves_the_checkpoint_without_a_spot_trainer(tmp_path,
 
 def test_spot_flags_reach_the_trainer_and_the_engine(tmp_path, monkeypatch):
     """--spot-unroll-steps sets the spot trainer's unroll_steps, --spot-batch-fraction the engine's
-    spot_batch_fraction (defaults 1 and 0.25); a fraction outside (0, 1] is a usage error."""
+    spot_batch_fraction, --spot-switch-interval its spot_switch_interval_s (defaults 1, 0.25 and 2e-4); a fraction
+    outside (0, 1] and an interval that is not a finite number > 0 are usage errors."""
     from bench.flags import parse
     from bench.suites.rl import FLAGS
 
     engines = _record_engines(monkeypatch)
     base = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle"]
     assert main(base) == 0
-    assert main(base + ["--spot-unroll-steps", "2", "--spot-batch-fraction", "0.5"]) == 0
-    assert [(e.spot_trainer.unroll_steps, e.spot_batch_fraction) for e in engines] == [(1, 0.25), (2, 0.5)]
+    assert main(base + ["--spot-unroll-steps", "2", "--spot-batch-fraction", "0.5", "--spot-switch-interval",
+                        "2e-5"]) == 0
+    assert [(e.spot_trainer.unroll_steps, e.spot_batch_fraction, e.spot_switch_interval_s) for e in engines] == [
+        (1, 0.25, 2e-4), (2, 0.5, 2e-5)]
     for bad in ("0", "1.5", "x"):
         with pytest.raises(SystemExit):
             parse(FLAGS, ["--spot-batch-fraction", bad])
+    for bad in ("0", "-1e-4", "inf", "x"):
+        with pytest.raises(SystemExit):
+            parse(FLAGS, ["--spot-switch-interval", bad])
 
 
 def test_prefill_lengths_reach_every_engine_cut_to_its_capacity(tmp_path, monkeypatch):
