@@ -15,13 +15,13 @@ seeds (``--ways``):
   drafter and, beside it, the n-gram drafter over the request's group (``drafter=[eagle, "ngram"]``,
   ``generate(groups=)``); the EAGLE drafter starts untrained (or from ``--eagle-checkpoint``) and is spot-trained
   in each rollout's tail (``--spot-batch-fraction``; loss depths ``--spot-unroll-steps``; the interpreter's switch
-  interval while it runs ``--spot-switch-interval``) on the responses of the
-  current policy (:class:`~tlt_kernels.drafter.SpotTrainer`), so it
-  keeps up as the policy's weights change (steps stop overlapping once the trainer starts: it works between
-  steps); with ``--spot-device`` (e.g. ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the
-  drafter there (:meth:`~tlt_kernels.drafter.EagleDrafter.replica`) whose copy of the policy's head is refreshed
-  after every policy update, and publishes to the serving drafter on the rollout's device; log-probs from the
-  rollout (``SpeculativeEngine(logprobs=True)``);
+  interval while it runs ``--spot-switch-interval``) on the responses of the current policy
+  (:class:`~tlt_kernels.drafter.SpotTrainer`), so it keeps up as the policy's weights change (steps stop overlapping
+  once the trainer starts, unless ``--spot-overlap-steps``: it works between steps); with ``--spot-device`` (e.g.
+  ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the drafter there
+  (:meth:`~tlt_kernels.drafter.EagleDrafter.replica`) whose copy of the policy's head is refreshed after every policy
+  update, and publishes to the serving drafter on the rollout's device; log-probs from the rollout
+  (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
 * ``spec-eagle``: the adaptive selector with the spot-trained EAGLE drafter alone;
@@ -91,6 +91,8 @@ FLAGS = (
     Flag("--spot-switch-interval", 2e-4, "the interpreter's thread switch interval in seconds while the spot trainer "
          "runs (SpeculativeEngine(spot_switch_interval_s=)): after each wait for the GPU the rollout's loop waits up "
          "to one interval for the interpreter's lock", positive_float, metavar="SECONDS"),
+    Flag("--spot-overlap-steps", False, "keep the rollout's steps overlapping while the spot trainer runs "
+         "(SpeculativeEngine(spot_overlap_steps=); off: the tail runs step by step from the trainer's start)", bool),
     Flag("--spot-device", None, "the spot trainer's device (e.g. cuda:1, a GPU the rollout leaves idle): it trains a "
          "replica of the drafter there and refreshes its copy of the policy's head after every policy update "
          "(default: the rollout's device, sharing the policy's head)", metavar="DEVICE"),
@@ -297,7 +299,8 @@ class RLRun:
                               autocast_dtype=torch.bfloat16 if self.cuda else None)
         return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer,
                                                 spot_batch_fraction=self.p.spot_batch_fraction,
-                                                spot_switch_interval_s=self.p.spot_switch_interval)
+                                                spot_switch_interval_s=self.p.spot_switch_interval,
+                                                spot_overlap_steps=self.p.spot_overlap_steps)
 
     def _initial_eagle(self, model):
         """The EAGLE drafter every EAGLE way starts from: ``--eagle-checkpoint``, or untrained from the seed."""

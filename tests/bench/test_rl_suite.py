@@ -201,7 +201,8 @@ def test_frozen_eagle_way_serves_the_checkpoint_without_a_spot_trainer(tmp_path,
 
 def test_spot_flags_reach_the_trainer_and_the_engine(tmp_path, monkeypatch):
     """--spot-unroll-steps sets the spot trainer's unroll_steps, --spot-batch-fraction the engine's
-    spot_batch_fraction, --spot-switch-interval its spot_switch_interval_s (defaults 1, 0.25 and 2e-4); a fraction
+    spot_batch_fraction, --spot-switch-interval its spot_switch_interval_s, --spot-overlap-steps its
+    spot_overlap_steps (defaults 1, 0.25, 2e-4 and off); a fraction
     outside (0, 1] and an interval that is not a finite number > 0 are usage errors."""
     from bench.flags import parse
     from bench.suites.rl import FLAGS
@@ -210,9 +211,10 @@ def test_spot_flags_reach_the_trainer_and_the_engine(tmp_path, monkeypatch):
     base = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle"]
     assert main(base) == 0
     assert main(base + ["--spot-unroll-steps", "2", "--spot-batch-fraction", "0.5", "--spot-switch-interval",
-                        "2e-5"]) == 0
-    assert [(e.spot_trainer.unroll_steps, e.spot_batch_fraction, e.spot_switch_interval_s) for e in engines] == [
-        (1, 0.25, 2e-4), (2, 0.5, 2e-5)]
+                        "2e-5", "--spot-overlap-steps"]) == 0
+    got = [(e.spot_trainer.unroll_steps, e.spot_batch_fraction, e.spot_switch_interval_s, e.spot_overlap_steps)
+           for e in engines]
+    assert got == [(1, 0.25, 2e-4, False), (2, 0.5, 2e-5, True)]
     for bad in ("0", "1.5", "x"):
         with pytest.raises(SystemExit):
             parse(FLAGS, ["--spot-batch-fraction", bad])

@@ -187,9 +187,10 @@ def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, 
     assert bad not in buffered and sorted(buffered) == [b for b in range(len(MAX_NEW)) if b not in (bad, 6)]
 
 
-def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch):
-    """The trainer starts in the tail and trains; steps overlap until it starts and not after (it works between
-    steps); greedy output is plain decoding's."""
+@pytest.mark.parametrize("spot_overlap", [False, True])
+def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch, spot_overlap):
+    """The trainer starts in the tail and trains; steps overlap until it starts and, unless ``spot_overlap_steps``,
+    not after (it works between steps); greedy output is plain decoding's either way."""
     overlapped = []  # (steps overlap, trainer running) at each step
     real_step = SpeculativeEngine._step
     monkeypatch.setattr(SpeculativeEngine, "_step", lambda self, rollout: (
@@ -200,16 +201,17 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch):
     buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
     trainer = SpotTrainer(train, buf, batch_size=4, seq_len=8, warmup_steps=1, autocast_dtype=None)
     sel = StrategySelector([Strategy(2, 2, 4)], seed=0)
-    eng = SpeculativeEngine(target, rollout, sel, max_batch_size=8, max_seq_len=128, spot_trainer=trainer, rollout_buffer=buf)
+    eng = SpeculativeEngine(target, rollout, sel, max_batch_size=8, max_seq_len=128, spot_trainer=trainer,
+                            rollout_buffer=buf, spot_overlap_steps=spot_overlap)
     lens = [4, 4, 4, 4, 4, 4, 90]
     out = eng.generate(prompts, lens)
     assert out.lengths.tolist() == lens
     assert buf.num_tokens > 0
     assert out.spot is not None and "error" not in out.spot, out.spot
     assert out.spot["micro_steps"] >= 1
-    assert overlapped[0] == (True, False) and (False, True) in overlapped
+    assert overlapped[0] == (True, False) and (spot_overlap, True) in overlapped
     assert sys.getswitchinterval() == interval_before  # lowered while the trainer ran, restored at the end
-    assert all(not overlap for overlap, running in overlapped if running)
+    assert all(overlap == spot_overlap for overlap, running in overlapped if running)
     # Greedy output is unaffected by drafter weight swaps mid-rollout.
     ref = reference_generate(target, prompts, max(lens))
     assert out.tokens[6] == ref.tokens[6, :90].tolist()

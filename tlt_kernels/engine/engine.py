@@ -127,6 +127,10 @@ class SpeculativeEngine:
         spot_switch_interval_s: the interpreter's thread switch interval (``sys.setswitchinterval``, process-wide)
             while the spot trainer's thread runs, restored after; the rollout's loop waits up to one interval for
             the interpreter's lock after each wait for the GPU (:mod:`tlt_kernels.engine.spot`). None: left alone.
+        spot_overlap_steps: keep steps overlapping while the spot trainer runs (``overlap_steps`` on). Off (the
+            default), the tail runs step by step from the trainer's start, so the trainer's thread works while the
+            host waits for each step; on, the host's per-step work stays hidden behind the GPU's, and the trainer's
+            thread gets the interpreter during the host's waits for the step before.
         prioritize_rollout: with a spot trainer on CUDA, ``generate`` runs on a stream of the device's highest
             priority (ordered after the caller's stream and before its later work), so the trainer's kernels, on a
             stream of the lowest, yield to the tail's small ones at every kernel boundary. False: the caller's stream.
@@ -144,7 +148,7 @@ class SpeculativeEngine:
             computes instead of between steps. A request that finishes then rides along in one more step, which
             changes nothing of it (its tokens, context, features and Philox counter stay); the selector learns
             from each step one step later. Off with ``trace=``, and from the step a spot trainer starts in the tail
-            (both work between steps).
+            unless ``spot_overlap_steps`` (both work between steps).
         step_kernel: do a step's bookkeeping (emit, commit, the host transfer's staging) in one Triton launch
             instead of about 45 small torch ops (``RolloutState.finish_step``; docs/RUNTIME.md). ``None`` (default):
             on a GPU; True also runs it on the CPU under Triton's interpreter; False: the torch ops.
@@ -171,7 +175,7 @@ class SpeculativeEngine:
                  overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
                  lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4,
                  prioritize_rollout: bool = True, prefill_lengths: Sequence[int] = (),
-                 prefill_max_tokens: int = 32768):
+                 prefill_max_tokens: int = 32768, spot_overlap_steps: bool = False):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -197,6 +201,7 @@ class SpeculativeEngine:
         self.prioritize_rollout = bool(prioritize_rollout)
         self._priority_stream = None  # made at the first rollout that needs it (no CUDA call at construction)
         self.overlap_steps = bool(overlap_steps)
+        self.spot_overlap_steps = bool(spot_overlap_steps)
         self.step_kernel = None if step_kernel is None else bool(step_kernel)
         # One compiled step kernel for every batch size and strategy (a new variant mid-rollout is a JIT compile).
         self.step_blocks = (1 << (self.max_batch_size - 1).bit_length(), 1 << (self.max_width - 1).bit_length())
@@ -512,8 +517,8 @@ class SpeculativeEngine:
         if any(counts.finished):
             self._retire(rollout, step.staged.rows, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
-        if rollout.spot.running:  # the trainer works between steps from now on (the step in flight is read next)
-            rollout.overlap = False
+        if rollout.spot.running and not self.spot_overlap_steps:  # the trainer works between steps from now on
+            rollout.overlap = False  # (the step in flight is read next)
 
     def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, emission,
                 deferred: bool) -> None:
