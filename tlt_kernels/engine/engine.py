@@ -128,9 +128,10 @@ class SpeculativeEngine:
             while the spot trainer's thread runs, restored after; the rollout's loop waits up to one interval for
             the interpreter's lock after each wait for the GPU (:mod:`tlt_kernels.engine.spot`). None: left alone.
         spot_overlap_steps: keep steps overlapping while the spot trainer runs (``overlap_steps`` on). Off (the
-            default), the tail runs step by step from the trainer's start, so the trainer's thread works while the
-            host waits for each step; on, the host's per-step work stays hidden behind the GPU's, and the trainer's
-            thread gets the interpreter during the host's waits for the step before.
+            default, measured faster: docs/DRAFTERS.md), the tail runs step by step from the trainer's start, so the
+            trainer's thread works while the host waits for each step; on, the host's per-step work stays hidden
+            behind the GPU's, and the trainer's thread gets the interpreter during the host's waits for the step
+            before.
         prioritize_rollout: with a spot trainer on CUDA, ``generate`` runs on a stream of the device's highest
             priority (ordered after the caller's stream and before its later work), so the trainer's kernels, on a
             stream of the lowest, yield to the tail's small ones at every kernel boundary. False: the caller's stream.
