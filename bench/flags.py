@@ -123,46 +123,33 @@ def int_list(text: str) -> Tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def non_negative_int(text: str) -> int:
+def _checked(text: str, kind, ok, expected: str):
+    """``kind(text)`` when ``ok`` holds for it, else an argparse error saying what was ``expected``."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def non_negative_int(text: str) -> int:
+    return _checked(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def unit_fraction(text: str) -> float:
     """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0.0 < v < float("inf"), "a finite number > 0")
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "an integer >= 1")
 
 
 # The engines' prefill buckets (SpeculativeEngine(prefill_lengths=)) of the suites that run a real model's prompts.
