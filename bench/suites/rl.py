@@ -53,7 +53,8 @@ import torch
 from tlt_kernels.engine.probe import synced_seconds
 from tlt_kernels.engine.records import tail_steps
 
-from ..flags import PREFILL_LENGTHS_FLAG, Flag, positive_float, positive_int, prefill_buckets, str_list, unit_fraction, values
+from ..flags import (PREFILL_LENGTHS_FLAG, Flag, positive_float, positive_int, prefill_buckets, str_list, unit_fraction,
+                     values)
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
