@@ -20,11 +20,11 @@ def _busy(stop: threading.Event) -> None:
             total += i * i
 
 
-def _loop_ms(steps: int, wait_s: float) -> float:
+def _loop_ms(steps: int, wait_s: float, host_ops: int) -> float:
     start = time.perf_counter()
     for _ in range(steps):
         time.sleep(wait_s)  # the device wait: the lock is released
-        sum(range(200))  # the host's per-step work
+        sum(range(host_ops))  # the host's per-step work
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -32,10 +32,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.switch_interval_probe", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300, help="loop steps per setting")
     ap.add_argument("--wait-ms", type=float, default=1.0, help="the device wait per step, ms")
+    ap.add_argument("--host-ops", type=int, default=200,
+                    help="the loop's Python work per step: sum(range(N)) (more: a heavier host step)")
     ap.add_argument("--intervals", default="0.005,0.0005,0.0002,0.0001", help="switch intervals to try, seconds")
     args = ap.parse_args()
     before = sys.getswitchinterval()
-    print(f"alone: {_loop_ms(args.steps, args.wait_ms / 1e3):.2f} ms/step")
+    print(f"alone: {_loop_ms(args.steps, args.wait_ms / 1e3, args.host_ops):.2f} ms/step")
     try:
         for interval in (float(v) for v in args.intervals.split(",")):
             sys.setswitchinterval(interval)
@@ -43,7 +45,7 @@ def main() -> None:
             other = threading.Thread(target=_busy, args=(stop,), daemon=True)
             other.start()
             print(f"next to a busy thread, switch interval {interval * 1e3:g} ms: "
-                  f"{_loop_ms(args.steps, args.wait_ms / 1e3):.2f} ms/step")
+                  f"{_loop_ms(args.steps, args.wait_ms / 1e3, args.host_ops):.2f} ms/step")
             stop.set()
             other.join()
     finally:
