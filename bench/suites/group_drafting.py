@@ -17,15 +17,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-import torch
-
 from tlt_kernels.engine.probe import synced_seconds
 from tlt_kernels.engine.records import tail_steps
 
 from ..flags import PREFILL_LENGTHS_FLAG, Flag, int_list, positive_int, prefill_buckets, str_list, values
 from ..rl_task import problems
 from . import rl
-from .rollout import byte_prompt_ids, load_real_models, model_path, tiny_hf_model
 
 SUITE = "group-drafting"
 MAX_GROUP_SIZE = 16  # the n-gram drafter's siblings per request in the fused step (NGramRolloutDrafter)
@@ -74,22 +71,11 @@ class GroupDraftingRun:
 
     def load(self) -> None:
         """The policy and the prompt ids of every problem the rows use (each rollout's problems are its own)."""
-        dtype = self.ctx.dtype if self.cuda else torch.float32
         count = max(self.prompts) * (self.rollouts + 1)
         drawn = problems(count, self.p.seed)
-        if self.p.model_file or not self.ctx.small:
-            from tlt_kernels.models import chat_prompt_ids
-
-            self.model, _, tokenizer = load_real_models(model_path(self.p), self.ctx.device, dtype)
-            self.prompt_ids = [chat_prompt_ids(tokenizer, problem.chat()) for problem in drawn]
-            self.eos = tokenizer.eos_token_id
-        else:
-            from tlt_kernels.models import LlamaForCausalLM
-
-            hf = tiny_hf_model()
-            self.model = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=self.ctx.device, dtype=dtype)
-            self.prompt_ids = byte_prompt_ids([problem.question for problem in drawn], self.model.config.vocab_size)
-            self.eos = None
+        policy = rl.load_policy(self.ctx, self.p)
+        self.model, self.eos = policy.ours, policy.eos
+        self.prompt_ids = [policy.encode(problem) for problem in drawn]
         self.ctx.note(f"{len(drawn)} arithmetic word problems (seed {self.p.seed}), G in {list(self.groups)} responses "
                       f"each, P in {list(self.prompts)} problems per batch, {self.max_new} new tokens, temperature "
                       f"{self.p.temperature}, EOS {'on' if self.eos is not None else 'off'}; {self.rollouts} timed "
@@ -108,7 +94,7 @@ class GroupDraftingRun:
                                    fuse_step=self.cuda, prefill_lengths=prefill_buckets(self.p.prefill_lengths,
                                                                                         capacity))
         if self.cuda:
-            engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
+            engine.capture_graphs(rl.capture_sizes(batch))
         return engine
 
     def batch(self, group_size: int, num_prompts: int, index: int):

@@ -43,7 +43,6 @@ reward and rollout time per step.
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass, field
 from collections import Counter
 from typing import Callable, Dict, List, Optional
@@ -201,6 +200,49 @@ def _hf_rollout(hf, pad_id: int, max_new: int, temperature: float, eos: Optional
     return rollout
 
 
+@dataclass
+class Policy:
+    """The policy as our model and transformers' (the same weights), how a problem becomes prompt ids
+    (``encode``) and ids text (``decode``), and its EOS (None: off) and pad ids."""
+
+    ours: object
+    hf: object
+    encode: Callable
+    decode: Callable
+    eos: Optional[int]
+    pad: int
+
+
+def load_policy(ctx, p) -> Policy:
+    """``--model-file`` (on the GPU, the default model without it) with its tokenizer's chat template; in a small run
+    without it, the tiny random model with problems as bytes. fp32 on the CPU, the run's dtype on the GPU."""
+    dtype = ctx.dtype if ctx.device.type == "cuda" else torch.float32
+    if p.model_file or not ctx.small:
+        from tlt_kernels.models import chat_prompt_ids
+
+        ours, hf, tokenizer = load_real_models(model_path(p), ctx.device, dtype)
+        eos = tokenizer.eos_token_id
+        policy = Policy(ours, hf, lambda problem: chat_prompt_ids(tokenizer, problem.chat()),
+                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), eos,
+                        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0))
+    else:
+        from tlt_kernels.models import LlamaForCausalLM
+
+        hf = tiny_hf_model()
+        ours = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=ctx.device, dtype=dtype)
+        vocab = ours.config.vocab_size
+        policy = Policy(ours, hf.to(device=ctx.device, dtype=dtype),
+                        lambda problem: byte_prompt_ids([problem.question], vocab)[0],
+                        lambda ids: bytes(t % 256 for t in ids).decode("latin-1"), None, 0)
+    policy.hf.generation_config.eos_token_id = policy.eos
+    return policy
+
+
+def capture_sizes(batch: int) -> List[int]:
+    """The batch sizes an engine of ``max_batch_size=batch`` captures: powers of two up to 256 below it, and it."""
+    return sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1)))
+
+
 class RLRun:
     """The suite's state: the policy's initial weights, the task, the ways, and the records."""
 
@@ -217,26 +259,9 @@ class RLRun:
 
     def load(self) -> None:
         """The models (ours and transformers'), how text becomes prompt ids and back, and every step's problems."""
-        dtype = self.ctx.dtype if self.cuda else torch.float32
-        if self.p.model_file or not self.ctx.small:
-            from tlt_kernels.models import chat_prompt_ids
-
-            self.ours, self.hf, tokenizer = load_real_models(model_path(self.p), self.device, dtype)
-            self.encode = lambda problem: chat_prompt_ids(tokenizer, problem.chat())
-            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-            self.eos = tokenizer.eos_token_id
-            self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos or 0)
-        else:
-            from tlt_kernels.models import LlamaForCausalLM
-
-            hf = tiny_hf_model()
-            self.ours = LlamaForCausalLM.from_hf(hf.config, hf.state_dict(), device=self.device, dtype=dtype)
-            self.hf = hf.to(device=self.device, dtype=dtype)
-            vocab = self.ours.config.vocab_size
-            self.encode = lambda problem: byte_prompt_ids([problem.question], vocab)[0]
-            self.decode = lambda ids: bytes(t % 256 for t in ids).decode("latin-1")
-            self.eos, self.pad = None, 0
-        self.hf.generation_config.eos_token_id = self.eos
+        policy = load_policy(self.ctx, self.p)
+        self.ours, self.hf, self.encode, self.decode = policy.ours, policy.hf, policy.encode, policy.decode
+        self.eos, self.pad = policy.eos, policy.pad
         self.problems = problems(self.steps * self.prompts_per_step, self.p.seed)
         self.prompt_ids = [self.encode(problem) for problem in self.problems]
         self.ctx.note(f"task: {len(self.problems)} arithmetic word problems (seed {self.p.seed}), "
@@ -284,7 +309,7 @@ class RLRun:
                                    max_seq_len=capacity, fuse_step=self.cuda, logprobs=True,
                                    prefill_lengths=prefill_buckets(self.p.prefill_lengths, capacity), **extra)
         if self.cuda:
-            engine.capture_graphs(sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, batch} & set(range(1, batch + 1))))
+            engine.capture_graphs(capture_sizes(batch))
             if isinstance(selector, StrategySelector):  # the start-up table: no arm is judged on its first steps alone
                 engine.selector = StrategySelector(selector.strategies, seed=self.p.seed, available=engine.covers,
                                                    cost_table=engine.measure_cost_table())
