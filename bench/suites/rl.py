@@ -20,7 +20,9 @@ seeds (``--ways``):
   once the trainer starts, unless ``--spot-overlap-steps``: it works between steps); with ``--spot-device`` (e.g.
   ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the drafter there
   (:meth:`~tlt_kernels.drafter.EagleDrafter.replica`) whose copy of the policy's head is refreshed after every policy
-  update, and publishes to the serving drafter on the rollout's device; log-probs from the rollout
+  update, and publishes to the serving drafter on the rollout's device; with ``--spot-process`` the trainer runs in a
+  worker process of its own (:class:`~tlt_kernels.drafter.SpotTrainerProcess`; on ``--spot-device`` or the rollout's
+  device), so its Python never holds the rollout's interpreter; log-probs from the rollout
   (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
@@ -101,6 +103,8 @@ FLAGS = (
     Flag("--spot-device", None, "the spot trainer's device (e.g. cuda:1, a GPU the rollout leaves idle): it trains a "
          "replica of the drafter there and refreshes its copy of the policy's head after every policy update "
          "(default: the rollout's device, sharing the policy's head)", metavar="DEVICE"),
+    Flag("--spot-process", False, "the spot trainer runs in a worker process of its own (SpotTrainerProcess, on "
+         "--spot-device or the rollout's device), so its Python never shares the rollout's interpreter", bool),
     PREFILL_LENGTHS_FLAG,
 )
 
@@ -136,6 +140,7 @@ class Way:
     tail_steps: int = 0  # decoding steps in the tails of the rollouts (their seconds: the rows' tail_s)
     spot: Counter = field(default_factory=Counter)  # the spot trainer's micro-steps, optimizer steps and seconds
     after_update: Optional[Callable[[], None]] = None  # runs after each policy update (a replica's head refresh)
+    after_run: Optional[Callable[[], None]] = None  # runs once the way's steps are done (ends a trainer process)
 
 
 def _sizes(small: bool, p):
@@ -282,8 +287,9 @@ class RLRun:
                       _engine_rollout(engine, self.max_new, self.p.temperature, self.eos,
                                       use_groups=name in GROUP_WAYS))
             trainer = engine.spot_trainer
-            if trainer is not None and self.spot_device is not None:  # the replica's head follows the policy
-                way.after_update = lambda: trainer.drafter.copy_shared_from(engine.drafter)
+            if trainer is not None:  # a replica's head follows the policy (no-op for the policy's own)
+                way.after_update = lambda: trainer.refresh_head(engine.drafter)
+                way.after_run = getattr(trainer, "close", None)  # a trainer process ends with its way
         way.optimizer = torch.optim.AdamW(way.model.parameters(), lr=self.p.lr)
         return way
 
@@ -317,21 +323,26 @@ class RLRun:
 
     def _spot_trained_eagle(self, model):
         """A fresh EAGLE drafter and the engine arguments of the spot trainer that keeps it up with the policy."""
-        from tlt_kernels.drafter import RolloutBuffer, SpotTrainer, WeightsHolder
+        from tlt_kernels.drafter import RolloutBuffer, SpotTrainer, SpotTrainerProcess, WeightsHolder
 
         buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16 if self.cuda else torch.float32,
                                pin_memory=self.cuda)  # pinned: adding a finished request never waits for the GPU
-        # The serving drafter and the trainer's copy start from the same weights; on another device the copy is a
-        # replica (its own head) and publishes to the serving drafter's device.
-        trained, holder = self._initial_eagle(model), None
-        if self.spot_device is not None:
-            trained, holder = trained.replica(self.spot_device), WeightsHolder(device=model.device)
-        trainer = SpotTrainer(trained, buffer, holder, lr=1e-3, warmup_steps=20, unroll_steps=self.p.spot_unroll_steps,
-                              autocast_dtype=torch.bfloat16 if self.cuda else None)
-        return self._initial_eagle(model), dict(spot_trainer=trainer, rollout_buffer=buffer,
-                                                spot_batch_fraction=self.p.spot_batch_fraction,
-                                                spot_switch_interval_s=self.p.spot_switch_interval,
-                                                spot_overlap_steps=self.p.spot_overlap_steps)
+        settings = dict(lr=1e-3, warmup_steps=20, unroll_steps=self.p.spot_unroll_steps,
+                        autocast_dtype=torch.bfloat16 if self.cuda else None)
+        # The serving drafter and the trainer's copy start from the same weights; on another device or in another
+        # process the copy is a replica (its own head) and publishes to the serving drafter's device.
+        serving = self._initial_eagle(model)
+        if self.p.spot_process:
+            trainer = SpotTrainerProcess(serving, buffer, WeightsHolder(device=model.device),
+                                         device=self.spot_device or model.device, **settings)
+        elif self.spot_device is not None:
+            trainer = SpotTrainer(serving.replica(self.spot_device), buffer, WeightsHolder(device=model.device),
+                                  **settings)
+        else:
+            trainer = SpotTrainer(self._initial_eagle(model), buffer, **settings)
+        return serving, dict(spot_trainer=trainer, rollout_buffer=buffer, spot_batch_fraction=self.p.spot_batch_fraction,
+                             spot_switch_interval_s=self.p.spot_switch_interval,
+                             spot_overlap_steps=self.p.spot_overlap_steps)
 
     def _initial_eagle(self, model):
         """The EAGLE drafter every EAGLE way starts from: ``--eagle-checkpoint``, or untrained from the seed."""
@@ -423,6 +434,8 @@ def run(ctx) -> None:
         for index in range(state.steps):
             state.step(way, index)
         ctx.progress(f"{name}: {state.steps} steps")
+        if way.after_run is not None:
+            way.after_run()
         ways.append(way)
         del way.model, way.optimizer  # one way's weights and optimizer state at a time
     state.summary(ways)

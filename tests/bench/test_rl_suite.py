@@ -256,3 +256,29 @@ def test_spot_device_trains_a_replica_whose_head_follows_the_policy(tmp_path, mo
             assert torch.equal(mine.state_dict()[name], value), name
     for bad in ("gpu:0", "cuda:99"):
         assert main(argv[:-1] + [bad]) != 0
+
+
+def test_spot_process_trains_in_a_worker_that_ends_with_its_way(tmp_path, monkeypatch):
+    """--spot-process: the spot-trained way's trainer is a SpotTrainerProcess (on --spot-device), which trains in
+    the rollouts' tails, is sent the policy's head after every update, publishes what the serving drafter loads, and
+    ends with its way."""
+    from tlt_kernels.drafter import SpotTrainerProcess
+    from tlt_kernels.engine import SpeculativeEngine
+
+    engines, heads = _record_engines(monkeypatch), []
+    real_refresh, real_generate = SpotTrainerProcess.refresh_head, SpeculativeEngine.generate
+    monkeypatch.setattr(SpotTrainerProcess, "refresh_head",
+                        lambda self, source: (heads.append(source), real_refresh(self, source)))
+    # EOS is off in the small run, so every request would end together: all but the last end early, a long tail.
+    monkeypatch.setattr(SpeculativeEngine, "generate", lambda self, prompts, max_new, **kw: real_generate(
+        self, prompts, [4] * (len(prompts) - 1) + [max_new], **kw))
+    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle", "--spot-process",
+            "--spot-device", "cpu", "--max-new-tokens", "40"]
+    assert main(argv) == 0
+    (engine,) = engines
+    trainer = engine.spot_trainer
+    assert isinstance(trainer, SpotTrainerProcess) and not trainer.alive
+    assert trainer.holder.version >= 1 and engine.drafter.weights_version == trainer.holder.version
+    assert len(heads) == 2 and all(head is engine.drafter for head in heads)  # --small runs 2 steps
+    notes = (tmp_path / "rl.md").read_text()
+    assert "spec-eagle: decoding steps" in notes and "spot trainer: did not run" not in notes

@@ -4,8 +4,6 @@ CPU tests run a tiny fp32 target (hidden 64, 2 layers, vocab 256) trained for a 
 stdlib corpus so its logits are not near-uniform (greedy near-ties would make exact comparisons
 meaningless). GPU tests capture the verify forward through a GraphPool.
 """
-import math
-
 import sys
 
 import pytest
@@ -13,7 +11,7 @@ import torch
 
 from conftest import ragged_prompts, tiny_trained_target, two_sample_chi2
 
-from tlt_kernels.drafter import EagleDrafter, NGramDrafter, RolloutBuffer, SpotTrainer
+from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer
 from tlt_kernels.drafter.base import Drafter, DrafterBase, ProposedTree
 from tlt_kernels.engine import SpeculativeEngine, tree_width
 from tlt_kernels.models import ModelConfig, load_corpus, reference_generate, train_tiny_target
@@ -217,6 +215,37 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch, spot_overla
     assert out.tokens[6] == ref.tokens[6, :90].tolist()
 
 
+def _process_trainer_rollout(target, prompts, lens, device):
+    """A rollout whose spot trainer is a SpotTrainerProcess on ``device``: (output, the switch intervals seen at its
+    steps, the serving drafter, the trainer's holder version)."""
+    from tlt_kernels.drafter import SpotTrainerProcess
+
+    intervals, real_step = [], SpeculativeEngine._step
+    serving = EagleDrafter.for_target(target)
+    buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
+    with SpotTrainerProcess(serving, buf, device=device, batch_size=4, seq_len=8, warmup_steps=1) as trainer:
+        eng = SpeculativeEngine(target, serving, StrategySelector([Strategy(2, 2, 4)], seed=0), max_batch_size=8,
+                                max_seq_len=128, spot_trainer=trainer, rollout_buffer=buf, spot_switch_interval_s=1e-4)
+        eng._step = lambda rollout: (intervals.append(sys.getswitchinterval()), real_step(eng, rollout))
+        out = eng.generate(prompts, lens)
+    return out, intervals, serving, trainer.holder.version
+
+
+def test_spot_trainer_process_trains_in_the_tail_and_the_rollout_loads_its_weights(target, prompts):
+    """A trainer in a worker process trains from the rollout's finished requests in the tail; the serving drafter
+    loads what it publishes; the interpreter's switch interval is left alone (nothing of the trainer's runs here);
+    greedy output is plain decoding's."""
+    lens = [4, 4, 4, 4, 4, 4, 90]
+    before = sys.getswitchinterval()
+    out, intervals, serving, version = _process_trainer_rollout(target, prompts, lens, "cpu")
+    assert out.spot is not None and "error" not in out.spot, out.spot
+    assert out.spot["micro_steps"] >= 1 and out.spot["version"] == version >= 1
+    assert serving.weights_version == version
+    assert set(intervals) == {before}
+    ref = reference_generate(target, prompts, max(lens))
+    assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))
+
+
 @pytest.mark.cuda
 def test_gpu_rollout_with_a_spot_trainer_outranks_the_trainer_stream(prompts, monkeypatch):
     """With a spot trainer on CUDA every step runs on a stream of higher priority than the trainer's (lower number:
@@ -273,6 +302,20 @@ def test_gpu_spot_trainer_on_a_second_gpu_trains_a_replica_and_publishes_to_the_
     assert trainer.micro_steps > 0 and trainer.holder.version > 0
     assert all(p.device == torch.device("cuda:1") for p in trainer.drafter.parameters())
     assert all(w.device == gpu.device for w in trainer.holder.latest().state_dict.values())
+
+
+@pytest.mark.cuda
+def test_gpu_spot_trainer_process_on_the_last_gpu(prompts):
+    """The worker trains on the last CUDA device (the rollout's own on one GPU) and the rollout on cuda:0 loads its
+    weights; greedy output stays plain decoding's."""
+    gpu = tiny_trained_target().cuda()
+    lens = [4, 4, 4, 4, 4, 4, 40]
+    out, _, serving, version = _process_trainer_rollout(gpu, prompts, lens, f"cuda:{torch.cuda.device_count() - 1}")
+    assert out.spot is not None and "error" not in out.spot, out.spot
+    assert out.spot["micro_steps"] >= 1 and serving.weights_version == version >= 1
+    assert all(p.device == gpu.device for p in serving.parameters())
+    ref = reference_generate(gpu, prompts, max(lens))
+    assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))
 
 
 def test_validation_errors(target, prompts):

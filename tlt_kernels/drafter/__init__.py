@@ -4,7 +4,8 @@
 * :class:`EagleDrafter` -- one-layer EAGLE drafter sharing the target's embedding, final norm and
   LM head, with its own paged KV cache and EAGLE-2 tree drafting;
 * :class:`SpotTrainer` -- preemptible training in idle windows from a :class:`RolloutBuffer`,
-  publishing :class:`DrafterWeights` versions through a :class:`WeightsHolder`;
+  publishing :class:`DrafterWeights` versions through a :class:`WeightsHolder`; :class:`SpotTrainerProcess` runs
+  one in a worker process of its own (no interpreter shared with the rollout);
 * :class:`DrafterQuality` / :func:`evaluate_acceptance` -- accepted-length tracking;
 * :mod:`tlt_kernels.drafter.distributed` -- data-parallel training and weight broadcast;
 * :class:`Drafter` -- the interface :class:`~tlt_kernels.engine.SpeculativeEngine` drives
@@ -17,6 +18,7 @@ from .eagle_rollout import EagleRolloutDrafter
 from .eagle import DrafterKVCache, EagleConfig, EagleDraft, EagleDrafter, EagleState, accepted_length_greedy, num_candidates
 from .ngram_drafter import ChainTree, NGramDrafter, drafts_to_tree
 from .ngram_rollout import NGramRolloutDrafter
+from .spot_process import SpotTrainerProcess
 from .spot_trainer import DrafterQuality, RunStats, SpotTrainer, eagle_loss, evaluate_acceptance
 from .weights import DrafterWeights, WeightsHolder
 
@@ -40,6 +42,7 @@ __all__ = [
     "RolloutBuffer",
     "RunStats",
     "SpotTrainer",
+    "SpotTrainerProcess",
     "TrainBatch",
     "WeightsHolder",
     "accepted_length_greedy",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numbers
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Optional
+from typing import Deque, List, Optional, Tuple
 
 import torch
 
@@ -146,6 +146,17 @@ class RolloutBuffer:
             e = self._entries[oldest]
             del self._entries[oldest]
             self.num_tokens -= e.features.shape[0]
+
+    def take(self) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
+        """Remove every entry and return them oldest first as ``(features [n, H], tokens int64 [n], step)``, each
+        after its copy landed: how a trainer in another process receives them (:class:`SpotTrainerProcess`)."""
+        taken = []
+        while self._entries:
+            entry = self._entries.popleft()
+            entry.wait()
+            taken.append((entry.features, entry.tokens, entry.step))
+        self.num_tokens = 0
+        return taken
 
     def steps(self) -> torch.Tensor:
         return torch.tensor([e.step for e in self._entries], dtype=torch.int64)

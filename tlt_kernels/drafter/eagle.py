@@ -341,12 +341,22 @@ class EagleDrafter(nn.Module):
         param = next(self.parameters())
         return twin.to(device=device, dtype=param.dtype)
 
-    @torch.no_grad()
+    @property
+    def shared_modules(self) -> tuple:
+        """The target's modules this drafter reads (embedding, LM head, final norm), frozen."""
+        return tuple(self._shared)
+
     def copy_shared_from(self, source: "EagleDrafter") -> None:
         """Copy ``source``'s view of the target (embedding, head, final norm) into this drafter's (a
         :meth:`replica`'s) frozen copies, in place; its own weights are left alone."""
-        for mine, theirs in zip(self._shared, source._shared):
-            targets, values = mine.state_dict(keep_vars=True), theirs.state_dict()
+        self.load_shared_states([m.state_dict() for m in source._shared])
+
+    @torch.no_grad()
+    def load_shared_states(self, states) -> None:
+        """Copy one state dict per shared module (:attr:`shared_modules`' order) into this drafter's frozen copies,
+        in place; a state dict whose tensor names differ from the module's raises ValueError."""
+        for mine, values in zip(self._shared, states):
+            targets = mine.state_dict(keep_vars=True)
             if targets.keys() != values.keys():
                 raise ValueError(f"copy_shared_from: the source's shared module has tensors {sorted(values)}, "
                                  f"this drafter's {sorted(targets)}")

@@ -126,6 +126,8 @@ class SpotTrainer:
         seed: seeds the sampling generator (offset by the rank when distributed).
     """
 
+    in_process = True  # run() trains on the calling thread (the engine's session puts it on a low-priority stream)
+
     def __init__(
         self,
         drafter: EagleDrafter,
@@ -324,6 +326,12 @@ class SpotTrainer:
             warnings.warn(f"SpotTrainer.run: the drafter's weights are no longer finite after optimizer step "
                           f"{self.optimizer_steps} (loss {stats.last_loss}); not published, the rollout keeps "
                           f"version {self.holder.version}", RuntimeWarning, stacklevel=3)
+
+    def refresh_head(self, source: EagleDrafter) -> None:
+        """After a policy update: a replica's copy of the target's embedding, head and final norm follows
+        ``source``'s (:meth:`EagleDrafter.copy_shared_from`); a drafter that reads the target's own is left alone."""
+        if self.drafter.shared_modules != source.shared_modules:
+            self.drafter.copy_shared_from(source)
 
     def publish(self) -> DrafterWeights:
         """Snapshot the drafter's weights into ``holder`` as a new version."""

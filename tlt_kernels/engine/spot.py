@@ -4,7 +4,8 @@ batch falls below a fraction of its start until the rollout ends.
 Both threads need the interpreter's lock, and the rollout's loop gives it up at every wait for the GPU; a thread
 that wants it back waits until the holder's switch interval runs out (5 ms by default, several decoding steps of
 a small model in the tail). While the trainer runs, the session lowers the interval (``switch_interval_s``) and
-restores it after.
+restores it after. A trainer in a process of its own (:class:`~tlt_kernels.drafter.SpotTrainerProcess`,
+``in_process = False``) needs neither the interval nor a stream here: the side thread only waits on its pipe.
 
 The GPU is shared the same way: kernels of two streams interleave at kernel boundaries, and the trainer's large
 ones would delay the tail's small ones. The rollout therefore runs on a stream of the device's highest priority
@@ -66,11 +67,16 @@ class SpotSession:
         if (self.trainer is not None and self.thread is None and running_requests
                 and running_requests < self.batch_fraction * self.start_batch_size
                 and self.trainer.buffer.num_tokens > 0):
-            if self.switch_interval_s is not None:
+            if self.switch_interval_s is not None and self._in_process:
                 self._saved_interval = sys.getswitchinterval()
                 sys.setswitchinterval(min(self._saved_interval, self.switch_interval_s))
             self.thread = threading.Thread(target=self._body, name="tlt-spot-trainer", daemon=True)
             self.thread.start()
+
+    @property
+    def _in_process(self) -> bool:
+        """Whether the trainer's Python and kernels run in this process (not a :class:`SpotTrainerProcess`'s)."""
+        return getattr(self.trainer, "in_process", True)
 
     def stop(self) -> None:
         if self.thread is not None:
@@ -83,7 +89,7 @@ class SpotSession:
     def _body(self) -> None:
         trainer = self.trainer
         try:
-            if trainer.device.type == "cuda":
+            if trainer.device.type == "cuda" and self._in_process:
                 side = torch.cuda.Stream(trainer.device, priority=0)  # the lowest: the rollout's kernels go first
                 # After the work already queued on the trainer's device (e.g. a replica's head refreshed there).
                 side.wait_stream(torch.cuda.current_stream(trainer.device))

@@ -1,0 +1,100 @@
+"""SpotTrainerProcess: the trainer in a worker process trains exactly as the thread's SpotTrainer does from the same
+data and seed, takes the parent buffer's segments, follows a refreshed head, stops on an event, checkpoints, and
+reports a worker's failure or end as a RuntimeError."""
+import threading
+
+import pytest
+import torch
+
+from tlt_kernels.drafter import EagleDrafter, RolloutBuffer, SpotTrainer, SpotTrainerProcess
+
+from test_spot_trainer import PermutationTarget
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TRAINER_ARGS = dict(lr=3e-3, warmup_steps=5, batch_size=8, seq_len=16, seed=0)
+
+
+def _setup():
+    """The target, a drafter from seed 0 and a buffer of 16 rollouts of 24 tokens (step 0)."""
+    target = PermutationTarget(seed=0)
+    torch.manual_seed(0)
+    drafter = EagleDrafter.for_target(target, intermediate_size=64)
+    buffer = RolloutBuffer(capacity_tokens=4096)
+    tokens, features = target.rollout(torch.arange(16) % 32, 24)
+    buffer.add(features, tokens, step=0)
+    return target, drafter, buffer
+
+
+def _thread_weights(steps: int):
+    """The weights the thread's trainer publishes after ``steps`` optimizer steps from :func:`_setup`."""
+    _, drafter, buffer = _setup()
+    trainer = SpotTrainer(drafter, buffer, **TRAINER_ARGS)
+    trainer.run(max_steps=steps)
+    return trainer.holder.latest().state_dict
+
+
+def _assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_process_trains_like_the_thread_and_keeps_the_data(tmp_path):
+    expected = _thread_weights(5)
+    _, drafter, buffer = _setup()
+    with SpotTrainerProcess(drafter, buffer, device="cpu", **TRAINER_ARGS) as trainer:
+        assert trainer.alive and not trainer.in_process
+        trainer.refresh_head(drafter)  # the same head: nothing changes
+        stats = trainer.run(max_steps=5)
+        assert (stats.stopped_by, stats.optimizer_steps, stats.published_version) == ("max_steps", 5, 1)
+        assert buffer.num_tokens == 0 and len(buffer) == 0  # handed to the worker
+        _assert_same_weights(trainer.holder.latest().state_dict, expected)
+        # The worker keeps the segments: a later run trains without new ones, until the stop event.
+        stop = threading.Event()
+        threading.Timer(0.3, stop.set).start()
+        stats = trainer.run(stop=stop)
+        assert stats.stopped_by == "stop" and stats.micro_steps >= 1 and trainer.holder.version == 2
+        assert stats.elapsed_s >= 0.3
+        trainer.save_checkpoint(str(tmp_path / "spot.pt"))
+    assert not trainer.alive
+    trainer.close()  # idempotent
+    _, fresh, fresh_buffer = _setup()
+    resumed = SpotTrainer(fresh, fresh_buffer, **TRAINER_ARGS)
+    resumed.load_checkpoint(str(tmp_path / "spot.pt"))
+    assert resumed.holder.version == 2 and resumed.optimizer_steps == 5 + stats.optimizer_steps
+    _assert_same_weights(resumed.drafter.state_dict(), trainer.holder.latest().state_dict)
+    with pytest.raises(RuntimeError, match="worker has ended"):
+        trainer.run(max_steps=1)
+
+
+def test_a_refreshed_head_reaches_the_worker():
+    """Training against another head (the policy after an update) gives other weights; training against the same
+    head after a refresh gave the thread's (above)."""
+    expected = _thread_weights(3)
+    target, drafter, buffer = _setup()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(-1.0)  # the serving drafter reads the target's head: it sees the update
+    with SpotTrainerProcess(drafter, buffer, device="cpu", **TRAINER_ARGS) as trainer:
+        trainer.refresh_head(drafter)
+        trainer.run(max_steps=3)
+        got = trainer.holder.latest().state_dict
+    assert any(not torch.allclose(got[name], expected[name]) for name in expected)
+
+
+def test_a_failing_worker_and_bad_arguments_raise():
+    _, drafter, buffer = _setup()
+    with pytest.raises(RuntimeError, match="batch_size"):  # SpotTrainer's own check, raised in the worker
+        SpotTrainerProcess(drafter, buffer, device="cpu", batch_size=0)
+    with pytest.raises(TypeError, match="RolloutBuffer"):
+        SpotTrainerProcess(drafter, [], device="cpu")
+
+
+def test_the_buffer_hands_over_its_entries_in_order():
+    buffer = RolloutBuffer(capacity_tokens=100, storage_dtype=torch.float32)
+    buffer.add(torch.ones(2, 5, 3), torch.zeros(2, 5, dtype=torch.int64), step=1, lengths=[5, 3])
+    buffer.add(torch.full((4, 3), 2.0), torch.ones(4, dtype=torch.int64), step=2)
+    taken = buffer.take()
+    assert [(f.shape[0], t.shape[0], step) for f, t, step in taken] == [(5, 5, 1), (3, 3, 1), (4, 4, 2)]
+    assert torch.equal(taken[2][0], torch.full((4, 3), 2.0))
+    assert buffer.num_tokens == 0 and len(buffer) == 0 and buffer.take() == []

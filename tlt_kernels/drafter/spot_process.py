@@ -1,0 +1,202 @@
+"""The spot trainer in a process of its own.
+
+Why a process: a trainer on a thread of the rollout's process shares its interpreter lock, and next to a busy
+trainer thread the rollout's host work per step takes about twice as long whatever the switch interval
+(docs/DRAFTERS.md). A worker process has an interpreter of its own; the rollout's side thread only waits on a pipe.
+
+:class:`SpotTrainerProcess` has the part of :class:`SpotTrainer`'s interface the engine drives (``buffer``,
+``holder``, ``device``, :meth:`run`), so ``SpeculativeEngine(spot_trainer=SpotTrainerProcess(...))`` works as with
+the thread. The worker (spawned, so CUDA starts fresh in it) owns a replica of the drafter, its own
+:class:`RolloutBuffer` and a :class:`SpotTrainer`. Messages, each a tuple over one pipe; tensors travel as CPU
+tensors in shared memory (torch.multiprocessing's file-descriptor sharing, no pickled copy of their bytes):
+
+* parent -> worker: ``("add", segments)`` the rollout segments taken from the parent's buffer since the last run;
+  ``("head", states)`` the target's embedding, head and final norm after a policy update; ``("train", max_steps,
+  time_budget_s)``; ``("stop",)`` (read before every micro-step); ``("save", path)``; ``("close",)``.
+* worker -> parent: ``("ready",)``; ``("trained", stats, version, state_dict or None)``; ``("saved",)``;
+  ``("error", traceback)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+from .buffer import RolloutBuffer
+from .eagle import EagleDrafter
+from .spot_trainer import RunStats, SpotTrainer
+from .weights import WeightsHolder
+
+_POLL_S = 0.002  # how often a waiting run looks at its stop condition: far below a rollout, far above a syscall
+
+
+class SpotTrainerProcess:
+    """A :class:`SpotTrainer` in a spawned worker process on ``device`` (best a GPU the rollout leaves idle).
+
+    Args:
+        drafter: the serving drafter; the worker trains a :meth:`~EagleDrafter.replica` of it on ``device``.
+        buffer: the parent's :class:`RolloutBuffer`, the one the engine adds finished requests to; each :meth:`run`
+            moves its entries to the worker's buffer (same capacity, decay and storage dtype, on the CPU).
+        holder: where :meth:`run` publishes the worker's weights (default: a holder on the drafter's device).
+        device: the worker's device (``"cuda:1"``, ``"cpu"``, ...).
+        start_timeout_s: how long to wait for the worker to start (it imports torch and this package).
+        trainer_kwargs: :class:`SpotTrainer`'s keyword arguments (``lr``, ``batch_size``, ``unroll_steps``, ...).
+
+    Call :meth:`close` (or use it as a context manager) to end the worker; it also ends with the parent.
+    """
+
+    in_process = False  # run() launches no kernel here: the engine's session gives it no stream and no interval
+
+    def __init__(self, drafter: EagleDrafter, buffer: RolloutBuffer, holder: Optional[WeightsHolder] = None, *,
+                 device="cuda", start_timeout_s: float = 300.0, **trainer_kwargs):
+        self.device = torch.device(device)
+        if not isinstance(buffer, RolloutBuffer):
+            raise TypeError(f"SpotTrainerProcess: buffer must be a RolloutBuffer, got {type(buffer).__name__}")
+        self.buffer = buffer
+        self.holder = holder if holder is not None else WeightsHolder(device=next(drafter.parameters()).device)
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        config = dict(capacity_tokens=buffer.capacity_tokens, recency_decay=buffer.recency_decay,
+                      storage_dtype=buffer.storage_dtype)
+        self._process = ctx.Process(target=_worker_main, name="tlt-spot-trainer", daemon=True,
+                                    args=(child, drafter.replica("cpu"), config, str(self.device), trainer_kwargs))
+        self._process.start()
+        child.close()
+        self._expect("ready", start_timeout_s)
+
+    def __enter__(self) -> "SpotTrainerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def run(self, stop=None, time_budget_s: Optional[float] = None, max_steps: Optional[int] = None,
+            publish: bool = True) -> RunStats:
+        """Hand the buffer's new segments to the worker and train there until ``stop`` (a ``threading.Event`` or a
+        callable, polled every few ms), ``time_budget_s`` or ``max_steps`` optimizer steps; then, with ``publish``,
+        put the worker's weights into :attr:`holder` under the worker's version. Same contract as
+        :meth:`SpotTrainer.run`; ``elapsed_s`` includes the hand-over and the weights' return."""
+        t0 = time.perf_counter()
+        check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
+        self._hand_over(self.buffer.take())
+        self._send(("train", max_steps, time_budget_s))
+        while not self._conn.poll(_POLL_S):  # a wait on the pipe holds no interpreter lock
+            if check is not None and check():
+                self._send(("stop",))
+                break
+        _, fields, version, state = self._expect("trained")
+        stats = RunStats(**fields)
+        if publish and state is not None:
+            stats.published_version = self.holder.publish(state, version=version).version
+        stats.elapsed_s = time.perf_counter() - t0
+        return stats
+
+    def _hand_over(self, segments) -> None:
+        """Send rollout segments as one features and one tokens tensor (two shared buffers, not two per segment)."""
+        if segments:
+            features, tokens, steps = zip(*segments)
+            self._send(("add", torch.cat(features), torch.cat(tokens), [t.shape[0] for t in tokens], list(steps)))
+
+    def refresh_head(self, source: EagleDrafter) -> None:
+        """Send ``source``'s view of the target (embedding, head, final norm) to the worker's replica: after every
+        policy update, as :meth:`EagleDrafter.copy_shared_from` does for a replica in this process. A tied embedding
+        and head travel once."""
+        copies = {}  # data_ptr -> its CPU copy
+        states = [{name: copies.setdefault(t.data_ptr(), t.detach().cpu()) for name, t in m.state_dict().items()}
+                  for m in source.shared_modules]
+        self._send(("head", states))
+
+    def save_checkpoint(self, path: str) -> None:
+        """The worker's :meth:`SpotTrainer.save_checkpoint` (weights, optimizer, sampling state), written there."""
+        self._send(("save", str(path)))
+        self._expect("saved")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the worker (idempotent); one that does not end within ``timeout_s`` is terminated."""
+        if self._process.is_alive():
+            try:
+                self._conn.send(("close",))
+            except (BrokenPipeError, OSError):
+                pass
+            self._process.join(timeout_s)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join()
+        self._conn.close()
+
+    def _send(self, message) -> None:
+        if not self._process.is_alive():
+            raise RuntimeError(f"SpotTrainerProcess: the worker has ended (exit code {self._process.exitcode})")
+        self._conn.send(message)
+
+    def _expect(self, kind: str, timeout_s: Optional[float] = None):
+        """The worker's next message, which must be ``kind``; its error report or its death raise RuntimeError."""
+        if timeout_s is not None and not self._conn.poll(timeout_s):
+            self.close(timeout_s=0)
+            raise RuntimeError(f"SpotTrainerProcess: no {kind!r} from the worker within {timeout_s} s")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise RuntimeError(f"SpotTrainerProcess: the worker ended (exit code {self._process.exitcode}) "
+                               f"before sending {kind!r}") from None
+        if message[0] == "error":
+            raise RuntimeError(f"SpotTrainerProcess: the worker failed:\n{message[1]}")
+        if message[0] != kind:
+            raise RuntimeError(f"SpotTrainerProcess: expected {kind!r} from the worker, got {message[0]!r}")
+        return message
+
+
+def _worker_main(conn, replica: EagleDrafter, buffer_config: dict, device: str, trainer_kwargs: dict) -> None:
+    """The worker: build the trainer, report ready (or the error), then serve messages until "close" or EOF."""
+    try:
+        trainer = SpotTrainer(replica.replica(device), RolloutBuffer(**buffer_config), WeightsHolder(device="cpu"),
+                              **trainer_kwargs)
+        if replica.weights_version:  # the worker's versions continue the serving drafter's
+            trainer.holder.publish(trainer.drafter.state_dict(), version=replica.weights_version)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent has gone
+            return
+        if message[0] == "close":
+            return
+        try:
+            _serve(conn, trainer, message)
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def _serve(conn, trainer: SpotTrainer, message) -> None:
+    kind = message[0]
+    if kind == "add":
+        _, features, tokens, lengths, steps = message
+        for f, t, step in zip(features.split(lengths), tokens.split(lengths), steps):
+            trainer.buffer.add(f, t, step)  # a copy: the shared buffers are released after
+    elif kind == "head":
+        trainer.drafter.load_shared_states(message[1])
+    elif kind == "train":
+        stats = trainer.run(stop=conn.poll, max_steps=message[1], time_budget_s=message[2])
+        waiting = conn.recv() if stats.stopped_by == "stop" else None  # the message that ended it: "stop" in practice
+        fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(RunStats)}
+        latest = trainer.holder.latest()
+        fresh = latest is not None and latest.version == stats.published_version
+        conn.send(("trained", fields, trainer.holder.version, latest.state_dict if fresh else None))
+        if waiting is not None:
+            _serve(conn, trainer, waiting)
+    elif kind == "save":
+        trainer.save_checkpoint(message[1])
+        conn.send(("saved",))
+    elif kind != "stop":  # a "stop" that crossed a run's own end is moot
+        raise ValueError(f"unknown message {kind!r}")
