@@ -294,3 +294,18 @@ def test_copy_shared_from_a_drafter_of_another_shape_is_refused():
     other = EagleDrafter.for_target(tgt, intermediate_size=64, final_norm=nn.LayerNorm(64))
     with pytest.raises(ValueError, match="copy_shared_from"):
         d.replica("cpu").copy_shared_from(other)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA GPU")
+def test_gpu_run_makes_the_drafters_device_current(monkeypatch):
+    """A trainer on cuda:1 run from a thread whose current device is cuda:0 launches its micro-steps with cuda:1
+    current (Triton launches on the current device), and the caller's device is current again after."""
+    _, drafter, buffer, _ = _setup()
+    trainer = SpotTrainer(drafter.replica("cuda:1"), buffer, lr=3e-3, warmup_steps=5, batch_size=8, seq_len=16)
+    seen, real = [], SpotTrainer.micro_step
+    monkeypatch.setattr(SpotTrainer, "micro_step", lambda self: (seen.append(torch.cuda.current_device()),
+                                                                 real(self))[1])
+    torch.cuda.set_device(0)
+    stats = trainer.run(max_steps=2)
+    assert stats.optimizer_steps == 2 and set(seen) == {1} and torch.cuda.current_device() == 0

@@ -157,6 +157,8 @@ class SpotTrainerProcess:
 def _worker_main(conn, replica: EagleDrafter, buffer_config: dict, device: str, trainer_kwargs: dict) -> None:
     """The worker: build the trainer, report ready (or the error), then serve messages until "close" or EOF."""
     try:
+        if torch.device(device).type == "cuda":  # no context on the rollout's GPU: every launch goes to ``device``
+            torch.cuda.set_device(torch.device(device))
         trainer = SpotTrainer(replica.replica(device), RolloutBuffer(**buffer_config), WeightsHolder(device="cpu"),
                               **trainer_kwargs)
         if replica.weights_version:  # the worker's versions continue the serving drafter's

@@ -18,6 +18,7 @@ without touching the weights: the weights are always those after a whole optimiz
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import warnings
@@ -268,14 +269,16 @@ class SpotTrainer:
         check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
         stats = RunStats()
         steps0, micro0, tok0 = self.optimizer_steps, self.micro_steps, self.tokens_seen
-        while True:
-            stats.stopped_by = self._stop_reason(check, deadline, max_steps, steps0)
-            if stats.stopped_by:
-                break
-            self.micro_step()
-            self._bound_inflight()
-        self.discard_partial()
-        self._drain_inflight()
+        # The drafter's device is made current: Triton launches on the current device, and its events bound the queue.
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            while True:
+                stats.stopped_by = self._stop_reason(check, deadline, max_steps, steps0)
+                if stats.stopped_by:
+                    break
+                self.micro_step()
+                self._bound_inflight()
+            self.discard_partial()
+            self._drain_inflight()
         stats.micro_steps = self.micro_steps - micro0
         stats.optimizer_steps = self.optimizer_steps - steps0
         stats.tokens = self.tokens_seen - tok0
