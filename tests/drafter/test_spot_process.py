@@ -2,6 +2,7 @@
 data and seed, takes the parent buffer's segments, follows a refreshed head, stops on an event, checkpoints, and
 reports a worker's failure or end as a RuntimeError."""
 import threading
+import time
 
 import pytest
 import torch
@@ -54,15 +55,28 @@ def test_the_process_trains_like_the_thread_and_keeps_the_data(tmp_path):
         stop = threading.Event()
         threading.Timer(0.3, stop.set).start()
         stats = trainer.run(stop=stop)
-        assert stats.stopped_by == "stop" and stats.micro_steps >= 1 and trainer.holder.version == 2
+        # A stopped run returns once the worker answered: the weights (and exact stats) follow.
+        assert stats.stopped_by == "stop" and stats.micro_steps >= 1 and stats.published_version is None
         assert stats.elapsed_s >= 0.3
+        deadline = time.monotonic() + 60
+        while trainer.holder.version < 2 and time.monotonic() < deadline:  # a lookup publishes them once landed
+            time.sleep(0.01)
+        assert trainer.holder.version == 2 and trainer.last_stats.published_version == 2
+        exact = trainer.last_stats
+        assert exact.stopped_by == "stop" and exact.optimizer_steps >= stats.optimizer_steps >= exact.optimizer_steps - 1
+        trainer.collect()  # nothing pending: returns at once
+        again = threading.Event()
+        threading.Timer(0.1, again.set).start()
+        trainer.run(stop=again)
+        after = trainer.run(max_steps=1)  # takes the stopped run's weights (version 3) first
+        assert after.published_version == 4 and trainer.holder.version == 4
         trainer.save_checkpoint(str(tmp_path / "spot.pt"))
     assert not trainer.alive
     trainer.close()  # idempotent
     _, fresh, fresh_buffer = _setup()
     resumed = SpotTrainer(fresh, fresh_buffer, **TRAINER_ARGS)
     resumed.load_checkpoint(str(tmp_path / "spot.pt"))
-    assert resumed.holder.version == 2 and resumed.optimizer_steps == 5 + stats.optimizer_steps
+    assert resumed.holder.version == 4 and resumed.optimizer_steps > 5 + exact.optimizer_steps
     _assert_same_weights(resumed.drafter.state_dict(), trainer.holder.latest().state_dict)
     with pytest.raises(RuntimeError, match="worker has ended"):
         trainer.run(max_steps=1)

@@ -216,8 +216,8 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch, spot_overla
 
 
 def _process_trainer_rollout(target, prompts, lens, device):
-    """A rollout whose spot trainer is a SpotTrainerProcess on ``device``: (output, the switch intervals seen at its
-    steps, the serving drafter, the trainer's holder version)."""
+    """A rollout whose spot trainer is a SpotTrainerProcess on ``device``, then a short one that loads the weights:
+    (the first's output, the switch intervals seen at the steps, the serving drafter, the trainer's holder version)."""
     from tlt_kernels.drafter import SpotTrainerProcess
 
     intervals, real_step = [], SpeculativeEngine._step
@@ -228,18 +228,20 @@ def _process_trainer_rollout(target, prompts, lens, device):
                                 max_seq_len=128, spot_trainer=trainer, rollout_buffer=buf, spot_switch_interval_s=1e-4)
         eng._step = lambda rollout: (intervals.append(sys.getswitchinterval()), real_step(eng, rollout))
         out = eng.generate(prompts, lens)
+        trainer.collect()  # the stopped run's weights follow its stop
+        eng.generate(prompts, [2] * len(prompts))  # loads them at its first step
     return out, intervals, serving, trainer.holder.version
 
 
 def test_spot_trainer_process_trains_in_the_tail_and_the_rollout_loads_its_weights(target, prompts):
-    """A trainer in a worker process trains from the rollout's finished requests in the tail; the serving drafter
-    loads what it publishes; the interpreter's switch interval is left alone (nothing of the trainer's runs here);
+    """A trainer in a worker process trains from the rollout's finished requests in the tail (stopped at the
+    rollout's end, its weights follow the stop); the serving drafter loads what it publishes; the interpreter's switch interval is left alone (nothing of the trainer's runs here);
     greedy output is plain decoding's."""
     lens = [4, 4, 4, 4, 4, 4, 90]
     before = sys.getswitchinterval()
     out, intervals, serving, version = _process_trainer_rollout(target, prompts, lens, "cpu")
     assert out.spot is not None and "error" not in out.spot, out.spot
-    assert out.spot["micro_steps"] >= 1 and out.spot["version"] == version >= 1
+    assert out.spot["micro_steps"] >= 1 and out.spot["version"] is None and version >= 1
     assert serving.weights_version == version
     assert set(intervals) == {before}
     ref = reference_generate(target, prompts, max(lens))

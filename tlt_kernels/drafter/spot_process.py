@@ -10,17 +10,21 @@ the thread. The worker (spawned, so CUDA starts fresh in it) owns a replica of t
 :class:`RolloutBuffer` and a :class:`SpotTrainer`. Messages, each a tuple over one pipe; tensors travel as CPU
 tensors in shared memory (torch.multiprocessing's file-descriptor sharing, no pickled copy of their bytes):
 
-* parent -> worker: ``("add", segments)`` the rollout segments taken from the parent's buffer since the last run;
-  ``("head", states)`` the target's embedding, head and final norm after a policy update; ``("train", max_steps,
-  time_budget_s)``; ``("stop",)`` (read before every micro-step); ``("save", path)``; ``("close",)``.
-* worker -> parent: ``("ready",)``; ``("trained", stats, version, state_dict or None)``; ``("saved",)``;
+* parent -> worker: ``("add", features, tokens, lengths, steps)`` the rollout segments taken from the parent's
+  buffer since the last run; ``("head", states)`` the target's embedding, head and final norm after a policy update;
+  ``("train", max_steps, time_budget_s, publish)``; ``("stop",)``; ``("save", path)``; ``("close",)``.
+* worker -> parent: ``("ready",)``; for a run that ends by itself ``("trained", stats, version, state_dict or
+  None)``; for a stopped one ``("stopped", counts)`` at once (a listener thread in the worker answers while the
+  trainer finishes its micro-step), then ``("weights", stats, version, state_dict or None)``; ``("saved",)``;
   ``("error", traceback)``.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import traceback
+import warnings
 from typing import Optional
 
 import torch
@@ -56,7 +60,10 @@ class SpotTrainerProcess:
         if not isinstance(buffer, RolloutBuffer):
             raise TypeError(f"SpotTrainerProcess: buffer must be a RolloutBuffer, got {type(buffer).__name__}")
         self.buffer = buffer
-        self.holder = holder if holder is not None else WeightsHolder(device=next(drafter.parameters()).device)
+        self._holder = holder if holder is not None else WeightsHolder(device=next(drafter.parameters()).device)
+        self._lock = threading.Lock()  # one reader of the pipe at a time (run's thread, or a holder lookup)
+        self._weights_pending = False  # a stopped run's weights are still to come
+        self.last_stats: Optional[RunStats] = None  # the last run's exact stats, once its weights arrived
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         config = dict(capacity_tokens=buffer.capacity_tokens, recency_decay=buffer.recency_decay,
@@ -77,25 +84,69 @@ class SpotTrainerProcess:
     def alive(self) -> bool:
         return self._process.is_alive()
 
+    @property
+    def holder(self) -> WeightsHolder:
+        """The holder the worker's weights are published into; a lookup first publishes weights that have arrived
+        (never waits: the engine looks it up at every step, so weights that land mid-rollout serve from the next)."""
+        if self._weights_pending and self._lock.acquire(blocking=False):
+            try:
+                self._collect(wait=False)
+            except RuntimeError as exc:  # the rollout goes on with the weights it has; the next run raises
+                self._weights_pending = False
+                warnings.warn(f"{exc}; the rollout keeps weights version {self._holder.version}", RuntimeWarning,
+                              stacklevel=2)
+            finally:
+                self._lock.release()
+        return self._holder
+
+    def collect(self) -> None:
+        """Wait for a stopped run's weights and publish them (:attr:`holder` does so without waiting)."""
+        with self._lock:
+            self._collect(wait=True)
+
     def run(self, stop=None, time_budget_s: Optional[float] = None, max_steps: Optional[int] = None,
             publish: bool = True) -> RunStats:
         """Hand the buffer's new segments to the worker and train there until ``stop`` (a ``threading.Event`` or a
-        callable, polled every few ms), ``time_budget_s`` or ``max_steps`` optimizer steps; then, with ``publish``,
-        put the worker's weights into :attr:`holder` under the worker's version. Same contract as
-        :meth:`SpotTrainer.run`; ``elapsed_s`` includes the hand-over and the weights' return."""
+        callable, polled every few ms), ``time_budget_s`` or ``max_steps`` optimizer steps.
+
+        A run that ends by itself returns after its weights are published into :attr:`holder` (with ``publish``)
+        under the worker's version, as :meth:`SpotTrainer.run` does. A run stopped by ``stop`` returns as soon as
+        the worker has answered the stop (within a few ms, not after its micro-step and the weights' transfer):
+        its stats count the steps launched by then, ``published_version`` is None, and the weights (and the exact
+        stats, :attr:`last_stats`) follow; :attr:`holder` publishes them when they have arrived, :meth:`collect`
+        waits for them."""
         t0 = time.perf_counter()
         check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
-        self._hand_over(self.buffer.take())
-        self._send(("train", max_steps, time_budget_s))
-        while not self._conn.poll(_POLL_S):  # a wait on the pipe holds no interpreter lock
-            if check is not None and check():
-                self._send(("stop",))
-                break
-        _, fields, version, state = self._expect("trained")
-        stats = RunStats(**fields)
-        if publish and state is not None:
-            stats.published_version = self.holder.publish(state, version=version).version
+        with self._lock:
+            self._collect(wait=True)
+            self._hand_over(self.buffer.take())
+            self._send(("train", max_steps, time_budget_s, publish))
+            while not self._conn.poll(_POLL_S):  # a wait on the pipe holds no interpreter lock
+                if check is not None and check():
+                    self._send(("stop",))
+                    break
+            message = self._expect(("trained", "stopped"))
+            if message[0] == "stopped":
+                self._weights_pending = True
+                stats = RunStats(**message[1])
+            else:
+                stats = self._publish(message)
         stats.elapsed_s = time.perf_counter() - t0
+        return stats
+
+    def _collect(self, wait: bool) -> None:
+        """With the lock held: publish a stopped run's weights, if they are pending (and have arrived, or ``wait``)."""
+        if self._weights_pending and (wait or self._conn.poll()):
+            self._publish(self._expect("weights"))
+            self._weights_pending = False
+
+    def _publish(self, message) -> RunStats:
+        """A "trained" or "weights" message: publish its state (when it has one) and keep its stats."""
+        _, fields, version, state = message
+        stats = RunStats(**fields)
+        if state is not None:
+            stats.published_version = self._holder.publish(state, version=version).version
+        self.last_stats = stats
         return stats
 
     def _hand_over(self, segments) -> None:
@@ -107,19 +158,30 @@ class SpotTrainerProcess:
     def refresh_head(self, source: EagleDrafter) -> None:
         """Send ``source``'s view of the target (embedding, head, final norm) to the worker's replica: after every
         policy update, as :meth:`EagleDrafter.copy_shared_from` does for a replica in this process. A tied embedding
-        and head travel once."""
+        and head travel once. A stopped run's weights are collected first, so the next rollout starts with them."""
         copies = {}  # data_ptr -> its CPU copy
         states = [{name: copies.setdefault(t.data_ptr(), t.detach().cpu()) for name, t in m.state_dict().items()}
                   for m in source.shared_modules]
-        self._send(("head", states))
+        with self._lock:
+            self._collect(wait=True)
+            self._send(("head", states))
 
     def save_checkpoint(self, path: str) -> None:
         """The worker's :meth:`SpotTrainer.save_checkpoint` (weights, optimizer, sampling state), written there."""
-        self._send(("save", str(path)))
-        self._expect("saved")
+        with self._lock:
+            self._collect(wait=True)
+            self._send(("save", str(path)))
+            self._expect("saved")
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """End the worker (idempotent); one that does not end within ``timeout_s`` is terminated."""
+        """Publish a stopped run's weights, then end the worker (idempotent); one that does not end within
+        ``timeout_s`` is terminated."""
+        if self._weights_pending and self._process.is_alive():
+            try:
+                self.collect()
+            except RuntimeError as exc:  # ending anyway: say what was lost
+                warnings.warn(f"{exc}; closing with weights version {self._holder.version}", RuntimeWarning,
+                              stacklevel=2)
         if self._process.is_alive():
             try:
                 self._conn.send(("close",))
@@ -136,8 +198,9 @@ class SpotTrainerProcess:
             raise RuntimeError(f"SpotTrainerProcess: the worker has ended (exit code {self._process.exitcode})")
         self._conn.send(message)
 
-    def _expect(self, kind: str, timeout_s: Optional[float] = None):
-        """The worker's next message, which must be ``kind``; its error report or its death raise RuntimeError."""
+    def _expect(self, kind, timeout_s: Optional[float] = None):
+        """The worker's next message, which must be of ``kind`` (a name or a tuple of names); its error report or
+        its death raise RuntimeError."""
         if timeout_s is not None and not self._conn.poll(timeout_s):
             self.close(timeout_s=0)
             raise RuntimeError(f"SpotTrainerProcess: no {kind!r} from the worker within {timeout_s} s")
@@ -149,7 +212,7 @@ class SpotTrainerProcess:
                                f"before sending {kind!r}") from None
         if message[0] == "error":
             raise RuntimeError(f"SpotTrainerProcess: the worker failed:\n{message[1]}")
-        if message[0] != kind:
+        if message[0] not in ((kind,) if isinstance(kind, str) else kind):
             raise RuntimeError(f"SpotTrainerProcess: expected {kind!r} from the worker, got {message[0]!r}")
         return message
 
@@ -189,16 +252,50 @@ def _serve(conn, trainer: SpotTrainer, message) -> None:
     elif kind == "head":
         trainer.drafter.load_shared_states(message[1])
     elif kind == "train":
-        stats = trainer.run(stop=conn.poll, max_steps=message[1], time_budget_s=message[2])
-        waiting = conn.recv() if stats.stopped_by == "stop" else None  # the message that ended it: "stop" in practice
-        fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(RunStats)}
-        latest = trainer.holder.latest()
-        fresh = latest is not None and latest.version == stats.published_version
-        conn.send(("trained", fields, trainer.holder.version, latest.state_dict if fresh else None))
-        if waiting is not None:
-            _serve(conn, trainer, waiting)
+        _train(conn, trainer, *message[1:])
     elif kind == "save":
         trainer.save_checkpoint(message[1])
         conn.send(("saved",))
     elif kind != "stop":  # a "stop" that crossed a run's own end is moot
         raise ValueError(f"unknown message {kind!r}")
+
+
+def _train(conn, trainer: SpotTrainer, max_steps, time_budget_s, publish: bool) -> None:
+    """A run; a listener thread answers the parent's stop at once ("stopped", the steps launched so far) and the
+    weights follow ("weights"); a run that ends by itself sends them with its stats ("trained")."""
+    listener = _StopListener(conn, trainer)
+    listener.start()
+    try:
+        stats = trainer.run(stop=listener.stop, max_steps=max_steps, time_budget_s=time_budget_s, publish=publish)
+    finally:  # the listener reads the pipe: it ends before anything else is read or sent
+        listener.done.set()
+        listener.join()
+    latest = trainer.holder.latest()
+    fresh = latest is not None and latest.version == stats.published_version
+    fields = {f.name: getattr(stats, f.name) for f in dataclasses.fields(RunStats)}
+    conn.send(("weights" if listener.answered else "trained", fields, trainer.holder.version,
+               latest.state_dict if fresh else None))
+
+
+class _StopListener(threading.Thread):
+    """Waits for the parent's "stop" while the worker trains; answers it with the run's counts, then stops the run."""
+
+    def __init__(self, conn, trainer: SpotTrainer):
+        super().__init__(name="tlt-spot-stop-listener", daemon=True)
+        self.conn, self.trainer = conn, trainer
+        self.start_counts = (trainer.micro_steps, trainer.optimizer_steps, trainer.tokens_seen)
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.answered = False
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            if self.conn.poll(_POLL_S):
+                self.conn.recv()  # "stop": the parent sends nothing else while a run is on
+                self.stop.set()  # first, so no micro-step starts after the counts are read
+                micro, steps, tokens = (now - start for now, start in zip(
+                    (self.trainer.micro_steps, self.trainer.optimizer_steps, self.trainer.tokens_seen),
+                    self.start_counts))
+                self.answered = True
+                self.conn.send(("stopped", dict(micro_steps=micro, optimizer_steps=steps, tokens=tokens,
+                                                stopped_by="stop")))
+                return
