@@ -278,8 +278,8 @@ def test_spot_process_trains_in_a_worker_that_ends_with_its_way(tmp_path, monkey
     (engine,) = engines
     trainer = engine.spot_trainer
     assert isinstance(trainer, SpotTrainerProcess) and not trainer.alive
-    # The serving drafter has what the last head refresh collected; closing collected the last rollout's.
-    assert 1 <= engine.drafter.weights_version <= trainer.holder.version
+    # Closing collected the last rollout's weights; the serving drafter loaded those that had landed before.
+    assert trainer.holder.version >= 1 and engine.drafter.weights_version <= trainer.holder.version
     assert len(heads) == 2 and all(head is engine.drafter for head in heads)  # --small runs 2 steps
     notes = (tmp_path / "rl.md").read_text()
     assert "spec-eagle: decoding steps" in notes and "spot trainer: did not run" not in notes

@@ -112,3 +112,25 @@ def test_the_buffer_hands_over_its_entries_in_order():
     assert [(f.shape[0], t.shape[0], step) for f, t, step in taken] == [(5, 5, 1), (3, 3, 1), (4, 4, 2)]
     assert torch.equal(taken[2][0], torch.full((4, 3), 2.0))
     assert buffer.num_tokens == 0 and len(buffer) == 0 and buffer.take() == []
+
+
+def test_a_run_stopped_while_the_last_weights_are_on_their_way_trains_nothing():
+    """A tail that ends before the previous run's weights have landed must not wait for them: the run returns at
+    the stop, sends nothing, and the buffer keeps its segments for the next run."""
+
+    class SilentPipe:  # the worker's weights have not arrived; nothing may be sent
+        def poll(self, timeout=0.0):
+            return False
+
+        def send(self, message):
+            raise AssertionError(f"sent {message[0]!r}")
+
+    _, _, buffer = _setup()
+    trainer = SpotTrainerProcess.__new__(SpotTrainerProcess)  # the pipe alone: no worker needed
+    trainer.buffer, trainer._conn, trainer._lock = buffer, SilentPipe(), threading.Lock()
+    trainer._weights_pending = True
+    stop = threading.Event()
+    stop.set()
+    stats = trainer.run(stop=stop)
+    assert (stats.stopped_by, stats.micro_steps, stats.published_version) == ("stop", 0, None)
+    assert buffer.num_tokens == 16 * 24 and trainer._weights_pending

@@ -230,7 +230,7 @@ def _process_trainer_rollout(target, prompts, lens, device):
         out = eng.generate(prompts, lens)
         trainer.collect()  # the stopped run's weights follow its stop
         eng.generate(prompts, [2] * len(prompts))  # loads them at its first step
-    return out, intervals, serving, trainer.holder.version
+    return out, intervals, serving, trainer.last_stats
 
 
 def test_spot_trainer_process_trains_in_the_tail_and_the_rollout_loads_its_weights(target, prompts):
@@ -239,10 +239,10 @@ def test_spot_trainer_process_trains_in_the_tail_and_the_rollout_loads_its_weigh
     greedy output is plain decoding's."""
     lens = [4, 4, 4, 4, 4, 4, 90]
     before = sys.getswitchinterval()
-    out, intervals, serving, version = _process_trainer_rollout(target, prompts, lens, "cpu")
-    assert out.spot is not None and "error" not in out.spot, out.spot
-    assert out.spot["micro_steps"] >= 1 and out.spot["version"] is None and version >= 1
-    assert serving.weights_version == version
+    out, intervals, serving, exact = _process_trainer_rollout(target, prompts, lens, "cpu")
+    assert out.spot is not None and "error" not in out.spot and out.spot["version"] is None, out.spot
+    assert exact.stopped_by == "stop" and exact.micro_steps >= out.spot["micro_steps"]
+    assert exact.micro_steps >= 1 and serving.weights_version == exact.published_version >= 1
     assert set(intervals) == {before}
     ref = reference_generate(target, prompts, max(lens))
     assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))
@@ -312,9 +312,9 @@ def test_gpu_spot_trainer_process_on_the_last_gpu(prompts):
     weights; greedy output stays plain decoding's."""
     gpu = tiny_trained_target().cuda()
     lens = [4, 4, 4, 4, 4, 4, 40]
-    out, _, serving, version = _process_trainer_rollout(gpu, prompts, lens, f"cuda:{torch.cuda.device_count() - 1}")
+    out, _, serving, exact = _process_trainer_rollout(gpu, prompts, lens, f"cuda:{torch.cuda.device_count() - 1}")
     assert out.spot is not None and "error" not in out.spot, out.spot
-    assert out.spot["micro_steps"] >= 1 and serving.weights_version == version >= 1
+    assert exact.micro_steps >= 1 and serving.weights_version == exact.published_version >= 1
     assert all(p.device == gpu.device for p in serving.parameters())
     ref = reference_generate(gpu, prompts, max(lens))
     assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))

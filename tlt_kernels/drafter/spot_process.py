@@ -114,11 +114,13 @@ class SpotTrainerProcess:
         the worker has answered the stop (within a few ms, not after its micro-step and the weights' transfer):
         its stats count the steps launched by then, ``published_version`` is None, and the weights (and the exact
         stats, :attr:`last_stats`) follow; :attr:`holder` publishes them when they have arrived, :meth:`collect`
-        waits for them."""
+        waits for them. A run waits for the previous run's weights before it trains (the worker's first training
+        includes its kernels' compilation); a stop during that wait returns at once with nothing trained."""
         t0 = time.perf_counter()
         check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
         with self._lock:
-            self._collect(wait=True)
+            if not self._await_weights(check):  # stopped first: no training this time, the segments stay
+                return RunStats(stopped_by="stop", elapsed_s=time.perf_counter() - t0)
             self._hand_over(self.buffer.take())
             self._send(("train", max_steps, time_budget_s, publish))
             while not self._conn.poll(_POLL_S):  # a wait on the pipe holds no interpreter lock
@@ -133,6 +135,16 @@ class SpotTrainerProcess:
                 stats = self._publish(message)
         stats.elapsed_s = time.perf_counter() - t0
         return stats
+
+    def _await_weights(self, check) -> bool:
+        """With the lock held: wait for a stopped run's weights (they come before anything else on the pipe) unless
+        ``check`` turns true first (False then): a run in a rollout's tail must not hold up its end."""
+        while self._weights_pending:
+            if self._conn.poll(_POLL_S):
+                self._collect(wait=True)
+            elif check is not None and check():
+                return False
+        return True
 
     def _collect(self, wait: bool) -> None:
         """With the lock held: publish a stopped run's weights, if they are pending (and have arrived, or ``wait``)."""
@@ -158,12 +170,12 @@ class SpotTrainerProcess:
     def refresh_head(self, source: EagleDrafter) -> None:
         """Send ``source``'s view of the target (embedding, head, final norm) to the worker's replica: after every
         policy update, as :meth:`EagleDrafter.copy_shared_from` does for a replica in this process. A tied embedding
-        and head travel once. A stopped run's weights are collected first, so the next rollout starts with them."""
+        and head travel once. A stopped run's weights are published here if they have arrived (never waited for)."""
         copies = {}  # data_ptr -> its CPU copy
         states = [{name: copies.setdefault(t.data_ptr(), t.detach().cpu()) for name, t in m.state_dict().items()}
                   for m in source.shared_modules]
         with self._lock:
-            self._collect(wait=True)
+            self._collect(wait=False)
             self._send(("head", states))
 
     def save_checkpoint(self, path: str) -> None:
