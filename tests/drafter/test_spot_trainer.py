@@ -309,3 +309,27 @@ def test_gpu_run_makes_the_drafters_device_current(monkeypatch):
     torch.cuda.set_device(0)
     stats = trainer.run(max_steps=2)
     assert stats.optimizer_steps == 2 and set(seen) == {1} and torch.cuda.current_device() == 0
+
+
+@pytest.mark.parametrize("unroll_steps", [1, 2])
+def test_warm_up_changes_nothing_the_training_sees(unroll_steps):
+    """warm_up runs the loss forward and backward once and leaves weights, gradients, optimizer, counters and the
+    sampling generator as they were: training after it equals training without it."""
+    _, _, _, plain = _setup(unroll_steps=unroll_steps, feature_noise=0.1)
+    _, _, _, warmed = _setup(unroll_steps=unroll_steps, feature_noise=0.1)
+    before = {k: v.clone() for k, v in warmed.drafter.state_dict().items()}
+    warmed.warm_up()
+    assert all(torch.equal(v, before[k]) for k, v in warmed.drafter.state_dict().items())
+    assert all(p.grad is None for p in warmed.params) and not warmed.optimizer.state
+    assert (warmed.micro_steps, warmed.optimizer_steps, warmed.tokens_seen) == (0, 0, 0)
+    plain.run(max_steps=3)
+    warmed.run(max_steps=3)
+    for name, value in plain.drafter.state_dict().items():
+        assert torch.equal(warmed.drafter.state_dict()[name], value), name
+
+
+def test_warm_up_refuses_a_partial_accumulation():
+    _, _, _, trainer = _setup(grad_accum=2)
+    trainer.micro_step()
+    with pytest.raises(RuntimeError, match="gradient-accumulation"):
+        trainer.warm_up()

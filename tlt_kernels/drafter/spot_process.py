@@ -46,7 +46,8 @@ class SpotTrainerProcess:
             moves its entries to the worker's buffer (same capacity, decay and storage dtype, on the CPU).
         holder: where :meth:`run` publishes the worker's weights (default: a holder on the drafter's device).
         device: the worker's device (``"cuda:1"``, ``"cpu"``, ...).
-        start_timeout_s: how long to wait for the worker to start (it imports torch and this package).
+        start_timeout_s: how long to wait for the worker to start (it imports torch and this package, and runs
+            :meth:`SpotTrainer.warm_up` so the first tail trains instead of loading kernels).
         trainer_kwargs: :class:`SpotTrainer`'s keyword arguments (``lr``, ``batch_size``, ``unroll_steps``, ...).
 
     Call :meth:`close` (or use it as a context manager) to end the worker; it also ends with the parent.
@@ -236,6 +237,7 @@ def _worker_main(conn, replica: EagleDrafter, buffer_config: dict, device: str, 
             torch.cuda.set_device(torch.device(device))
         trainer = SpotTrainer(replica.replica(device), RolloutBuffer(**buffer_config), WeightsHolder(device="cpu"),
                               **trainer_kwargs)
+        trainer.warm_up()  # its kernels load now, not in the first rollout's tail
         if replica.weights_version:  # the worker's versions continue the serving drafter's
             trainer.holder.publish(trainer.drafter.state_dict(), version=replica.weights_version)
     except Exception:

@@ -208,6 +208,29 @@ class SpotTrainer:
         self._last_loss = loss.detach()
         return self._last_loss
 
+    def warm_up(self) -> None:
+        """One forward and backward of the loss on a synthetic batch, its gradients then dropped: loads (on a cold
+        cache, compiles) the training kernels before the first idle window, which would otherwise spend itself on
+        them. Weights, optimizer, counters, feature scale and sampling state are left as they were."""
+        if self._accum:
+            raise RuntimeError("SpotTrainer.warm_up: called inside a gradient-accumulation cycle (its gradients "
+                               "would be dropped); call it before training or after discard_partial()")
+        B, S1, H = self.batch_size, self.seq_len + 1, self.drafter.config.hidden_size
+        dev = self.device
+        batch = TrainBatch(torch.zeros(B, S1, H, device=dev), torch.zeros(B, S1, dtype=torch.int64, device=dev),
+                           torch.arange(S1, device=dev).expand(B, S1), torch.ones(B, S1 - 1, dtype=torch.bool, device=dev),
+                           torch.zeros(B, dtype=torch.int64, device=dev))
+        use_amp = dev.type == "cuda" and self.autocast_dtype is not None
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            with torch.autocast(dev.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
+                loss, _ = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise,
+                                     torch.Generator(), self.feature_scale, self.unroll_steps)  # not self.generator
+            loss.backward()
+            for param in self.params:
+                param.grad = None
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+
     @torch.no_grad()
     def _update_feature_scale(self, batch: TrainBatch, momentum: float = 0.99) -> None:
         """Running per-dimension standard deviation of the batches' target features (the first batch sets it), so
