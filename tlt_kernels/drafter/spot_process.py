@@ -50,7 +50,9 @@ class SpotTrainerProcess:
             :meth:`SpotTrainer.warm_up` so the first tail trains instead of loading kernels).
         trainer_kwargs: :class:`SpotTrainer`'s keyword arguments (``lr``, ``batch_size``, ``unroll_steps``, ...).
 
-    Call :meth:`close` (or use it as a context manager) to end the worker; it also ends with the parent.
+    Call :meth:`close` (or use it as a context manager) to end the worker; it also ends with the parent. The worker
+    is spawned, so (as for any spawned process) a script that builds one must keep its top level under
+    ``if __name__ == "__main__":``: the worker imports the script's module.
     """
 
     in_process = False  # run() launches no kernel here: the engine's session gives it no stream and no interval
