@@ -45,7 +45,8 @@ class SpotTrainerProcess:
         buffer: the parent's :class:`RolloutBuffer`, the one the engine adds finished requests to; each :meth:`run`
             moves its entries to the worker's buffer (same capacity, decay and storage dtype, on the CPU).
         holder: where :meth:`run` publishes the worker's weights (default: a holder on the drafter's device).
-        device: the worker's device (``"cuda:1"``, ``"cpu"``, ...).
+        device: the worker's device (``"cuda:1"``, ``"cpu"``, ...). On the rollout's own GPU the two processes'
+            kernels time-slice it (stream priorities do not reach across processes): give it an idle GPU.
         start_timeout_s: how long to wait for the worker to start (it imports torch and this package, and runs
             :meth:`SpotTrainer.warm_up` so the first tail trains instead of loading kernels).
         trainer_kwargs: :class:`SpotTrainer`'s keyword arguments (``lr``, ``batch_size``, ``unroll_steps``, ...).
@@ -117,8 +118,8 @@ class SpotTrainerProcess:
         the worker has answered the stop (within a few ms, not after its micro-step and the weights' transfer):
         its stats count the steps launched by then, ``published_version`` is None, and the weights (and the exact
         stats, :attr:`last_stats`) follow; :attr:`holder` publishes them when they have arrived, :meth:`collect`
-        waits for them. A run waits for the previous run's weights before it trains (the worker's first training
-        includes its kernels' compilation); a stop during that wait returns at once with nothing trained."""
+        waits for them. A run first waits for the previous run's weights (they come first on the pipe); a stop during
+        that wait returns at once with nothing trained and the buffer's segments kept."""
         t0 = time.perf_counter()
         check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
         with self._lock:
