@@ -31,7 +31,7 @@ import torch
 
 from .buffer import RolloutBuffer
 from .eagle import EagleDrafter
-from .spot_trainer import RunStats, SpotTrainer
+from .spot_trainer import RunStats, SpotTrainer, stop_check
 from .weights import WeightsHolder
 
 _POLL_S = 0.002  # how often a waiting run looks at its stop condition: far below a rollout, far above a syscall
@@ -121,7 +121,7 @@ class SpotTrainerProcess:
         waits for them. A run first waits for the previous run's weights (they come first on the pipe); a stop during
         that wait returns at once with nothing trained and the buffer's segments kept."""
         t0 = time.perf_counter()
-        check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
+        check = stop_check(stop)
         with self._lock:
             if not self._await_weights(check):  # stopped first: no training this time, the segments stay
                 return RunStats(stopped_by="stop", elapsed_s=time.perf_counter() - t0)
@@ -300,7 +300,7 @@ class _StopListener(threading.Thread):
     def __init__(self, conn, trainer: SpotTrainer):
         super().__init__(name="tlt-spot-stop-listener", daemon=True)
         self.conn, self.trainer = conn, trainer
-        self.start_counts = (trainer.micro_steps, trainer.optimizer_steps, trainer.tokens_seen)
+        self.start_counts = _counts(trainer)
         self.stop, self.done = threading.Event(), threading.Event()
         self.answered = False
 
@@ -309,10 +309,13 @@ class _StopListener(threading.Thread):
             if self.conn.poll(_POLL_S):
                 self.conn.recv()  # "stop": the parent sends nothing else while a run is on
                 self.stop.set()  # first, so no micro-step starts after the counts are read
-                micro, steps, tokens = (now - start for now, start in zip(
-                    (self.trainer.micro_steps, self.trainer.optimizer_steps, self.trainer.tokens_seen),
-                    self.start_counts))
+                micro, steps, tokens = (now - start for now, start in zip(_counts(self.trainer), self.start_counts))
                 self.answered = True
                 self.conn.send(("stopped", dict(micro_steps=micro, optimizer_steps=steps, tokens=tokens,
                                                 stopped_by="stop")))
                 return
+
+
+def _counts(trainer: SpotTrainer):
+    """The trainer's running totals: (micro-steps, optimizer steps, tokens seen)."""
+    return trainer.micro_steps, trainer.optimizer_steps, trainer.tokens_seen

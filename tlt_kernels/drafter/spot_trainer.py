@@ -38,6 +38,13 @@ _CHECKPOINT_KEYS = ("drafter", "optimizer", "scheduler", "generator", "optimizer
 StopCondition = Union[None, Callable[[], bool], "threading.Event"]  # noqa: F821
 
 
+def stop_check(stop: StopCondition) -> Optional[Callable[[], bool]]:
+    """A run's stop condition as a callable: an object with ``is_set()`` (``threading.Event``), a callable, or None."""
+    if stop is None:
+        return None
+    return stop.is_set if hasattr(stop, "is_set") else stop
+
+
 def eagle_loss(drafter: EagleDrafter, batch: TrainBatch, hidden_weight: float = 1.0, token_weight: float = 0.1,
                feature_noise: float = 0.0, generator=None, feature_scale: Optional[torch.Tensor] = None,
                unroll_steps: int = 1):
@@ -193,12 +200,9 @@ class SpotTrainer:
         """
         self.drafter.train()
         batch = self.buffer.sample(self.batch_size, self.seq_len, self.generator, device=self.device)
-        use_amp = self.device.type == "cuda" and self.autocast_dtype is not None
         if self.normalize_hidden:
             self._update_feature_scale(batch)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
-            loss, stats = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise,
-                                     self.generator, self.feature_scale, self.unroll_steps)
+        loss = self._loss(batch, self.generator)
         (loss / self.grad_accum).backward()
         self._accum += 1
         self.micro_steps += 1
@@ -207,6 +211,19 @@ class SpotTrainer:
             self._optimizer_step()
         self._last_loss = loss.detach()
         return self._last_loss
+
+    def _loss(self, batch: TrainBatch, generator: torch.Generator) -> torch.Tensor:
+        """:func:`eagle_loss` of ``batch`` with this trainer's settings (autocast on CUDA when set)."""
+        use_amp = self.device.type == "cuda" and self.autocast_dtype is not None
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
+            loss, _ = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise,
+                                 generator, self.feature_scale, self.unroll_steps)
+        return loss
+
+    def _on_device(self):
+        """A context with the drafter's device current (Triton launches on the current device, and the in-flight
+        events are recorded there); a no-op off CUDA."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def warm_up(self) -> None:
         """One forward and backward of the loss on a synthetic batch, its gradients then dropped: loads (on a cold
@@ -220,12 +237,8 @@ class SpotTrainer:
         batch = TrainBatch(torch.zeros(B, S1, H, device=dev), torch.zeros(B, S1, dtype=torch.int64, device=dev),
                            torch.arange(S1, device=dev).expand(B, S1), torch.ones(B, S1 - 1, dtype=torch.bool, device=dev),
                            torch.zeros(B, dtype=torch.int64, device=dev))
-        use_amp = dev.type == "cuda" and self.autocast_dtype is not None
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            with torch.autocast(dev.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=use_amp):
-                loss, _ = eagle_loss(self.drafter, batch, self.hidden_weight, self.token_weight, self.feature_noise,
-                                     torch.Generator(), self.feature_scale, self.unroll_steps)  # not self.generator
-            loss.backward()
+        with self._on_device():
+            self._loss(batch, torch.Generator()).backward()  # not self.generator: the sampling state stays
             for param in self.params:
                 param.grad = None
             if dev.type == "cuda":
@@ -289,11 +302,10 @@ class SpotTrainer:
         """
         t0 = time.perf_counter()
         deadline = None if time_budget_s is None else t0 + time_budget_s
-        check = (stop.is_set if hasattr(stop, "is_set") else stop) if stop is not None else None
+        check = stop_check(stop)
         stats = RunStats()
         steps0, micro0, tok0 = self.optimizer_steps, self.micro_steps, self.tokens_seen
-        # The drafter's device is made current: Triton launches on the current device, and its events bound the queue.
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        with self._on_device():
             while True:
                 stats.stopped_by = self._stop_reason(check, deadline, max_steps, steps0)
                 if stats.stopped_by:
