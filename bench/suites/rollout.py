@@ -61,6 +61,7 @@ time.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import statistics
 import time
@@ -114,6 +115,9 @@ FLAGS = (
     Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
          "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
          "(one KV cache and graph set in memory)", bool),
+    Flag("--write-traces", None, "also record every adaptive engine's rollouts of each workload with every arm probed "
+         "at every step (the warm-up rollout, then the timed one) as traces in this directory, with the engine's "
+         "start-up cost table, for the selector suite's --trace (slow: one probe per arm per step)", metavar="DIR"),
 )
 
 # Chains win at large batch sizes and trees in the tail (the e2e suite's traces): the set spans both.
@@ -600,6 +604,7 @@ class RolloutRun:
             for impl, rollout in rollouts:
                 self.add_engine_row(work, impl, self.median_run(lambda: rollout(work)))
         self.step_cost_rows(eng, config)
+        self.write_traces(eng, config)
         del eng, rollouts
         gc.collect()
         if self.cuda:
@@ -623,6 +628,7 @@ class RolloutRun:
             self.ctx.progress(f"{work.name} B={work.batch}: {len(plan)} rows x {self.z.repeats} repeats done")
         for config, eng in engines:
             self.step_cost_rows(eng, config)
+            self.write_traces(eng, config)
 
     def rollouts(self, eng, config: EngineConfig) -> List[Tuple[str, Any]]:
         """The timed rollouts an engine gives each workload, as ``(impl, rollout(work) -> GenerateOutput)``: its
@@ -630,7 +636,7 @@ class RolloutRun:
         GPU) and warm (a fresh one that first decodes the previous prompts of the cycle, then the timed rollout)."""
         if not config.adaptive:
             return [(config.name, lambda work: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))]
-        fresh = self._selector_factory(eng, config)
+        fresh = self._selector_factory(eng, config, self._start_up_table(eng, config))
 
         def cold(work):
             eng.selector = fresh()
@@ -643,18 +649,48 @@ class RolloutRun:
 
         return [(config.name, cold), (f"{config.name} (warm)", warm)]
 
-    def _selector_factory(self, eng, config: EngineConfig):
-        """A new adaptive selector per call, sharing the engine's start-up cost table (measured once, on the GPU)."""
+    def _start_up_table(self, eng, config: EngineConfig):
+        """The engine's start-up cost table (measured on the GPU from its captured graphs), or None."""
+        if not self.cuda or eng.graph_error:
+            return None
+        try:
+            return eng.measure_cost_table()
+        except Exception as exc:  # the selector still runs, from its online estimates alone
+            self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
+            return None
+
+    @staticmethod
+    def _selector_factory(eng, config: EngineConfig, table):
+        """A new adaptive selector per call, sharing the start-up cost table ``table`` (None: online estimates only)."""
         from tlt_kernels.runtime import StrategySelector
 
-        table = None
-        if self.cuda and not eng.graph_error:
-            try:
-                table = eng.measure_cost_table()
-            except Exception as exc:  # the selector still runs, from its online estimates alone
-                self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
         # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
         return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers)
+
+    def write_traces(self, eng, config: EngineConfig) -> None:
+        """``--write-traces``: an adaptive engine's warm-up and timed rollouts of every workload again, each step
+        probing every arm (``generate(trace=)``), as ``<drafter>-<workload>-B<batch>.json`` (records of the warm-up
+        rollout carry ``"rollout": 0``, the timed one's ``1``), and the engine's start-up cost table as
+        ``<drafter>-cost-table.json`` (``{arm: [[batch_size, seconds], ...]}``; absent without one)."""
+        directory = self.p.write_traces
+        if not directory or not config.adaptive:
+            return
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        table = self._start_up_table(eng, config)
+        fresh = self._selector_factory(eng, config, table)
+        if table is not None:
+            points = {str(arm): [[b, t] for b, t in zip(*entry)] for arm, entry in table.table.items()}
+            (Path(directory) / f"{config.drafter}-cost-table.json").write_text(json.dumps(points))
+        for work in self.works:
+            eng.selector = fresh()
+            records = []
+            for index, prompts in enumerate((work.previous, work.prompts)):
+                part: List[dict] = []
+                eng.generate(prompts, work.lengths, eos_token_id=self.eos, trace=part)
+                records += [dict(record, rollout=index) for record in part]
+            path = Path(directory) / f"{config.drafter}-{work.name}-B{work.batch}.json"
+            path.write_text(json.dumps(records))
+            self.ctx.note(f"{config.name}, {work.name} B={work.batch}: trace of {len(records)} steps written to {path}")
 
     def median_run(self, rollout) -> "MedianRun":
         """The output of the run of median wall time among ``--repeats`` calls of ``rollout`` (each a whole rollout:

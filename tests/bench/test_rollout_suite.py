@@ -229,3 +229,28 @@ def test_prefill_lengths_reach_every_engine(monkeypatch):
     assert res.status == "ok", res.data["error"]
     # 64 is past the small run's capacity (its longest prompt + 8 tokens < 64): it becomes that capacity.
     assert seen and all(lengths[0] == 16 and 16 < lengths[1] < 64 and len(lengths) == 2 for lengths in seen), seen
+
+
+def test_write_traces_records_every_adaptive_rollout_for_the_selector_suite(tmp_path):
+    from tlt_kernels.runtime import Strategy
+    from tlt_kernels.runtime.simulate import load_trace
+
+    traces = tmp_path / "traces"
+    res = _run(["--drafters", "ngram", "--no-hf-eager", "--write-traces", str(traces)], tmp_path / "out")
+    assert res.status == "ok", res.data["error"]
+    names = sorted(p.name for p in traces.iterdir())
+    assert names == ["ngram-tail-B4.json", "ngram-uniform-B1.json", "ngram-uniform-B4.json"]  # no table on the CPU
+    arms = {"off", *SMALL_ARMS}
+    for name in names:
+        records = load_trace(str(traces / name))
+        rollouts = [r["rollout"] for r in records]
+        assert rollouts == sorted(rollouts) and set(rollouts) == {0, 1}, name  # warm-up rollout first, then the timed
+        batch = int(name.split("-B")[1][:-5])
+        for r in records:
+            assert set(r["arms"]) == arms and 1 <= r["batch_size"] <= batch
+            for arm, outcome in r["arms"].items():
+                steps = Strategy.parse(arm).num_steps
+                assert len(outcome["accepted"]) == steps
+                assert r["batch_size"] <= outcome["emitted"] <= r["batch_size"] * (steps + 1)
+        # the timed rollout's first step runs the whole batch, as the suite's rows do
+        assert next(r for r in records if r["rollout"] == 1)["batch_size"] == batch
