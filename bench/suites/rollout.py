@@ -689,7 +689,7 @@ class RolloutRun:
                 eng.generate(prompts, work.lengths, eos_token_id=self.eos, trace=part)
                 records += [dict(record, rollout=index) for record in part]
             path = Path(directory) / f"{config.drafter}-{work.name}-B{work.batch}.json"
-            path.write_text(json.dumps(records))
+            path.write_text(json.dumps(records, separators=(",", ":")))
             self.ctx.note(f"{config.name}, {work.name} B={work.batch}: trace of {len(records)} steps written to {path}")
 
     def median_run(self, rollout) -> "MedianRun":

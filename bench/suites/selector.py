@@ -7,7 +7,9 @@ re-convergence after a phase change: ``reconverge_steps`` (steps until the 20-st
 the oracle) and the stricter ``settle_steps`` (steps until 10 consecutive choices are within 1% of the
 oracle's throughput).
 The ``engine trace`` case replays every policy (and every static arm) on a trace of a real rollout in which the
-engine probed every arm at every step (``--trace path.json`` to replay a recorded one).
+engine probed every arm at every step (``--trace path.json`` to replay a recorded one); the ``real trace`` cases
+replay the default policy, cold and warm, and each static arm on the real-model traces of
+``bench/traces/h200_smollm2`` (``python -m bench rollout --write-traces``).
 The last cases time ``select + update`` per policy on this CPU (``ms`` is milliseconds per step: the
 median over 100-step chunks of 20000 steps, robust to other processes): ``cpu: select+update`` on a
 stationary stream (the method of the earlier numbers), ``cpu: select+update, drifting`` on a stream whose
@@ -212,6 +214,63 @@ def _engine_trace(ctx, trace, origin: str, label: str) -> None:
              "to emit the oracle's tokens of every step at the run's per-step efficiency (the same work for every row)")
 
 
+# Real-model traces (bench/traces/h200_smollm2): per drafter and workload, the warm-up rollout ("rollout": 0) and the
+# timed one ("rollout": 1) of the rollout suite's adaptive rows, every arm probed per step, and each engine's
+# start-up cost table (<drafter>-cost-table.json).
+REAL_TRACES = "h200_smollm2"
+REAL_TRACES_ORIGIN = ("H200, SmolLM2-135M-Instruct (bf16, the embedded default), held-out prompts, greedy, 128 new "
+                      "tokens per request (tail: 64 requests, log-normal lengths), n-gram and trained EAGLE drafters; "
+                      "recorded 2026-11-30 by `python -m bench rollout --write-traces` at c8d96bf (step times "
+                      "rounded to 0.1 us)")
+
+
+def _trace_rate(records, picks):
+    """Tokens per second of a replay's ``picks`` (one arm name per record) over ``records``."""
+    emitted = sum(r["arms"][p]["emitted"] for r, p in zip(records, picks))
+    return emitted / sum(r["arms"][p]["step_time"] for r, p in zip(records, picks))
+
+
+def _real_model_trace(ctx, path: str, table) -> None:
+    """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's
+    start-up table) and warm (the same selector over the warm-up rollout first), replayed on one real trace."""
+    from tlt_kernels.runtime import Strategy, StrategySelector
+    from tlt_kernels.runtime.simulate import load_trace, replay_selector, replay_trace
+
+    records = load_trace(path)
+    timed = [r for r in records if r.get("rollout") == 1]
+    arms = sorted({Strategy.parse(k) for r in records for k in r["arms"]}, key=str)
+    rates = {f"static {a}": _trace_rate(timed, replay_trace(
+        timed, lambda b, avail, a=a: a if a in avail else Strategy.off()).picks) for a in arms}
+
+    def selector():
+        return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table)
+
+    rates["cost, cold"] = _trace_rate(timed, replay_selector(timed, selector()).picks)
+    rates["cost, warm"] = _trace_rate(timed, replay_selector(records, selector()).picks[len(records) - len(timed):])
+    off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
+    best = max(v for k, v in rates.items() if k.startswith("static"))
+    case = {"workload": f"real trace {os.path.basename(path)[:-5]} ({len(timed)} steps)"}
+    for name, rate in rates.items():
+        ctx.add(case, name, 1e3 * off_tokens / rate, vs_off=round(rate / rates["static off"], 4),
+                vs_best_static=round(rate / best, 4))
+
+
+def _real_model_traces(ctx) -> None:
+    import glob
+    import json
+
+    from tlt_kernels.runtime import CostTable, Strategy
+
+    directory = os.path.join(TRACES_DIR, REAL_TRACES)
+    for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
+        drafter = os.path.basename(path).split("-")[0]
+        with open(os.path.join(directory, f"{drafter}-cost-table.json")) as f:
+            table = CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
+        _real_model_trace(ctx, path, table)
+    ctx.note(f"real traces: bench/traces/{REAL_TRACES}: {REAL_TRACES_ORIGIN}; ms = time to emit plain decoding's "
+             "tokens of the timed rollout at the row's tokens per second over the recorded steps")
+
+
 STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
 
 
@@ -263,6 +322,7 @@ def run(ctx) -> None:
                     vs_best_static=round(r["vs_best_static"], 4), vs_off=round(r["vs_off"], 4),
                     reconverge_steps=r["reconverge_steps"], settle_steps=r["settle_steps"])
     _engine_traces(ctx)
+    _real_model_traces(ctx)
     _static_batches(ctx, seeds)
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)

@@ -77,3 +77,49 @@ def test_removed_options_are_refused(option):
     """Options measured no better than the defaults (docs/RUNTIME.md) were removed; the defaults are constants."""
     with pytest.raises(TypeError, match=option):
         make_policy("cost", **{option: 0.0})
+
+
+def _settle_on_plain(pol, steps: int) -> int:
+    """Speculation that accepts nothing until plain decoding is chosen; then ``steps`` plain steps. Returns the step."""
+    step = 1
+    while True:
+        arm = pol.choose(0, 4, [0, 1, 2], step=step)
+        if arm == 0:
+            break
+        pol.observe(0, arm, 4, emitted=4.0, elapsed=0.012, accepted=[0.0] * ARMS[arm].num_steps, step=step)
+        step += 1
+        assert step < 200, "never settled on plain decoding"
+    for _ in range(steps):
+        assert pol.choose(0, 4, [0, 1, 2], step=step) == 0
+        pol.observe(0, 0, 4, emitted=4.0, elapsed=0.01, accepted=[], step=step)
+        step += 1
+    return step
+
+
+def test_plain_decoding_is_probed_after_probe_every_steps_and_a_risen_acceptance_is_taken():
+    pol = _bound(cost_table={OFF: [(4, 0.01)], SHORT: [(4, 0.012)], DEEP: [(4, 0.014)]}, probe_every=8)
+    step = _settle_on_plain(pol, 8)
+    probe = pol.choose(0, 4, [0, 1, 2], step=step)
+    assert probe in (1, 2)  # the best-predicted speculative arm, once
+    assert pol.choose(0, 4, [0], step=step) == 0  # nothing speculative allowed: plain decoding
+    for _ in range(20):  # the acceptance rose: every draft token accepted from now on
+        arm = pol.choose(0, 4, [0, 1, 2], step=step)
+        depth = ARMS[arm].num_steps
+        pol.observe(0, arm, 4, emitted=4.0 * (depth + 1), elapsed=0.012, accepted=[4.0] * depth, step=step)
+        step += 1
+    assert pol.choose(0, 4, [0, 1, 2], step=step) != 0
+
+
+def test_without_probes_plain_decoding_stays():
+    pol = _bound(cost_table={OFF: [(4, 0.01)], SHORT: [(4, 0.012)], DEEP: [(4, 0.014)]}, probe_every=None)
+    _settle_on_plain(pol, 100)  # asserts plain decoding at every step
+    pol = _bound(cost_table={OFF: [(4, 0.01)], SHORT: [(4, 0.012)], DEEP: [(4, 0.014)]}, probe_every=8)
+    step = _settle_on_plain(pol, 7)
+    assert pol.choose(0, 4, [0, 1, 2], step=step) == 0  # 7 plain steps in a row: no probe yet
+    assert pol.plain_run == [7, 0]
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_probe_every_is_validated(value):
+    with pytest.raises(ValueError, match="probe_every"):
+        CostModelPolicy(probe_every=value)

@@ -7,7 +7,9 @@ table corrected online per bucket (:class:`~.step_time_model.StepTimeModel`). A 
 played once, the best predicted first, if it is the first of its width group or deeper than every arm played so far
 (``explore_per_group``): only then does its first play measure a parameter the model lacks; otherwise it competes
 on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
-only its own counts settle). On an alarm of the change detector (:mod:`.change_detector`) the model forgets
+only its own counts settle). After ``probe_every`` plain steps in a row in a bucket the best-predicted speculative
+arm is played once: plain decoding observes no acceptance, so without probes a selector that settled on it (a warm
+selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change detector (:mod:`.change_detector`) the model forgets
 (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`). docs/RUNTIME.md has the derivation and measurements.
 """
 from __future__ import annotations
@@ -68,6 +70,9 @@ class CostModelPolicy(Policy):
         explore_per_group: force a first play only of an arm that brings the model a new width group or depth, or
             is a near-tie; False: of every arm.
         explore_margin: the near-tie margin, a fraction of the best prediction in [0, 1].
+        probe_every: after this many plain-decoding steps in a row in a bucket, play the best-predicted speculative
+            arm once (a probe: plain decoding observes no acceptance, so a level that rose would go unseen);
+            None: never.
 
     Attributes (after ``bind``): ``acceptance`` (:class:`SharedAcceptanceModel`), ``step_time``
     (:class:`StepTimeModel`), ``detector`` (:class:`ChangeDetector`); ``tokens`` and ``changes`` (steps of alarms).
@@ -78,9 +83,12 @@ class CostModelPolicy(Policy):
     def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
                  detect: Optional[float] = 8.0, min_trials: float = 1.0, min_support: float = 8.0,
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
-                 explore_per_group: bool = True, explore_margin: float = 0.05):
+                 explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
                        offset_mean, explore_margin)
+        if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int)
+                                        or probe_every < 1):
+            raise ValueError(f"probe_every must be an int >= 1 (plain steps in a row) or None, got {probe_every!r}")
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         self.cost_table = cost_table
@@ -95,6 +103,7 @@ class CostModelPolicy(Policy):
         self.offset_mean = offset_mean
         self.explore_per_group = explore_per_group
         self.explore_margin = explore_margin
+        self.probe_every = probe_every
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -105,6 +114,7 @@ class CostModelPolicy(Policy):
         self.played = [False] * len(arms)  # speculative arms whose acceptance was observed at least once
         self.group_played = [False] * len(self.acceptance.width_offset)
         self.deepest_played = 0
+        self.plain_run = [0] * num_buckets  # plain steps in a row per bucket (a probe resets it)
 
     def _make_acceptance_model(self, arms: Sequence, window: int) -> SharedAcceptanceModel:
         return SharedAcceptanceModel(arms, window, self.prior_accept, self.model_sd, self.offset_prior,
@@ -160,7 +170,23 @@ class CostModelPolicy(Policy):
                 best, best_v = a, v
         if new >= 0:
             return new
-        return near if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v else best
+        if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v:
+            return near
+        if self.depth[best] == 0 and self.probe_every is not None and self.plain_run[bucket] >= self.probe_every:
+            return self._probe(allowed, rate, counts, ratios, batch_size, best)
+        return best
+
+    def _probe(self, allowed, rate, counts, ratios, batch_size, plain):
+        """The best-predicted speculative arm among ``allowed`` (``plain`` when there is none): plain decoding
+        observes no acceptance, so without a probe a level that rose since would never be seen."""
+        probe, probe_v = plain, -1.0
+        for a in allowed:
+            if self.depth[a] and counts[a] > 0:
+                r = rate[a]
+                v = (r if r else batch_size) * self.tokens[a] / ratios[a]
+                if v > probe_v:
+                    probe, probe_v = a, v
+        return probe
 
     def _first_play_is_forced(self, a: int) -> bool:
         """Whether never-played arm ``a``'s first play measures something the model lacks (a new width group or a
@@ -172,6 +198,7 @@ class CostModelPolicy(Policy):
     def observe(self, bucket, arm, batch_size, emitted, elapsed, accepted, step, accepted_rows=None):
         self.step_time.observe(bucket, arm, batch_size, elapsed)
         d = self.depth[arm]
+        self.plain_run[bucket] = self.plain_run[bucket] + 1 if d == 0 else 0
         if d == 0:
             return
         model = self.acceptance
