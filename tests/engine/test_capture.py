@@ -96,6 +96,28 @@ def test_buffered_entries_are_the_requests_sequences_and_features(target, kind, 
 
 
 @pytest.mark.cuda
+def test_capture_hands_finished_requests_to_a_pinned_buffer_without_waiting():
+    """The engine calls add_to_buffer as requests finish, while the next step runs: the request index goes to the
+    device through pinned memory (a pageable copy would wait for the stream to drain), and the buffer's copies
+    stay queued behind the busy GPU."""
+    gen = torch.Generator().manual_seed(0)
+    prompts, hidden = torch.randint(0, 100, (4, 6), generator=gen), torch.randn(4, 6, 16, generator=gen)
+    cap = FeatureCapture(prompts.cuda(), hidden.cuda(), 40)
+    buffer = RolloutBuffer(capacity_tokens=1 << 12, storage_dtype=torch.float32, pin_memory=True)
+    torch.cuda._sleep(50_000_000)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cap.add_to_buffer(buffer, [3, 1], [6, 4], step=2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert not buffer._entries[0].ready.query()  # queued behind the sleep: nothing waited for it
+    taken = buffer.take()
+    assert [t.shape[0] for t, _, _ in taken] == [6, 4] and [s for _, _, s in taken] == [2, 2]
+    torch.testing.assert_close(taken[0][0], hidden[3])
+    torch.testing.assert_close(taken[1][1], prompts[1, :4])
+
+
+@pytest.mark.cuda
 def test_pinned_buffer_adds_without_waiting_and_samples_what_was_added():
     """From CUDA into pinned CPU memory: add returns with the copies in flight (an event marks them), sample
     waits for them and reads the added values."""

@@ -6,6 +6,8 @@ from typing import List
 
 import torch
 
+from .state import rows_on_device
+
 
 class FeatureCapture:
     """``features`` ``[B, S, H]`` (the target's dtype) and ``tokens`` int64 ``[B, S]`` of a rollout; column
@@ -37,9 +39,9 @@ class FeatureCapture:
 
     def add_to_buffer(self, buffer, requests: List[int], lengths: List[int], step: int) -> None:
         """Hand ``requests``' sequences (their first ``lengths`` positions, host ints: the committed context lengths)
-        to ``buffer`` (a RolloutBuffer); reads nothing from the device."""
+        to ``buffer`` (a RolloutBuffer); reads nothing from the device and does not wait for it."""
         if not requests:
             return
-        idx = torch.tensor(requests, device=self.features.device)
+        idx = rows_on_device(requests, self.features.device)
         longest = max(lengths)
         buffer.add(self.features[idx, :longest], self.tokens[idx, :longest], step=step, lengths=lengths)

@@ -11,6 +11,15 @@ from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, can_run_on as kernel
 from .records import StepLog
 
 
+def rows_on_device(rows: List[int], device: torch.device) -> torch.Tensor:
+    """``rows`` (host ints) as int64 ``[len(rows)]`` on ``device``, without a sync: on CUDA the copy goes through
+    pinned memory, non-blocking (a copy from pageable memory would wait for the stream to drain)."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()  # the caching host allocator keeps it alive until the copy ran
+    return host.to(device, non_blocking=True)
+
+
 class Emission(NamedTuple):
     """One step's emitted counts: ``counts`` int64 ``[b]`` (0 for a failed or already finished row), ``finished``
     bool ``[b]`` (budget reached, EOS emitted, failed, or finished before), ``failed`` bool ``[b]`` (the target's
@@ -124,13 +133,9 @@ class RolloutState:
         return len(self.active_rows)
 
     def active_on_device(self) -> torch.Tensor:
-        """The device copy of ``active_rows`` (made again only when requests finish). On CUDA the copy goes through
-        pinned memory, non-blocking: a copy from pageable memory would wait for the stream to drain (a sync)."""
+        """The device copy of ``active_rows`` (made again only when requests finish; :func:`rows_on_device`)."""
         if self._active_on_device is None:
-            rows, device = torch.tensor(self.active_rows, dtype=torch.int64), self.generated.device
-            if device.type == "cuda":
-                rows = rows.pin_memory()  # the caching host allocator keeps it alive until the copy ran
-            self._active_on_device = rows.to(device, non_blocking=True)
+            self._active_on_device = rows_on_device(self.active_rows, self.generated.device)
             self._active_block_table = None
         return self._active_on_device
 
