@@ -134,3 +134,13 @@ def test_a_run_stopped_while_the_last_weights_are_on_their_way_trains_nothing():
     stats = trainer.run(stop=stop)
     assert (stats.stopped_by, stats.micro_steps, stats.published_version) == ("stop", 0, None)
     assert buffer.num_tokens == 16 * 24 and trainer._weights_pending
+
+
+@pytest.mark.cuda
+def test_gpu_an_unindexed_cuda_device_is_the_current_gpu():
+    """``device="cuda"`` (the default) names the current GPU: the worker's ``set_device`` needs an index."""
+    target, drafter, buffer = _setup()
+    with SpotTrainerProcess(drafter.to("cuda"), buffer, device="cuda", **TRAINER_ARGS) as trainer:
+        assert trainer.device == torch.device("cuda", torch.cuda.current_device())
+        stats = trainer.run(max_steps=2)
+        assert (stats.stopped_by, stats.optimizer_steps) == ("max_steps", 2)

@@ -61,6 +61,8 @@ class SpotTrainerProcess:
     def __init__(self, drafter: EagleDrafter, buffer: RolloutBuffer, holder: Optional[WeightsHolder] = None, *,
                  device="cuda", start_timeout_s: float = 300.0, **trainer_kwargs):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the worker's set_device needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         if not isinstance(buffer, RolloutBuffer):
             raise TypeError(f"SpotTrainerProcess: buffer must be a RolloutBuffer, got {type(buffer).__name__}")
         self.buffer = buffer
