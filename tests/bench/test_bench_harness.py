@@ -631,3 +631,19 @@ def test_flashinfer_chain_uses_its_fused_softmax_where_it_has_one():
     assert seen[0].shape == logits.shape and seen[0].dtype == torch.float32
     torch.testing.assert_close(seen[0], seen[1])
     torch.testing.assert_close(seen[1], torch.softmax(logits.float() / TEMPERATURE, -1))
+
+
+def test_spot_overhead_workload_and_kinds(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from tools import spot_overhead
+
+    args = SimpleNamespace(vocab=100, batch=16, median=40)
+    prompts, lengths = spot_overhead._workload(args)
+    assert (prompts, lengths) == spot_overhead._workload(args)  # seeded
+    assert len(prompts) == len(lengths) == 16 and all(len(p) == 32 and max(p) < 100 for p in prompts)
+    assert all(2 <= n <= 256 for n in lengths) and max(lengths) > 2 * sorted(lengths)[8]  # a long tail
+    monkeypatch.setattr("sys.argv", ["spot_overhead", "--kinds", "frozen,bogus"])
+    with pytest.raises(SystemExit):
+        spot_overhead.main()
+    assert "unknown bogus" in capsys.readouterr().err
