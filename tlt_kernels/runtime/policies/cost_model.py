@@ -9,8 +9,9 @@ played once, the best predicted first, if it is the first of its width group or 
 on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
 only its own counts settle). After ``probe_every`` plain steps in a row in a bucket the best-predicted speculative
 arm is played once: plain decoding observes no acceptance, so without probes a selector that settled on it (a warm
-selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change detector (:mod:`.change_detector`) the model forgets
-(:meth:`~.acceptance_model.SharedAcceptanceModel.forget`). docs/RUNTIME.md has the derivation and measurements.
+selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change
+detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`).
+docs/RUNTIME.md has the derivation and measurements.
 """
 from __future__ import annotations
 
@@ -181,11 +182,11 @@ class CostModelPolicy(Policy):
         observes no acceptance, so without a probe a level that rose since would never be seen."""
         probe, probe_v = plain, -1.0
         for a in allowed:
-            if self.depth[a] and counts[a] > 0:
-                r = rate[a]
-                v = (r if r else batch_size) * self.tokens[a] / ratios[a]
-                if v > probe_v:
-                    probe, probe_v = a, v
+            if not self.depth[a] or not (rate[a] or counts[a] > 0):  # plain, or an arm with no time known
+                continue
+            v = (rate[a] or batch_size) * self.tokens[a] / (ratios[a] if counts[a] > 0 else 1.0)
+            if v > probe_v:
+                probe, probe_v = a, v
         return probe
 
     def _first_play_is_forced(self, a: int) -> bool:
