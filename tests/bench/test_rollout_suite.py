@@ -172,7 +172,7 @@ def test_interleaved_repeats_go_round_the_engines():
     configurations' order, each row the run of median wall time of its own repeats; step-cost rows follow."""
     from types import SimpleNamespace
 
-    calls, rows, step_rows = [], [], []
+    calls, rows, step_rows, traced = [], [], [], []
     walls = iter(range(100))
     configs = [SimpleNamespace(name="plain"), SimpleNamespace(name="ngram adaptive")]
 
@@ -188,6 +188,7 @@ def test_interleaved_repeats_go_round_the_engines():
     state = SimpleNamespace(z=SimpleNamespace(repeats=3), works=[w1, w2], engine=lambda config: config.name,
                             ctx=SimpleNamespace(progress=lambda message: None),
                             rollouts=rollouts, step_cost_rows=lambda eng, config: step_rows.append(eng),
+                            write_traces=lambda eng, config: traced.append(eng),
                             add_engine_row=lambda work, impl, run: rows.append((work, impl, run.out.wall_s)))
     rollout.RolloutRun.run_interleaved(state, configs)
     impls = ["plain", "ngram adaptive", "ngram adaptive (warm)"]
@@ -196,6 +197,7 @@ def test_interleaved_repeats_go_round_the_engines():
     assert rows == [(w1, "plain", 3), (w1, "ngram adaptive", 4), (w1, "ngram adaptive (warm)", 5),
                     (w2, "plain", 12), (w2, "ngram adaptive", 13), (w2, "ngram adaptive (warm)", 14)]
     assert step_rows == ["plain", "ngram adaptive"]  # step_cost_rows skips adaptive configurations itself
+    assert traced == ["plain", "ngram adaptive"]  # after the rows (write_traces skips static configurations itself)
 
 
 def test_one_engine_at_a_time_gives_the_same_rows(eagle_checkpoint, small_run):
