@@ -405,6 +405,7 @@ class RolloutRun:
         self.refs: Dict[str, List[List[int]]] = {}
         self.identical: Dict[str, bool] = {}
         self.step_prompts: List[List[int]] = []
+        self.tables: Dict[str, Any] = {}  # configuration name -> its engine's start-up cost table (or None)
 
     # -- set-up ------------------------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -650,7 +651,13 @@ class RolloutRun:
         return [(config.name, cold), (f"{config.name} (warm)", warm)]
 
     def _start_up_table(self, eng, config: EngineConfig):
-        """The engine's start-up cost table (measured on the GPU from its captured graphs), or None."""
+        """The engine's start-up cost table (measured on the GPU from its captured graphs, once per engine: the
+        rows' selectors and the traces share it), or None."""
+        if config.name not in self.tables:
+            self.tables[config.name] = self._measure_table(eng, config)
+        return self.tables[config.name]
+
+    def _measure_table(self, eng, config: EngineConfig):
         if not self.cuda or eng.graph_error:
             return None
         try:

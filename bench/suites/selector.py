@@ -176,17 +176,22 @@ def size_oracle_fraction(trace, picks) -> float:
     return own / need
 
 
+def replay_static(records, arm):
+    """A replay of ``records`` that plays ``arm`` at every step it was recorded at, plain decoding elsewhere."""
+    from tlt_kernels.runtime import Strategy
+    from tlt_kernels.runtime.simulate import replay_trace
+
+    return replay_trace(records, lambda b, avail: arm if arm in avail else Strategy.off())
+
+
 def _engine_trace(ctx, trace, origin: str, label: str) -> None:
     """Every policy and static arm replayed on one engine trace."""
     from tlt_kernels.runtime import Strategy, StrategySelector
-    from tlt_kernels.runtime.simulate import replay_selector, replay_trace
+    from tlt_kernels.runtime.simulate import replay_selector
 
     arms = sorted({Strategy.parse(k) for r in trace for k in r["arms"]}, key=str)
     case = {"workload": f"engine trace {label} ({len(trace)} steps)"}
-    statics = {}
-    for a in arms:
-        res = replay_trace(trace, lambda b, avail, a=a: a if a in avail else Strategy.off())
-        statics[str(a)] = res
+    statics = {str(a): replay_static(trace, a) for a in arms}
     def same_work_ms(res):  # time to emit the oracle's tokens of every step at this run's per-step efficiency
         return 1e3 * sum(t / e for t, e in zip(res.oracle_time, res.efficiency))
 
@@ -234,13 +239,12 @@ def _real_model_trace(ctx, path: str, table) -> None:
     """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's
     start-up table) and warm (the same selector over the warm-up rollout first), replayed on one real trace."""
     from tlt_kernels.runtime import Strategy, StrategySelector
-    from tlt_kernels.runtime.simulate import load_trace, replay_selector, replay_trace
+    from tlt_kernels.runtime.simulate import load_trace, replay_selector
 
     records = load_trace(path)
     timed = [r for r in records if r.get("rollout") == 1]
     arms = sorted({Strategy.parse(k) for r in records for k in r["arms"]}, key=str)
-    rates = {f"static {a}": _trace_rate(timed, replay_trace(
-        timed, lambda b, avail, a=a: a if a in avail else Strategy.off()).picks) for a in arms}
+    rates = {f"static {a}": _trace_rate(timed, replay_static(timed, a).picks) for a in arms}
 
     def selector():
         return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table)

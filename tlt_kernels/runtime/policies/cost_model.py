@@ -174,18 +174,16 @@ class CostModelPolicy(Policy):
         if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v:
             return near
         if self.depth[best] == 0 and self.probe_every is not None and self.plain_run[bucket] >= self.probe_every:
-            return self._probe(allowed, rate, counts, ratios, batch_size, best)
+            return self._probe(bucket, allowed, batch_size, best)
         return best
 
-    def _probe(self, allowed, rate, counts, ratios, batch_size, plain):
-        """The best-predicted speculative arm among ``allowed`` (``plain`` when there is none): plain decoding
-        observes no acceptance, so without a probe a level that rose since would never be seen."""
+    def _probe(self, bucket: int, allowed, batch_size: int, plain: int) -> int:
+        """The best-predicted speculative arm among ``allowed`` (``plain`` when none has a prediction): plain
+        decoding observes no acceptance, so without a probe a level that rose since would never be seen."""
         probe, probe_v = plain, -1.0
         for a in allowed:
-            if not self.depth[a] or not (rate[a] or counts[a] > 0):  # plain, or an arm with no time known
-                continue
-            v = (rate[a] or batch_size) * self.tokens[a] / (ratios[a] if counts[a] > 0 else 1.0)
-            if v > probe_v:
+            v = self.predict(bucket, a, batch_size) if self.depth[a] else None
+            if v is not None and v > probe_v:
                 probe, probe_v = a, v
         return probe
 
