@@ -10,7 +10,8 @@ untrained EAGLE drafter (seed 0), the same long-tailed batch and adaptive select
 * ``process-overlap``: the same with the tail's steps overlapped (``spot_overlap_steps``).
 
 Per kind: the wall time of each of ``--repeats`` rollouts (after a warm-up), the steps, the mean step time in the
-tail (batch below a quarter) and the trainer's last stats. The random target accepts almost nothing, so the selector
+tail (batch below a quarter) and the trainer's last stats; ``--profile N`` adds one more rollout under cProfile
+and prints its N functions of most own time (the host's share of each kind's cost). The random target accepts almost nothing, so the selector
 mostly decodes plainly: the differences between kinds are the engine's work for the trainer, not the drafts. A
 developer tool to find that cost; figures of record come from ``python -m bench rl``.
 """
@@ -86,12 +87,29 @@ def _measure(kind: str, target, args) -> str:
             steps.append(len(out.steps))
             tails.append(1e3 * sum(tail) / max(1, len(tail)))
         stats = getattr(eng.spot_trainer, "last_stats", None)
+        if args.profile:
+            _profile(eng, prompts, lengths, args.profile)
         return (f"{kind}: wall ms median {statistics.median(walls):.1f} (runs {[round(w) for w in walls]}); steps "
                 f"{steps}; tail ms per step {[round(t, 3) for t in tails]}; trainer {stats}")
     finally:
         close = getattr(eng.spot_trainer, "close", None)
         if close is not None:
             close()
+
+
+def _profile(eng, prompts, lengths, top: int) -> None:
+    """One rollout under cProfile; prints its ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    eng.generate(prompts, lengths)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue(), flush=True)
 
 
 def main() -> None:
@@ -103,6 +121,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512, help="a multiple of 64")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="one more rollout per kind under cProfile: print its N functions of most own time")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     unknown = set(kinds) - set(KINDS)
