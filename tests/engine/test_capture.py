@@ -104,9 +104,10 @@ def test_capture_hands_finished_requests_to_a_pinned_buffer_without_waiting():
     prompts, hidden = torch.randint(0, 100, (4, 6), generator=gen), torch.randn(4, 6, 16, generator=gen)
     cap = FeatureCapture(prompts.cuda(), hidden.cuda(), 40)
     buffer = RolloutBuffer(capacity_tokens=1 << 12, storage_dtype=torch.float32, pin_memory=True)
-    # Once first, as a rollout's first retirement does: a kernel's first launch loads its module (which may wait for
-    # the device) and the first pinned blocks are allocated; the steady state is what must not wait.
-    cap.add_to_buffer(buffer, [0], [6], step=0)
+    # Once first with the same shapes, as a rollout's first retirements do: a kernel's first launch loads its module,
+    # which waits for the device (on the H200 a first two-request hand-over did, after a one-request one had run);
+    # the steady state is what must not wait.
+    cap.add_to_buffer(buffer, [2, 0], [6, 4], step=0)
     buffer.take()
     torch.cuda._sleep(200_000_000)
     torch.cuda.set_sync_debug_mode("error")
