@@ -13,7 +13,7 @@ Per kind: the wall time of each of ``--repeats`` rollouts (after a warm-up), the
 the tail and in it (batch below a quarter) and the trainer's last stats; ``--profile N`` adds one more rollout under cProfile
 and prints its N functions of most own time (the host's share of each kind's cost); ``--trainer-device cuda:1``
 trains on a second GPU (a replica there, as ``bench rl --spot-device``); ``--no-priority-stream`` keeps the rollout on
-the caller's stream. The random target accepts almost nothing, so the selector
+the caller's stream, ``--no-overlap`` reads every step before launching the next. The random target accepts almost nothing, so the selector
 mostly decodes plainly: the differences between kinds are the engine's work for the trainer, not the drafts. A
 developer tool to find that cost; figures of record come from ``python -m bench rl``.
 """
@@ -78,7 +78,8 @@ def _engine(kind: str, target, args):
     arms = [Strategy(2, 1, 3), Strategy(4, 1, 5)]
     eng = SpeculativeEngine(target, serving, StrategySelector(arms, seed=0), GraphPool(), max_batch_size=batch,
                             max_seq_len=32 + 260, fuse_step=True,
-                            prioritize_rollout=not args.no_priority_stream, **extra)
+                            prioritize_rollout=not args.no_priority_stream, overlap_steps=not args.no_overlap,
+                            **extra)
     eng.capture_graphs([b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < batch] + [batch])
     eng.selector = StrategySelector(arms, seed=0, available=eng.covers, cost_table=eng.measure_cost_table())
     return eng
@@ -140,6 +141,8 @@ def main() -> None:
                         help="where the trainers run (default: the target's GPU), e.g. cuda:1 on a host of two")
     parser.add_argument("--no-priority-stream", action="store_true",
                         help="SpeculativeEngine(prioritize_rollout=False): the rollout stays on the caller's stream")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="SpeculativeEngine(overlap_steps=False): every step read before the next is launched")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="one more rollout per kind under cProfile: print its N functions of most own time")
     args = parser.parse_args()
