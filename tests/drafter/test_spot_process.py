@@ -128,7 +128,7 @@ def test_a_run_stopped_while_the_last_weights_are_on_their_way_trains_nothing():
     _, _, buffer = _setup()
     trainer = SpotTrainerProcess.__new__(SpotTrainerProcess)  # the pipe alone: no worker needed
     trainer.buffer, trainer._conn, trainer._lock = buffer, SilentPipe(), threading.Lock()
-    trainer._weights_pending = True
+    trainer._weights_pending, trainer._running = True, False
     stop = threading.Event()
     stop.set()
     stats = trainer.run(stop=stop)
@@ -144,3 +144,50 @@ def test_gpu_an_unindexed_cuda_device_is_the_current_gpu():
         assert trainer.device == torch.device("cuda", torch.cuda.current_device())
         stats = trainer.run(max_steps=2)
         assert (stats.stopped_by, stats.optimizer_steps) == ("max_steps", 2)
+
+
+def test_begin_and_finish_run_the_worker_without_waiting_on_it():
+    """The engine's way: begin() hands over the landed segments and returns at once; nothing else may be asked of
+    the worker while it trains; finish() stops it like a stopped run (the weights follow) or takes its weights."""
+    _, drafter, buffer = _setup()
+    with SpotTrainerProcess(drafter, buffer, device="cpu", **TRAINER_ARGS) as trainer:
+        started = time.perf_counter()
+        assert trainer.begin()
+        assert time.perf_counter() - started < 5.0 and buffer.num_tokens == 0  # handed over, not trained
+        assert not trainer.begin()  # one run at a time
+        for call in (lambda: trainer.run(max_steps=1), lambda: trainer.refresh_head(drafter),
+                     lambda: trainer.save_checkpoint("unused.pt")):
+            with pytest.raises(RuntimeError, match="finish"):
+                call()
+        time.sleep(0.3)
+        stats = trainer.finish()
+        assert stats.stopped_by == "stop" and stats.micro_steps >= 1 and stats.elapsed_s >= 0.3
+        assert trainer.finish().micro_steps == 0  # no run on: empty stats
+        trainer.collect()
+        assert trainer.holder.version == 1 and trainer.last_stats.published_version == 1
+        assert trainer.begin(max_steps=2)  # a run that ends by itself: finish takes its published weights
+        deadline = time.monotonic() + 60
+        while not trainer._conn.poll() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = trainer.finish()
+        assert (stats.stopped_by, stats.optimizer_steps, stats.published_version) == ("max_steps", 2, 2)
+        assert trainer.holder.version == 2
+
+
+def test_take_can_leave_the_copies_still_in_flight():
+    """``take(landed_only=True)`` never waits: entries without a pending copy are taken; one whose copy has not
+    landed stays, counted, for the next take."""
+
+    class Pending:
+        def query(self):
+            return False
+
+    buffer = RolloutBuffer(capacity_tokens=100, storage_dtype=torch.float32)
+    buffer.add(torch.ones(5, 3), torch.zeros(5, dtype=torch.int64), step=1)
+    buffer.add(torch.ones(4, 3), torch.zeros(4, dtype=torch.int64), step=2)
+    buffer._entries[1].ready = Pending()
+    taken = buffer.take(landed_only=True)
+    assert [(t.shape[0], step) for _, t, step in taken] == [(5, 1)]
+    assert buffer.num_tokens == 4 and len(buffer) == 1
+    buffer._entries[0].ready = None  # landed
+    assert [t.shape[0] for _, t, _ in buffer.take(landed_only=True)] == [4] and buffer.num_tokens == 0

@@ -217,33 +217,38 @@ def test_spot_trainer_runs_in_the_tail(target, prompts, monkeypatch, spot_overla
 
 def _process_trainer_rollout(target, prompts, lens, device):
     """A rollout whose spot trainer is a SpotTrainerProcess on ``device``, then a short one that loads the weights:
-    (the first's output, the switch intervals seen at the steps, the serving drafter, the trainer's holder version)."""
+    (the first's output, (switch interval, steps overlap, trainer running) at each step, the serving drafter, the
+    trainer's last stats)."""
     from tlt_kernels.drafter import SpotTrainerProcess
 
-    intervals, real_step = [], SpeculativeEngine._step
+    seen, real_step = [], SpeculativeEngine._step
     serving = EagleDrafter.for_target(target)
     buf = RolloutBuffer(capacity_tokens=1 << 16, storage_dtype=torch.float32)
     with SpotTrainerProcess(serving, buf, device=device, batch_size=4, seq_len=8, warmup_steps=1) as trainer:
         eng = SpeculativeEngine(target, serving, StrategySelector([Strategy(2, 2, 4)], seed=0), max_batch_size=8,
                                 max_seq_len=128, spot_trainer=trainer, rollout_buffer=buf, spot_switch_interval_s=1e-4)
-        eng._step = lambda rollout: (intervals.append(sys.getswitchinterval()), real_step(eng, rollout))
+        eng._step = lambda rollout: (seen.append((sys.getswitchinterval(), rollout.overlap, rollout.spot.running)),
+                                     real_step(eng, rollout))
         out = eng.generate(prompts, lens)
+        steps = list(seen)
         trainer.collect()  # the stopped run's weights follow its stop
         eng.generate(prompts, [2] * len(prompts))  # loads them at its first step
-    return out, intervals, serving, trainer.last_stats
+    return out, steps, serving, trainer.last_stats
 
 
 def test_spot_trainer_process_trains_in_the_tail_and_the_rollout_loads_its_weights(target, prompts):
     """A trainer in a worker process trains from the rollout's finished requests in the tail (stopped at the
-    rollout's end, its weights follow the stop); the serving drafter loads what it publishes; the interpreter's switch interval is left alone (nothing of the trainer's runs here);
-    greedy output is plain decoding's."""
+    rollout's end, its weights follow the stop); the serving drafter loads what it publishes; the interpreter's
+    switch interval is left alone and the steps keep overlapping (no thread of the trainer's runs here); greedy
+    output is plain decoding's."""
     lens = [4, 4, 4, 4, 4, 4, 90]
     before = sys.getswitchinterval()
-    out, intervals, serving, exact = _process_trainer_rollout(target, prompts, lens, "cpu")
+    out, steps, serving, exact = _process_trainer_rollout(target, prompts, lens, "cpu")
     assert out.spot is not None and "error" not in out.spot and out.spot["version"] is None, out.spot
     assert exact.stopped_by == "stop" and exact.micro_steps >= out.spot["micro_steps"]
     assert exact.micro_steps >= 1 and serving.weights_version == exact.published_version >= 1
-    assert set(intervals) == {before}
+    assert {interval for interval, _, _ in steps} == {before}
+    assert any(running for _, _, running in steps) and all(overlap for _, overlap, _ in steps)
     ref = reference_generate(target, prompts, max(lens))
     assert all(out.tokens[b] == ref.tokens[b, :n].tolist() for b, n in enumerate(lens))
 

@@ -70,3 +70,51 @@ def test_the_engine_checks_the_interval():
         with pytest.raises(ValueError, match="spot_switch_interval_s"):
             SpeculativeEngine(target, max_batch_size=2, max_seq_len=32, spot_switch_interval_s=bad)
     assert SpeculativeEngine(target, max_batch_size=2, max_seq_len=32, spot_switch_interval_s=None)
+
+
+class BeginningTrainer:
+    """A trainer of its own process (``begin``/``finish``): declines its first ``declines`` begins, or raises."""
+
+    in_process = False
+
+    def __init__(self, declines: int = 0, error: bool = False):
+        self.buffer = SimpleNamespace(num_tokens=10)
+        self.declines, self.error = declines, error
+        self.begins = self.finishes = 0
+
+    def begin(self):
+        self.begins += 1
+        if self.error:
+            raise RuntimeError("the worker has ended")
+        return self.begins > self.declines
+
+    def finish(self):
+        self.finishes += 1
+        return SimpleNamespace(micro_steps=3, optimizer_steps=3, tokens=96, elapsed_s=0.5, last_loss=1.0,
+                               published_version=None)
+
+
+def test_a_trainer_of_its_own_process_is_begun_and_finished_without_a_thread(switch_interval):
+    trainer = BeginningTrainer(declines=1)
+    session = SpotSession(trainer, 0.25, 16, switch_interval_s=1e-4)
+    session.maybe_start(3)  # declined (its last weights on the way): asked again at the next step
+    assert not session.running and trainer.begins == 1
+    session.maybe_start(3)
+    assert session.running and not session.threaded and session.thread is None and trainer.begins == 2
+    assert sys.getswitchinterval() == switch_interval  # no thread of ours: the interval is left alone
+    session.maybe_start(2)  # running: not begun again
+    assert trainer.begins == 2
+    session.stop()
+    session.stop()  # idempotent
+    assert trainer.finishes == 1 and not session.running
+    assert session.result["micro_steps"] == 3 and session.result["version"] is None
+
+
+def test_a_trainer_that_fails_to_begin_is_reported_and_not_asked_again():
+    trainer = BeginningTrainer(error=True)
+    session = SpotSession(trainer, 0.25, 16)
+    session.maybe_start(3)
+    session.maybe_start(2)
+    session.stop()
+    assert trainer.begins == 1 and trainer.finishes == 0
+    assert session.result == {"error": "RuntimeError: the worker has ended"}

@@ -123,3 +123,25 @@ def test_without_probes_plain_decoding_stays():
 def test_probe_every_is_validated(value):
     with pytest.raises(ValueError, match="probe_every"):
         CostModelPolicy(probe_every=value)
+
+
+def test_a_drafter_that_accepts_nothing_for_thousands_of_steps_neither_breaks_the_model_nor_sinks_it():
+    """Thousands of steps without an accepted draft drove the level so low that a position's predicted acceptance
+    rounded to 0 over a position never reached (0 / 0: ZeroDivisionError mid-rollout, seen on the H200 with a
+    random target). The model predicts in a bounded range and the level stays where acceptance can bring it back."""
+    from tlt_kernels.runtime import StrategySelector
+    from tlt_kernels.runtime.policies.acceptance_model import LEVEL_MIN
+
+    sel = StrategySelector([OFF, SHORT, DEEP], seed=0)
+    for _ in range(6000):  # 4,612 steps raised before the bounds
+        arm = sel.select(8)
+        sel.update(arm, 8, 8 * arm.num_steps, 1e-3, [0] * arm.num_steps if arm.num_steps else None)
+    model = sel.policy.acceptance
+    assert model.level == LEVEL_MIN
+    assert all(1.0 <= t < 1.01 for t in model.tokens if t is not None)  # nothing accepted: no draft token expected
+    plain_steps = 0
+    for _ in range(300):  # every draft accepted from now on: speculation returns within a few probes
+        arm = sel.select(8)
+        plain_steps += arm.num_steps == 0
+        sel.update(arm, 8, 8 * (arm.num_steps + 1), 1e-3, [8] * arm.num_steps if arm.num_steps else None)
+    assert sel.select(8).num_steps > 0 and plain_steps < 150

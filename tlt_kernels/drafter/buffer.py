@@ -34,6 +34,12 @@ class _Entry:
             self.ready.synchronize()
             self.ready = None
 
+    def landed(self) -> bool:
+        """Whether the entry's copy has landed (never waits)."""
+        if self.ready is not None and self.ready.query():
+            self.ready = None
+        return self.ready is None
+
 
 @dataclass
 class TrainBatch:
@@ -147,15 +153,20 @@ class RolloutBuffer:
             del self._entries[oldest]
             self.num_tokens -= e.features.shape[0]
 
-    def take(self) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
+    def take(self, landed_only: bool = False) -> List[Tuple[torch.Tensor, torch.Tensor, int]]:
         """Remove every entry and return them oldest first as ``(features [n, H], tokens int64 [n], step)``, each
-        after its copy landed: how a trainer in another process receives them (:class:`SpotTrainerProcess`)."""
-        taken = []
+        after its copy landed: how a trainer in another process receives them (:class:`SpotTrainerProcess`).
+        ``landed_only``: never wait; take the entries whose copies have landed, keep the others."""
+        taken, kept = [], deque()
         while self._entries:
             entry = self._entries.popleft()
+            if landed_only and not entry.landed():
+                kept.append(entry)
+                continue
             entry.wait()
             taken.append((entry.features, entry.tokens, entry.step))
-        self.num_tokens = 0
+            self.num_tokens -= entry.tokens.shape[0]
+        self._entries = kept
         return taken
 
     def steps(self) -> torch.Tensor:

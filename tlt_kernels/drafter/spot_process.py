@@ -6,7 +6,9 @@ trainer thread the rollout's host work per step takes about twice as long whatev
 
 :class:`SpotTrainerProcess` has the part of :class:`SpotTrainer`'s interface the engine drives (``buffer``,
 ``holder``, ``device``, :meth:`run`), so ``SpeculativeEngine(spot_trainer=SpotTrainerProcess(...))`` works as with
-the thread. The worker (spawned, so CUDA starts fresh in it) owns a replica of the drafter, its own
+the thread; the engine starts it with :meth:`begin` and ends it with :meth:`finish` instead, so that no thread of
+the rollout's process waits on the pipe in the tail (a side thread waking every few ms cost the tail's steps as much
+as the interpreter lock did). The worker (spawned, so CUDA starts fresh in it) owns a replica of the drafter, its own
 :class:`RolloutBuffer` and a :class:`SpotTrainer`. Messages, each a tuple over one pipe; tensors travel as CPU
 tensors in shared memory (torch.multiprocessing's file-descriptor sharing, no pickled copy of their bytes):
 
@@ -69,6 +71,7 @@ class SpotTrainerProcess:
         self._holder = holder if holder is not None else WeightsHolder(device=next(drafter.parameters()).device)
         self._lock = threading.Lock()  # one reader of the pipe at a time (run's thread, or a holder lookup)
         self._weights_pending = False  # a stopped run's weights are still to come
+        self._running, self._begun_s = False, 0.0  # a run started by begin() and not yet finished
         self.last_stats: Optional[RunStats] = None  # the last run's exact stats, once its weights arrived
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -124,6 +127,7 @@ class SpotTrainerProcess:
         that wait returns at once with nothing trained and the buffer's segments kept."""
         t0 = time.perf_counter()
         check = stop_check(stop)
+        self._check_idle("run")
         with self._lock:
             if not self._await_weights(check):  # stopped first: no training this time, the segments stay
                 return RunStats(stopped_by="stop", elapsed_s=time.perf_counter() - t0)
@@ -133,14 +137,54 @@ class SpotTrainerProcess:
                 if check is not None and check():
                     self._send(("stop",))
                     break
-            message = self._expect(("trained", "stopped"))
-            if message[0] == "stopped":
-                self._weights_pending = True
-                stats = RunStats(**message[1])
-            else:
-                stats = self._publish(message)
+            stats = self._answer()
         stats.elapsed_s = time.perf_counter() - t0
         return stats
+
+    def begin(self, max_steps: Optional[int] = None, time_budget_s: Optional[float] = None,
+              publish: bool = True) -> bool:
+        """Start a run and return at once: the buffer's segments whose copies have landed go to the worker, which
+        trains until :meth:`finish` (or ``time_budget_s`` / ``max_steps``). Nothing of this process waits on the
+        pipe meanwhile: how the engine runs it in a rollout's tail (no side thread, steps kept overlapping).
+        False, starting nothing, while the previous run's weights are on their way or a run is on: call again."""
+        if self._running or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self._collect(wait=False)
+            if self._weights_pending:
+                return False
+            self._hand_over(self.buffer.take(landed_only=True))
+            self._send(("train", max_steps, time_budget_s, publish))
+            self._running, self._begun_s = True, time.perf_counter()
+            return True
+        finally:
+            self._lock.release()
+
+    def finish(self) -> RunStats:
+        """End the run :meth:`begin` started, as a stopped :meth:`run` ends (the worker answers within a few ms;
+        the weights follow) or, if it ended by itself, with its published weights. No run on: empty stats."""
+        if not self._running:
+            return RunStats()
+        with self._lock:
+            self._running = False
+            if not self._conn.poll():  # a "stop" that crosses the run's own end is moot to the worker
+                self._send(("stop",))
+            stats = self._answer()
+        stats.elapsed_s = time.perf_counter() - self._begun_s
+        return stats
+
+    def _answer(self) -> RunStats:
+        """With the lock held: the worker's answer to a run ("trained": published here; "stopped": weights to come)."""
+        message = self._expect(("trained", "stopped"))
+        if message[0] == "stopped":
+            self._weights_pending = True
+            return RunStats(**message[1])
+        return self._publish(message)
+
+    def _check_idle(self, what: str) -> None:
+        """The worker reads nothing but "stop" while it trains: other requests wait for :meth:`finish`."""
+        if self._running:
+            raise RuntimeError(f"SpotTrainerProcess.{what}: a run started by begin() is on; call finish() first")
 
     def _await_weights(self, check) -> bool:
         """With the lock held: wait for a stopped run's weights (they come before anything else on the pipe) unless
@@ -177,6 +221,7 @@ class SpotTrainerProcess:
         """Send ``source``'s view of the target (embedding, head, final norm) to the worker's replica: after every
         policy update, as :meth:`EagleDrafter.copy_shared_from` does for a replica in this process. A tied embedding
         and head travel once. A stopped run's weights are published here if they have arrived (never waited for)."""
+        self._check_idle("refresh_head")
         copies = {}  # data_ptr -> its CPU copy
         states = [{name: copies.setdefault(t.data_ptr(), t.detach().cpu()) for name, t in m.state_dict().items()}
                   for m in source.shared_modules]
@@ -186,6 +231,7 @@ class SpotTrainerProcess:
 
     def save_checkpoint(self, path: str) -> None:
         """The worker's :meth:`SpotTrainer.save_checkpoint` (weights, optimizer, sampling state), written there."""
+        self._check_idle("save_checkpoint")
         with self._lock:
             self._collect(wait=True)
             self._send(("save", str(path)))
@@ -194,8 +240,9 @@ class SpotTrainerProcess:
     def close(self, timeout_s: float = 30.0) -> None:
         """Publish a stopped run's weights, then end the worker (idempotent); one that does not end within
         ``timeout_s`` is terminated."""
-        if self._weights_pending and self._process.is_alive():
+        if (self._running or self._weights_pending) and self._process.is_alive():
             try:
+                self.finish()
                 self.collect()
             except RuntimeError as exc:  # ending anyway: say what was lost
                 warnings.warn(f"{exc}; closing with weights version {self._holder.version}", RuntimeWarning,

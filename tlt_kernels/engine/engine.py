@@ -127,11 +127,12 @@ class SpeculativeEngine:
         spot_switch_interval_s: the interpreter's thread switch interval (``sys.setswitchinterval``, process-wide)
             while the spot trainer's thread runs, restored after; the rollout's loop waits up to one interval for
             the interpreter's lock after each wait for the GPU (:mod:`tlt_kernels.engine.spot`). None: left alone.
-        spot_overlap_steps: keep steps overlapping while the spot trainer runs (``overlap_steps`` on). Off (the
-            default, measured faster: docs/DRAFTERS.md), the tail runs step by step from the trainer's start, so the
-            trainer's thread works while the host waits for each step; on, the host's per-step work stays hidden
+        spot_overlap_steps: keep steps overlapping while a spot trainer's thread runs (``overlap_steps`` on). Off
+            (the default, measured faster: docs/DRAFTERS.md), the tail runs step by step from the trainer's start, so
+            the trainer's thread works while the host waits for each step; on, the host's per-step work stays hidden
             behind the GPU's, and the trainer's thread gets the interpreter during the host's waits for the step
-            before.
+            before. A trainer of its own process (``SpotTrainerProcess``) runs no thread here: steps keep
+            overlapping.
         prioritize_rollout: with a spot trainer on CUDA, ``generate`` runs on a stream of the device's highest
             priority (ordered after the caller's stream and before its later work), so the trainer's kernels, on a
             stream of the lowest, yield to the tail's small ones at every kernel boundary. False: the caller's stream.
@@ -148,8 +149,8 @@ class SpeculativeEngine:
             (reading the outcome, the selector, retiring requests, preparing the next launch) runs while the GPU
             computes instead of between steps. A request that finishes then rides along in one more step, which
             changes nothing of it (its tokens, context, features and Philox counter stay); the selector learns
-            from each step one step later. Off with ``trace=``, and from the step a spot trainer starts in the tail
-            unless ``spot_overlap_steps`` (both work between steps).
+            from each step one step later. Off with ``trace=``, and from the step a spot trainer's thread starts
+            in the tail unless ``spot_overlap_steps`` (both work between steps).
         step_kernel: do a step's bookkeeping (emit, commit, the host transfer's staging) in one Triton launch
             instead of about 45 small torch ops (``RolloutState.finish_step``; docs/RUNTIME.md). ``None`` (default):
             on a GPU; True also runs it on the CPU under Triton's interpreter; False: the torch ops.
@@ -518,7 +519,7 @@ class SpeculativeEngine:
         if any(counts.finished):
             self._retire(rollout, step.staged.rows, counts, elapsed_s)
         rollout.spot.maybe_start(rollout.batch_size)
-        if rollout.spot.running and not self.spot_overlap_steps:  # the trainer works between steps from now on
+        if rollout.spot.threaded and not self.spot_overlap_steps:  # the trainer's thread works between steps now
             rollout.overlap = False  # (the step in flight is read next)
 
     def _commit(self, rollout: RolloutState, inputs: StepInputs, result: StepResult, num_accepted, emission,

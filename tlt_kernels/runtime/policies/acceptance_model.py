@@ -33,6 +33,12 @@ UNPLAYED_DRIFT = 1e-4
 LEVEL_PRIOR_VAR = 1.0
 # The model's weight against an arm's own counts is capped (in step-units).
 MAX_MODEL_WEIGHT = 1000.0
+# The cloglog range a position's acceptance is predicted and scored in (alpha from 0.0067 to ~1): below it
+# 1 - exp(-e) rounds to 0, and a prediction of 0 over an unreached position (no own trials) is 0 / 0.
+ETA_MIN, ETA_MAX = -5.0, 3.0
+# The level's range: past it no offset (each within +-3) brings a position back into [ETA_MIN, ETA_MAX], and a level
+# that drifted on (a drafter that accepts nothing for thousands of steps) would take as many to come back.
+LEVEL_MIN, LEVEL_MAX = ETA_MIN - 6.0, ETA_MAX + 6.0
 
 
 def cloglog(p: float) -> float:
@@ -121,7 +127,7 @@ class SharedAcceptanceModel:
     def refresh_all(self, step: int) -> None:
         """Recompute every arm's ``tokens`` at the current level."""
         level = self.level
-        self._hazard = [math.exp(min(level + d, 3.0)) for d in self.depth_offset]  # exp(level + depth_offset[j])
+        self._hazard = [math.exp(min(max(level + d, ETA_MIN), ETA_MAX)) for d in self.depth_offset]  # exp(eta)
         self.level_refreshed = level
         # What every arm's refresh shares, computed once: the model's variance and Var(width_offset[g] | level).
         var, cov = self.model_variance(step), self.cov
@@ -198,7 +204,7 @@ class SharedAcceptanceModel:
             if n <= 0.0:
                 break
             eta = base + depth_offset[j]
-            eta = -5.0 if eta < -5.0 else (3.0 if eta > 3.0 else eta)
+            eta = ETA_MIN if eta < ETA_MIN else (ETA_MAX if eta > ETA_MAX else eta)
             e = exp(eta)
             q = exp(-e)
             if q < 1e-6:
@@ -241,7 +247,7 @@ class SharedAcceptanceModel:
         cov_h = [row[0] + row[i] for row in cov]
         gain_den = cov_h[0] + cov_h[i] + 1.0 / sum_w
         gain = [v / gain_den for v in cov_h]
-        self.level += gain[0] * rbar
+        self.level = min(max(self.level + gain[0] * rbar, LEVEL_MIN), LEVEL_MAX)
         offsets = self.width_offset
         for c in range(len(offsets)):
             x = offsets[c] + gain[c + 1] * rbar
