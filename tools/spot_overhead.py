@@ -73,7 +73,8 @@ def _engine(kind: str, target, args):
                                                     WeightsHolder(device=target.device), **settings)
         elif kind.startswith("process"):
             extra["spot_trainer"] = SpotTrainerProcess(serving, buffer, WeightsHolder(device=target.device),
-                                                       device=trainer_device, **settings)
+                                                       device=trainer_device, cpu_threads=args.trainer_threads,
+                                                       **settings)
             extra["spot_overlap_steps"] = kind == "process-overlap"
     arms = [Strategy(2, 1, 3), Strategy(4, 1, 5)]
     eng = SpeculativeEngine(target, serving, StrategySelector(arms, seed=0), GraphPool(), max_batch_size=batch,
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--trainer-device", default=None,
                         help="where the trainers run (default: the target's GPU), e.g. cuda:1 on a host of two")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="SpotTrainerProcess(cpu_threads=): the worker's CPU threads (default: its own)")
     parser.add_argument("--no-priority-stream", action="store_true",
                         help="SpeculativeEngine(prioritize_rollout=False): the rollout stays on the caller's stream")
     parser.add_argument("--no-overlap", action="store_true",

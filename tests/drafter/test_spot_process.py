@@ -102,6 +102,9 @@ def test_a_failing_worker_and_bad_arguments_raise():
         SpotTrainerProcess(drafter, buffer, device="cpu", batch_size=0)
     with pytest.raises(TypeError, match="RolloutBuffer"):
         SpotTrainerProcess(drafter, [], device="cpu")
+    for threads in (0, 1.5, True):
+        with pytest.raises(ValueError, match="cpu_threads"):
+            SpotTrainerProcess(drafter, buffer, device="cpu", cpu_threads=threads)
 
 
 def test_the_buffer_hands_over_its_entries_in_order():

@@ -51,6 +51,9 @@ class SpotTrainerProcess:
             kernels time-slice it (stream priorities do not reach across processes): give it an idle GPU.
         start_timeout_s: how long to wait for the worker to start (it imports torch and this package, and runs
             :meth:`SpotTrainer.warm_up` so the first tail trains instead of loading kernels).
+        cpu_threads: the worker's intra-op CPU threads (``torch.set_num_threads``). None: 1 on a GPU (its CPU work
+            is sampling windows; a pool of one thread per core spins on the cores the rollout's host loop needs),
+            torch's default on the CPU.
         trainer_kwargs: :class:`SpotTrainer`'s keyword arguments (``lr``, ``batch_size``, ``unroll_steps``, ...).
 
     Call :meth:`close` (or use it as a context manager) to end the worker; it also ends with the parent. The worker
@@ -61,10 +64,16 @@ class SpotTrainerProcess:
     in_process = False  # run() launches no kernel here: the engine's session gives it no stream and no interval
 
     def __init__(self, drafter: EagleDrafter, buffer: RolloutBuffer, holder: Optional[WeightsHolder] = None, *,
-                 device="cuda", start_timeout_s: float = 300.0, **trainer_kwargs):
+                 device="cuda", start_timeout_s: float = 300.0, cpu_threads: Optional[int] = None,
+                 **trainer_kwargs):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # the worker's set_device needs an index
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if cpu_threads is not None and (isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int)
+                                        or cpu_threads < 1):
+            raise ValueError(f"SpotTrainerProcess: cpu_threads must be a positive int or None, got {cpu_threads!r}")
+        if cpu_threads is None and self.device.type != "cpu":
+            cpu_threads = 1
         if not isinstance(buffer, RolloutBuffer):
             raise TypeError(f"SpotTrainerProcess: buffer must be a RolloutBuffer, got {type(buffer).__name__}")
         self.buffer = buffer
@@ -78,7 +87,8 @@ class SpotTrainerProcess:
         config = dict(capacity_tokens=buffer.capacity_tokens, recency_decay=buffer.recency_decay,
                       storage_dtype=buffer.storage_dtype)
         self._process = ctx.Process(target=_worker_main, name="tlt-spot-trainer", daemon=True,
-                                    args=(child, drafter.replica("cpu"), config, str(self.device), trainer_kwargs))
+                                    args=(child, drafter.replica("cpu"), config, str(self.device), cpu_threads,
+                                          trainer_kwargs))
         self._process.start()
         child.close()
         self._expect("ready", start_timeout_s)
@@ -282,9 +292,12 @@ class SpotTrainerProcess:
         return message
 
 
-def _worker_main(conn, replica: EagleDrafter, buffer_config: dict, device: str, trainer_kwargs: dict) -> None:
+def _worker_main(conn, replica: EagleDrafter, buffer_config: dict, device: str, cpu_threads: Optional[int],
+                 trainer_kwargs: dict) -> None:
     """The worker: build the trainer, report ready (or the error), then serve messages until "close" or EOF."""
     try:
+        if cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
         if torch.device(device).type == "cuda":  # no context on the rollout's GPU: every launch goes to ``device``
             torch.cuda.set_device(torch.device(device))
         trainer = SpotTrainer(replica.replica(device), RolloutBuffer(**buffer_config), WeightsHolder(device="cpu"),
