@@ -5,14 +5,14 @@ untrained EAGLE drafter (seed 0), the same long-tailed batch and adaptive select
 
 * ``frozen``: the drafter alone (no feature capture);
 * ``buffer``: plus a pinned ``RolloutBuffer`` (feature capture at every step, finished requests handed over);
-* ``thread``: plus a ``SpotTrainer`` on the same GPU (the engine's side thread trains in the tail);
-* ``process``: plus a ``SpotTrainerProcess`` on the same GPU instead;
-* ``process-overlap``: the same with the tail's steps overlapped (``spot_overlap_steps``).
+* ``thread``: plus a ``SpotTrainer`` (the engine's side thread trains in the tail, its steps read one by one);
+* ``thread-overlap``: the same with the tail's steps overlapped (``spot_overlap_steps``);
+* ``process``: plus a ``SpotTrainerProcess`` instead (begun and finished by the engine, steps overlapped).
 
 Per kind: the wall time of each of ``--repeats`` rollouts (after a warm-up), the steps, the mean step time before
 the tail and in it (batch below a quarter) and the trainer's last stats; ``--profile N`` adds one more rollout under cProfile
 and prints its N functions of most own time (the host's share of each kind's cost); ``--trainer-device cuda:1``
-trains on a second GPU (a replica there, as ``bench rl --spot-device``); ``--no-priority-stream`` keeps the rollout on
+trains on a second GPU (thread: a replica there, as ``bench rl --spot-device``); ``--no-priority-stream`` keeps the rollout on
 the caller's stream, ``--no-overlap`` reads every step before launching the next. The random target accepts almost nothing, so the selector
 mostly decodes plainly: the differences between kinds are the engine's work for the trainer, not the drafts. A
 developer tool to find that cost; figures of record come from ``python -m bench rl``.
@@ -24,7 +24,7 @@ import math
 import statistics
 import time
 
-KINDS = ("frozen", "buffer", "thread", "process", "process-overlap")
+KINDS = ("frozen", "buffer", "thread", "thread-overlap", "process")
 
 
 def _target(args):
@@ -64,18 +64,18 @@ def _engine(kind: str, target, args):
         buffer = RolloutBuffer(capacity_tokens=1 << 22, storage_dtype=torch.bfloat16, pin_memory=True)
         extra["rollout_buffer"] = buffer
         settings = dict(lr=1e-3, warmup_steps=20, unroll_steps=2, autocast_dtype=torch.bfloat16)
-        if kind == "thread":
+        if kind.startswith("thread"):
             trainee = EagleDrafter.for_target(target, seed=0)
             if trainer_device == target.device:
                 extra["spot_trainer"] = SpotTrainer(trainee, buffer, **settings)
             else:  # a replica there, its weights published to the rollout's GPU (as bench rl --spot-device does)
                 extra["spot_trainer"] = SpotTrainer(trainee.replica(trainer_device), buffer,
                                                     WeightsHolder(device=target.device), **settings)
-        elif kind.startswith("process"):
+        elif kind == "process":
             extra["spot_trainer"] = SpotTrainerProcess(serving, buffer, WeightsHolder(device=target.device),
                                                        device=trainer_device, cpu_threads=args.trainer_threads,
                                                        **settings)
-            extra["spot_overlap_steps"] = kind == "process-overlap"
+    extra["spot_overlap_steps"] = kind == "thread-overlap"
     arms = [Strategy(2, 1, 3), Strategy(4, 1, 5)]
     eng = SpeculativeEngine(target, serving, StrategySelector(arms, seed=0), GraphPool(), max_batch_size=batch,
                             max_seq_len=32 + 260, fuse_step=True,

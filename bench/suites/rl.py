@@ -17,7 +17,7 @@ seeds (``--ways``):
   in each rollout's tail (``--spot-batch-fraction``; loss depths ``--spot-unroll-steps``; the interpreter's switch
   interval while it runs ``--spot-switch-interval``) on the responses of the current policy
   (:class:`~tlt_kernels.drafter.SpotTrainer`), so it keeps up as the policy's weights change (steps stop overlapping
-  once the trainer starts, unless ``--spot-overlap-steps``: it works between steps); with ``--spot-device`` (e.g.
+  once the trainer's thread starts, unless ``--spot-overlap-steps``: it works between steps); with ``--spot-device`` (e.g.
   ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the drafter there
   (:meth:`~tlt_kernels.drafter.EagleDrafter.replica`) whose copy of the policy's head is refreshed after every policy
   update, and publishes to the serving drafter on the rollout's device; with ``--spot-process`` the trainer runs in a
@@ -98,8 +98,9 @@ FLAGS = (
     Flag("--spot-switch-interval", 2e-4, "the interpreter's thread switch interval in seconds while the spot trainer "
          "runs (SpeculativeEngine(spot_switch_interval_s=)): after each wait for the GPU the rollout's loop waits up "
          "to one interval for the interpreter's lock", positive_float, metavar="SECONDS"),
-    Flag("--spot-overlap-steps", False, "keep the rollout's steps overlapping while the spot trainer runs "
-         "(SpeculativeEngine(spot_overlap_steps=); off: the tail runs step by step from the trainer's start)", bool),
+    Flag("--spot-overlap-steps", False, "keep the rollout's steps overlapping while the spot trainer's thread runs "
+         "(SpeculativeEngine(spot_overlap_steps=); off: the tail runs step by step from the thread's start; "
+         "--spot-process keeps them overlapping either way)", bool),
     Flag("--spot-device", None, "the spot trainer's device (e.g. cuda:1, a GPU the rollout leaves idle): it trains a "
          "replica of the drafter there and refreshes its copy of the policy's head after every policy update "
          "(default: the rollout's device, sharing the policy's head)", metavar="DEVICE"),
