@@ -194,3 +194,26 @@ def test_take_can_leave_the_copies_still_in_flight():
     assert buffer.num_tokens == 4 and len(buffer) == 1
     buffer._entries[0].ready = None  # landed
     assert [t.shape[0] for _, t, _ in buffer.take(landed_only=True)] == [4] and buffer.num_tokens == 0
+
+
+def test_a_failed_hand_over_is_raised_by_finish():
+    """begin() hands the segments over on a short-lived thread; its failure (a broken pipe) surfaces at finish(),
+    and the pipe's lock is free again."""
+    from types import SimpleNamespace
+
+    class BrokenPipe:
+        def poll(self, timeout=0.0):
+            return False
+
+        def send(self, message):
+            raise BrokenPipeError("the pipe broke")
+
+    _, _, buffer = _setup()
+    trainer = SpotTrainerProcess.__new__(SpotTrainerProcess)  # the pipe alone: no worker needed
+    trainer.buffer, trainer._conn, trainer._lock = buffer, BrokenPipe(), threading.Lock()
+    trainer._weights_pending, trainer._running = False, False
+    trainer._process = SimpleNamespace(is_alive=lambda: True)
+    assert trainer.begin() and buffer.num_tokens == 0
+    with pytest.raises(RuntimeError, match="starting the run failed: the pipe broke"):
+        trainer.finish()
+    assert not trainer._running and not trainer._lock.locked()

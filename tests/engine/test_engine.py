@@ -682,6 +682,12 @@ def test_trace_probes_every_arm_without_changing_the_output(target, prompts, tmp
             assert r["step_time"] > 0
             assert all(a >= b_ for a, b_ in zip(acc, acc[1:]))  # reaching depth j+1 implies depth j
             assert r["emitted"] == st.batch_size + sum(acc)
+            # The lagging rows (most tokens left): what the engine's selector learns from.
+            lagging, lagging_acc = r["lagging_rows"], r["lagging_accepted"]
+            assert 1 <= lagging <= st.batch_size and len(lagging_acc) == len(acc)
+            assert all(lagging >= a <= total for a, total in zip(lagging_acc, acc))
+    budgets = sorted(MAX_NEW, reverse=True)
+    assert trace[0]["arms"]["off"]["lagging_rows"] == budgets.count(budgets[0])  # the longest budgets lag first
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     res = replay_selector(load_trace(str(path)), StrategySelector(arms, seed=0))

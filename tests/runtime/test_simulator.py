@@ -139,3 +139,19 @@ def test_selector_targets_on_short_runs(name):
         # of each other and the model-weighted estimates (model_sd) take longer to separate near-ties
         # than the arms' own counts did (109 steps on this run; 118 worst on the 3-seed benchmark).
         assert r["settle_steps"] <= (120 if name == "phase-shift-B128" else 50), r
+
+
+def test_a_replay_feeds_the_lagging_rows_acceptance_where_the_trace_counts_it():
+    """As the engine feeds its selector: an engine trace's lagging rows (most tokens left) and their acceptance,
+    with ``accepted_rows=``; a record without them gives the whole batch's counts."""
+    from tlt_kernels.runtime.simulate import replay_trace
+
+    arm = {"step_time": 1e-3, "emitted": 10, "accepted": [4, 2]}
+    records = [{"batch_size": 6, "arms": {"s2k1v3": dict(arm, lagging_rows=2, lagging_accepted=[2, 1])}},
+               {"batch_size": 6, "arms": {"s2k1v3": dict(arm)}}]
+    seen = []
+    replay_trace(records, lambda b, arms: arms[0], lambda *a, **kw: seen.append((a[4], kw)))
+    assert seen == [([2, 1], {"accepted_rows": 2}), ([4, 2], {})]
+    bad = [{"batch_size": 6, "arms": {"s2k1v3": dict(arm, lagging_rows=float("nan"))}}]
+    with pytest.raises(ValueError, match="lagging_rows"):
+        replay_trace(bad, lambda b, arms: arms[0])

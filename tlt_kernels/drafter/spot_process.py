@@ -81,6 +81,8 @@ class SpotTrainerProcess:
         self._lock = threading.Lock()  # one reader of the pipe at a time (run's thread, or a holder lookup)
         self._weights_pending = False  # a stopped run's weights are still to come
         self._running, self._begun_s = False, 0.0  # a run started by begin() and not yet finished
+        self._starter: Optional[threading.Thread] = None  # begin()'s hand-over thread
+        self._start_error: Optional[BaseException] = None
         self.last_stats: Optional[RunStats] = None  # the last run's exact stats, once its weights arrived
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -153,20 +155,37 @@ class SpotTrainerProcess:
 
     def begin(self, max_steps: Optional[int] = None, time_budget_s: Optional[float] = None,
               publish: bool = True) -> bool:
-        """Start a run and return at once: the buffer's segments whose copies have landed go to the worker, which
-        trains until :meth:`finish` (or ``time_budget_s`` / ``max_steps``). Nothing of this process waits on the
-        pipe meanwhile: how the engine runs it in a rollout's tail (no side thread, steps kept overlapping).
-        False, starting nothing, while the previous run's weights are on their way or a run is on: call again."""
+        """Start a run and return at once: the buffer's segments whose copies have landed go to the worker (sent by
+        a short-lived thread), which trains until :meth:`finish` (or ``time_budget_s`` / ``max_steps``). Nothing of
+        this process waits on the pipe while it trains: how the engine runs it in a rollout's tail (steps kept
+        overlapping). False, starting nothing, while the previous run's weights are on their way or a run is on:
+        call again."""
         if self._running or not self._lock.acquire(blocking=False):
             return False
         try:
             self._collect(wait=False)
-            if self._weights_pending:
-                return False
-            self._hand_over(self.buffer.take(landed_only=True))
-            self._send(("train", max_steps, time_budget_s, publish))
-            self._running, self._begun_s = True, time.perf_counter()
-            return True
+        except BaseException:
+            self._lock.release()
+            raise
+        if self._weights_pending:
+            self._lock.release()
+            return False
+        segments = self.buffer.take(landed_only=True)
+        self._running, self._begun_s, self._start_error = True, time.perf_counter(), None
+        # The segments' concatenation and shared-memory copies take milliseconds, mostly outside the interpreter
+        # lock: a short-lived thread does them (and releases the pipe's lock) while the rollout steps on.
+        self._starter = threading.Thread(target=self._start, args=(segments, ("train", max_steps, time_budget_s,
+                                                                               publish)), daemon=True)
+        self._starter.start()
+        return True
+
+    def _start(self, segments, train_message) -> None:
+        """:meth:`begin`'s thread, holding the pipe's lock: hand over the segments, start the run, release."""
+        try:
+            self._hand_over(segments)
+            self._send(train_message)
+        except BaseException as exc:  # raised by finish()
+            self._start_error = exc
         finally:
             self._lock.release()
 
@@ -175,8 +194,11 @@ class SpotTrainerProcess:
         the weights follow) or, if it ended by itself, with its published weights. No run on: empty stats."""
         if not self._running:
             return RunStats()
+        self._starter.join()
+        self._running = False
+        if self._start_error is not None:
+            raise RuntimeError(f"SpotTrainerProcess: starting the run failed: {self._start_error}") from self._start_error
         with self._lock:
-            self._running = False
             if not self._conn.poll():  # a "stop" that crosses the run's own end is moot to the worker
                 self._send(("stop",))
             stats = self._answer()

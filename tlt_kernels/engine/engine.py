@@ -493,7 +493,8 @@ class SpeculativeEngine:
                             [] if deferred else self.tree_drafter.state_rows(rows), rollout.sampling,
                             rollout.offsets, max_context_len=rollout.max_context_len())
         if rollout.trace is not None:
-            rollout.trace.append(probe_arms(self.step_runner, self.strategies, self.covers, inputs, self.device))
+            rollout.trace.append(probe_arms(self.step_runner, self.strategies, self.covers, inputs, self.device,
+                                            lagging=rollout.lagging(rows)))
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
         depth = strategy.num_steps if self.selector is not None else 0

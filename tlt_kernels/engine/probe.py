@@ -18,9 +18,11 @@ def synced_seconds(device: torch.device, fn):
     return time.perf_counter() - started, out
 
 
-def probe_arms(runner, strategies, covers, inputs, device: torch.device) -> dict:
+def probe_arms(runner, strategies, covers, inputs, device: torch.device, lagging=None) -> dict:
     """One trace record (:func:`tlt_kernels.runtime.simulate.load_trace`'s format): every strategy that ``covers``
-    the batch drafted, verified and accepted on the live rows without committing.
+    the batch drafted, verified and accepted on the live rows without committing. ``lagging`` (bool ``[b]``, the
+    rows with the most tokens left, the ones a static batch waits for) adds each arm's ``lagging_rows`` and
+    ``lagging_accepted`` (how many of them reached each draft depth): what the engine's selector learns from.
 
     Only cache slots past each request's context are written (tree nodes, then their compaction; the drafter's
     too), and the real step rewrites them before anything reads them. A fused runner replays each strategy's step
@@ -36,14 +38,19 @@ def probe_arms(runner, strategies, covers, inputs, device: torch.device) -> dict
 
         def probe(strategy=strategy):
             num_accepted = runner.run(strategy, inputs).num_accepted.to(torch.int64)
-            counts = [(num_accepted + 1).sum().view(1)] + [(num_accepted > j).sum().view(1)
-                                                             for j in range(strategy.num_steps)]
+            reached = [num_accepted > j for j in range(strategy.num_steps)]
+            counts = [(num_accepted + 1).sum().view(1)] + [r.sum().view(1) for r in reached]
+            if lagging is not None:
+                counts += [lagging.sum().view(1)] + [(r & lagging).sum().view(1) for r in reached]
             return torch.cat(counts).tolist()
 
         seconds, host = synced_seconds(device, probe)
         if restore is not None:
             restore()
-        arms[str(strategy)] = {"step_time": seconds, "emitted": host[0], "accepted": host[1:]}
+        depth = strategy.num_steps
+        arms[str(strategy)] = {"step_time": seconds, "emitted": host[0], "accepted": host[1:1 + depth]}
+        if lagging is not None:
+            arms[str(strategy)].update(lagging_rows=host[1 + depth], lagging_accepted=host[2 + depth:])
     return {"batch_size": batch_size, "arms": arms}
 
 

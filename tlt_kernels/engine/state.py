@@ -208,6 +208,12 @@ class RolloutState:
         roots = emitted.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
         self.root_tokens[rows] = torch.where(keep, self.root_tokens[rows], roots)
 
+    def lagging(self, rows: torch.Tensor) -> torch.Tensor:
+        """bool ``[b]``: which of the running ``rows`` (int64 ``[b]``) have the most tokens left (the rows a static
+        batch waits for; :meth:`stage_counts` counts their acceptance for the selector)."""
+        left = self.max_new_tokens[rows] - self.generated[rows]
+        return left == left.max()
+
     def stage_counts(self, emission: Emission, num_accepted, new_context_lens, rows: List[int],
                      depth: int) -> StagedCounts:
         """Start the step's one device-to-host transfer: everything the host needs, concatenated, copied without

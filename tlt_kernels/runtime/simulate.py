@@ -378,15 +378,21 @@ def _check_trace_record(where: str, r: dict) -> None:
             raise ValueError(f"{where}, arm {name}: step_time must be a finite number of seconds > 0, got {t!r}")
         if not _finite(em, 0.0):
             raise ValueError(f"{where}, arm {name}: emitted must be a finite count >= 0, got {em!r}")
-        acc = a.get("accepted")
-        if acc is not None and not (isinstance(acc, list) and all(_finite(x, 0.0) for x in acc)):
-            raise ValueError(f"{where}, arm {name}: accepted must be a list of finite counts >= 0, got {acc!r}")
+        for key in ("accepted", "lagging_accepted"):
+            acc = a.get(key)
+            if acc is not None and not (isinstance(acc, list) and all(_finite(x, 0.0) for x in acc)):
+                raise ValueError(f"{where}, arm {name}: {key} must be a list of finite counts >= 0, got {acc!r}")
+        rows = a.get("lagging_rows")
+        if rows is not None and not _finite(rows, 0.0):
+            raise ValueError(f"{where}, arm {name}: lagging_rows must be a finite count >= 0, got {rows!r}")
 
 
 def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], Strategy],
                  observe: Optional[Callable[..., None]] = None) -> RunResult:
-    """Replay a trace: the policy picks among the arms recorded at each step and sees that arm's record.
-    Efficiency is against the per-step best recorded arm (a hindsight oracle)."""
+    """Replay a trace: the policy picks among the arms recorded at each step and sees that arm's record:
+    ``observe(strategy, batch_size, emitted, step_time, accepted)``, or, where the record counts the lagging rows
+    (``lagging_rows``, ``lagging_accepted``: engine traces), their acceptance with ``accepted_rows=`` as the engine
+    feeds its selector. Efficiency is against the per-step best recorded arm (a hindsight oracle)."""
     tokens = time_s = 0.0
     eff, otime, changes, choices, picks = [], [], [], {}, []
     last = records[0].get("phase", 0)
@@ -407,7 +413,12 @@ def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], St
         otime.append(best["step_time"])
         choices[str(s)] = choices.get(str(s), 0) + 1
         picks.append(str(s))
-        if observe is not None:
+        if observe is None:
+            continue
+        if o.get("lagging_rows") and o.get("lagging_accepted"):
+            observe(s, r["batch_size"], o["emitted"], o["step_time"], o["lagging_accepted"],
+                    accepted_rows=o["lagging_rows"])
+        else:
             observe(s, r["batch_size"], o["emitted"], o["step_time"], o.get("accepted"))
     return RunResult(tokens, time_s, len(records), eff, otime, changes, choices, picks)
 
