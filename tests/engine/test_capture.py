@@ -28,7 +28,7 @@ def _capture(B=6, L=5, H=7, columns=40, seed=0):
 @pytest.mark.parametrize("width", [1, 4, 9])
 def test_record_writes_the_accepted_path_and_nothing_else(width):
     cap, gen = _capture()
-    B, columns, H = cap.tokens.shape[0], cap.tokens.shape[1], cap.features.shape[2]
+    columns, H = cap.tokens.shape[1], cap.features.shape[2]
     rows = torch.tensor([4, 0, 2, 5])  # not in order; rows 1 and 3 are not in the step
     context_lens = torch.tensor([5, 9, 17, 5], dtype=torch.int32)
     num_accepted = torch.tensor([width - 1, 0, -1, min(2, width - 1)])  # -1: a row that keeps its state
