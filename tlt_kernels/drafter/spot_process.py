@@ -2,7 +2,7 @@
 
 Why a process: a trainer on a thread of the rollout's process shares its interpreter lock, and next to a busy
 trainer thread the rollout's host work per step takes about twice as long whatever the switch interval
-(docs/DRAFTERS.md). A worker process has an interpreter of its own; the rollout's side thread only waits on a pipe.
+(docs/DRAFTERS.md). A worker process has an interpreter of its own, and the rollout only talks to it over a pipe.
 
 :class:`SpotTrainerProcess` has the part of :class:`SpotTrainer`'s interface the engine drives (``buffer``,
 ``holder``, ``device``, :meth:`run`), so ``SpeculativeEngine(spot_trainer=SpotTrainerProcess(...))`` works as with
