@@ -217,3 +217,50 @@ def test_a_failed_hand_over_is_raised_by_finish():
     with pytest.raises(RuntimeError, match="starting the run failed: the pipe broke"):
         trainer.finish()
     assert not trainer._running and not trainer._lock.locked()
+
+
+def test_a_worker_silent_at_finish_is_ended_not_waited_for(monkeypatch):
+    """A hung worker must not hang the rollout's end: finish() waits a bounded time for the answer to its stop, then
+    ends the worker and raises."""
+    from types import SimpleNamespace
+
+    import tlt_kernels.drafter.spot_process as spot_process
+
+    class SilentPipe:
+        def __init__(self):
+            self.sent, self.closed = [], False
+
+        def poll(self, timeout=0.0):
+            return False
+
+        def send(self, message):
+            self.sent.append(message[0])
+
+        def close(self):
+            self.closed = True
+
+    class HungProcess:
+        alive, exitcode = True, None
+
+        def is_alive(self):
+            return self.alive
+
+        def join(self, timeout=None):
+            pass
+
+        def terminate(self):
+            self.alive = False
+
+    monkeypatch.setattr(spot_process, "_ANSWER_TIMEOUT_S", 0.05)
+    _, _, buffer = _setup()
+    trainer = SpotTrainerProcess.__new__(SpotTrainerProcess)  # the pipe alone: no worker needed
+    trainer.buffer, trainer._conn, trainer._lock = buffer, SilentPipe(), threading.Lock()
+    trainer._weights_pending, trainer._running, trainer._process = False, False, HungProcess()
+    trainer._holder = SimpleNamespace(version=0)
+    assert trainer.begin()
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="no .* from the worker within"):
+        trainer.finish()
+    assert time.perf_counter() - started < 5.0
+    assert trainer._conn.sent == ["add", "train", "stop", "close"] and trainer._conn.closed
+    assert not trainer.alive and not trainer._running

@@ -37,6 +37,9 @@ from .spot_trainer import RunStats, SpotTrainer, stop_check
 from .weights import WeightsHolder
 
 _POLL_S = 0.002  # how often a waiting run looks at its stop condition: far below a rollout, far above a syscall
+# The worker answers a stop within a few ms (a listener thread); one silent this long is taken for hung (ended, and
+# a RuntimeError), so a rollout's end never waits forever on it.
+_ANSWER_TIMEOUT_S = 60.0
 
 
 class SpotTrainerProcess:
@@ -201,13 +204,14 @@ class SpotTrainerProcess:
         with self._lock:
             if not self._conn.poll():  # a "stop" that crosses the run's own end is moot to the worker
                 self._send(("stop",))
-            stats = self._answer()
+            stats = self._answer(_ANSWER_TIMEOUT_S)
         stats.elapsed_s = time.perf_counter() - self._begun_s
         return stats
 
-    def _answer(self) -> RunStats:
-        """With the lock held: the worker's answer to a run ("trained": published here; "stopped": weights to come)."""
-        message = self._expect(("trained", "stopped"))
+    def _answer(self, timeout_s: Optional[float] = None) -> RunStats:
+        """With the lock held: the worker's answer to a run ("trained": published here; "stopped": weights to come);
+        none within ``timeout_s``: the worker is ended and RuntimeError raised."""
+        message = self._expect(("trained", "stopped"), timeout_s)
         if message[0] == "stopped":
             self._weights_pending = True
             return RunStats(**message[1])
