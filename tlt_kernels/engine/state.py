@@ -77,6 +77,14 @@ class StepCounts(NamedTuple):
     lagging_accepted_per_depth: Optional[list] = None
 
 
+def most_left(left: torch.Tensor, live: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool ``[b]``: the rows (of ``live`` ones, bool ``[b]``; None: all) with the most tokens ``left`` (int64 ``[b]``):
+    the lagging rows, which a static batch finishes with (the step kernel stages its own by the same rule)."""
+    if live is None:
+        return left == left.max()
+    return live & (left == torch.where(live, left, torch.full_like(left, -1)).max())
+
+
 @dataclass
 class RolloutState:
     """A rollout of ``B`` requests. Device tensors: ``block_table`` int32 ``[B, blocks]`` (their KV blocks),
@@ -211,8 +219,7 @@ class RolloutState:
     def lagging(self, rows: torch.Tensor) -> torch.Tensor:
         """bool ``[b]``: which of the running ``rows`` (int64 ``[b]``) have the most tokens left (the rows a static
         batch waits for; :meth:`stage_counts` counts their acceptance for the selector)."""
-        left = self.max_new_tokens[rows] - self.generated[rows]
-        return left == left.max()
+        return most_left(self.max_new_tokens[rows] - self.generated[rows])
 
     def stage_counts(self, emission: Emission, num_accepted, new_context_lens, rows: List[int],
                      depth: int) -> StagedCounts:
@@ -228,8 +235,7 @@ class RolloutState:
         if depth > 0:
             reached = num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)
             parts.append((reached & live.unsqueeze(1)).sum(0))
-            left = emission.left
-            lagging = live & (left == torch.where(live, left, torch.full_like(left, -1)).max())
+            lagging = most_left(emission.left, live)
             parts += [lagging.sum().view(1), (reached & lagging.unsqueeze(1)).sum(0)]
         return self._to_host(torch.cat(parts), rows, depth)
 
