@@ -20,9 +20,10 @@ seeds (``--ways``):
   once the trainer's thread starts, unless ``--spot-overlap-steps``: it works between steps); with ``--spot-device`` (e.g.
   ``cuda:1``, a GPU the rollout leaves idle) the trainer trains a replica of the drafter there
   (:meth:`~tlt_kernels.drafter.EagleDrafter.replica`) whose copy of the policy's head is refreshed after every policy
-  update, and publishes to the serving drafter on the rollout's device; with ``--spot-process`` the trainer runs in a
-  worker process of its own (:class:`~tlt_kernels.drafter.SpotTrainerProcess`; on ``--spot-device`` or the rollout's
-  device), so its Python never holds the rollout's interpreter; log-probs from the rollout
+  update, and publishes to the serving drafter on the rollout's device; with ``--spot-process`` (the default with
+  ``--spot-device``; ``--no-spot-process`` keeps a thread) the trainer runs in a worker process of its own
+  (:class:`~tlt_kernels.drafter.SpotTrainerProcess`; on ``--spot-device`` or the rollout's device), so its Python
+  never holds the rollout's interpreter; log-probs from the rollout
   (``SpeculativeEngine(logprobs=True)``);
 * ``spec-ngram``: the adaptive selector with the group n-gram drafter alone;
 * ``spec-self``: the same with self-only n-gram drafts (no groups): what drafting from the group adds;
@@ -104,8 +105,9 @@ FLAGS = (
     Flag("--spot-device", None, "the spot trainer's device (e.g. cuda:1, a GPU the rollout leaves idle): it trains a "
          "replica of the drafter there and refreshes its copy of the policy's head after every policy update "
          "(default: the rollout's device, sharing the policy's head)", metavar="DEVICE"),
-    Flag("--spot-process", False, "the spot trainer runs in a worker process of its own (SpotTrainerProcess, on "
-         "--spot-device or the rollout's device), so its Python never shares the rollout's interpreter", bool),
+    Flag("--spot-process", None, "the spot trainer runs in a worker process of its own (SpotTrainerProcess, on "
+         "--spot-device or the rollout's device), so its Python never shares the rollout's interpreter (default: on "
+         "with --spot-device, off without; --no-spot-process keeps a thread trainer there)", bool),
     PREFILL_LENGTHS_FLAG,
 )
 
@@ -262,6 +264,9 @@ class RLRun:
         if not self.p.temperature > 0:
             raise ValueError(f"--temperature must be > 0 (GRPO samples its groups), got {self.p.temperature}")
         self.spot_device = _spot_device(self.p.spot_device)
+        # A trainer on a GPU of its own runs in a worker process unless told not to: a thread there shares the
+        # rollout's interpreter, which costs the tail more than the process's hand-over (docs/DRAFTERS.md).
+        self._spot_process = self.spot_device is not None if self.p.spot_process is None else self.p.spot_process
 
     def load(self) -> None:
         """The models (ours and transformers'), how text becomes prompt ids and back, and every step's problems."""
@@ -333,7 +338,7 @@ class RLRun:
         # The serving drafter and the trainer's copy start from the same weights; on another device or in another
         # process the copy is a replica (its own head) and publishes to the serving drafter's device.
         serving = self._initial_eagle(model)
-        if self.p.spot_process:
+        if self._spot_process:
             trainer = SpotTrainerProcess(serving, buffer, WeightsHolder(device=model.device),
                                          device=self.spot_device or model.device, **settings)
         elif self.spot_device is not None:

@@ -239,14 +239,19 @@ def test_prefill_lengths_reach_every_engine_cut_to_its_capacity(tmp_path, monkey
 
 
 def test_spot_device_trains_a_replica_whose_head_follows_the_policy(tmp_path, monkeypatch):
-    """--spot-device: the spot-trained ways' trainer trains a replica of the serving drafter (no tensor shared with
-    it or the policy), publishing into a holder on the policy's device; after every policy update the replica's
-    copy of the head equals the policy's. A device that does not exist is refused, naming the flag."""
+    """--spot-device --no-spot-process: the spot-trained ways' trainer is a thread trainer of a replica of the serving
+    drafter (no tensor shared with it or the policy), publishing into a holder on the policy's device; after every
+    policy update the replica's copy of the head equals the policy's. A device that does not exist is refused,
+    naming the flag."""
+    from tlt_kernels.drafter import SpotTrainer
+
     engines = _record_engines(monkeypatch)
-    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle", "--spot-device", "cpu"]
+    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle", "--no-spot-process",
+            "--spot-device", "cpu"]
     assert main(argv) == 0
     (engine,) = engines
     trainer, serving = engine.spot_trainer, engine.drafter
+    assert isinstance(trainer, SpotTrainer)
     assert trainer.drafter is not serving and trainer.holder.device == torch.device("cpu")
     policy = {t.data_ptr() for t in engine.target.state_dict().values()}
     replica_head = [t for module in trainer.drafter._shared for t in module.state_dict().values()]
@@ -259,7 +264,7 @@ def test_spot_device_trains_a_replica_whose_head_follows_the_policy(tmp_path, mo
 
 
 def test_spot_process_trains_in_a_worker_that_ends_with_its_way(tmp_path, monkeypatch):
-    """--spot-process: the spot-trained way's trainer is a SpotTrainerProcess (on --spot-device), which trains in
+    """--spot-device (--spot-process by default): the spot-trained way's trainer is a SpotTrainerProcess there, which trains in
     the rollouts' tails, is sent the policy's head after every update, publishes what the serving drafter loads, and
     ends with its way."""
     from tlt_kernels.drafter import SpotTrainerProcess
@@ -272,7 +277,8 @@ def test_spot_process_trains_in_a_worker_that_ends_with_its_way(tmp_path, monkey
     # EOS is off in the small run, so every request would end together: all but the last end early, a long tail.
     monkeypatch.setattr(SpeculativeEngine, "generate", lambda self, prompts, max_new, **kw: real_generate(
         self, prompts, [4] * (len(prompts) - 1) + [max_new], **kw))
-    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle", "--spot-process",
+    # No --spot-process: a trainer given a device of its own is a process by default.
+    argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle",
             "--spot-device", "cpu", "--max-new-tokens", "40"]
     assert main(argv) == 0
     (engine,) = engines
