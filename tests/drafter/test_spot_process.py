@@ -96,6 +96,41 @@ def test_a_refreshed_head_reaches_the_worker():
     assert any(not torch.allclose(got[name], expected[name]) for name in expected)
 
 
+def test_refreshes_reuse_their_shared_buffers_and_the_last_one_wins():
+    """Two refreshes with no run between: the second refills the first's shared buffers (a tied head is one buffer)
+    once the worker has loaded the first, and training then sees the second head (the thread's weights, above)."""
+    expected = _thread_weights(3)
+    target, drafter, buffer = _setup()
+    sent = []
+    with SpotTrainerProcess(drafter, buffer, device="cpu", **TRAINER_ARGS) as trainer:
+        real_send = trainer._send
+        trainer._send = lambda message: (sent.append(message), real_send(message))[1]
+        with torch.no_grad():
+            target.lm_head.weight.mul_(-1.0)
+        trainer.refresh_head(drafter)
+        with torch.no_grad():
+            target.lm_head.weight.mul_(-1.0)  # back to the head the thread trained against
+        trainer.refresh_head(drafter)
+        trainer.run(max_steps=3)
+        got = trainer.holder.latest().state_dict
+    _assert_same_weights(got, expected)
+    first, second = [[t for state in m[1] for t in state.values()] for m in sent if m[0] == "head"]
+    assert [t.data_ptr() for t in first] == [t.data_ptr() for t in second] and all(t.is_shared() for t in first)
+    assert [m[3] for m in sent if m[0] == "head"] == [1, 2]
+
+
+def test_a_head_the_worker_cannot_load_raises_at_the_next_refresh():
+    """The worker reports a head it could not load; the next refresh (which waits for the load) raises it."""
+    import types
+
+    _, drafter, buffer = _setup()
+    bad = types.SimpleNamespace(shared_modules=(torch.nn.Linear(2, 2),) * 3)  # tensor names the drafter lacks
+    with SpotTrainerProcess(drafter, buffer, device="cpu", **TRAINER_ARGS) as trainer:
+        trainer.refresh_head(bad)
+        with pytest.raises(RuntimeError, match="worker failed(.|\n)*ValueError"):
+            trainer.refresh_head(drafter)
+
+
 def test_a_failing_worker_and_bad_arguments_raise():
     _, drafter, buffer = _setup()
     with pytest.raises(RuntimeError, match="batch_size"):  # SpotTrainer's own check, raised in the worker

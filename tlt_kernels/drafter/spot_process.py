@@ -13,7 +13,9 @@ as the interpreter lock did). The worker (spawned, so CUDA starts fresh in it) o
 tensors in shared memory (torch.multiprocessing's file-descriptor sharing, no pickled copy of their bytes):
 
 * parent -> worker: ``("add", features, tokens, lengths, steps)`` the rollout segments taken from the parent's
-  buffer since the last run; ``("head", states)`` the target's embedding, head and final norm after a policy update;
+  buffer since the last run; ``("head", states, loaded, number)`` the target's embedding, head and final norm after
+  a policy update, in shared buffers the parent keeps and refills (the worker writes ``number`` into the shared
+  ``loaded`` once it has copied them, and the parent refills them only after that);
   ``("train", max_steps, time_budget_s, publish)``; ``("stop",)``; ``("save", path)``; ``("close",)``.
 * worker -> parent: ``("ready",)``; for a run that ends by itself ``("trained", stats, version, state_dict or
   None)``; for a stopped one ``("stopped", counts)`` at once (a listener thread in the worker answers while the
@@ -87,6 +89,11 @@ class SpotTrainerProcess:
         self._starter: Optional[threading.Thread] = None  # begin()'s hand-over thread
         self._start_error: Optional[BaseException] = None
         self.last_stats: Optional[RunStats] = None  # the last run's exact stats, once its weights arrived
+        # The head travels in shared CPU buffers kept from one refresh to the next (a fresh tensor would be copied
+        # into new shared memory at every send); keyed by the source tensor's address, so a tied head is one buffer.
+        self._head_buffers: dict = {}
+        self._head_loaded = torch.zeros(1, dtype=torch.int64).share_memory_()  # the worker's last loaded refresh
+        self._head_sent = 0
         ctx = torch.multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         config = dict(capacity_tokens=buffer.capacity_tokens, recency_decay=buffer.recency_decay,
@@ -255,15 +262,46 @@ class SpotTrainerProcess:
 
     def refresh_head(self, source: EagleDrafter) -> None:
         """Send ``source``'s view of the target (embedding, head, final norm) to the worker's replica: after every
-        policy update, as :meth:`EagleDrafter.copy_shared_from` does for a replica in this process. A tied embedding
-        and head travel once. A stopped run's weights are published here if they have arrived (never waited for)."""
+        policy update, as :meth:`EagleDrafter.copy_shared_from` does for a replica in this process. The tensors are
+        copied into shared buffers kept across refreshes (a tied embedding and head share one), once the worker has
+        loaded the previous refresh from them. A stopped run's weights are published here if they have arrived
+        (never waited for)."""
         self._check_idle("refresh_head")
-        copies = {}  # data_ptr -> its CPU copy
-        states = [{name: copies.setdefault(t.data_ptr(), t.detach().cpu()) for name, t in m.state_dict().items()}
-                  for m in source.shared_modules]
         with self._lock:
             self._collect(wait=False)
-            self._send(("head", states))
+            self._await_head_loaded()
+            states = [{name: self._head_buffer(t) for name, t in m.state_dict().items()}
+                      for m in source.shared_modules]
+            self._head_buffers = {key: buf for key, buf in self._head_buffers.items()
+                                  if any(buf is b for state in states for b in state.values())}
+            self._head_sent += 1
+            self._send(("head", states, self._head_loaded, self._head_sent))
+
+    def _head_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The kept shared CPU buffer for ``tensor`` (made on first use, or when its shape or dtype changed), refilled
+        with its values."""
+        key = tensor.data_ptr()
+        buffer = self._head_buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+            self._head_buffers[key] = buffer
+        return buffer.copy_(tensor.detach())
+
+    def _await_head_loaded(self) -> None:
+        """Wait (normally not at all: a refresh comes once per RL step) until the worker has loaded the last refresh,
+        so refilling the buffers cannot change what it is copying; a worker that ends or stays silent raises."""
+        deadline = time.monotonic() + _ANSWER_TIMEOUT_S
+        while int(self._head_loaded[0]) < self._head_sent:
+            if self._conn.poll():  # a stopped run's weights come first; then only an error report, or the end
+                if self._weights_pending:
+                    self._collect(wait=True)
+                else:
+                    self._expect("head loaded")
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self.close(timeout_s=0)
+                raise RuntimeError(f"SpotTrainerProcess: the worker did not load the head it was sent "
+                                   f"(exit code {self._process.exitcode})")
+            time.sleep(_POLL_S / 4)
 
     def save_checkpoint(self, path: str) -> None:
         """The worker's :meth:`SpotTrainer.save_checkpoint` (weights, optimizer, sampling state), written there."""
@@ -355,7 +393,9 @@ def _serve(conn, trainer: SpotTrainer, message) -> None:
         for f, t, step in zip(features.split(lengths), tokens.split(lengths), steps):
             trainer.buffer.add(f, t, step)  # a copy: the shared buffers are released after
     elif kind == "head":
-        trainer.drafter.load_shared_states(message[1])
+        _, states, loaded, number = message
+        trainer.drafter.load_shared_states(states)  # synchronous copies: the buffers are read once this returns
+        loaded[0] = number
     elif kind == "train":
         _train(conn, trainer, *message[1:])
     elif kind == "save":
