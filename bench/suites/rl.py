@@ -38,7 +38,7 @@ Each way first runs one untimed rollout (compilation, allocator growth). Rows: p
 fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
 ``mean_reward``, ``tokens``, ``jit_compiles`` (Triton compiles during the rollout; a note names them); per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
 ``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: the decoding steps each selector gave each
-strategy; a permutation test of the per-response rewards
+strategy, with that strategy's mean step time and tokens per request per step; a permutation test of the per-response rewards
 of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
 ``plain`` on the tokens their first rollouts share (same weights and seeds). ``python -m bench.plot_rl rl.json`` draws
 reward and rollout time per step.
@@ -125,6 +125,8 @@ class Rollout:
     arm_steps: Dict[str, int] = field(default_factory=dict)  # decoding steps per strategy (our engine only)
     tail_steps: int = 0  # decoding steps in the tail (our engine only)
     spot: Optional[dict] = None  # the spot trainer's stats for this rollout (GenerateOutput.spot), when it ran
+    # per strategy (our engine only): [steps, seconds, tokens emitted, request-steps] over the rollout
+    arm_stats: Dict[str, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -140,6 +142,7 @@ class Way:
     rewards: List[float] = field(default_factory=list)
     first: Optional[Rollout] = None
     arm_steps: Counter = field(default_factory=Counter)
+    arm_stats: Dict[str, list] = field(default_factory=dict)  # summed Rollout.arm_stats
     tail_steps: int = 0  # decoding steps in the tails of the rollouts (their seconds: the rows' tail_s)
     spot: Counter = field(default_factory=Counter)  # the spot trainer's micro-steps, optimizer steps and seconds
     after_update: Optional[Callable[[], None]] = None  # runs after each policy update (a replica's head refresh)
@@ -186,8 +189,27 @@ def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int]
         tail = tail_steps(out.steps, len(prompts))
         return Rollout(out.tokens, out.logprobs, seconds, sum(step.seconds for step in tail),
                        out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)), len(tail),
-                       out.spot)
+                       out.spot, _arm_stats(out.steps))
     return rollout
+
+
+def _arm_stats(steps) -> Dict[str, list]:
+    """Per strategy: [steps, seconds, tokens emitted, request-steps] over a rollout's step log."""
+    stats: Dict[str, list] = {}
+    for step in steps:
+        entry = stats.setdefault(step.strategy, [0, 0.0, 0, 0])
+        entry[0] += 1
+        entry[1] += step.seconds
+        entry[2] += step.emitted
+        entry[3] += step.batch_size
+    return stats
+
+
+def _arm_detail(stats) -> str:
+    """`` (1.90 ms, 1.15 tokens)``: a strategy's mean step time and tokens per request per step (empty without)."""
+    if not stats or not stats[0] or not stats[3]:
+        return ""
+    return f" ({stats[1] / stats[0] * 1e3:.2f} ms, {stats[2] / stats[3]:.2f} tokens)"
 
 
 def _hf_rollout(hf, pad_id: int, max_new: int, temperature: float, eos: Optional[int]):
@@ -374,6 +396,8 @@ class RLRun:
             self.ctx.note(jit.describe(f"{way.name}, step {index}, in the rollout"))
         way.first = way.first or out
         way.arm_steps.update(out.arm_steps)
+        for arm, values in out.arm_stats.items():
+            way.arm_stats[arm] = [a + b for a, b in zip(way.arm_stats.get(arm, (0, 0.0, 0, 0)), values)]
         way.tail_steps += out.tail_steps
         if out.spot and "error" not in out.spot:
             way.spot.update({key: out.spot.get(key, 0) for key in ("micro_steps", "optimizer_steps", "seconds")})
@@ -408,8 +432,9 @@ class RLRun:
             self.ctx.add({"step": "all"}, way.name, total("rollout_s") * 1e3, tail_s=total("tail_s"),
                          step_s=total("step_s"), mean_reward=sum(way.rewards) / max(1, len(way.rewards)),
                          tokens=int(total("tokens")), jit_compiles=int(total("jit_compiles")))
-            if way.arm_steps:  # what the selector chose: a loss to plain shows in which arms ran
-                arms = ", ".join(f"{arm} {count}" for arm, count in way.arm_steps.most_common())
+            if way.arm_steps:  # what the selector chose, and what each choice cost and gave
+                arms = ", ".join(f"{arm} {count}{_arm_detail(way.arm_stats.get(arm))}"
+                                 for arm, count in way.arm_steps.most_common())
                 self.ctx.note(f"{way.name}: decoding steps per strategy over the timed rollouts: {arms}; "
                               f"{tail_note(way)}")
         by_name = {way.name: way for way in ways}

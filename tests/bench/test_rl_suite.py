@@ -78,6 +78,9 @@ def test_small_run_writes_every_way_and_the_lossless_notes(tmp_path):
     assert all("tail: " in note for note in tails.values()), tails
     assert "spot trainer: " in tails["spec-eagle"] and "spot trainer" not in tails["spec-eagle-frozen"]
     assert "spot trainer" not in tails["plain"]
+    # Each strategy's steps come with their mean time and tokens per request per step: plain decoding emits one.
+    plain_arm = tails["plain"].split("timed rollouts: ")[1]
+    assert plain_arm.startswith("off ") and " ms, 1.00 tokens)" in plain_arm, plain_arm
     diff = float(notes.split(", largest ")[1].split()[0])
     assert diff < 1e-4  # fp32 on the CPU: the two engines score shared tokens alike
 
