@@ -33,7 +33,8 @@ seeds (``--ways``):
 * ``plain``: our engine without drafting (CUDA graphs of the whole step on the GPU), log-probs from the rollout;
 * ``hf``: transformers' ``generate`` (sampling) on transformers' model, log-probs from a forward after it.
 
-Each way first runs one untimed rollout (compilation, allocator growth). Rows: per way and step (``case``
+Each way first runs one untimed rollout (compilation, allocator growth) and one untimed update of a copy of its
+weights (the first backward's and optimizer step's set-up). Rows: per way and step (``case``
 ``{"step": i}``): ``ms`` = rollout wall time, ``tail_s`` (seconds of steps with
 fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
 ``mean_reward``, ``tokens``, ``jit_compiles`` (Triton compiles during the rollout; a note names them); per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
@@ -306,12 +307,12 @@ class RLRun:
         """A way with its own copy of the initial weights and an AdamW over them."""
         if name == "hf":
             hf = copy.deepcopy(self.hf)
-            way = Way(name, hf, lambda t: hf(t).logits / self.p.temperature,
+            way = Way(name, hf, self._logits_fn(name, hf),
                       _hf_rollout(hf, self.pad, self.max_new, self.p.temperature, self.eos))
         else:
             model = copy.deepcopy(self.ours)
             engine = self._engine(name, model)
-            way = Way(name, model, lambda t: model(t, validate=False)[0] / self.p.temperature,
+            way = Way(name, model, self._logits_fn(name, model),
                       _engine_rollout(engine, self.max_new, self.p.temperature, self.eos,
                                       use_groups=name in GROUP_WAYS))
             trainer = engine.spot_trainer
@@ -380,10 +381,23 @@ class RLRun:
             return load_eagle(self.p.eagle_checkpoint, model, model.dtype)
         return EagleDrafter.for_target(model, seed=self.p.seed)
 
+    def _logits_fn(self, name: str, model):
+        """The loss's forward: ``tokens int64 [N, S] -> logits / temperature [N, S, V]`` of the way's model."""
+        if name == "hf":
+            return lambda t: model(t).logits / self.p.temperature
+        return lambda t: model(t, validate=False)[0] / self.p.temperature
+
     def warm_up(self, way: Way) -> None:
-        """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), no update."""
+        """One untimed rollout of the first step's prompts (kernel compilation, allocator growth), then one untimed
+        update of a copy of the way's weights: the first backward and optimizer step load kernels and set up
+        workspaces (about a second on the GPU), which would otherwise land in the first way's first timed step."""
         prompts = [self.prompt_ids[i] for i in range(self.prompts_per_step) for _ in range(self.group)]
-        way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed - 1)
+        out = way.rollout(prompts, [i // self.group for i in range(len(prompts))], self.p.seed - 1)
+        model = copy.deepcopy(way.model)
+        scratch = Way(way.name, model, self._logits_fn(way.name, model), way.rollout,
+                      torch.optim.AdamW(model.parameters(), lr=self.p.lr))
+        self._update(scratch, prompts, out, [0.0] * len(prompts))
+        del scratch, model
 
     def step(self, way: Way, index: int) -> None:
         """One RL step of ``way``: rollout, rewards, advantages, the GRPO loss, an optimizer step; one row."""

@@ -292,3 +292,32 @@ def test_spot_process_trains_in_a_worker_that_ends_with_its_way(tmp_path, monkey
     assert len(heads) == 2 and all(head is engine.drafter for head in heads)  # --small runs 2 steps
     notes = (tmp_path / "rl.md").read_text()
     assert "spec-eagle: decoding steps" in notes and "spot trainer: did not run" not in notes
+
+
+def test_the_warm_up_updates_a_copy_and_leaves_the_way_untouched(tmp_path, monkeypatch):
+    """Each way's warm-up runs one untimed update (the first backward's set-up) on a copy of its weights: the way's
+    first timed step starts from the initial weights, with a fresh optimizer."""
+    import bench.suites.rl as rl
+
+    updated, first_steps = [], []
+    real_update, real_step = rl.RLRun._update, rl.RLRun.step
+
+    def recording_update(self, way, prompts, out, rewards):
+        updated.append(way.model)
+        return real_update(self, way, prompts, out, rewards)
+
+    def recording_step(self, way, index):
+        if index == 0:
+            initial = self.ours.state_dict() if way.name != "hf" else self.hf.state_dict()
+            same = all(torch.equal(initial[k], v) for k, v in way.model.state_dict().items())
+            first_steps.append((way.name, same, len(way.optimizer.state), way.model))
+        return real_step(self, way, index)
+
+    monkeypatch.setattr(rl.RLRun, "_update", recording_update)
+    monkeypatch.setattr(rl.RLRun, "step", recording_step)
+    assert main(["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "plain,hf"]) == 0
+    assert [(name, same, state) for name, same, state, _ in first_steps] == [("plain", True, 0), ("hf", True, 0)]
+    # Per way: the warm-up's update of another model, then the two timed steps' updates of the way's own.
+    models = [model for *_, model in first_steps]
+    assert len(updated) == 6 and updated[0] not in models and updated[1:3] == [models[0]] * 2
+    assert updated[3] not in models and updated[4:] == [models[1]] * 2
