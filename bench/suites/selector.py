@@ -282,13 +282,13 @@ def _static_batches(ctx, seeds) -> None:
     """Static batches of a launch-bound small target (:mod:`tlt_kernels.runtime.static_batch`): the wall time of each
     static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given)."""
     from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
-    from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, lagging_feedback,
+    from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, grpo_batch, lagging_feedback,
                                                   run_static_batch, selector_observer, static_batches)
 
     arms = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
     feedbacks = {"batch": batch_feedback, "lagging (the engine's)": lagging_feedback, "critical": critical_feedback}
-    for batch in static_batches():
-        table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32)] for a in arms})
+    for batch in static_batches() + [grpo_batch()]:
+        table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
         seconds = {f"static {a}": sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
         for name, feedback in feedbacks.items():
             total = 0.0
@@ -300,7 +300,8 @@ def _static_batches(ctx, seeds) -> None:
         for name, total in seconds.items():
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
                     vs_best_static=round(best / total, 4))
-    ctx.note("static batches: every request has 128 tokens and its own acceptance; ms = the batch's simulated wall "
+    ctx.note("static batches: every request has 128 tokens (the GRPO-like batch: up to 256, half stopping early) and "
+             "its own acceptance; ms = the batch's simulated wall "
              "time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is "
              "what the selector learns after each step (tlt_kernels/runtime/static_batch.py)")
 

@@ -4,7 +4,8 @@ import pytest
 
 from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
 from tlt_kernels.runtime.static_batch import (SMALL_MODEL_COST, StaticBatch, batch_feedback, critical_feedback,
-                                              lagging_feedback, run_static_batch, selector_observer, static_batches)
+                                              grpo_batch, lagging_feedback, run_static_batch, selector_observer,
+                                              static_batches)
 
 REACH = np.array([3, 0, 2, 1, 0])
 LEFT = np.array([9, 12, 12, 5, 12])  # requests 1, 2 and 4 lag
@@ -57,3 +58,24 @@ def test_static_batches_cover_the_batch_sizes():
     batches = static_batches((1, 4))
     assert [len(b.alphas) for b in batches] == [1, 1, 1, 4, 4, 4]
     assert all(0.0 <= a <= 1.0 for b in batches for a in b.alphas)
+
+
+def test_requests_that_stop_early_leave_the_batch():
+    """Per-request budgets (an EOS): plain decoding runs 3 steps at B = 2, then 2 at B = 1."""
+    batch = StaticBatch("b", [0.5, 0.5], budget=5, budgets=[3, 5])
+    off = Strategy.off()
+    expected = 3 * SMALL_MODEL_COST(off, 2) + 2 * SMALL_MODEL_COST(off, 1)
+    assert run_static_batch(batch, lambda b: off) == pytest.approx(expected)
+    for bad in ([3], [0, 5], [3, 6]):
+        with pytest.raises(ValueError, match="budgets"):
+            StaticBatch("b", [0.5, 0.5], budget=5, budgets=bad)
+
+
+def test_the_grpo_batch_ends_with_its_slowest_response():
+    """Half the responses run to the budget and acceptance is low and uneven: a chain barely shortens the batch
+    (its slowest response accepts almost nothing), so plain decoding is the best static arm."""
+    batch = grpo_batch(size=64, budget=256, seed=0)
+    assert sum(b == 256 for b in batch.budgets) >= 24 and min(batch.budgets) >= 25
+    plain = run_static_batch(batch, lambda b: Strategy.off())
+    chain = run_static_batch(batch, lambda b: Strategy(2, 1, 3))
+    assert plain < chain < 1.1 * plain

@@ -16,7 +16,8 @@ After each step the selector learns acceptance counts through a *feedback rule*,
   the first speculative step's row is the worst of the whole batch: the rule undervalues an arm tried once after
   plain decoding (docs/RUNTIME.md, "Static batches").
 
-:data:`SMALL_MODEL_COST` is a launch-bound small target's step time (docs/RUNTIME.md gives the measurements).
+:data:`SMALL_MODEL_COST` is a launch-bound small target's step time (docs/RUNTIME.md gives the measurements);
+:func:`grpo_batch` a GRPO rollout's batch (uneven lengths, low acceptance, n-gram step times).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ from .strategy import Strategy
 #: of a one-layer drafter ~13% of it
 SMALL_MODEL_COST = StepCost(t0=1.14e-3, kv=0.0, tok=1e-7, flop=1e-6, knee=2048, d0=0.15e-3, d_tok=1e-7,
                             tree_overhead=0.06e-3)
+#: the same target drafting n-grams in a GRPO rollout: a draft depth ~3% of the step (docs/DRAFTERS.md, bench rl)
+NGRAM_MODEL_COST = StepCost(t0=1.35e-3, kv=0.0, tok=1e-8, flop=1e-7, knee=4096, d0=0.045e-3, d_tok=1e-8,
+                            tree_overhead=0.0)
 
 Feedback = Callable[[np.ndarray, np.ndarray, int], Tuple[List[int], Optional[int]]]
 
@@ -56,14 +60,28 @@ def critical_feedback(reach: np.ndarray, left_before: np.ndarray, depth: int) ->
 
 @dataclass
 class StaticBatch:
-    """``len(alphas)`` requests of ``budget`` tokens each, request ``i`` at base acceptance ``alphas[i]``; step times
-    from ``cost`` with log-normal noise ``noise`` on what the selector observes."""
+    """``len(alphas)`` requests of ``budget`` tokens each (or ``budgets[i]``: requests that stop early, as at an EOS),
+    request ``i`` at base acceptance ``alphas[i]``; step times from ``cost`` with log-normal noise ``noise`` on what
+    the selector observes."""
 
     name: str
     alphas: Sequence[float]
     budget: int
     cost: StepCost = field(default_factory=lambda: SMALL_MODEL_COST)
     noise: float = 0.03
+    budgets: Optional[Sequence[int]] = None
+
+    def __post_init__(self):
+        if self.budgets is not None and (len(self.budgets) != len(self.alphas)
+                                         or not all(1 <= b <= self.budget for b in self.budgets)):
+            raise ValueError(f"StaticBatch {self.name!r}: budgets must give each of the {len(self.alphas)} requests "
+                             f"1..budget={self.budget} tokens")
+
+    def initial_left(self) -> np.ndarray:
+        """``int64 [len(alphas)]``: each request's tokens to emit."""
+        if self.budgets is None:
+            return np.full(len(self.alphas), self.budget, dtype=np.int64)
+        return np.asarray(self.budgets, dtype=np.int64).copy()
 
 
 def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
@@ -74,7 +92,7 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
     ``feedback`` makes of each step."""
     rng = np.random.default_rng(seed)
     alphas = np.asarray(batch.alphas, dtype=np.float64)
-    left = np.full(len(alphas), batch.budget, dtype=np.int64)
+    left = batch.initial_left()
     seconds = 0.0
     while (left > 0).any():
         running = np.nonzero(left > 0)[0]
@@ -119,3 +137,14 @@ def static_batches(batch_sizes: Sequence[int] = (1, 4, 32), budget: int = 128, s
                 StaticBatch(f"static batch B={size}, ngram-like", mixed, budget),
                 StaticBatch(f"static batch B={size}, uniform 0.5", np.full(size, 0.5), budget)]
     return out
+
+
+def grpo_batch(size: int = 64, budget: int = 256, seed: int = 0) -> StaticBatch:
+    """A GRPO rollout's batch at temperature 1 with n-gram drafts, as ``python -m bench rl`` runs it on the default
+    model: half the responses run to the token budget, the others stop at a uniform point of it (an EOS), and the
+    acceptance is low and uneven (Beta(1, 6) per request: mean 0.14, a tenth of the requests below 0.02); n-gram
+    step times (:data:`NGRAM_MODEL_COST`)."""
+    rng = np.random.default_rng(seed)
+    budgets = np.where(rng.random(size) < 0.5, budget, rng.integers(budget // 10, budget, size))
+    return StaticBatch(f"static batch B={size}, GRPO-like (n-gram, T = 1)", rng.beta(1, 6, size), budget,
+                       NGRAM_MODEL_COST, budgets=[int(b) for b in budgets])
