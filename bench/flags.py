@@ -143,6 +143,11 @@ def unit_fraction(text: str) -> float:
     return _checked(text, float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
+def fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    return _checked(text, float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     return _checked(text, float, lambda v: 0.0 < v < float("inf"), "a finite number > 0")
@@ -157,6 +162,12 @@ PREFILL_LENGTHS_FLAG = Flag(
     "--prefill-lengths", (64, 128, 256, 512, 1024), "comma-separated prompt-length buckets whose prefill every "
     "engine replays from a CUDA graph (SpeculativeEngine(prefill_lengths=); a bucket past an engine's capacity "
     "becomes that capacity); '' runs the eager prefill", int_list, metavar="LIST")
+
+
+SELECTOR_MIN_GAIN_FLAG = Flag(
+    "--selector-min-gain", 0.0, "the adaptive selector plays a speculative arm only when it predicts more than 1 + "
+    "this times plain decoding's throughput (CostModelPolicy(min_gain=); docs/RUNTIME.md, \"Static batches\")",
+    fraction, metavar="FRACTION")
 
 
 def prefill_buckets(lengths: Sequence[int], capacity: int) -> Tuple[int, ...]:

@@ -39,8 +39,8 @@ weights (the first backward's and optimizer step's set-up). Rows: per way and st
 fewer than a quarter of the requests left; our engine only), ``step_s`` (rollout + loss + optimizer), ``accepted_length``,
 ``mean_reward``, ``tokens``, ``jit_compiles`` (Triton compiles during the rollout; a note names them); per way (``case`` ``{"step": "all"}``): the sums (``ms`` = total rollout time, so
 ``speedup_vs`` is the rollout ratio), ``tail_s``, ``step_s``. Notes: the decoding steps each selector gave each
-strategy, with that strategy's mean step time and tokens per request per step; a permutation test of the per-response rewards
-of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
+strategy, with that strategy's mean step time and tokens per request per step; a permutation test of the per-response
+rewards of ``spec`` against ``plain`` (the lossless claim: same law), and the largest log-prob difference between ``spec`` and
 ``plain`` on the tokens their first rollouts share (same weights and seeds). ``python -m bench.plot_rl rl.json`` draws
 reward and rollout time per step.
 """
@@ -56,8 +56,8 @@ import torch
 from tlt_kernels.engine.probe import synced_seconds
 from tlt_kernels.engine.records import tail_steps
 
-from ..flags import (PREFILL_LENGTHS_FLAG, Flag, positive_float, positive_int, prefill_buckets, str_list, unit_fraction,
-                     values)
+from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, positive_float, positive_int, prefill_buckets,
+                     str_list, unit_fraction, values)
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
@@ -110,6 +110,7 @@ FLAGS = (
          "--spot-device or the rollout's device), so its Python never shares the rollout's interpreter (default: on "
          "with --spot-device, off without; --no-spot-process keeps a thread trainer there)", bool),
     PREFILL_LENGTHS_FLAG,
+    SELECTOR_MIN_GAIN_FLAG,
 )
 
 
@@ -332,7 +333,8 @@ class RLRun:
         batch = self.prompts_per_step * self.group
         drafter, selector, extra = None, Strategy.off(), {}
         if name.startswith("spec"):
-            selector = StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed)
+            selector = StrategySelector([Strategy.parse(a) for a in self.p.arms], seed=self.p.seed,
+                                        min_gain=self.p.selector_min_gain)
             drafter = "ngram"
         if name in SPOT_WAYS:
             eagle, extra = self._spot_trained_eagle(model)
@@ -347,7 +349,8 @@ class RLRun:
             engine.capture_graphs(capture_sizes(batch))
             if isinstance(selector, StrategySelector):  # the start-up table: no arm is judged on its first steps alone
                 engine.selector = StrategySelector(selector.strategies, seed=self.p.seed, available=engine.covers,
-                                                   cost_table=engine.measure_cost_table())
+                                                   cost_table=engine.measure_cost_table(),
+                                                   min_gain=self.p.selector_min_gain)
         return engine
 
     def _spot_trained_eagle(self, model):
@@ -410,8 +413,8 @@ class RLRun:
             self.ctx.note(jit.describe(f"{way.name}, step {index}, in the rollout"))
         way.first = way.first or out
         way.arm_steps.update(out.arm_steps)
-        for arm, values in out.arm_stats.items():
-            way.arm_stats[arm] = [a + b for a, b in zip(way.arm_stats.get(arm, (0, 0.0, 0, 0)), values)]
+        for arm, counts in out.arm_stats.items():
+            way.arm_stats[arm] = [a + b for a, b in zip(way.arm_stats.get(arm, (0, 0.0, 0, 0)), counts)]
         way.tail_steps += out.tail_steps
         if out.spot and "error" not in out.spot:
             way.spot.update({key: out.spot.get(key, 0) for key in ("micro_steps", "optimizer_steps", "seconds")})

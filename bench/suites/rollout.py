@@ -73,8 +73,8 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import (PREFILL_LENGTHS_FLAG, Flag, int_list, non_negative_int, positive_int, prefill_buckets, str_list,
-                     values)
+from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, int_list, non_negative_int, positive_int,
+                     prefill_buckets, str_list, values)
 from ..jit_compiles import CompileCounter
 
 SUITE = "rollout"
@@ -112,6 +112,7 @@ FLAGS = (
     Flag("--repeats", None, "rollouts per engine row; the row is the one of median wall time (default: 3; small 1)",
          int, metavar="N"),  # int like e2e's --repeats (one CLI option for both); checked in sizes()
     PREFILL_LENGTHS_FLAG,
+    SELECTOR_MIN_GAIN_FLAG,
     Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
          "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
          "(one KV cache and graph set in memory)", bool),
@@ -581,7 +582,8 @@ class RolloutRun:
         drafter = {"none": None, "ngram": "ngram"}.get(config.drafter)
         if config.drafter == "eagle":
             drafter = load_eagle(self.p.eagle_checkpoint, self.models.ours, self.models.ours.dtype)
-        selector = StrategySelector(config.arms, seed=0) if config.adaptive else config.arms[0]
+        selector = (StrategySelector(config.arms, seed=0, min_gain=self.p.selector_min_gain) if config.adaptive
+                    else config.arms[0])
         t0 = time.perf_counter()
         eng = SpeculativeEngine(self.models.ours, drafter, selector, GraphPool() if self.cuda else None,
                                 max_batch_size=self.max_batch, max_seq_len=self.max_seq,
@@ -666,13 +668,13 @@ class RolloutRun:
             self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
             return None
 
-    @staticmethod
-    def _selector_factory(eng, config: EngineConfig, table):
+    def _selector_factory(self, eng, config: EngineConfig, table):
         """A new adaptive selector per call, sharing the start-up cost table ``table`` (None: online estimates only)."""
         from tlt_kernels.runtime import StrategySelector
 
         # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
-        return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers)
+        return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers,
+                                        min_gain=self.p.selector_min_gain)
 
     def write_traces(self, eng, config: EngineConfig) -> None:
         """``--write-traces``: an adaptive engine's warm-up and timed rollouts of every workload again, each step

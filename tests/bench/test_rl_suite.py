@@ -267,9 +267,9 @@ def test_spot_device_trains_a_replica_whose_head_follows_the_policy(tmp_path, mo
 
 
 def test_spot_process_trains_in_a_worker_that_ends_with_its_way(tmp_path, monkeypatch):
-    """--spot-device (--spot-process by default): the spot-trained way's trainer is a SpotTrainerProcess there, which trains in
-    the rollouts' tails, is sent the policy's head after every update, publishes what the serving drafter loads, and
-    ends with its way."""
+    """--spot-device (--spot-process by default): the spot-trained way's trainer is a SpotTrainerProcess there, which
+    trains in the rollouts' tails, is sent the policy's head after every update, publishes what the serving drafter
+    loads, and ends with its way."""
     from tlt_kernels.drafter import SpotTrainerProcess
     from tlt_kernels.engine import SpeculativeEngine
 
@@ -321,3 +321,24 @@ def test_the_warm_up_updates_a_copy_and_leaves_the_way_untouched(tmp_path, monke
     models = [model for *_, model in first_steps]
     assert len(updated) == 6 and updated[0] not in models and updated[1:3] == [models[0]] * 2
     assert updated[3] not in models and updated[4:] == [models[1]] * 2
+
+
+def test_selector_min_gain_reaches_the_speculative_ways_selectors(tmp_path):
+    """--selector-min-gain: every speculative way's adaptive selector plays a speculative arm only past that margin
+    over plain decoding (CostModelPolicy(min_gain=)); a value outside [0, 1] is refused."""
+    from tlt_kernels.engine import SpeculativeEngine
+
+    gains = []
+    real_generate = SpeculativeEngine.generate
+
+    def recording_generate(self, *args, **kwargs):
+        gains.append(self.selector.policy.min_gain)
+        return real_generate(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SpeculativeEngine, "generate", recording_generate)
+        argv = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-ngram"]
+        assert main(argv + ["--selector-min-gain", "0.05"]) == 0
+    assert len(gains) == 3 and set(gains) == {0.05}  # the warm-up and two steps
+    with pytest.raises(SystemExit):
+        main(argv + ["--selector-min-gain", "-0.1"])

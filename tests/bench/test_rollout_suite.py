@@ -256,3 +256,25 @@ def test_write_traces_records_every_adaptive_rollout_for_the_selector_suite(tmp_
                 assert r["batch_size"] <= outcome["emitted"] <= r["batch_size"] * (steps + 1)
         # the timed rollout's first step runs the whole batch, as the suite's rows do
         assert next(r for r in records if r["rollout"] == 1)["batch_size"] == batch
+
+
+def test_selector_min_gain_reaches_every_adaptive_selector(monkeypatch):
+    """--selector-min-gain sets CostModelPolicy(min_gain=) of every adaptive selector the suite builds (cold and
+    warm); a value outside [0, 1] is refused, naming the flag."""
+    import tlt_kernels.runtime as runtime_module
+
+    gains = []
+    original = runtime_module.StrategySelector
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            gains.append(self.policy.min_gain)
+
+    monkeypatch.setattr(runtime_module, "StrategySelector", Recording)
+    res = _run(["--selector-min-gain", "0.04", "--drafters", "ngram", "--batches", "2", "--tail-batch", "0",
+                "--no-hf-eager"])
+    assert res.status == "ok", res.data["error"]
+    assert len(gains) >= 2 and set(gains) == {0.04}, gains
+    with pytest.raises(SystemExit):
+        _run(["--selector-min-gain", "1.5"])

@@ -63,6 +63,7 @@ def test_observed_tokens_are_used_without_accepted_counts():
 @pytest.mark.parametrize("option, value", [
     ("prior_accept", 1.0), ("model_sd", 0.0), ("detect", 0.0), ("min_trials", -1.0), ("min_support", -1.0),
     ("keep_on_change", 2.0), ("offset_prior", 0.0), ("offset_mean", float("nan")), ("explore_margin", 1.5),
+    ("min_gain", -0.01), ("min_gain", 1.5),
 ])
 def test_kept_options_are_validated(option, value):
     with pytest.raises(ValueError, match=option):
@@ -145,3 +146,28 @@ def test_a_drafter_that_accepts_nothing_for_thousands_of_steps_neither_breaks_th
         plain_steps += arm.num_steps == 0
         sel.update(arm, 8, 8 * (arm.num_steps + 1), 1e-3, [8] * arm.num_steps if arm.num_steps else None)
     assert sel.select(8).num_steps > 0 and plain_steps < 150
+
+
+def _played_short(min_gain: float, accepted: float):
+    """A policy that played DEEP once (nothing accepted) and SHORT once at ``accepted`` of 4 rows per position
+    (equal step costs)."""
+    pol = _bound(cost_table={s: [(4, 0.01)] for s in ARMS}, min_gain=min_gain, probe_every=8)
+    pol.observe(0, 2, 4, emitted=4.0, elapsed=0.01, accepted=[0.0] * 4, step=1)  # DEEP: nothing accepted
+    pol.observe(0, 1, 4, emitted=4.0 + 2 * accepted, elapsed=0.01, accepted=[accepted] * 2, step=2)
+    return pol
+
+
+def test_min_gain_keeps_plain_decoding_unless_speculation_predicts_more_than_the_margin():
+    """A played arm predicting a few % over plain decoding wins without the margin, loses within it, wins past it;
+    the probes still play it after probe_every plain steps."""
+    without, within = _played_short(0.0, 0.3), _played_short(0.5, 0.3)
+    gains = [without.predict(0, a, 4) / without.predict(0, 0, 4) for a in (1, 2)]
+    assert all(1.0 < g < 1.5 for g in gains), gains
+    assert without.choose(0, 4, [0, 1, 2], step=3) != 0
+    assert within.choose(0, 4, [0, 1, 2], step=3) == 0
+    high = _played_short(0.5, 4.0)  # every row accepts every draft
+    assert high.predict(0, 1, 4) > 1.5 * high.predict(0, 0, 4) and high.choose(0, 4, [0, 1, 2], step=3) != 0
+    for step in range(3, 11):  # 8 plain steps in a row, then a probe of the best-predicted speculative arm
+        assert within.choose(0, 4, [0, 1, 2], step=step) == 0
+        within.observe(0, 0, 4, emitted=4.0, elapsed=0.01, accepted=[], step=step)
+    assert within.choose(0, 4, [0, 1, 2], step=11) in (1, 2)

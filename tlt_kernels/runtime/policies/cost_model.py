@@ -7,7 +7,9 @@ table corrected online per bucket (:class:`~.step_time_model.StepTimeModel`). A 
 played once, the best predicted first, if it is the first of its width group or deeper than every arm played so far
 (``explore_per_group``): only then does its first play measure a parameter the model lacks; otherwise it competes
 on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
-only its own counts settle). After ``probe_every`` plain steps in a row in a bucket the best-predicted speculative
+only its own counts settle). With ``min_gain``, a played speculative arm wins only when it predicts more than
+``1 + min_gain`` times plain decoding's throughput (off by default). After ``probe_every`` plain steps in a row in a
+bucket the best-predicted speculative
 arm is played once: plain decoding observes no acceptance, so without probes a selector that settled on it (a warm
 selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change
 detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`).
@@ -30,7 +32,7 @@ LEVEL_REFRESH_TOLERANCE = 0.05
 
 
 def _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
-                   offset_mean, explore_margin) -> None:
+                   offset_mean, explore_margin, min_gain) -> None:
     if detect is not None and not detect > 0:
         raise ValueError(f"detect must be a positive CUSUM threshold or None, got {detect}")
     if not 0.0 <= keep_on_change <= 1.0:
@@ -49,6 +51,8 @@ def _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep
         raise ValueError(f"offset_mean must be a finite number (a multiple of log(width)), got {offset_mean!r}")
     if not 0.0 <= explore_margin <= 1.0:
         raise ValueError(f"explore_margin must be in [0, 1] (a fraction of the best prediction), got {explore_margin}")
+    if not 0.0 <= min_gain <= 1.0:
+        raise ValueError(f"min_gain must be in [0, 1] (a fraction of plain decoding's prediction), got {min_gain}")
 
 
 class CostModelPolicy(Policy):
@@ -71,6 +75,10 @@ class CostModelPolicy(Policy):
         explore_per_group: force a first play only of an arm that brings the model a new width group or depth, or
             is a near-tie; False: of every arm.
         explore_margin: the near-tie margin, a fraction of the best prediction in [0, 1].
+        min_gain: a played speculative arm is chosen over plain decoding only when it predicts more than
+            ``1 + min_gain`` times plain decoding's throughput, in [0, 1] (0: the best prediction wins). A static
+            batch ends with its slowest request, which a batch's acceptance overstates (docs/RUNTIME.md, "Static
+            batches"); the probes (``probe_every``) keep observing acceptance while the margin holds plain decoding.
         probe_every: after this many plain-decoding steps in a row in a bucket, play the best-predicted speculative
             arm once (a probe: plain decoding observes no acceptance, so a level that rose would go unseen);
             None: never.
@@ -84,9 +92,10 @@ class CostModelPolicy(Policy):
     def __init__(self, cost_table=None, prior_accept: float = 0.7, model_sd: float = 0.1,
                  detect: Optional[float] = 8.0, min_trials: float = 1.0, min_support: float = 8.0,
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
-                 explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32):
+                 explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32,
+                 min_gain: float = 0.0):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
-                       offset_mean, explore_margin)
+                       offset_mean, explore_margin, min_gain)
         if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int)
                                         or probe_every < 1):
             raise ValueError(f"probe_every must be an int >= 1 (plain steps in a row) or None, got {probe_every!r}")
@@ -105,6 +114,7 @@ class CostModelPolicy(Policy):
         self.explore_per_group = explore_per_group
         self.explore_margin = explore_margin
         self.probe_every = probe_every
+        self.min_gain = min_gain
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -152,6 +162,7 @@ class CostModelPolicy(Policy):
         best, best_v = -1, -1.0
         new, new_v = -1, -1.0  # the never-played arm with the best (prior) prediction whose first play is forced
         near, near_v = -1, -1.0  # the best never-played arm whose first play is optional (a near-tie)
+        plain, plain_v = -1, -1.0
         for a in allowed:
             r = rate[a]
             if r:
@@ -160,6 +171,8 @@ class CostModelPolicy(Policy):
                 v = batch_size * tokens[a] / ratios[a]
             else:
                 return a
+            if not depth[a]:
+                plain, plain_v = a, v
             if depth[a] and not played[a]:
                 if self._first_play_is_forced(a):
                     if v > new_v:
@@ -173,6 +186,8 @@ class CostModelPolicy(Policy):
             return new
         if near >= 0 and near_v >= (1.0 - self.explore_margin) * best_v:
             return near
+        if self.min_gain and plain >= 0 and depth[best] and best_v <= (1.0 + self.min_gain) * plain_v:
+            best = plain  # within the margin: plain decoding (the probes below keep observing)
         if self.depth[best] == 0 and self.probe_every is not None and self.plain_run[bucket] >= self.probe_every:
             return self._probe(bucket, allowed, batch_size, best)
         return best
