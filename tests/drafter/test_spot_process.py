@@ -119,8 +119,9 @@ def test_refreshes_reuse_their_shared_buffers_and_the_last_one_wins():
     assert [m[3] for m in sent if m[0] == "head"] == [1, 2]
 
 
-def test_a_head_the_worker_cannot_load_raises_at_the_next_refresh():
-    """The worker reports a head it could not load; the next refresh (which waits for the load) raises it."""
+def test_a_head_the_worker_cannot_load_raises_and_holds_up_no_later_refresh():
+    """The worker reports a head it could not load: the next request that reads its answers raises that error (here
+    a run), and the next refresh does not wait for the failed one (the worker marks it done either way)."""
     import types
 
     _, drafter, buffer = _setup()
@@ -128,7 +129,10 @@ def test_a_head_the_worker_cannot_load_raises_at_the_next_refresh():
     with SpotTrainerProcess(drafter, buffer, device="cpu", **TRAINER_ARGS) as trainer:
         trainer.refresh_head(bad)
         with pytest.raises(RuntimeError, match="worker failed(.|\n)*ValueError"):
-            trainer.refresh_head(drafter)
+            trainer.run(max_steps=3)
+        start = time.monotonic()
+        trainer.refresh_head(drafter)
+        assert time.monotonic() - start < 10.0  # far below the 60 s a lost refresh would wait
 
 
 def test_a_failing_worker_and_bad_arguments_raise():

@@ -288,20 +288,19 @@ class SpotTrainerProcess:
         return buffer.copy_(tensor.detach())
 
     def _await_head_loaded(self) -> None:
-        """Wait (normally not at all: a refresh comes once per RL step) until the worker has loaded the last refresh,
-        so refilling the buffers cannot change what it is copying; a worker that ends or stays silent raises."""
+        """Wait (normally not at all: a refresh comes once per RL step) until the worker is done with the last refresh,
+        so refilling the buffers cannot change what it is copying; a worker that ends or stays silent raises, and so
+        does an error it has reported (a head it could not load, say)."""
         deadline = time.monotonic() + _ANSWER_TIMEOUT_S
         while int(self._head_loaded[0]) < self._head_sent:
-            if self._conn.poll():  # a stopped run's weights come first; then only an error report, or the end
-                if self._weights_pending:
-                    self._collect(wait=True)
-                else:
-                    self._expect("head loaded")
             if not self._process.is_alive() or time.monotonic() > deadline:
                 self.close(timeout_s=0)
                 raise RuntimeError(f"SpotTrainerProcess: the worker did not load the head it was sent "
                                    f"(exit code {self._process.exitcode})")
             time.sleep(_POLL_S / 4)
+        self._collect(wait=False)  # a stopped run's weights come first on the pipe
+        if not self._weights_pending and self._conn.poll():  # nothing else is due now: an error report
+            self._expect("nothing")
 
     def save_checkpoint(self, path: str) -> None:
         """The worker's :meth:`SpotTrainer.save_checkpoint` (weights, optimizer, sampling state), written there."""
@@ -394,8 +393,10 @@ def _serve(conn, trainer: SpotTrainer, message) -> None:
             trainer.buffer.add(f, t, step)  # a copy: the shared buffers are released after
     elif kind == "head":
         _, states, loaded, number = message
-        trainer.drafter.load_shared_states(states)  # synchronous copies: the buffers are read once this returns
-        loaded[0] = number
+        try:
+            trainer.drafter.load_shared_states(states)  # synchronous copies: the buffers are read once this returns
+        finally:  # loaded or failed (its error follows on the pipe), the parent may refill the buffers
+            loaded[0] = number
     elif kind == "train":
         _train(conn, trainer, *message[1:])
     elif kind == "save":
