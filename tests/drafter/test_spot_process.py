@@ -188,6 +188,27 @@ def test_gpu_an_unindexed_cuda_device_is_the_current_gpu():
         assert (stats.stopped_by, stats.optimizer_steps) == ("max_steps", 2)
 
 
+@pytest.mark.cuda
+def test_gpu_a_head_on_the_gpu_is_refreshed_through_kept_cpu_buffers():
+    """A serving drafter on the GPU: each refresh copies its head into the same shared CPU buffers, and the worker
+    (on the GPU) trains after two of them."""
+    _, drafter, buffer = _setup()
+    drafter = drafter.to("cuda")
+    sent = []
+    with SpotTrainerProcess(drafter, buffer, device="cuda", **TRAINER_ARGS) as trainer:
+        real_send = trainer._send
+        trainer._send = lambda message: (sent.append(message), real_send(message))[1]
+        trainer.refresh_head(drafter)
+        trainer.refresh_head(drafter)
+        stats = trainer.run(max_steps=2)
+    assert (stats.stopped_by, stats.optimizer_steps) == ("max_steps", 2)
+    first, second = [[t for state in m[1] for t in state.values()] for m in sent if m[0] == "head"]
+    assert all(t.device.type == "cpu" and t.is_shared() for t in first)
+    assert [t.data_ptr() for t in first] == [t.data_ptr() for t in second]
+    heads = [t for m in drafter.shared_modules for t in m.state_dict().values()]
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(second, heads))
+
+
 def test_begin_and_finish_run_the_worker_without_waiting_on_it():
     """The engine's way: begin() hands over the landed segments and returns at once; nothing else may be asked of
     the worker while it trains; finish() stops it like a stopped run (the weights follow) or takes its weights."""
