@@ -119,9 +119,9 @@ def test_refreshes_reuse_their_shared_buffers_and_the_last_one_wins():
     assert [m[3] for m in sent if m[0] == "head"] == [1, 2]
 
 
-def test_a_head_the_worker_cannot_load_raises_and_holds_up_no_later_refresh():
+def test_a_head_the_worker_cannot_load_raises_and_ends_the_worker():
     """The worker reports a head it could not load: the next request that reads its answers raises that error (here
-    a run), and the next refresh does not wait for the failed one (the worker marks it done either way)."""
+    a run) and ends the worker (answers to later messages may still be on the pipe); later requests raise at once."""
     import types
 
     _, drafter, buffer = _setup()
@@ -130,9 +130,12 @@ def test_a_head_the_worker_cannot_load_raises_and_holds_up_no_later_refresh():
         trainer.refresh_head(bad)
         with pytest.raises(RuntimeError, match="worker failed(.|\n)*ValueError"):
             trainer.run(max_steps=3)
+        assert not trainer.alive
         start = time.monotonic()
-        trainer.refresh_head(drafter)
-        assert time.monotonic() - start < 10.0  # far below the 60 s a lost refresh would wait
+        for call in (lambda: trainer.refresh_head(drafter), lambda: trainer.run(max_steps=1)):
+            with pytest.raises(RuntimeError, match="ended"):
+                call()
+        assert time.monotonic() - start < 10.0  # far below the 60 s a lost answer would wait
 
 
 def test_a_failing_worker_and_bad_arguments_raise():

@@ -291,6 +291,8 @@ class SpotTrainerProcess:
         """Wait (normally not at all: a refresh comes once per RL step) until the worker is done with the last refresh,
         so refilling the buffers cannot change what it is copying; a worker that ends or stays silent raises, and so
         does an error it has reported (a head it could not load, say)."""
+        if not self._process.is_alive():
+            raise RuntimeError(f"SpotTrainerProcess: the worker has ended (exit code {self._process.exitcode})")
         deadline = time.monotonic() + _ANSWER_TIMEOUT_S
         while int(self._head_loaded[0]) < self._head_sent:
             if not self._process.is_alive() or time.monotonic() > deadline:
@@ -338,21 +340,31 @@ class SpotTrainerProcess:
 
     def _expect(self, kind, timeout_s: Optional[float] = None):
         """The worker's next message, which must be of ``kind`` (a name or a tuple of names); its error report or
-        its death raise RuntimeError."""
+        its death raise RuntimeError. An error report or a message out of turn also ends the worker: the answers to
+        messages sent after the failed one may still be on the pipe, and a later request would read them as its own."""
         if timeout_s is not None and not self._conn.poll(timeout_s):
             self.close(timeout_s=0)
             raise RuntimeError(f"SpotTrainerProcess: no {kind!r} from the worker within {timeout_s} s")
         try:
             message = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # its end closed the pipe (EOF, or a reset once it was ended)
             self._process.join(5)
             raise RuntimeError(f"SpotTrainerProcess: the worker ended (exit code {self._process.exitcode}) "
                                f"before sending {kind!r}") from None
         if message[0] == "error":
-            raise RuntimeError(f"SpotTrainerProcess: the worker failed:\n{message[1]}")
+            self._end_worker()
+            raise RuntimeError(f"SpotTrainerProcess: the worker failed (it was ended):\n{message[1]}")
         if message[0] not in ((kind,) if isinstance(kind, str) else kind):
-            raise RuntimeError(f"SpotTrainerProcess: expected {kind!r} from the worker, got {message[0]!r}")
+            self._end_worker()
+            raise RuntimeError(f"SpotTrainerProcess: expected {kind!r} from the worker, got {message[0]!r} (it was "
+                               f"ended)")
         return message
+
+    def _end_worker(self) -> None:
+        """Terminate the worker now (no goodbye: its pipe may be out of step); later requests raise."""
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(5)
 
 
 def _worker_main(conn, replica: EagleDrafter, buffer_config: dict, device: str, cpu_threads: Optional[int],
