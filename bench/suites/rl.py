@@ -124,11 +124,10 @@ class Rollout:
     seconds: float
     tail_s: Optional[float] = None
     accepted_length: float = 1.0
-    arm_steps: Dict[str, int] = field(default_factory=dict)  # decoding steps per strategy (our engine only)
+    # per strategy (our engine only): [decoding steps, seconds, tokens emitted, request-steps] over the rollout
+    arm_stats: Dict[str, list] = field(default_factory=dict)
     tail_steps: int = 0  # decoding steps in the tail (our engine only)
     spot: Optional[dict] = None  # the spot trainer's stats for this rollout (GenerateOutput.spot), when it ran
-    # per strategy (our engine only): [steps, seconds, tokens emitted, request-steps] over the rollout
-    arm_stats: Dict[str, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,7 +142,6 @@ class Way:
     rows: List[dict] = field(default_factory=list)
     rewards: List[float] = field(default_factory=list)
     first: Optional[Rollout] = None
-    arm_steps: Counter = field(default_factory=Counter)
     arm_stats: Dict[str, list] = field(default_factory=dict)  # summed Rollout.arm_stats
     tail_steps: int = 0  # decoding steps in the tails of the rollouts (their seconds: the rows' tail_s)
     spot: Counter = field(default_factory=Counter)  # the spot trainer's micro-steps, optimizer steps and seconds
@@ -190,8 +188,7 @@ def _engine_rollout(engine, max_new: int, temperature: float, eos: Optional[int]
         seconds, out = synced_seconds(engine.device, lambda: engine.generate(prompts, max_new, **kwargs))
         tail = tail_steps(out.steps, len(prompts))
         return Rollout(out.tokens, out.logprobs, seconds, sum(step.seconds for step in tail),
-                       out.mean_accepted_length(), dict(Counter(step.strategy for step in out.steps)), len(tail),
-                       out.spot, _arm_stats(out.steps))
+                       out.mean_accepted_length(), _arm_stats(out.steps), len(tail), out.spot)
     return rollout
 
 
@@ -209,7 +206,7 @@ def _arm_stats(steps) -> Dict[str, list]:
 
 def _arm_detail(stats) -> str:
     """`` (1.90 ms, 1.15 tokens)``: a strategy's mean step time and tokens per request per step (empty without)."""
-    if not stats or not stats[0] or not stats[3]:
+    if not stats[0] or not stats[3]:
         return ""
     return f" ({stats[1] / stats[0] * 1e3:.2f} ms, {stats[2] / stats[3]:.2f} tokens)"
 
@@ -400,7 +397,6 @@ class RLRun:
         scratch = Way(way.name, model, self._logits_fn(way.name, model), way.rollout,
                       torch.optim.AdamW(model.parameters(), lr=self.p.lr))
         self._update(scratch, prompts, out, [0.0] * len(prompts))
-        del scratch, model
 
     def step(self, way: Way, index: int) -> None:
         """One RL step of ``way``: rollout, rewards, advantages, the GRPO loss, an optimizer step; one row."""
@@ -412,7 +408,6 @@ class RLRun:
         if jit.count:
             self.ctx.note(jit.describe(f"{way.name}, step {index}, in the rollout"))
         way.first = way.first or out
-        way.arm_steps.update(out.arm_steps)
         for arm, counts in out.arm_stats.items():
             way.arm_stats[arm] = [a + b for a, b in zip(way.arm_stats.get(arm, (0, 0.0, 0, 0)), counts)]
         way.tail_steps += out.tail_steps
@@ -449,9 +444,9 @@ class RLRun:
             self.ctx.add({"step": "all"}, way.name, total("rollout_s") * 1e3, tail_s=total("tail_s"),
                          step_s=total("step_s"), mean_reward=sum(way.rewards) / max(1, len(way.rewards)),
                          tokens=int(total("tokens")), jit_compiles=int(total("jit_compiles")))
-            if way.arm_steps:  # what the selector chose, and what each choice cost and gave
-                arms = ", ".join(f"{arm} {count}{_arm_detail(way.arm_stats.get(arm))}"
-                                 for arm, count in way.arm_steps.most_common())
+            if way.arm_stats:  # what the selector chose, and what each choice cost and gave
+                arms = ", ".join(f"{arm} {stats[0]}{_arm_detail(stats)}"
+                                 for arm, stats in sorted(way.arm_stats.items(), key=lambda item: -item[1][0]))
                 self.ctx.note(f"{way.name}: decoding steps per strategy over the timed rollouts: {arms}; "
                               f"{tail_note(way)}")
         by_name = {way.name: way for way in ways}

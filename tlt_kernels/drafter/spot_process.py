@@ -268,31 +268,29 @@ class SpotTrainerProcess:
         (never waited for)."""
         self._check_idle("refresh_head")
         with self._lock:
-            self._collect(wait=False)
             self._await_head_loaded()
-            states = [{name: self._head_buffer(t) for name, t in m.state_dict().items()}
+            kept = {}  # this refresh's buffers by source address: those of a gone source are dropped
+            states = [{name: self._head_buffer(t, kept) for name, t in m.state_dict().items()}
                       for m in source.shared_modules]
-            self._head_buffers = {key: buf for key, buf in self._head_buffers.items()
-                                  if any(buf is b for state in states for b in state.values())}
+            self._head_buffers = kept
             self._head_sent += 1
             self._send(("head", states, self._head_loaded, self._head_sent))
 
-    def _head_buffer(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The kept shared CPU buffer for ``tensor`` (made on first use, or when its shape or dtype changed), refilled
-        with its values."""
+    def _head_buffer(self, tensor: torch.Tensor, kept: dict) -> torch.Tensor:
+        """The shared CPU buffer for ``tensor``, refilled with its values: the last refresh's (or one made now, on
+        first use or when its shape or dtype changed), recorded in ``kept``."""
         key = tensor.data_ptr()
-        buffer = self._head_buffers.get(key)
+        buffer = kept.get(key, self._head_buffers.get(key))
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-            self._head_buffers[key] = buffer
+        kept[key] = buffer
         return buffer.copy_(tensor.detach())
 
     def _await_head_loaded(self) -> None:
         """Wait (normally not at all: a refresh comes once per RL step) until the worker is done with the last refresh,
         so refilling the buffers cannot change what it is copying; a worker that ends or stays silent raises, and so
         does an error it has reported (a head it could not load, say)."""
-        if not self._process.is_alive():
-            raise RuntimeError(f"SpotTrainerProcess: the worker has ended (exit code {self._process.exitcode})")
+        self._check_alive()
         deadline = time.monotonic() + _ANSWER_TIMEOUT_S
         while int(self._head_loaded[0]) < self._head_sent:
             if not self._process.is_alive() or time.monotonic() > deadline:
@@ -333,9 +331,12 @@ class SpotTrainerProcess:
                 self._process.join()
         self._conn.close()
 
-    def _send(self, message) -> None:
+    def _check_alive(self) -> None:
         if not self._process.is_alive():
             raise RuntimeError(f"SpotTrainerProcess: the worker has ended (exit code {self._process.exitcode})")
+
+    def _send(self, message) -> None:
+        self._check_alive()
         self._conn.send(message)
 
     def _expect(self, kind, timeout_s: Optional[float] = None):
