@@ -322,3 +322,75 @@ def test_rollout_start_prefills_on_the_dense_path(monkeypatch, prompt_len):
     assert rollout.state.context_lens.tolist() == [prompt_len] * B
     assert rollout.state.root_tokens.tolist() == first.tolist()
     torch.testing.assert_close(rollout.state.last_hidden, want[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (4, 1)])
+def test_prefill_matches_forward_and_extend(block_size, heads, decode_path):
+    """``prefill`` of ragged prompts (0 pairs included) leaves the state, and the cache a draft reads, as the
+    teacher-forced forward and ``extend`` do: same last hidden at each request's last pair, same draft after it."""
+    B, L = 4, 19
+    d, toks, feats, g = _teacher_forced(_target(num_q_heads=heads[0], num_kv_heads=heads[1]), B, L, seed=6)
+    lens = torch.tensor([19, 7, 0, 12], dtype=torch.int32)
+    cache = DrafterKVCache(d.config, 2 + 2 * B * d.blocks_per_request(L, block_size), block_size)
+    states = {}
+    for name in ("prefill", "extend"):
+        st = states[name] = d.new_state(cache, B, L)
+        getattr(d, name)(st, cache, feats, toks[:, 1:], lens)
+    st = states["prefill"]
+    assert st.context_lens.tolist() == lens.tolist()
+    for b, n in enumerate(lens.tolist()):
+        if n:
+            assert int(st.root_tokens[b]) == int(toks[b, n])
+            torch.testing.assert_close(st.last_hidden[b], g[b, n - 1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(st.last_hidden[2], states["extend"].last_hidden[2])  # no pair: the state's own row kept
+    drafts = {name: d.draft(s, cache, depth=3, topk=2, num_verify=5) for name, s in states.items()}
+    assert torch.equal(drafts["prefill"].cand_tokens, drafts["extend"].cand_tokens)
+    torch.testing.assert_close(drafts["prefill"].cand_scores, drafts["extend"].cand_scores, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_bf16_cache_attends_to_the_cached_keys():
+    """With a cache of lower precision than the drafter, prefill attends to the K/V as stored (what every later step
+    reads back), as the dense extension does."""
+    B, L = 2, 11
+    d, toks, feats, _ = _teacher_forced(_target(), B, L, seed=7)
+    cache = DrafterKVCache(d.config, 2 + 2 * B * d.blocks_per_request(L, 4), 4, dtype=torch.bfloat16)
+    lens = torch.tensor([11, 5], dtype=torch.int32)
+    states = {name: d.new_state(cache, B, L) for name in ("prefill", "extend")}
+    d.prefill(states["prefill"], cache, feats, toks[:, 1:], lens)
+    d.extend(states["extend"], cache, feats, toks[:, 1:], lens, fused=False)
+    torch.testing.assert_close(states["prefill"].last_hidden, states["extend"].last_hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_rejects_a_state_with_pairs_and_bad_counts():
+    B, L = 2, 9
+    d, toks, feats, _ = _teacher_forced(_target(), B, L, seed=8)
+    cache = DrafterKVCache(d.config, 2 + 2 * B * d.blocks_per_request(2 * L, 4), 4)
+    st = d.new_state(cache, B, 2 * L)
+    d.prefill(st, cache, feats, toks[:, 1:], torch.tensor([9, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="prefill: request 0 already holds context_lens = 9"):
+        d.prefill(st, cache, feats, toks[:, 1:], torch.tensor([9, 3], dtype=torch.int32))
+    fresh = d.new_state(cache, B, 2 * L)
+    with pytest.raises(ValueError, match=r"num_new\[1\] = 10 is outside \[0, n=9\]"):
+        d.prefill(fresh, cache, feats, toks[:, 1:], torch.tensor([9, 10], dtype=torch.int32))
+    with pytest.raises(TypeError, match="next_tokens must have dtype int64"):
+        d.prefill(fresh, cache, feats, toks[:, 1:].int(), torch.tensor([9, 3], dtype=torch.int32))
+
+
+@pytest.mark.cuda
+def test_prefill_on_the_gpu_matches_the_dense_extension():
+    """bf16 on the GPU (the flash attention kernel): prefill leaves the state the dense extension does, within bf16
+    rounding, and the same depth-1 candidates."""
+    B, L = 5, 37
+    d, cache, feats, toks = _bf16_gpu_drafter(B, L, seed=9)
+    lens = torch.tensor([37, 20, 1, 0, 9], dtype=torch.int32, device="cuda")
+    states = {name: d.new_state(cache, B, L + 8) for name in ("prefill", "extend")}
+    d.prefill(states["prefill"], cache, feats, toks, lens)
+    d.extend(states["extend"], cache, feats, toks, lens, fused=False)
+    got, want = states["prefill"].last_hidden.float(), states["extend"].last_hidden.float()
+    assert float((got - want).norm() / want.norm()) < 0.02
+    assert torch.equal(states["prefill"].context_lens, lens)
+    assert torch.equal(states["prefill"].root_tokens, states["extend"].root_tokens)
+    drafts = {name: d.draft(s, cache, depth=2, topk=3, num_verify=6) for name, s in states.items()}
+    torch.testing.assert_close(drafts["prefill"].cand_scores[:, :3], drafts["extend"].cand_scores[:, :3],
+                               atol=0.15, rtol=0.05)

@@ -559,30 +559,56 @@ class EagleDrafter(nn.Module):
                 land in its last block and overwrite earlier pairs. ``False``: the caller guarantees both (the engine
                 does, by construction), with no host sync.
             fused: take the fused path (:mod:`.eagle_fused`) where it applies (``n <= SCRATCH_SLOTS``, the cache in
-                the drafter's dtype); ``False``: the dense path always. A prefill passes ``False``: its width is the
-                padded prompt length, and the fused kernels compile one variant per width.
+                the drafter's dtype); ``False``: the dense path always. A prompt's pairs go to :meth:`prefill`.
         """
-        if features.dim() != 3:
-            raise ValueError(f"features must be [B, n, H], got shape {tuple(features.shape)}")
-        B, n, H = features.shape
-        dev = features.device
-        check_tensor("features", features, shape=(B, n, self.config.hidden_size))
-        check_tensor("next_tokens", next_tokens, dtype=torch.int64, shape=(B, n), device=dev)
-        check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(B,), device=dev)
-        check_tensor("state.context_lens", state.context_lens, shape=(B,), device=dev)
-        if validate and not capturing(dev):
+        n = self._check_pairs(state, features, next_tokens, num_new)
+        if validate and not capturing(features.device):
             _check_extend(state, cache, num_new, n)
         x = self._input(features, next_tokens)
         if fused and self._fused(cache, n):
             g = extend_fused(self, state, cache, x)
         else:
             g = self._extend_dense(state, cache, x, num_new)
-        last = (num_new.to(torch.int64) - 1).clamp(min=0)
-        has = (num_new > 0).unsqueeze(1)
-        rows = torch.arange(B, device=dev)
-        state.last_hidden.copy_(torch.where(has, g[rows, last].to(state.last_hidden.dtype), state.last_hidden))
-        state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
-        state.context_lens.add_(num_new.to(state.context_lens.dtype))
+        _advance(state, g, next_tokens, num_new)
+
+    @torch.no_grad()
+    def prefill(self, state: EagleState, cache: DrafterKVCache, features: torch.Tensor, next_tokens: torch.Tensor,
+                num_new: torch.Tensor, validate: bool = True) -> None:
+        """:meth:`extend` of a state that holds no pair yet (the prompts of a rollout), for any ``n``.
+
+        With no cached pair, pair ``i`` sees exactly the new pairs ``0..i``: one causal attention over the ``n`` new
+        pairs (``scaled_dot_product_attention``, the flash kernel on a GPU), where :meth:`extend`'s dense path scores
+        every pair against every slot of the block table in float32. Same arguments as :meth:`extend`; ``validate``
+        also checks that ``state.context_lens`` is all zero (in the same host sync)."""
+        n = self._check_pairs(state, features, next_tokens, num_new)
+        if validate and not capturing(features.device):
+            _check_extend(state, cache, num_new, n, empty=True)
+        x = self._input(features, next_tokens)
+        B = x.shape[0]
+        slot = torch.arange(n, device=x.device).expand(B, n)
+        q, k, v = self._qkv(x, slot)
+        valid = slot < num_new.to(torch.int64).unsqueeze(1)
+        rows = torch.where(valid, paged_rows(state.block_table, slot, cache.block_size), slot % cache.block_size)
+        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)  # attend to what later steps read back from the cache
+        cache.k.view(-1, *cache.k.shape[2:])[rows] = k
+        cache.v.view(-1, *cache.v.shape[2:])[rows] = v
+        # Rows past num_new see only pairs before them (causal): their outputs are garbage nobody reads.
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
+                                              v.to(q.dtype).transpose(1, 2), is_causal=True, enable_gqa=True)
+        _advance(state, self._finish(x, attn.transpose(1, 2)), next_tokens, num_new)
+
+    def _check_pairs(self, state: EagleState, features: torch.Tensor, next_tokens: torch.Tensor,
+                     num_new: torch.Tensor) -> int:
+        """Shapes, dtypes and devices of :meth:`extend`'s arguments (no host sync); returns ``n``."""
+        if features.dim() != 3:
+            raise ValueError(f"features must be [B, n, H], got shape {tuple(features.shape)}")
+        B, n, _ = features.shape
+        dev = features.device
+        check_tensor("features", features, shape=(B, n, self.config.hidden_size))
+        check_tensor("next_tokens", next_tokens, dtype=torch.int64, shape=(B, n), device=dev)
+        check_tensor("num_new", num_new, dtype=(torch.int32, torch.int64), shape=(B,), device=dev)
+        check_tensor("state.context_lens", state.context_lens, shape=(B,), device=dev)
+        return n
 
     def _fused(self, cache: DrafterKVCache, width: int) -> bool:
         """Whether ``width`` new tokens run the fused path (:mod:`.eagle_fused`): the kernels take that many, and the
@@ -743,18 +769,36 @@ def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, 
                      parent_features=g[batch_rows, parent], parent_rows=first_row + parent)
 
 
-def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tensor, n: int) -> None:
-    """``0 <= num_new <= n`` and ``context_lens + num_new <= `` the table's slots, per request (one host sync)."""
+def _advance(state: EagleState, g: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
+    """The state after appending ``num_new`` pairs whose outputs are ``g [B, n, H]``: each request with a new pair
+    takes its last one's output and token as ``last_hidden`` and ``root_tokens``."""
+    B = g.shape[0]
+    last = (num_new.to(torch.int64) - 1).clamp(min=0)
+    has = (num_new > 0).unsqueeze(1)
+    rows = torch.arange(B, device=g.device)
+    state.last_hidden.copy_(torch.where(has, g[rows, last].to(state.last_hidden.dtype), state.last_hidden))
+    state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
+    state.context_lens.add_(num_new.to(state.context_lens.dtype))
+
+
+def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tensor, n: int, empty: bool = False) -> None:
+    """``0 <= num_new <= n`` and ``context_lens + num_new <= `` the table's slots, per request, and with ``empty``
+    ``context_lens == 0`` (one host sync)."""
     room = state.block_table.shape[1] * cache.block_size - SCRATCH_SLOTS  # new_state's scratch stays free
     ctx = state.context_lens.to(torch.int64)
     new = num_new.to(torch.int64)
     bad = (new < 0) | (new > n) | (ctx < 0) | (ctx + new > room)
+    if empty:
+        bad |= ctx != 0
     if not bool(bad.any()):
         return
     b = int(bad.nonzero()[0, 0])
     c, k = int(ctx[b]), int(new[b])
     if not 0 <= k <= n:
         raise ValueError(f"EagleDrafter.extend: num_new[{b}] = {k} is outside [0, n={n}] (the pairs given per request)")
+    if empty and c != 0:
+        raise ValueError(f"EagleDrafter.prefill: request {b} already holds context_lens = {c} pairs; prefill takes a "
+                         f"state with none (new_state), extend appends to one")
     raise ValueError(f"EagleDrafter.extend: request {b} holds context_lens = {c} pairs and adds num_new = {k}, past the "
                      f"{room} slots of its block table ({state.block_table.shape[1]} blocks of {cache.block_size}, "
                      f"less {SCRATCH_SLOTS} scratch slots); allocate the state with a larger max_tokens")

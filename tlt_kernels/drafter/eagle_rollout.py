@@ -61,9 +61,10 @@ class EagleRolloutDrafter(DrafterBase):
         next_tokens = torch.zeros(B, L, dtype=torch.int64, device=prompts.device)
         next_tokens[:, :-1] = prompts[:, 1:]
         next_tokens[torch.arange(B, device=prompts.device), prompt_lens - 1] = first_tokens
-        # The dense path: the fused one would compile a kernel variant for each new padded prompt length, mid-rollout.
-        self.module.extend(self.state, self.cache, prefill_hidden.to(self.state.last_hidden.dtype), next_tokens,
-                           prompt_lens.to(torch.int32), fused=False)
+        # Causal attention over the prompts' pairs only (the state is new); the fused extension would compile a
+        # kernel variant for each new padded prompt length, mid-rollout.
+        self.module.prefill(self.state, self.cache, prefill_hidden.to(self.state.last_hidden.dtype), next_tokens,
+                            prompt_lens.to(torch.int32))
 
     def state_rows(self, rows):
         return [getattr(self.state, f)[rows] for f in EAGLE_FIELDS]

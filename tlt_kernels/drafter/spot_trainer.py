@@ -526,7 +526,7 @@ def evaluate_acceptance(
     nb = 1 + R * drafter.blocks_per_request(P, block_size)
     cache = DrafterKVCache(drafter.config, nb, block_size, device=dev, dtype=next(drafter.parameters()).dtype)
     state = drafter.new_state(cache, R, P)
-    drafter.extend(state, cache, feats, nxt, num_new)
+    drafter.prefill(state, cache, feats, nxt, num_new)
     tree = drafter.draft(state, cache, depth, topk, num_verify).tree
     acc = accepted_length_greedy(tree.parents, tree.draft_tokens, tree.num_nodes, cont)
     drafter.train(was_training)
