@@ -394,3 +394,23 @@ def test_prefill_on_the_gpu_matches_the_dense_extension():
     drafts = {name: d.draft(s, cache, depth=2, topk=3, num_verify=6) for name, s in states.items()}
     torch.testing.assert_close(drafts["prefill"].cand_scores[:, :3], drafts["extend"].cand_scores[:, :3],
                                atol=0.15, rtol=0.05)
+
+
+@pytest.mark.cuda
+def test_new_state_and_prefill_make_no_host_sync():
+    """A rollout's drafter start (a new state, then prefill without validation) never waits for the GPU, so its
+    launches overlap the target's prefill: under ``set_sync_debug_mode("error")`` a sync would raise."""
+    B, L = 3, 21
+    d, cache, feats, toks = _bf16_gpu_drafter(B, L, seed=10)
+    lens = torch.tensor([21, 4, 13], dtype=torch.int32, device="cuda")
+    want = d.new_state(cache, B, L + 8)
+    d.prefill(want, cache, feats, toks, lens)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        st = d.new_state(cache, B, L + 8)
+        d.prefill(st, cache, feats, toks, lens, validate=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(st.last_hidden, want.last_hidden) and torch.equal(st.context_lens, lens)
+    assert not set(st.block_table.flatten().tolist()) & set(want.block_table.flatten().tolist())

@@ -185,8 +185,12 @@ class DrafterKVCache:
                 f"drafter KV cache out of blocks: need {nb * batch_size} for batch_size={batch_size}, "
                 f"max_tokens={max_tokens}, have {len(self._free)} free; raise num_blocks"
             )
-        ids = [self._free.pop() for _ in range(nb * batch_size)]
-        return torch.tensor(ids, dtype=torch.int32).view(batch_size, nb).to(self.k.device)
+        ids = torch.tensor([self._free.pop() for _ in range(nb * batch_size)], dtype=torch.int32)
+        if self.k.device.type != "cuda":
+            return ids.view(batch_size, nb).to(self.k.device)
+        # Through pinned memory, no host sync: a rollout allocates right after launching the target's prefill, and a
+        # pageable copy would wait for it. The caching host allocator keeps the pinned buffer until the copy is done.
+        return ids.view(batch_size, nb).pin_memory().to(self.k.device, non_blocking=True)
 
     def free(self, block_table: torch.Tensor) -> None:
         """Return a table's blocks (the sink block 0 of padding rows is skipped). A block freed twice would be handed

@@ -62,9 +62,10 @@ class EagleRolloutDrafter(DrafterBase):
         next_tokens[:, :-1] = prompts[:, 1:]
         next_tokens[torch.arange(B, device=prompts.device), prompt_lens - 1] = first_tokens
         # Causal attention over the prompts' pairs only (the state is new); the fused extension would compile a
-        # kernel variant for each new padded prompt length, mid-rollout.
+        # kernel variant for each new padded prompt length, mid-rollout. No check (no host sync, so these launches
+        # overlap the target's prefill): the state is new, prompt_lens <= L, and each row holds slots_per_request.
         self.module.prefill(self.state, self.cache, prefill_hidden.to(self.state.last_hidden.dtype), next_tokens,
-                            prompt_lens.to(torch.int32))
+                            prompt_lens.to(torch.int32), validate=False)
 
     def state_rows(self, rows):
         return [getattr(self.state, f)[rows] for f in EAGLE_FIELDS]
