@@ -283,11 +283,12 @@ def _static_batches(ctx, seeds) -> None:
     static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given)."""
     from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
     from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, grpo_batch, lagging_feedback,
-                                                  run_static_batch, selector_observer, static_batches)
+                                                  ngram_tail_batch, run_static_batch, selector_observer,
+                                                  static_batches)
 
     arms = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
     feedbacks = {"batch": batch_feedback, "lagging (the engine's)": lagging_feedback, "critical": critical_feedback}
-    for batch in static_batches() + [grpo_batch()]:
+    for batch in static_batches() + [grpo_batch(), ngram_tail_batch()]:
         table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
         seconds = {f"static {a}": sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
         for name, feedback in feedbacks.items():
@@ -300,8 +301,9 @@ def _static_batches(ctx, seeds) -> None:
         for name, total in seconds.items():
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
                     vs_best_static=round(best / total, 4))
-    ctx.note("static batches: every request has 128 tokens (the GRPO-like batch: up to 256, half stopping early) and "
-             "its own acceptance; ms = the batch's simulated wall "
+    ctx.note("static batches: every request has 128 tokens (the GRPO-like batch: up to 256, half stopping early; the "
+             "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; ms = the batch's "
+             "simulated wall "
              "time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is "
              "what the selector learns after each step (tlt_kernels/runtime/static_batch.py)")
 

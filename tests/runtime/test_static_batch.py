@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
-from tlt_kernels.runtime.static_batch import (SMALL_MODEL_COST, StaticBatch, batch_feedback, critical_feedback,
-                                              grpo_batch, lagging_feedback, run_static_batch, selector_observer,
-                                              static_batches)
+from tlt_kernels.runtime.static_batch import (SMALL_MODEL_COST, CopyPhases, StaticBatch, batch_feedback,
+                                              critical_feedback, grpo_batch, lagging_feedback, ngram_tail_batch,
+                                              run_static_batch, selector_observer, static_batches)
 
 REACH = np.array([3, 0, 2, 1, 0])
 LEFT = np.array([9, 12, 12, 5, 12])  # requests 1, 2 and 4 lag
@@ -79,3 +79,42 @@ def test_the_grpo_batch_ends_with_its_slowest_response():
     plain = run_static_batch(batch, lambda b: Strategy.off())
     chain = run_static_batch(batch, lambda b: Strategy(2, 1, 3))
     assert plain < chain < 1.1 * plain
+
+
+def test_copy_phases_follow_their_markov_chain():
+    """The phases start from the chain's stationary law and keep it; a phase lasts 1 / p_stop steps on average."""
+    phases = CopyPhases(p_start=0.02, p_stop=0.08)
+    rng = np.random.default_rng(0)
+    copying = phases.start(rng, 20000)
+    assert abs(copying.mean() - 0.2) < 0.01
+    stayed, flips = 0, 0
+    for _ in range(50):
+        nxt = phases.advance(rng, copying)
+        stayed += int((copying & nxt).sum())
+        flips += int((copying & ~nxt).sum())
+        copying = nxt
+    assert abs(copying.mean() - 0.2) < 0.01
+    assert abs(flips / (stayed + flips) - 0.08) < 0.005
+    for bad in (dict(p_start=0.0, p_stop=0.1), dict(p_start=0.1, p_stop=1.5), dict(p_start=0.1, p_stop=0.1, copy_alpha=2)):
+        with pytest.raises(ValueError, match="CopyPhases"):
+            CopyPhases(**bad)
+
+
+def test_requests_always_copying_accept_at_copy_alpha():
+    """Every request copying for good (p_start = 1, copy_alpha = 1) accepts every draft: a 2-deep chain emits 3 tokens
+    a step, so 9 tokens take 3 steps whatever the requests' own (zero) acceptance."""
+    chain = Strategy(2, 1, 3)
+    phases = CopyPhases(p_start=1.0, p_stop=1e-12, copy_alpha=1.0)
+    batch = StaticBatch("b", [0.0, 0.0], budget=9, copy_phases=phases)
+    assert run_static_batch(batch, lambda b: chain) == pytest.approx(3 * SMALL_MODEL_COST(chain, 2))
+    without = StaticBatch("b", [0.0, 0.0], budget=9)
+    assert run_static_batch(without, lambda b: chain) == pytest.approx(9 * SMALL_MODEL_COST(chain, 2))
+
+
+def test_the_ngram_tail_batch_favours_a_deep_tree_over_plain_decoding():
+    """Copy phases carry the long request: every static speculative arm beats plain decoding, the deep tree most."""
+    batch = ngram_tail_batch(seed=0)
+    assert max(batch.budgets) == 256 and np.median(batch.budgets) < 64
+    seconds = {a: np.mean([run_static_batch(batch, lambda b, a=a: Strategy.parse(a), seed=s) for s in range(4)])
+               for a in ("off", "s2k1v3", "s5k4v16")}
+    assert seconds["s5k4v16"] < seconds["s2k1v3"] < seconds["off"]

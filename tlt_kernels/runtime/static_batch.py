@@ -17,7 +17,8 @@ After each step the selector learns acceptance counts through a *feedback rule*,
   plain decoding (docs/RUNTIME.md, "Static batches").
 
 :data:`SMALL_MODEL_COST` is a launch-bound small target's step time (docs/RUNTIME.md gives the measurements);
-:func:`grpo_batch` a GRPO rollout's batch (uneven lengths, low acceptance, n-gram step times).
+:func:`grpo_batch` a GRPO rollout's batch (uneven lengths, low acceptance, n-gram step times);
+:func:`ngram_tail_batch` a long-tailed batch whose n-gram acceptance comes in copy phases (:class:`CopyPhases`).
 """
 from __future__ import annotations
 
@@ -58,11 +59,37 @@ def critical_feedback(reach: np.ndarray, left_before: np.ndarray, depth: int) ->
     return [int(critical > j) for j in range(depth)], 1
 
 
+@dataclass(frozen=True)
+class CopyPhases:
+    """Acceptance that comes in phases, as n-gram drafts' does: a request repeating text the matcher can follow (a
+    *copy phase*) accepts at ``copy_alpha``, otherwise at its own base acceptance. Each request is a two-state Markov
+    chain: it enters a copy phase with probability ``p_start`` per step and leaves one with ``p_stop``, starting from
+    the chain's stationary law (copying with probability ``p_start / (p_start + p_stop)``)."""
+
+    p_start: float
+    p_stop: float
+    copy_alpha: float = 0.9
+
+    def __post_init__(self):
+        if not (0.0 < self.p_start <= 1.0 and 0.0 < self.p_stop <= 1.0 and 0.0 <= self.copy_alpha <= 1.0):
+            raise ValueError(f"CopyPhases: p_start and p_stop must be in (0, 1] and copy_alpha in [0, 1], got "
+                             f"{self.p_start}, {self.p_stop}, {self.copy_alpha}")
+
+    def start(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``bool [n]``: which requests begin in a copy phase."""
+        return rng.random(n) < self.p_start / (self.p_start + self.p_stop)
+
+    def advance(self, rng: np.random.Generator, copying: np.ndarray) -> np.ndarray:
+        """The phases one step later."""
+        return copying ^ (rng.random(copying.shape) < np.where(copying, self.p_stop, self.p_start))
+
+
 @dataclass
 class StaticBatch:
     """``len(alphas)`` requests of ``budget`` tokens each (or ``budgets[i]``: requests that stop early, as at an EOS),
     request ``i`` at base acceptance ``alphas[i]``; step times from ``cost`` with log-normal noise ``noise`` on what
-    the selector observes."""
+    the selector observes; with ``copy_phases`` (:class:`CopyPhases`) each request also has phases of
+    ``copy_alpha``."""
 
     name: str
     alphas: Sequence[float]
@@ -70,6 +97,7 @@ class StaticBatch:
     cost: StepCost = field(default_factory=lambda: SMALL_MODEL_COST)
     noise: float = 0.03
     budgets: Optional[Sequence[int]] = None
+    copy_phases: Optional[CopyPhases] = None
 
     def __post_init__(self):
         if self.budgets is not None and (len(self.budgets) != len(self.alphas)
@@ -92,12 +120,15 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
     ``feedback`` makes of each step."""
     rng = np.random.default_rng(seed)
     alphas = np.asarray(batch.alphas, dtype=np.float64)
+    phases = batch.copy_phases
+    copying = phases.start(rng, len(alphas)) if phases is not None else None
     left = batch.initial_left()
     seconds = 0.0
     while (left > 0).any():
         running = np.nonzero(left > 0)[0]
         strategy = choose(len(running))
-        reach = _sample_reach(rng, strategy, alphas[running])
+        now = alphas if copying is None else np.where(copying, phases.copy_alpha, alphas)
+        reach = _sample_reach(rng, strategy, now[running])
         step_s = batch.cost(strategy, len(running))
         seconds += step_s
         before = left[running].copy()
@@ -107,6 +138,8 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
             accepted, rows = feedback(reach, before, strategy.num_steps)
             observed_s = step_s * math.exp(batch.noise * rng.standard_normal())
             observe(strategy, len(running), float(emitted.sum()), observed_s, accepted, rows)
+        if copying is not None:
+            copying = phases.advance(rng, copying)
     return seconds
 
 
@@ -148,3 +181,15 @@ def grpo_batch(size: int = 64, budget: int = 256, seed: int = 0) -> StaticBatch:
     budgets = np.where(rng.random(size) < 0.5, budget, rng.integers(budget // 10, budget, size))
     return StaticBatch(f"static batch B={size}, GRPO-like (n-gram, T = 1)", rng.beta(1, 6, size), budget,
                        NGRAM_MODEL_COST, budgets=[int(b) for b in budgets])
+
+
+def ngram_tail_batch(size: int = 32, budget: int = 256, seed: int = 0) -> StaticBatch:
+    """The rollout suite's long-tailed batch with n-gram drafts: log-normal lengths (median 33 tokens, sigma 1, the
+    longest at the budget), text the matcher cannot follow at Beta(1, 12) acceptance, and copy phases
+    (:class:`CopyPhases`: a repetition the matcher follows, accepted at 0.9, entered with probability 0.03 a step and
+    left with 0.06), as the real model's traces show them (docs/RUNTIME.md); n-gram step times."""
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(np.exp(math.log(33) + rng.standard_normal(size))), 1, budget).astype(np.int64)
+    lengths[np.argmax(lengths)] = budget
+    return StaticBatch(f"static batch B={size}, long tail (n-gram copy phases)", rng.beta(1, 12, size), budget,
+                       NGRAM_MODEL_COST, budgets=[int(b) for b in lengths], copy_phases=CopyPhases(0.03, 0.06))
