@@ -171,3 +171,39 @@ def test_min_gain_keeps_plain_decoding_unless_speculation_predicts_more_than_the
         assert within.choose(0, 4, [0, 1, 2], step=step) == 0
         within.observe(0, 0, 4, emitted=4.0, elapsed=0.01, accepted=[], step=step)
     assert within.choose(0, 4, [0, 1, 2], step=11) in (1, 2)
+
+
+# DEEP's step costs three times the others': after _prefer_short the model chooses SHORT.
+RIDE_TABLE = {OFF: [(8, 0.01)], SHORT: [(8, 0.01)], DEEP: [(8, 0.03)]}
+
+
+def _prefer_short(pol):
+    """Both chains played once, SHORT's acceptance high, so the model's choice is SHORT (DEEP costs 3x)."""
+    pol.observe(0, 2, 8, emitted=10.0, elapsed=0.03, accepted=[2.0, 0.0, 0.0, 0.0], step=1)
+    pol.observe(0, 1, 8, emitted=22.0, elapsed=0.01, accepted=[7.0, 7.0], step=2)
+    assert pol.choose(0, 8, [0, 1, 2], step=3) == 1
+
+
+def test_a_step_that_accepted_every_draft_is_followed_by_the_same_arm():
+    """ride_runs: every counted request reached the arm's depth, so the arm plays again whatever the model predicts;
+    a step short of that returns the choice to the model."""
+    pol = _bound(cost_table={s: [(8, 0.01)] for s in ARMS})
+    _prefer_short(pol)
+    pol.observe(0, 2, 8, emitted=40.0, elapsed=0.03, accepted=[8.0, 8.0, 8.0, 8.0], step=3)
+    assert pol.riding == 2 and pol.choose(0, 8, [0, 1, 2], step=4) == 2
+    assert pol.choose(0, 8, [0, 1], step=4) == 1  # not allowed at this size: the model's choice
+    pol.observe(0, 2, 8, emitted=30.0, elapsed=0.03, accepted=[8.0, 8.0, 8.0, 7.0], step=4)
+    assert pol.riding == -1 and pol.choose(0, 8, [0, 1, 2], step=5) == 1
+
+
+def test_a_run_counts_the_rows_the_feedback_names_and_can_be_turned_off():
+    """Every lagging row (``accepted_rows``) accepting every draft is a run, though the rest of the batch did not;
+    with ``ride_runs=False`` no step is."""
+    for ride in (True, False):
+        pol = _bound(cost_table=RIDE_TABLE, ride_runs=ride)
+        _prefer_short(pol)
+        pol.observe(0, 2, 8, emitted=20.0, elapsed=0.03, accepted=[3.0, 3.0, 3.0, 3.0], step=3, accepted_rows=3)
+        assert pol.choose(0, 8, [0, 1, 2], step=4) == (2 if ride else 1)
+    pol = _bound(cost_table={s: [(8, 0.01)] for s in ARMS})
+    pol.observe(0, 1, 8, emitted=24.0, elapsed=0.01, accepted=None, step=1)  # tokens only: no counts, no run
+    assert pol.riding == -1

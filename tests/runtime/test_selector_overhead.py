@@ -45,6 +45,8 @@ class _ReferenceCost(CostModelPolicy):
                                     self.offset_mean, self.ucb)
 
     def choose(self, bucket, batch_size, allowed, step):
+        if self.riding in allowed:  # the last step accepted every draft (ride_runs): the same arm again
+            return self.riding
         for a in allowed:
             if self.predict(bucket, a, batch_size) is None:
                 return a

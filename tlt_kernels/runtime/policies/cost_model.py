@@ -8,8 +8,10 @@ played once, the best predicted first, if it is the first of its width group or 
 (``explore_per_group``): only then does its first play measure a parameter the model lacks; otherwise it competes
 on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
 only its own counts settle). With ``min_gain``, a played speculative arm wins only when it predicts more than
-``1 + min_gain`` times plain decoding's throughput (off by default). After ``probe_every`` plain steps in a row in a
-bucket the best-predicted speculative
+``1 + min_gain`` times plain decoding's throughput (off by default). With ``ride_runs`` (default), a step whose
+counted requests accepted every draft is followed by the same arm: acceptance comes in runs (an n-gram drafter
+following a repetition), which a windowed model mixes with the steps around them. After ``probe_every`` plain steps in
+a row in a bucket the best-predicted speculative
 arm is played once: plain decoding observes no acceptance, so without probes a selector that settled on it (a warm
 selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change
 detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`).
@@ -82,6 +84,9 @@ class CostModelPolicy(Policy):
         probe_every: after this many plain-decoding steps in a row in a bucket, play the best-predicted speculative
             arm once (a probe: plain decoding observes no acceptance, so a level that rose would go unseen);
             None: never.
+        ride_runs: after a speculative step whose counted requests (``accepted_rows``, else the batch) all accepted
+            every draft, play the same arm again when allowed, whatever the model predicts (docs/RUNTIME.md,
+            "Static batches": acceptance in runs); False: every step is the model's choice.
 
     Attributes (after ``bind``): ``acceptance`` (:class:`SharedAcceptanceModel`), ``step_time``
     (:class:`StepTimeModel`), ``detector`` (:class:`ChangeDetector`); ``tokens`` and ``changes`` (steps of alarms).
@@ -93,7 +98,7 @@ class CostModelPolicy(Policy):
                  detect: Optional[float] = 8.0, min_trials: float = 1.0, min_support: float = 8.0,
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
                  explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32,
-                 min_gain: float = 0.0):
+                 min_gain: float = 0.0, ride_runs: bool = True):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
                        offset_mean, explore_margin, min_gain)
         if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int)
@@ -115,6 +120,7 @@ class CostModelPolicy(Policy):
         self.explore_margin = explore_margin
         self.probe_every = probe_every
         self.min_gain = min_gain
+        self.ride_runs = bool(ride_runs)
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -126,6 +132,7 @@ class CostModelPolicy(Policy):
         self.group_played = [False] * len(self.acceptance.width_offset)
         self.deepest_played = 0
         self.plain_run = [0] * num_buckets  # plain steps in a row per bucket (a probe resets it)
+        self.riding = -1  # the arm whose last step had every draft accepted (ride_runs), else -1
 
     def _make_acceptance_model(self, arms: Sequence, window: int) -> SharedAcceptanceModel:
         return SharedAcceptanceModel(arms, window, self.prior_accept, self.model_sd, self.offset_prior,
@@ -156,6 +163,8 @@ class CostModelPolicy(Policy):
         return rate[a] * self.tokens[a] / (ratio if n > 0 else 1.0)
 
     def choose(self, bucket, batch_size, allowed, step):
+        if self.riding >= 0 and self.riding in allowed:
+            return self.riding  # a run of accepted drafts predicts the next step better than the windowed model
         rate = self.step_time.table_rates(batch_size)
         counts, ratios = self.step_time.count[bucket], self.step_time.ratio[bucket]
         tokens, played, depth = self.acceptance.tokens, self.played, self.depth
@@ -213,6 +222,9 @@ class CostModelPolicy(Policy):
         self.step_time.observe(bucket, arm, batch_size, elapsed)
         d = self.depth[arm]
         self.plain_run[bucket] = self.plain_run[bucket] + 1 if d == 0 else 0
+        full = self.ride_runs and d > 0 and accepted is not None and len(accepted) == d \
+            and accepted[-1] >= (accepted_rows or batch_size)
+        self.riding = arm if full else -1
         if d == 0:
             return
         model = self.acceptance
