@@ -371,7 +371,7 @@ def test_prefill_rejects_a_state_with_pairs_and_bad_counts():
     with pytest.raises(ValueError, match="prefill: request 0 already holds context_lens = 9"):
         d.prefill(st, cache, feats, toks[:, 1:], torch.tensor([9, 3], dtype=torch.int32))
     fresh = d.new_state(cache, B, 2 * L)
-    with pytest.raises(ValueError, match=r"num_new\[1\] = 10 is outside \[0, n=9\]"):
+    with pytest.raises(ValueError, match=r"^EagleDrafter.prefill: num_new\[1\] = 10 is outside \[0, n=9\]"):
         d.prefill(fresh, cache, feats, toks[:, 1:], torch.tensor([9, 10], dtype=torch.int32))
     with pytest.raises(TypeError, match="next_tokens must have dtype int64"):
         d.prefill(fresh, cache, feats, toks[:, 1:].int(), torch.tensor([9, 3], dtype=torch.int32))

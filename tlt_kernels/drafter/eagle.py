@@ -592,10 +592,7 @@ class EagleDrafter(nn.Module):
         slot = torch.arange(n, device=x.device).expand(B, n)
         q, k, v = self._qkv(x, slot)
         valid = slot < num_new.to(torch.int64).unsqueeze(1)
-        rows = torch.where(valid, paged_rows(state.block_table, slot, cache.block_size), slot % cache.block_size)
-        k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)  # attend to what later steps read back from the cache
-        cache.k.view(-1, *cache.k.shape[2:])[rows] = k
-        cache.v.view(-1, *cache.v.shape[2:])[rows] = v
+        k, v = _store_pairs(state, cache, slot, valid, k, v)  # attend to what later steps read back from the cache
         # Rows past num_new see only pairs before them (causal): their outputs are garbage nobody reads.
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
                                               v.to(q.dtype).transpose(1, 2), is_causal=True, enable_gqa=True)
@@ -628,10 +625,7 @@ class EagleDrafter(nn.Module):
         valid = i.unsqueeze(0) < num_new.to(torch.int64).unsqueeze(1)  # [B, n]
         slot = ctx.unsqueeze(1) + i  # [B, n]
         q, k, v = self._qkv(x, slot)
-        rows = paged_rows(state.block_table, slot, cache.block_size)
-        rows = torch.where(valid, rows, slot % cache.block_size)  # invalid writes go to the sink block 0
-        cache.k.view(-1, *cache.k.shape[2:])[rows] = k.to(cache.k.dtype)
-        cache.v.view(-1, *cache.v.shape[2:])[rows] = v.to(cache.v.dtype)
+        _store_pairs(state, cache, slot, valid, k, v)
         ck, cv = self._gather_context(cache, state.block_table)
         mask = torch.arange(ck.shape[1], device=x.device).view(1, 1, -1) <= slot.unsqueeze(2)
         return self._finish(x, self._attend_parts(q, [(ck.permute(0, 2, 3, 1), cv.transpose(1, 2), mask)]))
@@ -773,6 +767,17 @@ def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, 
                      parent_features=g[batch_rows, parent], parent_rows=first_row + parent)
 
 
+def _store_pairs(state: EagleState, cache: DrafterKVCache, slot: torch.Tensor, valid: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write new pairs' ``k, v [B, n, Hkv, D]`` at their ``slot [B, n]``: valid pairs to their paged rows, the others to
+    the sink block 0 (a fixed-shape write with no host sync). Returns ``k, v`` in the cache's dtype."""
+    rows = torch.where(valid, paged_rows(state.block_table, slot, cache.block_size), slot % cache.block_size)
+    k, v = k.to(cache.k.dtype), v.to(cache.v.dtype)
+    cache.k.view(-1, *cache.k.shape[2:])[rows] = k
+    cache.v.view(-1, *cache.v.shape[2:])[rows] = v
+    return k, v
+
+
 def _advance(state: EagleState, g: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
     """The state after appending ``num_new`` pairs whose outputs are ``g [B, n, H]``: each request with a new pair
     takes its last one's output and token as ``last_hidden`` and ``root_tokens``."""
@@ -798,12 +803,13 @@ def _check_extend(state: EagleState, cache: DrafterKVCache, num_new: torch.Tenso
         return
     b = int(bad.nonzero()[0, 0])
     c, k = int(ctx[b]), int(new[b])
+    caller = "EagleDrafter.prefill" if empty else "EagleDrafter.extend"
     if not 0 <= k <= n:
-        raise ValueError(f"EagleDrafter.extend: num_new[{b}] = {k} is outside [0, n={n}] (the pairs given per request)")
+        raise ValueError(f"{caller}: num_new[{b}] = {k} is outside [0, n={n}] (the pairs given per request)")
     if empty and c != 0:
         raise ValueError(f"EagleDrafter.prefill: request {b} already holds context_lens = {c} pairs; prefill takes a "
                          f"state with none (new_state), extend appends to one")
-    raise ValueError(f"EagleDrafter.extend: request {b} holds context_lens = {c} pairs and adds num_new = {k}, past the "
+    raise ValueError(f"{caller}: request {b} holds context_lens = {c} pairs and adds num_new = {k}, past the "
                      f"{room} slots of its block table ({state.block_table.shape[1]} blocks of {cache.block_size}, "
                      f"less {SCRATCH_SLOTS} scratch slots); allocate the state with a larger max_tokens")
 
