@@ -162,6 +162,13 @@ class StrategySelector:
                 raise ValueError(f"decision_hook returned {s}, which is not one of the selector's strategies")
         return s
 
+    def new_rollout(self) -> None:
+        """A new batch of requests starts (:class:`~tlt_kernels.engine.SpeculativeEngine` calls it once per
+        ``generate``): the last batch's ready observations are folded in, then the policy is told
+        (:meth:`~tlt_kernels.runtime.policies.Policy.new_rollout`)."""
+        self._drain()
+        self.policy.new_rollout()
+
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
                accepted_per_position=None, accepted_rows: Optional[int] = None) -> None:
         """Record one step's outcome (garbage measurements are ignored and counted: see the class docstring).

@@ -33,6 +33,9 @@ class Policy:
         """Index of the arm to play, one of ``allowed`` (never empty)."""
         raise NotImplementedError
 
+    def new_rollout(self) -> None:
+        """A new batch of requests starts (the engine calls it once per rollout); by default nothing changes."""
+
     def observe(self, bucket: int, arm: int, batch_size: int, emitted: float, elapsed: float,
                 accepted: Optional[Sequence[float]], step: int, accepted_rows: Optional[int] = None) -> None:
         """Fold in one step: ``emitted`` tokens over the batch in ``elapsed`` seconds; ``accepted[i]`` = requests

@@ -14,7 +14,9 @@ following a repetition), which a windowed model mixes with the steps around them
 a row in a bucket the best-predicted speculative
 arm is played once: plain decoding observes no acceptance, so without probes a selector that settled on it (a warm
 selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change
-detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`).
+detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`), and
+it forgets part of its counts (``keep_on_rollout``) when a new rollout starts: a batch's counts are its lagging
+requests', and the next batch's are others.
 docs/RUNTIME.md has the derivation and measurements.
 """
 from __future__ import annotations
@@ -34,11 +36,13 @@ LEVEL_REFRESH_TOLERANCE = 0.05
 
 
 def _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
-                   offset_mean, explore_margin, min_gain) -> None:
+                   offset_mean, explore_margin, min_gain, keep_on_rollout) -> None:
     if detect is not None and not detect > 0:
         raise ValueError(f"detect must be a positive CUSUM threshold or None, got {detect}")
     if not 0.0 <= keep_on_change <= 1.0:
         raise ValueError(f"keep_on_change must be in [0, 1], got {keep_on_change}")
+    if not 0.0 <= keep_on_rollout <= 1.0:
+        raise ValueError(f"keep_on_rollout must be in [0, 1], got {keep_on_rollout}")
     if not 0.0 < prior_accept < 1.0:
         raise ValueError(f"prior_accept must be in (0, 1), got {prior_accept}")
     if not (offset_prior > 0 and ucb >= 0):
@@ -87,6 +91,9 @@ class CostModelPolicy(Policy):
         ride_runs: after a speculative step whose counted requests (``accepted_rows``, else the batch) all accepted
             every draft, play the same arm again when allowed, whatever the model predicts (docs/RUNTIME.md,
             "Static batches": acceptance in runs); False: every step is the model's choice.
+        keep_on_rollout: fraction of the arms' own acceptance counts kept when a new rollout starts
+            (:meth:`new_rollout`), in [0, 1]: the counts a rollout ends with are its lagging requests', which say
+            little about the next batch's (1: keep them all).
 
     Attributes (after ``bind``): ``acceptance`` (:class:`SharedAcceptanceModel`), ``step_time``
     (:class:`StepTimeModel`), ``detector`` (:class:`ChangeDetector`); ``tokens`` and ``changes`` (steps of alarms).
@@ -98,9 +105,9 @@ class CostModelPolicy(Policy):
                  detect: Optional[float] = 8.0, min_trials: float = 1.0, min_support: float = 8.0,
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
                  explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32,
-                 min_gain: float = 0.0, ride_runs: bool = True):
+                 min_gain: float = 0.0, ride_runs: bool = True, keep_on_rollout: float = 0.5):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
-                       offset_mean, explore_margin, min_gain)
+                       offset_mean, explore_margin, min_gain, keep_on_rollout)
         if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int)
                                         or probe_every < 1):
             raise ValueError(f"probe_every must be an int >= 1 (plain steps in a row) or None, got {probe_every!r}")
@@ -121,6 +128,7 @@ class CostModelPolicy(Policy):
         self.probe_every = probe_every
         self.min_gain = min_gain
         self.ride_runs = bool(ride_runs)
+        self.keep_on_rollout = keep_on_rollout
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -133,6 +141,7 @@ class CostModelPolicy(Policy):
         self.deepest_played = 0
         self.plain_run = [0] * num_buckets  # plain steps in a row per bucket (a probe resets it)
         self.riding = -1  # the arm whose last step had every draft accepted (ride_runs), else -1
+        self.refresh_due = False  # new_rollout forgot counts: every arm's prediction is recomputed at the next choice
 
     def _make_acceptance_model(self, arms: Sequence, window: int) -> SharedAcceptanceModel:
         return SharedAcceptanceModel(arms, window, self.prior_accept, self.model_sd, self.offset_prior,
@@ -162,7 +171,19 @@ class CostModelPolicy(Policy):
             return batch_size * self.tokens[a] / ratio if n > 0 else None
         return rate[a] * self.tokens[a] / (ratio if n > 0 else 1.0)
 
+    def new_rollout(self) -> None:
+        """A new batch: keep ``keep_on_rollout`` of the arms' own counts and reset the level's variance (as after a
+        detected change, :meth:`~.acceptance_model.SharedAcceptanceModel.forget`), so the new requests' first
+        observations move the prediction; ride no run of the last batch. Step times are kept."""
+        self.riding = -1
+        if self.keep_on_rollout < 1.0:
+            self.acceptance.forget(self.keep_on_rollout)
+            self.refresh_due = True  # the predictions are recomputed at the next choice's step
+
     def choose(self, bucket, batch_size, allowed, step):
+        if self.refresh_due:
+            self.refresh_due = False
+            self.acceptance.refresh_all(step)
         if self.riding >= 0 and self.riding in allowed:
             return self.riding  # a run of accepted drafts predicts the next step better than the windowed model
         rate = self.step_time.table_rates(batch_size)
