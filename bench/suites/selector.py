@@ -9,7 +9,7 @@ oracle's throughput).
 The ``engine trace`` case replays every policy (and every static arm) on a trace of a real rollout in which the
 engine probed every arm at every step (``--trace path.json`` to replay a recorded one); the ``real trace`` cases
 replay the default policy, cold and warm, and each static arm on the real-model traces of
-``bench/traces/h200_smollm2`` (``python -m bench rollout --write-traces``).
+``bench/traces/h200_smollm2*`` (``python -m bench rollout --write-traces``).
 The last cases time ``select + update`` per policy on this CPU (``ms`` is milliseconds per step: the
 median over 100-step chunks of 20000 steps, robust to other processes): ``cpu: select+update`` on a
 stationary stream (the method of the earlier numbers), ``cpu: select+update, drifting`` on a stream whose
@@ -219,14 +219,19 @@ def _engine_trace(ctx, trace, origin: str, label: str) -> None:
              "to emit the oracle's tokens of every step at the run's per-step efficiency (the same work for every row)")
 
 
-# Real-model traces (bench/traces/h200_smollm2): per drafter and workload, the warm-up rollout ("rollout": 0) and the
-# timed one ("rollout": 1) of the rollout suite's adaptive rows, every arm probed per step, and each engine's
-# start-up cost table (<drafter>-cost-table.json).
-REAL_TRACES = "h200_smollm2"
-REAL_TRACES_ORIGIN = ("H200, SmolLM2-135M-Instruct (bf16, the embedded default), held-out prompts, greedy, 128 new "
-                      "tokens per request (tail: 64 requests, log-normal lengths), n-gram and trained EAGLE drafters; "
-                      "recorded 2026-11-30 by `python -m bench rollout --write-traces` at c8d96bf (step times "
-                      "rounded to 0.1 us)")
+# Real-model traces: per drafter and workload, the warm-up rollout ("rollout": 0) and the timed one ("rollout": 1) of
+# the rollout suite's adaptive rows, every arm probed per step, and each engine's start-up cost table
+# (<drafter>-cost-table.json). One (directory under bench/traces, origin) per recorded set.
+REAL_TRACES = (
+    ("h200_smollm2", "H200, SmolLM2-135M-Instruct (bf16, the embedded default), held-out prompts, greedy, 128 new "
+                     "tokens per request (tail: 64 requests, log-normal lengths), n-gram and trained EAGLE drafters; "
+                     "recorded 2026-11-30 by `python -m bench rollout --write-traces` at c8d96bf (step times rounded "
+                     "to 0.1 us; whole-batch acceptance counts)"),
+    ("h200_smollm2_lagging", "the same model, prompts and length (tail: 32 requests), n-gram drafter; recorded "
+                             "2026-11-30 with the engine and selector of 487fc44 (EAGLE prefill, ride_runs; at "
+                             "6defebf, a commit of a session that did not land) with the lagging rows' counts the "
+                             "engine's selector learns from (step times rounded to 0.1 us)"),
+)
 
 
 def _trace_rate(records, picks):
@@ -235,9 +240,10 @@ def _trace_rate(records, picks):
     return emitted / sum(r["arms"][p]["step_time"] for r, p in zip(records, picks))
 
 
-def _real_model_trace(ctx, path: str, table) -> None:
+def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
     """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's
-    start-up table) and warm (the same selector over the warm-up rollout first), replayed on one real trace."""
+    start-up table) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the
+    engine tells it), replayed on one real trace."""
     from tlt_kernels.runtime import Strategy, StrategySelector
     from tlt_kernels.runtime.simulate import load_trace, replay_selector
 
@@ -250,10 +256,13 @@ def _real_model_trace(ctx, path: str, table) -> None:
         return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table)
 
     rates["cost, cold"] = _trace_rate(timed, replay_selector(timed, selector()).picks)
-    rates["cost, warm"] = _trace_rate(timed, replay_selector(records, selector()).picks[len(records) - len(timed):])
+    warm = selector()
+    replay_selector([r for r in records if r.get("rollout") != 1], warm)
+    warm.new_rollout()  # as the engine does at each generate
+    rates["cost, warm"] = _trace_rate(timed, replay_selector(timed, warm).picks)
     off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
     best = max(v for k, v in rates.items() if k.startswith("static"))
-    case = {"workload": f"real trace {os.path.basename(path)[:-5]} ({len(timed)} steps)"}
+    case = {"workload": f"real trace {trace_set}/{os.path.basename(path)[:-5]} ({len(timed)} steps)"}
     for name, rate in rates.items():
         ctx.add(case, name, 1e3 * off_tokens / rate, vs_off=round(rate / rates["static off"], 4),
                 vs_best_static=round(rate / best, 4))
@@ -265,14 +274,15 @@ def _real_model_traces(ctx) -> None:
 
     from tlt_kernels.runtime import CostTable, Strategy
 
-    directory = os.path.join(TRACES_DIR, REAL_TRACES)
-    for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
-        drafter = os.path.basename(path).split("-")[0]
-        with open(os.path.join(directory, f"{drafter}-cost-table.json")) as f:
-            table = CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
-        _real_model_trace(ctx, path, table)
-    ctx.note(f"real traces: bench/traces/{REAL_TRACES}: {REAL_TRACES_ORIGIN}; ms = time to emit plain decoding's "
-             "tokens of the timed rollout at the row's tokens per second over the recorded steps")
+    for name, origin in REAL_TRACES:
+        directory = os.path.join(TRACES_DIR, name)
+        for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
+            drafter = os.path.basename(path).split("-")[0]
+            with open(os.path.join(directory, f"{drafter}-cost-table.json")) as f:
+                table = CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
+            _real_model_trace(ctx, path, table, name)
+        ctx.note(f"real traces: bench/traces/{name}: {origin}; ms = time to emit plain decoding's tokens of the timed "
+                 "rollout at the row's tokens per second over the recorded steps")
 
 
 STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
@@ -303,9 +313,8 @@ def _static_batches(ctx, seeds) -> None:
                     vs_best_static=round(best / total, 4))
     ctx.note("static batches: every request has 128 tokens (the GRPO-like batch: up to 256, half stopping early; the "
              "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; ms = the batch's "
-             "simulated wall "
-             "time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is "
-             "what the selector learns after each step (tlt_kernels/runtime/static_batch.py)")
+             "simulated wall time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the "
+             "feedback rule is what the selector learns after each step (tlt_kernels/runtime/static_batch.py)")
 
 
 def run(ctx) -> None:
