@@ -288,17 +288,25 @@ def _real_model_traces(ctx) -> None:
 STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
 
 
+def _static_batch_family(draw: int):
+    """Every simulated static batch of the suite, the ``draw``-th batch of each kind (0: the kind's default batch)."""
+    from tlt_kernels.runtime.static_batch import grpo_batch, ngram_tail_batch, static_batches
+
+    return static_batches(seed=draw) + [grpo_batch(seed=draw), ngram_tail_batch(seed=draw)]
+
+
 def _static_batches(ctx, seeds) -> None:
     """Static batches of a launch-bound small target (:mod:`tlt_kernels.runtime.static_batch`): the wall time of each
-    static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given)."""
+    static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given),
+    and warm under the engine's rule (the selector first runs another batch of the same kind, then is told of the
+    new rollout, as the engine tells it at each generate)."""
     from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
-    from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, grpo_batch, lagging_feedback,
-                                                  ngram_tail_batch, run_static_batch, selector_observer,
-                                                  static_batches)
+    from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, lagging_feedback,
+                                                  run_static_batch, selector_observer)
 
     arms = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
     feedbacks = {"batch": batch_feedback, "lagging (the engine's)": lagging_feedback, "critical": critical_feedback}
-    for batch in static_batches() + [grpo_batch(), ngram_tail_batch()]:
+    for batch, warm_up in zip(_static_batch_family(0), _static_batch_family(1)):
         table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
         seconds = {f"static {a}": sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
         for name, feedback in feedbacks.items():
@@ -307,14 +315,29 @@ def _static_batches(ctx, seeds) -> None:
                 selector = StrategySelector(arms, seed=s, cost_table=table)
                 total += run_static_batch(batch, selector.select, selector_observer(selector), feedback, s)
             seconds[f"cost, {name} feedback"] = total
+        seconds["cost, lagging feedback, warm"] = sum(_warm_run(batch, warm_up, arms, table, s) for s in seeds)
         plain, best = seconds["static off"], min(seconds[f"static {a}"] for a in arms)
         for name, total in seconds.items():
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
                     vs_best_static=round(best / total, 4))
     ctx.note("static batches: every request has 128 tokens (the GRPO-like batch: up to 256, half stopping early; the "
-             "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; ms = the batch's "
-             "simulated wall time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the "
-             "feedback rule is what the selector learns after each step (tlt_kernels/runtime/static_batch.py)")
+             "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; a seed fixes the "
+             "batch's text, so every row of a seed meets the same one; ms = the batch's simulated wall time (mean "
+             "over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is what the "
+             "selector learns after each step; warm: the selector ran the kind's next batch first "
+             "(tlt_kernels/runtime/static_batch.py)")
+
+
+def _warm_run(batch, warm_up, arms, table, seed: int) -> float:
+    """Seconds of ``batch`` under a selector that first ran ``warm_up`` (its own text) and was told of the new
+    rollout."""
+    from tlt_kernels.runtime import StrategySelector
+    from tlt_kernels.runtime.static_batch import lagging_feedback, run_static_batch, selector_observer
+
+    selector = StrategySelector(arms, seed=seed, cost_table=table)
+    run_static_batch(warm_up, selector.select, selector_observer(selector), lagging_feedback, seed + 1000)
+    selector.new_rollout()
+    return run_static_batch(batch, selector.select, selector_observer(selector), lagging_feedback, seed)
 
 
 def run(ctx) -> None:

@@ -1,4 +1,5 @@
-"""The selector suite's replay of the recorded real-model traces (bench/traces/h200_smollm2*)."""
+"""The selector suite: its replay of the recorded real-model traces (bench/traces/h200_smollm2*) and its simulated
+static batches."""
 import os
 
 import pytest
@@ -78,3 +79,25 @@ def test_the_default_selector_on_the_known_short_traces(real_rows):
 def test_trace_rate_is_tokens_over_seconds_of_the_picks():
     records = [{"arms": {"off": {"emitted": 2, "step_time": 0.5}, "s2k1v3": {"emitted": 4, "step_time": 1.0}}}] * 2
     assert selector._trace_rate(records, ["off", "s2k1v3"]) == pytest.approx(6 / 1.5)
+
+
+def test_static_batch_rows_cover_every_batch_with_statics_rules_and_a_warm_selector():
+    """One seed: per simulated batch, the static arms (the best at vs_best_static 1), the three feedback rules and the
+    warm selector; the wall-time ratios agree with the rows' ms; the warm-up batch is another of the same kind."""
+    ctx = _Rows()
+    selector._static_batches(ctx, (0,))
+    timed, warm_up = selector._static_batch_family(0), selector._static_batch_family(1)
+    assert [b.name for b in timed] == [b.name for b in warm_up]
+    assert any(list(a.alphas) != list(b.alphas) for a, b in zip(timed, warm_up))
+    by_workload = {}
+    for workload, impl, ms, extra in ctx.rows:
+        by_workload.setdefault(workload, {})[impl] = (ms, extra)
+    assert list(by_workload) == [b.name for b in timed]
+    for rows in by_workload.values():
+        assert sorted(rows) == sorted([f"static {a}" for a in selector.STATIC_BATCH_ARMS] + [
+            "cost, batch feedback", "cost, lagging (the engine's) feedback", "cost, critical feedback",
+            "cost, lagging feedback, warm"])
+        assert max(e["vs_best_static"] for i, (_, e) in rows.items() if i.startswith("static")) == 1.0
+        for ms, extra in rows.values():
+            assert ms * extra["vs_off"] == pytest.approx(rows["static off"][0], rel=1e-3)
+    assert "a seed fixes the batch's text" in ctx.notes[0]

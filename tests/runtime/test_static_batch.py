@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
-from tlt_kernels.runtime.static_batch import (SMALL_MODEL_COST, CopyPhases, StaticBatch, batch_feedback,
-                                              critical_feedback, grpo_batch, lagging_feedback, ngram_tail_batch,
-                                              run_static_batch, selector_observer, static_batches)
+from tlt_kernels.runtime.static_batch import (SMALL_MODEL_COST, BatchText, CopyPhases, StaticBatch,
+                                              batch_feedback, critical_feedback, grpo_batch, lagging_feedback,
+                                              ngram_tail_batch, run_static_batch, selector_observer, static_batches)
 
 REACH = np.array([3, 0, 2, 1, 0])
 LEFT = np.array([9, 12, 12, 5, 12])  # requests 1, 2 and 4 lag
@@ -82,22 +82,44 @@ def test_the_grpo_batch_ends_with_its_slowest_response():
 
 
 def test_copy_phases_follow_their_markov_chain():
-    """The phases start from the chain's stationary law and keep it; a phase lasts 1 / p_stop steps on average."""
+    """Along the tokens the phases start from the chain's stationary law and keep it; a phase lasts 1 / p_stop tokens
+    on average."""
     phases = CopyPhases(p_start=0.02, p_stop=0.08)
-    rng = np.random.default_rng(0)
-    copying = phases.start(rng, 20000)
-    assert abs(copying.mean() - 0.2) < 0.01
-    stayed, flips = 0, 0
-    for _ in range(50):
-        nxt = phases.advance(rng, copying)
-        stayed += int((copying & nxt).sum())
-        flips += int((copying & ~nxt).sum())
-        copying = nxt
-    assert abs(copying.mean() - 0.2) < 0.01
+    copying = phases.draw(np.random.default_rng(0), 2000, 60)
+    assert abs(copying[:, 0].mean() - 0.2) < 0.02 and abs(copying.mean() - 0.2) < 0.01
+    stayed = int((copying[:, :-1] & copying[:, 1:]).sum())
+    flips = int((copying[:, :-1] & ~copying[:, 1:]).sum())
     assert abs(flips / (stayed + flips) - 0.08) < 0.005
-    for bad in (dict(p_start=0.0, p_stop=0.1), dict(p_start=0.1, p_stop=1.5), dict(p_start=0.1, p_stop=0.1, copy_alpha=2)):
+    for bad in (dict(p_start=0.0, p_stop=0.1), dict(p_start=0.1, p_stop=1.5),
+                dict(p_start=0.1, p_stop=0.1, copy_alpha=2)):
         with pytest.raises(ValueError, match="CopyPhases"):
             CopyPhases(**bad)
+
+
+def test_a_seed_fixes_the_text_whatever_the_arm():
+    """Common random numbers: a token's draft is decided by the text's uniform for it, so on one seed a deeper chain
+    accepts every token a shallower one accepts, and a run repeats exactly."""
+    text = BatchText.draw(StaticBatch("b", [0.5] * 6, budget=40, copy_phases=CopyPhases(0.1, 0.2)),
+                          np.random.default_rng(3))
+    rows, emitted = np.arange(6), np.array([0, 3, 7, 11, 20, 39])
+    short, deep = text.reach(Strategy(2, 1, 3), rows, emitted), text.reach(Strategy(5, 1, 6), rows, emitted)
+    assert (np.minimum(deep, 2) == short).all() and (deep >= short).all()
+    assert (text.reach(Strategy.off(), rows, emitted) == 0).all()
+    batch = ngram_tail_batch(seed=1)
+    picks = [Strategy.parse(a) for a in ("off", "s2k1v3", "s5k4v16")]
+    mixed = lambda b: picks[b % 3]  # noqa: E731
+    assert run_static_batch(batch, mixed, seed=5) == run_static_batch(batch, mixed, seed=5)
+    assert run_static_batch(batch, mixed, seed=5) != run_static_batch(batch, mixed, seed=6)
+
+
+def test_the_text_decides_copy_phases_by_token():
+    """A request copying from its first token for good (p_stop tiny) accepts at copy_alpha throughout; the phases lie
+    on token positions, the same for every arm."""
+    text = BatchText.draw(StaticBatch("b", [0.0, 0.0], budget=9, copy_phases=CopyPhases(1.0, 1e-12, copy_alpha=1.0)),
+                          np.random.default_rng(0))
+    assert text.alpha.shape == (2, 10) and (text.alpha == 1.0).all()
+    plain = BatchText.draw(StaticBatch("b", [0.25, 0.5], budget=9), np.random.default_rng(0))
+    assert (plain.alpha == np.array([[0.25], [0.5]])).all()
 
 
 def test_requests_always_copying_accept_at_copy_alpha():

@@ -3,7 +3,9 @@
 :mod:`.simulate` scores a choice by its throughput at one acceptance shared by every request. A static batch
 (``SpeculativeEngine.generate``) ends when its last request does, and requests differ: a few accept long drafts,
 most accept little. So the wall time, not the batch's mean throughput, is the score here, and each request ``i``
-accepts with its own base acceptance ``alphas[i]`` (:func:`~.simulate.alpha_eff` per request).
+accepts with its own base acceptance ``alphas[i]`` (:func:`~.simulate.alpha_eff` per request). A run's seed fixes
+the batch's text (:class:`BatchText`: which tokens are hard to draft, where copy phases lie), so static arms and
+selectors run on one seed meet the same text and differ only by their choices.
 
 After each step the selector learns acceptance counts through a *feedback rule*, a function
 ``(reach int [b], left_before int [b], depth) -> (accepted_per_position, accepted_rows or None)``:
@@ -61,10 +63,11 @@ def critical_feedback(reach: np.ndarray, left_before: np.ndarray, depth: int) ->
 
 @dataclass(frozen=True)
 class CopyPhases:
-    """Acceptance that comes in phases, as n-gram drafts' does: a request repeating text the matcher can follow (a
-    *copy phase*) accepts at ``copy_alpha``, otherwise at its own base acceptance. Each request is a two-state Markov
-    chain: it enters a copy phase with probability ``p_start`` per step and leaves one with ``p_stop``, starting from
-    the chain's stationary law (copying with probability ``p_start / (p_start + p_stop)``)."""
+    """Acceptance that comes in phases, as n-gram drafts' does: text repeating text the matcher can follow (a *copy
+    phase*) is drafted at acceptance ``copy_alpha``, other text at its request's own base acceptance. Along each
+    request's tokens the phases are a two-state Markov chain: a copy phase starts at a token with probability
+    ``p_start`` and ends with ``p_stop``, from the chain's stationary law (copying with probability
+    ``p_start / (p_start + p_stop)``). The phases belong to the text, so every arm meets the same ones."""
 
     p_start: float
     p_stop: float
@@ -75,13 +78,15 @@ class CopyPhases:
             raise ValueError(f"CopyPhases: p_start and p_stop must be in (0, 1] and copy_alpha in [0, 1], got "
                              f"{self.p_start}, {self.p_stop}, {self.copy_alpha}")
 
-    def start(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """``bool [n]``: which requests begin in a copy phase."""
-        return rng.random(n) < self.p_start / (self.p_start + self.p_stop)
-
-    def advance(self, rng: np.random.Generator, copying: np.ndarray) -> np.ndarray:
-        """The phases one step later."""
-        return copying ^ (rng.random(copying.shape) < np.where(copying, self.p_stop, self.p_start))
+    def draw(self, rng: np.random.Generator, n: int, length: int) -> np.ndarray:
+        """``bool [n, length]``: whether token ``p`` of request ``i`` lies in a copy phase."""
+        copying = np.empty((n, length), dtype=bool)
+        copying[:, 0] = rng.random(n) < self.p_start / (self.p_start + self.p_stop)
+        flips = rng.random((n, length))
+        for p in range(1, length):
+            prev = copying[:, p - 1]
+            copying[:, p] = prev ^ (flips[:, p] < np.where(prev, self.p_stop, self.p_start))
+        return copying
 
 
 @dataclass
@@ -117,18 +122,19 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
                      seed: int = 0) -> float:
     """Simulated seconds until every request of ``batch`` has its tokens, with ``choose(batch_size) -> Strategy``
     per step; ``observe(strategy, batch_size, emitted, seconds, accepted_per_position, accepted_rows)`` gets what
-    ``feedback`` makes of each step."""
-    rng = np.random.default_rng(seed)
-    alphas = np.asarray(batch.alphas, dtype=np.float64)
-    phases = batch.copy_phases
-    copying = phases.start(rng, len(alphas)) if phases is not None else None
+    ``feedback`` makes of each step.
+
+    ``seed`` fixes the batch's text (:class:`BatchText`), the same whatever the choices, and the noise of the
+    observed step times (a stream of its own): two runs with one seed differ only by what their choices do."""
+    text_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
+    text = BatchText.draw(batch, np.random.default_rng(text_seed))
+    noise = np.random.default_rng(noise_seed)
     left = batch.initial_left()
     seconds = 0.0
     while (left > 0).any():
         running = np.nonzero(left > 0)[0]
         strategy = choose(len(running))
-        now = alphas if copying is None else np.where(copying, phases.copy_alpha, alphas)
-        reach = _sample_reach(rng, strategy, now[running])
+        reach = text.reach(strategy, running, batch.initial_left()[running] - left[running])
         step_s = batch.cost(strategy, len(running))
         seconds += step_s
         before = left[running].copy()
@@ -136,20 +142,44 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
         left[running] -= emitted
         if observe is not None:
             accepted, rows = feedback(reach, before, strategy.num_steps)
-            observed_s = step_s * math.exp(batch.noise * rng.standard_normal())
+            observed_s = step_s * math.exp(batch.noise * noise.standard_normal())
             observe(strategy, len(running), float(emitted.sum()), observed_s, accepted, rows)
-        if copying is not None:
-            copying = phases.advance(rng, copying)
     return seconds
 
 
-def _sample_reach(rng: np.random.Generator, strategy: Strategy, alphas: np.ndarray) -> np.ndarray:
-    """Accepted drafts per request, ``[b]`` ints in ``[0, num_steps]``, each request at its own acceptance."""
-    if strategy.is_off:
-        return np.zeros(len(alphas), dtype=np.int64)
-    accept = np.array([alpha_eff(strategy, a) for a in alphas])
-    hits = rng.random(accept.shape) < accept
-    return np.cumprod(hits, axis=1).sum(axis=1)
+@dataclass
+class BatchText:
+    """What a batch's text fixes, whatever the arm (common random numbers: arms and selectors are compared on the
+    same text): per request ``i`` and token ``p``, a uniform ``u[i, p]`` that decides every draft of that token
+    (a draft at depth ``j`` is accepted when ``u < alpha_eff(strategy, alpha)[j]``: a token hard for one
+    configuration is hard for every one, a wider tree accepts it more often), and ``alpha[i, p]``, the request's
+    base acceptance or, in a copy phase, the phases' ``copy_alpha``. Both ``[n, budget + 1]``: the last column
+    serves drafts past the budget, which emit nothing."""
+
+    u: np.ndarray
+    alpha: np.ndarray
+
+    @classmethod
+    def draw(cls, batch: StaticBatch, rng: np.random.Generator) -> "BatchText":
+        n, length = len(batch.alphas), batch.budget + 1
+        u = rng.random((n, length))
+        alpha = np.repeat(np.asarray(batch.alphas, dtype=np.float64)[:, None], length, axis=1)
+        if batch.copy_phases is not None:
+            alpha[batch.copy_phases.draw(rng, n, length)] = batch.copy_phases.copy_alpha
+        return cls(u, alpha)
+
+    def reach(self, strategy: Strategy, rows: np.ndarray, emitted: np.ndarray) -> np.ndarray:
+        """Accepted drafts of requests ``rows`` that have ``emitted`` tokens each: ``[b]`` ints in
+        ``[0, num_steps]``, draft ``j`` (0-based) guessing token ``emitted + j`` of its request."""
+        depth = strategy.num_steps
+        if depth == 0:
+            return np.zeros(len(rows), dtype=np.int64)
+        pos = np.minimum(emitted[:, None] + np.arange(depth), self.u.shape[1] - 1)
+        alphas = self.alpha[rows[:, None], pos]
+        values, index = np.unique(alphas, return_inverse=True)  # few distinct levels: one alpha_eff call each
+        accept = np.array([alpha_eff(strategy, a) for a in values])[index.reshape(alphas.shape), np.arange(depth)]
+        hits = self.u[rows[:, None], pos] < accept
+        return np.cumprod(hits, axis=1).sum(axis=1)
 
 
 def selector_observer(selector) -> Callable[..., None]:
@@ -186,7 +216,7 @@ def grpo_batch(size: int = 64, budget: int = 256, seed: int = 0) -> StaticBatch:
 def ngram_tail_batch(size: int = 32, budget: int = 256, seed: int = 0) -> StaticBatch:
     """The rollout suite's long-tailed batch with n-gram drafts: log-normal lengths (median 33 tokens, sigma 1, the
     longest at the budget), text the matcher cannot follow at Beta(1, 12) acceptance, and copy phases
-    (:class:`CopyPhases`: a repetition the matcher follows, accepted at 0.9, entered with probability 0.03 a step and
+    (:class:`CopyPhases`: a repetition the matcher follows, accepted at 0.9, entered with probability 0.03 a token and
     left with 0.06), as the real model's traces show them (docs/RUNTIME.md); n-gram step times."""
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.round(np.exp(math.log(33) + rng.standard_normal(size))), 1, budget).astype(np.int64)
