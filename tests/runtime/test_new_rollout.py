@@ -1,5 +1,6 @@
 """``new_rollout``: the engine tells the selector that a new batch starts, and the cost policy forgets part of the
-acceptance counts its last batch's lagging requests left (``keep_on_rollout``)."""
+acceptance counts its last batch's lagging requests left (``keep_on_rollout``) and probes once per bucket when it
+would decode plainly (``probe_on_rollout``)."""
 import pytest
 
 from tlt_kernels.runtime import Strategy, StrategySelector
@@ -34,7 +35,7 @@ def test_new_rollout_forgets_counts_and_raises_the_prediction():
 
 
 def test_keep_on_rollout_one_changes_nothing_and_bad_values_name_the_option():
-    kept, plain = _selector(keep_on_rollout=1.0), _selector(keep_on_rollout=1.0)
+    kept, plain = (_selector(keep_on_rollout=1.0, probe_on_rollout=False) for _ in range(2))
     _dry_rollout(kept)
     _dry_rollout(plain)
     kept.new_rollout()
@@ -65,3 +66,30 @@ def test_a_policy_without_its_own_new_rollout_inherits_a_no_op():
     sel = StrategySelector(ARMS, policy=Fixed())
     sel.new_rollout()
     assert sel.select(4) == ARMS[-1]
+
+
+def _settled_on_plain(**kw):
+    """A selector whose dry rollout (speculative steps at their table times, accepting nothing) left it on plain
+    decoding, nothing forgotten at the new rollout."""
+    sel = _selector(keep_on_rollout=1.0, **kw)
+    seconds = {s: t[0][1] for s, t in TABLE.items()}
+    for _ in range(60):
+        s = sel.select(1)
+        sel.update(s, 1, 1, seconds[s], [0] * s.num_steps if s.num_steps else None)
+    assert sel.policy.plain_run[0] >= 3 and sel.select(1).is_off  # in a plain-decoding run, past any probe
+    return sel
+
+
+def test_a_new_rollout_probes_once_where_the_selector_decodes_plainly():
+    sel = _settled_on_plain()
+    sel.new_rollout()
+    probe = sel.select(1)
+    assert probe.num_steps > 0  # the new requests' drafts are seen at once, not probe_every steps later
+    sel.update(probe, 1, 1, TABLE[probe][0][1], [0] * probe.num_steps)
+    assert [sel.select(1).is_off for _ in range(3)] == [True] * 3  # one probe, then the model's choice
+    quiet = _settled_on_plain(probe_on_rollout=False)
+    quiet.new_rollout()
+    assert quiet.select(1).is_off
+    for bad in (1, None, "yes"):
+        with pytest.raises(ValueError, match="probe_on_rollout"):
+            CostModelPolicy(probe_on_rollout=bad)
