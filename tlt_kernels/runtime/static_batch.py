@@ -129,12 +129,13 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
     text_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     text = BatchText.draw(batch, np.random.default_rng(text_seed))
     noise = np.random.default_rng(noise_seed)
-    left = batch.initial_left()
+    budgets = batch.initial_left()
+    left = budgets.copy()
     seconds = 0.0
     while (left > 0).any():
         running = np.nonzero(left > 0)[0]
         strategy = choose(len(running))
-        reach = text.reach(strategy, running, batch.initial_left()[running] - left[running])
+        reach = text.reach(strategy, running, budgets[running] - left[running])
         step_s = batch.cost(strategy, len(running))
         seconds += step_s
         before = left[running].copy()
