@@ -48,6 +48,8 @@ def test_switches_are_read_at_import_and_a_bad_cuda_switch_spares_the_package_im
                 TLT_TREE_ATTENTION_CUDA_WS="yes")
     assert proc.returncode == 0, proc.stderr[-500:]
     assert proc.stdout.strip() == "False 4 False TLT_TREE_ATTENTION_CUDA_WS must be 0 or 1, got 'yes'"
-    proc = _run("import tlt_kernels._cuda.verify_tree as cv; print(cv.CLUSTER_SIZE, cv.TOPP_COMPACT)",
-                TLT_VERIFY_CLUSTER="2", TLT_VERIFY_TOPP_COMPACT="0")
-    assert proc.returncode == 0 and proc.stdout.strip() == "2 False", proc.stderr[-500:]
+    proc = _run("import tlt_kernels._cuda.verify_tree as cv; print(cv.CLUSTER_SIZE, cv.TOPP_COMPACT, cv.PARALLEL_ROWS)",
+                TLT_VERIFY_CLUSTER="2", TLT_VERIFY_TOPP_COMPACT="0", TLT_VERIFY_PARALLEL_ROWS="1")
+    assert proc.returncode == 0 and proc.stdout.strip() == "2 False True", proc.stderr[-500:]
+    proc = _run("import tlt_kernels._cuda.verify_tree as cv", TLT_VERIFY_PARALLEL_ROWS="sometimes")
+    assert proc.returncode != 0 and "TLT_VERIFY_PARALLEL_ROWS must be auto, 0 or 1" in proc.stderr, proc.stderr[-500:]

@@ -23,6 +23,10 @@ Switches:
 ``TLT_VERIFY_TOPP_COMPACT`` (``0`` / ``1``, default ``1``; :data:`tlt_kernels._cuda.verify_tree.TOPP_COMPACT`)
     ``1``: the CUDA ``verify_tree`` finds its top-p threshold among compacted candidates (the full-row radix
     select's threshold, in fewer passes); ``0``: by the full-row radix select. Kept to compare the two.
+``TLT_VERIFY_PARALLEL_ROWS`` (``auto`` / ``0`` / ``1``, default ``auto``; :data:`tlt_kernels._cuda.verify_tree.PARALLEL_ROWS`)
+    ``1``: the CUDA ``verify_tree`` first computes every draft node's row statistics at once (one cluster per row),
+    then walks over them; ``0``: the walk streams only the rows it visits, one after another; ``auto`` (``None``):
+    the measured rule (:func:`tlt_kernels._cuda.verify_tree.parallel_rows`). Exists to A/B the two.
 ``TLT_TREE_ATTENTION_CUDA_CTX`` (``auto`` / ``0`` / ``1``, default ``auto``; :data:`tlt_kernels._cuda.tree_attention.CONTEXT_SM90`)
     The sm_90 wgmma context kernels of the CUDA tree attention: ``auto`` (``None``) the measured rule, ``1`` wherever
     they cover the shape, ``0`` never (the mma.sync kernel). Exists to A/B the two kernel families.
@@ -44,7 +48,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["Switch", "DIRECT_DISPATCH", "VERIFY_CLUSTER", "VERIFY_TOPP_COMPACT", "TREE_ATTENTION_CUDA_CTX",
+__all__ = ["Switch", "DIRECT_DISPATCH", "VERIFY_CLUSTER", "VERIFY_TOPP_COMPACT", "VERIFY_PARALLEL_ROWS", "TREE_ATTENTION_CUDA_CTX",
            "TREE_ATTENTION_CUDA_WS", "TREE_ATTENTION_CUDA_TMA", "triton_interpret"]
 
 
@@ -97,6 +101,7 @@ def _int(name: str, default: str) -> Switch:
 DIRECT_DISPATCH = _on_off("TLT_DIRECT_DISPATCH", "1")
 VERIFY_CLUSTER = _int("TLT_VERIFY_CLUSTER", "0")
 VERIFY_TOPP_COMPACT = _on_off("TLT_VERIFY_TOPP_COMPACT", "1")
+VERIFY_PARALLEL_ROWS = _auto_on_off("TLT_VERIFY_PARALLEL_ROWS")
 TREE_ATTENTION_CUDA_CTX = _auto_on_off("TLT_TREE_ATTENTION_CUDA_CTX")
 TREE_ATTENTION_CUDA_WS = _strict_on_off("TLT_TREE_ATTENTION_CUDA_WS", "1")
 TREE_ATTENTION_CUDA_TMA = _auto_on_off("TLT_TREE_ATTENTION_CUDA_TMA")

@@ -30,6 +30,7 @@ ideal one-read floor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,11 @@ def _flashinfer_chain(fi, logits, tokens, q, top_p):
     return fi.sampling.chain_speculative_sampling(q[:, :-1].contiguous(), tokens[:, 1:].to(torch.int32).contiguous(), probs)
 
 
-IMPLS = ("torch-composed", "tlt-triton", "tlt-cuda", "flashinfer")
+IMPLS = ("torch-composed", "tlt-triton", "tlt-cuda", "tlt-cuda-visited", "tlt-cuda-parallel", "flashinfer")
+# The tlt kernel rows: (impl name, backend, the CUDA walk's row mode forced: None = the launcher's rule). The forced
+# rows A/B the two modes of the CUDA walk (visited rows streamed one after another, or every row's statistics first).
+KERNEL_ROWS = (("tlt-triton", "triton", None), ("tlt-cuda", "cuda", None), ("tlt-cuda-visited", "cuda", False),
+               ("tlt-cuda-parallel", "cuda", True))
 GPU_SHAPES = (("chain", 4), ("chain", 8), ("chain", 16), ("tree", 16), ("tree", 32), ("tree", 64))
 SHAPES = tuple(f"{kind}{n}" for kind, n in GPU_SHAPES)  # their names, for --shapes
 
@@ -263,26 +268,51 @@ def _engine_sampling(B: int, T: int, top_p, device, **kw) -> dict:
                 num_nodes=per_request(T, torch.int32), **kw)
 
 
+@contextlib.contextmanager
+def _cuda_rows(parallel):
+    """The CUDA walk's row mode forced to ``parallel`` (None: the launcher's rule) inside the block."""
+    if parallel is None:
+        yield
+        return
+    from tlt_kernels._cuda import verify_tree as cv
+
+    saved, cv.PARALLEL_ROWS = cv.PARALLEL_ROWS, parallel
+    try:
+        yield
+    finally:
+        cv.PARALLEL_ROWS = saved
+
+
 def _bench_kernels(ctx, impls: _Impls, case, logits, tokens, parents, kw, ref, nbytes, extra) -> None:
-    """The ``tlt-triton`` / ``tlt-cuda`` rows (and their ``-graph`` rows), each compared with the reference ``ref``."""
-    for impl, name in (("triton", "tlt-triton"), ("cuda", "tlt-cuda")):
+    """The ``tlt-triton`` / ``tlt-cuda`` rows (and their ``-graph`` rows; ``tlt-cuda-visited`` / ``-parallel`` with
+    the CUDA walk's row mode forced), each compared with the reference ``ref``."""
+    for name, impl, parallel in KERNEL_ROWS:
         if name in impls.unavailable or name not in impls.names:
             continue
-        try:
-            got = verify_tree(logits, tokens, parents, return_stats=True, backend=impl, **kw)
-        except BackendUnavailableError as exc:
-            ctx.note(f"{name} skipped: {exc}")
-            impls.unavailable.add(name)
-            continue
-        same = (got.tokens == ref.tokens).all(1).float().mean().item()
-        op = lambda: verify_tree(logits, tokens, parents, backend=impl, **kw)  # noqa: E731
-        if impls.eager:
-            ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
-        if impls.graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
-            ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4),
-                    **extra)
-        if impls.logprobs:  # the cost of scoring the emitted tokens: each row against its plain row of the case
-            _bench_logprobs(ctx, impls, case, name, impl, (logits, tokens, parents), kw, ref, nbytes, extra)
+        with _cuda_rows(parallel):
+            # Log-prob rows for the launcher's own choice only (the forced rows are an A/B of the plain walk).
+            _bench_kernel(ctx, impls, case, name, impl, (logits, tokens, parents), kw, ref, nbytes, extra,
+                          logprobs=impls.logprobs and parallel is None)
+
+
+def _bench_kernel(ctx, impls: _Impls, case, name, impl, tree, kw, ref, nbytes, extra, logprobs: bool) -> None:
+    """One tlt kernel's rows of a case (``tree`` = logits, draft tokens, parents)."""
+    logits, tokens, parents = tree
+    try:
+        got = verify_tree(logits, tokens, parents, return_stats=True, backend=impl, **kw)
+    except BackendUnavailableError as exc:
+        ctx.note(f"{name} skipped: {exc}")
+        impls.unavailable.add(name)
+        return
+    same = (got.tokens == ref.tokens).all(1).float().mean().item()
+    op = lambda: verify_tree(logits, tokens, parents, backend=impl, **kw)  # noqa: E731
+    if impls.eager:
+        ctx.add(case, name, ctx.time_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4), **extra)
+    if impls.graphs:  # GPU time without Python dispatch (how an engine's step graph runs it)
+        ctx.add(case, f"{name}-graph", ctx.time_graph_ms(op), bytes_moved=nbytes, same_as_ref=round(same, 4),
+                **extra)
+    if logprobs:  # the cost of scoring the emitted tokens: each row against its plain row of the case
+        _bench_logprobs(ctx, impls, case, name, impl, tree, kw, ref, nbytes, extra)
 
 
 def _bench_logprobs(ctx, impls: _Impls, case, name, impl, tree, kw, ref, nbytes, extra) -> None:

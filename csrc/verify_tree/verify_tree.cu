@@ -63,6 +63,10 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
                     "min(max_depth, T - 1) = " << depth_cap << " exceeds the CUDA kernel's limit " << kVerifyMaxDepthSmem);
   TLT_STATUS_CHECK_ARG(valid_type(p.logits_type), "unknown logits dtype code " << static_cast<int>(p.logits_type));
   TLT_STATUS_CHECK_ARG(p.draft_probs == nullptr || valid_type(p.q_type), "unknown draft_probs dtype code " << static_cast<int>(p.q_type));
+  TLT_STATUS_CHECK_ARG(p.scratch_rows >= 2 && (p.row_stats == nullptr || p.scratch_rows >= p.num_tree),
+                       "scratch needs rows >= 2 per request (>= T = " << p.num_tree << " with row_stats), got "
+                                                                     << p.scratch_rows);
+  TLT_STATUS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.row_stats) % 16 == 0, "row_stats must be 16-byte aligned");
   if (p.batch == 0) return {};
   TLT_STATUS_CHECK_ARG(p.logits && p.draft_tokens && p.parents && p.num_nodes && p.seed && p.offset && p.scratch &&
                         p.out_tokens && p.out_num && p.out_nodes && p.out_error,

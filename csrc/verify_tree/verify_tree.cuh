@@ -991,6 +991,100 @@ __device__ int sample_slice(const TL* row, const float* res, bool has_res, const
   return found != kNoToken ? found : last >= 0 ? last : s.arg;
 }
 
+// A request's sampling law as the kernels read it: greedy unless temperature > 0 (NaN too); ks = log2(e) / T' with
+// T' clamped to [kTempMin, kTempMax]; top_p off unless < 1 (NaN too), at least kTopPMin.
+struct RequestLaw {
+  bool greedy;
+  float ks;
+  int top_k;
+  float top_p;
+};
+
+__device__ __forceinline__ RequestLaw request_law(const VerifyTreeParams& p, int b) {
+  RequestLaw r;
+  const float temp = p.temperature ? p.temperature[b] : 0.f;
+  r.greedy = !(temp > 0.f);
+  r.ks = r.greedy ? kLog2e : kLog2e / fminf(fmaxf(temp, kTempMin), kTempMax);
+  r.top_k = p.top_k ? p.top_k[b] : 0;
+  const float top_p_in = p.top_p ? p.top_p[b] : 1.f;
+  r.top_p = top_p_in < 1.f ? fmaxf(top_p_in, kTopPMin) : 1.f;
+  return r;
+}
+
+// A RowState as the rows kernel leaves it for the walk (kVerifyRowWords floats per (request, node), 16-byte
+// aligned): bad, arg, thr (as int bits), the Expo, Z, qsum, M, Z1. The walk reads back the same bits.
+static_assert(kVerifyRowWords >= 12, "a stored RowState takes three 16-byte words");
+
+__device__ __forceinline__ void store_row_state(float* w, const RowState& s, bool scored) {
+  float4* v = reinterpret_cast<float4*>(w);
+  v[0] = make_float4(__int_as_float(s.bad), __int_as_float(s.arg), __int_as_float(s.thr), s.e.h);
+  v[1] = make_float4(s.e.mh, s.e.kh, s.Z, s.qsum);
+  v[2] = make_float4(scored ? s.M : 0.f, scored ? s.Z1 : 0.f, 0.f, 0.f);
+}
+
+__device__ __forceinline__ RowState load_row_state(const float* w) {
+  const float4* v = reinterpret_cast<const float4*>(w);
+  const float4 a = __ldcg(v), c = __ldcg(v + 1), d = __ldcg(v + 2);
+  RowState s;
+  s.bad = __float_as_int(a.x);
+  s.arg = __float_as_int(a.y);
+  s.thr = __float_as_int(a.z);
+  s.e = Expo{a.w, c.x, c.y};
+  s.Z = c.z;
+  s.qsum = c.w;
+  s.M = d.x;
+  s.Z1 = d.y;
+  return s;
+}
+
+// The sampling plan of a row whose statistics the rows kernel computed (the walk folded none): this CTA's kept mass
+// over its slice, folded over the cluster; the same pass as row_state's normalizer after a select.
+template <typename TL>
+__device__ void plan_of_row(const TL* row, const RowState& s, int lo, int hi, Cluster& cl, VerifySmem& sm, Plan& plan) {
+  Partial zp = partial_identity(0.f);
+  sweep<Ld::kNC>(row, aligned16(row), -INFINITY, row, false, false, lo, hi,
+                 [&](int, const float (&x)[kVec], const float (&)[kVec]) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) zp.z += target_weight(x[i], s.thr, s.e);
+  });
+  cluster_fold(block_fold(zp, sm, 1.f), cl, sm, &plan, 1.f);
+}
+
+// The parallel-rows kernel: cluster (b, node) (grid B * T * C, in that order) computes row_state for node's row of
+// request b, exactly as the walk would on visiting it, and stores it for the walk (p.row_stats). Every row of every
+// node below num_nodes[b] is read, visited or not: bytes traded for the walk's chain of dependent row passes (at
+// small B x T the walk is that chain's latency, not its bytes; docs/CUDA_NOTES.md). The draft-row sum is taken for
+// nodes with children; top-p candidates go to scratch row `node` of the request (p.scratch_rows >= T).
+template <typename TL, typename TQ, bool HAS_Q, bool SCORED, bool TOPP_COMPACT = false>
+__global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_rows_kernel(const VerifyTreeParams p, int csize) {
+  __shared__ VerifySmem sm;
+  Cluster cl{0, csize, 0, 0};
+#if TLT_VERIFY_CLUSTERS
+  if (csize > 1) cl.rank = static_cast<int>(cooperative_groups::this_cluster().block_rank());
+#endif
+  const int64_t row_id = blockIdx.x / csize;  // b * T + node
+  const int b = static_cast<int>(row_id / p.num_tree), node = static_cast<int>(row_id % p.num_tree);
+  const int n = min(p.num_nodes[b], p.num_tree);
+  if (node >= n) return;  // cluster-uniform: no CTA of this cluster reaches a barrier
+  const int V = p.vocab;
+  const int slice = ((V + csize - 1) / csize + kVec - 1) / kVec * kVec;
+  const int lo = min(cl.rank * slice, V), hi = min(lo + slice, V);
+  const RequestLaw law = request_law(p, b);
+  const int32_t* parents_b = p.parents + b * p.parents_stride_b;
+  int has_child = 0;
+  for (int j = node + 1 + static_cast<int>(threadIdx.x); j < n && !has_child; j += kVerifyThreads)
+    has_child = __ldg(parents_b + j) == node;
+  has_child = __syncthreads_or(has_child);
+  const TL* row = static_cast<const TL*>(p.logits) + b * p.logits_stride_b + node * p.logits_stride_t;
+  const TQ* q_row = HAS_Q ? static_cast<const TQ*>(p.draft_probs) + b * p.q_stride_b + node * p.q_stride_t : nullptr;
+  float* cand = TOPP_COMPACT ? p.scratch + (static_cast<int64_t>(b) * p.scratch_rows + node) * V : nullptr;
+  Plan plan{0.f, 0.f, 0.f, -1};
+  const RowState s = row_state<SCORED>(row, q_row, HAS_Q && !law.greedy && has_child, lo, hi, V, law.greedy, law.ks,
+                                       law.top_k, law.top_p, cand, cl, sm, plan);
+  if (cl.rank == 0 && threadIdx.x == 0) store_row_state(p.row_stats + row_id * kVerifyRowWords, s, SCORED);
+  cluster_barrier(cl);  // no CTA may exit while another still reads its shared memory (the last fold's slot)
+}
+
 // An emitted token's log-probs under the visited row that predicted it (its logit l; the row's target law, not a
 // residual: the acceptance is lossless): the sampling law's ln(w(l) / Z) (0 for greedy rows, a point mass) and the
 // raw log_softmax ln(2^((l - M) log2 e) / Z1), each as ln 2 (log2 weight - log2 normalizer), with the exponents the
@@ -1048,19 +1142,19 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   for (int i = tid; i < depth_cap; i += kVerifyThreads) tried[i] = took[i] = 0;
 
   const int n = min(p.num_nodes[b], p.num_tree);
-  const float temp = p.temperature ? p.temperature[b] : 0.f;
-  const bool greedy = !(temp > 0.f);  // NaN too
-  const float ks = greedy ? kLog2e : kLog2e / fminf(fmaxf(temp, kTempMin), kTempMax);
-  const int top_k = p.top_k ? p.top_k[b] : 0;
-  const float top_p_in = p.top_p ? p.top_p[b] : 1.f;
-  const float top_p = top_p_in < 1.f ? fmaxf(top_p_in, kTopPMin) : 1.f;  // off unless < 1 (NaN too)
+  const RequestLaw law = request_law(p, b);
+  const bool greedy = law.greedy;
+  const float ks = law.ks;
+  // Parallel rows: every node's RowState was computed by verify_rows_kernel; the walk reads it instead of its row.
+  const float* row_stats_b = p.row_stats ? p.row_stats + static_cast<int64_t>(b) * p.num_tree * kVerifyRowWords : nullptr;
   const int64_t seed = p.seed[b], offset = p.offset[b];
   const TL* logits_b = static_cast<const TL*>(p.logits) + b * p.logits_stride_b;
   const TQ* q_b = HAS_Q ? static_cast<const TQ*>(p.draft_probs) + b * p.q_stride_b : nullptr;
   const int32_t* parents_b = p.parents + b * p.parents_stride_b;
   // Two residual rows per request, ping-pong: a rejection writes the other row, so a zero residual
   // (which keeps the current distribution) costs no second pass.
-  float* res_rows[2] = {p.scratch + static_cast<int64_t>(b) * 2 * V, p.scratch + (static_cast<int64_t>(b) * 2 + 1) * V};
+  float* res_rows[2] = {p.scratch + static_cast<int64_t>(b) * p.scratch_rows * V,
+                        p.scratch + (static_cast<int64_t>(b) * p.scratch_rows + 1) * V};
   int res_i = 0;
 
   // The walk's scalar loads (parent, then token, then the logit and draft probability at the token)
@@ -1101,11 +1195,12 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
         if (HAS_Q) pf_q = to_float(__ldg(q_b + node * p.q_stride_t + x));
       }
     }
+    if (row_stats_b) return load_row_state(row_stats_b + node * kVerifyRowWords);
     const bool want_q = HAS_Q && !greedy && depth < p.max_depth && child >= 0;
     // Top-p candidates go to the scratch row without the live residual (its last readers, the residual pass that
     // left it, are done); like residuals, they are written and read by the CTA that owns the slice only.
     return row_state<SCORED>(row, HAS_Q ? q_b + node * p.q_stride_t : static_cast<const TQ*>(nullptr), want_q, lo, hi,
-                             V, greedy, ks, top_k, top_p, TOPP_COMPACT ? res_rows[res_i ^ 1] : nullptr, cl, sm, plan);
+                             V, greedy, ks, law.top_k, law.top_p, TOPP_COMPACT ? res_rows[res_i ^ 1] : nullptr, cl, sm, plan);
   };
   RowState s;
   int err = 0;
@@ -1222,6 +1317,8 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   TLT_PROF_MARK("walk");
   int final_tok = greedy ? s.arg : -1;
   bool owner = false;
+  // A row from the rows kernel has no plan yet: this CTA's place in its kept mass (a residual brought its own).
+  if (row_stats_b && !greedy && !err && !has_res) plan_of_row(row, s, lo, hi, cl, sm, plan);
   // No mass to sample from (no valid row leads here: its maximal logits weigh 1): flagged, never emitted as -1.
   if (!greedy && !err && plan.last < 0) err = 1;
   if (!greedy && !err && plan.last >= 0) {

@@ -21,7 +21,11 @@ enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 //   parents       int32 [B, >= T] (parents_stride_b); num_nodes int32 [B]
 //   temperature   float32 [B] or null (all greedy); top_k int32 [B] or null; top_p float32 [B] or null
 //   seed, offset  int64 [B]
-//   scratch       float32 [B, 2, V] contiguous (ping-pong residual rows; only touched after a rejection)
+//   scratch       float32 [B, scratch_rows, V] contiguous: rows 0 and 1 of a request are the walk's ping-pong residual
+//                 rows (only touched after a rejection); with row_stats, rows 0..T-1 first hold the rows kernel's
+//                 top-p candidates (scratch_rows >= max(2, T))
+//   row_stats     float32 [B, T, kVerifyRowWords] or null: set = parallel rows (verify_rows_kernel computes every
+//                 node's row statistics at once, then the walk reads them instead of streaming each visited row)
 //   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
 //   out_stats     int32 [B, max_depth, 2] or null
 //   scores        float32 [B, max_depth + 1, 2] or null (null: the plain kernels, which write no log-probs): each
@@ -62,12 +66,15 @@ struct VerifyTreeParams {
   ElemType logits_type = ElemType::kFloat32;
   ElemType q_type = ElemType::kFloat32;
   float* scores = nullptr;  // float32 [B, max_depth + 1, 2] or null (see above)
+  float* row_stats = nullptr;  // float32 [B, T, kVerifyRowWords] or null (see above)
+  int scratch_rows = 2;        // rows per request of scratch
 };
 
 // Limits of the CUDA kernel (the Python glue reports them before launching).
 constexpr int kVerifyMaxDepthSmem = 4096;
 constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
-constexpr int kVerifyMaxCluster = 16;  // 16 needs the non-portable cluster attribute (Hopper)
+constexpr int kVerifyMaxCluster = 16;
+constexpr int kVerifyRowWords = 16;  // floats per (request, node) of row_stats (a RowState, padded to 64 bytes)  // 16 needs the non-portable cluster attribute (Hopper)
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
 

@@ -30,6 +30,7 @@ template <typename TL, bool SCORED>
 LaunchStatus dispatch_verify_q(const VerifyTreeParams& p, cudaStream_t stream);
 
 #ifdef TLT_DEFINE_VERIFY_LAUNCHERS
+// `p.batch` clusters of C CTAs (the rows kernel passes B * T as the batch).
 inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int smem, cudaStream_t stream,
                                  cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
@@ -96,6 +97,60 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
   return {};
 }
 
+// Function attributes of one kernel instantiation (each caller keeps its own `smem_allowed` / `non_portable` per
+// device): the dynamic shared memory past 48 KB, and cluster size 16 (sm_90+). Neither is a stream operation, so
+// both are allowed during stream capture.
+template <typename Kernel>
+LaunchStatus set_attributes(Kernel kernel, const VerifyTreeParams& p, int smem, int major, int dev, int* smem_allowed,
+                            bool* non_portable) {
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (smem > 48 * 1024 && (!cached || smem > smem_allowed[dev])) {
+    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (cached) smem_allowed[dev] = smem;
+  }
+  if ((!cached || !non_portable[dev]) && p.cluster != 1) {
+    if (major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
+      (void)cudaGetLastError();  // then 16 is refused by the occupancy query / launch instead
+    if (cached) non_portable[dev] = true;
+  }
+  return {};
+}
+
+// p.batch clusters of C CTAs of `kernel` (C = 1: a plain launch).
+template <typename Kernel>
+LaunchStatus launch_clusters(Kernel kernel, const VerifyTreeParams& p, int C, int smem, cudaStream_t stream) {
+  TLT_STATUS_CHECK_ARG(static_cast<int64_t>(p.batch) * C <= 0x7fffffff,
+                       p.batch << " clusters x " << C << " CTAs exceed the grid limit");
+  if (C == 1) {
+    kernel<<<p.batch, accept::kVerifyThreads, smem, stream>>>(p, 1);
+    TLT_STATUS_CUDA_CHECK(cudaGetLastError());
+    return {};
+  }
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = verify_config(p, C, smem, stream, attr);
+  TLT_STATUS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, C));
+  TLT_STATUS_CUDA_CHECK(cudaGetLastError());
+  return {};
+}
+
+// The parallel-rows kernel (p.row_stats set): one cluster per (request, node), its C picked like the walk's with
+// B * T rows in place of B requests.
+template <typename TL, typename TQ, bool HAS_Q, bool SCORED, bool TOPP_COMPACT>
+LaunchStatus launch_rows(const VerifyTreeParams& p, cudaStream_t stream, int major, int dev) {
+  auto kernel = accept::verify_rows_kernel<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>;
+  const int smem = major >= 8 ? accept::kRingBytes : 0;
+  static int smem_allowed[kMaxDevices] = {};
+  static bool non_portable[kMaxDevices] = {};
+  TLT_RETURN_IF_FAILED(set_attributes(kernel, p, smem, major, dev, smem_allowed, non_portable));
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.num_tree;
+  TLT_STATUS_CHECK_ARG(rows <= 0x7fffffff, "B x T = " << rows << " rows exceed the grid limit");
+  VerifyTreeParams rp = p;
+  rp.batch = static_cast<int>(rows);
+  int C = 1;
+  TLT_RETURN_IF_FAILED(pick_cluster(rp, kernel, smem, stream, major, dev, C));
+  return launch_clusters(kernel, rp, C, smem, stream);
+}
+
 template <typename TL, typename TQ, bool HAS_Q, bool SCORED, bool TOPP_COMPACT = false>
 LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   auto kernel = accept::verify_tree_kernel<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>;
@@ -107,35 +162,13 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   // The sweep's cp.async ring (sm_80+, where the kernel is built with it) comes first.
   const int ring = major >= 8 ? accept::kRingBytes : 0;
   const int smem = ring + static_cast<int>(sizeof(int)) * (4 * depth_cap + 2 + staged);
-  // Function attributes are per device: remembered per instantiation and device (a benign race sets one twice).
-  // Neither is a stream operation, so both are allowed during stream capture.
   static int smem_allowed[kMaxDevices] = {};  // 0: not set yet (the default allows 48 KB)
   static bool non_portable[kMaxDevices] = {};
-  const bool cached = dev >= 0 && dev < kMaxDevices;
-  if (smem > 48 * 1024 && (!cached || smem > smem_allowed[dev])) {
-    TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (cached) smem_allowed[dev] = smem;
-  }
-  if ((!cached || !non_portable[dev]) && p.cluster != 1) {
-    // Cluster size 16 (sm_90+).
-    if (major >= 9 && cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess)
-      (void)cudaGetLastError();  // then 16 is refused by the occupancy query / launch instead
-    if (cached) non_portable[dev] = true;
-  }
+  TLT_RETURN_IF_FAILED(set_attributes(kernel, p, smem, major, dev, smem_allowed, non_portable));
+  if (p.row_stats) TLT_RETURN_IF_FAILED((launch_rows<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>(p, stream, major, dev)));
   int C = 1;
   TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, major, dev, C));
-  TLT_STATUS_CHECK_ARG(static_cast<int64_t>(p.batch) * C <= 0x7fffffff,
-                       "batch " << p.batch << " x cluster " << C << " CTAs exceeds the grid limit");
-  if (C == 1) {
-    kernel<<<p.batch, accept::kVerifyThreads, smem, stream>>>(p, 1);
-    TLT_STATUS_CUDA_CHECK(cudaGetLastError());
-    return {};
-  }
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = verify_config(p, C, smem, stream, attr);
-  TLT_STATUS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, C));
-  TLT_STATUS_CUDA_CHECK(cudaGetLastError());
-  return {};
+  return launch_clusters(kernel, p, C, smem, stream);
 }
 
 template <typename TL, bool SCORED>

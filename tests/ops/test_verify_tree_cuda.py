@@ -41,6 +41,14 @@ def test_philox_host_bit_exact():
 # GPU: verify_tree
 # ---------------------------------------------------------------------------------------------
 
+def _rows(monkeypatch, parallel):
+    """Forces the CUDA walk's row mode: every node's row statistics from the rows kernel first (parallel), or each
+    visited row streamed by the walk itself."""
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", parallel)
+
+
 def _sampling_kw(name, B, g):
     if name == "greedy":
         return {}
@@ -105,8 +113,10 @@ VERIFY_CASES = [
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule,use_q,V,T,B", VERIFY_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_same_tokens_as_reference_and_triton(rule, use_q, V, T, B, dtype):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_same_tokens_as_reference_and_triton(monkeypatch, rule, use_q, V, T, B, dtype, parallel):
     need_gpu_ext()
+    _rows(monkeypatch, parallel)
     g = torch.Generator().manual_seed(V * 7 + T)
     lg, toks, par, n, q = verify_inputs(B, T, V, seed=V + T, use_q=use_q, dtype=dtype,
                                          q_dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
@@ -139,8 +149,10 @@ CLUSTER_CASES = [
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule,use_q,V,T,B", CLUSTER_CASES)
 @pytest.mark.parametrize("cluster", [1, 2, 4, 8, 16])
-def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, cluster):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_cluster_sizes_same_tokens(monkeypatch, rule, use_q, V, T, B, cluster, parallel):
     need_gpu_ext()
+    _rows(monkeypatch, parallel)
     from tlt_kernels._cuda import verify_tree as cv
 
     g = torch.Generator().manual_seed(V + T + 1)
@@ -211,12 +223,15 @@ TOPP_COMPACT_CASES = [
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule,use_q,V,T,B,dtype,scale", TOPP_COMPACT_CASES)
 @pytest.mark.parametrize("cluster", [0, 1, 4, 16])
-def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dtype, scale, cluster):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_topp_candidates_same_bits(monkeypatch, rule, use_q, V, T, B, dtype, scale, cluster, parallel):
     """The top-p threshold selected among compacted candidates (TOPP_COMPACT) is the full row's: every token at
     or above it is a candidate. After top-k the need is the same integer, so outputs are identical; for top-p alone
     the need comes from the statistics' float Z and the normalizer from the kept candidates' 32.32 sum, so outputs
-    may differ only at a float tie (at most ALLOW_TIES requests). Reruns are identical either way."""
+    may differ only at a float tie (at most ALLOW_TIES requests). Reruns are identical either way; with parallel
+    rows the candidates of every node go to their own scratch row."""
     need_gpu_ext()
+    _rows(monkeypatch, parallel)
     g = torch.Generator().manual_seed(V + T + 3)
     lg, toks, par, n, q = verify_inputs(B, T, V, seed=V * 5 + T, use_q=use_q, dtype=dtype)
     kw = _sampling_kw(rule, B, g)
@@ -310,13 +325,15 @@ def test_verify_auto_cluster_large_vocab(monkeypatch, use_q):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [1, 4])
-def test_verify_large_tree_not_staged(monkeypatch, cluster):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_large_tree_not_staged(monkeypatch, cluster, parallel):
     """T above the kernel's shared-memory staging limit (2048 nodes): parents and tokens are read from global
     memory during the walk. Some requests are chains of 2099 drafts (deep walks), others random trees."""
     need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
 
     monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    _rows(monkeypatch, parallel)
     B, T, V = 4, 2100, 23
     lg, toks, par, n, q = verify_inputs(B, T, V, seed=7, use_q=True)
     par[1, 1:] = torch.arange(T - 1, dtype=torch.int32)  # at least one chain
@@ -331,8 +348,10 @@ def test_verify_large_tree_not_staged(monkeypatch, cluster):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_verify_half_logits_strided_rows(q_dtype):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_half_logits_strided_rows(monkeypatch, q_dtype, parallel):
     need_gpu_ext()
+    _rows(monkeypatch, parallel)
     B, T, V = 7, 9, 1000
     lg, toks, par, n, q = verify_inputs(B, T, V, seed=5, use_q=True, dtype=torch.float16, q_dtype=q_dtype)
     # Rows with a padded stride (vocabulary padded to 1003): unaligned row starts take the scalar path.
@@ -345,9 +364,12 @@ def test_verify_half_logits_strided_rows(q_dtype):
 
 
 @pytest.mark.cuda
-def test_verify_poisoned_outputs_and_padding():
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_poisoned_outputs_and_padding(monkeypatch, parallel):
     need_gpu_ext()
     from tlt_kernels._cuda import verify_tree as cv
+
+    _rows(monkeypatch, parallel)
 
     B, T, V = 6, 8, 29
     lg, toks, par, _, q = verify_inputs(B, T, V, seed=9, use_q=True)
@@ -371,8 +393,12 @@ def test_verify_poisoned_outputs_and_padding():
 
 
 @pytest.mark.cuda
-def test_verify_error_flags_are_per_request():
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_error_flags_are_per_request(monkeypatch, parallel):
+    """A flag comes from a row or token the walk visits, never from another request's, and (parallel rows: every
+    node's row is read) never from a row the walk does not reach."""
     need_gpu_ext()
+    _rows(monkeypatch, parallel)
     B, T, V = 6, 5, 9
     lg, toks, _, _, _ = verify_inputs(B, T, V, seed=4, use_q=False)
     par = torch.tensor([[-1, 0, 1, 2, 3]] * B, dtype=torch.int32)
@@ -414,8 +440,10 @@ def test_verify_error_flags_are_per_request():
 
 
 @pytest.mark.cuda
-def test_verify_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_verify_cuda_graph_capture_and_replay(monkeypatch, parallel):
     need_gpu_ext()
+    _rows(monkeypatch, parallel)
     B, T, V = 9, 7, 300
     lg, toks, par, n, q = verify_inputs(B, T, V, seed=12, use_q=True)
     dev = lambda t: t.cuda()  # noqa: E731

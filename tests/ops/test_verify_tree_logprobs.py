@@ -337,7 +337,8 @@ CUDA_SCORED_CASES = [
 @pytest.mark.cuda
 @pytest.mark.parametrize("rule,q_dtype,V,T,B,dtype", CUDA_SCORED_CASES)
 @pytest.mark.parametrize("cluster", [0, 1, 2, 4, 8, 16])
-def test_cuda_scored_walk_matches_the_reference(monkeypatch, rule, q_dtype, V, T, B, dtype, cluster):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_cuda_scored_walk_matches_the_reference(monkeypatch, rule, q_dtype, V, T, B, dtype, cluster, parallel):
     """The CUDA walk's fused scores against the float64 reference's of the same tokens, at every cluster size (the
     raw normalizer folded over 1 to 16 CTAs; 0 = the launcher's choice), greedy / temperature-1 / top-k / top-p rows,
     fp32 / fp16 / bf16 logits and draft rows (rejections, then later children accepted), the top-p threshold over
@@ -353,6 +354,7 @@ def test_cuda_scored_walk_matches_the_reference(monkeypatch, rule, q_dtype, V, T
                                        offset=torch.arange(B) + 2**33, **sampling).items() if v is not None}
     args = (lg.cuda(), toks.cuda(), par.cuda())
     monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", parallel)  # the scores from the rows kernel's statistics too
     _poisoned_scores(monkeypatch)
     _no_scoring_pass(monkeypatch)
     for compact in ((False, True) if "top_p" in kw else (True,)):
@@ -370,7 +372,8 @@ def test_cuda_scored_walk_matches_the_reference(monkeypatch, rule, q_dtype, V, T
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [1, 4])
-def test_cuda_scores_of_flagged_requests_are_zero(monkeypatch, cluster):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_cuda_scores_of_flagged_requests_are_zero(monkeypatch, cluster, parallel):
     """Requests flagged after accepting drafts (a NaN in a row deeper on the path; a draft token outside the
     vocabulary tried after an accept, validate=False): the pairs written at their accepts are reset to 0 with the
     rest of their outputs; the other requests keep reference scores."""
@@ -378,6 +381,7 @@ def test_cuda_scores_of_flagged_requests_are_zero(monkeypatch, cluster):
     from tlt_kernels._cuda import verify_tree as cv
 
     monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", parallel)
     _poisoned_scores(monkeypatch)
     B, T, V = 4, 5, 9001
     g = torch.Generator().manual_seed(4)
@@ -460,13 +464,15 @@ def test_cuda_scores_of_huge_logits():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cluster", [2, 16])
-def test_cuda_scored_walk_in_a_cuda_graph(monkeypatch, cluster):
+@pytest.mark.parametrize("parallel", [False, True], ids=["visited-rows", "parallel-rows"])
+def test_cuda_scored_walk_in_a_cuda_graph(monkeypatch, cluster, parallel):
     """The scored cluster kernel captured in a CUDA graph: replays with new logits give the eager call's bits."""
     need_backend("verify_tree", "cuda", torch.device("cuda"))
     from cuda_cases import verify_inputs
     from tlt_kernels._cuda import verify_tree as cv
 
     monkeypatch.setattr(cv, "CLUSTER_SIZE", cluster)
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", parallel)
     B, T, V = 5, 9, 12347
     lg, toks, par, n, q = (t.cuda() for t in verify_inputs(B, T, V, seed=21, use_q=True, dtype=torch.bfloat16,
                                                             q_dtype=torch.bfloat16))

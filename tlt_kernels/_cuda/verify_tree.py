@@ -37,6 +37,21 @@ CLUSTER_SIZE = _switches.VERIFY_CLUSTER.get()
 # (docs/CUDA_NOTES.md, "Measurements behind the csrc rules"). On by default; TLT_VERIFY_TOPP_COMPACT=0 at import
 # turns it off (tlt_kernels._switches).
 TOPP_COMPACT = _switches.VERIFY_TOPP_COMPACT.get()
+# Parallel rows: None = the measured rule (parallel_rows), True / False force it (tests and A/B runs; read at import
+# from TLT_VERIFY_PARALLEL_ROWS by tlt_kernels._switches, tests monkeypatch it).
+PARALLEL_ROWS = _switches.VERIFY_PARALLEL_ROWS.get()
+# The measured rule's bound on B x T, the rows the first kernel reads (docs/CUDA_NOTES.md, "Parallel rows").
+PARALLEL_MAX_ROWS = 640
+
+
+def parallel_rows(batch: int, num_tree: int, top_p: bool) -> bool:
+    """Whether the CUDA walk gets every node's row statistics from a first kernel (one cluster per row, all at once)
+    instead of streaming each visited row in turn. Measured rule: with a top-p filter (``top_p`` given), whose
+    threshold costs a visited row several passes and cluster barriers, up to ``PARALLEL_MAX_ROWS`` rows of
+    ``batch * num_tree``; without one a visited row is a single pass, and reading every row loses."""
+    if PARALLEL_ROWS is not None:
+        return bool(PARALLEL_ROWS)
+    return top_p and batch * num_tree <= PARALLEL_MAX_ROWS
 
 
 _ELEM_CODES: dict = {}  # dtype -> the extension's code, filled on first use
@@ -97,11 +112,14 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
     if out is None:
         out = empty_verify_outputs(logits, max_depth, return_stats)
     out_tokens, out_num, out_nodes, out_err, out_stats = out
-    # Two residual rows per request (ping-pong after rejections); never read before the kernel writes them.
-    scratch = torch.empty(B, 2, V, dtype=torch.float32, device=dev)
     if B == 0:
         return out
     ext = extension()
+    # Two residual rows per request (ping-pong after rejections), and with parallel rows one top-p candidate row per
+    # node before that; never read before the kernels write them.
+    parallel = parallel_rows(B, T, top_p is not None)
+    scratch = torch.empty(B, max(2, T) if parallel else 2, V, dtype=torch.float32, device=dev)
+    row_stats = torch.empty(B, T, ext.VERIFY_ROW_WORDS, dtype=torch.float32, device=dev) if parallel else None
     # The device guard costs two device switches per call: skip it when dev is already current.
     same = dev.index is None or dev.index == torch.cuda.current_device()
     with contextlib.nullcontext() if same else torch.cuda.device(dev):
@@ -119,6 +137,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             tokens_int64=draft_tokens.dtype == torch.int64, logits_dtype=elem_code(logits.dtype),
             q_dtype=elem_code(draft_probs.dtype) if draft_probs is not None else 0,
             stream=stream_handle(dev), cluster_size=CLUSTER_SIZE, topp_compact=TOPP_COMPACT, scores=ptr(scores),
+            row_stats=ptr(row_stats), scratch_rows=int(scratch.shape[1]),
         )
     return out
 
