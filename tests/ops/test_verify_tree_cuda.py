@@ -37,6 +37,21 @@ def test_philox_host_bit_exact():
         assert torch.equal(got, want), f"purpose {purpose}: host {got.tolist()} vs rng {want.tolist()}"
 
 
+def test_parallel_rows_rule(monkeypatch):
+    """The measured rule: parallel rows with a top-p filter and at most PARALLEL_MAX_ROWS rows of B x T; never
+    without top-p; PARALLEL_ROWS forces either mode (CPU: no kernel runs)."""
+    from tlt_kernels._cuda import verify_tree as cv
+
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", None)
+    assert cv.parallel_rows(1, 5, True) and cv.parallel_rows(64, 9, True)  # 576 rows
+    assert not cv.parallel_rows(256, 5, True), "1280 rows: the visited-rows walk is faster"
+    assert not cv.parallel_rows(1, 5, False), "without top-p a visited row is one pass"
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", True)
+    assert cv.parallel_rows(256, 9, False)
+    monkeypatch.setattr(cv, "PARALLEL_ROWS", False)
+    assert not cv.parallel_rows(1, 5, True)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: verify_tree
 # ---------------------------------------------------------------------------------------------

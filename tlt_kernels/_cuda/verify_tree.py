@@ -8,6 +8,11 @@ select on the logits' order-preserving keys (integer histograms: deterministic r
 every statistic over the cluster in rank order (bit-identical in every CTA), and draws the coins with
 the same Philox4x32-10 as :mod:`tlt_kernels.rng`. No host synchronization: CUDA-graph capturable.
 
+Parallel rows (:func:`parallel_rows`: with top-p and at most ``PARALLEL_MAX_ROWS`` rows of ``B * T``): a first kernel
+computes every node's row statistics at once, one cluster per (request, node), and the walk reads them instead of
+streaming each visited row in turn; more bytes, far less latency where a top-p row's select would otherwise chain
+row after row (docs/CUDA_NOTES.md, "Parallel rows").
+
 ``verify_tree_cuda_scored`` is the same walk with the emitted tokens' log-probs
 (``verify_tree(return_logprobs=, return_raw_logprobs=)``) written by the kernel itself (separate instantiations; the
 plain kernel is unchanged): the sampled one from the statistics the walk already folds for each visited row, the raw
