@@ -23,7 +23,7 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
                        int64_t logits_stride_t, int64_t q_stride_b, int64_t q_stride_t, int64_t tokens_stride_b,
                        int64_t parents_stride_b, int batch, int num_tree, int vocab, int max_depth, bool tokens_int64,
                        int logits_dtype, int q_dtype, uintptr_t stream, int cluster_size, bool topp_compact,
-                       uintptr_t scores, uintptr_t row_stats, int scratch_rows) {
+                       uintptr_t scores, uintptr_t row_stats, int scratch_rows, int rows_cluster) {
   tlt::VerifyTreeParams p;
   p.logits = as_ptr<const void*>(logits);
   p.draft_probs = as_ptr<const void*>(draft_probs);
@@ -44,6 +44,7 @@ void verify_tree_entry(uintptr_t logits, uintptr_t draft_probs, uintptr_t draft_
   p.scores = as_ptr<float*>(scores);
   p.row_stats = as_ptr<float*>(row_stats);
   p.scratch_rows = scratch_rows;
+  p.rows_cluster = rows_cluster;
   p.logits_stride_b = logits_stride_b;
   p.logits_stride_t = logits_stride_t;
   p.q_stride_b = q_stride_b;
@@ -78,11 +79,11 @@ void register_verify_tree(py::module_& m) {
         py::arg("parents_stride_b"), py::arg("batch"), py::arg("num_tree"), py::arg("vocab"), py::arg("max_depth"),
         py::arg("tokens_int64"), py::arg("logits_dtype"), py::arg("q_dtype"), py::arg("stream"),
         py::arg("cluster_size") = 0, py::arg("topp_compact") = false, py::arg("scores") = 0,
-        py::arg("row_stats") = 0, py::arg("scratch_rows") = 2,
+        py::arg("row_stats") = 0, py::arg("scratch_rows") = 2, py::arg("rows_cluster") = 0,
         "Fused tree verification, one CTA cluster per request (0 = null for draft_probs / temperature / top_k / "
         "top_p / out_stats / scores / row_stats). scratch is float32 [B, scratch_rows, V] (scratch_rows >= 2; >= T with "
         "row_stats). row_stats: float32 [B, T, VERIFY_ROW_WORDS], set = parallel rows (every node's row statistics "
-        "computed at once by a first kernel, then the walk). scores: float32 [B, max_depth + 1, 2], the "
+        "computed at once by a first kernel, then the walk); rows_cluster: its CTAs per row (0 = auto, like cluster_size). scores: float32 [B, max_depth + 1, 2], the "
         "emitted tokens' (sampled, raw) log-probs written by the walk (0 past num_accepted and on flagged requests). cluster_size: CTAs per request, 0 = auto (from B, V "
         "and the SM count), else 1, 2, 4, 8 or 16 (> 1 needs sm_90; 16 a non-portable cluster size). topp_compact: "
         "select the top-p threshold among compacted candidates (the full-row threshold up to float ties). dtype codes: ELEM_FLOAT32 / "

@@ -67,6 +67,9 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
                        "scratch needs rows >= 2 per request (>= T = " << p.num_tree << " with row_stats), got "
                                                                      << p.scratch_rows);
   TLT_STATUS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.row_stats) % 16 == 0, "row_stats must be 16-byte aligned");
+  TLT_STATUS_CHECK_ARG(p.rows_cluster == 0 || p.rows_cluster == 1 || p.rows_cluster == 2 || p.rows_cluster == 4 ||
+                           p.rows_cluster == 8 || p.rows_cluster == 16,
+                       "rows_cluster must be 0 (auto), 1, 2, 4, 8 or 16, got " << p.rows_cluster);
   if (p.batch == 0) return {};
   TLT_STATUS_CHECK_ARG(p.logits && p.draft_tokens && p.parents && p.num_nodes && p.seed && p.offset && p.scratch &&
                         p.out_tokens && p.out_num && p.out_nodes && p.out_error,

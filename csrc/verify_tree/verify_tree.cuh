@@ -1011,9 +1011,19 @@ __device__ __forceinline__ RequestLaw request_law(const VerifyTreeParams& p, int
   return r;
 }
 
-// A RowState as the rows kernel leaves it for the walk (kVerifyRowWords floats per (request, node), 16-byte
-// aligned): bad, arg, thr (as int bits), the Expo, Z, qsum, M, Z1. The walk reads back the same bits.
-static_assert(kVerifyRowWords >= 12, "a stored RowState takes three 16-byte words");
+// A RowState as the rows kernel leaves it for the walk (the first kVerifyRowStateWords floats of a (request, node),
+// 16-byte aligned): bad, arg, thr (as int bits), the Expo, Z, qsum, M, Z1. The walk reads back the same bits. Then
+// rank r's sampling plan at kVerifyRowStateWords + 4 r: pre, end, total, last.
+static_assert(kVerifyRowStateWords >= 12, "a stored RowState takes three 16-byte words");
+
+__device__ __forceinline__ void store_plan(float* w, const Plan& plan) {
+  *reinterpret_cast<float4*>(w) = make_float4(plan.pre, plan.end, plan.total, __int_as_float(plan.last));
+}
+
+__device__ __forceinline__ Plan load_plan(const float* w) {
+  const float4 v = __ldcg(reinterpret_cast<const float4*>(w));
+  return Plan{v.x, v.y, v.z, __float_as_int(v.w)};
+}
 
 __device__ __forceinline__ void store_row_state(float* w, const RowState& s, bool scored) {
   float4* v = reinterpret_cast<float4*>(w);
@@ -1081,7 +1091,11 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_rows_
   Plan plan{0.f, 0.f, 0.f, -1};
   const RowState s = row_state<SCORED>(row, q_row, HAS_Q && !law.greedy && has_child, lo, hi, V, law.greedy, law.ks,
                                        law.top_k, law.top_p, cand, cl, sm, plan);
-  if (cl.rank == 0 && threadIdx.x == 0) store_row_state(p.row_stats + row_id * kVerifyRowWords, s, SCORED);
+  float* out = p.row_stats + row_id * kVerifyRowWords;
+  if (cl.rank == 0 && threadIdx.x == 0) store_row_state(out, s, SCORED);
+  // Each rank's place in the row's kept mass (set by row_state's last fold for every sampled row); the walk uses it
+  // when it runs with this kernel's C (same slices).
+  if (threadIdx.x == 0) store_plan(out + kVerifyRowStateWords + 4 * cl.rank, plan);
   cluster_barrier(cl);  // no CTA may exit while another still reads its shared memory (the last fold's slot)
 }
 
@@ -1147,6 +1161,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   const float ks = law.ks;
   // Parallel rows: every node's RowState was computed by verify_rows_kernel; the walk reads it instead of its row.
   const float* row_stats_b = p.row_stats ? p.row_stats + static_cast<int64_t>(b) * p.num_tree * kVerifyRowWords : nullptr;
+  const bool row_plans = p.rows_cluster == csize;  // the rows kernel's slices are this walk's: its plans apply
   const int64_t seed = p.seed[b], offset = p.offset[b];
   const TL* logits_b = static_cast<const TL*>(p.logits) + b * p.logits_stride_b;
   const TQ* q_b = HAS_Q ? static_cast<const TQ*>(p.draft_probs) + b * p.q_stride_b : nullptr;
@@ -1195,7 +1210,11 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
         if (HAS_Q) pf_q = to_float(__ldg(q_b + node * p.q_stride_t + x));
       }
     }
-    if (row_stats_b) return load_row_state(row_stats_b + node * kVerifyRowWords);
+    if (row_stats_b) {
+      const float* w = row_stats_b + node * kVerifyRowWords;
+      if (row_plans) plan = load_plan(w + kVerifyRowStateWords + 4 * cl.rank);
+      return load_row_state(w);
+    }
     const bool want_q = HAS_Q && !greedy && depth < p.max_depth && child >= 0;
     // Top-p candidates go to the scratch row without the live residual (its last readers, the residual pass that
     // left it, are done); like residuals, they are written and read by the CTA that owns the slice only.
@@ -1318,7 +1337,7 @@ __global__ void __launch_bounds__(kVerifyThreads, kVerifyMinBlocks) verify_tree_
   int final_tok = greedy ? s.arg : -1;
   bool owner = false;
   // A row from the rows kernel has no plan yet: this CTA's place in its kept mass (a residual brought its own).
-  if (row_stats_b && !greedy && !err && !has_res) plan_of_row(row, s, lo, hi, cl, sm, plan);
+  if (row_stats_b && !row_plans && !greedy && !err && !has_res) plan_of_row(row, s, lo, hi, cl, sm, plan);
   // No mass to sample from (no valid row leads here: its maximal logits weigh 1): flagged, never emitted as -1.
   if (!greedy && !err && plan.last < 0) err = 1;
   if (!greedy && !err && plan.last >= 0) {

@@ -25,7 +25,8 @@ enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 //                 rows (only touched after a rejection); with row_stats, rows 0..T-1 first hold the rows kernel's
 //                 top-p candidates (scratch_rows >= max(2, T))
 //   row_stats     float32 [B, T, kVerifyRowWords] or null: set = parallel rows (verify_rows_kernel computes every
-//                 node's row statistics at once, then the walk reads them instead of streaming each visited row)
+//                 node's row statistics at once, then the walk reads them instead of streaming each visited row):
+//                 words [0, 16) a RowState, then each rank's sampling plan (4 words per rank of the rows kernel)
 //   out_tokens, out_nodes int32 [B, max_depth + 1]; out_num, out_error int32 [B];
 //   out_stats     int32 [B, max_depth, 2] or null
 //   scores        float32 [B, max_depth + 1, 2] or null (null: the plain kernels, which write no log-probs): each
@@ -68,13 +69,18 @@ struct VerifyTreeParams {
   float* scores = nullptr;  // float32 [B, max_depth + 1, 2] or null (see above)
   float* row_stats = nullptr;  // float32 [B, T, kVerifyRowWords] or null (see above)
   int scratch_rows = 2;        // rows per request of scratch
+  // CTAs per row of the rows kernel: 0 = picked like the walk's for B * T rows (or `cluster` where that is forced),
+  // else 1, 2, 4, 8 or 16. The launcher hands the walk the size it used: where it equals the walk's, the walk takes
+  // each row's sampling plan from row_stats instead of a pass over the row.
+  int rows_cluster = 0;
 };
 
 // Limits of the CUDA kernel (the Python glue reports them before launching).
 constexpr int kVerifyMaxDepthSmem = 4096;
 constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
 constexpr int kVerifyMaxCluster = 16;
-constexpr int kVerifyRowWords = 16;  // floats per (request, node) of row_stats (a RowState, padded to 64 bytes)  // 16 needs the non-portable cluster attribute (Hopper)
+constexpr int kVerifyRowStateWords = 16;  // a RowState in row_stats, padded to 64 bytes
+constexpr int kVerifyRowWords = kVerifyRowStateWords + 4 * kVerifyMaxCluster;  // floats per (request, node)  // 16 needs the non-portable cluster attribute (Hopper)
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
 

@@ -59,9 +59,10 @@ inline cudaLaunchConfig_t verify_config(const VerifyTreeParams& p, int C, int sm
 // and C: every instantiation has the same footprint (256 threads, <= 128 registers, ~13 KB of static
 // shared memory, the 64 KB cp.async ring plus a small dynamic part).
 // `major` and `dev`: the current device's compute capability and ordinal (the caller's query).
+// `waves`: how many waves of p.batch clusters are allowed (2 for walks, 1 for the rows kernel, see launch_rows).
 template <typename Kernel>
 LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cudaStream_t stream, int major, int dev,
-                          int& C) {
+                          int& C, int waves = 2) {
   C = 1;
   if (p.cluster == 1) return {};
   if (p.cluster > 1) {
@@ -88,8 +89,8 @@ LaunchStatus pick_cluster(const VerifyTreeParams& p, Kernel kernel, int smem, cu
       n = n > 0 ? n : -1;  // -1: cannot run (cached too)
       if (dev >= 0 && dev < kMaxDevices) active[dev][lg] = n;
     }
-    const int waves = c > kVerifyMaxPortableCluster ? 1 : 2;
-    if (static_cast<int64_t>(p.batch) <= static_cast<int64_t>(waves) * n) {
+    const int allowed = c > kVerifyMaxPortableCluster ? 1 : waves;
+    if (static_cast<int64_t>(p.batch) <= static_cast<int64_t>(allowed) * n) {
       C = c;
       return {};
     }
@@ -133,10 +134,12 @@ LaunchStatus launch_clusters(Kernel kernel, const VerifyTreeParams& p, int C, in
   return {};
 }
 
-// The parallel-rows kernel (p.row_stats set): one cluster per (request, node), its C picked like the walk's with
-// B * T rows in place of B requests.
+// The parallel-rows kernel (p.row_stats set): one cluster per (request, node), its C (returned) picked like the
+// walk's with B * T rows in place of B requests but in one wave, or forced by p.rows_cluster. One wave: every row
+// costs about the same (no short walks free SMs early), so a second wave doubles the time (docs/CUDA_NOTES.md,
+// "Parallel rows").
 template <typename TL, typename TQ, bool HAS_Q, bool SCORED, bool TOPP_COMPACT>
-LaunchStatus launch_rows(const VerifyTreeParams& p, cudaStream_t stream, int major, int dev) {
+LaunchStatus launch_rows(const VerifyTreeParams& p, cudaStream_t stream, int major, int dev, int& C) {
   auto kernel = accept::verify_rows_kernel<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>;
   const int smem = major >= 8 ? accept::kRingBytes : 0;
   static int smem_allowed[kMaxDevices] = {};
@@ -146,8 +149,9 @@ LaunchStatus launch_rows(const VerifyTreeParams& p, cudaStream_t stream, int maj
   TLT_STATUS_CHECK_ARG(rows <= 0x7fffffff, "B x T = " << rows << " rows exceed the grid limit");
   VerifyTreeParams rp = p;
   rp.batch = static_cast<int>(rows);
-  int C = 1;
-  TLT_RETURN_IF_FAILED(pick_cluster(rp, kernel, smem, stream, major, dev, C));
+  if (p.rows_cluster > 0) rp.cluster = p.rows_cluster;
+  C = 1;
+  TLT_RETURN_IF_FAILED(pick_cluster(rp, kernel, smem, stream, major, dev, C, 1));
   return launch_clusters(kernel, rp, C, smem, stream);
 }
 
@@ -165,10 +169,13 @@ LaunchStatus launch_verify(const VerifyTreeParams& p, cudaStream_t stream) {
   static int smem_allowed[kMaxDevices] = {};  // 0: not set yet (the default allows 48 KB)
   static bool non_portable[kMaxDevices] = {};
   TLT_RETURN_IF_FAILED(set_attributes(kernel, p, smem, major, dev, smem_allowed, non_portable));
-  if (p.row_stats) TLT_RETURN_IF_FAILED((launch_rows<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>(p, stream, major, dev)));
+  VerifyTreeParams wp = p;
+  wp.rows_cluster = 0;  // the walk's test `rows_cluster == C` (C >= 1) fails without a rows kernel
+  if (p.row_stats)
+    TLT_RETURN_IF_FAILED((launch_rows<TL, TQ, HAS_Q, SCORED, TOPP_COMPACT>(p, stream, major, dev, wp.rows_cluster)));
   int C = 1;
-  TLT_RETURN_IF_FAILED(pick_cluster(p, kernel, smem, stream, major, dev, C));
-  return launch_clusters(kernel, p, C, smem, stream);
+  TLT_RETURN_IF_FAILED(pick_cluster(wp, kernel, smem, stream, major, dev, C));
+  return launch_clusters(kernel, wp, C, smem, stream);
 }
 
 template <typename TL, bool SCORED>

@@ -45,6 +45,9 @@ TOPP_COMPACT = _switches.VERIFY_TOPP_COMPACT.get()
 # Parallel rows: None = the measured rule (parallel_rows), True / False force it (tests and A/B runs; read at import
 # from TLT_VERIFY_PARALLEL_ROWS by tlt_kernels._switches, tests monkeypatch it).
 PARALLEL_ROWS = _switches.VERIFY_PARALLEL_ROWS.get()
+# CTAs per row of the parallel-rows kernel: 0 = the launcher's choice (as for the walk, from B x T rows); 1, 2, 4, 8
+# or 16 force it (tuning only).
+ROWS_CLUSTER_SIZE = 0
 # The measured rule's bound on B x T, the rows the first kernel reads (docs/CUDA_NOTES.md, "Parallel rows").
 PARALLEL_MAX_ROWS = 640
 
@@ -142,7 +145,7 @@ def _launch(logits, draft_tokens, parents, num_nodes, draft_probs, temperature, 
             tokens_int64=draft_tokens.dtype == torch.int64, logits_dtype=elem_code(logits.dtype),
             q_dtype=elem_code(draft_probs.dtype) if draft_probs is not None else 0,
             stream=stream_handle(dev), cluster_size=CLUSTER_SIZE, topp_compact=TOPP_COMPACT, scores=ptr(scores),
-            row_stats=ptr(row_stats), scratch_rows=int(scratch.shape[1]),
+            row_stats=ptr(row_stats), scratch_rows=int(scratch.shape[1]), rows_cluster=ROWS_CLUSTER_SIZE,
         )
     return out
 
