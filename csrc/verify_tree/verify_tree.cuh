@@ -1121,7 +1121,9 @@ __device__ __forceinline__ void store_scores(float* scores, int64_t at, const To
   scores[2 * at + 1] = t.raw;
 }
 
-// One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract).
+// One verification walk per cluster (see tlt_kernels/reference/verify_tree.py for the contract). With p.row_stats
+// (parallel rows) a visited node's RowState, and its sampling plan where the rows kernel ran with this C, is read
+// from verify_rows_kernel's output instead of computed from its row.
 // `csize` = C, the cluster size the launcher chose (1: no cluster). TOPP_COMPACT: the top-p threshold is
 // selected among compacted candidates (p.topp_compact; a separate instantiation, so the default kernel's
 // registers are untouched: in the same kernel the extra path made the bf16/fp32 walk spill 244 bytes).
