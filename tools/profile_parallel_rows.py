@@ -47,6 +47,7 @@ def _rows(args):
                 logits, tokens, q = _case(B, T, V, parents, torch.bfloat16, dev)
                 for top_p in (None, 0.9):
                     kw = _engine_sampling(B, T, top_p, dev, draft_probs=q, validate=False)
+                    cv.PARALLEL_ROWS, cv.ROWS_CLUSTER_SIZE = False, 0  # the reference is the visited-rows walk
                     ref = verify_tree(logits, tokens, parents, backend="cuda", **kw)
                     for label, parallel, rows_c in _modes():
                         cv.PARALLEL_ROWS, cv.ROWS_CLUSTER_SIZE = parallel, rows_c

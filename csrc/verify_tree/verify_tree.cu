@@ -42,6 +42,9 @@ namespace {
 
 bool valid_type(ElemType t) { return t == ElemType::kFloat32 || t == ElemType::kFloat16 || t == ElemType::kBFloat16; }
 
+// A cluster-size argument: 0 (the launcher picks) or a power of two up to kVerifyMaxCluster.
+bool valid_cluster(int c) { return c == 0 || c == 1 || c == 2 || c == 4 || c == 8 || c == 16; }
+
 // The scored instantiations (which also write p.scores) where scores is set, else the plain ones.
 template <typename TL>
 LaunchStatus dispatch_scoring(const VerifyTreeParams& p, cudaStream_t stream) {
@@ -56,8 +59,7 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
   TLT_STATUS_CHECK_ARG(p.max_depth >= 0, "max_depth must be >= 0, got " << p.max_depth);
   const int depth_cap = p.max_depth < p.num_tree - 1 ? p.max_depth : p.num_tree - 1;
   TLT_STATUS_CHECK_ARG(p.vocab <= kVerifyMaxVocab, "V = " << p.vocab << " exceeds the CUDA kernel's limit " << kVerifyMaxVocab);
-  TLT_STATUS_CHECK_ARG(p.cluster == 0 || p.cluster == 1 || p.cluster == 2 || p.cluster == 4 || p.cluster == 8 ||
-                        p.cluster == 16,
+  TLT_STATUS_CHECK_ARG(valid_cluster(p.cluster),
                     "cluster must be 0 (auto), 1, 2, 4, 8 or 16, got " << p.cluster);
   TLT_STATUS_CHECK_ARG(depth_cap <= kVerifyMaxDepthSmem,
                     "min(max_depth, T - 1) = " << depth_cap << " exceeds the CUDA kernel's limit " << kVerifyMaxDepthSmem);
@@ -67,8 +69,7 @@ LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) 
                        "scratch needs rows >= 2 per request (>= T = " << p.num_tree << " with row_stats), got "
                                                                      << p.scratch_rows);
   TLT_STATUS_CHECK_ARG(reinterpret_cast<uintptr_t>(p.row_stats) % 16 == 0, "row_stats must be 16-byte aligned");
-  TLT_STATUS_CHECK_ARG(p.rows_cluster == 0 || p.rows_cluster == 1 || p.rows_cluster == 2 || p.rows_cluster == 4 ||
-                           p.rows_cluster == 8 || p.rows_cluster == 16,
+  TLT_STATUS_CHECK_ARG(valid_cluster(p.rows_cluster),
                        "rows_cluster must be 0 (auto), 1, 2, 4, 8 or 16, got " << p.rows_cluster);
   if (p.batch == 0) return {};
   TLT_STATUS_CHECK_ARG(p.logits && p.draft_tokens && p.parents && p.num_nodes && p.seed && p.offset && p.scratch &&

@@ -78,9 +78,9 @@ struct VerifyTreeParams {
 // Limits of the CUDA kernel (the Python glue reports them before launching).
 constexpr int kVerifyMaxDepthSmem = 4096;
 constexpr int kVerifyMaxVocab = 0x7fffffff - (1 << 16);  // int32 element offsets plus a sweep step of slack
-constexpr int kVerifyMaxCluster = 16;
+constexpr int kVerifyMaxCluster = 16;  // 16 needs the non-portable cluster attribute (Hopper)
 constexpr int kVerifyRowStateWords = 16;  // a RowState in row_stats, padded to 64 bytes
-constexpr int kVerifyRowWords = kVerifyRowStateWords + 4 * kVerifyMaxCluster;  // floats per (request, node)  // 16 needs the non-portable cluster attribute (Hopper)
+constexpr int kVerifyRowWords = kVerifyRowStateWords + 4 * kVerifyMaxCluster;  // floats per (request, node)
 
 LaunchStatus launch_verify_tree(const VerifyTreeParams& p, cudaStream_t stream) noexcept;
 
