@@ -275,6 +275,13 @@ class SharedAcceptanceModel:
         self.observed_tokens[arm] = self.tokens[arm] = (
             tokens_per_request if o is None else (1 - 1 / w) * o + tokens_per_request / w)
 
+    def reset_level(self, prior_accept: float) -> None:
+        """The level back to its prior, ``cloglog(prior_accept)``, its variance at least the prior's (as
+        :meth:`forget` leaves it); the offsets and their covariance with the level are kept. Call
+        :meth:`refresh_all` before the next choice."""
+        self.level = cloglog(prior_accept)
+        self.cov[0][0] = max(self.cov[0][0], LEVEL_PRIOR_VAR)
+
     def forget(self, keep: float) -> None:
         """After a detected change: keep a fraction ``keep`` of the arms' own counts, reset the level's variance to
         its prior and drop observed-token fallbacks; the offsets (how arms differ) are kept."""

@@ -15,9 +15,9 @@ a row in a bucket the best-predicted speculative
 arm is played once: plain decoding observes no acceptance, so without probes a selector that settled on it (a warm
 selector after a low-acceptance rollout, say) would never see the acceptance rise. On an alarm of the change
 detector (:mod:`.change_detector`) the model forgets (:meth:`~.acceptance_model.SharedAcceptanceModel.forget`), and
-it forgets part of its counts (``keep_on_rollout``) when a new rollout starts: a batch's counts are its lagging
-requests', and the next batch's are others; the new rollout's first plain-decoding choice per bucket is a probe
-(``probe_on_rollout``).
+it forgets part of its counts (``keep_on_rollout``) and returns the level to its prior (``prior_level_on_rollout``)
+when a new rollout starts: a batch's counts and level are its lagging requests', and the next batch's requests are
+others; the new rollout's first plain-decoding choice per bucket is a probe (``probe_on_rollout``).
 docs/RUNTIME.md has the derivation and measurements.
 """
 from __future__ import annotations
@@ -95,6 +95,9 @@ class CostModelPolicy(Policy):
         keep_on_rollout: fraction of the arms' own acceptance counts kept when a new rollout starts
             (:meth:`new_rollout`), in [0, 1]: the counts a rollout ends with are its lagging requests', which say
             little about the next batch's (1: keep them all).
+        prior_level_on_rollout: when a new rollout starts, the shared level returns to ``prior_accept``'s, with the
+            prior's variance (the offsets and step times are kept): the level a rollout ends with is its
+            lagging requests' (False: keep it).
         probe_on_rollout: when a new rollout starts, the first choice of plain decoding in each bucket is a probe
             (as after ``probe_every`` plain steps; needs ``probe_every``): a selector that ended the last batch on
             plain decoding would otherwise wait ``probe_every`` steps to see the new requests' drafts.
@@ -110,14 +113,15 @@ class CostModelPolicy(Policy):
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
                  explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32,
                  min_gain: float = 0.0, ride_runs: bool = True, keep_on_rollout: float = 0.5,
-                 probe_on_rollout: bool = True):
+                 probe_on_rollout: bool = True, prior_level_on_rollout: bool = True):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
                        offset_mean, explore_margin, min_gain, keep_on_rollout)
         if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int)
                                         or probe_every < 1):
             raise ValueError(f"probe_every must be an int >= 1 (plain steps in a row) or None, got {probe_every!r}")
-        if not isinstance(probe_on_rollout, bool):
-            raise ValueError(f"probe_on_rollout must be a bool, got {probe_on_rollout!r}")
+        for name, flag in (("probe_on_rollout", probe_on_rollout), ("prior_level_on_rollout", prior_level_on_rollout)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         self.cost_table = cost_table
@@ -137,6 +141,7 @@ class CostModelPolicy(Policy):
         self.ride_runs = bool(ride_runs)
         self.keep_on_rollout = keep_on_rollout
         self.probe_on_rollout = probe_on_rollout
+        self.prior_level_on_rollout = prior_level_on_rollout
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
@@ -182,14 +187,20 @@ class CostModelPolicy(Policy):
     def new_rollout(self) -> None:
         """A new batch: keep ``keep_on_rollout`` of the arms' own counts and reset the level's variance (as after a
         detected change, :meth:`~.acceptance_model.SharedAcceptanceModel.forget`), so the new requests' first
-        observations move the prediction; ride no run of the last batch; with ``probe_on_rollout`` the first choice
-        of plain decoding in each bucket is a probe. Step times are kept."""
+        observations move the prediction; with ``prior_level_on_rollout`` the level itself returns to the prior's;
+        ride no run of the last batch; with ``probe_on_rollout`` the first choice of plain decoding in each bucket
+        is a probe. Step times, width and depth offsets are kept."""
         self.riding = -1
         if self.probe_on_rollout and self.probe_every is not None:
             self.plain_run = [self.probe_every] * len(self.plain_run)
         if self.keep_on_rollout < 1.0:
             self.acceptance.forget(self.keep_on_rollout)
             self.refresh_due = True  # the predictions are recomputed at the next choice's step
+        if self.prior_level_on_rollout:
+            # The last batch ended on its lagging requests, often in a stretch no draft fits: a level learned there
+            # kept a warm selector on plain decoding through the new requests' drafts (docs/RUNTIME.md).
+            self.acceptance.reset_level(self.prior_accept)
+            self.refresh_due = True
 
     def choose(self, bucket, batch_size, allowed, step):
         if self.refresh_due:
