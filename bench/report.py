@@ -196,6 +196,17 @@ what speculation cuts. Redraw it from the run's step log (the e2e suite's `--wri
 python -m bench.plot_steps bench/step_logs/h200_e2e_b128_2026-11-27_0644.json --out docs/e2e_tokens_per_s.png \\
   --rows "plain,static-s4k2v8,static-s5k4v16 (spot drafter),adaptive,adaptive (warm)"
 ```
+
+The rl suite's record per RL step (`docs/rl_steps.png`): each way's mean reward and rollout seconds (log scale:
+transformers' `generate` is the top line). The policy (SmolLM2-135M-Instruct) solves few of the arithmetic problems,
+so the rewards are small and noisy; the lossless check is the record's two-sample test, not the curves. Redraw it
+after re-recording with:
+
+```bash
+python -m bench.plot_rl bench/results/h200/rl.json --out docs/rl_steps.png
+```
+
+![reward and rollout time per RL step](rl_steps.png)
 """
 
 
