@@ -18,9 +18,10 @@ every request with context L and a random tree of T nodes. Impls:
   (block mask outside the timing), on contiguous K/V like the row above;
 * ``flashinfer``: ``BatchPrefillWithPagedKVCacheWrapper`` with ``custom_mask`` over the same pages
   (``plan`` outside the timing), when FlashInfer imports;
-* ``tlt-triton fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case over e4m3 K/V
-  caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton kernel over the
-  caches' exact bf16 widening, XQA's against ours;
+* ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
+  over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
+  kernel over the caches' exact bf16 widening (the CUDA row: its mma.sync kernel, where fp8 caches run), XQA's
+  against ours;
 * ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
   q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
   mask is bit-packed over them (:func:`xqa_tree_mask`); ``flashinfer decode (T=1)``: its decode wrapper for one
@@ -97,7 +98,6 @@ def _dense_mask(parents: torch.Tensor, L: int) -> torch.Tensor:
 
 def _gather_dense(k_cache, v_cache, block_table, n_tokens):
     """K, V of slots ``0 .. n_tokens-1`` of every request as ``[B, Hkv, n_tokens, D]`` (contiguous)."""
-    B = block_table.shape[0]
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
     slots = torch.arange(n_tokens, device=k_cache.device)
     flat = block_table.long()[:, slots // PAGE] * PAGE + slots % PAGE  # [B, n]
@@ -493,10 +493,30 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers):
     except Exception as exc:  # noqa: BLE001 - report, go on with the other rows
         ctx.note(f"tlt-triton fp8 failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
         return
+    _bench_cuda_fp8(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
     fi = ctx.try_import("flashinfer") if peers else None
     if fi is not None and hasattr(getattr(fi, "decode", None), "trtllm_batch_decode_with_kv_cache"):
         _bench_flashinfer_xqa(ctx, fi, case, {**inp, "k_cache": k8, "v_cache": v8}, out, nbytes, cost.extra,
                               impl="flashinfer-xqa fp8")
+
+
+def _bench_cuda_fp8(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
+    """``tlt-cuda fp8``: the CUDA backend over the same e4m3 caches (its mma.sync kernel), checked against ``reference``
+    (the Triton kernel over their bf16 widening); a note instead when the extension is not built."""
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    why = backend_unavailable_reason("cuda", q.device)
+    if why is not None:
+        ctx.note(f"tlt-cuda fp8 not run: {why}")
+        return
+    try:
+        out = plan.run(q, k8, v8, backend="cuda")
+        _check("tlt-cuda fp8", out, reference, case)
+        ms, timing = _timed(ctx, lambda: plan.run(q, k8, v8, out=out, backend="cuda"))
+        ctx.add(case, "tlt-cuda fp8", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
+                timing=timing, **cost.extra(ms))
+    except Exception as exc:  # noqa: BLE001 - report, go on with the other rows
+        ctx.note(f"tlt-cuda fp8 failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
 
 
 def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra, impl="flashinfer-xqa"):

@@ -73,7 +73,7 @@ tlt::TreeAttentionParams make_params(uintptr_t q, uintptr_t k_cache, uintptr_t v
       py::arg("out_strides"), py::arg("bt_stride_b"), py::arg("batch"), py::arg("num_tree"),               \
       py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),         \
       py::arg("num_splits"), py::arg("split_len"), py::arg("sm_scale"), py::arg("dtype"), py::arg("stream"), \
-      py::arg("config") = 0, py::arg("cache_tokens") = 0
+      py::arg("config") = 0, py::arg("cache_tokens") = 0, py::arg("kv_fp8") = 0, py::arg("v_scale") = 1.0f
 
 template <tlt::LaunchStatus (*Launch)(const tlt::TreeAttentionParams&, cudaStream_t) noexcept>
 void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_table,
@@ -82,12 +82,14 @@ void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uin
                           const py::tuple& v_strides, const py::tuple& out_strides, int64_t bt_stride_b, int batch,
                           int num_tree, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                           int num_splits, int split_len, float sm_scale, int dtype, uintptr_t stream, int config,
-                          int64_t cache_tokens) {
+                          int64_t cache_tokens, int kv_fp8, float v_scale) {
   tlt::TreeAttentionParams p =
       make_params(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out,
                   q_strides, k_strides, v_strides, out_strides, bt_stride_b, batch, num_tree, num_q_heads,
                   num_kv_heads, head_dim, block_size, num_splits, split_len, sm_scale, dtype, config);
   p.cache_tokens = cache_tokens;  // token rows of the smaller cache (num_blocks * block_size): the TMA maps' extent
+  p.kv_fp8 = static_cast<tlt::Fp8Format>(kv_fp8);  // the launchers check the code
+  p.v_scale = v_scale;
   // Launches are asynchronous and cheap; keep the GIL (no Python work runs meanwhile anyway).
   raise_if_failed(Launch(p, reinterpret_cast<cudaStream_t>(stream)));
 }
@@ -97,11 +99,16 @@ void tree_attention_entry(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uin
 void register_tree_attention(py::module_& m) {
   m.attr("DTYPE_FLOAT16") = static_cast<int>(tlt::DType::kFloat16);
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(tlt::DType::kBFloat16);
+  m.attr("KV_FP8_NONE") = static_cast<int>(tlt::Fp8Format::kNone);
+  m.attr("KV_FP8_E4M3") = static_cast<int>(tlt::Fp8Format::kE4M3);
+  m.attr("KV_FP8_E5M2") = static_cast<int>(tlt::Fp8Format::kE5M2);
   m.def("tree_attention_partial", &tree_attention_entry<tlt::launch_tree_attention_partial>, TLT_TREE_ATTN_ARGS,
         "Step 1 of tree attention: writes out [B,T,Hq,D] for requests with at most one non-empty context split, "
         "else partial_out float32 [B,Hkv,S+1,T*G,D] / partial_lse float32 [B,Hkv,S+1,T*G] at slots "
         "s < ceil(context_lens[b] / split_len) (the last includes the tree). dtype: DTYPE_FLOAT16 or "
-        "DTYPE_BFLOAT16; config: 0 (per shape) or a tuning variant (csrc/tree_attention/tree_attention.cu).");
+        "DTYPE_BFLOAT16; config: 0 (per shape) or a tuning variant (csrc/tree_attention/tree_attention.cu); kv_fp8: "
+        "KV_FP8_NONE (caches of q's dtype) or KV_FP8_E4M3 / KV_FP8_E5M2 (fp8 caches, configs 0 and 5); v_scale: the V "
+        "cache's dequantization scale (each output row times it).");
   m.def("tree_attention_merge", &tree_attention_entry<tlt::launch_tree_attention_merge>, TLT_TREE_ATTN_ARGS,
         "Step 2 of tree attention: log-sum-exp merge of the used partial slots into out [B,T,Hq,D] for requests "
         "with two or more non-empty splits (zeros for rows t >= num_nodes[b]); launches nothing when num_splits == 1.");

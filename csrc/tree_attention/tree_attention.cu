@@ -3,8 +3,10 @@
 // Launchers return a tlt::LaunchStatus (launch_status.h): no C++ exception leaves this translation unit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -25,6 +27,10 @@ LaunchStatus check_common(const TreeAttentionParams& p) {
                 "head_dim must be 64, 128 or 256 for the CUDA backend, got " << p.head_dim);
   TLT_STATUS_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
                 "dtype code must be 0 (float16) or 1 (bfloat16), got " << static_cast<int>(p.dtype));
+  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
+                       "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
+                           << static_cast<int>(p.kv_fp8));
+  TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_tree >= 1, "need batch >= 0 and num_tree >= 1, got " << p.batch << ", " << p.num_tree);
   TLT_STATUS_CHECK_ARG(p.num_kv_heads >= 1 && p.group >= 1 && p.num_q_heads == p.num_kv_heads * p.group,
                 "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads << ") * group (" << p.group << ")");
@@ -54,10 +60,10 @@ LaunchStatus check_common(const TreeAttentionParams& p) {
 template <int D, int kWarps>
 using DefaultTraits = tree_attn::KernelTraits<D, kWarps, D == 64 ? 4 : (D == 128 && kWarps == 8 ? 2 : 3), D <= 128>;
 
-template <typename T, class KT>
+template <typename T, class KT, typename KV = T>
 LaunchStatus launch_partial_with(const TreeAttentionParams& p, cudaStream_t stream) {
-  auto kernel = tree_attn::tree_attention_partial_kernel<T, KT>;
-  const int smem = static_cast<int>(KT::kSmemBytes);
+  auto kernel = tree_attn::tree_attention_partial_kernel<T, KT, KV>;
+  const int smem = static_cast<int>(tree_attn::kIsFp8<KV> ? KT::kFp8SmemBytes : KT::kSmemBytes);
   // Needed above 48 KiB; cheap and allowed during stream capture, and per device, so set every call.
   TLT_STATUS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int64_t chunks = (int64_t(p.num_tree) * p.group + KT::kBlockM - 1) / KT::kBlockM;
@@ -93,6 +99,15 @@ LaunchStatus launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
   return launch_partial_with<T, DefaultTraits<D, 8>>(p, stream);
 }
 
+// fp8 caches (KV): the per-shape default configurations only.
+template <typename T, int D, typename KV>
+LaunchStatus launch_partial_fp8(const TreeAttentionParams& p, cudaStream_t stream) {
+  TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 5,
+                       "config " << p.config << " is a tuning variant of caches of q's dtype (fp8 caches: 0 or 5)");
+  if (p.config == 5 || p.num_tree * p.group <= 64) return launch_partial_with<T, DefaultTraits<D, 4>, KV>(p, stream);
+  return launch_partial_with<T, DefaultTraits<D, 8>, KV>(p, stream);
+}
+
 template <typename T, int D>
 LaunchStatus launch_merge(const TreeAttentionParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.batch) * p.num_tree * p.num_q_heads;
@@ -123,6 +138,18 @@ LaunchStatus dispatch(const TreeAttentionParams& p, cudaStream_t stream) {
 template <typename T, int D>
 struct PartialLaunch {
   static LaunchStatus run(const TreeAttentionParams& p, cudaStream_t s) { return launch_partial<T, D>(p, s); }
+};
+template <typename T, int D>
+struct PartialLaunchE4M3 {
+  static LaunchStatus run(const TreeAttentionParams& p, cudaStream_t s) {
+    return launch_partial_fp8<T, D, __nv_fp8_e4m3>(p, s);
+  }
+};
+template <typename T, int D>
+struct PartialLaunchE5M2 {
+  static LaunchStatus run(const TreeAttentionParams& p, cudaStream_t s) {
+    return launch_partial_fp8<T, D, __nv_fp8_e5m2>(p, s);
+  }
 };
 template <typename T, int D>
 struct MergeLaunch {
@@ -163,7 +190,11 @@ LaunchStatus launch_tree_attention_partial(const TreeAttentionParams& p, cudaStr
   TreeAttentionParams q = p;
   q.block_shift = (p.block_size & (p.block_size - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(p.block_size)) : -1;
   q.num_blocks = cache_num_blocks(p);
-  return dispatch<PartialLaunch>(q, stream);
+  switch (q.kv_fp8) {
+    case Fp8Format::kE4M3: return dispatch<PartialLaunchE4M3>(q, stream);
+    case Fp8Format::kE5M2: return dispatch<PartialLaunchE5M2>(q, stream);
+    default: return dispatch<PartialLaunch>(q, stream);
+  }
 }
 
 LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStream_t stream) noexcept {

@@ -25,6 +25,12 @@
 // registers, so the dependent page-id load never stalls the copy issue. Only a split's last context
 // tile is bounds-masked and only tree tiles test ancestor bits; full tiles run unmasked.
 //
+// fp8 caches (KV = __nv_fp8_e4m3 / __nv_fp8_e5m2, q bf16/fp16). Tiles are copied as they are (8-byte cp.async per 8
+// values) into an fp8 staging ring of the same depth; once a tile has landed, each thread widens the chunks it
+// copied into the 16-bit ring (exact: every fp8 value is a half and a bfloat16), before the tile's barrier, so the
+// math below is unchanged. A thread only ever widens and refills its own staging chunks, so the staging ring needs
+// no barrier of its own. k_scale is folded into sm_scale by the caller; v_scale multiplies each output row.
+//
 // Math. mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate), 16 query rows per warp. Q fragments are
 // loaded once into registers (D <= 128; Q is staged in the ring's last stage, which the first
 // refill then overwrites) or re-read from a dedicated shared buffer (D = 256, where the fp32 O
@@ -35,6 +41,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -74,6 +81,9 @@ struct KernelTraits {
   static constexpr int kStageElems = 2 * kTileElems;  // K then V
   static constexpr int kQElems = kQInRegs ? 0 : kBlockM * kRowStride;
   static constexpr size_t kSmemBytes = size_t(kStages * kStageElems + kQElems) * 2;
+  // With fp8 caches: a staging ring of the tiles as stored, one byte per value, rows unpadded, after the above.
+  static constexpr size_t kFp8StageBytes = size_t(2) * kBlockN * D;  // K then V
+  static constexpr size_t kFp8SmemBytes = kSmemBytes + kStages * kFp8StageBytes;
 
   static_assert(kStages >= 2, "the ring needs at least two stages");
   static_assert(kThreads % kChunksPerRow == 0 && kKVLoads >= 1 && kBlockN % kRowsPerPass == 0,
@@ -123,6 +133,10 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst_shared, const void* src
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
   cp_async_16(smem_addr(dst), src, src_bytes);
 }
+// 8-byte async copy (an fp8 chunk of 8 values); src_bytes == 0 zero-fills, as above.
+__device__ __forceinline__ void cp_async_8(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -158,6 +172,40 @@ __device__ __forceinline__ bool finite8(const uint4& v) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) ok = ok && (w[i] & kExp) != kExp && ((w[i] >> 16) & kExp) != kExp;
   return ok;
+}
+
+// True for the fp8 storage types of the caches (the partial kernel's KV parameter), false for q's own dtype.
+template <typename KV>
+constexpr bool kIsFp8 = std::is_same<KV, __nv_fp8_e4m3>::value || std::is_same<KV, __nv_fp8_e5m2>::value;
+
+// 8 fp8 values (an 8-byte chunk, first value in the lowest byte) widened to T, exactly: every e4m3 / e5m2 value is a
+// half, and a half with fp8's few mantissa bits is a bfloat16. `finite`: no NaN/inf among them.
+template <typename T, typename KV>
+__device__ __forceinline__ uint4 widen_fp8x8(const uint2 raw, bool& finite) {
+  constexpr __nv_fp8_interpretation_t kFormat = std::is_same<KV, __nv_fp8_e4m3>::value ? __NV_E4M3 : __NV_E5M2;
+  uint32_t h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t word = i < 2 ? raw.x : raw.y;
+    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xffffu), kFormat);
+    h[i] = uint32_t(pair.x) | (uint32_t(pair.y) << 16);
+  }
+  const uint4 halves = make_uint4(h[0], h[1], h[2], h[3]);
+  finite = finite8<__half>(halves);
+  if constexpr (std::is_same<T, __half>::value) {
+    return halves;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 pair;
+      *reinterpret_cast<uint32_t*>(&pair) = h[i];
+      const float2 f = __half22float2(pair);
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+      h[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    return make_uint4(h[0], h[1], h[2], h[3]);
+  }
 }
 
 // A tree slot's 16-byte V chunk on its way to shared memory (`dst`, a shared address): rows of one tile see different
@@ -305,10 +353,13 @@ __device__ __forceinline__ void attend_tile(const T* __restrict__ ks, const T* _
   }
 }
 
-// Grid (num_splits * row_chunks, B, Hkv); chunk index fastest. See the file comment.
-template <typename T, class KT>
+// Grid (num_splits * row_chunks, B, Hkv); chunk index fastest. KV: the caches' storage, T or an fp8 type. See the
+// file comment.
+template <typename T, class KT, typename KV = T>
 __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_partial_kernel(const TreeAttentionParams p) {
   using Traits = TypeTraits<T>;
+  constexpr bool kFp8 = kIsFp8<KV>;
+  static_assert(kFp8 || std::is_same<KV, T>::value, "the caches hold q's dtype or fp8");
   constexpr int D = KT::D;
   constexpr int BN = KT::kBlockN;
   constexpr int BM = KT::kBlockM;
@@ -321,6 +372,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* ring = reinterpret_cast<T*>(smem_raw);  // [kStages][K, V][BN][LDS]
   T* q_s = ring + (KT::kQInRegs ? (kStages - 1) * KT::kStageElems : kStages * KT::kStageElems);
+  unsigned char* stage8 = smem_raw + KT::kSmemBytes;  // [kStages][K, V][BN][D] fp8 (kFp8 only)
 
   const int num_chunks = gridDim.x / p.num_splits;
   const int chunk_ix = blockIdx.x % num_chunks;
@@ -358,8 +410,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
   const int chunk = tid % CPR;
   const int row0 = tid / CPR;
   const int32_t* bt = p.block_table + int64_t(b) * p.bt_stride_b;
-  const T* k_base = static_cast<const T*>(p.k_cache) + int64_t(h) * p.k_stride_head + chunk * 8;
-  const T* v_base = static_cast<const T*>(p.v_cache) + int64_t(h) * p.v_stride_head + chunk * 8;
+  const KV* k_base = static_cast<const KV*>(p.k_cache) + int64_t(h) * p.k_stride_head + chunk * 8;
+  const KV* v_base = static_cast<const KV*>(p.v_cache) + int64_t(h) * p.v_stride_head + chunk * 8;
   const int shift = p.block_shift;  // log2(block_size), or -1 when it is not a power of two
 
   // Tile i covers slots [begin, begin + BN), valid below limit: context tiles of this split, then
@@ -391,13 +443,40 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
       const int off = shift >= 0 ? slot & ((1 << shift) - 1) : slot % p.block_size;
       const bool valid = pg[k] >= 0;
       const int64_t page = valid ? pg[k] : 0;
-      const T* k_src = valid ? k_base + page * p.k_stride_block + off * p.k_stride_token : k_base;
-      const T* v_src = valid ? v_base + page * p.v_stride_block + off * p.v_stride_token : v_base;
-      cp_async_16(k_s + n * LDS + chunk * 8, k_src, valid ? 16 : 0);
-      if (valid && i >= n_ctx_tiles)
-        copy_tree_v_chunk<T>(smem_addr(v_s + n * LDS + chunk * 8), v_src, slot - ctx, &bad_nodes);
-      else
-        cp_async_16(v_s + n * LDS + chunk * 8, v_src, valid ? 16 : 0);
+      const KV* k_src = valid ? k_base + page * p.k_stride_block + off * p.k_stride_token : k_base;
+      const KV* v_src = valid ? v_base + page * p.v_stride_block + off * p.v_stride_token : v_base;
+      if constexpr (kFp8) {  // as stored; widen_tile moves them to the 16-bit ring once they have landed
+        unsigned char* k8 = stage8 + stage * KT::kFp8StageBytes + n * D + chunk * 8;
+        cp_async_8(k8, k_src, valid ? 8 : 0);
+        cp_async_8(k8 + BN * D, v_src, valid ? 8 : 0);
+      } else {
+        cp_async_16(k_s + n * LDS + chunk * 8, k_src, valid ? 16 : 0);
+        if (valid && i >= n_ctx_tiles)
+          copy_tree_v_chunk<T>(smem_addr(v_s + n * LDS + chunk * 8), v_src, slot - ctx, &bad_nodes);
+        else
+          cp_async_16(v_s + n * LDS + chunk * 8, v_src, valid ? 16 : 0);
+      }
+    }
+  };
+  // fp8: this thread's chunks of tile i, landed in the staging ring, widened into the 16-bit ring. A tree slot's V
+  // chunk holding a NaN/inf is stored as zeros and its node flagged, as copy_tree_v_chunk does.
+  auto widen_tile = [&](int i) {
+    const int stage = i % kStages, begin = tile_begin(i), limit = tile_limit(i);
+    T* k_s = ring + stage * KT::kStageElems;
+    T* v_s = k_s + KT::kTileElems;
+#pragma unroll
+    for (int k = 0; k < KT::kKVLoads; ++k) {
+      const int n = row0 + k * RPP;
+      const unsigned char* k8 = stage8 + stage * KT::kFp8StageBytes + n * D + chunk * 8;
+      bool finite;
+      *reinterpret_cast<uint4*>(k_s + n * LDS + chunk * 8) =
+          widen_fp8x8<T, KV>(*reinterpret_cast<const uint2*>(k8), finite);
+      uint4 v = widen_fp8x8<T, KV>(*reinterpret_cast<const uint2*>(k8 + BN * D), finite);
+      if (!finite && i >= n_ctx_tiles && begin + n < limit) {
+        v = make_uint4(0u, 0u, 0u, 0u);
+        atomicOr(&bad_nodes, 1ull << (begin + n - ctx));
+      }
+      *reinterpret_cast<uint4*>(v_s + n * LDS + chunk * 8) = v;
     }
   };
   if (tid == 0) bad_nodes = 0ull;
@@ -466,6 +545,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
 
   for (int it = 0; it < num_tiles; ++it) {
     cp_async_wait<kStages - 2>();  // tile `it` has landed (for this thread's copies) ...
+    if constexpr (kFp8) widen_tile(it);  // (its 16-bit stage was last read at tile it - kStages, barriers ago)
     __syncthreads();               // ... for every thread's, and tile it-1's stage is free
     {
       const int nxt = it + kStages - 1;
@@ -502,7 +582,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int r = wrow0 + gid + 8 * hi;
     // l == 0: no key seen (a padding row of an empty context). A NaN l (a NaN score) must stay NaN, in O and the LSE.
-    const float inv = poisoned || (mrow[hi] & bad) ? NAN : (l != 0.f ? 1.f / l : 0.f);
+    const float inv = poisoned || (mrow[hi] & bad) ? NAN : (l != 0.f ? p.v_scale / l : 0.f);
     if (direct) {
       if (r < TG) {
         // Rows past M (padding nodes) are zeros, whatever their zero-filled Q met (0 * NaN would not be zero).

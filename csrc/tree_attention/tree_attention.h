@@ -11,12 +11,15 @@
 namespace tlt {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
+// The caches' storage: q's dtype (kNone), or an fp8 format whose values the partial kernel widens (exactly) to q's
+// dtype on their way to the tensor cores.
+enum class Fp8Format : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
 
 // Everything one step of tree attention reads. Strides are in elements; the head dim is contiguous.
 //
 //   q            [B, T, Hq, D]                      fp16/bf16 (strides q_stride_{b,t,h})
-//   k_cache      [num_blocks, block_size, Hkv, D]   same dtype (strides k_stride_{block,token,head})
-//   v_cache      [num_blocks, block_size, Hkv, D]   same dtype (strides v_stride_{block,token,head})
+//   k_cache      [num_blocks, block_size, Hkv, D]   same dtype, or fp8 (kv_fp8) (strides k_stride_{block,token,head})
+//   v_cache      [num_blocks, block_size, Hkv, D]   as k_cache (strides v_stride_{block,token,head})
 //   block_table  int32 [B, bt_stride_b >= max_blocks]
 //   context_lens int32 [B]; num_nodes int32 [B]
 //   tree_mask    int32 [B, T, mask_words], mask_words = ceil(T / 32), bit j%32 of word j/32 of row i
@@ -58,8 +61,12 @@ struct TreeAttentionParams {
   int num_splits = 0;    // S context splits; split S is the tree part
   int split_len = 0;     // context tokens per split
   int mask_words = 0;    // ceil(T / 32)
-  float sm_scale = 0.f;  // softmax scale (natural units)
+  float sm_scale = 0.f;  // softmax scale (natural units), the K cache's dequantization scale folded in
+  float v_scale = 1.f;   // the V cache's dequantization scale (it holds V / v_scale): multiplies each output row
   DType dtype = DType::kBFloat16;
+  // Both caches fp8 (the partial kernel's default configurations only; the sm_90 kernels take caches of q's dtype and
+  // v_scale 1).
+  Fp8Format kv_fp8 = Fp8Format::kNone;
   // Kernel configuration: 0 picks per shape; 1.. force a tuning variant (tree_attention.cu lists them).
   int config = 0;
   // Set by the launcher: log2(block_size) when it is a power of two, else -1 (divide).

@@ -324,6 +324,9 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   while (warp_specialized && row_block_shift < 8 && (Ctx128::kBlockM << row_block_shift) < rows) ++row_block_shift;
   const int chunks = p.config == 64 ? (rows + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1 << row_block_shift;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
+  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone && p.v_scale == 1.f,
+                       "the sm_90 tree-attention kernel reads caches of q's dtype with v_scale 1 (fp8 caches and "
+                       "v_scale != 1: the partial kernel)");
   TLT_STATUS_CHECK_ARG(p.num_kv_heads > 0 && p.num_q_heads == p.num_kv_heads * p.group,
                        "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads
                                        << ") * group (" << p.group << ")");

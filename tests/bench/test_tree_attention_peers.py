@@ -140,8 +140,9 @@ def test_a_peer_that_disagrees_is_a_note_not_a_row():
 
 @pytest.mark.triton
 def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
-    """``tlt-triton fp8`` runs over e4m3 caches, is checked against the kernel over their bf16 widening, and counts
-    one byte per K/V element; XQA gets the fp8 caches and is checked against it."""
+    """``tlt-triton fp8`` (and ``tlt-cuda fp8`` where the extension runs, else a note) runs over e4m3 caches, is
+    checked against the kernel over their bf16 widening, and counts one byte per K/V element; XQA gets the fp8 caches
+    and is checked against it."""
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     B, L, T, Hq, Hkv, D = 2, 40, 5, 4, 2, 64
@@ -154,7 +155,12 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
     ctx = _Ctx()
     ctx.try_import = lambda name: FAKE
     suite._bench_fp8(ctx, case, plan, inp, cost, peers=True)
-    assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8", "flashinfer-xqa fp8"]
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    why = backend_unavailable_reason("cuda", inp["q"].device)  # the CUDA row runs where the extension does
+    assert ctx.notes == ([] if why is None else [f"tlt-cuda fp8 not run: {why}"])
+    assert [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8"] + (["tlt-cuda fp8"] if why is None else []) + [
+        "flashinfer-xqa fp8"]
     assert ctx.rows[0][2]["bytes_moved"] == B * (L + T) * Hkv * D * 2 + 2 * B * T * Hq * D * 2
     assert all(columns["timing"] == "eager" for _, _, columns in ctx.rows)
 

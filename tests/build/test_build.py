@@ -123,6 +123,12 @@ def test_extension_validates_arguments_before_touching_the_gpu():
         ext.tree_attention_merge(**{**args, "head_dim": 128, "num_q_heads": 6, "num_kv_heads": 4})
     with pytest.raises(ValueError, match="q_strides must be a 3-tuple"):
         ext.tree_attention_merge(**{**args, "q_strides": (1, 2)})
+    ok = {**args, "head_dim": 128}
+    with pytest.raises(ValueError, match="kv_fp8 code must be 0"):
+        ext.tree_attention_partial(**{**ok, "kv_fp8": 3})
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="v_scale must be a finite number > 0"):
+            ext.tree_attention_merge(**{**ok, "v_scale": bad})
 
 
 _CUDA_GLUE = "import tlt_kernels._cuda.tree_attention as ct; "
@@ -213,6 +219,9 @@ def test_cuda_context_path_rule(monkeypatch):
     cc["major"] = 8
     assert not ct._use_context_sm90(plan(), q, *kv)                       # wgmma: sm_90 only
     cc["major"] = 9
+    fp8 = cache.to(torch.float8_e4m3fn)
+    assert not ct._use_context_sm90(plan(), q, fp8, fp8)                  # fp8 caches: the partial kernel
+    assert not ct._use_context_sm90(plan(), q, *kv, v_scale=2.0)          # so is a scaled V
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)
     assert ct._use_context_sm90(plan(T=8, G=7, splits=3, split_len=1024), q, *kv)
     assert ct._use_context_sm90(plan(T=32), q, *kv)
@@ -258,6 +267,11 @@ def test_tree_attention_launch_args_fit_the_binding():
     assert args["q"] == q.data_ptr() and args["block_table"] == plan.block_table.data_ptr()
     with pytest.raises(ValueError, match="head_dim must be 64, 128 or 256"):
         ext.tree_attention_partial(**{**args, "head_dim": 96, "stream": 0})
+    assert args["kv_fp8"] == ext.KV_FP8_NONE and args["v_scale"] == 1.0
+    for dtype, code in ((torch.float8_e4m3fn, ext.KV_FP8_E4M3), (torch.float8_e5m2, ext.KV_FP8_E5M2)):
+        fp8 = kv.to(dtype)
+        assert _launch_args(plan, q, fp8, fp8, q, 0.1, 0.5)["kv_fp8"] == code  # the glue's codes are the binding's
+        assert _launch_args(plan, q, fp8, fp8, q, 0.1, 0.5)["v_scale"] == 0.5
 
 
 @pytest.mark.cuda

@@ -4,8 +4,12 @@ The caches hold ``K / k_scale`` and ``V / v_scale`` in fp8; every backend that r
 ``cache * scale``. Checked: (1) at scales 1 an fp8 cache gives exactly what its bf16/fp16 widening gives (the widening
 is exact, and both paths then run the same arithmetic), bit for bit (compiled Triton: within a few output ulps, see
 the test); (2) with scales, the output
-against a float32 reference over the dequantized caches; (3) the CUDA backend, which reads caches of q's dtype only,
-is refused by name and skipped by "auto"; (4) bad scales are refused, naming the argument."""
+against a float32 reference over the dequantized caches; (3) "auto" skips the CUDA backend for them (it reads them on
+its mma.sync kernel only, not measured against triton there), an explicit "cuda" runs them (the CUDA-only checks:
+every kernel shape, the NaN contract, the launchers' refusals, at the end); (4) bad scales are refused, naming the
+argument."""
+import math
+
 import pytest
 import torch
 from conftest import agreement_backends, kernel_devices, need_backend, poison_
@@ -43,10 +47,6 @@ def test_fp8_cache_equals_its_exact_widening(backend, fp8, name):
     ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = CASES[name]
     case, _, _ = quantized(make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n), fp8, 1.0, 1.0)
     plan = make_plan(case, split_len=split_len)
-    if backend == "cuda":
-        with pytest.raises(ValueError, match="fp8 caches and v_scale != 1 run on 'triton' or 'torch'"):
-            run(plan, case["q"], case["k_cache"], case["v_cache"], backend="cuda")
-        return
     out8 = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
                backend=backend)
     wide = run(plan, case["q"], case["k_cache"].to(dtype), case["v_cache"].to(dtype), backend=backend)
@@ -60,7 +60,7 @@ def test_fp8_cache_equals_its_exact_widening(backend, fp8, name):
         assert torch.equal(out8, wide)
 
 
-@pytest.mark.parametrize("backend", [b for b in agreement_backends() if b.values[0] != "cuda"])
+@pytest.mark.parametrize("backend", agreement_backends())
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("scales", [(0.5, 2.0), (3.0, 0.25)])
 def test_scaled_fp8_cache_matches_the_dequantized_reference(backend, fp8, scales):
@@ -89,7 +89,7 @@ def test_scales_also_apply_to_caches_of_q_dtype_and_the_public_op():
 
 
 def test_auto_skips_the_cuda_backend_for_scaled_caches():
-    """"auto" never picks a backend that reads unscaled caches of q's dtype for fp8 caches or v_scale != 1."""
+    """"auto" does not pick the CUDA backend for fp8 caches or v_scale != 1 (an explicit "cuda" runs them)."""
     for scaled in (False, True):
         name = _choose_backend("auto", DEVICE, 4, 64, False, scaled)
         assert not (scaled and name == "cuda")
@@ -127,3 +127,109 @@ def test_property_fp8_caches_are_attention_over_cache_times_scale(backend, seed,
     want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
                                     out_dtype=torch.float32)
     torch.testing.assert_close(out.float(), want, atol=2e-2 * v_scale, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------- the CUDA backend
+# (B, T, Hkv, G, D, block_size, context lengths, q dtype, split_len): every head dim, 4- and 8-warp row tiles
+# (T * G <= 64 / > 64, chunks of 128 rows), one-token and 128-token pages, empty contexts, one split and several.
+CUDA_SHAPES = [
+    (2, 7, 2, 4, 128, 16, [0, 300], torch.bfloat16, None),
+    (3, 16, 2, 4, 128, 16, [513, 0, 77], torch.float16, 64),
+    (2, 64, 1, 4, 128, 16, [1000, 31], torch.bfloat16, None),
+    (2, 16, 2, 7, 128, 1, [130, 257], torch.bfloat16, 64),
+    (2, 16, 2, 7, 64, 128, [700, 5], torch.float16, 128),
+    (2, 64, 2, 7, 64, 16, [200, 0], torch.bfloat16, None),
+    (2, 16, 2, 4, 256, 16, [333, 1024], torch.bfloat16, 256),
+    (1, 33, 2, 7, 256, 1, [129], torch.float16, 64),
+]
+
+
+def _cuda_case(shape, fp8, k_scale, v_scale, seed=0):
+    """A case of test_tree_attention_cuda's builder (NaN-trapped spare pages and page tails, which the kernel must
+    never read) with its caches quantized to ``fp8`` at the scales, and its reference over the dequantized caches."""
+    from test_tree_attention_cuda import make_case as make_cuda_case
+
+    B, T, Hkv, G, D, bs, ctx, dtype, split_len = shape
+    case = make_cuda_case(B, T, Hkv, G, D, bs, ctx, dtype, seed)
+    case, k_deq, v_deq = quantized(case, fp8, k_scale, v_scale)
+    ref = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
+                                   out_dtype=torch.float32)
+    return case, ref
+
+
+def _cuda_plan(case, split_len):
+    B, T, Hq, D = case["q"].shape
+    return tlt_kernels.plan_tree_attention(case["parents"], case["context_lens"], case["block_table"],
+                                           case["num_nodes"], num_q_heads=Hq, num_kv_heads=case["k_cache"].shape[2],
+                                           head_dim=D, block_size=case["k_cache"].shape[1], split_len=split_len)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"T{s[1]}-G{s[3]}-D{s[4]}-bs{s[5]}-{str(s[7])[6:]}-sl{s[8]}")
+def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8):
+    """Every kernel shape: with scales, the fp32 reference over ``cache * scale`` within the output dtype's rounding
+    (NaN in every slot no row attends, poisoned output and scratch); at scales 1, bit for bit the mma.sync kernel over
+    the caches widened to q's dtype (the widening is exact and the math after it the same)."""
+    need_backend("tree_attention", "cuda", DEVICE)
+    from tlt_kernels._cuda.tree_attention import forced_context_path
+
+    case, ref = _cuda_case(shape, fp8, 0.5, 2.0)
+    plan = _cuda_plan(case, shape[-1])
+    poison_(plan.partial_out)
+    poison_(plan.partial_lse)
+    out = plan.run(case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
+                   backend="cuda", k_scale=0.5, v_scale=2.0)
+    atol, rtol = {torch.bfloat16: (5e-2, 2e-2), torch.float16: (8e-3, 4e-3)}[case["q"].dtype]
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=rtol)
+    case, _ = _cuda_case(shape, fp8, 1.0, 1.0, seed=1)
+    plan = _cuda_plan(case, shape[-1])
+    out8 = plan.run(case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
+                    backend="cuda")
+    with forced_context_path(False):
+        wide = plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
+                        backend="cuda")
+    assert torch.equal(out8, wide)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("split_len", [64, None], ids=["4-splits", "1-split"])
+@pytest.mark.parametrize("site", ["K-context", "V-context", "K-tree", "V-tree", "V-tree-root"])
+def test_cuda_fp8_nan_contract(site, split_len, fp8):
+    """A NaN in one attended fp8 slot reaches exactly the rows that attend it (a tree node's V: only the rows that see
+    the node, though every row of the tile multiplies it); NaN in every unattended slot never reaches the output."""
+    need_backend("tree_attention", "cuda", DEVICE)
+    from test_tree_attention_edge_cases import (NAN_SITES, _case, _check_nan_contract, _expected_nan_rows,
+                                                _slot_location, fill_unused_slots_with_nan_)
+
+    which, b, slot, kv_head = NAN_SITES[site]
+    case = _case(torch.bfloat16)
+    case = {**case, "k_cache": case["k_cache"].to(fp8).to(torch.bfloat16),
+            "v_cache": case["v_cache"].to(fp8).to(torch.bfloat16)}  # values an fp8 cache holds exactly
+    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    fill_unused_slots_with_nan_(case)
+    page, off = _slot_location(case, b, slot)
+    case[which][page, off, kv_head, 5] = math.nan
+    case8 = {**case, "k_cache": case["k_cache"].to(fp8), "v_cache": case["v_cache"].to(fp8)}
+    out = run(make_plan(case8, split_len=split_len), case8["q"], case8["k_cache"], case8["v_cache"],
+              out=poison_(torch.empty_like(case8["q"])), backend="cuda")
+    _check_nan_contract(out, case, clean_ref, _expected_nan_rows(case, b, slot, kv_head))
+
+
+@pytest.mark.cuda
+def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
+    """The launchers' own checks (the Python side never sends these): a tuning config of the partial kernel, and the
+    sm_90 kernel, with fp8 caches."""
+    need_backend("tree_attention", "cuda", DEVICE)
+    from tlt_kernels._cuda import extension
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    case, _ = _cuda_case(CUDA_SHAPES[0], torch.float8_e4m3fn, 1.0, 1.0)
+    plan = _cuda_plan(case, None)
+    args = cuda_ta._launch_args(plan, case["q"], case["k_cache"], case["v_cache"], torch.empty_like(case["q"]), 0.1)
+    args["stream"] = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(ValueError, match="tuning variant of caches of q's dtype"):
+        extension().tree_attention_partial(**{**args, "config": 1})
+    with pytest.raises(ValueError, match="reads caches of q's dtype with v_scale 1"):
+        extension().tree_attention_sm90(**args)

@@ -85,6 +85,8 @@ def has_fast_memory(device_index: int) -> bool:
 
 
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
+# fp8 caches the partial kernel widens to q's dtype: the extension's Fp8Format code of each (0: caches of q's dtype).
+KV_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def _context_block(block: Optional[int]) -> int:
@@ -130,8 +132,11 @@ def context_rows_covered(rows: int) -> bool:
     return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or CONTEXT_WARP_SPECIALIZED)
 
 
-def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      v_scale: float = 1.0) -> bool:
     rows = plan.num_tree * plan.group
+    if k_cache.dtype != q.dtype or v_scale != 1.0:
+        return False  # fp8 caches and v_scale != 1: the partial kernel
     # auto: where it was measured faster (every T*G <= 128, one split or several).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
     bs = plan.block_size
@@ -157,6 +162,9 @@ def unsupported_reason(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"head_dim={plan.head_dim} is not one of {HEAD_DIMS}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"q must be bfloat16 or float16, got {q.dtype}"
+    if k_cache.dtype not in (q.dtype, *KV_FP8_CODES) or v_cache.dtype != k_cache.dtype:
+        return (f"k_cache and v_cache must both have q's dtype ({q.dtype}) or both one fp8 dtype, got {k_cache.dtype} "
+                f"and {v_cache.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.stride(-1) != 1 or not _aligned16(c, (0, 1, 2)):
             return (f"{name} rows must be 16-byte aligned (data_ptr % 16 == 0, strides of dims 0-2 multiples of 8, "
@@ -173,13 +181,13 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             ``tree_mask [B, T, ceil(T/32)]`` and fp32 scratch ``partial_out [B, Hkv, S+1, T*G, D]`` /
             ``partial_lse [B, Hkv, S+1, T*G]`` are used as is).
         q: ``[B, T, Hq, D]`` bf16/fp16, ``stride(-1) == 1``.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype, rows 16-byte aligned.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype or both one fp8 dtype (``float8_e4m3fn``
+            / ``float8_e5m2``, widened exactly to q's dtype in the partial kernel), rows 16-byte aligned.
         out: ``[B, T, Hq, D]`` q's dtype, ``stride(-1) == 1``; rows ``t >= num_nodes[b]`` become zeros.
-        sm_scale: softmax scale (natural units).
-        v_scale: must be 1 (the op sends scaled V caches to triton or torch).
+        sm_scale: softmax scale (natural units), the K cache's dequantization scale folded in.
+        v_scale: the V cache's dequantization scale (it holds ``V / v_scale``); fp8 caches and ``v_scale != 1`` run
+            on the partial (mma.sync) kernel, never the sm_90 ones.
     """
-    if v_scale != 1.0:
-        raise ValueError(f"the CUDA tree-attention kernels read unscaled V caches, got v_scale={v_scale}")
     why = unsupported_reason(plan, q, k_cache, v_cache)
     if why is not None:
         raise ValueError(f"tree_attention (cuda backend): {why}")
@@ -189,7 +197,8 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError(f"out must be contiguous along head_dim (stride(-1) == 1), got strides {tuple(out.stride())}")
     if out.data_ptr() % 4 or any(out.stride(d) % 2 for d in (0, 1, 2)):
         # The kernels store two elements (4 bytes) at a time; an odd view goes through a temporary.
-        out.copy_(run_cuda(plan, q, k_cache, v_cache, torch.empty_like(out, memory_format=torch.contiguous_format), sm_scale))
+        out.copy_(run_cuda(plan, q, k_cache, v_cache, torch.empty_like(out, memory_format=torch.contiguous_format),
+                           sm_scale, v_scale))
         return out
     for name in ("partial_out", "partial_lse", "tree_mask", "block_table", "context_lens", "num_nodes"):
         t = getattr(plan, name)
@@ -199,10 +208,10 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if B == 0:
         return out
     ext = extension()
-    args = _launch_args(plan, q, k_cache, v_cache, out, sm_scale)
+    args = _launch_args(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
-        if _use_context_sm90(plan, q, k_cache, v_cache):
+        if _use_context_sm90(plan, q, k_cache, v_cache, v_scale):
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
             # is the one-warpgroup kernel, 128 | WARP_SPECIALIZED_FLAG the warp-specialized one.
             rows = plan.num_tree * plan.group
@@ -215,7 +224,7 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-def _launch_args(plan, q, k_cache, v_cache, out, sm_scale) -> dict:
+def _launch_args(plan, q, k_cache, v_cache, out, sm_scale, v_scale: float = 1.0) -> dict:
     """Keyword arguments of the ``_C`` tree-attention entry points (everything but the stream)."""
     return dict(
         q=ptr(q), k_cache=ptr(k_cache), v_cache=ptr(v_cache), block_table=ptr(plan.block_table),
@@ -229,4 +238,5 @@ def _launch_args(plan, q, k_cache, v_cache, out, sm_scale) -> dict:
         sm_scale=float(sm_scale), dtype=dtype_code(q.dtype), config=int(CONFIG_OVERRIDE),
         # Token rows the caches hold: the extent of the TMA build's tensor maps.
         cache_tokens=min(k_cache.shape[0], v_cache.shape[0]) * plan.block_size,
+        kv_fp8=KV_FP8_CODES.get(k_cache.dtype, 0), v_scale=float(v_scale),
     )

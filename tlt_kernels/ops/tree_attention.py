@@ -60,12 +60,13 @@ EVEN_MIN_SPLIT_LEN = 1024
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# 8-bit float caches (read as value * scale): with bf16/fp16 queries, on the triton and torch backends.
+# 8-bit float caches (read as value * scale): with bf16/fp16 queries, on every backend.
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").
 _HALF_ONLY = ("cuda",)
-# Backends that read caches of q's dtype without scales (fp8 caches, v_scale != 1: triton, else torch, under "auto").
-_UNSCALED_ONLY = ("cuda",)
+# Backends "auto" does not pick for fp8 caches or v_scale != 1 (it picks triton, else torch): the CUDA backend reads
+# them on its mma.sync kernel only, not the sm_90 ones, and is not measured against triton there. Explicitly, it runs.
+_SCALED_NOT_AUTO = ("cuda",)
 
 
 @dataclass
@@ -575,12 +576,10 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
                     scaled: bool = False) -> str:
     """The backend to run (decided once at trace time under torch.compile, so no graph break)."""
     name = _BACKENDS.choose(backend, device)
-    for needed, unable, what in ((fp32, _HALF_ONLY, "reads bf16/fp16; fp32 inputs"),
-                                 (scaled, _UNSCALED_ONLY, "reads caches of q's dtype; fp8 caches and v_scale != 1")):
-        if needed and name in unable:
-            if backend != "auto":
-                raise ValueError(f"tree_attention backend {name!r} {what} run on 'triton' or 'torch'")
-            name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
+    if fp32 and name in _HALF_ONLY and backend != "auto":
+        raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
+    if (fp32 and name in _HALF_ONLY) or (scaled and name in _SCALED_NOT_AUTO and backend == "auto"):
+        name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
         if why is not None:
@@ -616,8 +615,8 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
             and raise for an explicit kernel backend.
         k_scale, v_scale: per-tensor dequantization scales, finite numbers > 0: the caches hold ``K / k_scale`` and
             ``V / v_scale`` (an fp8 cache's usual scales; any cache dtype). ``k_scale`` folds into the softmax scale,
-            ``v_scale`` into each output row; fp8 caches and ``v_scale != 1`` run on triton or torch (``"cuda"``
-            raises, ``"auto"`` picks triton).
+            ``v_scale`` into each output row. ``"auto"`` runs fp8 caches and ``v_scale != 1`` on triton (torch
+            without it); ``"cuda"`` runs them on its mma.sync kernel.
 
     Returns:
         ``out`` with rows at or past ``num_nodes[b]`` set to zero.
