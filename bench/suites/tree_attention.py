@@ -477,46 +477,48 @@ def xqa_tree_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 def _bench_fp8(ctx, case, plan, inp, cost, peers):
-    """``tlt-triton fp8`` (and ``flashinfer-xqa fp8`` with the peers): the same case over e4m3 caches (scales 1),
-    checked against the Triton kernel over the caches' exact bf16 widening. Bytes: K/V at one byte per element."""
+    """``tlt-triton fp8``, ``tlt-cuda fp8`` (where the extension runs) and ``flashinfer-xqa fp8`` (with the peers): the
+    same case over e4m3 caches (scales 1), ours checked against the Triton kernel over the caches' exact bf16
+    widening. Bytes: K/V at one byte per element."""
+    from tlt_kernels._backend import backend_unavailable_reason
+
     q = inp["q"]
     k8, v8 = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
     T = case["T"]
     nbytes = cost.B * (cost.L + T) * cost.Hkv * cost.D * 2 + 2 * cost.B * T * cost.Hq * cost.D * q.element_size()
     try:
         widened = plan.run(q, k8.to(q.dtype), v8.to(q.dtype), backend="triton")
-        out = plan.run(q, k8, v8, backend="triton")
-        _check("tlt-triton fp8", out, widened, case)
-        ms, timing = _timed(ctx, lambda: plan.run(q, k8, v8, out=out, backend="triton"))
-        ctx.add(case, "tlt-triton fp8", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
-                timing=timing, **cost.extra(ms))
     except Exception as exc:  # noqa: BLE001 - report, go on with the other rows
         ctx.note(f"tlt-triton fp8 failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
         return
-    _bench_cuda_fp8(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
+    out = _fp8_row(ctx, "triton", case, plan, q, k8, v8, widened, nbytes, cost)
+    if out is None:
+        return
+    why = backend_unavailable_reason("cuda", q.device)
+    if why is None:  # its mma.sync kernel, where fp8 caches run
+        _fp8_row(ctx, "cuda", case, plan, q, k8, v8, widened, nbytes, cost)
+    else:
+        ctx.note(f"tlt-cuda fp8 not run: {why}")
     fi = ctx.try_import("flashinfer") if peers else None
     if fi is not None and hasattr(getattr(fi, "decode", None), "trtllm_batch_decode_with_kv_cache"):
         _bench_flashinfer_xqa(ctx, fi, case, {**inp, "k_cache": k8, "v_cache": v8}, out, nbytes, cost.extra,
                               impl="flashinfer-xqa fp8")
 
 
-def _bench_cuda_fp8(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
-    """``tlt-cuda fp8``: the CUDA backend over the same e4m3 caches (its mma.sync kernel), checked against ``reference``
-    (the Triton kernel over their bf16 widening); a note instead when the extension is not built."""
-    from tlt_kernels._backend import backend_unavailable_reason
-
-    why = backend_unavailable_reason("cuda", q.device)
-    if why is not None:
-        ctx.note(f"tlt-cuda fp8 not run: {why}")
-        return
+def _fp8_row(ctx, backend, case, plan, q, k8, v8, reference, nbytes, cost):
+    """The ``tlt-<backend> fp8`` row: ``backend`` over the e4m3 caches, checked against ``reference``, then timed.
+    Its output, or None after a note when it fails."""
+    impl = f"tlt-{backend} fp8"
     try:
-        out = plan.run(q, k8, v8, backend="cuda")
-        _check("tlt-cuda fp8", out, reference, case)
-        ms, timing = _timed(ctx, lambda: plan.run(q, k8, v8, out=out, backend="cuda"))
-        ctx.add(case, "tlt-cuda fp8", ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
+        out = plan.run(q, k8, v8, backend=backend)
+        _check(impl, out, reference, case)
+        ms, timing = _timed(ctx, lambda: plan.run(q, k8, v8, out=out, backend=backend))
+        ctx.add(case, impl, ms, bytes_moved=nbytes, num_splits=plan.num_splits, split_len=plan.split_len,
                 timing=timing, **cost.extra(ms))
+        return out
     except Exception as exc:  # noqa: BLE001 - report, go on with the other rows
-        ctx.note(f"tlt-cuda fp8 failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
+        ctx.note(f"{impl} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
+        return None
 
 
 def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra, impl="flashinfer-xqa"):
