@@ -36,6 +36,9 @@ ACCEPTANCE_CUDA_TESTS = [
 
 # (tool, pytest arguments): small cases of every kernel; the sanitizers slow a launch by 10-100x.
 CHECKS = [  # most recently changed kernels first: a budget that runs out skips the last ones
+    # The partial kernel over fp8 caches: its staging ring (each thread refills only chunks it widened) and tree V.
+    ("racecheck", ["tests/ops/test_tree_attention_fp8.py", "-k", "cuda_fp8_matches"]),
+    ("memcheck", ["tests/ops/test_tree_attention_fp8.py", "-k", "cuda_fp8"]),
     ("memcheck", ["tests/ops/test_tree_attention_edge_cases.py", "-k", "nan_contract_on_cuda_paths or unchecked_out_of_range_page_on_cuda"]),
     ("memcheck", ["tests/ops/test_verify_tree_edge_cases.py", "-k", "cuda"]),
     ("racecheck", ["tests/ops/test_tree_attention_cuda.py", "-m", "not slow", "-k", "matches_reference"]),
