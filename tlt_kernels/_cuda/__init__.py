@@ -53,6 +53,17 @@ def dtype_code(dtype: torch.dtype) -> int:
     raise TypeError(f"the CUDA kernels take bfloat16 or float16 tensors, got {dtype}")
 
 
+def kv_fp8_code(cache_dtype: torch.dtype) -> int:
+    """The extension's code of a cache's storage: ``KV_FP8_E4M3`` / ``KV_FP8_E5M2`` for the fp8 dtypes, else
+    ``KV_FP8_NONE`` (a cache of q's dtype)."""
+    ext = extension()
+    if cache_dtype == torch.float8_e4m3fn:
+        return ext.KV_FP8_E4M3
+    if cache_dtype == torch.float8_e5m2:
+        return ext.KV_FP8_E5M2
+    return ext.KV_FP8_NONE
+
+
 def strides(t: torch.Tensor, dims: Tuple[int, ...]) -> Tuple[int, ...]:
     """Element strides of ``t`` along ``dims``."""
     return tuple(int(t.stride(d)) for d in dims)

@@ -25,7 +25,7 @@ import torch
 
 from .. import _switches
 from .._backend import cuda_capability
-from . import dtype_code, extension, ptr, stream_handle, strides
+from . import dtype_code, extension, kv_fp8_code, ptr, stream_handle, strides
 
 __all__ = ["run_cuda", "unsupported_reason"]
 
@@ -85,8 +85,8 @@ def has_fast_memory(device_index: int) -> bool:
 
 
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
-# fp8 caches the partial kernel widens to q's dtype: the extension's Fp8Format code of each (0: caches of q's dtype).
-KV_FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# fp8 caches the partial kernel widens to q's dtype (their codes: kv_fp8_code).
+KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _context_block(block: Optional[int]) -> int:
@@ -162,7 +162,7 @@ def unsupported_reason(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"head_dim={plan.head_dim} is not one of {HEAD_DIMS}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"q must be bfloat16 or float16, got {q.dtype}"
-    if k_cache.dtype not in (q.dtype, *KV_FP8_CODES) or v_cache.dtype != k_cache.dtype:
+    if k_cache.dtype not in (q.dtype, *KV_FP8_DTYPES) or v_cache.dtype != k_cache.dtype:
         return (f"k_cache and v_cache must both have q's dtype ({q.dtype}) or both one fp8 dtype, got {k_cache.dtype} "
                 f"and {v_cache.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -238,5 +238,5 @@ def _launch_args(plan, q, k_cache, v_cache, out, sm_scale, v_scale: float = 1.0)
         sm_scale=float(sm_scale), dtype=dtype_code(q.dtype), config=int(CONFIG_OVERRIDE),
         # Token rows the caches hold: the extent of the TMA build's tensor maps.
         cache_tokens=min(k_cache.shape[0], v_cache.shape[0]) * plan.block_size,
-        kv_fp8=KV_FP8_CODES.get(k_cache.dtype, 0), v_scale=float(v_scale),
+        kv_fp8=kv_fp8_code(k_cache.dtype), v_scale=float(v_scale),
     )

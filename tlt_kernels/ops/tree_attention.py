@@ -578,7 +578,7 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
     name = _BACKENDS.choose(backend, device)
     if fp32 and name in _HALF_ONLY and backend != "auto":
         raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
-    if (fp32 and name in _HALF_ONLY) or (scaled and name in _SCALED_NOT_AUTO and backend == "auto"):
+    if backend == "auto" and ((fp32 and name in _HALF_ONLY) or (scaled and name in _SCALED_NOT_AUTO)):
         name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
