@@ -99,13 +99,22 @@ LaunchStatus launch_partial(const TreeAttentionParams& p, cudaStream_t stream) {
   return launch_partial_with<T, DefaultTraits<D, 8>>(p, stream);
 }
 
-// fp8 caches (KV): the per-shape default configurations only.
+// fp8 caches (KV). Default (0, or 5 for 4 warps): two ring stages at D <= 128, both rings, so that the fp8 staging ring
+// still leaves room for two CTAs per SM (the 16-bit defaults' three stages with it take 150 KB at D = 128: one CTA).
+// config 1: the 16-bit defaults' stages (the tuning variant the default was measured against).
+template <int D, int kWarps>
+using Fp8Traits = tree_attn::KernelTraits<D, kWarps, D <= 128 ? 2 : 3, D <= 128>;
+
 template <typename T, int D, typename KV>
 LaunchStatus launch_partial_fp8(const TreeAttentionParams& p, cudaStream_t stream) {
-  TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 5,
-                       "config " << p.config << " is a tuning variant of caches of q's dtype (fp8 caches: 0 or 5)");
-  if (p.config == 5 || p.num_tree * p.group <= 64) return launch_partial_with<T, DefaultTraits<D, 4>, KV>(p, stream);
-  return launch_partial_with<T, DefaultTraits<D, 8>, KV>(p, stream);
+  TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 1 || p.config == 5,
+                       "config " << p.config << " is a tuning variant of caches of q's dtype (fp8 caches: 0, 1 or 5)");
+  const bool four_warps = p.config == 5 || p.num_tree * p.group <= 64;
+  if (p.config == 1)
+    return four_warps ? launch_partial_with<T, DefaultTraits<D, 4>, KV>(p, stream)
+                      : launch_partial_with<T, DefaultTraits<D, 8>, KV>(p, stream);
+  return four_warps ? launch_partial_with<T, Fp8Traits<D, 4>, KV>(p, stream)
+                    : launch_partial_with<T, Fp8Traits<D, 8>, KV>(p, stream);
 }
 
 template <typename T, int D>

@@ -230,6 +230,6 @@ def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     args = cuda_ta._launch_args(plan, case["q"], case["k_cache"], case["v_cache"], torch.empty_like(case["q"]), 0.1)
     args["stream"] = torch.cuda.current_stream().cuda_stream
     with pytest.raises(ValueError, match="tuning variant of caches of q's dtype"):
-        extension().tree_attention_partial(**{**args, "config": 1})
+        extension().tree_attention_partial(**{**args, "config": 2})
     with pytest.raises(ValueError, match="reads caches of q's dtype with v_scale 1"):
         extension().tree_attention_sm90(**args)
