@@ -29,7 +29,9 @@
 // values) into an fp8 staging ring of the same depth; once a tile has landed, each thread widens the chunks it
 // copied into the 16-bit ring (exact: every fp8 value is a half and a bfloat16), before the tile's barrier, so the
 // math below is unchanged. A thread only ever widens and refills its own staging chunks, so the staging ring needs
-// no barrier of its own. k_scale is folded into sm_scale by the caller; v_scale multiplies each output row.
+// no barrier of its own. k_scale is folded into sm_scale by the caller; v_scale multiplies each output row. The two
+// rings together take more shared memory than the 16-bit one alone, so the fp8 launches use fewer stages
+// (Fp8Traits in tree_attention.cu: two CTAs per SM).
 //
 // Math. mma.sync.m16n8k16 (fp16/bf16 in, fp32 accumulate), 16 query rows per warp. Q fragments are
 // loaded once into registers (D <= 128; Q is staged in the ring's last stage, which the first
@@ -208,18 +210,24 @@ __device__ __forceinline__ uint4 widen_fp8x8(const uint2 raw, bool& finite) {
   }
 }
 
-// A tree slot's 16-byte V chunk on its way to shared memory (`dst`, a shared address): rows of one tile see different
-// tree slots, and P V would multiply this V by the zero weight of rows that do not see the node (0 * NaN = NaN). So a
-// chunk holding a NaN/inf is stored as zeros and its node's bit set in `bad_nodes` (shared); the rows that see the
-// node are written as NaN at the end. A plain load and store (a tree tile is one or two per CTA), not cp.async.
+// A tree slot's V chunk bound for shared memory: rows of one tile see different tree slots, and P V would multiply
+// this V by the zero weight of rows that do not see the node (0 * NaN = NaN). So a chunk holding a NaN/inf
+// (`finite` false) is stored as zeros and its node's bit set in `bad_nodes` (shared); the rows that see the node are
+// written as NaN at the end.
+__device__ __forceinline__ void zero_bad_tree_v(uint4& v, bool finite, int node, unsigned long long* bad_nodes) {
+  if (!finite) {
+    v = make_uint4(0u, 0u, 0u, 0u);
+    atomicOr(bad_nodes, 1ull << node);
+  }
+}
+
+// A tree slot's 16-byte V chunk on its way to shared memory (`dst`, a shared address), through zero_bad_tree_v. A
+// plain load and store (a tree tile is one or two per CTA), not cp.async.
 template <typename T>
 __device__ __forceinline__ void copy_tree_v_chunk(uint32_t dst, const void* src, int node,
                                                   unsigned long long* bad_nodes) {
   uint4 v = __ldg(static_cast<const uint4*>(src));
-  if (!finite8<T>(v)) {
-    v = make_uint4(0u, 0u, 0u, 0u);
-    atomicOr(bad_nodes, 1ull << node);
-  }
+  zero_bad_tree_v(v, finite8<T>(v), node, bad_nodes);
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
@@ -458,8 +466,8 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
       }
     }
   };
-  // fp8: this thread's chunks of tile i, landed in the staging ring, widened into the 16-bit ring. A tree slot's V
-  // chunk holding a NaN/inf is stored as zeros and its node flagged, as copy_tree_v_chunk does.
+  // fp8: this thread's chunks of tile i, landed in the staging ring, widened into the 16-bit ring (a tree slot's V
+  // through zero_bad_tree_v, as copy_tree_v_chunk does).
   auto widen_tile = [&](int i) {
     const int stage = i % kStages, begin = tile_begin(i), limit = tile_limit(i);
     T* k_s = ring + stage * KT::kStageElems;
@@ -472,10 +480,7 @@ __global__ void __launch_bounds__(KT::kThreads, KT::kMinBlocks) tree_attention_p
       *reinterpret_cast<uint4*>(k_s + n * LDS + chunk * 8) =
           widen_fp8x8<T, KV>(*reinterpret_cast<const uint2*>(k8), finite);
       uint4 v = widen_fp8x8<T, KV>(*reinterpret_cast<const uint2*>(k8 + BN * D), finite);
-      if (!finite && i >= n_ctx_tiles && begin + n < limit) {
-        v = make_uint4(0u, 0u, 0u, 0u);
-        atomicOr(&bad_nodes, 1ull << (begin + n - ctx));
-      }
+      if (i >= n_ctx_tiles && begin + n < limit) zero_bad_tree_v(v, finite, begin + n - ctx, &bad_nodes);
       *reinterpret_cast<uint4*>(v_s + n * LDS + chunk * 8) = v;
     }
   };
