@@ -76,6 +76,19 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
+def _widen_tile(k, v, q_dtype: tl.constexpr):
+    """A K/V tile as the products take it: K in q's dtype; V in q's dtype, or in fp16 from an fp8 cache (then P V
+    runs in fp16). Both widenings are exact (scales are folded outside). fp16 V because an fp8 value becomes fp16 in one
+    conversion per pair of values and bf16 only through three: the conversions, not the halved bytes, bound the
+    kernel over fp8 caches (docs/TREE_ATTENTION.md)."""
+    if v.dtype.is_fp8():
+        v = v.to(tl.float16)
+    else:
+        v = v.to(q_dtype)
+    return k.to(q_dtype), v
+
+
+@triton.jit
 def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` and ``bias`` (added to
     the visible scores: 0, or NaN to poison a row that sees that key) broadcast to [BM, BN]."""
@@ -83,9 +96,8 @@ def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.
         # The CPU interpreter has no bf16 arithmetic; on the GPU bf16/fp16 operands keep tensor cores.
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    else:  # fp8 caches widen to q's dtype exactly (their scales are folded outside); a no-op otherwise
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+    else:
+        k, v = _widen_tile(k, v, q.dtype)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk + bias, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -105,8 +117,7 @@ def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k, v = _widen_tile(k, v, q.dtype)
     return _softmax_pv(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE,
                        DOT_PRECISION)
 
