@@ -5,7 +5,7 @@ The caches hold ``K / k_scale`` and ``V / v_scale`` in fp8; every backend that r
 is exact, and both paths then run the same arithmetic), bit for bit (compiled Triton: within a few output ulps, see
 the test); (2) with scales, the output
 against a float32 reference over the dequantized caches; (3) "auto" skips the CUDA backend for them (it reads them on
-its mma.sync kernel only, not measured against triton there), an explicit "cuda" runs them (the CUDA-only checks:
+its mma.sync kernel only, slower than triton's there), an explicit "cuda" runs them (the CUDA-only checks:
 every kernel shape, the NaN contract, the launchers' refusals, at the end); (4) bad scales are refused, naming the
 argument."""
 import math
@@ -53,7 +53,8 @@ def test_fp8_cache_equals_its_exact_widening(backend, fp8, name):
     assert not out8.isnan().any()
     if backend == "triton" and DEVICE.type == "cuda":
         # Compiled, an fp8 tile widens in registers and may feed a different tensor-core instruction than a tile
-        # loaded straight to shared memory, so fp32 sums can differ in their last bits: a few output ulps, no more.
+        # loaded straight to shared memory, and P V runs in fp16 over fp8 V (P rounds to fp16, not bf16), so fp32 sums
+        # can differ in their last bits: a few output ulps, no more.
         eps = torch.finfo(dtype).eps
         torch.testing.assert_close(out8, wide, rtol=4 * eps, atol=4 * eps * wide.abs().max().item())
     else:
