@@ -76,11 +76,28 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
+def _query_for_fp16_keys(q, qk_scale):
+    """bf16 rows ``q [BLOCK_M, D]`` as fp16, for products with fp8 keys widened to fp16 (one conversion per pair of
+    values; bf16 takes three): scaled by ``2^-s`` so the block's largest finite ``|q|`` lands in ``[2^14, 2^15)``, and
+    ``qk_scale * 2^s`` to undo it. Powers of two built from their bits, so the scaling is exact; the fp16 value is
+    exact for every component within ``2^31`` of that largest one (fp16 keeps 8 significant bits down to ``2^-17`` of
+    its range), and off by at most ``2^-39`` of it below that. NaN and inf components stay what they are."""
+    qf = q.to(tl.float32)
+    mag = tl.abs(qf)
+    amax = tl.max(tl.max(tl.where(mag < float("inf"), mag, 0.0), 1), 0)
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) for a normal amax
+    s = tl.minimum(tl.maximum(exponent - 14, -100), 100)
+    down = ((127 - s) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + s) << 23).to(tl.float32, bitcast=True)
+    return (qf * down).to(tl.float16), qk_scale * up
+
+
+@triton.jit
 def _widen_tile(k, v, q_dtype: tl.constexpr):
-    """A K/V tile as the products take it: K in q's dtype; V in q's dtype, or in fp16 from an fp8 cache (then P V
-    runs in fp16). Both widenings are exact (scales are folded outside). fp16 V because an fp8 value becomes fp16 in one
-    conversion per pair of values and bf16 only through three: the conversions, not the halved bytes, bound the
-    kernel over fp8 caches (docs/TREE_ATTENTION.md)."""
+    """A K/V tile as the products take it: K in q's dtype (fp16 over fp8 caches: ``_query_for_fp16_keys``); V in
+    q's dtype, or in fp16 from an fp8 cache (then P V runs in fp16). Both widenings are exact (scales are folded
+    outside). fp16 because an fp8 value becomes fp16 in one conversion per pair of values and bf16 only through
+    three: the conversions, not the halved bytes, bound the kernel over fp8 caches (docs/TREE_ATTENTION.md)."""
     if v.dtype.is_fp8():
         v = v.to(tl.float16)
     else:
@@ -434,6 +451,10 @@ def _tree_attn_partial_kernel(
 
     offs_m, row_ok, t, qh, offs_d, q = _load_query_rows(Q_ptr, b64, h, chunk, stride_qb, stride_qt, stride_qh, T, G,
                                                         HEAD_DIM, BLOCK_M, INTERPRET)
+    if not INTERPRET:
+        if K_ptr.dtype.element_ty.is_fp8():
+            if q.dtype == tl.bfloat16:
+                q, qk_scale = _query_for_fp16_keys(q, qk_scale)
     m_i, l_i, acc, page_bad = _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d,
                                             split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks, stride_kp,
                                             stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, T, W,
