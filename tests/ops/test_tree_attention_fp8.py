@@ -78,6 +78,26 @@ def test_scaled_fp8_cache_matches_the_dequantized_reference(backend, fp8, scales
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("q_scale", [2.0**16, 2.0**-20], ids=["q-past-fp16-range", "q-tiny"])
+def test_fp8_cache_with_queries_outside_fp16_range(backend, q_scale):
+    """bf16 queries far outside fp16's range (|q| up to ~2^18) or deep in its subnormals (~2^-20) over fp8 caches: the
+    compiled Triton kernel runs such products in fp16 for small row blocks (this case: 12 rows), scaling the rows by a
+    power of two first; an unscaled fp16 copy would overflow to inf (NaN rows) or lose their bits."""
+    need_backend("tree_attention", backend, DEVICE)
+    ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = CASES["gqa2-bs16"]
+    base = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
+    case, k_deq, v_deq = quantized({**base, "q": (base["q"].float() * q_scale).to(dtype)}, torch.float8_e4m3fn,
+                                   1.0, 1.0)
+    plan = make_plan(case, split_len=split_len)
+    out = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
+              backend=backend, sm_scale=D**-0.5)
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
+                                    sm_scale=D**-0.5, out_dtype=torch.float32)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_scales_also_apply_to_caches_of_q_dtype_and_the_public_op():
     """Scales are the caches' dequantization, whatever their dtype: bf16 caches with scales equal the reference over
     ``cache * scale``; the public op passes them through."""

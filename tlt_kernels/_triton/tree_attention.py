@@ -64,6 +64,10 @@ CONFIG_OVERRIDE = None
 # masked tail (default); 0 = the previous every-tile-masked loop, kept as the reference the pipelined loop is
 # tested against (tests/ops/test_tree_attention_triton_variants.py).
 PIPELINE = 1
+# Over fp8 caches with bf16 queries, K widens to fp16 against fp16-scaled rows (_query_for_fp16_keys) where a KV head
+# has at most this many query rows (T * G): measured faster there (T = 4), slower at 112 rows (T = 16), even at 56
+# (H200, docs/TREE_ATTENTION.md); above it K widens to bf16.
+FP16_KEYS_MAX_ROWS = tl.constexpr(32)
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
@@ -453,7 +457,7 @@ def _tree_attn_partial_kernel(
                                                         HEAD_DIM, BLOCK_M, INTERPRET)
     if not INTERPRET:
         if K_ptr.dtype.element_ty.is_fp8():
-            if q.dtype == tl.bfloat16:
+            if q.dtype == tl.bfloat16 and T * G <= FP16_KEYS_MAX_ROWS:
                 q, qk_scale = _query_for_fp16_keys(q, qk_scale)
     m_i, l_i, acc, page_bad = _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d,
                                             split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks, stride_kp,
