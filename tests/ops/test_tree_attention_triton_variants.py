@@ -195,14 +195,18 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, checks=_FP32_CHECKS))
 
 
-@pytest.mark.parametrize("kv", ["*fp8e4nv", "*fp8e5"])
-def test_fp8_cache_config_compiles_for_sm90(kv):
-    """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each K/V tile to bf16 as loaded and
-    keeps the tensor-core products; it compiles for sm_90 within the shared-memory limit and without spills."""
+@pytest.mark.parametrize("kv,T", [("*fp8e4nv", 16), ("*fp8e5", 16), ("*fp8e4nv", 4)])
+def test_fp8_cache_config_compiles_for_sm90(kv, T):
+    """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each K/V tile as loaded (V to fp16; K to
+    fp16 against fp16-scaled rows where a KV head has at most FP16_KEYS_MAX_ROWS query rows, else to bf16) and keeps
+    the tensor-core products; it compiles for sm_90 within the shared-memory limit and without spills."""
     from conftest import compile_for_sm90
 
     checks = """
-assert "wgmma" in c.asm["ptx"] or "mma.sync" in c.asm["ptx"], "bf16 products over fp8 caches must use tensor cores"
+ptx = c.asm["ptx"]
+assert "wgmma" in ptx or "mma.sync" in ptx, "products over fp8 caches must use tensor cores"
 assert smem <= 227 * 1024 and spills == 0, (smem, spills)
+if KV == "*fp8e4nv":  # e4m3 K reaches bf16 through fp16 (fp16 -> bf16 conversions); fp16 keys need none
+    assert ("cvt.bf16.f16" in ptx) == (T * G > m.FP16_KEYS_MAX_ROWS), (T * G, ptx.count("cvt.bf16.f16"))
 """
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=kv, checks=checks))
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, checks=checks))
