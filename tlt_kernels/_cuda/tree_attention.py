@@ -31,7 +31,8 @@ __all__ = ["run_cuda", "unsupported_reason"]
 
 HEAD_DIMS = (64, 128, 256)
 # Kernel configuration passed to the launcher: 0 picks per shape; 1-7 force a tuning variant (listed
-# in csrc/tree_attention/tree_attention.cu, launch_partial). Only benchmark sweeps set it.
+# in csrc/tree_attention/tree_attention.cu: launch_partial, and launch_partial_fp8 for fp8 caches, which takes 1 and
+# 5 only). Only benchmark sweeps and tests set it.
 CONFIG_OVERRIDE = 0
 
 
