@@ -97,28 +97,29 @@ def _query_for_fp16_keys(q, qk_scale):
 
 
 @triton.jit
-def _widen_tile(k, v, q_dtype: tl.constexpr):
+def _widen_tile(k, v, q_dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """A K/V tile as the products take it: K in q's dtype (fp16 over fp8 caches: ``_query_for_fp16_keys``); V in
     q's dtype, or in fp16 from an fp8 cache (then P V runs in fp16). Both widenings are exact (scales are folded
     outside). fp16 because an fp8 value becomes fp16 in one conversion per pair of values and bf16 only through
-    three: the conversions, not the halved bytes, bound the kernel over fp8 caches (docs/TREE_ATTENTION.md)."""
-    if v.dtype.is_fp8():
-        v = v.to(tl.float16)
+    three: the conversions, not the halved bytes, bound the kernel over fp8 caches (docs/TREE_ATTENTION.md). The CPU
+    interpreter has no bf16 arithmetic: there both go to fp32 (on the GPU bf16/fp16 operands keep tensor cores)."""
+    if INTERPRET:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     else:
-        v = v.to(q_dtype)
-    return k.to(q_dtype), v
+        if v.dtype.is_fp8():
+            v = v.to(tl.float16)
+        else:
+            v = v.to(q_dtype)
+        k = k.to(q_dtype)
+    return k, v
 
 
 @triton.jit
 def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` and ``bias`` (added to
     the visible scores: 0, or NaN to poison a row that sees that key) broadcast to [BM, BN]."""
-    if INTERPRET:
-        # The CPU interpreter has no bf16 arithmetic; on the GPU bf16/fp16 operands keep tensor cores.
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k, v = _widen_tile(k, v, q.dtype)
+    k, v = _widen_tile(k, v, q.dtype, INTERPRET)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk + bias, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -134,11 +135,7 @@ def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """``_attend_tile`` for a tile whose keys are all visible: no mask, and the scale folded into the
     exponent's FMA (``m`` is tracked on the raw scores, ``qk_scale > 0`` keeps the max the same)."""
-    if INTERPRET:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k, v = _widen_tile(k, v, q.dtype)
+    k, v = _widen_tile(k, v, q.dtype, INTERPRET)
     return _softmax_pv(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE,
                        DOT_PRECISION)
 
