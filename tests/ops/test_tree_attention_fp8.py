@@ -70,12 +70,20 @@ def test_scaled_fp8_cache_matches_the_dequantized_reference(backend, fp8, scales
     need_backend("tree_attention", backend, DEVICE)
     ctx, T, Hq, Hkv, D, bs, dtype, kinds, n, split_len = CASES["splits-fp16"]
     case, k_deq, v_deq = quantized(make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n), fp8, *scales)
+    out, want = _run_and_dequantized_reference(case, k_deq, v_deq, split_len, backend, k_scale=scales[0],
+                                               v_scale=scales[1])
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def _run_and_dequantized_reference(case, k_deq, v_deq, split_len, backend, sm_scale=None, **scales):
+    """``backend``'s output over the quantized ``case`` (poisoned ``out`` first) and the fp32 reference over the
+    dequantized caches ``k_deq`` / ``v_deq``."""
     plan = make_plan(case, split_len=split_len)
     out = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
-              backend=backend, k_scale=scales[0], v_scale=scales[1])
+              backend=backend, sm_scale=sm_scale, **scales)
     want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
-                                    out_dtype=torch.float32)
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+                                    sm_scale=sm_scale, out_dtype=torch.float32)
+    return out, want
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
@@ -89,11 +97,7 @@ def test_fp8_cache_with_queries_outside_fp16_range(backend, q_scale):
     base = make_case(ctx, T, Hq, Hkv, D, bs, dtype, kinds, n)
     case, k_deq, v_deq = quantized({**base, "q": (base["q"].float() * q_scale).to(dtype)}, torch.float8_e4m3fn,
                                    1.0, 1.0)
-    plan = make_plan(case, split_len=split_len)
-    out = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
-              backend=backend, sm_scale=D**-0.5)
-    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
-                                    sm_scale=D**-0.5, out_dtype=torch.float32)
+    out, want = _run_and_dequantized_reference(case, k_deq, v_deq, split_len, backend, sm_scale=D**-0.5)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
