@@ -328,6 +328,8 @@ def test_plan_contents():
     assert (plan.batch_size, plan.num_tree, plan.group, plan.num_splits, plan.split_len) == (2, 6, 3, 3, 64)
     assert plan.partial_out.shape == (2, 2, 4, 18, 64) and plan.partial_out.dtype == torch.float32
     assert plan.partial_lse.shape == (2, 2, 4, 18)
+    assert plan.split_counters.shape == (2, 2, 2) and plan.split_counters.dtype == torch.int32
+    assert not plan.split_counters.any()
     assert torch.equal(plan.tree_mask, tlt_kernels.tree_ancestor_mask_packed(case["parents"], case["num_nodes"]))
     for t in (plan.tree_mask, plan.context_lens, plan.num_nodes, plan.block_table):
         assert t.dtype == torch.int32 and t.is_contiguous()

@@ -6,6 +6,8 @@ whole tiles per split (so the carried page ids matter), tiles that straddle page
 tile, split starts that are not tile-aligned, and tails of every length class.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import kernel_devices
@@ -99,6 +101,34 @@ def test_lazy_rescale_matches_reference(name, tau, monkeypatch):
     check_against_reference(out, case)
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("name", ["splits-of-three-tiles", "d128-bm128-unaligned-splits", "row-chunk-splits"])
+def test_fused_merge_matches_merge_kernel(name, monkeypatch):
+    """The merge in each request's last split (``FUSED_MERGE``) gives the merge kernel's rows and leaves the arrival
+    counters at zero, so the next run (a graph replay) starts clean; a plan without counters takes the kernel."""
+    _need_triton()
+    if name == "row-chunk-splits":  # 3 row chunks of 64 (T * G = 144), each with its own counter
+        case, split = make_case([700, 130, 0], 48, 3, 1, 64, 16, torch.bfloat16, num_nodes=[48, 20, 48],
+                                device=DEVICE), 128
+    else:
+        case, split = _case(name)
+    plan = make_plan(case, split_len=split)
+    assert plan.num_splits > 1
+    outs = []
+    for fused, counters in ((0, plan.split_counters), (1, plan.split_counters), (1, None)):
+        monkeypatch.setattr(tk, "FUSED_MERGE", fused)
+        for _ in range(2):  # a second run on the same plan reads the counters the first one left
+            out = torch.full_like(case["q"], float("nan"))
+            dataclasses.replace(plan, split_counters=counters).run(case["q"], case["k_cache"], case["v_cache"],
+                                                                   out=out, backend="triton")
+            assert not plan.split_counters.any(), "the last split must reset its counter"
+            outs.append(out)
+    check_against_reference(outs[0], case)
+    for out in outs[1:]:
+        # The same merge arithmetic per row (only the row block differs): equal up to one rounding of the output.
+        torch.testing.assert_close(out.float(), outs[0].float(), atol=0, rtol=2 ** -7)
+
+
 def test_kernel_config_table_and_override(monkeypatch):
     """``kernel_config`` reads an optional ``maxnreg`` from the table and from a 5-element override."""
     block_m, chunks, block_n, warps, stages, maxnreg = tk.kernel_config(128, 112)
@@ -138,10 +168,10 @@ block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp3
 k = m._tree_attn_partial_kernel
 names = k.arg_names
 ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*i32", "TreeMask_ptr": "*i32",
-        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32"}}
+        "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32", "Counters_ptr": "*i32"}}
 consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
-              DROP_BITS=0 if FP32 else 16, PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
+              DROP_BITS=0 if FP32 else 16, NUM_COUNTERS=-(-T * G // 16), FUSED_MERGE=bool(m.FUSED_MERGE), PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")

@@ -64,6 +64,9 @@ CONFIG_OVERRIDE = None
 # masked tail (default); 0 = the previous every-tile-masked loop, kept as the reference the pipelined loop is
 # tested against (tests/ops/test_tree_attention_triton_variants.py).
 PIPELINE = 1
+# Split contexts merge in each request's last split to finish (1, the default; needs the plan's ``split_counters``)
+# rather than in a second kernel (0: kept for the tests and as the measured alternative).
+FUSED_MERGE = 1
 # Over fp8 caches with bf16 queries, K widens to fp16 against fp16-scaled rows (_query_for_fp16_keys) where a KV head
 # has at most this many query rows (T * G): measured faster there (T = 4), slower at 112 rows (T = 16), even at 56
 # (H200, docs/TREE_ATTENTION.md); above it K widens to bf16.
@@ -416,7 +419,7 @@ def _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t
 
 @triton.jit
 def _tree_attn_partial_kernel(
-    Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr,
+    Q_ptr, K_ptr, V_ptr, Out_ptr, PartialOut_ptr, PartialLse_ptr, Counters_ptr,
     BlockTable_ptr, ContextLens_ptr, NumNodes_ptr, TreeMask_ptr,
     qk_scale, v_scale, split_len, num_splits, num_blocks,
     stride_qb, stride_qt, stride_qh,
@@ -436,6 +439,8 @@ def _tree_attn_partial_kernel(
     NUM_M_CHUNKS: tl.constexpr,
     INTERPRET: tl.constexpr,
     DROP_BITS: tl.constexpr,
+    NUM_COUNTERS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr,
     PIPELINE: tl.constexpr = 1,
     LAZY_RESCALE: tl.constexpr = 0.0,
     DOT_PRECISION: tl.constexpr = "tf32",
@@ -465,6 +470,32 @@ def _tree_attn_partial_kernel(
     _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
                       n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T, G, HEAD_DIM,
                       INTERPRET, DROP_BITS)
+    if FUSED_MERGE:
+        _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, Counters_ptr, b64, h, chunk, t, qh, offs_m, offs_d,
+                       row_ok, split, n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T,
+                       G, HEAD_DIM, BLOCK_M, NUM_COUNTERS, INTERPRET, DROP_BITS)
+
+
+@triton.jit
+def _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, Counters_ptr, b64, h, chunk, t, qh, offs_m, offs_d, row_ok,
+                   split, n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS: tl.constexpr,
+                   T: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   NUM_COUNTERS: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
+    """The merge inside the partial kernel (no second launch): each split of a multi-split request counts its arrival
+    at its row chunk's counter once its partial rows are stored; the last to arrive merges them into ``out`` and
+    resets the counter to 0 for the next launch (a captured graph replays it)."""
+    if n_splits_b > 1:
+        if split < n_splits_b:
+            tl.debug_barrier()  # every thread's partial stores happen before the release below publishes them
+            counter = Counters_ptr + (b64 * NUM_KV_HEADS + h) * NUM_COUNTERS + chunk
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits_b - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+                base = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + offs_m
+                o = _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, T * G, HEAD_DIM,
+                                BLOCK_M, INTERPRET)
+                _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stride_ot, stride_oh,
+                            INTERPRET, DROP_BITS)
 
 
 @triton.jit
@@ -483,19 +514,19 @@ def _split_result(acc, m_i, l_i, page_bad):
 def _merge_max(PartialLse_ptr, row, row_ok, m, nan_rows):
     """Running max of the splits' LSEs and the rows with a NaN LSE (a split that met a NaN): those are flagged and kept
     out of the max, whose NaN handling tl.maximum leaves unspecified."""
-    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
+    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
     return tl.maximum(m, tl.where(lse == lse, lse, float("-inf"))), nan_rows | (lse != lse).to(tl.int32)
 
 
 @triton.jit
 def _merge_add(PartialOut_ptr, PartialLse_ptr, row, row_ok, offs_d, m, acc, den, HEAD_DIM: tl.constexpr):
-    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"))
+    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
     lse = tl.where(lse == lse, lse, float("-inf"))  # NaN rows are flagged by _merge_max
     w = tl.exp(lse - m)
     # An empty split's (LSE -inf) partial_out is undefined: never read it. Every other one is read even when its weight
     # underflows to 0, so a NaN in it reaches the row as in one softmax (0 * NaN = NaN).
     part = tl.load(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=(row_ok & (lse > float("-inf")))[:, None], other=0.0)
+                   mask=(row_ok & (lse > float("-inf")))[:, None], other=0.0, cache_modifier=".cg")
     return acc + w[:, None] * part, den + w
 
 
@@ -628,8 +659,11 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     reg_cap = {} if (maxnreg is None or interp) else {"maxnreg": maxnreg}
     block_t = max(16, _next_pow2(T))
     drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
+    counters = plan.split_counters
+    # The partial kernel merges in each request's last split where the plan holds arrival counters for its row chunks.
+    fused = plan.num_splits > 1 and FUSED_MERGE and counters is not None and counters.numel() >= B * Hkv * chunks
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
-        q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse,
+        q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse, counters if fused else plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
         sm_scale * LOG2E, v_scale, plan.split_len, plan.num_splits, min(k_cache.shape[0], v_cache.shape[0]),
         q.stride(0), q.stride(1), q.stride(2),
@@ -639,10 +673,10 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
+        NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused, PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=warps, num_stages=stages, **reg_cap,
     )
-    if plan.num_splits > 1:
+    if plan.num_splits > 1 and not fused:
         _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](
             out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
             plan.split_len, plan.num_splits,

@@ -92,6 +92,9 @@ class TreeAttentionPlan:
       scores, ``-inf`` for an empty split, whose ``partial_out`` is then undefined (a merge must not
       read it). A backend may use the scratch differently internally (the Triton backend folds the tree
       into the last non-empty context split and skips the scratch for single-split requests).
+    * ``split_counters int32 [B, Hkv, ceil(T * G / 16)]``, zeros between runs: a backend that merges the splits in
+      the last one to finish (Triton) counts each row chunk's arrivals there and resets them to 0 as it merges.
+      None: such a backend merges in a second kernel.
     """
 
     batch_size: int
@@ -109,6 +112,7 @@ class TreeAttentionPlan:
     block_table: torch.Tensor
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    split_counters: Optional[torch.Tensor] = None
     # Host-side facts about the block table, for run's page check (no sync there): the cache's page count the plan
     # was built for (None: not given), the largest page id the requests use as (value, request, column) (None: the
     # plan did not read the table), and whether run should read it once (validation was asked for but skipped
@@ -384,6 +388,7 @@ def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num
         context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
         partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
+        split_counters=torch.zeros(B, num_kv_heads, -(-M // 16), dtype=torch.int32, device=dev),
         num_blocks=num_blocks, max_page=max_page, check_pages_at_run=check_pages_at_run,
     )
 
@@ -635,13 +640,13 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     if name == "torch":
         return run_torch(plan, q, k_cache, v_cache, out, scale, v_scale)
     if direct_dispatch_ok(q, k_cache, v_cache, out, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-                          plan.partial_out, plan.partial_lse):
+                          plan.partial_out, plan.partial_lse, plan.split_counters):
         # Plain eager: the kernel directly, without the mutating op's dispatch (host time per layer).
         _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, scale, v_scale)
         return out
     torch.ops.tlt.tree_attention_run(
         q, k_cache, v_cache, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
-        plan.partial_out, plan.partial_lse, out, scale, v_scale, plan.split_len, name,
+        plan.partial_out, plan.partial_lse, _counters_of(plan), out, scale, v_scale, plan.split_len, name,
     )
     return out
 
@@ -656,7 +661,14 @@ def _dequant_scale(name: str, value) -> float:
     return float(value)
 
 
-@torch.library.custom_op("tlt::tree_attention_run", mutates_args=("partial_out", "partial_lse", "out"))
+def _counters_of(plan: TreeAttentionPlan) -> torch.Tensor:
+    """The plan's split counters for the op, whose schema has no optional tensors: an empty tensor for None."""
+    if plan.split_counters is not None:
+        return plan.split_counters
+    return torch.empty(0, dtype=torch.int32, device=plan.partial_lse.device)
+
+
+@torch.library.custom_op("tlt::tree_attention_run", mutates_args=("partial_out", "partial_lse", "split_counters", "out"))
 def _tree_attention_run_op(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -667,6 +679,7 @@ def _tree_attention_run_op(
     tree_mask: torch.Tensor,
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
+    split_counters: torch.Tensor,
     out: torch.Tensor,
     sm_scale: float,
     v_scale: float,
@@ -680,14 +693,14 @@ def _tree_attention_run_op(
         batch_size=B, num_tree=T, num_q_heads=Hq, num_kv_heads=Hkv, group=Hq // Hkv, head_dim=D,
         block_size=k_cache.shape[1], num_splits=partial_out.shape[2] - 1, split_len=split_len,
         tree_mask=tree_mask, context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
-        partial_out=partial_out, partial_lse=partial_lse,
+        partial_out=partial_out, partial_lse=partial_lse, split_counters=split_counters,
     )
     _BACKENDS.get(backend)(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
 
 
 @_tree_attention_run_op.register_fake
-def _(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, out, sm_scale,
-      v_scale, split_len, backend):
+def _(q, k_cache, v_cache, block_table, context_lens, num_nodes, tree_mask, partial_out, partial_lse, split_counters,
+      out, sm_scale, v_scale, split_len, backend):
     return None
 
 
