@@ -101,22 +101,32 @@ def test_lazy_rescale_matches_reference(name, tau, monkeypatch):
     check_against_reference(out, case)
 
 
+# name: (case, split_len, whether the partial kernel merges): rows of at most FUSED_MERGE_MAX_ROWS merge in the
+# last split; more rows (a 128-row tile; 64-row chunks, each with its own counter) in the merge kernel.
+MERGE_CASES = {
+    "decode-gqa7": (([700, 130, 0], 1, 7, 1, 128, 16, torch.bfloat16, None), 128, True),
+    "splits-of-three-tiles": (CASES["splits-of-three-tiles"][:-1], 192, True),
+    "fp16-gqa4-ragged": (([1000, 64, 333, 65], 3, 8, 2, 64, 16, torch.float16, [3, 1, 2, 3]), 64, True),
+    "d128-bm128-unaligned-splits": (CASES["d128-bm128-unaligned-splits"][:-1], 320, False),
+    "row-chunk-splits": (([700, 130, 0], 48, 3, 1, 64, 16, torch.bfloat16, [48, 20, 48]), 128, False),
+}
+
+
 @pytest.mark.triton
-@pytest.mark.parametrize("name", ["splits-of-three-tiles", "d128-bm128-unaligned-splits", "row-chunk-splits"])
+@pytest.mark.parametrize("name", list(MERGE_CASES))
 def test_fused_merge_matches_merge_kernel(name, monkeypatch):
-    """The merge in each request's last split (``FUSED_MERGE``) gives the merge kernel's rows and leaves the arrival
-    counters at zero, so the next run (a graph replay) starts clean; a plan without counters takes the kernel."""
+    """The merge in each request's last split to finish (``FUSED_MERGE``) gives the merge kernel's rows and leaves the
+    arrival counters at zero, so the next run (a graph replay) starts clean; a plan without counters takes the
+    kernel."""
     _need_triton()
-    if name == "row-chunk-splits":  # 3 row chunks of 64 (T * G = 144), each with its own counter
-        case, split = make_case([700, 130, 0], 48, 3, 1, 64, 16, torch.bfloat16, num_nodes=[48, 20, 48],
-                                device=DEVICE), 128
-    else:
-        case, split = _case(name)
+    (ctx, T, Hq, Hkv, D, bs, dtype, n), split, fused = MERGE_CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, num_nodes=n, device=DEVICE)
     plan = make_plan(case, split_len=split)
-    assert plan.num_splits > 1
+    block_m, chunks = tk.kernel_config(D, T * (Hq // Hkv))[:2]
+    assert plan.num_splits > 1 and tk.merges_in_partial_kernel(plan, block_m, chunks) == fused
     outs = []
-    for fused, counters in ((0, plan.split_counters), (1, plan.split_counters), (1, None)):
-        monkeypatch.setattr(tk, "FUSED_MERGE", fused)
+    for on, counters in ((0, plan.split_counters), (1, plan.split_counters), (1, None)):
+        monkeypatch.setattr(tk, "FUSED_MERGE", on)
         for _ in range(2):  # a second run on the same plan reads the counters the first one left
             out = torch.full_like(case["q"], float("nan"))
             dataclasses.replace(plan, split_counters=counters).run(case["q"], case["k_cache"], case["v_cache"],
@@ -125,7 +135,7 @@ def test_fused_merge_matches_merge_kernel(name, monkeypatch):
             outs.append(out)
     check_against_reference(outs[0], case)
     for out in outs[1:]:
-        # The same merge arithmetic per row (only the row block differs): equal up to one rounding of the output.
+        # The same merge arithmetic per row (the loop's unrolling may differ): equal up to one rounding of the output.
         torch.testing.assert_close(out.float(), outs[0].float(), atol=0, rtol=2 ** -7)
 
 
@@ -171,7 +181,8 @@ ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*
         "PartialOut_ptr": "*fp32", "PartialLse_ptr": "*fp32", "Counters_ptr": "*i32"}}
 consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
-              DROP_BITS=0 if FP32 else 16, NUM_COUNTERS=-(-T * G // 16), FUSED_MERGE=bool(m.FUSED_MERGE), PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
+              DROP_BITS=0 if FP32 else 16, NUM_COUNTERS=-(-T * G // 16), FUSED_MERGE=block_m <= m.FUSED_MERGE_MAX_ROWS,
+              MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")

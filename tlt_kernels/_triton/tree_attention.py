@@ -55,7 +55,12 @@ PARTIAL_CONFIGS = {
     (256, 64): (32, 8, 2),
 }
 CHUNK_BLOCK_M = 64  # row tile when T * G exceeds MAX_BLOCK_M (D <= 128); see row_tile
-MERGE_BLOCK_R = 16
+MERGE_BLOCK_R = 16  # rows per program of the merge kernel
+MERGE_WARPS = 4
+# The merge loop (_merge_rows) as (splits per trip, software-pipeline stages): inside the partial kernel, and in the
+# merge kernel (each the measured best of (1, 1), (2, 1), (1, 3), (2, 2)).
+FUSED_MERGE_LOOP = (2, 1)
+MERGE_KERNEL_LOOP = (1, 3)
 # (BLOCK_N, num_warps, num_stages[, BLOCK_M[, maxnreg]]) forced for every shape when set (BLOCK_M None =
 # the default row tile); the benchmark's tuning sweep (python -m bench tree-attention --sweep) and the
 # tests of the non-default configs (tests/ops/test_tree_attention_triton_variants.py) set it.
@@ -64,9 +69,12 @@ CONFIG_OVERRIDE = None
 # masked tail (default); 0 = the previous every-tile-masked loop, kept as the reference the pipelined loop is
 # tested against (tests/ops/test_tree_attention_triton_variants.py).
 PIPELINE = 1
-# Split contexts merge in each request's last split to finish (1, the default; needs the plan's ``split_counters``)
-# rather than in a second kernel (0: kept for the tests and as the measured alternative).
+# Split contexts merge in each request's last split to finish (needs the plan's ``split_counters``) where a program
+# holds at most FUSED_MERGE_MAX_ROWS query rows, rather than in the merge kernel (measured faster there on an H200,
+# slower with more rows, whose merge the kernel spreads over more programs: docs/TREE_ATTENTION.md). 0: always the
+# merge kernel.
 FUSED_MERGE = 1
+FUSED_MERGE_MAX_ROWS = 16
 # Over fp8 caches with bf16 queries, K widens to fp16 against fp16-scaled rows (_query_for_fp16_keys) where a KV head
 # has at most this many query rows (T * G): measured faster there (T = 4), slower at 112 rows (T = 16), even at 56
 # (H200, docs/TREE_ATTENTION.md); above it K widens to bf16.
@@ -441,6 +449,8 @@ def _tree_attn_partial_kernel(
     DROP_BITS: tl.constexpr,
     NUM_COUNTERS: tl.constexpr,
     FUSED_MERGE: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
     PIPELINE: tl.constexpr = 1,
     LAZY_RESCALE: tl.constexpr = 0.0,
     DOT_PRECISION: tl.constexpr = "tf32",
@@ -473,14 +483,15 @@ def _tree_attn_partial_kernel(
     if FUSED_MERGE:
         _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, Counters_ptr, b64, h, chunk, t, qh, offs_m, offs_d,
                        row_ok, split, n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T,
-                       G, HEAD_DIM, BLOCK_M, NUM_COUNTERS, INTERPRET, DROP_BITS)
+                       G, HEAD_DIM, BLOCK_M, NUM_COUNTERS, MERGE_UNROLL, MERGE_STAGES, INTERPRET, DROP_BITS)
 
 
 @triton.jit
 def _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, Counters_ptr, b64, h, chunk, t, qh, offs_m, offs_d, row_ok,
                    split, n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS: tl.constexpr,
                    T: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   NUM_COUNTERS: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
+                   NUM_COUNTERS: tl.constexpr, MERGE_UNROLL: tl.constexpr, MERGE_STAGES: tl.constexpr,
+                   INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
     """The merge inside the partial kernel (no second launch): each split of a multi-split request counts its arrival
     at its row chunk's counter once its partial rows are stored; the last to arrive merges them into ``out`` and
     resets the counter to 0 for the next launch (a captured graph replays it)."""
@@ -493,7 +504,7 @@ def _merge_if_last(Out_ptr, PartialOut_ptr, PartialLse_ptr, Counters_ptr, b64, h
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
                 base = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + offs_m
                 o = _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, T * G, HEAD_DIM,
-                                BLOCK_M, INTERPRET)
+                                BLOCK_M, MERGE_UNROLL, MERGE_STAGES, INTERPRET)
                 _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stride_ot, stride_oh,
                             INTERPRET, DROP_BITS)
 
@@ -511,30 +522,43 @@ def _split_result(acc, m_i, l_i, page_bad):
 
 
 @triton.jit
-def _merge_max(PartialLse_ptr, row, row_ok, m, nan_rows):
-    """Running max of the splits' LSEs and the rows with a NaN LSE (a split that met a NaN): those are flagged and kept
-    out of the max, whose NaN handling tl.maximum leaves unspecified."""
-    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    return tl.maximum(m, tl.where(lse == lse, lse, float("-inf"))), nan_rows | (lse != lse).to(tl.int32)
+def _merge_load(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, split, n_splits_b, ROWS: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """Split ``split``'s LSEs ``[R]`` and partial rows ``[R, D]`` (-inf and zeros past ``n_splits_b``). Both loads
+    depend on ``split`` only, so they are in flight together (and ahead, in a pipelined loop): an empty split's rows,
+    undefined scratch, are read too and dropped by ``_merge_fold``."""
+    rows = base + split * ROWS
+    ok = row_ok & (split < n_splits_b)
+    lse = tl.load(PartialLse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(PartialOut_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
+                   cache_modifier=".cg")
+    return lse, part
 
 
 @triton.jit
-def _merge_add(PartialOut_ptr, PartialLse_ptr, row, row_ok, offs_d, m, acc, den, HEAD_DIM: tl.constexpr):
-    lse = tl.load(PartialLse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    lse = tl.where(lse == lse, lse, float("-inf"))  # NaN rows are flagged by _merge_max
-    w = tl.exp(lse - m)
-    # An empty split's (LSE -inf) partial_out is undefined: never read it. Every other one is read even when its weight
-    # underflows to 0, so a NaN in it reaches the row as in one softmax (0 * NaN = NaN).
-    part = tl.load(PartialOut_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=(row_ok & (lse > float("-inf")))[:, None], other=0.0, cache_modifier=".cg")
-    return acc + w[:, None] * part, den + w
+def _merge_fold(lse, part, m, acc, den, nan_rows):
+    """Fold one split into the running ``(m, acc, den)``, rescaling as the max grows. An empty split (LSE -inf) drops
+    out whatever its rows hold; every other one counts even when its weight underflows to 0, so a NaN in it reaches
+    the row as in one softmax (0 * NaN = NaN). A NaN LSE (the split met a NaN) flags the row."""
+    nan_rows = nan_rows | (lse != lse).to(tl.int32)
+    lse = tl.where(lse == lse, lse, float("-inf"))
+    live = lse > float("-inf")
+    m_new = tl.maximum(m, lse)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split seen yet: any finite reference
+    alpha = tl.exp(m - m_ref)
+    w = tl.where(live, tl.exp(lse - m_ref), 0.0)
+    acc = acc * alpha[:, None] + w[:, None] * tl.where(live[:, None], part, 0.0)
+    return m_new, acc, den * alpha + w, nan_rows
 
 
 @triton.jit
 def _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, UNROLL: tl.constexpr, STAGES: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """``out = sum_s e^{lse_s - m} o_s / sum_s e^{lse_s - m}`` (``m = max_s lse_s``) of the rows ``base`` (split 0's
-    scratch rows; split s is ``ROWS`` further per split), NaN where a split met a NaN."""
+    scratch rows; split s is ``ROWS`` further per split), NaN where a split met a NaN. One pass with the running max
+    rescaled as it grows, ``UNROLL`` splits per trip (their loads in flight together), the loop pipelined over
+    ``STAGES``: the merge is a chain of loads, one round trip per trip at most."""
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -542,21 +566,18 @@ def _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b
     if INTERPRET:  # see the partial kernel: no tensor bounds in range() under the interpreter
         s = 0
         while s < n_splits_b:
-            m, nan_rows = _merge_max(PartialLse_ptr, base + s * ROWS, row_ok, m, nan_rows)
-            s += 1
-        m = tl.where(m == float("-inf"), 0.0, m)
-        s = 0
-        while s < n_splits_b:
-            acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * ROWS, row_ok, offs_d, m, acc, den,
-                                  HEAD_DIM)
+            lse, part = _merge_load(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, s, n_splits_b, ROWS, HEAD_DIM)
+            m, acc, den, nan_rows = _merge_fold(lse, part, m, acc, den, nan_rows)
             s += 1
     else:
-        for s in range(0, n_splits_b):
-            m, nan_rows = _merge_max(PartialLse_ptr, base + s * ROWS, row_ok, m, nan_rows)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        for s in range(0, n_splits_b):
-            acc, den = _merge_add(PartialOut_ptr, PartialLse_ptr, base + s * ROWS, row_ok, offs_d, m, acc, den,
-                                  HEAD_DIM)
+        for s in tl.range(0, n_splits_b, UNROLL, num_stages=STAGES):
+            lse, part = _merge_load(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, s, n_splits_b, ROWS, HEAD_DIM)
+            if UNROLL == 2:
+                lse1, part1 = _merge_load(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, s + 1, n_splits_b,
+                                          ROWS, HEAD_DIM)
+            m, acc, den, nan_rows = _merge_fold(lse, part, m, acc, den, nan_rows)
+            if UNROLL == 2:
+                m, acc, den, nan_rows = _merge_fold(lse1, part1, m, acc, den, nan_rows)
     o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     return tl.where((nan_rows != 0)[:, None], float("nan"), o)
 
@@ -571,6 +592,8 @@ def _tree_attn_merge_kernel(
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr,
+    MERGE_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
     DROP_BITS: tl.constexpr,
 ):
@@ -586,7 +609,7 @@ def _tree_attn_merge_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         base = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + offs_r
         o = _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b, T * G, HEAD_DIM, BLOCK_R,
-                        INTERPRET)
+                        MERGE_UNROLL, MERGE_STAGES, INTERPRET)
         _store_rows(o, Out_ptr, b64, offs_r // G, h * G + offs_r % G, offs_d, row_ok, n_nodes, stride_ob, stride_ot,
                     stride_oh, INTERPRET, DROP_BITS)
 
@@ -598,6 +621,14 @@ def _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stri
     o = tl.where((t < n_nodes)[:, None], o, 0.0)
     o_ptrs = Out_ptr + b64 * stride_ob + (t * stride_ot + qh * stride_oh).to(tl.int64)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
+
+
+def merges_in_partial_kernel(plan, block_m: int, chunks: int) -> bool:
+    """Whether the partial kernel merges the splits itself (see ``FUSED_MERGE``): a split context, rows of at most
+    ``FUSED_MERGE_MAX_ROWS`` per program, and arrival counters in the plan for every row chunk."""
+    counters = plan.split_counters
+    return (plan.num_splits > 1 and bool(FUSED_MERGE) and block_m <= FUSED_MERGE_MAX_ROWS and counters is not None
+            and counters.numel() >= plan.batch_size * plan.num_kv_heads * chunks)
 
 
 def row_tile(head_dim: int, num_rows: int) -> int:
@@ -660,8 +691,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_t = max(16, _next_pow2(T))
     drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
     counters = plan.split_counters
-    # The partial kernel merges in each request's last split where the plan holds arrival counters for its row chunks.
-    fused = plan.num_splits > 1 and FUSED_MERGE and counters is not None and counters.numel() >= B * Hkv * chunks
+    fused = merges_in_partial_kernel(plan, block_m, chunks)
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse, counters if fused else plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
@@ -673,7 +703,8 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused, PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
+        NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused,
+        MERGE_UNROLL=FUSED_MERGE_LOOP[0], MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1 and not fused:
@@ -681,7 +712,8 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
             plan.split_len, plan.num_splits,
             out.stride(0), out.stride(1), out.stride(2),
-            NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, BLOCK_R=MERGE_BLOCK_R, INTERPRET=interp, DROP_BITS=drop_bits,
-            num_warps=4,
+            NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, BLOCK_R=MERGE_BLOCK_R,
+            MERGE_UNROLL=MERGE_KERNEL_LOOP[0], MERGE_STAGES=MERGE_KERNEL_LOOP[1], INTERPRET=interp,
+            DROP_BITS=drop_bits, num_warps=MERGE_WARPS,
         )
     return out
