@@ -7,6 +7,9 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-<backend> one-wave split`` / ``tlt-<backend> two-per-SM split``: the op with the most context splits whose
   programs fit one (two) per SM (``default_split_len(programs_per_sm=1 or 2)``), where that differs from the default
   split and from the rows before it;
+* ``tlt-triton (merge kernel)`` / ``tlt-triton (merge in partial kernel)``: for a plan with several splits, the
+  Triton op with its splits merged on the other side of its rule (``FUSED_MERGE_MAX_ROWS``: in the partial kernel
+  at <= 16 rows per program, else in the merge kernel);
 * ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
   other side of its context-path rule (``csrc/tree_attention/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
@@ -162,6 +165,7 @@ def _bench_case(ctx, model, B, L, T, flex=True):
     if reference is not None and dev.type == "cuda":
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
         _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
+        _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost)
     p = values(ctx, FLAGS)
     if reference is not None and p.sweep and dev.type == "cuda":
         _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
@@ -232,6 +236,24 @@ def _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, 
             if backend_unavailable_reason(backend, ctx.device) is None:
                 _time_split_row(ctx, case, f"tlt-{backend} {label}", backend, even_plan, q, k_cache, v_cache, out,
                                 reference, cost)
+
+
+def _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost):
+    """The Triton merge on the other side of its rule (``FUSED_MERGE_MAX_ROWS`` in _triton/tree_attention.py), for a
+    plan with several splits: ``tlt-triton (merge kernel)`` where the default merges in the partial kernel,
+    ``tlt-triton (merge in partial kernel)`` where it launches the merge kernel; checked against the first tlt row."""
+    import tlt_kernels._triton.tree_attention as tk
+    from tlt_kernels._backend import backend_unavailable_reason
+
+    if plan.num_splits == 1 or backend_unavailable_reason("triton", q.device) is not None:
+        return
+    block_m, chunks = tk.kernel_config(plan.head_dim, plan.num_tree * plan.group, q.dtype == torch.float32)[:2]
+    if tk.merges_in_partial_kernel(plan, block_m, chunks):
+        name, flag, value = "tlt-triton (merge kernel)", "FUSED_MERGE", 0
+    else:
+        name, flag, value = "tlt-triton (merge in partial kernel)", "FUSED_MERGE_MAX_ROWS", block_m
+    with mock.patch.object(tk, flag, value):  # the module flag for this row only
+        _time_split_row(ctx, case, name, "triton", plan, q, k_cache, v_cache, out, reference, cost)
 
 
 def _time_split_row(ctx, case, name, backend, plan, q, k_cache, v_cache, out, reference, cost):

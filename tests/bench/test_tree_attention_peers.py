@@ -229,3 +229,28 @@ def test_even_split_rows_run_where_the_split_differs():
     suite._bench_even_splits(ctx, case, even_plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference,
                              cost)
     assert ctx.rows == [] and ctx.notes == []
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("T,row", [(1, "tlt-triton (merge kernel)"), (16, "tlt-triton (merge in partial kernel)")])
+def test_merge_placement_row_is_the_other_side_of_the_rule(T, row):
+    """A plan with several splits gets one row with the Triton merge placed the other way from the default (T * G = 2
+    rows merge in the partial kernel by default, 32 in the merge kernel), checked and timed; one split gets none."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, L, Hq, Hkv, D = 2, 300, 4, 2, 64
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
+    case = {"model": "test", "B": B, "L": L, "T": T}
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    cost = SimpleNamespace(nbytes=lambda t: 1, extra=lambda ms: {})
+    rows = []
+    for split_len in (64, 512):
+        plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L,
+                                   split_len=split_len)
+        ctx = _Ctx()
+        suite._bench_merge_placement(ctx, case, plan, q, k, v, torch.empty_like(q), plan.run(q, k, v, backend="torch"),
+                                     cost)
+        assert ctx.notes == []
+        rows.append([(impl, extra["num_splits"]) for impl, _, extra in ctx.rows])
+    assert rows == [[(row, 5)], []]
