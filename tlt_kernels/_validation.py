@@ -7,6 +7,8 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 
 DTypes = Union[torch.dtype, Sequence[torch.dtype]]
+# 8-bit float KV caches, read by the kernels as value * scale (with bf16/fp16 queries).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from .. import _switches
 from .._backend import cuda_capability
+from .._validation import FP8_DTYPES
 from . import dtype_code, extension, kv_fp8_code, ptr, stream_handle, strides
 
 __all__ = ["run_cuda", "unsupported_reason"]
@@ -86,8 +87,6 @@ def has_fast_memory(device_index: int) -> bool:
 
 
 MAX_TREE_SM90 = 64  # a row's ancestor bits are one 64-bit word (tree_attn::kMaxTree)
-# fp8 caches the partial kernel widens to q's dtype (their codes: kv_fp8_code).
-KV_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _context_block(block: Optional[int]) -> int:
@@ -163,7 +162,7 @@ def unsupported_reason(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return f"head_dim={plan.head_dim} is not one of {HEAD_DIMS}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"q must be bfloat16 or float16, got {q.dtype}"
-    if k_cache.dtype not in (q.dtype, *KV_FP8_DTYPES) or v_cache.dtype != k_cache.dtype:
+    if k_cache.dtype not in (q.dtype, *FP8_DTYPES) or v_cache.dtype != k_cache.dtype:
         return (f"k_cache and v_cache must both have q's dtype ({q.dtype}) or both one fp8 dtype, got {k_cache.dtype} "
                 f"and {v_cache.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from .._backend import backend_unavailable_reason, direct_dispatch_ok, process_constant, register_op
-from .._validation import check_tensor, dense, per_request, saturate_to
+from .._validation import FP8_DTYPES, check_tensor, dense, per_request, saturate_to
 from ..reference.tree_attention import run_torch
 from ..tree import pack_tree_mask, resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
 
@@ -60,8 +60,6 @@ EVEN_MIN_SPLIT_LEN = 1024
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# 8-bit float caches (read as value * scale): with bf16/fp16 queries, on every backend.
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").
 _HALF_ONLY = ("cuda",)
 # Backends "auto" does not pick for fp8 caches or v_scale != 1 (it picks triton, else torch): the CUDA backend reads
