@@ -248,6 +248,70 @@ def test_auto_falls_back_with_warning():
     check_against_reference(out, case)
 
 
+@pytest.fixture
+def sm90_with_both_kernels(monkeypatch):
+    """Backend choice as on an sm_90 GPU with Triton and the CUDA extension (no GPU needed: nothing launches)."""
+    import tlt_kernels._backend as backend_mod
+    import tlt_kernels._cuda.tree_attention as cuda_glue
+    import tlt_kernels.ops.tree_attention as op
+
+    monkeypatch.setattr(backend_mod, "backend_unavailable_reason", lambda name, device: None)
+    monkeypatch.setattr(op, "backend_unavailable_reason", lambda name, device: None)
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(cuda_glue, "cuda_capability", lambda device: capability["value"])
+    return op, capability
+
+
+# (T, G, D, block_size, split_len, fp32, scaled) -> what "auto" runs on sm_90
+AUTO_CHOICES = [
+    ((16, 7, 128, 16, 4096, False, False), "cuda (auto)"),  # 112 rows: measured faster on CUDA
+    ((16, 5, 128, 16, 8192, False, False), "cuda (auto)"),  # 80 rows: the bound
+    ((64, 7, 128, 16, 1024, False, False), "cuda (auto)"),  # 448 rows
+    ((8, 7, 128, 16, 4096, False, False), "triton"),  # 56 rows: measured faster on triton
+    ((1, 7, 128, 16, 256, False, False), "triton"),
+    ((16, 7, 64, 16, 4096, False, False), "triton"),  # no sm_90 CUDA kernel at D = 64
+    ((16, 7, 128, 24, 4096, False, False), "triton"),  # pages of 24 tokens: not a power of two
+    ((16, 7, 128, 16, 4160, False, False), "triton"),  # splits not whole 128-token tiles
+    ((16, 7, 128, 16, 4096, True, False), "triton"),  # fp32: the CUDA kernels read half precision
+    ((16, 7, 128, 16, 4096, False, True), "triton"),  # fp8 caches / v_scale: triton is faster there
+]
+
+
+@pytest.mark.parametrize("sizes,want", AUTO_CHOICES)
+def test_auto_takes_cuda_where_a_kv_head_has_many_rows(sm90_with_both_kernels, sizes, want):
+    op, _ = sm90_with_both_kernels
+    T, G, D, bs, split_len, fp32, scaled = sizes
+    cuda = torch.device("cuda", 0)
+    assert op._choose_backend("auto", cuda, T, D, fp32, scaled, (G, bs, split_len)) == want
+    assert op._choose_backend("triton", cuda, T, D, fp32, scaled, (G, bs, split_len)) == "triton"
+
+
+def test_auto_keeps_triton_off_sm90_or_without_the_extension(sm90_with_both_kernels, monkeypatch):
+    op, capability = sm90_with_both_kernels
+    cuda = torch.device("cuda", 0)
+    capability["value"] = (8, 0)
+    assert op._choose_backend("auto", cuda, 16, 128, False, False, (7, 16, 4096)) == "triton"
+    capability["value"] = (9, 0)
+    monkeypatch.setattr(op, "backend_unavailable_reason", lambda name, device: "no extension" if name == "cuda" else None)
+    assert op._choose_backend("auto", cuda, 16, 128, False, False, (7, 16, 4096)) == "triton"
+
+
+@pytest.mark.triton
+def test_auto_cuda_choice_runs_triton_where_the_cuda_kernels_refuse_the_inputs():
+    """``AUTO_CUDA`` runs the CUDA kernels, or triton for inputs they refuse (here CPU tensors, in the interpreter;
+    on a GPU a cache whose rows are not 16-byte aligned)."""
+    import tlt_kernels.ops.tree_attention as op
+
+    need_backend("tree_attention", "triton", DEVICE)
+    case = make_case([70, 5], 4, 4, 2, 64, 16, torch.bfloat16)
+    plan = make_plan(case)
+    misaligned = torch.empty(case["k_cache"].numel() + 1, dtype=torch.bfloat16, device=DEVICE)[1:]
+    k_cache = misaligned.view(case["k_cache"].shape).copy_(case["k_cache"])
+    out = poison_(torch.empty_like(case["q"]))
+    op._kernel(op.AUTO_CUDA)(plan, case["q"], k_cache, case["v_cache"], out, case["q"].shape[-1] ** -0.5, 1.0)
+    check_against_reference(out, case)
+
+
 @pytest.mark.parametrize("per_sm", [1, 2])
 @pytest.mark.parametrize("B,L,T", [(1, 65536, 1), (8, 65536, 8), (4, 65536, 4), (2, 16384, 8), (16, 16384, 4),
                                    (1, 4096, 1), (64, 4096, 16), (3, 1000, 5)])

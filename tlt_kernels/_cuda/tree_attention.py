@@ -134,19 +134,26 @@ def context_rows_covered(rows: int) -> bool:
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       v_scale: float = 1.0) -> bool:
-    rows = plan.num_tree * plan.group
     if k_cache.dtype != q.dtype or v_scale != 1.0:
         return False  # fp8 caches and v_scale != 1: the partial kernel
+    bs = plan.block_size
+    # The kernel addresses a row as token * stride_token (token = page * block_size + slot): pages of contiguous token
+    # rows (power-of-two pages: context_kernel_takes).
+    pages_ok = (all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
+                and k_cache.shape[0] * bs < 2**31)  # tokens are int32
+    return (pages_ok and q.dtype in (torch.bfloat16, torch.float16)
+            and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device))
+
+
+def context_kernel_takes(num_tree: int, group: int, head_dim: int, block_size: int, split_len: int,
+                         device: torch.device) -> bool:
+    """Whether the sm_90 context kernel runs a plan of these sizes over bf16/fp16 caches of q's dtype in contiguous
+    pages: the part of the path rule that needs no tensor (the op's "auto" asks it too)."""
+    rows = num_tree * group
     # auto: where it was measured faster (every T*G <= 128, one split or several).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
-    bs = plan.block_size
-    # The kernel addresses a row as token * stride_token (token = page * block_size + slot): power-of-two pages of
-    # contiguous token rows.
-    pages_ok = (bs & (bs - 1) == 0 and all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
-                and k_cache.shape[0] * bs < 2**31)  # tokens are int32
-    return (wanted and pages_ok and plan.head_dim == 128 and context_rows_covered(rows)
-            and plan.num_tree <= MAX_TREE_SM90 and q.dtype in (torch.bfloat16, torch.float16)
-            and plan.split_len % context_tile(rows) == 0 and cuda_capability(q.device)[0] == 9)
+    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows)
+            and num_tree <= MAX_TREE_SM90 and split_len % context_tile(rows) == 0 and cuda_capability(device)[0] == 9)
 
 
 def _aligned16(t: torch.Tensor, dims) -> bool:

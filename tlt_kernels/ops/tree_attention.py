@@ -62,6 +62,12 @@ CHUNKED_MAX_SPLIT_LEN = 4096
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").
 _HALF_ONLY = ("cuda",)
+# "auto" takes the CUDA backend over triton where a KV head has at least this many query rows (T * G) and the CUDA
+# sm_90 context kernel runs the plan: measured 0.80-0.91x triton's time at 80-448 rows, mostly slower at 7-56 rows
+# (H200 run of record, docs/TREE_ATTENTION.md; 57-79 rows unmeasured, left on triton).
+AUTO_CUDA_MIN_ROWS = 80
+# The kernel name "auto" gives that choice: the CUDA kernels, or triton for caches they refuse (_run_auto_cuda).
+AUTO_CUDA = "cuda (auto)"
 # Backends "auto" does not pick for fp8 caches or v_scale != 1 (it picks triton, else torch): the CUDA backend reads
 # them on its mma.sync kernel only, not the sm_90 ones, where it measured 1.2-1.8x slower than triton (H200,
 # docs/TREE_ATTENTION.md). Explicitly, it runs.
@@ -577,13 +583,16 @@ def _assume_constant_result(fn):
 
 @_assume_constant_result
 def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int, fp32: bool = False,
-                    scaled: bool = False) -> str:
-    """The backend to run (decided once at trace time under torch.compile, so no graph break)."""
+                    scaled: bool = False, plan_sizes: Optional[Tuple[int, int, int]] = None) -> str:
+    """The kernel to run (decided once at trace time under torch.compile, so no graph break): a backend's name, or
+    ``AUTO_CUDA``. ``plan_sizes``: ``(group, block_size, split_len)``, for "auto"'s ``AUTO_CUDA_MIN_ROWS`` rule."""
     name = _BACKENDS.choose(backend, device)
     if fp32 and name in _HALF_ONLY and backend != "auto":
         raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
     if backend == "auto" and ((fp32 and name in _HALF_ONLY) or (scaled and name in _SCALED_NOT_AUTO)):
         name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
+    if backend == "auto" and name == "triton" and not (fp32 or scaled) and plan_sizes is not None:
+        name = AUTO_CUDA if _auto_takes_cuda(device, num_tree, head_dim, *plan_sizes) else name
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
         if why is not None:
@@ -592,6 +601,29 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
             warnings.warn(f"tree_attention: {why}; falling back to the (slow) torch path", stacklevel=3)
             name = "torch"
     return name
+
+
+def _auto_takes_cuda(device: torch.device, num_tree: int, head_dim: int, group: int, block_size: int,
+                     split_len: int) -> bool:
+    """Whether "auto" runs bf16/fp16 inputs on the CUDA backend rather than triton (``AUTO_CUDA_MIN_ROWS``)."""
+    if num_tree * group < AUTO_CUDA_MIN_ROWS or backend_unavailable_reason("cuda", device) is not None:
+        return False
+    from .._cuda import tree_attention as cuda_rule
+
+    return cuda_rule.context_kernel_takes(num_tree, group, head_dim, block_size, split_len, device)
+
+
+def _run_auto_cuda(plan, q, k_cache, v_cache, out, sm_scale, v_scale):
+    """"auto"'s CUDA choice: the CUDA kernels, or triton where they refuse the caches (rows not 16-byte aligned)."""
+    from .._cuda import tree_attention as cuda_glue
+
+    name = "cuda" if cuda_glue.unsupported_reason(plan, q, k_cache, v_cache) is None else "triton"
+    return _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
+
+
+def _kernel(name: str):
+    """The function running kernel ``name`` (a backend, or ``AUTO_CUDA``)."""
+    return _run_auto_cuda if name == AUTO_CUDA else _BACKENDS.get(name)
 
 
 def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, backend: str = "auto",
@@ -614,7 +646,9 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
         out: optional ``[B, T, Hq, D]`` output buffer of q's dtype, written in place (any strides with a
             contiguous head dim; a view whose elements share memory is refused).
         sm_scale: a finite number >= 0, default ``1 / sqrt(D)``.
-        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. Shapes the kernels do not cover
+        backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. ``"auto"`` takes triton, and the CUDA
+            backend on sm_90 where a KV head has ``T * G >= AUTO_CUDA_MIN_ROWS`` query rows and its sm_90 kernel
+            runs the plan (D = 128, bf16/fp16, power-of-two pages). Shapes the kernels do not cover
             (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
             and raise for an explicit kernel backend.
         k_scale, v_scale: per-tensor dequantization scales, finite numbers > 0: the caches hold ``K / k_scale`` and
@@ -632,7 +666,8 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     scale = _softmax_scale(sm_scale, plan.head_dim) * _dequant_scale("k_scale", k_scale)
     v_scale = _dequant_scale("v_scale", v_scale)
     scaled = k_cache.dtype in FP8_DTYPES or v_scale != 1.0
-    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32, scaled)
+    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32, scaled,
+                           (plan.group, plan.block_size, plan.split_len))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if name == "torch":
@@ -640,7 +675,7 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     if direct_dispatch_ok(q, k_cache, v_cache, out, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
                           plan.partial_out, plan.partial_lse, plan.split_counters):
         # Plain eager: the kernel directly, without the mutating op's dispatch (host time per layer).
-        _BACKENDS.get(name)(plan, q, k_cache, v_cache, out, scale, v_scale)
+        _kernel(name)(plan, q, k_cache, v_cache, out, scale, v_scale)
         return out
     torch.ops.tlt.tree_attention_run(
         q, k_cache, v_cache, plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
@@ -693,7 +728,7 @@ def _tree_attention_run_op(
         tree_mask=tree_mask, context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=partial_out, partial_lse=partial_lse, split_counters=split_counters,
     )
-    _BACKENDS.get(backend)(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
+    _kernel(backend)(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
 
 
 @_tree_attention_run_op.register_fake
