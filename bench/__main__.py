@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import pkgutil
 import signal
@@ -95,6 +96,10 @@ def _parser(chosen: Sequence["SuiteSpec"] = (), add_help: bool = True) -> argpar
                    help=f"make this run the run of record: replace DIR/<card>/<suite>.json for each suite that "
                         f"completes (default DIR {RESULTS_DIR}); then `python -m bench report` regenerates "
                         "docs/PERFORMANCE.md and the README table from the records. Without it only --out is written")
+    p.add_argument("--record-merge", action="store_true",
+                   help="with --record: add this run to the suite's run of record as a part (a suite too long for "
+                        "one call, e.g. tree-attention's long-tail cases in several calls): the same commit and card, "
+                        "its cases' rows replaced, the others kept, each row naming its run")
     p.add_argument("--progress", action="store_true",
                    help="print every row and note as it is recorded (a run cut off by a time limit keeps them in the log)")
     p.add_argument("--git-commit", metavar="SHA", default=None,
@@ -146,6 +151,9 @@ def main(argv: Optional[List[str]] = None, specs: Optional[Dict[str, SuiteSpec]]
         return 0
     if not args.suites:
         print(f"error: name a suite or 'all'; available: {', '.join(specs)}", file=sys.stderr)
+        return 2
+    if args.record_merge and args.record is None:
+        print("error: --record-merge adds a part to a run of record: it needs --record", file=sys.stderr)
         return 2
 
     status, reports, stopped = _run_suites(chosen, device, parse_dtype(args.dtype), args)
@@ -257,21 +265,31 @@ def _run_one(spec: SuiteSpec, device, dtype, args, reports: List[str], stop: _St
     res = run_suite(spec.name, armed, device, dtype, args.small, out_dir=args.out, params=suite_values(args, spec.flags),
                     show_progress=args.progress, git_commit=args.git_commit)
     print(res.markdown, flush=True)
-    if args.record is not None:
-        _record(res, args.record)
+    recorded = args.record is None or _record(res, args.record, args.record_merge)
     reports.append(res.markdown)
-    return spec.name, res.status, len(res.data["rows"]), time.perf_counter() - t0
+    status = res.status if recorded or res.status != "ok" else "not recorded"
+    return spec.name, status, len(res.data["rows"]), time.perf_counter() - t0
 
 
-def _record(res, root: Path) -> None:
-    """Replace the suite's run of record with this run; a failed or stopped run is never recorded."""
-    from .records import build_record, driver_version, write_record
+def _record(res, root: Path, merge: bool = False) -> bool:
+    """Replace the suite's run of record with this run, or with ``merge`` add it as a part (bench.records.merge_part);
+    a failed or stopped run is never recorded. Returns whether the run was recorded."""
+    from .records import build_record, driver_version, merge_part, record_path, write_record
 
     if res.status != "ok":
         print(f"not recorded: suite {res.suite} {res.status}", file=sys.stderr)
-        return
-    path = write_record(build_record(res.data, driver=driver_version()), root)
-    print(f"recorded {path}", flush=True)
+        return False
+    record = build_record(res.data, driver=driver_version())
+    if merge:
+        path = record_path(root, record["card"], record["suite"])
+        try:
+            record = merge_part(json.loads(path.read_text()) if path.exists() else None, record)
+        except ValueError as err:
+            print(f"not recorded: {err}", file=sys.stderr)
+            return False
+    path = write_record(record, root)
+    print(f"recorded {path}" + (f" (part {len(record.get('runs') or [None])})" if merge else ""), flush=True)
+    return True
 
 
 if __name__ == "__main__":

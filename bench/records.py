@@ -10,6 +10,11 @@ cuda, driver, device, python, tlt_kernels), ``dtype``, ``copy_bandwidth``, ``row
 columns), ``peers`` (each peer library measured in the same run: version, or why it was unavailable, and its
 impls), ``units`` (what each row column means) and ``notes``. Records converted from the former run log carry
 ``source``.
+
+A suite too long for one call is recorded in parts (``--record-merge``, :func:`merge_part`): every part is a run of
+the same commit on the same card, each case's rows come from the one run that measured them (so every ratio in a row
+is between impls of the same run), and the record lists the runs in ``runs`` (command, date, versions, copy
+bandwidth, cases); each row names its run by index in ``run``.
 """
 from __future__ import annotations
 
@@ -126,3 +131,58 @@ def flat_rows(record: Dict[str, Any]) -> List[Dict[str, Any]]:
         flat.update({k: v for k, v in row.items() if k != "case"})
         out.append(flat)
     return out
+
+
+# What every part of a record made in parts must share with the others.
+_PART_KEYS = ("suite", "card", "commit", "dtype", "small")
+# The per-run fields of a record, kept per part in ``runs``.
+_RUN_KEYS = ("command", "date", "versions", "copy_bandwidth")
+
+
+def _case_key(case: Dict[str, Any]) -> str:
+    return json.dumps(case, sort_keys=True)
+
+
+def _runs_of(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The record's runs: its ``runs``, or itself as the only one (a record made in one call)."""
+    if record.get("runs"):
+        return [dict(r) for r in record["runs"]]
+    cases = {_case_key(r["case"]) for r in record["rows"]}
+    return [dict({k: record.get(k) for k in _RUN_KEYS}, cases=len(cases))]
+
+
+def merge_part(old: Optional[Dict[str, Any]], new: Dict[str, Any]) -> Dict[str, Any]:
+    """``new`` (one run) added to the run of record ``old`` as a part: its cases' rows replace any rows ``old`` had for
+    them. No ``old``: ``new`` as it is. Raises ValueError naming the field when they are not parts of one recording
+    (another suite, card, commit, dtype or size)."""
+    if old is None:
+        return new
+    for key in _PART_KEYS:
+        if old.get(key) != new.get(key):
+            raise ValueError(f"--record-merge: the run of record's {key} is {old.get(key)!r}, this run's "
+                             f"{new.get(key)!r}; record the suite anew with --record alone")
+    runs = _runs_of(old)
+    old_rows = [dict(r, run=r.get("run", 0)) for r in old["rows"]]
+    new_cases = {_case_key(r["case"]) for r in new["rows"]}
+    kept = [r for r in old_rows if _case_key(r["case"]) not in new_cases]
+    runs.append(dict({k: new.get(k) for k in _RUN_KEYS}, cases=len(new_cases)))
+    merged = dict(old, runs=runs, rows=kept + [dict(r, run=len(runs) - 1) for r in new["rows"]])
+    merged["peers"] = _merged_peers(old.get("peers") or {}, new.get("peers") or {})
+    merged["units"] = dict(old.get("units") or {}, **(new.get("units") or {}))
+    merged["notes"] = list(dict.fromkeys((old.get("notes") or []) + (new.get("notes") or [])))
+    merged["status"] = "ok" if old.get("status") == new.get("status") == "ok" else new.get("status")
+    return merged
+
+
+def _merged_peers(old: Dict[str, Any], new: Dict[str, Any]) -> Dict[str, Any]:
+    """Both parts' peers: each library with the versions its parts ran (one, normally) and the impls measured."""
+    peers: Dict[str, Any] = {}
+    for name in dict.fromkeys([*old, *new]):
+        if name == "impls":
+            continue
+        a, b = old.get(name) or {}, new.get(name) or {}
+        versions = list(dict.fromkeys(v for v in (a.get("version"), b.get("version")) if v is not None))
+        peers[name] = {"version": versions[0] if len(versions) == 1 else versions,
+                       "impls": sorted(set(a.get("impls", [])) | set(b.get("impls", [])))}
+    peers["impls"] = sorted(set(old.get("impls", [])) | set(new.get("impls", [])))
+    return peers

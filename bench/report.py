@@ -119,6 +119,12 @@ def suite_table(record: Dict[str, Any]) -> List[str]:
     return out
 
 
+def _run_line(index: int, run: Dict[str, Any]) -> str:
+    bw = run.get("copy_bandwidth")
+    return (f"  - run {index}: `{run.get('command')}`, {run.get('date')}, {run.get('cases')} cases"
+            + (f", copy bandwidth {bw / 1e9:.0f} GB/s" if bw else ""))
+
+
 def suite_section(record: Dict[str, Any]) -> List[str]:
     v = record.get("versions", {})
     bw = record.get("copy_bandwidth")
@@ -129,6 +135,10 @@ def suite_section(record: Dict[str, Any]) -> List[str]:
                  f"python {v.get('python') or 'not recorded'}")
     if bw:
         lines.append(f"- copy bandwidth (the HBM floor's copy, same run): {bw / 1e9:.0f} GB/s")
+    if record.get("runs"):
+        lines.append(f"- recorded in {len(record['runs'])} parts of the same commit (`--record-merge`); each row's "
+                     "`run` names the part that measured its case, its ratios are within that part:")
+        lines += [_run_line(i, run) for i, run in enumerate(record["runs"])]
     peers = {k: p for k, p in (record.get("peers") or {}).items() if k != "impls"}
     peer_text = "; ".join(f"{k} {p.get('version')}" for k, p in peers.items())
     impls = ", ".join(f"`{i}`" for i in (record.get("peers") or {}).get("impls", []))
@@ -157,7 +167,8 @@ RULES = """\
    minimal bytes takes (the copy timed in the same run: `copy_bandwidth`) by the op's time.
 4. **One run of record per suite and card**: `bench/results/<card>/<suite>.json` holds its command, commit, date,
    versions (torch, triton, CUDA, driver, device, python), every row, the peers and the units. Replacing the file is
-   how a suite is re-recorded; git keeps the history.
+   how a suite is re-recorded; git keeps the history. A suite too long for one call is recorded in parts of one
+   commit (`--record-merge`): each case's rows come from one part, and the record lists the parts.
 
 ## What each metric means
 
@@ -174,6 +185,13 @@ On an H100 or H200, from the repository root (`bash bench/gpu_check.sh` installs
 ```bash
 python -m bench tree-attention --record     # replaces bench/results/<card>/tree-attention.json
 python -m bench report                      # regenerates this page and the README's Performance table
+```
+
+In parts, when one call cannot hold the whole suite (the first part replaces the record, the others add to it):
+
+```bash
+python -m bench tree-attention --record
+python -m bench tree-attention --cases long-tail@4096 --record --record-merge   # then @16384, @65536
 ```
 
 On a GPU machine reached through a copy of the tree, write the records where the results come back

@@ -365,30 +365,50 @@ def _matmul_peak_flops(ctx):
 
 
 def _selected_cases(models, cases, selected=()):
-    """``selected`` (``--cases 7b:64x4096x16,32b:256x2048x8``, parsed) restricts the run (tuning on a budget)."""
-    return list(selected) if selected else [(m, *c) for m in models for c in cases]
+    """``(model, B, L, T, flex)`` per case: ``selected`` (``--cases``, parsed) restricts the run (tuning on a budget, a
+    run of record in parts), else the size's cases, with flex-attention rows."""
+    return list(selected) if selected else [(m, *c, True) for m in models for c in cases]
+
+
+def _long_tail_cases(item: str):
+    """``long-tail`` -> the long-tail cases (no flex-attention rows); ``long-tail@16384`` -> those at that L."""
+    lengths = {L for _, L, _ in LONG_TAIL_CASES}
+    if item == "long-tail":
+        keep = lengths
+    else:
+        keep = {int(item.split("@", 1)[1])}
+        if not keep <= lengths:
+            raise ValueError(item)
+    return [("qwen2.5-7b", B, L, T, False) for B, L, T in LONG_TAIL_CASES if L in keep]
 
 
 def parse_cases(spec: str):
-    """``"7b:64x4096x16,32b:256x2048x8"`` -> ``[(model, B, L, T), ...]``."""
+    """``"7b:64x4096x16,32b:256x2048x8,long-tail@4096"`` -> ``[(model, B, L, T, flex), ...]`` (flex-attention rows on
+    the named cases, not on the long-tail ones)."""
     out = []
-    for item in spec.split(","):
-        if not item.strip():
+    for item in (i.strip().lower() for i in spec.split(",")):
+        if not item:
             continue
         try:
-            tag, shape = item.strip().split(":")
-            model = next(m for m in MODELS if m.endswith("-" + tag.lower()))
-            B, L, T = (int(x) for x in shape.lower().split("x"))
+            if item.startswith("long-tail"):
+                out += _long_tail_cases(item)
+                continue
+            tag, shape = item.split(":")
+            model = next(m for m in MODELS if m.endswith("-" + tag))
+            B, L, T = (int(x) for x in shape.split("x"))
         except (ValueError, StopIteration):
-            raise argparse.ArgumentTypeError(f"cases must look like 7b:64x4096x16 (model tag of {', '.join(MODELS)}: "
-                                             f"BxLxT), got {item.strip()!r}") from None
-        out.append((model, B, L, T))
+            lengths = ", ".join(str(L) for L in sorted({L for _, L, _ in LONG_TAIL_CASES}))
+            raise argparse.ArgumentTypeError(
+                f"cases must look like 7b:64x4096x16 (model tag of {', '.join(MODELS)}: BxLxT), long-tail or "
+                f"long-tail@L (L one of {lengths}); got {item!r}") from None
+        out.append((model, B, L, T, True))
     return out
 
 
 FLAGS = (
     Flag("--sweep", False, "add tuning rows for the Triton kernel (CUDA)", bool, replaces="TLT_TREE_ATTENTION_SWEEP"),
-    Flag("--cases", (), "comma-separated cases MODEL:BxLxT, e.g. 7b:64x4096x16 (default: the size's)", parse_cases,
+    Flag("--cases", (), "comma-separated cases MODEL:BxLxT, e.g. 7b:64x4096x16, and long-tail or long-tail@L (the "
+         "long-tail cases, or those at context L) (default: the size's)", parse_cases,
          replaces="TLT_TREE_ATTENTION_CASES", metavar="LIST"),
     Flag("--fp8", True, "also time the Triton kernel (and FlashInfer's XQA with the peers) over e4m3 caches (CUDA)",
          bool),
@@ -621,11 +641,12 @@ def run(ctx) -> None:
     else:
         cases, models = CASES, list(MODELS)
     ctx.note("torch-sdpa includes gathering K/V out of the pages; the '(pre-gathered)' rows start from contiguous K/V")
-    selected = [(*c, True) for c in _selected_cases(models, cases, values(ctx, FLAGS).cases)]
+    selected = _selected_cases(models, cases, values(ctx, FLAGS).cases)
     if values(ctx, FLAGS).long_tail and ctx.device.type == "cuda":
+        selected += [("qwen2.5-7b", *c, False) for c in LONG_TAIL_CASES]
+    if not all(flex for *_, flex in selected):
         # No flex-attention there: a compile per shape (most of a case's time), and far off the pace at these shapes.
         ctx.note("long-tail cases: no flex-attention rows")
-        selected += [("qwen2.5-7b", *c, False) for c in LONG_TAIL_CASES]
     for model, B, L, T, flex in selected:
         _bench_case(ctx, model, B, L, T, flex)
         if ctx.device.type == "cuda":

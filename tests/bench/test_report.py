@@ -15,7 +15,7 @@ from bench.__main__ import SuiteSpec, main as bench_main  # noqa: E402
 from bench.headlines import HEADLINES  # noqa: E402
 from bench.records import OTHER_RECORDS, RESULTS_DIR, card_slug, load_records  # noqa: E402
 from bench.report import (END, MAX_SECTION_LINES, START, main as report_main,  # noqa: E402
-                          performance_section_lines, readme_table, replace_readme_table)
+                          performance_section_lines, readme_table, replace_readme_table, suite_section)
 
 README = ROOT / "README.md"
 PERFORMANCE = ROOT / "docs" / "PERFORMANCE.md"
@@ -104,6 +104,41 @@ def test_record_flag_replaces_the_run_of_record(tmp_path):
     assert "ms" in record["units"] and (tmp_path / "out" / "demo.json").exists()  # bench/out/ is still written
     assert bench_main(["boom", "--device", "cpu", "--out", str(tmp_path / "out"), "--record", str(root)], specs=specs) == 1
     assert not (root / "cpu" / "boom.json").exists()  # a failed run is never the run of record
+
+
+def _suite_part(T):
+    def run(ctx):
+        ctx.add({"T": T}, "tlt-triton", 1.0 + T, bytes_moved=10**6)
+        ctx.add({"T": T}, "flashinfer", 2.0 * (1.0 + T), bytes_moved=10**6)
+        ctx.note(f"part T={T}")
+    return run
+
+
+def test_record_merge_adds_a_part_of_the_same_commit(tmp_path):
+    """--record-merge: a suite recorded in several calls. Each case's rows come from the one run that measured them
+    (a re-measured case is replaced), every run is listed with its command and date, each row names its run."""
+    root, out = tmp_path / "results", str(tmp_path / "out")
+
+    def record(T, *flags, commit="abc123"):
+        specs = {"demo": SuiteSpec("demo", "fake.demo", run=_suite_part(T))}
+        return bench_main(["demo", "--device", "cpu", "--out", out, "--record", str(root), "--git-commit", commit,
+                           *flags], specs=specs)
+
+    assert record(1) == 0 and record(4, "--record-merge") == 0 and record(1, "--record-merge") == 0
+    rec = json.loads((root / "cpu" / "demo.json").read_text())
+    assert [(r["case"]["T"], r["impl"], r["run"]) for r in rec["rows"]] == [
+        (4, "tlt-triton", 1), (4, "flashinfer", 1), (1, "tlt-triton", 2), (1, "flashinfer", 2)]
+    assert [run["cases"] for run in rec["runs"]] == [1, 1, 1]
+    assert all({"command", "date", "versions", "copy_bandwidth"} <= set(run) for run in rec["runs"])
+    assert rec["peers"]["impls"] == ["flashinfer"] and rec["notes"] == ["part T=1", "part T=4"]
+    assert RECORD_FIELDS <= set(rec) and rec["commit"] == "abc123"
+    section = "\n".join(suite_section(rec))
+    assert "recorded in 3 parts" in section and "  - run 2: " in section
+    assert record(8, "--record-merge", commit="def456") == 1  # another commit: not a part of this recording
+    assert json.loads((root / "cpu" / "demo.json").read_text()) == rec
+    assert record(8) == 0 and "runs" not in json.loads((root / "cpu" / "demo.json").read_text())  # anew
+    specs = {"demo": SuiteSpec("demo", "fake.demo", run=_suite_part(1))}
+    assert bench_main(["demo", "--device", "cpu", "--out", out, "--record-merge"], specs=specs) == 2
 
 
 def test_without_record_flag_nothing_is_recorded(tmp_path):

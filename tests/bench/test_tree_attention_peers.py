@@ -254,3 +254,18 @@ def test_merge_placement_row_is_the_other_side_of_the_rule(T, row):
         assert ctx.notes == []
         rows.append([(impl, extra["num_splits"]) for impl, _, extra in ctx.rows])
     assert rows == [[(row, 5)], []]
+
+
+def test_cases_flag_takes_shapes_and_the_long_tail_by_context():
+    """``--cases``: MODEL:BxLxT (flex-attention rows on), ``long-tail`` / ``long-tail@L`` (the suite's long-tail
+    cases, all or at one context length, no flex rows: a run of record in parts); anything else is a usage error."""
+    import argparse
+
+    assert suite.parse_cases("7b:64x4096x16, 32B:16x8192x4") == [("qwen2.5-7b", 64, 4096, 16, True),
+                                                               ("qwen2.5-32b", 16, 8192, 4, True)]
+    at_4k = suite.parse_cases("long-tail@4096")
+    assert at_4k == [("qwen2.5-7b", B, 4096, T, False) for B, L, T in suite.LONG_TAIL_CASES if L == 4096]
+    assert len(at_4k) == 15 and len(suite.parse_cases("long-tail")) == len(suite.LONG_TAIL_CASES)
+    for bad in ("long-tail@1000", "7b:64x4096", "13b:1x1x1", "long-tail@x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="long-tail@L"):
+            suite.parse_cases(bad)
