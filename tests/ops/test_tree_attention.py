@@ -292,7 +292,8 @@ def test_auto_keeps_triton_off_sm90_or_without_the_extension(sm90_with_both_kern
     capability["value"] = (8, 0)
     assert op._choose_backend("auto", cuda, 16, 128, False, False, (7, 16, 4096)) == "triton"
     capability["value"] = (9, 0)
-    monkeypatch.setattr(op, "backend_unavailable_reason", lambda name, device: "no extension" if name == "cuda" else None)
+    monkeypatch.setattr(op, "backend_unavailable_reason",
+                        lambda name, device: "no extension" if name == "cuda" else None)
     assert op._choose_backend("auto", cuda, 16, 128, False, False, (7, 16, 4096)) == "triton"
 
 

@@ -182,7 +182,8 @@ ptrs = {{"BlockTable_ptr": "*i32", "ContextLens_ptr": "*i32", "NumNodes_ptr": "*
 consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
               DROP_BITS=0 if FP32 else 16, NUM_COUNTERS=-(-T * G // 16), FUSED_MERGE=block_m <= m.FUSED_MERGE_MAX_ROWS,
-              MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1, LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
+              MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1,
+              LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")

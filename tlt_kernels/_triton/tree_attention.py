@@ -9,7 +9,9 @@ programs are launched next to each other, so their re-reads of the same tile hit
 Deviation inside the plan's scratch contract (internal to this backend): the tree tokens are folded
 into the *last non-empty* context split of each request instead of a separate slot ``S``, and a
 request whose context fits one split writes ``out`` directly (no scratch traffic, no merge). The merge
-kernel only combines the ``ceil(context_lens[b] / split_len)`` slots a request actually used.
+only combines the ``ceil(context_lens[b] / split_len)`` slots a request actually used: in the partial kernel, by the
+last split to finish (counted in ``plan.split_counters``), where a program holds at most ``FUSED_MERGE_MAX_ROWS``
+rows; in the merge kernel otherwise.
 
 Online softmax in base 2: with ``qk_scale = sm_scale * log2(e)``, ``p = 2^(s*qk_scale - m)``;
 the stored LSE is natural-log, ``(m + log2(l)) * ln(2)``, as the plan contract says.
@@ -559,6 +561,7 @@ def _merge_rows(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, n_splits_b
     scratch rows; split s is ``ROWS`` further per split), NaN where a split met a NaN. One pass with the running max
     rescaled as it grows, ``UNROLL`` splits per trip (their loads in flight together), the loop pipelined over
     ``STAGES``: the merge is a chain of loads, one round trip per trip at most."""
+    tl.static_assert(UNROLL == 1 or UNROLL == 2, "the merge loop takes one or two splits per trip")
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
     den = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -703,17 +706,24 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         plan.block_table.stride(0),
         NUM_KV_HEADS=Hkv, T=T, G=G, W=plan.tree_mask.shape[2], HEAD_DIM=D, PAGE_SIZE=plan.block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
-        NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused,
-        MERGE_UNROLL=FUSED_MERGE_LOOP[0], MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE, DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=warps, num_stages=stages, **reg_cap,
+        NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused, MERGE_UNROLL=FUSED_MERGE_LOOP[0],
+        MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE,
+        DOT_PRECISION="ieee" if fp32 else "tf32", num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1 and not fused:
-        _tree_attn_merge_kernel[(triton.cdiv(M, MERGE_BLOCK_R), Hkv, B)](
-            out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
-            plan.split_len, plan.num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, BLOCK_R=MERGE_BLOCK_R,
-            MERGE_UNROLL=MERGE_KERNEL_LOOP[0], MERGE_STAGES=MERGE_KERNEL_LOOP[1], INTERPRET=interp,
-            DROP_BITS=drop_bits, num_warps=MERGE_WARPS,
-        )
+        _launch_merge(plan, out, interp, drop_bits)
     return out
+
+
+def _launch_merge(plan, out: torch.Tensor, interp: bool, drop_bits: int) -> None:
+    """The merge kernel over the plan's scratch: one program per MERGE_BLOCK_R rows of a KV head of a request."""
+    B, T, _, D = out.shape
+    Hkv, G = plan.num_kv_heads, plan.group
+    _tree_attn_merge_kernel[(triton.cdiv(T * G, MERGE_BLOCK_R), Hkv, B)](
+        out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
+        plan.split_len, plan.num_splits,
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D, BLOCK_R=MERGE_BLOCK_R,
+        MERGE_UNROLL=MERGE_KERNEL_LOOP[0], MERGE_STAGES=MERGE_KERNEL_LOOP[1], INTERPRET=interp,
+        DROP_BITS=drop_bits, num_warps=MERGE_WARPS,
+    )
