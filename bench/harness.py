@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .records import case_key
+
 COPY_BYTES = 1 << 30  # the copy that defines the HBM floor: 1 GiB (256 MiB when small)
 COPY_BYTES_SMALL = 256 << 20
 
@@ -63,10 +65,6 @@ def _json_value(v: Any) -> Any:
     if hasattr(v, "item"):  # numpy scalar
         return v.item()
     return str(v)
-
-
-def _case_key(case: Dict[str, Any]) -> str:
-    return json.dumps(case, sort_keys=True)
 
 
 @dataclass
@@ -269,7 +267,7 @@ class BenchContext:
                 raise ValueError(f"bytes_moved must be a non-negative integer or None, got {bytes_moved!r}")
             bytes_moved = int(bytes_moved)
         case = {str(k): _json_value(v) for k, v in case.items()}
-        key = (_case_key(case), impl)
+        key = (case_key(case), impl)
         if key in self._keys:
             raise ValueError(f"duplicate row: impl {impl!r} already recorded for case {case}")
         self._keys.add(key)
@@ -307,14 +305,14 @@ class BenchContext:
         """The rows as dicts with ``gbps``, ``pct_hbm_floor`` and ``speedup_vs`` filled in."""
         by_case: Dict[str, List[Row]] = {}
         for r in self.rows:
-            by_case.setdefault(_case_key(r.case), []).append(r)
+            by_case.setdefault(case_key(r.case), []).append(r)
         bw = self.copy_bandwidth
         out = []
         for r in self.rows:
             d: Dict[str, Any] = {"case": r.case, "impl": r.impl, "ms": r.ms, "bytes_moved": r.bytes_moved}
             d["gbps"] = r.bytes_moved / (r.ms * 1e6) if r.bytes_moved is not None else None
             d["pct_hbm_floor"] = 100.0 * (r.bytes_moved / bw) / (r.ms * 1e-3) if (r.bytes_moved is not None and bw) else None
-            d["speedup_vs"] = {o.impl: o.ms / r.ms for o in by_case[_case_key(r.case)] if o is not r}
+            d["speedup_vs"] = {o.impl: o.ms / r.ms for o in by_case[case_key(r.case)] if o is not r}
             d.update(r.extra)
             out.append(d)
         return out

@@ -139,7 +139,8 @@ _PART_KEYS = ("suite", "card", "commit", "dtype", "small")
 _RUN_KEYS = ("command", "date", "versions", "copy_bandwidth")
 
 
-def _case_key(case: Dict[str, Any]) -> str:
+def case_key(case: Dict[str, Any]) -> str:
+    """A case's identity (its parameters, key order ignored): rows with the same key are compared."""
     return json.dumps(case, sort_keys=True)
 
 
@@ -147,7 +148,7 @@ def _runs_of(record: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The record's runs: its ``runs``, or itself as the only one (a record made in one call)."""
     if record.get("runs"):
         return [dict(r) for r in record["runs"]]
-    cases = {_case_key(r["case"]) for r in record["rows"]}
+    cases = {case_key(r["case"]) for r in record["rows"]}
     return [dict({k: record.get(k) for k in _RUN_KEYS}, cases=len(cases))]
 
 
@@ -163,8 +164,8 @@ def merge_part(old: Optional[Dict[str, Any]], new: Dict[str, Any]) -> Dict[str, 
                              f"{new.get(key)!r}; record the suite anew with --record alone")
     runs = _runs_of(old)
     old_rows = [dict(r, run=r.get("run", 0)) for r in old["rows"]]
-    new_cases = {_case_key(r["case"]) for r in new["rows"]}
-    kept = [r for r in old_rows if _case_key(r["case"]) not in new_cases]
+    new_cases = {case_key(r["case"]) for r in new["rows"]}
+    kept = [r for r in old_rows if case_key(r["case"]) not in new_cases]
     runs.append(dict({k: new.get(k) for k in _RUN_KEYS}, cases=len(new_cases)))
     merged = dict(old, runs=runs, rows=kept + [dict(r, run=len(runs) - 1) for r in new["rows"]])
     merged["peers"] = _merged_peers(old.get("peers") or {}, new.get("peers") or {})
