@@ -124,6 +124,9 @@ def test_fused_merge_matches_merge_kernel(name, monkeypatch):
     plan = make_plan(case, split_len=split)
     block_m, chunks = tk.kernel_config(D, T * (Hq // Hkv))[:2]
     assert plan.num_splits > 1 and tk.merges_in_partial_kernel(plan, block_m, chunks) == fused
+    # Counters not shaped [B, Hkv, >= chunks] (here flattened) would be indexed out of range: the merge kernel runs.
+    flat = dataclasses.replace(plan, split_counters=plan.split_counters.view(-1))
+    assert not tk.merges_in_partial_kernel(flat, block_m, chunks)
     outs = []
     for on, counters in ((0, plan.split_counters), (1, plan.split_counters), (1, None)):
         monkeypatch.setattr(tk, "FUSED_MERGE", on)

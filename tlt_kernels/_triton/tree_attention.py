@@ -628,10 +628,12 @@ def _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stri
 
 def merges_in_partial_kernel(plan, block_m: int, chunks: int) -> bool:
     """Whether the partial kernel merges the splits itself (see ``FUSED_MERGE``): a split context, rows of at most
-    ``FUSED_MERGE_MAX_ROWS`` per program, and arrival counters in the plan for every row chunk."""
+    ``FUSED_MERGE_MAX_ROWS`` per program, and arrival counters in the plan for every row chunk (int32
+    ``[B, Hkv, >= chunks]``, contiguous: the kernel indexes them so)."""
     counters = plan.split_counters
     return (plan.num_splits > 1 and bool(FUSED_MERGE) and block_m <= FUSED_MERGE_MAX_ROWS and counters is not None
-            and counters.numel() >= plan.batch_size * plan.num_kv_heads * chunks)
+            and counters.dtype == torch.int32 and counters.dim() == 3 and counters.is_contiguous()
+            and tuple(counters.shape[:2]) == (plan.batch_size, plan.num_kv_heads) and counters.shape[2] >= chunks)
 
 
 def row_tile(head_dim: int, num_rows: int) -> int:

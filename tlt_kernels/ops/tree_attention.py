@@ -62,6 +62,9 @@ CHUNKED_MAX_SPLIT_LEN = 4096
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Backends that read half precision only (fp32 inputs go to triton, else torch, under "auto").
 _HALF_ONLY = ("cuda",)
+# Query rows per split counter of the plan: the smallest row tile of a kernel that counts split arrivals (Triton's 16),
+# so every row chunk of any tile has its own counter.
+SPLIT_COUNTER_ROWS = 16
 # "auto" takes the CUDA backend over triton where a KV head has at least this many query rows (T * G) and the CUDA
 # sm_90 context kernel runs the plan: measured 0.80-0.91x triton's time at 80-448 rows, mostly slower at 7-56 rows
 # (H200 run of record, docs/TREE_ATTENTION.md; 57-79 rows unmeasured, left on triton).
@@ -96,8 +99,9 @@ class TreeAttentionPlan:
       scores, ``-inf`` for an empty split, whose ``partial_out`` is then undefined (a merge must not
       read it). A backend may use the scratch differently internally (the Triton backend folds the tree
       into the last non-empty context split and skips the scratch for single-split requests).
-    * ``split_counters int32 [B, Hkv, ceil(T * G / 16)]``, zeros between runs: a backend that merges the splits in
-      the last one to finish (Triton) counts each row chunk's arrivals there and resets them to 0 as it merges.
+    * ``split_counters int32 [B, Hkv, ceil(T * G / SPLIT_COUNTER_ROWS)]``, zeros between runs: a backend that merges
+      the splits in the last one to finish (Triton) counts each row chunk's arrivals there and resets them to 0 as it
+      merges.
       None: such a backend merges in a second kernel.
     """
 
@@ -392,7 +396,7 @@ def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num
         context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
         partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
-        split_counters=torch.zeros(B, num_kv_heads, -(-M // 16), dtype=torch.int32, device=dev),
+        split_counters=torch.zeros(B, num_kv_heads, -(-M // SPLIT_COUNTER_ROWS), dtype=torch.int32, device=dev),
         num_blocks=num_blocks, max_page=max_page, check_pages_at_run=check_pages_at_run,
     )
 
