@@ -1,5 +1,7 @@
 """tree_attention: every backend against the fp32 reference, plan reuse, capture, validation."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -367,24 +369,28 @@ def test_default_split_len():
 
 
 @pytest.mark.parametrize("B,L,T,splits", [(1, 65536, 1, 64), (2, 65536, 4, 32), (4, 16384, 1, 16), (8, 16384, 8, 8),
-                                          (16, 4096, 1, 4), (16, 65536, 8, 4)])
+                                          (16, 4096, 1, 4), (16, 65536, 8, 4), (2, 16384, 4, 32), (8, 4096, 8, 8)])
 def test_default_split_is_even_at_two_programs_per_sm(B, L, T, splits):
-    """Rows in one program, few requests, long contexts: the default gives every one of the 132 SMs two programs
-    of equal splits (B x 4 KV heads x splits <= 264, lengths rounded up, no short remainder split) of >= 1024
-    tokens."""
+    """Rows in one program, few requests, long contexts: where two programs per SM need no more than
+    ``isqrt(L) // 4`` splits, the default gives every one of the 132 SMs two programs of equal splits (B x 4 KV
+    heads x splits <= 264, lengths rounded up, no short remainder split)."""
     split = default_split_len(B, 4, L, 132, num_rows=T * 7)
-    assert split >= 1024 and -(-L // split) == splits and B * 4 * splits <= 264
+    assert -(-L // split) == splits and B * 4 * splits <= 264 and splits <= math.isqrt(L) // 4
     assert split == default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2)
     assert L - (splits - 1) * split > split - 128  # the last split is not a remainder
 
 
-@pytest.mark.parametrize("B,L,T", [(1, 16384, 1), (2, 16384, 4), (4, 4096, 4), (8, 4096, 8)])
-def test_default_split_keeps_the_wave_rule_below_the_even_minimum(B, L, T):
-    """Where two programs per SM would cut splits below 1024 tokens, the default keeps its one-wave rounding: at
-    least one program per SM (132), whole 64-token tiles of >= 256 tokens."""
+@pytest.mark.parametrize("B,L,T,splits", [(1, 4096, 1, 16), (1, 16384, 1, 32), (1, 16384, 8, 32), (2, 4096, 4, 16),
+                                          (4, 4096, 4, 16), (1, 1000, 1, 4)])
+def test_default_split_stops_at_the_balanced_count(B, L, T, splits):
+    """Where two programs per SM would take more splits, the default takes ``isqrt(L) // 4`` (16 at 4k, 32 at 16k:
+    a program's serial walk over its split and the merge's over the splits balance there), never below 256 tokens
+    (four at L = 1000), in whole 64-token tiles, the last split no remainder."""
     split = default_split_len(B, 4, L, 132, num_rows=T * 7)
-    assert default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2) < 1024
-    assert split % 64 == 0 and split >= 256 and B * 4 * -(-L // split) >= 132
+    two_per_sm = default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2)
+    assert split % 64 == 0 and split >= 256 and -(-L // split) == splits
+    assert splits == min(math.isqrt(L) // 4, -(-L // 256)) and split >= two_per_sm
+    assert L - (splits - 1) * split > split - 64
 
 
 def test_plan_contents():

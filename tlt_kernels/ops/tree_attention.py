@@ -50,12 +50,14 @@ MAX_BLOCK_SIZE = 128
 SPLIT_ALIGN = 64  # split_len is a multiple of this (a whole number of K/V tiles)
 MIN_SPLIT_LEN = 256  # below this a split's fixed cost (q load, partial write, merge read) dominates
 _DEFAULT_SM_COUNT = 132  # an sm_90 SXM part's SM count; used when planning for a CPU tensor
-SPLIT_WAVES = 1  # target programs per SM of the default split (see default_split_len)
+SPLIT_WAVES = 1  # target programs per SM of the default split for chunked rows (see default_split_len)
 # The even split (default_split_len): two partial-kernel programs run on an SM at once, so splits that give every SM
-# two evenly measured faster at the long-tail shapes than the rounded one-wave rule, while their splits hold >= 1024
-# tokens (shorter ones lose to the per-split fixed cost; docs/TREE_ATTENTION.md, "Split choice").
+# two evenly measured faster at the long-tail shapes than the rounded one-wave rule (docs/TREE_ATTENTION.md, "Split
+# choice").
 EVEN_PROGRAMS_PER_SM = 2
-EVEN_MIN_SPLIT_LEN = 1024
+# ...but at most sqrt(L) / SPLIT_LEN_SQRT_FACTOR splits: a program's serial work grows with its split's length and the
+# merge's with the split count, so their sum is least near that count (measured best at L = 4k, 16k and 64k).
+SPLIT_LEN_SQRT_FACTOR = 4
 # Longest split when the rows need several programs (T * G > 128): there more, shorter splits put more programs in
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
@@ -162,12 +164,13 @@ def default_split_len(
     they do, splits are at most ``CHUNKED_MAX_SPLIT_LEN`` tokens (measured). Every extra split writes and re-reads
     ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes). The rule:
 
-    * rows in one program: the most splits whose programs fit ``EVEN_PROGRAMS_PER_SM`` per SM, lengths rounded up
-      to whole tiles so every SM gets the same work, when those splits hold at least ``EVEN_MIN_SPLIT_LEN`` tokens;
-    * otherwise about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs (lengths rounded down, so
-      the count never falls short), never below ``MIN_SPLIT_LEN`` tokens.
+    * rows in one program: the most splits whose programs fit ``EVEN_PROGRAMS_PER_SM`` per SM, but at most
+      ``sqrt(max_context_len) / SPLIT_LEN_SQRT_FACTOR`` (:func:`_balanced_splits`), lengths rounded up to whole
+      tiles so every SM gets the same work;
+    * chunked rows: about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs (lengths rounded down,
+      so the count never falls short);
 
-    The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90 kernel's tile where it may run).
+    never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90 kernel's tile where it may run).
     ``programs_per_sm = k``: the even rule at ``k`` programs per SM whatever the split length (the tree-attention
     suite's ``one-wave`` and ``two-per-SM`` rows).
     """
@@ -178,9 +181,8 @@ def default_split_len(
             raise ValueError(f"programs_per_sm must be >= 1 or None, got {programs_per_sm}")
         return _even_split_len(programs_per_sm, sm_count, programs, chunked, max_context_len, align)
     if not chunked:
-        even = _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align)
-        if even >= EVEN_MIN_SPLIT_LEN:
-            return even
+        return _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align,
+                               most=_balanced_splits(max_context_len))
     want = _clamp_splits(-(-SPLIT_WAVES * sm_count // programs), chunked, max_context_len)
     if want == 1:  # one split: its length only has to cover the context
         return _whole_tiles(max_context_len, align)
@@ -212,14 +214,24 @@ def _clamp_splits(want: int, chunked: bool, max_context_len: int) -> int:
     return max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
 
 
-def _even_split_len(per_sm: int, sm_count: int, programs: int, chunked: bool, max_context_len: int, align: int) -> int:
-    """The most splits whose programs fit ``per_sm`` per SM, lengths rounded up to whole tiles (the count stays
-    within the slots, and no split is a remainder shorter than the others by more than a tile)."""
-    want = _clamp_splits(max(1, per_sm * sm_count // programs), chunked, max_context_len)
+def _even_split_len(per_sm: int, sm_count: int, programs: int, chunked: bool, max_context_len: int, align: int,
+                    most: Optional[int] = None) -> int:
+    """The most splits (up to ``most``) whose programs fit ``per_sm`` per SM, lengths rounded up to whole tiles (the
+    count stays within the slots, and no split is a remainder shorter than the others by more than a tile)."""
+    want = max(1, per_sm * sm_count // programs)
+    want = _clamp_splits(want if most is None else min(want, most), chunked, max_context_len)
     if want == 1:
         return _whole_tiles(max_context_len, align)
     per_split = -(-max_context_len // want)
     return max(MIN_SPLIT_LEN, _whole_tiles(per_split, align))
+
+
+def _balanced_splits(max_context_len: int) -> int:
+    """The most splits the default takes over a context of ``max_context_len`` tokens, ``isqrt(L) //
+    SPLIT_LEN_SQRT_FACTOR`` (at least 1): 16 at L = 4096, 32 at 16384, 64 at 65536. Each program walks its split's
+    tiles one after another and the merge walks the splits one after another, so the serial chain is shortest
+    where both are about sqrt(L) long."""
+    return max(1, math.isqrt(max(0, max_context_len)) // SPLIT_LEN_SQRT_FACTOR)
 
 
 def _whole_tiles(tokens: int, align: int) -> int:
