@@ -369,28 +369,41 @@ def test_default_split_len():
 
 
 @pytest.mark.parametrize("B,L,T,splits", [(1, 65536, 1, 64), (2, 65536, 4, 32), (4, 16384, 1, 16), (8, 16384, 8, 8),
-                                          (16, 4096, 1, 4), (16, 65536, 8, 4), (2, 16384, 4, 32), (8, 4096, 8, 8)])
+                                          (16, 4096, 1, 4), (16, 65536, 8, 4), (2, 16384, 4, 32), (8, 4096, 4, 8)])
 def test_default_split_is_even_at_two_programs_per_sm(B, L, T, splits):
-    """Rows in one program, few requests, long contexts: where two programs per SM need no more than
-    ``isqrt(L) // 4`` splits, the default gives every one of the 132 SMs two programs of equal splits (B x 4 KV
-    heads x splits <= 264, lengths rounded up, no short remainder split)."""
+    """Rows in one program, few requests, long contexts: the default gives every one of the 132 SMs two programs of
+    equal splits (B x 4 KV heads x splits <= 264, lengths rounded up, no short remainder split), where that takes no
+    more than ``isqrt(L) // 4`` splits (T * G <= 32) or splits of >= 1024 tokens (wider rows)."""
     split = default_split_len(B, 4, L, 132, num_rows=T * 7)
-    assert -(-L // split) == splits and B * 4 * splits <= 264 and splits <= math.isqrt(L) // 4
+    assert -(-L // split) == splits and B * 4 * splits <= 264
+    assert splits <= math.isqrt(L) // 4 if T * 7 <= 32 else split >= 1024
     assert split == default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2)
     assert L - (splits - 1) * split > split - 128  # the last split is not a remainder
 
 
-@pytest.mark.parametrize("B,L,T,splits", [(1, 4096, 1, 16), (1, 16384, 1, 32), (1, 16384, 8, 32), (2, 4096, 4, 16),
+@pytest.mark.parametrize("B,L,T,splits", [(1, 4096, 1, 16), (1, 16384, 1, 32), (1, 16384, 4, 32), (2, 4096, 4, 16),
                                           (4, 4096, 4, 16), (1, 1000, 1, 4)])
 def test_default_split_stops_at_the_balanced_count(B, L, T, splits):
-    """Where two programs per SM would take more splits, the default takes ``isqrt(L) // 4`` (16 at 4k, 32 at 16k:
-    a program's serial walk over its split and the merge's over the splits balance there), never below 256 tokens
-    (four at L = 1000), in whole 64-token tiles, the last split no remainder."""
+    """At most 32 query rows per KV head (T <= 4 at G = 7): where two programs per SM would take more splits, the
+    default takes ``isqrt(L) // 4`` (16 at 4k, 32 at 16k: a program's serial walk over its split and the merge's over
+    the splits balance there), never below 256 tokens (four at L = 1000), in whole 64-token tiles, the last split no
+    remainder."""
     split = default_split_len(B, 4, L, 132, num_rows=T * 7)
     two_per_sm = default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2)
     assert split % 64 == 0 and split >= 256 and -(-L // split) == splits
     assert splits == min(math.isqrt(L) // 4, -(-L // 256)) and split >= two_per_sm
     assert L - (splits - 1) * split > split - 64
+
+
+@pytest.mark.parametrize("B,L,T", [(1, 16384, 8), (2, 16384, 8), (4, 4096, 8), (8, 4096, 8), (1, 16384, 5)])
+def test_default_split_keeps_the_wave_rule_for_wider_rows(B, L, T):
+    """More than 32 rows per KV head (T >= 5 at G = 7): where two programs per SM would cut splits below 1024 tokens,
+    the default keeps its one-wave rounding: at least one program per SM (132), whole 64-token tiles of >= 256
+    tokens, the splits' count not capped at ``isqrt(L) // 4``."""
+    split = default_split_len(B, 4, L, 132, num_rows=T * 7)
+    assert default_split_len(B, 4, L, 132, num_rows=T * 7, programs_per_sm=2) < 1024
+    assert split % 64 == 0 and split >= 256 and B * 4 * -(-L // split) >= 132
+    assert split == max(256, L // -(-132 // (B * 4)) // 64 * 64)
 
 
 def test_plan_contents():

@@ -50,14 +50,19 @@ MAX_BLOCK_SIZE = 128
 SPLIT_ALIGN = 64  # split_len is a multiple of this (a whole number of K/V tiles)
 MIN_SPLIT_LEN = 256  # below this a split's fixed cost (q load, partial write, merge read) dominates
 _DEFAULT_SM_COUNT = 132  # an sm_90 SXM part's SM count; used when planning for a CPU tensor
-SPLIT_WAVES = 1  # target programs per SM of the default split for chunked rows (see default_split_len)
+SPLIT_WAVES = 1  # target programs per SM of the default's fallback split (see default_split_len)
 # The even split (default_split_len): two partial-kernel programs run on an SM at once, so splits that give every SM
 # two evenly measured faster at the long-tail shapes than the rounded one-wave rule (docs/TREE_ATTENTION.md, "Split
 # choice").
 EVEN_PROGRAMS_PER_SM = 2
-# ...but at most sqrt(L) / SPLIT_LEN_SQRT_FACTOR splits: a program's serial work grows with its split's length and the
-# merge's with the split count, so their sum is least near that count (measured best at L = 4k, 16k and 64k).
+# Where a KV head has at most BALANCED_MAX_ROWS query rows (T <= 4 at G = 7), the even split takes at most
+# sqrt(L) / SPLIT_LEN_SQRT_FACTOR splits: a program's serial work grows with its split's length and the merge's with
+# the split count, so their sum is least near that count (measured best at L = 4k, 16k and 64k). Wider rows (a
+# costlier program per split) measured faster with the even split only where its splits hold >= EVEN_MIN_SPLIT_LEN
+# tokens, else one program per SM.
+BALANCED_MAX_ROWS = 32
 SPLIT_LEN_SQRT_FACTOR = 4
+EVEN_MIN_SPLIT_LEN = 1024
 # Longest split when the rows need several programs (T * G > 128): there more, shorter splits put more programs in
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
@@ -164,11 +169,13 @@ def default_split_len(
     they do, splits are at most ``CHUNKED_MAX_SPLIT_LEN`` tokens (measured). Every extra split writes and re-reads
     ``T * G * D`` fp32 partials per KV head (``2 * S * T * G / L`` of the K/V bytes). The rule:
 
-    * rows in one program: the most splits whose programs fit ``EVEN_PROGRAMS_PER_SM`` per SM, but at most
-      ``sqrt(max_context_len) / SPLIT_LEN_SQRT_FACTOR`` (:func:`_balanced_splits`), lengths rounded up to whole
-      tiles so every SM gets the same work;
-    * chunked rows: about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs (lengths rounded down,
-      so the count never falls short);
+    * at most ``BALANCED_MAX_ROWS`` rows: the most splits whose programs fit ``EVEN_PROGRAMS_PER_SM`` per SM, but
+      at most ``sqrt(max_context_len) / SPLIT_LEN_SQRT_FACTOR`` (:func:`_balanced_splits`), lengths rounded up to
+      whole tiles so every SM gets the same work;
+    * more rows in one program: the same without the cap, when those splits hold at least ``EVEN_MIN_SPLIT_LEN``
+      tokens;
+    * otherwise (and for chunked rows) about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs
+      (lengths rounded down, so the count never falls short);
 
     never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90 kernel's tile where it may run).
     ``programs_per_sm = k``: the even rule at ``k`` programs per SM whatever the split length (the tree-attention
@@ -180,9 +187,13 @@ def default_split_len(
         if programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1 or None, got {programs_per_sm}")
         return _even_split_len(programs_per_sm, sm_count, programs, chunked, max_context_len, align)
-    if not chunked:
+    if num_rows <= BALANCED_MAX_ROWS:
         return _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align,
                                most=_balanced_splits(max_context_len))
+    if not chunked:
+        even = _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align)
+        if even >= EVEN_MIN_SPLIT_LEN:
+            return even
     want = _clamp_splits(-(-SPLIT_WAVES * sm_count // programs), chunked, max_context_len)
     if want == 1:  # one split: its length only has to cover the context
         return _whole_tiles(max_context_len, align)

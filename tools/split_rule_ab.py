@@ -1,0 +1,116 @@
+"""Same-run A/B of tree attention's default split against the rule before it, on every tree-attention suite case
+(main and long-tail) where the two choose differently: both backends, graph-replayed, L2 flushed before each replay.
+
+The earlier rule (``previous_split_len``, the default before the balanced cap): rows in one program took the even
+split at two programs per SM where its splits held >= 1024 tokens, else about one program per SM (lengths rounded
+down); chunked rows as now.
+
+    python -m tools.split_rule_ab [--reps 40] [--out FILE]
+
+Prints one line per (case, backend) and writes the rows as JSON (GPU only). Each side's time is the better of two
+medians of ``--reps`` replays, the sides alternated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.suites.tree_attention import CASES, HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
+from tlt_kernels.ops import tree_attention as op
+
+SM_COUNT = 132  # the suite's cards (H100 / H200 SXM)
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def previous_split_len(batch_size: int, num_kv_heads: int, max_context_len: int, num_rows: int) -> int:
+    """The default split before the balanced cap (see the module docstring)."""
+    chunked, programs = op._split_programs(batch_size, num_kv_heads, num_rows, HEAD_DIM)
+    align = op._split_align(num_rows, HEAD_DIM)
+    if not chunked:
+        even = op._even_split_len(2, SM_COUNT, programs, chunked, max_context_len, align)
+        if even >= 1024:
+            return even
+    want = op._clamp_splits(-(-SM_COUNT // programs), chunked, max_context_len)
+    if want == 1:
+        return op._whole_tiles(max_context_len, align)
+    return max(op.MIN_SPLIT_LEN, max_context_len // want // align * align)
+
+
+def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
+    """Median microseconds of replaying a CUDA graph of ``fn``, the L2 flushed before each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def changed_cases():
+    """``(model, B, L, T, previous split_len, default split_len)`` of the suite's cases where the rules differ."""
+    cases = [(m, *c) for m in MODELS for c in CASES] + [("qwen2.5-7b", *c) for c in LONG_TAIL_CASES]
+    for model, B, L, T in cases:
+        Hq, Hkv = MODELS[model]
+        rows = T * (Hq // Hkv)
+        old = previous_split_len(B, Hkv, L, rows)
+        new = op.default_split_len(B, Hkv, L, SM_COUNT, rows, HEAD_DIM)
+        if old != new:
+            yield model, B, L, T, old, new
+
+
+def measure_case(model, B, L, T, old_len, new_len, flush, reps):
+    """Rows of one case: each backend, each rule's plan, sides alternated twice."""
+    Hq, Hkv = MODELS[model]
+    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    plans = {side: op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                          num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
+                                          split_len=split) for side, split in (("previous", old_len), ("default", new_len))}
+    out = torch.empty_like(q)
+    rows = []
+    for backend in ("triton", "cuda"):
+        us = {side: min(graph_us(lambda p=plan: p.run(q, k, v, out=out, backend=backend), flush, reps)
+                        for _ in range(2)) for side, plan in plans.items()}
+        rows.append(dict(model=model, B=B, L=L, T=T, backend=backend, previous_splits=plans["previous"].num_splits,
+                         default_splits=plans["default"].num_splits, previous_us=round(us["previous"], 2),
+                         default_us=round(us["default"], 2), ratio=round(us["default"] / us["previous"], 3)))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=40, help="replays per median")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("split_rule_ab needs a CUDA GPU")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    rows, t0 = [], time.time()
+    for model, B, L, T, old_len, new_len in changed_cases():
+        for row in measure_case(model, B, L, T, old_len, new_len, flush, args.reps):
+            rows.append(row)
+            print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
