@@ -477,6 +477,22 @@ def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     assert fit_fixed_and_per_tile(off)[2] > 1.0
 
 
+def test_split_rule_ab_lists_the_cases_the_cap_changes():
+    """tools.split_rule_ab compares the default split with the rule before the isqrt(L) // 4 cap on exactly the suite
+    cases where they differ: 7B T = 1 and 4 (<= 32 rows) at (1, 16384), (2, 16384), (4, 4096), (8, 4096); wider rows
+    keep the earlier rule, so its stand-in equals the default there."""
+    from bench.suites.tree_attention import LONG_TAIL_CASES
+    from tlt_kernels.ops.tree_attention import default_split_len
+    from tools.split_rule_ab import changed_cases, previous_split_len
+
+    changed = {(B, L, T): (old, new) for model, B, L, T, old, new in changed_cases()}
+    assert set(changed) == {(B, L, T) for B, L in ((1, 16384), (2, 16384), (4, 4096), (8, 4096)) for T in (1, 4)}
+    assert changed[(1, 16384, 1)] == (448, 512) and changed[(2, 16384, 4)] == (960, 512)
+    for B, L, T in LONG_TAIL_CASES:
+        if T * 7 > 32:
+            assert previous_split_len(B, 4, L, T * 7) == default_split_len(B, 4, L, 132, T * 7), (B, L, T)
+
+
 def test_e2e_suite_small_runs_with_drift_and_keeps_greedy_identity(tmp_path):
     """The README main job's e2e suite at CPU size: the policy drifts before the timed rollout, every static arm is
     timed with the frozen drafter and with the spot-trained one, and every row's tokens equal plain decoding's."""
