@@ -157,13 +157,16 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
                SCORES: tl.constexpr):
     """(bad, argmax, thr, mx, Z, qsum, Z1) of one row (mx: its max logit); thr/Z are only meaningful for sampled
     requests. With ``SCORES``, ``Z1`` is the raw normalizer ``sum _weight(l, max, log2 e)`` (temperature 1, no
-    filter), summed online in the same pass (one more exp per element, no more bytes); else 1.
+    filter), summed online in the same pass (one more exp per element, no more bytes; none at temperature exactly 1,
+    where it is the sampling sum before any filter); else 1.
 
     One pass gives the argmax, the bad flag, online the normalizer ``Z = sum _weight(l, max, ks)`` (the running
     sum rescaled when the tile max grows) and, when ``want_q`` (the node has children to test against its
     draft row ``dq_ptr``), the draft row's sum: a row without top-k / top-p is read once. Top-k and top-p add
     their radix passes and a normalizer pass over the kept tokens.
     """
+    # At temperature exactly 1 (ks == log2 e) the raw normalizer is z's own sum, term for term: no second exp2.
+    raw_apart = ks != 1.4426950408889634
     # bad: NaN/+inf present or every entry -inf; arg: lowest id of the max.
     best = float("-inf")
     arg = 0
@@ -190,8 +193,10 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
         z = tl.where(finite, z * _weight(tl.where(best > float("-inf"), best, m_new), m_new, ks), 0.0)
         z += tl.where(finite, tl.sum(_weight(xm, m_new, ks), axis=0), 0.0)
         if SCORES:
-            z1 = tl.where(finite, z1 * _weight(tl.where(best > float("-inf"), best, m_new), m_new, 1.4426950408889634), 0.0)
-            z1 += tl.where(finite, tl.sum(_weight(xm, m_new, 1.4426950408889634), axis=0), 0.0)
+            if raw_apart:
+                z1 = tl.where(finite, z1 * _weight(tl.where(best > float("-inf"), best, m_new), m_new,
+                                                   1.4426950408889634), 0.0)
+                z1 += tl.where(finite, tl.sum(_weight(xm, m_new, 1.4426950408889634), axis=0), 0.0)
         arg = tl.where(better, tile_arg, arg)
         best = new_best
     bad = bad | (best == float("-inf")).to(tl.int32)
@@ -199,7 +204,7 @@ def _row_state(row_ptr, dq_ptr, want_q, cand_ptr, V, greedy, ks, top_k, top_p, N
     thr = arg * 0 - 2139095041  # key(-inf): keeps every token
     mx = best
     Z = tl.where(bad == 0, z, 1.0)
-    Z1 = tl.where(bad == 0, z1, 1.0)
+    Z1 = tl.where(bad == 0, tl.where(raw_apart, z1, z), 1.0)
     if (bad == 0) & (greedy == 0):
         if (top_k > 0) & (top_k < V):
             thr, _ = _radix_select(row_ptr, V, thr, ks, mx, top_k.to(tl.float32), False, NUM_TILES, BLOCK_SIZE)
