@@ -1,7 +1,8 @@
 """Suite "acceptance": lossless verification of draft chains and trees (``verify_tree``).
 
 Cases: B in {1, 16, 64, 256}, V in {32000, 152064}, chains of 3/7/15 drafts and binary trees of
-16/32/64 nodes, temperature 0.7 with and without top-p 0.9, bf16 and fp32 target logits (``--logits-dtypes``; the
+16/32/64 nodes, temperature 0.7 (``--temperature``; a run at another temperature adds it to each case as
+``temperature``) with and without top-p 0.9, bf16 and fp32 target logits (``--logits-dtypes``; the
 case's ``logits`` key), draft probabilities given (fp32). Target rows
 are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logits / 0.7 + 0.8 * noise)``
 of their parent's row, which accepts roughly 60-80% of tried drafts (the achieved rate is reported per
@@ -38,7 +39,7 @@ import torch
 
 from tlt_kernels import BackendUnavailableError, verify_tree
 
-from ..flags import Flag, int_list, str_list, values
+from ..flags import Flag, int_list, positive_float, str_list, values
 
 SUITE = "acceptance"
 
@@ -55,11 +56,11 @@ def _parents(kind: str, n: int, B: int, device) -> torch.Tensor:
     return row.to(torch.int32).to(device).expand(B, n).contiguous()
 
 
-def _case(B, T, V, parents, dtype, device, seed=0):
+def _case(B, T, V, parents, dtype, device, seed=0, temperature=TEMPERATURE):
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(B, T, V, generator=g, device=device).mul_(3)
     # In place: at B=256, T=64, V=152064 every fp32 temporary is 10 GB.
-    q = torch.randn(B, T, V, generator=g, device=device).mul_(NOISE).add_(logits, alpha=1 / TEMPERATURE)
+    q = torch.randn(B, T, V, generator=g, device=device).mul_(NOISE).add_(logits, alpha=1 / temperature)
     q = torch.softmax(q, -1)
     tokens = torch.zeros(B, T, dtype=torch.int64, device=device)
     par = parents.long()
@@ -95,14 +96,14 @@ def _bytes(res, V, logit_bytes, q_bytes):
     return int(rows * V * logit_bytes + q_rows * V * q_bytes)
 
 
-def _flashinfer_chain(fi, logits, tokens, q, top_p):
+def _flashinfer_chain(fi, logits, tokens, q, top_p, temperature=TEMPERATURE):
     """FlashInfer chain verification: softmax every row (its fused temperature softmax where it has one, 0.4 and
     later), then chain_speculative_sampling."""
     if hasattr(fi.sampling, "softmax"):
         rows = logits.float().view(-1, logits.shape[-1])
-        probs = fi.sampling.softmax(rows, TEMPERATURE).view(logits.shape)
+        probs = fi.sampling.softmax(rows, temperature).view(logits.shape)
     else:
-        probs = torch.softmax(logits.float() / TEMPERATURE, -1)
+        probs = torch.softmax(logits.float() / temperature, -1)
     if top_p is not None:
         probs = fi.sampling.top_p_renorm_probs(probs.view(-1, probs.shape[-1]), top_p).view_as(probs)
     return fi.sampling.chain_speculative_sampling(q[:, :-1].contiguous(), tokens[:, 1:].to(torch.int32).contiguous(), probs)
@@ -167,6 +168,8 @@ FLAGS = (
     Flag("--flashinfer-graphs", True, "also time FlashInfer replayed from a CUDA graph", bool,
          replaces="TLT_ACCEPTANCE_FI_GRAPHS"),
     Flag("--logprobs", True, "also time each tlt impl returning both log-probs (-logprobs rows)", bool),
+    Flag("--temperature", TEMPERATURE, "every request's sampling temperature (> 0; the drafts' too); other than "
+         f"{TEMPERATURE}, each case carries it as 'temperature' (1.0: an RL rollout's)", positive_float),
     Flag("--logits-dtypes", ("bf16", "fp32"), "comma-separated dtypes of the target logits, of bf16, fp16, fp32 (the "
          "draft probabilities stay fp32); each is its own case", parse_logits_dtypes, metavar="LIST"),
     Flag("--eager", True, "also time each impl called eagerly (--no-eager: the -graph rows only, where --graphs; the "
@@ -200,6 +203,7 @@ class _Impls:
     logprobs: bool = False  # the tlt impls' -logprobs rows (return_logprobs and return_raw_logprobs)
     eager: bool = True  # the eager rows (off: graph rows only)
     logits_dtypes: tuple = ("bf16",)  # --logits-dtypes: one case per dtype
+    temperature: float = TEMPERATURE  # --temperature: every request's
     unavailable: set = field(default_factory=set)  # kernel backends that could not run here (noted once)
 
 
@@ -217,6 +221,7 @@ def run(ctx) -> None:
         logprobs=bool(p.logprobs),
         eager=bool(p.eager) or dev.type != "cuda",  # graph rows need CUDA: the CPU smoke run times eagerly
         logits_dtypes=tuple(p.logits_dtypes),
+        temperature=float(p.temperature),
     )
     for V in Vs:
         for kind, T in shapes:
@@ -229,11 +234,13 @@ def _bench_shape(ctx, impls: _Impls, kind: str, T: int, B: int, V: int) -> None:
     """Every row of one draft shape at batch size ``B`` and vocabulary ``V``, without and with top-p."""
     dev = ctx.device
     parents = _parents(kind, T, B, dev)
-    logits32, tokens, q = _case(B, T, V, parents, torch.float32, dev)
+    logits32, tokens, q = _case(B, T, V, parents, torch.float32, dev, temperature=impls.temperature)
     for dtype_name in impls.logits_dtypes:
         logits = logits32.to(LOGITS_DTYPES[dtype_name])
         for top_p in (None, 0.9):
             case = {"shape": f"{kind}{T}", "B": B, "V": V, "top_p": top_p or 1.0, "logits": dtype_name}
+            if impls.temperature != TEMPERATURE:  # the default's cases keep their keys (the records' identity)
+                case["temperature"] = impls.temperature
             _bench_case(ctx, impls, case, kind, logits, tokens, parents, q, top_p)
 
 
@@ -241,7 +248,7 @@ def _bench_case(ctx, impls: _Impls, case, kind, logits, tokens, parents, q, top_
     """The rows of one case: the reference, the tlt kernels, torch-composed and (chains) FlashInfer."""
     B, V = logits.shape[0], logits.shape[-1]
     T = tokens.shape[1]
-    kw = _engine_sampling(B, T, top_p, ctx.device, draft_probs=q, validate=False)
+    kw = _engine_sampling(B, T, top_p, ctx.device, impls.temperature, draft_probs=q, validate=False)
     ref = verify_tree(logits, tokens, parents, return_stats=True, backend="torch", **kw)
     tried = ref.stats[:, :, 0].sum().item()
     extra = dict(accept_rate=round(ref.stats[:, :, 1].sum().item() / max(tried, 1), 3),
@@ -258,11 +265,11 @@ def _bench_case(ctx, impls: _Impls, case, kind, logits, tokens, parents, q, top_
         ctx.note(f"torch-composed skipped for {case} (float64 [B, V] loops take seconds)")
 
 
-def _engine_sampling(B: int, T: int, top_p, device, **kw) -> dict:
+def _engine_sampling(B: int, T: int, top_p, device, temperature: float = TEMPERATURE, **kw) -> dict:
     """verify_tree's per-request arguments as an engine passes them: ``[B]`` device tensors built once per step
     (scalars would cost a fill launch each per call; FlashInfer gets its own fastest form, the scalars)."""
     per_request = lambda value, dtype: torch.full((B,), value, dtype=dtype, device=device)  # noqa: E731
-    return dict(temperature=per_request(TEMPERATURE, torch.float32),
+    return dict(temperature=per_request(temperature, torch.float32),
                 top_p=None if top_p is None else per_request(top_p, torch.float32),
                 seed=torch.arange(B, dtype=torch.int64, device=device), offset=per_request(0, torch.int64),
                 num_nodes=per_request(T, torch.int32), **kw)
@@ -332,8 +339,9 @@ def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra)
     """The ``flashinfer`` row of a chain and its ``flashinfer-graph`` row; a failure is noted and ends those rows."""
     fi = impls.fi
     try:
-        _flashinfer_chain(fi, logits, tokens, q, top_p)
-        ms = ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p)) if impls.eager else None
+        _flashinfer_chain(fi, logits, tokens, q, top_p, impls.temperature)
+        ms = (ctx.time_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p, impls.temperature))
+              if impls.eager else None)
     except Exception as exc:  # API differences between FlashInfer versions
         ctx.note(f"flashinfer chain_speculative_sampling failed on {case}: {type(exc).__name__}: {exc}")
         impls.fi = None
@@ -345,7 +353,7 @@ def _bench_flashinfer(ctx, impls: _Impls, case, logits, tokens, q, top_p, extra)
         ctx.add(case, "flashinfer", ms, bytes_moved=full, **extra)
     if impls.graphs and impls.fi_graphs:  # graph against graph: how an engine's step graph runs it
         try:
-            ms = ctx.time_graph_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p))
+            ms = ctx.time_graph_ms(lambda: _flashinfer_chain(fi, logits, tokens, q, top_p, impls.temperature))
         except Exception as exc:
             ctx.note(f"flashinfer-graph: capture failed on {case} ({type(exc).__name__}: {exc}); "
                      "no further flashinfer-graph rows")

@@ -464,6 +464,26 @@ def test_acceptance_logits_dtypes_and_eager_flags(capsys):
     assert exc.value.code == 2 and "unknown logits dtypes ['fp8']" in capsys.readouterr().err
 
 
+def test_acceptance_temperature_flag(tmp_path, capsys):
+    """--temperature sets every request's temperature and the drafts'; a run at other than the default marks each
+    case with it (the default's cases keep their keys), and every tlt row still agrees with the reference."""
+    from bench.flags import parse
+    from bench.suites.acceptance import FLAGS, TEMPERATURE
+
+    assert parse(FLAGS, []).temperature == TEMPERATURE and parse(FLAGS, ["--temperature", "1"]).temperature == 1.0
+    for bad in ("0", "-0.5", "nan", "inf"):
+        with pytest.raises(SystemExit) as exc:
+            parse(FLAGS, ["--temperature", bad])
+        assert exc.value.code == 2 and "expected a finite number > 0" in capsys.readouterr().err
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert main(["acceptance", "--device", device, "--small", "--out", str(tmp_path), "--impls", "tlt-triton",
+                 "--temperature", "1.0", "--logits-dtypes", "fp32"]) == 0
+    rows = json.loads((tmp_path / "acceptance.json").read_text())["rows"]
+    assert rows and all(r["case"]["temperature"] == 1.0 for r in rows)
+    assert {r["impl"].removesuffix("-graph") for r in rows} == {"tlt-triton", "tlt-triton-logprobs"}
+    assert all(r["same_as_ref"] == 1.0 for r in rows)
+
+
 def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     """tools.profile_tree_attention's fit: ms / waves = fixed + tiles * per_tile, exact on exact data whatever the
     waves, and its residual reports a point off the line."""
