@@ -78,9 +78,12 @@ def measure_case(model, B, L, T, old_len, new_len, flush, reps):
     Hq, Hkv = MODELS[model]
     inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    plans = {side: op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                          num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                                          split_len=split) for side, split in (("previous", old_len), ("default", new_len))}
+    def plan(split_len):
+        return op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                      num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
+                                      split_len=split_len)
+
+    plans = {"previous": plan(old_len), "default": plan(new_len)}
     out = torch.empty_like(q)
     rows = []
     for backend in ("triton", "cuda"):

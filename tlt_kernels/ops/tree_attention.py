@@ -177,7 +177,8 @@ def default_split_len(
     * otherwise (and for chunked rows) about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs
       (lengths rounded down, so the count never falls short);
 
-    never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90 kernel's tile where it may run).
+    never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90
+    kernel's tile where it may run).
     ``programs_per_sm = k``: the even rule at ``k`` programs per SM whatever the split length (the tree-attention
     suite's ``one-wave`` and ``two-per-SM`` rows).
     """
@@ -238,10 +239,10 @@ def _even_split_len(per_sm: int, sm_count: int, programs: int, chunked: bool, ma
 
 
 def _balanced_splits(max_context_len: int) -> int:
-    """The most splits the default takes over a context of ``max_context_len`` tokens, ``isqrt(L) //
-    SPLIT_LEN_SQRT_FACTOR`` (at least 1): 16 at L = 4096, 32 at 16384, 64 at 65536. Each program walks its split's
-    tiles one after another and the merge walks the splits one after another, so the serial chain is shortest
-    where both are about sqrt(L) long."""
+    """The most splits the default takes over a context of ``max_context_len`` tokens where a KV head has at most
+    ``BALANCED_MAX_ROWS`` rows, ``isqrt(L) // SPLIT_LEN_SQRT_FACTOR`` (at least 1): 16 at L = 4096, 32 at 16384, 64
+    at 65536. Each program walks its split's tiles one after another and the merge walks the splits one after
+    another, so the serial chain is shortest where both are about sqrt(L) long."""
     return max(1, math.isqrt(max(0, max_context_len)) // SPLIT_LEN_SQRT_FACTOR)
 
 
