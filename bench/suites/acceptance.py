@@ -39,7 +39,7 @@ import torch
 
 from tlt_kernels import BackendUnavailableError, verify_tree
 
-from ..flags import Flag, int_list, positive_float, str_list, values
+from ..flags import Flag, int_list, str_list, values
 
 SUITE = "acceptance"
 
@@ -169,7 +169,7 @@ FLAGS = (
          replaces="TLT_ACCEPTANCE_FI_GRAPHS"),
     Flag("--logprobs", True, "also time each tlt impl returning both log-probs (-logprobs rows)", bool),
     Flag("--temperature", TEMPERATURE, "every request's sampling temperature (> 0; the drafts' too); other than "
-         f"{TEMPERATURE}, each case carries it as 'temperature' (1.0: an RL rollout's)", positive_float),
+         f"{TEMPERATURE}, each case carries it as 'temperature' (1.0: an RL rollout's)", float),
     Flag("--logits-dtypes", ("bf16", "fp32"), "comma-separated dtypes of the target logits, of bf16, fp16, fp32 (the "
          "draft probabilities stay fp32); each is its own case", parse_logits_dtypes, metavar="LIST"),
     Flag("--eager", True, "also time each impl called eagerly (--no-eager: the -graph rows only, where --graphs; the "
@@ -190,6 +190,14 @@ def _sizes(ctx, p):
         if kind == "tree" and same_depth not in shapes:
             shapes.append(same_depth)
     return Bs, Vs, shapes
+
+
+def _sampled_temperature(value: float) -> float:
+    """``--temperature``, checked: this suite verifies sampled drafts (the float type is shared with the suites
+    that also declare the flag, which check it the same way)."""
+    if not 0.0 < value < float("inf"):
+        raise ValueError(f"--temperature must be a finite number > 0 (sampled verification), got {value}")
+    return float(value)
 
 
 @dataclass
@@ -221,7 +229,7 @@ def run(ctx) -> None:
         logprobs=bool(p.logprobs),
         eager=bool(p.eager) or dev.type != "cuda",  # graph rows need CUDA: the CPU smoke run times eagerly
         logits_dtypes=tuple(p.logits_dtypes),
-        temperature=float(p.temperature),
+        temperature=_sampled_temperature(p.temperature),
     )
     for V in Vs:
         for kind, T in shapes:
