@@ -4,7 +4,7 @@ Cases: B in {1, 16, 64, 256}, V in {32000, 152064}, chains of 3/7/15 drafts and 
 16/32/64 nodes, temperature 0.7 (``--temperature``; a run at another temperature adds it to each case as
 ``temperature``) with and without top-p 0.9, bf16 and fp32 target logits (``--logits-dtypes``; the
 case's ``logits`` key), draft probabilities given (fp32). Target rows
-are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logits / 0.7 + 0.8 * noise)``
+are random logits (std 3); the drafts are sampled i.i.d. from ``q = softmax(logits / temp + 0.8 * noise)``
 of their parent's row, which accepts roughly 60-80% of tried drafts (the achieved rate is reported per
 case as ``accept_rate`` = accepted / tried children, and ``mean_accepted`` drafts per request).
 
