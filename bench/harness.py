@@ -100,6 +100,20 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, time_ms: Callable[
     return 2 * nbytes / (ms * 1e-3)
 
 
+def capture_graph(fn: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of one ``fn()`` call, after one warm-up call on a side stream (lazy initialization and autotuning
+    stay out of the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def time_cuda_events_ms(fn: Callable[[], Any], warmup: int = 10, reps: int = 50) -> float:
     """Median of ``reps`` runs timed with CUDA events, after ``warmup`` calls (used without Triton)."""
     for _ in range(warmup):
@@ -223,14 +237,7 @@ class BenchContext:
         time an engine sees when it replays the op inside its step graph, without Python dispatch."""
         if self.device.type != "cuda":
             raise RuntimeError("time_graph_ms needs a CUDA device")
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph = capture_graph(fn)
         torch.cuda.synchronize()
         return self.time_ms(graph.replay)
 

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from bench.harness import capture_graph
 from bench.suites.tree_attention import CASES, HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels.ops import tree_attention as op
 
@@ -41,14 +42,7 @@ def previous_split_len(batch_size: int, num_kv_heads: int, max_context_len: int,
 
 def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
     """Median microseconds of replaying a CUDA graph of ``fn``, the L2 flushed before each replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     times = []
     for _ in range(reps):
         flush.zero_()
