@@ -80,14 +80,19 @@ def test_logprobs_match_log_softmax_of_the_scored_rows(backend, B, T, V, dtype):
 @pytest.mark.parametrize("backend", agreement_backends())
 @pytest.mark.parametrize("V", [37, 5000])
 def test_temperature_one_scores_raw_and_sampled_alike(backend, V):
-    """At temperature exactly 1 with no filter the sampling law is the raw one, so both log-probs are the same bits
-    (the kernels take the raw normalizer from the sampling sum there); with top-p the raw one stays unfiltered."""
+    """At temperature exactly 1 with no filter the sampling law is the raw one, so both log-probs agree: the same bits
+    on the reference and Triton (which takes the raw normalizer from the sampling sum there), within float32 rounding
+    on CUDA (the same normalizer, but its two score expressions compile to different instruction sequences: 1-ulp
+    differences seen on an H200); with top-p the raw one stays unfiltered."""
     B, T = 6, 5
     logits, tokens, parents, _ = _case(B, T, V, seed=V)
     ones = torch.ones(B)
     out = _run(backend, logits, tokens, parents, ones)
     sampled, raw = _expected(logits, out, ones)
-    assert torch.equal(out.logprobs, out.raw_logprobs)
+    if backend == "cuda":
+        torch.testing.assert_close(out.logprobs, out.raw_logprobs, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(out.logprobs, out.raw_logprobs)
     assert torch.allclose(out.raw_logprobs.double(), raw, atol=TOL, rtol=0) and torch.equal(sampled, raw)
     cut = _run(backend, logits, tokens, parents, ones, top_p=torch.full((B,), 0.5))
     _, raw_cut = _expected(logits, cut, ones)
