@@ -7,9 +7,10 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-<backend> one-wave split`` / ``tlt-<backend> two-per-SM split``: the op with the most context splits whose
   programs fit one (two) per SM (``default_split_len(programs_per_sm=1 or 2)``), where that differs from the default
   split and from the rows before it;
-* ``tlt-triton (merge kernel)`` / ``tlt-triton (merge in partial kernel)``: for a plan with several splits, the
-  Triton op with its splits merged on the other side of its rule (``FUSED_MERGE_MAX_ROWS``: in the partial kernel
-  at <= 16 rows per program, else in the merge kernel);
+* ``tlt-triton (split walk)`` / ``tlt-triton (merge kernel)`` / ``tlt-triton (merge in partial kernel)``: for a plan
+  with several splits, the Triton op with its splits merged on the other side of its rule (from
+  ``WIDE_MERGE_MIN_SPLITS`` splits the merge kernel reads them side by side, else in the partial kernel at <= 16 rows
+  per program, else the merge kernel walks them);
 * ``tlt-cuda+ctx-sm90`` / ``tlt-cuda (no ctx-sm90)`` (sm_90): the CUDA op on the
   other side of its context-path rule (``csrc/tree_attention/tree_attention_ctx_sm90.cu``, see ``tlt_kernels/_cuda/tree_attention.py``);
 * ``torch-sdpa``: gather the request's K/V from the pages into contiguous tensors, then
@@ -239,20 +240,23 @@ def _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, 
 
 
 def _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost):
-    """The Triton merge on the other side of its rule (``FUSED_MERGE_MAX_ROWS`` in _triton/tree_attention.py), for a
-    plan with several splits: ``tlt-triton (merge kernel)`` where the default merges in the partial kernel,
-    ``tlt-triton (merge in partial kernel)`` where it launches the merge kernel; checked against the first tlt row."""
+    """The Triton merge on the other side of its rule (``WIDE_MERGE_MIN_SPLITS``, ``FUSED_MERGE_MAX_ROWS`` in
+    _triton/tree_attention.py), for a plan with several splits: ``tlt-triton (split walk)`` where the default reads the
+    splits side by side, ``tlt-triton (merge kernel)`` where it merges in the partial kernel, ``tlt-triton (merge in
+    partial kernel)`` where it launches the merge kernel's walk; checked against the first tlt row."""
     import tlt_kernels._triton.tree_attention as tk
     from tlt_kernels._backend import backend_unavailable_reason
 
     if plan.num_splits == 1 or backend_unavailable_reason("triton", q.device) is not None:
         return
     block_m, chunks = tk.kernel_config(plan.head_dim, plan.num_tree * plan.group, q.dtype == torch.float32)[:2]
-    if tk.merges_in_partial_kernel(plan, block_m, chunks):
-        name, flag, value = "tlt-triton (merge kernel)", "FUSED_MERGE", 0
+    if plan.num_splits >= tk.WIDE_MERGE_MIN_SPLITS:
+        name, flags = "tlt-triton (split walk)", dict(WIDE_MERGE_MIN_SPLITS=plan.num_splits + 1)
+    elif tk.merges_in_partial_kernel(plan, block_m, chunks):
+        name, flags = "tlt-triton (merge kernel)", dict(FUSED_MERGE=0)
     else:
-        name, flag, value = "tlt-triton (merge in partial kernel)", "FUSED_MERGE_MAX_ROWS", block_m
-    with mock.patch.object(tk, flag, value):  # the module flag for this row only
+        name, flags = "tlt-triton (merge in partial kernel)", dict(FUSED_MERGE_MAX_ROWS=block_m)
+    with mock.patch.multiple(tk, **flags):  # the module flags for this row only
         _time_split_row(ctx, case, name, "triton", plan, q, k_cache, v_cache, out, reference, cost)
 
 

@@ -232,11 +232,17 @@ def test_even_split_rows_run_where_the_split_differs():
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("T,row", [(1, "tlt-triton (merge kernel)"), (16, "tlt-triton (merge in partial kernel)")])
-def test_merge_placement_row_is_the_other_side_of_the_rule(T, row):
-    """A plan with several splits gets one row with the Triton merge placed the other way from the default (T * G = 2
-    rows merge in the partial kernel by default, 32 in the merge kernel), checked and timed; one split gets none."""
+@pytest.mark.parametrize("T,wide_from,row", [(1, 16, "tlt-triton (merge kernel)"),
+                                             (16, 16, "tlt-triton (merge in partial kernel)"),
+                                             (4, 5, "tlt-triton (split walk)")])
+def test_merge_placement_row_is_the_other_side_of_the_rule(T, wide_from, row, monkeypatch):
+    """A plan with several splits gets one row with the Triton merge placed the other way from the default (below
+    ``WIDE_MERGE_MIN_SPLITS`` splits T * G = 2 rows merge in the partial kernel by default, 32 in the merge kernel's
+    walk; from it, the merge kernel reads the splits side by side), checked and timed; one split gets none."""
+    import tlt_kernels._triton.tree_attention as tk
     from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    monkeypatch.setattr(tk, "WIDE_MERGE_MIN_SPLITS", wide_from)
 
     B, L, Hq, Hkv, D = 2, 300, 4, 2, 64
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))

@@ -9,6 +9,7 @@ from conftest import need_backend, poison_, sm90_rule_spy
 from test_tree_attention import BACKENDS, DEVICE, fill_unused_slots_with_nan_, make_case, make_plan
 
 import tlt_kernels
+from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops import tree_attention as ta
 from tlt_kernels.ops.tree_attention import plan_tree_attention, run
 from tlt_kernels.reference.tree_attention import tree_attention_reference
@@ -162,6 +163,26 @@ def test_nan_in_an_attended_slot_reaches_exactly_its_rows(backend, split_len, si
     _check_nan_contract(_run(case, backend, split_len), case, clean_ref, nan_rows)
     if backend == "torch":  # the reference follows the same contract
         _check_nan_contract(tree_attention_reference(**case), case, clean_ref, nan_rows)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("max_splits", [2, 64], ids=["two-per-trip", "one-trip"])
+@pytest.mark.parametrize("site", list(NAN_SITES))
+def test_nan_contract_of_the_wide_merge(site, max_splits, monkeypatch):
+    """The Triton merge kernel that reads the splits side by side (``WIDE_MERGE_MIN_SPLITS``) keeps the NaN contract:
+    a NaN in one split's LSE or rows reaches exactly the rows that attend it, garbage in unattended slots nowhere."""
+    need_backend("tree_attention", "triton", DEVICE)
+    monkeypatch.setattr(tk, "FUSED_MERGE", 0)
+    monkeypatch.setattr(tk, "WIDE_MERGE_MIN_SPLITS", 2)
+    monkeypatch.setattr(tk, "WIDE_MERGE_MAX_SPLITS", max_splits)
+    which, b, slot, kv_head = NAN_SITES[site]
+    case = _case()
+    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    fill_unused_slots_with_nan_(case)
+    _fill_unused_slots_with_inf_(case)
+    page, off = _slot_location(case, b, slot)
+    case[which][page, off, kv_head, 5] = math.nan
+    _check_nan_contract(_run(case, "triton", 64), case, clean_ref, _expected_nan_rows(case, b, slot, kv_head))
 
 
 def _fill_unused_slots_with_inf_(case):

@@ -106,7 +106,7 @@ def test_lazy_rescale_matches_reference(name, tau, monkeypatch):
 MERGE_CASES = {
     "decode-gqa7": (([700, 130, 0], 1, 7, 1, 128, 16, torch.bfloat16, None), 128, True),
     "splits-of-three-tiles": (CASES["splits-of-three-tiles"][:-1], 192, True),
-    "fp16-gqa4-ragged": (([1000, 64, 333, 65], 3, 8, 2, 64, 16, torch.float16, [3, 1, 2, 3]), 64, True),
+    "fp16-gqa4-ragged": (([1000, 64, 333, 65], 3, 8, 2, 64, 16, torch.float16, [3, 1, 2, 3]), 128, True),
     "d128-bm128-unaligned-splits": (CASES["d128-bm128-unaligned-splits"][:-1], 320, False),
     "row-chunk-splits": (([700, 130, 0], 48, 3, 1, 64, 16, torch.bfloat16, [48, 20, 48]), 128, False),
 }
@@ -140,6 +140,33 @@ def test_fused_merge_matches_merge_kernel(name, monkeypatch):
     for out in outs[1:]:
         # The same merge arithmetic per row (the loop's unrolling may differ): equal up to one rounding of the output.
         torch.testing.assert_close(out.float(), outs[0].float(), atol=0, rtol=2 ** -7)
+
+
+# (WIDE_MERGE_MIN_SPLITS, WIDE_MERGE_MAX_SPLITS): the walk over splits, the splits side by side in one trip, and
+# side by side two at a time (several trips, the last one partly past the request's splits).
+MERGE_FORMS = {"walk": (1 << 30, 64), "wide-one-trip": (2, 64), "wide-two-per-trip": (2, 2)}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", list(MERGE_CASES))
+def test_wide_merge_matches_the_split_walk(name, monkeypatch):
+    """The merge kernel reading the splits side by side (``WIDE_MERGE_MIN_SPLITS``) gives the walk's rows, up to one
+    rounding of the output (it sums the splits in another order), and the reference's."""
+    _need_triton()
+    (ctx, T, Hq, Hkv, D, bs, dtype, n), split, _ = MERGE_CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, bs, dtype, num_nodes=n, device=DEVICE)
+    plan = make_plan(case, split_len=split)
+    assert plan.num_splits > 1
+    monkeypatch.setattr(tk, "FUSED_MERGE", 0)
+    outs = {}
+    for form, (min_splits, max_splits) in MERGE_FORMS.items():
+        monkeypatch.setattr(tk, "WIDE_MERGE_MIN_SPLITS", min_splits)
+        monkeypatch.setattr(tk, "WIDE_MERGE_MAX_SPLITS", max_splits)
+        outs[form] = torch.full_like(case["q"], float("nan"))
+        plan.run(case["q"], case["k_cache"], case["v_cache"], out=outs[form], backend="triton")
+        check_against_reference(outs[form], case)
+    for form in ("wide-one-trip", "wide-two-per-trip"):
+        torch.testing.assert_close(outs[form].float(), outs["walk"].float(), atol=1e-5, rtol=2 ** -7)
 
 
 def test_kernel_config_table_and_override(monkeypatch):

@@ -9,9 +9,10 @@ programs are launched next to each other, so their re-reads of the same tile hit
 Deviation inside the plan's scratch contract (internal to this backend): the tree tokens are folded
 into the *last non-empty* context split of each request instead of a separate slot ``S``, and a
 request whose context fits one split writes ``out`` directly (no scratch traffic, no merge). The merge
-only combines the ``ceil(context_lens[b] / split_len)`` slots a request actually used: in the partial kernel, by the
-last split to finish (counted in ``plan.split_counters``), where a program holds at most ``FUSED_MERGE_MAX_ROWS``
-rows; in the merge kernel otherwise.
+only combines the ``ceil(context_lens[b] / split_len)`` slots a request actually used: from ``WIDE_MERGE_MIN_SPLITS``
+splits in a merge kernel that reads them side by side; below it in the partial kernel, by the last split to finish
+(counted in ``plan.split_counters``), where a program holds at most ``FUSED_MERGE_MAX_ROWS`` rows, else in a merge
+kernel that walks them.
 
 Online softmax in base 2: with ``qk_scale = sm_scale * log2(e)``, ``p = 2^(s*qk_scale - m)``;
 the stored LSE is natural-log, ``(m + log2(l)) * ln(2)``, as the plan contract says.
@@ -63,6 +64,14 @@ MERGE_WARPS = 4
 # merge kernel (each the measured best of (1, 1), (2, 1), (1, 3), (2, 2)).
 FUSED_MERGE_LOOP = (2, 1)
 MERGE_KERNEL_LOOP = (1, 3)
+# Where a plan has at least WIDE_MERGE_MIN_SPLITS splits the merge kernel reads them in parallel, whatever the row
+# count: one program per query row loads up to WIDE_MERGE_MAX_SPLITS splits' rows as one [splits, D] tile and reduces
+# across it, a round trip per that many splits instead of one per split (a walk over the splits is a chain of L2
+# round trips: at one or two requests it cost as much as the attention). Measured faster there than both walks, and
+# slower below it (docs/TREE_ATTENTION.md, "The merge").
+WIDE_MERGE_MIN_SPLITS = 16
+WIDE_MERGE_MAX_SPLITS = 64
+WIDE_MERGE_WARPS = 4
 # (BLOCK_N, num_warps, num_stages[, BLOCK_M[, maxnreg]]) forced for every shape when set (BLOCK_M None =
 # the default row tile); the benchmark's tuning sweep (python -m bench tree-attention --sweep) and the
 # tests of the non-default configs (tests/ops/test_tree_attention_triton_variants.py) set it.
@@ -72,9 +81,9 @@ CONFIG_OVERRIDE = None
 # tested against (tests/ops/test_tree_attention_triton_variants.py).
 PIPELINE = 1
 # Split contexts merge in each request's last split to finish (needs the plan's ``split_counters``) where a program
-# holds at most FUSED_MERGE_MAX_ROWS query rows, rather than in the merge kernel (measured faster there on an H200,
-# slower with more rows, whose merge the kernel spreads over more programs: docs/TREE_ATTENTION.md). 0: always the
-# merge kernel.
+# holds at most FUSED_MERGE_MAX_ROWS query rows and the plan has fewer than WIDE_MERGE_MIN_SPLITS splits, rather than
+# in the merge kernel (measured faster there on an H200, slower with more rows, whose merge the kernel spreads over
+# more programs: docs/TREE_ATTENTION.md). 0: always the merge kernel.
 FUSED_MERGE = 1
 FUSED_MERGE_MAX_ROWS = 16
 # Over fp8 caches with bf16 queries, K widens to fp16 against fp16-scaled rows (_query_for_fp16_keys) where a KV head
@@ -618,6 +627,70 @@ def _tree_attn_merge_kernel(
 
 
 @triton.jit
+def _wide_merge_fold(PartialOut_ptr, PartialLse_ptr, row, offs_s, offs_d, n_splits_b, ROWS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, m, acc, den, nan_row):
+    """Fold the splits ``offs_s`` (``[S]``, those past ``n_splits_b`` dropped) of scratch row ``row`` (split 0's) into
+    the running ``(m, acc [D], den)``: ``_merge_fold``'s rule, the splits taken side by side (their loads in flight
+    together) and summed across the tile; a NaN LSE flags the row."""
+    ok = offs_s < n_splits_b
+    rows = row + offs_s * ROWS
+    lse = tl.load(PartialLse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(PartialOut_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
+                   cache_modifier=".cg")
+    nan_row = nan_row | tl.max((lse != lse).to(tl.int32), axis=0)
+    lse = tl.where(lse == lse, lse, float("-inf"))
+    live = lse > float("-inf")
+    m_new = tl.maximum(m, tl.max(lse, axis=0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live split yet: any finite reference
+    alpha = tl.exp(m - m_ref)
+    w = tl.where(live, tl.exp(lse - m_ref), 0.0)
+    # A live split counts even when its weight underflows to 0, so a NaN in its rows reaches the output (0 * NaN).
+    acc = acc * alpha + tl.sum(w[:, None] * tl.where(live[:, None], part, 0.0), axis=0)
+    return m_new, acc, den * alpha + tl.sum(w, axis=0), nan_row
+
+
+@triton.jit
+def _tree_attn_wide_merge_kernel(
+    Out_ptr, PartialOut_ptr, PartialLse_ptr, ContextLens_ptr, NumNodes_ptr,
+    split_len, num_splits,
+    stride_ob, stride_ot, stride_oh,
+    NUM_KV_HEADS: tl.constexpr,
+    T: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DROP_BITS: tl.constexpr,
+):
+    """The merge of one query row ``r`` (node ``r // G``, query head ``h * G + r % G``) of a KV head of a request:
+    ``SPLIT_BLOCK`` splits per trip, read side by side (see ``WIDE_MERGE_MIN_SPLITS``)."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    ctx, n_nodes, n_splits_b = _request_extent(ContextLens_ptr, NumNodes_ptr, b, split_len, num_splits)
+    if n_splits_b > 1:  # single-split requests were written by the partial kernel
+        row = (b64 * NUM_KV_HEADS + h) * (num_splits + 1) * (T * G) + r
+        offs_s = tl.arange(0, SPLIT_BLOCK)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full([], float("-inf"), dtype=tl.float32)
+        acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+        den = tl.zeros([], dtype=tl.float32)
+        nan_row = tl.zeros([], dtype=tl.int32)
+        s0 = 0
+        while s0 < n_splits_b:  # one trip where the request has at most SPLIT_BLOCK splits
+            m, acc, den, nan_row = _wide_merge_fold(PartialOut_ptr, PartialLse_ptr, row, s0 + offs_s, offs_d,
+                                                    n_splits_b, T * G, HEAD_DIM, m, acc, den, nan_row)
+            s0 += SPLIT_BLOCK
+        o = acc / tl.where(den > 0.0, den, 1.0)
+        o = tl.where(nan_row != 0, float("nan"), o)
+        t = r // G
+        o = tl.where(t < n_nodes, o, 0.0)  # zeros for padding nodes
+        o_ptrs = Out_ptr + b64 * stride_ob + (t * stride_ot + (h * G + r % G) * stride_oh).to(tl.int64) + offs_d
+        tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS))
+
+
+@triton.jit
 def _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stride_ot, stride_oh,
                 INTERPRET: tl.constexpr, DROP_BITS: tl.constexpr):
     """Final rows into ``out`` (node ``t``, query head ``qh``), zeros for padding nodes."""
@@ -627,11 +700,12 @@ def _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stri
 
 
 def merges_in_partial_kernel(plan, block_m: int, chunks: int) -> bool:
-    """Whether the partial kernel merges the splits itself (see ``FUSED_MERGE``): a split context, rows of at most
-    ``FUSED_MERGE_MAX_ROWS`` per program, and arrival counters in the plan for every row chunk (int32
-    ``[B, Hkv, >= chunks]``, contiguous: the kernel indexes them so)."""
+    """Whether the partial kernel merges the splits itself (see ``FUSED_MERGE``): more than one split but fewer than
+    ``WIDE_MERGE_MIN_SPLITS``, rows of at most ``FUSED_MERGE_MAX_ROWS`` per program, and arrival counters in the plan
+    for every row chunk (int32 ``[B, Hkv, >= chunks]``, contiguous: the kernel indexes them so)."""
     counters = plan.split_counters
-    return (plan.num_splits > 1 and bool(FUSED_MERGE) and block_m <= FUSED_MERGE_MAX_ROWS and counters is not None
+    return (1 < plan.num_splits < WIDE_MERGE_MIN_SPLITS and bool(FUSED_MERGE) and block_m <= FUSED_MERGE_MAX_ROWS
+            and counters is not None
             and counters.dtype == torch.int32 and counters.dim() == 3 and counters.is_contiguous()
             and tuple(counters.shape[:2]) == (plan.batch_size, plan.num_kv_heads) and counters.shape[2] >= chunks)
 
@@ -718,9 +792,20 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def _launch_merge(plan, out: torch.Tensor, interp: bool, drop_bits: int) -> None:
-    """The merge kernel over the plan's scratch: one program per MERGE_BLOCK_R rows of a KV head of a request."""
+    """The merge kernel over the plan's scratch: one program per query row reading the splits side by side where the
+    plan has at least ``WIDE_MERGE_MIN_SPLITS``, else one per MERGE_BLOCK_R rows of a KV head of a request."""
     B, T, _, D = out.shape
     Hkv, G = plan.num_kv_heads, plan.group
+    if plan.num_splits >= WIDE_MERGE_MIN_SPLITS:
+        _tree_attn_wide_merge_kernel[(T * G, Hkv, B)](
+            out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
+            plan.split_len, plan.num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            NUM_KV_HEADS=Hkv, T=T, G=G, HEAD_DIM=D,
+            SPLIT_BLOCK=min(WIDE_MERGE_MAX_SPLITS, _next_pow2(plan.num_splits)), INTERPRET=interp,
+            DROP_BITS=drop_bits, num_warps=WIDE_MERGE_WARPS,
+        )
+        return
     _tree_attn_merge_kernel[(triton.cdiv(T * G, MERGE_BLOCK_R), Hkv, B)](
         out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
         plan.split_len, plan.num_splits,

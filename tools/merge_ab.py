@@ -1,0 +1,88 @@
+"""Same-run A/B of tree attention's Triton merge forms on the suite's long-tail cases (7B, bf16), graph-replayed with
+the L2 flushed before each replay, every side's output checked against the first side's:
+
+* ``walk``: the merge as before the split-parallel kernel (``WIDE_MERGE_MIN_SPLITS`` out of reach): in the partial
+  kernel at <= ``FUSED_MERGE_MAX_ROWS`` rows, else the merge kernel walking the splits one after another;
+* ``default``: the rule as shipped (the split-parallel merge kernel from ``WIDE_MERGE_MIN_SPLITS`` splits, else the
+  walks above);
+* ``wide``: the split-parallel merge kernel at every split count and row count (``WIDE_MERGE_MIN_SPLITS = 2``).
+
+    python -m tools.merge_ab [--reps 30] [--out FILE]
+
+Prints one line per case and writes the rows as JSON (GPU only). Each side's time is the better of two medians of
+``--reps`` replays, the sides alternated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
+from tlt_kernels._triton import tree_attention as tk
+from tlt_kernels.ops import tree_attention as op
+from tools.split_rule_ab import L2_FLUSH_BYTES, graph_us
+
+SIDES = {
+    "walk": dict(WIDE_MERGE_MIN_SPLITS=1 << 30),
+    "default": dict(),
+    "wide": dict(WIDE_MERGE_MIN_SPLITS=2),
+}
+
+
+def run_side(side: str, fn):
+    """``fn()`` with the module settings of ``side`` (the defaults restored after)."""
+    saved = {name: getattr(tk, name) for name in SIDES[side]}
+    for name, value in SIDES[side].items():
+        setattr(tk, name, value)
+    try:
+        return fn()
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
+
+
+def measure_case(B, L, T, flush, reps):
+    """One case's row: each side's time (us) and its largest difference from the first side's output."""
+    Hq, Hkv = MODELS["qwen2.5-7b"]
+    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    plan = op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                  num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
+    outs = {side: torch.full_like(q, float("nan")) for side in SIDES}
+    for side, out in outs.items():
+        run_side(side, lambda o=out: plan.run(q, k, v, out=o, backend="triton"))
+    first = next(iter(outs.values())).float()
+    diffs = {side: (out.float() - first).abs().max().item() for side, out in outs.items()}
+    us = {side: float("inf") for side in SIDES}
+    for _ in range(2):
+        for side, out in outs.items():
+            t = run_side(side, lambda o=out: graph_us(lambda: plan.run(q, k, v, out=o, backend="triton"), flush, reps))
+            us[side] = min(us[side], t)
+    return dict(B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},
+                max_diff=diffs, nan=any(out.isnan().any().item() for out in outs.values()))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=30, help="replays per median")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("merge_ab needs a CUDA GPU")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    rows, t0 = [], time.time()
+    for B, L, T in LONG_TAIL_CASES:
+        row = measure_case(B, L, T, flush, args.reps)
+        rows.append(row)
+        print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
