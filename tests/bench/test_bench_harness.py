@@ -371,6 +371,22 @@ def test_e2e_static_oracle_charges_each_bin_at_the_best_arm():
     assert abs(_static_oracle_s({"static-cheap": cheap}, odd) - 0.25) < 1e-9
 
 
+def test_device_record_script_refuses_bad_arguments_before_installing(tmp_path):
+    """tools/device_record.sh needs --commit (the GPU copy has no .git) and names an unknown argument, before it
+    installs anything."""
+    import os
+
+    root = Path(__file__).resolve().parents[2]
+    script = str(root / "tools" / "device_record.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    missing = subprocess.run(["bash", script, "--part", "main"], capture_output=True, text=True, env=env)
+    assert missing.returncode == 2 and "--commit" in missing.stderr
+    unknown = subprocess.run(["bash", script, "--commit", "abc", "--parts", "main"], capture_output=True, text=True,
+                             env=env)
+    assert unknown.returncode == 2 and "--parts" in unknown.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
     """tools/ab.sh checks its usage and that the patch applies before it installs anything."""
     import os
