@@ -14,16 +14,12 @@ Prints one line per case and writes the rows as JSON (GPU only). Each side's tim
 """
 from __future__ import annotations
 
-import argparse
-import json
-import time
-
 import torch
 
 from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops import tree_attention as op
-from tools.split_rule_ab import L2_FLUSH_BYTES, graph_us
+from tools.ab_timing import graph_us, run_ab
 
 SIDES = {
     "walk": dict(WIDE_MERGE_MIN_SPLITS=1 << 30),
@@ -66,22 +62,7 @@ def measure_case(B, L, T, flush, reps):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=30, help="replays per median")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("merge_ab needs a CUDA GPU")
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    rows, t0 = [], time.time()
-    for B, L, T in LONG_TAIL_CASES:
-        row = measure_case(B, L, T, flush, args.reps)
-        rows.append(row)
-        print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return run_ab(__doc__.split("\n\n")[0], LONG_TAIL_CASES, measure_case, default_reps=30, argv=argv)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,13 @@ medians of ``--reps`` replays, the sides alternated.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import time
-
 import torch
 
-from bench.harness import capture_graph
 from bench.suites.tree_attention import CASES, HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels.ops import tree_attention as op
+from tools.ab_timing import graph_us, run_ab
 
 SM_COUNT = 132  # the suite's cards (H100 / H200 SXM)
-L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 
 def previous_split_len(batch_size: int, num_kv_heads: int, max_context_len: int, num_rows: int) -> int:
@@ -38,21 +33,6 @@ def previous_split_len(batch_size: int, num_kv_heads: int, max_context_len: int,
     if want == 1:
         return op._whole_tiles(max_context_len, align)
     return max(op.MIN_SPLIT_LEN, max_context_len // want // align * align)
-
-
-def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
-    """Median microseconds of replaying a CUDA graph of ``fn``, the L2 flushed before each replay."""
-    graph = capture_graph(fn)
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def changed_cases():
@@ -90,23 +70,7 @@ def measure_case(model, B, L, T, old_len, new_len, flush, reps):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=40, help="replays per median")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("split_rule_ab needs a CUDA GPU")
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    rows, t0 = [], time.time()
-    for model, B, L, T, old_len, new_len in changed_cases():
-        for row in measure_case(model, B, L, T, old_len, new_len, flush, args.reps):
-            rows.append(row)
-            print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
-        torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return run_ab(__doc__.split("\n\n")[0], changed_cases(), measure_case, default_reps=40, argv=argv)
 
 
 if __name__ == "__main__":

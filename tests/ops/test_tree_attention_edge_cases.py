@@ -142,6 +142,19 @@ NAN_SITES = {
 }
 
 
+def _case_with_nan_at(site):
+    """The test case with a NaN at ``NAN_SITES[site]`` and NaN / inf garbage in every unattended slot: ``(case, the
+    NaN-free fp32 result, bool [B, T, Hq] rows that attend the NaN)``."""
+    which, b, slot, kv_head = NAN_SITES[site]
+    case = _case()
+    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
+    fill_unused_slots_with_nan_(case)
+    _fill_unused_slots_with_inf_(case)
+    page, off = _slot_location(case, b, slot)
+    case[which][page, off, kv_head, 5] = math.nan
+    return case, clean_ref, _expected_nan_rows(case, b, slot, kv_head)
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("split_len", [64, 128, None], ids=["4-splits", "2-splits", "1-split"])
@@ -152,14 +165,7 @@ def test_nan_in_an_attended_slot_reaches_exactly_its_rows(backend, split_len, si
     slots, spare pages) that must never reach the output."""
     need_backend("tree_attention", backend, DEVICE)
     _cuda_half_only(backend, DTYPE)
-    which, b, slot, kv_head = NAN_SITES[site]
-    case = _case()
-    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
-    fill_unused_slots_with_nan_(case)
-    _fill_unused_slots_with_inf_(case)
-    page, off = _slot_location(case, b, slot)
-    case[which][page, off, kv_head, 5] = math.nan
-    nan_rows = _expected_nan_rows(case, b, slot, kv_head)
+    case, clean_ref, nan_rows = _case_with_nan_at(site)
     _check_nan_contract(_run(case, backend, split_len), case, clean_ref, nan_rows)
     if backend == "torch":  # the reference follows the same contract
         _check_nan_contract(tree_attention_reference(**case), case, clean_ref, nan_rows)
@@ -175,14 +181,8 @@ def test_nan_contract_of_the_wide_merge(site, max_splits, monkeypatch):
     monkeypatch.setattr(tk, "FUSED_MERGE", 0)
     monkeypatch.setattr(tk, "WIDE_MERGE_MIN_SPLITS", 2)
     monkeypatch.setattr(tk, "WIDE_MERGE_MAX_SPLITS", max_splits)
-    which, b, slot, kv_head = NAN_SITES[site]
-    case = _case()
-    clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
-    fill_unused_slots_with_nan_(case)
-    _fill_unused_slots_with_inf_(case)
-    page, off = _slot_location(case, b, slot)
-    case[which][page, off, kv_head, 5] = math.nan
-    _check_nan_contract(_run(case, "triton", 64), case, clean_ref, _expected_nan_rows(case, b, slot, kv_head))
+    case, clean_ref, nan_rows = _case_with_nan_at(site)
+    _check_nan_contract(_run(case, "triton", 64), case, clean_ref, nan_rows)
 
 
 def _fill_unused_slots_with_inf_(case):

@@ -1,0 +1,51 @@
+"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``): graph replays timed with the L2 flushed before
+each, and the command line that times every case, prints one JSON line per row and writes them all as JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from bench.harness import capture_graph
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
+    """Median microseconds of replaying a CUDA graph of ``fn``, the L2 flushed before each replay."""
+    graph = capture_graph(fn)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run_ab(description: str, cases: Iterable, measure: Callable, default_reps: int, argv=None) -> int:
+    """``--reps`` / ``--out``; ``measure(*case, flush, reps)`` returns a row (dict) or a list of rows per case."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--reps", type=int, default=default_reps, help="replays per median")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{parser.prog} needs a CUDA GPU")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    rows, t0 = [], time.time()
+    for case in cases:
+        got = measure(*case, flush, args.reps)
+        for row in got if isinstance(got, list) else [got]:
+            rows.append(row)
+            print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
