@@ -95,8 +95,8 @@ FP16_KEYS_MAX_ROWS = tl.constexpr(32)
 # no transposing shared-memory load for 8-bit values: the mma.sync builds gather it byte by byte. Off until measured
 # on a GPU (`python -m tools.fp8_words_ab`); the interpreter tests hold both reads to the same bits.
 FP8_V_WORDS = False
-# Row tiles up to this size multiply with mma.sync (register operands); larger ones with wgmma, which reads V from shared
-# memory without byte gathers either way (sm_90 PTX: the word read only adds instructions there).
+# Row tiles up to this size multiply with mma.sync (register operands); larger ones with wgmma, which reads V from
+# shared memory without byte gathers either way (sm_90 PTX: the word read only adds instructions there).
 FP8_V_WORDS_MAX_BLOCK_M = 32
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
