@@ -229,6 +229,16 @@ def _e5m2_as_fp16(byte):
 
 
 @triton.jit
+def _fp8_byte_as_fp16(byte, E4M3: tl.constexpr):
+    """An fp8 byte of a V word as fp16: ``_e4m3_as_scaled_fp16`` or ``_e5m2_as_fp16``."""
+    if E4M3:
+        value = _e4m3_as_scaled_fp16(byte)
+    else:
+        value = _e5m2_as_fp16(byte)
+    return value
+
+
+@triton.jit
 def _load_v(v_head, rows, offs_d, mask):
     """The V tile ``[BN, D]`` at element offsets ``rows [BN]`` (``mask [BN]`` or None: no mask). A cache passed as words
     (``v_words``: int32 = e4m3, uint32 = e5m2; offsets in words) comes back as fp16 (e4m3 at ``2^-8`` of its value),
@@ -240,16 +250,11 @@ def _load_v(v_head, rows, offs_d, mask):
             words = tl.load(ptrs).to(tl.int32, bitcast=True)
         else:
             words = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32, bitcast=True)
-        if v_head.dtype.element_ty == tl.int32:
-            b0 = _e4m3_as_scaled_fp16(words & 0xFF)
-            b1 = _e4m3_as_scaled_fp16((words >> 8) & 0xFF)
-            b2 = _e4m3_as_scaled_fp16((words >> 16) & 0xFF)
-            b3 = _e4m3_as_scaled_fp16((words >> 24) & 0xFF)
-        else:
-            b0 = _e5m2_as_fp16(words & 0xFF)
-            b1 = _e5m2_as_fp16((words >> 8) & 0xFF)
-            b2 = _e5m2_as_fp16((words >> 16) & 0xFF)
-            b3 = _e5m2_as_fp16((words >> 24) & 0xFF)
+        e4m3: tl.constexpr = v_head.dtype.element_ty == tl.int32
+        b0 = _fp8_byte_as_fp16(words & 0xFF, e4m3)
+        b1 = _fp8_byte_as_fp16((words >> 8) & 0xFF, e4m3)
+        b2 = _fp8_byte_as_fp16((words >> 16) & 0xFF, e4m3)
+        b3 = _fp8_byte_as_fp16((words >> 24) & 0xFF, e4m3)
         # [BN, D/4, 2, 2] with [.., a, c] = byte 2a + c of the word, so the row-major reshape puts them in order.
         v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
         v = tl.reshape(v, [rows.shape[0], offs_d.shape[0]])
