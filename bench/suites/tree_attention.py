@@ -250,7 +250,7 @@ def _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference,
     if plan.num_splits == 1 or backend_unavailable_reason("triton", q.device) is not None:
         return
     block_m, chunks = tk.kernel_config(plan.head_dim, plan.num_tree * plan.group, q.dtype == torch.float32)[:2]
-    if plan.num_splits >= tk.WIDE_MERGE_MIN_SPLITS:
+    if tk.merges_splits_side_by_side(plan):
         name, flags = "tlt-triton (split walk)", dict(WIDE_MERGE_MIN_SPLITS=plan.num_splits + 1)
     elif tk.merges_in_partial_kernel(plan, block_m, chunks):
         name, flags = "tlt-triton (merge kernel)", dict(FUSED_MERGE=0)

@@ -598,7 +598,8 @@ def _split_result(acc, m_i, l_i, page_bad):
 @triton.jit
 def _merge_load(PartialOut_ptr, PartialLse_ptr, base, row_ok, offs_d, split, n_splits_b, ROWS: tl.constexpr,
                 HEAD_DIM: tl.constexpr):
-    """Split ``split``'s LSEs ``[R]`` and partial rows ``[R, D]`` (-inf and zeros past ``n_splits_b``). Both loads
+    """Split ``split``'s LSEs ``[R]`` and partial rows ``[R, D]`` (-inf and zeros past ``n_splits_b``; ``split`` may
+    be a vector ``[R]`` of splits of one row, ``base`` then a scalar). Both loads
     depend on ``split`` only, so they are in flight together (and ahead, in a pipelined loop): an empty split's rows,
     undefined scratch, are read too and dropped by ``_merge_fold``."""
     rows = base + split * ROWS
@@ -695,11 +696,9 @@ def _wide_merge_fold(PartialOut_ptr, PartialLse_ptr, row, offs_s, offs_d, n_spli
     """Fold the splits ``offs_s`` (``[S]``, those past ``n_splits_b`` dropped) of scratch row ``row`` (split 0's) into
     the running ``(m, acc [D], den)``: ``_merge_fold``'s rule, the splits taken side by side (their loads in flight
     together) and summed across the tile; a NaN LSE flags the row."""
-    ok = offs_s < n_splits_b
-    rows = row + offs_s * ROWS
-    lse = tl.load(PartialLse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    part = tl.load(PartialOut_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0,
-                   cache_modifier=".cg")
+    # Each split of the tile is one scratch row of this program's query row: every "row" of the load exists.
+    lse, part = _merge_load(PartialOut_ptr, PartialLse_ptr, row, offs_s >= 0, offs_d, offs_s, n_splits_b, ROWS,
+                            HEAD_DIM)
     nan_row = nan_row | tl.max((lse != lse).to(tl.int32), axis=0)
     lse = tl.where(lse == lse, lse, float("-inf"))
     live = lse > float("-inf")
@@ -762,13 +761,18 @@ def _store_rows(o, Out_ptr, b64, t, qh, offs_d, row_ok, n_nodes, stride_ob, stri
     tl.store(o_ptrs, _to_out_dtype(o, Out_ptr.dtype.element_ty, INTERPRET, DROP_BITS), mask=row_ok[:, None])
 
 
+def merges_splits_side_by_side(plan) -> bool:
+    """Whether the merge kernel reads the plan's splits side by side (``WIDE_MERGE_MIN_SPLITS``)."""
+    return plan.num_splits >= WIDE_MERGE_MIN_SPLITS
+
+
 def merges_in_partial_kernel(plan, block_m: int, chunks: int) -> bool:
     """Whether the partial kernel merges the splits itself (see ``FUSED_MERGE``): more than one split but fewer than
     ``WIDE_MERGE_MIN_SPLITS``, rows of at most ``FUSED_MERGE_MAX_ROWS`` per program, and arrival counters in the plan
     for every row chunk (int32 ``[B, Hkv, >= chunks]``, contiguous: the kernel indexes them so)."""
     counters = plan.split_counters
-    return (1 < plan.num_splits < WIDE_MERGE_MIN_SPLITS and bool(FUSED_MERGE) and block_m <= FUSED_MERGE_MAX_ROWS
-            and counters is not None
+    return (plan.num_splits > 1 and not merges_splits_side_by_side(plan) and bool(FUSED_MERGE)
+            and block_m <= FUSED_MERGE_MAX_ROWS and counters is not None
             and counters.dtype == torch.int32 and counters.dim() == 3 and counters.is_contiguous()
             and tuple(counters.shape[:2]) == (plan.batch_size, plan.num_kv_heads) and counters.shape[2] >= chunks)
 
@@ -873,7 +877,7 @@ def _launch_merge(plan, out: torch.Tensor, interp: bool, drop_bits: int) -> None
     plan has at least ``WIDE_MERGE_MIN_SPLITS``, else one per MERGE_BLOCK_R rows of a KV head of a request."""
     B, T, _, D = out.shape
     Hkv, G = plan.num_kv_heads, plan.group
-    if plan.num_splits >= WIDE_MERGE_MIN_SPLITS:
+    if merges_splits_side_by_side(plan):
         _tree_attn_wide_merge_kernel[(T * G, Hkv, B)](
             out, plan.partial_out, plan.partial_lse, plan.context_lens, plan.num_nodes,
             plan.split_len, plan.num_splits,
