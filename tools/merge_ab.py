@@ -14,6 +14,8 @@ Prints one line per case and writes the rows as JSON (GPU only). Each side's tim
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 
 from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
@@ -23,21 +25,9 @@ from tools.ab_timing import graph_us, run_ab
 
 SIDES = {
     "walk": dict(WIDE_MERGE_MIN_SPLITS=1 << 30),
-    "default": dict(),
+    "default": dict(WIDE_MERGE_MIN_SPLITS=tk.WIDE_MERGE_MIN_SPLITS),
     "wide": dict(WIDE_MERGE_MIN_SPLITS=2),
 }
-
-
-def run_side(side: str, fn):
-    """``fn()`` with the module settings of ``side`` (the defaults restored after)."""
-    saved = {name: getattr(tk, name) for name in SIDES[side]}
-    for name, value in SIDES[side].items():
-        setattr(tk, name, value)
-    try:
-        return fn()
-    finally:
-        for name, value in saved.items():
-            setattr(tk, name, value)
 
 
 def measure_case(B, L, T, flush, reps):
@@ -49,13 +39,15 @@ def measure_case(B, L, T, flush, reps):
                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
     outs = {side: torch.full_like(q, float("nan")) for side in SIDES}
     for side, out in outs.items():
-        run_side(side, lambda o=out: plan.run(q, k, v, out=o, backend="triton"))
+        with mock.patch.multiple(tk, **SIDES[side]):
+            plan.run(q, k, v, out=out, backend="triton")
     first = next(iter(outs.values())).float()
     diffs = {side: (out.float() - first).abs().max().item() for side, out in outs.items()}
     us = {side: float("inf") for side in SIDES}
     for _ in range(2):
         for side, out in outs.items():
-            t = run_side(side, lambda o=out: graph_us(lambda: plan.run(q, k, v, out=o, backend="triton"), flush, reps))
+            with mock.patch.multiple(tk, **SIDES[side]):  # the side's module settings for this timing only
+                t = graph_us(lambda o=out: plan.run(q, k, v, out=o, backend="triton"), flush, reps)
             us[side] = min(us[side], t)
     return dict(B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},
                 max_diff=diffs, nan=any(out.isnan().any().item() for out in outs.values()))
