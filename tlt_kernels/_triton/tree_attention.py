@@ -90,14 +90,6 @@ FUSED_MERGE_MAX_ROWS = 16
 # has at most this many query rows (T * G): measured faster there (T = 4), slower at 112 rows (T = 16), even at 56
 # (H200, docs/TREE_ATTENTION.md); above it K widens to bf16.
 FP16_KEYS_MAX_ROWS = tl.constexpr(32)
-# An fp8 V cache read as 32-bit words (``_load_v``) and widened to fp16 by integer arithmetic while the tile is
-# row-major, so P V takes an fp16 tile as over a bf16 cache. Read as bytes, V is P V's transposed operand and sm_90 has
-# no transposing shared-memory load for 8-bit values: the mma.sync builds gather it byte by byte. Off until measured
-# on a GPU (`python -m tools.fp8_words_ab`); the interpreter tests hold both reads to the same bits.
-FP8_V_WORDS = False
-# Row tiles up to this size multiply with mma.sync (register operands); larger ones with wgmma, which reads V from
-# shared memory without byte gathers either way (sm_90 PTX: the word read only adds instructions there).
-FP8_V_WORDS_MAX_BLOCK_M = 32
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
@@ -137,7 +129,7 @@ def _widen_tile(k, v, q_dtype: tl.constexpr, INTERPRET: tl.constexpr):
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     else:
-        if v.dtype.is_fp8() or v.dtype == tl.float16:  # fp16: an fp8 V already widened by _load_v (or fp16 q)
+        if v.dtype.is_fp8():
             v = v.to(tl.float16)
         else:
             v = v.to(q_dtype)
@@ -213,61 +205,6 @@ def _to_out_dtype(x, out_dtype: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS
 
 
 @triton.jit
-def _e4m3_as_scaled_fp16(byte):
-    """e4m3 bytes (int32 lanes, 0..255) as fp16 holding ``value * 2^-8``, exactly: the exponent bias differs by 8, so
-    the seven low bits moved into fp16's exponent and mantissa give that value for normals and subnormals alike;
-    0x7F / 0xFF (e4m3's NaN) become fp16 NaN. The caller multiplies the result by 2^8 (see ``v_words``)."""
-    bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-    bits = tl.where((byte & 0x7F) == 0x7F, bits | 0x7E00, bits)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _e5m2_as_fp16(byte):
-    """e5m2 bytes (int32 lanes, 0..255) as fp16, exactly: an e5m2 value is the high byte of its fp16."""
-    return (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _fp8_byte_as_fp16(byte, E4M3: tl.constexpr):
-    """An fp8 byte of a V word as fp16: ``_e4m3_as_scaled_fp16`` or ``_e5m2_as_fp16``."""
-    if E4M3:
-        value = _e4m3_as_scaled_fp16(byte)
-    else:
-        value = _e5m2_as_fp16(byte)
-    return value
-
-
-@triton.jit
-def _load_v(v_head, rows, offs_d, mask):
-    """The V tile ``[BN, D]`` at element offsets ``rows [BN]`` (``mask [BN]`` or None: no mask). A cache passed as words
-    (``v_words``: int32 = e4m3, uint32 = e5m2; offsets in words) comes back as fp16 (e4m3 at ``2^-8`` of its value),
-    bytes ``4w .. 4w+3`` of word ``w`` in that order; any other cache as stored."""
-    if v_head.dtype.element_ty == tl.int32 or v_head.dtype.element_ty == tl.uint32:
-        offs_w = tl.arange(0, offs_d.shape[0] // 4)
-        ptrs = v_head + rows[:, None] + offs_w[None, :]
-        if mask is None:
-            words = tl.load(ptrs).to(tl.int32, bitcast=True)
-        else:
-            words = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32, bitcast=True)
-        e4m3: tl.constexpr = v_head.dtype.element_ty == tl.int32
-        b0 = _fp8_byte_as_fp16(words & 0xFF, e4m3)
-        b1 = _fp8_byte_as_fp16((words >> 8) & 0xFF, e4m3)
-        b2 = _fp8_byte_as_fp16((words >> 16) & 0xFF, e4m3)
-        b3 = _fp8_byte_as_fp16((words >> 24) & 0xFF, e4m3)
-        # [BN, D/4, 2, 2] with [.., a, c] = byte 2a + c of the word, so the row-major reshape puts them in order.
-        v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-        v = tl.reshape(v, [rows.shape[0], offs_d.shape[0]])
-    else:
-        ptrs = v_head + rows[:, None] + offs_d[None, :]
-        if mask is None:
-            v = tl.load(ptrs)
-        else:
-            v = tl.load(ptrs, mask=mask[:, None], other=0.0)
-    return v
-
-
-@triton.jit
 def _checked_pages(pages, num_blocks):
     """Page ids outside ``[0, num_blocks)`` become page 0 and are flagged (int32 1). The host checks the table when it
     can (ops.tree_attention); a table it could not check (a replayed CUDA graph) must still never be read out of
@@ -287,7 +224,7 @@ def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
     page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0), num_blocks)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
-    v = _load_v(v_head, page * stride_vp + in_page * stride_vs, offs_d, tok_ok)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
     m_i, l_i, acc = _attend_tile(q, k, v, tok_ok[None, :], 0.0, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
     return m_i, l_i, acc, tl.max(page_bad, 0)
 
@@ -301,7 +238,7 @@ def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, 
     page, page_bad = _checked_pages(pages, num_blocks)
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
-    v = _load_v(v_head, page * stride_vp + in_page * stride_vs, offs_d, None)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
     m_i, l_i, acc = _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
     return m_i, l_i, acc, page_bad
 
@@ -400,7 +337,7 @@ def _tree_tile(q, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_
     page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=j_ok, other=0), num_blocks)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-    v = _load_v(v_head, page * stride_vp + in_page * stride_vs, offs_d, j_ok)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
     # [BLOCK_T]: NaN where the slot's V has a NaN or an inf (|x| < inf is False for both), else 0.
     v_probe = tl.sum(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0.0, float("nan")), 1)
     v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
@@ -838,8 +775,6 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
     counters = plan.split_counters
     fused = merges_in_partial_kernel(plan, block_m, chunks)
-    if FP8_V_WORDS and block_m <= FP8_V_WORDS_MAX_BLOCK_M:
-        v_cache, v_scale = v_words(v_cache, v_scale)
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse, counters if fused else plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
@@ -858,18 +793,6 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if plan.num_splits > 1 and not fused:
         _launch_merge(plan, out, interp, drop_bits)
     return out
-
-
-def v_words(v_cache: torch.Tensor, v_scale: float):
-    """``(cache, v_scale)`` for the kernel: an fp8 V cache whose rows and strides fall on whole 32-bit words as a word
-    view (int32 for e4m3, uint32 for e5m2: the word type names the format, see ``_load_v``), with ``v_scale * 2^8`` for
-    e4m3 (its words widen to ``2^-8`` of the value; exact); any other cache as it is."""
-    words = {torch.float8_e4m3fn: torch.int32, torch.float8_e5m2: torch.uint32}.get(v_cache.dtype)
-    aligned = (v_cache.stride(-1) == 1 and v_cache.shape[-1] % 4 == 0 and v_cache.data_ptr() % 4 == 0
-               and all(stride % 4 == 0 for stride in v_cache.stride()[:-1]))
-    if words is None or not aligned:
-        return v_cache, v_scale
-    return v_cache.view(words), v_scale * (256.0 if words == torch.int32 else 1.0)
 
 
 def _launch_merge(plan, out: torch.Tensor, interp: bool, drop_bits: int) -> None:
