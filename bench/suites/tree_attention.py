@@ -39,6 +39,10 @@ bounded by tensor-core throughput rather than HBM) and, on the tlt rows, ``decod
 with T=1 over the same context), ``tree_over_decode`` (time ratio) and ``ideal_ratio`` (bytes ratio:
 what the tree would cost if both were at the HBM floor).
 
+``copy (same bytes)``: a device-to-device copy of the case's bytes, timed as the tlt rows are (graph-replayed, L2
+flushed): at a few MB one launch's latency, not the bandwidth, bounds it, so it says how far below 100% of the HBM
+floor a small case's ceiling lies (the long tail at B <= 2).
+
 ``pct_roofline``: percent of max(HBM floor, tensor-core floor), the floor FLOPs taken at the dense
 matmul peak measured in the same run -- the honest target for the compute-bound T=64 rows.
 
@@ -163,6 +167,7 @@ def _bench_case(ctx, model, B, L, T, flex=True):
     decode_plan = plan_for(parents[:, :1].contiguous())
     out = torch.empty_like(q)
     reference = _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost)
+    _bench_copy_floor(ctx, case, cost.nbytes(T))
     if reference is not None and dev.type == "cuda":
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
         _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
@@ -209,6 +214,19 @@ def _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost):
             print(f"{case} tlt-{backend}: {ms:.4f} ms, {100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}% of the HBM "
                   f"floor, {row.get('pct_roofline', 0):.1f}% of the roofline, S={plan.num_splits}", flush=True)
     return reference
+
+
+COPY_FLOOR_ROW = "copy (same bytes)"
+
+
+def _bench_copy_floor(ctx, case, nbytes: int) -> None:
+    """The ``copy (same bytes)`` row: a device-to-device copy moving the case's ``nbytes`` (half read, half written),
+    timed as the tlt rows are. The HBM floor's bandwidth is a large copy's, which no kernel reaches on a few MB: this
+    row is what one launch moving these bytes takes, the floor a small case can be held to."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=ctx.device)
+    dst = torch.empty_like(src)
+    ms, timing = _timed(ctx, lambda: dst.copy_(src))
+    ctx.add(case, COPY_FLOOR_ROW, ms, bytes_moved=2 * src.numel(), timing=timing)
 
 
 # The split rules timed beside the default: programs per SM -> row name.
