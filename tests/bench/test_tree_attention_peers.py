@@ -278,9 +278,9 @@ def test_cases_flag_takes_shapes_and_the_long_tail_by_context():
 
 
 def test_copy_floor_row_moves_the_case_bytes():
-    """``copy (same bytes)`` copies half the case's bytes (read once, written once: the bytes the case moves, to one
-    even byte) and is timed like the tlt rows."""
+    """``copy (same bytes)`` copies half the case's bytes as int32 words (read once, written once: the bytes the case
+    moves, to a whole pair of words) and is timed like the tlt rows."""
     ctx = _Ctx()
     case = {"model": "test", "B": 1, "L": 40, "T": 5}
-    suite._bench_copy_floor(ctx, case, 1001)
+    suite._bench_copy_floor(ctx, case, 1007)
     assert ctx.notes == [] and ctx.rows == [(suite.COPY_FLOOR_ROW, 1.0, {"bytes_moved": 1000, "timing": "eager"})]
