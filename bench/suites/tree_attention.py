@@ -174,9 +174,10 @@ def _bench_case(ctx, model, B, L, T, flex=True):
         _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost)
     p = values(ctx, FLAGS)
     if reference is not None and p.sweep and dev.type == "cuda":
-        _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
+        _sweep(ctx, case, _sweep_plans(plan_for, parents), q, k_cache, v_cache, out, reference, cost.nbytes(T),
+               cost.extra)
     if p.fp8 and reference is not None and dev.type == "cuda":
-        _bench_fp8(ctx, case, plan, inp, cost, p.peers)
+        _bench_fp8(ctx, case, plan, inp, cost, p.peers, p.sweep)
     if p.peers:
         decode_reference = None
         if reference is not None:  # the tlt decode kernel's output: what the T=1 peer is checked against
@@ -459,12 +460,8 @@ def _timed(ctx, fn):
     return ctx.time_ms(fn), "eager"
 
 
-def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nbytes, extra):
-    """Tuning rows for the Triton kernel: every (BLOCK_N, num_warps, num_stages) of a small grid, and
-    half / double the default split length. Copy the winners into PARTIAL_CONFIGS / SPLIT_WAVES."""
-    import itertools
-
-    from tlt_kernels._triton import tree_attention as tk
+def _sweep_plans(plan_for, parents):
+    """The default plan and half / double / a quarter of its split length (double only when it splits), by label."""
     from tlt_kernels.ops.tree_attention import SPLIT_ALIGN
 
     base = plan_for(parents)
@@ -476,28 +473,36 @@ def _sweep(ctx, case, plan_for, parents, q, k_cache, v_cache, out, reference, nb
     quarter = max(SPLIT_ALIGN, base.split_len // 4 // SPLIT_ALIGN * SPLIT_ALIGN)
     if quarter >= 256 and quarter not in {p.split_len for p in plans.values()}:
         plans["split/4"] = plan_for(parents, split_len=quarter)
+    return plans
+
+
+def _sweep(ctx, case, plans, q, k_cache, v_cache, out, reference, nbytes, extra, name="sweep", stages=(2, 3, 4)):
+    """Tuning rows ``<name> bn=.. w=.. s=.. bm=.. <plan label>`` for the Triton kernel: every (BLOCK_N, num_warps,
+    num_stages) of a small grid on each of ``plans`` (label -> plan), each checked against ``reference`` and timed as
+    the tlt rows are. Copy the winners into PARTIAL_CONFIGS / SPLIT_WAVES."""
+    import itertools
+
+    from tlt_kernels._triton import tree_attention as tk
+
     M = q.shape[1] * (q.shape[2] // k_cache.shape[2])
-    grid = [(bn, w, s, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    grid = [(bn, w, s, 128) for bn in (64, 128) for w in (4, 8) for s in stages]
     if M > 64:  # row chunks of 64: half the registers per program, the chunks share K/V through L2
-        grid += [(bn, 4, s, 64) for bn in (64, 128) for s in (2, 3, 4)]
-    try:
-        for (label, plan), cfg in itertools.product(plans.items(), grid):
-            tk.CONFIG_OVERRIDE = cfg
+        grid += [(bn, 4, s, 64) for bn in (64, 128) for s in stages]
+    for (label, plan), cfg in itertools.product(plans.items(), grid):
+        call = lambda p=plan: p.run(q, k_cache, v_cache, out=out, backend="triton")  # noqa: E731
+        with mock.patch.object(tk, "CONFIG_OVERRIDE", cfg):  # this config for this row's compile and capture
             try:
-                plan.run(q, k_cache, v_cache, out=out, backend="triton")
+                call()
             except Exception as exc:  # e.g. out of shared memory for this config
-                ctx.note(f"sweep {case} {label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+                ctx.note(f"{name} {case} {label} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            _check(f"sweep {cfg}", out, reference, case)
-            ms = ctx.time_ms(lambda: plan.run(q, k_cache, v_cache, out=out, backend="triton"))
-            row = extra(ms)
-            ctx.add(case, f"sweep bn={cfg[0]} w={cfg[1]} s={cfg[2]} bm={cfg[3]} {label}", ms, bytes_moved=nbytes,
-                    num_splits=plan.num_splits, split_len=plan.split_len, **row)
-            # Also printed as it goes, so a sweep cut short by a time limit still leaves its rows.
-            pct = f"{100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}%" if ctx.copy_bandwidth else "-"
-            print(f"sweep {case} {cfg} {label} S={plan.num_splits}: {ms:.4f} ms {pct} floor", flush=True)
-    finally:
-        tk.CONFIG_OVERRIDE = None
+            _check(f"{name} {cfg}", out, reference, case)
+            ms, timing = _timed(ctx, call)
+        ctx.add(case, f"{name} bn={cfg[0]} w={cfg[1]} s={cfg[2]} bm={cfg[3]} {label}", ms, bytes_moved=nbytes,
+                num_splits=plan.num_splits, split_len=plan.split_len, timing=timing, **extra(ms))
+        # Also printed as it goes, so a sweep cut short by a time limit still leaves its rows.
+        pct = f"{100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3):.1f}%" if ctx.copy_bandwidth else "-"
+        print(f"{name} {case} {cfg} {label} S={plan.num_splits}: {ms:.4f} ms {pct} floor", flush=True)
 
 
 _FLEX = None
@@ -543,10 +548,11 @@ def xqa_tree_mask(parents: torch.Tensor) -> torch.Tensor:
     return tree_ancestor_mask_packed(parents).view(torch.uint16)
 
 
-def _bench_fp8(ctx, case, plan, inp, cost, peers):
+def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
     """``tlt-triton fp8``, ``tlt-cuda fp8`` (where the extension runs) and ``flashinfer-xqa fp8`` (with the peers): the
     same case over e4m3 caches (scales 1), ours checked against the Triton kernel over the caches' exact bf16
-    widening. Bytes: K/V at one byte per element."""
+    widening. Bytes: K/V at one byte per element. ``sweep``: also the Triton kernel's config grid over these caches
+    (``sweep fp8`` rows, the default split; half the bytes per tile leave room for a fifth stage)."""
     from tlt_kernels._backend import backend_unavailable_reason
 
     q = inp["q"]
@@ -561,6 +567,9 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers):
     out = _fp8_row(ctx, "triton", case, plan, q, k8, v8, widened, nbytes, cost)
     if out is None:
         return
+    if sweep:
+        _sweep(ctx, case, {"split=default": plan}, q, k8, v8, torch.empty_like(out), out, nbytes, cost.extra,
+               name="sweep fp8", stages=(2, 3, 4, 5))
     why = backend_unavailable_reason("cuda", q.device)
     if why is None:  # its mma.sync kernel, where fp8 caches run
         _fp8_row(ctx, "cuda", case, plan, q, k8, v8, widened, nbytes, cost)

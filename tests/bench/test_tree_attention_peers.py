@@ -76,6 +76,7 @@ class _DecodeWrapper:
 
 class _Ctx:
     device = torch.device("cpu")  # timing stays eager (no graph capture of the fakes), whatever device the data is on
+    copy_bandwidth = None  # no HBM floor, as on a CPU
 
     def __init__(self):
         self.rows, self.notes = [], []
@@ -284,3 +285,70 @@ def test_copy_floor_row_moves_the_case_bytes():
     case = {"model": "test", "B": 1, "L": 40, "T": 5}
     suite._bench_copy_floor(ctx, case, 1007)
     assert ctx.notes == [] and ctx.rows == [(suite.COPY_FLOOR_ROW, 1.0, {"bytes_moved": 1000, "timing": "eager"})]
+
+
+def _sweep_case(B=1, L=40, T=3, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, dtype, torch.device(kernel_devices()[0]))
+    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                               num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
+    return inp, plan, {"model": "test", "B": B, "L": L, "T": T}
+
+
+@pytest.mark.triton
+def test_sweep_rows_run_each_config_checked_and_leave_the_default(monkeypatch):
+    """``_sweep``: one row per (BLOCK_N, warps, stages) config and plan, each run with that config (the kernel sees
+    it), checked against the reference and timed; a config that fails is a note; the default config is back after."""
+    from tlt_kernels._triton import tree_attention as tk
+
+    inp, plan, case = _sweep_case()
+    q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
+    reference = plan.run(q, k, v, backend="torch")
+    seen, real_config = [], tk.kernel_config
+
+    def config_spy(*args, **kwargs):
+        seen.append(tk.CONFIG_OVERRIDE)
+        if tk.CONFIG_OVERRIDE == (128, 8, 3, 128):
+            raise RuntimeError("out of shared memory")
+        return real_config(*args, **kwargs)
+
+    monkeypatch.setattr(tk, "kernel_config", config_spy)
+    ctx = _Ctx()
+    suite._sweep(ctx, case, {"split=default": plan}, q, k, v, torch.empty_like(q), reference, 7,
+                 lambda ms: {"tflops": 1.0}, stages=(3,))
+    names = [impl for impl, _, _ in ctx.rows]
+    assert names == [f"sweep bn={bn} w={w} s=3 bm=128 split=default" for bn, w in ((64, 4), (64, 8), (128, 4))]
+    assert len(ctx.notes) == 1 and "(128, 8, 3, 128)" in ctx.notes[0] and "out of shared memory" in ctx.notes[0]
+    assert {cfg for cfg in seen} == {(bn, w, 3, 128) for bn in (64, 128) for w in (4, 8)}
+    assert all(c["bytes_moved"] == 7 and c["tflops"] == 1.0 and c["timing"] == "eager" for _, _, c in ctx.rows)
+    assert tk.CONFIG_OVERRIDE is None
+
+
+def test_sweep_plans_halve_double_and_quarter_the_split():
+    """``_sweep_plans``: the default split, half of it, double it only when the plan splits, a quarter from 256
+    tokens; each a distinct split length."""
+    made = []
+
+    def plan_for(parents, split_len=None):
+        made.append(split_len)
+        return SimpleNamespace(split_len=split_len or 2048, num_splits=2)
+
+    plans = suite._sweep_plans(plan_for, None)
+    assert {label: p.split_len for label, p in plans.items()} == {
+        "split=default": 2048, "split/2": 1024, "split*2": 4096, "split/4": 512}
+
+
+@pytest.mark.triton
+def test_fp8_sweep_rows_come_from_the_fp8_caches():
+    """``_bench_fp8(sweep=True)``: the ``sweep fp8`` rows over the e4m3 caches, the default split only, five stages
+    in the grid, each checked against the default fp8 output."""
+    inp, plan, case = _sweep_case()
+    B, L, T, Hq, Hkv, D = 1, 40, 3, 4, 2, 64
+    cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
+    ctx = _Ctx()
+    suite._bench_fp8(ctx, case, plan, inp, cost, peers=False, sweep=True)
+    sweep = [impl for impl, _, _ in ctx.rows if impl.startswith("sweep fp8")]
+    assert sweep == [f"sweep fp8 bn={bn} w={w} s={s} bm=128 split=default" for bn in (64, 128) for w in (4, 8)
+                     for s in (2, 3, 4, 5)]
+    assert all(c["bytes_moved"] == ctx.rows[0][2]["bytes_moved"] for impl, _, c in ctx.rows if impl in sweep)
