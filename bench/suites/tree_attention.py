@@ -173,11 +173,11 @@ def _bench_case(ctx, model, B, L, T, flex=True):
         _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
         _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost)
     p = values(ctx, FLAGS)
-    if reference is not None and p.sweep and dev.type == "cuda":
+    if reference is not None and p.sweep and p.sweep_caches != "fp8" and dev.type == "cuda":
         _sweep(ctx, case, _sweep_plans(plan_for, parents), q, k_cache, v_cache, out, reference, cost.nbytes(T),
                cost.extra)
     if p.fp8 and reference is not None and dev.type == "cuda":
-        _bench_fp8(ctx, case, plan, inp, cost, p.peers, p.sweep)
+        _bench_fp8(ctx, case, plan, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
     if p.peers:
         decode_reference = None
         if reference is not None:  # the tlt decode kernel's output: what the T=1 peer is checked against
@@ -433,6 +433,8 @@ def parse_cases(spec: str):
 
 FLAGS = (
     Flag("--sweep", False, "add tuning rows for the Triton kernel (CUDA)", bool, replaces="TLT_TREE_ATTENTION_SWEEP"),
+    Flag("--sweep-caches", "both", "with --sweep: the caches whose config grid is swept (fp8 needs --fp8)",
+         choices=("bf16", "fp8", "both")),
     Flag("--cases", (), "comma-separated cases MODEL:BxLxT, e.g. 7b:64x4096x16, and long-tail or long-tail@L (the "
          "long-tail cases, or those at context L) (default: the size's)", parse_cases,
          replaces="TLT_TREE_ATTENTION_CASES", metavar="LIST"),
