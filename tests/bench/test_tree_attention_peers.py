@@ -323,6 +323,10 @@ def test_sweep_rows_run_each_config_checked_and_leave_the_default(monkeypatch):
     assert {cfg for cfg in seen} == {(bn, w, 3, 128) for bn in (64, 128) for w in (4, 8)}
     assert all(c["bytes_moved"] == 7 and c["tflops"] == 1.0 and c["timing"] == "eager" for _, _, c in ctx.rows)
     assert tk.CONFIG_OVERRIDE is None
+    with pytest.raises(AssertionError, match="sweep"):  # an output off the reference stops the sweep
+        suite._sweep(_Ctx(), case, {"split=default": plan}, q, k, v, torch.empty_like(q), torch.zeros_like(q), 7,
+                     lambda ms: {}, stages=(3,))
+    assert tk.CONFIG_OVERRIDE is None
 
 
 def test_sweep_plans_halve_double_and_quarter_the_split():
@@ -344,11 +348,11 @@ def test_fp8_sweep_rows_come_from_the_fp8_caches():
     """``_bench_fp8(sweep=True)``: the ``sweep fp8`` rows over the e4m3 caches, the default split only, five stages
     in the grid, each checked against the default fp8 output."""
     inp, plan, case = _sweep_case()
-    B, L, T, Hq, Hkv, D = 1, 40, 3, 4, 2, 64
-    cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
+    cost = SimpleNamespace(B=1, L=40, Hq=4, Hkv=2, D=64, extra=lambda ms: {})
     ctx = _Ctx()
     suite._bench_fp8(ctx, case, plan, inp, cost, peers=False, sweep=True)
     sweep = [impl for impl, _, _ in ctx.rows if impl.startswith("sweep fp8")]
     assert sweep == [f"sweep fp8 bn={bn} w={w} s={s} bm=128 split=default" for bn in (64, 128) for w in (4, 8)
                      for s in (2, 3, 4, 5)]
+    assert ctx.rows[0][0] == "tlt-triton fp8" and not [n for n in ctx.notes if "sweep" in n]
     assert all(c["bytes_moved"] == ctx.rows[0][2]["bytes_moved"] for impl, _, c in ctx.rows if impl in sweep)
