@@ -1,11 +1,12 @@
-"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``): graph replays timed with the L2 flushed before
-each, and the command line that times every case, prints one JSON line per row and writes them all as JSON."""
+"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``, ``fp8_words_ab``): graph replays timed with the
+L2 flushed before each, sides that differ by module settings timed alternately, and the command line that times every case, prints one JSON line per row and writes them all as JSON."""
 from __future__ import annotations
 
 import argparse
 import json
 import time
-from typing import Callable, Iterable
+from typing import Callable, Dict, Iterable, Tuple
+from unittest import mock
 
 import torch
 
@@ -27,6 +28,23 @@ def graph_us(fn, flush: torch.Tensor, reps: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def time_module_sides(module, sides: Dict[str, dict], run: Callable, like: torch.Tensor, flush: torch.Tensor,
+                      reps: int) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
+    """Each side's output and time (us): ``run(out)`` with ``module``'s settings ``sides[side]`` (patched for that
+    side's call and capture only), into an output poisoned with NaN like ``like``; each time the better of two medians
+    of ``reps`` graph replays, the sides alternated."""
+    outs = {side: torch.full_like(like, float("nan")) for side in sides}
+    for side, out in outs.items():
+        with mock.patch.multiple(module, **sides[side]):
+            run(out)
+    us = {side: float("inf") for side in sides}
+    for _ in range(2):
+        for side, out in outs.items():
+            with mock.patch.multiple(module, **sides[side]):  # the side's settings for this timing only
+                us[side] = min(us[side], graph_us(lambda o=out: run(o), flush, reps))
+    return outs, us
 
 
 def run_ab(description: str, cases: Iterable, measure: Callable, default_reps: int, argv=None) -> int:

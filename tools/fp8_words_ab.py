@@ -10,16 +10,15 @@ Prints one line per case and writes the rows as JSON (GPU only). Each side's tim
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 
 from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops import tree_attention as op
-from tools.ab_timing import graph_us, run_ab
+from tools.ab_timing import run_ab, time_module_sides
 
 HQ, HKV = MODELS["qwen2.5-7b"]
+SIDES = {"bytes": dict(FP8_V_WORDS=False), "words": dict(FP8_V_WORDS=True)}
 CASES = [(B, L, T) for B, L, T in LONG_TAIL_CASES
          if tk.kernel_config(HEAD_DIM, T * (HQ // HKV))[0] <= tk.FP8_V_WORDS_MAX_BLOCK_M]
 
@@ -31,16 +30,7 @@ def measure_case(B, L, T, flush, reps):
     k, v = (inp[name].to(torch.float8_e4m3fn) for name in ("k_cache", "v_cache"))
     plan = op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=HQ,
                                   num_kv_heads=HKV, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
-    outs = {side: torch.full_like(q, float("nan")) for side in ("bytes", "words")}
-    for side, out in outs.items():
-        with mock.patch.object(tk, "FP8_V_WORDS", side == "words"):
-            plan.run(q, k, v, out=out, backend="triton")
-    us = {side: float("inf") for side in outs}
-    for _ in range(2):
-        for side, out in outs.items():
-            with mock.patch.object(tk, "FP8_V_WORDS", side == "words"):  # this side's read for this timing only
-                t = graph_us(lambda o=out: plan.run(q, k, v, out=o, backend="triton"), flush, reps)
-            us[side] = min(us[side], t)
+    outs, us = time_module_sides(tk, SIDES, lambda out: plan.run(q, k, v, out=out, backend="triton"), q, flush, reps)
     return dict(B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},
                 same_bits=torch.equal(outs["bytes"], outs["words"]), nan=bool(outs["words"].isnan().any()))
 

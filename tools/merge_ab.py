@@ -14,14 +14,12 @@ Prints one line per case and writes the rows as JSON (GPU only). Each side's tim
 """
 from __future__ import annotations
 
-from unittest import mock
-
 import torch
 
 from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops import tree_attention as op
-from tools.ab_timing import graph_us, run_ab
+from tools.ab_timing import run_ab, time_module_sides
 
 SIDES = {
     "walk": dict(WIDE_MERGE_MIN_SPLITS=1 << 30),
@@ -37,18 +35,9 @@ def measure_case(B, L, T, flush, reps):
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
     plan = op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
-    outs = {side: torch.full_like(q, float("nan")) for side in SIDES}
-    for side, out in outs.items():
-        with mock.patch.multiple(tk, **SIDES[side]):
-            plan.run(q, k, v, out=out, backend="triton")
+    outs, us = time_module_sides(tk, SIDES, lambda out: plan.run(q, k, v, out=out, backend="triton"), q, flush, reps)
     first = next(iter(outs.values())).float()
     diffs = {side: (out.float() - first).abs().max().item() for side, out in outs.items()}
-    us = {side: float("inf") for side in SIDES}
-    for _ in range(2):
-        for side, out in outs.items():
-            with mock.patch.multiple(tk, **SIDES[side]):  # the side's module settings for this timing only
-                t = graph_us(lambda o=out: plan.run(q, k, v, out=o, backend="triton"), flush, reps)
-            us[side] = min(us[side], t)
     return dict(B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},
                 max_diff=diffs, nan=any(out.isnan().any().item() for out in outs.values()))
 
