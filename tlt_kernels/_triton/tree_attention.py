@@ -242,11 +242,9 @@ def _fp8_words_as_fp16(words, E4M3: tl.constexpr, INTERPRET: tl.constexpr):
         b1 = _fp8_byte_as_fp16((words >> 8) & 0xFF, E4M3)
         b2 = _fp8_byte_as_fp16((words >> 16) & 0xFF, E4M3)
         b3 = _fp8_byte_as_fp16((words >> 24) & 0xFF, E4M3)
-    elif E4M3:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(_CVT_E4M3_WORD, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
-                                                   is_pure=True, pack=1)
     else:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(_CVT_E5M2_WORD, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+        cvt: tl.constexpr = _CVT_E4M3_WORD if E4M3 else _CVT_E5M2_WORD
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(cvt, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
                                                    is_pure=True, pack=1)
     return b0, b1, b2, b3
 
