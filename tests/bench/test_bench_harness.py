@@ -387,14 +387,6 @@ def test_device_record_script_refuses_bad_arguments_before_installing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_fp8_words_ab_takes_the_long_tail_cases_of_mma_sync_row_tiles():
-    """tools.fp8_words_ab times the long-tail cases where V is read as words: T <= 4 at 7B (28 rows, a 32-row tile)."""
-    from bench.suites.tree_attention import LONG_TAIL_CASES
-    from tools.fp8_words_ab import CASES
-
-    assert CASES == [case for case in LONG_TAIL_CASES if case[2] <= 4] and len(CASES) == 30
-
-
 def test_ab_script_refuses_bad_arguments_before_installing(tmp_path):
     """tools/ab.sh checks its usage and that the patch applies before it installs anything."""
     import os

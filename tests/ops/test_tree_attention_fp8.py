@@ -20,7 +20,6 @@ from strategies import backend_params, budget, seeds
 from test_tree_attention import make_case, make_plan
 
 import tlt_kernels
-from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops.tree_attention import FP8_DTYPES, _choose_backend, run
 from tlt_kernels.reference.tree_attention import tree_attention_reference
 
@@ -133,115 +132,6 @@ def test_rejects_bad_scales_and_dtypes():
         tlt_kernels.tree_attention(**{**case, "k_cache": fp8}, backend="torch")
     with pytest.raises(TypeError, match="k_cache must have dtype float32"):  # fp32 q reads fp32 caches only
         tlt_kernels.tree_attention(**{**case, "q": case["q"].float(), "k_cache": fp8}, backend="torch")
-
-
-# (ctx_lens, T, Hq, Hkv, D, block_size, split_len): at most 32 query rows per KV head (the mma.sync row tiles, where
-# V is read as words: FP8_V_WORDS_MAX_BLOCK_M), one split and several, D = 128 and 64, pages of 16 and 8.
-WORD_CASES = {"decode-gqa7-splits": ([300, 130, 0], 1, 7, 1, 128, 16, 64),
-              "tree-gqa4-bs8": ([37, 5, 90], 5, 8, 2, 64, 8, None)}
-
-
-def _word_read_case(name, fp8, v_scale):
-    """``WORD_CASES[name]`` with e4m3-subnormal (``3 * 2^-9``) and largest (``-448``) values in V, quantized at
-    ``v_scale``, and its plan."""
-    ctx, T, Hq, Hkv, D, bs, split_len = WORD_CASES[name]
-    base = make_case(ctx, T, Hq, Hkv, D, bs, torch.bfloat16)
-    v = base["v_cache"].float() * 4
-    v.view(-1)[::7] = 3 * 2.0**-9 * v_scale
-    v.view(-1)[3::11] = -448.0 * v_scale
-    case, _, _ = quantized({**base, "v_cache": v}, fp8, 1.0, v_scale)
-    # The word read applies here: a row tile of mma.sync size and a cache of whole, aligned words.
-    assert tk.kernel_config(D, T * (Hq // Hkv))[0] <= tk.FP8_V_WORDS_MAX_BLOCK_M
-    assert tk.v_words(case["v_cache"]).dtype in (torch.int32, torch.uint32)
-    return case, make_plan(case, split_len=split_len)
-
-
-def _run_v_read(case, plan, words, monkeypatch, v_scale):
-    monkeypatch.setattr(tk, "FP8_V_WORDS", words)
-    return run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
-               backend="triton", v_scale=v_scale)
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(WORD_CASES))
-def test_fp8_v_words_match_the_byte_reads(fp8, name, monkeypatch):
-    """V read as 32-bit words and widened while row-major (``FP8_V_WORDS``: the hardware conversion on the GPU, integer
-    arithmetic in the interpreter) gives the byte read's output bit for bit: both widenings are exact and the products
-    and sums are the same."""
-    need_backend("tree_attention", "triton", DEVICE)
-    case, plan = _word_read_case(name, fp8, 0.5)
-    by_bytes = _run_v_read(case, plan, False, monkeypatch, 0.5)
-    by_words = _run_v_read(case, plan, True, monkeypatch, 0.5)
-    assert not by_words.isnan().any()
-    assert torch.equal(by_words, by_bytes)
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("site", ["context", "tree-root"])
-def test_fp8_v_words_keep_the_nan_contract(site, monkeypatch):
-    """An e4m3 NaN byte (0x7F) in one attended V slot, read as words: exactly the rows that attend it hold a NaN,
-    every other row equals the byte read's. (The CPU interpreter decodes that byte as 480 when read as bytes, so the
-    NaN rows are checked against the contract, not against the byte read.)"""
-    need_backend("tree_attention", "triton", DEVICE)
-    case, plan = _word_read_case("tree-gqa4-bs8", torch.float8_e4m3fn, 1.0)
-    b, kv_head, G = 2, 1, 4
-    slot = 40 if site == "context" else int(case["context_lens"][b])  # the root: every node of the request sees it
-    bs = case["v_cache"].shape[1]
-    case["v_cache"].view(torch.uint8)[int(case["block_table"][b, slot // bs]), slot % bs, kv_head, 5] = 0x7F
-    by_words = _run_v_read(case, plan, True, monkeypatch, 1.0)
-    by_bytes = _run_v_read(case, plan, False, monkeypatch, 1.0)
-    nan_rows = torch.zeros(by_words.shape[:3], dtype=torch.bool)
-    nan_rows[b, :, kv_head * G : (kv_head + 1) * G] = True
-    assert torch.equal(by_words.isnan().any(-1).cpu(), nan_rows)
-    fine = ~nan_rows.to(by_words.device)
-    assert torch.equal(by_words[fine], by_bytes[fine])
-
-
-def test_v_words_views_only_aligned_fp8_caches():
-    """``v_words``: an e4m3 cache as an int32 view, an e5m2 one as uint32, the same memory; caches of other dtypes, rows
-    not whole words or not word-aligned, go as they are."""
-    e4m3 = torch.randn(6, 16, 2, 64).to(torch.float8_e4m3fn)
-    words = tk.v_words(e4m3)
-    assert (words.dtype, tuple(words.shape), words.data_ptr()) == (torch.int32, (6, 16, 2, 16), e4m3.data_ptr())
-    assert tk.v_words(e4m3.to(torch.float8_e5m2)).dtype == torch.uint32
-    for kept in (e4m3.to(torch.bfloat16), e4m3[..., 1:61], e4m3[..., :62], e4m3.transpose(2, 3)):
-        assert tk.v_words(kept) is kept
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
-def test_fp8_word_widening_is_exact_on_every_byte(fp8):
-    """``_fp8_words_as_fp16`` on words holding every byte value 0..255 at each of the four positions: each fp16 equals
-    torch's conversion of that byte (NaN where the byte is a NaN), on the GPU (the hardware conversion) and in the
-    interpreter (integer arithmetic)."""
-    import triton
-    import triton.language as tl
-
-    from tlt_kernels._backend import triton_interpret_enabled
-
-    need_backend("tree_attention", "triton", DEVICE)
-
-    @triton.jit
-    def widen(Words, Out, E4M3: tl.constexpr, INTERPRET: tl.constexpr):
-        offs = tl.arange(0, 256)
-        b0, b1, b2, b3 = tk._fp8_words_as_fp16(tl.load(Words + offs), E4M3, INTERPRET)
-        tl.store(Out + offs * 4, b0)
-        tl.store(Out + offs * 4 + 1, b1)
-        tl.store(Out + offs * 4 + 2, b2)
-        tl.store(Out + offs * 4 + 3, b3)
-
-    dev = DEVICE
-    byte = torch.arange(256, dtype=torch.int32)
-    rolled = [(byte + 61 * i) % 256 for i in range(4)]  # every byte value at every position, different neighbours
-    data = torch.stack(rolled, 1).to(torch.uint8).contiguous()
-    out = torch.full((256, 4), float("nan"), dtype=torch.float16, device=dev)
-    widen[(1,)](data.view(torch.int32).reshape(256).to(dev), out, fp8 == torch.float8_e4m3fn,
-                triton_interpret_enabled())
-    want = data.view(fp8).to(torch.float32)
-    got = out.cpu().to(torch.float32)
-    assert torch.equal(got.isnan(), want.isnan())
-    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
 
 
 @pytest.mark.parametrize("backend", backend_params())

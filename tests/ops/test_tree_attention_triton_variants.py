@@ -203,7 +203,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tlt_kernels._triton import ptxas_report, tree_attention as m
 
-D, T, G, FP32, KV, V = {D}, {T}, {G}, {fp32}, {kv!r}, {v!r}
+D, T, G, FP32, KV = {D}, {T}, {G}, {fp32}, {kv!r}
 block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=FP32)
 k = m._tree_attn_partial_kernel
 names = k.arg_names
@@ -215,7 +215,7 @@ consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16,
               MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1,
               LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
 elem = "*fp32" if FP32 else "*bf16"
-ptrs.update({{"K_ptr": KV, "V_ptr": V or KV}} if KV else {{}})  # V: a word view's pointer type (v_words)
+ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")
 sig = {{n: "constexpr" if n in consts else ptrs.get(n, elem) if n.endswith("_ptr") else "fp32" if n in scales else "i32"
        for n in names}}
@@ -254,7 +254,7 @@ def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
     premise of its speed)."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, v=None, checks=_T16_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, checks=_T16_CHECKS))
 
 
 @pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
@@ -264,17 +264,14 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     T*G=128) and the other head dims."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, v=None, checks=_FP32_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, checks=_FP32_CHECKS))
 
 
-@pytest.mark.parametrize("kv,T,v", [("*fp8e4nv", 16, None), ("*fp8e5", 16, None), ("*fp8e4nv", 4, None),
-                                    ("*fp8e4nv", 1, "*i32"), ("*fp8e4nv", 4, "*i32"), ("*fp8e5", 4, "*u32")])
-def test_fp8_cache_config_compiles_for_sm90(kv, T, v):
+@pytest.mark.parametrize("kv,T", [("*fp8e4nv", 16), ("*fp8e5", 16), ("*fp8e4nv", 4)])
+def test_fp8_cache_config_compiles_for_sm90(kv, T):
     """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each K/V tile as loaded (V to fp16; K to
     fp16 against fp16-scaled rows where a KV head has at most FP16_KEYS_MAX_ROWS query rows, else to bf16) and keeps
-    the tensor-core products; it compiles for sm_90 within the shared-memory limit and (nearly) without spills. V read
-    as words (``v``: ``v_words``'s pointer types, the mma.sync row tiles) needs no byte loads from shared memory for
-    P V's transposed operand (read as bytes: 133-136 per thread) and widens each word with the hardware conversion."""
+    the tensor-core products; it compiles for sm_90 within the shared-memory limit and (nearly) without spills."""
     from conftest import compile_for_sm90
 
     checks = """
@@ -284,8 +281,5 @@ assert "wgmma" in ptx or "mma.sync" in ptx, "products over fp8 caches must use t
 assert smem <= 227 * 1024 and spills <= 16, (smem, spills)
 if KV == "*fp8e4nv":  # e4m3 K reaches bf16 through fp16 (fp16 -> bf16 conversions); fp16 keys need none
     assert ("cvt.bf16.f16" in ptx) == (T * G > m.FP16_KEYS_MAX_ROWS), (T * G, ptx.count("cvt.bf16.f16"))
-if V:
-    assert block_m <= m.FP8_V_WORDS_MAX_BLOCK_M and ptx.count("ld.shared.b8") <= 8, ptx.count("ld.shared.b8")
-    assert "mov.b32 {lo, hi}" in ptx, "the word widening's cvt.rn.f16x2 (inline asm) is missing"
 """
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, v=v, checks=checks))
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, checks=checks))

@@ -90,14 +90,6 @@ FUSED_MERGE_MAX_ROWS = 16
 # has at most this many query rows (T * G): measured faster there (T = 4), slower at 112 rows (T = 16), even at 56
 # (H200, docs/TREE_ATTENTION.md); above it K widens to bf16.
 FP16_KEYS_MAX_ROWS = tl.constexpr(32)
-# An fp8 V cache read as 32-bit words (``_load_v``) and widened to fp16 while the tile is row-major (on the GPU one
-# ``cvt.rn.f16x2`` per byte pair), so P V takes an fp16 tile as over a bf16 cache. Read as bytes, V is P V's transposed
-# operand and sm_90 has no transposing shared-memory load for 8-bit values: the mma.sync builds gather it byte by byte.
-# Off until measured on a GPU (`python -m tools.fp8_words_ab`; widened by integer arithmetic instead, it was slower).
-FP8_V_WORDS = False
-# Row tiles up to this size multiply with mma.sync (register operands); larger ones with wgmma, which reads V from
-# shared memory without byte gathers either way (sm_90 PTX: the word read only adds instructions there).
-FP8_V_WORDS_MAX_BLOCK_M = 32
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
@@ -137,7 +129,7 @@ def _widen_tile(k, v, q_dtype: tl.constexpr, INTERPRET: tl.constexpr):
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     else:
-        if v.dtype.is_fp8() or v.dtype == tl.float16:  # fp16: an fp8 V already widened by _load_v (or fp16 q)
+        if v.dtype.is_fp8():
             v = v.to(tl.float16)
         else:
             v = v.to(q_dtype)
@@ -212,68 +204,6 @@ def _to_out_dtype(x, out_dtype: tl.constexpr, INTERPRET: tl.constexpr, DROP_BITS
     return x.to(out_dtype)
 
 
-# One fp8 word as four fp16 values, low byte first: a ``cvt.rn.f16x2`` per byte pair (exact for both formats).
-_CVT_WORD = "{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.FMT x, lo; cvt.rn.f16x2.FMT y, hi; " \
-            "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }"
-_CVT_E4M3_WORD = tl.constexpr(_CVT_WORD.replace("FMT", "e4m3x2"))
-_CVT_E5M2_WORD = tl.constexpr(_CVT_WORD.replace("FMT", "e5m2x2"))
-
-
-@triton.jit
-def _fp8_byte_as_fp16(byte, E4M3: tl.constexpr):
-    """fp8 bytes (int32 lanes, 0..255) as fp16, exactly, by integer arithmetic (the interpreter runs no PTX). e4m3: its
-    seven low bits moved into fp16's exponent and mantissa give ``value * 2^-8`` for normals and subnormals alike (the
-    exponent biases differ by 8), times 2^8 in fp32; 0x7F / 0xFF (its NaN) become NaN. e5m2: the high byte of its fp16."""
-    if E4M3:
-        bits = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
-        bits = tl.where((byte & 0x7F) == 0x7F, bits | 0x7E00, bits)
-        value = (bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0).to(tl.float16)
-    else:
-        value = (byte << 8).to(tl.uint16).to(tl.float16, bitcast=True)
-    return value
-
-
-@triton.jit
-def _fp8_words_as_fp16(words, E4M3: tl.constexpr, INTERPRET: tl.constexpr):
-    """Bytes 0..3 of each int32 word of fp8 values as four fp16 tensors, exactly: the hardware conversion on the GPU,
-    integer arithmetic with the same results in the interpreter."""
-    if INTERPRET:
-        b0 = _fp8_byte_as_fp16(words & 0xFF, E4M3)
-        b1 = _fp8_byte_as_fp16((words >> 8) & 0xFF, E4M3)
-        b2 = _fp8_byte_as_fp16((words >> 16) & 0xFF, E4M3)
-        b3 = _fp8_byte_as_fp16((words >> 24) & 0xFF, E4M3)
-    else:
-        cvt: tl.constexpr = _CVT_E4M3_WORD if E4M3 else _CVT_E5M2_WORD
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(cvt, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
-                                                   is_pure=True, pack=1)
-    return b0, b1, b2, b3
-
-
-@triton.jit
-def _load_v(v_head, rows, offs_d, mask, INTERPRET: tl.constexpr):
-    """The V tile ``[BN, D]`` at element offsets ``rows [BN]`` (``mask [BN]`` or None: no mask). A cache passed as words
-    (``v_words``: int32 = e4m3, uint32 = e5m2; offsets in words) comes back as fp16, bytes ``4w .. 4w+3`` of word
-    ``w`` in that order; any other cache as stored."""
-    if v_head.dtype.element_ty == tl.int32 or v_head.dtype.element_ty == tl.uint32:
-        offs_w = tl.arange(0, offs_d.shape[0] // 4)
-        ptrs = v_head + rows[:, None] + offs_w[None, :]
-        if mask is None:
-            words = tl.load(ptrs).to(tl.int32, bitcast=True)
-        else:
-            words = tl.load(ptrs, mask=mask[:, None], other=0).to(tl.int32, bitcast=True)
-        b0, b1, b2, b3 = _fp8_words_as_fp16(words, v_head.dtype.element_ty == tl.int32, INTERPRET)
-        # [BN, D/4, 2, 2] with [.., a, c] = byte 2a + c of the word, so the row-major reshape puts them in order.
-        v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-        v = tl.reshape(v, [rows.shape[0], offs_d.shape[0]])
-    else:
-        ptrs = v_head + rows[:, None] + offs_d[None, :]
-        if mask is None:
-            v = tl.load(ptrs)
-        else:
-            v = tl.load(ptrs, mask=mask[:, None], other=0.0)
-    return v
-
-
 @triton.jit
 def _checked_pages(pages, num_blocks):
     """Page ids outside ``[0, num_blocks)`` become page 0 and are flagged (int32 1). The host checks the table when it
@@ -294,7 +224,7 @@ def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
     page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=tok_ok, other=0), num_blocks)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
-    v = _load_v(v_head, page * stride_vp + in_page * stride_vs, offs_d, tok_ok, INTERPRET)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
     m_i, l_i, acc = _attend_tile(q, k, v, tok_ok[None, :], 0.0, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
     return m_i, l_i, acc, tl.max(page_bad, 0)
 
@@ -308,7 +238,7 @@ def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, 
     page, page_bad = _checked_pages(pages, num_blocks)
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
-    v = _load_v(v_head, page * stride_vp + in_page * stride_vs, offs_d, None, INTERPRET)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
     m_i, l_i, acc = _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
     return m_i, l_i, acc, page_bad
 
@@ -407,7 +337,7 @@ def _tree_tile(q, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_
     page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=j_ok, other=0), num_blocks)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
-    v = _load_v(v_head, page * stride_vp + in_page * stride_vs, offs_d, j_ok, INTERPRET)
+    v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
     # [BLOCK_T]: NaN where the slot's V has a NaN or an inf (|x| < inf is False for both), else 0.
     v_probe = tl.sum(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0.0, float("nan")), 1)
     v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
@@ -845,8 +775,6 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     drop_bits = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}[out.dtype]
     counters = plan.split_counters
     fused = merges_in_partial_kernel(plan, block_m, chunks)
-    if FP8_V_WORDS and block_m <= FP8_V_WORDS_MAX_BLOCK_M:
-        v_cache = v_words(v_cache)
     _tree_attn_partial_kernel[(plan.num_splits * chunks, Hkv, B)](
         q, k_cache, v_cache, out, plan.partial_out, plan.partial_lse, counters if fused else plan.partial_lse,
         plan.block_table, plan.context_lens, plan.num_nodes, plan.tree_mask,
@@ -865,15 +793,6 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if plan.num_splits > 1 and not fused:
         _launch_merge(plan, out, interp, drop_bits)
     return out
-
-
-def v_words(v_cache: torch.Tensor) -> torch.Tensor:
-    """An fp8 V cache whose rows and strides fall on whole 32-bit words as a word view for the kernel (int32 for e4m3,
-    uint32 for e5m2: the word type names the format, see ``_load_v``); any other cache as it is."""
-    words = {torch.float8_e4m3fn: torch.int32, torch.float8_e5m2: torch.uint32}.get(v_cache.dtype)
-    aligned = (v_cache.stride(-1) == 1 and v_cache.shape[-1] % 4 == 0 and v_cache.data_ptr() % 4 == 0
-               and all(stride % 4 == 0 for stride in v_cache.stride()[:-1]))
-    return v_cache.view(words) if words is not None and aligned else v_cache
 
 
 def _launch_merge(plan, out: torch.Tensor, interp: bool, drop_bits: int) -> None:
