@@ -37,6 +37,9 @@ def test_every_recorded_real_trace_gives_static_and_selector_rows(real_rows):
                              "cost, warm"}
         assert rows["static off"][1]["vs_off"] == 1.0
         assert max(extra["vs_best_static"] for impl, (ms, extra) in rows.items() if impl.startswith("static")) == 1.0
+        assert rows["static off"][1]["vs_off_per_step"] == 1.0
+        assert max(extra["vs_best_static_per_step"] for impl, (ms, extra) in rows.items()
+                   if impl.startswith("static")) == 1.0
         for ms, extra in rows.values():  # ms is the same work at each row's rate: inverse to vs_off
             assert ms * extra["vs_off"] == pytest.approx(rows["static off"][0], rel=1e-3)
     assert [n.split(":")[1].strip() for n in real_rows.notes] == [f"bench/traces/{name}" for name, _ in
@@ -65,6 +68,7 @@ def test_the_default_selector_on_the_real_traces(real_rows):
     assert {w.split(" ")[2] for w, _, _ in _selector_rows(real_rows, known_short=True)} == set(KNOWN_SHORT)
     for workload, impl, extra in _selector_rows(real_rows, known_short=False) + _selector_rows(real_rows, True):
         assert extra["vs_off"] >= 0.98, (workload, impl, extra)
+        assert extra["vs_off_per_step"] >= 0.98, (workload, impl, extra)
     for workload, impl, extra in _selector_rows(real_rows, known_short=False):
         assert extra["vs_best_static"] >= 0.85, (workload, impl, extra)
 
@@ -79,6 +83,23 @@ def test_the_default_selector_on_the_known_short_traces(real_rows):
 def test_trace_rate_is_tokens_over_seconds_of_the_picks():
     records = [{"arms": {"off": {"emitted": 2, "step_time": 0.5}, "s2k1v3": {"emitted": 4, "step_time": 1.0}}}] * 2
     assert selector._trace_rate(records, ["off", "s2k1v3"]) == pytest.approx(6 / 1.5)
+
+
+def test_per_step_score_weighs_each_step_by_its_own_time():
+    """A two-step tail: a wide first step where s5k4v16 is the better arm, then one request where plain decoding is.
+    Per step, an arm is scored by the time to emit each step's best arm's tokens at its own rate at that step."""
+    from tlt_kernels.runtime import Strategy
+
+    trace = [
+        {"batch_size": 64, "arms": {"off": {"emitted": 64, "step_time": 0.002},
+                                    "s5k4v16": {"emitted": 160, "step_time": 0.004}}},
+        {"batch_size": 1, "arms": {"off": {"emitted": 1, "step_time": 0.001},
+                                   "s5k4v16": {"emitted": 1, "step_time": 0.0011}}},
+    ]
+    spec, plain = (selector.replay_static(trace, Strategy.parse(a)) for a in ("s5k4v16", "off"))
+    assert selector._same_work_s(spec) == pytest.approx(0.004 + 0.0011)  # the best per step: s5k4v16, then off
+    assert selector._same_work_s(plain) == pytest.approx(160 * 0.002 / 64 + 0.001)
+    assert selector._trace_rate(trace, spec.picks) == pytest.approx(161 / 0.0051)
 
 
 def test_static_batch_rows_cover_every_batch_with_statics_rules_and_a_warm_selector():
