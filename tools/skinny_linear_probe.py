@@ -4,7 +4,7 @@ A decode step of a small model runs its projections at M = B x T rows: cuBLAS ti
 projection runs on 15 CTAs of a 132-SM card. Each shape runs as a chain of 30 distinct weights (a model's layers,
 read from HBM, not L2) captured in one CUDA graph; the time per projection is the graph's median / 30.
 
-  python -m tools.skinny_linear_probe --out probe.json [--ms 1,16] [--shapes smollm2]
+  python -m tools.skinny_linear_probe --out probe.json [--ms 1,16] [--shapes smollm2] [--row-tile 16]
 
 The whole grid (9 shapes, M in 1..32, ~24 configs each) takes about 7 minutes on an H200, most of it compiling;
 the JSON is rewritten after every shape, so a run cut short keeps what it measured. Figures: docs/MODELS.md.
@@ -72,8 +72,8 @@ def graph_ms(fn, reps=20):
     return sorted(times)[len(times) // 2]
 
 
-def configs(M):
-    block_ms = [1] if M == 1 else ([M] if M < 16 else [16, 32, 64][: 1 + (M > 16) + (M > 32)])
+def configs(M, row_tile=None):
+    block_ms = [row_tile] if row_tile else [1] if M == 1 else ([M] if M < 16 else [16, 32, 64][: 1 + (M > 16) + (M > 32)])
     for bm, bn, bk, warps, stages in itertools.product(block_ms, (8, 16, 32, 64), (128, 256), (2, 4), (1, 3)):
         if bm < 16 and bm * bn * bk > 32768:
             continue  # the broadcast product would spill
@@ -82,7 +82,7 @@ def configs(M):
         yield bm, bn, bk, warps, stages
 
 
-def probe_shape(name, K, N, M, rows):
+def probe_shape(name, K, N, M, rows, row_tile=None):
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(LAYERS)]
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
@@ -96,7 +96,7 @@ def probe_shape(name, K, N, M, rows):
         xv = x[0]
         row["mv_us"] = round(graph_ms(lambda: [torch.mv(w, xv, out=o[0]) for w, o in zip(ws, outs)]) / LAYERS * 1e3, 2)
     best = None
-    for cfg in configs(M):
+    for cfg in configs(M, row_tile):
         try:
             us = graph_ms(lambda: [skinny(x, w, o, *cfg) for w, o in zip(ws, outs)]) / LAYERS * 1e3
         except Exception as exc:  # noqa: BLE001 -- a config Triton cannot build is skipped
@@ -120,13 +120,15 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--ms", default="1,2,4,8,16,32", help="comma-separated row counts M")
     parser.add_argument("--shapes", default="", help="only the shapes whose name starts with this")
+    parser.add_argument("--row-tile", type=int, default=None,
+                        help="the Triton kernel's row tile at every M (>= 16: the tensor-core form; rows past M masked)")
     args = parser.parse_args()
     rows = []
     for name, (K, N) in SHAPES.items():
         if not name.startswith(args.shapes):
             continue
         for M in (int(m) for m in args.ms.split(",")):
-            probe_shape(name, K, N, M, rows)
+            probe_shape(name, K, N, M, rows, args.row_tile)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
