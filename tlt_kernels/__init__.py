@@ -12,8 +12,7 @@ behind ``backend="auto"``):
 * :func:`philox_uniform` -- the walks' counter-based random stream (:mod:`tlt_kernels.rng`) as a tensor;
 * :func:`rms_norm`, :func:`silu_and_mul`, :func:`apply_rotary` -- fused elementwise parts of a Llama layer
   (RMSNorm with residual add, SiLU-and-multiply, rotate-half RoPE of q and k; :func:`rotary_to_cache` also stores
-  the rotated k and v at their KV-cache rows), and :func:`linear`, a projection with a kernel for the few rows of
-  a decoding step;
+  the rotated k and v at their KV-cache rows).
 
 Layers above the ops (each imports the ops, never the reverse): :mod:`tlt_kernels.runtime`
 (strategy selector, CUDA-graph pool), :mod:`tlt_kernels.models` (Llama/Qwen2-style target over a
@@ -25,7 +24,6 @@ Importing this package never imports Triton or the CUDA extension and never quer
 from ._backend import BACKENDS, BackendUnavailableError, available_backends, cuda_extension_available
 from .ops.build_draft_tree import DraftTree, build_draft_tree
 from .ops.compact_kv import compact_kv
-from .ops.linear import linear
 from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
 from .ops.philox_uniform import philox_uniform
 from .ops.rms_norm import rms_norm
@@ -63,7 +61,6 @@ __all__ = [
     "chain_parents",
     "compact_kv",
     "cuda_extension_available",
-    "linear",
     "ngram_propose",
     "ngram_propose_tree",
     "plan_masked_attention",

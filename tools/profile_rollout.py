@@ -9,8 +9,7 @@ optimisation; recorded figures come from ``python -m bench rollout`` (its step-c
 ``--random-smollm2`` builds the default model's shapes (30 layers, 576 wide, GQA 9/3, vocabulary 49152) with random
 bf16 weights instead (the same kernels and step cost, nothing to load; prompts of random tokens, so drafts are rarely
 accepted); ``--overlap off|on|both`` sets ``SpeculativeEngine(overlap_steps=)``, ``both`` runs each configuration
-twice for a same-run A/B (so does ``--linear-backend both``: the projections on the few-row kernel and on
-``F.linear``); ``--step-kernel`` runs the step's bookkeeping in one launch; ``--no-detail`` prints only the summary lines (no cProfile, no torch.profiler).
+twice for a same-run A/B; ``--step-kernel`` runs the step's bookkeeping in one launch; ``--no-detail`` prints only the summary lines (no cProfile, no torch.profiler).
 """
 from __future__ import annotations
 
@@ -33,9 +32,6 @@ def _parse_args():
     ap.add_argument("--overlap", choices=("off", "on", "both"), default="on", help="overlapped steps (default on)")
     ap.add_argument("--step-kernel", choices=("off", "on", "both"), default="on",
                     help="SpeculativeEngine(step_kernel=): the step's bookkeeping in one Triton launch (default on)")
-    ap.add_argument("--linear-backend", choices=("auto", "torch", "both"), default="auto",
-                    help="the target's projections (LlamaForCausalLM.linear_backend): auto (the few-row kernel on "
-                         "a decoding step's rows), torch (F.linear), both (a same-run A/B)")
     ap.add_argument("--detail", action=argparse.BooleanOptionalAction, default=True,
                     help="cProfile and torch.profiler tables (default on)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
@@ -171,13 +167,11 @@ def _drafter(name: str, target):
 
 
 def _variants(args):
-    """(overlap, step kernel, prefill buckets, linear backend) of every engine profiled per configuration."""
+    """(overlap, step kernel, prefill buckets) of every engine profiled per configuration."""
     choices = {"off": [False], "on": [True], "both": [False, True]}
     buckets = tuple(int(b) for b in args.prefill_lengths.split(",") if b)
     prefills = [()] + ([buckets] if buckets else [])
-    linears = ["auto", "torch"] if args.linear_backend == "both" else [args.linear_backend]
-    return [(o, k, p, lb) for o in choices[args.overlap] for k in choices[args.step_kernel] for p in prefills
-            for lb in linears]
+    return [(o, k, p) for o in choices[args.overlap] for k in choices[args.step_kernel] for p in prefills]
 
 
 def main() -> None:
@@ -196,12 +190,10 @@ def main() -> None:
         configs += [(f"{name} adaptive", _drafter(name, target), arms) for name in args.drafters.split(",")]
     lines = []
     for name, drafter, strategy in configs:
-        for overlap, step_kernel, prefill, linear_backend in _variants(args):
-            target.linear_backend = linear_backend  # before the engine captures its graphs
+        for overlap, step_kernel, prefill in _variants(args):
             eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, step_kernel, prefill)
             label = (f"{name} (overlap {'on' if overlap else 'off'}, step kernel {'on' if step_kernel else 'off'}, "
-                     f"prefill {'graphs ' + ','.join(map(str, prefill)) if prefill else 'eager'}, "
-                     f"linear {linear_backend})")
+                     f"prefill {'graphs ' + ','.join(map(str, prefill)) if prefill else 'eager'})")
             for batch in batches:
                 prompts = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
                 lines += _profile(label, eng, prompts, args.tokens, args.detail, args.kernels)

@@ -21,7 +21,6 @@ transformers model's logits.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch
@@ -30,7 +29,6 @@ import torch.nn.functional as F
 
 from .._backend import BACKENDS
 from .._validation import capturing, check_tensor, devices_equal
-from ..ops.linear import linear
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import apply_rotary, rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
@@ -221,18 +219,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
 
-def _projections(x: torch.Tensor, packed: Optional[PackedLinears], linears, backend: str) -> List[torch.Tensor]:
-    """``[lin(x) for lin in linears]`` on :func:`tlt_kernels.linear` (inference only: no autograd formula): one GEMM
-    when ``packed`` (from :meth:`LlamaForCausalLM.pack_projections`) still holds their weights, else one each."""
+def _projections(x: torch.Tensor, packed: Optional[PackedLinears], linears) -> List[torch.Tensor]:
+    """``[lin(x) for lin in linears]``: one GEMM when ``packed`` (from :meth:`LlamaForCausalLM.pack_projections`)
+    still holds their weights, else one each."""
     if packed is not None and packed.valid():
-        return packed(x, project=partial(linear, backend=backend))
-    return [_project(x, lin, backend) for lin in linears]
-
-
-def _project(x: torch.Tensor, lin: nn.Linear, backend: str) -> torch.Tensor:
-    """``lin(x)`` on :func:`tlt_kernels.linear` (``backend="auto"``: its few-row kernel for a decoding step's rows on
-    a GPU, ``F.linear`` elsewhere)."""
-    return linear(x, lin.weight, lin.bias, backend=backend)
+        return packed(x)
+    return [lin(x) for lin in linears]
 
 
 # Attention callback: (layer index, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D]) -> out [B,T,Hq,D]; k and v are None
@@ -285,9 +277,6 @@ class LlamaForCausalLM(nn.Module):
         self._inv_freq = rope_inv_freq(config)
         self._rope_attention_factor = rope_attention_factor(config)
         self.sm_scale = config.head_dim**-0.5
-        # The projections' backend on the inference path (tlt_kernels.linear): "auto" takes the few-row kernel for a
-        # decoding step's rows on a GPU where it was measured faster than cuBLAS, "torch" always F.linear.
-        self.linear_backend = "auto"
 
     # -- shared trunk --------------------------------------------------------------------------------
     @property
@@ -315,17 +304,16 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_trunk(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend,
                      store_kv: Optional[StoreKV] = None) -> torch.Tensor:
-        """The layers on the fused ops, the same rounding as the unfused loop (on a GPU the few-row projections,
-        ``linear_backend``, sum their products in another order; inference only: no autograd formulas): each
-        residual add rides in the next RMSNorm's kernel, q and k rotate in one launch (with ``store_kv``, the
-        launch that also stores k and v in the cache), SiLU * up in one. A step of a small model is bound by its
-        launch count, not by bytes (docs/MODELS.md)."""
+        """The layers on the fused ops, the same rounding as the unfused loop (inference only: no autograd
+        formulas): each residual add rides in the next RMSNorm's kernel, q and k rotate in one launch (with
+        ``store_kv``, the launch that also stores k and v in the cache), SiLU * up in one. A step of a small model
+        is bound by its launch count, not by bytes (docs/MODELS.md)."""
         eps, layers = self.config.rms_norm_eps, self.layers
         h, residual = rms_norm(x, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
             B, T, _ = h.shape
-            q, k, v = _projections(h, attn.packed_qkv, (attn.q_proj, attn.k_proj, attn.v_proj), self.linear_backend)
+            q, k, v = _projections(h, attn.packed_qkv, (attn.q_proj, attn.k_proj, attn.v_proj))
             q = q.view(B, T, attn.num_q_heads, attn.head_dim)
             k = k.view(B, T, attn.num_kv_heads, attn.head_dim)
             v = v.view(B, T, attn.num_kv_heads, attn.head_dim)
@@ -333,13 +321,11 @@ class LlamaForCausalLM(nn.Module):
                 q, k = rms_norm(q, attn.q_norm.weight, eps)[0], rms_norm(k, attn.k_norm.weight, eps)[0]
             if store_kv is None:
                 q, k = apply_rotary(q, k, cos, sin)
-                o = _project(attend(i, q, k, v).flatten(2), attn.o_proj, self.linear_backend)
+                o = attn.o_proj(attend(i, q, k, v).flatten(2))
             else:
-                o = _project(attend(i, store_kv(i, q, k, v, cos, sin), None, None).flatten(2), attn.o_proj,
-                             self.linear_backend)
+                o = attn.o_proj(attend(i, store_kv(i, q, k, v, cos, sin), None, None).flatten(2))
             h, residual = rms_norm(o, layer.post_attention_layernorm.weight, eps, residual=residual)
-            gate, up = _projections(h, mlp.packed_gate_up, (mlp.gate_proj, mlp.up_proj), self.linear_backend)
-            m = _project(silu_and_mul(gate, up), mlp.down_proj, self.linear_backend)
+            m = mlp.down_proj(silu_and_mul(*_projections(h, mlp.packed_gate_up, (mlp.gate_proj, mlp.up_proj))))
             if i + 1 == len(layers):
                 return residual + m
             h, residual = rms_norm(m, layers[i + 1].input_layernorm.weight, eps, residual=residual)

@@ -9,7 +9,7 @@ so and the model runs the separate projections, which are always right.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -45,8 +45,7 @@ class PackedLinears:
         """Whether every parameter is still the view it was made (a pointer check: no device work)."""
         return self._current_pointers() == self._pointers
 
-    def __call__(self, x: torch.Tensor, project: Callable = F.linear) -> List[torch.Tensor]:
-        """``[lin(x) for lin in linears]`` from one GEMM, ``project(x, weight, bias)`` (``F.linear``, or
-        :func:`tlt_kernels.linear` on the inference path): views of its ``[..., sum(out)]`` output (last dim
+    def __call__(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """``[lin(x) for lin in linears]`` from one GEMM: views of its ``[..., sum(out)]`` output (last dim
         contiguous, leading dims strided)."""
-        return list(project(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
