@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tools.ab_timing import L2_FLUSH_BYTES, graph_us
+
 SHAPES = {  # name: (K, N)
     "smollm2 qkv": (576, 960), "smollm2 o": (576, 576), "smollm2 gate_up": (576, 3072),
     "smollm2 down": (1536, 576), "qwen0.5b qkv": (896, 1152), "qwen0.5b gate_up": (896, 9728),
@@ -56,30 +58,16 @@ def skinny(x, w, out, block_m, block_n, block_k, warps, stages):
                          num_warps=warps, num_stages=stages)
 
 
-_FLUSH = None
+_FLUSH = []  # the L2 flush buffer, made on first use (importing the module needs no GPU)
 
 
 def graph_ms(fn, reps=20):
-    """Median ms of a graph of ``fn``, the L2 flushed before each replay: a chain of small weights (30 x 0.66 MB)
-    would otherwise stay in the 50 MB L2 across replays, which a model's 270 MB of weights never do."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        _FLUSH.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median ms of a graph of ``fn``, the L2 flushed before each replay (``tools.ab_timing.graph_us``): a chain of
+    small weights (30 x 0.66 MB) would otherwise stay in the 50 MB L2 across replays, which a model's 270 MB of
+    weights never do."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda"))
+    return graph_us(fn, _FLUSH[0], reps) * 1e-3
 
 
 def configs(M, row_tile=None):
