@@ -166,6 +166,33 @@ def test_trace_probes_leave_the_histories_as_they_were(target, prompts):
     assert [s.emitted for s in traced.steps] == [s.emitted for s in plain.steps]
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("groups", [None, GROUPS], ids=["self", "groups"])
+def test_trace_counts_the_rows_with_a_draft(target, prompts, fuse, groups):
+    """An n-gram trace counts, per step, the rows whose history has a match (``drafted_rows``, and of the lagging
+    rows): no more rows accept a first draft than have one, on any arm, and (prompts of random tokens) some steps have
+    rows without a match when each request drafts from itself alone (with groups a row also matches its siblings)."""
+    eng = _engine(target, "ngram", fuse, StrategySelector(ARMS, seed=0))
+    trace = []
+    eng.generate(prompts, MAX_NEW, trace=trace, groups=groups)
+    assert trace and all("drafted_rows" in rec and "lagging_drafted_rows" in rec for rec in trace)
+    for rec in trace:
+        drafted, lagging_drafted = rec["drafted_rows"], rec["lagging_drafted_rows"]
+        assert 0 <= lagging_drafted <= min(drafted, rec["arms"]["off"]["lagging_rows"]) and drafted <= rec["batch_size"]
+        for name, arm in rec["arms"].items():
+            assert all(a <= drafted for a in arm["accepted"][:1]), (name, rec)  # depth 1 needs a draft
+            assert all(a <= lagging_drafted for a in arm["lagging_accepted"][:1]), (name, rec)
+    assert any(rec["drafted_rows"] for rec in trace)
+    assert groups is not None or any(rec["drafted_rows"] < rec["batch_size"] for rec in trace)
+
+
+def test_trace_of_a_model_drafter_has_no_draft_counts(target, prompts):
+    eng = _engine(target, "eagle", True, StrategySelector(ARMS, seed=0))
+    trace = []
+    eng.generate(prompts, MAX_NEW, trace=trace)
+    assert trace and not any("drafted_rows" in rec for rec in trace)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: real CUDA graphs
 # ---------------------------------------------------------------------------------------------

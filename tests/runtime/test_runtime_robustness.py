@@ -249,6 +249,17 @@ def test_trace_loading_names_the_file_and_the_record(tmp_path):
     zero.write_text(json.dumps(recs))
     with pytest.raises(ValueError, match=r"record 2: batch_size must be an int >= 1, got 0"):
         load_trace(str(zero))
+    recs[2]["batch_size"] = 4
+    recs[1].update(batch_size=4, drafted_rows=4, lagging_drafted_rows=0)  # an n-gram trace's rows with a draft
+    counted = tmp_path / "counted.json"
+    counted.write_text(json.dumps(recs))
+    assert load_trace(str(counted)) == recs
+    for key, value in (("drafted_rows", 5), ("lagging_drafted_rows", -1), ("drafted_rows", "4")):
+        recs[1][key] = value
+        counted.write_text(json.dumps(recs))
+        with pytest.raises(ValueError, match=rf"record 1: {key} must be a count in \[0, batch_size=4\]"):
+            load_trace(str(counted))
+        recs[1].update(drafted_rows=4, lagging_drafted_rows=0)
 
 
 def test_policy_parameters_that_would_poison_every_choice():

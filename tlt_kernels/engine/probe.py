@@ -22,12 +22,42 @@ def probe_arms(runner, strategies, covers, inputs, device: torch.device, lagging
     """One trace record (:func:`tlt_kernels.runtime.simulate.load_trace`'s format): every strategy that ``covers``
     the batch drafted, verified and accepted on the live rows without committing. ``lagging`` (bool ``[b]``, the
     rows with the most tokens left, the ones a static batch waits for) adds each arm's ``lagging_rows`` and
-    ``lagging_accepted`` (how many of them reached each draft depth): what the engine's selector learns from.
+    ``lagging_accepted`` (how many of them reached each draft depth): what the engine's selector learns from. With
+    an n-gram drafter the record also counts the rows that have a draft (``drafted_rows``, ``lagging_drafted_rows``:
+    :func:`drafted_rows`).
 
     Only cache slots past each request's context are written (tree nodes, then their compaction; the drafter's
     too), and the real step rewrites them before anything reads them. A fused runner replays each strategy's step
     graph, so the recorded step times are those of the real steps; a drafter whose fused commit writes in place
     (``snapshot``, optional) gets its state back after each probe."""
+    batch_size = inputs.batch_size
+    record = {"batch_size": batch_size, "arms": arms_of_step(runner, strategies, covers, inputs, device, lagging)}
+    drafted = drafted_rows(runner.drafter, inputs, lagging)
+    if drafted is not None:
+        record["drafted_rows"] = drafted[0]
+        if lagging is not None:
+            record["lagging_drafted_rows"] = drafted[1]
+    return record
+
+
+def drafted_rows(drafter, inputs, lagging=None):
+    """``[rows with a draft, lagging rows with one]`` of an n-gram drafter's step: the rows whose history holds a
+    match of its suffix (their own, or a sibling's with groups), so every speculative arm drafts at least one token
+    for them and none for the others; None for any other drafter (a model always drafts). Read after a device
+    synchronization, outside the timed probes: a selector that knew it before choosing could skip a step with
+    nothing to verify (docs/RUNTIME.md)."""
+    from ..drafter.ngram_rollout import NGramRolloutDrafter
+
+    if not isinstance(drafter, NGramRolloutDrafter) or drafter.histories is None:
+        return None
+    history_rows = inputs.drafter_state[0] if inputs.drafter_state else inputs.rows
+    has_draft = drafter.histories.propose(1).num_drafts[history_rows] > 0
+    lagging = lagging if lagging is not None else torch.zeros_like(has_draft)
+    return torch.stack([has_draft.sum(), (has_draft & lagging).sum()]).tolist()
+
+
+def arms_of_step(runner, strategies, covers, inputs, device: torch.device, lagging=None) -> dict:
+    """:func:`probe_arms`' ``arms`` map: each covered strategy's step time, emitted tokens and acceptance counts."""
     batch_size = inputs.batch_size
     snapshot = getattr(runner.drafter, "snapshot", None)
     arms = {}
@@ -51,7 +81,7 @@ def probe_arms(runner, strategies, covers, inputs, device: torch.device, lagging
         arms[str(strategy)] = {"step_time": seconds, "emitted": host[0], "accepted": host[1:1 + depth]}
         if lagging is not None:
             arms[str(strategy)].update(lagging_rows=host[1 + depth], lagging_accepted=host[2 + depth:])
-    return {"batch_size": batch_size, "arms": arms}
+    return arms
 
 
 def measure_cost_table(pool, runner, strategies, device: torch.device, batch_sizes, repeats: int):

@@ -367,7 +367,7 @@ def _finite(x, low: float) -> bool:
 
 def _check_trace_record(where: str, r: dict) -> None:
     """A record's batch size is an int >= 1, each arm's step time a finite number > 0 of seconds and its counts finite
-    and >= 0; arm names parse as strategies."""
+    and >= 0; arm names parse as strategies; the optional counts of rows with a draft lie in [0, batch size]."""
     b = r["batch_size"]
     if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
         raise ValueError(f"{where}: batch_size must be an int >= 1, got {b!r}")
@@ -385,6 +385,10 @@ def _check_trace_record(where: str, r: dict) -> None:
         rows = a.get("lagging_rows")
         if rows is not None and not _finite(rows, 0.0):
             raise ValueError(f"{where}, arm {name}: lagging_rows must be a finite count >= 0, got {rows!r}")
+    for key in ("drafted_rows", "lagging_drafted_rows"):  # n-gram traces: rows with a draft (engine.probe)
+        n = r.get(key)
+        if n is not None and not (_finite(n, 0.0) and n <= b):
+            raise ValueError(f"{where}: {key} must be a count in [0, batch_size={b}], got {n!r}")
 
 
 def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], Strategy],
