@@ -62,6 +62,7 @@ def test_fused_equals_separate_steps(target, prompts, kind, groups):
     fused, separate = _engine(target, kind, True), _engine(target, kind, False)
     out = fused.generate(prompts, MAX_NEW, groups=groups)
     _assert_plain_greedy(target, prompts, out)
+    _assert_plain_greedy(target, prompts, separate.generate(prompts, MAX_NEW, groups=groups))
     assert all(s.graph for s in out.steps) and fused.graph_pool.stats()["misses"] == 0
     commits = {spec[0] for spec in fused.tree_drafter.graph_specs([], fused.backlog.widths)} if fused.backlog else set()
     assert {k[0] for k in fused.graph_pool.keys() if k[0][0] != "step"} == commits  # the backlog's commit graphs
