@@ -254,7 +254,6 @@ def test_walk_rules_are_lossless(case):
 def build_batch(M, parents, root, use_q, B, gen, dtype=torch.float32):
     """Batched inputs: drafts sampled from Q along the tree (or the deterministic candidates)."""
     T = len(parents)
-    V = M.V
     Q = torch.tensor(M.Q)
     toks = torch.empty(B, T, dtype=torch.int64)
     toks[:, 0] = root
