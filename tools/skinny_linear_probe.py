@@ -61,13 +61,13 @@ def skinny(x, w, out, block_m, block_n, block_k, warps, stages):
 _FLUSH = []  # the L2 flush buffer, made on first use (importing the module needs no GPU)
 
 
-def graph_ms(fn, reps=20):
-    """Median ms of a graph of ``fn``, the L2 flushed before each replay (``tools.ab_timing.graph_us``): a chain of
-    small weights (30 x 0.66 MB) would otherwise stay in the 50 MB L2 across replays, which a model's 270 MB of
-    weights never do."""
+def per_layer_us(fn, reps=20):
+    """Microseconds per projection of ``fn`` (a chain of ``LAYERS``), graph-replayed with the L2 flushed before each
+    replay (``tools.ab_timing.graph_us``): a chain of small weights (30 x 0.66 MB) would otherwise stay in the 50 MB
+    L2 across replays, which a model's 270 MB of weights never do."""
     if not _FLUSH:
         _FLUSH.append(torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda"))
-    return graph_us(fn, _FLUSH[0], reps) * 1e-3
+    return graph_us(fn, _FLUSH[0], reps) / LAYERS
 
 
 def configs(M, row_tile=None):
@@ -86,17 +86,17 @@ def probe_shape(name, K, N, M, rows, row_tile=None):
     outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
     ref = (x.float() @ ws[0].float().T)
     floor_us = (N * K * 2 + M * (K + N) * 2) / 4.8e12 * 1e6
-    cublas = graph_ms(lambda: [torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)]) / LAYERS * 1e3
+    cublas = per_layer_us(lambda: [torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)])
     cublas_err = (outs[0].float() - ref).abs().max().item()
     row = {"shape": name, "K": K, "N": N, "M": M, "cublas_us": round(cublas, 2), "floor_us": round(floor_us, 2),
            "cublas_err": cublas_err}
     if M == 1:
         xv = x[0]
-        row["mv_us"] = round(graph_ms(lambda: [torch.mv(w, xv, out=o[0]) for w, o in zip(ws, outs)]) / LAYERS * 1e3, 2)
+        row["mv_us"] = round(per_layer_us(lambda: [torch.mv(w, xv, out=o[0]) for w, o in zip(ws, outs)]), 2)
     best = None
     for cfg in configs(M, row_tile):
         try:
-            us = graph_ms(lambda: [skinny(x, w, o, *cfg) for w, o in zip(ws, outs)]) / LAYERS * 1e3
+            us = per_layer_us(lambda: [skinny(x, w, o, *cfg) for w, o in zip(ws, outs)])
         except Exception as exc:  # noqa: BLE001 -- a config Triton cannot build is skipped
             print(name, M, cfg, "failed", type(exc).__name__)
             continue
