@@ -1,5 +1,6 @@
-"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``): graph replays timed with the
-L2 flushed before each, sides that differ by module settings timed alternately, and the command line that times every case, prints one JSON line per row and writes them all as JSON."""
+"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``, ``skinny_linear_probe``): graph replays timed
+with the L2 flushed before each, sides that differ by module settings timed alternately, and the command line that
+times every case, prints one JSON line per row and writes them all as JSON."""
 from __future__ import annotations
 
 import argparse
