@@ -753,8 +753,15 @@ class RolloutRun:
         if self.ctx.device.type != "cuda":
             self.ctx.note("step-cost rows on the CPU: wall time per step only; GPU kernel time needs CUDA")
         differ = sorted(k for k, same in self.identical.items() if not same)
-        self.ctx.note("greedy identical to plain in every row" if not differ else
-                      f"greedy output differs from plain in: {', '.join(differ)}")
+        if not differ:
+            self.ctx.note("greedy identical to plain in every row")
+            return
+        dtype = str(self.ctx.dtype).replace("torch.", "")
+        self.ctx.note(f"greedy output differs from plain in: {', '.join(differ)} (in {dtype}, other step shapes -- "
+                      "several positions a step, transformers' kernels -- round differently from plain decoding's "
+                      "one-position steps, so greedy paths part at the first near-tie; in fp32 speculative and plain "
+                      "greedy decoding agree token for token: tests/models/test_models.py::"
+                      "test_greedy_speculative_equals_plain_greedy_cuda)")
 
 
 def run(ctx) -> None:

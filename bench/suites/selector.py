@@ -238,6 +238,10 @@ REAL_TRACES = (
                              "2026-11-30 with the engine and selector of 487fc44 (EAGLE prefill, ride_runs; at "
                              "6defebf, a commit of a session that did not land) with the lagging rows' counts the "
                              "engine's selector learns from (step times rounded to 0.1 us)"),
+    ("h200_smollm2_drafted", "the same model, prompts and length (tail: 32 requests), n-gram drafter, arms s2k1v3, "
+                             "s4k1v5, s4k2v8, s5k4v16; recorded 2026-12-02 at e1cc40c with the lagging rows' counts "
+                             "and, per step, the rows that have a draft (drafted_rows, lagging_drafted_rows); the "
+                             "B = 64 trace was not kept"),
 )
 
 

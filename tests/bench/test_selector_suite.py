@@ -28,13 +28,13 @@ def real_rows():
 def test_every_recorded_real_trace_gives_static_and_selector_rows(real_rows):
     traces = sorted(f"{name}/{n[:-5]}" for name, _ in selector.REAL_TRACES
                     for n in os.listdir(os.path.join(selector.TRACES_DIR, name)) if "-B" in n)
-    assert len(traces) == 14
+    assert len(traces) == 18
     cases = sorted({w for w, *_ in real_rows.rows})
     assert [c.split(" ")[2] for c in cases] == traces
     for case in cases:
         rows = {impl: (ms, extra) for w, impl, ms, extra in real_rows.rows if w == case}
-        assert set(rows) == {"static off", "static s2k1v3", "static s4k1v5", "static s5k4v16", "cost, cold",
-                             "cost, warm"}
+        arms = {"off", "s2k1v3", "s4k1v5", "s5k4v16"} | ({"s4k2v8"} if "drafted" in case else set())
+        assert set(rows) == {f"static {arm}" for arm in arms} | {"cost, cold", "cost, warm"}
         assert rows["static off"][1]["vs_off"] == 1.0
         assert max(extra["vs_best_static"] for impl, (ms, extra) in rows.items() if impl.startswith("static")) == 1.0
         assert rows["static off"][1]["vs_off_per_step"] == 1.0
