@@ -6,9 +6,9 @@
 # --part main replaces the run of record with the suite's main cases; --part L adds the long-tail cases at context L
 # to the record in bench/results/h200/ (copy each returned $OUT/rec/h200/tree-attention.json there before the next
 # part; all parts of one record at one commit). FlashInfer (the peer) comes from .peer/whl when carried
-# (../shared/peers/README.md). The extension is built once per warm machine: a build leaves a copy in /tmp/keep
-# (kept while the machine stays warm) and returns the .so in 15 MiB parts under $OUT/so; a later call finds it there,
-# or in carried .peer/so/_C.part_* parts, and installs without building.
+# (../shared/peers/README.md). tools/device_install.sh installs the package: the extension from a carried
+# .peer/soz (tools/carry_extension.sh) or an earlier call on the warm machine when built from the same sources, else
+# built there.
 set -uo pipefail
 COMMIT="" PART="" TESTS="" TEST_TIMEOUT=200 BENCH_TIMEOUT=540
 while [ $# -gt 0 ]; do
@@ -32,16 +32,7 @@ if ls .peer/whl/*.whl > /dev/null 2>&1 && [ ! -d /tmp/site/flashinfer ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/whl/*.whl > "$OUT/peer_install.log" 2>&1
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
-SO=tlt_kernels/_C.cpython-312-x86_64-linux-gnu.so
-[ -f $SO ] || { [ -f /tmp/keep/_C.so ] && cp /tmp/keep/_C.so $SO; }
-[ -f $SO ] || { ls .peer/so/_C.part_* > /dev/null 2>&1 && cat .peer/so/_C.part_* > $SO; }
-if [ -f $SO ]; then
-  TLT_BUILD_CUDA=0 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
-else
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1
-  mkdir -p /tmp/keep "$OUT/so" && cp $SO /tmp/keep/_C.so && split -b 15m $SO "$OUT/so/_C.part_"
-fi
-python3 -c "import tlt_kernels; print('tlt_kernels._C built:', tlt_kernels.cuda_extension_available())"
+bash tools/device_install.sh "$OUT/install.log"
 echo "setup $((SECONDS - t0)) s"
 if [ -n "$TESTS" ]; then
   # shellcheck disable=SC2086 # a list of files

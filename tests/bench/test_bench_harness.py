@@ -699,3 +699,39 @@ def test_spot_overhead_workload_and_kinds(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         spot_overhead.main()
     assert "unknown bogus" in capsys.readouterr().err
+
+
+def test_device_rollout_record_script_refuses_bad_arguments_before_anything(tmp_path):
+    """tools/device_rollout_record.sh needs a part (1 or 2) and the commit, before it joins, installs or records."""
+    import os
+
+    script = str(Path(__file__).resolve().parents[2] / "tools" / "device_rollout_record.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    for args in ([], ["1"], ["3", "abc"]):
+        run = subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env)
+        assert run.returncode == 64 and "usage" in run.stderr, (args, run.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_device_install_source_hash_follows_the_extension_sources(tmp_path):
+    """A prebuilt extension is used only when built from the same csrc/ and CMakeLists.txt: the hash is the same for
+    a copy of them and changes with any byte of a source."""
+    import shutil
+
+    root = Path(__file__).resolve().parents[2]
+    copy = tmp_path / "tree"
+    (copy / "tools").mkdir(parents=True)
+    shutil.copy(root / "tools" / "device_install.sh", copy / "tools")
+    shutil.copytree(root / "csrc", copy / "csrc")
+    shutil.copy(root / "CMakeLists.txt", copy)
+
+    def source_hash(tree):
+        out = subprocess.run(["bash", str(tree / "tools" / "device_install.sh"), "--source-hash"], capture_output=True,
+                             text=True, check=True)
+        return out.stdout.strip()
+
+    original = source_hash(root)
+    assert len(original) == 64 and source_hash(copy) == original
+    with open(copy / "csrc" / "bindings.cpp", "a") as f:
+        f.write("\n")
+    assert source_hash(copy) != original

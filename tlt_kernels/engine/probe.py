@@ -41,19 +41,19 @@ def probe_arms(runner, strategies, covers, inputs, device: torch.device, lagging
 
 
 def drafted_rows(drafter, inputs, lagging=None):
-    """``[rows with a draft, lagging rows with one]`` of an n-gram drafter's step: the rows whose history holds a
-    match of its suffix (their own, or a sibling's with groups), so every speculative arm drafts at least one token
-    for them and none for the others; None for any other drafter (a model always drafts). Read after a device
-    synchronization, outside the timed probes: a selector that knew it before choosing could skip a step with
-    nothing to verify (docs/RUNTIME.md)."""
+    """``[rows with a draft, lagging rows with one]`` (the first alone without ``lagging``) of an n-gram drafter's
+    step: the rows whose history holds a match of its suffix (their own, or a sibling's with groups), so every
+    speculative arm drafts at least one token for them and none for the others; None for any other drafter (a model
+    always drafts). Read after a device synchronization, outside the timed probes: a selector that knew it before
+    choosing could skip a step with nothing to verify (docs/RUNTIME.md)."""
     from ..drafter.ngram_rollout import NGramRolloutDrafter
 
     if not isinstance(drafter, NGramRolloutDrafter) or drafter.histories is None:
         return None
     history_rows = inputs.drafter_state[0] if inputs.drafter_state else inputs.rows
     has_draft = drafter.histories.propose(1).num_drafts[history_rows] > 0
-    lagging = lagging if lagging is not None else torch.zeros_like(has_draft)
-    return torch.stack([has_draft.sum(), (has_draft & lagging).sum()]).tolist()
+    counts = [has_draft.sum()] + ([] if lagging is None else [(has_draft & lagging).sum()])
+    return torch.stack(counts).tolist()
 
 
 def arms_of_step(runner, strategies, covers, inputs, device: torch.device, lagging=None) -> dict:
