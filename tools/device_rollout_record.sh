@@ -4,14 +4,16 @@
 #   call 1, carry [.model/smollm2.part_00, .model/smollm2.sha256]:  bash tools/device_model.sh 1
 #   call 2, carry [.model/smollm2.part_01, .whl, .peer/soz]:       bash tools/device_rollout_record.sh 1 SHA
 #   call 3, carry [.peer/soz]:                                       bash tools/device_rollout_record.sh 2 SHA
+#                                                               then bash tools/device_rollout_record.sh 3 SHA
 # Part 1 joins the model (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from
 # tools/carry_extension.sh saves the build), trains the EAGLE drafter for 60 s (tlt_kernels.engine.train_drafter, its
 # log in $OUT/train.log) and records B = 1, 4 and the 64-request tail; part 2 adds B = 16, 64, 256 (--record-merge)
 # and returns the merged record as $OUT/rec/rollout.json (copy it to bench/results/h200/, add the drafter's training
-# figures to its notes, then `python -m bench report`). About 520 s and 300 s on an H200.
+# figures to its notes, then `python -m bench report`); part 3 adds the sampled rows (--temperature 1: B = 1, 16 and
+# the tail, our engines only, no step-cost rows). About 520, 300 and 200 s on an H200.
 set -uo pipefail
 PART=${1:-} SHA=${2:-}
-[ -n "$SHA" ] && [ "$PART" = 1 -o "$PART" = 2 ] || { echo "usage: bash tools/device_rollout_record.sh 1|2 SHA" >&2; exit 64; }
+[ -n "$SHA" ] && [ "$PART" = 1 -o "$PART" = 2 -o "$PART" = 3 ] || { echo "usage: bash tools/device_rollout_record.sh 1|2|3 SHA" >&2; exit 64; }
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/device_rollout_out}
 export PYTHONUNBUFFERED=1
@@ -32,8 +34,13 @@ if [ "$PART" = 1 ]; then
 else
   [ -f /tmp/eagle.pt ] && [ -f /tmp/rollout_rec/h200/rollout.json ] || { echo "part 1 is gone (the machine went cold)" >&2; exit 3; }
   bash tools/device_install.sh "$OUT/install.log" || exit 4
-  timeout $((570 - (SECONDS - T0))) python3 -m bench rollout "${COMMON[@]}" --batches 16,64,256 --tail-batch 0 \
-    --step-batches 1 --record /tmp/rollout_rec --record-merge --out "$OUT/w" > "$OUT/rollout_2.log" 2>&1
+  if [ "$PART" = 2 ]; then
+    PART_ARGS=(--batches 16,64,256 --tail-batch 0 --step-batches 1)
+  else
+    PART_ARGS=(--temperature 1 --batches 1,16 --tail-batch 64 --no-hf-eager --no-hf-compile)
+  fi
+  timeout $((570 - (SECONDS - T0))) python3 -m bench rollout "${COMMON[@]}" "${PART_ARGS[@]}" \
+    --record /tmp/rollout_rec --record-merge --out "$OUT/w$PART" > "$OUT/rollout_$PART.log" 2>&1
 fi
 echo "bench exit $? at $((SECONDS - T0)) s"; tail -4 "$OUT/rollout_$PART.log"
 cp /tmp/rollout_rec/h200/rollout.json "$OUT/rec/" 2> /dev/null

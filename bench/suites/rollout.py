@@ -12,7 +12,7 @@ Workloads (the ``workload`` column): ``uniform``, each ``--batches`` size with e
 ``--max-new-tokens``, at most twice it: most short, a few long, the tail of an RL rollout). Requests cycle over the
 prompts. EOS does not stop a request unless ``--eos``, so every configuration emits the same tokens.
 
-Rows per workload (greedy, each after an untimed warm-up):
+Rows per workload (greedy, or sampled at ``--temperature``; each after an untimed warm-up):
 
 * ``hf-eager``: ``transformers`` ``generate`` on the model the weights came from (left-padded batch);
 * ``hf-static-compiled``: the same with ``cache_implementation="static"`` and a ``CompileConfig``, so transformers
@@ -39,7 +39,11 @@ tokens), ``jit_compiles`` (Triton compiles during the row's timed rollouts, all 
 warmed up; a note names the kernels otherwise) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
 transformers). A difference is recorded, never raised, with a note naming the first differing request and position:
 in bf16 a tree verification and a plain step reduce in different orders, and transformers' kernels differ from ours,
-so a greedy near-tie can flip; the CPU run is fp32.
+so a greedy near-tie can flip; the CPU run is fp32. With ``--temperature T > 0`` every row samples at T (top-k and
+top-p off; request i of our engine's rollouts with Philox seed i), the case carries ``temperature``, nothing is
+compared token for token (``greedy_identical`` is null) and ``accepted_length`` is the lossless rule's at T: the
+drafter's acceptance in the regime of an RL rollout. A sampled run has no step-cost rows (a step's cost does not
+depend on the temperature; the greedy run's rows measure it).
 
 Step-cost rows (``workload`` ``step-cost``, impls ``plain step``, ``ngram off step``, ``ngram <arm> step``, the same
 for ``eagle``), at each
@@ -96,6 +100,8 @@ FLAGS = (
     Flag("--max-new-tokens", None, "tokens per request of the uniform workload (default: 256; small 8)", positive_int,
          metavar="N"),
     Flag("--eos", False, "stop a request at the tokenizer's EOS token (off: every request emits all its tokens)", bool),
+    Flag("--temperature", 0.0, "sampling temperature of every row (0: greedy; > 0: sampled, request i with seed i, "
+         "and the rows are not compared token for token)", float),
     Flag("--arms", (), "comma-separated static speculative arms, e.g. s2k1v3,s4k2v8 (default: the size's set)",
          str_list, metavar="LIST"),
     Flag("--eagle-checkpoint", None, "an EAGLE drafter for the model (a state dict or a SpotTrainer checkpoint): "
@@ -174,6 +180,7 @@ class Workload:
     prompts: List[List[int]]
     lengths: List[int]
     previous: List[List[int]]
+    temperature: float = 0.0
 
     @property
     def batch(self) -> int:
@@ -181,7 +188,11 @@ class Workload:
 
     @property
     def case(self) -> Dict[str, object]:
-        return {"workload": self.name, "B": self.batch, "tokens": sum(self.lengths)}
+        """The row's case; a sampled run's carries its temperature (a greedy case keeps the keys it always had)."""
+        case: Dict[str, object] = {"workload": self.name, "B": self.batch, "tokens": sum(self.lengths)}
+        if self.temperature:
+            case["temperature"] = self.temperature
+        return case
 
 
 def cycle(prompt_ids: Sequence[List[int]], count: int, start: int = 0) -> List[List[int]]:
@@ -210,15 +221,16 @@ def tail_lengths(batch: int, median: int, cap: int, seed: int = 0) -> List[int]:
     return [int(min(cap, max(2, round(median * math.exp(float(v)))))) for v in z]
 
 
-def workloads(prompt_ids: Sequence[List[int]], z: Sizes) -> List[Workload]:
+def workloads(prompt_ids: Sequence[List[int]], z: Sizes, temperature: float = 0.0) -> List[Workload]:
     """A uniform workload per batch size, then the long-tailed one (median a quarter of ``max_new_tokens``, at most
-    twice it: the tail's longest requests stay within one KV-cache sizing of the uniform runs)."""
-    out = [Workload("uniform", cycle(prompt_ids, b), [z.max_new_tokens] * b, cycle(prompt_ids, b, b))
+    twice it: the tail's longest requests stay within one KV-cache sizing of the uniform runs), each sampled at
+    ``temperature`` (0: greedy)."""
+    out = [Workload("uniform", cycle(prompt_ids, b), [z.max_new_tokens] * b, cycle(prompt_ids, b, b), temperature)
            for b in z.batches]
     if z.tail_batch:
         lengths = tail_lengths(z.tail_batch, max(2, z.max_new_tokens // 4), 2 * z.max_new_tokens)
         out.append(Workload("tail", cycle(prompt_ids, z.tail_batch), lengths,
-                            cycle(prompt_ids, z.tail_batch, z.tail_batch)))
+                            cycle(prompt_ids, z.tail_batch, z.tail_batch), temperature))
     return out
 
 
@@ -326,15 +338,19 @@ def own_tokens(row: Sequence[int], length: int, eos_id: Optional[int]) -> List[i
 
 def hf_generate(models: Models, work: Workload, eos_id: Optional[int], compile_config=None,
                 max_new_tokens: Optional[int] = None):
-    """``(tokens per request, wall seconds)`` of transformers' greedy generate of ``work`` (every request to the
-    longest length, or ``max_new_tokens``), stopping at ``eos_id`` unless None; with ``compile_config`` a static
-    cache and the compiled decode step."""
+    """``(tokens per request, wall seconds)`` of transformers' generate of ``work`` (every request to the longest
+    length, or ``max_new_tokens``; greedy, or sampled at ``work.temperature`` with top-k and top-p off, as our
+    engine samples), stopping at ``eos_id`` unless None; with ``compile_config`` a static cache and the compiled
+    decode step."""
     hf = models.hf
     ids, mask = left_padded(work.prompts, models.pad_id, hf.device)
     # The model's generation_config keeps its own EOS (load() clears it when EOS is off): the argument alone
-    # would leave it in force.
+    # would leave it in force; likewise its sampling defaults (SmolLM2 ships top_p), hence top_k=0 and top_p=1.
     kwargs = dict(max_new_tokens=max_new_tokens or max(work.lengths), do_sample=False, pad_token_id=models.pad_id,
                   eos_token_id=eos_id)
+    if work.temperature:
+        kwargs.update(do_sample=True, temperature=work.temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(0)
     if compile_config is not None:
         kwargs.update(cache_implementation="static", compile_config=compile_config)
     with torch.no_grad():
@@ -407,6 +423,9 @@ class RolloutRun:
         self.identical: Dict[str, bool] = {}
         self.step_prompts: List[List[int]] = []
         self.tables: Dict[str, Any] = {}  # configuration name -> its engine's start-up cost table (or None)
+        if not 0.0 <= self.p.temperature < math.inf:
+            raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.p.temperature}")
+        self.sampled = self.p.temperature > 0
 
     # -- set-up ------------------------------------------------------------------------------------------------------
     def load(self) -> None:
@@ -430,7 +449,7 @@ class RolloutRun:
             raise ValueError("--eos: the model's tokenizer / config has no EOS token")
         self.eos = self.models.eos_id if self.p.eos else None
         self.models.hf.generation_config.eos_token_id = self.eos
-        self.works = workloads(prompt_ids, self.z)
+        self.works = workloads(prompt_ids, self.z, self.p.temperature)
         self.step_prompts = cycle(prompt_ids, max(self.z.step_batches))
         longest = max(len(p) for p in prompt_ids)
         self.max_batch = max([w.batch for w in self.works] + list(self.z.step_batches))
@@ -476,6 +495,17 @@ class RolloutRun:
                               f"max {max(work.lengths)}, total {sum(work.lengths)} (log-normal, sigma 1)")
         self.ctx.note("EOS stops a request (--eos)" if self.eos is not None else
                       "EOS off: every request emits all its tokens (--eos to stop at it)")
+        if self.sampled:
+            self.ctx.note(f"sampled at temperature {self.p.temperature} (top-k and top-p off; our engine: request i "
+                          "of a rollout with Philox seed i; transformers: torch.manual_seed(0)), so no row is compared "
+                          "token for token (greedy_identical is null) and accepted_length is the lossless rule's at "
+                          "that temperature")
+
+    def generate(self, eng, prompts, lengths, **kwargs):
+        """``eng.generate`` at the run's temperature (request i with seed i) and EOS."""
+        seed = list(range(len(prompts))) if self.sampled else 0
+        return eng.generate(prompts, lengths, temperature=self.p.temperature, seed=seed, eos_token_id=self.eos,
+                            **kwargs)
 
     # -- rows --------------------------------------------------------------------------------------------------------
     def add_rollout_row(self, work: Workload, impl: str, tokens, wall_s: float, steps: int, accepted: float,
@@ -484,8 +514,9 @@ class RolloutRun:
         key = f"{work.name}:{work.batch}"
         if impl == "plain":
             self.refs[key] = tokens
-        diff = first_difference(tokens, self.refs[key])
-        self.identical[f"{impl} {key}"] = diff is None
+        diff = None if self.sampled else first_difference(tokens, self.refs[key])
+        if not self.sampled:
+            self.identical[f"{impl} {key}"] = diff is None
         if diff is not None:
             self.ctx.note(f"{impl}, {work.name} B={work.batch}: greedy output differs from plain, first at request "
                           f"{diff[0]}, token {diff[1]}")
@@ -493,7 +524,7 @@ class RolloutRun:
         emitted = sum(len(t) for t in tokens)
         self.ctx.add(work.case, impl, wall_s * 1e3, tokens_per_s=round(emitted / wall_s, 1), steps=steps,
                      accepted_length=round(accepted, 3), tokens=emitted, full_length=full,
-                     greedy_identical=diff is None, **extra)
+                     greedy_identical=None if self.sampled else diff is None, **extra)
 
     def add_engine_row(self, work: Workload, impl: str, run: "MedianRun") -> None:
         out, jit = run
@@ -594,7 +625,7 @@ class RolloutRun:
                 self.ctx.note(f"{config.name}: graph capture failed ({eng.graph_error}); its rows ran eagerly")
             else:
                 self.ctx.progress(f"{config.name}: {stats['graphs']} graphs in {stats['capture_seconds']:.1f} s")
-        eng.generate(self.step_prompts[:2], 4, eos_token_id=self.eos)  # warm-up: kernels, allocator
+        self.generate(eng, self.step_prompts[:2], 4)  # warm-up: kernels, allocator
         self.ctx.progress(f"{config.name}: engine ready in {time.perf_counter() - t0:.1f} s")
         return eng
 
@@ -638,17 +669,17 @@ class RolloutRun:
         static configuration's; or, adaptive, cold (a fresh selector per rollout, with the start-up cost table on the
         GPU) and warm (a fresh one that first decodes the previous prompts of the cycle, then the timed rollout)."""
         if not config.adaptive:
-            return [(config.name, lambda work: eng.generate(work.prompts, work.lengths, eos_token_id=self.eos))]
+            return [(config.name, lambda work: self.generate(eng, work.prompts, work.lengths))]
         fresh = self._selector_factory(eng, config, self._start_up_table(eng, config))
 
         def cold(work):
             eng.selector = fresh()
-            return eng.generate(work.prompts, work.lengths, eos_token_id=self.eos)
+            return self.generate(eng, work.prompts, work.lengths)
 
         def warm(work):
             eng.selector = fresh()
-            eng.generate(work.previous, work.lengths, eos_token_id=self.eos)
-            return eng.generate(work.prompts, work.lengths, eos_token_id=self.eos)
+            self.generate(eng, work.previous, work.lengths)
+            return self.generate(eng, work.prompts, work.lengths)
 
         return [(config.name, cold), (f"{config.name} (warm)", warm)]
 
@@ -695,7 +726,7 @@ class RolloutRun:
             records = []
             for index, prompts in enumerate((work.previous, work.prompts)):
                 part: List[dict] = []
-                eng.generate(prompts, work.lengths, eos_token_id=self.eos, trace=part)
+                self.generate(eng, prompts, work.lengths, trace=part)
                 records += [dict(record, rollout=index) for record in part]
             path = Path(directory) / f"{config.drafter}-{work.name}-B{work.batch}.json"
             path.write_text(json.dumps(records, separators=(",", ":")))
@@ -711,8 +742,9 @@ class RolloutRun:
 
     # -- per-step cost -----------------------------------------------------------------------------------------------
     def step_cost_rows(self, eng, config: EngineConfig) -> None:
-        """A static configuration's step-cost rows, one per ``--step-batches`` size (none for adaptive ones)."""
-        if not config.adaptive:
+        """A static configuration's step-cost rows, one per ``--step-batches`` size (none for adaptive ones, none in a
+        sampled run)."""
+        if not config.adaptive and not self.sampled:
             for batch in self.z.step_batches:
                 self.step_cost_row(eng, f"{config.name} step", batch)
 
@@ -752,6 +784,8 @@ class RolloutRun:
                           "PATH, a state dict or a SpotTrainer checkpoint)")
         if self.ctx.device.type != "cuda":
             self.ctx.note("step-cost rows on the CPU: wall time per step only; GPU kernel time needs CUDA")
+        if self.sampled:
+            return  # nothing compared (the note of the set-up says why)
         differ = sorted(k for k, same in self.identical.items() if not same)
         if not differ:
             self.ctx.note("greedy identical to plain in every row")

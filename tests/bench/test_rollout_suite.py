@@ -278,3 +278,50 @@ def test_selector_min_gain_reaches_every_adaptive_selector(monkeypatch):
     assert len(gains) >= 2 and set(gains) == {0.04}, gains
     with pytest.raises(SystemExit):
         _run(["--selector-min-gain", "1.5"])
+
+
+def test_temperature_samples_every_row_and_compares_none(monkeypatch):
+    """--temperature 1: every engine rollout samples at 1 with request i's seed i (recorded at the engine), the hf row
+    samples too, the cases carry the temperature, no row claims greedy identity, every request gets its tokens, the
+    speculative rows' accepted length is the lossless rule's (>= 1), and there are no step-cost rows (greedy runs
+    have them); a negative temperature is refused, naming the flag."""
+    from tlt_kernels.engine import SpeculativeEngine
+
+    calls = []
+    original = SpeculativeEngine.generate
+
+    def recording(self, prompts, max_new_tokens, *args, **kwargs):
+        calls.append((len(prompts), kwargs.get("temperature"), kwargs.get("seed")))
+        return original(self, prompts, max_new_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeEngine, "generate", recording)
+    res = _run(["--temperature", "1", "--drafters", "ngram", "--batches", "3", "--tail-batch", "0"])
+    assert res.status == "ok", res.data["error"]
+    rollouts = [r for r in res.data["rows"] if r["case"]["workload"] != "step-cost"]
+    assert {r["impl"] for r in rollouts} >= {"plain", "ngram s2k1v3", "ngram adaptive", "hf-eager"}
+    for r in rollouts:
+        assert r["case"] == {"workload": "uniform", "B": 3, "tokens": 24, "temperature": 1.0}, r
+        assert r["greedy_identical"] is None and r["full_length"] is True and r["tokens"] == 24, r
+        assert r["accepted_length"] >= 1.0, r
+    assert calls and all(t == 1.0 and seed == list(range(batch)) for batch, t, seed in calls), calls
+    assert not [r for r in res.data["rows"] if r["case"]["workload"] == "step-cost"]  # greedy rows measure a step
+    assert any(n.startswith("sampled at temperature 1.0") for n in res.data["notes"])
+    assert not any("greedy identical" in n or "greedy output differs" in n for n in res.data["notes"])
+    refused = _run(["--temperature", "-1", "--drafters", "ngram", "--batches", "1", "--tail-batch", "0"])
+    assert refused.status != "ok" and "--temperature" in str(refused.data["error"]), refused.data
+
+
+def test_hf_generate_samples_at_the_workloads_temperature():
+    """hf_generate is greedy at temperature 0 and samples at > 0 (seeded: the same tokens twice), with the model's own
+    sampling defaults overridden (top-k and top-p off)."""
+    hf = rollout.tiny_hf_model()
+    hf.generation_config.top_p, hf.generation_config.top_k = 0.5, 3  # defaults a shipped model may carry
+    models = rollout.Models(None, hf, pad_id=0, eos_id=None)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy = rollout.Workload("uniform", prompts, [12, 12], prompts)
+    sampled = rollout.Workload("uniform", prompts, [12, 12], prompts, temperature=1.5)
+    g1, _ = rollout.hf_generate(models, greedy, None)
+    s1, _ = rollout.hf_generate(models, sampled, None)
+    s2, _ = rollout.hf_generate(models, sampled, None)
+    assert [len(t) for t in g1] == [len(t) for t in s1] == [12, 12]
+    assert s1 == s2 and s1 != g1
