@@ -96,7 +96,8 @@ def _rl_step(r: Row) -> bool:
 
 
 def _uniform(batch: int) -> Callable[[Row], bool]:
-    return lambda r: r.get("workload") == "uniform" and r.get("B") == batch
+    """The greedy uniform workload at ``batch`` (a sampled row's case carries its temperature)."""
+    return lambda r: r.get("workload") == "uniform" and r.get("B") == batch and not r.get("temperature")
 
 
 HEADLINES: List[Headline] = [

@@ -202,7 +202,8 @@ the regenerated files together; `tests/bench/test_report.py` fails when they dis
 The rollout suite on the real default model goes through the device tool in three calls on one warm machine (the
 model travels in two pieces, `tools/carry_model.sh`; the extension prebuilt here, `tools/carry_extension.sh`):
 `tools/device_model.sh 1`, then `tools/device_rollout_record.sh 1 SHA` (joins the model, trains the EAGLE drafter for
-60 s, records B = 1, 4 and the long tail), then `tools/device_rollout_record.sh 2 SHA` (adds B = 16, 64, 256); each
+60 s, records B = 1, 4 and the long tail), then `tools/device_rollout_record.sh 2 SHA` (adds B = 16, 64, 256) and
+`tools/device_rollout_record.sh 3 SHA` (adds B = 1, 16 and the tail sampled at temperature 1) in one call; each
 script's header lists what its call carries.
 
 ## Reading the figures

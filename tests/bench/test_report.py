@@ -153,3 +153,15 @@ def test_help_names_record_and_report(capsys):
         bench_main(["--help"])
     out = capsys.readouterr().out
     assert "--record" in out and "python -m bench report" in out
+
+
+def test_rollout_headlines_read_the_greedy_rows_only():
+    """The README's rollout headlines pick the greedy uniform rows: a sampled row of the same batch size (its case
+    carries the temperature) is not theirs."""
+    rollout = [h for h in HEADLINES if h.suite == "rollout"]
+    assert rollout
+    greedy = {"workload": "uniform", "B": 1, "tokens": 128}
+    for headline in rollout:
+        batch = 1 if headline.where({**greedy, "B": 1}) else 64
+        assert headline.where({**greedy, "B": batch})
+        assert not headline.where({**greedy, "B": batch, "temperature": 1.0})
