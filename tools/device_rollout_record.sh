@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the repository root: the rollout suite's run of record on the real default model, in two
-# parts that each fit one device call (the machine stays warm between calls; /tmp survives while it does):
+# On the GPU machine, from the repository root: the rollout suite's run of record on the real default model, in three
+# parts, in the device calls below (the machine stays warm between calls; /tmp survives while it does):
 #   call 1, carry [.model/smollm2.part_00, .model/smollm2.sha256]:  bash tools/device_model.sh 1
 #   call 2, carry [.model/smollm2.part_01, .whl, .peer/soz]:       bash tools/device_rollout_record.sh 1 SHA
 #   call 3, carry [.peer/soz]:                                       bash tools/device_rollout_record.sh 2 SHA

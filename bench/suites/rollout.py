@@ -514,17 +514,18 @@ class RolloutRun:
         key = f"{work.name}:{work.batch}"
         if impl == "plain":
             self.refs[key] = tokens
-        diff = None if self.sampled else first_difference(tokens, self.refs[key])
+        identical = None  # a sampled row is compared with nothing
         if not self.sampled:
-            self.identical[f"{impl} {key}"] = diff is None
-        if diff is not None:
-            self.ctx.note(f"{impl}, {work.name} B={work.batch}: greedy output differs from plain, first at request "
-                          f"{diff[0]}, token {diff[1]}")
+            diff = first_difference(tokens, self.refs[key])
+            identical = self.identical[f"{impl} {key}"] = diff is None
+            if diff is not None:
+                self.ctx.note(f"{impl}, {work.name} B={work.batch}: greedy output differs from plain, first at "
+                              f"request {diff[0]}, token {diff[1]}")
         full = all(len(t) == n for t, n in zip(tokens, work.lengths))
         emitted = sum(len(t) for t in tokens)
         self.ctx.add(work.case, impl, wall_s * 1e3, tokens_per_s=round(emitted / wall_s, 1), steps=steps,
                      accepted_length=round(accepted, 3), tokens=emitted, full_length=full,
-                     greedy_identical=None if self.sampled else diff is None, **extra)
+                     greedy_identical=identical, **extra)
 
     def add_engine_row(self, work: Workload, impl: str, run: "MedianRun") -> None:
         out, jit = run
