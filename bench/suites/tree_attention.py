@@ -25,7 +25,8 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
   over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
   kernel over the caches' exact bf16 widening (the CUDA row: its mma.sync kernel, where fp8 caches run), XQA's
-  against ours;
+  against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)``: the Triton row on the other side of its
+  key-product rule (``FP8_KEY_PRODUCT_TILES``);
 * ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
   q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
   mask is bit-packed over them (:func:`xqa_tree_mask`); ``flashinfer decode (T=1)``: its decode wrapper for one
@@ -569,6 +570,7 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
     out = _fp8_row(ctx, "triton", case, plan, q, k8, v8, widened, nbytes, cost)
     if out is None:
         return
+    _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
     if sweep:
         _sweep(ctx, case, {"split=default": plan}, q, k8, v8, torch.empty_like(out), out, nbytes, cost.extra,
                name="sweep fp8", stages=(2, 3, 4, 5))
@@ -583,10 +585,25 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
                               impl="flashinfer-xqa fp8")
 
 
-def _fp8_row(ctx, backend, case, plan, q, k8, v8, reference, nbytes, cost):
-    """The ``tlt-<backend> fp8`` row: ``backend`` over the e4m3 caches, checked against ``reference``, then timed.
-    Its output, or None after a note when it fails."""
-    impl = f"tlt-{backend} fp8"
+def _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
+    """The Triton kernel over the e4m3 caches on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES`` in
+    _triton/tree_attention.py): ``tlt-triton fp8 (keys widened)`` where the default multiplies the keys as stored,
+    ``tlt-triton fp8 (e4m3 key products)`` elsewhere; checked against the widened caches' output."""
+    import tlt_kernels._triton.tree_attention as tk
+
+    tile = (plan.head_dim, tk.kernel_config(plan.head_dim, plan.num_tree * plan.group)[0])
+    if tk.uses_fp8_key_products(q.dtype, k8.dtype, *tile):
+        impl, tiles = "tlt-triton fp8 (keys widened)", tk.FP8_KEY_PRODUCT_TILES - {tile}
+    else:
+        impl, tiles = "tlt-triton fp8 (e4m3 key products)", tk.FP8_KEY_PRODUCT_TILES | {tile}
+    with mock.patch.object(tk, "FP8_KEY_PRODUCT_TILES", frozenset(tiles)):  # the rule's other side, this row only
+        _fp8_row(ctx, "triton", case, plan, q, k8, v8, reference, nbytes, cost, impl=impl)
+
+
+def _fp8_row(ctx, backend, case, plan, q, k8, v8, reference, nbytes, cost, impl=None):
+    """The ``tlt-<backend> fp8`` row (or ``impl``): ``backend`` over the e4m3 caches, checked against ``reference``,
+    then timed. Its output, or None after a note when it fails."""
+    impl = impl or f"tlt-{backend} fp8"
     try:
         out = plan.run(q, k8, v8, backend=backend)
         _check(impl, out, reference, case)

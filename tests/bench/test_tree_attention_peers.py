@@ -160,9 +160,32 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
 
     why = backend_unavailable_reason("cuda", inp["q"].device)  # the CUDA row runs where the extension does
     assert ctx.notes == ([] if why is None else [f"tlt-cuda fp8 not run: {why}"])
-    assert [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8"] + (["tlt-cuda fp8"] if why is None else []) + [
-        "flashinfer-xqa fp8"]
+    assert [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8", "tlt-triton fp8 (e4m3 key products)"] + (
+        ["tlt-cuda fp8"] if why is None else []) + ["flashinfer-xqa fp8"]
     assert ctx.rows[0][2]["bytes_moved"] == B * (L + T) * Hkv * D * 2 + 2 * B * T * Hq * D * 2
+    assert ctx.rows[1][2]["bytes_moved"] == ctx.rows[0][2]["bytes_moved"]
+
+
+@pytest.mark.triton
+def test_fp8_key_product_rule_row_times_the_other_side():
+    """Where the default multiplies e4m3 keys as stored (D = 128, a 64-row tile: here 35 rows), the rule's row is the
+    kernel with the keys widened, timed under that name and checked like the default row; the rule is restored."""
+    import tlt_kernels._triton.tree_attention as tk
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, L, T, Hq, Hkv, D = 1, 40, 5, 14, 2, 128
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
+    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                               num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
+    k8, v8 = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
+    widened = plan.run(inp["q"], k8.to(torch.bfloat16), v8.to(torch.bfloat16), backend="triton")
+    assert tk.uses_fp8_key_products(torch.bfloat16, k8.dtype, D, 64)
+    before = tk.FP8_KEY_PRODUCT_TILES
+    ctx = _Ctx()
+    suite._bench_fp8_key_product_rule(ctx, {"model": "test", "B": B, "L": L, "T": T}, plan, inp["q"], k8, v8,
+                                      widened, 123, SimpleNamespace(extra=lambda ms: {}))
+    assert [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8 (keys widened)"] and ctx.notes == []
+    assert ctx.rows[0][2]["bytes_moved"] == 123 and tk.FP8_KEY_PRODUCT_TILES is before
     assert all(columns["timing"] == "eager" for _, _, columns in ctx.rows)
 
 

@@ -213,7 +213,8 @@ consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16,
               BLOCK_T=max(16, 1 << (T - 1).bit_length()), NUM_M_CHUNKS=chunks, INTERPRET=False,
               DROP_BITS=0 if FP32 else 16, NUM_COUNTERS=-(-T * G // 16), FUSED_MERGE=block_m <= m.FUSED_MERGE_MAX_ROWS,
               MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1,
-              LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32")
+              LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32",
+              FP8_KEY_PRODUCTS=KV == "*fp8e4nv" and (D, block_m) in m.FP8_KEY_PRODUCT_TILES)
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")
@@ -267,11 +268,12 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, checks=_FP32_CHECKS))
 
 
-@pytest.mark.parametrize("kv,T", [("*fp8e4nv", 16), ("*fp8e5", 16), ("*fp8e4nv", 4)])
+@pytest.mark.parametrize("kv,T", [("*fp8e4nv", 16), ("*fp8e5", 16), ("*fp8e4nv", 4), ("*fp8e4nv", 8), ("*fp8e5", 8)])
 def test_fp8_cache_config_compiles_for_sm90(kv, T):
-    """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each K/V tile as loaded (V to fp16; K to
-    fp16 against fp16-scaled rows where a KV head has at most FP16_KEYS_MAX_ROWS query rows, else to bf16) and keeps
-    the tensor-core products; it compiles for sm_90 within the shared-memory limit and (nearly) without spills."""
+    """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each V tile as loaded to fp16, and each K
+    tile to fp16 against fp16-scaled rows where a KV head has at most FP16_KEYS_MAX_ROWS query rows, else to bf16,
+    except over e4m3 at FP8_KEY_PRODUCT_TILES (T = 8: 56 rows in a 64-row tile), where K enters e4m3 products as
+    stored; tensor-core products throughout, within the shared-memory limit and (nearly) without spills."""
     from conftest import compile_for_sm90
 
     checks = """
@@ -279,7 +281,11 @@ ptx = c.asm["ptx"]
 assert "wgmma" in ptx or "mma.sync" in ptx, "products over fp8 caches must use tensor cores"
 # A few bytes of spills at most: the T = 4 fp16-keys build spills 4 bytes under Triton 3.8 (none under 3.6).
 assert smem <= 227 * 1024 and spills <= 16, (smem, spills)
-if KV == "*fp8e4nv":  # e4m3 K reaches bf16 through fp16 (fp16 -> bf16 conversions); fp16 keys need none
-    assert ("cvt.bf16.f16" in ptx) == (T * G > m.FP16_KEYS_MAX_ROWS), (T * G, ptx.count("cvt.bf16.f16"))
+key_products = consts["FP8_KEY_PRODUCTS"]
+assert key_products == (KV == "*fp8e4nv" and T == 8), (KV, T, block_m)
+assert ("e4m3.e4m3" in ptx) == key_products, "e4m3 key products must reach the tensor cores as e4m3"
+if KV == "*fp8e4nv":  # e4m3 K reaches bf16 through fp16 (fp16 -> bf16 conversions); fp16 keys and e4m3 products none
+    widened_to_bf16 = T * G > m.FP16_KEYS_MAX_ROWS and not key_products
+    assert ("cvt.bf16.f16" in ptx) == widened_to_bf16, (T * G, ptx.count("cvt.bf16.f16"))
 """
     compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, checks=checks))

@@ -90,6 +90,11 @@ FUSED_MERGE_MAX_ROWS = 16
 # has at most this many query rows (T * G): measured faster there (T = 4), slower at 112 rows (T = 16), even at 56
 # (H200, docs/TREE_ATTENTION.md); above it K widens to bf16.
 FP16_KEYS_MAX_ROWS = tl.constexpr(32)
+# Over e4m3 caches with bf16 queries, at these (head_dim, row tile) the rows split into two e4m3 parts
+# (_query_as_fp8_pair) and the keys enter the products as stored, with no widening: measured faster at 64-row tiles
+# (T = 8, and T >= 32 in 64-row chunks, at G = 5-7), slower at 16/32-row tiles (mma.sync) and at 128 rows (H200,
+# docs/TREE_ATTENTION.md). Elsewhere the keys widen as above.
+FP8_KEY_PRODUCT_TILES = frozenset({(128, 64)})
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
@@ -119,6 +124,44 @@ def _query_for_fp16_keys(q, qk_scale):
 
 
 @triton.jit
+def _query_as_fp8_pair(q, qk_scale, INTERPRET: tl.constexpr):
+    """bf16 rows ``q [BLOCK_M, D]`` as two e4m3 parts ``hi + lo`` for products with e4m3 keys as stored (no widening
+    of K): scaled by ``2^-s`` so the block's largest finite ``|q|`` lands in ``[2^7, 2^8)``, ``hi`` the nearest e4m3
+    value, ``lo`` the nearest to the remainder, and ``qk_scale * 2^s`` to undo the scaling. A bf16 value keeps 8
+    significant bits and the remainder is a multiple of its last bit below half of ``hi``'s, so ``hi + lo`` is the
+    value exactly wherever ``lo`` is not subnormal-rounded (components within ``2^9`` of that largest one); below, off
+    by at most ``2^-10`` of the scaled largest. NaN and inf components become NaN (the scores they touch are NaN)."""
+    qf = q.to(tl.float32)
+    mag = tl.abs(qf)
+    finite = mag < float("inf")
+    amax = tl.max(tl.max(tl.where(finite, mag, 0.0), 1), 0)
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) for a normal amax
+    s = tl.minimum(tl.maximum(exponent - 7, -126), 126)  # 2^-s and 2^s both normal fp32 values
+    down = ((127 - s) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + s) << 23).to(tl.float32, bitcast=True)
+    scaled = tl.where(finite, qf * down, float("nan"))
+    hi = _round_to_e4m3(scaled)
+    lo = _round_to_e4m3(scaled - hi)
+    if not INTERPRET:  # exact values: the casts do not round (the interpreter's products take fp32 rows)
+        hi = hi.to(tl.float8e4nv)
+        lo = lo.to(tl.float8e4nv)
+    return hi, lo, qk_scale * up
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 ``x`` (``|x| < 448`` or NaN) rounded to the nearest e4m3 value, ties to even, as fp32: 3 mantissa bits by
+    integer rounding of the bits, multiples of ``2^-9`` below ``2^-6`` (e4m3's subnormals) by adding and removing
+    ``1.5 * 2^14``, whose fp32 ulp is ``2^-9``. By hand because the CPU interpreter's cast to e4m3 misrounds where a
+    value rounds up into the next binade (7.90625 to 4, and NaN to 384); the GPU's cast then only converts exact
+    values."""
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + ((1 << 19) - 1) + ((bits >> 20) & 1)) & ~((1 << 20) - 1)).to(tl.float32, bitcast=True)
+    subnormal = (x + 24576.0) - 24576.0
+    return tl.where(x != x, x, tl.where(tl.abs(x) < 0.015625, subnormal, normal))
+
+
+@triton.jit
 def _widen_tile(k, v, q_dtype: tl.constexpr, INTERPRET: tl.constexpr):
     """A K/V tile as the products take it: K in q's dtype (fp16 over fp8 caches: ``_query_for_fp16_keys``); V in
     q's dtype, or in fp16 from an fp8 cache (then P V runs in fp16). Both widenings are exact (scales are folded
@@ -133,16 +176,31 @@ def _widen_tile(k, v, q_dtype: tl.constexpr, INTERPRET: tl.constexpr):
             v = v.to(tl.float16)
         else:
             v = v.to(q_dtype)
-        k = k.to(q_dtype)
+        if not q_dtype.is_fp8():  # e4m3 rows (_query_as_fp8_pair) take the keys as stored
+            k = k.to(q_dtype)
     return k, v
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _scores(q, q_lo, k, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Raw scores ``q k^T [BM, BN]``. With rows split in two e4m3 parts (``_query_as_fp8_pair``: ``q`` the high part,
+    ``q_lo`` the remainder; else ``q_lo`` is None) two fp8 products over the keys as stored, the remainder's first so
+    the larger part rounds last."""
+    if q_lo is not None:
+        if INTERPRET:
+            s = tl.dot(q_lo, tl.trans(k), input_precision="ieee")
+            return tl.dot(q, tl.trans(k), s, input_precision="ieee")
+        s = tl.dot(q_lo, tl.trans(k))
+        return tl.dot(q, tl.trans(k), s)
+    return tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_tile(q, q_lo, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` and ``bias`` (added to
     the visible scores: 0, or NaN to poison a row that sees that key) broadcast to [BM, BN]."""
     k, v = _widen_tile(k, v, q.dtype, INTERPRET)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    qk = _scores(q, q_lo, k, INTERPRET, DOT_PRECISION) * qk_scale
     qk = tl.where(visible, qk + bias, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -153,12 +211,12 @@ def _attend_tile(q, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.
 
 
 @triton.jit
-def _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+def _attend_full_tile(q, q_lo, k, v, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
                       DOT_PRECISION: tl.constexpr):
     """``_attend_tile`` for a tile whose keys are all visible: no mask, and the scale folded into the
     exponent's FMA (``m`` is tracked on the raw scores, ``qk_scale > 0`` keeps the max the same)."""
     k, v = _widen_tile(k, v, q.dtype, INTERPRET)
-    return _softmax_pv(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE,
+    return _softmax_pv(_scores(q, q_lo, k, INTERPRET, DOT_PRECISION), v, m_i, l_i, acc, qk_scale, LAZY_RESCALE,
                        DOT_PRECISION)
 
 
@@ -214,7 +272,7 @@ def _checked_pages(pages, num_blocks):
 
 
 @triton.jit
-def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+def _context_tile(q, q_lo, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
                   num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Context tokens ``n0 .. n0+BLOCK_N-1`` (those below ``end``): gather K/V through the block table, attend unmasked.
@@ -225,12 +283,12 @@ def _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=tok_ok[:, None], other=0.0)
-    m_i, l_i, acc = _attend_tile(q, k, v, tok_ok[None, :], 0.0, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+    m_i, l_i, acc = _attend_tile(q, q_lo, k, v, tok_ok[None, :], 0.0, m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
     return m_i, l_i, acc, tl.max(page_bad, 0)
 
 
 @triton.jit
-def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+def _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
                        num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                        LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks.
@@ -239,12 +297,12 @@ def _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, 
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
-    m_i, l_i, acc = _attend_full_tile(q, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+    m_i, l_i, acc = _attend_full_tile(q, q_lo, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
     return m_i, l_i, acc, page_bad
 
 
 @triton.jit
-def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+def _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
                     stride_vs, num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
                     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
@@ -253,14 +311,14 @@ def _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs
     online-softmax state, the next tile's page ids and ``bad_n`` ORed with this tile's out-of-range flags."""
     nxt = n0 + BLOCK_N + offs_n
     pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-    m_i, l_i, acc, page_bad = _full_context_tile(q, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
+    m_i, l_i, acc, page_bad = _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
                                                  stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE,
                                                  INTERPRET, LAZY_RESCALE, DOT_PRECISION)
     return m_i, l_i, acc, pages_next, bad_n | page_bad
 
 
 @triton.jit
-def _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+def _context_every_tile_masked(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
                                stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
                                BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Context tokens ``start .. end-1``, the legacy loop (``PIPELINE = 0``, the tests' reference for the pipelined loop):
@@ -271,14 +329,14 @@ def _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, of
     if INTERPRET:
         n0 = start
         while n0 < end:
-            m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
+            m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
                                                     PAGE_SIZE, INTERPRET, DOT_PRECISION)
             page_bad = page_bad | tile_bad
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
+            m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp,
                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
                                                     PAGE_SIZE, INTERPRET, DOT_PRECISION)
             page_bad = page_bad | tile_bad
@@ -286,7 +344,7 @@ def _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, of
 
 
 @triton.jit
-def _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
+def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
                        stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                        INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Context tokens ``start .. end-1``: whole tiles first, unmasked, then at most one masked tail tile. The page ids
@@ -301,20 +359,20 @@ def _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, st
         # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
         n0 = start
         while n0 < full_end:
-            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
                                                           stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, bad_n,
                                                           m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
                                                           LAZY_RESCALE, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
                                                           stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, bad_n,
                                                           m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
                                                           LAZY_RESCALE, DOT_PRECISION)
     page_bad = tl.max(bad_n, 0)
     if full_end < end:
-        m_i, l_i, acc, tile_bad = _context_tile(q, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp,
+        m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp,
                                                 stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
                                                 PAGE_SIZE, INTERPRET, DOT_PRECISION)
         page_bad = page_bad | tile_bad
@@ -322,7 +380,7 @@ def _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, st
 
 
 @triton.jit
-def _tree_tile(q, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
+def _tree_tile(q, q_lo, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
                stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The tree part: slots ``ctx + j`` of nodes ``j < n_nodes``, each row seeing its ancestors (``mask_rows``: the
@@ -343,7 +401,7 @@ def _tree_tile(q, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_
     v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
     words = tl.load(mask_rows[:, None] + (offs_j // 32)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
     visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
-    m_i, l_i, acc = _attend_tile(q, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+    m_i, l_i, acc = _attend_tile(q, q_lo, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
     return m_i, l_i, acc, tl.max(page_bad, 0)
 
 
@@ -375,7 +433,7 @@ def _load_query_rows(Q_ptr, b64, h, chunk, stride_qb, stride_qt, stride_qh, T: t
 
 
 @triton.jit
-def _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d, split, ctx, n_nodes,
+def _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d, split, ctx, n_nodes,
                   n_splits_b, qk_scale, split_len, num_blocks, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                   stride_vh, stride_bt, T: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -397,19 +455,19 @@ def _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     if PIPELINE == 0:
-        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, k_head, v_head, bt_row, start, end, offs_n, offs_d,
+        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d,
                                                              stride_kp, stride_ks, stride_vp, stride_vs, num_blocks,
                                                              m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
                                                              DOT_PRECISION)
     else:
-        m_i, l_i, acc, page_bad = _context_pipelined(q, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp,
+        m_i, l_i, acc, page_bad = _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp,
                                                      stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
                                                      qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
                                                      DOT_PRECISION)
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
     if split == n_splits_b - 1:
-        m_i, l_i, acc, tile_bad = _tree_tile(q, k_head, v_head, bt_row, TreeMask_ptr + (b64 * T + t) * W, ctx,
+        m_i, l_i, acc, tile_bad = _tree_tile(q, q_lo, k_head, v_head, bt_row, TreeMask_ptr + (b64 * T + t) * W, ctx,
                                              n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
                                              num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_T, INTERPRET,
                                              DOT_PRECISION)
@@ -465,6 +523,7 @@ def _tree_attn_partial_kernel(
     PIPELINE: tl.constexpr = 1,
     LAZY_RESCALE: tl.constexpr = 0.0,
     DOT_PRECISION: tl.constexpr = "tf32",
+    FP8_KEY_PRODUCTS: tl.constexpr = 0,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -478,11 +537,15 @@ def _tree_attn_partial_kernel(
 
     offs_m, row_ok, t, qh, offs_d, q = _load_query_rows(Q_ptr, b64, h, chunk, stride_qb, stride_qt, stride_qh, T, G,
                                                         HEAD_DIM, BLOCK_M, INTERPRET)
-    if not INTERPRET:
-        if K_ptr.dtype.element_ty.is_fp8():
-            if q.dtype == tl.bfloat16 and T * G <= FP16_KEYS_MAX_ROWS:
-                q, qk_scale = _query_for_fp16_keys(q, qk_scale)
-    m_i, l_i, acc, page_bad = _attend_split(q, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d,
+    if FP8_KEY_PRODUCTS:  # e4m3 caches, bf16 rows (uses_fp8_key_products): q_lo is the rows' remainder
+        q, q_lo, qk_scale = _query_as_fp8_pair(q, qk_scale, INTERPRET)
+    else:
+        q_lo = None
+        if not INTERPRET:
+            if K_ptr.dtype.element_ty.is_fp8():
+                if q.dtype == tl.bfloat16 and T * G <= FP16_KEYS_MAX_ROWS:
+                    q, qk_scale = _query_for_fp16_keys(q, qk_scale)
+    m_i, l_i, acc, page_bad = _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d,
                                             split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks, stride_kp,
                                             stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, T, W,
                                             HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_T, INTERPRET, PIPELINE,
@@ -714,6 +777,13 @@ def merges_in_partial_kernel(plan, block_m: int, chunks: int) -> bool:
             and tuple(counters.shape[:2]) == (plan.batch_size, plan.num_kv_heads) and counters.shape[2] >= chunks)
 
 
+def uses_fp8_key_products(q_dtype: torch.dtype, k_dtype: torch.dtype, head_dim: int, block_m: int) -> bool:
+    """Whether the partial kernel multiplies e4m3 keys as stored by the rows split into two e4m3 parts
+    (``FP8_KEY_PRODUCT_TILES``; bf16 rows only: a bf16 value is the sum of its two parts, an fp16 one is not)."""
+    return (q_dtype == torch.bfloat16 and k_dtype == torch.float8_e4m3fn
+            and (head_dim, block_m) in FP8_KEY_PRODUCT_TILES)
+
+
 def row_tile(head_dim: int, num_rows: int) -> int:
     """BLOCK_M for ``num_rows = T * G``: all rows in one program up to MAX_BLOCK_M, else chunks of 64.
 
@@ -788,7 +858,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
         NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused, MERGE_UNROLL=FUSED_MERGE_LOOP[0],
         MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE,
-        DOT_PRECISION="ieee" if fp32 else "tf32", num_warps=warps, num_stages=stages, **reg_cap,
+        DOT_PRECISION="ieee" if fp32 else "tf32", FP8_KEY_PRODUCTS=uses_fp8_key_products(q.dtype, k_cache.dtype, D, block_m), num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1 and not fused:
         _launch_merge(plan, out, interp, drop_bits)

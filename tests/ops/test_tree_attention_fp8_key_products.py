@@ -1,0 +1,140 @@
+"""Triton tree attention over e4m3 caches with e4m3 key products (``FP8_KEY_PRODUCT_TILES``): the bf16 rows split
+into two e4m3 parts ``hi + lo`` (``_query_as_fp8_pair``) and the keys enter the tensor-core products as stored.
+
+Checked: (1) the split itself, on random bf16 blocks of every magnitude: ``(hi + lo) * 2^s`` is the value exactly for
+every component within ``2^9`` of the block's largest, within ``2^-10`` of the scaled largest below, non-finite
+components become NaN; (2) the kernel on the tiles that use it (D = 128, 64-row tiles: T = 8 and chunked T = 20 at
+G = 7, one split and several) against the same kernel over the caches' exact bf16 widening (a few output ulps) and
+against the fp32 reference (no further than the widening's own error plus an ulp); (3) a row with an inf component
+comes out NaN, the others as before; (4) the rule: bf16 rows, e4m3 caches, the listed tiles only."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import kernel_devices, need_backend, poison_
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import budget, seeds
+from test_tree_attention import make_case, make_plan
+
+from tlt_kernels._triton import tree_attention as tk
+from tlt_kernels._backend import triton_interpret_enabled
+from tlt_kernels.ops.tree_attention import run
+from tlt_kernels.reference.tree_attention import tree_attention_reference
+
+DEVICE = torch.device(kernel_devices()[0])
+# (ctx_lens, T, Hq, Hkv, D, num_nodes, split_len): 56 rows in one 64-row tile; 140 rows in three 64-row chunks.
+CASES = {
+    "T8-G7-one-split": ([37, 150, 0], 8, 14, 2, 128, [8, 3, 8], None),
+    "T20-G7-splits": ([200, 9], 20, 7, 1, 128, [20, 13], 64),
+}
+
+
+@triton.jit
+def _split_kernel(Q_ptr, Hi_ptr, Lo_ptr, Up_ptr, BLOCK_M: tl.constexpr, D: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.arange(0, BLOCK_M)[:, None] * D + tl.arange(0, D)[None, :]
+    hi, lo, up = tk._query_as_fp8_pair(tl.load(Q_ptr + offs).to(tl.float32), 1.0, INTERPRET)
+    tl.store(Hi_ptr + offs, hi.to(tl.float32))
+    tl.store(Lo_ptr + offs, lo.to(tl.float32))
+    tl.store(Up_ptr, up)
+
+
+def _split(q: torch.Tensor):
+    """``(hi, lo, 2^s)`` of the bf16 block ``q [M, D]`` as fp32, through the kernel's own helper."""
+    hi, lo = torch.empty(q.shape, dtype=torch.float32, device=q.device), torch.empty(q.shape, device=q.device)
+    up = torch.empty(1, device=q.device)
+    _split_kernel[(1,)](q, poison_(hi), poison_(lo), up, BLOCK_M=q.shape[0], D=q.shape[1],
+                        INTERPRET=triton_interpret_enabled())
+    return hi, lo, up.item()
+
+
+@pytest.mark.triton
+@budget(20)
+@given(seed=seeds, magnitude=st.integers(-120, 120), spread=st.integers(0, 40))
+def test_query_split_is_exact_within_its_range(seed, magnitude, spread):
+    """``(hi + lo) * 2^s`` equals each bf16 component within ``2^9`` of the block's largest finite one, and misses the
+    smaller ones by at most ``2^-10`` of the scaled block (``lo``'s subnormal step); both parts are e4m3 values.
+    Normal bf16 components (below ``2^-126``, zeros here: the CPU interpreter does not keep subnormal inputs)."""
+    need_backend("tree_attention", "triton", DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-spread, 1, (16, 32), generator=gen).float() + magnitude
+    q = torch.randn(16, 32, generator=gen) * torch.exp2(exponents)
+    q = torch.where(q.abs() < 2.0**-126, 0.0, q).to(torch.bfloat16)
+    hi, lo, up = _split(q.to(DEVICE))
+    hi, lo, exact = hi.cpu().double(), lo.cpu().double(), q.double()
+    for part in (hi, lo):
+        assert torch.equal(part.to(torch.float8_e4m3fn).double(), part)  # e4m3 values
+    amax = exact.abs().max()
+    assert 2.0**7 <= amax / up < 2.0**8 or amax == 0
+    big = exact.abs() >= amax * 2.0**-9
+    assert torch.equal(((hi + lo) * up)[big], exact[big])
+    assert ((hi + lo) * up - exact).abs().max() <= 2.0**-10 * up
+
+
+@pytest.mark.triton
+def test_query_split_turns_non_finite_components_into_nan():
+    need_backend("tree_attention", "triton", DEVICE)
+    q = torch.randn(16, 32).to(torch.bfloat16)
+    q[3, 5], q[7, 0], q[9, 9] = float("inf"), float("-inf"), float("nan")
+    hi, lo, up = _split(q.to(DEVICE))
+    bad = ~q.isfinite()
+    assert hi.cpu()[bad].isnan().all() and hi.cpu()[~bad].isfinite().all()
+    assert 2.0**7 <= q[~bad].float().abs().max() / up < 2.0**8  # the largest finite component sets the scale
+
+
+def _outputs(name, k_scale=1.0):
+    """The case's e4m3 caches through the key products, the same kernel over their bf16 widening, the fp32 reference
+    over the dequantized caches, and the case."""
+    ctx, T, Hq, Hkv, D, n, split_len = CASES[name]
+    case = make_case(ctx, T, Hq, Hkv, D, 16, torch.bfloat16, ("random",), n)
+    k8, v8 = case["k_cache"].to(torch.float8_e4m3fn), case["v_cache"].to(torch.float8_e4m3fn)
+    block_m = tk.kernel_config(D, T * (Hq // Hkv))[0]
+    assert tk.uses_fp8_key_products(torch.bfloat16, torch.float8_e4m3fn, D, block_m), "the case must use them"
+    plan = make_plan(case, split_len=split_len)
+    got = run(plan, case["q"], k8, v8, out=poison_(torch.empty_like(case["q"])), backend="triton")
+    wide = run(plan, case["q"], k8.to(torch.bfloat16), v8.to(torch.bfloat16), backend="triton")
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k8.float(),
+                                       "v_cache": v8.float()}, out_dtype=torch.float32)
+    return got, wide, want, {**case, "k_cache": k8, "v_cache": v8}, plan
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_key_products_match_the_widened_keys(name):
+    """The same attention as the kernel over the exactly widened caches: a few output ulps apart (the products sum
+    the same terms in another order), and no further from the fp32 reference than it plus an ulp."""
+    need_backend("tree_attention", "triton", DEVICE)
+    got, wide, want, _, _ = _outputs(name)
+    assert not got.isnan().any()
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+    torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
+    assert (got.float() - want).abs().max() <= (wide.float() - want).abs().max() + ulp
+
+
+@pytest.mark.triton
+def test_key_products_nan_row_for_an_inf_query_component():
+    """A query row with an inf component comes out NaN (as over widened keys: its scores are +-inf or NaN); the rows
+    of the other heads and nodes keep their values."""
+    need_backend("tree_attention", "triton", DEVICE)
+    _, _, _, case, plan = _outputs("T8-G7-one-split")
+    q = case["q"].clone()
+    q[0, 2, 3, 17] = float("inf")
+    got = run(plan, q, case["k_cache"], case["v_cache"], backend="triton")
+    wide = run(plan, q, case["k_cache"].to(torch.bfloat16), case["v_cache"].to(torch.bfloat16), backend="triton")
+    assert got[0, 2, 3].isnan().all() and wide[0, 2, 3].isnan().all()
+    keep = torch.ones_like(got, dtype=torch.bool)
+    keep[0, 2, 3] = False
+    ulp = torch.finfo(torch.bfloat16).eps * wide[keep].float().abs().max().item()
+    torch.testing.assert_close(got[keep].float(), wide[keep].float(), rtol=0, atol=4 * ulp)
+
+
+def test_key_products_rule():
+    """bf16 rows over e4m3 caches at the listed (head dim, row tile) only: an fp16 value is not the sum of two e4m3
+    parts, and e5m2 keys would pair an e4m3 row with an e5m2 key."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    for D, block_m in tk.FP8_KEY_PRODUCT_TILES:
+        assert tk.uses_fp8_key_products(torch.bfloat16, e4m3, D, block_m)
+        assert not tk.uses_fp8_key_products(torch.float16, e4m3, D, block_m)
+        assert not tk.uses_fp8_key_products(torch.bfloat16, e5m2, D, block_m)
+        assert not tk.uses_fp8_key_products(torch.bfloat16, torch.bfloat16, D, block_m)
+    assert not tk.uses_fp8_key_products(torch.bfloat16, e4m3, 128, 16)  # mma.sync tiles: measured slower
