@@ -25,8 +25,9 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
   over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
   kernel over the caches' exact bf16 widening (the CUDA row: its mma.sync kernel, where fp8 caches run), XQA's
-  against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)``: the Triton row on the other side of its
-  key-product rule (``FP8_KEY_PRODUCT_TILES``);
+  against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
+  tiles)``: the Triton row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile
+  rule (``FP8_WIDE_TILE_CONFIGS``);
 * ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
   q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
   mask is bit-packed over them (:func:`xqa_tree_mask`); ``flashinfer decode (T=1)``: its decode wrapper for one
@@ -257,7 +258,7 @@ def _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, 
         timed.add(split_len)
         even_plan = plan_for(parents, split_len=split_len)
         for backend in ("triton", "cuda"):
-            if backend_unavailable_reason(backend, ctx.device) is None:
+            if backend_unavailable_reason(backend, q.device) is None:  # the data's device runs the rows
                 _time_split_row(ctx, case, f"tlt-{backend} {label}", backend, even_plan, q, k_cache, v_cache, out,
                                 reference, cost)
 
@@ -571,6 +572,7 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
     if out is None:
         return
     _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
+    _bench_fp8_wide_tile_rule(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
     if sweep:
         _sweep(ctx, case, {"split=default": plan}, q, k8, v8, torch.empty_like(out), out, nbytes, cost.extra,
                name="sweep fp8", stages=(2, 3, 4, 5))
@@ -597,6 +599,23 @@ def _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, reference, nbytes, c
     else:
         impl, tiles = "tlt-triton fp8 (e4m3 key products)", tk.FP8_KEY_PRODUCT_TILES | {tile}
     with mock.patch.object(tk, "FP8_KEY_PRODUCT_TILES", frozenset(tiles)):  # the rule's other side, this row only
+        _fp8_row(ctx, "triton", case, plan, q, k8, v8, reference, nbytes, cost, impl=impl)
+
+
+def _bench_fp8_wide_tile_rule(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
+    """Where the row tile has a 128-key config over e4m3 caches (``FP8_WIDE_TILE_CONFIGS``), the other side of its
+    split-length rule: ``tlt-triton fp8 (64-key tiles)`` where the default takes 128-key tiles, ``tlt-triton fp8
+    (128-key tiles)`` where its splits are too short for them; checked against the widened caches' output."""
+    import tlt_kernels._triton.tree_attention as tk
+
+    block_m = tk.kernel_config(plan.head_dim, plan.num_tree * plan.group)[0]
+    if (plan.head_dim, block_m) not in tk.FP8_WIDE_TILE_CONFIGS:
+        return
+    if plan.split_len >= tk.FP8_WIDE_TILE_MIN_SPLIT:
+        impl, min_split = "tlt-triton fp8 (64-key tiles)", plan.split_len + 1
+    else:
+        impl, min_split = "tlt-triton fp8 (128-key tiles)", plan.split_len
+    with mock.patch.object(tk, "FP8_WIDE_TILE_MIN_SPLIT", min_split):  # the rule's other side, this row only
         _fp8_row(ctx, "triton", case, plan, q, k8, v8, reference, nbytes, cost, impl=impl)
 
 

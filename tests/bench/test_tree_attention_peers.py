@@ -160,6 +160,7 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
 
     why = backend_unavailable_reason("cuda", inp["q"].device)  # the CUDA row runs where the extension does
     assert ctx.notes == ([] if why is None else [f"tlt-cuda fp8 not run: {why}"])
+    # D = 64: no 128-key config for its tile, so no key-tile row.
     assert [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8", "tlt-triton fp8 (e4m3 key products)"] + (
         ["tlt-cuda fp8"] if why is None else []) + ["flashinfer-xqa fp8"]
     assert ctx.rows[0][2]["bytes_moved"] == B * (L + T) * Hkv * D * 2 + 2 * B * T * Hq * D * 2
@@ -186,6 +187,32 @@ def test_fp8_key_product_rule_row_times_the_other_side():
                                       widened, 123, SimpleNamespace(extra=lambda ms: {}))
     assert [impl for impl, _, _ in ctx.rows] == ["tlt-triton fp8 (keys widened)"] and ctx.notes == []
     assert ctx.rows[0][2]["bytes_moved"] == 123 and tk.FP8_KEY_PRODUCT_TILES is before
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("split_len", [64, 4096])
+def test_fp8_wide_tile_rule_row_times_the_other_side(split_len):
+    """Where the row tile has a 128-key config over e4m3 caches (D = 128, 14 rows), the rule's row is the other key
+    tile for the plan's split length, checked against the widened output; the threshold is restored."""
+    import tlt_kernels._triton.tree_attention as tk
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, L, T, Hq, Hkv, D = 1, 70, 2, 14, 2, 128
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
+    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                               num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L,
+                               split_len=split_len)
+    k8, v8 = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
+    widened = plan.run(inp["q"], k8.to(torch.bfloat16), v8.to(torch.bfloat16), backend="triton")
+    wide = tk.kernel_config(D, T * Hq // Hkv, e4m3_split_len=split_len)[2] == 128
+    assert wide == (split_len >= tk.FP8_WIDE_TILE_MIN_SPLIT)
+    before = tk.FP8_WIDE_TILE_MIN_SPLIT
+    ctx = _Ctx()
+    suite._bench_fp8_wide_tile_rule(ctx, {"model": "test", "B": B, "L": L, "T": T}, plan, inp["q"], k8, v8, widened,
+                                    123, SimpleNamespace(extra=lambda ms: {}))
+    name = "tlt-triton fp8 (64-key tiles)" if wide else "tlt-triton fp8 (128-key tiles)"
+    assert [impl for impl, _, _ in ctx.rows] == [name] and ctx.notes == []
+    assert tk.FP8_WIDE_TILE_MIN_SPLIT == before
     assert all(columns["timing"] == "eager" for _, _, columns in ctx.rows)
 
 
@@ -305,6 +332,8 @@ def test_copy_floor_row_moves_the_case_bytes():
     """``copy (same bytes)`` copies half the case's bytes as int32 words (read once, written once: the bytes the case
     moves, to a whole pair of words) and is timed like the tlt rows."""
     ctx = _Ctx()
+    ctx.device = torch.device(kernel_devices()[0])  # the copy kernel runs where kernels run (a CPU: the interpreter)
+    ctx.params = SimpleNamespace(graphs=False)
     case = {"model": "test", "B": 1, "L": 40, "T": 5}
     suite._bench_copy_floor(ctx, case, 1007)
     assert ctx.notes == [] and ctx.rows == [(suite.COPY_FLOOR_ROW, 1.0, {"bytes_moved": 1000, "timing": "eager"})]

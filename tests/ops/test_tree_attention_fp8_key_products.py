@@ -6,7 +6,9 @@ every component within ``2^9`` of the block's largest, within ``2^-10`` of the s
 components become NaN; (2) the kernel on the tiles that use it (D = 128, 64-row tiles: T = 8 and chunked T = 20 at
 G = 7, one split and several) against the same kernel over the caches' exact bf16 widening (a few output ulps) and
 against the fp32 reference (no further than the widening's own error plus an ulp); (3) a row with an inf component
-comes out NaN, the others as before; (4) the rule: bf16 rows, e4m3 caches, the listed tiles only."""
+comes out NaN, the others as before; (4) the rule: bf16 rows, e4m3 caches, the listed tiles only; (5) the 128-key
+tiles of the small row tiles over e4m3 caches with long splits (``FP8_WIDE_TILE_CONFIGS``): picked by split length,
+and the same attention as the 64-key tiles over the widened caches."""
 import pytest
 import torch
 import triton
@@ -138,3 +140,25 @@ def test_key_products_rule():
         assert not tk.uses_fp8_key_products(torch.bfloat16, e5m2, D, block_m)
         assert not tk.uses_fp8_key_products(torch.bfloat16, torch.bfloat16, D, block_m)
     assert not tk.uses_fp8_key_products(torch.bfloat16, e4m3, 128, 16)  # mma.sync tiles: measured slower
+
+
+@pytest.mark.triton
+def test_wide_key_tiles_for_long_splits_match_the_widened_caches():
+    """14 rows (a 16-row tile) over e4m3 caches with splits of 4096 tokens take 128-key tiles (two splits, whole tiles
+    and a masked tail); the output is the widened caches' (64-key tiles) within a few ulps, as close to the fp32
+    reference; with shorter splits the tile stays at 64 keys."""
+    need_backend("tree_attention", "triton", DEVICE)
+    case = make_case([4200, 30], 2, 14, 2, 128, 16, torch.bfloat16, ("random",), [2, 1])
+    k8, v8 = case["k_cache"].to(torch.float8_e4m3fn), case["v_cache"].to(torch.float8_e4m3fn)
+    assert tk.kernel_config(128, 14, e4m3_split_len=tk.FP8_WIDE_TILE_MIN_SPLIT)[2] == 128
+    assert tk.kernel_config(128, 14, e4m3_split_len=tk.FP8_WIDE_TILE_MIN_SPLIT - 64)[2] == 64
+    assert tk.kernel_config(128, 14)[2] == 64  # caches of q's dtype
+    plan = make_plan(case, split_len=tk.FP8_WIDE_TILE_MIN_SPLIT)
+    assert plan.num_splits == 2
+    got = run(plan, case["q"], k8, v8, out=poison_(torch.empty_like(case["q"])), backend="triton")
+    wide = run(plan, case["q"], k8.to(torch.bfloat16), v8.to(torch.bfloat16), backend="triton")
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k8.float(), "v_cache": v8.float()},
+                                    out_dtype=torch.float32)
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+    torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
+    assert (got.float() - want).abs().max() <= (wide.float() - want).abs().max() + ulp
