@@ -839,9 +839,10 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Run a :class:`~tlt_kernels.ops.tree_attention.TreeAttentionPlan` with Triton; writes and returns ``out``.
 
     ``q``/``out`` ``[B, T, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` (q's bf16/fp16/fp32 dtype, or fp8
-    with bf16/fp16 q, widened to q's dtype as loaded; stride 1 along D; fp32 multiplies in exact fp32, see
-    ``FP32_CONFIG``); ``v_scale`` multiplies each row's output (V's dequantization scale). Launches the partial kernel and, when the plan has more than one split, the
-    merge kernel, on the current stream; no host synchronization.
+    with bf16/fp16 q, widened exactly as loaded, except e4m3 keys at ``FP8_KEY_PRODUCT_TILES``, multiplied as stored by
+    the rows' two e4m3 parts; stride 1 along D; fp32 multiplies in exact fp32, see ``FP32_CONFIG``); ``v_scale``
+    multiplies each row's output (V's dequantization scale). Launches the partial kernel and, when the plan has more
+    than one split, the merge kernel, on the current stream; no host synchronization.
     """
     B, T, Hq, D = q.shape
     Hkv, G = plan.num_kv_heads, plan.group
