@@ -197,7 +197,8 @@ def _scores(q, q_lo, k, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_lo, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_tile(q, q_lo, k, v, visible, bias, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """One online-softmax step: rows ``q [BM, D]`` against a K/V tile ``[BN, D]``; ``visible`` and ``bias`` (added to
     the visible scores: 0, or NaN to poison a row that sees that key) broadcast to [BM, BN]."""
     k, v = _widen_tile(k, v, q.dtype, INTERPRET)
@@ -303,8 +304,8 @@ def _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, strid
 
 
 @triton.jit
-def _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
-                    stride_vs, num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
+def _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks,
+                    stride_vp, stride_vs, num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
                     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """One trip of the unmasked context loop: load the page ids of the next tile (carried to the next trip, so
@@ -312,15 +313,15 @@ def _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n
     online-softmax state, the next tile's page ids and ``bad_n`` ORed with this tile's out-of-range flags."""
     nxt = n0 + BLOCK_N + offs_n
     pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-    m_i, l_i, acc, page_bad = _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
-                                                 stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-                                                 INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+    m_i, l_i, acc, page_bad = _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp,
+                                                 stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
+                                                 PAGE_SIZE, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
     return m_i, l_i, acc, pages_next, bad_n | page_bad
 
 
 @triton.jit
-def _context_every_tile_masked(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp,
-                               stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
+def _context_every_tile_masked(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp, stride_ks,
+                               stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
                                BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Context tokens ``start .. end-1``, the legacy loop (``PIPELINE = 0``, the tests' reference for the pipelined loop):
     every tile masked, page ids looked up inside the tile. The pipeliner turns that lookup into an async copy too,
@@ -360,30 +361,30 @@ def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs
         # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
         n0 = start
         while n0 < full_end:
-            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
-                                                          stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, bad_n,
-                                                          m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
-                                                          LAZY_RESCALE, DOT_PRECISION)
+            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
+                                                          offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                          num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+                                                          BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
-                                                          stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, bad_n,
-                                                          m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
-                                                          LAZY_RESCALE, DOT_PRECISION)
+            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
+                                                          offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                          num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
+                                                          BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
     page_bad = tl.max(bad_n, 0)
     if full_end < end:
-        m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, full_end, end, offs_n, offs_d, stride_kp,
-                                                stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
-                                                PAGE_SIZE, INTERPRET, DOT_PRECISION)
+        m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, full_end, end, offs_n, offs_d,
+                                                stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
+                                                qk_scale, PAGE_SIZE, INTERPRET, DOT_PRECISION)
         page_bad = page_bad | tile_bad
     return m_i, l_i, acc, page_bad
 
 
 @triton.jit
-def _tree_tile(q, q_lo, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
-               stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-               INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _tree_tile(q, q_lo, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks,
+               stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
+               BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The tree part: slots ``ctx + j`` of nodes ``j < n_nodes``, each row seeing its ancestors (``mask_rows``: the
     rows' packed mask words). Returns the softmax state and the page flag of ``_context_tile``.
 
@@ -402,7 +403,8 @@ def _tree_tile(q, q_lo, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok,
     v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
     words = tl.load(mask_rows[:, None] + (offs_j // 32)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
     visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
-    m_i, l_i, acc = _attend_tile(q, q_lo, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
+    m_i, l_i, acc = _attend_tile(q, q_lo, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET,
+                                 DOT_PRECISION)
     return m_i, l_i, acc, tl.max(page_bad, 0)
 
 
@@ -456,14 +458,14 @@ def _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     if PIPELINE == 0:
-        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d,
-                                                             stride_kp, stride_ks, stride_vp, stride_vs, num_blocks,
-                                                             m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET,
-                                                             DOT_PRECISION)
+        m_i, l_i, acc, page_bad = _context_every_tile_masked(q, q_lo, k_head, v_head, bt_row, start, end, offs_n,
+                                                             offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                             num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_N,
+                                                             INTERPRET, DOT_PRECISION)
     else:
-        m_i, l_i, acc, page_bad = _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d, stride_kp,
-                                                     stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
-                                                     qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+        m_i, l_i, acc, page_bad = _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs_d,
+                                                     stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i,
+                                                     acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
                                                      DOT_PRECISION)
 
     # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
@@ -546,10 +548,10 @@ def _tree_attn_partial_kernel(
             if K_ptr.dtype.element_ty.is_fp8():
                 if q.dtype == tl.bfloat16 and T * G <= FP16_KEYS_MAX_ROWS:
                     q, qk_scale = _query_for_fp16_keys(q, qk_scale)
-    m_i, l_i, acc, page_bad = _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok, offs_d,
-                                            split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks, stride_kp,
-                                            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt, T, W,
-                                            HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_T, INTERPRET, PIPELINE,
+    m_i, l_i, acc, page_bad = _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t, row_ok,
+                                            offs_d, split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks,
+                                            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
+                                            T, W, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_T, INTERPRET, PIPELINE,
                                             LAZY_RESCALE, DOT_PRECISION)
     o, lse = _split_result(acc * v_scale, m_i, l_i, page_bad != 0)
     _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
@@ -872,7 +874,9 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_T=block_t, NUM_M_CHUNKS=chunks, INTERPRET=interp, DROP_BITS=drop_bits,
         NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused, MERGE_UNROLL=FUSED_MERGE_LOOP[0],
         MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE,
-        DOT_PRECISION="ieee" if fp32 else "tf32", FP8_KEY_PRODUCTS=uses_fp8_key_products(q.dtype, k_cache.dtype, D, block_m), num_warps=warps, num_stages=stages, **reg_cap,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        FP8_KEY_PRODUCTS=uses_fp8_key_products(q.dtype, k_cache.dtype, D, block_m), num_warps=warps, num_stages=stages,
+        **reg_cap,
     )
     if plan.num_splits > 1 and not fused:
         _launch_merge(plan, out, interp, drop_bits)
