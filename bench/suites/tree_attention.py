@@ -166,6 +166,11 @@ def _bench_case(ctx, model, B, L, T, flex=True):
                                    block_size=PAGE, max_context_len=L, split_len=split_len)
 
     plan = plan_for(parents)
+    p = values(ctx, FLAGS)
+    if p.fp8_only:  # the rows over e4m3 caches alone (CUDA: the interpreter is too slow for these sizes)
+        if dev.type == "cuda":
+            _bench_fp8(ctx, case, plan, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
+        return
     decode_plan = plan_for(parents[:, :1].contiguous())
     out = torch.empty_like(q)
     reference = _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost)
@@ -174,7 +179,6 @@ def _bench_case(ctx, model, B, L, T, flex=True):
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
         _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
         _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost)
-    p = values(ctx, FLAGS)
     if reference is not None and p.sweep and p.sweep_caches != "fp8" and dev.type == "cuda":
         _sweep(ctx, case, _sweep_plans(plan_for, parents), q, k_cache, v_cache, out, reference, cost.nbytes(T),
                cost.extra)
@@ -442,6 +446,8 @@ FLAGS = (
          replaces="TLT_TREE_ATTENTION_CASES", metavar="LIST"),
     Flag("--fp8", True, "also time the Triton kernel (and FlashInfer's XQA with the peers) over e4m3 caches (CUDA)",
          bool),
+    Flag("--fp8-only", False, "only the rows over e4m3 caches (tlt fp8, each Triton rule's other side, XQA fp8 with "
+         "the peers): a quick A/B of the fp8 paths, not a run of record (CUDA)", bool),
     Flag("--long-tail", False, "add the long-tail cases (7B; B 1-16, T 1/4/8, L 4k-64k) after the others (CUDA)",
          bool),
     Flag("--peers", True, "also time the non-tlt rows (torch SDPA, flex-attention, FlashInfer)", bool,
@@ -716,6 +722,8 @@ def run(ctx) -> None:
     selected = _selected_cases(models, cases, values(ctx, FLAGS).cases)
     if values(ctx, FLAGS).long_tail and ctx.device.type == "cuda":
         selected += [("qwen2.5-7b", *c, False) for c in LONG_TAIL_CASES]
+    if values(ctx, FLAGS).fp8_only:
+        ctx.note("--fp8-only: the rows over e4m3 caches alone" + ("" if ctx.device.type == "cuda" else " (none on CPU)"))
     if not all(flex for *_, flex in selected):
         # No flex-attention there: a compile per shape (most of a case's time), and far off the pace at these shapes.
         ctx.note("long-tail cases: no flex-attention rows")

@@ -408,3 +408,24 @@ def test_fp8_sweep_rows_come_from_the_fp8_caches():
                      for s in (2, 3, 4, 5)]
     assert ctx.rows[0][0] == "tlt-triton fp8" and not [n for n in ctx.notes if "sweep" in n]
     assert all(c["bytes_moved"] == ctx.rows[0][2]["bytes_moved"] for impl, _, c in ctx.rows if impl in sweep)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"], ids=["faked-gpu", "cpu"])  # "cuda" in an id means a real GPU
+def test_fp8_only_times_the_fp8_rows_alone(device, monkeypatch):
+    """``--fp8-only``: a case runs the rows over e4m3 caches and nothing else (no bf16 tlt row, copy floor, split or
+    merge rows, sweep or bf16 peers); on CPU none at all. The GPU is faked: inputs stay on the CPU."""
+    make_inputs = suite._make_inputs
+    monkeypatch.setattr(suite, "_make_inputs", lambda *a, **k: make_inputs(*a[:-1], torch.device("cpu")))
+    monkeypatch.setattr(suite, "_matmul_peak_flops", lambda ctx: None)
+    calls = []
+    monkeypatch.setattr(suite, "_bench_fp8", lambda ctx, case, plan, inp, cost, peers, sweep: calls.append(
+        (case, inp["k_cache"].dtype, plan.num_tree, peers, sweep)))
+    for name in ("_bench_tlt", "_bench_copy_floor", "_bench_context_kernels", "_bench_even_splits",
+                 "_bench_merge_placement", "_sweep", "_bench_peers"):
+        monkeypatch.setattr(suite, name, lambda *a, name=name, **k: pytest.fail(f"{name} ran under --fp8-only"))
+    ctx = _GraphCtx(capture_fails=False)
+    ctx.device, ctx.dtype = torch.device(device), torch.bfloat16
+    ctx.params = SimpleNamespace(fp8_only=True, peers=True, sweep=True, sweep_caches="fp8", fp8=True, graphs=True)
+    suite._bench_case(ctx, "qwen2.5-7b", 1, 40, 3)
+    case = {"model": "qwen2.5-7b", "B": 1, "L": 40, "T": 3}
+    assert calls == ([(case, torch.bfloat16, 3, True, True)] if device == "cuda" else []) and ctx.rows == []
