@@ -596,9 +596,12 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
 def _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
     """The Triton kernel over the e4m3 caches on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES`` in
     _triton/tree_attention.py): ``tlt-triton fp8 (keys widened)`` where the default multiplies the keys as stored,
-    ``tlt-triton fp8 (e4m3 key products)`` elsewhere; checked against the widened caches' output."""
+    ``tlt-triton fp8 (e4m3 key products)`` elsewhere; checked against the widened caches' output. bf16 rows only
+    (fp16 rows never take key products)."""
     import tlt_kernels._triton.tree_attention as tk
 
+    if q.dtype != torch.bfloat16:
+        return
     tile = (plan.head_dim, tk.kernel_config(plan.head_dim, plan.num_tree * plan.group)[0])
     if tk.uses_fp8_key_products(q.dtype, k8.dtype, *tile):
         impl, tiles = "tlt-triton fp8 (keys widened)", tk.FP8_KEY_PRODUCT_TILES - {tile}

@@ -429,3 +429,12 @@ def test_fp8_only_times_the_fp8_rows_alone(device, monkeypatch):
     suite._bench_case(ctx, "qwen2.5-7b", 1, 40, 3)
     case = {"model": "qwen2.5-7b", "B": 1, "L": 40, "T": 3}
     assert calls == ([(case, torch.bfloat16, 3, True, True)] if device == "cuda" else []) and ctx.rows == []
+
+
+def test_fp8_key_product_rule_row_is_for_bf16_rows_only():
+    """fp16 rows never take e4m3 key products, so there is no other side to time: no row, no note."""
+    ctx = _Ctx()
+    q = torch.zeros(1, 2, 4, 64, dtype=torch.float16)
+    plan = SimpleNamespace(head_dim=64, num_tree=2, group=2)
+    suite._bench_fp8_key_product_rule(ctx, {}, plan, q, None, None, None, 1, None)
+    assert ctx.rows == [] and ctx.notes == []
