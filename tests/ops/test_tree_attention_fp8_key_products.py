@@ -84,7 +84,7 @@ def test_query_split_turns_non_finite_components_into_nan():
     assert 2.0**7 <= q[~bad].float().abs().max() / up < 2.0**8  # the largest finite component sets the scale
 
 
-def _outputs(name, k_scale=1.0):
+def _outputs(name):
     """The case's e4m3 caches through the key products, the same kernel over their bf16 widening, the fp32 reference
     over the dequantized caches, and the case."""
     ctx, T, Hq, Hkv, D, n, split_len = CASES[name]
@@ -162,3 +162,21 @@ def test_wide_key_tiles_for_long_splits_match_the_widened_caches():
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
     torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
     assert (got.float() - want).abs().max() <= (wide.float() - want).abs().max() + ulp
+
+
+@pytest.mark.triton
+def test_key_products_with_scales_match_the_dequantized_reference():
+    """``k_scale`` folds into the softmax scale beside the rows' power of two, ``v_scale`` into each output row: the
+    output is attention over ``cache * scale`` (fp32 reference), as close as over the widened caches with the same
+    scales."""
+    need_backend("tree_attention", "triton", DEVICE)
+    _, _, _, case, plan = _outputs("T20-G7-splits")
+    k8, v8 = case["k_cache"], case["v_cache"]
+    got = run(plan, case["q"], k8, v8, backend="triton", k_scale=0.375, v_scale=3.0)
+    wide = run(plan, case["q"], k8.to(torch.bfloat16), v8.to(torch.bfloat16), backend="triton", k_scale=0.375,
+               v_scale=3.0)
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k8.float() * 0.375,
+                                       "v_cache": v8.float() * 3.0}, out_dtype=torch.float32)
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
+    assert (got.float() - want).abs().max() <= (wide.float() - want).abs().max() + ulp
+    torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
