@@ -6,7 +6,8 @@ every component within ``2^9`` of the block's largest, within ``2^-10`` of the s
 components become NaN; (2) the kernel on the tiles that use it (D = 128, 64-row tiles: T = 8 and chunked T = 20 at
 G = 7, one split and several) against the same kernel over the caches' exact bf16 widening (a few output ulps) and
 against the fp32 reference (no further than the widening's own error plus an ulp); (3) a row with an inf component
-comes out NaN, the others as before; (4) the rule: bf16 rows, e4m3 caches, the listed tiles only; (5) the 128-key
+comes out NaN, the others as before; (4) the rule: bf16 rows, e4m3 caches, the listed tiles only; a property test
+over random problems in the rule's tile, with scales; (5) the 128-key
 tiles of the small row tiles over e4m3 caches with long splits (``FP8_WIDE_TILE_CONFIGS``): picked by split length,
 and the same attention as the 64-key tiles over the widened caches."""
 import pytest
@@ -16,7 +17,7 @@ import triton.language as tl
 from conftest import kernel_devices, need_backend, poison_
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import budget, seeds
+from strategies import backend_params, budget, seeds
 from test_tree_attention import make_case, make_plan
 
 from tlt_kernels._triton import tree_attention as tk
@@ -180,3 +181,28 @@ def test_key_products_with_scales_match_the_dequantized_reference():
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
     assert (got.float() - want).abs().max() <= (wide.float() - want).abs().max() + ulp
     torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
+
+
+@pytest.mark.parametrize("backend", backend_params(["triton"]))
+@budget(10)
+@given(seed=seeds, T=st.integers(5, 9), bs=st.sampled_from([1, 16]),
+       ctx=st.lists(st.integers(0, 150), min_size=1, max_size=3), k_scale=st.sampled_from([0.05, 1.0, 7.5]),
+       v_scale=st.sampled_from([0.125, 1.0]), split_len=st.sampled_from([None, 64]))
+def test_property_key_products_are_attention_over_cache_times_scale(backend, seed, T, bs, ctx, k_scale, v_scale,
+                                                                    split_len):
+    """Any small problem in the key products' tile (35-63 rows of one KV head at D = 128: ragged contexts, empty
+    ones, page sizes, one split or several, scales): the output is the widened caches' within a few ulps, and the
+    fp32 reference's over ``cache * scale`` within bf16 rounding."""
+    assert tk.uses_fp8_key_products(torch.bfloat16, torch.float8_e4m3fn, 128, tk.kernel_config(128, 7 * T)[0])
+    case = make_case(ctx, T, 7, 1, 128, bs, torch.bfloat16, ("random", "chain"), seed=seed, device="cpu")
+    k8 = (case["k_cache"].float() / k_scale).to(torch.float8_e4m3fn)
+    v8 = (case["v_cache"].float() / v_scale).to(torch.float8_e4m3fn)
+    plan = make_plan(case, split_len=split_len)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    got = run(plan, case["q"], k8, v8, out=poison_(torch.empty_like(case["q"])), backend=backend, **scales)
+    wide = run(plan, case["q"], k8.to(torch.bfloat16), v8.to(torch.bfloat16), backend=backend, **scales)
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k8.float() * k_scale,
+                                       "v_cache": v8.float() * v_scale}, out_dtype=torch.float32)
+    ulp = torch.finfo(torch.bfloat16).eps * max(want.abs().max().item(), 1e-30)
+    torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * v_scale, rtol=2e-2)
