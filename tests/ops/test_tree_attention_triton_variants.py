@@ -198,12 +198,14 @@ def test_two_programs_per_sm_configs_match_reference(cfg, monkeypatch):
 # `{checks}` sees `c` (the compiled kernel), `regs`, `spills`, `smem` and the config's names.
 _COMPILE_SM90 = r"""
 import re
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tlt_kernels._triton import ptxas_report, tree_attention as m
 
 D, T, G, FP32, KV, SPLIT = {D}, {T}, {G}, {fp32}, {kv!r}, {split}
+CACHE_DTYPES = {{"*fp8e4nv": torch.float8_e4m3fn, "*fp8e5": torch.float8_e5m2}}  # else the rows' own dtype
 block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=FP32, e4m3_split_len=SPLIT)
 k = m._tree_attn_partial_kernel
 names = k.arg_names
@@ -214,7 +216,8 @@ consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16,
               DROP_BITS=0 if FP32 else 16, NUM_COUNTERS=-(-T * G // 16), FUSED_MERGE=block_m <= m.FUSED_MERGE_MAX_ROWS,
               MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1,
               LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32",
-              FP8_KEY_PRODUCTS=KV == "*fp8e4nv" and (D, block_m) in m.FP8_KEY_PRODUCT_TILES)
+              FP8_KEY_PRODUCTS=m.uses_fp8_key_products(torch.float32 if FP32 else torch.bfloat16, CACHE_DTYPES.get(KV),
+                                                       D, block_m))
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")

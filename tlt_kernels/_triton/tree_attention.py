@@ -108,6 +108,17 @@ def _next_pow2(x: int) -> int:
 
 
 @triton.jit
+def _block_power_of_two(qf, finite, TOP: tl.constexpr, LIMIT: tl.constexpr):
+    """``(2^-s, 2^s)`` for the fp32 block ``qf``: multiplying by ``2^-s`` puts its largest ``|x|`` among the ``finite``
+    entries in ``[2^TOP, 2^(TOP+1))``, with ``|s| <= LIMIT``. Powers of two built from their bits, so scaling by them
+    is exact."""
+    amax = tl.max(tl.max(tl.where(finite, tl.abs(qf), 0.0), 1), 0)
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) for a normal amax
+    s = tl.minimum(tl.maximum(exponent - TOP, -LIMIT), LIMIT)
+    return ((127 - s) << 23).to(tl.float32, bitcast=True), ((127 + s) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _query_for_fp16_keys(q, qk_scale):
     """bf16 rows ``q [BLOCK_M, D]`` as fp16, for products with fp8 keys widened to fp16 (one conversion per pair of
     values; bf16 takes three): scaled by ``2^-s`` so the block's largest finite ``|q|`` lands in ``[2^14, 2^15)``, and
@@ -115,12 +126,7 @@ def _query_for_fp16_keys(q, qk_scale):
     exact for every component within ``2^31`` of that largest one (fp16 keeps 8 significant bits down to ``2^-17`` of
     its range), and off by at most ``2^-39`` of it below that. NaN and inf components stay what they are."""
     qf = q.to(tl.float32)
-    mag = tl.abs(qf)
-    amax = tl.max(tl.max(tl.where(mag < float("inf"), mag, 0.0), 1), 0)
-    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) for a normal amax
-    s = tl.minimum(tl.maximum(exponent - 14, -100), 100)
-    down = ((127 - s) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + s) << 23).to(tl.float32, bitcast=True)
+    down, up = _block_power_of_two(qf, tl.abs(qf) < float("inf"), 14, 100)
     return (qf * down).to(tl.float16), qk_scale * up
 
 
@@ -133,13 +139,8 @@ def _query_as_fp8_pair(q, qk_scale, INTERPRET: tl.constexpr):
     value exactly wherever ``lo`` is not subnormal-rounded (components within ``2^9`` of that largest one); below, off
     by at most ``2^-10`` of the scaled largest. NaN and inf components become NaN (the scores they touch are NaN)."""
     qf = q.to(tl.float32)
-    mag = tl.abs(qf)
-    finite = mag < float("inf")
-    amax = tl.max(tl.max(tl.where(finite, mag, 0.0), 1), 0)
-    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # floor(log2(amax)) for a normal amax
-    s = tl.minimum(tl.maximum(exponent - 7, -126), 126)  # 2^-s and 2^s both normal fp32 values
-    down = ((127 - s) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + s) << 23).to(tl.float32, bitcast=True)
+    finite = tl.abs(qf) < float("inf")
+    down, up = _block_power_of_two(qf, finite, 7, 126)  # |s| <= 126: 2^-s and 2^s both normal fp32 values
     scaled = tl.where(finite, qf * down, float("nan"))
     hi = _round_to_e4m3(scaled)
     lo = _round_to_e4m3(scaled - hi)
