@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # On the GPU machine (a copy of the tree, no .git, results under $OUT), from the repository root: install the package,
-# optionally run GPU tests, and record one part of the tree-attention suite (docs/PERFORMANCE.md, "How to re-record"):
-#   bash tools/device_record.sh --commit SHA [--part main|4096|16384|65536] [--tests "FILE ..."] [--test-timeout S]
-#                               [--bench-timeout S]
-# --part main replaces the run of record with the suite's main cases; --part L adds the long-tail cases at context L
-# to the record in bench/results/h200/ (copy each returned $OUT/rec/h200/tree-attention.json there before the next
-# part; all parts of one record at one commit). FlashInfer (the peer) comes from .peer/whl when carried
-# (../shared/peers/README.md). tools/device_install.sh installs the package: the extension from a carried
-# .peer/soz (tools/carry_extension.sh) or an earlier call on the warm machine when built from the same sources, else
-# built there.
+# optionally run GPU tests, and record parts of the tree-attention suite (docs/PERFORMANCE.md, "How to re-record"):
+#   bash tools/device_record.sh --commit SHA [--part P]... [--tests "FILE ..."] [--test-timeout S] [--bench-timeout S]
+# Parts, in the order given, each a run of the suite on its cases:
+#   main       the suite's named cases; replaces the run of record
+#   main-7b    the named cases of the 7B model; replaces the run of record
+#   main-32b   the named cases of the 32B model; added to the record (--record-merge)
+#   4096, 16384, 65536   the long-tail cases at that context; added to the record
+# A call that starts with an adding part adds to bench/results/h200/tree-attention.json as carried (copy each returned
+# $OUT/rec/h200/tree-attention.json there before the next call; all parts of one record at one commit). Every part
+# must end within --bench-timeout seconds of the call's start (default 570). FlashInfer (the peer) comes from
+# .peer/whl when carried (../shared/peers/README.md). tools/device_install.sh installs the package: the extension from
+# a carried .peer/soz (tools/carry_extension.sh) or an earlier call on the warm machine when built from the same
+# sources, else built there.
 set -uo pipefail
-COMMIT="" PART="" TESTS="" TEST_TIMEOUT=200 BENCH_TIMEOUT=540
+COMMIT="" PARTS=() TESTS="" TEST_TIMEOUT=200 BENCH_TIMEOUT=570
 while [ $# -gt 0 ]; do
   case "$1" in
     --commit) COMMIT=$2; shift 2 ;;
-    --part) PART=$2; shift 2 ;;
+    --part) PARTS+=("$2"); shift 2 ;;
     --tests) TESTS=$2; shift 2 ;;
     --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
     --bench-timeout) BENCH_TIMEOUT=$2; shift 2 ;;
@@ -23,6 +27,24 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$COMMIT" ] || { echo "device_record.sh: --commit SHA is required (the copy has no .git)" >&2; exit 2; }
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+named_cases() {  # the suite's named cases of the model tags given, as --cases takes them
+  python3 -c 'import sys; from bench.suites.tree_attention import CASES
+print(",".join(f"{tag}:{B}x{L}x{T}" for tag in sys.argv[1:] for B, L, T in CASES))' "$@"
+}
+part_args() {  # the bench arguments of part $1
+  case "$1" in
+    main) echo "--cases $(named_cases 7b 32b)" ;;
+    main-7b) echo "--cases $(named_cases 7b)" ;;
+    main-32b) echo "--cases $(named_cases 32b) --record-merge" ;;
+    4096|16384|65536) echo "--cases long-tail@$1 --record-merge" ;;
+  esac
+}
+for part in "${PARTS[@]}"; do  # every part known before anything is installed
+  case "$part" in
+    main|main-7b|main-32b|4096|16384|65536) ;;
+    *) echo "device_record.sh: unknown part $part (main, main-7b, main-32b, 4096, 16384, 65536)" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-/tmp/device_record_out}
 mkdir -p "$OUT"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_BREAK_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1
@@ -39,15 +61,15 @@ if [ -n "$TESTS" ]; then
   timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
   echo "pytest exit $? at $((SECONDS - t0)) s"; tail -5 "$OUT/pytest.log"
 fi
-if [ -n "$PART" ]; then
-  mkdir -p "$OUT/rec/h200" "$OUT/w"
-  if [ "$PART" = main ]; then
-    ARGS=()
-  else
-    cp bench/results/h200/tree-attention.json "$OUT/rec/h200/"
-    ARGS=(--cases "long-tail@$PART" --record-merge)
-  fi
-  timeout "$BENCH_TIMEOUT" python3 -m bench tree-attention "${ARGS[@]}" --record "$OUT/rec" --out "$OUT/w/ta" \
-    --git-commit "$COMMIT" --progress > "$OUT/ta_$PART.log" 2>&1
-  echo "bench exit $? at $((SECONDS - t0)) s"; tail -3 "$OUT/ta_$PART.log"
-fi
+mkdir -p "$OUT/rec/h200" "$OUT/w"
+[ "${#PARTS[@]}" -gt 0 ] && cp bench/results/h200/tree-attention.json "$OUT/rec/h200/"  # what an adding part adds to
+for part in "${PARTS[@]}"; do
+  left=$((BENCH_TIMEOUT - (SECONDS - t0)))
+  [ "$left" -gt 30 ] || { echo "part $part: no time left"; exit 5; }
+  # shellcheck disable=SC2046 # the part's arguments, split on purpose
+  timeout "$left" python3 -m bench tree-attention $(part_args "$part") --record "$OUT/rec" --out "$OUT/w/ta_$part" \
+    --git-commit "$COMMIT" --progress > "$OUT/ta_$part.log" 2>&1
+  code=$?
+  echo "part $part: bench exit $code at $((SECONDS - t0)) s"; tail -3 "$OUT/ta_$part.log"
+  [ "$code" = 0 ] || exit 6  # a later part would add to a record this one did not finish
+done

@@ -372,7 +372,7 @@ def test_e2e_static_oracle_charges_each_bin_at_the_best_arm():
 
 
 def test_device_record_script_refuses_bad_arguments_before_installing(tmp_path):
-    """tools/device_record.sh needs --commit (the GPU copy has no .git) and names an unknown argument, before it
+    """tools/device_record.sh needs --commit (the GPU copy has no .git) and names an unknown argument or part, before it
     installs anything."""
     import os
 
@@ -384,6 +384,9 @@ def test_device_record_script_refuses_bad_arguments_before_installing(tmp_path):
     unknown = subprocess.run(["bash", script, "--commit", "abc", "--parts", "main"], capture_output=True, text=True,
                              env=env)
     assert unknown.returncode == 2 and "--parts" in unknown.stderr
+    bad_part = subprocess.run(["bash", script, "--commit", "abc", "--part", "main", "--part", "8192"],
+                              capture_output=True, text=True, env=env)
+    assert bad_part.returncode == 2 and "unknown part 8192" in bad_part.stderr
     assert not (tmp_path / "out").exists()
 
 
