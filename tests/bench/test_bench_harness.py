@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -295,6 +296,23 @@ def test_cli_runs_copy_suite_end_to_end(tmp_path):
     assert {r["impl"] for r in data["rows"]} >= {"torch-copy"}
     assert all(r["bytes_moved"] == 2 * int(r["case"]["MiB"] * 2**20) for r in data["rows"])
     assert "| copy | ok |" in proc.stdout
+
+
+@pytest.mark.parametrize("interpret", [True, False])
+def test_copy_suite_has_a_triton_row_only_where_triton_runs(interpret, monkeypatch):
+    """On CPU tensors the Triton row needs the interpreter: a CPU run on a GPU machine (no TRITON_INTERPRET there) times
+    torch's copy alone instead of failing on a Triton launch with CPU tensors."""
+    from bench.suites import copy as copy_suite
+    from tlt_kernels import _backend
+
+    monkeypatch.setattr(_backend, "triton_interpret_enabled", lambda: interpret)
+    rows = []
+    ctx = SimpleNamespace(device=torch.device("cpu"), small=True, try_import=lambda name: object(),
+                          time_ms=lambda fn: (fn(), 1.0)[1], add=lambda case, impl, ms, **kw: rows.append(impl))
+    if interpret:
+        monkeypatch.setattr(copy_suite, "triton_copy", lambda src, dst: dst.copy_(src))
+    copy_suite.run(ctx)
+    assert rows == (["torch-copy", "triton-copy"] * 2 if interpret else ["torch-copy"] * 2)
 
 
 @pytest.mark.cuda

@@ -252,8 +252,9 @@ def test_rows_are_timed_from_a_graph_or_say_they_were_not(capture_fails, monkeyp
 @pytest.mark.triton
 def test_even_split_rows_run_where_the_split_differs():
     """``tlt-triton one-wave split`` / ``two-per-SM split``: plans with ``default_split_len(programs_per_sm=1, 2)``,
-    checked against the first tlt row and timed, with their splits; no row whose split equals the default's or an
-    earlier row's."""
+    checked against the first tlt row and timed, with their splits, on each backend the data's device runs (CUDA's on a GPU
+    with the extension); no row whose split equals the default's or an earlier row's."""
+    from tlt_kernels._backend import backend_unavailable_reason
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     B, L, T, Hq, Hkv, D = 1, 4000, 4, 4, 2, 64
@@ -271,10 +272,12 @@ def test_even_split_rows_run_where_the_split_differs():
     reference = plan.run(q, k, v, backend="torch")
     ctx = _Ctx()
     suite._bench_even_splits(ctx, case, plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
-    # At L = 4000 both rules hit the 256-token floor: one row, the first rule's.
-    assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == ["tlt-triton one-wave split"]
+    # At L = 4000 both rules hit the 256-token floor: the first rule's rows, one per backend the data's device runs.
+    runs = [b for b in ("triton", "cuda") if backend_unavailable_reason(b, q.device) is None]
+    assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == [f"tlt-{b} one-wave split" for b in runs]
+    for _, _, row in ctx.rows:
+        assert row["split_len"] == 256 and row["num_splits"] == 16 and row["timing"] == "eager"
     even_split = ctx.rows[0][2]["split_len"]
-    assert even_split == 256 and ctx.rows[0][2]["num_splits"] == 16 and ctx.rows[0][2]["timing"] == "eager"
     ctx = _Ctx()
     even_plan = plan_for(inp["parents"], split_len=even_split)
     suite._bench_even_splits(ctx, case, even_plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference,
