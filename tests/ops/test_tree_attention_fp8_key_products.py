@@ -145,11 +145,11 @@ def test_key_products_rule():
 
 @pytest.mark.triton
 def test_wide_key_tiles_for_long_splits_match_the_widened_caches():
-    """14 rows (a 16-row tile) over e4m3 caches with splits of 4096 tokens take 128-key tiles (two splits, whole tiles
-    and a masked tail); the output is the widened caches' (64-key tiles) within a few ulps, as close to the fp32
-    reference; with shorter splits the tile stays at 64 keys."""
+    """14 rows (a 16-row tile) over e4m3 caches with splits of FP8_WIDE_TILE_MIN_SPLIT tokens take 128-key tiles (two
+    splits, whole tiles and a masked tail); the output is the widened caches' (64-key tiles) within a few ulps, as
+    close to the fp32 reference; with shorter splits the tile stays at 64 keys."""
     need_backend("tree_attention", "triton", DEVICE)
-    case = make_case([4200, 30], 2, 14, 2, 128, 16, torch.bfloat16, ("random",), [2, 1])
+    case = make_case([tk.FP8_WIDE_TILE_MIN_SPLIT + 104, 30], 2, 14, 2, 128, 16, torch.bfloat16, ("random",), [2, 1])
     k8, v8 = case["k_cache"].to(torch.float8_e4m3fn), case["v_cache"].to(torch.float8_e4m3fn)
     assert tk.kernel_config(128, 14, e4m3_split_len=tk.FP8_WIDE_TILE_MIN_SPLIT)[2] == 128
     assert tk.kernel_config(128, 14, e4m3_split_len=tk.FP8_WIDE_TILE_MIN_SPLIT - 64)[2] == 64

@@ -810,10 +810,10 @@ FP32_MAX_BLOCK_M = {64: 64, 128: 32, 256: 16}
 
 
 # Over e4m3 caches, row tiles of at most 32 rows (mma.sync products, K and V widened in registers) take 128-key tiles
-# where a split holds at least FP8_WIDE_TILE_MIN_SPLIT tokens: measured 1.11-1.19x faster than 64-key tiles at B = 8-16
-# with splits of 4k-16k tokens, 0.94-0.95x at splits of 256 (H200, docs/TREE_ATTENTION.md).
+# where a split holds at least FP8_WIDE_TILE_MIN_SPLIT tokens: measured faster than 64-key tiles with splits of 1k-16k
+# tokens, no faster at 512 and slower at 256 (H200, docs/TREE_ATTENTION.md).
 FP8_WIDE_TILE_CONFIGS = {(128, 16): (128, 4, 3), (128, 32): (128, 4, 3)}
-FP8_WIDE_TILE_MIN_SPLIT = 4096
+FP8_WIDE_TILE_MIN_SPLIT = 1024
 
 
 def kernel_config(head_dim: int, num_rows: int, fp32: bool = False, e4m3_split_len: Optional[int] = None):
