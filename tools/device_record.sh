@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
 # On the GPU machine (a copy of the tree, no .git, results under $OUT), from the repository root: install the package,
 # optionally run GPU tests, and record parts of the tree-attention suite (docs/PERFORMANCE.md, "How to re-record"):
-#   bash tools/device_record.sh --commit SHA [--part P]... [--tests "FILE ..."] [--test-timeout S] [--bench-timeout S]
+#   bash tools/device_record.sh --commit SHA [--part P]... [--continue] [--tests "FILE ..."] [--test-timeout S]
+#                               [--bench-timeout S]
 # Parts, in the order given, each a run of the suite on its cases:
 #   main       the suite's named cases; replaces the run of record
 #   main-7b    the named cases of the 7B model; replaces the run of record
 #   main-32b   the named cases of the 32B model; added to the record (--record-merge)
 #   4096, 16384, 65536   the long-tail cases at that context; added to the record
 # A call that starts with an adding part adds to bench/results/h200/tree-attention.json as carried (copy each returned
-# $OUT/rec/h200/tree-attention.json there before the next call; all parts of one record at one commit). Every part
+# $OUT/rec/h200/tree-attention.json there before the next call; all parts of one record at one commit), or with
+# --continue to the record the previous call left on the machine (/tmp/device_record_keep; the next call can then start
+# at once, while the machine is still warm, about 30 s after a call). Every part
 # must end within --bench-timeout seconds of the call's start (default 570). FlashInfer (the peer) comes from
 # .peer/whl when carried (../shared/peers/README.md). tools/device_install.sh installs the package: the extension from
 # a carried .peer/soz (tools/carry_extension.sh) or an earlier call on the warm machine when built from the same
 # sources, else built there.
 set -uo pipefail
-COMMIT="" PARTS=() TESTS="" TEST_TIMEOUT=200 BENCH_TIMEOUT=570
+COMMIT="" PARTS=() TESTS="" TEST_TIMEOUT=200 BENCH_TIMEOUT=570 CONTINUE=0
+KEEP=/tmp/device_record_keep
 while [ $# -gt 0 ]; do
   case "$1" in
     --commit) COMMIT=$2; shift 2 ;;
     --part) PARTS+=("$2"); shift 2 ;;
+    --continue) CONTINUE=1; shift ;;
     --tests) TESTS=$2; shift 2 ;;
     --test-timeout) TEST_TIMEOUT=$2; shift 2 ;;
     --bench-timeout) BENCH_TIMEOUT=$2; shift 2 ;;
@@ -45,6 +50,12 @@ for part in "${PARTS[@]}"; do  # every part known before anything is installed
     *) echo "device_record.sh: unknown part $part (main, main-7b, main-32b, 4096, 16384, 65536)" >&2; exit 2 ;;
   esac
 done
+FROM=bench/results/h200/tree-attention.json  # what an adding part adds to
+if [ "$CONTINUE" = 1 ]; then
+  FROM=$KEEP/tree-attention.json
+  [ -f "$FROM" ] || { echo "device_record.sh: --continue: no record left by a previous call (the machine went cold)" >&2
+                      exit 3; }
+fi
 OUT=${OUT:-/tmp/device_record_out}
 mkdir -p "$OUT"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore PIP_BREAK_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1
@@ -62,7 +73,7 @@ if [ -n "$TESTS" ]; then
   echo "pytest exit $? at $((SECONDS - t0)) s"; tail -5 "$OUT/pytest.log"
 fi
 mkdir -p "$OUT/rec/h200" "$OUT/w"
-[ "${#PARTS[@]}" -gt 0 ] && cp bench/results/h200/tree-attention.json "$OUT/rec/h200/"  # what an adding part adds to
+[ "${#PARTS[@]}" -gt 0 ] && cp "$FROM" "$OUT/rec/h200/"
 for part in "${PARTS[@]}"; do
   left=$((BENCH_TIMEOUT - (SECONDS - t0)))
   [ "$left" -gt 30 ] || { echo "part $part: no time left"; exit 5; }
@@ -72,4 +83,5 @@ for part in "${PARTS[@]}"; do
   code=$?
   echo "part $part: bench exit $code at $((SECONDS - t0)) s"; tail -3 "$OUT/ta_$part.log"
   [ "$code" = 0 ] || exit 6  # a later part would add to a record this one did not finish
+  mkdir -p "$KEEP" && cp "$OUT/rec/h200/tree-attention.json" "$KEEP/"  # for a --continue call
 done

@@ -405,6 +405,10 @@ def test_device_record_script_refuses_bad_arguments_before_installing(tmp_path):
     bad_part = subprocess.run(["bash", script, "--commit", "abc", "--part", "main", "--part", "8192"],
                               capture_output=True, text=True, env=env)
     assert bad_part.returncode == 2 and "unknown part 8192" in bad_part.stderr
+    if not Path("/tmp/device_record_keep/tree-attention.json").exists():  # a GPU machine's previous call may leave one
+        cold = subprocess.run(["bash", script, "--commit", "abc", "--part", "4096", "--continue"], capture_output=True,
+                              text=True, env=env)
+        assert cold.returncode == 3 and "went cold" in cold.stderr
     assert not (tmp_path / "out").exists()
 
 
