@@ -7,9 +7,11 @@ components become NaN; (2) the kernel on the tiles that use it (D = 128, 64-row 
 G = 7, one split and several; swapped products at 16/32-row tiles added to the rule) against the same kernel over the
 caches' exact bf16 widening (a few output ulps) and against the fp32 reference (no further than the widening's own error
 plus an ulp); (3) a row with an inf component comes out NaN, the others as before; (4) the rule: bf16 rows, e4m3 caches,
-the listed tiles only; a property test over random problems in the rule's tile, with scales; (5) the 128-key tiles of
-the small row tiles over e4m3 caches with long splits (``FP8_WIDE_TILE_CONFIGS``): picked by split length, and the same
-attention as the 64-key tiles over the widened caches."""
+the listed tiles only; property tests over random problems in the rule's tile and in 16/32-row tiles added to it, with
+scales; (5) the 128-key tiles of the small row tiles over e4m3 caches with long splits (``FP8_WIDE_TILE_CONFIGS``):
+picked by split length, and the same attention as the 64-key tiles over the widened caches."""
+from unittest import mock
+
 import pytest
 import torch
 import triton
@@ -206,16 +208,14 @@ def test_key_products_with_scales_match_the_dequantized_reference():
     torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
 
 
-@pytest.mark.parametrize("backend", backend_params(["triton"]))
-@budget(10)
-@given(seed=seeds, T=st.integers(5, 9), bs=st.sampled_from([1, 16]),
-       ctx=st.lists(st.integers(0, 150), min_size=1, max_size=3), k_scale=st.sampled_from([0.05, 1.0, 7.5]),
-       v_scale=st.sampled_from([0.125, 1.0]), split_len=st.sampled_from([None, 64]))
-def test_property_key_products_are_attention_over_cache_times_scale(backend, seed, T, bs, ctx, k_scale, v_scale,
-                                                                    split_len):
-    """Any small problem in the key products' tile (35-63 rows of one KV head at D = 128: ragged contexts, empty
-    ones, page sizes, one split or several, scales): the output is the widened caches' within a few ulps, and the
-    fp32 reference's over ``cache * scale`` within bf16 rounding."""
+_PROBLEMS = dict(seed=seeds, bs=st.sampled_from([1, 16]), ctx=st.lists(st.integers(0, 150), min_size=1, max_size=3),
+                 k_scale=st.sampled_from([0.05, 1.0, 7.5]), v_scale=st.sampled_from([0.125, 1.0]),
+                 split_len=st.sampled_from([None, 64]))
+
+
+def _check_key_products(backend, seed, T, bs, ctx, k_scale, v_scale, split_len):
+    """One problem with 7 query heads per KV head at D = 128 whose row tile takes key products: the output is the
+    widened caches' within a few ulps, and the fp32 reference's over ``cache * scale`` within bf16 rounding."""
     assert tk.uses_fp8_key_products(torch.bfloat16, torch.float8_e4m3fn, 128, tk.kernel_config(128, 7 * T)[0])
     case = make_case(ctx, T, 7, 1, 128, bs, torch.bfloat16, ("random", "chain"), seed=seed, device="cpu")
     k8 = (case["k_cache"].float() / k_scale).to(torch.float8_e4m3fn)
@@ -229,3 +229,24 @@ def test_property_key_products_are_attention_over_cache_times_scale(backend, see
     ulp = torch.finfo(torch.bfloat16).eps * max(want.abs().max().item(), 1e-30)
     torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
     torch.testing.assert_close(got.float(), want, atol=2e-2 * v_scale, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", backend_params(["triton"]))
+@budget(10)
+@given(T=st.integers(5, 9), **_PROBLEMS)
+def test_property_key_products_are_attention_over_cache_times_scale(backend, seed, T, bs, ctx, k_scale, v_scale,
+                                                                    split_len):
+    """Any small problem in the key products' tile (35-63 rows of one KV head at D = 128: ragged contexts, empty
+    ones, page sizes, one split or several, scales): ``_check_key_products``."""
+    _check_key_products(backend, seed, T, bs, ctx, k_scale, v_scale, split_len)
+
+
+@pytest.mark.parametrize("backend", backend_params(["triton"]))
+@budget(10)
+@given(T=st.integers(1, 4), **_PROBLEMS)
+def test_property_swapped_key_products_are_attention_over_cache_times_scale(backend, seed, T, bs, ctx, k_scale,
+                                                                            v_scale, split_len):
+    """The same below 64 rows (7-28 rows: 16/32-row tiles, swapped products), with the tile added to the rule."""
+    tile = (128, tk.kernel_config(128, 7 * T)[0])
+    with mock.patch.object(tk, "FP8_KEY_PRODUCT_TILES", tk.FP8_KEY_PRODUCT_TILES | {tile}):
+        _check_key_products(backend, seed, T, bs, ctx, k_scale, v_scale, split_len)
