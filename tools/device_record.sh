@@ -44,11 +44,11 @@ part_args() {  # the bench arguments of part $1
     4096|16384|65536) echo "--cases long-tail@$1 --record-merge" ;;
   esac
 }
+KNOWN_PARTS=(main main-7b main-32b 4096 16384 65536)  # part_args' cases
 for part in "${PARTS[@]}"; do  # every part known before anything is installed
-  case "$part" in
-    main|main-7b|main-32b|4096|16384|65536) ;;
-    *) echo "device_record.sh: unknown part $part (main, main-7b, main-32b, 4096, 16384, 65536)" >&2; exit 2 ;;
-  esac
+  known=0
+  for name in "${KNOWN_PARTS[@]}"; do [ "$part" = "$name" ] && known=1; done
+  [ "$known" = 1 ] || { echo "device_record.sh: unknown part $part (one of: ${KNOWN_PARTS[*]})" >&2; exit 2; }
 done
 FROM=bench/results/h200/tree-attention.json  # what an adding part adds to
 if [ "$CONTINUE" = 1 ]; then

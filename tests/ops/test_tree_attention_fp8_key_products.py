@@ -110,29 +110,18 @@ def _outputs(name, cases=CASES):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("name", list(CASES))
-def test_key_products_match_the_widened_keys(name):
+@pytest.mark.parametrize("name", list(CASES) + list(SWAPPED_CASES))
+def test_key_products_match_the_widened_keys(name, monkeypatch):
     """The same attention as the kernel over the exactly widened caches: a few output ulps apart (the products sum
-    the same terms in another order), and no further from the fp32 reference than it plus an ulp."""
+    the same terms in another order), and no further from the fp32 reference than it plus an ulp; below 64 rows with
+    the tile added to the rule (the products swapped, ``(k q^T)^T``)."""
     need_backend("tree_attention", "triton", DEVICE)
-    got, wide, want, _, _ = _outputs(name)
-    assert not got.isnan().any()
-    ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
-    torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
-    assert (got.float() - want).abs().max() <= (wide.float() - want).abs().max() + ulp
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("name", list(SWAPPED_CASES))
-def test_swapped_key_products_below_64_rows_match_the_widened_keys(name, monkeypatch):
-    """16- and 32-row tiles in the rule take the products swapped (``(k q^T)^T``): the same attention as over the
-    exactly widened caches within a few output ulps, and no further from the fp32 reference than it plus an ulp."""
-    need_backend("tree_attention", "triton", DEVICE)
-    ctx, T, Hq, Hkv, D, _, _ = SWAPPED_CASES[name]
-    tile = (D, tk.kernel_config(D, T * (Hq // Hkv))[0])
-    assert tile[1] < 64
-    monkeypatch.setattr(tk, "FP8_KEY_PRODUCT_TILES", tk.FP8_KEY_PRODUCT_TILES | {tile})
-    got, wide, want, _, _ = _outputs(name, SWAPPED_CASES)
+    if name in SWAPPED_CASES:
+        _, T, Hq, Hkv, D, _, _ = SWAPPED_CASES[name]
+        tile = (D, tk.kernel_config(D, T * (Hq // Hkv))[0])
+        assert tile[1] < 64
+        monkeypatch.setattr(tk, "FP8_KEY_PRODUCT_TILES", tk.FP8_KEY_PRODUCT_TILES | {tile})
+    got, wide, want, _, _ = _outputs(name, {**CASES, **SWAPPED_CASES})
     assert not got.isnan().any()
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().max().item()
     torch.testing.assert_close(got.float(), wide.float(), rtol=0, atol=4 * ulp)
