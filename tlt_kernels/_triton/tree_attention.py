@@ -93,9 +93,9 @@ FUSED_MERGE_MAX_ROWS = 16
 FP16_KEYS_MAX_ROWS = tl.constexpr(32)
 # Over e4m3 caches with bf16 queries, at these (head_dim, row tile) the rows split into two e4m3 parts
 # (_query_as_fp8_pair) and the keys enter the products as stored, with no widening: measured faster at 64-row tiles
-# (T = 8, and T >= 32 in 64-row chunks, at G = 5-7), slower at 16/32-row tiles as mma.sync products and no faster at
-# 128 rows (H200, docs/TREE_ATTENTION.md); at 16/32-row tiles as swapped wgmma products (_scores) slower too, so not
-# listed. Elsewhere the keys widen as above.
+# (T = 8, and T >= 32 in 64-row chunks, at G = 5-7); slower at 16/32-row tiles, as mma.sync products and as swapped
+# wgmma products (_scores) alike; at 128 rows faster in the latest runs, mixed before, not yet listed (H200,
+# docs/TREE_ATTENTION.md). Elsewhere the keys widen as above.
 FP8_KEY_PRODUCT_TILES = frozenset({(128, 64)})
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
