@@ -195,8 +195,7 @@ def test_two_programs_per_sm_configs_match_reference(cfg, monkeypatch):
 
 
 # Compiles the partial kernel for sm_90 (no GPU needed) with the config `kernel_config` picks, then runs ptxas;
-# `{checks}` sees `c` (the compiled kernel), `regs`, `spills`, `smem` and the config's names; `{extra_tiles}`:
-# (head dim, row tile) pairs added to FP8_KEY_PRODUCT_TILES for the build.
+# `{checks}` sees `c` (the compiled kernel), `regs`, `spills`, `smem` and the config's names.
 _COMPILE_SM90 = r"""
 import re
 import torch
@@ -206,7 +205,6 @@ from triton.compiler import ASTSource
 from tlt_kernels._triton import ptxas_report, tree_attention as m
 
 D, T, G, FP32, KV, SPLIT = {D}, {T}, {G}, {fp32}, {kv!r}, {split}
-m.FP8_KEY_PRODUCT_TILES = m.FP8_KEY_PRODUCT_TILES | frozenset({extra_tiles!r})  # tiles a test adds to the rule
 CACHE_DTYPES = {{"*fp8e4nv": torch.float8_e4m3fn, "*fp8e5": torch.float8_e5m2}}  # else the rows' own dtype
 block_m, chunks, block_n, warps, stages, maxnreg = m.kernel_config(D, T * G, fp32=FP32, e4m3_split_len=SPLIT)
 k = m._tree_attn_partial_kernel
@@ -260,8 +258,7 @@ def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
     premise of its speed)."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, split=None, extra_tiles=(),
-                                          checks=_T16_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, split=None, checks=_T16_CHECKS))
 
 
 @pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
@@ -271,8 +268,7 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     T*G=128) and the other head dims."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, split=None, extra_tiles=(),
-                                          checks=_FP32_CHECKS))
+    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, split=None, checks=_FP32_CHECKS))
 
 
 @pytest.mark.parametrize("kv,T,split", [("*fp8e4nv", 16, None), ("*fp8e5", 16, None), ("*fp8e4nv", 4, None),
@@ -281,9 +277,10 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
 def test_fp8_cache_config_compiles_for_sm90(kv, T, split):
     """bf16 queries over fp8 (e4m3 / e5m2) caches: the partial kernel widens each V tile as loaded to fp16, and each K
     tile to fp16 against fp16-scaled rows where a KV head has at most FP16_KEYS_MAX_ROWS query rows, else to bf16,
-    except over e4m3 at FP8_KEY_PRODUCT_TILES (T = 8: 56 rows in a 64-row tile), where K enters e4m3 products as
-    stored; tensor-core products throughout, within the shared-memory limit and (nearly) without spills; also the
-    128-key tiles of long splits over e4m3 caches (``split``: the plan's split length, FP8_WIDE_TILE_CONFIGS)."""
+    except over e4m3 at FP8_KEY_PRODUCT_TILES (T = 8: 56 rows in a 64-row tile; T = 16: 112 in a 128-row one), where
+    K enters e4m3 products as stored; tensor-core products throughout, within the shared-memory limit and (nearly)
+    without spills; also the 128-key tiles of long splits over e4m3 caches (``split``: the plan's split length,
+    FP8_WIDE_TILE_CONFIGS)."""
     from conftest import compile_for_sm90
 
     checks = """
@@ -295,28 +292,11 @@ assert smem <= 227 * 1024 and spills <= (256 if SPLIT else 16), (smem, spills)
 if block_m <= 32:  # this test's long splits take 128-key tiles there, else 64
     assert (block_n == 128) == (SPLIT is not None), (SPLIT, block_n)
 key_products = consts["FP8_KEY_PRODUCTS"]
-assert key_products == (KV == "*fp8e4nv" and T == 8), (KV, T, block_m)
+assert key_products == (KV == "*fp8e4nv" and T in (8, 16)), (KV, T, block_m)
 assert ("e4m3.e4m3" in ptx) == key_products, "e4m3 key products must reach the tensor cores as e4m3"
 if KV == "*fp8e4nv":  # e4m3 K reaches bf16 through fp16 (fp16 -> bf16 conversions); fp16 keys and e4m3 products none
     widened_to_bf16 = T * G > m.FP16_KEYS_MAX_ROWS and not key_products
     assert ("cvt.bf16.f16" in ptx) == widened_to_bf16, (T * G, ptx.count("cvt.bf16.f16"))
 """
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, split=split, extra_tiles=(),
+    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, split=split,
                                           checks=checks))
-
-
-@pytest.mark.parametrize("T,split,rows", [(1, None, 16), (4, None, 32), (1, 4096, 16), (4, 4096, 32)])
-def test_swapped_key_products_compile_for_sm90(T, split, rows):
-    """16/32-row tiles added to FP8_KEY_PRODUCT_TILES: the score products are e4m3 ``wgmma`` with the keys as M
-    (``m64n<rows>k32``: the keys' tile enters as stored; ``q k^T`` with so few rows would be an ``mma.sync``), within
-    the shared-memory limit and with few spills (the 128-key tiles of long splits as well)."""
-    from conftest import compile_for_sm90
-
-    checks = f"""
-ptx = c.asm["ptx"]
-assert consts["FP8_KEY_PRODUCTS"] and block_m == {rows}, (consts["FP8_KEY_PRODUCTS"], block_m)
-assert "wgmma.mma_async.sync.aligned.m64n{rows}k32.f32.e4m3.e4m3" in ptx, "swapped e4m3 key products must be wgmma"
-assert smem <= 227 * 1024 and spills <= (256 if SPLIT else 16), (smem, spills)
-"""
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv="*fp8e4nv", split=split,
-                                          extra_tiles=((128, rows),), checks=checks))

@@ -93,10 +93,10 @@ FUSED_MERGE_MAX_ROWS = 16
 FP16_KEYS_MAX_ROWS = tl.constexpr(32)
 # Over e4m3 caches with bf16 queries, at these (head_dim, row tile) the rows split into two e4m3 parts
 # (_query_as_fp8_pair) and the keys enter the products as stored, with no widening: measured faster at 64-row tiles
-# (T = 8, and T >= 32 in 64-row chunks, at G = 5-7); slower at 16/32-row tiles, as mma.sync products and as swapped
-# wgmma products (_scores) alike; at 128 rows faster in the latest runs, mixed before, not yet listed (H200,
-# docs/TREE_ATTENTION.md). Elsewhere the keys widen as above.
-FP8_KEY_PRODUCT_TILES = frozenset({(128, 64)})
+# (T = 8, and T >= 32 in 64-row chunks, at G = 5-7) and at 128 (T = 16); slower at 16/32-row tiles, as mma.sync
+# products and as swapped wgmma ones (9b54f87, since removed) alike (H200, docs/TREE_ATTENTION.md). Elsewhere the
+# keys widen as above.
+FP8_KEY_PRODUCT_TILES = frozenset({(128, 64), (128, 128)})
 # FA4-style lazy rescaling threshold (log2 units) for the unmasked context tiles; 0 = rescale every tile.
 # Off: the block-wide max it branches on costs a cross-warp reduction and barrier per tile, more than the
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
@@ -188,15 +188,7 @@ def _widen_tile(k, v, q_dtype: tl.constexpr, INTERPRET: tl.constexpr):
 def _scores(q, q_lo, k, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Raw scores ``q k^T [BM, BN]``. With rows split in two e4m3 parts (``_query_as_fp8_pair``: ``q`` the high part,
     ``q_lo`` the remainder; else ``q_lo`` is None) two fp8 products over the keys as stored, the remainder's first so
-    the larger part rounds last. Below 64 rows the products run swapped, ``(k q^T)^T``: the keys are the product's M,
-    so it stays a ``wgmma`` (M >= 64) taking the e4m3 tile from shared memory as stored, where ``q k^T`` with 16 or 32
-    rows would be an ``mma.sync``; the transpose of the scores is a layout change."""
-    if q_lo is not None and q.shape[0] < 64:
-        if INTERPRET:
-            s = tl.dot(k, tl.trans(q_lo), input_precision="ieee")
-            return tl.trans(tl.dot(k, tl.trans(q), s, input_precision="ieee"))
-        s = tl.dot(k, tl.trans(q_lo))
-        return tl.trans(tl.dot(k, tl.trans(q), s))
+    the larger part rounds last."""
     if q_lo is not None:
         if INTERPRET:
             s = tl.dot(q_lo, tl.trans(k), input_precision="ieee")
