@@ -27,7 +27,8 @@ every request with context L and a random tree of T nodes. Impls:
   kernel over the caches' exact bf16 widening (the CUDA row: its mma.sync kernel, where fp8 caches run), XQA's
   against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
   tiles)``: the Triton row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile
-  rule (``FP8_WIDE_TILE_CONFIGS``);
+  rule (``FP8_WIDE_TILE_CONFIGS``). The fp8 rows run a plan built for e4m3 caches (``kv_dtype``); ``tlt-triton fp8
+  (two-byte split)``: the Triton row with the bf16 rows' plan, where the two split differently;
 * ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
   q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
   mask is bit-packed over them (:func:`xqa_tree_mask`); ``flashinfer decode (T=1)``: its decode wrapper for one
@@ -161,15 +162,15 @@ def _bench_case(ctx, model, B, L, T, flex=True):
     case = {"model": model, "B": B, "L": L, "T": T}
     cost = _CaseCost(ctx, B, L, T, Hq, Hkv, D, q.element_size())
 
-    def plan_for(p, split_len=None):
+    def plan_for(p, split_len=None, kv_dtype=None):
         return plan_tree_attention(p, inp["context_lens"], table, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                                   block_size=PAGE, max_context_len=L, split_len=split_len)
+                                   block_size=PAGE, max_context_len=L, split_len=split_len, kv_dtype=kv_dtype)
 
     plan = plan_for(parents)
     p = values(ctx, FLAGS)
     if p.fp8_only:  # the rows over e4m3 caches alone (CUDA: the interpreter is too slow for these sizes)
         if dev.type == "cuda":
-            _bench_fp8(ctx, case, plan, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
+            _bench_fp8(ctx, case, plan, plan_for, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
         return
     decode_plan = plan_for(parents[:, :1].contiguous())
     out = torch.empty_like(q)
@@ -183,7 +184,7 @@ def _bench_case(ctx, model, B, L, T, flex=True):
         _sweep(ctx, case, _sweep_plans(plan_for, parents), q, k_cache, v_cache, out, reference, cost.nbytes(T),
                cost.extra)
     if p.fp8 and reference is not None and dev.type == "cuda":
-        _bench_fp8(ctx, case, plan, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
+        _bench_fp8(ctx, case, plan, plan_for, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
     if p.peers:
         decode_reference = None
         if reference is not None:  # the tlt decode kernel's output: what the T=1 peer is checked against
@@ -558,15 +559,18 @@ def xqa_tree_mask(parents: torch.Tensor) -> torch.Tensor:
     return tree_ancestor_mask_packed(parents).view(torch.uint16)
 
 
-def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
+def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False):
     """``tlt-triton fp8``, ``tlt-cuda fp8`` (where the extension runs) and ``flashinfer-xqa fp8`` (with the peers): the
-    same case over e4m3 caches (scales 1), ours checked against the Triton kernel over the caches' exact bf16
-    widening. Bytes: K/V at one byte per element. ``sweep``: also the Triton kernel's config grid over these caches
-    (``sweep fp8`` rows, the default split; half the bytes per tile leave room for a fifth stage)."""
+    same case over e4m3 caches (scales 1) with a plan built for them (``plan_for(parents, kv_dtype=...)``), ours
+    checked against the Triton kernel over the caches' exact bf16 widening; the Triton row with ``two_byte_plan`` (the
+    bf16 rows') where it splits otherwise. Bytes: K/V at one byte per element. ``sweep``: also the Triton kernel's
+    config grid over these caches (``sweep fp8`` rows, the default split; half the bytes per tile leave room for a
+    fifth stage)."""
     from tlt_kernels._backend import backend_unavailable_reason
 
     q = inp["q"]
     k8, v8 = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
+    plan = plan_for(inp["parents"], kv_dtype=k8.dtype)
     T = case["T"]
     nbytes = cost.B * (cost.L + T) * cost.Hkv * cost.D * 2 + 2 * cost.B * T * cost.Hq * cost.D * q.element_size()
     try:
@@ -577,6 +581,9 @@ def _bench_fp8(ctx, case, plan, inp, cost, peers, sweep=False):
     out = _fp8_row(ctx, "triton", case, plan, q, k8, v8, widened, nbytes, cost)
     if out is None:
         return
+    if two_byte_plan.split_len != plan.split_len:  # the split rule's other side
+        _fp8_row(ctx, "triton", case, two_byte_plan, q, k8, v8, widened, nbytes, cost,
+                 impl="tlt-triton fp8 (two-byte split)")
     _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
     _bench_fp8_wide_tile_rule(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
     if sweep:

@@ -143,19 +143,16 @@ def test_a_peer_that_disagrees_is_a_note_not_a_row():
 def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
     """``tlt-triton fp8`` (and ``tlt-cuda fp8`` where the extension runs, else a note) runs over e4m3 caches, is
     checked against the kernel over their bf16 widening, and counts one byte per K/V element; XQA gets the fp8 caches
-    and is checked against it."""
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-
+    and is checked against it. One 64-token split, for two-byte and one-byte caches alike: no split-rule row."""
     B, L, T, Hq, Hkv, D = 2, 40, 5, 4, 2, 64
     # The kernel device: the GPU where there is one (the interpreter is off there), else the CPU's interpreter.
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
     case = {"model": "test", "B": B, "L": L, "T": T}
-    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                               num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
+    plan_for = _plan_for(inp, Hq, Hkv, D, L)
     cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
     ctx = _Ctx()
     ctx.try_import = lambda name: FAKE
-    suite._bench_fp8(ctx, case, plan, inp, cost, peers=True)
+    suite._bench_fp8(ctx, case, plan_for(inp["parents"]), plan_for, inp, cost, peers=True)
     from tlt_kernels._backend import backend_unavailable_reason
 
     why = backend_unavailable_reason("cuda", inp["q"].device)  # the CUDA row runs where the extension does
@@ -165,6 +162,25 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
         ["tlt-cuda fp8"] if why is None else []) + ["flashinfer-xqa fp8"]
     assert ctx.rows[0][2]["bytes_moved"] == B * (L + T) * Hkv * D * 2 + 2 * B * T * Hq * D * 2
     assert ctx.rows[1][2]["bytes_moved"] == ctx.rows[0][2]["bytes_moved"]
+
+
+@pytest.mark.triton
+def test_fp8_rows_run_the_one_byte_plan_and_time_the_two_byte_split():
+    """Where a plan for e4m3 caches splits otherwise (one request, 7 rows per KV head, 600 tokens: 128-token splits
+    against 256), the ``tlt-triton fp8`` row runs it and ``tlt-triton fp8 (two-byte split)`` the bf16 rows' plan, both
+    checked against the widened caches."""
+    B, L, T, Hq, Hkv, D = 1, 600, 1, 14, 2, 128
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
+    plan_for = _plan_for(inp, Hq, Hkv, D, L)
+    two_byte = plan_for(inp["parents"])
+    assert (two_byte.split_len, plan_for(inp["parents"], torch.float8_e4m3fn).split_len) == (256, 128)
+    cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
+    ctx = _Ctx()
+    suite._bench_fp8(ctx, {"model": "test", "B": B, "L": L, "T": T}, two_byte, plan_for, inp, cost, peers=False)
+    rows = {impl: extra for impl, _, extra in ctx.rows}
+    assert list(rows)[:2] == ["tlt-triton fp8", "tlt-triton fp8 (two-byte split)"]
+    assert (rows["tlt-triton fp8"]["split_len"], rows["tlt-triton fp8 (two-byte split)"]["split_len"]) == (128, 256)
+    assert not [n for n in ctx.notes if "failed" in n]
 
 
 @pytest.mark.triton
@@ -343,12 +359,17 @@ def test_copy_floor_row_moves_the_case_bytes():
 
 
 def _sweep_case(B=1, L=40, T=3, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
+    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, dtype, torch.device(kernel_devices()[0]))
+    return inp, _plan_for(inp, Hq, Hkv, D, L)(inp["parents"]), {"model": "test", "B": B, "L": L, "T": T}
+
+
+def _plan_for(inp, Hq, Hkv, D, L):
+    """The suite's ``plan_for``: a plan of ``inp``'s tables for given parents (default split, or ``kv_dtype``'s)."""
     from tlt_kernels.ops.tree_attention import plan_tree_attention
 
-    inp = suite._make_inputs(B, L, T, Hq, Hkv, D, dtype, torch.device(kernel_devices()[0]))
-    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                               num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
-    return inp, plan, {"model": "test", "B": B, "L": L, "T": T}
+    return lambda parents, kv_dtype=None: plan_tree_attention(
+        parents, inp["context_lens"], inp["block_table"], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+        block_size=suite.PAGE, max_context_len=L, kv_dtype=kv_dtype)
 
 
 @pytest.mark.triton
@@ -405,7 +426,7 @@ def test_fp8_sweep_rows_come_from_the_fp8_caches():
     inp, plan, case = _sweep_case()
     cost = SimpleNamespace(B=1, L=40, Hq=4, Hkv=2, D=64, extra=lambda ms: {})
     ctx = _Ctx()
-    suite._bench_fp8(ctx, case, plan, inp, cost, peers=False, sweep=True)
+    suite._bench_fp8(ctx, case, plan, _plan_for(inp, 4, 2, 64, 40), inp, cost, peers=False, sweep=True)
     sweep = [impl for impl, _, _ in ctx.rows if impl.startswith("sweep fp8")]
     assert sweep == [f"sweep fp8 bn={bn} w={w} s={s} bm=128 split=default" for bn in (64, 128) for w in (4, 8)
                      for s in (2, 3, 4, 5)]
@@ -421,7 +442,7 @@ def test_fp8_only_times_the_fp8_rows_alone(device, monkeypatch):
     monkeypatch.setattr(suite, "_make_inputs", lambda *a, **k: make_inputs(*a[:-1], torch.device("cpu")))
     monkeypatch.setattr(suite, "_matmul_peak_flops", lambda ctx: None)
     calls = []
-    monkeypatch.setattr(suite, "_bench_fp8", lambda ctx, case, plan, inp, cost, peers, sweep: calls.append(
+    monkeypatch.setattr(suite, "_bench_fp8", lambda ctx, case, plan, plan_for, inp, cost, peers, sweep: calls.append(
         (case, inp["k_cache"].dtype, plan.num_tree, peers, sweep)))
     for name in ("_bench_tlt", "_bench_copy_floor", "_bench_context_kernels", "_bench_even_splits",
                  "_bench_merge_placement", "_sweep", "_bench_peers"):

@@ -395,6 +395,35 @@ def test_default_split_stops_at_the_balanced_count(B, L, T, splits):
     assert L - (splits - 1) * split > split - 64
 
 
+@pytest.mark.parametrize("B,L,T,splits", [(1, 4096, 1, 32), (2, 4096, 4, 32), (1, 16384, 4, 64), (2, 16384, 1, 32),
+                                          (4, 4096, 1, 16), (1, 65536, 1, 64), (1, 1000, 1, 8), (1, 100, 1, 1)])
+def test_default_split_over_one_byte_caches(B, L, T, splits):
+    """Planned for fp8 caches (``kv_dtype``, at most 32 rows per KV head): up to twice the balanced count of splits
+    (``2 * isqrt(L) // 4``: 32 at 4k, 64 at 16k), as short as 128 tokens, still within two programs per SM (32 at
+    B = 2, L = 16k; 16 at B = 4, L = 4k: the two-byte split), whole 64-token tiles, the last split no remainder;
+    wider rows and two-byte dtypes keep the two-byte split."""
+    fp8 = torch.float8_e4m3fn
+    split = default_split_len(B, 4, L, 132, num_rows=T * 7, kv_dtype=fp8)
+    assert split % 64 == 0 and split >= min(128, -(-L // 64) * 64) and -(-L // split) == splits
+    assert splits <= max(1, 2 * (math.isqrt(L) // 4)) and (splits == 1 or B * 4 * splits <= 264)
+    assert splits == 1 or L - (splits - 1) * split > split - 64
+    assert split <= default_split_len(B, 4, L, 132, num_rows=T * 7)
+    assert default_split_len(B, 4, L, 132, num_rows=T * 7, kv_dtype=torch.float8_e5m2) == split
+    for dtype in (torch.bfloat16, torch.float16, None):
+        assert default_split_len(B, 4, L, 132, num_rows=T * 7, kv_dtype=dtype) == default_split_len(
+            B, 4, L, 132, num_rows=T * 7)
+    assert default_split_len(B, 4, L, 132, num_rows=8 * 7, kv_dtype=fp8) == default_split_len(B, 4, L, 132,
+                                                                                              num_rows=8 * 7)
+
+
+def test_kv_dtype_must_be_a_dtype():
+    case = make_case([70], 1, 4, 2, 64, 16, torch.bfloat16, device="cpu")
+    with pytest.raises(TypeError, match="kv_dtype"):
+        make_plan(case, kv_dtype="fp8")
+    with pytest.raises(TypeError, match="kv_dtype"):
+        default_split_len(1, 4, 4096, kv_dtype=1)
+
+
 @pytest.mark.parametrize("B,L,T", [(1, 16384, 8), (2, 16384, 8), (4, 4096, 8), (8, 4096, 8), (1, 16384, 5)])
 def test_default_split_keeps_the_wave_rule_for_wider_rows(B, L, T):
     """More than 32 rows per KV head (T >= 5 at G = 7): where two programs per SM would cut splits below 1024 tokens,

@@ -75,6 +75,24 @@ def test_scaled_fp8_cache_matches_the_dequantized_reference(backend, fp8, scales
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", agreement_backends())
+def test_plan_for_fp8_caches_splits_shorter_and_matches_the_reference(backend):
+    """A plan built for e4m3 caches (``kv_dtype``) with the default split: two requests (one empty context) with 7 rows
+    per KV head over up to 600 tokens take five 128-token splits (three 256-token ones for two-byte caches), the last
+    shorter; the output is attention over the dequantized caches, with scales."""
+    need_backend("tree_attention", backend, DEVICE)
+    base = make_case([600, 0], 1, 14, 2, 128, 16, torch.bfloat16, ("chain",), None)
+    case, k_deq, v_deq = quantized(base, torch.float8_e4m3fn, 0.5, 2.0)
+    plan = make_plan(case, max_context_len=600, kv_dtype=torch.float8_e4m3fn)
+    assert (plan.num_splits, plan.split_len) == (5, 128)
+    assert make_plan(case, max_context_len=600).num_splits == 3
+    out = run(plan, case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
+              backend=backend, k_scale=0.5, v_scale=2.0)
+    want = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": k_deq, "v_cache": v_deq},
+                                    out_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def _run_and_dequantized_reference(case, k_deq, v_deq, split_len, backend, sm_scale=None, **scales):
     """``backend``'s output over the quantized ``case`` (poisoned ``out`` first) and the fp32 reference over the
     dequantized caches ``k_deq`` / ``v_deq``."""

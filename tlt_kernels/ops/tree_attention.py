@@ -62,6 +62,11 @@ EVEN_PROGRAMS_PER_SM = 2
 # tokens, else one program per SM.
 BALANCED_MAX_ROWS = 32
 SPLIT_LEN_SQRT_FACTOR = 4
+# Over one-byte (fp8) caches, planned as such (``kv_dtype``), those rows take up to ONE_BYTE_SPLIT_FACTOR times the
+# splits, as short as ONE_BYTE_MIN_SPLIT_LEN: measured faster at B = 1-2 (H200, against XQA fp8 too), where half the
+# bytes per tile leave a split's widening and products, not its loads, as its serial chain (docs/TREE_ATTENTION.md).
+ONE_BYTE_SPLIT_FACTOR = 2
+ONE_BYTE_MIN_SPLIT_LEN = 128
 EVEN_MIN_SPLIT_LEN = 1024
 # Longest split when the rows need several programs (T * G > 128): there more, shorter splits put more programs in
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
@@ -160,6 +165,7 @@ def default_split_len(
     num_rows: int = 1,
     head_dim: int = 128,
     programs_per_sm: Optional[int] = None,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> int:
     """Context tokens per split so that the partial kernel fills the GPU without needless splitting.
 
@@ -171,13 +177,14 @@ def default_split_len(
 
     * at most ``BALANCED_MAX_ROWS`` rows: the most splits whose programs fit ``EVEN_PROGRAMS_PER_SM`` per SM, but
       at most ``sqrt(max_context_len) / SPLIT_LEN_SQRT_FACTOR`` (:func:`_balanced_splits`), lengths rounded up to
-      whole tiles so every SM gets the same work;
+      whole tiles so every SM gets the same work; over one-byte caches (``kv_dtype`` fp8) up to
+      ``ONE_BYTE_SPLIT_FACTOR`` times those splits, of at least ``ONE_BYTE_MIN_SPLIT_LEN`` tokens;
     * more rows in one program: the same without the cap, when those splits hold at least ``EVEN_MIN_SPLIT_LEN``
       tokens;
     * otherwise (and for chunked rows) about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs
       (lengths rounded down, so the count never falls short);
 
-    never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90
+    otherwise never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90
     kernel's tile where it may run).
     ``programs_per_sm = k``: the even rule at ``k`` programs per SM whatever the split length (the tree-attention
     suite's ``one-wave`` and ``two-per-SM`` rows).
@@ -189,6 +196,10 @@ def default_split_len(
             raise ValueError(f"programs_per_sm must be >= 1 or None, got {programs_per_sm}")
         return _even_split_len(programs_per_sm, sm_count, programs, chunked, max_context_len, align)
     if num_rows <= BALANCED_MAX_ROWS:
+        if _one_byte(kv_dtype):
+            return _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align,
+                                   most=ONE_BYTE_SPLIT_FACTOR * _balanced_splits(max_context_len),
+                                   min_len=ONE_BYTE_MIN_SPLIT_LEN)
         return _even_split_len(EVEN_PROGRAMS_PER_SM, sm_count, programs, chunked, max_context_len, align,
                                most=_balanced_splits(max_context_len))
     if not chunked:
@@ -219,23 +230,31 @@ def _split_align(num_rows: int, head_dim: int) -> int:
     return cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
 
 
-def _clamp_splits(want: int, chunked: bool, max_context_len: int) -> int:
-    """``want`` splits, at least enough for ``CHUNKED_MAX_SPLIT_LEN`` when chunked, at most one per ``MIN_SPLIT_LEN``."""
+def _one_byte(kv_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the plan is for caches of one byte per value (fp8); ``kv_dtype`` None: two-byte caches."""
+    if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"kv_dtype must be a torch.dtype or None, got {kv_dtype!r}")
+    return kv_dtype is not None and kv_dtype.itemsize == 1
+
+
+def _clamp_splits(want: int, chunked: bool, max_context_len: int, min_len: int = MIN_SPLIT_LEN) -> int:
+    """``want`` splits, at least enough for ``CHUNKED_MAX_SPLIT_LEN`` when chunked, at most one per ``min_len``."""
     if chunked:
         want = max(want, -(-max_context_len // CHUNKED_MAX_SPLIT_LEN))
-    return max(1, min(want, -(-max_context_len // MIN_SPLIT_LEN)))
+    return max(1, min(want, -(-max_context_len // min_len)))
 
 
 def _even_split_len(per_sm: int, sm_count: int, programs: int, chunked: bool, max_context_len: int, align: int,
-                    most: Optional[int] = None) -> int:
+                    most: Optional[int] = None, min_len: int = MIN_SPLIT_LEN) -> int:
     """The most splits (up to ``most``) whose programs fit ``per_sm`` per SM, lengths rounded up to whole tiles (the
-    count stays within the slots, and no split is a remainder shorter than the others by more than a tile)."""
+    count stays within the slots, and no split is a remainder shorter than the others by more than a tile), none
+    shorter than ``min_len`` tokens."""
     want = max(1, per_sm * sm_count // programs)
-    want = _clamp_splits(want if most is None else min(want, most), chunked, max_context_len)
+    want = _clamp_splits(want if most is None else min(want, most), chunked, max_context_len, min_len)
     if want == 1:
         return _whole_tiles(max_context_len, align)
     per_split = -(-max_context_len // want)
-    return max(MIN_SPLIT_LEN, _whole_tiles(per_split, align))
+    return max(min_len, _whole_tiles(per_split, align))
 
 
 def _balanced_splits(max_context_len: int) -> int:
@@ -327,6 +346,7 @@ def plan_tree_attention(
     split_len: Optional[int] = None,
     num_blocks: Optional[int] = None,
     validate: bool = True,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> TreeAttentionPlan:
     """Build the per-step plan of tree attention (shared by every layer).
 
@@ -341,6 +361,8 @@ def plan_tree_attention(
         num_blocks: pages in the cache; when given, ``validate`` also checks every used table entry is below it, and
             ``run`` checks the caches have exactly that many pages.
         validate: check values (host sync). Skipped during CUDA-graph capture.
+        kv_dtype: the caches' dtype, where known: the default split takes more, shorter splits over fp8 caches at
+            small batch. Only the split depends on it: a plan runs over caches of any dtype ``run`` accepts.
 
     Views (any strides) are accepted: the tensors the kernels read are copied to contiguous ones when they are not.
     Validation reads the table once; ``run`` then checks its pages against the caches it gets with no further sync.
@@ -349,6 +371,7 @@ def plan_tree_attention(
         A :class:`TreeAttentionPlan`; only ``tree_mask`` and the scratch are freshly allocated.
     """
     _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks, validate)
+    _one_byte(kv_dtype)  # a TypeError naming kv_dtype before any work
     parents, context_lens, block_table, num_nodes = _plan_tables(parents, context_lens, block_table, num_nodes)
     capturing = _capturing()
     checked = validate and not capturing
@@ -357,7 +380,7 @@ def plan_tree_attention(
         max_page = _validate_plan(parents, context_lens, num_nodes, block_table, block_size, num_blocks)
     return _make_plan(dense(tree_ancestor_mask_packed(parents, num_nodes)), context_lens, block_table, num_nodes,
                       num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, split_len, num_blocks,
-                      max_page=max_page, check_pages_at_run=validate and capturing, checked=checked)
+                      max_page=max_page, check_pages_at_run=validate and capturing, checked=checked, kv_dtype=kv_dtype)
 
 
 def plan_masked_attention(
@@ -371,6 +394,7 @@ def plan_masked_attention(
     block_size: int,
     max_context_len: int,
     num_blocks: Optional[int] = None,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> TreeAttentionPlan:
     """A plan whose ``T`` new tokens see each other through an explicit mask instead of a tree's ancestors.
 
@@ -387,6 +411,7 @@ def plan_masked_attention(
         num_q_heads, num_kv_heads, head_dim, block_size: model / cache geometry.
         max_context_len: an upper bound of ``context_lens`` (the table's capacity will do): sizes the context split.
         num_blocks: pages in the cache (``run`` checks the caches against it).
+        kv_dtype: the caches' dtype, where known (sizes the split, as in :func:`plan_tree_attention`).
     """
     check_tensor("mask", mask, dtype=(torch.bool, torch.int32), ndim=3)
     B, T, cols = mask.shape
@@ -397,21 +422,24 @@ def plan_masked_attention(
     check_tensor("context_lens", context_lens, dtype=torch.int32, shape=(B,), device=mask.device)
     check_tensor("block_table", block_table, dtype=torch.int32, ndim=2, device=mask.device)
     _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, False)
+    _one_byte(kv_dtype)
     # Every row is a node: the mask alone says what each sees.
     num_nodes = torch.full((B,), T, dtype=torch.int32, device=mask.device)
     packed = pack_tree_mask(mask) if mask.dtype == torch.bool else mask
     return _make_plan(dense(packed), dense(context_lens), dense(block_table), num_nodes, num_q_heads,
                       num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, max_page=None,
-                      check_pages_at_run=False, checked=False)
+                      check_pages_at_run=False, checked=False, kv_dtype=kv_dtype)
 
 
 def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num_kv_heads, head_dim, block_size,
-               max_context_len, split_len, num_blocks, *, max_page, check_pages_at_run, checked) -> TreeAttentionPlan:
+               max_context_len, split_len, num_blocks, *, max_page, check_pages_at_run, checked,
+               kv_dtype=None) -> TreeAttentionPlan:
     """The plan around a packed mask ``int32 [B, T, ceil(T/32)]``: the context split and the fp32 scratch."""
     B, T = tree_mask.shape[:2]
     G = num_q_heads // num_kv_heads
     num_splits, split_len = _context_split(context_lens, block_table.shape[1] * block_size, max_context_len, split_len,
-                                           num_kv_heads, T * G, head_dim, capturing=_capturing(), checked=checked)
+                                           num_kv_heads, T * G, head_dim, capturing=_capturing(), checked=checked,
+                                           kv_dtype=kv_dtype)
     M = T * G
     dev = tree_mask.device
     return TreeAttentionPlan(
@@ -463,7 +491,7 @@ def _sm_count_of(device: torch.device) -> int:
 
 
 def _context_split(context_lens, table_capacity: int, max_context_len, split_len, num_kv_heads: int, num_rows: int,
-                   head_dim: int, *, capturing: bool, checked: bool) -> Tuple[int, int]:
+                   head_dim: int, *, capturing: bool, checked: bool, kv_dtype=None) -> Tuple[int, int]:
     """``(num_splits, split_len)`` of the flash-decoding split: ``split_len`` given or :func:`default_split_len`, and
     enough splits to cover ``max_context_len`` (when None: the longest of ``context_lens``, one sync, or the table's
     capacity during capture). When ``checked``, a given ``max_context_len`` that the lengths exceed raises."""
@@ -473,7 +501,7 @@ def _context_split(context_lens, table_capacity: int, max_context_len, split_len
         max_context_len = table_capacity if capturing else (int(context_lens.max()) if B else 0)
     if split_len is None:
         split_len = default_split_len(B, num_kv_heads, max_context_len, _sm_count_of(context_lens.device), num_rows,
-                                      head_dim)
+                                      head_dim, kv_dtype=kv_dtype)
     num_splits = max(1, -(-max_context_len // split_len))
     if checked:
         longest = int(context_lens.max()) if B else 0

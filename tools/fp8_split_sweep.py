@@ -1,0 +1,100 @@
+"""Tree attention's Triton kernel over e4m3 caches at the long-tail shapes where it trails FlashInfer's XQA fp8: the
+split length and the key tile swept at each case, XQA fp8 beside them; graph replays with the L2 flushed.
+
+    python -m tools.fp8_split_sweep [--reps 40] [--out FILE] [--cases B,L,T;...] [--splits 128,256,...]
+
+Prints one JSON line per (case, split length, key tile) with its time over the default's and over XQA fp8's, and
+writes them all as JSON (GPU only; XQA fp8 needs FlashInfer 0.6.18+, else its column is None).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from unittest import mock
+
+import torch
+
+import tlt_kernels._triton.tree_attention as tk
+from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, xqa_tree_mask
+from tlt_kernels.ops import tree_attention as op
+from tools.ab_timing import L2_FLUSH_BYTES, graph_us
+
+CASES = "1,4096,1;2,4096,1;4,4096,1;8,4096,1;16,4096,1;1,16384,1;2,16384,1;16,16384,1;16,4096,4;16,16384,8"
+SPLITS = "128,192,256,384,512,768,1024,2048"
+
+
+def xqa_call(fi, inp, L):
+    """FlashInfer's XQA over the same e4m3 caches (the suite's ``flashinfer-xqa fp8`` row's call), or None."""
+    if fi is None:
+        return None
+    q, table = inp["q"], inp["block_table"]
+    B, T, Hq, D = q.shape
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
+    seq_lens = torch.full((B,), L + T, dtype=torch.uint32, device=q.device)
+    mask = xqa_tree_mask(inp["parents"]) if T > 1 else None
+    return lambda: fi.decode.trtllm_batch_decode_with_kv_cache(
+        q.reshape(B * T, Hq, D), (inp["k8"], inp["v8"]), workspace, table, seq_lens, table.shape[1] * PAGE,
+        bmm1_scale=D**-0.5, bmm2_scale=1.0, kv_layout="NHD", backend="xqa", q_len_per_req=T, mask=mask)
+
+
+def measure(fi, B, L, T, splits, flush, reps):
+    Hq, Hkv = MODELS["qwen2.5-7b"]
+    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
+    inp["k8"], inp["v8"] = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
+    q, out = inp["q"], torch.empty_like(inp["q"])
+
+    def plan(split_len=None):
+        return op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                      num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
+                                      split_len=split_len)
+
+    default = plan()
+    want = default.run(q, inp["k8"], inp["v8"], backend="triton").float()
+    base = min(graph_us(lambda: default.run(q, inp["k8"], inp["v8"], out=out, backend="triton"), flush, reps)
+               for _ in range(2))
+    call = xqa_call(fi, inp, L)
+    xqa = min(graph_us(call, flush, reps) for _ in range(2)) if call else None
+    rows = []
+    for split_len in splits:
+        p = plan(split_len)
+        for min_split in (0, 1 << 30):  # 128-key tiles at every split, or never (rows <= 32 only)
+            with mock.patch.object(tk, "FP8_WIDE_TILE_MIN_SPLIT", min_split):
+                got = p.run(q, inp["k8"], inp["v8"], out=torch.full_like(out, float("nan")), backend="triton")
+                err = (got.float() - want).abs().max().item()
+                us = min(graph_us(lambda: p.run(q, inp["k8"], inp["v8"], out=out, backend="triton"), flush, reps)
+                         for _ in range(2))
+            rows.append(dict(B=B, L=L, T=T, split_len=split_len, splits=p.num_splits, keys=128 if min_split == 0 else 64,
+                             us=round(us, 2), default_us=round(base, 2), default_split=default.split_len,
+                             xqa_us=None if xqa is None else round(xqa, 2), over_default=round(us / base, 3),
+                             over_xqa=None if xqa is None else round(us / xqa, 3), max_err=err))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--cases", default=CASES)
+    parser.add_argument("--splits", default=SPLITS)
+    args = parser.parse_args(argv)
+    try:
+        import flashinfer as fi
+    except ImportError:
+        fi = None
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    splits = [int(s) for s in args.splits.split(",")]
+    rows = []
+    for case in args.cases.split(";"):
+        B, L, T = (int(x) for x in case.split(","))
+        for row in measure(fi, B, L, T, [s for s in splits if s < L + 64], flush, args.reps):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
