@@ -131,6 +131,19 @@ def test_scales_also_apply_to_caches_of_q_dtype_and_the_public_op():
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
 
 
+def test_public_op_plans_for_its_caches_dtype(monkeypatch):
+    """The one-shot op builds its plan for the caches it is given (``kv_dtype``: the fp8 split over fp8 caches)."""
+    import tlt_kernels.ops.tree_attention as op
+
+    seen, plan = [], op.plan_tree_attention
+    monkeypatch.setattr(op, "plan_tree_attention", lambda *a, **kw: seen.append(kw["kv_dtype"]) or plan(*a, **kw))
+    case = make_case([20, 3], 4, 4, 2, 64, 16, torch.bfloat16, ("random",), [4, 2], device="cpu")
+    for cache in (torch.float8_e4m3fn, torch.bfloat16):
+        tlt_kernels.tree_attention(**{**case, "k_cache": case["k_cache"].to(cache),
+                                      "v_cache": case["v_cache"].to(cache)}, backend="torch")
+    assert seen == [torch.float8_e4m3fn, torch.bfloat16]
+
+
 def test_auto_skips_the_cuda_backend_for_scaled_caches():
     """"auto" does not pick the CUDA backend for fp8 caches or v_scale != 1 (an explicit "cuda" runs them)."""
     for scaled in (False, True):

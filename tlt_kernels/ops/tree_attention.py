@@ -848,7 +848,7 @@ def tree_attention(
     plan = plan_tree_attention(
         parents, context_lens, block_table, num_nodes,
         num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, block_size=block_size,
-        num_blocks=num_blocks, validate=validate,
+        num_blocks=num_blocks, validate=validate, kv_dtype=k_cache.dtype,
     )
     return run(plan, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend, k_scale=k_scale,
                v_scale=v_scale)
