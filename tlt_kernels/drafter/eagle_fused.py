@@ -61,7 +61,8 @@ def _plan(drafter, mask: torch.Tensor, context_lens: torch.Tensor, block_table: 
     c = drafter.config
     return plan_masked_attention(mask, context_lens.to(torch.int32), block_table, num_q_heads=c.num_q_heads,
                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=cache.block_size,
-                                 max_context_len=block_table.shape[1] * cache.block_size, num_blocks=cache.num_blocks)
+                                 max_context_len=block_table.shape[1] * cache.block_size, num_blocks=cache.num_blocks,
+                                 kv_dtype=cache.k.dtype)
 
 
 def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:

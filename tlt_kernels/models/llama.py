@@ -479,7 +479,7 @@ class LlamaForCausalLM(nn.Module):
         return plan_tree_attention(
             parents, context_lens, block_table, num_nodes, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim, block_size=cache.block_size, max_context_len=max_context_len,
-            num_blocks=cache.num_blocks, validate=validate,
+            num_blocks=cache.num_blocks, validate=validate, kv_dtype=cache.dtype,
         )
 
     @torch.no_grad()
