@@ -62,12 +62,13 @@ EVEN_PROGRAMS_PER_SM = 2
 # tokens, else one program per SM.
 BALANCED_MAX_ROWS = 32
 SPLIT_LEN_SQRT_FACTOR = 4
-# Over one-byte (fp8) caches, planned as such (``kv_dtype``), those rows take up to ONE_BYTE_SPLIT_FACTOR times the
-# splits, as short as ONE_BYTE_MIN_SPLIT_LEN: measured faster at B = 1-2 (H200, against XQA fp8 too), where half the
-# bytes per tile leave a split's widening and products, not its loads, as its serial chain (docs/TREE_ATTENTION.md).
+EVEN_MIN_SPLIT_LEN = 1024
+# Over one-byte (fp8) caches, planned as such (``kv_dtype``), rows of at most BALANCED_MAX_ROWS take up to
+# ONE_BYTE_SPLIT_FACTOR times the balanced splits, as short as ONE_BYTE_MIN_SPLIT_LEN: measured faster at B = 1-2
+# (H200, against XQA fp8 too), where half the bytes per tile leave a split's widening and products, not its loads, as
+# its serial chain (docs/TREE_ATTENTION.md, "Split choice").
 ONE_BYTE_SPLIT_FACTOR = 2
 ONE_BYTE_MIN_SPLIT_LEN = 128
-EVEN_MIN_SPLIT_LEN = 1024
 # Longest split when the rows need several programs (T * G > 128): there more, shorter splits put more programs in
 # flight, while for T * G <= 128 more splits only add partial traffic (docs/TREE_ATTENTION.md, "Split choice").
 CHUNKED_MAX_SPLIT_LEN = 4096
@@ -184,8 +185,8 @@ def default_split_len(
     * otherwise (and for chunked rows) about the fewest splits that reach ``SPLIT_WAVES * sm_count`` programs
       (lengths rounded down, so the count never falls short);
 
-    otherwise never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the CUDA sm_90
-    kernel's tile where it may run).
+    otherwise never below ``MIN_SPLIT_LEN`` tokens a split. The result is a multiple of ``SPLIT_ALIGN`` (or of the
+    CUDA sm_90 kernel's tile where it may run).
     ``programs_per_sm = k``: the even rule at ``k`` programs per SM whatever the split length (the tree-attention
     suite's ``one-wave`` and ``two-per-SM`` rows).
     """
