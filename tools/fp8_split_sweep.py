@@ -3,9 +3,9 @@ split length and the key tile swept at each case, XQA fp8 beside them; graph rep
 
     python -m tools.fp8_split_sweep [--reps 40] [--out FILE] [--cases B,L,T;...] [--splits 128,256,...]
 
-Prints one JSON line per (case, split length, key tile) with its time over the default's and over XQA fp8's, and
-writes them all as JSON (GPU only; XQA fp8 needs FlashInfer 0.6.18+, else its column is None).
-"""
+Prints one JSON line per (case, split length, key tile) with its time over the default's (the split planned for e4m3
+caches) and over XQA fp8's, and writes them all as JSON (GPU only; XQA fp8 needs FlashInfer 0.6.18+, else its column
+is None)."""
 from __future__ import annotations
 
 import argparse
@@ -15,26 +15,12 @@ from unittest import mock
 import torch
 
 import tlt_kernels._triton.tree_attention as tk
-from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, xqa_tree_mask
+from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, xqa_call
 from tlt_kernels.ops import tree_attention as op
 from tools.ab_timing import L2_FLUSH_BYTES, graph_us
 
 CASES = "1,4096,1;2,4096,1;4,4096,1;8,4096,1;16,4096,1;1,16384,1;2,16384,1;16,16384,1;16,4096,4;16,16384,8"
 SPLITS = "128,192,256,384,512,768,1024,2048"
-
-
-def xqa_call(fi, inp, L):
-    """FlashInfer's XQA over the same e4m3 caches (the suite's ``flashinfer-xqa fp8`` row's call), or None."""
-    if fi is None:
-        return None
-    q, table = inp["q"], inp["block_table"]
-    B, T, Hq, D = q.shape
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)
-    seq_lens = torch.full((B,), L + T, dtype=torch.uint32, device=q.device)
-    mask = xqa_tree_mask(inp["parents"]) if T > 1 else None
-    return lambda: fi.decode.trtllm_batch_decode_with_kv_cache(
-        q.reshape(B * T, Hq, D), (inp["k8"], inp["v8"]), workspace, table, seq_lens, table.shape[1] * PAGE,
-        bmm1_scale=D**-0.5, bmm2_scale=1.0, kv_layout="NHD", backend="xqa", q_len_per_req=T, mask=mask)
 
 
 def measure(fi, B, L, T, splits, flush, reps):
@@ -43,16 +29,16 @@ def measure(fi, B, L, T, splits, flush, reps):
     inp["k8"], inp["v8"] = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
     q, out = inp["q"], torch.empty_like(inp["q"])
 
-    def plan(split_len=None):
+    def plan(split_len=None):  # the default: the split the library takes for e4m3 caches
         return op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                       num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                                      split_len=split_len)
+                                      split_len=split_len, kv_dtype=inp["k8"].dtype)
 
     default = plan()
     want = default.run(q, inp["k8"], inp["v8"], backend="triton").float()
     base = min(graph_us(lambda: default.run(q, inp["k8"], inp["v8"], out=out, backend="triton"), flush, reps)
                for _ in range(2))
-    call = xqa_call(fi, inp, L)
+    call = None if fi is None else xqa_call(fi, {**inp, "k_cache": inp["k8"], "v_cache": inp["v8"]}, L)
     xqa = min(graph_us(call, flush, reps) for _ in range(2)) if call else None
     rows = []
     for split_len in splits:

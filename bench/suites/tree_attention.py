@@ -651,20 +651,26 @@ def _fp8_row(ctx, backend, case, plan, q, k8, v8, reference, nbytes, cost, impl=
         return None
 
 
+def xqa_call(fi, inp, L: int):
+    """FlashInfer's XQA over ``inp``'s caches (``inp["k_cache"]`` / ``inp["v_cache"]``, bf16 or e4m3) as a
+    zero-argument call returning ``[B * T, Hq, D]``: the tree's nodes are the last T of L + T tokens, the mask covers
+    them only."""
+    q, table = inp["q"], inp["block_table"]
+    B, T, Hq, D = q.shape
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)  # its semaphores must start at 0
+    seq_lens = torch.full((B,), L + T, dtype=torch.uint32, device=q.device)
+    mask = xqa_tree_mask(inp["parents"]) if T > 1 else None
+    flat = q.reshape(B * T, Hq, D)
+    return lambda: fi.decode.trtllm_batch_decode_with_kv_cache(
+        flat, (inp["k_cache"], inp["v_cache"]), workspace, table, seq_lens, table.shape[1] * PAGE,
+        bmm1_scale=D**-0.5, bmm2_scale=1.0, kv_layout="NHD", backend="xqa", q_len_per_req=T, mask=mask)
+
+
 def _bench_flashinfer_xqa(ctx, fi, case, inp, reference, nbytes, extra, impl="flashinfer-xqa"):
-    """The ``flashinfer-xqa`` row: the tree's nodes are the last T of L + T tokens, the mask covers them only."""
+    """The ``flashinfer-xqa`` row (:func:`xqa_call`), checked against ``reference`` before it is timed."""
     try:
-        q, table = inp["q"], inp["block_table"]
-        B, T, Hq, D = q.shape
-        L = case["L"]
-        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=q.device)  # its semaphores must start at 0
-        seq_lens = torch.full((B,), L + T, dtype=torch.uint32, device=q.device)
-        mask = xqa_tree_mask(inp["parents"]) if T > 1 else None
-        flat = q.reshape(B * T, Hq, D)
-        call = lambda: fi.decode.trtllm_batch_decode_with_kv_cache(  # noqa: E731
-            flat, (inp["k_cache"], inp["v_cache"]), workspace, table, seq_lens, table.shape[1] * PAGE,
-            bmm1_scale=D**-0.5, bmm2_scale=1.0, kv_layout="NHD", backend="xqa", q_len_per_req=T, mask=mask)
-        got = call().view(B, T, Hq, D)
+        call = xqa_call(fi, inp, case["L"])
+        got = call().view(inp["q"].shape)
         if reference is not None:
             _check(impl, got, reference, case)
         ms, timing = _timed(ctx, call)
