@@ -217,7 +217,9 @@ consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16,
               MERGE_UNROLL=m.FUSED_MERGE_LOOP[0], MERGE_STAGES=m.FUSED_MERGE_LOOP[1], PIPELINE=1,
               LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32",
               FP8_KEY_PRODUCTS=m.uses_fp8_key_products(torch.float32 if FP32 else torch.bfloat16, CACHE_DTYPES.get(KV),
-                                                       D, block_m))
+                                                       D, block_m),
+              HOIST_TREE=int(m.hoists_tree(max(16, 1 << (T - 1).bit_length()), D,
+                                           CACHE_DTYPES.get(KV, torch.float32 if FP32 else torch.bfloat16))))
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})
 scales = ("qk_scale", "v_scale")

@@ -20,7 +20,7 @@ the stored LSE is natural-log, ``(m + log2(l)) * ln(2)``, as the plan contract s
 NaN (the contract of ``ops.tree_attention.run``): a NaN score makes a row's sum ``l`` NaN, and a split writes a NaN
 LSE for it (never the -inf of an empty split, which the merge would skip); the merge flags NaN LSEs and reads every
 non-empty split's partial. Unattended slots are masked loads (``other=0``). A tree slot whose V holds NaN/inf joins
-P V zeroed, with a NaN score for the rows that see it (``_tree_tile``). A page id outside ``[0, num_blocks)`` is read
+P V zeroed, with a NaN score for the rows that see it (``_tree_attend``). A page id outside ``[0, num_blocks)`` is read
 as page 0 and makes the program's rows NaN (``_checked_pages``).
 """
 from __future__ import annotations
@@ -102,6 +102,16 @@ FP8_KEY_PRODUCT_TILES = frozenset({(128, 64), (128, 128)})
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
 # correctness tests (tests/ops/test_tree_attention_triton_variants.py), for a retune on another card.
 LAZY_RESCALE = 0.0
+# Where the tree's K tile (BLOCK_T slots x D values as cached) takes at most this many bytes, its page ids, K/V and
+# mask words are loaded before the context loop rather than after it: a short context's few tiles are a chain of
+# memory round trips, and the tree's no longer adds two more at the end. Larger tiles keep the loads after the loop
+# (held across it, K and V would spill: 332 bytes at D = 256 in fp32). 0: never.
+HOIST_TREE_MAX_BYTES = 4096
+
+
+def hoists_tree(block_t: int, head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Whether the partial kernel loads the tree's operands before the context loop (``HOIST_TREE_MAX_BYTES``)."""
+    return block_t * head_dim * cache_dtype.itemsize <= HOIST_TREE_MAX_BYTES
 
 
 def _next_pow2(x: int) -> int:
@@ -384,30 +394,35 @@ def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs
 
 
 @triton.jit
-def _tree_tile(q, q_lo, k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks,
-               stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
-               BLOCK_T: tl.constexpr, INTERPRET: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The tree part: slots ``ctx + j`` of nodes ``j < n_nodes``, each row seeing its ancestors (``mask_rows``: the
-    rows' packed mask words). Returns the softmax state and the page flag of ``_context_tile``.
+def _tree_loads(k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp,
+                stride_vs, num_blocks, take, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The tree part's operands: slots ``ctx + j`` of nodes ``j < n_nodes`` (none unless ``take``), ``k, v
+    [BLOCK_T, D]``, which rows see which slot (``visible [BLOCK_M, BLOCK_T]``, from the rows' packed mask words
+    ``mask_rows``), ``v_probe [BLOCK_T]`` and the page flag of ``_context_tile``.
 
     Rows see different slots of this one tile, so P V would multiply a slot's V by the zero P of rows that do not see
-    it, and 0 * NaN = NaN. So a slot whose V holds a NaN/inf takes part with V zeroed and a NaN score instead: the rows
-    that see it come out NaN (as in plain attention), the others never meet it."""
+    it, and 0 * NaN = NaN. So a slot whose V holds a NaN/inf takes part with V zeroed and a NaN score instead
+    (``v_probe``): the rows that see it come out NaN (as in plain attention), the others never meet it."""
     offs_j = tl.arange(0, BLOCK_T)
-    j_ok = offs_j < n_nodes
+    j_ok = (offs_j < n_nodes) & take
     tok = ctx + offs_j
     page, page_bad = _checked_pages(tl.load(bt_row + tok // PAGE_SIZE, mask=j_ok, other=0), num_blocks)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :], mask=j_ok[:, None], other=0.0)
+    words = tl.load(mask_rows[:, None] + (offs_j // 32)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
+    visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
+    return k, v, visible, tl.max(page_bad, 0)
+
+
+@triton.jit
+def _tree_attend(q, q_lo, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """The tree part's online-softmax step over the operands of ``_tree_loads``."""
     # [BLOCK_T]: NaN where the slot's V has a NaN or an inf (|x| < inf is False for both), else 0.
     v_probe = tl.sum(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0.0, float("nan")), 1)
     v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
-    words = tl.load(mask_rows[:, None] + (offs_j // 32)[None, :], mask=row_ok[:, None] & j_ok[None, :], other=0)
-    visible = ((words >> (offs_j % 32)[None, :]) & 1) != 0
-    m_i, l_i, acc = _attend_tile(q, q_lo, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET,
-                                 DOT_PRECISION)
-    return m_i, l_i, acc, tl.max(page_bad, 0)
+    return _attend_tile(q, q_lo, k, v, visible, v_probe[None, :], m_i, l_i, acc, qk_scale, INTERPRET, DOT_PRECISION)
 
 
 @triton.jit
@@ -443,7 +458,7 @@ def _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t
                   stride_vh, stride_bt, T: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
                   INTERPRET: tl.constexpr, PIPELINE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, HOIST_TREE: tl.constexpr):
     """The online-softmax state ``(m, l, acc)`` of the rows over this split's context tokens, plus the tree tokens
     when this is the request's last non-empty split, and the page flag (see ``_checked_pages``)."""
     # Finite start so a fully masked row (a padding node) yields p = 0, not exp2(-inf + inf) = NaN.
@@ -455,6 +470,15 @@ def _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t
     k_head = K_ptr + h * stride_kh
     v_head = V_ptr + h * stride_vh
     offs_n = tl.arange(0, BLOCK_N)
+
+    # The tree part rides in the request's last non-empty split (slots ctx + j, ancestor mask). Its loads depend only
+    # on ctx: with HOIST_TREE they are issued before the context loop, so their round trips overlap its first tiles'.
+    is_last = split == n_splits_b - 1
+    mask_rows = TreeMask_ptr + (b64 * T + t) * W
+    if HOIST_TREE:
+        tree_k, tree_v, visible, tree_bad = _tree_loads(k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok,
+                                                        offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                        num_blocks, is_last, PAGE_SIZE, BLOCK_T)
 
     # Context part of this split: no mask besides the split's end.
     start = split * split_len
@@ -470,13 +494,14 @@ def _attend_split(q, q_lo, K_ptr, V_ptr, BlockTable_ptr, TreeMask_ptr, b64, h, t
                                                      acc, qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
                                                      DOT_PRECISION)
 
-    # Tree part, folded into the request's last non-empty split: slots ctx + j, ancestor mask.
-    if split == n_splits_b - 1:
-        m_i, l_i, acc, tile_bad = _tree_tile(q, q_lo, k_head, v_head, bt_row, TreeMask_ptr + (b64 * T + t) * W, ctx,
-                                             n_nodes, row_ok, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                                             num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE, BLOCK_T, INTERPRET,
-                                             DOT_PRECISION)
-        page_bad = page_bad | tile_bad
+    if is_last:
+        if not HOIST_TREE:
+            tree_k, tree_v, visible, tree_bad = _tree_loads(k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok,
+                                                            offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
+                                                            num_blocks, is_last, PAGE_SIZE, BLOCK_T)
+        m_i, l_i, acc = _tree_attend(q, q_lo, tree_k, tree_v, visible, m_i, l_i, acc, qk_scale, INTERPRET,
+                                     DOT_PRECISION)
+        page_bad = page_bad | tree_bad
     return m_i, l_i, acc, page_bad
 
 
@@ -529,6 +554,7 @@ def _tree_attn_partial_kernel(
     LAZY_RESCALE: tl.constexpr = 0.0,
     DOT_PRECISION: tl.constexpr = "tf32",
     FP8_KEY_PRODUCTS: tl.constexpr = 0,
+    HOIST_TREE: tl.constexpr = 0,
 ):
     pid0 = tl.program_id(0)
     h = tl.program_id(1)
@@ -554,7 +580,7 @@ def _tree_attn_partial_kernel(
                                             offs_d, split, ctx, n_nodes, n_splits_b, qk_scale, split_len, num_blocks,
                                             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_bt,
                                             T, W, HEAD_DIM, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_T, INTERPRET, PIPELINE,
-                                            LAZY_RESCALE, DOT_PRECISION)
+                                            LAZY_RESCALE, DOT_PRECISION, HOIST_TREE)
     o, lse = _split_result(acc * v_scale, m_i, l_i, page_bad != 0)
     _store_split_rows(o, lse, Out_ptr, PartialOut_ptr, PartialLse_ptr, b64, h, t, qh, offs_m, offs_d, row_ok, split,
                       n_nodes, n_splits_b, num_splits, stride_ob, stride_ot, stride_oh, NUM_KV_HEADS, T, G, HEAD_DIM,
@@ -877,8 +903,8 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_COUNTERS=counters.shape[-1] if fused else 1, FUSED_MERGE=fused, MERGE_UNROLL=FUSED_MERGE_LOOP[0],
         MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE,
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        FP8_KEY_PRODUCTS=uses_fp8_key_products(q.dtype, k_cache.dtype, D, block_m), num_warps=warps, num_stages=stages,
-        **reg_cap,
+        FP8_KEY_PRODUCTS=uses_fp8_key_products(q.dtype, k_cache.dtype, D, block_m),
+        HOIST_TREE=int(hoists_tree(block_t, D, k_cache.dtype)), num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1 and not fused:
         _launch_merge(plan, out, interp, drop_bits)
