@@ -1,7 +1,7 @@
 """Same-run A/B of where tree attention's Triton partial kernel loads the tree's operands (``HOIST_TREE_MAX_BYTES``):
 
 * ``after``: after the context loop, as before;
-* ``hoisted``: before the loop, where the tree's K tile fits ``HOIST_TREE_MAX_BYTES`` (the default).
+* ``hoisted``: before the loop where ``hoists_tree`` says so (the default), else after.
 
 Cases: SmolLM2-135M's shapes (9 / 3 heads, D = 64; contexts of a chat rollout), then the tree-attention suite's 7B
 long-tail and main cases with trees of at most 16 nodes (D = 128), bf16, pages of 16, each plan the library's default

@@ -56,6 +56,34 @@ def test_pipelined_loop_matches_reference(name):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("hoist", [True, False])
+@pytest.mark.parametrize("name", ["multi-tile-bs16", "multi-tile-bs1-fp16", "big-pages-bs128", "splits-of-three-tiles"])
+def test_tree_loads_before_or_after_the_context_loop_match_reference(name, hoist, monkeypatch):
+    """The tree's operands loaded before the context loop (``hoists_tree``) or after it: the same attention, with
+    splits (the tree rides in the last non-empty one, the other splits' loads masked off) and without."""
+    _need_triton()
+    case, split = _case(name)
+    ctx, T, Hq, Hkv, D, _, dtype, _, _ = CASES[name]
+    block_m = tk.row_tile(D, T * (Hq // Hkv))
+    assert tk.hoists_tree(max(16, tk._next_pow2(T)), block_m, D, dtype)  # these cases hoist by default
+    if not hoist:
+        monkeypatch.setattr(tk, "HOIST_TREE_MAX_BYTES", 0)
+    plan = make_plan(case, split_len=split)
+    out = torch.full_like(case["q"], float("nan"))
+    plan.run(case["q"], case["k_cache"], case["v_cache"], out=out, backend="triton")
+    check_against_reference(out, case)
+
+
+def test_hoists_tree_rule():
+    """Small accumulators and tree tiles hoist (SmolLM2 at T <= 16, 7B rows at T <= 4); 64-row tiles at D = 128
+    (7B at T = 8), 128-row ones and fp32 D = 256 trees do not."""
+    assert tk.hoists_tree(16, 16, 64, torch.bfloat16) and tk.hoists_tree(16, 64, 64, torch.bfloat16)
+    assert tk.hoists_tree(16, 32, 128, torch.bfloat16) and tk.hoists_tree(16, 32, 128, torch.float8_e4m3fn)
+    assert not tk.hoists_tree(16, 64, 128, torch.bfloat16) and not tk.hoists_tree(16, 128, 128, torch.bfloat16)
+    assert not tk.hoists_tree(32, 16, 128, torch.bfloat16) and not tk.hoists_tree(16, 16, 256, torch.float32)
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("name", ["multi-tile-bs16", "big-pages-bs128", "splits-of-three-tiles"])
 def test_pipelined_loop_matches_previous_loop(name, monkeypatch):
     _need_triton()
@@ -218,7 +246,7 @@ consts = dict(NUM_KV_HEADS=4, T=T, G=G, W=-(-T // 32), HEAD_DIM=D, PAGE_SIZE=16,
               LAZY_RESCALE=m.LAZY_RESCALE, DOT_PRECISION="ieee" if FP32 else "tf32",
               FP8_KEY_PRODUCTS=m.uses_fp8_key_products(torch.float32 if FP32 else torch.bfloat16, CACHE_DTYPES.get(KV),
                                                        D, block_m),
-              HOIST_TREE=int(m.hoists_tree(max(16, 1 << (T - 1).bit_length()), D,
+              HOIST_TREE=int(m.hoists_tree(max(16, 1 << (T - 1).bit_length()), block_m, D,
                                            CACHE_DTYPES.get(KV, torch.float32 if FP32 else torch.bfloat16))))
 elem = "*fp32" if FP32 else "*bf16"
 ptrs.update({{"K_ptr": KV, "V_ptr": KV}} if KV else {{}})

@@ -102,16 +102,20 @@ FP8_KEY_PRODUCT_TILES = frozenset({(128, 64), (128, 128)})
 # accumulator multiply it skips (docs/TREE_ATTENTION.md, "Measurements behind the defaults"). Kept, with its
 # correctness tests (tests/ops/test_tree_attention_triton_variants.py), for a retune on another card.
 LAZY_RESCALE = 0.0
-# Where the tree's K tile (BLOCK_T slots x D values as cached) takes at most this many bytes, its page ids, K/V and
-# mask words are loaded before the context loop rather than after it: a short context's few tiles are a chain of
-# memory round trips, and the tree's no longer adds two more at the end. Larger tiles keep the loads after the loop
-# (held across it, K and V would spill: 332 bytes at D = 256 in fp32). 0: never.
+# Where the tree's K tile (BLOCK_T slots x D values as cached) takes at most HOIST_TREE_MAX_BYTES and the program's
+# accumulator (BLOCK_M rows x D) at most HOIST_TREE_MAX_ACC values, the tree's page ids, K/V and mask words are loaded
+# before the context loop rather than after it: a short context's few tiles are a chain of memory round trips, and
+# the tree's no longer adds two more at the end. Elsewhere the loads stay after the loop: held across it, the tree's
+# operands compete with a large accumulator (64-row tiles at D = 128 were slower, 128-row ones overflowed shared
+# memory) or spill (D = 256 in fp32). Measured: docs/TREE_ATTENTION.md, "Measurements behind the defaults".
 HOIST_TREE_MAX_BYTES = 4096
+HOIST_TREE_MAX_ACC = 32 * 128
 
 
-def hoists_tree(block_t: int, head_dim: int, cache_dtype: torch.dtype) -> bool:
-    """Whether the partial kernel loads the tree's operands before the context loop (``HOIST_TREE_MAX_BYTES``)."""
-    return block_t * head_dim * cache_dtype.itemsize <= HOIST_TREE_MAX_BYTES
+def hoists_tree(block_t: int, block_m: int, head_dim: int, cache_dtype: torch.dtype) -> bool:
+    """Whether the partial kernel loads the tree's operands before the context loop (see HOIST_TREE_MAX_BYTES)."""
+    return (block_t * head_dim * cache_dtype.itemsize <= HOIST_TREE_MAX_BYTES
+            and block_m * head_dim <= HOIST_TREE_MAX_ACC)
 
 
 def _next_pow2(x: int) -> int:
@@ -904,7 +908,7 @@ def run_triton(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         MERGE_STAGES=FUSED_MERGE_LOOP[1], PIPELINE=PIPELINE, LAZY_RESCALE=LAZY_RESCALE,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         FP8_KEY_PRODUCTS=uses_fp8_key_products(q.dtype, k_cache.dtype, D, block_m),
-        HOIST_TREE=int(hoists_tree(block_t, D, k_cache.dtype)), num_warps=warps, num_stages=stages, **reg_cap,
+        HOIST_TREE=int(hoists_tree(block_t, block_m, D, k_cache.dtype)), num_warps=warps, num_stages=stages, **reg_cap,
     )
     if plan.num_splits > 1 and not fused:
         _launch_merge(plan, out, interp, drop_bits)
