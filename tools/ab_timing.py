@@ -1,6 +1,7 @@
-"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``, ``skinny_linear_probe``): graph replays timed
-with the L2 flushed before each, sides that differ by module settings timed alternately, and the command line that
-times every case, prints one JSON line per row and writes them all as JSON."""
+"""What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``, ``hoist_tree_ab``, ``skinny_linear_probe``,
+and the split sweeps ``fp8_split_sweep`` and ``small_model_split_sweep``): graph replays timed with the L2 flushed
+before each, sides that differ by module settings timed alternately, and the command lines that time every case,
+print one JSON line per row and write them all as JSON."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,35 @@ def run_ab(description: str, cases: Iterable, measure: Callable, default_reps: i
         for row in got if isinstance(got, list) else [got]:
             rows.append(row)
             print(json.dumps(row), f"t={time.time() - t0:.0f}s", flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def sweep_main(description: str, cases: str, splits: str, measure: Callable, add_arguments=None, argv=None) -> int:
+    """The split sweeps' command line: ``--reps``, ``--out``, ``--cases "B,L,T;..."`` (default ``cases``) and
+    ``--splits "S,..."`` (default ``splits``), plus what ``add_arguments(parser)`` adds; ``measure(args, B, L, T,
+    splits, flush)`` returns a case's rows, printed as JSON lines as they come and written to ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--reps", type=int, default=40, help="replays per median")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--cases", default=cases, help="cases as B,L,T;...")
+    parser.add_argument("--splits", default=splits, help="split lengths as S,...")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{parser.prog} needs a CUDA GPU")
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    split_lens = [int(s) for s in args.splits.split(",")]
+    rows = []
+    for case in args.cases.split(";"):
+        B, L, T = (int(x) for x in case.split(","))
+        for row in measure(args, B, L, T, split_lens, flush):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

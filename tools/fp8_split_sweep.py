@@ -8,8 +8,6 @@ caches) and over XQA fp8's, and writes them all as JSON (GPU only; XQA fp8 needs
 is None)."""
 from __future__ import annotations
 
-import argparse
-import json
 from unittest import mock
 
 import torch
@@ -17,7 +15,7 @@ import torch
 import tlt_kernels._triton.tree_attention as tk
 from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, xqa_call
 from tlt_kernels.ops import tree_attention as op
-from tools.ab_timing import L2_FLUSH_BYTES, graph_us
+from tools.ab_timing import graph_us, sweep_main
 
 CASES = "1,4096,1;2,4096,1;4,4096,1;8,4096,1;16,4096,1;1,16384,1;2,16384,1;16,16384,1;16,4096,4;16,16384,8"
 SPLITS = "128,192,256,384,512,768,1024,2048"
@@ -57,29 +55,15 @@ def measure(fi, B, L, T, splits, flush, reps):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--cases", default=CASES)
-    parser.add_argument("--splits", default=SPLITS)
-    args = parser.parse_args(argv)
     try:
         import flashinfer as fi
     except ImportError:
         fi = None
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    splits = [int(s) for s in args.splits.split(",")]
-    rows = []
-    for case in args.cases.split(";"):
-        B, L, T = (int(x) for x in case.split(","))
-        for row in measure(fi, B, L, T, [s for s in splits if s < L + 64], flush, args.reps):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+
+    def _measure(args, B, L, T, splits, flush):
+        return measure(fi, B, L, T, [s for s in splits if s < L + 64], flush, args.reps)
+
+    return sweep_main(__doc__.split("\n\n")[0], CASES, SPLITS, _measure, argv=argv)
 
 
 if __name__ == "__main__":

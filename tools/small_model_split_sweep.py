@@ -11,8 +11,6 @@ Prints one JSON line per (case, backend, plan) with its time over the capture pl
 plan's output is checked against the default plan's."""
 from __future__ import annotations
 
-import argparse
-import json
 from unittest import mock
 
 import torch
@@ -20,7 +18,7 @@ import torch
 from bench.suites.tree_attention import PAGE, _make_inputs
 import tlt_kernels._triton.tree_attention as tk
 from tlt_kernels.ops import tree_attention as op
-from tools.ab_timing import L2_FLUSH_BYTES, graph_us
+from tools.ab_timing import graph_us, sweep_main
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 CASES = "1,128,1;1,256,1;1,512,1;1,1024,1;1,256,3;1,256,16;4,256,1;4,512,3;32,256,1;32,512,3;32,256,16"
@@ -69,31 +67,19 @@ def measure(B: int, L: int, T: int, splits, capacity: int, backends, flush, reps
     return rows
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--cases", default=CASES)
-    parser.add_argument("--splits", default=SPLITS)
+def _arguments(parser) -> None:
     parser.add_argument("--capacity", type=int, default=1024, help="slots per request of the engine's table")
     parser.add_argument("--backends", default="triton,cuda")
     parser.add_argument("--configs", default="", help="forced Triton configs BLOCK_N,warps,stages;...")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("tools.small_model_split_sweep needs a CUDA GPU")
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    splits = [int(s) for s in args.splits.split(",")]
-    rows = []
-    for case in args.cases.split(";"):
-        B, L, T = (int(x) for x in case.split(","))
-        backends = args.backends.split(",") + [f"triton {c}" for c in args.configs.split(";") if c]
-        for row in measure(B, L, T, splits, args.capacity, backends, flush, args.reps):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+
+
+def _measure(args, B, L, T, splits, flush):
+    backends = args.backends.split(",") + [f"triton {c}" for c in args.configs.split(";") if c]
+    return measure(B, L, T, splits, args.capacity, backends, flush, args.reps)
+
+
+def main(argv=None) -> int:
+    return sweep_main(__doc__.split("\n\n")[0], CASES, SPLITS, _measure, _arguments, argv)
 
 
 if __name__ == "__main__":
