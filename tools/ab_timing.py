@@ -49,6 +49,13 @@ def time_module_sides(module, sides: Dict[str, dict], run: Callable, like: torch
     return outs, us
 
 
+def side_differences(outs: Dict[str, torch.Tensor]) -> Tuple[Dict[str, float], bool]:
+    """Each side's largest difference from the first side's output, and whether any output holds a NaN."""
+    first = next(iter(outs.values())).float()
+    diffs = {side: (out.float() - first).abs().max().item() for side, out in outs.items()}
+    return diffs, any(out.isnan().any().item() for out in outs.values())
+
+
 def run_ab(description: str, cases: Iterable, measure: Callable, default_reps: int, argv=None) -> int:
     """``--reps`` / ``--out``; ``measure(*case, flush, reps)`` returns a row (dict) or a list of rows per case."""
     parser = argparse.ArgumentParser(description=description)

@@ -20,7 +20,7 @@ import torch
 from bench.suites.tree_attention import CASES, HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops import tree_attention as op
-from tools.ab_timing import run_ab, time_module_sides
+from tools.ab_timing import run_ab, side_differences, time_module_sides
 
 SIDES = {
     "after": dict(HOIST_TREE_MAX_BYTES=0),
@@ -39,11 +39,10 @@ def measure_case(model, B, L, T, flush, reps):
     plan = op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                   num_kv_heads=Hkv, head_dim=D, block_size=PAGE, max_context_len=L)
     outs, us = time_module_sides(tk, SIDES, lambda out: plan.run(q, k, v, out=out, backend="triton"), q, flush, reps)
-    first = next(iter(outs.values())).float()
-    diffs = {side: (out.float() - first).abs().max().item() for side, out in outs.items()}
+    diffs, nan = side_differences(outs)
     return dict(model=model, B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},
                 hoisted_over_after=round(us["hoisted"] / us["after"], 3), max_diff=diffs,
-                nan=any(out.isnan().any().item() for out in outs.values()))
+                nan=nan)
 
 
 def main(argv=None) -> int:

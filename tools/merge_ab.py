@@ -19,7 +19,7 @@ import torch
 from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
 from tlt_kernels._triton import tree_attention as tk
 from tlt_kernels.ops import tree_attention as op
-from tools.ab_timing import run_ab, time_module_sides
+from tools.ab_timing import run_ab, side_differences, time_module_sides
 
 SIDES = {
     "walk": dict(WIDE_MERGE_MIN_SPLITS=1 << 30),
@@ -36,10 +36,9 @@ def measure_case(B, L, T, flush, reps):
     plan = op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
     outs, us = time_module_sides(tk, SIDES, lambda out: plan.run(q, k, v, out=out, backend="triton"), q, flush, reps)
-    first = next(iter(outs.values())).float()
-    diffs = {side: (out.float() - first).abs().max().item() for side, out in outs.items()}
+    diffs, nan = side_differences(outs)
     return dict(B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},
-                max_diff=diffs, nan=any(out.isnan().any().item() for out in outs.values()))
+                max_diff=diffs, nan=nan)
 
 
 def main(argv=None) -> int:
