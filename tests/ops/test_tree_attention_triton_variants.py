@@ -76,11 +76,25 @@ def test_tree_loads_before_or_after_the_context_loop_match_reference(name, hoist
 
 def test_hoists_tree_rule():
     """Small accumulators and tree tiles hoist (SmolLM2 at T <= 16, 7B rows at T <= 4); 64-row tiles at D = 128
-    (7B at T = 8), 128-row ones and fp32 D = 256 trees do not."""
+    (7B at T = 8), 128-row ones, fp32 D = 256 trees and one-byte caches do not."""
     assert tk.hoists_tree(16, 16, 64, torch.bfloat16) and tk.hoists_tree(16, 64, 64, torch.bfloat16)
-    assert tk.hoists_tree(16, 32, 128, torch.bfloat16) and tk.hoists_tree(16, 32, 128, torch.float8_e4m3fn)
+    assert tk.hoists_tree(16, 32, 128, torch.bfloat16) and not tk.hoists_tree(16, 32, 128, torch.float8_e4m3fn)
     assert not tk.hoists_tree(16, 64, 128, torch.bfloat16) and not tk.hoists_tree(16, 128, 128, torch.bfloat16)
     assert not tk.hoists_tree(32, 16, 128, torch.bfloat16) and not tk.hoists_tree(16, 16, 256, torch.float32)
+
+
+@pytest.mark.triton
+def test_tree_loads_before_the_loop_over_fp8_caches_match_reference(monkeypatch):
+    """Over e4m3 caches (``HOIST_TREE_ONE_BYTE``, off by default): the hoisted loads widen as the others do."""
+    _need_triton()
+    case = make_case([301, 20], 4, 4, 2, 64, 16, torch.bfloat16, num_nodes=[4, 2], device=DEVICE)
+    k8, v8 = case["k_cache"].to(torch.float8_e4m3fn), case["v_cache"].to(torch.float8_e4m3fn)
+    monkeypatch.setattr(tk, "HOIST_TREE_ONE_BYTE", True)
+    assert tk.hoists_tree(16, 16, 64, torch.float8_e4m3fn)
+    plan = make_plan(case, split_len=128)
+    got = plan.run(case["q"], k8, v8, out=torch.full_like(case["q"], float("nan")), backend="triton")
+    want = plan.run(case["q"], k8, v8, backend="torch")
+    assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (got.float() - want.float()).abs().max()
 
 
 @pytest.mark.triton

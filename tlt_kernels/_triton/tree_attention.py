@@ -107,14 +107,16 @@ LAZY_RESCALE = 0.0
 # before the context loop rather than after it: a short context's few tiles are a chain of memory round trips, and
 # the tree's no longer adds two more at the end. Elsewhere the loads stay after the loop: held across it, the tree's
 # operands compete with a large accumulator (64-row tiles at D = 128 were slower, 128-row ones overflowed shared
-# memory) or spill (D = 256 in fp32). Measured: docs/TREE_ATTENTION.md, "Measurements behind the defaults".
+# memory) or spill (D = 256 in fp32); over one-byte (fp8) caches it gained nothing overall (0.94-1.06x), so it stays
+# off there unless HOIST_TREE_ONE_BYTE. Measured: docs/TREE_ATTENTION.md, "Measurements behind the defaults".
 HOIST_TREE_MAX_BYTES = 4096
 HOIST_TREE_MAX_ACC = 32 * 128
+HOIST_TREE_ONE_BYTE = False
 
 
 def hoists_tree(block_t: int, block_m: int, head_dim: int, cache_dtype: torch.dtype) -> bool:
     """Whether the partial kernel loads the tree's operands before the context loop (see HOIST_TREE_MAX_BYTES)."""
-    return (block_t * head_dim * cache_dtype.itemsize <= HOIST_TREE_MAX_BYTES
+    return ((cache_dtype.itemsize > 1 or HOIST_TREE_ONE_BYTE) and block_t * head_dim * cache_dtype.itemsize <= HOIST_TREE_MAX_BYTES
             and block_m * head_dim <= HOIST_TREE_MAX_ACC)
 
 
