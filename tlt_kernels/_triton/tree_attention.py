@@ -116,7 +116,8 @@ HOIST_TREE_ONE_BYTE = False
 
 def hoists_tree(block_t: int, block_m: int, head_dim: int, cache_dtype: torch.dtype) -> bool:
     """Whether the partial kernel loads the tree's operands before the context loop (see HOIST_TREE_MAX_BYTES)."""
-    return ((cache_dtype.itemsize > 1 or HOIST_TREE_ONE_BYTE) and block_t * head_dim * cache_dtype.itemsize <= HOIST_TREE_MAX_BYTES
+    tile_bytes = block_t * head_dim * cache_dtype.itemsize
+    return ((cache_dtype.itemsize > 1 or HOIST_TREE_ONE_BYTE) and tile_bytes <= HOIST_TREE_MAX_BYTES
             and block_m * head_dim <= HOIST_TREE_MAX_ACC)
 
 
@@ -404,11 +405,7 @@ def _tree_loads(k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d,
                 stride_vs, num_blocks, take, PAGE_SIZE: tl.constexpr, BLOCK_T: tl.constexpr):
     """The tree part's operands: slots ``ctx + j`` of nodes ``j < n_nodes`` (none unless ``take``), ``k, v
     [BLOCK_T, D]``, which rows see which slot (``visible [BLOCK_M, BLOCK_T]``, from the rows' packed mask words
-    ``mask_rows``), ``v_probe [BLOCK_T]`` and the page flag of ``_context_tile``.
-
-    Rows see different slots of this one tile, so P V would multiply a slot's V by the zero P of rows that do not see
-    it, and 0 * NaN = NaN. So a slot whose V holds a NaN/inf takes part with V zeroed and a NaN score instead
-    (``v_probe``): the rows that see it come out NaN (as in plain attention), the others never meet it."""
+    ``mask_rows``) and the page flag of ``_context_tile``."""
     offs_j = tl.arange(0, BLOCK_T)
     j_ok = (offs_j < n_nodes) & take
     tok = ctx + offs_j
@@ -424,7 +421,11 @@ def _tree_loads(k_head, v_head, bt_row, mask_rows, ctx, n_nodes, row_ok, offs_d,
 @triton.jit
 def _tree_attend(q, q_lo, k, v, visible, m_i, l_i, acc, qk_scale, INTERPRET: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    """The tree part's online-softmax step over the operands of ``_tree_loads``."""
+    """The tree part's online-softmax step over the operands of ``_tree_loads``.
+
+    Rows see different slots of this one tile, so P V would multiply a slot's V by the zero P of rows that do not see
+    it, and 0 * NaN = NaN. So a slot whose V holds a NaN/inf takes part with V zeroed and a NaN score instead: the rows
+    that see it come out NaN (as in plain attention), the others never meet it."""
     # [BLOCK_T]: NaN where the slot's V has a NaN or an inf (|x| < inf is False for both), else 0.
     v_probe = tl.sum(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0.0, float("nan")), 1)
     v = tl.where((v_probe == 0.0)[:, None], v, tl.zeros_like(v))
