@@ -148,6 +148,16 @@ def fraction(text: str) -> float:
     return _checked(text, float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
+def loss_budgets(text: str) -> Tuple[Optional[float], ...]:
+    """Comma-separated fractions in [0, 1) or ``none`` (no budget), e.g. ``0.01,none``."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        out.append(None if item == "none" else _checked(item, float, lambda v: 0.0 <= v < 1.0,
+                                                        "a number in [0, 1) or none"))
+    return tuple(out)
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     return _checked(text, float, lambda v: 0.0 < v < float("inf"), "a finite number > 0")
@@ -168,6 +178,13 @@ SELECTOR_MIN_GAIN_FLAG = Flag(
     "--selector-min-gain", 0.0, "the adaptive selector plays a speculative arm only when it predicts more than 1 + "
     "this times plain decoding's throughput (CostModelPolicy(min_gain=); docs/RUNTIME.md, \"Static batches\")",
     fraction, metavar="FRACTION")
+
+
+SELECTOR_LOSS_BUDGET_FLAG = Flag(
+    "--selector-loss-budget", None, "the adaptive selector's loss budget (StrategySelector(loss_budget=): the most a "
+    "rollout's speculative steps may lose against plain decoding, a fraction of its time; none: no budget; default: "
+    "the selector's); more values add rows of the same engines with those budgets, named `<drafter> adaptive "
+    "[budget X]` (docs/RUNTIME.md, \"The loss budget\")", loss_budgets, metavar="LIST")
 
 
 def prefill_buckets(lengths: Sequence[int], capacity: int) -> Tuple[int, ...]:

@@ -77,8 +77,8 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, int_list, non_negative_int, positive_int,
-                     prefill_buckets, str_list, values)
+from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_LOSS_BUDGET_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, int_list,
+                     non_negative_int, positive_int, prefill_buckets, str_list, values)
 from ..jit_compiles import CompileCounter
 
 SUITE = "rollout"
@@ -119,6 +119,7 @@ FLAGS = (
          int, metavar="N"),  # int like e2e's --repeats (one CLI option for both); checked in sizes()
     PREFILL_LENGTHS_FLAG,
     SELECTOR_MIN_GAIN_FLAG,
+    SELECTOR_LOSS_BUDGET_FLAG,
     Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
          "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
          "(one KV cache and graph set in memory)", bool),
@@ -614,8 +615,8 @@ class RolloutRun:
         drafter = {"none": None, "ngram": "ngram"}.get(config.drafter)
         if config.drafter == "eagle":
             drafter = load_eagle(self.p.eagle_checkpoint, self.models.ours, self.models.ours.dtype)
-        selector = (StrategySelector(config.arms, seed=0, min_gain=self.p.selector_min_gain) if config.adaptive
-                    else config.arms[0])
+        selector = (StrategySelector(config.arms, seed=0, min_gain=self.p.selector_min_gain,
+                                     loss_budget=self.loss_budgets()[0]) if config.adaptive else config.arms[0])
         t0 = time.perf_counter()
         eng = SpeculativeEngine(self.models.ours, drafter, selector, GraphPool() if self.cuda else None,
                                 max_batch_size=self.max_batch, max_seq_len=self.max_seq,
@@ -671,8 +672,16 @@ class RolloutRun:
         GPU) and warm (a fresh one that first decodes the previous prompts of the cycle, then the timed rollout)."""
         if not config.adaptive:
             return [(config.name, lambda work: self.generate(eng, work.prompts, work.lengths))]
-        fresh = self._selector_factory(eng, config, self._start_up_table(eng, config))
+        table = self._start_up_table(eng, config)
+        out = []
+        for i, budget in enumerate(self.loss_budgets()):
+            name = config.name if i == 0 else f"{config.name} [budget {budget}]"
+            out += self._cold_and_warm(eng, name, self._selector_factory(eng, config, table, budget))
+        return out
 
+    def _cold_and_warm(self, eng, name: str, fresh) -> List[Tuple[str, Any]]:
+        """An adaptive row pair: cold (a fresh selector from ``fresh()`` per rollout) and warm (a fresh one that first
+        decodes the previous prompts of the cycle)."""
         def cold(work):
             eng.selector = fresh()
             return self.generate(eng, work.prompts, work.lengths)
@@ -682,7 +691,13 @@ class RolloutRun:
             self.generate(eng, work.previous, work.lengths)
             return self.generate(eng, work.prompts, work.lengths)
 
-        return [(config.name, cold), (f"{config.name} (warm)", warm)]
+        return [(name, cold), (f"{name} (warm)", warm)]
+
+    def loss_budgets(self) -> Tuple[Optional[float], ...]:
+        """``--selector-loss-budget``'s values (default: the selector's own budget): the first is the adaptive rows'."""
+        from tlt_kernels.runtime.selector import DEFAULT_LOSS_BUDGET
+
+        return self.p.selector_loss_budget or (DEFAULT_LOSS_BUDGET,)
 
     def _start_up_table(self, eng, config: EngineConfig):
         """The engine's start-up cost table (measured on the GPU from its captured graphs, once per engine: the
@@ -700,13 +715,14 @@ class RolloutRun:
             self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
             return None
 
-    def _selector_factory(self, eng, config: EngineConfig, table):
-        """A new adaptive selector per call, sharing the start-up cost table ``table`` (None: online estimates only)."""
+    def _selector_factory(self, eng, config: EngineConfig, table, budget: Optional[float]):
+        """A new adaptive selector per call, sharing the start-up cost table ``table`` (None: online estimates only),
+        with loss budget ``budget``."""
         from tlt_kernels.runtime import StrategySelector
 
         # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
         return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers,
-                                        min_gain=self.p.selector_min_gain)
+                                        min_gain=self.p.selector_min_gain, loss_budget=budget)
 
     def write_traces(self, eng, config: EngineConfig) -> None:
         """``--write-traces``: an adaptive engine's warm-up and timed rollouts of every workload again, each step
@@ -718,7 +734,7 @@ class RolloutRun:
             return
         Path(directory).mkdir(parents=True, exist_ok=True)
         table = self._start_up_table(eng, config)
-        fresh = self._selector_factory(eng, config, table)
+        fresh = self._selector_factory(eng, config, table, self.loss_budgets()[0])
         if table is not None:
             points = {str(arm): [[b, t] for b, t in zip(*entry)] for arm, entry in table.table.items()}
             (Path(directory) / f"{config.drafter}-cost-table.json").write_text(json.dumps(points))

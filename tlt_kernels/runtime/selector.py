@@ -28,11 +28,15 @@ import warnings
 from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .policies import Policy, make_policy
+from .loss_budget import LossBudget, check_loss_budget
+from .policies import CostTable, Policy, make_policy
 from .strategy import Pending, Strategy, as_pending
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024)
 DEFAULT_POLICY = "cost"
+# The loss to plain decoding a rollout may risk, as a fraction of its time (docs/RUNTIME.md, "The loss budget"); None:
+# no budget.
+DEFAULT_LOSS_BUDGET = None
 _NUMBER = (int, float)
 _INF = math.inf
 
@@ -74,6 +78,10 @@ class StrategySelector:
             graph for that size) are not chosen. Plain decoding is used when nothing is available.
         decision_hook: ``hook(strategy, batch_size) -> strategy`` applied to every decision, e.g. a
             broadcast from rank 0 when ranks may observe different timings.
+        loss_budget: the most a rollout's speculative steps may lose against plain decoding, as a fraction of the
+            rollout's time (:mod:`~tlt_kernels.runtime.loss_budget`): a speculative choice of the policy that could
+            exceed it runs plain decoding instead (counted in ``budget.vetoed``). Default
+            :data:`DEFAULT_LOSS_BUDGET`; None: every choice is the policy's.
         **policy_kwargs: options of the named policy (e.g. ``cost_table=`` for ``"cost"``,
             ``epsilon=`` for ``"beg"``).
 
@@ -89,7 +97,8 @@ class StrategySelector:
     def __init__(self, strategies: Sequence[Strategy], policy=DEFAULT_POLICY,
                  batch_buckets: Optional[Sequence[int]] = None, window: int = 32, seed: int = 0, *,
                  available: Optional[Callable[[Strategy, int], bool]] = None,
-                 decision_hook: Optional[Callable[[Strategy, int], Strategy]] = None, **policy_kwargs):
+                 decision_hook: Optional[Callable[[Strategy, int], Strategy]] = None,
+                 loss_budget: Optional[float] = DEFAULT_LOSS_BUDGET, **policy_kwargs):
         arms: List[Strategy] = []
         for s in strategies:
             if not isinstance(s, Strategy):
@@ -120,11 +129,26 @@ class StrategySelector:
         self._allowed_cache: Dict[int, List[int]] = {}
         self._bucket_cache: Dict[int, int] = {}
         self._depth = [s.num_steps for s in arms]
+        self.budget = self._loss_budget(check_loss_budget(loss_budget), policy_kwargs.get("cost_table"))
         self.rejected = 0  # garbage observations ignored (see the class docstring)
         self.rejected_reasons: Dict[str, int] = {}  # the same, by the field that was garbage
         self._warned = False
 
     # -- helpers -------------------------------------------------------------------------------
+    def _loss_budget(self, fraction: Optional[float], table) -> Optional[LossBudget]:
+        """The ledger of ``loss_budget`` (None without one); its reserves start from the policy's cost table."""
+        if fraction is None:
+            return None
+        table = getattr(self.policy, "cost_table", None) or table
+        if table is not None and not isinstance(table, CostTable):
+            table = CostTable(table)
+        def ratio(arm: int, batch_size: int) -> Optional[float]:
+            spec = table.predict(self.strategies[arm], batch_size)
+            plain = table.predict(self.strategies[self._off], batch_size)
+            return spec / plain if spec is not None and plain else None
+        return LossBudget(fraction, [s.num_steps for s in self.strategies], len(self.batch_buckets),
+                          None if table is None else ratio)
+
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket holding ``batch_size``."""
         i = self._bucket_cache.get(batch_size)
@@ -154,7 +178,10 @@ class StrategySelector:
         if self._pending:
             self._drain()
         self.step += 1
-        a = self.policy.choose(self.bucket(batch_size), batch_size, self._allowed(batch_size), self.step)
+        bucket = self.bucket(batch_size)
+        a = self.policy.choose(bucket, batch_size, self._allowed(batch_size), self.step)
+        if self.budget is not None and not self.budget.allows(a, bucket, batch_size):
+            a = self._off
         s = self.strategies[a]
         if self.decision_hook is not None:
             s = self.decision_hook(s, batch_size)
@@ -168,6 +195,8 @@ class StrategySelector:
         (:meth:`~tlt_kernels.runtime.policies.Policy.new_rollout`)."""
         self._drain()
         self.policy.new_rollout()
+        if self.budget is not None:
+            self.budget.new_rollout()
 
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
                accepted_per_position=None, accepted_rows: Optional[int] = None) -> None:
@@ -192,6 +221,8 @@ class StrategySelector:
             batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
         if accepted_rows is not None:
             accepted_rows = check_accepted_rows(accepted_rows, batch_size)
+        if self.budget is not None:
+            self.budget.launched(arm, self.bucket(batch_size), batch_size)
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):
@@ -206,6 +237,8 @@ class StrategySelector:
                         break
                     prev = x
             if ok:
+                if self.budget is not None:
+                    self.budget.release()
                 self._observe(arm, batch_size, float(emitted_tokens), float(elapsed_s), acc if d else None,
                               self.step, accepted_rows)
             else:
@@ -218,7 +251,9 @@ class StrategySelector:
 
     def _observe(self, arm: int, b: int, em: float, el: float, acc, step: int, rows: Optional[int]) -> None:
         """Hand a checked observation to the policy (``accepted_rows`` only when given: a policy written before it
-        existed still works without it)."""
+        existed still works without it) and to the loss budget."""
+        if self.budget is not None:
+            self.budget.observe(arm, self.bucket(b), b, em, el, acc, rows)
         if rows is None:
             self.policy.observe(self.bucket(b), arm, b, em, el, acc, step)
         else:
@@ -247,6 +282,8 @@ class StrategySelector:
 
     def _fold(self, arm: int, b: int, em, el, acc, step: int, rows: Optional[int] = None) -> None:
         """Validate one observation, then hand it to the policy; the one entry point of every policy's data."""
+        if self.budget is not None:
+            self.budget.release()  # whatever comes of the observation, its step is no longer in flight
         s = self.strategies[arm]
         d = s.num_steps
         if acc is not None and d and len(acc) != d:

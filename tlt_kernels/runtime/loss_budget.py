@@ -1,0 +1,140 @@
+"""The loss budget: what an adaptive rollout may lose against plain decoding (``StrategySelector(loss_budget=)``).
+
+A policy that learns the drafts' acceptance online pays for what it learns: a speculative step whose drafts are
+rejected costs more than the plain step it replaced. On a small target, whose steps are launch-bound, a draft step
+costs 1.3-2x a plain one, and the policy's exploration and optimism alone lost up to 15% to plain decoding on
+real-model rollouts (docs/RUNTIME.md, "The loss budget"). The budget bounds that loss per rollout whatever the policy
+believes: the rule of a conservative bandit (Wu et al., "Conservative Bandits", 2016), with plain decoding as the
+baseline.
+
+Terms, per rollout (:meth:`LossBudget.new_rollout` starts over):
+
+* ``elapsed``: the seconds of the rollout's steps observed so far.
+* ``t0`` of a bucket: the median of its last plain step times (the nearest bucket's where it has none yet).
+* a step's ``progress``: how far it moved the requests the selector counts, in plain steps: one plus the mean number
+  of accepted drafts per counted request (``accepted_per_position`` over ``accepted_rows``), else the emitted tokens
+  per request.
+* a speculative step's ``loss``: ``elapsed_s - progress * t0``, the seconds it took beyond what plain decoding needs
+  to move the batch as far (negative where its drafts paid).
+* an arm's ``reserve`` in a bucket: the most its next step can lose. At worst a step emits one token per request, as a
+  plain step does, so the reserve is the arm's step time minus ``t0``: the median of its recent steps in the bucket;
+  before it ran there, the start-up cost table's ratio to plain decoding; without one, ``FIRST_RESERVE * t0``.
+
+Rule: a speculative arm may run only while ``loss + reserves of steps in flight + its reserve <= fraction * elapsed``;
+otherwise plain decoding runs. Gains bank: a rollout whose drafts paid may explore more. The first steps of a rollout
+are plain (the budget starts at zero), which also measures ``t0`` before any draft.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from typing import Callable, List, Optional, Sequence
+
+# An arm never timed, with no cost table: its step is assumed to cost up to two plain steps (a draft step of a
+# launch-bound target measured 1.3-2x; docs/RUNTIME.md).
+FIRST_RESERVE = 1.0
+# Step times kept per (bucket, arm): a median over a few steps ignores the one that also flushed deferred commits.
+TIME_SAMPLES = 8
+
+
+def check_loss_budget(fraction) -> Optional[float]:
+    """``loss_budget`` as a float in [0, 1), or None (no budget); a ValueError naming the argument otherwise."""
+    if fraction is None:
+        return None
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"loss_budget must be a fraction in [0, 1) of the rollout's time, or None, got {fraction!r}")
+    return float(fraction)
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+class LossBudget:
+    """The ledger of one selector (see the module docstring for the terms and the rule).
+
+    Args:
+        fraction: the loss allowed, as a fraction of the rollout's elapsed time (0: speculate only on banked gains).
+        depths: ``num_steps`` of every arm (0: plain decoding).
+        num_buckets: the selector's batch-size buckets.
+        table_ratio: ``table_ratio(arm, batch_size)``: the start-up cost table's step time of the arm over plain
+            decoding's, or None without entries.
+    """
+
+    def __init__(self, fraction: float, depths: Sequence[int], num_buckets: int,
+                 table_ratio: Optional[Callable[[int, int], Optional[float]]] = None):
+        self.fraction = fraction
+        self.depths = list(depths)
+        self.table_ratio = table_ratio
+        self.times: List[List[deque]] = [[deque(maxlen=TIME_SAMPLES) for _ in depths] for _ in range(num_buckets)]
+        self.plain = self.depths.index(0)
+        self._timed: List[int] = []  # buckets with plain step times, sorted
+        self.in_flight: deque = deque()  # reserves of the steps launched and not yet observed, oldest first
+        self.vetoed = 0  # speculative choices replaced by plain decoding, over the selector's life
+        self.new_rollout()
+
+    def new_rollout(self) -> None:
+        """A new batch: its loss and elapsed time start at zero (step times are kept)."""
+        self.loss = 0.0
+        self.elapsed = 0.0
+
+    def plain_time(self, bucket: int) -> Optional[float]:
+        """``t0``: the bucket's median plain step time, else the nearest timed bucket's (the lower one on a tie)."""
+        own = self.times[bucket][self.plain]
+        if own:
+            return _median(own)
+        if not self._timed:
+            return None
+        i = bisect.bisect_left(self._timed, bucket)
+        near = min(self._timed[max(i - 1, 0): i + 1], key=lambda b: (abs(b - bucket), b))
+        return _median(self.times[near][self.plain])
+
+    def reserve(self, arm: int, bucket: int, batch_size: int, t0: float) -> float:
+        """The most one step of ``arm`` can lose in ``bucket``, in seconds."""
+        own = self.times[bucket][arm]
+        if own:
+            return max(_median(own) - t0, 0.0)
+        ratio = self.table_ratio(arm, batch_size) if self.table_ratio is not None else None
+        return t0 * (max(ratio - 1.0, 0.0) if ratio is not None else FIRST_RESERVE)
+
+    def allows(self, arm: int, bucket: int, batch_size: int) -> bool:
+        """Whether ``arm`` may run now (plain decoding always may); counts a refusal in :attr:`vetoed`."""
+        if not self.depths[arm]:
+            return True
+        t0 = self.plain_time(bucket)
+        if t0 is not None:
+            spend = self.loss + sum(self.in_flight) + self.reserve(arm, bucket, batch_size, t0)
+            if spend <= self.fraction * self.elapsed:
+                return True
+        self.vetoed += 1
+        return False
+
+    def launched(self, arm: int, bucket: int, batch_size: int) -> None:
+        """A step of ``arm`` was issued (its observation may come later): hold its reserve until then."""
+        t0 = self.plain_time(bucket) if self.depths[arm] else None
+        self.in_flight.append(0.0 if t0 is None else self.reserve(arm, bucket, batch_size, t0))
+
+    def release(self) -> None:
+        """The oldest step in flight was observed (or its observation dropped): its reserve is freed."""
+        if self.in_flight:
+            self.in_flight.popleft()
+
+    def observe(self, arm: int, bucket: int, batch_size: int, emitted: float, elapsed: float,
+                accepted: Optional[Sequence[float]], rows: Optional[int]) -> None:
+        """Fold in a checked observation (after :meth:`release`)."""
+        self.elapsed += elapsed
+        self.times[bucket][arm].append(elapsed)
+        if not self.depths[arm]:
+            if len(self.times[bucket][arm]) == 1:
+                bisect.insort(self._timed, bucket)
+            return
+        t0 = self.plain_time(bucket)
+        if t0 is None:  # no plain step timed yet (a policy without the budget's veto ran first): count it all
+            self.loss += elapsed
+            return
+        if accepted is not None:
+            progress = 1.0 + sum(accepted) / (rows or batch_size)
+        else:
+            progress = emitted / batch_size
+        self.loss += elapsed - progress * t0
