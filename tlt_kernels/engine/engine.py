@@ -452,6 +452,10 @@ class SpeculativeEngine:
         if self.rollout_buffer is not None:  # last column: write sink for masked scatters
             features = FeatureCapture(prompt_tokens, hidden, self.max_seq_len + self.max_width + 2)
         prefill_s = time.perf_counter() - start_time
+        prefill_end = None
+        if torch.device(dev).type == "cuda":  # the first step's time starts at the prefill's end (SpeculativeEngine._step_seconds)
+            prefill_end = torch.cuda.Event(enable_timing=True)
+            prefill_end.record()
         done_host, failed_host, lens_host = torch.stack([done.long(), failed.long(), prompt_lens.long()]).tolist()
         finish_s = [prefill_s if is_done else 0.0 for is_done in done_host]
         return RolloutState(
@@ -462,7 +466,7 @@ class SpeculativeEngine:
             finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]], output_scores=output_scores,
             sampling=sampling, eos_token_id=eos_token_id, features=features,
             spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B, self.spot_switch_interval_s),
-            progress=ProgressBar(int(max_new.sum()), self.progress))
+            progress=ProgressBar(int(max_new.sum()), self.progress), last_end=prefill_end)
 
     def _step(self, rollout: RolloutState) -> None:
         """One turn of the loop: launch a step, then read the outcome of the step before it (overlapped steps: the
@@ -548,8 +552,7 @@ class SpeculativeEngine:
         this step since then), to its read."""
         batch_size = counts.was_done.count(False)  # rows that had finished before ride along and count for nothing
         now = time.perf_counter()
-        step_s = now - max(step.started, rollout.last_read_s)
-        rollout.last_read_s = now
+        step_s = self._step_seconds(rollout, step, now)
         elapsed_s = now - rollout.start_time
         if batch_size == 0:  # an overlapped step after the last request finished: no step of the rollout
             return elapsed_s
@@ -566,6 +569,20 @@ class SpeculativeEngine:
                   step.width, counts.emitted, record.accepted_length, record.tokens_per_s)
         rollout.progress.update(counts.generated, record)
         return elapsed_s
+
+    @staticmethod
+    def _step_seconds(rollout: RolloutState, step: LaunchedStep, now: float) -> float:
+        """A step's time. On the GPU's clock (CUDA): from the end of the step before it (or of the prefill) to its own
+        end, so a gap the host's preparation of this step left on the GPU is this step's. Read on the host's clock
+        instead, overlapped steps would charge a step with the next one's preparation (a plain step followed by a
+        drafting one measured like the drafting step: docs/RUNTIME.md, "Step times"). On the CPU: from the step's
+        launch, or the previous read if later, to its read."""
+        end, previous = step.staged.ready, rollout.last_end
+        host_s = now - max(step.started, rollout.last_read_s)
+        rollout.last_read_s, rollout.last_end = now, end
+        if end is None or previous is None:
+            return host_s
+        return previous.elapsed_time(end) / 1e3  # both recorded and passed: no wait
 
     def _retire(self, rollout: RolloutState, rows: List[int], counts: StepCounts, elapsed_s: float) -> None:
         """Finished requests leave the batch; their features go to the buffer (after the spot trainer, if it runs)."""

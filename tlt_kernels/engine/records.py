@@ -14,7 +14,9 @@ import torch
 class StepLog:
     """One decoding step: ``batch_size`` requests, ``strategy``, ``tree_width`` nodes each,
     ``emitted`` tokens in all, ``accepted_length`` = emitted / batch_size (drafts accepted + 1),
-    ``seconds`` of wall time, ``elapsed_s`` since the rollout started, ``graph`` (replayed or eager)."""
+    ``seconds`` the step took (on CUDA the GPU's clock from the previous step's end to its own, the host's gaps before
+    it included: ``SpeculativeEngine._step_seconds``), ``elapsed_s`` since the rollout started (host clock), ``graph``
+    (replayed or eager)."""
 
     step: int
     batch_size: int

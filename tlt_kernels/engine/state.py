@@ -129,6 +129,8 @@ class RolloutState:
     step_blocks: Optional[Tuple[int, int]] = None
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
+    # CUDA event (timing) at the end of the last step read, or of the prefill: the next step's time starts there
+    last_end: Any = None
     # float32 [B, W, 2]: the sampling and raw log-probs of output_tokens' tokens (same columns), or None (not scored)
     output_scores: Optional[torch.Tensor] = None
     _active_on_device: Optional[torch.Tensor] = None
@@ -247,7 +249,7 @@ class RolloutState:
             return StagedCounts(values, None, rows, depth)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)  # also the step's end on the GPU's clock (the step's time)
         ready.record()
         return StagedCounts(host, ready, rows, depth)
 

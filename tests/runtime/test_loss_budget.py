@@ -1,0 +1,169 @@
+"""The selector's loss budget (tlt_kernels/runtime/loss_budget.py): the ledger's terms, its rule, and the bound it
+keeps on synthetic rollouts where drafting loses or pays."""
+import math
+
+import pytest
+
+from tlt_kernels.runtime import CallbackValue, Strategy, StrategySelector
+from tlt_kernels.runtime.loss_budget import FIRST_RESERVE, LossBudget, check_loss_budget
+
+ARMS = [Strategy.parse("s2k1v3"), Strategy.parse("s4k1v5")]
+PLAIN_S = 1e-3
+
+
+def _selector(budget, **kw):
+    return StrategySelector(ARMS, seed=0, loss_budget=budget, **kw)
+
+
+def _rollout(sel, steps, batch, cost_ratio, accept):
+    """``steps`` steps of a synthetic target: plain steps take PLAIN_S, a drafting step ``cost_ratio`` times that, and
+    each of its depth positions is reached by ``accept`` of the batch (a fraction). Returns (seconds, plain seconds
+    for the same progress, drafting steps)."""
+    seconds = plain_seconds = 0.0
+    drafting = 0
+    for _ in range(steps):
+        s = sel.select(batch)
+        if s.is_off:
+            sel.update(s, batch, batch, PLAIN_S)
+            seconds += PLAIN_S
+            plain_seconds += PLAIN_S
+            continue
+        drafting += 1
+        counts = [accept * batch] * s.num_steps
+        elapsed = cost_ratio * PLAIN_S
+        sel.update(s, batch, batch + sum(counts), elapsed, counts)
+        seconds += elapsed
+        plain_seconds += (1 + sum(counts) / batch) * PLAIN_S
+    return seconds, plain_seconds, drafting
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, 2, float("nan"), "0.01", True])
+def test_bad_budget_names_the_argument(value):
+    with pytest.raises(ValueError, match="loss_budget"):
+        check_loss_budget(value)
+    with pytest.raises(ValueError, match="loss_budget"):
+        _selector(value)
+
+
+def test_no_budget_is_none():
+    assert check_loss_budget(None) is None
+    assert _selector(None).budget is None
+    assert check_loss_budget(0) == 0.0
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.01, 0.03])
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_losing_drafts_cost_at_most_the_budget(budget, batch):
+    """Drafts never accepted, drafting steps 1.6x a plain step: the rollout is at most ``budget`` (plus one step's
+    worst case) slower than plain decoding, where the selector alone loses more."""
+    seconds, plain_seconds, _ = _rollout(_selector(budget), 400, batch, 1.6, 0.0)
+    assert seconds <= plain_seconds * (1 + budget) + 0.6 * PLAIN_S
+    free_seconds, free_plain, _ = _rollout(_selector(None), 400, batch, 1.6, 0.0)
+    assert free_seconds / free_plain > seconds / plain_seconds
+
+
+def test_paying_drafts_run_after_the_first_steps():
+    """Drafts that always pay (2.3 tokens per step at 1.2x the time): after the plain steps that fund the first
+    draft, drafting runs most steps and the rollout beats plain decoding."""
+    sel = _selector(0.02)
+    seconds, plain_seconds, drafting = _rollout(sel, 400, 8, 1.2, 0.9)
+    assert drafting >= 300
+    assert plain_seconds / seconds > 1.5
+    assert sel.budget.loss < 0  # gains banked
+
+
+def test_zero_budget_drafts_only_on_banked_gains():
+    sel = _selector(0.0)
+    _, _, drafting = _rollout(sel, 100, 4, 1.5, 0.0)
+    assert drafting == 0
+    assert sel.budget.vetoed > 0
+
+
+def test_first_draft_waits_for_its_reserve():
+    """Without a cost table an arm never timed reserves FIRST_RESERVE plain steps: at a 2% budget the first draft
+    comes after about FIRST_RESERVE / 0.02 plain steps."""
+    sel = _selector(0.02)
+    first = None
+    for step in range(200):
+        s = sel.select(1)
+        if not s.is_off:
+            first = step
+            break
+        sel.update(s, 1, 1, PLAIN_S)
+    assert first is not None and abs(first - FIRST_RESERVE / 0.02) <= 2
+
+
+def test_cost_table_sets_the_first_reserve():
+    """A start-up table that says the arm costs 1.25x plain decoding: the first draft comes after 0.25 / budget
+    plain steps."""
+    table = {Strategy.off(): [(1, PLAIN_S)], ARMS[0]: [(1, 1.25 * PLAIN_S)], ARMS[1]: [(1, 1.25 * PLAIN_S)]}
+    sel = _selector(0.05, cost_table=table)
+    steps = 0
+    while sel.select(1).is_off:
+        sel.update(Strategy.off(), 1, 1, PLAIN_S)
+        steps += 1
+        assert steps < 100
+    assert abs(steps - 0.25 / 0.05) <= 1
+
+
+def test_reserves_in_flight_hold_the_budget():
+    """Observations not yet ready: each launched drafting step holds its reserve until it is folded in."""
+    sel = _selector(0.5)
+    for _ in range(20):
+        sel.update(Strategy.off(), 1, 1, PLAIN_S)  # 20 ms elapsed: room for 10 ms of reserves
+    sel.select(1)
+    for _ in range(9):  # 9 steps in flight, each reserving one plain step
+        sel.update(ARMS[0], 1, 1, CallbackValue(lambda: None))
+    assert sel.budget.allows(1, sel.bucket(1), 1)  # 9 ms + 1 ms <= 10 ms
+    sel.update(ARMS[0], 1, 1, CallbackValue(lambda: None))
+    assert not sel.budget.allows(1, sel.bucket(1), 1)
+    assert len(sel.budget.in_flight) == 10
+
+
+def test_a_garbage_observation_frees_its_reserve():
+    sel = _selector(0.5)
+    sel.update(Strategy.off(), 1, 1, PLAIN_S)
+    with pytest.warns(RuntimeWarning):
+        sel.update(ARMS[0], 1, math.nan, PLAIN_S, [0, 0])
+    assert not sel.budget.in_flight
+    with pytest.raises(ValueError, match="elapsed_s"):
+        sel.update(ARMS[0], 1, 1, -1.0, [0, 0])
+    assert not sel.budget.in_flight
+
+
+def test_new_rollout_starts_the_ledger_over_and_keeps_step_times():
+    sel = _selector(0.02)
+    _rollout(sel, 200, 4, 1.6, 0.0)
+    assert sel.budget.elapsed > 0 and sel.budget.loss > 0
+    sel.new_rollout()
+    assert sel.budget.elapsed == 0 and sel.budget.loss == 0
+    assert sel.budget.plain_time(sel.bucket(4)) == pytest.approx(PLAIN_S)
+    assert sel.select(4).is_off  # a new rollout's budget starts at zero
+
+
+def test_plain_time_of_an_untimed_bucket_is_the_nearest_timed_one():
+    budget = LossBudget(0.1, [0, 2], num_buckets=6)
+    assert budget.plain_time(3) is None
+    for bucket, seconds in ((1, 1.0), (5, 5.0)):
+        budget.observe(0, bucket, 1, 1, seconds, None, None)
+    assert budget.plain_time(1) == 1.0
+    assert budget.plain_time(2) == 1.0
+    assert budget.plain_time(3) == 1.0  # a tie: the lower bucket
+    assert budget.plain_time(4) == 5.0
+    assert budget.plain_time(0) == 1.0
+
+
+def test_progress_counts_the_lagging_rows():
+    """A drafting step's progress is 1 + the counted rows' mean accepted drafts: 2 rows of a batch of 8 that
+    accepted 2 drafts each moved the batch 3 plain steps."""
+    budget = LossBudget(0.1, [0, 2], num_buckets=1)
+    budget.observe(0, 0, 8, 8, 1.0, None, None)
+    budget.observe(1, 0, 8, 30, 2.0, [2, 2], 2)
+    assert budget.loss == pytest.approx(2.0 - 3 * 1.0)
+
+
+def test_decision_hook_sees_the_budgets_choice():
+    seen = []
+    sel = _selector(0.0, decision_hook=lambda s, b: seen.append(s) or s)
+    sel.select(1)
+    assert seen == [Strategy.off()]
