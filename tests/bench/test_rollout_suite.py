@@ -280,6 +280,32 @@ def test_selector_min_gain_reaches_every_adaptive_selector(monkeypatch):
         _run(["--selector-min-gain", "1.5"])
 
 
+def test_selector_loss_budget_adds_rows_per_budget(monkeypatch):
+    """--selector-loss-budget 0.02,none: the adaptive rows' selectors (cold and warm) take the first budget, and rows
+    named `<drafter> adaptive [budget None]` (cold and warm) of the same engine take the second; a budget outside
+    [0, 1) is refused, naming the flag."""
+    import tlt_kernels.runtime as runtime_module
+
+    budgets = []
+    original = runtime_module.StrategySelector
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            budgets.append(None if self.budget is None else self.budget.fraction)
+
+    monkeypatch.setattr(runtime_module, "StrategySelector", Recording)
+    res = _run(["--selector-loss-budget", "0.02,none", "--drafters", "ngram", "--batches", "2", "--tail-batch", "0",
+                "--no-hf-eager"])
+    assert res.status == "ok", res.data["error"]
+    impls = {r["impl"] for r in res.data["rows"]}
+    assert {"ngram adaptive", "ngram adaptive (warm)", "ngram adaptive [budget None]",
+            "ngram adaptive [budget None] (warm)"} <= impls, impls
+    assert set(budgets) == {0.02, None} and budgets.count(None) >= 2, budgets
+    with pytest.raises(SystemExit):
+        _run(["--selector-loss-budget", "1"])
+
+
 def test_temperature_samples_every_row_and_compares_none(monkeypatch):
     """--temperature 1: every engine rollout samples at 1 with request i's seed i (recorded at the engine), the hf row
     samples too, the cases carry the temperature, no row claims greedy identity, every request gets its tokens, the

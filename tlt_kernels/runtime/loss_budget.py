@@ -1,11 +1,10 @@
 """The loss budget: what an adaptive rollout may lose against plain decoding (``StrategySelector(loss_budget=)``).
 
 A policy that learns the drafts' acceptance online pays for what it learns: a speculative step whose drafts are
-rejected costs more than the plain step it replaced. On a small target, whose steps are launch-bound, a draft step
-costs 1.3-2x a plain one, and the policy's exploration and optimism alone lost up to 15% to plain decoding on
-real-model rollouts (docs/RUNTIME.md, "The loss budget"). The budget bounds that loss per rollout whatever the policy
-believes: the rule of a conservative bandit (Wu et al., "Conservative Bandits", 2016), with plain decoding as the
-baseline.
+rejected costs more than the plain step it replaced, by most on a small target whose steps are launch-bound. The
+budget bounds that loss per rollout whatever the policy believes: the rule of a conservative bandit (Wu et al.,
+"Conservative Bandits", 2016), with plain decoding as the baseline. What it gains and costs on a real model:
+docs/RUNTIME.md, "The loss budget".
 
 Terms, per rollout (:meth:`LossBudget.new_rollout` starts over):
 
@@ -30,8 +29,8 @@ import bisect
 from collections import deque
 from typing import Callable, List, Optional, Sequence
 
-# An arm never timed, with no cost table: its step is assumed to cost up to two plain steps (a draft step of a
-# launch-bound target measured 1.3-2x; docs/RUNTIME.md).
+# An arm never timed, with no cost table: its step is assumed to cost up to two plain steps (what a deep tree costs on
+# a launch-bound target; docs/RUNTIME.md, "The loss budget").
 FIRST_RESERVE = 1.0
 # Step times kept per (bucket, arm): a median over a few steps ignores the one that also flushed deferred commits.
 TIME_SAMPLES = 8
