@@ -453,7 +453,7 @@ class SpeculativeEngine:
             features = FeatureCapture(prompt_tokens, hidden, self.max_seq_len + self.max_width + 2)
         prefill_s = time.perf_counter() - start_time
         prefill_end = None
-        if torch.device(dev).type == "cuda":  # the first step's time starts at the prefill's end (SpeculativeEngine._step_seconds)
+        if torch.device(dev).type == "cuda":  # the first step's time starts at the prefill's end (_step_seconds)
             prefill_end = torch.cuda.Event(enable_timing=True)
             prefill_end.record()
         done_host, failed_host, lens_host = torch.stack([done.long(), failed.long(), prompt_lens.long()]).tolist()
@@ -548,8 +548,7 @@ class SpeculativeEngine:
 
     def _record(self, rollout: RolloutState, step: LaunchedStep, counts: StepCounts) -> float:
         """The selector's update, the step log and the progress bar; returns the seconds since the rollout started.
-        A step's time runs from its launch, or from the previous read when steps overlap (the GPU was busy with
-        this step since then), to its read."""
+        A step's time is :meth:`_step_seconds`'."""
         batch_size = counts.was_done.count(False)  # rows that had finished before ride along and count for nothing
         now = time.perf_counter()
         step_s = self._step_seconds(rollout, step, now)
