@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 
 from bench.flags import loss_budgets
-from bench.suites.selector import REAL_TRACES, TRACES_DIR, _same_work_s, replay_static
+from bench.suites.selector import (REAL_TRACES, TRACES_DIR, _same_work_s, replay_cold_and_warm, replay_static,
+                                   trace_cost_table)
 from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
-from tlt_kernels.runtime.simulate import load_trace, replay_selector
-
-
-def _table(directory: str, drafter: str) -> CostTable:
-    with open(os.path.join(directory, f"{drafter}-cost-table.json")) as f:
-        return CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
+from tlt_kernels.runtime.simulate import load_trace
 
 
 def _scores(path: str, table: CostTable, budgets) -> dict:
@@ -34,11 +29,7 @@ def _scores(path: str, table: CostTable, budgets) -> dict:
     for budget in budgets:
         def fresh():
             return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table, loss_budget=budget)
-        cold = plain_s / _same_work_s(replay_selector(timed, fresh()))
-        warm_selector = fresh()
-        replay_selector([r for r in records if r.get("rollout") != 1], warm_selector)
-        warm_selector.new_rollout()
-        out[budget] = (cold, plain_s / _same_work_s(replay_selector(timed, warm_selector)))
+        out[budget] = tuple(plain_s / _same_work_s(res) for res in replay_cold_and_warm(records, fresh))
     return out
 
 
@@ -51,7 +42,7 @@ def main(argv=None) -> None:
     for name, _ in REAL_TRACES:
         directory = os.path.join(TRACES_DIR, name)
         for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
-            scores = _scores(path, _table(directory, os.path.basename(path).split("-")[0]), budgets)
+            scores = _scores(path, trace_cost_table(directory, os.path.basename(path).split("-")[0]), budgets)
             cells = []
             for b in budgets:
                 totals[b][0].append(scores[b][0])

@@ -251,6 +251,30 @@ def _trace_rate(records, picks):
     return emitted / sum(r["arms"][p]["step_time"] for r, p in zip(records, picks))
 
 
+def trace_cost_table(directory: str, drafter: str):
+    """The engine's start-up cost table recorded beside a real trace set (``<drafter>-cost-table.json``)."""
+    import json
+
+    from tlt_kernels.runtime import CostTable, Strategy
+
+    with open(os.path.join(directory, f"{drafter}-cost-table.json")) as f:
+        return CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
+
+
+def replay_cold_and_warm(records, fresh):
+    """A real trace's timed rollout (``"rollout": 1``) replayed by ``fresh()`` selectors: cold (a fresh one) and warm
+    (one that replayed the warm-up rollout first, then was told of the new rollout as the engine tells it); returns
+    the two replays' results."""
+    from tlt_kernels.runtime.simulate import replay_selector
+
+    timed = [r for r in records if r.get("rollout") == 1]
+    cold = replay_selector(timed, fresh())
+    warm = fresh()
+    replay_selector([r for r in records if r.get("rollout") != 1], warm)
+    warm.new_rollout()  # as the engine does at each generate
+    return cold, replay_selector(timed, warm)
+
+
 def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
     """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's
     start-up table) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the
@@ -258,7 +282,7 @@ def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
     ``vs_off``, ``vs_best_static``) and step by step (``_same_work_s``: ``vs_off_per_step``,
     ``vs_best_static_per_step``)."""
     from tlt_kernels.runtime import Strategy, StrategySelector
-    from tlt_kernels.runtime.simulate import load_trace, replay_selector
+    from tlt_kernels.runtime.simulate import load_trace
 
     records = load_trace(path)
     timed = [r for r in records if r.get("rollout") == 1]
@@ -268,11 +292,7 @@ def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
     def selector():
         return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table)
 
-    runs["cost, cold"] = replay_selector(timed, selector())
-    warm = selector()
-    replay_selector([r for r in records if r.get("rollout") != 1], warm)
-    warm.new_rollout()  # as the engine does at each generate
-    runs["cost, warm"] = replay_selector(timed, warm)
+    runs["cost, cold"], runs["cost, warm"] = replay_cold_and_warm(records, selector)
     rates = {name: _trace_rate(timed, res.picks) for name, res in runs.items()}
     per_step = {name: _same_work_s(res) for name, res in runs.items()}
     off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
@@ -288,17 +308,12 @@ def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
 
 def _real_model_traces(ctx) -> None:
     import glob
-    import json
-
-    from tlt_kernels.runtime import CostTable, Strategy
 
     for name, origin in REAL_TRACES:
         directory = os.path.join(TRACES_DIR, name)
         for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
             drafter = os.path.basename(path).split("-")[0]
-            with open(os.path.join(directory, f"{drafter}-cost-table.json")) as f:
-                table = CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
-            _real_model_trace(ctx, path, table, name)
+            _real_model_trace(ctx, path, trace_cost_table(directory, drafter), name)
         ctx.note(f"real traces: bench/traces/{name}: {origin}; ms = time to emit plain decoding's tokens of the timed "
                  "rollout at the row's tokens per second over the recorded steps (vs_off, vs_best_static); *_per_step: "
                  "the same ratios of the time to emit each step's best arm's tokens at the row's efficiency at that "
