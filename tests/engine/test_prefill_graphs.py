@@ -35,6 +35,62 @@ def test_replayed_prefill_gives_the_eager_rollout(target, drafter, monkeypatch):
     assert out.tokens == eager.tokens
 
 
+def _started_states(eng, monkeypatch):
+    """Copies of the EAGLE drafter's state after each rollout's start (``finish`` drops the state)."""
+    states, eagle = [], getattr(eng.tree_drafter, "primary", eng.tree_drafter)
+    real = eagle.start
+
+    def start(*args, **kwargs):
+        real(*args, **kwargs)
+        states.append([getattr(eagle.state, f).clone() for f in ("context_lens", "last_hidden", "root_tokens")])
+    monkeypatch.setattr(eagle, "start", start)
+    return states
+
+
+@pytest.mark.parametrize("union", [False, True])
+def test_eagle_start_replays_its_graph_with_the_eager_state(target, union, monkeypatch):
+    """The EAGLE drafter's start is captured per prefill bucket beside the target's prefill: a batch the bucket
+    holds replays it (prompts padded to the bucket, padding rows into the sink) and leaves the eager start's state,
+    drafts and tokens; alone or as a union's primary (the n-gram part starts eagerly)."""
+    from tlt_kernels.drafter import EagleDrafter
+
+    prompts = ragged_prompts(5, seed=3, first=4, step=5)
+    runs = []
+    for lengths in ((), (8, 32)):
+        torch.manual_seed(0)  # the same drafter weights
+        eagle = EagleDrafter.for_target(target)
+        eng = _engine(target, lengths, [eagle, "ngram"] if union else eagle)
+        replays = []
+        run = eng.graphs.replay
+        monkeypatch.setattr(eng.graphs, "replay", lambda name, *a: replays.append(name) or run(name, *a))
+        states = _started_states(eng, monkeypatch)
+        runs.append((eng.generate(prompts, 12), states, replays))
+    (eager, eager_states, eager_replays), (out, states, replays) = runs
+    assert ("start", 32) in replays and ("start", 32) not in eager_replays
+    assert eng.graph_pool.captured_sizes(("start", 8)) == [2, 8]
+    for mine, theirs in zip(states[0], eager_states[0]):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    assert out.tokens == eager.tokens
+    assert [(s.strategy, s.emitted) for s in out.steps] == [(s.strategy, s.emitted) for s in eager.steps]
+
+
+def test_a_drafter_without_start_graphs_is_started_without_them(target):
+    """A user's drafter whose ``start`` takes no ``graphs`` (no ``prefill_graph_specs``) beside prefill graphs."""
+    from tlt_kernels.drafter import NoDrafter
+
+    class Counting(NoDrafter):
+        starts = []
+
+        def start(self, prompts, prompt_lens, first_tokens, prefill_hidden):
+            self.starts.append(prompts.shape)
+
+    drafter = Counting()
+    eng = _engine(target, (8, 32), drafter, Strategy.off())
+    assert not [name for name in eng.graph_pool._entries if name[0] == "start"]
+    eng.generate(ragged_prompts(3, seed=3, first=4, step=5), 4)
+    assert drafter.starts == [(3, 14)]
+
+
 def test_batches_no_graph_holds_run_the_eager_prefill(target, monkeypatch):
     eng = _engine(target, (8,))
     calls = []
@@ -118,7 +174,8 @@ def test_prefill_lengths_are_checked():
 @pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
 def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
     """On a GPU, with real CUDA graphs: the prefill captured per bucket and replayed gives the eager engine's tokens
-    (plain, n-gram and EAGLE engines; the EAGLE drafter starts from the replayed hidden states)."""
+    (plain, n-gram and EAGLE engines; the EAGLE drafter starts from the replayed hidden states, in its own
+    replayed graph)."""
     from conftest import tiny_trained_target
     from tlt_kernels.drafter import EagleDrafter
 
@@ -137,5 +194,7 @@ def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
     eager = engine(()).generate(prompts, 12)
     replayed = engine((8, 32))
     assert replayed.prefill_graphs.graphs.padded_size(("prefill", 32), 5) == 8
+    if drafter == "eagle":  # the drafter's start is captured beside the target's prefill
+        assert replayed.graphs.padded_size(("start", 32), 5) == 8
     for _ in range(2):  # the second rollout replays over the first one's cache contents
         assert replayed.generate(prompts, 12).tokens == eager.tokens

@@ -78,7 +78,9 @@ class Drafter(Protocol):
     as one :class:`AcceptedPath` per request (up to ``SpeculativeEngine(lazy_commit_steps=)`` tokens wide, where
     ``num_new`` may be 0: nothing to learn), through the same :meth:`commit` with ``new_state=None``, before the
     next :meth:`propose`. ``commit_reads_hidden`` (bool): whether that commit reads ``path.hidden`` (else the
-    engine keeps no features for it).
+    engine keeps no features for it). ``prefill_graph_specs(lengths) -> List[GraphSpec]``: graphs of this drafter's
+    :meth:`start` over prompts padded to each of ``lengths`` (the engine's prefill buckets), captured beside the
+    target's prefill graphs; a drafter that has it is started as ``start(..., graphs=)`` (:func:`start_drafter`).
     """
 
     module: Optional[torch.nn.Module]  # trainable weights the spot trainer publishes into, or None
@@ -134,6 +136,22 @@ def hand_groups(drafter, siblings: torch.Tensor) -> None:
     set_groups = getattr(drafter, "set_groups", None)
     if set_groups is not None:
         set_groups(siblings)
+
+
+def prefill_graph_specs(drafter, lengths: Sequence[int]) -> List[GraphSpec]:
+    """The graphs of ``drafter``'s start over prompts padded to each of ``lengths`` (``[]``: it has none; the hook
+    is optional on :class:`Drafter`)."""
+    specs = getattr(drafter, "prefill_graph_specs", None)
+    return [] if specs is None else specs(lengths)
+
+
+def start_drafter(drafter, prompts: torch.Tensor, prompt_lens: torch.Tensor, first_tokens: torch.Tensor,
+                  prefill_hidden: torch.Tensor, graphs: GraphCalls) -> None:
+    """:meth:`Drafter.start`, with ``graphs=`` for a drafter that captures its start (``prefill_graph_specs``)."""
+    if getattr(drafter, "prefill_graph_specs", None) is None:
+        drafter.start(prompts, prompt_lens, first_tokens, prefill_hidden)
+    else:
+        drafter.start(prompts, prompt_lens, first_tokens, prefill_hidden, graphs=graphs)
 
 
 def root_only_tree(roots: torch.Tensor) -> ProposedTree:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .._validation import devices_equal
 from .base import DrafterBase, ProposedTree
@@ -39,6 +40,7 @@ class EagleRolloutDrafter(DrafterBase):
         self.cache: Optional[DrafterKVCache] = None
         self.state: Optional[EagleState] = None
         self.slots_per_request = None
+        self.start_lengths: tuple = ()  # prompt buckets whose start graphs the engine captures
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,17 +57,28 @@ class EagleRolloutDrafter(DrafterBase):
         self.module.pack_projections()  # one GEMM for q/k/v and one for gate/up in every draft and commit
 
     # -- a rollout ----------------------------------------------------------------------------------
-    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
+    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None) -> None:
+        """The prompts' pairs ``(f_i, t_{i+1})``, the last one's token the first sampled; from graph ``("start",
+        bucket)`` (:meth:`prefill_graph_specs`) when ``graphs`` has one for the batch, the prompts padded to the
+        shortest bucket that holds them (pairs past a prompt are not cached: ``num_new`` is its length)."""
         B, L = prompts.shape
         self.state = self.module.new_state(self.cache, B, self.slots_per_request)
-        next_tokens = torch.zeros(B, L, dtype=torch.int64, device=prompts.device)
-        next_tokens[:, :-1] = prompts[:, 1:]
-        next_tokens[torch.arange(B, device=prompts.device), prompt_lens - 1] = first_tokens
-        # Causal attention over the prompts' pairs only (the state is new); the fused extension would compile a
-        # kernel variant for each new padded prompt length, mid-rollout. No check (no host sync, so these launches
-        # overlap the target's prefill): the state is new, prompt_lens <= L, and each row holds slots_per_request.
-        self.module.prefill(self.state, self.cache, prefill_hidden.to(self.state.last_hidden.dtype), next_tokens,
-                            prompt_lens.to(torch.int32), validate=False)
+        bucket = next((b for b in self.start_lengths if b >= L), None) if graphs is not None else None
+        if bucket is not None and bucket > L:
+            prompts, prefill_hidden = F.pad(prompts, (0, bucket - L)), F.pad(prefill_hidden, (0, 0, 0, bucket - L))
+        inputs = [self.state.block_table, prompts, prompt_lens, first_tokens, prefill_hidden]
+        if bucket is None:
+            new_state = self._start_fn(*inputs)
+        else:
+            new_state, _ = graphs.call(("start", bucket), self._start_fn, inputs, B)
+        for f, value in zip(EAGLE_FIELDS[1:], new_state):
+            getattr(self.state, f).copy_(value)
+
+    def prefill_graph_specs(self, lengths):
+        """Graph ``("start", L)`` per prompt bucket ``L`` (eagerly, a rollout's start is dozens of small launches)."""
+        self.start_lengths = tuple(sorted(set(self.start_lengths) | set(lengths)))
+        return [(("start", length), self._start_fn, lambda p, length=length: self._start_padding(p, length))
+                for length in lengths]
 
     def state_rows(self, rows):
         return [getattr(self.state, f)[rows] for f in EAGLE_FIELDS]
@@ -121,6 +134,33 @@ class EagleRolloutDrafter(DrafterBase):
             return tree.draft_tokens, tree.parents.to(torch.int32), tree.num_nodes.to(torch.int32)
 
         return draft
+
+    def _start_fn(self, block_table, prompts, prompt_lens, first_tokens, prefill_hidden):
+        """``(context_lens, last_hidden, root_tokens)`` of a new state after the prompts' pairs. No check (no host
+        sync, so these launches overlap the target's prefill): ``prompt_lens <= L`` and each row of ``block_table``
+        holds ``slots_per_request`` slots."""
+        B, L = prompts.shape
+        dev = prompts.device
+        next_tokens = torch.zeros(B, L, dtype=torch.int64, device=dev)
+        next_tokens[:, :-1] = prompts[:, 1:]
+        next_tokens.scatter_(1, (prompt_lens.to(torch.int64) - 1).unsqueeze(1), first_tokens.unsqueeze(1))
+        state = EagleState(block_table, torch.zeros(B, dtype=torch.int32, device=dev),
+                           torch.zeros(B, self.module.config.hidden_size, dtype=self.dtype, device=dev),
+                           torch.zeros(B, dtype=torch.int64, device=dev))
+        # Causal attention over the prompts' pairs only (the state is new); the fused extension would compile a
+        # kernel variant for each new padded prompt length, mid-rollout.
+        self.module.prefill(state, self.cache, prefill_hidden.to(self.dtype), next_tokens,
+                            prompt_lens.to(torch.int32), validate=False)
+        return state.context_lens, state.last_hidden, state.root_tokens
+
+    def _start_padding(self, p: int, length: int):
+        """``p`` padding prompts of one token each, their pair written into the sink block 0."""
+        dev = self.device
+        blocks = self.module.blocks_per_request(self.slots_per_request, self.cache.block_size)
+        return [torch.zeros(p, blocks, dtype=torch.int32, device=dev),
+                torch.zeros(p, length, dtype=torch.int64, device=dev), torch.ones(p, dtype=torch.int64, device=dev),
+                torch.zeros(p, dtype=torch.int64, device=dev),
+                torch.zeros(p, length, self.module.config.hidden_size, dtype=self.dtype, device=dev)]
 
     def _extend_fn(self, block_table, context_lens, last_hidden, root_tokens, features, next_tokens, num_new):
         state = EagleState(block_table, context_lens, last_hidden, root_tokens)

@@ -14,7 +14,7 @@ from typing import List, Sequence
 
 import torch
 
-from .base import DrafterBase, ProposedTree, hand_groups
+from .base import DrafterBase, ProposedTree, hand_groups, prefill_graph_specs, start_drafter
 
 
 def union_tree(first: ProposedTree, second: ProposedTree) -> ProposedTree:
@@ -81,9 +81,16 @@ class UnionDrafter(DrafterBase):
         if fuse_step:  # the step graphs split their state rows before any rollout has called state_rows
             self._split = len(self.primary.pad_state_rows(1))
 
-    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
+    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None) -> None:
         for part in (self.primary, self.secondary):
-            part.start(prompts, prompt_lens, first_tokens, prefill_hidden)
+            if graphs is None:
+                part.start(prompts, prompt_lens, first_tokens, prefill_hidden)
+            else:
+                start_drafter(part, prompts, prompt_lens, first_tokens, prefill_hidden, graphs)
+
+    def prefill_graph_specs(self, lengths):
+        """Both parts' start graphs (a part without the hook has none)."""
+        return [*prefill_graph_specs(self.primary, lengths), *prefill_graph_specs(self.secondary, lengths)]
 
     def set_groups(self, siblings: torch.Tensor) -> None:
         for part in (self.primary, self.secondary):

@@ -51,7 +51,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from .._backend import BACKENDS
-from ..drafter.base import AcceptedPath, hand_groups
+from ..drafter.base import AcceptedPath, hand_groups, start_drafter
 from ..drafter.resolve import as_drafter, tree_width
 from ..models.kv_cache import PagedKVCache
 from ..models.llama import check_token_ids
@@ -161,8 +161,8 @@ class SpeculativeEngine:
         prefill_lengths: prompt-length buckets whose prefill :meth:`capture_graphs` also records, at its batch
             sizes (:mod:`tlt_kernels.engine.prefill`): a batch whose longest prompt fits a bucket replays it, padded,
             instead of the eager prefill's hundreds of launches (the target needs ``prefill_fresh``). Each bucket
-            keeps static ``[batch, bucket, H]`` hidden states per captured batch size. ``()`` (default): the eager
-            prefill.
+            keeps static ``[batch, bucket, H]`` hidden states per captured batch size. A drafter that captures its
+            start (the EAGLE drafter) replays its own graph for the bucket. ``()`` (default): the eager prefill.
         prefill_max_tokens: a bucket's graph is captured only at batch sizes ``b`` with ``b * bucket`` at most this
             (its memory grows with it); larger batches of that bucket run the eager prefill.
         lazy_commit_steps: with a drafter that allows it (``lazy_commit``: the n-gram and EAGLE drafters, their
@@ -274,11 +274,12 @@ class SpeculativeEngine:
         return self.graph_pool.stats()
 
     def _register_graphs(self, sizes) -> None:
-        """Every strategy's step graphs, and the drafter's commit graphs for the backlog's path widths."""
+        """Every strategy's step graphs, the drafter's commit graphs for the backlog's path widths, and the prefill
+        buckets' graphs (the target's and the drafter's start)."""
         self.step_runner.register_graphs(self.strategies, self.widths, sizes)
         if self.backlog is not None:
             self.step_runner.register_drafter_graphs([], self.backlog.widths, sizes)
-        self.prefill_graphs.register(sizes)
+        self.prefill_graphs.register(sizes, self.tree_drafter)
 
     def covers(self, strategy: Strategy, batch_size: int) -> bool:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""
@@ -447,7 +448,7 @@ class SpeculativeEngine:
         done = (generated >= max_new_dev) | failed
         if eos_token_id is not None:
             done |= first_tokens == eos_token_id
-        self.tree_drafter.start(prompt_tokens, prompt_lens, first_tokens, hidden)
+        start_drafter(self.tree_drafter, prompt_tokens, prompt_lens, first_tokens, hidden, self.graphs)
         features = None
         if self.rollout_buffer is not None:  # last column: write sink for masked scatters
             features = FeatureCapture(prompt_tokens, hidden, self.max_seq_len + self.max_width + 2)

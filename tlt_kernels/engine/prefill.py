@@ -5,7 +5,9 @@ work (docs/MODELS.md, "A fixed cost per rollout"). A batch of fresh prompts whos
 to the bucket's length (pad tokens: id 0; the outputs of valid positions do not change, see
 :meth:`~tlt_kernels.models.LlamaForCausalLM.prefill_fresh`) and replays that bucket's graph at the smallest captured
 batch size that holds it; the rows past the batch are padding requests that write the engine's sink request. Any
-other batch (a longer prompt, a batch size without a graph, graphs not captured) runs the eager prefill.
+other batch (a longer prompt, a batch size without a graph, graphs not captured) runs the eager prefill. A drafter
+that captures its start (``prefill_graph_specs``, such as the EAGLE drafter's) has its graphs at the same buckets and
+batch sizes.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from ..drafter.base import prefill_graph_specs
 
 
 def check_prefill_max_tokens(max_tokens: int) -> int:
@@ -39,14 +43,17 @@ class PrefillGraphs:
         self.target, self.cache, self.sink_table, self.graphs = target, cache, sink_table, graphs
         self.lengths, self.max_tokens = tuple(lengths), max_tokens
 
-    def register(self, batch_sizes: Sequence[int]) -> None:
+    def register(self, batch_sizes: Sequence[int], drafter=None) -> None:
         """Add every bucket's graph to the pool at those of ``batch_sizes`` whose ``batch x bucket`` is at most
-        ``max_tokens`` (a graph's activations and static hidden states grow with it; larger batches run eagerly)."""
+        ``max_tokens`` (a graph's activations and static hidden states grow with it; larger batches run eagerly),
+        and at the same sizes ``drafter``'s start graphs for the bucket (``prefill_graph_specs``, optional)."""
         for length in self.lengths:
             sizes = [b for b in batch_sizes if b * length <= self.max_tokens]
             if sizes:
                 self.graphs.pool.add(("prefill", length), self._prefill, sizes,
                                      lambda b, length=length: self._padding_inputs(b, length))
+                for name, fn, example_inputs in prefill_graph_specs(drafter, [length]):
+                    self.graphs.pool.add(name, fn, sizes, example_inputs)
 
     def _prefill(self, tokens, lengths, block_table):
         return self.target.prefill_fresh(tokens, lengths, self.cache, block_table)
