@@ -146,8 +146,9 @@ def prefill_graph_specs(drafter, lengths: Sequence[int]) -> List[GraphSpec]:
 
 
 def start_drafter(drafter, prompts: torch.Tensor, prompt_lens: torch.Tensor, first_tokens: torch.Tensor,
-                  prefill_hidden: torch.Tensor, graphs: GraphCalls) -> None:
-    """:meth:`Drafter.start`, with ``graphs=`` for a drafter that captures its start (``prefill_graph_specs``)."""
+                  prefill_hidden: torch.Tensor, graphs: Optional[GraphCalls]) -> None:
+    """:meth:`Drafter.start`, with ``graphs=`` for a drafter that captures its start (``prefill_graph_specs``; None:
+    it starts eagerly)."""
     if getattr(drafter, "prefill_graph_specs", None) is None:
         drafter.start(prompts, prompt_lens, first_tokens, prefill_hidden)
     else:

@@ -83,10 +83,7 @@ class UnionDrafter(DrafterBase):
 
     def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None) -> None:
         for part in (self.primary, self.secondary):
-            if graphs is None:
-                part.start(prompts, prompt_lens, first_tokens, prefill_hidden)
-            else:
-                start_drafter(part, prompts, prompt_lens, first_tokens, prefill_hidden, graphs)
+            start_drafter(part, prompts, prompt_lens, first_tokens, prefill_hidden, graphs)
 
     def prefill_graph_specs(self, lengths):
         """Both parts' start graphs (a part without the hook has none)."""
