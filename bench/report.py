@@ -199,12 +199,12 @@ On a GPU machine reached through a copy of the tree, write the records where the
 copy `<card>/<suite>.json` into `bench/results/`. A failed or stopped suite is never recorded. Commit the record and
 the regenerated files together; `tests/bench/test_report.py` fails when they disagree.
 
-The rollout suite on the real default model goes through the device tool in three calls on one warm machine (the
+The rollout suite on the real default model goes through the device tool in five calls on one warm machine (the
 model travels in two pieces, `tools/carry_model.sh`; the extension prebuilt here, `tools/carry_extension.sh`):
 `tools/device_model.sh 1`, then `tools/device_rollout_record.sh 1 SHA` (joins the model, trains the EAGLE drafter for
-60 s, records B = 1, 4 and the long tail), then `tools/device_rollout_record.sh 2 SHA` (adds B = 16, 64, 256) and
-`tools/device_rollout_record.sh 3 SHA` (adds B = 1, 16 and the tail sampled at temperature 1) in one call; each
-script's header lists what its call carries.
+60 s, records B = 1 and 4 with the step-cost rows), then parts 2, 3 and 4 of the same script (add B = 16 and the long
+tail; B = 64 and 256; B = 1, 16 and the tail sampled at temperature 1); each script's header lists what its call
+carries.
 
 ## Reading the figures
 

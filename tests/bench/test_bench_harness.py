@@ -727,12 +727,12 @@ def test_spot_overhead_workload_and_kinds(monkeypatch, capsys):
 
 
 def test_device_rollout_record_script_refuses_bad_arguments_before_anything(tmp_path):
-    """tools/device_rollout_record.sh needs a part (1, 2 or 3) and the commit, before it joins, installs or records."""
+    """tools/device_rollout_record.sh needs a part (1 to 4) and the commit, before it joins, installs or records."""
     import os
 
     script = str(Path(__file__).resolve().parents[2] / "tools" / "device_rollout_record.sh")
     env = {**os.environ, "OUT": str(tmp_path / "out")}
-    for args in ([], ["1"], ["4", "abc"]):
+    for args in ([], ["1"], ["5", "abc"], ["0", "abc"]):
         run = subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env)
         assert run.returncode == 64 and "usage" in run.stderr, (args, run.stderr)
     assert not (tmp_path / "out").exists()
