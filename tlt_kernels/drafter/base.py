@@ -80,7 +80,8 @@ class Drafter(Protocol):
     next :meth:`propose`. ``commit_reads_hidden`` (bool): whether that commit reads ``path.hidden`` (else the
     engine keeps no features for it). ``prefill_graph_specs(lengths) -> List[GraphSpec]``: graphs of this drafter's
     :meth:`start` over prompts padded to each of ``lengths`` (the engine's prefill buckets), captured beside the
-    target's prefill graphs; a drafter that has it is started as ``start(..., graphs=)`` (:func:`start_drafter`).
+    target's prefill graphs; a drafter that has it is started as ``start(..., graphs=, bucket=)``, ``bucket`` the
+    length whose graphs replayed the prefill (None: it ran eagerly) (:func:`start_drafter`).
     """
 
     module: Optional[torch.nn.Module]  # trainable weights the spot trainer publishes into, or None
@@ -146,13 +147,13 @@ def prefill_graph_specs(drafter, lengths: Sequence[int]) -> List[GraphSpec]:
 
 
 def start_drafter(drafter, prompts: torch.Tensor, prompt_lens: torch.Tensor, first_tokens: torch.Tensor,
-                  prefill_hidden: torch.Tensor, graphs: Optional[GraphCalls]) -> None:
-    """:meth:`Drafter.start`, with ``graphs=`` for a drafter that captures its start (``prefill_graph_specs``; None:
-    it starts eagerly)."""
+                  prefill_hidden: torch.Tensor, graphs: Optional[GraphCalls], bucket: Optional[int]) -> None:
+    """:meth:`Drafter.start`, with ``graphs=`` and ``bucket=`` (the prefill bucket whose graph replayed, None when the
+    prefill ran eagerly) for a drafter that captures its start (``prefill_graph_specs``)."""
     if getattr(drafter, "prefill_graph_specs", None) is None:
         drafter.start(prompts, prompt_lens, first_tokens, prefill_hidden)
     else:
-        drafter.start(prompts, prompt_lens, first_tokens, prefill_hidden, graphs=graphs)
+        drafter.start(prompts, prompt_lens, first_tokens, prefill_hidden, graphs=graphs, bucket=bucket)
 
 
 def root_only_tree(roots: torch.Tensor) -> ProposedTree:

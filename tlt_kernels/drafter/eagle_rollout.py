@@ -40,7 +40,6 @@ class EagleRolloutDrafter(DrafterBase):
         self.cache: Optional[DrafterKVCache] = None
         self.state: Optional[EagleState] = None
         self.slots_per_request = None
-        self.start_lengths: tuple = ()  # prompt buckets whose start graphs the engine captures
 
     @property
     def dtype(self) -> torch.dtype:
@@ -57,26 +56,24 @@ class EagleRolloutDrafter(DrafterBase):
         self.module.pack_projections()  # one GEMM for q/k/v and one for gate/up in every draft and commit
 
     # -- a rollout ----------------------------------------------------------------------------------
-    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None) -> None:
-        """The prompts' pairs ``(f_i, t_{i+1})``, the last one's token the first sampled; from graph ``("start",
-        bucket)`` (:meth:`prefill_graph_specs`) when ``graphs`` has one for the batch, the prompts padded to the
-        shortest bucket that holds them (pairs past a prompt are not cached: ``num_new`` is its length)."""
+    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None, bucket=None) -> None:
+        """The prompts' pairs ``(f_i, t_{i+1})``, the last one's token the first sampled; with ``graphs`` and the
+        prefill's ``bucket``, from graph ``("start", bucket)`` (:meth:`prefill_graph_specs`), the prompts padded to
+        the bucket (pairs past a prompt are not cached: ``num_new`` is its length)."""
         B, L = prompts.shape
         self.state = self.module.new_state(self.cache, B, self.slots_per_request)
-        bucket = next((b for b in self.start_lengths if b >= L), None) if graphs is not None else None
-        if bucket is not None and bucket > L:
-            prompts, prefill_hidden = F.pad(prompts, (0, bucket - L)), F.pad(prefill_hidden, (0, 0, 0, bucket - L))
-        inputs = [self.state.block_table, prompts, prompt_lens, first_tokens, prefill_hidden]
-        if bucket is None:
-            new_state = self._start_fn(*inputs)
+        if graphs is None or bucket is None:
+            new_state = self._start_fn(self.state.block_table, prompts, prompt_lens, first_tokens, prefill_hidden)
         else:
+            if bucket > L:
+                prompts, prefill_hidden = F.pad(prompts, (0, bucket - L)), F.pad(prefill_hidden, (0, 0, 0, bucket - L))
+            inputs = [self.state.block_table, prompts, prompt_lens, first_tokens, prefill_hidden]
             new_state, _ = graphs.call(("start", bucket), self._start_fn, inputs, B)
         for f, value in zip(EAGLE_FIELDS[1:], new_state):
             getattr(self.state, f).copy_(value)
 
     def prefill_graph_specs(self, lengths):
         """Graph ``("start", L)`` per prompt bucket ``L`` (eagerly, a rollout's start is dozens of small launches)."""
-        self.start_lengths = tuple(sorted(set(self.start_lengths) | set(lengths)))
         return [(("start", length), self._start_fn, lambda p, length=length: self._start_padding(p, length))
                 for length in lengths]
 

@@ -81,9 +81,9 @@ class UnionDrafter(DrafterBase):
         if fuse_step:  # the step graphs split their state rows before any rollout has called state_rows
             self._split = len(self.primary.pad_state_rows(1))
 
-    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None) -> None:
+    def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None, bucket=None) -> None:
         for part in (self.primary, self.secondary):
-            start_drafter(part, prompts, prompt_lens, first_tokens, prefill_hidden, graphs)
+            start_drafter(part, prompts, prompt_lens, first_tokens, prefill_hidden, graphs, bucket)
 
     def prefill_graph_specs(self, lengths):
         """Both parts' start graphs (a part without the hook has none)."""

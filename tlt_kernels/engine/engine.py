@@ -448,7 +448,8 @@ class SpeculativeEngine:
         done = (generated >= max_new_dev) | failed
         if eos_token_id is not None:
             done |= first_tokens == eos_token_id
-        start_drafter(self.tree_drafter, prompt_tokens, prompt_lens, first_tokens, hidden, self.graphs)
+        bucket = self.prefill_graphs.replayed_bucket(B, prompt_tokens.shape[1])  # the drafter's start graph's too
+        start_drafter(self.tree_drafter, prompt_tokens, prompt_lens, first_tokens, hidden, self.graphs, bucket)
         features = None
         if self.rollout_buffer is not None:  # last column: write sink for masked scatters
             features = FeatureCapture(prompt_tokens, hidden, self.max_seq_len + self.max_width + 2)

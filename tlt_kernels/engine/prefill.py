@@ -69,14 +69,22 @@ class PrefillGraphs:
         """The shortest bucket that holds a prompt of ``length`` tokens (None: longer than every bucket)."""
         return next((b for b in self.lengths if b >= length), None)
 
+    def replayed_bucket(self, batch_size: int, length: int) -> Optional[int]:
+        """The bucket whose captured graph holds ``batch_size`` prompts of up to ``length`` tokens (None: the eager
+        prefill runs)."""
+        bucket = self.bucket(length)
+        if bucket is None or self.graphs.padded_size(("prefill", bucket), batch_size) is None:
+            return None
+        return bucket
+
     def run(self, tokens: torch.Tensor, lengths: torch.Tensor,
             block_table: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(logits [B, V], hidden [B, L, H])`` of fresh prompts ``tokens [B, L]`` from a replayed graph, or None
         when no captured graph holds the batch (the caller runs the eager prefill). The outputs are views of the
         graph's static buffers: read them before the next prefill."""
         batch_size, length = tokens.shape
-        bucket = self.bucket(length)
-        if bucket is None or self.graphs.padded_size(("prefill", bucket), batch_size) is None:
+        bucket = self.replayed_bucket(batch_size, length)
+        if bucket is None:
             return None
         padded = F.pad(tokens, (0, bucket - length)) if bucket > length else tokens
         logits, hidden = self.graphs.replay(("prefill", bucket), [padded, lengths.to(torch.int32), block_table],
