@@ -242,6 +242,10 @@ REAL_TRACES = (
                              "s4k1v5, s4k2v8, s5k4v16; recorded 2026-12-02 at e1cc40c with the lagging rows' counts "
                              "and, per step, the rows that have a draft (drafted_rows, lagging_drafted_rows); the "
                              "B = 64 trace was not kept"),
+    ("h200_smollm2_weak_eagle", "the same model, prompts and length (tail: 64 requests), an EAGLE drafter trained for "
+                                "40 s only (heldout accepted length 1.77 greedy), so that no EAGLE arm beats plain "
+                                "decoding in the engine (0.82-1.00x at B = 1, 4 and the tail in the same run); recorded "
+                                "2026-12-03 at e71210a with the lagging rows' counts"),
 )
 
 
