@@ -244,7 +244,7 @@ REAL_TRACES = (
                              "B = 64 trace was not kept"),
     ("h200_smollm2_weak_eagle", "the same model, prompts and length (tail: 64 requests), an EAGLE drafter trained for "
                                 "40 s only (heldout accepted length 1.77 greedy), so that no EAGLE arm beats plain "
-                                "decoding in the engine (0.82-1.00x at B = 1, 4 and the tail in the same run); recorded "
+                                "decoding in the engine (0.71-0.99x at B = 1, 4 and the tail in the same run); recorded "
                                 "2026-12-03 at e71210a with the lagging rows' counts"),
 )
 
