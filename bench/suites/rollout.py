@@ -132,6 +132,9 @@ FLAGS = (
 GPU_ARMS = ("s2k1v3", "s4k1v5", "s4k2v8", "s5k4v16")
 SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
 TOP_KERNELS = 5
+# Digits of the seconds a trace keeps (0.1 us): a probe's step time is read between two synchronizations, so finer
+# digits are noise that only makes the trace files larger.
+TRACE_TIME_DIGITS = 7
 
 
 class MedianRun(NamedTuple):
@@ -153,6 +156,14 @@ class Sizes:
     arms: Tuple[str, ...]
     repeats: int
 
+
+
+def _rounded_times(record: dict) -> dict:
+    """A trace record (:func:`tlt_kernels.engine.probe.probe_arms`) whose arms' ``step_time`` is rounded to
+    :data:`TRACE_TIME_DIGITS`."""
+    arms = {name: dict(arm, step_time=round(arm["step_time"], TRACE_TIME_DIGITS))
+            for name, arm in record["arms"].items()}
+    return dict(record, arms=arms)
 
 def sizes(small: bool, p) -> Sizes:
     """``p``'s sizes with the GPU's defaults, or the CPU smoke test's when ``small``."""
@@ -728,7 +739,8 @@ class RolloutRun:
         """``--write-traces``: an adaptive engine's warm-up and timed rollouts of every workload again, each step
         probing every arm (``generate(trace=)``), as ``<drafter>-<workload>-B<batch>.json`` (records of the warm-up
         rollout carry ``"rollout": 0``, the timed one's ``1``), and the engine's start-up cost table as
-        ``<drafter>-cost-table.json`` (``{arm: [[batch_size, seconds], ...]}``; absent without one)."""
+        ``<drafter>-cost-table.json`` (``{arm: [[batch_size, seconds], ...]}``; absent without one); seconds rounded
+        to 0.1 us (:data:`TRACE_TIME_DIGITS`)."""
         directory = self.p.write_traces
         if not directory or not config.adaptive:
             return
@@ -736,7 +748,8 @@ class RolloutRun:
         table = self._start_up_table(eng, config)
         fresh = self._selector_factory(eng, config, table, self.loss_budgets()[0])
         if table is not None:
-            points = {str(arm): [[b, t] for b, t in zip(*entry)] for arm, entry in table.table.items()}
+            points = {str(arm): [[b, round(t, TRACE_TIME_DIGITS)] for b, t in zip(*entry)]
+                      for arm, entry in table.table.items()}
             (Path(directory) / f"{config.drafter}-cost-table.json").write_text(json.dumps(points))
         for work in self.works:
             eng.selector = fresh()
@@ -744,7 +757,7 @@ class RolloutRun:
             for index, prompts in enumerate((work.previous, work.prompts)):
                 part: List[dict] = []
                 self.generate(eng, prompts, work.lengths, trace=part)
-                records += [dict(record, rollout=index) for record in part]
+                records += [dict(_rounded_times(record), rollout=index) for record in part]
             path = Path(directory) / f"{config.drafter}-{work.name}-B{work.batch}.json"
             path.write_text(json.dumps(records, separators=(",", ":")))
             self.ctx.note(f"{config.name}, {work.name} B={work.batch}: trace of {len(records)} steps written to {path}")

@@ -233,6 +233,23 @@ def test_prefill_lengths_reach_every_engine(monkeypatch):
     assert seen and all(lengths[0] == 16 and 16 < lengths[1] < 64 and len(lengths) == 2 for lengths in seen), seen
 
 
+def test_a_written_trace_record_keeps_its_fields_with_step_times_rounded_to_a_tenth_of_a_microsecond():
+    from bench.suites.rollout import _rounded_times
+
+    record = {"batch_size": 2, "drafted_rows": 1, "arms": {
+        "off": {"step_time": 0.00161430599996, "emitted": 2, "accepted": []},
+        "s2k1v3": {"step_time": 0.0020035559999, "emitted": 3, "accepted": [1, 0], "lagging_rows": 1,
+                   "lagging_accepted": [1, 0]}}}
+    rounded = _rounded_times(record)
+    assert rounded["arms"]["off"]["step_time"] == 0.0016143
+    assert rounded["arms"]["s2k1v3"]["step_time"] == 0.0020036
+    for name, arm in record["arms"].items():
+        assert {k: v for k, v in rounded["arms"][name].items() if k != "step_time"} == \
+            {k: v for k, v in arm.items() if k != "step_time"}
+    assert {k: v for k, v in rounded.items() if k != "arms"} == {"batch_size": 2, "drafted_rows": 1}
+    assert record["arms"]["off"]["step_time"] == 0.00161430599996  # the probe's record is not changed
+
+
 def test_write_traces_records_every_adaptive_rollout_for_the_selector_suite(tmp_path):
     from tlt_kernels.runtime import Strategy
     from tlt_kernels.runtime.simulate import load_trace
@@ -254,6 +271,7 @@ def test_write_traces_records_every_adaptive_rollout_for_the_selector_suite(tmp_
                 steps = Strategy.parse(arm).num_steps
                 assert len(outcome["accepted"]) == steps
                 assert r["batch_size"] <= outcome["emitted"] <= r["batch_size"] * (steps + 1)
+                assert outcome["step_time"] > 0 and outcome["step_time"] == round(outcome["step_time"], 7)  # 0.1 us
         # the timed rollout's first step runs the whole batch, as the suite's rows do
         assert next(r for r in records if r["rollout"] == 1)["batch_size"] == batch
 
