@@ -246,6 +246,11 @@ REAL_TRACES = (
                                 "40 s only (heldout accepted length 1.77 greedy), so that no EAGLE arm beats plain "
                                 "decoding in the engine (0.71-0.99x at B = 1, 4 and the tail in the same run); recorded "
                                 "2026-12-03 at e71210a with the lagging rows' counts"),
+    ("h200_smollm2_sampled", "the same model, prompts and length (tail: 64 requests), n-gram drafter, sampled at "
+                             "temperature 1 (the RL rollout's setting: every arm within 0.81-1.07x plain decoding in "
+                             "the engine, the adaptive engine 0.94-0.97x cold); recorded 2026-12-04 at e4400d3, "
+                             "B = 4 and 16 in a second run a minute after the first (B = 1, the tail and the cost "
+                             "table), same settings and machine"),
 )
 
 
