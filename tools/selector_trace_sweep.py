@@ -18,7 +18,6 @@ numbers of the same run).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -42,19 +41,6 @@ def _parse_configs(items: List[str]) -> Dict[str, dict]:
     return out
 
 
-def _jittered(trace, seed: int, sigma: float):
-    """A copy of ``trace`` whose step times are scaled by ``exp(sigma * N(0, 1))`` (timing noise of a re-run)."""
-    import copy
-    import random
-
-    rnd = random.Random(seed)
-    out = copy.deepcopy(trace)
-    for r in out:
-        for o in r["arms"].values():
-            o["step_time"] *= math.exp(sigma * rnd.gauss(0.0, 1.0))
-    return out
-
-
 def vs_size_oracle(trace, kw: dict) -> float:
     """Cost policy with options ``kw`` replayed on ``trace`` (start-up table = the trace's median step time per
     (arm, batch size)), as a fraction of the best arm per batch size over the trace in hindsight."""
@@ -70,13 +56,13 @@ def vs_size_oracle(trace, kw: dict) -> float:
 
 def trace_scores(kw: dict, jitter: int = 0, sigma: float = 0.02) -> Dict[str, tuple]:
     """``{trace: (vs_size_oracle, mean, min over `jitter` copies with re-drawn timing noise)}``."""
-    from bench.suites.selector import RECORDED_TRACES, TRACES_DIR
+    from bench.suites.selector import RECORDED_TRACES, TRACES_DIR, jittered
     from tlt_kernels.runtime.simulate import load_trace
 
     out = {}
     for name in RECORDED_TRACES:
         trace = load_trace(os.path.join(TRACES_DIR, name))
-        js = [vs_size_oracle(_jittered(trace, s, sigma), kw) for s in range(jitter)]
+        js = [vs_size_oracle(jittered(trace, s, sigma), kw) for s in range(jitter)]
         out[name[:-5]] = (vs_size_oracle(trace, kw), sum(js) / len(js) if js else None, min(js) if js else None)
     return out
 

@@ -21,8 +21,10 @@ judged on 8 seeds: 3 leave a 1% difference inside seed noise).
 """
 from __future__ import annotations
 
+import math
 import os
 import time
+from typing import Dict
 
 from ..flags import Flag, positive_int, values
 
@@ -226,6 +228,10 @@ def _engine_trace(ctx, trace, origin: str, label: str) -> None:
              "to emit the oracle's tokens of every step at the run's per-step efficiency (the same work for every row)")
 
 
+# A probe's step time varies from run to run: the log-normal sigma of the timing noise a real trace's replay is
+# judged over (``jittered``; the selector suite's test averages its bounds over several draws).
+TIMING_NOISE_SIGMA = 0.02
+
 # Real-model traces: per drafter and workload, the warm-up rollout ("rollout": 0) and the timed one ("rollout": 1) of
 # the rollout suite's adaptive rows, every arm probed per step, and each engine's start-up cost table
 # (<drafter>-cost-table.json). One (directory under bench/traces, origin) per recorded set.
@@ -284,16 +290,28 @@ def replay_cold_and_warm(records, fresh):
     return cold, replay_selector(timed, warm)
 
 
-def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
-    """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's
-    start-up table) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the
-    engine tells it), replayed on one real trace. Two scores per row: over the whole rollout (tokens over seconds,
-    ``vs_off``, ``vs_best_static``) and step by step (``_same_work_s``: ``vs_off_per_step``,
-    ``vs_best_static_per_step``)."""
-    from tlt_kernels.runtime import Strategy, StrategySelector
-    from tlt_kernels.runtime.simulate import load_trace
+def jittered(records, seed: int, sigma: float = TIMING_NOISE_SIGMA):
+    """A copy of trace ``records`` whose step times are scaled by ``exp(sigma * N(0, 1))`` (``random.Random(seed)``):
+    another draw of the probes' timing noise, as a re-run of the same rollout would give."""
+    import copy
+    import random
 
-    records = load_trace(path)
+    rnd = random.Random(seed)
+    out = copy.deepcopy(records)
+    for r in out:
+        for o in r["arms"].values():
+            o["step_time"] *= math.exp(sigma * rnd.gauss(0.0, 1.0))
+    return out
+
+
+def real_trace_scores(records, table) -> Dict[str, dict]:
+    """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's start-up
+    ``table``) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the engine
+    tells it), replayed on one real trace's ``records``. Per row name: ``ms`` (plain decoding's tokens of the timed
+    rollout at the row's tokens per second) and two scores: over the whole rollout (tokens over seconds, ``vs_off``,
+    ``vs_best_static``) and step by step (``_same_work_s``: ``vs_off_per_step``, ``vs_best_static_per_step``)."""
+    from tlt_kernels.runtime import Strategy, StrategySelector
+
     timed = [r for r in records if r.get("rollout") == 1]
     arms = sorted({Strategy.parse(k) for r in records for k in r["arms"]}, key=str)
     runs = {f"static {a}": replay_static(timed, a) for a in arms}
@@ -307,12 +325,23 @@ def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
     off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
     best = max(v for k, v in rates.items() if k.startswith("static"))
     best_per_step = min(v for k, v in per_step.items() if k.startswith("static"))
-    case = {"workload": f"real trace {trace_set}/{os.path.basename(path)[:-5]} ({len(timed)} steps)"}
-    for name, rate in rates.items():
-        ctx.add(case, name, 1e3 * off_tokens / rate, vs_off=round(rate / rates["static off"], 4),
-                vs_best_static=round(rate / best, 4),
-                vs_off_per_step=round(per_step["static off"] / per_step[name], 4),
-                vs_best_static_per_step=round(best_per_step / per_step[name], 4))
+    return {name: dict(ms=1e3 * off_tokens / rate, vs_off=round(rate / rates["static off"], 4),
+                       vs_best_static=round(rate / best, 4),
+                       vs_off_per_step=round(per_step["static off"] / per_step[name], 4),
+                       vs_best_static_per_step=round(best_per_step / per_step[name], 4))
+            for name, rate in rates.items()}
+
+
+def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
+    """:func:`real_trace_scores` of one real trace, as rows."""
+    from tlt_kernels.runtime.simulate import load_trace
+
+    records = load_trace(path)
+    timed = sum(1 for r in records if r.get("rollout") == 1)
+    case = {"workload": f"real trace {trace_set}/{os.path.basename(path)[:-5]} ({timed} steps)"}
+    for name, scores in real_trace_scores(records, table).items():
+        ms = scores.pop("ms")
+        ctx.add(case, name, ms, **scores)
 
 
 def _real_model_traces(ctx) -> None:

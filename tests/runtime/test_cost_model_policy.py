@@ -60,6 +60,19 @@ def test_observed_tokens_are_used_without_accepted_counts():
     assert pol.tokens[1] == 2.5
 
 
+def test_a_bucket_where_an_arm_has_not_run_predicts_with_the_nearest_buckets_correction():
+    table = {s: [(1, 0.01), (8, 0.01)] for s in ARMS}
+    pol = _bound(cost_table=table)
+    pol.observe(1, 2, 8, emitted=8.0, elapsed=0.015, accepted=[0.0, 0.0, 0.0, 0.0], step=1)  # 1.5x the table's
+    assert pol.predict(0, 2, 1) == pytest.approx(pol.tokens[2] / 0.015)
+    alone = _bound(cost_table=table, borrow_step_times=False)
+    alone.observe(1, 2, 8, emitted=8.0, elapsed=0.015, accepted=[0.0, 0.0, 0.0, 0.0], step=1)
+    assert alone.predict(0, 2, 1) == pytest.approx(alone.tokens[2] / 0.01)
+    for bad in (None, 1, "yes"):
+        with pytest.raises(ValueError, match="borrow_step_times"):
+            CostModelPolicy(borrow_step_times=bad)
+
+
 @pytest.mark.parametrize("option, value", [
     ("prior_accept", 1.0), ("model_sd", 0.0), ("detect", 0.0), ("min_trials", -1.0), ("min_support", -1.0),
     ("keep_on_change", 2.0), ("offset_prior", 0.0), ("offset_mean", float("nan")), ("explore_margin", 1.5),

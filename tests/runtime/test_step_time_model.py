@@ -5,7 +5,7 @@ import pytest
 
 from tlt_kernels.runtime import CostTable, Strategy
 from tlt_kernels.runtime.policies import StepTimeModel
-from tlt_kernels.runtime.policies.step_time_model import TINY_RATIO
+from tlt_kernels.runtime.policies.step_time_model import BORROWED, TINY_RATIO
 
 OFF, CHAIN = Strategy.off(), Strategy(3, 1, 4)
 GAMMA = 1.0 - 1.0 / 32
@@ -20,7 +20,7 @@ def test_rates_come_from_the_table_and_are_cached():
 
 
 def test_the_first_observation_replaces_the_prior_then_a_discounted_mean():
-    model = StepTimeModel([OFF, CHAIN], CostTable({OFF: [(1, 0.01)], CHAIN: [(1, 0.02)]}), 2, GAMMA)
+    model = StepTimeModel([OFF, CHAIN], CostTable({OFF: [(1, 0.01)], CHAIN: [(1, 0.02)]}), 2, GAMMA, borrow=False)
     model.observe(bucket=1, arm=1, batch_size=1, elapsed=0.03)
     assert model.ratio[1][1] == pytest.approx(1.5) and model.count[1][1] == 1.0
     model.observe(1, 1, 1, 0.02)
@@ -42,3 +42,47 @@ def test_legal_extremes_stay_finite_and_nonzero():
     assert model.ratio[0][0] == TINY_RATIO
     model.observe(0, 0, 1, 1e300)
     assert math.isfinite(model.ratio[0][0]) and model.ratio[0][0] > 0
+
+
+def _four_buckets(borrow=True):
+    return StepTimeModel([OFF, CHAIN], CostTable({OFF: [(1, 0.01)], CHAIN: [(1, 0.02)]}), 4, GAMMA, borrow=borrow)
+
+
+def test_an_unobserved_bucket_borrows_the_ratio_of_the_nearest_observed_one():
+    model = _four_buckets()
+    model.observe(bucket=3, arm=1, batch_size=1, elapsed=0.03)  # ratio 1.5
+    assert [model.ratio[k][1] for k in range(4)] == pytest.approx([1.5] * 4)
+    assert [model.count[k][1] for k in range(4)] == [BORROWED] * 3 + [1.0]
+    assert [model.lender[k][1] for k in range(4)] == [3, 3, 3, None]
+    assert [model.count[k][0] for k in range(4)] == [0.0] * 4  # another arm's buckets are untouched
+    model.observe(0, 1, 1, 0.01)  # ratio 0.5 in bucket 0: bucket 1 is nearer to it, bucket 2 to bucket 3
+    assert [model.lender[k][1] for k in range(4)] == [None, 0, 3, None]
+    assert [model.ratio[k][1] for k in range(4)] == pytest.approx([0.5, 0.5, 1.5, 1.5])
+
+
+def test_a_tie_borrows_from_the_lower_bucket_and_a_lenders_updates_reach_its_borrowers():
+    model = _four_buckets()
+    model.observe(0, 1, 1, 0.01)
+    model.observe(2, 1, 1, 0.03)
+    assert [model.lender[k][1] for k in range(4)] == [None, 0, None, 2]  # bucket 1: 0 and 2 are as near
+    model.observe(2, 1, 1, 0.02)
+    updated = 1.5 + (1.0 - 1.5) / (GAMMA + 1.0)
+    assert model.ratio[2][1] == pytest.approx(updated) and model.ratio[3][1] == pytest.approx(updated)
+    assert model.ratio[1][1] == pytest.approx(0.5)
+
+
+def test_the_first_own_observation_replaces_a_borrowed_ratio():
+    model = _four_buckets()
+    model.observe(3, 1, 1, 0.03)
+    model.observe(1, 1, 1, 0.02)  # bucket 1 had borrowed 1.5: its own first step replaces it, as it replaces the prior
+    assert model.ratio[1][1] == pytest.approx(1.0) and model.count[1][1] == 1.0 and model.lender[1][1] is None
+    assert [model.lender[k][1] for k in range(4)] == [1, None, 1, None]
+
+
+def test_without_borrowing_or_a_table_entry_an_unobserved_bucket_keeps_the_prior():
+    model = _four_buckets(borrow=False)
+    model.observe(3, 1, 1, 0.03)
+    assert [model.count[k][1] for k in range(3)] == [0.0] * 3
+    untabled = StepTimeModel([OFF, CHAIN], CostTable({OFF: [(1, 0.01)]}), 4, GAMMA)
+    untabled.observe(3, 1, 1, 0.03)  # seconds, not a ratio: nothing another batch size could use
+    assert [untabled.count[k][1] for k in range(3)] == [0.0] * 3 and untabled.ratio[3][1] == 0.03

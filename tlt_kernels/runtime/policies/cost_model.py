@@ -3,7 +3,8 @@ and a step-time model, with change detection.
 
 Rule: play the arm maximizing ``B * tokens[a] / predicted step time``, where ``tokens[a]`` is the optimistic
 expected tokens per request (:class:`~.acceptance_model.SharedAcceptanceModel`) and the step time the start-up
-table corrected online per bucket (:class:`~.step_time_model.StepTimeModel`). A never-played speculative arm is
+table corrected online per bucket, or in a bucket where the arm has not run yet by the nearest bucket where it has
+(:class:`~.step_time_model.StepTimeModel`). A never-played speculative arm is
 played once, the best predicted first, if it is the first of its width group or deeper than every arm played so far
 (``explore_per_group``): only then does its first play measure a parameter the model lacks; otherwise it competes
 on its prediction, and is played once only if it predicts within ``explore_margin`` of the best arm (a near-tie
@@ -101,6 +102,8 @@ class CostModelPolicy(Policy):
         probe_on_rollout: when a new rollout starts, the first choice of plain decoding in each bucket is a probe
             (as after ``probe_every`` plain steps; needs ``probe_every``): a selector that ended the last batch on
             plain decoding would otherwise wait ``probe_every`` steps to see the new requests' drafts.
+        borrow_step_times: a bucket where an arm has not run predicts its step time with the table corrected by the
+            nearest bucket where it has (:class:`~.step_time_model.StepTimeModel`); False: by the table alone.
 
     Attributes (after ``bind``): ``acceptance`` (:class:`SharedAcceptanceModel`), ``step_time``
     (:class:`StepTimeModel`), ``detector`` (:class:`ChangeDetector`); ``tokens`` and ``changes`` (steps of alarms).
@@ -113,13 +116,14 @@ class CostModelPolicy(Policy):
                  keep_on_change: float = 0.5, offset_prior: float = 0.5, ucb: float = 1.0, offset_mean: float = 1.0,
                  explore_per_group: bool = True, explore_margin: float = 0.05, probe_every: Optional[int] = 32,
                  min_gain: float = 0.0, ride_runs: bool = True, keep_on_rollout: float = 0.5,
-                 probe_on_rollout: bool = True, prior_level_on_rollout: bool = True):
+                 probe_on_rollout: bool = True, prior_level_on_rollout: bool = True, borrow_step_times: bool = True):
         _check_options(prior_accept, model_sd, detect, min_trials, min_support, keep_on_change, offset_prior, ucb,
                        offset_mean, explore_margin, min_gain, keep_on_rollout)
         if probe_every is not None and (isinstance(probe_every, bool) or not isinstance(probe_every, int)
                                         or probe_every < 1):
             raise ValueError(f"probe_every must be an int >= 1 (plain steps in a row) or None, got {probe_every!r}")
-        for name, flag in (("probe_on_rollout", probe_on_rollout), ("prior_level_on_rollout", prior_level_on_rollout)):
+        for name, flag in (("probe_on_rollout", probe_on_rollout), ("prior_level_on_rollout", prior_level_on_rollout),
+                           ("borrow_step_times", borrow_step_times)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if cost_table is not None and not isinstance(cost_table, CostTable):
@@ -142,11 +146,13 @@ class CostModelPolicy(Policy):
         self.keep_on_rollout = keep_on_rollout
         self.probe_on_rollout = probe_on_rollout
         self.prior_level_on_rollout = prior_level_on_rollout
+        self.borrow_step_times = borrow_step_times
 
     def bind(self, arms, num_buckets, rng, window):
         super().bind(arms, num_buckets, rng, window)
         self.acceptance = self._make_acceptance_model(arms, window)
-        self.step_time = StepTimeModel(arms, self.cost_table, num_buckets, self.acceptance.gamma)
+        self.step_time = StepTimeModel(arms, self.cost_table, num_buckets, self.acceptance.gamma,
+                                       borrow=self.borrow_step_times)
         self.detector = self._make_change_detector(self.acceptance.gamma)
         self.depth = [s.num_steps for s in arms]
         self.played = [False] * len(arms)  # speculative arms whose acceptance was observed at least once
