@@ -2,6 +2,8 @@
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tlt_kernels.runtime import CostTable, Strategy
 from tlt_kernels.runtime.policies import StepTimeModel
@@ -86,3 +88,25 @@ def test_without_borrowing_or_a_table_entry_an_unobserved_bucket_keeps_the_prior
     untabled = StepTimeModel([OFF, CHAIN], CostTable({OFF: [(1, 0.01)]}), 4, GAMMA)
     untabled.observe(3, 1, 1, 0.03)  # seconds, not a ratio: nothing another batch size could use
     assert [untabled.count[k][1] for k in range(3)] == [0.0] * 3 and untabled.ratio[3][1] == 0.03
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.floats(1e-4, 1.0)), min_size=1, max_size=40))
+def test_borrowing_leaves_own_ratios_alone_and_gives_each_other_bucket_its_nearest_observed_ratio(steps):
+    """Any sequence of (bucket, seconds) observations of one arm: the observed buckets' ratios are the discounted means
+    of the model without borrowing, and every other bucket holds the ratio of its nearest observed bucket (the lower
+    one on a tie)."""
+    table = CostTable({OFF: [(1, 0.01)], CHAIN: [(1, 0.02)]})
+    lending, alone = (StepTimeModel([OFF, CHAIN], table, 6, GAMMA, borrow=b) for b in (True, False))
+    for bucket, seconds in steps:
+        lending.observe(bucket, 1, 1, seconds)
+        alone.observe(bucket, 1, 1, seconds)
+    observed = sorted({bucket for bucket, _ in steps})
+    for k in range(6):
+        if k in observed:
+            assert lending.lender[k][1] is None and lending.count[k][1] == pytest.approx(alone.count[k][1])
+            assert lending.ratio[k][1] == pytest.approx(alone.ratio[k][1])
+        else:
+            source = min(observed, key=lambda j: (abs(j - k), j))
+            assert lending.lender[k][1] == source and lending.count[k][1] == BORROWED
+            assert lending.ratio[k][1] == pytest.approx(alone.ratio[source][1])
+        assert lending.count[k][0] == 0.0  # the other arm was never observed: nothing to lend
