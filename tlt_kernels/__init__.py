@@ -10,6 +10,8 @@ behind ``backend="auto"``):
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
 * :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history;
 * :func:`philox_uniform` -- the walks' counter-based random stream (:mod:`tlt_kernels.rng`) as a tensor;
+* :func:`top_logprobs` -- the k most likely tokens of each row of logits with their log-probabilities (a draft's
+  expansion);
 * :func:`rms_norm`, :func:`silu_and_mul`, :func:`apply_rotary` -- fused elementwise parts of a Llama layer
   (RMSNorm with residual add, SiLU-and-multiply, rotate-half RoPE of q and k; :func:`rotary_to_cache` also stores
   the rotated k and v at their KV-cache rows).
@@ -29,6 +31,7 @@ from .ops.philox_uniform import philox_uniform
 from .ops.rms_norm import rms_norm
 from .ops.rotary import apply_rotary, rotary_to_cache
 from .ops.silu_and_mul import silu_and_mul
+from .ops.top_logprobs import top_logprobs
 from .ops.tree_attention import TreeAttentionPlan, plan_masked_attention, plan_tree_attention, tree_attention
 from .ops.verify_chain_block import BlockVerifyResult, verify_chain_block
 from .ops.verify_tree import VerifyResult, verify_tree
@@ -69,6 +72,7 @@ __all__ = [
     "philox_uniform",
     "rms_norm",
     "silu_and_mul",
+    "top_logprobs",
     "tree_ancestor_mask",
     "tree_ancestor_mask_packed",
     "tree_attention",

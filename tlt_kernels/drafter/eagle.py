@@ -47,6 +47,7 @@ from .._validation import capturing, check_positive_ints, check_tensor
 from ..models.kv_cache import paged_rows
 from ..models.packing import PackedLinears
 from ..ops.rms_norm import rms_norm
+from ..ops.top_logprobs import top_logprobs
 from .eagle_fused import SCRATCH_SLOTS, FusedExpansion, extend_fused
 
 # ---------------------------------------------------------------------------------------------
@@ -652,7 +653,7 @@ class EagleDrafter(nn.Module):
         dev = state.last_hidden.device
         fused = self._fused(cache, (depth - 1) * K)
         expand = FusedExpansion(self, state, cache, depth, K) if fused else _DenseExpansion(self, state, cache)
-        score, tok = _top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
+        score, tok = top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
         roots = torch.full((B, K), -1, dtype=torch.int64, device=dev)
         cand_par, cand_tok, cand_score = [roots], [tok], [score]  # parents stay int64 until the one cast at the end
         frontier = _Frontier(cand_index=torch.arange(K, device=dev).expand(B, K), tokens=tok, scores=score,
@@ -660,7 +661,7 @@ class EagleDrafter(nn.Module):
         batch_rows = torch.arange(B, device=dev).unsqueeze(1) if depth > 1 else None  # made once: a launch less a step
         for step in range(1, depth):
             g = expand(self._input(frontier.parent_features, frontier.tokens), frontier.parent_rows, step)  # [B, K, H]
-            c_score, c_tok = _top_logprobs(self.head_logits(g, fused), K)  # [B, K, K]
+            c_score, c_tok = top_logprobs(self.head_logits(g, fused), K)  # [B, K, K]
             c_score = (frontier.scores.unsqueeze(2) + c_score).reshape(B, K * K)
             c_tok = c_tok.reshape(B, K * K)
             cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K))
@@ -745,14 +746,6 @@ def _extend_ancestors(ancestors: Optional[torch.Tensor], parent_rows: torch.Tens
         ancestors = new
     ancestors[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
     return ancestors
-
-
-def _top_logprobs(logits: torch.Tensor, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(log-probs float32, tokens) [..., K]`` of the K most likely tokens of ``logits [..., V]``; for K = 1 one
-    reduction (a radix top-k over a large vocabulary is several launches). The softmax reads the logits in their dtype
-    and computes in float32: no separate cast launch and float32 copy of the ``[..., V]`` rows."""
-    logp = torch.log_softmax(logits, -1, dtype=torch.float32)
-    return logp.max(-1, keepdim=True) if K == 1 else logp.topk(K, dim=-1)
 
 
 def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, batch_rows: torch.Tensor,
