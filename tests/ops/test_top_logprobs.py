@@ -76,28 +76,32 @@ def test_special_values(backend):
     ``torch.log_softmax``'s are: a row holding NaN or +inf, and a row of -inf only."""
     device = kernel_devices()[0]
     need_backend("top_logprobs", backend, torch.device(device))
-    rows = [[1.0, NAN, -0.0, 0.0, INF, 3.0, 3.0, -INF],
-            [-0.0, 0.0, -0.0, 0.0, -1.0, -INF, -2.0, -0.0],
-            [-INF] * 8,
-            [5.0, -INF, INF, INF, -INF, 2.0, 1.0, 0.5],
-            [2.0, -1.0, 0.0, -0.0, 7.5, 7.5, -INF, 1e-30]]
-    x = torch.tensor(rows)
+    x = torch.tensor(SPECIAL_ROWS)
     for dtype in FLOAT_DTYPES:
         for k in (1, 4, 8):
             check_top(top_logprobs(x.to(dtype).to(device), k, backend=backend),
                       top_logprobs(x.to(dtype), k, backend="torch"), f"{dtype} k={k}")
 
 
+SPECIAL_ROWS = [[1.0, NAN, -0.0, 0.0, INF, 3.0, 3.0, -INF],
+                [-0.0, 0.0, -0.0, 0.0, -1.0, -INF, -2.0, -0.0],
+                [-INF] * 8,
+                [5.0, -INF, INF, INF, -INF, 2.0, 1.0, 0.5],
+                [2.0, -1.0, NAN, -0.0, 7.5, 7.5, NAN, 1e-30]]
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_reference_is_the_definition(dtype, gen):
-    """The reference: the k largest logits, equal ones by column, with ``torch.log_softmax``'s values."""
-    x = logits_with_ties((4,), 50, dtype, gen)
+    """The reference: the k largest logits (NaN first, -0.0 as 0.0), equal ones by column, with
+    ``torch.log_softmax``'s values."""
+    x = torch.cat([logits_with_ties((4,), 8, dtype, gen), torch.tensor(SPECIAL_ROWS).to(dtype)])
     logp, tokens = top_logprobs(x, 6, backend="torch")
     full = torch.log_softmax(x.float(), -1)
-    for row in range(4):
-        ranked = sorted(range(50), key=lambda c: (-float(x[row, c]), c))[:6]
-        assert tokens[row].tolist() == ranked
-        assert torch.equal(logp[row], full[row, ranked])
+    for row in range(x.shape[0]):
+        values = [float(v) for v in x[row]]
+        ranked = sorted(range(8), key=lambda c: (values[c] == values[c], -values[c] if values[c] == values[c] else 0, c))
+        assert tokens[row].tolist() == ranked[:6], row
+        torch.testing.assert_close(logp[row], full[row, ranked[:6]], rtol=0, atol=0, equal_nan=True)
 
 
 def test_default_splits():

@@ -35,8 +35,8 @@ def top_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> Tupl
     """The ``k`` largest logits of each row and their log-probabilities under the row's softmax (temperature 1).
 
     Order: largest logit first; equal logits by column, the lower first (a stable sort's order: the result is
-    deterministic and the same on every backend); ``-0.0`` equals ``0.0`` and every NaN ranks above ``+inf``, as in
-    ``torch.sort``. A log-probability is ``(logit - max) - log(sum(exp(logits - max)))`` in fp32, as
+    deterministic and the same on every backend and device); ``-0.0`` equals ``0.0`` and every NaN ranks above
+    ``+inf``. A log-probability is ``(logit - max) - log(sum(exp(logits - max)))`` in fp32, as
     ``torch.log_softmax`` computes it (the backends' sums differ in order: within 1e-5 of each other).
 
     Args:

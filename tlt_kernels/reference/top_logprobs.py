@@ -1,7 +1,8 @@
 """Reference top-k log-probabilities of a row of logits (pure torch, CPU and GPU).
 
 The ``k`` largest logits of each row, largest first; equal logits rank by column, the lower first (a stable sort);
-``-0.0`` equals ``0.0`` and every NaN ranks above ``+inf`` (``torch.sort``'s order). Each is reported with its
+``-0.0`` equals ``0.0`` and every NaN ranks above ``+inf``. The ranking is spelled out rather than left to
+``torch.sort``, whose GPU sort orders NaN and signed zeros otherwise than its CPU sort. Each token is reported with its
 log-probability under the row's softmax at temperature 1, computed in fp32 (``torch.log_softmax``).
 """
 from __future__ import annotations
@@ -14,5 +15,9 @@ import torch
 def top_logprobs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """``logits [..., V]`` (fp32 / bf16 / fp16) -> ``(logprobs float32 [..., k], tokens int64 [..., k])``."""
     x = logits.float()
-    tokens = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k].contiguous()
+    nan = x.isnan()
+    by_value = torch.where(nan, torch.inf, torch.where(x == 0, 0.0, x))  # NaN ties +inf here, -0.0 is 0.0
+    order = torch.sort(by_value, dim=-1, descending=True, stable=True).indices
+    nan_first = torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, descending=True, stable=True).indices
+    tokens = order.gather(-1, nan_first)[..., :k].contiguous()
     return torch.log_softmax(x, dim=-1).gather(-1, tokens), tokens
