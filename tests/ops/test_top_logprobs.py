@@ -115,21 +115,15 @@ def test_default_splits():
 
 
 def test_auto_backend():
+    """``auto``: the reference on CPU tensors, and past ``TRITON_MAX_K`` on any device, where asking for Triton
+    raises."""
     assert _TOP_LOGPROBS.choose("auto", torch.device("cpu")) == "torch"
+    device = kernel_devices()[0]
     x = torch.randn(2, 40)
-    with pytest.raises(tlt_kernels.BackendUnavailableError, match=f"k <= {TRITON_MAX_K}, got k = 33"):
-        top_logprobs(x.to(kernel_devices()[0]), 33, backend="triton") if _triton_runs() else _raise_unavailable()
-    check_top(top_logprobs(x, 33), top_logprobs(x, 33, backend="torch"))  # auto takes the reference past the limit
-
-
-def _triton_runs() -> bool:
-    from tlt_kernels._backend import available_backends
-
-    return available_backends("top_logprobs", device=torch.device(kernel_devices()[0]))["top_logprobs"]["triton"] is None
-
-
-def _raise_unavailable():
-    pytest.skip("no Triton here (neither a GPU nor the interpreter)")
+    check_top(top_logprobs(x.to(device), TRITON_MAX_K + 1), top_logprobs(x, TRITON_MAX_K + 1, backend="torch"))
+    need_backend("top_logprobs", "triton", torch.device(device))
+    with pytest.raises(tlt_kernels.BackendUnavailableError, match=f"k <= {TRITON_MAX_K}, got k = {TRITON_MAX_K + 1}"):
+        top_logprobs(x.to(device), TRITON_MAX_K + 1, backend="triton")
 
 
 @pytest.mark.parametrize("backend", backend_params())
