@@ -174,6 +174,13 @@ def test_bad_inputs(gen):
         top_logprobs(x, 2, backend="cuda")
 
 
+def test_numpy_integer_k(gen):
+    import numpy as np
+
+    x = logits_with_ties((2,), 50, torch.float32, gen)
+    check_top(top_logprobs(x, np.int64(3)), top_logprobs(x, 3))
+
+
 def test_exported():
     assert tlt_kernels.top_logprobs is top_logprobs and "top_logprobs" in tlt_kernels.__all__
 

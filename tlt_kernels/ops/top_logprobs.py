@@ -12,6 +12,7 @@ otherwise.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Tuple
 
 import torch
@@ -41,7 +42,7 @@ def top_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> Tupl
 
     Args:
         logits: ``[..., V]`` fp32 / bf16 / fp16, last dim contiguous (leading dims may be strided).
-        k: ``1 <= k <= V``.
+        k: ``1 <= k <= V``, an integer (a numpy integer is taken as its value; a bool or a float is refused).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``k <= TRITON_MAX_K``).
 
     Returns:
@@ -49,6 +50,8 @@ def top_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> Tupl
     """
     check_tensor("logits", logits, dtype=FLOAT_ACTIVATIONS)
     check_unit_last_stride("logits", logits)
+    if isinstance(k, numbers.Integral) and not isinstance(k, bool):
+        k = int(k)  # the custom op's schema takes a Python int
     check_int("k", k, 1)
     if k > logits.shape[-1]:
         raise ValueError(f"k must be <= the number of logits per row (logits.shape[-1] = {logits.shape[-1]}), got {k}")
