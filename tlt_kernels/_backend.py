@@ -90,6 +90,16 @@ def cuda_capability(device: torch.device) -> Tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@process_constant
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def cuda_sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device, queried once per device (grid-sizing rules ask on every call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def backend_unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     """Why ``backend`` cannot run on ``device`` (None when it can)."""
     if backend == "torch":

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import direct_dispatch_ok, process_constant
+from .._backend import cuda_sm_count, direct_dispatch_ok
 
 MAX_BLOCK = 4096  # columns per tile
 MIN_KEY = tl.constexpr(-(2**63))  # below every logit's key: empty slots and columns past the row
@@ -119,11 +119,6 @@ def _top_logprobs_merge_kernel(PartMax, PartSum, PartKey, OutLogp, OutTok, num_s
     _store_result(OutLogp, OutTok, row, _largest(keys, slots, K), slots, x_max, sum_exp, K)
 
 
-@process_constant
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def default_splits(rows: int, tiles: int, sm_count: int) -> int:
     """Programs per row: one when the rows alone fill the GPU, else enough to hold about
     ``SPLIT_PROGRAMS_PER_SM * sm_count`` programs, at most one per tile."""
@@ -143,9 +138,7 @@ def top_logprobs_out(logits: torch.Tensor, k: int, logp: torch.Tensor, tokens: t
     block = min(triton.next_power_of_2(V), MAX_BLOCK)
     tiles = triton.cdiv(V, block)
     if not num_splits:
-        sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if x.is_cuda else CPU_SM_COUNT
-        num_splits = default_splits(rows, tiles, sms)
+        num_splits = default_splits(rows, tiles, cuda_sm_count(x.device) if x.is_cuda else CPU_SM_COUNT)
     num_splits = min(num_splits, tiles)
     split_tiles = triton.cdiv(tiles, num_splits)
     num_splits = triton.cdiv(tiles, split_tiles)  # no empty split

@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._backend import backend_unavailable_reason, direct_dispatch_ok, process_constant, register_op
+from .._backend import backend_unavailable_reason, cuda_sm_count, direct_dispatch_ok, register_op
 from .._validation import FP8_DTYPES, check_tensor, dense, per_request, saturate_to
 from ..reference.tree_attention import run_torch
 from ..tree import pack_tree_mask, resolve_num_nodes, tree_ancestor_mask_packed, validate_tree
@@ -151,11 +151,6 @@ class TreeAttentionPlan:
         """See :func:`run`."""
         return run(self, q, k_cache, v_cache, out=out, sm_scale=sm_scale, backend=backend, k_scale=k_scale,
                    v_scale=v_scale)
-
-
-@process_constant
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_split_len(
@@ -488,7 +483,7 @@ def _sm_count_of(device: torch.device) -> int:
     """The SM count the default split is sized for: the GPU's, or an sm_90 SXM part's for a CPU tensor."""
     if device.type != "cuda":
         return _DEFAULT_SM_COUNT
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return cuda_sm_count(device)
 
 
 def _context_split(context_lens, table_capacity: int, max_context_len, split_len, num_kv_heads: int, num_rows: int,
