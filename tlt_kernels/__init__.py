@@ -8,6 +8,7 @@ behind ``backend="auto"``):
 * :func:`verify_chain_block` -- block verification of draft chains (lossless, accepts at least as many drafts);
 * :func:`compact_kv` -- move the accepted path's K/V to contiguous cache slots;
 * :func:`build_draft_tree` -- EAGLE-2-style selection of the nodes to verify;
+* :func:`draft_frontier` -- one EAGLE-2 draft step's candidates, next frontier and next inputs in one launch;
 * :func:`ngram_propose` / :func:`ngram_propose_tree` -- model-free drafts from each request's own history;
 * :func:`philox_uniform` -- the walks' counter-based random stream (:mod:`tlt_kernels.rng`) as a tensor;
 * :func:`top_logprobs` -- the k most likely tokens of each row of logits with their log-probabilities (a draft's
@@ -26,6 +27,7 @@ Importing this package never imports Triton or the CUDA extension and never quer
 from ._backend import BACKENDS, BackendUnavailableError, available_backends, cuda_extension_available
 from .ops.build_draft_tree import DraftTree, build_draft_tree
 from .ops.compact_kv import compact_kv
+from .ops.draft_frontier import FrontierStep, draft_frontier
 from .ops.ngram import NGramDrafts, NGramTree, ngram_propose, ngram_propose_tree
 from .ops.philox_uniform import philox_uniform
 from .ops.rms_norm import rms_norm
@@ -53,6 +55,7 @@ __all__ = [
     "BackendUnavailableError",
     "BlockVerifyResult",
     "DraftTree",
+    "FrontierStep",
     "NGramDrafts",
     "NGramTree",
     "TreeAttentionPlan",
@@ -63,6 +66,7 @@ __all__ = [
     "build_draft_tree",
     "chain_parents",
     "compact_kv",
+    "draft_frontier",
     "cuda_extension_available",
     "ngram_propose",
     "ngram_propose_tree",

@@ -1,9 +1,8 @@
 """Triton top-k log-probabilities: the row's log-softmax normaliser and its ``k`` largest logits in one pass.
 
-Each logit becomes one int64 *key* that orders the row as the reference does: the fp32 bits mapped to an integer of
-the same order in the high half (``-0.0`` as ``0.0``, every NaN above ``+inf``), ``0xFFFFFFFF - column`` in the low
-half (equal logits: the lower column ranks first). Keys are unique, so "the k largest keys" is exactly the reference's
-top k, and a key decodes back to its logit and column.
+Each logit becomes one int64 rank key (:mod:`.rank_keys`: its fp32 bits in an order-preserving integer, then its
+column), so "the k largest keys" is exactly the reference's top k, ties and special values included, and a key decodes
+back to its logit and column.
 
 Grid ``(rows, splits)``: a program reads its share of the row's columns once, tile by tile, keeping the running max
 and sum of exponentials (the online softmax) and the ``k`` largest keys seen. A tile whose largest key does not beat
@@ -23,53 +22,20 @@ import triton
 import triton.language as tl
 
 from .._backend import cuda_sm_count, direct_dispatch_ok
+from .rank_keys import MAX_KEY, MIN_KEY, key_index, key_value, largest, rank_keys
 
 MAX_BLOCK = 4096  # columns per tile
-MIN_KEY = tl.constexpr(-(2**63))  # below every logit's key: empty slots and columns past the row
-MAX_KEY = tl.constexpr(2**63 - 1)
 CPU_SM_COUNT = 16  # splits for the interpreter (CPU tensors): enough to exercise the merge at small widths
 SPLIT_PROGRAMS_PER_SM = 2  # split rows until the grid holds about this many programs per SM
 
 
 @triton.jit
-def _keys(x, cols):
-    """int64 keys of fp32 logits ``x`` at columns ``cols`` (module docstring)."""
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ranks as +0.0
-    bits = x.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats order backwards as integers
-    ordered = tl.where(x != x, 0x7FFFFFFF, ordered)  # every NaN above +inf
-    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - cols.to(tl.int64))
-
-
-@triton.jit
-def _key_logit(key):
-    ordered = (key >> 32).to(tl.int32)
-    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_column(key):
-    return 0xFFFFFFFF - (key & 0xFFFFFFFF)
-
-
-@triton.jit
-def _largest(keys, slots, K: tl.constexpr):
-    """The K largest of ``keys`` (any shape, unique but for MIN_KEY) into ``slots``' positions 0..K-1, largest first."""
-    out = tl.full(slots.shape, MIN_KEY, tl.int64)
-    for j in tl.static_range(K):
-        top = tl.max(keys)
-        out = tl.where(slots == j, top, out)
-        keys = tl.where(keys == top, MIN_KEY, keys)
-    return out
-
-
-@triton.jit
 def _store_result(OutLogp, OutTok, row, best, slots, x_max, sum_exp, K: tl.constexpr):
     log_sum = tl.log(sum_exp)
-    logp = (_key_logit(best) - x_max) - log_sum  # log_softmax's order of operations
+    logp = (key_value(best) - x_max) - log_sum  # log_softmax's order of operations
     keep = slots < K
     tl.store(OutLogp + row * K + slots, logp, mask=keep)
-    tl.store(OutTok + row * K + slots, _key_column(best), mask=keep)
+    tl.store(OutTok + row * K + slots, key_index(best), mask=keep)
 
 
 @triton.jit
@@ -90,10 +56,10 @@ def _top_logprobs_kernel(X, stride_row, V, OutLogp, OutTok, PartMax, PartSum, Pa
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # an all -inf prefix adds nothing (no inf - inf)
         sum_exp = sum_exp * tl.exp(x_max - shift) + tl.sum(tl.exp(x - shift), 0)
         x_max = new_max
-        keys = tl.where(valid, _keys(x, cols), MIN_KEY)
+        keys = tl.where(valid, rank_keys(x, cols), MIN_KEY)
         kth = tl.min(tl.where(slots < K, best, MAX_KEY), 0)
         if tl.max(keys, 0) > kth:  # else nothing of this tile enters the top k
-            best = _largest(tl.join(best, _largest(keys, slots, K)), slots, K)
+            best = largest(tl.join(best, largest(keys, slots, K)), slots, K)
     if FINAL:
         _store_result(OutLogp, OutTok, row, best, slots, x_max, sum_exp, K)
     else:
@@ -116,7 +82,7 @@ def _top_logprobs_merge_kernel(PartMax, PartSum, PartKey, OutLogp, OutTok, num_s
     sum_exp = tl.sum(tl.load(PartSum + part, mask=valid, other=0.0) * tl.exp(maxes - shift), 0)
     slots = tl.arange(0, KP)
     keys = tl.load(PartKey + part[:, None] * KP + slots[None, :], mask=valid[:, None], other=MIN_KEY)
-    _store_result(OutLogp, OutTok, row, _largest(keys, slots, K), slots, x_max, sum_exp, K)
+    _store_result(OutLogp, OutTok, row, largest(keys, slots, K), slots, x_max, sum_exp, K)
 
 
 def default_splits(rows: int, tiles: int, sm_count: int) -> int:

@@ -47,6 +47,7 @@ from .._validation import capturing, check_positive_ints, check_tensor
 from ..models.kv_cache import paged_rows
 from ..models.packing import PackedLinears
 from ..ops.rms_norm import rms_norm
+from ..ops.draft_frontier import draft_frontier
 from ..ops.top_logprobs import top_logprobs
 from .eagle_fused import SCRATCH_SLOTS, FusedExpansion, extend_fused
 
@@ -654,24 +655,24 @@ class EagleDrafter(nn.Module):
         fused = self._fused(cache, (depth - 1) * K)
         expand = FusedExpansion(self, state, cache, depth, K) if fused else _DenseExpansion(self, state, cache)
         score, tok = top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
-        roots = torch.full((B, K), -1, dtype=torch.int64, device=dev)
-        cand_par, cand_tok, cand_score = [roots], [tok], [score]  # parents stay int64 until the one cast at the end
-        frontier = _Frontier(cand_index=torch.arange(K, device=dev).expand(B, K), tokens=tok, scores=score,
-                             parent_features=state.last_hidden.unsqueeze(1).expand(B, K, H), parent_rows=roots)
-        batch_rows = torch.arange(B, device=dev).unsqueeze(1) if depth > 1 else None  # made once: a launch less a step
+        cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]  # depth 1 hangs from the root
+        cand_tok, cand_score = [tok], [score]
+        if depth > 1:  # the frontier: scores, candidate indices, rows among the expanded nodes (-1: the root), inputs
+            scores, cand_index = score, torch.arange(K, device=dev).expand(B, K)
+            parent_rows = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+            x = self._input(state.last_hidden.unsqueeze(1).expand(B, K, H), tok)
         for step in range(1, depth):
-            g = expand(self._input(frontier.parent_features, frontier.tokens), frontier.parent_rows, step)  # [B, K, H]
+            g = expand(x, parent_rows, step)  # [B, K, H]
             c_score, c_tok = top_logprobs(self.head_logits(g, fused), K)  # [B, K, K]
-            c_score = (frontier.scores.unsqueeze(2) + c_score).reshape(B, K * K)
-            c_tok = c_tok.reshape(B, K * K)
-            cand_par.append(frontier.cand_index.unsqueeze(2).expand(B, K, K).reshape(B, K * K))
-            cand_tok.append(c_tok)
-            cand_score.append(c_score)
-            frontier = _next_frontier(g, c_tok, c_score, batch_rows, first_index=K + (step - 1) * K * K,
-                                      first_row=(step - 1) * K)
-        cand_parents = (torch.cat(cand_par, 1) if depth > 1 else roots).to(torch.int32)
-        cand_tokens = torch.cat(cand_tok, 1)
-        cand_scores = torch.cat(cand_score, 1).float()
+            keep = K if step < depth - 1 else 0  # the last depth needs no next frontier
+            f = draft_frontier(scores, cand_index, c_score, c_tok, g, self.embed_weight, keep,
+                               first_index=K + (step - 1) * K * K, first_row=(step - 1) * K, validate=False)
+            cand_par.append(f.cand_parents)
+            cand_tok.append(c_tok.view(B, K * K))
+            cand_score.append(f.cand_scores)
+            scores, cand_index, parent_rows, x = f.scores, f.cand_index, f.parent_rows, self.fc(f.inputs)
+        cand_parents, cand_tokens, cand_scores = (torch.cat(c, 1) if depth > 1 else c[0]
+                                                  for c in (cand_par, cand_tok, cand_score))
         tree = build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, state.root_tokens, return_mask=return_mask, validate=False)
         return EagleDraft(tree, cand_parents, cand_tokens, cand_scores)
 
@@ -689,18 +690,6 @@ class EagleDrafter(nn.Module):
             return False
         self.load_weights(w)
         return True
-
-
-class _Frontier(NamedTuple):
-    """The candidates a draft step expands, ``[B, K]`` each: their indices among all candidates, tokens and
-    cumulative log-probs, their parents' predicted features (``[B, K, H]``) and their parents' rows among the
-    processed nodes (-1: the root)."""
-
-    cand_index: torch.Tensor
-    tokens: torch.Tensor
-    scores: torch.Tensor
-    parent_features: torch.Tensor
-    parent_rows: torch.Tensor
 
 
 class _DenseExpansion:
@@ -746,18 +735,6 @@ def _extend_ancestors(ancestors: Optional[torch.Tensor], parent_rows: torch.Tens
         ancestors = new
     ancestors[:, P - K :, P - K :] |= torch.eye(K, dtype=torch.bool, device=dev)
     return ancestors
-
-
-def _next_frontier(g: torch.Tensor, c_tok: torch.Tensor, c_score: torch.Tensor, batch_rows: torch.Tensor,
-                   first_index: int, first_row: int) -> _Frontier:
-    """The K best of a step's ``K * K`` children (``c_tok``, ``c_score`` ``[B, K * K]``; ``g [B, K, H]`` their parents'
-    predicted features), whose candidate indices start at ``first_index`` and parents' rows at ``first_row``.
-    ``batch_rows``: int64 ``[B, 1]`` = ``arange(B)``."""
-    K = g.shape[1]
-    scores, best = c_score.topk(K, dim=-1)
-    parent = best // K  # which of the K expanded nodes each child hangs from
-    return _Frontier(cand_index=first_index + best, tokens=c_tok.gather(1, best), scores=scores,
-                     parent_features=g[batch_rows, parent], parent_rows=first_row + parent)
 
 
 def _store_pairs(state: EagleState, cache: DrafterKVCache, slot: torch.Tensor, valid: torch.Tensor, k: torch.Tensor,

@@ -12,12 +12,20 @@ from typing import Tuple
 import torch
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``logits [..., V]`` (fp32 / bf16 / fp16) -> ``(logprobs float32 [..., k], tokens int64 [..., k])``."""
-    x = logits.float()
+def rank_descending(x: torch.Tensor) -> torch.Tensor:
+    """int64 indices that order the last dim of ``x`` (any float dtype) largest first: equal values by index, the
+    lower first; ``-0.0`` equals ``0.0``; every NaN above ``+inf`` (the rank keys' order,
+    :mod:`tlt_kernels._triton.rank_keys`)."""
+    x = x.float()
     nan = x.isnan()
     by_value = torch.where(nan, torch.inf, torch.where(x == 0, 0.0, x))  # NaN ties +inf here, -0.0 is 0.0
     order = torch.sort(by_value, dim=-1, descending=True, stable=True).indices
     nan_first = torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, descending=True, stable=True).indices
-    tokens = order.gather(-1, nan_first)[..., :k].contiguous()
+    return order.gather(-1, nan_first)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``logits [..., V]`` (fp32 / bf16 / fp16) -> ``(logprobs float32 [..., k], tokens int64 [..., k])``."""
+    x = logits.float()
+    tokens = rank_descending(x)[..., :k].contiguous()
     return torch.log_softmax(x, dim=-1).gather(-1, tokens), tokens
