@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root: the rollout suite's run of record on the real default model, in four
 # parts, in the device calls below (the machine stays warm between calls; /tmp survives while it does):
+#   call 0 (optional), carry [.peer/eagle]:                          bash tools/device_rollout_record.sh drafter
 #   call 1, carry [.model/smollm2.part_00, .model/smollm2.sha256]:  bash tools/device_model.sh 1
 #   call 2, carry [.model/smollm2.part_01, .whl, .peer/soz]:       bash tools/device_rollout_record.sh 1 SHA
 #   calls 3, 4 and 5, carry [.peer/soz]:                             bash tools/device_rollout_record.sh 2|3|4 SHA
-# Part 1 joins the model (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from
-# tools/carry_extension.sh saves the build), trains the EAGLE drafter for 60 s (tlt_kernels.engine.train_drafter, its
-# log in $OUT/train.log) and records B = 1 and 4 with the step-cost rows; part 2 adds B = 16 and the 64-request tail,
-# part 3 B = 64 and 256 (--record-merge; parts 2 and 3 measure the step-cost rows at B = 1 again, the suite needs one
-# size); part 4 the sampled rows (--temperature 1: B = 1, 16 and the tail, our engines only, no step-cost rows). Each
-# part returns the merged record as $OUT/rec/rollout.json (copy the last to bench/results/h200/, add the drafter's
-# training figures to its notes, then `python -m bench report`). Three parts (B = 1, 4 and the tail in the first)
-# overran a call's 600 s once the drafter's training took 150 s and the transformers rows ran slower.
+# Call 0 puts a drafter trained earlier (tools/device_train_drafter.sh: .peer/eagle/eagle_bf16.pt and its
+# provenance.txt; no room for it beside the model's pieces in calls 1 and 2) at /tmp/eagle.pt. Part 1 joins the model
+# (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from tools/carry_extension.sh
+# saves the build), trains the EAGLE drafter for 60 s when none was carried (tlt_kernels.engine.train_drafter, its
+# log in $OUT/train.log; a carried one's provenance goes to $OUT/provenance.txt) and records B = 1 and 4 with the
+# step-cost rows; part 2 adds B = 16 and the 64-request tail, part 3 B = 64 and 256 (--record-merge; parts 2 and 3
+# measure the step-cost rows at B = 1 again, the suite needs one size); part 4 the sampled rows (--temperature 1:
+# B = 1, 16 and the tail, our engines only, no step-cost rows). Each part returns the merged record as
+# $OUT/rec/rollout.json (copy the last to bench/results/h200/, add the drafter's training figures to its notes, then
+# `python -m bench report`). Three parts (B = 1, 4 and the tail in the first) overran a call's 600 s once the
+# drafter's training took 150 s and the transformers rows ran slower.
 set -uo pipefail
 PART=${1:-} SHA=${2:-}
-[ -n "$SHA" ] && [ "$PART" = 1 -o "$PART" = 2 -o "$PART" = 3 -o "$PART" = 4 ] \
-  || { echo "usage: bash tools/device_rollout_record.sh 1|2|3|4 SHA" >&2; exit 64; }
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [ "$PART" = drafter ]; then
+  [ -f .peer/eagle/eagle_bf16.pt ] || { echo "no .peer/eagle/eagle_bf16.pt carried" >&2; exit 3; }
+  cp .peer/eagle/eagle_bf16.pt /tmp/eagle.pt && cp .peer/eagle/provenance.txt /tmp/eagle_provenance.txt
+  echo "drafter at /tmp/eagle.pt:"; cat /tmp/eagle_provenance.txt; exit 0
+fi
+[ -n "$SHA" ] && [ "$PART" = 1 -o "$PART" = 2 -o "$PART" = 3 -o "$PART" = 4 ] \
+  || { echo "usage: bash tools/device_rollout_record.sh drafter | 1|2|3|4 SHA" >&2; exit 64; }
 OUT=${OUT:-/tmp/device_rollout_out}
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
@@ -27,9 +36,13 @@ mkdir -p "$OUT/rec" /tmp/rollout_rec
 if [ "$PART" = 1 ]; then
   bash tools/device_model.sh 2 > "$OUT/model.log" 2>&1 || { cat "$OUT/model.log"; exit 3; }
   bash tools/device_install.sh "$OUT/install.log" || exit 4
-  timeout 170 python3 -m tlt_kernels.engine.train_drafter --model-file $MODEL --out /tmp/eagle.pt --steps 2000 \
-    --train-seconds 60 --eval > "$OUT/train.log" 2>&1
-  echo "train exit $? at $((SECONDS - T0)) s"; tail -1 "$OUT/train.log"
+  if [ -f /tmp/eagle_provenance.txt ]; then
+    cp /tmp/eagle_provenance.txt "$OUT/provenance.txt"; echo "carried drafter:"; cat "$OUT/provenance.txt"
+  else
+    timeout 170 python3 -m tlt_kernels.engine.train_drafter --model-file $MODEL --out /tmp/eagle.pt --steps 2000 \
+      --train-seconds 60 --eval > "$OUT/train.log" 2>&1
+    echo "train exit $? at $((SECONDS - T0)) s"; tail -1 "$OUT/train.log"
+  fi
   rm -rf /tmp/rollout_rec/*
   timeout $((570 - (SECONDS - T0))) python3 -m bench rollout "${COMMON[@]}" --batches 1,4 --tail-batch 0 \
     --step-batches 1,32 --record /tmp/rollout_rec --out "$OUT/w" > "$OUT/rollout_1.log" 2>&1

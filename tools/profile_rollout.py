@@ -17,7 +17,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 from pathlib import Path
 from typing import List
 
@@ -98,6 +97,9 @@ def _torch_profile(eng, prompts, tokens: int, steps: int, num_kernels: int = 15)
              f"{sum(e.self_device_time_total for e in kernels) / steps / 1e3:.3f} ms"]
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:num_kernels]:
         lines.append(f"- {e.key[:90]}: {e.count / steps:.1f}/step, {e.self_device_time_total / steps:.1f} us/step")
+    lines.append("### GPU kernels by launches per step (a launch-bound step's count to cut)")
+    for e in sorted(kernels, key=lambda e: -e.count)[:num_kernels]:
+        lines.append(f"- {e.key[:90]}: {e.count / steps:.1f}/step, {e.self_device_time_total / max(e.count, 1):.1f} us each")
     lines.append("### host operators by self CPU time (per step)")
     host = [e for e in events if e.device_type.name == "CPU"]
     for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:20]:

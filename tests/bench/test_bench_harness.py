@@ -738,6 +738,19 @@ def test_device_rollout_record_script_refuses_bad_arguments_before_anything(tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_device_train_drafter_script_refuses_bad_arguments_before_anything(tmp_path):
+    """tools/device_train_drafter.sh needs the training seconds (1 to 360: the rest of the call's 600 s is the answers'
+    rollouts and the evaluation) and the commit, before it joins, installs or trains."""
+    import os
+
+    script = str(Path(__file__).resolve().parents[2] / "tools" / "device_train_drafter.sh")
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    for args in ([], ["100"], ["0", "abc"], ["361", "abc"], ["ten", "abc"]):
+        run = subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env)
+        assert run.returncode == 64 and "usage" in run.stderr, (args, run.stderr)
+    assert not (tmp_path / "out").exists()
+
+
 def test_device_install_source_hash_follows_the_extension_sources(tmp_path):
     """A prebuilt extension is used only when built from the same csrc/ and CMakeLists.txt: the hash is the same for
     a copy of them and changes with any byte of a source."""

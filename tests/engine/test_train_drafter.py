@@ -24,9 +24,11 @@ def test_train_drafter_writes_a_trained_checkpoint(tmp_path, capsys):
     model, prompts, out = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "eagle.pt"
     tiny_transformers_directory(model, hidden_size=64, head_dim=32)
     _prompts_file(prompts)
+    weights = tmp_path / "eagle_bf16.pt"
     summary = train_drafter.main(["--model-file", str(model), "--out", str(out), "--prompts", str(prompts),
                                   "--steps", "6", "--max-new-tokens", "12", "--batch", "2", "--device", "cpu",
-                                  "--train-batch", "4", "--seq-len", "16", "--eval", "--report-every", "4"])
+                                  "--train-batch", "4", "--seq-len", "16", "--eval", "--report-every", "4",
+                                  "--weights-out", str(weights)])
     assert summary["train_prompts"] == 3 and summary["answers"] == 12  # --samples 4 by default
     assert summary["generated_tokens"] > 0 and summary["steps"] == 6
     assert out.is_file()
@@ -45,6 +47,11 @@ def test_train_drafter_writes_a_trained_checkpoint(tmp_path, capsys):
     rollout = pytest.importorskip("bench.suites.rollout")  # the rollout suite's --eagle-checkpoint reads it
     loaded = rollout.load_eagle(str(out), target, torch.float32)
     assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    # --weights-out: the drafter's weights alone in bf16; a bf16 drafter loads the same values from either file
+    assert summary["weights_out"] == str(weights) and set(torch.load(weights)) == set(trained)
+    from_weights = rollout.load_eagle(str(weights), target, torch.bfloat16).state_dict()
+    from_checkpoint = rollout.load_eagle(str(out), target, torch.bfloat16).state_dict()
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, from_checkpoint[k]) for k, v in from_weights.items())
 
 
 def test_read_prompts_takes_the_split_and_names_bad_lines(tmp_path):

@@ -2,8 +2,8 @@
 
 ::
 
-    python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--steps N] [--max-new-tokens N]
-        [--batch N] [--samples N] [--no-normalize-hidden] [--token-weight W] [--feature-noise A] [--unroll-steps N] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
+    python -m tlt_kernels.engine.train_drafter --model-file PATH --out eagle.pt [--weights-out eagle_bf16.pt]
+        [--steps N] [--max-new-tokens N] [--batch N] [--samples N] [--no-normalize-hidden] [--token-weight W] [--feature-noise A] [--unroll-steps N] [--train-seconds S] [--temperature T] [--seed S] [--device cuda] [--dtype bf16] [--prompts FILE] [--eval]
 
 1. the target and its tokenizer load from ``--model-file`` (:func:`tlt_kernels.models.load_pretrained`);
 2. the ``"train"`` prompts of ``--prompts`` (JSON lines with ``messages`` and ``split``; default: the repository's
@@ -14,7 +14,10 @@
 4. a :class:`~tlt_kernels.drafter.SpotTrainer` trains a fresh :class:`~tlt_kernels.drafter.EagleDrafter` for
    ``--steps`` optimizer steps on that buffer and saves its checkpoint to ``--out`` at every report and at the end
    (:meth:`SpotTrainer.save_checkpoint`, atomic; ``python -m bench rollout --eagle-checkpoint`` loads it);
-5. with ``--eval``: the mean accepted length (:func:`~tlt_kernels.drafter.spot_trainer.evaluate_acceptance`) on
+5. with ``--weights-out``: the trained drafter's own weights as a bf16 state dict (what ``--eagle-checkpoint`` also
+   loads; for SmolLM2-135M 8 MB against the checkpoint's 50, optimizer state included: small enough to carry a
+   drafter trained once to another machine);
+6. with ``--eval``: the mean accepted length (:func:`~tlt_kernels.drafter.spot_trainer.evaluate_acceptance`) on
    greedy answers to the ``"heldout"`` prompts, before and after training.
 """
 from __future__ import annotations
@@ -55,6 +58,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tlt_kernels.engine.train_drafter", description=__doc__.split("\n")[0])
     p.add_argument("--model-file", required=True, help="transformers directory or .gguf file of the target")
     p.add_argument("--out", required=True, help="where the SpotTrainer checkpoint goes")
+    p.add_argument("--weights-out", default=None,
+                   help="also write the trained drafter's weights alone, as a bf16 state dict (a file to carry)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--max-new-tokens", type=int, default=512, help="tokens generated per prompt")
     p.add_argument("--batch", type=int, default=32, help="prompts per rollout batch")
@@ -195,10 +200,21 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     steps, train_s, last_loss = run_training(trainer, args)
     trainer.save_checkpoint(args.out)
     summary.update(steps=steps, last_loss=last_loss, train_s=round(train_s, 2), out=str(args.out))
+    if args.weights_out:
+        save_weights(trainer.drafter, args.weights_out)
+        summary["weights_out"] = str(args.weights_out)
     if heldout is not None:
         summary["accepted_length"] = accepted_length(trainer.drafter, heldout)
     print("train_drafter: " + json.dumps(summary))
     return summary
+
+
+def save_weights(drafter: EagleDrafter, path) -> None:
+    """``drafter``'s own weights (not the target's it shares) as a bf16 state dict at ``path``, written atomically.
+    A bf16 engine rounds fp32 weights to the same values when it loads them."""
+    tmp = f"{path}.tmp"
+    torch.save({k: v.detach().to(torch.bfloat16).cpu() for k, v in drafter.state_dict().items()}, tmp)
+    Path(tmp).replace(path)
 
 
 def run_training(trainer: SpotTrainer, args: argparse.Namespace):
