@@ -6,16 +6,17 @@
 #   call 2, carry [.model/smollm2.part_01, .whl, .peer/soz]:       bash tools/device_rollout_record.sh 1 SHA
 #   calls 3, 4 and 5, carry [.peer/soz]:                             bash tools/device_rollout_record.sh 2|3|4 SHA
 # Call 0 puts a drafter trained earlier (tools/device_train_drafter.sh: .peer/eagle/eagle_bf16.pt and its
-# provenance.txt; no room for it beside the model's pieces in calls 1 and 2) at /tmp/eagle.pt. Part 1 joins the model
-# (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from tools/carry_extension.sh
-# saves the build), trains the EAGLE drafter for 60 s when none was carried (tlt_kernels.engine.train_drafter, its
-# log in $OUT/train.log; a carried one's provenance goes to $OUT/provenance.txt) and records B = 1 and 4 with the
-# step-cost rows; part 2 adds B = 16 and the 64-request tail, part 3 B = 64 and 256 (--record-merge; parts 2 and 3
-# measure the step-cost rows at B = 1 again, the suite needs one size); part 4 the sampled rows (--temperature 1:
-# B = 1, 16 and the tail, our engines only, no step-cost rows). Each part returns the merged record as
-# $OUT/rec/rollout.json (copy the last to bench/results/h200/, add the drafter's training figures to its notes, then
-# `python -m bench report`). Three parts (B = 1, 4 and the tail in the first) overran a call's 600 s once the
-# drafter's training took 150 s and the transformers rows ran slower.
+# provenance.txt; no room for it beside the model's pieces in calls 1 and 2) at /tmp/eagle.pt, where
+# tools/device_train_drafter.sh also leaves the drafter it trained earlier in the same machine session. Part 1 joins
+# the model (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from
+# tools/carry_extension.sh saves the build), trains the EAGLE drafter for 60 s when none was carried
+# (tlt_kernels.engine.train_drafter, its log in $OUT/train.log; a carried one's provenance goes to
+# $OUT/provenance.txt) and records B = 1 and 4 with the step-cost rows; part 2 adds B = 16 and the 64-request tail,
+# part 3 B = 64 and 256 (--record-merge; parts 2 and 3 measure the step-cost rows at B = 1 again, the suite needs one
+# size); part 4 the sampled rows (--temperature 1: B = 1, 16 and the tail, our engines only, no step-cost rows). Each
+# part returns the merged record as $OUT/rec/rollout.json (copy the last to bench/results/h200/, add the drafter's
+# training figures to its notes, then `python -m bench report`). Three parts (B = 1, 4 and the tail in the first)
+# overran a call's 600 s once the drafter's training took 150 s and the transformers rows ran slower.
 set -uo pipefail
 PART=${1:-} SHA=${2:-}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

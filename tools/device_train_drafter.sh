@@ -7,7 +7,9 @@
 # Call 2 joins the model, installs the package, and runs tlt_kernels.engine.train_drafter on 16 answers per train
 # prompt for SECONDS of training (at most 360: the answers' rollouts and the heldout evaluation take the rest of the
 # call's 600 s), then returns $OUT/eagle_bf16.pt (the drafter's weights, 8 MB), $OUT/train.log and
-# $OUT/provenance.txt (the commit, the command and its summary line). Here, keep the three in .peer/eagle/ (ignored):
+# $OUT/provenance.txt (the commit, the command and its summary line), and leaves the weights at /tmp/eagle.pt, where
+# a record's part 1 in the same machine session finds them (tools/device_rollout_record.sh: it then trains none).
+# Here, keep the three in .peer/eagle/ (ignored) for records in later sessions:
 #   mkdir -p .peer/eagle && cp FILES_AT/{eagle_bf16.pt,train.log,provenance.txt} .peer/eagle/
 set -uo pipefail
 SECONDS_ARG=${1:-} SHA=${2:-}
@@ -26,4 +28,6 @@ timeout 590 "${CMD[@]}" > "$OUT/train.log" 2>&1
 STATUS=$?
 echo "train exit $STATUS"; tail -n 2 "$OUT/train.log"
 { echo "commit $SHA"; echo "command ${CMD[*]}"; tail -n 1 "$OUT/train.log"; } > "$OUT/provenance.txt"
+# Left for a record in the same machine session: its part 1 then trains none (tools/device_rollout_record.sh).
+[ $STATUS = 0 ] && cp "$OUT/eagle_bf16.pt" /tmp/eagle.pt && cp "$OUT/provenance.txt" /tmp/eagle_provenance.txt
 exit $STATUS
