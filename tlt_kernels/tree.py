@@ -83,6 +83,8 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
     """
     n = resolve_num_nodes(parents, num_nodes)  # checks parents first
     B, T = parents.shape
+    if T == 1:  # a plain decoding step: the root alone (one launch, not a round of jumps)
+        return torch.zeros(B, 1, dtype=torch.int32, device=parents.device)
     idx = torch.arange(T, device=parents.device)
     valid = idx.unsqueeze(0) < n.unsqueeze(1).to(idx.dtype)
     anc = torch.where(valid & (idx > 0), parents.to(torch.int64), torch.full_like(idx, -1).expand(B, T))
@@ -169,6 +171,8 @@ def tree_ancestor_mask_packed(parents: torch.Tensor, num_nodes: Optional[torch.T
     """Bit-packed ancestor mask, ``int32 [B, T, ceil(T/32)]`` (a verify step's plan makes one)."""
     n = resolve_num_nodes(parents, num_nodes)  # checks parents first
     T = parents.shape[1]
+    if T == 1:  # a plain decoding step: the root sees itself (a padding root, num_nodes = 0, nothing)
+        return (n > 0).to(torch.int32).view(-1, 1, 1)
     if _WORDS_MIN_NODES <= T <= 64:
         return pack_bit_words(_ancestor_words(parents, n), T)
     return pack_tree_mask(tree_ancestor_mask(parents, n))

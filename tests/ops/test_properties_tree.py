@@ -190,3 +190,34 @@ def test_pack_unpack_reject_bad_arguments(bad):
                                        ("num_nodes", (2, -1))], ids=["batch<0", "nodes=0", "batch-float", "nodes<0"])
 def test_chain_parents_rejects_bad_sizes(name, args):
     assert_rejects(tlt.chain_parents, name, *args)
+
+
+def test_one_node_trees_take_one_launch_and_match_the_general_rule():
+    """A plain decoding step's tree (T = 1) is the root alone: depth 0 and a mask that sees itself (nothing for a
+    padding root, num_nodes = 0, as the general rule gives), from one launch each rather than a round of jumps (the
+    engine's plain step builds both every step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    parents = torch.full((3, 1), -1, dtype=torch.int32)
+    for n in (torch.tensor([1, 0, 1], dtype=torch.int32), None):
+        full = torch.ones(3, dtype=torch.int32) if n is None else n
+        with Launches() as depth_launches:
+            depth = tlt.tree_depths(parents, n)
+        with Launches() as mask_launches:
+            packed = tlt.tree_ancestor_mask_packed(parents, n)
+        assert depth.dtype == torch.int32 and torch.equal(depth, naive_depths(parents, full))
+        assert packed.dtype == torch.int32 and packed.shape == (3, 1, 1)
+        assert torch.equal(tlt.unpack_tree_mask(packed, 1), naive_ancestors(parents, full))
+        # 1 and 2 launches (19 and 14 before); with num_nodes None, resolve_num_nodes makes the count: one more
+        assert depth_launches.count <= (2 if n is None else 1)
+        assert mask_launches.count <= (3 if n is None else 2)
