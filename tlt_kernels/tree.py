@@ -98,6 +98,16 @@ def tree_depths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None)
     return depth.to(torch.int32)
 
 
+def depths_from_ancestor_mask(packed: torch.Tensor) -> torch.Tensor:
+    """``int32 [B, T]`` node depths read off a bit-packed ancestor mask ``int32 [B, T, W]`` (:func:`tree_ancestor_mask_packed`):
+    a node's row holds itself and its ancestors, so its depth is the row's bit count minus one (padding rows, all
+    zero, get 0, as :func:`tree_depths` gives them). A verify step's plan has the mask already: a handful of launches
+    where the pointer jumping takes about ten per round."""
+    bits = torch.arange(32, dtype=torch.int32, device=packed.device)
+    count = ((packed.unsqueeze(-1) >> bits) & 1).sum((-1, -2))  # an arithmetic shift keeps bit 31 readable
+    return (count - 1).clamp(min=0).to(torch.int32)
+
+
 def tree_positions(parents: torch.Tensor, context_lens: torch.Tensor, num_nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``int32 [B, T]`` position ids of the nodes (for RoPE): ``context_lens[b] + depth``."""
     depths = tree_depths(parents, num_nodes)  # checks parents first

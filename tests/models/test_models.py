@@ -219,6 +219,49 @@ def test_tree_forward_matches_dense_paths(T, block_size, gen):
         assert torch.isfinite(cache.k[layer]).all() and torch.isfinite(cache.v[layer]).all()
 
 
+def test_tree_forward_launches_do_not_grow_with_the_tree(gen, monkeypatch):
+    """A verify step is launch-bound on a small target: its launches outside the plan (counted as one op) are the
+    same for a tree of 2 or 16 nodes (positions come from the plan's mask, not from a round of jumps per doubling of
+    the tree), and a plain step's (T = 1) no more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import tlt_kernels.models.llama as llama
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count, self.inside = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.inside and not func.is_view:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counter = Launches()
+    real_plan = llama.plan_tree_attention
+
+    def plan_once(*args, **kwargs):
+        counter.count += 1
+        counter.inside += 1
+        try:
+            return real_plan(*args, **kwargs)
+        finally:
+            counter.inside -= 1
+
+    monkeypatch.setattr(llama, "plan_tree_attention", plan_once)
+    model = make_model(ModelConfig.tiny(num_layers=2), dtype=torch.bfloat16)
+    cache, table, _, lens_t, _, _ = prefilled(model, [9, 3], gen, block_size=8, extra=20)
+    counts = {}
+    for T in (1, 2, 16):
+        parents, n = random_tree(2, T, gen)
+        tokens = torch.randint(0, model.config.vocab_size, (2, T), generator=gen)
+        counter.count = 0
+        with torch.no_grad(), counter:
+            model.forward_tree(tokens, parents, n, cache, table, lens_t, validate=False, max_context_len=16)
+        counts[T] = counter.count
+    assert counts[16] == counts[2] and counts[1] <= counts[2], counts
+
+
 def test_decode_matches_reference_generate(gen):
     model = make_model()
     lens, N = [5, 9], 12

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tlt_kernels as tlt
+from tlt_kernels.tree import depths_from_ancestor_mask
 from strategies import (INT_DTYPES, assert_rejects, budget, layouts, naive_ancestors, naive_depths, relayout, star_like,
                         trees)
 
@@ -53,6 +54,7 @@ def test_tree_utilities_match_naive_loops_in_every_layout(problem, par_layout, n
     assert packed.dtype == torch.int32 and packed.shape == (B, T, (T + 31) // 32)
     assert torch.equal(tlt.unpack_tree_mask(packed, T), want_mask)
     assert torch.equal(tlt.pack_tree_mask(want_mask), packed)
+    assert torch.equal(depths_from_ancestor_mask(packed), want_depth)  # forward_tree's positions read it
 
     ctx = torch.arange(B, dtype=torch.int32) * 7
     pos = tlt.tree_positions(par_v, relayout(ctx, n_layout), n_v)
