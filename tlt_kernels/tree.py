@@ -103,6 +103,8 @@ def depths_from_ancestor_mask(packed: torch.Tensor) -> torch.Tensor:
     a node's row holds itself and its ancestors, so its depth is the row's bit count minus one (padding rows, all
     zero, get 0, as :func:`tree_depths` gives them). A verify step's plan has the mask already: a handful of launches
     where the pointer jumping takes about ten per round."""
+    if packed.shape[1] == 1:  # a plain decoding step: the root alone, depth 0 (one launch)
+        return torch.zeros(packed.shape[0], 1, dtype=torch.int32, device=packed.device)
     bits = torch.arange(32, dtype=torch.int32, device=packed.device)
     count = ((packed.unsqueeze(-1) >> bits) & 1).sum((-1, -2))  # an arithmetic shift keeps bit 31 readable
     return (count - 1).clamp(min=0).to(torch.int32)

@@ -218,8 +218,12 @@ def test_one_node_trees_take_one_launch_and_match_the_general_rule():
         with Launches() as mask_launches:
             packed = tlt.tree_ancestor_mask_packed(parents, n)
         assert depth.dtype == torch.int32 and torch.equal(depth, naive_depths(parents, full))
+        with Launches() as from_mask_launches:  # forward_tree reads the depths off the plan's mask
+            from_mask = depths_from_ancestor_mask(tlt.tree_ancestor_mask_packed(parents, n))
+        assert torch.equal(from_mask, depth)
         assert packed.dtype == torch.int32 and packed.shape == (3, 1, 1)
         assert torch.equal(tlt.unpack_tree_mask(packed, 1), naive_ancestors(parents, full))
         # 1 and 2 launches (19 and 14 before); with num_nodes None, resolve_num_nodes makes the count: one more
         assert depth_launches.count <= (2 if n is None else 1)
         assert mask_launches.count <= (3 if n is None else 2)
+        assert from_mask_launches.count <= (4 if n is None else 3)  # the mask's launches and one

@@ -46,8 +46,8 @@ from torch import nn
 from .._validation import capturing, check_positive_ints, check_tensor
 from ..models.kv_cache import paged_rows
 from ..models.packing import PackedLinears
-from ..ops.rms_norm import rms_norm
 from ..ops.draft_frontier import draft_frontier
+from ..ops.rms_norm import rms_norm
 from ..ops.top_logprobs import top_logprobs
 from .eagle_fused import SCRATCH_SLOTS, FusedExpansion, extend_fused
 

@@ -34,7 +34,7 @@ from ..ops.rotary import apply_rotary, rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
 from ..ops.tree_attention import plan_tree_attention
 from ..reference.tree_attention import run_torch
-from ..tree import depths_from_ancestor_mask, resolve_num_nodes, tree_depths, validate_tree
+from ..tree import depths_from_ancestor_mask, resolve_num_nodes, validate_tree
 from .config import ModelConfig
 from .kv_cache import PagedKVCache
 from .packing import PackedLinears
@@ -523,9 +523,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"plan was built for B={plan.batch_size}, T={plan.num_tree}; the tokens are B={B}, T={T}")
         ctx = context_lens.long().unsqueeze(1)
         # The plan's ancestor mask holds every node's depth (its bit count less one): fewer launches than jumping
-        # the parents again. A one-node tree (a plain step) is depth 0, which tree_depths gives in one launch.
-        depths = tree_depths(parents, n) if T == 1 else depths_from_ancestor_mask(plan.tree_mask)
-        positions = ctx + depths.long()
+        # the parents again.
+        positions = ctx + depths_from_ancestor_mask(plan.tree_mask).long()
         flat_slots = cache.flat_index(block_table, ctx + idx).flatten()  # one index for every layer's K/V write
 
         def store_kv(i, q, k, v, cos, sin):  # the K/V write rides in the rotation's launch
