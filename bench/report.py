@@ -205,7 +205,9 @@ model travels in two pieces, `tools/carry_model.sh`; the extension prebuilt here
 60 s, records B = 1 and 4 with the step-cost rows), then parts 2, 3 and 4 of the same script (add B = 16 and the long
 tail; B = 64 and 256; B = 1, 16 and the tail sampled at temperature 1); each script's header lists what its call
 carries. A drafter trained longer in an earlier session (`tools/device_train_drafter.sh`, kept in `.peer/eagle/`)
-rides in a sixth call before them (`tools/device_rollout_record.sh drafter`), and part 1 then trains none.
+rides in a sixth call before them (`tools/device_rollout_record.sh drafter`), and part 1 then trains none; one trained
+in the same machine session (`tools/device_train_drafter.sh` in the second call, after `tools/device_model.sh 1`)
+is left where part 1 finds it, and part 1's call then carries only `.peer/soz` (the model stays joined).
 
 ## Reading the figures
 

@@ -5,6 +5,8 @@
 #   call 1, carry [.model/smollm2.part_00, .model/smollm2.sha256]:  bash tools/device_model.sh 1
 #   call 2, carry [.model/smollm2.part_01, .whl, .peer/soz]:       bash tools/device_rollout_record.sh 1 SHA
 #   calls 3, 4 and 5, carry [.peer/soz]:                             bash tools/device_rollout_record.sh 2|3|4 SHA
+# After tools/device_train_drafter.sh in the same machine session (it joined the model), call 2 carries [.peer/soz]
+# only: the joined model and the trained drafter are found in /tmp.
 # Call 0 puts a drafter trained earlier (tools/device_train_drafter.sh: .peer/eagle/eagle_bf16.pt and its
 # provenance.txt; no room for it beside the model's pieces in calls 1 and 2) at /tmp/eagle.pt, where
 # tools/device_train_drafter.sh also leaves the drafter it trained earlier in the same machine session. Part 1 joins
