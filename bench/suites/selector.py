@@ -359,6 +359,9 @@ def _real_model_traces(ctx) -> None:
 
 
 STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
+# The loss budget of the static batches' budgeted rows (StrategySelector(loss_budget=)), and their name.
+STATIC_BATCH_LOSS_BUDGET = 0.02
+BUDGET_ROW = "cost, lagging feedback, 2% loss budget"
 
 
 def _static_batch_family(draw: int):
@@ -389,6 +392,13 @@ def _static_batches(ctx, seeds) -> None:
                 total += run_static_batch(batch, selector.select, selector_observer(selector), feedback, s)
             seconds[f"cost, {name} feedback"] = total
         seconds["cost, lagging feedback, warm"] = sum(_warm_run(batch, warm_up, arms, table, s) for s in seeds)
+        for s in seeds:  # the engine's rule and the loss budget told each rollout's length, as the engine tells it
+            budgeted = StrategySelector(arms, seed=s, cost_table=table, loss_budget=STATIC_BATCH_LOSS_BUDGET)
+            budgeted.new_rollout(max_tokens=int(batch.initial_left().max()))
+            seconds[BUDGET_ROW] = seconds.get(BUDGET_ROW, 0.0) + run_static_batch(
+                batch, budgeted.select, selector_observer(budgeted), lagging_feedback, s)
+        seconds[f"{BUDGET_ROW}, warm"] = sum(_warm_run(batch, warm_up, arms, table, s, STATIC_BATCH_LOSS_BUDGET)
+                                             for s in seeds)
         plain, best = seconds["static off"], min(seconds[f"static {a}"] for a in arms)
         for name, total in seconds.items():
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
@@ -397,19 +407,24 @@ def _static_batches(ctx, seeds) -> None:
              "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; a seed fixes the "
              "batch's text, so every row of a seed meets the same one; ms = the batch's simulated wall time (mean "
              "over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is what the "
-             "selector learns after each step; warm: the selector ran the kind's next batch first "
-             "(tlt_kernels/runtime/static_batch.py)")
+             "selector learns after each step; warm: the selector ran the kind's next batch first; "
+             f"'{BUDGET_ROW}': StrategySelector(loss_budget={STATIC_BATCH_LOSS_BUDGET}) told each rollout's most "
+             "tokens per request, as the engine tells it (tlt_kernels/runtime/static_batch.py, "
+             "tlt_kernels/runtime/loss_budget.py)")
 
 
-def _warm_run(batch, warm_up, arms, table, seed: int) -> float:
+def _warm_run(batch, warm_up, arms, table, seed: int, loss_budget=None) -> float:
     """Seconds of ``batch`` under a selector that first ran ``warm_up`` (its own text) and was told of the new
-    rollout."""
+    rollout; with ``loss_budget``, each rollout's length too."""
     from tlt_kernels.runtime import StrategySelector
     from tlt_kernels.runtime.static_batch import lagging_feedback, run_static_batch, selector_observer
 
-    selector = StrategySelector(arms, seed=seed, cost_table=table)
+    selector = StrategySelector(arms, seed=seed, cost_table=table, loss_budget=loss_budget)
+    told = loss_budget is not None
+    if told:
+        selector.new_rollout(max_tokens=int(warm_up.initial_left().max()))
     run_static_batch(warm_up, selector.select, selector_observer(selector), lagging_feedback, seed + 1000)
-    selector.new_rollout()
+    selector.new_rollout(max_tokens=int(batch.initial_left().max()) if told else None)
     return run_static_batch(batch, selector.select, selector_observer(selector), lagging_feedback, seed)
 
 

@@ -52,16 +52,17 @@ def _selector(kind):
 
 
 def test_each_generate_tells_the_selector_a_new_rollout_starts(target, prompts, monkeypatch):
-    """Once per rollout, before its first step: the cost policy forgets part of the last batch's counts there."""
+    """Once per rollout, before its first step, with the most tokens a request may take (the loss budget's horizon):
+    the cost policy forgets part of the last batch's counts there."""
     sel = _selector("ngram")
     eng = SpeculativeEngine(target, "ngram", sel, max_batch_size=8, max_seq_len=64)
     events = []
-    monkeypatch.setattr(sel, "new_rollout", lambda: events.append("new_rollout"))
+    monkeypatch.setattr(sel, "new_rollout", lambda max_tokens=None: events.append(("new_rollout", max_tokens)))
     select = sel.select
     monkeypatch.setattr(sel, "select", lambda b: events.append("select") or select(b))
     for _ in range(2):
         eng.generate(prompts[:2], [4, 3])
-    starts = [i for i, e in enumerate(events) if e == "new_rollout"]
+    starts = [i for i, e in enumerate(events) if e == ("new_rollout", 4)]  # told the longest request's budget
     assert len(starts) == 2 and starts[0] == 0 and events[starts[1] - 1] == "select" and events[1] == "select"
 
 

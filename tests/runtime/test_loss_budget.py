@@ -5,7 +5,7 @@ import math
 import pytest
 
 from tlt_kernels.runtime import CallbackValue, Strategy, StrategySelector
-from tlt_kernels.runtime.loss_budget import FIRST_RESERVE, LossBudget, check_loss_budget
+from tlt_kernels.runtime.loss_budget import FIRST_RESERVE, LossBudget, check_loss_budget, step_progress
 
 ARMS = [Strategy.parse("s2k1v3"), Strategy.parse("s4k1v5")]
 PLAIN_S = 1e-3
@@ -167,3 +167,79 @@ def test_decision_hook_sees_the_budgets_choice():
     sel = _selector(0.0, decision_hook=lambda s, b: seen.append(s) or s)
     sel.select(1)
     assert seen == [Strategy.off()]
+
+
+def test_step_progress_is_the_slowest_lagging_rows_and_the_batchs_mean_without_rows():
+    """With the lagging rows counted (``rows`` given) a step moves the batch's end by the fewest tokens any of them
+    got; counts over the whole batch give the mean; no counts, the emitted tokens per request."""
+    assert step_progress(30, 8, [8, 8, 3], 8) == 3.0  # every lagging row reached depth 2, not all depth 3
+    assert step_progress(30, 8, [7, 7, 7], 8) == 1.0  # one lagging row accepted nothing
+    assert step_progress(30, 8, [2, 2], 2) == 3.0
+    assert step_progress(30, 8, [0, 0], 2) == 1.0
+    assert step_progress(30, 8, [8, 4], None) == pytest.approx(1.0 + 12 / 8)
+    assert step_progress(20, 8, None, None) == pytest.approx(20 / 8)
+
+
+def _tied_batch_rollout(sel, steps, batch, cost_ratio, max_tokens=None):
+    """A uniform batch whose rows all tie for the most tokens left, where each drafting step gives every row but one
+    two accepted drafts and one row none: by the rows' mean a gain (1 + 2 * 7/8 tokens at ``cost_ratio``), for the
+    batch's end (its slowest row) one token. Returns (seconds, plain seconds for the same end, drafting steps)."""
+    sel.new_rollout(max_tokens=max_tokens)
+    seconds = plain_seconds = 0.0
+    drafting = 0
+    for _ in range(steps):
+        s = sel.select(batch)
+        if s.is_off:
+            sel.update(s, batch, batch, PLAIN_S)
+        else:
+            drafting += 1
+            counts = [batch - 1] * 2 + [0] * (s.num_steps - 2)
+            sel.update(s, batch, batch + 2 * (batch - 1), cost_ratio * PLAIN_S, counts, accepted_rows=batch)
+        seconds += PLAIN_S if s.is_off else cost_ratio * PLAIN_S
+        plain_seconds += PLAIN_S
+    return seconds, plain_seconds, drafting
+
+
+@pytest.mark.parametrize("max_tokens", [None, 400])
+def test_a_tied_batchs_slowest_row_bounds_the_loss(max_tokens):
+    """Drafts that the rows' mean says pay (2.75 tokens at 1.5x) but that never move the batch's end: the loss stays
+    within the budget (plus one step's worst case), told the rollout's length or not."""
+    seconds, plain_seconds, drafting = _tied_batch_rollout(_selector(0.02), 400, 8, 1.5, max_tokens)
+    assert seconds <= plain_seconds * 1.02 + 0.5 * PLAIN_S
+    assert drafting >= 1  # the budget let it try
+
+
+def test_told_its_length_a_rollout_may_draft_after_its_first_plain_step():
+    """The allowance is the fraction of the rollout's projected time (elapsed + plain steps to go): told 128 tokens,
+    a 2% budget covers a 1.25x arm's reserve right after the first plain step; not told, only after 0.25 / 0.02 plain
+    steps."""
+    table = {Strategy.off(): [(1, PLAIN_S)], ARMS[0]: [(1, 1.25 * PLAIN_S)], ARMS[1]: [(1, 1.25 * PLAIN_S)]}
+    first = {}
+    for told in (128, None):
+        sel = _selector(0.02, cost_table=table)
+        sel.new_rollout(max_tokens=told)
+        steps = 0
+        while sel.select(1).is_off:
+            sel.update(Strategy.off(), 1, 1, PLAIN_S)
+            steps += 1
+            assert steps < 100
+        first[told] = steps
+    assert first[128] == 1
+    assert abs(first[None] - 0.25 / 0.02) <= 1
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, "128", True])
+def test_new_rollout_names_a_bad_max_tokens(value):
+    with pytest.raises(ValueError, match="max_tokens"):
+        _selector(0.02).new_rollout(max_tokens=value)
+
+
+def test_remaining_counts_down_by_the_progress():
+    budget = LossBudget(0.02, [0, 2], num_buckets=1)
+    budget.new_rollout(max_tokens=10)
+    budget.observe(0, 0, 4, 4, 1.0, None, None)  # plain: one
+    budget.observe(1, 0, 4, 12, 1.5, [4, 4], 4)  # every lagging row reached depth 2: three
+    assert budget.remaining == 6
+    budget.observe(1, 0, 4, 12, 1.5, [4, 4], 4)
+    budget.observe(1, 0, 4, 12, 1.5, [4, 4], 4)
+    assert budget.remaining == 0  # never below zero

@@ -140,3 +140,22 @@ def test_the_ngram_tail_batch_favours_a_deep_tree_over_plain_decoding():
     seconds = {a: np.mean([run_static_batch(batch, lambda b, a=a: Strategy.parse(a), seed=s) for s in range(4)])
                for a in ("off", "s2k1v3", "s5k4v16")}
     assert seconds["s5k4v16"] < seconds["s2k1v3"] < seconds["off"]
+
+
+def test_a_loss_budget_told_the_rollouts_length_holds_an_eagle_like_batch_near_plain():
+    """EAGLE-like acceptance (Beta(2, 3) per request) at B = 16, where plain decoding is the best arm: the cost policy
+    alone loses 5-9% to its plays of drafting arms; with a 2% loss budget told the rollout's length (as the engine
+    tells it) every seed stays within the budget and one step's worst case, and the mean is better."""
+    batch = [b for b in static_batches((16,)) if "eagle-like" in b.name][0]
+    arms = tuple(Strategy.parse(a) for a in ("off", "s2k1v3", "s4k1v5", "s5k4v16"))
+    table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 4, 16)] for a in arms})
+    ratios = {None: [], 0.02: []}
+    for seed in range(3):
+        plain = run_static_batch(batch, lambda b: Strategy.off(), seed=seed)
+        for budget in ratios:
+            sel = StrategySelector(arms, seed=seed, cost_table=table, loss_budget=budget)
+            sel.new_rollout(max_tokens=batch.budget)
+            ratios[budget].append(plain / run_static_batch(batch, sel.select, selector_observer(sel),
+                                                           lagging_feedback, seed))
+    assert min(ratios[0.02]) >= 0.975, ratios
+    assert np.mean(ratios[0.02]) > np.mean(ratios[None]) + 0.02, ratios

@@ -360,8 +360,8 @@ class SpeculativeEngine:
     def _rollout(self, prompt_tokens, prompt_lens, max_new, sampling, siblings, eos_token_id, trace) -> GenerateOutput:
         """:meth:`generate` after its checks: start -> ``while active: step`` -> finish, and the output."""
         block_table, _ = self.cache.allocate(prompt_tokens.shape[0], self.slots_per_request)
-        if self.selector is not None:
-            self.selector.new_rollout()
+        if self.selector is not None:  # the longest request's budget: the loss budget's horizon
+            self.selector.new_rollout(max_tokens=int(max_new.max()))
         rollout = None
         try:
             rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)

@@ -10,18 +10,27 @@ Terms, per rollout (:meth:`LossBudget.new_rollout` starts over):
 
 * ``elapsed``: the seconds of the rollout's steps observed so far.
 * ``t0`` of a bucket: the median of its last plain step times (the nearest bucket's where it has none yet).
-* a step's ``progress``: how far it moved the requests the selector counts, in plain steps: one plus the mean number
-  of accepted drafts per counted request (``accepted_per_position`` over ``accepted_rows``), else the emitted tokens
-  per request.
+* a step's ``progress``: how far it moved the batch's end, in plain steps. A rollout is a static batch, which ends
+  with its slowest request; where the counted requests are the lagging ones (``accepted_rows`` given: the engine's
+  rule, those with the most tokens left), a step moves the end by the fewest tokens any of them got: one plus the
+  number of leading draft positions that every counted request accepted (``accepted_per_position``). Counts over the
+  whole batch (no ``accepted_rows``) give one plus their mean, a throughput view; no counts, the emitted tokens per
+  request. A plain step's progress is one.
 * a speculative step's ``loss``: ``elapsed_s - progress * t0``, the seconds it took beyond what plain decoding needs
-  to move the batch as far (negative where its drafts paid).
+  to move the batch as far (negative where its drafts paid). Summed over a rollout without EOS, the progress is the
+  batch's most tokens, so the loss is the rollout's time beyond plain decoding's (``t0`` per token of the longest
+  request).
+* ``remaining``: the rollout's most tokens per request (``new_rollout(max_tokens=)``) less the progress so far: plain
+  decoding's steps still to go (an upper bound where requests may stop at an EOS); 0 when not told.
 * an arm's ``reserve`` in a bucket: the most its next step can lose. At worst a step emits one token per request, as a
   plain step does, so the reserve is the arm's step time minus ``t0``: the median of its recent steps in the bucket;
   before it ran there, the start-up cost table's ratio to plain decoding; without one, ``FIRST_RESERVE * t0``.
 
-Rule: a speculative arm may run only while ``loss + reserves of steps in flight + its reserve <= fraction * elapsed``;
-otherwise plain decoding runs. Gains bank: a rollout whose drafts paid may explore more. The first steps of a rollout
-are plain (the budget starts at zero), which also measures ``t0`` before any draft.
+Rule: a speculative arm may run only while ``loss + reserves of steps in flight + its reserve <= fraction * (elapsed
++ remaining * t0)``, the fraction of the rollout's time were the rest decoded plainly; otherwise plain decoding runs.
+Gains bank: a rollout whose drafts paid may explore more. No draft runs before a plain step has been timed (``t0``);
+then a rollout told its length may explore within the loss it may take over its whole length, one not told stays
+plain until ``fraction * elapsed`` covers a reserve.
 """
 from __future__ import annotations
 
@@ -73,10 +82,12 @@ class LossBudget:
         self.vetoed = 0  # speculative choices replaced by plain decoding, over the selector's life
         self.new_rollout()
 
-    def new_rollout(self) -> None:
-        """A new batch: its loss and elapsed time start at zero (step times are kept)."""
+    def new_rollout(self, max_tokens: Optional[int] = None) -> None:
+        """A new batch of at most ``max_tokens`` new tokens per request (None: not told): its loss and elapsed time
+        start at zero (step times are kept)."""
         self.loss = 0.0
         self.elapsed = 0.0
+        self.remaining = max(int(max_tokens), 0) if max_tokens is not None else 0
 
     def plain_time(self, bucket: int) -> Optional[float]:
         """``t0``: the bucket's median plain step time, else the nearest timed bucket's (the lower one on a tie)."""
@@ -104,7 +115,7 @@ class LossBudget:
         t0 = self.plain_time(bucket)
         if t0 is not None:
             spend = self.loss + sum(self.in_flight) + self.reserve(arm, bucket, batch_size, t0)
-            if spend <= self.fraction * self.elapsed:
+            if spend <= self.fraction * (self.elapsed + self.remaining * t0):
                 return True
         self.vetoed += 1
         return False
@@ -125,15 +136,33 @@ class LossBudget:
         self.elapsed += elapsed
         self.times[bucket][arm].append(elapsed)
         if not self.depths[arm]:
+            self.remaining = max(self.remaining - 1, 0)
             if len(self.times[bucket][arm]) == 1:
                 bisect.insort(self._timed, bucket)
             return
+        progress = step_progress(emitted, batch_size, accepted, rows)
+        self.remaining = max(self.remaining - progress, 0)
         t0 = self.plain_time(bucket)
         if t0 is None:  # no plain step timed yet (a policy without the budget's veto ran first): count it all
             self.loss += elapsed
             return
-        if accepted is not None:
-            progress = 1.0 + sum(accepted) / (rows or batch_size)
-        else:
-            progress = emitted / batch_size
         self.loss += elapsed - progress * t0
+
+
+def step_progress(emitted: float, batch_size: int, accepted: Optional[Sequence[float]], rows: Optional[int]) -> float:
+    """How far a speculative step moved its batch, in plain steps. With ``rows`` (the counted rows are the lagging
+    ones, the engine's rule: ``accepted[j]`` of them accepted ``j + 1`` drafts or more), one plus the leading draft
+    positions that every one of them reached: the batch ends with its slowest request, and after plain steps every
+    request ties for the most tokens left, so their mean would credit a uniform batch with drafts that only its
+    faster requests accepted (docs/RUNTIME.md, "The loss budget"). Without ``rows`` (counts over the whole batch, a
+    throughput view), one plus their mean; without counts, ``emitted / batch_size``."""
+    if accepted is None:
+        return emitted / batch_size
+    if not rows:
+        return 1.0 + sum(accepted) / batch_size
+    every_row = 0
+    for reached in accepted:
+        if reached < rows:
+            break
+        every_row += 1
+    return 1.0 + every_row

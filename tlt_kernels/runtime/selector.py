@@ -189,14 +189,18 @@ class StrategySelector:
                 raise ValueError(f"decision_hook returned {s}, which is not one of the selector's strategies")
         return s
 
-    def new_rollout(self) -> None:
+    def new_rollout(self, max_tokens: Optional[int] = None) -> None:
         """A new batch of requests starts (:class:`~tlt_kernels.engine.SpeculativeEngine` calls it once per
-        ``generate``): the last batch's ready observations are folded in, then the policy is told
-        (:meth:`~tlt_kernels.runtime.policies.Policy.new_rollout`)."""
+        ``generate``, with the most new tokens any request may take as ``max_tokens``): the last batch's ready
+        observations are folded in, then the policy is told (:meth:`~tlt_kernels.runtime.policies.Policy.new_rollout`)
+        and the loss budget, which bounds the loss by a fraction of the rollout's projected time from its first step
+        when given ``max_tokens`` (:mod:`~tlt_kernels.runtime.loss_budget`)."""
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
+            raise ValueError(f"max_tokens must be a non-negative int or None, got {max_tokens!r}")
         self._drain()
         self.policy.new_rollout()
         if self.budget is not None:
-            self.budget.new_rollout()
+            self.budget.new_rollout(max_tokens)
 
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
                accepted_per_position=None, accepted_rows: Optional[int] = None) -> None:
