@@ -15,10 +15,12 @@ def _selector(budget, **kw):
     return StrategySelector(ARMS, seed=0, loss_budget=budget, **kw)
 
 
-def _rollout(sel, steps, batch, cost_ratio, accept):
-    """``steps`` steps of a synthetic target: plain steps take PLAIN_S, a drafting step ``cost_ratio`` times that, and
-    each of its depth positions is reached by ``accept`` of the batch (a fraction). Returns (seconds, plain seconds
-    for the same progress, drafting steps)."""
+def _rollout(sel, steps, batch, cost_ratio, accept, tied_rows=False):
+    """``steps`` steps of a synthetic target: plain steps take PLAIN_S, a drafting step ``cost_ratio`` times that.
+    Each depth position of a drafting step is reached by ``accept`` of the batch (a fraction, counted over the whole
+    batch); with ``tied_rows``, the batch's rows all tie for the most tokens left and are counted as the lagging rows,
+    and every row but one reaches the first two positions. Returns (seconds, plain seconds for the same progress,
+    drafting steps)."""
     seconds = plain_seconds = 0.0
     drafting = 0
     for _ in range(steps):
@@ -29,11 +31,12 @@ def _rollout(sel, steps, batch, cost_ratio, accept):
             plain_seconds += PLAIN_S
             continue
         drafting += 1
-        counts = [accept * batch] * s.num_steps
+        counts = ([batch - 1] * 2 + [0] * (s.num_steps - 2)) if tied_rows else [accept * batch] * s.num_steps
+        rows = batch if tied_rows else None
         elapsed = cost_ratio * PLAIN_S
-        sel.update(s, batch, batch + sum(counts), elapsed, counts)
+        sel.update(s, batch, batch + sum(counts), elapsed, counts, accepted_rows=rows)
         seconds += elapsed
-        plain_seconds += (1 + sum(counts) / batch) * PLAIN_S
+        plain_seconds += step_progress(batch + sum(counts), batch, counts, rows) * PLAIN_S
     return seconds, plain_seconds, drafting
 
 
@@ -180,31 +183,14 @@ def test_step_progress_is_the_slowest_lagging_rows_and_the_batchs_mean_without_r
     assert step_progress(20, 8, None, None) == pytest.approx(20 / 8)
 
 
-def _tied_batch_rollout(sel, steps, batch, cost_ratio, max_tokens=None):
-    """A uniform batch whose rows all tie for the most tokens left, where each drafting step gives every row but one
-    two accepted drafts and one row none: by the rows' mean a gain (1 + 2 * 7/8 tokens at ``cost_ratio``), for the
-    batch's end (its slowest row) one token. Returns (seconds, plain seconds for the same end, drafting steps)."""
-    sel.new_rollout(max_tokens=max_tokens)
-    seconds = plain_seconds = 0.0
-    drafting = 0
-    for _ in range(steps):
-        s = sel.select(batch)
-        if s.is_off:
-            sel.update(s, batch, batch, PLAIN_S)
-        else:
-            drafting += 1
-            counts = [batch - 1] * 2 + [0] * (s.num_steps - 2)
-            sel.update(s, batch, batch + 2 * (batch - 1), cost_ratio * PLAIN_S, counts, accepted_rows=batch)
-        seconds += PLAIN_S if s.is_off else cost_ratio * PLAIN_S
-        plain_seconds += PLAIN_S
-    return seconds, plain_seconds, drafting
-
-
 @pytest.mark.parametrize("max_tokens", [None, 400])
 def test_a_tied_batchs_slowest_row_bounds_the_loss(max_tokens):
-    """Drafts that the rows' mean says pay (2.75 tokens at 1.5x) but that never move the batch's end: the loss stays
-    within the budget (plus one step's worst case), told the rollout's length or not."""
-    seconds, plain_seconds, drafting = _tied_batch_rollout(_selector(0.02), 400, 8, 1.5, max_tokens)
+    """A tied batch whose drafts the rows' mean says pay (2.75 tokens at 1.5x) but that never move the batch's end
+    (one row accepts nothing): the loss stays within the budget (plus one step's worst case), told the rollout's length
+    or not."""
+    sel = _selector(0.02)
+    sel.new_rollout(max_tokens=max_tokens)
+    seconds, plain_seconds, drafting = _rollout(sel, 400, 8, 1.5, None, tied_rows=True)
     assert seconds <= plain_seconds * 1.02 + 0.5 * PLAIN_S
     assert drafting >= 1  # the budget let it try
 
