@@ -33,8 +33,9 @@ OUT=${OUT:-/tmp/device_rollout_out}
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 MODEL=/tmp/mcache/SmolLM2-135M-Instruct.Q4_1.gguf
+# Every adaptive engine also runs with a 2% loss budget (its rows "[budget 0.02]"): what decides that default.
 COMMON=(--model-file $MODEL --max-new-tokens 128 --arms s2k1v3,s4k1v5,s5k4v16 --eagle-checkpoint /tmp/eagle.pt
-        --split heldout --progress --git-commit "$SHA")
+        --selector-loss-budget none,0.02 --split heldout --progress --git-commit "$SHA")
 mkdir -p "$OUT/rec" /tmp/rollout_rec
 if [ "$PART" = 1 ]; then
   bash tools/device_model.sh 2 > "$OUT/model.log" 2>&1 || { cat "$OUT/model.log"; exit 3; }

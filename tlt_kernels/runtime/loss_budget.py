@@ -17,9 +17,10 @@ Terms, per rollout (:meth:`LossBudget.new_rollout` starts over):
   whole batch (no ``accepted_rows``) give one plus their mean, a throughput view; no counts, the emitted tokens per
   request. A plain step's progress is one.
 * a speculative step's ``loss``: ``elapsed_s - progress * t0``, the seconds it took beyond what plain decoding needs
-  to move the batch as far (negative where its drafts paid). Summed over a rollout without EOS, the progress is the
-  batch's most tokens, so the loss is the rollout's time beyond plain decoding's (``t0`` per token of the longest
-  request).
+  to move the batch as far (negative where its drafts paid). Were the progress the exact fall of the batch's most
+  tokens left, its sum over a rollout without EOS would be the longest request's tokens and the summed loss the
+  rollout's time beyond plain decoding's; the lagging rows' rule can overstate a step (a row one token behind them
+  that accepts nothing ends the fall earlier), so the ledger can under-count the loss by that much.
 * ``remaining``: the rollout's most tokens per request (``new_rollout(max_tokens=)``) less the progress so far: plain
   decoding's steps still to go (an upper bound where requests may stop at an EOS); 0 when not told.
 * an arm's ``reserve`` in a bucket: the most its next step can lose. At worst a step emits one token per request, as a
