@@ -435,19 +435,25 @@ def test_the_selector_learns_the_lagging_rows_acceptance(target, prompts):
     updates = []
 
     class Recording(StrategySelector):
-        def update(self, strategy, batch_size, emitted, elapsed, accepted=None, accepted_rows=None):
-            updates.append((strategy, batch_size, accepted, accepted_rows))
-            super().update(strategy, batch_size, emitted, elapsed, accepted, accepted_rows=accepted_rows)
+        def update(self, strategy, batch_size, emitted, elapsed, accepted=None, accepted_rows=None,
+                   batch_progress=None):
+            updates.append((strategy, batch_size, accepted, accepted_rows, batch_progress))
+            super().update(strategy, batch_size, emitted, elapsed, accepted, accepted_rows=accepted_rows,
+                           batch_progress=batch_progress)
 
     sel = Recording([Strategy(2, 1, 3), Strategy(4, 1, 5)], seed=0)
     eng = SpeculativeEngine(target, "ngram", sel, max_batch_size=8, max_seq_len=64, overlap_steps=False)
     eng.generate(prompts, MAX_NEW)
     speculative = [u for u in updates if u[0].num_steps]
     assert speculative
-    for strategy, batch_size, accepted, rows in speculative:
+    for strategy, batch_size, accepted, rows, progress in speculative:
         assert 1 <= rows <= batch_size and len(accepted) == strategy.num_steps
         assert all(0 <= x <= prev for x, prev in zip(accepted, [rows] + accepted[:-1]))
+        # the batch's end moves by at most what its slowest lagging row emitted (no EOS here: at least one token)
+        every_lagging_row = sum(1 for x in accepted if x == rows)
+        assert 1 <= progress <= 1 + every_lagging_row
     assert speculative[0][3] == 1  # request 3 has the most tokens left
+    assert all(u[4] is None for u in updates if not u[0].num_steps)  # plain steps: one token, nothing measured
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,20 +112,24 @@ def test_kernel_with_the_engines_blocks(seed):
 @pytest.mark.parametrize("seed", range(20))
 def test_lagging_rows_are_staged(seed):
     """The staged lagging rows: the live rows (not failed, not finished before) with the most tokens left before the
-    step, and how many of them reached each depth (the kernel stages the same vector: the tests above)."""
+    step, how many of them reached each depth, and how far the step moved the batch's end (the kernel stages the same
+    vector: the tests above)."""
     state, inputs = _case(3000 + seed, depth=3)
     rows, num_accepted = inputs["rows"], inputs["num_accepted"]
     left = (state.max_new_tokens - state.generated)[rows]
     live = ~(state.done[rows] | inputs["error"].bool())
-    _, staged = state.finish_step(**inputs, use_kernel=False)
+    emission, staged = state.finish_step(**inputs, use_kernel=False)
     counts = state.read_counts(staged)
     if not live.any():
-        assert counts.lagging_rows == 0 and counts.lagging_accepted_per_depth == [0, 0, 0]
+        assert counts.lagging_rows == 0 and counts.lagging_accepted_per_depth == [0, 0, 0] and counts.progress == 0
         return
     lagging = live & (left == left[live].max())
     assert counts.lagging_rows == int(lagging.sum()) >= 1
     assert counts.lagging_accepted_per_depth == [int((lagging & (num_accepted >= d)).sum()) for d in (1, 2, 3)]
     assert counts.accepted_per_depth == [int((live & (num_accepted >= d)).sum()) for d in (1, 2, 3)]
+    # The batch's end moved from the most tokens left to the most a live, unfinished row has left after the step.
+    after = [int(left[r] - emission.counts[r]) for r in range(len(rows)) if live[r] and not emission.finished[r]]
+    assert counts.progress == int(left[live].max()) - max(after, default=0)
 
 
 def test_fixed_blocks_make_one_variant():

@@ -229,3 +229,24 @@ def test_remaining_counts_down_by_the_progress():
     budget.observe(1, 0, 4, 12, 1.5, [4, 4], 4)
     budget.observe(1, 0, 4, 12, 1.5, [4, 4], 4)
     assert budget.remaining == 0  # never below zero
+
+
+def test_a_measured_progress_replaces_the_estimate():
+    """The engine measures how far a step moved the batch's end (``batch_progress``): a lagging row that accepted
+    everything, with a row one token behind it that accepted nothing, moved the end by two, not three."""
+    budget = LossBudget(0.1, [0, 2], num_buckets=1)
+    budget.new_rollout(max_tokens=20)
+    budget.observe(0, 0, 4, 4, 1.0, None, None)
+    budget.observe(1, 0, 4, 6, 2.0, [1, 1], 1, progress=2)
+    assert budget.loss == pytest.approx(2.0 - 2 * 1.0)
+    assert budget.remaining == 20 - 1 - 2
+    sel = _selector(0.1)
+    sel.update(Strategy.off(), 4, 4, PLAIN_S)
+    sel.update(ARMS[0], 4, 6, 2 * PLAIN_S, [1, 1], accepted_rows=1, batch_progress=1)
+    assert sel.budget.loss == pytest.approx(PLAIN_S)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "2", True])
+def test_a_bad_batch_progress_names_the_argument(value):
+    with pytest.raises(ValueError, match="batch_progress"):
+        _selector(0.02).update(ARMS[0], 4, 6, PLAIN_S, [1, 1], accepted_rows=1, batch_progress=value)

@@ -106,8 +106,8 @@ def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, left, finish
            BLOCK_ALL: tl.constexpr, BLOCK_D: tl.constexpr):
     """The staging vector: finished, failed, was_done, new context lengths (``[b]`` each), emitted tokens, tried
     tokens (accepted + 1 of the live rows), generated tokens of all ``B``, rows reaching each depth 1..depth; with
-    ``depth`` > 0 then the lagging rows (live rows with the most tokens ``left`` before the step) and how many of them
-    reached each depth."""
+    ``depth`` > 0 then the lagging rows (live rows with the most tokens ``left`` before the step), how many of them
+    reached each depth, and how far the step moved the batch's end."""
     tl.store(Values + i, finished.to(tl.int64), mask=in_b)
     tl.store(Values + b + i, failed.to(tl.int64), mask=in_b)
     tl.store(Values + 2 * b + i, was_done.to(tl.int64), mask=in_b)
@@ -125,11 +125,16 @@ def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, left, finish
     tl.store(Values + 4 * b + 3 + depth, tl.sum(lagging.to(tl.int64), axis=0), mask=depth > 0)
     lagging_reached = lagging[:, None] & (n_acc[:, None] >= d[None, :] + 1)
     tl.store(Values + 4 * b + 4 + depth + d, tl.sum(lagging_reached.to(tl.int64), axis=0), mask=d < depth)
+    # How far the step moved the batch's end: the most tokens left before it less the most a live row that did not
+    # finish has left after it (engine/state.py's end_progress).
+    before = tl.max(tl.where(live, left, 0), axis=0)
+    after = tl.max(tl.where(live & ~finished, left - counts, 0), axis=0)
+    tl.store(Values + 4 * b + 4 + 2 * depth, before - after, mask=depth > 0)
 
 
 def staged_length(b: int, depth: int) -> int:
-    """Length of a step's staging vector: 4 entries per row, 3 totals, and with drafts ``2 * depth + 1`` counts."""
-    return 4 * b + 3 + (2 * depth + 1 if depth > 0 else 0)
+    """Length of a step's staging vector: 4 entries per row, 3 totals, and with drafts ``2 * depth + 2`` counts."""
+    return 4 * b + 3 + (2 * depth + 2 if depth > 0 else 0)
 
 
 def _num_warps(cells: int) -> int:

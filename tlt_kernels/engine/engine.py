@@ -562,7 +562,7 @@ class SpeculativeEngine:
             lagging = counts.lagging_rows or None
             self.selector.update(step.strategy, batch_size, counts.tried, step_s,
                                  counts.lagging_accepted_per_depth if lagging else counts.accepted_per_depth,
-                                 accepted_rows=lagging)
+                                 accepted_rows=lagging, batch_progress=counts.progress)
         record = StepLog(len(rollout.steps), batch_size, str(step.strategy), step.width, counts.emitted,
                          counts.emitted / batch_size, step_s, elapsed_s, step.replayed)
         rollout.steps.append(record)

@@ -64,7 +64,8 @@ class StepCounts(NamedTuple):
     summed over rows that neither failed nor had finished), ``generated`` tokens so far, ``accepted_per_depth`` (rows
     whose path reached depth 1..num_steps; None when nobody asked), ``lagging_rows`` (live rows with the most tokens
     left before the step: a static batch finishes when they do) and ``lagging_accepted_per_depth`` (how many of them
-    reached each depth; both None when nobody asked)."""
+    reached each depth) and ``progress`` (how far the step moved the batch's end: the live rows' most tokens left
+    before it less the most any of them that did not finish has left after it; all three None when nobody asked)."""
 
     finished: List[bool]
     failed: List[bool]
@@ -75,6 +76,7 @@ class StepCounts(NamedTuple):
     accepted_per_depth: Optional[list]
     lagging_rows: Optional[int] = None
     lagging_accepted_per_depth: Optional[list] = None
+    progress: Optional[int] = None
 
 
 def most_left(left: torch.Tensor, live: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -83,6 +85,16 @@ def most_left(left: torch.Tensor, live: Optional[torch.Tensor] = None) -> torch.
     if live is None:
         return left == left.max()
     return live & (left == torch.where(live, left, torch.full_like(left, -1)).max())
+
+
+def end_progress(emission: Emission, live: torch.Tensor) -> torch.Tensor:
+    """int64 ``[1]``: how far a step moved its batch's end (a static batch ends with its slowest request): the
+    ``live`` rows' (bool ``[b]``) most tokens left before the step less the most that any of them that did not finish
+    has left after it (0 where none is left). The loss budget's exact progress (the step kernel stages the same)."""
+    zero = torch.zeros_like(emission.left)
+    before = torch.where(live, emission.left, zero).max()
+    after = torch.where(live & ~emission.finished, emission.left - emission.counts, zero).max()
+    return (before - after).view(1)
 
 
 @dataclass
@@ -238,7 +250,7 @@ class RolloutState:
             reached = num_accepted.unsqueeze(1) >= self.arange(1, depth + 1, num_accepted.device)
             parts.append((reached & live.unsqueeze(1)).sum(0))
             lagging = most_left(emission.left, live)
-            parts += [lagging.sum().view(1), (reached & lagging.unsqueeze(1)).sum(0)]
+            parts += [lagging.sum().view(1), (reached & lagging.unsqueeze(1)).sum(0), end_progress(emission, live)]
         return self._to_host(torch.cat(parts), rows, depth)
 
     @staticmethod
@@ -295,9 +307,9 @@ class RolloutState:
         depth = staged.depth
         if depth == 0:
             return StepCounts(finished, failed, was_done, emitted, tried, generated, None)
-        lagging = host[4 * b + 3 + depth: 4 * b + 4 + 2 * depth]
+        lagging = host[4 * b + 3 + depth: 4 * b + 5 + 2 * depth]
         return StepCounts(finished, failed, was_done, emitted, tried, generated, host[4 * b + 3: 4 * b + 3 + depth],
-                          lagging[0], lagging[1:])
+                          lagging[0], lagging[1:-1], lagging[-1])
 
     def retire(self, rows: List[int], counts: StepCounts, elapsed_s: float) -> List[int]:
         """Drop the step's ``rows`` that finished at this step from ``active_rows`` (rows that had finished before

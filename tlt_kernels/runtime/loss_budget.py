@@ -11,15 +11,16 @@ Terms, per rollout (:meth:`LossBudget.new_rollout` starts over):
 * ``elapsed``: the seconds of the rollout's steps observed so far.
 * ``t0`` of a bucket: the median of its last plain step times (the nearest bucket's where it has none yet).
 * a step's ``progress``: how far it moved the batch's end, in plain steps. A rollout is a static batch, which ends
-  with its slowest request; where the counted requests are the lagging ones (``accepted_rows`` given: the engine's
+  with its slowest request: the engine measures the fall of its most tokens left (``update(batch_progress=)``).
+  Where the caller does not, it is estimated: where the counted requests are the lagging ones (``accepted_rows`` given: the engine's
   rule, those with the most tokens left), a step moves the end by the fewest tokens any of them got: one plus the
   number of leading draft positions that every counted request accepted (``accepted_per_position``). Counts over the
   whole batch (no ``accepted_rows``) give one plus their mean, a throughput view; no counts, the emitted tokens per
   request. A plain step's progress is one.
 * a speculative step's ``loss``: ``elapsed_s - progress * t0``, the seconds it took beyond what plain decoding needs
-  to move the batch as far (negative where its drafts paid). Were the progress the exact fall of the batch's most
-  tokens left, its sum over a rollout without EOS would be the longest request's tokens and the summed loss the
-  rollout's time beyond plain decoding's; the lagging rows' rule can overstate a step (a row one token behind them
+  to move the batch as far (negative where its drafts paid). With the measured fall of the batch's most tokens left,
+  the progress summed over a rollout without EOS is the longest request's tokens, so the summed loss is the
+  rollout's time beyond plain decoding's; the lagging rows' estimate can overstate a step (a row one token behind them
   that accepts nothing ends the fall earlier), so the ledger can under-count the loss by that much.
 * ``remaining``: the rollout's most tokens per request (``new_rollout(max_tokens=)``) less the progress so far: plain
   decoding's steps still to go (an upper bound where requests may stop at an EOS); 0 when not told.
@@ -132,8 +133,9 @@ class LossBudget:
             self.in_flight.popleft()
 
     def observe(self, arm: int, bucket: int, batch_size: int, emitted: float, elapsed: float,
-                accepted: Optional[Sequence[float]], rows: Optional[int]) -> None:
-        """Fold in a checked observation (after :meth:`release`)."""
+                accepted: Optional[Sequence[float]], rows: Optional[int], progress: Optional[float] = None) -> None:
+        """Fold in a checked observation (after :meth:`release`); ``progress``: how far the step moved the batch's
+        end when the caller measured it (else :func:`step_progress` estimates it from the counts)."""
         self.elapsed += elapsed
         self.times[bucket][arm].append(elapsed)
         if not self.depths[arm]:
@@ -141,7 +143,8 @@ class LossBudget:
             if len(self.times[bucket][arm]) == 1:
                 bisect.insort(self._timed, bucket)
             return
-        progress = step_progress(emitted, batch_size, accepted, rows)
+        if progress is None:
+            progress = step_progress(emitted, batch_size, accepted, rows)
         self.remaining = max(self.remaining - progress, 0)
         t0 = self.plain_time(bucket)
         if t0 is None:  # no plain step timed yet (a policy without the budget's veto ran first): count it all

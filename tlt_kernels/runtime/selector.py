@@ -203,7 +203,8 @@ class StrategySelector:
             self.budget.new_rollout(max_tokens)
 
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
-               accepted_per_position=None, accepted_rows: Optional[int] = None) -> None:
+               accepted_per_position=None, accepted_rows: Optional[int] = None,
+               batch_progress: Optional[int] = None) -> None:
         """Record one step's outcome (garbage measurements are ignored and counted: see the class docstring).
 
         Args:
@@ -217,6 +218,9 @@ class StrategySelector:
                 (default: the whole batch). A static batch finishes when its lagging requests do, so
                 :class:`~tlt_kernels.engine.SpeculativeEngine` passes their counts: the acceptance the policy
                 learns is theirs, with their number as its sample size; the step time is the whole batch's.
+            batch_progress: how far the step moved the batch's end (its most tokens left before the step less the
+                most a request still running has left after it), an int >= 0, or None; the loss budget's progress
+                where given (else its estimate from the lagging rows' counts). The policy does not use it.
         """
         arm = self._index.get(strategy)
         if arm is None:
@@ -225,6 +229,8 @@ class StrategySelector:
             batch_size = check_batch_size(batch_size, f"StrategySelector.update({strategy})")
         if accepted_rows is not None:
             accepted_rows = check_accepted_rows(accepted_rows, batch_size)
+        if batch_progress is not None and (type(batch_progress) is not int or batch_progress < 0):
+            raise ValueError(f"batch_progress must be an int >= 0 or None, got {batch_progress!r}")
         if self.budget is not None:
             self.budget.launched(arm, self.bucket(batch_size), batch_size)
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
@@ -244,20 +250,21 @@ class StrategySelector:
                 if self.budget is not None:
                     self.budget.release()
                 self._observe(arm, batch_size, float(emitted_tokens), float(elapsed_s), acc if d else None,
-                              self.step, accepted_rows)
+                              self.step, accepted_rows, batch_progress)
             else:
-                self._fold(arm, batch_size, emitted_tokens, elapsed_s, acc, self.step, accepted_rows)
+                self._fold(arm, batch_size, emitted_tokens, elapsed_s, acc, self.step, accepted_rows, batch_progress)
             return
         obs = (arm, batch_size, as_pending(emitted_tokens), as_pending(elapsed_s),
-               as_pending(accepted_per_position), self.step, accepted_rows)
+               as_pending(accepted_per_position), self.step, accepted_rows, batch_progress)
         self._pending.append(obs)
         self._drain()
 
-    def _observe(self, arm: int, b: int, em: float, el: float, acc, step: int, rows: Optional[int]) -> None:
+    def _observe(self, arm: int, b: int, em: float, el: float, acc, step: int, rows: Optional[int],
+                 progress: Optional[int] = None) -> None:
         """Hand a checked observation to the policy (``accepted_rows`` only when given: a policy written before it
-        existed still works without it) and to the loss budget."""
+        existed still works without it) and to the loss budget (with ``batch_progress``)."""
         if self.budget is not None:
-            self.budget.observe(arm, self.bucket(b), b, em, el, acc, rows)
+            self.budget.observe(arm, self.bucket(b), b, em, el, acc, rows, progress)
         if rows is None:
             self.policy.observe(self.bucket(b), arm, b, em, el, acc, step)
         else:
@@ -271,7 +278,7 @@ class StrategySelector:
     def _drain(self) -> None:
         q = self._pending
         while q:
-            arm, b, em, el, acc, step, rows = q[0]
+            arm, b, em, el, acc, step, rows, progress = q[0]
             if ((isinstance(em, Pending) and not em.ready()) or (isinstance(el, Pending) and not el.ready())
                     or (isinstance(acc, Pending) and not acc.ready())):
                 return
@@ -282,9 +289,10 @@ class StrategySelector:
                 el = el.get()
             if isinstance(acc, Pending):
                 acc = acc.get()
-            self._fold(arm, b, _scalar(em), _scalar(el), acc, step, rows)
+            self._fold(arm, b, _scalar(em), _scalar(el), acc, step, rows, progress)
 
-    def _fold(self, arm: int, b: int, em, el, acc, step: int, rows: Optional[int] = None) -> None:
+    def _fold(self, arm: int, b: int, em, el, acc, step: int, rows: Optional[int] = None,
+              progress: Optional[int] = None) -> None:
         """Validate one observation, then hand it to the policy; the one entry point of every policy's data."""
         if self.budget is not None:
             self.budget.release()  # whatever comes of the observation, its step is no longer in flight
@@ -298,7 +306,7 @@ class StrategySelector:
         if why is not None:
             self._reject(s, b, why)
             return
-        self._observe(arm, b, float(em), float(el), acc if d else None, step, rows)
+        self._observe(arm, b, float(em), float(el), acc if d else None, step, rows, progress)
 
     def _garbage(self, arm: int, b: int, em, el, acc) -> Optional[str]:
         """Why the observation cannot come from a real step, or None. NaN fails every comparison below."""
