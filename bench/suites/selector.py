@@ -376,9 +376,8 @@ def _static_batches(ctx, seeds) -> None:
     static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given),
     and warm under the engine's rule (the selector first runs another batch of the same kind, then is told of the
     new rollout, as the engine tells it at each generate)."""
-    from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
-    from tlt_kernels.runtime.static_batch import (batch_feedback, critical_feedback, lagging_feedback,
-                                                  run_static_batch, selector_observer)
+    from tlt_kernels.runtime import CostTable, Strategy
+    from tlt_kernels.runtime.static_batch import batch_feedback, critical_feedback, lagging_feedback, run_static_batch
 
     arms = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
     feedbacks = {"batch": batch_feedback, "lagging (the engine's)": lagging_feedback, "critical": critical_feedback}
@@ -386,17 +385,11 @@ def _static_batches(ctx, seeds) -> None:
         table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
         seconds = {f"static {a}": sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
         for name, feedback in feedbacks.items():
-            total = 0.0
-            for s in seeds:
-                selector = StrategySelector(arms, seed=s, cost_table=table)
-                total += run_static_batch(batch, selector.select, selector_observer(selector), feedback, s)
-            seconds[f"cost, {name} feedback"] = total
+            seconds[f"cost, {name} feedback"] = sum(_cold_run(batch, arms, table, s, feedback) for s in seeds)
         seconds["cost, lagging feedback, warm"] = sum(_warm_run(batch, warm_up, arms, table, s) for s in seeds)
-        for s in seeds:  # the engine's rule and the loss budget told each rollout's length, as the engine tells it
-            budgeted = StrategySelector(arms, seed=s, cost_table=table, loss_budget=STATIC_BATCH_LOSS_BUDGET)
-            budgeted.new_rollout(max_tokens=int(batch.initial_left().max()))
-            seconds[BUDGET_ROW] = seconds.get(BUDGET_ROW, 0.0) + run_static_batch(
-                batch, budgeted.select, selector_observer(budgeted), lagging_feedback, s)
+        # the engine's rule and the loss budget told each rollout's length, as the engine tells it
+        seconds[BUDGET_ROW] = sum(_cold_run(batch, arms, table, s, lagging_feedback, STATIC_BATCH_LOSS_BUDGET)
+                                  for s in seeds)
         seconds[f"{BUDGET_ROW}, warm"] = sum(_warm_run(batch, warm_up, arms, table, s, STATIC_BATCH_LOSS_BUDGET)
                                              for s in seeds)
         plain, best = seconds["static off"], min(seconds[f"static {a}"] for a in arms)
@@ -411,6 +404,18 @@ def _static_batches(ctx, seeds) -> None:
              f"'{BUDGET_ROW}': StrategySelector(loss_budget={STATIC_BATCH_LOSS_BUDGET}) told each rollout's most "
              "tokens per request, as the engine tells it (tlt_kernels/runtime/static_batch.py, "
              "tlt_kernels/runtime/loss_budget.py)")
+
+
+def _cold_run(batch, arms, table, seed: int, feedback, loss_budget=None) -> float:
+    """Seconds of ``batch`` under a fresh selector learning through ``feedback``; with ``loss_budget``, told the
+    rollout's length."""
+    from tlt_kernels.runtime import StrategySelector
+    from tlt_kernels.runtime.static_batch import run_static_batch, selector_observer
+
+    selector = StrategySelector(arms, seed=seed, cost_table=table, loss_budget=loss_budget)
+    if loss_budget is not None:
+        selector.new_rollout(max_tokens=int(batch.initial_left().max()))
+    return run_static_batch(batch, selector.select, selector_observer(selector), feedback, seed)
 
 
 def _warm_run(batch, warm_up, arms, table, seed: int, loss_budget=None) -> float:

@@ -121,15 +121,15 @@ def _stage(Values, NewCtx, Generated, i, in_b, live, n_acc, counts, left, finish
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     reached = live[:, None] & (n_acc[:, None] >= d[None, :] + 1)
     tl.store(Values + 4 * b + 3 + d, tl.sum(reached.to(tl.int64), axis=0), mask=d < depth)
-    lagging = live & (left == tl.max(tl.where(live, left, -1), axis=0))
+    most_left = tl.max(tl.where(live, left, -1), axis=0)  # -1: no live row
+    lagging = live & (left == most_left)
     tl.store(Values + 4 * b + 3 + depth, tl.sum(lagging.to(tl.int64), axis=0), mask=depth > 0)
     lagging_reached = lagging[:, None] & (n_acc[:, None] >= d[None, :] + 1)
     tl.store(Values + 4 * b + 4 + depth + d, tl.sum(lagging_reached.to(tl.int64), axis=0), mask=d < depth)
     # How far the step moved the batch's end: the most tokens left before it less the most a live row that did not
     # finish has left after it (engine/state.py's end_progress).
-    before = tl.max(tl.where(live, left, 0), axis=0)
     after = tl.max(tl.where(live & ~finished, left - counts, 0), axis=0)
-    tl.store(Values + 4 * b + 4 + 2 * depth, before - after, mask=depth > 0)
+    tl.store(Values + 4 * b + 4 + 2 * depth, tl.maximum(most_left, 0) - after, mask=depth > 0)
 
 
 def staged_length(b: int, depth: int) -> int:
