@@ -2,7 +2,8 @@
 
 Per trace of the selector suite's ``REAL_TRACES`` (every arm probed at every step of a real rollout) and per budget
 (``--budgets``, ``none`` for no budget): the default selector cold (a fresh one on the timed rollout, the engine's
-start-up cost table) and warm (after the warm-up rollout), scored as the suite's per-step rows (``_same_work_s``:
+start-up cost table) and warm (after the warm-up rollout; ``--told``: each rollout told its length, as the engine
+tells it), scored as the suite's per-step rows (``_same_work_s``:
 the time to emit each step's best arm's tokens at the replay's efficiency there), as a ratio to plain decoding's.
 Prints one line per trace and the mean and minimum per budget (docs/RUNTIME.md, "The loss budget").
 """
@@ -19,7 +20,7 @@ from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
 from tlt_kernels.runtime.simulate import load_trace
 
 
-def _scores(path: str, table: CostTable, budgets) -> dict:
+def _scores(path: str, table: CostTable, budgets, told: bool) -> dict:
     """``{budget: (cold, warm)}`` ratios to plain decoding, and ``"best"``: the best static arm's."""
     records = load_trace(path)
     timed = [r for r in records if r.get("rollout") == 1]
@@ -29,7 +30,7 @@ def _scores(path: str, table: CostTable, budgets) -> dict:
     for budget in budgets:
         def fresh():
             return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table, loss_budget=budget)
-        out[budget] = tuple(plain_s / _same_work_s(res) for res in replay_cold_and_warm(records, fresh))
+        out[budget] = tuple(plain_s / _same_work_s(res) for res in replay_cold_and_warm(records, fresh, told))
     return out
 
 
@@ -37,12 +38,16 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m tools.loss_budget_replay", description=__doc__.split("\n")[0])
     ap.add_argument("--budgets", type=loss_budgets, default=(None, 0.0, 0.01, 0.02, 0.03),
                     help="comma-separated fractions or none (default none,0,0.01,0.02,0.03)")
-    budgets = ap.parse_args(argv).budgets
+    ap.add_argument("--told", action="store_true",
+                    help="tell each rollout its length, as the engine tells its selector at each generate")
+    args = ap.parse_args(argv)
+    budgets = args.budgets
     totals = {b: ([], []) for b in budgets}
     for name, _ in REAL_TRACES:
         directory = os.path.join(TRACES_DIR, name)
         for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
-            scores = _scores(path, trace_cost_table(directory, os.path.basename(path).split("-")[0]), budgets)
+            scores = _scores(path, trace_cost_table(directory, os.path.basename(path).split("-")[0]), budgets,
+                             args.told)
             cells = []
             for b in budgets:
                 totals[b][0].append(scores[b][0])

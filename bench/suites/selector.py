@@ -276,18 +276,25 @@ def trace_cost_table(directory: str, drafter: str):
         return CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
 
 
-def replay_cold_and_warm(records, fresh):
+def replay_cold_and_warm(records, fresh, told: bool = False):
     """A real trace's timed rollout (``"rollout": 1``) replayed by ``fresh()`` selectors: cold (a fresh one) and warm
     (one that replayed the warm-up rollout first, then was told of the new rollout as the engine tells it); returns
-    the two replays' results."""
+    the two replays' results. ``told``: each rollout is also told its length, as the engine tells a loss budget
+    (``new_rollout(max_tokens=)``): its steps, which is how many tokens per request plain decoding replays."""
     from tlt_kernels.runtime.simulate import replay_selector
 
     timed = [r for r in records if r.get("rollout") == 1]
-    cold = replay_selector(timed, fresh())
+    warm_up = [r for r in records if r.get("rollout") != 1]
+    cold = fresh()
+    if told:
+        cold.new_rollout(max_tokens=len(timed))
+    cold_run = replay_selector(timed, cold)
     warm = fresh()
-    replay_selector([r for r in records if r.get("rollout") != 1], warm)
-    warm.new_rollout()  # as the engine does at each generate
-    return cold, replay_selector(timed, warm)
+    if told:
+        warm.new_rollout(max_tokens=len(warm_up))
+    replay_selector(warm_up, warm)
+    warm.new_rollout(max_tokens=len(timed) if told else None)  # as the engine does at each generate
+    return cold_run, replay_selector(timed, warm)
 
 
 def jittered(records, seed: int, sigma: float = TIMING_NOISE_SIGMA):

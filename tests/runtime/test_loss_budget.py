@@ -5,7 +5,8 @@ import math
 import pytest
 
 from tlt_kernels.runtime import CallbackValue, Strategy, StrategySelector
-from tlt_kernels.runtime.loss_budget import FIRST_RESERVE, LossBudget, check_loss_budget, step_progress
+from tlt_kernels.runtime.loss_budget import (FIRST_RESERVE, REFRESH_STEPS, LossBudget, check_loss_budget,
+                                             step_progress)
 
 ARMS = [Strategy.parse("s2k1v3"), Strategy.parse("s4k1v5")]
 PLAIN_S = 1e-3
@@ -13,6 +14,12 @@ PLAIN_S = 1e-3
 
 def _selector(budget, **kw):
     return StrategySelector(ARMS, seed=0, loss_budget=budget, **kw)
+
+
+def _first_step(budget: LossBudget, bucket: int = 0) -> None:
+    """The rollout's first step, a plain one of 9 s: it carries the gap after the prefill, so it times nothing."""
+    budget.observe(0, bucket, 1, 1, 9.0, None, None)
+    assert budget.plain_time(bucket) is None
 
 
 def _rollout(sel, steps, batch, cost_ratio, accept, tied_rows=False):
@@ -134,19 +141,93 @@ def test_a_garbage_observation_frees_its_reserve():
     assert not sel.budget.in_flight
 
 
-def test_new_rollout_starts_the_ledger_over_and_keeps_step_times():
+def test_new_rollout_starts_the_ledger_over_and_keeps_the_arms_step_times():
     sel = _selector(0.02)
     _rollout(sel, 200, 4, 1.6, 0.0)
     assert sel.budget.elapsed > 0 and sel.budget.loss > 0
-    sel.new_rollout()
+    bucket = sel.bucket(4)
+    drafted = [i for i, s in enumerate(sel.strategies) if s.num_steps and sel.budget.times[bucket][i]]
+    assert drafted
+    sel.new_rollout(max_tokens=1000)
     assert sel.budget.elapsed == 0 and sel.budget.loss == 0
-    assert sel.budget.plain_time(sel.bucket(4)) == pytest.approx(PLAIN_S)
-    assert sel.select(4).is_off  # a new rollout's budget starts at zero
+    assert sel.budget.plain_time(bucket) is None  # plain step times are the rollout's own
+    assert all(sel.budget.times[bucket][i] for i in drafted)  # the arms' times stay for their reserves
+    assert sel.select(4).is_off  # no draft before the rollout's first plain step is timed
+    sel.update(Strategy.off(), 4, 4, 3 * PLAIN_S)  # the first step, with the prefill's gap: no sample
+    assert sel.budget.plain_time(bucket) is None and sel.select(4).is_off
+    sel.update(Strategy.off(), 4, 4, PLAIN_S)
+    assert sel.budget.plain_time(bucket) == pytest.approx(PLAIN_S)
+
+
+def test_plain_time_is_the_lower_median_of_the_rollouts_plain_steps_after_its_first():
+    budget = LossBudget(0.1, [0, 2], num_buckets=1)
+    _first_step(budget)
+    for seconds in (1.2, 1.0):
+        budget.observe(0, 0, 1, 1, seconds, None, None)
+    assert budget.plain_time(0) == 1.0  # of two, the lower: the side that over-counts a loss
+    budget.observe(0, 0, 1, 1, 1.1, None, None)
+    assert budget.plain_time(0) == 1.1
+
+
+def test_an_earlier_rollouts_slow_plain_steps_credit_no_gains():
+    """A warm selector whose plain steps of the rollout before took 1.3 ms, now 1 ms, with drafts that cost 1.05 ms
+    and are never accepted: measured against the old plain time every draft would look like a gain and the rollout
+    would draft throughout (5% slower than plain decoding); against this rollout's own it loses at most the budget."""
+    sel = _selector(0.02)
+    sel.new_rollout(max_tokens=400)
+    for _ in range(400):
+        sel.update(Strategy.off(), 4, 4, 1.3 * PLAIN_S)
+    sel.new_rollout(max_tokens=400)
+    seconds, plain_seconds, drafting = _rollout(sel, 400, 4, 1.05, 0.0)
+    assert drafting > 0
+    assert seconds <= plain_seconds / (1 - 0.02) + 0.05 * PLAIN_S  # 2% of the rollout's time, one step's slack
+
+
+def test_a_speculative_step_faster_than_t0_gains_nothing_it_did_not_accept():
+    """A slow first plain step (1.5 s) then a draft of 1.1 s that moved the batch one token: plain decoding took at
+    most 1.1 s then, so the draft lost nothing and gained nothing (not 0.4 s); one that moved it two tokens gained
+    at most 1.1 s."""
+    budget = LossBudget(0.1, [0, 2], num_buckets=1)
+    _first_step(budget)
+    budget.observe(0, 0, 1, 1, 1.5, None, None)
+    budget.observe(1, 0, 1, 1, 1.1, None, None, progress=1)
+    assert budget.loss == 0.0
+    budget.observe(1, 0, 1, 2, 1.1, None, None, progress=2)
+    assert budget.loss == pytest.approx(-1.1)
+
+
+def test_a_stale_plain_time_is_refreshed_by_a_plain_step():
+    """Drafts that always pay run most steps, but never more than REFRESH_STEPS in a row in a bucket: then a plain
+    step times the baseline again."""
+    sel = _selector(0.02)
+    sel.new_rollout(max_tokens=2000)
+    run = longest = plain_steps = 0
+    for _ in range(1000):
+        s = sel.select(8)
+        if s.is_off:
+            sel.update(s, 8, 8, PLAIN_S)
+            run, plain_steps = 0, plain_steps + 1
+            continue
+        counts = [8] * s.num_steps
+        sel.update(s, 8, 8 + sum(counts), 1.2 * PLAIN_S, counts, accepted_rows=8)
+        run += 1
+        longest = max(longest, run)
+    assert longest == REFRESH_STEPS
+    assert 1000 // (REFRESH_STEPS + 1) <= plain_steps <= 1000 // REFRESH_STEPS + 2
+
+
+def test_a_borrowed_plain_time_scales_with_the_cost_tables_plain_steps():
+    budget = LossBudget(0.1, [0, 2], num_buckets=6, plain_cost=lambda batch_size: (1 + batch_size) * 1e-3)
+    _first_step(budget)
+    budget.observe(0, 1, 2, 2, 3.0, None, None)  # bucket 1, batch size 2: 3 s
+    assert budget.plain_time(1, batch_size=2) == 3.0  # its own
+    assert budget.plain_time(3, batch_size=8) == pytest.approx(3.0 * 9 / 3)
+    assert budget.plain_time(3) == 3.0  # no batch size: unscaled
 
 
 def test_plain_time_of_an_untimed_bucket_is_the_nearest_timed_one():
     budget = LossBudget(0.1, [0, 2], num_buckets=6)
-    assert budget.plain_time(3) is None
+    _first_step(budget, bucket=3)
     for bucket, seconds in ((1, 1.0), (5, 5.0)):
         budget.observe(0, bucket, 1, 1, seconds, None, None)
     assert budget.plain_time(1) == 1.0
@@ -160,6 +241,7 @@ def test_progress_counts_the_lagging_rows():
     """A drafting step's progress is 1 + the counted rows' mean accepted drafts: 2 rows of a batch of 8 that
     accepted 2 drafts each moved the batch 3 plain steps."""
     budget = LossBudget(0.1, [0, 2], num_buckets=1)
+    _first_step(budget)
     budget.observe(0, 0, 8, 8, 1.0, None, None)
     budget.observe(1, 0, 8, 30, 2.0, [2, 2], 2)
     assert budget.loss == pytest.approx(2.0 - 3 * 1.0)
@@ -197,8 +279,8 @@ def test_a_tied_batchs_slowest_row_bounds_the_loss(max_tokens):
 
 def test_told_its_length_a_rollout_may_draft_after_its_first_plain_step():
     """The allowance is the fraction of the rollout's projected time (elapsed + plain steps to go): told 128 tokens,
-    a 2% budget covers a 1.25x arm's reserve right after the first plain step; not told, only after 0.25 / 0.02 plain
-    steps."""
+    a 2% budget covers a 1.25x arm's reserve right after the first timed plain step (the second: the first carries
+    the prefill's gap); not told, only after 0.25 / 0.02 plain steps."""
     table = {Strategy.off(): [(1, PLAIN_S)], ARMS[0]: [(1, 1.25 * PLAIN_S)], ARMS[1]: [(1, 1.25 * PLAIN_S)]}
     first = {}
     for told in (128, None):
@@ -210,7 +292,7 @@ def test_told_its_length_a_rollout_may_draft_after_its_first_plain_step():
             steps += 1
             assert steps < 100
         first[told] = steps
-    assert first[128] == 1
+    assert first[128] == 2
     assert abs(first[None] - 0.25 / 0.02) <= 1
 
 
@@ -222,7 +304,8 @@ def test_new_rollout_names_a_bad_max_tokens(value):
 
 def test_remaining_counts_down_by_the_progress():
     budget = LossBudget(0.02, [0, 2], num_buckets=1)
-    budget.new_rollout(max_tokens=10)
+    budget.new_rollout(max_tokens=11)
+    _first_step(budget)  # plain: one
     budget.observe(0, 0, 4, 4, 1.0, None, None)  # plain: one
     budget.observe(1, 0, 4, 12, 1.5, [4, 4], 4)  # every lagging row reached depth 2: three
     assert budget.remaining == 6
@@ -236,11 +319,13 @@ def test_a_measured_progress_replaces_the_estimate():
     everything, with a row one token behind it that accepted nothing, moved the end by two, not three."""
     budget = LossBudget(0.1, [0, 2], num_buckets=1)
     budget.new_rollout(max_tokens=20)
+    _first_step(budget)
     budget.observe(0, 0, 4, 4, 1.0, None, None)
     budget.observe(1, 0, 4, 6, 2.0, [1, 1], 1, progress=2)
     assert budget.loss == pytest.approx(2.0 - 2 * 1.0)
-    assert budget.remaining == 20 - 1 - 2
+    assert budget.remaining == 20 - 2 - 2
     sel = _selector(0.1)
+    sel.update(Strategy.off(), 4, 4, 5 * PLAIN_S)  # the first step: no sample
     sel.update(Strategy.off(), 4, 4, PLAIN_S)
     sel.update(ARMS[0], 4, 6, 2 * PLAIN_S, [1, 1], accepted_rows=1, batch_progress=1)
     assert sel.budget.loss == pytest.approx(PLAIN_S)

@@ -142,12 +142,14 @@ class StrategySelector:
         table = getattr(self.policy, "cost_table", None) or table
         if table is not None and not isinstance(table, CostTable):
             table = CostTable(table)
+        def plain(batch_size: int) -> Optional[float]:
+            return table.predict(self.strategies[self._off], batch_size)
+
         def ratio(arm: int, batch_size: int) -> Optional[float]:
-            spec = table.predict(self.strategies[arm], batch_size)
-            plain = table.predict(self.strategies[self._off], batch_size)
-            return spec / plain if spec is not None and plain else None
+            spec, plain_s = table.predict(self.strategies[arm], batch_size), plain(batch_size)
+            return spec / plain_s if spec is not None and plain_s else None
         return LossBudget(fraction, [s.num_steps for s in self.strategies], len(self.batch_buckets),
-                          None if table is None else ratio)
+                          None if table is None else ratio, None if table is None else plain)
 
     def bucket(self, batch_size: int) -> int:
         """Index of the bucket holding ``batch_size``."""
