@@ -137,12 +137,12 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
     noise = np.random.default_rng(noise_seed)
     budgets = batch.initial_left()
     left = budgets.copy()
-    seconds = 0.0
+    seconds, extra_s = 0.0, batch.first_step_s  # the first step's extra, then none
     while (left > 0).any():
         running = np.nonzero(left > 0)[0]
         strategy = choose(len(running))
         reach = text.reach(strategy, running, budgets[running] - left[running])
-        step_s = batch.cost(strategy, len(running)) + (batch.first_step_s if seconds == 0.0 else 0.0)
+        step_s, extra_s = batch.cost(strategy, len(running)) + extra_s, 0.0
         seconds += step_s
         before = left[running].copy()
         emitted = np.minimum(reach + 1, before)
