@@ -1,8 +1,11 @@
 """The selector's loss budget (tlt_kernels/runtime/loss_budget.py): the ledger's terms, its rule, and the bound it
 keeps on synthetic rollouts where drafting loses or pays."""
 import math
+import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tlt_kernels.runtime import CallbackValue, Strategy, StrategySelector
 from tlt_kernels.runtime.loss_budget import (FIRST_RESERVE, REFRESH_STEPS, LossBudget, check_loss_budget,
@@ -335,3 +338,41 @@ def test_a_measured_progress_replaces_the_estimate():
 def test_a_bad_batch_progress_names_the_argument(value):
     with pytest.raises(ValueError, match="batch_progress"):
         _selector(0.02).update(ARMS[0], 4, 6, PLAIN_S, [1, 1], accepted_rows=1, batch_progress=value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plain_ms=st.floats(0.5, 2.0), ratio=st.floats(1.02, 2.0), gap_ms=st.sampled_from([0.0, 0.3, 1.0]),
+       batch=st.sampled_from([1, 4, 16, 64]), tokens=st.sampled_from([64, 128, 300]),
+       budget=st.sampled_from([0.01, 0.02, 0.05]), accept=st.sampled_from([0.0, 0.05, 0.2]), warm=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_the_bound_holds_whatever_the_step_costs_and_the_first_steps_gap(plain_ms, ratio, gap_ms, batch, tokens,
+                                                                         budget, accept, warm, seed):
+    """Exact step times (a plain step ``plain_ms``, a draft ``ratio`` times it, the rollout's first step ``gap_ms``
+    more), drafts that every lagging row accepts at each depth with probability ``accept`` (at most 0.2: rarely worth
+    a draft's cost), measured progress: a rollout told its length takes at most ``1 / (1 - budget)`` of plain
+    decoding's time (the budget is a fraction of the rollout's own time), plus one draft's worst case."""
+    plain_s, gap_s = plain_ms * 1e-3, gap_ms * 1e-3
+    rnd = random.Random(seed)
+    table = {s: [(1, plain_s * (1 if s.is_off else ratio))] for s in [Strategy.off(), *ARMS]}
+    sel = _selector(budget, cost_table=table)
+
+    def rollout() -> float:
+        sel.new_rollout(max_tokens=tokens)
+        seconds, left, extra_s = 0.0, tokens, gap_s
+        while left > 0:
+            s = sel.select(batch)
+            reach = 0
+            while reach < s.num_steps and rnd.random() < accept:
+                reach += 1
+            step_s, extra_s = plain_s * (1 if s.is_off else ratio) + extra_s, 0.0
+            progress = min(1 + reach, left)
+            counts = [batch if j < reach else 0 for j in range(s.num_steps)]
+            sel.update(s, batch, batch * (1 + reach), step_s, counts or None, accepted_rows=batch if counts else None,
+                       batch_progress=progress if s.num_steps else None)
+            seconds, left = seconds + step_s, left - progress
+        return seconds
+
+    if warm:
+        rollout()
+    plain_seconds = tokens * plain_s + gap_s
+    assert rollout() <= plain_seconds / (1 - budget) + (ratio - 1) * plain_s + 1e-12
