@@ -142,6 +142,46 @@ def test_eos_stops_requests(target, prompts):
 
 
 @pytest.mark.parametrize("kind,strategy,fuse", [("none", Strategy.off(), False), ("ngram", Strategy(4, 1, 5), False),
+                                                ("eagle", Strategy(3, 2, 6), False), ("eagle", Strategy(3, 2, 6), True),
+                                                ("ngram", Strategy(4, 1, 5), True)], ids=str)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_requests_done_at_their_first_token_leave_at_the_prefill(target, prompts, kind, strategy, fuse, overlap):
+    """The start reads nothing, so requests whose first token is EOS ride along in the first step (or two,
+    overlapped) as finished rows: they emit nothing more, count in no step's batch, finish at the prefill's end and
+    never enter the rollout buffer; every other request's tokens are its tokens without EOS, cut at its first EOS
+    (sampled: the tiny target's greedy tokens are all one token; per-request seeds make each request's stream
+    independent of the others')."""
+    from tlt_kernels.runtime import GraphPool
+    from tlt_kernels.runtime.graph_pool import FakeGraphBackend
+
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1) if fuse else None
+    buffer = RolloutBuffer(capacity_tokens=1 << 14, storage_dtype=torch.float32)
+    eng = SpeculativeEngine(target, _drafter(kind, target), strategy, pool, max_batch_size=8, max_seq_len=64,
+                            fuse_step=fuse, overlap_steps=overlap, rollout_buffer=buffer)
+    if fuse:
+        eng.capture_graphs([2, 8])
+    sampling = dict(temperature=1.0, seed=list(range(len(MAX_NEW))))
+    free = eng.generate(prompts, MAX_NEW, **sampling)
+    eos = free.tokens[1][0]
+    at_first = [b for b, tokens in enumerate(free.tokens) if tokens[0] == eos]
+    stepping = [b for b, tokens in enumerate(free.tokens) if b not in at_first and MAX_NEW[b] > 1]
+    assert at_first and stepping
+    buffered, real_add = [], eng._add_to_buffer
+    eng._add_to_buffer = lambda rollout, requests: (buffered.extend(requests), real_add(rollout, requests))
+    out = eng.generate(prompts, MAX_NEW, eos_token_id=eos, **sampling)
+    assert out.tokens == [t[: t.index(eos) + 1] if eos in t else t for t in free.tokens] and out.errors == []
+    for b in at_first:
+        assert out.tokens[b] == [eos] and out.finish_s[b] == out.prefill_s
+    assert all(out.finish_s[b] > out.prefill_s for b in stepping)
+    assert out.steps[0].batch_size == len(stepping) and sorted(buffered) == stepping
+    # Greedy, every request's first token is EOS here: no step counts, each finished at the prefill's end.
+    greedy = reference_generate(target, prompts, 1).tokens[:, 0].tolist()
+    assert len(set(greedy)) == 1
+    out = eng.generate(prompts, MAX_NEW, eos_token_id=greedy[0])
+    assert out.tokens == [greedy[:1]] * len(MAX_NEW) and out.steps == [] and out.finish_s == [out.prefill_s] * 7
+
+
+@pytest.mark.parametrize("kind,strategy,fuse", [("none", Strategy.off(), False), ("ngram", Strategy(4, 1, 5), False),
                                                 ("eagle", Strategy(3, 2, 6), False), ("none", Strategy.off(), True),
                                                 ("eagle", Strategy(3, 2, 6), True), ("ngram", Strategy(4, 1, 5), True)],
                          ids=str)
@@ -166,9 +206,9 @@ def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, 
     assert not fuse or all(s.graph for s in clean.steps)
     assert clean.errors == []
     calls, buffered = [], []
-    real_prefill, real_tree = target.prefill, target.forward_tree
+    real_prefill, real_tree = target.prefill_fresh, target.forward_tree
 
-    def prefill(*args, **kwargs):
+    def prefill(*args, **kwargs):  # the engine's eager prefill (its prompts checked by generate)
         logits, hidden = real_prefill(*args, **kwargs)
         if where == "prefill":
             logits = logits.clone()
@@ -183,7 +223,7 @@ def test_nan_logits_stop_only_their_request(target, prompts, monkeypatch, kind, 
             logits[3 if overlap else 0] = float("nan")
         return logits, hidden
 
-    monkeypatch.setattr(target, "prefill", prefill)
+    monkeypatch.setattr(target, "prefill_fresh", prefill)
     monkeypatch.setattr(target, "forward_tree", forward_tree)
     real_add = eng._add_to_buffer
     monkeypatch.setattr(eng, "_add_to_buffer", lambda rollout, reqs: (buffered.extend(reqs), real_add(rollout, reqs)))
@@ -352,6 +392,12 @@ def test_validation_errors(target, prompts):
         eng.generate(prompts[:2], [4, 5, 6])
     with pytest.raises(ValueError, match="max_seq_len=40"):
         eng.generate(prompts[:2], 39)
+    # The prefill runs unchecked, so generate rejects what it would have: no request, or requests of no token.
+    for empty in (torch.zeros(0, 4, dtype=torch.int64), torch.zeros(2, 0, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"at least one request, each with at least one token, got a \["):
+            eng.generate(empty, 3)
+    with pytest.raises(ValueError, match=r"prompts\[1, 2\] = 999999"):
+        eng.generate(torch.tensor([[1, 2, 3], [4, 5, 999999]]), 3)
     # A failed call leaves the cache usable.
     assert eng.generate(prompts[:2], 3).lengths.tolist() == [3, 3]
 

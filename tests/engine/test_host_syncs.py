@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from tlt_kernels.drafter import EagleDrafter, RolloutBuffer
 from tlt_kernels.engine import SpeculativeEngine
+from tlt_kernels.engine.state import RolloutState
 from tlt_kernels.models import reference_generate
 from tlt_kernels.runtime import GraphPool, Strategy, StrategySelector
 from tlt_kernels.runtime.graph_pool import FakeGraphBackend
@@ -31,6 +32,9 @@ PROMPTS = [[(7 * b + 3 * i) % 200 + 10 for i in range(6 + 2 * b)] for b in range
 # The contract: reads per step. The one left is RolloutState.read_counts' single ``tolist`` of the step's
 # outcome (finished / failed flags, new context lengths, emitted and tried totals, tokens so far, acceptance per
 # depth), which the host needs to retire requests, feed the selector and size the next step's attention plan.
+# Once per rollout, before the first step's, RolloutState.settle_start reads the start's outcome (which requests
+# finished at their first token): its copy was queued before that step's, so it waits for nothing more; it is
+# counted apart. The rollout's start (SpeculativeEngine._start: prefill, first tokens, drafter start) reads nothing.
 MAX_READS_PER_STEP = 1
 
 
@@ -128,9 +132,22 @@ def _engine(target, kind, fuse, rollout_buffer=None):
 
 
 def count_step_reads(eng, monkeypatch, **generate_kwargs):
-    """``(output, reads per step [list of Counters])`` of one rollout, counting only inside ``_step``."""
-    counter, per_step = ReadCounter(), []
+    """``(output, reads per step [list of Counters])`` of one rollout, counting only inside ``_step``; the start's
+    outcome (RolloutState.settle_start) must be read exactly once, and is not counted."""
+    counter, per_step, settled = ReadCounter(), [], []
     step = eng._step
+    settle = RolloutState.settle_start
+
+    def counted_settle(rollout):
+        if rollout.start_outcome is not None:
+            settled.append(rollout)
+        active, counter.active = counter.active, False
+        try:
+            settle(rollout)
+        finally:
+            counter.active = active
+
+    monkeypatch.setattr(RolloutState, "settle_start", counted_settle)
 
     def counted_step(rollout):
         counter.reads = collections.Counter()
@@ -155,7 +172,25 @@ def count_step_reads(eng, monkeypatch, **generate_kwargs):
         monkeypatch.setattr(eng.graph_pool, "run", replay)
     with counter.patched(monkeypatch):
         out = eng.generate(PROMPTS, MAX_NEW, **generate_kwargs)
+    assert len(settled) == 1
     return out, per_step
+
+
+def count_start_reads(eng, monkeypatch, **generate_kwargs) -> collections.Counter:
+    """The reads of one rollout's ``_start`` (prefill, first tokens, the drafter's start, the rollout's state)."""
+    counter, start = ReadCounter(), eng._start
+
+    def counted_start(*args, **kwargs):
+        counter.active = True
+        try:
+            return start(*args, **kwargs)
+        finally:
+            counter.active = False
+
+    monkeypatch.setattr(eng, "_start", counted_start)
+    with counter.patched(monkeypatch):
+        eng.generate(PROMPTS, MAX_NEW, **generate_kwargs)
+    return counter.reads
 
 
 # (drafter, runner): None = eager, False = separate graphs (fake backend), True = fused step graphs.
@@ -175,6 +210,22 @@ def test_one_host_read_per_step(target, monkeypatch, kind, fuse):
     ref = reference_generate(target, PROMPTS, max(MAX_NEW))
     for b, n in enumerate(MAX_NEW):
         assert out.tokens[b] == ref.tokens[b, :n].tolist(), f"request {b}"
+
+
+@pytest.mark.parametrize("kind,fuse", CASES, ids=lambda v: str(v))
+def test_the_rollout_start_reads_nothing(target, monkeypatch, kind, fuse):
+    """After generate's checks the host never waits for the GPU until the first step's outcome: it prepares the first
+    step while the prefill runs (a read there idled the GPU while the host prepared it: the first step's gap, and
+    the n-gram drafter's start read twice more)."""
+    reads = count_start_reads(_engine(target, kind, fuse), monkeypatch)
+    assert not reads, f"{kind}, fuse={fuse}: {dict(reads)}"
+
+
+def test_the_rollout_start_reads_nothing_with_sampling_eos_and_log_probs(target, monkeypatch):
+    eng = SpeculativeEngine(target, "ngram", Strategy(2, 1, 3), max_batch_size=8, max_seq_len=64, logprobs=True)
+    reads = count_start_reads(eng, monkeypatch, temperature=0.8, top_p=0.9, seed=list(range(7)),
+                              eos_token_id=out_token(target))
+    assert not reads, dict(reads)
 
 
 @pytest.mark.parametrize("fuse", [None, True], ids=["eager", "fused"])

@@ -94,8 +94,8 @@ def test_a_drafter_without_start_graphs_is_started_without_them(target):
 def test_batches_no_graph_holds_run_the_eager_prefill(target, monkeypatch):
     eng = _engine(target, (8,))
     calls = []
-    eager = eng.target.prefill
-    monkeypatch.setattr(eng.target, "prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
+    eager = eng._eager_prefill
+    monkeypatch.setattr(eng, "_eager_prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
     short = ragged_prompts(2, seed=4, first=3, step=2)
     eng.generate(short, 4)
     assert calls == []  # 3 and 5 tokens: the 8-token bucket
@@ -111,8 +111,8 @@ def test_prefill_max_tokens_bounds_the_captured_batches(target, monkeypatch):
     assert eng.graph_pool.captured_sizes(("prefill", 8)) == [2, 8]
     assert eng.graph_pool.captured_sizes(("prefill", 32)) == [2]
     calls = []
-    eager = eng.target.prefill
-    monkeypatch.setattr(eng.target, "prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
+    eager = eng._eager_prefill
+    monkeypatch.setattr(eng, "_eager_prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
     eng.generate(ragged_prompts(2, seed=4, first=10, step=3), 4)  # 10, 13 tokens: 2 x 32 replayed
     assert calls == []
     eng.generate(ragged_prompts(3, seed=4, first=10, step=3), 4)  # 4 x 32 > 64 tokens: eager

@@ -79,12 +79,13 @@ class NGramDrafter:
         """``int64 [B, max_len]`` view of the histories (first ``lengths[b]`` valid)."""
         return self.buffer[:, : self.max_len]
 
-    def reset(self, slots, prompts: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+    def reset(self, slots, prompts: torch.Tensor, prompt_lens: torch.Tensor, validate: bool = True) -> None:
         """Start new requests in ``slots`` (``int [R]`` or list, distinct, in ``[0, batch_size)``) with
         ``prompts int64 [R, P]`` of ``prompt_lens`` tokens each (in ``[0, P]``; past ``max_len`` they are dropped).
 
-        Checks the slots and lengths on the host (one sync, not during CUDA-graph capture): a slot of -1 would
-        index the last request from the end, and a length past ``P`` would count tokens that were never written.
+        ``validate`` checks the slots and lengths on the host (two syncs; skipped during CUDA-graph capture): a slot
+        of -1 would index the last request from the end, and a length past ``P`` would count tokens that were never
+        written. ``validate=False``: device work only (the engine's start, whose slots and lengths it checked).
         """
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         if slots.dim() != 1:
@@ -94,7 +95,7 @@ class NGramDrafter:
         check_tensor("prompt_lens", prompt_lens, dtype=(torch.int32, torch.int64), shape=(R,), device=self.device)
         if prompts.shape[0] != R:
             raise ValueError(f"prompts has {prompts.shape[0]} rows, expected one per slot ({R})")
-        if not capturing(self.device):
+        if validate and not capturing(self.device):
             self._check_reset(slots, prompt_lens, prompts.shape[1])
         self.lengths[slots] = 0
         self.buffer[slots] = 0

@@ -77,17 +77,19 @@ class NGramRolloutDrafter(DrafterBase):
     def start(self, prompts, prompt_lens, first_tokens, prefill_hidden) -> None:
         B, dev = prompts.shape[0], prompts.device
         rows = torch.arange(B, device=dev)
+        # Unvalidated (the engine checked the prompts): a check would stall the host until the prefill ends.
         if self.persistent is None:
             self.histories = NGramDrafter(B, self.history_len, dev, self.min_n, self.max_n)
-            self.histories.reset(rows, prompts, prompt_lens)
-            self.histories.append(first_tokens.unsqueeze(1), torch.ones(B, dtype=torch.int32, device=dev))
+            self.histories.reset(rows, prompts, prompt_lens, validate=False)
+            self.histories.append(first_tokens.unsqueeze(1), torch.ones(B, dtype=torch.int32, device=dev),
+                                  validate=False)
             return
         # In place (the graphs hold these addresses): unused slots and the sink start empty (nothing to scan), and
         # no request has siblings until set_groups.
         self.persistent.lengths.zero_()
         if self.persistent.siblings is not None:
             self.persistent.siblings.fill_(-1)
-        self.persistent.reset(rows, prompts, prompt_lens)
+        self.persistent.reset(rows, prompts, prompt_lens, validate=False)
         self.persistent.append_rows(rows, first_tokens.unsqueeze(1), torch.ones(B, dtype=torch.int32, device=dev))
 
     def set_groups(self, siblings: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from typing import List
 
 import torch
 
-from .state import rows_on_device
+from .state import ints_on_device
 
 
 class FeatureCapture:
@@ -42,6 +42,6 @@ class FeatureCapture:
         to ``buffer`` (a RolloutBuffer); reads nothing from the device and does not wait for it."""
         if not requests:
             return
-        idx = rows_on_device(requests, self.features.device)
+        idx = ints_on_device(requests, self.features.device)
         longest = max(lengths)
         buffer.add(self.features[idx, :longest], self.tokens[idx, :longest], step=step, lengths=lengths)

@@ -46,7 +46,7 @@ import math
 import numbers
 import time
 import warnings
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -66,7 +66,7 @@ from .probe import measure_cost_table, probe_arms
 from .records import GenerateOutput, ProgressBar, StepLog
 from .sampling import RequestSampling
 from .spot import SpotSession, highest_priority_stream, priority_stream
-from .state import LaunchedStep, RolloutState, StepCounts
+from .state import LaunchedStep, RolloutState, StepCounts, ints_on_device
 from .step_runner import FusedGraphStepRunner, SeparateGraphStepRunner, StepInputs, StepResult, TargetStep
 
 __all__ = ["GenerateOutput", "SpeculativeEngine", "StepLog", "tree_width"]
@@ -302,11 +302,15 @@ class SpeculativeEngine:
         return measure_cost_table(self.graph_pool, self.step_runner, self.strategies, self.device, batch_sizes, repeats)
 
     # -- generation ---------------------------------------------------------------------------------
-    def _check_request_args(self, tokens_in, lens, max_new_tokens, eos_token_id) -> torch.Tensor:
-        """generate's argument checks (once per rollout): returns ``max_new_tokens`` as int64 ``[B]`` on the CPU."""
-        B = tokens_in.shape[0]
+    def _check_request_args(self, tokens_in, lens, max_new_tokens, eos_token_id) -> Tuple[List[int], List[int]]:
+        """generate's argument checks (once per rollout, before the prefill): returns each request's
+        ``max_new_tokens`` and prompt length as host lists (the rollout's start then reads nothing)."""
+        B, L = tokens_in.shape
         if B > self.max_batch_size:
             raise ValueError(f"{B} prompts exceed max_batch_size={self.max_batch_size}")
+        if B == 0 or L == 0:  # (the prefill runs unchecked: _eager_prefill)
+            raise ValueError(f"prompts must hold at least one request, each with at least one token, got a "
+                             f"[{B}, {L}] batch")
         V = self.target.config.vocab_size
         check_token_ids("prompts", tokens_in, V, lens)  # the embedding would raise a bare IndexError
         if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral)
@@ -320,10 +324,11 @@ class SpeculativeEngine:
             max_new = max_new.expand(B).clone()
         if max_new.numel() != B or bool((max_new < 1).any()):
             raise ValueError(f"max_new_tokens must be an int >= 1 or {B} of them, got {max_new_tokens!r}")
-        need = int((lens.cpu() + max_new.cpu()).max())
+        lens_host = lens.cpu()
+        need = int((lens_host + max_new.cpu()).max())
         if need > self.max_seq_len:
             raise ValueError(f"prompt + max_new_tokens reaches {need} tokens, above max_seq_len={self.max_seq_len}")
-        return max_new.cpu()
+        return max_new.tolist(), lens_host.tolist()
 
     @torch.no_grad()
     def generate(self, prompts: Prompts, max_new_tokens, temperature=0.0, top_k=None, top_p=None, seed=0,
@@ -352,19 +357,22 @@ class SpeculativeEngine:
 
         with priority_stream(self.device, self._rollout_stream()):
             prompt_tokens, prompt_lens = _as_padded(prompts, self.device)
-            max_new = self._check_request_args(prompt_tokens, prompt_lens, max_new_tokens, eos_token_id)
+            max_new, lens_host = self._check_request_args(prompt_tokens, prompt_lens, max_new_tokens, eos_token_id)
             sampling = RequestSampling(prompt_tokens.shape[0], self.device, temperature, top_k, top_p, seed)
             siblings = sibling_table(groups, prompt_tokens.shape[0], self.device)
-            return self._rollout(prompt_tokens, prompt_lens, max_new, sampling, siblings, eos_token_id, trace)
+            return self._rollout(prompt_tokens, prompt_lens, lens_host, max_new, sampling, siblings, eos_token_id,
+                                 trace)
 
-    def _rollout(self, prompt_tokens, prompt_lens, max_new, sampling, siblings, eos_token_id, trace) -> GenerateOutput:
-        """:meth:`generate` after its checks: start -> ``while active: step`` -> finish, and the output."""
+    def _rollout(self, prompt_tokens, prompt_lens, lens_host, max_new, sampling, siblings, eos_token_id,
+                 trace) -> GenerateOutput:
+        """:meth:`generate` after its checks: start -> ``while active: step`` -> finish, and the output
+        (``lens_host``: ``prompt_lens`` as a host list)."""
         block_table, _ = self.cache.allocate(prompt_tokens.shape[0], self.slots_per_request)
         if self.selector is not None:  # the longest request's budget: the loss budget's horizon
-            self.selector.new_rollout(max_tokens=int(max_new.max()))
+            self.selector.new_rollout(max_tokens=max(max_new))
         rollout = None
         try:
-            rollout = self._start(prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id)
+            rollout = self._start(prompt_tokens, prompt_lens, lens_host, max_new, block_table, sampling, eos_token_id)
             if siblings is not None:
                 hand_groups(self.tree_drafter, siblings)
             rollout.trace = trace
@@ -416,12 +424,14 @@ class SpeculativeEngine:
         float32 [B, 2] (sampling, raw log-probs) or None)``."""
         B, dev = prompt_tokens.shape[0], self.device
         replayed = self.prefill_graphs.run(prompt_tokens, prompt_lens, block_table)  # generate checked the prompts
-        logits, hidden = replayed if replayed is not None else self.target.prefill(
-            prompt_tokens, prompt_lens.to(torch.int32), self.cache, block_table, torch.zeros(B, dtype=torch.int32,
-                                                                                             device=dev))
+        logits, hidden = replayed if replayed is not None else self._eager_prefill(prompt_tokens, prompt_lens,
+                                                                                    block_table)
         offsets = torch.zeros(B, dtype=torch.int64, device=dev)
+        # Unvalidated: the one-node trees are the engine's and RequestSampling checked the parameters; a check
+        # would read the device and stall the host until the prefill's forward ends.
         first = verify_tree(logits.unsqueeze(1), torch.zeros(B, 1, dtype=torch.int64, device=dev),
                             torch.full((B, 1), -1, dtype=torch.int32, device=dev),
+                            torch.ones(B, dtype=torch.int32, device=dev), max_depth=0, validate=False,
                             return_logprobs=self.logprobs, return_raw_logprobs=self.logprobs,
                             **sampling.verify_kwargs(torch.arange(B, device=dev), offsets))
         # failed: requests whose logits held NaN/+inf (verify_tree's error flag): they emit nothing more.
@@ -431,20 +441,34 @@ class SpeculativeEngine:
         scores = torch.stack([first.logprobs[:, 0], first.raw_logprobs[:, 0]], 1) if self.logprobs else None
         return first_tokens, failed, hidden, offsets, scores
 
-    def _start(self, prompt_tokens, prompt_lens, max_new, block_table, sampling, eos_token_id) -> RolloutState:
-        """Prefill, the drafter's start, and the rollout's state (requests done at the first token already out)."""
+    def _eager_prefill(self, prompt_tokens, prompt_lens, block_table):
+        """The target's prefill without its checks where it has one (``prefill_fresh``: generate checked the token
+        ids and lengths, and the engine built the cache and the table), so that nothing reads the device."""
+        fresh = getattr(self.target, "prefill_fresh", None)
+        if fresh is not None:
+            return fresh(prompt_tokens, prompt_lens, self.cache, block_table)
+        B = prompt_tokens.shape[0]
+        return self.target.prefill(prompt_tokens, prompt_lens.to(torch.int32), self.cache, block_table,
+                                   torch.zeros(B, dtype=torch.int32, device=self.device))
+
+    def _start(self, prompt_tokens, prompt_lens, lens_host, max_new, block_table, sampling,
+               eos_token_id) -> RolloutState:
+        """Prefill, the drafter's start, and the rollout's state; reads nothing from the device, so the host prepares
+        the first step while the GPU still runs the prefill. Which requests finished at their first token (EOS, or
+        logits the prefill's verify flagged) the host learns with the first step's outcome
+        (:meth:`RolloutState.settle_start`); until then they ride along as finished rows."""
         start_time = time.perf_counter()
         B, dev = prompt_tokens.shape[0], self.device
         first_tokens, failed, hidden, offsets, first_scores = self._prefill(prompt_tokens, prompt_lens, block_table,
                                                                             sampling)
-        output_tokens = torch.full((B, int(max_new.max()) + self.max_width + 1), -1, dtype=torch.int64, device=dev)
+        output_tokens = torch.full((B, max(max_new) + self.max_width + 1), -1, dtype=torch.int64, device=dev)
         output_tokens[:, 0] = first_tokens
         output_scores = None
         if first_scores is not None:  # the same columns as output_tokens
             output_scores = torch.zeros((*output_tokens.shape, 2), dtype=torch.float32, device=dev)
             output_scores[:, 0] = first_scores
         generated = (~failed).to(torch.int64)
-        max_new_dev = max_new.to(dev)
+        max_new_dev = ints_on_device(max_new, dev)
         done = (generated >= max_new_dev) | failed
         if eos_token_id is not None:
             done |= first_tokens == eos_token_id
@@ -458,17 +482,16 @@ class SpeculativeEngine:
         if torch.device(dev).type == "cuda":  # the first step's time starts at the prefill's end (_step_seconds)
             prefill_end = torch.cuda.Event(enable_timing=True)
             prefill_end.record()
-        done_host, failed_host, lens_host = torch.stack([done.long(), failed.long(), prompt_lens.long()]).tolist()
-        finish_s = [prefill_s if is_done else 0.0 for is_done in done_host]
         return RolloutState(
             block_table=block_table, context_lens=prompt_lens.to(torch.int32).clone(), offsets=offsets,
             root_tokens=first_tokens.clone(), output_tokens=output_tokens, generated=generated,
-            max_new_tokens=max_new_dev, active_rows=[b for b in range(B) if not done_host[b]],
-            context_lens_host=lens_host, done=done, start_time=start_time, prefill_s=prefill_s, start_batch_size=B,
-            finish_s=finish_s, errors=[b for b in range(B) if failed_host[b]], output_scores=output_scores,
-            sampling=sampling, eos_token_id=eos_token_id, features=features,
+            max_new_tokens=max_new_dev, active_rows=[b for b in range(B) if max_new[b] > 1],  # one token: done
+            context_lens_host=list(lens_host), done=done, start_time=start_time, prefill_s=prefill_s,
+            start_batch_size=B, finish_s=[0.0] * B, errors=[], output_scores=output_scores, sampling=sampling,
+            eos_token_id=eos_token_id, features=features,
             spot=SpotSession(self.spot_trainer, self.spot_batch_fraction, B, self.spot_switch_interval_s),
-            progress=ProgressBar(int(max_new.sum()), self.progress), last_end=prefill_end)
+            progress=ProgressBar(sum(max_new), self.progress), last_end=prefill_end,
+            start_outcome=RolloutState.stage_start(done, failed))
 
     def _step(self, rollout: RolloutState) -> None:
         """One turn of the loop: launch a step, then read the outcome of the step before it (overlapped steps: the
@@ -523,6 +546,7 @@ class SpeculativeEngine:
 
     def _finish_step(self, rollout: RolloutState, step: LaunchedStep) -> None:
         """Read a launched step's outcome (the step's one device-to-host read), then record and retire."""
+        rollout.settle_start()  # the start's outcome: queued before this step's, so already on the host
         counts = rollout.read_counts(step.staged)
         elapsed_s = self._record(rollout, step, counts)
         if any(counts.finished):
@@ -596,6 +620,7 @@ class SpeculativeEngine:
 
     def _finish(self, rollout: RolloutState) -> float:
         """Stop the spot trainer, flush the deferred features, load the last published drafter; returns wall time."""
+        rollout.settle_start()  # a rollout of one-token requests runs no step
         if rollout.steps:
             rollout.progress.update(int(rollout.generated.sum()), rollout.steps[-1], force=True)
         rollout.spot.stop()

@@ -11,10 +11,11 @@ from ..ops.rollout_step import MAX_ROWS as KERNEL_MAX_ROWS, can_run_on as kernel
 from .records import StepLog
 
 
-def rows_on_device(rows: List[int], device: torch.device) -> torch.Tensor:
-    """``rows`` (host ints) as int64 ``[len(rows)]`` on ``device``, without a sync: on CUDA the copy goes through
-    pinned memory, non-blocking (a copy from pageable memory would wait for the stream to drain)."""
-    host = torch.tensor(rows, dtype=torch.int64)
+def ints_on_device(values: List[int], device: torch.device) -> torch.Tensor:
+    """``values`` (host ints: request rows, token budgets) as int64 ``[len(values)]`` on ``device``, without a sync:
+    on CUDA the copy goes through pinned memory, non-blocking (a copy from pageable memory would wait for the stream
+    to drain)."""
+    host = torch.tensor(values, dtype=torch.int64)
     if device.type == "cuda":
         host = host.pin_memory()  # the caching host allocator keeps it alive until the copy ran
     return host.to(device, non_blocking=True)
@@ -145,6 +146,9 @@ class RolloutState:
     last_end: Any = None
     # float32 [B, W, 2]: the sampling and raw log-probs of output_tokens' tokens (same columns), or None (not scored)
     output_scores: Optional[torch.Tensor] = None
+    # The start's outcome on its way to the host (done and failed flags of every request after its first token),
+    # read with the first step's (settle_start); None once read
+    start_outcome: Optional[StagedCounts] = None
     _active_on_device: Optional[torch.Tensor] = None
     _active_block_table: Optional[torch.Tensor] = None
     _aranges: dict = field(default_factory=dict)
@@ -155,9 +159,9 @@ class RolloutState:
         return len(self.active_rows)
 
     def active_on_device(self) -> torch.Tensor:
-        """The device copy of ``active_rows`` (made again only when requests finish; :func:`rows_on_device`)."""
+        """The device copy of ``active_rows`` (made again only when requests finish; :func:`ints_on_device`)."""
         if self._active_on_device is None:
-            self._active_on_device = rows_on_device(self.active_rows, self.generated.device)
+            self._active_on_device = ints_on_device(self.active_rows, self.generated.device)
             self._active_block_table = None
         return self._active_on_device
 
@@ -179,6 +183,34 @@ class RolloutState:
         if key not in self._aranges:
             self._aranges[key] = torch.arange(start, end, device=device)
         return self._aranges[key]
+
+    @classmethod
+    def stage_start(cls, done: torch.Tensor, failed: torch.Tensor) -> StagedCounts:
+        """Start copying which requests finished at their first token (``done`` bool ``[B]``) and which of them
+        failed (``failed`` bool ``[B]``) to the host, without waiting (:meth:`settle_start` reads it)."""
+        B = done.shape[0]
+        return cls._to_host(torch.cat([done, failed]).to(torch.int64), list(range(B)), 0)
+
+    def settle_start(self) -> None:
+        """Requests that finished at their first token (a budget of one, EOS, or logits the prefill's verify flagged)
+        leave the batch, finished at the prefill's end; failed ones join :attr:`errors`. Read once, before the first
+        step's outcome (the copy was queued before that step, so this waits for nothing more). The steps launched
+        before it ran such rows as finished ones (``Emission.was_done``: nothing emitted, no state changed)."""
+        staged, self.start_outcome = self.start_outcome, None
+        if staged is None:
+            return
+        if staged.ready is not None:
+            staged.ready.synchronize()
+        flags = staged.values.tolist()
+        B = len(staged.rows)
+        ended = [b for b in range(B) if flags[b]]
+        for b in ended:
+            self.finish_s[b] = self.prefill_s
+        self.errors += [b for b in range(B) if flags[B + b]]
+        leaving = set(ended)
+        if any(row in leaving for row in self.active_rows):
+            self.active_rows = [row for row in self.active_rows if row not in leaving]
+            self._active_on_device = None
 
     def emit(self, rows, emitted, num_accepted, failed, eos_token_id) -> Emission:
         """Write each row's accepted tokens (``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``) up to
@@ -231,9 +263,9 @@ class RolloutState:
         self.root_tokens[rows] = torch.where(keep, self.root_tokens[rows], roots)
 
     def lagging(self, rows: torch.Tensor) -> torch.Tensor:
-        """bool ``[b]``: which of the running ``rows`` (int64 ``[b]``) have the most tokens left (the rows a static
-        batch waits for; :meth:`stage_counts` counts their acceptance for the selector)."""
-        return most_left(self.max_new_tokens[rows] - self.generated[rows])
+        """bool ``[b]``: which of the running ``rows`` (int64 ``[b]``) have the most tokens left, finished ones left out
+        (the rows a static batch waits for; :meth:`stage_counts` counts their acceptance for the selector)."""
+        return most_left(self.max_new_tokens[rows] - self.generated[rows], ~self.done[rows])
 
     def stage_counts(self, emission: Emission, num_accepted, new_context_lens, rows: List[int],
                      depth: int) -> StagedCounts:

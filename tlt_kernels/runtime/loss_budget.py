@@ -9,36 +9,37 @@ docs/RUNTIME.md, "The loss budget".
 Terms, per rollout (:meth:`LossBudget.new_rollout` starts over):
 
 * ``elapsed``: the seconds of the rollout's steps observed so far.
-* ``t0`` of a bucket: the lower median of its last plain step times in this rollout, its first step left out;
-  where it has none yet, the nearest timed bucket's, scaled by the start-up cost table's plain step times at the two
-  batch sizes where there is one. A ``t0`` too high credits drafts with gains they never made, so: the rollout's
-  first step is no sample (the engine's step clock runs from the prefill's end, so it also carries the host's
-  preparation of it); plain step times of earlier rollouts are stale (other contexts, other lengths), and so are a
-  bucket's after ``REFRESH_STEPS`` speculative steps there since its last plain one: its next step is plain.
-* a step's ``progress``: how far it moved the batch's end, in plain steps. A rollout is a static batch, which ends
-  with its slowest request: the engine measures the fall of its most tokens left (``update(batch_progress=)``).
-  Where the caller does not, it is estimated: where the counted requests are the lagging ones (``accepted_rows`` given: the engine's
-  rule, those with the most tokens left), a step moves the end by the fewest tokens any of them got: one plus the
-  number of leading draft positions that every counted request accepted (``accepted_per_position``). Counts over the
+* ``t0`` of a bucket: the lower median of its last plain step times in this rollout, its first step left out; where it
+  has none yet, the nearest timed bucket's, scaled by the start-up cost table's plain step times at the two batch sizes
+  where there is one. A ``t0`` too high credits drafts with gains they never made, so: the rollout's first step is no
+  sample (the engine's step clock runs from the prefill's end, so it can also carry the host's preparation of it: it did
+  while the engine's start read the device, up to 143ebb3); plain step times of earlier rollouts are stale (other
+  contexts, other lengths), and so are a bucket's after ``REFRESH_STEPS`` speculative steps there since its last plain
+  one: its next step is plain.
+* a step's ``progress``: how far it moved the batch's end, in plain steps. A rollout is a static batch, which ends with
+  its slowest request: the engine measures the fall of its most tokens left (``update(batch_progress=)``). Where the
+  caller does not, it is estimated: where the counted requests are the lagging ones (``accepted_rows`` given: the
+  engine's rule, those with the most tokens left), a step moves the end by the fewest tokens any of them got: one plus
+  the number of leading draft positions that every counted request accepted (``accepted_per_position``). Counts over the
   whole batch (no ``accepted_rows``) give one plus their mean, a throughput view; no counts, the emitted tokens per
   request. A plain step's progress is one.
-* a speculative step's ``loss``: ``elapsed_s - progress * min(t0, elapsed_s)``, the seconds it took beyond what
-  plain decoding needs to move the batch as far (negative where its drafts paid; a speculative step does a plain
-  step's work and more, so a ``t0`` above its own time is stale). With the measured fall of the batch's most tokens left,
-  the progress summed over a rollout without EOS is the longest request's tokens, so the summed loss is the
-  rollout's time beyond plain decoding's; the lagging rows' estimate can overstate a step (a row one token behind them
-  that accepts nothing ends the fall earlier), so the ledger can under-count the loss by that much.
+* a speculative step's ``loss``: ``elapsed_s - progress * min(t0, elapsed_s)``, the seconds it took beyond what plain
+  decoding needs to move the batch as far (negative where its drafts paid; a speculative step does a plain step's work
+  and more, so a ``t0`` above its own time is stale). With the measured fall of the batch's most tokens left, the
+  progress summed over a rollout without EOS is the longest request's tokens, so the summed loss is the rollout's time
+  beyond plain decoding's; the lagging rows' estimate can overstate a step (a row one token behind them that accepts
+  nothing ends the fall earlier), so the ledger can under-count the loss by that much.
 * ``remaining``: the rollout's most tokens per request (``new_rollout(max_tokens=)``) less the progress so far: plain
   decoding's steps still to go (an upper bound where requests may stop at an EOS); 0 when not told.
 * an arm's ``reserve`` in a bucket: the most its next step can lose. At worst a step emits one token per request, as a
   plain step does, so the reserve is the arm's step time minus ``t0``: the median of its recent steps in the bucket;
   before it ran there, the start-up cost table's ratio to plain decoding; without one, ``FIRST_RESERVE * t0``.
 
-Rule: a speculative arm may run only while ``loss + reserves of steps in flight + its reserve <= fraction * (elapsed
-+ remaining * t0)``, the fraction of the rollout's time were the rest decoded plainly; otherwise plain decoding runs.
+Rule: a speculative arm may run only while ``loss + reserves of steps in flight + its reserve <= fraction * (elapsed +
+remaining * t0)``, the fraction of the rollout's time were the rest decoded plainly; otherwise plain decoding runs.
 Gains bank: a rollout whose drafts paid may explore more. No draft runs before a plain step of the rollout has been
-timed (``t0``); then a rollout told its length may explore within the loss it may take over its whole length, one not told stays
-plain until ``fraction * elapsed`` covers a reserve.
+timed (``t0``); then a rollout told its length may explore within the loss it may take over its whole length, one not
+told stays plain until ``fraction * elapsed`` covers a reserve.
 """
 from __future__ import annotations
 
@@ -166,7 +167,7 @@ class LossBudget:
         end when the caller measured it (else :func:`step_progress` estimates it from the counts)."""
         self.elapsed += elapsed
         first, self._first_step = self._first_step, False
-        if not first:  # the first step also carries the host's preparation of it after the prefill: no sample
+        if not first:  # the first step may also carry the host's preparation of it after the prefill: no sample
             self.times[bucket][arm].append(elapsed)
         if not self.depths[arm]:
             self._observe_plain(bucket, batch_size, sampled=not first)
@@ -182,7 +183,6 @@ class LossBudget:
         # A speculative step does a plain step's work and more, so plain decoding took at most its time now: a
         # t0 above it is stale, and would credit the step with a gain it did not make.
         self.loss += elapsed - progress * min(t0, elapsed)
-
 
     def _observe_plain(self, bucket: int, batch_size: int, sampled: bool) -> None:
         """A plain step moved the batch one token; ``sampled``: its time joined the bucket's plain step times."""

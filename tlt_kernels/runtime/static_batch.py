@@ -41,8 +41,9 @@ SMALL_MODEL_COST = StepCost(t0=1.14e-3, kv=0.0, tok=1e-7, flop=1e-6, knee=2048, 
 NGRAM_MODEL_COST = StepCost(t0=1.35e-3, kv=0.0, tok=1e-8, flop=1e-7, knee=4096, d0=0.045e-3, d_tok=1e-8,
                             tree_overhead=0.0)
 #: what a rollout's first step costs beyond its arm's step: the engine's step clock runs from the prefill's end, so
-#: the first step also carries the host's preparation of it (the rollout record's budgeted rows: their first two
-#: plain steps averaged 1.34-1.78 ms against 1.08-1.31 ms for plain steps of the same batch sizes, same run)
+#: the first step also carried the host's preparation of it while the engine's start read the device (up to 143ebb3;
+#: the rollout record's budgeted rows: their first two plain steps averaged 1.34-1.78 ms against 1.08-1.31 ms for
+#: plain steps of the same batch sizes, same run); kept as the case the ledger must survive
 FIRST_STEP_S = 0.6e-3
 
 Feedback = Callable[[np.ndarray, np.ndarray, int], Tuple[List[int], Optional[int]]]
