@@ -5,6 +5,7 @@ import torch
 
 from tlt_kernels.drafter import DrafterKVCache, EagleConfig, EagleDrafter, accepted_length_greedy, num_candidates
 from tlt_kernels.models.config import ModelConfig
+from tlt_kernels.models.kv_cache import paged_rows
 from tlt_kernels.models.llama import LlamaForCausalLM
 from tlt_kernels.tree import validate_tree
 
@@ -344,6 +345,13 @@ def test_prefill_matches_forward_and_extend(block_size, heads, decode_path):
             assert int(st.root_tokens[b]) == int(toks[b, n])
             torch.testing.assert_close(st.last_hidden[b], g[b, n - 1], atol=1e-5, rtol=1e-5)
     assert torch.equal(st.last_hidden[2], states["extend"].last_hidden[2])  # no pair: the state's own row kept
+    # Every pair's K/V as extend writes them (prefill runs the query and the rest of the layer at the last pair only).
+    for b, n in enumerate(lens.tolist()):
+        at = {name: paged_rows(s.block_table[b : b + 1], torch.arange(n).unsqueeze(0), block_size)[0]
+              for name, s in states.items()}
+        for kv in (cache.k, cache.v):
+            flat = kv.view(-1, *kv.shape[2:])
+            torch.testing.assert_close(flat[at["prefill"]], flat[at["extend"]], atol=1e-6, rtol=1e-6)
     drafts = {name: d.draft(s, cache, depth=3, topk=2, num_verify=5) for name, s in states.items()}
     assert torch.equal(drafts["prefill"].cand_tokens, drafts["extend"].cand_tokens)
     torch.testing.assert_close(drafts["prefill"].cand_scores, drafts["extend"].cand_scores, atol=1e-5, rtol=1e-5)

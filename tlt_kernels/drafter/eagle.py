@@ -582,23 +582,41 @@ class EagleDrafter(nn.Module):
                 num_new: torch.Tensor, validate: bool = True) -> None:
         """:meth:`extend` of a state that holds no pair yet (the prompts of a rollout), for any ``n``.
 
-        With no cached pair, pair ``i`` sees exactly the new pairs ``0..i``: one causal attention over the ``n`` new
-        pairs (``scaled_dot_product_attention``, the flash kernel on a GPU), where :meth:`extend`'s dense path scores
-        every pair against every slot of the block table in float32. Same arguments as :meth:`extend`; ``validate``
-        also checks that ``state.context_lens`` is all zero (in the same host sync)."""
+        Later steps read two things of the new pairs: every pair's K/V (from its input alone) and the last pair's
+        output (``last_hidden``). So K/V are computed for all ``n`` pairs, and the query, the attention, the output
+        projection and the MLP (most of the layer's FLOPs) for each request's last pair only, which with no cached
+        pair sees exactly the new pairs up to itself; :meth:`extend`'s dense path runs the whole layer over every
+        pair. Same arguments as :meth:`extend`; ``validate`` also checks that ``state.context_lens`` is all zero (in
+        the same host sync)."""
         n = self._check_pairs(state, features, next_tokens, num_new)
         if validate and not capturing(features.device):
             _check_extend(state, cache, num_new, n, empty=True)
         x = self._input(features, next_tokens)
-        B = x.shape[0]
-        slot = torch.arange(n, device=x.device).expand(B, n)
-        q, k, v = self._qkv(x, slot)
+        B, dev = x.shape[0], x.device
+        slot = torch.arange(n, device=dev).expand(B, n)
+        last = (num_new.to(torch.int64) - 1).clamp(min=0)  # a request with no pair: garbage its state never takes
+        rows = torch.arange(B, device=dev)
+        q, k, v = self._qkv_last(x, slot, last)
         valid = slot < num_new.to(torch.int64).unsqueeze(1)
         k, v = _store_pairs(state, cache, slot, valid, k, v)  # attend to what later steps read back from the cache
-        # Rows past num_new see only pairs before them (causal): their outputs are garbage nobody reads.
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2),
-                                              v.to(q.dtype).transpose(1, 2), is_causal=True, enable_gqa=True)
-        _advance(state, self._finish(x, attn.transpose(1, 2)), next_tokens, num_new)
+        sees = (slot <= last.unsqueeze(1)).view(B, 1, 1, n)
+        attn = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype).transpose(1, 2),
+                                              v.to(q.dtype).transpose(1, 2), attn_mask=sees, enable_gqa=True)
+        g_last = self._finish(x[rows, last].unsqueeze(1), attn.transpose(1, 2))
+        _advance(state, g_last, next_tokens, num_new, last_only=True)
+
+    def _qkv_last(self, x: torch.Tensor, pos: torch.Tensor, last: torch.Tensor):
+        """:meth:`_qkv` with the query of each request's pair ``last`` (int64 ``[B]``) only: ``q [B, Hq, D]``, and
+        ``k, v`` of every pair of ``x [B, n, H]`` at positions ``pos [B, n]``."""
+        c = self.config
+        h = self.input_norm(x)
+        B, n = pos.shape
+        rows = torch.arange(B, device=x.device)
+        k = self.k_proj(h).view(B, n, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(h).view(B, n, c.num_kv_heads, c.head_dim)
+        q = self.q_proj(h[rows, last]).view(B, c.num_q_heads, c.head_dim)
+        cos, sin = _rope_cos_sin(pos, self.rope_inv_freq(x.device))
+        return _rotate(q, cos[rows, last], sin[rows, last]), _rotate(k, cos, sin), v
 
     def _check_pairs(self, state: EagleState, features: torch.Tensor, next_tokens: torch.Tensor,
                      num_new: torch.Tensor) -> int:
@@ -748,14 +766,17 @@ def _store_pairs(state: EagleState, cache: DrafterKVCache, slot: torch.Tensor, v
     return k, v
 
 
-def _advance(state: EagleState, g: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor) -> None:
-    """The state after appending ``num_new`` pairs whose outputs are ``g [B, n, H]``: each request with a new pair
-    takes its last one's output and token as ``last_hidden`` and ``root_tokens``."""
+def _advance(state: EagleState, g: torch.Tensor, next_tokens: torch.Tensor, num_new: torch.Tensor,
+             last_only: bool = False) -> None:
+    """The state after appending ``num_new`` pairs whose outputs are ``g [B, n, H]`` (``last_only``: ``g [B, 1, H]``,
+    each request's last new pair's): each request with a new pair takes its last one's output and token as
+    ``last_hidden`` and ``root_tokens``."""
     B = g.shape[0]
     last = (num_new.to(torch.int64) - 1).clamp(min=0)
     has = (num_new > 0).unsqueeze(1)
     rows = torch.arange(B, device=g.device)
-    state.last_hidden.copy_(torch.where(has, g[rows, last].to(state.last_hidden.dtype), state.last_hidden))
+    g_last = g[:, 0] if last_only else g[rows, last]
+    state.last_hidden.copy_(torch.where(has, g_last.to(state.last_hidden.dtype), state.last_hidden))
     state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
     state.context_lens.add_(num_new.to(state.context_lens.dtype))
 
