@@ -33,8 +33,10 @@ Rows per workload (greedy, or sampled at ``--temperature``; each after an untime
 Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of median wall time of ``--repeats``); ``tokens_per_s`` (tokens emitted / wall; the
 tokens the requests asked for unless ``--eos``), ``steps`` (decoding steps after the prefill), ``accepted_length``
 (tokens per request per step, the bonus token included; 1.0 without drafting), ``tail_s`` (seconds of steps with
-batch < B/4), ``prefill_ms`` (engine rows: the prompts' prefill and the drafter's start, inside ``ms``: a
-fixed cost per rollout, eager), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
+batch < B/4), ``prefill_ms`` (engine rows: the host's time to launch the prompts' prefill and the drafter's start,
+inside ``ms``), ``steps_ms`` (engine rows: the decoding steps' summed times, on the GPU's clock on CUDA: each from the
+end of the step before it, or of the prefill and the drafter's start; ``ms - steps_ms`` is the rollout's fixed cost:
+the start until the prefill's end, the outcome's read, a last overlapped step), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
 tokens), ``jit_compiles`` (Triton compiles during the row's timed rollouts, all repeats: 0 once an engine is
 warmed up; a note names the kernels otherwise) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
 transformers). A difference is recorded, never raised, with a note naming the first differing request and position:
@@ -550,6 +552,7 @@ class RolloutRun:
             self.ctx.note(f"{impl}, {work.name} B={work.batch}: {arm_summary(out.steps)}")
         self.add_rollout_row(work, impl, out.tokens, out.wall_s, len(out.steps), out.mean_accepted_length(),
                              tail_s=round(tail_s, 4), prefill_ms=round(out.prefill_s * 1e3, 3),
+                             steps_ms=round(sum(s.seconds for s in out.steps) * 1e3, 3),
                              graph_steps=sum(s.graph for s in out.steps), jit_compiles=jit.count)
 
     # -- transformers' rows ------------------------------------------------------------------------------------------

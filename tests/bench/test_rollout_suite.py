@@ -72,6 +72,8 @@ def test_engine_rows_are_greedy_identical_to_plain_and_emit_every_token(small_ru
     assert all(r["jit_compiles"] == 0 for r in rollouts if not r["impl"].startswith("hf-")), rollouts
     # The prefill (a fixed cost per rollout) is part of the row's wall time.
     assert all(0 < r["prefill_ms"] < r["ms"] for r in rollouts if not r["impl"].startswith("hf-")), rollouts
+    # So are the steps' summed times (the host's clock on the CPU); the rest is the rollout's fixed cost.
+    assert all(0 < r["steps_ms"] < r["ms"] for r in rollouts if not r["impl"].startswith("hf-")), rollouts
 
 
 def test_adaptive_rows_say_what_the_selector_ran(small_run):
