@@ -70,9 +70,9 @@ def test_negative_context_lens_are_named(model):
 
 
 def test_engine_prefill_path_is_not_checked_twice_per_step(model, monkeypatch):
-    """The drafter calls skip their host checks (validate=False): the n-gram drafter checks only once per rollout, and
-    the EAGLE drafter's start not at all (the engine guarantees its arguments, and a sync there would hold its
-    launches behind the target's prefill)."""
+    """The drafter calls skip their host checks (validate=False): neither the n-gram drafter's start nor the EAGLE
+    drafter's checks anything (the engine guarantees their arguments, and a sync there would hold the host behind
+    the target's prefill: docs/RUNTIME.md, "The rollout's start")."""
     import tlt_kernels.drafter.eagle as eagle
     import tlt_kernels.drafter.ngram_drafter as ngram
 
@@ -86,7 +86,7 @@ def test_engine_prefill_path_is_not_checked_twice_per_step(model, monkeypatch):
                             max_seq_len=32).generate(prompts, 12)
     assert len(out.steps) > 2 and calls["extend"] == 0
     out = SpeculativeEngine(model, "ngram", Strategy(3, 1, 4), max_batch_size=2, max_seq_len=32).generate(prompts, 12)
-    assert len(out.steps) > 2 and calls["counts"] == 2  # reset and the first token's append
+    assert len(out.steps) > 2 and calls["counts"] == 0
 
 
 # -- block sizes, backends, sampling arguments ---------------------------------------------------------------------
