@@ -85,6 +85,17 @@ def test_greedy_matches_plain_decoding(target, prompts, kind, strategy):
     assert sum(sum(d.values()) for d in out.strategies_by_batch().values()) == len(out.steps)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_progress_bar_ends_at_every_token(target, prompts, capsys, overlap):
+    """``progress=True`` draws on stderr; its last line counts every token of the rollout (the host's count of the
+    last step read, no device read at the end)."""
+    eng = SpeculativeEngine(target, "ngram", Strategy(4, 1, 5), max_batch_size=8, max_seq_len=64, progress=True,
+                            overlap_steps=overlap)
+    out = eng.generate(prompts, MAX_NEW)
+    last = capsys.readouterr().err.rstrip("\n").split("\r")[-1]
+    assert last.split("] ")[1].startswith(f"{sum(MAX_NEW)}/{sum(MAX_NEW)} tok") and out.lengths.tolist() == MAX_NEW
+
+
 def test_plain_sampling_reproduces_reference_stream(target, prompts):
     """Offset = decoding step, node 0: plain decoding is reference_generate's sampler token for token."""
     seeds = [11, 22, 33, 44, 55, 66, 77]

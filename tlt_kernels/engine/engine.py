@@ -408,14 +408,15 @@ class SpeculativeEngine:
 
     @staticmethod
     def _output(rollout: RolloutState, wall_s: float, errors: List[int]) -> GenerateOutput:
-        """The result: each request's tokens (and log-probs when scored), read from the device once."""
-        lengths = rollout.generated.cpu()
+        """The result: each request's tokens and their count (one read), and log-probs when scored (a second)."""
+        tokens = torch.cat([rollout.generated.unsqueeze(1), rollout.output_tokens], 1).cpu()
+        lengths = tokens[:, 0]
         per_request = lambda values: [values[b, : int(lengths[b])].tolist() for b in range(lengths.shape[0])]  # noqa: E731
         logprobs = raw_logprobs = None
         if rollout.output_scores is not None:
             scores = rollout.output_scores.cpu()
             logprobs, raw_logprobs = per_request(scores[:, :, 0]), per_request(scores[:, :, 1])
-        return GenerateOutput(per_request(rollout.output_tokens.cpu()), lengths, rollout.finish_s, rollout.steps,
+        return GenerateOutput(per_request(tokens[:, 1:]), lengths.clone(), rollout.finish_s, rollout.steps,
                               wall_s, rollout.prefill_s, rollout.spot.result or None, errors, logprobs, raw_logprobs)
 
     def _prefill(self, prompt_tokens, prompt_lens, block_table, sampling):
@@ -548,6 +549,7 @@ class SpeculativeEngine:
         """Read a launched step's outcome (the step's one device-to-host read), then record and retire."""
         rollout.settle_start()  # the start's outcome: queued before this step's, so already on the host
         counts = rollout.read_counts(step.staged)
+        rollout.tokens_so_far = counts.generated
         elapsed_s = self._record(rollout, step, counts)
         if any(counts.finished):
             self._retire(rollout, step.staged.rows, counts, elapsed_s)
@@ -622,7 +624,7 @@ class SpeculativeEngine:
         """Stop the spot trainer, flush the deferred features, load the last published drafter; returns wall time."""
         rollout.settle_start()  # a rollout of one-token requests runs no step
         if rollout.steps:
-            rollout.progress.update(int(rollout.generated.sum()), rollout.steps[-1], force=True)
+            rollout.progress.update(rollout.tokens_so_far, rollout.steps[-1], force=True)
         rollout.spot.stop()
         wall_s = time.perf_counter() - rollout.start_time
         if rollout.features is not None and rollout.deferred:

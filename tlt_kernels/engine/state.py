@@ -141,6 +141,7 @@ class RolloutState:
     # step of every rollout (None: fitted to each step, a new JIT compile whenever the batch crosses a power of two)
     step_blocks: Optional[Tuple[int, int]] = None
     pending: Optional[LaunchedStep] = None  # the launched step whose outcome the host has not read
+    tokens_so_far: int = 0  # tokens generated over the batch, as of the last step the host read
     last_read_s: float = 0.0  # perf_counter when the host last read a step's outcome
     # CUDA event (timing) at the end of the last step read, or of the prefill: the next step's time starts there
     last_end: Any = None
