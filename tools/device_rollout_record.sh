@@ -19,6 +19,8 @@
 # part returns the merged record as $OUT/rec/rollout.json (copy the last to bench/results/h200/, add the drafter's
 # training figures to its notes, then `python -m bench report`). Three parts (B = 1, 4 and the tail in the first)
 # overran a call's 600 s once the drafter's training took 150 s and the transformers rows ran slower.
+# GPU_TESTS="FILES..." (e.g. in part 4, the shortest) also runs those test files after the bench, in the call's time
+# left: $OUT/gpu_tests.log.
 set -uo pipefail
 PART=${1:-} SHA=${2:-}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -65,3 +67,7 @@ else
 fi
 echo "bench exit $? at $((SECONDS - T0)) s"; tail -4 "$OUT/rollout_$PART.log"
 cp /tmp/rollout_rec/h200/rollout.json "$OUT/rec/" 2> /dev/null
+if [ -n "${GPU_TESTS:-}" ]; then  # GPU tests riding in a part with time to spare (gpu_tests.json rows, by hand)
+  timeout $((585 - (SECONDS - T0))) python3 -m pytest -q -p no:cacheprovider $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest exit $? at $((SECONDS - T0)) s"; tail -3 "$OUT/gpu_tests.log"
+fi
