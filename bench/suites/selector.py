@@ -373,9 +373,10 @@ BUDGET_ROW = "cost, lagging feedback, 2% loss budget"
 
 def _static_batch_family(draw: int):
     """Every simulated static batch of the suite, the ``draw``-th batch of each kind (0: the kind's default batch)."""
-    from tlt_kernels.runtime.static_batch import grpo_batch, ngram_tail_batch, static_batches
+    from tlt_kernels.runtime.static_batch import good_drafter_batches, grpo_batch, ngram_tail_batch, static_batches
 
-    return static_batches(seed=draw) + [grpo_batch(seed=draw), ngram_tail_batch(seed=draw)]
+    return (static_batches(seed=draw) + [grpo_batch(seed=draw), ngram_tail_batch(seed=draw)]
+            + good_drafter_batches(seed=draw))
 
 
 def _static_batches(ctx, seeds) -> None:
@@ -404,10 +405,11 @@ def _static_batches(ctx, seeds) -> None:
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
                     vs_best_static=round(best / total, 4))
     ctx.note("static batches: every request has 128 tokens (the GRPO-like batch: up to 256, half stopping early; the "
-             "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; a seed fixes the "
-             "batch's text, so every row of a seed meets the same one; ms = the batch's simulated wall time (mean "
-             "over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is what the "
-             "selector learns after each step; warm: the selector ran the kind's next batch first; "
+             "long tail: log-normal lengths up to 256, n-gram copy phases) and its own acceptance; the good-drafter "
+             "batches run a 7B-class target's step times (StepCost's defaults), the others a small target's; a seed "
+             "fixes the batch's text, so every row of a seed meets the same one; ms = the batch's simulated wall "
+             "time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is "
+             "what the selector learns after each step; warm: the selector ran the kind's next batch first; "
              f"'{BUDGET_ROW}': StrategySelector(loss_budget={STATIC_BATCH_LOSS_BUDGET}) told each rollout's most "
              "tokens per request, as the engine tells it (tlt_kernels/runtime/static_batch.py, "
              "tlt_kernels/runtime/loss_budget.py)")

@@ -4,8 +4,9 @@ import pytest
 
 from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
 from tlt_kernels.runtime.static_batch import (FIRST_STEP_S, SMALL_MODEL_COST, BatchText, CopyPhases, StaticBatch,
-                                              batch_feedback, critical_feedback, grpo_batch, lagging_feedback,
-                                              ngram_tail_batch, run_static_batch, selector_observer, static_batches)
+                                              batch_feedback, critical_feedback, good_drafter_batches, grpo_batch,
+                                              lagging_feedback, ngram_tail_batch, run_static_batch, selector_observer,
+                                              static_batches)
 
 REACH = np.array([3, 0, 2, 1, 0])
 LEFT = np.array([9, 12, 12, 5, 12])  # requests 1, 2 and 4 lag
@@ -63,6 +64,17 @@ def test_static_batches_cover_the_batch_sizes():
     batches = static_batches((1, 4))
     assert [len(b.alphas) for b in batches] == [1, 1, 1, 4, 4, 4]
     assert all(0.0 <= a <= 1.0 for b in batches for a in b.alphas)
+
+
+def test_the_good_drafter_batches_gain_from_drafting_at_every_size():
+    """A 7B-class target whose drafter pays: every request drafted beats plain decoding at B = 16 and 64, the deep tree
+    where verifying is cheap (B = 16) and the chain where 16 tokens a request make the step FLOP-bound (B = 64)."""
+    small, large = good_drafter_batches((16, 64))
+    assert [len(b.alphas) for b in (small, large)] == [16, 64] and all(0 < a < 1 for a in large.alphas)
+    plain = {b.name: run_static_batch(b, lambda n: Strategy.off()) for b in (small, large)}
+    assert run_static_batch(small, lambda n: Strategy(5, 4, 16)) < 0.6 * plain[small.name]
+    assert run_static_batch(large, lambda n: Strategy(2, 1, 3)) < 0.9 * plain[large.name]
+    assert run_static_batch(large, lambda n: Strategy(5, 4, 16)) > run_static_batch(large, lambda n: Strategy(2, 1, 3))
 
 
 def test_requests_that_stop_early_leave_the_batch():

@@ -20,6 +20,7 @@ After each step the selector learns acceptance counts through a *feedback rule*,
 
 :data:`SMALL_MODEL_COST` is a launch-bound small target's step time (docs/RUNTIME.md gives the measurements);
 :func:`grpo_batch` a GRPO rollout's batch (uneven lengths, low acceptance, n-gram step times);
+:func:`good_drafter_batches` a 7B-class target's uniform batches with a drafter that pays at every size;
 :func:`ngram_tail_batch` a long-tailed batch whose n-gram acceptance comes in copy phases (:class:`CopyPhases`).
 """
 from __future__ import annotations
@@ -210,6 +211,18 @@ def static_batches(batch_sizes: Sequence[int] = (1, 4, 32), budget: int = 128, s
         out += [StaticBatch(f"static batch B={size}, eagle-like", rng.beta(2, 3, size), budget),
                 StaticBatch(f"static batch B={size}, ngram-like", mixed, budget),
                 StaticBatch(f"static batch B={size}, uniform 0.5", np.full(size, 0.5), budget)]
+    return out
+
+
+def good_drafter_batches(batch_sizes: Sequence[int] = (16, 64), budget: int = 128, seed: int = 0) -> List[StaticBatch]:
+    """Per batch size: a 7B-class target (:class:`~.simulate.StepCost`'s defaults: a draft depth ~7% of the step, a
+    wide tree FLOP-bound at large batches) with a drafter that pays, acceptance Beta(7, 3) per request (mean 0.7,
+    requests alike): a uniform-length benchmark where speculation gains at every size, the case a loss budget must
+    not give away (docs/RUNTIME.md, "The loss budget")."""
+    out = []
+    for size in batch_sizes:
+        rng = np.random.default_rng(seed * 100 + size)
+        out.append(StaticBatch(f"static batch B={size}, 7B, good drafter", rng.beta(7, 3, size), budget, StepCost()))
     return out
 
 
