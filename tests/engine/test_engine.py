@@ -772,6 +772,19 @@ def test_trace_probes_every_arm_without_changing_the_output(target, prompts, tmp
     assert 0 < res.oracle_fraction <= 1.0
 
 
+def test_trace_records_only_the_requests_still_running(target, prompts):
+    """Requests that ended at their first token (EOS) are in no trace record: the records' batch sizes are the
+    steps'."""
+    arms = [Strategy(2, 1, 3), Strategy(3, 2, 6)]
+    eng = SpeculativeEngine(target, "ngram", StrategySelector(arms, seed=0), max_batch_size=8, max_seq_len=64)
+    sampling = dict(temperature=1.0, seed=list(range(len(MAX_NEW))))
+    eos = eng.generate(prompts, MAX_NEW, **sampling).tokens[1][0]
+    trace = []
+    out = eng.generate(prompts, MAX_NEW, eos_token_id=eos, trace=trace, **sampling)
+    assert [t[0] for t in out.tokens].count(eos) >= 1 and out.steps[0].batch_size < sum(n > 1 for n in MAX_NEW)
+    assert [rec["batch_size"] for rec in trace] == [st.batch_size for st in out.steps]
+
+
 class _FailingOnceBackend:
     """A fake graph backend whose ``fail_at``-th capture raises, as an invalidated CUDA capture does."""
 

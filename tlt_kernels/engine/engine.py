@@ -513,6 +513,8 @@ class SpeculativeEngine:
         """select -> propose -> verify -> emit (budget, EOS) -> commit, all queued on the device; the outcome's
         transfer to the host is started, not waited for."""
         started = time.perf_counter()
+        if rollout.trace is not None:  # probes count the rows they run: not those that ended at their first token
+            rollout.settle_start()
         batch_size, rows = rollout.batch_size, rollout.active_on_device()
         strategy = self.static if self.selector is None else self.selector.select(batch_size)
         if self.spot_trainer is not None:
