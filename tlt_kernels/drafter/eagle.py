@@ -390,15 +390,22 @@ class EagleDrafter(nn.Module):
         emb = F.embedding(next_tokens, self.embed_weight).to(dt)
         return self.fc(torch.cat([emb, feature.to(dt)], dim=-1))
 
-    def _qkv(self, x: torch.Tensor, pos: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, query_at: Optional[torch.Tensor] = None):
+        """Rotated ``q, k`` and ``v`` of the pairs ``x [..., T, H]`` at positions ``pos [..., T]``; with ``query_at``
+        (int64 ``[B]``, ``x`` of shape ``[B, T, H]``) the query of each request's pair ``query_at`` only: ``q [B, Hq,
+        D]`` (a prompt's start reads only its last pair's output)."""
         c = self.config
         h = self.input_norm(x)
         shp = x.shape[:-1]
-        q = self.q_proj(h).view(*shp, c.num_q_heads, c.head_dim)
         k = self.k_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
         v = self.v_proj(h).view(*shp, c.num_kv_heads, c.head_dim)
-        cos, sin = _rope_cos_sin(pos, self.rope_inv_freq(q.device))
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        cos, sin = _rope_cos_sin(pos, self.rope_inv_freq(x.device))
+        if query_at is None:
+            q = self.q_proj(h).view(*shp, c.num_q_heads, c.head_dim)
+            return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        rows = torch.arange(x.shape[0], device=x.device)
+        q = self.q_proj(h[rows, query_at]).view(x.shape[0], c.num_q_heads, c.head_dim)
+        return _rotate(q, cos[rows, query_at], sin[rows, query_at]), _rotate(k, cos, sin), v
 
     def qkv_projections(self, h: torch.Tensor):
         """``q, k, v`` of ``h [..., H]``: one GEMM once :meth:`pack_projections` has packed them, else three."""
@@ -596,7 +603,7 @@ class EagleDrafter(nn.Module):
         slot = torch.arange(n, device=dev).expand(B, n)
         last = (num_new.to(torch.int64) - 1).clamp(min=0)  # a request with no pair: garbage its state never takes
         rows = torch.arange(B, device=dev)
-        q, k, v = self._qkv_last(x, slot, last)
+        q, k, v = self._qkv(x, slot, query_at=last)
         valid = slot < num_new.to(torch.int64).unsqueeze(1)
         k, v = _store_pairs(state, cache, slot, valid, k, v)  # attend to what later steps read back from the cache
         sees = (slot <= last.unsqueeze(1)).view(B, 1, 1, n)
@@ -604,19 +611,6 @@ class EagleDrafter(nn.Module):
                                               v.to(q.dtype).transpose(1, 2), attn_mask=sees, enable_gqa=True)
         g_last = self._finish(x[rows, last].unsqueeze(1), attn.transpose(1, 2))
         _advance(state, g_last, next_tokens, num_new, last_only=True)
-
-    def _qkv_last(self, x: torch.Tensor, pos: torch.Tensor, last: torch.Tensor):
-        """:meth:`_qkv` with the query of each request's pair ``last`` (int64 ``[B]``) only: ``q [B, Hq, D]``, and
-        ``k, v`` of every pair of ``x [B, n, H]`` at positions ``pos [B, n]``."""
-        c = self.config
-        h = self.input_norm(x)
-        B, n = pos.shape
-        rows = torch.arange(B, device=x.device)
-        k = self.k_proj(h).view(B, n, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(h).view(B, n, c.num_kv_heads, c.head_dim)
-        q = self.q_proj(h[rows, last]).view(B, c.num_q_heads, c.head_dim)
-        cos, sin = _rope_cos_sin(pos, self.rope_inv_freq(x.device))
-        return _rotate(q, cos[rows, last], sin[rows, last]), _rotate(k, cos, sin), v
 
     def _check_pairs(self, state: EagleState, features: torch.Tensor, next_tokens: torch.Tensor,
                      num_new: torch.Tensor) -> int:
