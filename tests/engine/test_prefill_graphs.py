@@ -106,17 +106,22 @@ def test_batches_no_graph_holds_run_the_eager_prefill(target, monkeypatch):
 
 def test_prefill_max_tokens_bounds_the_captured_batches(target, monkeypatch):
     """A bucket's graphs exist only at batch sizes whose ``batch x bucket`` fits ``prefill_max_tokens``; a larger
-    batch of that bucket runs the eager prefill."""
+    batch of that bucket replays in pieces of the captured sizes, with the eager prefill's tokens."""
     eng = _engine(target, (8, 32), prefill_max_tokens=64)
     assert eng.graph_pool.captured_sizes(("prefill", 8)) == [2, 8]
     assert eng.graph_pool.captured_sizes(("prefill", 32)) == [2]
-    calls = []
+    calls, replays = [], []
     eager = eng._eager_prefill
     monkeypatch.setattr(eng, "_eager_prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
+    run = eng.graphs.replay
+    monkeypatch.setattr(eng.graphs, "replay", lambda name, inputs, b: replays.append((name, b)) or run(name, inputs, b))
     eng.generate(ragged_prompts(2, seed=4, first=10, step=3), 4)  # 10, 13 tokens: 2 x 32 replayed
-    assert calls == []
-    eng.generate(ragged_prompts(3, seed=4, first=10, step=3), 4)  # 4 x 32 > 64 tokens: eager
-    assert calls == [(3, 16)]
+    assert calls == [] and [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 32), 2)]
+    replays.clear()
+    prompts = ragged_prompts(3, seed=4, first=10, step=3)
+    out = eng.generate(prompts, 4)  # 4 x 32 > 64 tokens: two requests, then one padded to two
+    assert calls == [] and [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 32), 2), (("prefill", 32), 1)]
+    assert out.tokens == _engine(target, ()).generate(prompts, 4).tokens
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="prefill_max_tokens"):
             _engine(target, (8,), prefill_max_tokens=bad)
@@ -172,10 +177,11 @@ def test_prefill_lengths_are_checked():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
-def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
+def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter, monkeypatch):
     """On a GPU, with real CUDA graphs: the prefill captured per bucket and replayed gives the eager engine's tokens
     (plain, n-gram and EAGLE engines; the EAGLE drafter starts from the replayed hidden states, in its own
-    replayed graph)."""
+    replayed graph), and so does a mixed batch replayed bucket by bucket."""
+    import tlt_kernels.engine.prefill as prefill
     from conftest import tiny_trained_target
     from tlt_kernels.drafter import EagleDrafter
 
@@ -191,10 +197,63 @@ def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
         assert eng.graph_error is None, eng.graph_error
         return eng
 
-    eager = engine(()).generate(prompts, 12)
+    eager_engine = engine(())
+    eager = eager_engine.generate(prompts, 12)
     replayed = engine((8, 32))
     assert replayed.prefill_graphs.graphs.padded_size(("prefill", 32), 5) == 8
     if drafter == "eagle":  # the drafter's start is captured beside the target's prefill
         assert replayed.graphs.padded_size(("start", 32), 5) == 8
     for _ in range(2):  # the second rollout replays over the first one's cache contents
         assert replayed.generate(prompts, 12).tokens == eager.tokens
+    mixed = [p[:n] for p, n in zip(ragged_prompts(5, seed=7, first=20, step=1), (3, 20, 5, 4, 30))]
+    monkeypatch.setattr(prefill, "REPLAY_TOKENS", 0)  # at these sizes one replay would cost less
+    assert len(replayed.prefill_graphs.plan([len(p) for p in mixed])) == 3
+    assert replayed.generate(mixed, 12).tokens == eager_engine.generate(mixed, 12).tokens
+
+
+def test_a_mixed_batch_replays_each_bucket_with_the_eager_tokens(target, monkeypatch):
+    """A batch whose prompt lengths span buckets replays each bucket's graph on its own requests when that prefills
+    fewer padded tokens (``REPLAY_TOKENS`` set to 0 here: at these sizes a replay's overhead outweighs the padding);
+    the tokens, the per-step outcome and the drafter's start are the eager prefill's."""
+    import tlt_kernels.engine.prefill as prefill
+
+    prompts = [p[:n] for p, n in zip(ragged_prompts(5, seed=7, first=20, step=1), (3, 20, 5, 4, 30))]
+    eager = _engine(target, ()).generate(prompts, 10)
+    eng = _engine(target, (8, 32))
+    replays = []
+    run = eng.graphs.replay
+    monkeypatch.setattr(eng.graphs, "replay", lambda name, inputs, b: replays.append((name, b)) or run(name, inputs, b))
+    assert eng.prefill_graphs.plan([len(p) for p in prompts]) == [(32, list(range(5)))]  # 8 x 32 + 256 < grouped
+    monkeypatch.setattr(prefill, "REPLAY_TOKENS", 0)
+    assert eng.prefill_graphs.plan([len(p) for p in prompts]) == [(8, [0, 2]), (8, [3]), (32, [1, 4])]
+    out = eng.generate(prompts, 10)
+    assert [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 8), 2), (("prefill", 8), 1),
+                                                            (("prefill", 32), 2)]
+    assert out.tokens == eager.tokens
+    assert [(s.strategy, s.emitted) for s in out.steps] == [(s.strategy, s.emitted) for s in eager.steps]
+
+
+def test_the_grouped_prefill_leaves_the_eager_outputs(target, monkeypatch):
+    """``PrefillGraphs.run`` on a mixed batch: the logits and each request's valid hidden rows equal the eager
+    prefill's, and each request's cached K/V."""
+    import tlt_kernels.engine.prefill as prefill
+
+    monkeypatch.setattr(prefill, "REPLAY_TOKENS", 0)
+    lens = [3, 20, 5, 8, 30]
+    outs = []
+    for lengths in ((), (8, 32)):
+        eng = _engine(target, lengths, None, Strategy.off())
+        tokens = torch.randint(0, target.config.vocab_size, (5, 30), generator=torch.Generator().manual_seed(1))
+        lens_dev = torch.tensor(lens, dtype=torch.int32)
+        table, _ = eng.cache.allocate(5, eng.slots_per_request)
+        replayed = eng.prefill_graphs.run(tokens, lens_dev, table, lens)
+        logits, hidden = replayed if replayed is not None else eng._eager_prefill(tokens, lens_dev, table)
+        slots = eng.cache.flat_index(table, torch.arange(30).expand(5, -1))
+        outs.append((replayed is not None, logits, hidden, eng.cache.read_at(0, slots)))
+    (was_eager, *eager), (grouped, *mine) = outs
+    assert not was_eager and grouped and len(eng.prefill_graphs.plan(lens)) == 3
+    torch.testing.assert_close(mine[0], eager[0], atol=1e-5, rtol=1e-5)
+    valid = torch.arange(30).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    torch.testing.assert_close(mine[1][valid], eager[1][valid], atol=1e-5, rtol=1e-5)
+    for mine_kv, eager_kv in zip(mine[2], eager[2]):
+        torch.testing.assert_close(mine_kv[valid], eager_kv[valid], atol=1e-5, rtol=1e-5)

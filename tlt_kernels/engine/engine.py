@@ -160,11 +160,13 @@ class SpeculativeEngine:
             scoring (``verify_tree(return_logprobs=True, return_raw_logprobs=True)``).
         prefill_lengths: prompt-length buckets whose prefill :meth:`capture_graphs` also records, at its batch
             sizes (:mod:`tlt_kernels.engine.prefill`): a batch whose longest prompt fits a bucket replays it, padded,
-            instead of the eager prefill's hundreds of launches (the target needs ``prefill_fresh``). Each bucket
-            keeps static ``[batch, bucket, H]`` hidden states per captured batch size. A drafter that captures its
-            start (the EAGLE drafter) replays its own graph for the bucket. ``()`` (default): the eager prefill.
+            instead of the eager prefill's hundreds of launches (the target needs ``prefill_fresh``); a batch of
+            mixed lengths may replay each bucket's graph on its own requests instead, when that pads fewer tokens.
+            Each bucket keeps static ``[batch, bucket, H]`` hidden states per captured batch size. A drafter that
+            captures its start (the EAGLE drafter) replays its own graph for the bucket. ``()`` (default): the
+            eager prefill.
         prefill_max_tokens: a bucket's graph is captured only at batch sizes ``b`` with ``b * bucket`` at most this
-            (its memory grows with it); larger batches of that bucket run the eager prefill.
+            (its memory grows with it); a larger batch of that bucket replays in pieces of the captured sizes.
         lazy_commit_steps: with a drafter that allows it (``lazy_commit``: the n-gram and EAGLE drafters, their
             union), plain steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the
             drafter learns the backlog as one path before its next draft, or after this many plain steps. A plain
@@ -419,12 +421,13 @@ class SpeculativeEngine:
         return GenerateOutput(per_request(tokens[:, 1:]), lengths.clone(), rollout.finish_s, rollout.steps,
                               wall_s, rollout.prefill_s, rollout.spot.result or None, errors, logprobs, raw_logprobs)
 
-    def _prefill(self, prompt_tokens, prompt_lens, block_table, sampling):
+    def _prefill(self, prompt_tokens, prompt_lens, lens_host, block_table, sampling):
         """The prompts' KV and the first token of each request, drawn from the prompt's last logits (offset 0, node
         0): ``(first_tokens int64 [B], failed bool [B], prefill_hidden [B, L, H], offsets int64 [B], first_scores
         float32 [B, 2] (sampling, raw log-probs) or None)``."""
         B, dev = prompt_tokens.shape[0], self.device
-        replayed = self.prefill_graphs.run(prompt_tokens, prompt_lens, block_table)  # generate checked the prompts
+        # generate checked the prompts; their lengths on the host let a mixed batch replay each bucket's graph
+        replayed = self.prefill_graphs.run(prompt_tokens, prompt_lens, block_table, lens_host)
         logits, hidden = replayed if replayed is not None else self._eager_prefill(prompt_tokens, prompt_lens,
                                                                                     block_table)
         offsets = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -460,8 +463,8 @@ class SpeculativeEngine:
         (:meth:`RolloutState.settle_start`); until then they ride along as finished rows."""
         start_time = time.perf_counter()
         B, dev = prompt_tokens.shape[0], self.device
-        first_tokens, failed, hidden, offsets, first_scores = self._prefill(prompt_tokens, prompt_lens, block_table,
-                                                                            sampling)
+        first_tokens, failed, hidden, offsets, first_scores = self._prefill(prompt_tokens, prompt_lens, lens_host,
+                                                                            block_table, sampling)
         output_tokens = torch.full((B, max(max_new) + self.max_width + 1), -1, dtype=torch.int64, device=dev)
         output_tokens[:, 0] = first_tokens
         output_scores = None

@@ -8,15 +8,27 @@ batch size that holds it; the rows past the batch are padding requests that writ
 other batch (a longer prompt, a batch size without a graph, graphs not captured) runs the eager prefill. A drafter
 that captures its start (``prefill_graph_specs``, such as the EAGLE drafter's) has its graphs at the same buckets and
 batch sizes.
+
+A large batch's prefill is bound by the GPU's work on its padded tokens, so one long prompt would pad every other
+prompt to its bucket (an RL batch's prompt lengths vary several-fold). :meth:`PrefillGraphs.plan` therefore also
+weighs grouped replays: each request at its own bucket, each bucket's requests in pieces of captured batch sizes;
+it keeps whichever plan prefills fewer padded tokens, counting each replay as ``REPLAY_TOKENS`` tokens more.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..drafter.base import prefill_graph_specs
+from .state import ints_on_device
+
+# What one more replay costs a grouped plan, in padded tokens: its host work (input copies, a launch) is worth about
+# this many prompt tokens of a small model's prefill, so a plan splits a batch only where that saves GPU work.
+REPLAY_TOKENS = 256
+# One replay of a plan: (bucket, the request rows it prefills).
+Replay = Tuple[int, List[int]]
 
 
 def check_prefill_max_tokens(max_tokens: int) -> int:
@@ -77,16 +89,80 @@ class PrefillGraphs:
             return None
         return bucket
 
-    def run(self, tokens: torch.Tensor, lengths: torch.Tensor,
-            block_table: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """``(logits [B, V], hidden [B, L, H])`` of fresh prompts ``tokens [B, L]`` from a replayed graph, or None
-        when no captured graph holds the batch (the caller runs the eager prefill). The outputs are views of the
-        graph's static buffers: read them before the next prefill."""
-        batch_size, length = tokens.shape
-        bucket = self.replayed_bucket(batch_size, length)
-        if bucket is None:
+    def plan(self, lens_host: Sequence[int]) -> Optional[List[Replay]]:
+        """The replays that prefill prompts of ``lens_host`` tokens: the whole batch at its longest prompt's bucket,
+        or the requests grouped by their own buckets, whichever costs fewer padded tokens (``REPLAY_TOKENS`` per
+        replay); None when neither has graphs (the eager prefill runs)."""
+        rows = list(range(len(lens_host)))
+        whole = self.replayed_bucket(len(rows), max(lens_host))
+        plans = [] if whole is None else [[(whole, rows)]]
+        grouped = self._grouped_plan(lens_host)
+        if grouped is not None and len(grouped) > 1:
+            plans.append(grouped)
+        return min(plans, key=self._cost) if plans else None
+
+    def _grouped_plan(self, lens_host: Sequence[int]) -> Optional[List[Replay]]:
+        """Each request at its own bucket, each bucket's requests in pieces: the largest captured batch size that
+        the rest fills, then the smallest that holds what is left (padded). None: a request or a piece has no graph."""
+        groups = {}
+        for row, length in enumerate(lens_host):
+            groups.setdefault(self.bucket(length), []).append(row)
+        if None in groups:
             return None
-        padded = F.pad(tokens, (0, bucket - length)) if bucket > length else tokens
-        logits, hidden = self.graphs.replay(("prefill", bucket), [padded, lengths.to(torch.int32), block_table],
-                                            batch_size)
-        return logits, hidden[:, :length].contiguous()  # the eager prefill's layout: consumers may view it
+        replays = []
+        for bucket, rows in sorted(groups.items()):
+            sizes = self.graphs.pool.captured_sizes(("prefill", bucket)) if self.graphs.captured else []
+            while rows:
+                fits = [s for s in sizes if s <= len(rows)]
+                size = fits[-1] if fits else self.graphs.padded_size(("prefill", bucket), len(rows))
+                if size is None:
+                    return None
+                replays.append((bucket, rows[:size]))
+                rows = rows[size:]
+        return replays
+
+    def _cost(self, plan: List[Replay]) -> int:
+        """Padded tokens the plan's replays prefill (each at its captured batch size), plus ``REPLAY_TOKENS`` each."""
+        return sum(self.graphs.padded_size(("prefill", bucket), len(rows)) * bucket + REPLAY_TOKENS
+                   for bucket, rows in plan)
+
+    def run(self, tokens: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor,
+            lens_host: Optional[Sequence[int]] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(logits [B, V], hidden [B, L, H])`` of fresh prompts ``tokens [B, L]`` from replayed graphs, or None
+        when no captured graph holds the batch (the caller runs the eager prefill). ``lens_host``: the prompts'
+        lengths as host ints (default: every prompt ``L`` long: one replay). Hidden rows past a request's length
+        are garbage, as the eager prefill's."""
+        batch_size, length = tokens.shape
+        plan = self.plan([length] * batch_size if lens_host is None else lens_host)
+        if plan is None:
+            return None
+        if len(plan) == 1:  # the whole batch, in order: no gathers
+            logits, hidden = self._replay(plan[0][0], tokens, lengths, block_table, batch_size)
+            return logits, hidden[:, :length].contiguous()  # the eager prefill's layout: consumers may view it
+        return self._run_grouped(plan, tokens, lengths, block_table)
+
+    def _replay(self, bucket: int, tokens, lengths, block_table, batch_size: int):
+        """One replay of ``batch_size`` prompts (each at most ``bucket`` long), padded or cut to ``bucket``: views
+        of the graph's static ``logits [b, V]`` and ``hidden [b, bucket, H]``."""
+        length = tokens.shape[1]
+        padded = F.pad(tokens, (0, bucket - length)) if bucket > length else tokens[:, :bucket]
+        return self.graphs.replay(("prefill", bucket), [padded, lengths.to(torch.int32), block_table], batch_size)
+
+    def _run_grouped(self, plan: List[Replay], tokens, lengths, block_table):
+        """The plan's replays, each on its rows' prompts; their outputs copied to the batch's rows as each ends (a
+        later replay of the same graph overwrites its static outputs). Hidden rows past a replay's bucket are 0."""
+        index = ints_on_device([row for _, rows in plan for row in rows], tokens.device)  # one copy for all replays
+        logits = hidden = None
+        start = 0
+        for bucket, rows in plan:
+            rows_dev = index[start:start + len(rows)]
+            start += len(rows)
+            piece = [t.index_select(0, rows_dev) for t in (tokens, lengths, block_table)]
+            piece_logits, piece_hidden = self._replay(bucket, *piece, len(rows))
+            if logits is None:
+                logits = piece_logits.new_empty(tokens.shape[0], piece_logits.shape[1])
+                hidden = piece_hidden.new_zeros(tokens.shape[0], tokens.shape[1], piece_hidden.shape[2])
+            width = min(bucket, tokens.shape[1])
+            logits.index_copy_(0, rows_dev, piece_logits)
+            hidden[:, :width].index_copy_(0, rows_dev, piece_hidden[:, :width])
+        return logits, hidden
