@@ -257,3 +257,17 @@ def test_the_grouped_prefill_leaves_the_eager_outputs(target, monkeypatch):
     torch.testing.assert_close(mine[1][valid], eager[1][valid], atol=1e-5, rtol=1e-5)
     for mine_kv, eager_kv in zip(mine[2], eager[2]):
         torch.testing.assert_close(mine_kv[valid], eager_kv[valid], atol=1e-5, rtol=1e-5)
+
+
+def test_pieces_cost_the_fewest_padded_tokens_and_replays():
+    """A bucket's requests split into replays at captured sizes: padded tokens plus ``REPLAY_TOKENS`` (256) per
+    replay, the least of all splits (a piece pads to a captured size only where that costs less than more replays)."""
+    from tlt_kernels.engine.prefill import PrefillGraphs
+
+    graphs = PrefillGraphs.__new__(PrefillGraphs)
+    graphs._pieces_memo = {}
+    assert graphs._pieces((1, 2, 4, 8, 16, 32, 64), 256, 40) == [32, 8]
+    assert graphs._pieces((1, 16, 64), 256, 40) == [16, 16] + [1] * 8  # 8 x (256 + 256) < 16 x 256 + 256
+    assert graphs._pieces((1, 16, 64), 32, 40) == [16, 16, 8]  # 16 x 32 + 256 < 8 x (32 + 256): padded
+    assert graphs._pieces((16, 64), 512, 3) == [3]  # the smallest size holds them, padded
+    assert graphs._pieces((1, 16, 64), 128, 64) == [64]

@@ -54,6 +54,7 @@ class PrefillGraphs:
                  max_tokens: int = 32768):
         self.target, self.cache, self.sink_table, self.graphs = target, cache, sink_table, graphs
         self.lengths, self.max_tokens = tuple(lengths), max_tokens
+        self._pieces_memo = {}
 
     def register(self, batch_sizes: Sequence[int], drafter=None) -> None:
         """Add every bucket's graph to the pool at those of ``batch_sizes`` whose ``batch x bucket`` is at most
@@ -102,8 +103,8 @@ class PrefillGraphs:
         return min(plans, key=self._cost) if plans else None
 
     def _grouped_plan(self, lens_host: Sequence[int]) -> Optional[List[Replay]]:
-        """Each request at its own bucket, each bucket's requests in pieces: the largest captured batch size that
-        the rest fills, then the smallest that holds what is left (padded). None: a request or a piece has no graph."""
+        """Each request at its own bucket, each bucket's requests in the pieces :meth:`_pieces` picks. None: a
+        request longer than every bucket, or a bucket without graphs."""
         groups = {}
         for row, length in enumerate(lens_host):
             groups.setdefault(self.bucket(length), []).append(row)
@@ -111,15 +112,27 @@ class PrefillGraphs:
             return None
         replays = []
         for bucket, rows in sorted(groups.items()):
-            sizes = self.graphs.pool.captured_sizes(("prefill", bucket)) if self.graphs.captured else []
-            while rows:
-                fits = [s for s in sizes if s <= len(rows)]
-                size = fits[-1] if fits else self.graphs.padded_size(("prefill", bucket), len(rows))
-                if size is None:
-                    return None
-                replays.append((bucket, rows[:size]))
-                rows = rows[size:]
+            sizes = tuple(self.graphs.pool.captured_sizes(("prefill", bucket))) if self.graphs.captured else ()
+            if not sizes:
+                return None
+            for count in self._pieces(sizes, bucket, len(rows)):
+                replays.append((bucket, rows[:count]))
+                rows = rows[count:]
         return replays
+
+    def _pieces(self, sizes: Tuple[int, ...], bucket: int, count: int) -> List[int]:
+        """The requests per replay that prefill ``count`` requests of ``bucket`` most cheaply, each replay at a
+        captured batch size (``sizes``; a piece smaller than its size is padded) and costing ``REPLAY_TOKENS``
+        more: a small dynamic program over the counts, kept per (sizes, bucket, count)."""
+        key = (sizes, bucket, count, REPLAY_TOKENS)
+        if key not in self._pieces_memo:
+            best = [(0, [])]  # best[m]: (cost, pieces) for m requests
+            for m in range(1, count + 1):
+                options = ((best[max(m - s, 0)], s) for s in sizes)
+                best.append(min((cost + s * bucket + REPLAY_TOKENS, pieces + [min(s, m)])
+                                for (cost, pieces), s in options))
+            self._pieces_memo[key] = sorted(best[count][1], reverse=True)  # the largest piece first
+        return self._pieces_memo[key]
 
     def _cost(self, plan: List[Replay]) -> int:
         """Padded tokens the plan's replays prefill (each at its captured batch size), plus ``REPLAY_TOKENS`` each."""
