@@ -211,15 +211,22 @@ def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter, monkeypatch):
     assert replayed.generate(mixed, 12).tokens == eager_engine.generate(mixed, 12).tokens
 
 
-def test_a_mixed_batch_replays_each_bucket_with_the_eager_tokens(target, monkeypatch):
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_a_mixed_batch_replays_each_bucket_with_the_eager_tokens(target, drafter, monkeypatch):
     """A batch whose prompt lengths span buckets replays each bucket's graph on its own requests when that prefills
     fewer padded tokens (``REPLAY_TOKENS`` set to 0 here: at these sizes a replay's overhead outweighs the padding);
-    the tokens, the per-step outcome and the drafter's start are the eager prefill's."""
+    the tokens and the per-step outcome are the eager prefill's (the EAGLE drafter starts from the pieces' hidden
+    states, in its graph for the batch's longest bucket)."""
     import tlt_kernels.engine.prefill as prefill
+    from tlt_kernels.drafter import EagleDrafter
+
+    def engine(lengths):
+        torch.manual_seed(0)  # the same drafter weights
+        return _engine(target, lengths, EagleDrafter.for_target(target) if drafter == "eagle" else drafter)
 
     prompts = [p[:n] for p, n in zip(ragged_prompts(5, seed=7, first=20, step=1), (3, 20, 5, 4, 30))]
-    eager = _engine(target, ()).generate(prompts, 10)
-    eng = _engine(target, (8, 32))
+    eager = engine(()).generate(prompts, 10)
+    eng = engine((8, 32))
     replays = []
     run = eng.graphs.replay
     monkeypatch.setattr(eng.graphs, "replay", lambda name, inputs, b: replays.append((name, b)) or run(name, inputs, b))
@@ -229,6 +236,8 @@ def test_a_mixed_batch_replays_each_bucket_with_the_eager_tokens(target, monkeyp
     out = eng.generate(prompts, 10)
     assert [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 8), 2), (("prefill", 8), 1),
                                                             (("prefill", 32), 2)]
+    if drafter == "eagle":
+        assert (("start", 32), 5) in replays
     assert out.tokens == eager.tokens
     assert [(s.strategy, s.emitted) for s in out.steps] == [(s.strategy, s.emitted) for s in eager.steps]
 
