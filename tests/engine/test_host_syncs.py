@@ -100,7 +100,9 @@ class ReadCounter:
 
 
 class _MaskIndexing(TorchFunctionMode):
-    """Notes indexing with a boolean mask (a data-dependent size: a device read) to ``counter``."""
+    """Notes indexing with a boolean mask (a data-dependent size: a device read) to ``counter``, and a Python
+    scalar stored through a tensor index (``t[rows] = 0``: on CUDA the scalar becomes a host tensor copied to the
+    device synchronously, which waits for the stream like a read)."""
 
     def __init__(self, counter: "ReadCounter"):
         super().__init__()
@@ -109,7 +111,15 @@ class _MaskIndexing(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.__getitem__ and len(args) > 1 and self.counter._is_mask(args[1]):
             self.counter._note("mask index")
+        if func is torch.Tensor.__setitem__ and len(args) > 2 and self._tensor_index(args[1]) \
+                and not isinstance(args[2], torch.Tensor):
+            self.counter._note("scalar stored through a tensor index")
         return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _tensor_index(index) -> bool:
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) for p in parts)
 
 
 def _engine(target, kind, fuse, rollout_buffer=None):
@@ -265,9 +275,14 @@ def test_the_counter_sees_each_kind_of_read(monkeypatch):
     with counter.patched(monkeypatch):
         counter.active = True
         x.tolist(), x.sum().item(), bool(x[0]), x[x > 2], x[1], torch.nonzero(x)
+        y = x.clone()
+        y[torch.tensor([0, 1])] = 0  # noted: a synchronous copy on CUDA
+        y[torch.tensor([2])] = torch.zeros(1, dtype=y.dtype)  # not noted: a device tensor, or a plain slice
+        y[3:] = 1
         counter.active = False
     assert counter.reads == collections.Counter({"tolist @ here": 1, "item @ here": 1, "__bool__ @ here": 1,
-                                                 "mask index @ here": 1, "torch.nonzero @ here": 1})
+                                                 "mask index @ here": 1, "torch.nonzero @ here": 1,
+                                                 "scalar stored through a tensor index @ here": 1})
     monkeypatch.undo()
     assert torch.tensor([x[0], x[1], 0]).tolist() == [0, 1, 0]
 

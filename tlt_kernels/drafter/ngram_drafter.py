@@ -97,8 +97,10 @@ class NGramDrafter:
             raise ValueError(f"prompts has {prompts.shape[0]} rows, expected one per slot ({R})")
         if validate and not capturing(self.device):
             self._check_reset(slots, prompt_lens, prompts.shape[1])
-        self.lengths[slots] = 0
-        self.buffer[slots] = 0
+        # index_fill_, not ``t[slots] = 0``: a Python scalar through advanced indexing is copied to the device
+        # synchronously, which stalled the engine's start until the prefill ended.
+        self.lengths.index_fill_(0, slots, 0)
+        self.buffer.index_fill_(0, slots, 0)
         self._scatter(slots, prompts.to(torch.int64), prompt_lens)
 
     def append(self, new_tokens: torch.Tensor, num_new: torch.Tensor, validate: bool = True) -> None:
