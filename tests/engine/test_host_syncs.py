@@ -66,8 +66,7 @@ class ReadCounter:
 
     @staticmethod
     def _is_mask(index) -> bool:
-        parts = index if isinstance(index, tuple) else (index,)
-        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+        return any(p.dtype == torch.bool for p in _index_tensors(index))
 
     @contextlib.contextmanager
     def patched(self, monkeypatch):
@@ -111,15 +110,16 @@ class _MaskIndexing(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.Tensor.__getitem__ and len(args) > 1 and self.counter._is_mask(args[1]):
             self.counter._note("mask index")
-        if func is torch.Tensor.__setitem__ and len(args) > 2 and self._tensor_index(args[1]) \
+        if func is torch.Tensor.__setitem__ and len(args) > 2 and _index_tensors(args[1]) \
                 and not isinstance(args[2], torch.Tensor):
             self.counter._note("scalar stored through a tensor index")
         return func(*args, **(kwargs or {}))
 
-    @staticmethod
-    def _tensor_index(index) -> bool:
-        parts = index if isinstance(index, tuple) else (index,)
-        return any(isinstance(p, torch.Tensor) for p in parts)
+
+def _index_tensors(index) -> list:
+    """The tensors among an indexing expression's parts."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return [p for p in parts if isinstance(p, torch.Tensor)]
 
 
 def _engine(target, kind, fuse, rollout_buffer=None):

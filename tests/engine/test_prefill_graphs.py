@@ -21,17 +21,26 @@ def _engine(target, prefill_lengths, drafter="ngram", strategy=Strategy(3, 1, 4)
     return eng
 
 
+def _record_replays(eng, monkeypatch) -> list:
+    """``(graph name, batch size)`` of every graph ``eng`` replays from now on, in order."""
+    replays, run = [], eng.graphs.replay
+    monkeypatch.setattr(eng.graphs, "replay", lambda name, inputs, b: replays.append((name, b)) or run(name, inputs, b))
+    return replays
+
+
+def _prefill_replays(replays) -> list:
+    return [(name, b) for name, b in replays if name[0] == "prefill"]
+
+
 @pytest.mark.parametrize("drafter", [None, "ngram"])
 def test_replayed_prefill_gives_the_eager_rollout(target, drafter, monkeypatch):
     prompts = ragged_prompts(5, seed=3, first=4, step=5)  # 4 .. 24 tokens: padded into the 32-token bucket
     strategy = Strategy.off() if drafter is None else Strategy(3, 1, 4)
     eager = _engine(target, (), drafter, strategy).generate(prompts, 12)
     eng = _engine(target, (8, 32), drafter, strategy)
-    replays = []
-    run = eng.prefill_graphs.graphs.replay
-    monkeypatch.setattr(eng.prefill_graphs.graphs, "replay", lambda name, *a: replays.append(name) or run(name, *a))
+    replays = _record_replays(eng, monkeypatch)
     out = eng.generate(prompts, 12)
-    assert ("prefill", 32) in replays and eng.graph_pool.padded_size(("prefill", 32), 5) == 8
+    assert ("prefill", 32) in [name for name, _ in replays] and eng.graph_pool.padded_size(("prefill", 32), 5) == 8
     assert out.tokens == eager.tokens
 
 
@@ -60,11 +69,9 @@ def test_eagle_start_replays_its_graph_with_the_eager_state(target, union, monke
         torch.manual_seed(0)  # the same drafter weights
         eagle = EagleDrafter.for_target(target)
         eng = _engine(target, lengths, [eagle, "ngram"] if union else eagle)
-        replays = []
-        run = eng.graphs.replay
-        monkeypatch.setattr(eng.graphs, "replay", lambda name, *a: replays.append(name) or run(name, *a))
+        replays = _record_replays(eng, monkeypatch)
         states = _started_states(eng, monkeypatch)
-        runs.append((eng.generate(prompts, 12), states, replays))
+        runs.append((eng.generate(prompts, 12), states, [name for name, _ in replays]))
     (eager, eager_states, eager_replays), (out, states, replays) = runs
     assert ("start", 32) in replays and ("start", 32) not in eager_replays
     assert eng.graph_pool.captured_sizes(("start", 8)) == [2, 8]
@@ -110,17 +117,16 @@ def test_prefill_max_tokens_bounds_the_captured_batches(target, monkeypatch):
     eng = _engine(target, (8, 32), prefill_max_tokens=64)
     assert eng.graph_pool.captured_sizes(("prefill", 8)) == [2, 8]
     assert eng.graph_pool.captured_sizes(("prefill", 32)) == [2]
-    calls, replays = [], []
+    calls = []
     eager = eng._eager_prefill
     monkeypatch.setattr(eng, "_eager_prefill", lambda *a: calls.append(a[0].shape) or eager(*a))
-    run = eng.graphs.replay
-    monkeypatch.setattr(eng.graphs, "replay", lambda name, inputs, b: replays.append((name, b)) or run(name, inputs, b))
+    replays = _record_replays(eng, monkeypatch)
     eng.generate(ragged_prompts(2, seed=4, first=10, step=3), 4)  # 10, 13 tokens: 2 x 32 replayed
-    assert calls == [] and [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 32), 2)]
+    assert calls == [] and _prefill_replays(replays) == [(("prefill", 32), 2)]
     replays.clear()
     prompts = ragged_prompts(3, seed=4, first=10, step=3)
     out = eng.generate(prompts, 4)  # 4 x 32 > 64 tokens: two requests, then one padded to two
-    assert calls == [] and [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 32), 2), (("prefill", 32), 1)]
+    assert calls == [] and _prefill_replays(replays) == [(("prefill", 32), 2), (("prefill", 32), 1)]
     assert out.tokens == _engine(target, ()).generate(prompts, 4).tokens
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="prefill_max_tokens"):
@@ -227,15 +233,12 @@ def test_a_mixed_batch_replays_each_bucket_with_the_eager_tokens(target, drafter
     prompts = [p[:n] for p, n in zip(ragged_prompts(5, seed=7, first=20, step=1), (3, 20, 5, 4, 30))]
     eager = engine(()).generate(prompts, 10)
     eng = engine((8, 32))
-    replays = []
-    run = eng.graphs.replay
-    monkeypatch.setattr(eng.graphs, "replay", lambda name, inputs, b: replays.append((name, b)) or run(name, inputs, b))
+    replays = _record_replays(eng, monkeypatch)
     assert eng.prefill_graphs.plan([len(p) for p in prompts]) == [(32, list(range(5)))]  # 8 x 32 + 256 < grouped
     monkeypatch.setattr(prefill, "REPLAY_TOKENS", 0)
     assert eng.prefill_graphs.plan([len(p) for p in prompts]) == [(8, [0, 2]), (8, [3]), (32, [1, 4])]
     out = eng.generate(prompts, 10)
-    assert [r for r in replays if r[0][0] == "prefill"] == [(("prefill", 8), 2), (("prefill", 8), 1),
-                                                            (("prefill", 32), 2)]
+    assert _prefill_replays(replays) == [(("prefill", 8), 2), (("prefill", 8), 1), (("prefill", 32), 2)]
     if drafter == "eagle":
         assert (("start", 32), 5) in replays
     assert out.tokens == eager.tokens
@@ -271,12 +274,10 @@ def test_the_grouped_prefill_leaves_the_eager_outputs(target, monkeypatch):
 def test_pieces_cost_the_fewest_padded_tokens_and_replays():
     """A bucket's requests split into replays at captured sizes: padded tokens plus ``REPLAY_TOKENS`` (256) per
     replay, the least of all splits (a piece pads to a captured size only where that costs less than more replays)."""
-    from tlt_kernels.engine.prefill import PrefillGraphs
+    from tlt_kernels.engine.prefill import REPLAY_TOKENS, replay_pieces
 
-    graphs = PrefillGraphs.__new__(PrefillGraphs)
-    graphs._pieces_memo = {}
-    assert graphs._pieces((1, 2, 4, 8, 16, 32, 64), 256, 40) == [32, 8]
-    assert graphs._pieces((1, 16, 64), 256, 40) == [16, 16] + [1] * 8  # 8 x (256 + 256) < 16 x 256 + 256
-    assert graphs._pieces((1, 16, 64), 32, 40) == [16, 16, 8]  # 16 x 32 + 256 < 8 x (32 + 256): padded
-    assert graphs._pieces((16, 64), 512, 3) == [3]  # the smallest size holds them, padded
-    assert graphs._pieces((1, 16, 64), 128, 64) == [64]
+    assert replay_pieces((1, 2, 4, 8, 16, 32, 64), 256, 40, REPLAY_TOKENS) == (32, 8)
+    assert replay_pieces((1, 16, 64), 256, 40, REPLAY_TOKENS) == (16, 16) + (1,) * 8  # 8 x (256 + 256) < 16 x 256 + 256
+    assert replay_pieces((1, 16, 64), 32, 40, REPLAY_TOKENS) == (16, 16, 8)  # 16 x 32 + 256 < 8 x (32 + 256): padded
+    assert replay_pieces((16, 64), 512, 3, REPLAY_TOKENS) == (3,)  # the smallest size holds them, padded
+    assert replay_pieces((1, 16, 64), 128, 64, REPLAY_TOKENS) == (64,)

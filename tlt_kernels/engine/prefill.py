@@ -9,13 +9,15 @@ other batch (a longer prompt, a batch size without a graph, graphs not captured)
 that captures its start (``prefill_graph_specs``, such as the EAGLE drafter's) has its graphs at the same buckets and
 batch sizes.
 
-A large batch's prefill is bound by the GPU's work on its padded tokens, so one long prompt would pad every other
-prompt to its bucket (an RL batch's prompt lengths vary several-fold). :meth:`PrefillGraphs.plan` therefore also
-weighs grouped replays: each request at its own bucket, each bucket's requests in pieces of captured batch sizes;
-it keeps whichever plan prefills fewer padded tokens, counting each replay as ``REPLAY_TOKENS`` tokens more.
+One long prompt pads every other prompt of the batch to its bucket (an RL batch's prompt lengths vary several-fold).
+:meth:`PrefillGraphs.plan` therefore also weighs grouped replays: each request at its own bucket, each bucket's
+requests in pieces of captured batch sizes; it keeps whichever plan prefills fewer padded tokens, counting each
+replay as ``REPLAY_TOKENS`` tokens more. The pieces also let a batch larger than every captured size replay. What
+the grouped plan saves was measured small on a 135M model (docs/MODELS.md, "Mixed prompt lengths").
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 from ..drafter.base import prefill_graph_specs
 from .state import ints_on_device
 
-# What one more replay costs a grouped plan, in padded tokens: its host work (input copies, a launch) is worth about
-# this many prompt tokens of a small model's prefill, so a plan splits a batch only where that saves GPU work.
+# What one more replay costs a plan, in padded tokens: a plan splits a batch only where that saves more than this
+# per replay (each replay's input copies and launch are host work, hidden while the GPU prefills a large batch).
 REPLAY_TOKENS = 256
 # One replay of a plan: (bucket, the request rows it prefills).
 Replay = Tuple[int, List[int]]
@@ -46,6 +48,18 @@ def check_prefill_lengths(lengths: Sequence[int], max_seq_len: int) -> Tuple[int
     return tuple(sorted(set(values)))
 
 
+@functools.lru_cache(maxsize=4096)  # per rollout start: a batch's buckets and counts recur
+def replay_pieces(sizes: Tuple[int, ...], bucket: int, count: int, replay_tokens: int) -> Tuple[int, ...]:
+    """The requests per replay that prefill ``count`` prompts of ``bucket`` most cheaply, each replay at one of the
+    captured batch ``sizes`` (a piece smaller than its size is padded) and costing ``replay_tokens`` more: a small
+    dynamic program over the counts; the largest piece first."""
+    best = [(0, [])]  # best[m]: (cost, pieces) for m prompts
+    for m in range(1, count + 1):
+        options = ((best[max(m - s, 0)], s) for s in sizes)
+        best.append(min((cost + s * bucket + replay_tokens, pieces + [min(s, m)]) for (cost, pieces), s in options))
+    return tuple(sorted(best[count][1], reverse=True))
+
+
 class PrefillGraphs:
     """Graph ``("prefill", L)`` per bucket ``L`` of ``lengths``: ``(tokens int64 [b, L], lengths int32 [b],
     block_table int32 [b, W]) -> (logits [b, V], hidden [b, L, H])`` of ``target.prefill_fresh`` into ``cache``."""
@@ -54,7 +68,6 @@ class PrefillGraphs:
                  max_tokens: int = 32768):
         self.target, self.cache, self.sink_table, self.graphs = target, cache, sink_table, graphs
         self.lengths, self.max_tokens = tuple(lengths), max_tokens
-        self._pieces_memo = {}
 
     def register(self, batch_sizes: Sequence[int], drafter=None) -> None:
         """Add every bucket's graph to the pool at those of ``batch_sizes`` whose ``batch x bucket`` is at most
@@ -103,7 +116,7 @@ class PrefillGraphs:
         return min(plans, key=self._cost) if plans else None
 
     def _grouped_plan(self, lens_host: Sequence[int]) -> Optional[List[Replay]]:
-        """Each request at its own bucket, each bucket's requests in the pieces :meth:`_pieces` picks. None: a
+        """Each request at its own bucket, each bucket's requests in the pieces :func:`replay_pieces` picks. None: a
         request longer than every bucket, or a bucket without graphs."""
         groups = {}
         for row, length in enumerate(lens_host):
@@ -115,24 +128,10 @@ class PrefillGraphs:
             sizes = tuple(self.graphs.pool.captured_sizes(("prefill", bucket))) if self.graphs.captured else ()
             if not sizes:
                 return None
-            for count in self._pieces(sizes, bucket, len(rows)):
+            for count in replay_pieces(sizes, bucket, len(rows), REPLAY_TOKENS):
                 replays.append((bucket, rows[:count]))
                 rows = rows[count:]
         return replays
-
-    def _pieces(self, sizes: Tuple[int, ...], bucket: int, count: int) -> List[int]:
-        """The requests per replay that prefill ``count`` requests of ``bucket`` most cheaply, each replay at a
-        captured batch size (``sizes``; a piece smaller than its size is padded) and costing ``REPLAY_TOKENS``
-        more: a small dynamic program over the counts, kept per (sizes, bucket, count)."""
-        key = (sizes, bucket, count, REPLAY_TOKENS)
-        if key not in self._pieces_memo:
-            best = [(0, [])]  # best[m]: (cost, pieces) for m requests
-            for m in range(1, count + 1):
-                options = ((best[max(m - s, 0)], s) for s in sizes)
-                best.append(min((cost + s * bucket + REPLAY_TOKENS, pieces + [min(s, m)])
-                                for (cost, pieces), s in options))
-            self._pieces_memo[key] = sorted(best[count][1], reverse=True)  # the largest piece first
-        return self._pieces_memo[key]
 
     def _cost(self, plan: List[Replay]) -> int:
         """Padded tokens the plan's replays prefill (each at its captured batch size), plus ``REPLAY_TOKENS`` each."""
