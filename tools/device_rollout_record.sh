@@ -12,7 +12,8 @@
 # tools/device_train_drafter.sh also leaves the drafter it trained earlier in the same machine session. Part 1 joins
 # the model (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from
 # tools/carry_extension.sh saves the build), trains the EAGLE drafter for 60 s when none was carried
-# (tlt_kernels.engine.train_drafter, its log in $OUT/train.log; a carried one's provenance goes to
+# (tlt_kernels.engine.train_drafter for TRAIN_SECONDS, default 60; its log in $OUT/train.log, its weights and
+# provenance in $OUT/eagle/, to keep in .peer/eagle/ for later sessions; a carried one's provenance goes to
 # $OUT/provenance.txt) and records B = 1 and 4 with the step-cost rows; part 2 adds B = 16 and the 64-request tail,
 # part 3 B = 64 and 256 (--record-merge; parts 2 and 3 measure the step-cost rows at B = 1 again, the suite needs one
 # size); part 4 the sampled rows (--temperature 1: B = 1, 16 and the tail, our engines only, no step-cost rows). Each
@@ -45,15 +46,20 @@ if [ "$PART" = 1 ]; then
   if [ -f /tmp/eagle_provenance.txt ]; then
     cp /tmp/eagle_provenance.txt "$OUT/provenance.txt"; echo "carried drafter:"; cat "$OUT/provenance.txt"
   else
-    timeout 170 python3 -m tlt_kernels.engine.train_drafter --model-file $MODEL --out /tmp/eagle.pt --steps 2000 \
-      --train-seconds 60 --eval > "$OUT/train.log" 2>&1
+    TRAIN=(python3 -m tlt_kernels.engine.train_drafter --model-file $MODEL --out /tmp/eagle.pt
+           --weights-out "$OUT/eagle/eagle_bf16.pt" --steps 100000 --train-seconds "${TRAIN_SECONDS:-60}" --eval)
+    mkdir -p "$OUT/eagle"
+    timeout $((110 + ${TRAIN_SECONDS:-60})) "${TRAIN[@]}" > "$OUT/train.log" 2>&1
     echo "train exit $? at $((SECONDS - T0)) s"; tail -1 "$OUT/train.log"
+    { echo "commit $SHA"; echo "command ${TRAIN[*]}"; tail -n 1 "$OUT/train.log"; } > "$OUT/eagle/provenance.txt"
+    cp "$OUT/train.log" "$OUT/eagle/"
   fi
   rm -rf /tmp/rollout_rec/*
   timeout $((570 - (SECONDS - T0))) python3 -m bench rollout "${COMMON[@]}" --batches 1,4 --tail-batch 0 \
     --step-batches 1,32 --record /tmp/rollout_rec --out "$OUT/w" > "$OUT/rollout_1.log" 2>&1
 else
-  [ -f /tmp/eagle.pt ] && [ -f /tmp/rollout_rec/h200/rollout.json ] || { echo "part 1 is gone (the machine went cold)" >&2; exit 3; }
+  ls /tmp/rollout_rec/*/rollout.json > /dev/null 2>&1 && [ -f /tmp/eagle.pt ] \
+    || { echo "part 1 is gone (the machine went cold)" >&2; exit 3; }
   bash tools/device_install.sh "$OUT/install.log" || exit 4
   if [ "$PART" = 2 ]; then
     PART_ARGS=(--batches 16 --tail-batch 64 --step-batches 1)
@@ -66,7 +72,7 @@ else
     --record /tmp/rollout_rec --record-merge --out "$OUT/w$PART" > "$OUT/rollout_$PART.log" 2>&1
 fi
 echo "bench exit $? at $((SECONDS - T0)) s"; tail -4 "$OUT/rollout_$PART.log"
-cp /tmp/rollout_rec/h200/rollout.json "$OUT/rec/" 2> /dev/null
+cp /tmp/rollout_rec/*/rollout.json "$OUT/rec/" 2> /dev/null
 if [ -n "${GPU_TESTS:-}" ]; then  # GPU tests riding in a part with time to spare (gpu_tests.json rows, by hand)
   LEFT=$((585 - (SECONDS - T0)))
   if [ $LEFT -lt 30 ]; then  # timeout refuses a negative limit; a few seconds test nothing
