@@ -183,11 +183,10 @@ def test_prefill_lengths_are_checked():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("drafter", [None, "ngram", "eagle"])
-def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter, monkeypatch):
+def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
     """On a GPU, with real CUDA graphs: the prefill captured per bucket and replayed gives the eager engine's tokens
     (plain, n-gram and EAGLE engines; the EAGLE drafter starts from the replayed hidden states, in its own
     replayed graph), and so does a mixed batch replayed bucket by bucket."""
-    import tlt_kernels.engine.prefill as prefill
     from conftest import tiny_trained_target
     from tlt_kernels.drafter import EagleDrafter
 
@@ -211,9 +210,12 @@ def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter, monkeypatch):
         assert replayed.graphs.padded_size(("start", 32), 5) == 8
     for _ in range(2):  # the second rollout replays over the first one's cache contents
         assert replayed.generate(prompts, 12).tokens == eager.tokens
+    graphs = replayed.prefill_graphs
+    assert set(graphs.replay_s) == {(8, 2), (8, 8), (32, 2), (32, 8)}  # capture_graphs timed every prefill graph
+    assert all(0 < s < 1 for s in graphs.replay_s.values())
     mixed = [p[:n] for p, n in zip(ragged_prompts(5, seed=7, first=20, step=1), (3, 20, 5, 4, 30))]
-    monkeypatch.setattr(prefill, "REPLAY_TOKENS", 0)  # at these sizes one replay would cost less
-    assert len(replayed.prefill_graphs.plan([len(p) for p in mixed])) == 3
+    graphs.replay_s = {key: 1.0 for key in graphs.replay_s} | {(32, 8): 9.0}  # a table where splitting pays
+    assert len(graphs.plan([len(p) for p in mixed])) == 3
     assert replayed.generate(mixed, 12).tokens == eager_engine.generate(mixed, 12).tokens
 
 
@@ -271,13 +273,43 @@ def test_the_grouped_prefill_leaves_the_eager_outputs(target, monkeypatch):
         torch.testing.assert_close(mine_kv[valid], eager_kv[valid], atol=1e-5, rtol=1e-5)
 
 
-def test_pieces_cost_the_fewest_padded_tokens_and_replays():
-    """A bucket's requests split into replays at captured sizes: padded tokens plus ``REPLAY_TOKENS`` (256) per
-    replay, the least of all splits (a piece pads to a captured size only where that costs less than more replays)."""
-    from tlt_kernels.engine.prefill import REPLAY_TOKENS, replay_pieces
+def _token_costs(sizes, bucket):
+    """An unmeasured replay's cost at each captured size: its padded tokens plus ``REPLAY_TOKENS``."""
+    from tlt_kernels.engine.prefill import REPLAY_TOKENS
 
-    assert replay_pieces((1, 2, 4, 8, 16, 32, 64), 256, 40, REPLAY_TOKENS) == (32, 8)
-    assert replay_pieces((1, 16, 64), 256, 40, REPLAY_TOKENS) == (16, 16) + (1,) * 8  # 8 x (256 + 256) < 16 x 256 + 256
-    assert replay_pieces((1, 16, 64), 32, 40, REPLAY_TOKENS) == (16, 16, 8)  # 16 x 32 + 256 < 8 x (32 + 256): padded
-    assert replay_pieces((16, 64), 512, 3, REPLAY_TOKENS) == (3,)  # the smallest size holds them, padded
-    assert replay_pieces((1, 16, 64), 128, 64, REPLAY_TOKENS) == (64,)
+    return tuple(size * bucket + REPLAY_TOKENS for size in sizes)
+
+
+def test_pieces_cost_the_least_of_all_splits():
+    """A bucket's requests split into replays at captured sizes, the split of least total cost (a piece pads to a
+    captured size only where that costs less than more replays); unmeasured, padded tokens plus ``REPLAY_TOKENS``
+    (256) per replay, measured, any cost per size."""
+    from tlt_kernels.engine.prefill import replay_pieces
+
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    assert replay_pieces(sizes, _token_costs(sizes, 256), 40) == (32, 8)
+    assert replay_pieces((1, 16, 64), _token_costs((1, 16, 64), 256), 40) == (16, 16) + (1,) * 8  # 8 x 512 < 16 x 256 + 256
+    assert replay_pieces((1, 16, 64), _token_costs((1, 16, 64), 32), 40) == (16, 16, 8)  # 16 x 32 + 256 < 8 x 288
+    assert replay_pieces((16, 64), _token_costs((16, 64), 512), 3) == (3,)  # the smallest size holds them, padded
+    assert replay_pieces((1, 16, 64), _token_costs((1, 16, 64), 128), 64) == (64,)
+    # measured: a replay's time barely grows with its rows (a launch-bound prefill), so one padded replay wins
+    assert replay_pieces((1, 16, 64), (1.0, 1.1, 1.5), 40) == (40,)
+    assert replay_pieces((1, 16, 64), (1.0, 1.1, 5.0), 40) == (16, 16, 8)
+
+
+def test_measured_replay_times_decide_the_plan(target):
+    """``measure()`` times every captured prefill graph (the engine calls it on a GPU only: a fake CPU graph's time
+    is not a GPU's); a plan then weighs the times instead of padded tokens: one replay where a replay's cost is
+    flat, the grouped replays where the whole batch's graph is slow."""
+    eng = _engine(target, (8, 32))
+    graphs = eng.prefill_graphs
+    assert graphs.replay_s == {}
+    measured = graphs.measure(repeats=1)
+    assert set(measured) == {(8, 2), (8, 8), (32, 2), (32, 8)} and all(s > 0 for s in measured.values())
+    assert graphs.replay_s is measured
+    lens = [3, 20, 5, 4, 30]  # buckets 8, 32, 8, 8, 32
+    graphs.replay_s = {key: 1.0 for key in measured}
+    assert graphs.plan(lens) == [(32, list(range(5)))]
+    graphs.replay_s[(32, 8)] = 5.0  # the whole batch pads to 8 rows of 32: grouped, 3 rows of 8 and 2 of 32
+    assert graphs.plan(lens) == [(8, [0, 2, 3]), (32, [1, 4])]
+    assert graphs._cost(graphs.plan(lens)) == 2.0

@@ -257,7 +257,8 @@ class SpeculativeEngine:
     def capture_graphs(self, batch_sizes: Optional[Sequence[int]] = None) -> dict:
         """Capture the verify forward of every tree width for ``batch_sizes`` (default: powers of two up
         to ``max_batch_size``, and ``max_batch_size``) into the graph pool (with ``fuse_step``: the whole step of
-        every strategy; with a drafter that has graphs: its draft and extension too).
+        every strategy; with a drafter that has graphs: its draft and extension too), and on a GPU times the
+        prefill graphs (:meth:`~tlt_kernels.engine.prefill.PrefillGraphs.measure`: a mixed batch's plan weighs them).
 
         Failures are not fatal: a failed capture is retried once; if that fails too, the engine falls back to
         eager verification and records why in :attr:`graph_error`. Returns the pool's ``stats()`` (or
@@ -270,6 +271,8 @@ class SpeculativeEngine:
         sizes = [b for b in batch_sizes if 1 <= b <= self.max_batch_size]
         if not self.graphs.capture(lambda: self._register_graphs(sizes)):
             return {"error": self.graph_error}
+        if torch.device(self.device).type == "cuda":  # what a mixed batch's prefill plan weighs (PrefillGraphs.plan)
+            self.prefill_graphs.measure()
         if self.selector is not None and self.selector.available is None:
             self.selector.available = self.covers
             self.selector.invalidate_available()

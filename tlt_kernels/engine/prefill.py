@@ -11,14 +11,19 @@ batch sizes.
 
 One long prompt pads every other prompt of the batch to its bucket (an RL batch's prompt lengths vary several-fold).
 :meth:`PrefillGraphs.plan` therefore also weighs grouped replays: each request at its own bucket, each bucket's
-requests in pieces of captured batch sizes; it keeps whichever plan prefills fewer padded tokens, counting each
-replay as ``REPLAY_TOKENS`` tokens more. The pieces also let a batch larger than every captured size replay. What
-the grouped plan saves was measured small on a 135M model (docs/MODELS.md, "Mixed prompt lengths").
+requests in pieces of captured batch sizes; it keeps whichever plan costs less. A replay's cost is its graph's time,
+measured once after capture (:meth:`PrefillGraphs.measure`, which the engine calls on a GPU): a replay of a small
+model's prefill is bound by its hundreds of kernels more than by its tokens, so a split rarely pays there
+(docs/MODELS.md, "Mixed prompt lengths"). Unmeasured (on the CPU), a replay costs its padded tokens plus
+``REPLAY_TOKENS``. The pieces also let a batch larger than every captured size replay.
 """
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence, Tuple
+import math
+import statistics
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +31,11 @@ import torch.nn.functional as F
 from ..drafter.base import prefill_graph_specs
 from .state import ints_on_device
 
-# What one more replay costs a plan, in padded tokens: a plan splits a batch only where that saves more than this
-# per replay (each replay's input copies and launch are host work, hidden while the GPU prefills a large batch).
+# An unmeasured replay's cost beyond its padded tokens (graphs not timed, e.g. on the CPU): a plan splits a batch
+# only where that saves more than this per replay. Measured times replace it (PrefillGraphs.measure).
 REPLAY_TOKENS = 256
+# Replays timed per captured (bucket, batch size) by PrefillGraphs.measure: the median of these.
+MEASURE_REPEATS = 3
 # One replay of a plan: (bucket, the request rows it prefills).
 Replay = Tuple[int, List[int]]
 
@@ -49,14 +56,14 @@ def check_prefill_lengths(lengths: Sequence[int], max_seq_len: int) -> Tuple[int
 
 
 @functools.lru_cache(maxsize=4096)  # per rollout start: a batch's buckets and counts recur
-def replay_pieces(sizes: Tuple[int, ...], bucket: int, count: int, replay_tokens: int) -> Tuple[int, ...]:
-    """The requests per replay that prefill ``count`` prompts of ``bucket`` most cheaply, each replay at one of the
-    captured batch ``sizes`` (a piece smaller than its size is padded) and costing ``replay_tokens`` more: a small
-    dynamic program over the counts; the largest piece first."""
-    best = [(0, [])]  # best[m]: (cost, pieces) for m prompts
+def replay_pieces(sizes: Tuple[int, ...], piece_costs: Tuple[float, ...], count: int) -> Tuple[int, ...]:
+    """The requests per replay that prefill ``count`` prompts of one bucket most cheaply, each replay at one of the
+    captured batch ``sizes`` (a piece smaller than its size is padded), a replay at ``sizes[i]`` costing
+    ``piece_costs[i]``: a small dynamic program over the counts; the largest piece first."""
+    best = [(0.0, [])]  # best[m]: (cost, pieces) for m prompts
     for m in range(1, count + 1):
-        options = ((best[max(m - s, 0)], s) for s in sizes)
-        best.append(min((cost + s * bucket + replay_tokens, pieces + [min(s, m)]) for (cost, pieces), s in options))
+        options = ((best[max(m - s, 0)], s, c) for s, c in zip(sizes, piece_costs))
+        best.append(min((cost + c, pieces + [min(s, m)]) for (cost, pieces), s, c in options))
     return tuple(sorted(best[count][1], reverse=True))
 
 
@@ -68,6 +75,8 @@ class PrefillGraphs:
                  max_tokens: int = 32768):
         self.target, self.cache, self.sink_table, self.graphs = target, cache, sink_table, graphs
         self.lengths, self.max_tokens = tuple(lengths), max_tokens
+        # seconds of one replay per captured (bucket, batch size); empty: unmeasured (plans count tokens)
+        self.replay_s: Dict[Tuple[int, int], float] = {}
 
     def register(self, batch_sizes: Sequence[int], drafter=None) -> None:
         """Add every bucket's graph to the pool at those of ``batch_sizes`` whose ``batch x bucket`` is at most
@@ -80,6 +89,25 @@ class PrefillGraphs:
                                      lambda b, length=length: self._padding_inputs(b, length))
                 for name, fn, example_inputs in prefill_graph_specs(drafter, [length]):
                     self.graphs.pool.add(name, fn, sizes, example_inputs)
+
+    def measure(self, repeats: int = MEASURE_REPEATS) -> Dict[Tuple[int, int], float]:
+        """Time every captured prefill graph on its padding inputs (the median of ``repeats`` replays, wall clock
+        between device synchronizations, so the replay's launch is in): what :meth:`plan` then weighs. Call it after
+        the graphs are captured (the engine's ``capture_graphs`` does on a GPU); returns :attr:`replay_s`."""
+        pool = self.graphs.pool
+        times = {}
+        for bucket in self.lengths if self.graphs.captured else ():
+            for size in pool.captured_sizes(("prefill", bucket)):
+                samples = []
+                for _ in range(repeats + 1):  # the first replay warms caches: not counted
+                    pool.backend.synchronize()
+                    start = time.perf_counter()
+                    pool.replay_padding(("prefill", bucket), size)
+                    pool.backend.synchronize()
+                    samples.append(time.perf_counter() - start)
+                times[(bucket, size)] = statistics.median(samples[1:])
+        self.replay_s = times
+        return times
 
     def _prefill(self, tokens, lengths, block_table):
         return self.target.prefill_fresh(tokens, lengths, self.cache, block_table)
@@ -105,8 +133,8 @@ class PrefillGraphs:
 
     def plan(self, lens_host: Sequence[int]) -> Optional[List[Replay]]:
         """The replays that prefill prompts of ``lens_host`` tokens: the whole batch at its longest prompt's bucket,
-        or the requests grouped by their own buckets, whichever costs fewer padded tokens (``REPLAY_TOKENS`` per
-        replay); None when neither has graphs (the eager prefill runs)."""
+        or the requests grouped by their own buckets, whichever costs less (:meth:`_replay_cost`); None when
+        neither has graphs (the eager prefill runs)."""
         rows = list(range(len(lens_host)))
         whole = self.replayed_bucket(len(rows), max(lens_host))
         plans = [] if whole is None else [[(whole, rows)]]
@@ -128,14 +156,22 @@ class PrefillGraphs:
             sizes = tuple(self.graphs.pool.captured_sizes(("prefill", bucket))) if self.graphs.captured else ()
             if not sizes:
                 return None
-            for count in replay_pieces(sizes, bucket, len(rows), REPLAY_TOKENS):
+            costs = tuple(self._replay_cost(bucket, size) for size in sizes)
+            for count in replay_pieces(sizes, costs, len(rows)):
                 replays.append((bucket, rows[:count]))
                 rows = rows[count:]
         return replays
 
-    def _cost(self, plan: List[Replay]) -> int:
-        """Padded tokens the plan's replays prefill (each at its captured batch size), plus ``REPLAY_TOKENS`` each."""
-        return sum(self.graphs.padded_size(("prefill", bucket), len(rows)) * bucket + REPLAY_TOKENS
+    def _replay_cost(self, bucket: int, size: int) -> float:
+        """One replay of bucket ``bucket``'s graph at captured batch ``size``: its measured seconds, or unmeasured,
+        its padded tokens plus ``REPLAY_TOKENS`` (the two units never meet: :meth:`measure` times every graph)."""
+        if self.replay_s:
+            return self.replay_s.get((bucket, size), math.inf)  # a graph captured after measure(): never chosen
+        return size * bucket + REPLAY_TOKENS
+
+    def _cost(self, plan: List[Replay]) -> float:
+        """The plan's replays' costs (:meth:`_replay_cost`), each at the captured batch size it replays."""
+        return sum(self._replay_cost(bucket, self.graphs.padded_size(("prefill", bucket), len(rows)))
                    for bucket, rows in plan)
 
     def run(self, tokens: torch.Tensor, lengths: torch.Tensor, block_table: torch.Tensor,
