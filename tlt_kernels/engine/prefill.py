@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import functools
 import math
-import statistics
-import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -94,18 +92,8 @@ class PrefillGraphs:
         """Time every captured prefill graph on its padding inputs (the median of ``repeats`` replays, wall clock
         between device synchronizations, so the replay's launch is in): what :meth:`plan` then weighs. Call it after
         the graphs are captured (the engine's ``capture_graphs`` does on a GPU); returns :attr:`replay_s`."""
-        pool = self.graphs.pool
-        times = {}
-        for bucket in self.lengths if self.graphs.captured else ():
-            for size in pool.captured_sizes(("prefill", bucket)):
-                samples = []
-                for _ in range(repeats + 1):  # the first replay warms caches: not counted
-                    pool.backend.synchronize()
-                    start = time.perf_counter()
-                    pool.replay_padding(("prefill", bucket), size)
-                    pool.backend.synchronize()
-                    samples.append(time.perf_counter() - start)
-                times[(bucket, size)] = statistics.median(samples[1:])
+        times = {(bucket, size): self.graphs.replay_seconds(("prefill", bucket), size, repeats)
+                 for bucket in self.lengths for size in self.graphs.captured_sizes(("prefill", bucket))}
         self.replay_s = times
         return times
 
@@ -153,7 +141,7 @@ class PrefillGraphs:
             return None
         replays = []
         for bucket, rows in sorted(groups.items()):
-            sizes = tuple(self.graphs.pool.captured_sizes(("prefill", bucket))) if self.graphs.captured else ()
+            sizes = tuple(self.graphs.captured_sizes(("prefill", bucket)))
             if not sizes:
                 return None
             costs = tuple(self._replay_cost(bucket, size) for size in sizes)
