@@ -773,3 +773,41 @@ def test_device_install_source_hash_follows_the_extension_sources(tmp_path):
     with open(copy / "csrc" / "bindings.cpp", "a") as f:
         f.write("\n")
     assert source_hash(copy) != original
+
+
+def test_static_batch_budget_sweep_plays_plain_decoding_at_a_zero_budget():
+    """tools.static_batch_budget_sweep: a zero loss budget vetoes every draft (each has a reserve and nothing is banked
+    yet), so cold and warm equal plain decoding exactly; without a budget the selector drafts and differs."""
+    from tools.static_batch_budget_sweep import _row
+    from tlt_kernels.runtime import Strategy
+    from tlt_kernels.runtime.static_batch import static_batches
+
+    batch, warm_up = static_batches((4,))[2], static_batches((4,), seed=1)[2]  # uniform 0.5: drafts pay
+    arms = (Strategy.off(), Strategy(5, 4, 16))
+    cells = _row(batch, warm_up, arms, [0], (0.0, None)).strip("| ").split(" | ")
+    assert cells[0] == batch.name and cells[1].endswith("(s5k4v16)") and float(cells[1].split()[0]) > 1.2
+    assert cells[2] == "1.000 / 1.000"
+    assert cells[3] != "1.000 / 1.000"
+
+
+def test_forecast_override_probe_forecasts_the_slowest_request():
+    """tools.forecast_override_probe: the forecast is the slowest running request's shrunk acceptance per second of
+    the arm's step; it overrides plain decoding only when that beats plain decoding's rate by the margin."""
+    import numpy as np
+
+    from tools.forecast_override_probe import OFF, Forecast
+    from tlt_kernels.runtime import Strategy
+    from tlt_kernels.runtime.static_batch import StaticBatch
+
+    arm = Strategy(5, 4, 16)
+    batch = StaticBatch("two requests", [0.5, 0.5], 8)
+    forecast = Forecast(batch, shrink=0.0, confidence=0.0, margin=0.05)
+    assert forecast.rate(arm, 2) == 0.0 and forecast.override(2) is None  # no draft step yet
+    for reach in ([3, 1], [3, 2]):  # request 1 accepted 1.5 drafts a step, request 0 three
+        forecast.feedback(np.array(reach), np.array([8, 8]), arm.num_steps)
+        forecast.observe(arm)
+    assert forecast.rate(arm, 2) == pytest.approx(2.5 / batch.cost(arm, 2))
+    assert batch.cost(arm, 2) < 2.0 * batch.cost(OFF, 2)  # so 2.5 tokens a step beat plain decoding's 1 by > 5%
+    assert forecast.override(2) == arm
+    forecast.margin = 1e9
+    assert forecast.override(2) is None
