@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import statistics
-import time
 from typing import Callable, Hashable, List, Optional, Sequence
 
 import torch
@@ -35,19 +33,6 @@ class GraphReplay:
     def captured_sizes(self, name: Hashable) -> List[int]:
         """The batch sizes with a captured graph of ``name`` (ascending; empty before capture)."""
         return self.pool.captured_sizes(name) if self.captured else []
-
-    def replay_seconds(self, name: Hashable, batch_size: int, repeats: int) -> float:
-        """The median wall time of ``repeats`` replays of graph ``name`` at captured ``batch_size`` on its padding
-        inputs, each between device synchronizations (so its launch is in), after one replay not counted (it warms
-        caches)."""
-        samples = []
-        for _ in range(repeats + 1):
-            self.pool.backend.synchronize()
-            start = time.perf_counter()
-            self.pool.replay_padding(name, batch_size)
-            self.pool.backend.synchronize()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples[1:])
 
     def replay(self, name: Hashable, inputs: Sequence[torch.Tensor], batch_size: int):
         """The outputs of graph ``name`` on ``inputs`` (``batch_size`` rows; padding rows fill the rest), cut to

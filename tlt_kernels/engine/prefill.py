@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafter.base import prefill_graph_specs
+from .probe import replay_seconds
 from .state import ints_on_device
 
 # An unmeasured replay's cost beyond its padded tokens (graphs not timed, e.g. on the CPU): a plan splits a batch
@@ -89,10 +90,13 @@ class PrefillGraphs:
                     self.graphs.pool.add(name, fn, sizes, example_inputs)
 
     def measure(self, repeats: int = MEASURE_REPEATS) -> Dict[Tuple[int, int], float]:
-        """Time every captured prefill graph on its padding inputs (the median of ``repeats`` replays, wall clock
-        between device synchronizations, so the replay's launch is in): what :meth:`plan` then weighs. Call it after
-        the graphs are captured (the engine's ``capture_graphs`` does on a GPU); returns :attr:`replay_s`."""
-        times = {(bucket, size): self.graphs.replay_seconds(("prefill", bucket), size, repeats)
+        """Time every captured prefill graph on its padding inputs (:func:`~.probe.replay_seconds`, as the cost
+        table's step graphs: the median of ``repeats`` replays, wall clock between device synchronizations, so the
+        replay's launch is in): what :meth:`plan` then weighs. Call it after the graphs are captured (the engine's
+        ``capture_graphs`` does on a GPU); returns :attr:`replay_s`."""
+        device, pool = self.sink_table.device, self.graphs.pool
+        times = {(bucket, size): replay_seconds(device, functools.partial(pool.replay_padding, ("prefill", bucket),
+                                                                          size), repeats)
                  for bucket in self.lengths for size in self.graphs.captured_sizes(("prefill", bucket))}
         self.replay_s = times
         return times

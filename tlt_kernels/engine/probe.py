@@ -18,6 +18,14 @@ def synced_seconds(device: torch.device, fn):
     return time.perf_counter() - started, out
 
 
+def replay_seconds(device: torch.device, replay, repeats: int) -> float:
+    """The upper median of ``repeats`` timed calls of ``replay()`` (:func:`synced_seconds` each), after a first call
+    not counted (it warms up): a captured graph's time on its padding rows."""
+    times = [synced_seconds(device, replay)[0] for _ in range(repeats + 1)]
+    times = sorted(times[1:])
+    return max(times[len(times) // 2], 1e-9)
+
+
 def probe_arms(runner, strategies, covers, inputs, device: torch.device, lagging=None) -> dict:
     """One trace record (:func:`tlt_kernels.runtime.simulate.load_trace`'s format): every strategy that ``covers``
     the batch drafted, verified and accepted on the live rows without committing. ``lagging`` (bool ``[b]``, the
@@ -101,9 +109,7 @@ def measure_cost_table(pool, runner, strategies, device: torch.device, batch_siz
                 for name in names:
                     pool.replay_padding(name, batch_size)
 
-            times = [synced_seconds(device, replay)[0] for _ in range(repeats + 1)]
-            times = sorted(times[1:])  # the first replay warms up
-            points.append((batch_size, max(times[len(times) // 2], 1e-9)))
+            points.append((batch_size, replay_seconds(device, replay, repeats)))
         if points:
             table[strategy] = points
     if not table:
