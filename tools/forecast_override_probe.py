@@ -16,8 +16,8 @@ import argparse
 
 import numpy as np
 
-from bench.suites.selector import STATIC_BATCH_ARMS, _static_batch_family
-from tlt_kernels.runtime import CostTable, Strategy, StrategySelector
+from bench.suites.selector import STATIC_BATCH_ARMS, _static_batch_family, exact_cost_table
+from tlt_kernels.runtime import Strategy, StrategySelector
 from tlt_kernels.runtime.static_batch import lagging_feedback, run_static_batch, selector_observer
 
 ARMS = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
@@ -68,7 +68,7 @@ class Forecast:
 def _run(batch, seed: int, budget, forecast_args) -> float:
     """Seconds of ``batch`` under a fresh cost-policy selector (exact table, told the rollout's length); with
     ``forecast_args``, the override on top."""
-    table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in ARMS})
+    table = exact_cost_table(batch, ARMS)
     selector = StrategySelector(ARMS, seed=seed, cost_table=table, loss_budget=budget)
     if budget is not None:
         selector.new_rollout(max_tokens=int(batch.initial_left().max()))

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 
 from bench.flags import loss_budgets
-from bench.suites.selector import STATIC_BATCH_ARMS, _cold_run, _static_batch_family, _warm_run
-from tlt_kernels.runtime import CostTable, Strategy
+from bench.suites.selector import STATIC_BATCH_ARMS, _cold_run, _static_batch_family, _warm_run, exact_cost_table
+from tlt_kernels.runtime import Strategy
 from tlt_kernels.runtime.static_batch import lagging_feedback, run_static_batch
 
 
 def _row(batch, warm_up, arms, seeds, budgets) -> str:
     """One batch's line: its best static arm, then cold / warm per budget, each as a ratio to plain decoding."""
-    table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
+    table = exact_cost_table(batch, arms)
     static = {a: sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
     plain = static[Strategy.off()]
     best = min(static, key=static.get)

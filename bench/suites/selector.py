@@ -371,6 +371,14 @@ STATIC_BATCH_LOSS_BUDGET = 0.02
 BUDGET_ROW = "cost, lagging feedback, 2% loss budget"
 
 
+def exact_cost_table(batch, arms):
+    """The static batch's own step costs for ``arms`` at the captured sizes: the exact table a cold selector starts
+    from (the engine measures its own at start-up)."""
+    from tlt_kernels.runtime import CostTable
+
+    return CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
+
+
 def _static_batch_family(draw: int):
     """Every simulated static batch of the suite, the ``draw``-th batch of each kind (0: the kind's default batch)."""
     from tlt_kernels.runtime.static_batch import good_drafter_batches, grpo_batch, ngram_tail_batch, static_batches
@@ -384,13 +392,13 @@ def _static_batches(ctx, seeds) -> None:
     static arm and of the cost policy under each feedback rule (a fresh selector per rollout, the cost table given),
     and warm under the engine's rule (the selector first runs another batch of the same kind, then is told of the
     new rollout, as the engine tells it at each generate)."""
-    from tlt_kernels.runtime import CostTable, Strategy
+    from tlt_kernels.runtime import Strategy
     from tlt_kernels.runtime.static_batch import batch_feedback, critical_feedback, lagging_feedback, run_static_batch
 
     arms = tuple(Strategy.parse(a) for a in STATIC_BATCH_ARMS)
     feedbacks = {"batch": batch_feedback, "lagging (the engine's)": lagging_feedback, "critical": critical_feedback}
     for batch, warm_up in zip(_static_batch_family(0), _static_batch_family(1)):
-        table = CostTable({a: [(b, batch.cost(a, b)) for b in (1, 2, 4, 8, 16, 32, 64)] for a in arms})
+        table = exact_cost_table(batch, arms)
         seconds = {f"static {a}": sum(run_static_batch(batch, lambda b, a=a: a, seed=s) for s in seeds) for a in arms}
         for name, feedback in feedbacks.items():
             seconds[f"cost, {name} feedback"] = sum(_cold_run(batch, arms, table, s, feedback) for s in seeds)
