@@ -11,7 +11,7 @@
 # provenance.txt; no room for it beside the model's pieces in calls 1 and 2) at /tmp/eagle.pt, where
 # tools/device_train_drafter.sh also leaves the drafter it trained earlier in the same machine session. Part 1 joins
 # the model (tools/device_model.sh 2), installs the package (tools/device_install.sh; .peer/soz from
-# tools/carry_extension.sh saves the build), trains the EAGLE drafter for 60 s when none was carried
+# tools/carry_extension.sh saves the build), trains the EAGLE drafter when none was carried
 # (tlt_kernels.engine.train_drafter for TRAIN_SECONDS, default 60; its log in $OUT/train.log, its weights and
 # provenance in $OUT/eagle/, to keep in .peer/eagle/ for later sessions; a carried one's provenance goes to
 # $OUT/provenance.txt) and records B = 1 and 4 with the step-cost rows; part 2 adds B = 16 and the 64-request tail,
