@@ -187,6 +187,13 @@ SELECTOR_LOSS_BUDGET_FLAG = Flag(
     "[budget X]` (docs/RUNTIME.md, \"The loss budget\")", loss_budgets, metavar="LIST")
 
 
+SELECTOR_FORECAST_FLAG = Flag(
+    "--selector-forecast", False, "also run every budgeted adaptive row with the requests' acceptance forecast "
+    "(StrategySelector(forecast=AcceptanceForecast()): where the budget plays plain decoding, an arm whose slowest "
+    "running request's forecast beats it by 5% runs), named `<drafter> adaptive [budget X, forecast]` "
+    "(docs/RUNTIME.md, \"The forecast\")", bool)
+
+
 def prefill_buckets(lengths: Sequence[int], capacity: int) -> Tuple[int, ...]:
     """``lengths`` with each bucket past ``capacity`` (an engine's ``max_seq_len``) cut to it: such a bucket holds
     any prompt the engine can take."""

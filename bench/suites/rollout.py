@@ -81,8 +81,8 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_LOSS_BUDGET_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, int_list,
-                     non_negative_int, positive_int, prefill_buckets, str_list, values)
+from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_FORECAST_FLAG, SELECTOR_LOSS_BUDGET_FLAG, SELECTOR_MIN_GAIN_FLAG,
+                     Flag, int_list, non_negative_int, positive_int, prefill_buckets, str_list, values)
 from ..jit_compiles import CompileCounter
 
 SUITE = "rollout"
@@ -124,6 +124,7 @@ FLAGS = (
     PREFILL_LENGTHS_FLAG,
     SELECTOR_MIN_GAIN_FLAG,
     SELECTOR_LOSS_BUDGET_FLAG,
+    SELECTOR_FORECAST_FLAG,
     Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
          "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
          "(one KV cache and graph set in memory)", bool),
@@ -694,6 +695,9 @@ class RolloutRun:
         for i, budget in enumerate(self.loss_budgets()):
             name = config.name if i == 0 else f"{config.name} [budget {budget}]"
             out += self._cold_and_warm(eng, name, self._selector_factory(eng, config, table, budget))
+            if self.p.selector_forecast and budget is not None:
+                forecast = self._selector_factory(eng, config, table, budget, forecast=True)
+                out += self._cold_and_warm(eng, f"{config.name} [budget {budget}, forecast]", forecast)
         return out
 
     def _cold_and_warm(self, eng, name: str, fresh) -> List[Tuple[str, Any]]:
@@ -732,14 +736,16 @@ class RolloutRun:
             self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
             return None
 
-    def _selector_factory(self, eng, config: EngineConfig, table, budget: Optional[float]):
+    def _selector_factory(self, eng, config: EngineConfig, table, budget: Optional[float], forecast: bool = False):
         """A new adaptive selector per call, sharing the start-up cost table ``table`` (None: online estimates only),
-        with loss budget ``budget``."""
+        with loss budget ``budget`` and, with ``forecast``, the requests' acceptance forecast."""
         from tlt_kernels.runtime import StrategySelector
+        from tlt_kernels.runtime.forecast import AcceptanceForecast
 
         # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
         return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers,
-                                        min_gain=self.p.selector_min_gain, loss_budget=budget)
+                                        min_gain=self.p.selector_min_gain, loss_budget=budget,
+                                        forecast=AcceptanceForecast() if forecast else None)
 
     def write_traces(self, eng, config: EngineConfig) -> None:
         """``--write-traces``: an adaptive engine's warm-up and timed rollouts of every workload again, each step

@@ -50,7 +50,20 @@ def _factory(policy):
     return make
 
 
-def _cpu_cost_us(policy, steps=20000, drifting=False, **policy_kwargs):
+def _row_kwargs(arms, sizes, per_row: bool) -> dict:
+    """``update``'s per-request arguments for each (arm, batch size): every row running, row ``i`` accepting ``i``
+    drafts modulo the arm's depth plus one (none without ``per_row``)."""
+    if not per_row:
+        return {(s, b): {} for s in arms for b in sizes}
+    return {(s, b): {"running_rows": list(range(b)),
+                     "rows_accepted": [i % (s.num_steps + 1) for i in range(b)] if s.num_steps else None}
+            for s in arms for b in sizes}
+
+
+def _cpu_cost_us(policy, steps=20000, drifting=False, per_row=False, **policy_kwargs):
+    """Median microseconds of one ``select + update`` over batch sizes 1, 16, 64, 256 in turn; ``per_row``: each
+    update also carries every row's acceptance (a selector with a forecast: its worst case, as the running rows'
+    number changes at every step)."""
     import math
 
     from tlt_kernels.runtime import CostTable, StrategySelector
@@ -62,6 +75,7 @@ def _cpu_cost_us(policy, steps=20000, drifting=False, **policy_kwargs):
     sel = StrategySelector(DEFAULT_ARMS, policy=policy, seed=0, **kw, **policy_kwargs)
     sizes = (1, 16, 64, 256)
     obs = {}  # precomputed, so only the selector is timed
+    rows = _row_kwargs(DEFAULT_ARMS, sizes, per_row)
 
     def observation(i, s, b):
         if not drifting:
@@ -79,7 +93,7 @@ def _cpu_cost_us(policy, steps=20000, drifting=False, **policy_kwargs):
     for i in range(1000):  # warm-up, and fills the observation cache
         b = sizes[i & 3]
         s = sel.select(b)
-        sel.update(s, b, *observation(i, s, b))
+        sel.update(s, b, *observation(i, s, b), **rows[s, b])
         for a in DEFAULT_ARMS:
             observation(i, a, b)
     chunks = []
@@ -88,7 +102,7 @@ def _cpu_cost_us(policy, steps=20000, drifting=False, **policy_kwargs):
         for i in range(c * 100, c * 100 + 100):
             b = sizes[i & 3]
             s = sel.select(b)
-            sel.update(s, b, *observation(i, s, b))
+            sel.update(s, b, *observation(i, s, b), **rows[s, b])
         chunks.append((time.perf_counter() - t0) / 100)
     chunks.sort()
     return chunks[len(chunks) // 2] * 1e6
@@ -369,6 +383,7 @@ STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
 # The loss budget of the static batches' budgeted rows (StrategySelector(loss_budget=)), and their name.
 STATIC_BATCH_LOSS_BUDGET = 0.02
 BUDGET_ROW = "cost, lagging feedback, 2% loss budget"
+FORECAST_ROW = f"{BUDGET_ROW}, forecast"
 
 
 def exact_cost_table(batch, arms):
@@ -408,6 +423,10 @@ def _static_batches(ctx, seeds) -> None:
                                   for s in seeds)
         seconds[f"{BUDGET_ROW}, warm"] = sum(_warm_run(batch, warm_up, arms, table, s, STATIC_BATCH_LOSS_BUDGET)
                                              for s in seeds)
+        seconds[FORECAST_ROW] = sum(_cold_run(batch, arms, table, s, lagging_feedback, STATIC_BATCH_LOSS_BUDGET, True)
+                                    for s in seeds)
+        seconds[f"{FORECAST_ROW}, warm"] = sum(_warm_run(batch, warm_up, arms, table, s, STATIC_BATCH_LOSS_BUDGET, True)
+                                               for s in seeds)
         plain, best = seconds["static off"], min(seconds[f"static {a}"] for a in arms)
         for name, total in seconds.items():
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
@@ -419,29 +438,37 @@ def _static_batches(ctx, seeds) -> None:
              "time (mean over the seeds), so vs_off and vs_best_static are wall-time ratios; the feedback rule is "
              "what the selector learns after each step; warm: the selector ran the kind's next batch first; "
              f"'{BUDGET_ROW}': StrategySelector(loss_budget={STATIC_BATCH_LOSS_BUDGET}) told each rollout's most "
-             "tokens per request, as the engine tells it (tlt_kernels/runtime/static_batch.py, "
-             "tlt_kernels/runtime/loss_budget.py)")
+             f"tokens per request, as the engine tells it; '{FORECAST_ROW}': the same with "
+             "StrategySelector(forecast=AcceptanceForecast()) (tlt_kernels/runtime/static_batch.py, "
+             "tlt_kernels/runtime/loss_budget.py, tlt_kernels/runtime/forecast.py)")
 
 
-def _cold_run(batch, arms, table, seed: int, feedback, loss_budget=None) -> float:
-    """Seconds of ``batch`` under a fresh selector learning through ``feedback``; with ``loss_budget``, told the
-    rollout's length."""
+def _selector(arms, table, seed: int, loss_budget, forecast: bool):
+    """The cost policy over ``arms`` with ``table``, ``loss_budget`` and, with ``forecast``, the requests' forecast."""
     from tlt_kernels.runtime import StrategySelector
+    from tlt_kernels.runtime.forecast import AcceptanceForecast
+
+    return StrategySelector(arms, seed=seed, cost_table=table, loss_budget=loss_budget,
+                            forecast=AcceptanceForecast() if forecast else None)
+
+
+def _cold_run(batch, arms, table, seed: int, feedback, loss_budget=None, forecast: bool = False) -> float:
+    """Seconds of ``batch`` under a fresh selector learning through ``feedback``; with ``loss_budget``, told the
+    rollout's length; with ``forecast``, the requests' acceptance forecast."""
     from tlt_kernels.runtime.static_batch import run_static_batch, selector_observer
 
-    selector = StrategySelector(arms, seed=seed, cost_table=table, loss_budget=loss_budget)
+    selector = _selector(arms, table, seed, loss_budget, forecast)
     if loss_budget is not None:
         selector.new_rollout(max_tokens=int(batch.initial_left().max()))
     return run_static_batch(batch, selector.select, selector_observer(selector), feedback, seed)
 
 
-def _warm_run(batch, warm_up, arms, table, seed: int, loss_budget=None) -> float:
+def _warm_run(batch, warm_up, arms, table, seed: int, loss_budget=None, forecast: bool = False) -> float:
     """Seconds of ``batch`` under a selector that first ran ``warm_up`` (its own text) and was told of the new
-    rollout; with ``loss_budget``, each rollout's length too."""
-    from tlt_kernels.runtime import StrategySelector
+    rollout; with ``loss_budget``, each rollout's length too; with ``forecast``, the requests' acceptance forecast."""
     from tlt_kernels.runtime.static_batch import lagging_feedback, run_static_batch, selector_observer
 
-    selector = StrategySelector(arms, seed=seed, cost_table=table, loss_budget=loss_budget)
+    selector = _selector(arms, table, seed, loss_budget, forecast)
     told = loss_budget is not None
     if told:
         selector.new_rollout(max_tokens=int(warm_up.initial_left().max()))
@@ -477,3 +504,15 @@ def run(ctx) -> None:
         ctx.add({"workload": "cpu: select+update"}, p, _cpu_cost_us(p) * 1e-3)
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update, drifting"}, p, _cpu_cost_us(p, drifting=True) * 1e-3)
+    _forecast_cost_rows(ctx)
+
+
+def _forecast_cost_rows(ctx) -> None:
+    """The host cost of the loss budget and of the forecast on top, against the cost policy alone (same run)."""
+    from tlt_kernels.runtime.forecast import AcceptanceForecast
+
+    case = {"workload": "cpu: select+update, per-row acceptance"}
+    ctx.add(case, "cost", _cpu_cost_us("cost", per_row=True) * 1e-3)
+    ctx.add(case, "cost, 2% loss budget", _cpu_cost_us("cost", per_row=True, loss_budget=0.02) * 1e-3)
+    ctx.add(case, "cost, 2% loss budget, forecast",
+            _cpu_cost_us("cost", per_row=True, loss_budget=0.02, forecast=AcceptanceForecast()) * 1e-3)

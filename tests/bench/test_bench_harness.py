@@ -790,24 +790,17 @@ def test_static_batch_budget_sweep_plays_plain_decoding_at_a_zero_budget():
     assert cells[3] != "1.000 / 1.000"
 
 
-def test_forecast_override_probe_forecasts_the_slowest_request():
-    """tools.forecast_override_probe: the forecast is the slowest running request's shrunk acceptance per second of
-    the arm's step; it overrides plain decoding only when that beats plain decoding's rate by the margin."""
-    import numpy as np
-
-    from tools.forecast_override_probe import OFF, Forecast
+def test_static_batch_budget_sweep_adds_a_forecast_column_per_budget():
+    """tools.static_batch_budget_sweep --forecast: each budget's column is followed by the same budget with the
+    requests' forecast; on a uniform batch whose drafts pay, the forecast takes back part of what the budget's tie
+    gave away (docs/RUNTIME.md, "The forecast")."""
+    from tools.static_batch_budget_sweep import _row
     from tlt_kernels.runtime import Strategy
-    from tlt_kernels.runtime.static_batch import StaticBatch
+    from tlt_kernels.runtime.static_batch import static_batches
 
-    arm = Strategy(5, 4, 16)
-    batch = StaticBatch("two requests", [0.5, 0.5], 8)
-    forecast = Forecast(batch, shrink=0.0, confidence=0.0, margin=0.05)
-    assert forecast.rate(arm, 2) == 0.0 and forecast.override(2) is None  # no draft step yet
-    for reach in ([3, 1], [3, 2]):  # request 1 accepted 1.5 drafts a step, request 0 three
-        forecast.feedback(np.array(reach), np.array([8, 8]), arm.num_steps)
-        forecast.observe(arm)
-    assert forecast.rate(arm, 2) == pytest.approx(2.5 / batch.cost(arm, 2))
-    assert batch.cost(arm, 2) < 2.0 * batch.cost(OFF, 2)  # so 2.5 tokens a step beat plain decoding's 1 by > 5%
-    assert forecast.override(2) == arm
-    forecast.margin = 1e9
-    assert forecast.override(2) is None
+    batch, warm_up = static_batches((32,))[2], static_batches((32,), seed=1)[2]
+    arms = (Strategy.off(), Strategy(2, 1, 3), Strategy(5, 4, 16))
+    cells = _row(batch, warm_up, arms, [0], (0.02,), forecast=True).strip("| ").split(" | ")
+    assert len(cells) == 4, cells
+    budget_only, with_forecast = (float(cell.split(" / ")[0]) for cell in cells[2:])
+    assert with_forecast > 1.03 * budget_only, cells

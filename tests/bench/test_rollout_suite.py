@@ -326,6 +326,29 @@ def test_selector_loss_budget_adds_rows_per_budget(monkeypatch):
         _run(["--selector-loss-budget", "1"])
 
 
+def test_selector_forecast_adds_a_forecast_row_per_budgeted_row(monkeypatch):
+    """--selector-forecast with budgets 0.02,none: beside each budgeted adaptive row (cold and warm) a row named
+    `<drafter> adaptive [budget 0.02, forecast]` whose selectors carry a forecast; none for the unbudgeted row."""
+    import tlt_kernels.runtime as runtime_module
+
+    made = []
+    original = runtime_module.StrategySelector
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append((None if self.budget is None else self.budget.fraction, self.forecast is not None))
+
+    monkeypatch.setattr(runtime_module, "StrategySelector", Recording)
+    res = _run(["--selector-loss-budget", "0.02,none", "--selector-forecast", "--drafters", "ngram", "--batches", "2",
+                "--tail-batch", "0", "--no-hf-eager"])
+    assert res.status == "ok", res.data["error"]
+    impls = {r["impl"] for r in res.data["rows"]}
+    assert {"ngram adaptive [budget 0.02, forecast]", "ngram adaptive [budget 0.02, forecast] (warm)"} <= impls, impls
+    assert not any("None, forecast" in impl for impl in impls), impls
+    assert (0.02, True) in made and (None, True) not in made and (0.02, False) in made, made
+
+
 def test_temperature_samples_every_row_and_compares_none(monkeypatch):
     """--temperature 1: every engine rollout samples at 1 with request i's seed i (recorded at the engine), the hf row
     samples too, the cases carry the temperature, no row claims greedy identity, every request gets its tokens, the

@@ -513,6 +513,60 @@ def test_the_selector_learns_the_lagging_rows_acceptance(target, prompts):
     assert all(u[4] is None for u in updates if not u[0].num_steps)  # plain steps: one token, nothing measured
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_forecast_learns_each_running_rows_accepted_drafts(target, prompts, overlap):
+    """A selector with a forecast gets, at every step, the rows still running after it (requests only leave) and,
+    for a drafting step, each one's accepted drafts, from the step's one read: summed with the plain steps' one token,
+    they account for every token a request emitted before its last step. The output stays the plain decoding's."""
+    from tlt_kernels.runtime.forecast import AcceptanceForecast
+
+    updates = []
+
+    class Recording(StrategySelector):
+        def update(self, strategy, batch_size, emitted, elapsed, accepted=None, **kwargs):
+            updates.append((strategy, kwargs["running_rows"], kwargs["rows_accepted"]))
+            super().update(strategy, batch_size, emitted, elapsed, accepted, **kwargs)
+
+    sel = Recording([Strategy(2, 1, 3), Strategy(4, 1, 5)], seed=0, forecast=AcceptanceForecast())
+    eng = SpeculativeEngine(target, "ngram", sel, max_batch_size=8, max_seq_len=64, overlap_steps=overlap)
+    out = eng.generate(prompts, MAX_NEW)
+    ref = reference_generate(target, prompts, max(MAX_NEW))
+    assert [out.tokens[b] for b in range(len(MAX_NEW))] == [ref.tokens[b, :n].tolist() for b, n in enumerate(MAX_NEW)]
+    assert any(strategy.num_steps for strategy, _, _ in updates)
+    tokens_before_last = [0] * len(MAX_NEW)
+    previous = set(range(len(MAX_NEW)))
+    for strategy, running, accepted in updates:
+        assert len(set(running)) == len(running) and set(running) <= previous
+        previous = set(running)
+        if not strategy.num_steps:
+            assert accepted is None
+            accepted = [0] * len(running)
+        assert len(accepted) == len(running) and all(0 <= a <= strategy.num_steps for a in accepted)
+        for row, a in zip(running, accepted):
+            tokens_before_last[row] += a + 1
+    assert not previous  # every request finished
+    for row, n in enumerate(MAX_NEW):
+        assert tokens_before_last[row] < n  # its last step emitted at least one more token
+
+
+def test_read_counts_per_row_gives_each_rows_context_growth():
+    """``row_tokens`` is each step row's context growth from the same read (0 for a row done before), and reading
+    without it leaves the rest of the counts unchanged."""
+    from tlt_kernels.engine.state import RolloutState, StagedCounts
+
+    rollout = RolloutState.__new__(RolloutState)
+    rollout.context_lens_host = [10, 20, 30]
+    rows = [2, 0, 1]
+    finished, failed, was_done, new_lens = [0, 1, 1], [0, 0, 0], [0, 0, 1], [33, 11, 20]
+    values = torch.tensor(finished + failed + was_done + new_lens + [7, 9, 50], dtype=torch.int64)
+    counts = rollout.read_counts(StagedCounts(values, None, rows, 0), per_row=True)
+    assert counts.row_tokens == [3, 1, 0]
+    assert rollout.context_lens_host == [11, 20, 33]  # row 1 had finished before: its length is kept
+    rollout.context_lens_host = [10, 20, 30]
+    plain = rollout.read_counts(StagedCounts(values, None, rows, 0))
+    assert plain.row_tokens is None and plain._replace(row_tokens=[3, 1, 0]) == counts
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the verify forward replayed from a GraphPool
 # ---------------------------------------------------------------------------------------------

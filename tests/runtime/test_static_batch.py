@@ -25,7 +25,7 @@ def test_plain_decoding_takes_budget_steps_of_the_plain_step_and_the_first_steps
     assert seconds == pytest.approx(10 * SMALL_MODEL_COST(Strategy.off(), 4) + FIRST_STEP_S)
     observed = []
     run_static_batch(StaticBatch("b", [0.5] * 4, budget=3, noise=0.0), lambda b: Strategy.off(),
-                     lambda *step: observed.append(step[3]))
+                     lambda *step, **requests: observed.append(step[3]))
     assert observed == pytest.approx([SMALL_MODEL_COST(Strategy.off(), 4) + FIRST_STEP_S]
                                      + [SMALL_MODEL_COST(Strategy.off(), 4)] * 2)  # the selector sees it too
 

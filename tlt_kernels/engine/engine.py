@@ -556,7 +556,8 @@ class SpeculativeEngine:
     def _finish_step(self, rollout: RolloutState, step: LaunchedStep) -> None:
         """Read a launched step's outcome (the step's one device-to-host read), then record and retire."""
         rollout.settle_start()  # the start's outcome: queued before this step's, so already on the host
-        counts = rollout.read_counts(step.staged)
+        forecast = getattr(self.selector, "forecast", None) is not None  # per-row counts only where one learns them
+        counts = rollout.read_counts(step.staged, per_row=forecast)
         rollout.tokens_so_far = counts.generated
         elapsed_s = self._record(rollout, step, counts)
         if any(counts.finished):
@@ -596,7 +597,8 @@ class SpeculativeEngine:
             lagging = counts.lagging_rows or None
             self.selector.update(step.strategy, batch_size, counts.tried, step_s,
                                  counts.lagging_accepted_per_depth if lagging else counts.accepted_per_depth,
-                                 accepted_rows=lagging, batch_progress=counts.progress)
+                                 accepted_rows=lagging, batch_progress=counts.progress,
+                                 **self._running_rows(step, counts))
         record = StepLog(len(rollout.steps), batch_size, str(step.strategy), step.width, counts.emitted,
                          counts.emitted / batch_size, step_s, elapsed_s, step.replayed)
         rollout.steps.append(record)
@@ -604,6 +606,17 @@ class SpeculativeEngine:
                   step.width, counts.emitted, record.accepted_length, record.tokens_per_s)
         rollout.progress.update(counts.generated, record)
         return elapsed_s
+
+    @staticmethod
+    def _running_rows(step: LaunchedStep, counts: StepCounts) -> dict:
+        """The selector's forecast's arguments: the step's rows still running after it and their accepted drafts
+        (none when the counts were read without them: a selector without a forecast is not given them)."""
+        if counts.row_tokens is None:
+            return {}
+        still = [i for i, (finished, done) in enumerate(zip(counts.finished, counts.was_done)) if not (finished or done)]
+        rows, drafted = step.staged.rows, step.strategy.num_steps > 0
+        return {"running_rows": [rows[i] for i in still],
+                "rows_accepted": [counts.row_tokens[i] - 1 for i in still] if drafted else None}
 
     @staticmethod
     def _step_seconds(rollout: RolloutState, step: LaunchedStep, now: float) -> float:

@@ -66,7 +66,9 @@ class StepCounts(NamedTuple):
     whose path reached depth 1..num_steps; None when nobody asked), ``lagging_rows`` (live rows with the most tokens
     left before the step: a static batch finishes when they do) and ``lagging_accepted_per_depth`` (how many of them
     reached each depth) and ``progress`` (how far the step moved the batch's end: the live rows' most tokens left
-    before it less the most any of them that did not finish has left after it; all three None when nobody asked)."""
+    before it less the most any of them that did not finish has left after it; all three None when nobody asked)
+    and, when asked for (``read_counts(per_row=True)``), ``row_tokens``: the tokens each of the step's rows committed,
+    its context's growth (accepted drafts + 1; 0 for a row that failed or had finished before)."""
 
     finished: List[bool]
     failed: List[bool]
@@ -78,6 +80,7 @@ class StepCounts(NamedTuple):
     lagging_rows: Optional[int] = None
     lagging_accepted_per_depth: Optional[list] = None
     progress: Optional[int] = None
+    row_tokens: Optional[List[int]] = None
 
 
 def most_left(left: torch.Tensor, live: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -325,24 +328,33 @@ class RolloutState:
         emission = Emission(out.counts, out.finished, out.failed, out.was_done, out.keep)
         return emission, self._to_host(out.values, active_rows, depth)
 
-    def read_counts(self, staged: StagedCounts) -> StepCounts:
+    def read_counts(self, staged: StagedCounts, per_row: bool = False) -> StepCounts:
         """The host's copy of a staged step's outcome (waits for that step's transfer only). Also updates
-        ``context_lens_host`` of the step's rows that were still running."""
+        ``context_lens_host`` of the step's rows that were still running; ``per_row`` also returns each row's
+        committed tokens (``StepCounts.row_tokens``), from the same read."""
         if staged.ready is not None:
             staged.ready.synchronize()
         host = staged.values.tolist()
         b = len(staged.rows)
         finished, failed, was_done = ([bool(v) for v in host[k * b:(k + 1) * b]] for k in range(3))
-        for row, done_before, context_len in zip(staged.rows, was_done, host[3 * b: 4 * b]):
+        new_lens = host[3 * b: 4 * b]
+        row_tokens = self._row_tokens(staged.rows, was_done, new_lens) if per_row else None
+        for row, done_before, context_len in zip(staged.rows, was_done, new_lens):
             if not done_before:
                 self.context_lens_host[row] = context_len
         emitted, tried, generated = host[4 * b: 4 * b + 3]
         depth = staged.depth
         if depth == 0:
-            return StepCounts(finished, failed, was_done, emitted, tried, generated, None)
+            return StepCounts(finished, failed, was_done, emitted, tried, generated, None, row_tokens=row_tokens)
         lagging = host[4 * b + 3 + depth: 4 * b + 5 + 2 * depth]
         return StepCounts(finished, failed, was_done, emitted, tried, generated, host[4 * b + 3: 4 * b + 3 + depth],
-                          lagging[0], lagging[1:-1], lagging[-1])
+                          lagging[0], lagging[1:-1], lagging[-1], row_tokens)
+
+    def _row_tokens(self, rows: List[int], was_done: List[bool], new_lens: List[int]) -> List[int]:
+        """Each row's context growth at a step whose new context lengths are ``new_lens`` (read in step order, so
+        ``context_lens_host`` still holds the step before's); 0 for rows done before."""
+        before = self.context_lens_host
+        return [0 if done else new - before[row] for row, done, new in zip(rows, was_done, new_lens)]
 
     def retire(self, rows: List[int], counts: StepCounts, elapsed_s: float) -> List[int]:
         """Drop the step's ``rows`` that finished at this step from ``active_rows`` (rows that had finished before

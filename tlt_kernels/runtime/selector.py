@@ -28,6 +28,7 @@ import warnings
 from collections import deque
 from typing import Callable, Dict, List, Optional, Sequence
 
+from .forecast import AcceptanceForecast
 from .loss_budget import LossBudget, check_loss_budget
 from .policies import CostTable, Policy, make_policy
 from .strategy import Pending, Strategy, as_pending
@@ -82,6 +83,11 @@ class StrategySelector:
             rollout's time (:mod:`~tlt_kernels.runtime.loss_budget`): a speculative choice of the policy that could
             exceed it runs plain decoding instead (counted in ``budget.vetoed``). Default
             :data:`DEFAULT_LOSS_BUDGET`; None: every choice is the policy's.
+        forecast: an :class:`~tlt_kernels.runtime.forecast.AcceptanceForecast`, or None (default): where the
+            policy or the loss budget chose plain decoding, the drafting arm whose slowest running request's
+            forecast rate beats plain decoding's by its margin runs instead (counted in ``forecast.overrides``). It
+            learns from :meth:`update`'s ``running_rows`` and ``rows_accepted`` and needs a policy that predicts
+            step times (:meth:`~tlt_kernels.runtime.policies.Policy.step_seconds`: the cost policy).
         **policy_kwargs: options of the named policy (e.g. ``cost_table=`` for ``"cost"``,
             ``epsilon=`` for ``"beg"``).
 
@@ -98,7 +104,8 @@ class StrategySelector:
                  batch_buckets: Optional[Sequence[int]] = None, window: int = 32, seed: int = 0, *,
                  available: Optional[Callable[[Strategy, int], bool]] = None,
                  decision_hook: Optional[Callable[[Strategy, int], Strategy]] = None,
-                 loss_budget: Optional[float] = DEFAULT_LOSS_BUDGET, **policy_kwargs):
+                 loss_budget: Optional[float] = DEFAULT_LOSS_BUDGET,
+                 forecast: Optional[AcceptanceForecast] = None, **policy_kwargs):
         arms: List[Strategy] = []
         for s in strategies:
             if not isinstance(s, Strategy):
@@ -130,6 +137,11 @@ class StrategySelector:
         self._bucket_cache: Dict[int, int] = {}
         self._depth = [s.num_steps for s in arms]
         self.budget = self._loss_budget(check_loss_budget(loss_budget), policy_kwargs.get("cost_table"))
+        if forecast is not None and not isinstance(forecast, AcceptanceForecast):
+            raise TypeError(f"forecast must be an AcceptanceForecast or None, got {type(forecast).__name__}")
+        self.forecast = forecast
+        if forecast is not None:
+            forecast.bind(self._depth)
         self.rejected = 0  # garbage observations ignored (see the class docstring)
         self.rejected_reasons: Dict[str, int] = {}  # the same, by the field that was garbage
         self._warned = False
@@ -184,12 +196,22 @@ class StrategySelector:
         a = self.policy.choose(bucket, batch_size, self._allowed(batch_size), self.step)
         if self.budget is not None and not self.budget.allows(a, bucket, batch_size):
             a = self._off
+        if self.forecast is not None and not self._depth[a]:
+            a = self._forecast_override(bucket, batch_size, a)
         s = self.strategies[a]
         if self.decision_hook is not None:
             s = self.decision_hook(s, batch_size)
             if s not in self._index:
                 raise ValueError(f"decision_hook returned {s}, which is not one of the selector's strategies")
         return s
+
+    def _forecast_override(self, bucket: int, batch_size: int, plain: int) -> int:
+        """The forecast's arm where it beats plain decoding (arm ``plain``) at the policy's predicted step times,
+        else ``plain``."""
+        def step_seconds(arm: int) -> Optional[float]:
+            return self.policy.step_seconds(bucket, arm, batch_size)
+        arm = self.forecast.choose(self._allowed(batch_size), step_seconds, plain)
+        return plain if arm is None else arm
 
     def new_rollout(self, max_tokens: Optional[int] = None) -> None:
         """A new batch of requests starts (:class:`~tlt_kernels.engine.SpeculativeEngine` calls it once per
@@ -203,10 +225,13 @@ class StrategySelector:
         self.policy.new_rollout()
         if self.budget is not None:
             self.budget.new_rollout(max_tokens)
+        if self.forecast is not None:
+            self.forecast.new_rollout()
 
     def update(self, strategy: Strategy, batch_size: int, emitted_tokens, elapsed_s,
                accepted_per_position=None, accepted_rows: Optional[int] = None,
-               batch_progress: Optional[int] = None) -> None:
+               batch_progress: Optional[int] = None, running_rows: Optional[Sequence[int]] = None,
+               rows_accepted: Optional[Sequence[int]] = None) -> None:
         """Record one step's outcome (garbage measurements are ignored and counted: see the class docstring).
 
         Args:
@@ -223,6 +248,10 @@ class StrategySelector:
             batch_progress: how far the step moved the batch's end (its most tokens left before the step less the
                 most a request still running has left after it), an int >= 0, or None; the loss budget's progress
                 where given (else its estimate from the lagging rows' counts). The policy does not use it.
+            running_rows: the requests still running after the step (distinct ints >= 0, stable within a rollout,
+                which they only leave), or None; for the ``forecast`` only (ignored without one).
+            rows_accepted: with ``running_rows`` and a drafting strategy, each one's accepted drafts in the step
+                (host ints in ``[0, num_steps]``, in the same order).
         """
         arm = self._index.get(strategy)
         if arm is None:
@@ -235,6 +264,8 @@ class StrategySelector:
             raise ValueError(f"batch_progress must be an int >= 0 or None, got {batch_progress!r}")
         if self.budget is not None:
             self.budget.launched(arm, self.bucket(batch_size), batch_size)
+        if self.forecast is not None and running_rows is not None:
+            self.forecast.observe(arm, running_rows, rows_accepted)
         # Fast path (plain numbers, nothing queued): fold in now, the same as queue + drain would.
         if (not self._pending and type(elapsed_s) in _NUMBER and type(emitted_tokens) in _NUMBER
                 and (accepted_per_position is None or type(accepted_per_position) is list)):

@@ -128,9 +128,10 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
                      observe: Optional[Callable[..., None]] = None, feedback: Feedback = lagging_feedback,
                      seed: int = 0) -> float:
     """Simulated seconds until every request of ``batch`` has its tokens, with ``choose(batch_size) -> Strategy``
-    per step; ``observe(strategy, batch_size, emitted, seconds, accepted_per_position, accepted_rows, progress)`` gets
-    what ``feedback`` makes of each step and how far the step moved the batch's end (its most tokens left less the
-    most left after it, as the engine measures it).
+    per step; ``observe(strategy, batch_size, emitted, seconds, accepted_per_position, accepted_rows, progress,
+    running_rows=, rows_accepted=)`` gets what ``feedback`` makes of each step, how far the step moved the batch's end
+    (its most tokens left less the most left after it, as the engine measures it), and the requests still running
+    after it with their accepted drafts (what the engine reads per row: ``StrategySelector(forecast=)``).
 
     ``seed`` fixes the batch's text (:class:`BatchText`), the same whatever the choices, and the noise of the
     observed step times (a stream of its own): two runs with one seed differ only by what their choices do."""
@@ -153,7 +154,9 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
             accepted, rows = feedback(reach, before, strategy.num_steps)
             observed_s = step_s * math.exp(batch.noise * noise.standard_normal())
             progress = int(before.max() - (before - emitted).max())
-            observe(strategy, len(running), float(emitted.sum()), observed_s, accepted, rows, progress)
+            still = left[running] > 0
+            observe(strategy, len(running), float(emitted.sum()), observed_s, accepted, rows, progress,
+                    running_rows=running[still].tolist(), rows_accepted=reach[still].tolist())
     return seconds
 
 
@@ -194,10 +197,12 @@ class BatchText:
 
 def selector_observer(selector) -> Callable[..., None]:
     """``observe`` for :func:`run_static_batch` that feeds a :class:`~.selector.StrategySelector`."""
-    def observe(strategy, batch_size, emitted, seconds, accepted, rows, progress):
+    def observe(strategy, batch_size, emitted, seconds, accepted, rows, progress, running_rows=None,
+                rows_accepted=None):
         # rows None: the counts are the whole batch's; the progress is the engine's measure (plain steps: none)
         selector.update(strategy, batch_size, emitted, seconds, accepted, accepted_rows=rows,
-                        batch_progress=progress if strategy.num_steps else None)
+                        batch_progress=progress if strategy.num_steps else None, running_rows=running_rows,
+                        rows_accepted=rows_accepted)
     return observe
 
 

@@ -36,6 +36,11 @@ class Policy:
     def new_rollout(self) -> None:
         """A new batch of requests starts (the engine calls it once per rollout); by default nothing changes."""
 
+    def step_seconds(self, bucket: int, arm: int, batch_size: int) -> Optional[float]:
+        """The predicted step time of ``arm`` at ``batch_size`` in seconds, or None where the policy keeps none (the
+        default: only the cost policy models step times)."""
+        return None
+
     def observe(self, bucket: int, arm: int, batch_size: int, emitted: float, elapsed: float,
                 accepted: Optional[Sequence[float]], step: int, accepted_rows: Optional[int] = None) -> None:
         """Fold in one step: ``emitted`` tokens over the batch in ``elapsed`` seconds; ``accepted[i]`` = requests

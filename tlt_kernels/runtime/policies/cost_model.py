@@ -190,6 +190,12 @@ class CostModelPolicy(Policy):
             return batch_size * self.tokens[a] / ratio if n > 0 else None
         return rate[a] * self.tokens[a] / (ratio if n > 0 else 1.0)
 
+    def step_seconds(self, bucket: int, arm: int, batch_size: int) -> Optional[float]:
+        """The start-up table's step time of ``arm`` where it has one, else the observed one
+        (:meth:`StepTimeModel.seconds`): the observed times carry a rollout's first step, whose time also holds the
+        host's preparation of it, and one such step would make plain decoding look slower than it is."""
+        return self.step_time.table_seconds(batch_size)[arm] or self.step_time.seconds(bucket, arm, batch_size)
+
     def new_rollout(self) -> None:
         """A new batch: keep ``keep_on_rollout`` of the arms' own counts and reset the level's variance (as after a
         detected change, :meth:`~.acceptance_model.SharedAcceptanceModel.forget`), so the new requests' first

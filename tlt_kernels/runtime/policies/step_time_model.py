@@ -72,6 +72,14 @@ class StepTimeModel:
             secs = self._secs[batch_size]
         return secs
 
+    def seconds(self, bucket: int, arm: int, batch_size: int) -> Optional[float]:
+        """The arm's step time at ``batch_size``: the table's, corrected by the bucket's (own or borrowed) ratio
+        where observed; None for an arm neither in the table nor observed."""
+        base, n, ratio = self.table_seconds(batch_size)[arm], self.count[bucket][arm], self.ratio[bucket][arm]
+        if base:
+            return base * ratio if n > 0 else base
+        return ratio if n > 0 else None
+
     def observe(self, bucket: int, arm: int, batch_size: int, elapsed: float) -> None:
         """Fold one step of ``elapsed`` seconds into the (bucket, arm) ratio, and lend it to the buckets that borrow
         the arm's ratio from this one."""
