@@ -133,9 +133,11 @@ def test_prefill_max_tokens_bounds_the_captured_batches(target, monkeypatch):
             _engine(target, (8,), prefill_max_tokens=bad)
 
 
-def test_prefill_fresh_pads_without_changing_the_valid_outputs(target):
+@pytest.mark.parametrize("padding_to_tail", [False, True])
+def test_prefill_fresh_pads_without_changing_the_valid_outputs(target, padding_to_tail):
     """``prefill_fresh`` on a batch padded to a longer length: the valid positions' logits, hidden states and cached
-    K/V are those of ``prefill`` on the unpadded batch."""
+    K/V are those of ``prefill`` on the unpadded batch, whether padding tokens rewrite the last valid slot or write
+    their own slots past the request's end."""
     from tlt_kernels.models import PagedKVCache
 
     prompts = ragged_prompts(3, seed=5, first=3, step=4)  # 3, 7, 11 tokens
@@ -148,7 +150,7 @@ def test_prefill_fresh_pads_without_changing_the_valid_outputs(target):
         cache = PagedKVCache(target.config, 3 * 2 + 1, 16)
         table, ctx = cache.allocate(3, 16)
         padded = torch.nn.functional.pad(tokens, (0, width - 11), value=7)  # any token id past the lengths
-        logits, hidden = (target.prefill_fresh(padded, lens, cache, table) if fresh
+        logits, hidden = (target.prefill_fresh(padded, lens, cache, table, padding_to_tail=padding_to_tail) if fresh
                           else target.prefill(tokens, lens, cache, table, ctx))
         results.append((logits, hidden, cache.gather(1, table, 11)))
     (logits, hidden, kv), (logits2, hidden2, kv2) = results
@@ -158,6 +160,29 @@ def test_prefill_fresh_pads_without_changing_the_valid_outputs(target):
         torch.testing.assert_close(hidden2[b, :n], hidden[b, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kv2[0][b, :n], kv[0][b, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(kv2[1][b, :n], kv[1][b, :n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padding_to_tail", [False, True])
+def test_prefill_fresh_padding_writes_only_its_requests_slots(target, padding_to_tail):
+    """Where padding tokens' K/V land: with ``padding_to_tail`` in the request's own slots past its end (up to the
+    padded length), else nowhere past its end; never in another request's blocks or in blocks no table holds."""
+    from tlt_kernels.models import PagedKVCache
+
+    cache = PagedKVCache(target.config, 8, 4)
+    cache.k_pool.fill_(float("nan"))
+    table, _ = cache.allocate(2, 12)  # 3 blocks of 4 slots each: 12 slots per request
+    tokens, lens = torch.full((2, 10), 5, dtype=torch.int64), torch.tensor([3, 10], dtype=torch.int32)
+    target.prefill_fresh(tokens, lens, cache, table, padding_to_tail=padding_to_tail)
+    keys = cache.gather(0, table, 12)[0]  # [2, 12, Hkv, D]
+    written = ~keys.isnan().flatten(2).all(2)
+    expected = torch.zeros(2, 12, dtype=torch.bool)
+    expected[0, : 10 if padding_to_tail else 3] = True
+    expected[1, :10] = True
+    assert torch.equal(written, expected), written
+    held = set(table.flatten().tolist())
+    for block in range(8):
+        if block not in held:
+            assert cache.k_pool[0, block].isnan().all(), block
 
 
 def test_prefill_fresh_reads_nothing_back_to_the_host(target, monkeypatch):

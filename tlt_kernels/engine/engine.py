@@ -452,8 +452,8 @@ class SpeculativeEngine:
         """The target's prefill without its checks where it has one (``prefill_fresh``: generate checked the token
         ids and lengths, and the engine built the cache and the table), so that nothing reads the device."""
         fresh = getattr(self.target, "prefill_fresh", None)
-        if fresh is not None:
-            return fresh(prompt_tokens, prompt_lens, self.cache, block_table)
+        if fresh is not None:  # tables of slots_per_request > L, the request's own: padding writes its own tail
+            return fresh(prompt_tokens, prompt_lens, self.cache, block_table, padding_to_tail=True)
         B = prompt_tokens.shape[0]
         return self.target.prefill(prompt_tokens, prompt_lens.to(torch.int32), self.cache, block_table,
                                    torch.zeros(B, dtype=torch.int32, device=self.device))

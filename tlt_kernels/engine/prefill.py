@@ -102,7 +102,8 @@ class PrefillGraphs:
         return times
 
     def _prefill(self, tokens, lengths, block_table):
-        return self.target.prefill_fresh(tokens, lengths, self.cache, block_table)
+        # The engine's tables cover a request's slots_per_request >= any bucket, its own blocks: padding to the tail.
+        return self.target.prefill_fresh(tokens, lengths, self.cache, block_table, padding_to_tail=True)
 
     def _padding_inputs(self, batch_size: int, length: int):
         """Padding requests: one token each, written into the sink request's first slot."""

@@ -246,6 +246,21 @@ def _prefill_context(cache: PagedKVCache, block_table: torch.Tensor, positions: 
     return read_slots, (slots.view(1, 1, -1) <= last).unsqueeze(1)
 
 
+def _prefill_writes(cache: PagedKVCache, block_table: torch.Tensor, j: torch.Tensor, lens: torch.Tensor,
+                    ctx: Optional[torch.Tensor], to_tail: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A prefill's cache rows (int64 ``[B * L]``, one index for every layer) and the K/V rows written there (int64
+    ``[B * L]``, or None: every token's own). ``to_tail``: token ``j`` writes slot ``j`` (padding tokens land past the
+    request's end: prefill_fresh's ``padding_to_tail``). Else a padding token writes its request's last valid slot
+    with that token's own K/V (the same values twice): no masked write (a host sync per layer), and nothing lands
+    outside the request's valid slots."""
+    B, L = lens.shape[0], j.shape[1]
+    if to_tail:
+        return cache.flat_index(block_table, j.expand(B, L)).flatten(), None
+    source = torch.minimum(j, lens.unsqueeze(1) - 1)
+    write_slots = cache.flat_index(block_table, source if ctx is None else ctx.unsqueeze(1) + source).flatten()
+    return write_slots, (torch.arange(B, device=j.device).unsqueeze(1) * L + source).flatten()
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool, scale: float) -> torch.Tensor:
     """SDPA on ``[B, T, H, D]`` layouts; K/V heads are repeated for GQA."""
     group = q.shape[2] // k.shape[2]
@@ -410,37 +425,42 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def prefill_fresh(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: PagedKVCache,
-                      block_table: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                      block_table: torch.Tensor, padding_to_tail: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """:meth:`prefill` of prompts with no cached context (every ``context_lens`` 0), without its checks or its host
         sync, so it can be captured in a CUDA graph: the caller guarantees what :meth:`prefill` checks (shapes and
         dtypes, ``1 <= lengths[b] <= L``, token ids in the vocabulary, a table covering ``lengths`` slots, the cache
         built with the model's dtype). Tokens past a request's length may be anything in the vocabulary, so a batch
         can be padded to a fixed ``L``: the outputs of its valid positions do not change.
 
+        ``padding_to_tail``: the caller also guarantees that each request's table covers ``L`` slots of its own (no
+        block shared with another request up to slot ``L - 1``), so a padding token writes its K/V into its own
+        slot past the request's end, which nothing reads before a later step writes it; the K/V go to the cache as
+        computed, with no per-layer gather. Without it a padding token rewrites the request's last valid slot with
+        that token's K/V (gathered per layer), and only ``lengths`` slots need be covered.
         Returns:
             ``logits [B, V]`` at each request's last valid token and ``hidden [B, L, H]`` (rows past ``lengths``
             are garbage), as :meth:`prefill`.
         """
-        return self._prefill(tokens, lengths.long(), cache, block_table, None)
+        return self._prefill(tokens, lengths.long(), cache, block_table, None, padding_to_tail)
 
-    def _prefill(self, tokens, lens, cache: PagedKVCache, block_table, continued) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _prefill(self, tokens, lens, cache: PagedKVCache, block_table, continued,
+                 padding_to_tail: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """The prefill after its checks. ``continued``: None for fresh prompts (causal over their own tokens, no
-        read-back of the cache), else ``(context_lens int64 [B], context_lens + lens, the longest of those)``."""
+        read-back of the cache), else ``(context_lens int64 [B], context_lens + lens, the longest of those)``;
+        ``padding_to_tail``: :meth:`prefill_fresh`'s."""
         B, L = tokens.shape
         j = torch.arange(L, device=tokens.device).unsqueeze(0)
         valid = j < lens.unsqueeze(1)
         ctx = None if continued is None else continued[0]
         positions = j.expand(B, L) if ctx is None else ctx.unsqueeze(1) + j
-        # One write index for every layer. A padding token writes its request's last valid slot with that token's
-        # own K/V (the same values twice): no masked write (a host sync per layer), and nothing lands outside the
-        # request's valid slots.
-        source = torch.minimum(j, lens.unsqueeze(1) - 1)
-        write_slots = cache.flat_index(block_table, source if ctx is None else ctx.unsqueeze(1) + source).flatten()
-        source_rows = (torch.arange(B, device=tokens.device).unsqueeze(1) * L + source).flatten()
+        write_slots, source_rows = _prefill_writes(cache, block_table, j, lens, ctx, padding_to_tail and ctx is None)
         context = None if ctx is None else _prefill_context(cache, block_table, positions, continued[1], continued[2])
 
         def attend(i, q, k, v):
-            cache.write_at(i, write_slots, k.flatten(0, 1)[source_rows], v.flatten(0, 1)[source_rows])
+            if source_rows is None:
+                cache.write_at(i, write_slots, k, v)
+            else:
+                cache.write_at(i, write_slots, k.flatten(0, 1)[source_rows], v.flatten(0, 1)[source_rows])
             if context is None:  # k, v are what the cache now holds (its dtype is the model's: _check_cache)
                 return _sdpa(q, k, v, None, True, self.sm_scale)
             read_slots, mask = context
