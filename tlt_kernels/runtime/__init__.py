@@ -2,6 +2,7 @@
 
 Importing this package never imports Triton or the CUDA extension and never queries a GPU.
 """
+from .forecast import AcceptanceForecast
 from .graph_pool import GraphPool
 from .policies import (
     POLICIES,
@@ -17,6 +18,7 @@ from .strategy import CallbackValue, DeferredTensor, EventTimer, Pending, Strate
 
 __all__ = [
     "POLICIES",
+    "AcceptanceForecast",
     "BucketedEpsilonGreedy",
     "CallbackValue",
     "CostModelPolicy",
