@@ -151,3 +151,34 @@ def test_the_forecast_wins_back_a_uniform_batch_and_keeps_the_bound_where_plain_
     eagle_like, _, uniform = static_batches(batch_sizes=(32,), budget=128)
     assert _ratio(uniform, forecast=True) > 1.05 * _ratio(uniform, forecast=False)
     assert _ratio(eagle_like, forecast=True) > 0.97
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 3, 8]), st.integers(0, 2), st.booleans()), min_size=1, max_size=40),
+       st.sampled_from([None, 0.02]))
+def test_a_forecast_decides_alike_on_equal_streams_and_is_inert_without_rows(stream, budget):
+    """Two selectors with forecasts fed the same per-row observations make the same choices (no hidden state but
+    the stream); one never given rows chooses exactly as a selector without a forecast."""
+    arms = [Strategy(2, 1, 3), Strategy(4, 1, 5)]
+    table = {Strategy.off(): [(1, 1e-3), (8, 1.2e-3)], arms[0]: [(1, 1.2e-3), (8, 1.5e-3)],
+             arms[1]: [(1, 1.4e-3), (8, 1.9e-3)]}
+
+    def run(forecast: bool, rows: bool):
+        sel = StrategySelector(arms, seed=3, cost_table=table, loss_budget=budget,
+                               forecast=AcceptanceForecast() if forecast else None)
+        sel.new_rollout(max_tokens=64)
+        picks = []
+        for batch, accepted, slow in stream:
+            s = sel.select(batch)
+            picks.append(s)
+            per_row = [min(accepted, s.num_steps)] * batch
+            if slow and s.num_steps:
+                per_row[0] = 0
+            kwargs = {"running_rows": list(range(batch)), "rows_accepted": per_row if s.num_steps else None}
+            sel.update(s, batch, batch + sum(per_row), 1e-3 * (1 + s.num_steps / 4),
+                       [sum(1 for a in per_row if a > d) for d in range(s.num_steps)] or None,
+                       **(kwargs if rows else {}))
+        return picks
+
+    assert run(True, True) == run(True, True)
+    assert run(True, False) == run(False, False)

@@ -110,3 +110,28 @@ def test_borrowing_leaves_own_ratios_alone_and_gives_each_other_bucket_its_neare
             assert lending.lender[k][1] == source and lending.count[k][1] == BORROWED
             assert lending.ratio[k][1] == pytest.approx(alone.ratio[source][1])
         assert lending.count[k][0] == 0.0  # the other arm was never observed: nothing to lend
+
+
+def test_seconds_is_the_table_time_corrected_by_the_ratio_else_the_observed_time():
+    """``seconds``: the table's time where unobserved, times the bucket's ratio once observed; an arm without a table
+    entry has its observed seconds, or None before any."""
+    model = StepTimeModel([OFF, CHAIN], CostTable({OFF: [(1, 0.01)]}), 1, GAMMA)
+    assert model.seconds(0, 0, 1) == pytest.approx(0.01) and model.seconds(0, 1, 1) is None
+    model.observe(0, 0, 1, 0.02)
+    model.observe(0, 1, 1, 0.05)
+    assert model.seconds(0, 0, 1) == pytest.approx(0.02) and model.seconds(0, 1, 1) == pytest.approx(0.05)
+
+
+def test_the_cost_policy_prices_a_forecast_at_the_table_time_while_it_has_one():
+    """What the forecast's override compares: the start-up table's step times (the observed ones also carry a
+    rollout's first step), the observed time only for an arm the table lacks."""
+    from tlt_kernels.runtime.policies import CostModelPolicy
+    import random
+
+    policy = CostModelPolicy(cost_table={OFF: [(1, 0.01)]})
+    policy.bind([OFF, CHAIN], 1, random.Random(0), 32)
+    policy.step_time.observe(0, 0, 1, 0.03)  # a first step with the host's preparation in it
+    assert policy.step_seconds(0, 0, 1) == pytest.approx(0.01)
+    assert policy.step_seconds(0, 1, 1) is None
+    policy.step_time.observe(0, 1, 1, 0.02)
+    assert policy.step_seconds(0, 1, 1) == pytest.approx(0.02)
