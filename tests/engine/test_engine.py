@@ -513,11 +513,14 @@ def test_the_selector_learns_the_lagging_rows_acceptance(target, prompts):
     assert all(u[4] is None for u in updates if not u[0].num_steps)  # plain steps: one token, nothing measured
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_forecast_learns_each_running_rows_accepted_drafts(target, prompts, overlap):
+@pytest.mark.parametrize("overlap, step_kernel", [(False, False), (True, False),
+                                                  pytest.param(True, True, marks=pytest.mark.triton)])
+def test_a_forecast_learns_each_running_rows_accepted_drafts(target, prompts, overlap, step_kernel):
     """A selector with a forecast gets, at every step, the rows still running after it (requests only leave) and,
-    for a drafting step, each one's accepted drafts, from the step's one read: summed with the plain steps' one token,
-    they account for every token a request emitted before its last step. The output stays the plain decoding's."""
+    for a drafting step, each one's accepted drafts, from the step's one read (the torch path's staging or the step
+    kernel's, here in Triton's interpreter): summed with the plain steps' one token, they account for every token a
+    request emitted before its last step. The output stays the plain decoding's."""
+    from tlt_kernels.ops.rollout_step import can_run_on
     from tlt_kernels.runtime.forecast import AcceptanceForecast
 
     updates = []
@@ -529,6 +532,10 @@ def test_a_forecast_learns_each_running_rows_accepted_drafts(target, prompts, ov
 
     sel = Recording([Strategy(2, 1, 3), Strategy(4, 1, 5)], seed=0, forecast=AcceptanceForecast())
     eng = SpeculativeEngine(target, "ngram", sel, max_batch_size=8, max_seq_len=64, overlap_steps=overlap)
+    if step_kernel:
+        if not can_run_on(next(target.parameters()).device):
+            pytest.skip("the tiny target is on the CPU: the kernel runs there only under TRITON_INTERPRET=1")
+        eng.step_kernel = True
     out = eng.generate(prompts, MAX_NEW)
     ref = reference_generate(target, prompts, max(MAX_NEW))
     assert [out.tokens[b] for b in range(len(MAX_NEW))] == [ref.tokens[b, :n].tolist() for b, n in enumerate(MAX_NEW)]

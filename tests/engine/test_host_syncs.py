@@ -260,6 +260,21 @@ def test_one_host_read_per_step_with_sampling_and_eos(target, monkeypatch):
         assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i}: {dict(reads)}"
 
 
+@pytest.mark.parametrize("fuse", [None, True], ids=["eager", "fused"])
+def test_one_host_read_per_step_with_a_forecast(target, monkeypatch, fuse):
+    """A selector with the requests' acceptance forecast adds no read: each row's accepted drafts come from the
+    step's one transfer (its new context lengths, already staged)."""
+    from tlt_kernels.runtime import AcceptanceForecast
+
+    eng = _engine(target, "ngram", fuse)
+    eng.selector = StrategySelector([Strategy(2, 1, 3), Strategy(4, 1, 5)], seed=0, forecast=AcceptanceForecast(),
+                                    available=eng.selector.available)
+    out, per_step = count_step_reads(eng, monkeypatch)
+    assert any(s.strategy != "off" for s in out.steps)
+    for i, reads in enumerate(per_step):
+        assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i}: {dict(reads)}"
+
+
 def out_token(target) -> int:
     """A token the tiny target emits often (so EOS does stop some requests)."""
     ref = reference_generate(target, PROMPTS, 8)
