@@ -109,6 +109,11 @@ def test_the_selector_checks_the_rows_acceptance():
         sel.update(Strategy(2, 1, 3), 2, 3, 1e-3, [1, 0], running_rows=[0, 1], rows_accepted=[1])
     with pytest.raises(ValueError, match="rows_accepted"):
         sel.update(Strategy(2, 1, 3), 2, 3, 1e-3, [1, 0], running_rows=[0, 1], rows_accepted=[1, 3])
+    with pytest.raises(ValueError, match="rows_accepted"):
+        sel.update(Strategy(2, 1, 3), 3, 3, 1e-3, [1, 0], running_rows=[0, 1, 2], rows_accepted=[1, math.nan, 0])
+    fresh = StrategySelector([Strategy(2, 1, 3)], seed=0, forecast=AcceptanceForecast())
+    with pytest.raises(ValueError, match="running_rows"):
+        fresh.update(Strategy(2, 1, 3), 2, 3, 1e-3, [1, 0], running_rows=[-1, 1], rows_accepted=[1, 1])
     with pytest.raises(TypeError, match="forecast"):
         StrategySelector([Strategy(2, 1, 3)], forecast=0.05)
 

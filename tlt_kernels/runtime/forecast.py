@@ -20,7 +20,9 @@ Terms, per rollout (:meth:`AcceptanceForecast.new_rollout` starts over):
 
 Rule (:meth:`AcceptanceForecast.choose`): where the selector would run plain decoding, the drafting arm with the best
 forecast rate runs instead if that rate beats plain decoding's (one token a step over its step time) by ``margin``.
-An arm no running request has drafted with has no forecast: the budget's probes give the evidence.
+An arm no running request has drafted with has no forecast: the budget's probes give the evidence. A single running
+request is left to the ledger, whose progress is then that request's acceptance exactly: a forecast from its first
+steps would add noise, not evidence.
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ class AcceptanceForecast:
 
     def new_rollout(self) -> None:
         """A new batch: no request has run yet."""
-        size = 8
+        size = 8  # request rows held before the first growth (:meth:`_grow` doubles it)
         self.steps = np.zeros((len(self.depths), size))
         self.accepted = np.zeros((len(self.depths), size))
         self.running = np.zeros(0, dtype=np.int64)
@@ -82,26 +84,33 @@ class AcceptanceForecast:
         """One step of ``arm``: ``rows`` (distinct ints >= 0) are the requests still running after it and
         ``accepted`` their accepted drafts in it (ints in ``[0, num_steps]``; ignored for plain decoding); rows absent
         have finished (requests only leave a rollout). A ValueError names ``rows_accepted`` when they do not fit."""
-        if len(rows) != len(self.running):  # requests only leave: a new count is a new set
-            self.running = np.asarray(rows, dtype=np.int64)
+        drafted = self.depths[arm] > 0 and len(rows) > 0
+        changed = len(rows) != len(self.running)  # requests only leave: a new count is a new set
+        if not (drafted or changed):
+            return  # a plain step, no request left: nothing to learn
+        counts = self._checked(arm, len(rows), accepted) if drafted else None
+        index = np.asarray(rows, dtype=np.int64)
+        if changed:
+            if len(rows) and index.min() < 0:
+                raise ValueError(f"running_rows must be ints >= 0, got {list(rows)}")
             self._tokens.clear()
-            if len(rows) and self.running.max() >= self.steps.shape[1]:
-                self._grow(int(self.running.max()) + 1)
-        if not self.depths[arm] or not len(rows):
+            if len(rows) and index.max() >= self.steps.shape[1]:
+                self._grow(int(index.max()) + 1)
+        self.running = index
+        if not drafted:
             return
-        counts = self._checked(arm, len(rows), accepted)
-        self.running = index = np.asarray(rows, dtype=np.int64)
-        self.steps[arm, index] += 1
-        self.accepted[arm, index] += counts
+        self.steps[arm][index] += 1  # a row view, then a 1-D index: half the cost of a 2-D fancy index
+        self.accepted[arm][index] += counts
         self._tokens.pop(arm, None)
 
     def _checked(self, arm: int, num_rows: int, accepted) -> np.ndarray:
-        """``accepted`` as float64 ``[num_rows]`` in ``[0, depth]``, or a ValueError naming ``rows_accepted``."""
+        """``accepted`` as float64 ``[num_rows]``, or a ValueError naming ``rows_accepted`` unless its values lie in
+        ``[0, depth]`` (a NaN fails: an array's min and max carry it, where Python's could skip it)."""
         counts = None if accepted is None else np.asarray(accepted, dtype=np.float64)
         if counts is None or counts.shape != (num_rows,):
             raise ValueError(f"rows_accepted must give one count per running row ({num_rows}) for a drafting step, "
                              f"got {None if counts is None else counts.shape}")
-        if not 0 <= counts.min() <= counts.max() <= self.depths[arm]:  # NaN fails too
+        if not 0 <= counts.min() <= counts.max() <= self.depths[arm]:
             raise ValueError(f"rows_accepted must be ints in [0, num_steps={self.depths[arm]}], got {counts.tolist()}")
         return counts
 
@@ -117,7 +126,7 @@ class AcceptanceForecast:
             return self._tokens[arm]
         value = None
         if len(self.running):
-            steps, accepted = self.steps[arm, self.running], self.accepted[arm, self.running]
+            steps, accepted = self.steps[arm][self.running], self.accepted[arm][self.running]
             if steps.max() > 0:
                 pooled = accepted.sum() / steps.sum()
                 forecast = ((accepted + self.shrink * pooled) / (steps + self.shrink)
