@@ -138,8 +138,10 @@ class AcceptanceForecast:
     def choose(self, allowed: Sequence[int], step_seconds: Callable[[int], Optional[float]], plain: int) -> Optional[int]:
         """The drafting arm of ``allowed`` with the best forecast rate if it beats plain decoding's (arm ``plain``)
         by the margin, else None; ``step_seconds(arm)`` is an arm's step time (None: unknown, no override)."""
+        if len(self.running) < 2:  # one request: the ledger's progress is its acceptance already
+            return None
         plain_s = step_seconds(plain)
-        if not plain_s or len(self.running) < 2:  # one request: the ledger's progress is its acceptance already
+        if not plain_s:
             return None
         best, best_rate = None, (1.0 + self.margin) / plain_s
         for arm in allowed:
