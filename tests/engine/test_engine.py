@@ -185,11 +185,12 @@ def test_requests_done_at_their_first_token_leave_at_the_prefill(target, prompts
         assert out.tokens[b] == [eos] and out.finish_s[b] == out.prefill_s
     assert all(out.finish_s[b] > out.prefill_s for b in stepping)
     assert out.steps[0].batch_size == len(stepping) and sorted(buffered) == stepping
-    # Greedy, every request's first token is EOS here: no step counts, each finished at the prefill's end.
+    # Greedy, with EOS the first token of every request kept (the tiny target's greedy first tokens depend on how its
+    # training ran on this machine's threads): no step counts, each finished at the prefill's end.
     greedy = reference_generate(target, prompts, 1).tokens[:, 0].tolist()
-    assert len(set(greedy)) == 1
-    out = eng.generate(prompts, MAX_NEW, eos_token_id=greedy[0])
-    assert out.tokens == [greedy[:1]] * len(MAX_NEW) and out.steps == [] and out.finish_s == [out.prefill_s] * 7
+    kept = [b for b, token in enumerate(greedy) if token == greedy[0]]
+    out = eng.generate([prompts[b] for b in kept], [MAX_NEW[b] for b in kept], eos_token_id=greedy[0])
+    assert out.tokens == [greedy[:1]] * len(kept) and out.steps == [] and out.finish_s == [out.prefill_s] * len(kept)
 
 
 @pytest.mark.parametrize("kind,strategy,fuse", [("none", Strategy.off(), False), ("ngram", Strategy(4, 1, 5), False),

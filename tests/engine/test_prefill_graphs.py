@@ -240,7 +240,8 @@ def test_gpu_replayed_prefill_gives_the_eager_rollout(drafter):
     assert all(0 < s < 1 for s in graphs.replay_s.values())
     mixed = [p[:n] for p, n in zip(ragged_prompts(5, seed=7, first=20, step=1), (3, 20, 5, 4, 30))]
     graphs.replay_s = {key: 1.0 for key in graphs.replay_s} | {(32, 8): 9.0}  # a table where splitting pays
-    assert len(graphs.plan([len(p) for p in mixed])) == 3
+    # one replay of bucket 32 at B = 8 costs 9, the short prompts at bucket 8 (padded to 8) and the long at 32 cost 2
+    assert graphs.plan([len(p) for p in mixed]) == [(8, [0, 2, 3]), (32, [1, 4])]
     assert replayed.generate(mixed, 12).tokens == eager_engine.generate(mixed, 12).tokens
 
 

@@ -262,12 +262,16 @@ def _prefill_writes(cache: PagedKVCache, block_table: torch.Tensor, j: torch.Ten
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool, scale: float) -> torch.Tensor:
-    """SDPA on ``[B, T, H, D]`` layouts; K/V heads are repeated for GQA."""
+    """SDPA on ``[B, T, H, D]`` layouts. GQA: without a mask SDPA shares each K/V head with its query heads
+    (``enable_gqa``; no repeated copies); with one the heads are repeated, since the fused kernel a mask takes does not
+    accept ``enable_gqa`` and torch would fall back to the math kernel."""
     group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2) if group > 1 else k
-    v = v.repeat_interleave(group, dim=2) if group > 1 else v
+    gqa = group > 1 and mask is None
+    if group > 1 and not gqa:
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal, scale=scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2)
 
