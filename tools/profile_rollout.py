@@ -41,6 +41,10 @@ def _parse_args():
     ap.add_argument("--adaptive", default="",
                     help="comma-separated arms of an adaptive selector (its start-up cost table measured) profiled "
                          "per drafter beside --arm (default: none)")
+    ap.add_argument("--loss-budget", type=float, default=None, metavar="FRACTION",
+                    help="the adaptive selector's loss budget (StrategySelector(loss_budget=); default none): with a "
+                         "small one most steps are plain, so their time under a selector compares with plain "
+                         "decoding's")
     ap.add_argument("--prefill-lengths", default="",
                     help="comma-separated prompt-length buckets whose prefill replays a CUDA graph, profiled beside "
                          "the eager prefill (default: the eager prefill only)")
@@ -50,9 +54,9 @@ def _parse_args():
 
 
 def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bool, step_kernel: bool,
-            prefill_lengths=()):
-    """A warmed-up engine, graphs captured; ``strategy`` a list of arms: an adaptive selector over them, started
-    from the measured cost table as the suites start theirs."""
+            prefill_lengths=(), loss_budget=None):
+    """A warmed-up engine, graphs captured; ``strategy`` a list of arms: an adaptive selector over them (with
+    ``loss_budget``), started from the measured cost table as the suites start theirs."""
     from tlt_kernels.engine import SpeculativeEngine
     from tlt_kernels.runtime import GraphPool, StrategySelector
 
@@ -66,7 +70,7 @@ def _engine(target, drafter, strategy, max_batch: int, max_seq: int, overlap: bo
     eng.capture_graphs(sorted({1, 2, 4, 8, 16, 32, max_batch}))
     if adaptive:
         eng.selector = StrategySelector(eng.strategies, seed=0, available=eng.covers,
-                                        cost_table=eng.measure_cost_table())
+                                        cost_table=eng.measure_cost_table(), loss_budget=loss_budget)
     eng.generate([[1, 2, 3]], 4)
     return eng
 
@@ -189,11 +193,13 @@ def main() -> None:
                     for name in args.drafters.split(",")]
     if args.adaptive:
         arms = [Strategy.parse(a) for a in args.adaptive.split(",")]
-        configs += [(f"{name} adaptive", _drafter(name, target), arms) for name in args.drafters.split(",")]
+        label = "adaptive" if args.loss_budget is None else f"adaptive [budget {args.loss_budget:g}]"
+        configs += [(f"{name} {label}", _drafter(name, target), arms) for name in args.drafters.split(",")]
     lines = []
     for name, drafter, strategy in configs:
         for overlap, step_kernel, prefill in _variants(args):
-            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, step_kernel, prefill)
+            eng = _engine(target, drafter, strategy, max(batches), max_seq, overlap, step_kernel, prefill,
+                          args.loss_budget)
             label = (f"{name} (overlap {'on' if overlap else 'off'}, step kernel {'on' if step_kernel else 'off'}, "
                      f"prefill {'graphs ' + ','.join(map(str, prefill)) if prefill else 'eager'})")
             for batch in batches:
