@@ -7,6 +7,7 @@
   publishing :class:`DrafterWeights` versions through a :class:`WeightsHolder`; :class:`SpotTrainerProcess` runs
   one in a worker process of its own (no interpreter shared with the rollout);
 * :class:`DrafterQuality` / :func:`evaluate_acceptance` -- accepted-length tracking;
+* :func:`frequent_tokens` -- a draft vocabulary (:meth:`EagleDrafter.set_draft_vocab`) from a model's own text;
 * :mod:`tlt_kernels.drafter.distributed` -- data-parallel training and weight broadcast;
 * :class:`Drafter` -- the interface :class:`~tlt_kernels.engine.SpeculativeEngine` drives
   (:class:`NoDrafter`, :class:`NGramRolloutDrafter`, :class:`EagleRolloutDrafter`, or a user's
@@ -14,6 +15,7 @@
 """
 from .base import AcceptedPath, Drafter, DrafterBase, NoDrafter, ProposedTree
 from .buffer import RolloutBuffer, TrainBatch
+from .draft_vocab import frequent_tokens
 from .eagle_rollout import EagleRolloutDrafter
 from .eagle import DrafterKVCache, EagleConfig, EagleDraft, EagleDrafter, EagleState, accepted_length_greedy, num_candidates
 from .ngram_drafter import ChainTree, NGramDrafter, drafts_to_tree
@@ -49,5 +51,6 @@ __all__ = [
     "drafts_to_tree",
     "eagle_loss",
     "evaluate_acceptance",
+    "frequent_tokens",
     "num_candidates",
 ]

@@ -280,6 +280,10 @@ class EagleDrafter(nn.Module):
         self._packed_qkv: Optional[PackedLinears] = None  # see pack_projections
         self._packed_gate_up: Optional[PackedLinears] = None
         self.weights_version = 0
+        # int64 [N] token ids a draft may propose (set_draft_vocab); None: the whole vocabulary. A buffer that is
+        # not saved: it moves with .to(device), and a published state dict (the drafter's own weights) leaves it.
+        self.register_buffer("draft_vocab", None, persistent=False)
+        self.draft_vocab_version = 0  # counts set_draft_vocab calls (an engine's captured graphs keep one version)
         self._init_weights()
 
     def _init_weights(self):
@@ -344,6 +348,7 @@ class EagleDrafter(nn.Module):
         twin = EagleDrafter(self.config, *head)
         twin.load_state_dict(self.state_dict())
         twin.weights_version = self.weights_version
+        twin.draft_vocab = None if self.draft_vocab is None else self.draft_vocab.clone()
         param = next(self.parameters())
         return twin.to(device=device, dtype=param.dtype)
 
@@ -369,19 +374,74 @@ class EagleDrafter(nn.Module):
             for name, tensor in targets.items():
                 tensor.copy_(values[name])
 
-    def head_logits(self, feature: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def head_logits(self, feature: torch.Tensor, fused: bool = False, head=None) -> torch.Tensor:
         """``lm_head(final_norm(feature))`` with the target's weights (no grad into them). ``fused``: the norm in one
-        kernel when the feature has the norm's dtype (decoding only: the kernel has no autograd formula)."""
+        kernel when the feature has the norm's dtype (decoding only: the kernel has no autograd formula). ``head``:
+        ``(weight [N, H], bias [N] or None)`` in place of the LM head's (:meth:`draft_head`: the draft vocabulary's
+        rows), so the logits are ``[..., N]``."""
         _, lm_head, norm = self._shared
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or self.config.rms_norm_eps
         if fused and feature.dtype == norm.weight.dtype:
             x = rms_norm(feature, norm.weight.detach(), eps)[0]
         else:
             x = _rms_norm(feature, norm.weight.detach(), eps)
-        w = lm_head.weight.detach()
-        bias = lm_head.bias.detach() if getattr(lm_head, "bias", None) is not None else None
+        w, bias = head if head is not None else self._full_head()
         # Cast the activations, never the [V, H] weight (a copy of it per call would dominate).
         return F.linear(x.to(w.dtype), w, bias)
+
+    def _full_head(self):
+        lm_head = self._shared[1]
+        bias = lm_head.bias.detach() if getattr(lm_head, "bias", None) is not None else None
+        return lm_head.weight.detach(), bias
+
+    def draft_head(self):
+        """``(weight, bias)`` of the head a draft scores with: the LM head's rows of :attr:`draft_vocab`, gathered
+        from the live weight at each call (an RL update of the target's head is seen at the next draft; inside a
+        CUDA graph the gather replays too), or None with the whole vocabulary."""
+        if self.draft_vocab is None:
+            return None
+        w, bias = self._full_head()
+        return F.embedding(self.draft_vocab, w), None if bias is None else bias[self.draft_vocab]
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: Optional[torch.Tensor]) -> None:
+        """Let drafts propose only ``token_ids`` (FR-Spec, Zhao et al. 2025: a frequency-ranked subset of the
+        vocabulary): each draft depth then scores ``N`` rows of the LM head instead of ``V``, a GEMM and a top-k
+        ``V / N`` times smaller. Lossless: the target verifies drafted tokens as deterministic candidates, whatever
+        set they come from; only the accepted length can fall (a token outside the set is never drafted).
+
+        Args:
+            token_ids: int ``[N]``, distinct ids in ``[0, vocab_size)`` (:func:`frequent_tokens` ranks them from the
+                model's own text); their order is kept as given (ascending ids keep ``top_logprobs``' tie order of
+                the whole vocabulary). None: the whole vocabulary again.
+
+        Set it before an engine is built: its captured draft graphs keep the vocabulary they were captured with, so
+        an engine refuses to start a rollout once the vocabulary changed under it.
+        Training (:func:`~tlt_kernels.drafter.eagle_loss`) always scores the whole vocabulary.
+        """
+        if token_ids is None:
+            self.draft_vocab = None
+            self.draft_vocab_version += 1
+            return
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype.is_floating_point \
+                or token_ids.dtype == torch.bool or token_ids.is_complex():
+            raise ValueError(f"token_ids must be a 1-D integer tensor, got "
+                             f"{type(token_ids).__name__ if not isinstance(token_ids, torch.Tensor) else (token_ids.dtype, tuple(token_ids.shape))}")
+        V = self.config.vocab_size
+        ids = token_ids.detach().to(device="cpu", dtype=torch.int64)
+        if ids.numel() == 0:
+            raise ValueError("token_ids must hold at least one token id")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"token_ids must lie in [0, vocab_size={V}), got ids from {int(ids.min())} to {int(ids.max())}")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("token_ids must be distinct (a token listed twice would take two of a draft's top-k)")
+        self.draft_vocab = ids.to(next(self.parameters()).device)
+        self.draft_vocab_version += 1
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many tokens a draft chooses from: ``len(draft_vocab)``, or the whole vocabulary."""
+        return self.config.vocab_size if self.draft_vocab is None else int(self.draft_vocab.numel())
 
     # -- building blocks -----------------------------------------------------------------------
 
@@ -658,15 +718,18 @@ class EagleDrafter(nn.Module):
         """
         from ..ops.build_draft_tree import build_draft_tree
 
-        if depth < 1 or num_verify < 1 or not 1 <= topk <= self.config.vocab_size:
-            raise ValueError(f"depth, topk and num_verify must be >= 1 and topk <= vocab_size={self.config.vocab_size}, got "
-                             f"depth={depth}, topk={topk}, num_verify={num_verify}")
+        if depth < 1 or num_verify < 1 or not 1 <= topk <= self.draft_vocab_size:
+            bound = (f"vocab_size={self.config.vocab_size}" if self.draft_vocab is None
+                     else f"the draft vocabulary's {self.draft_vocab_size} tokens")
+            raise ValueError(f"depth, topk and num_verify must be >= 1 and topk <= {bound}, got depth={depth}, "
+                             f"topk={topk}, num_verify={num_verify}")
         B, H = state.last_hidden.shape
         K = topk
         dev = state.last_hidden.device
         fused = self._fused(cache, (depth - 1) * K)
         expand = FusedExpansion(self, state, cache, depth, K) if fused else _DenseExpansion(self, state, cache)
-        score, tok = top_logprobs(self.head_logits(state.last_hidden, fused), K)  # [B, K]
+        head, vocab = self.draft_head(), self.draft_vocab  # the head's rows gathered once per draft
+        score, tok = self._top_candidates(state.last_hidden, fused, head, vocab, K)  # [B, K]
         cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]  # depth 1 hangs from the root
         cand_tok, cand_score = [tok], [score]
         if depth > 1:  # the frontier: scores, candidate indices, rows among the expanded nodes (-1: the root), inputs
@@ -675,7 +738,7 @@ class EagleDrafter(nn.Module):
             x = self._input(state.last_hidden.unsqueeze(1).expand(B, K, H), tok)
         for step in range(1, depth):
             g = expand(x, parent_rows, step)  # [B, K, H]
-            c_score, c_tok = top_logprobs(self.head_logits(g, fused), K)  # [B, K, K]
+            c_score, c_tok = self._top_candidates(g, fused, head, vocab, K)  # [B, K, K]
             keep = K if step < depth - 1 else 0  # the last depth needs no next frontier
             f = draft_frontier(scores, cand_index, c_score, c_tok, g, self.embed_weight, keep,
                                first_index=K + (step - 1) * K * K, first_row=(step - 1) * K, validate=False)
@@ -687,6 +750,11 @@ class EagleDrafter(nn.Module):
                                                   for c in (cand_par, cand_tok, cand_score))
         tree = build_draft_tree(cand_parents, cand_tokens, cand_scores, num_verify, state.root_tokens, return_mask=return_mask, validate=False)
         return EagleDraft(tree, cand_parents, cand_tokens, cand_scores)
+
+    def _top_candidates(self, feature, fused: bool, head, vocab, K: int):
+        """The ``K`` best next tokens of each feature and their log-probabilities (over the draft vocabulary)."""
+        score, index = top_logprobs(self.head_logits(feature, fused, head), K)
+        return score, (index if vocab is None else vocab[index])
 
     # -- versioned weights -----------------------------------------------------------------------
 

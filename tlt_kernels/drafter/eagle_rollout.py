@@ -40,6 +40,7 @@ class EagleRolloutDrafter(DrafterBase):
         self.cache: Optional[DrafterKVCache] = None
         self.state: Optional[EagleState] = None
         self.slots_per_request = None
+        self.vocab_version = model.draft_vocab_version
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,12 +55,16 @@ class EagleRolloutDrafter(DrafterBase):
         self.cache = DrafterKVCache(self.module.config, 1 + max_batch_size * blocks_per_request, block_size,
                                     device=device, dtype=self.dtype)
         self.module.pack_projections()  # one GEMM for q/k/v and one for gate/up in every draft and commit
+        self.vocab_version = self.module.draft_vocab_version  # what the graphs captured after this will draft from
 
     # -- a rollout ----------------------------------------------------------------------------------
     def start(self, prompts, prompt_lens, first_tokens, prefill_hidden, graphs=None, bucket=None) -> None:
         """The prompts' pairs ``(f_i, t_{i+1})``, the last one's token the first sampled; with ``graphs`` and the
         prefill's ``bucket``, from graph ``("start", bucket)`` (:meth:`prefill_graph_specs`), the prompts padded to
         the bucket (pairs past a prompt are not cached: ``num_new`` is its length)."""
+        if self.module.draft_vocab_version != self.vocab_version:
+            raise RuntimeError("the EagleDrafter's draft vocabulary changed after the engine was built (its captured "
+                               "graphs draft from the old one): call set_draft_vocab before building the engine")
         B, L = prompts.shape
         self.state = self.module.new_state(self.cache, B, self.slots_per_request)
         if graphs is None or bucket is None:
