@@ -110,6 +110,9 @@ FLAGS = (
          str_list, metavar="LIST"),
     Flag("--eagle-checkpoint", None, "an EAGLE drafter for the model (a state dict or a SpotTrainer checkpoint): "
          "adds the eagle rows", metavar="PATH"),
+    Flag("--draft-vocab", 0, "the EAGLE drafter drafts from the N tokens most frequent in the target's greedy answers "
+         "to the train prompts (EagleDrafter.set_draft_vocab, counted once before the rows; 0: the whole vocabulary)",
+         non_negative_int, metavar="N"),
     Flag("--hf-eager", True, "run transformers' generate (eager) on every workload (--no-hf-eager: skip it)", bool),
     Flag("--hf-compile", True, "also run transformers' generate with a static cache and its compiled decode step",
          bool),
@@ -441,6 +444,7 @@ class RolloutRun:
         self.identical: Dict[str, bool] = {}
         self.step_prompts: List[List[int]] = []
         self.tables: Dict[str, Any] = {}  # configuration name -> its engine's start-up cost table (or None)
+        self.vocab: Optional[torch.Tensor] = None  # --draft-vocab's token ids, counted on first use
         if not 0.0 <= self.p.temperature < math.inf:
             raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {self.p.temperature}")
         self.sampled = self.p.temperature > 0
@@ -456,13 +460,7 @@ class RolloutRun:
             raise ValueError(f"no prompts in split {self.p.split!r} and categories {self.p.categories}")
         real = bool(self.p.model_file) or not self.ctx.small
         self.models = self._real_models() if real else self._tiny_models()
-        if real:
-            from tlt_kernels.models import chat_prompt_ids
-
-            prompt_ids = [chat_prompt_ids(self.models.tokenizer, p.chat()) for p in prompts]
-        else:
-            texts = [p.messages[-1]["content"] for p in prompts]
-            prompt_ids = byte_prompt_ids(texts, self.models.ours.config.vocab_size)
+        prompt_ids = self.prompt_ids(prompts)
         if self.p.eos and self.models.eos_id is None:
             raise ValueError("--eos: the model's tokenizer / config has no EOS token")
         self.eos = self.models.eos_id if self.p.eos else None
@@ -476,6 +474,40 @@ class RolloutRun:
         self.graph_sizes = sorted(({1 << i for i in range(9)} & set(range(1, self.max_batch + 1)))
                                   | {w.batch for w in self.works} | set(self.z.step_batches))
         self._note_setup(prompts, prompt_ids)
+
+    def prompt_ids(self, prompts) -> List[List[int]]:
+        """The prompts' token ids: the tokenizer's chat template (a real model) or bytes (the tiny one)."""
+        if self.models.tokenizer is not None:
+            from tlt_kernels.models import chat_prompt_ids
+
+            return [chat_prompt_ids(self.models.tokenizer, p.chat()) for p in prompts]
+        texts = [p.messages[-1]["content"] for p in prompts]
+        return byte_prompt_ids(texts, self.models.ours.config.vocab_size)
+
+    def draft_vocab(self) -> Optional[torch.Tensor]:
+        """--draft-vocab's token ids (None: the whole vocabulary): :func:`~tlt_kernels.drafter.frequent_tokens` of the
+        target's greedy answers to the train prompts, as many tokens each as the uniform workload's requests (one
+        eager plain rollout, counted once). Never the heldout prompts the rows decode."""
+        from ..prompts import load_prompts
+        from tlt_kernels.drafter import frequent_tokens
+        from tlt_kernels.engine import SpeculativeEngine
+        from tlt_kernels.runtime import Strategy
+
+        size, vocab_size = self.p.draft_vocab, self.models.ours.config.vocab_size
+        if not size or self.vocab is not None:
+            return self.vocab
+        if size > vocab_size:
+            raise ValueError(f"--draft-vocab must be <= the model's vocabulary ({vocab_size} tokens), got {size}")
+        prompts = self.prompt_ids(load_prompts(split="train"))
+        tokens = self.z.max_new_tokens
+        eng = SpeculativeEngine(self.models.ours, None, Strategy.off(), None, max_batch_size=len(prompts),
+                                max_seq_len=max(len(p) for p in prompts) + tokens)
+        answers = eng.generate(prompts, tokens).tokens
+        self.vocab = frequent_tokens(answers, size, vocab_size)
+        self.ctx.note(f"draft vocabulary (--draft-vocab): the {size} tokens most frequent in the target's greedy "
+                      f"answers to the {len(prompts)} train prompts ({sum(map(len, answers))} tokens counted, "
+                      f"{len({t for a in answers for t in a})} distinct)")
+        return self.vocab
 
     def _tiny_models(self) -> Models:
         """The tiny random model (see :func:`tiny_hf_model`), ours converted from it, both fp32 (CPU) or in the run's
@@ -633,6 +665,7 @@ class RolloutRun:
         drafter = {"none": None, "ngram": "ngram"}.get(config.drafter)
         if config.drafter == "eagle":
             drafter = load_eagle(self.p.eagle_checkpoint, self.models.ours, self.models.ours.dtype)
+            drafter.set_draft_vocab(self.draft_vocab())
         selector = (StrategySelector(config.arms, seed=0, min_gain=self.p.selector_min_gain,
                                      loss_budget=self.loss_budgets()[0]) if config.adaptive else config.arms[0])
         t0 = time.perf_counter()

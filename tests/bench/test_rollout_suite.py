@@ -394,3 +394,29 @@ def test_hf_generate_samples_at_the_workloads_temperature():
     s2, _ = rollout.hf_generate(models, sampled, None)
     assert [len(t) for t in g1] == [len(t) for t in s1] == [12, 12]
     assert s1 == s2 and s1 != g1
+
+
+def test_draft_vocab_drafts_from_the_train_answers_most_frequent_tokens(eagle_checkpoint, monkeypatch):
+    """--draft-vocab N: every EAGLE engine's drafter drafts from the N tokens its target uses most in greedy answers to
+    the train prompts (counted once), and its rows stay greedy-identical to plain decoding; N past the vocabulary is
+    refused by name."""
+    from tlt_kernels.drafter import EagleDrafter
+
+    vocabularies = []
+    original = EagleDrafter.set_draft_vocab
+    monkeypatch.setattr(EagleDrafter, "set_draft_vocab",
+                        lambda self, ids: vocabularies.append(ids) or original(self, ids))
+    res = _run(["--eagle-checkpoint", str(eagle_checkpoint), "--drafters", "eagle", "--draft-vocab", "48",
+                "--batches", "1", "--tail-batch", "0"])
+    assert res.status == "ok", res.data["error"]
+    assert vocabularies and all(v is vocabularies[0] for v in vocabularies)  # counted once, given to every engine
+    assert vocabularies[0].shape == (48,)
+    assert torch.equal(vocabularies[0], vocabularies[0].sort().values)
+    assert any(n.startswith("draft vocabulary (--draft-vocab): the 48 tokens") for n in res.data["notes"])
+    for r in res.data["rows"]:
+        if r["impl"].startswith("eagle") and r["case"]["workload"] != "step-cost":
+            assert r["greedy_identical"] is True, r
+    vocab_size = rollout.tiny_hf_model().config.vocab_size
+    res = _run(["--eagle-checkpoint", str(eagle_checkpoint), "--drafters", "eagle", "--draft-vocab",
+                str(vocab_size + 1), "--batches", "1", "--tail-batch", "0"])
+    assert res.status != "ok" and "--draft-vocab must be <=" in res.data["error"]
