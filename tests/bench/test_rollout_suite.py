@@ -397,26 +397,28 @@ def test_hf_generate_samples_at_the_workloads_temperature():
 
 
 def test_draft_vocab_drafts_from_the_train_answers_most_frequent_tokens(eagle_checkpoint, monkeypatch):
-    """--draft-vocab N: every EAGLE engine's drafter drafts from the N tokens its target uses most in greedy answers to
-    the train prompts (counted once), and its rows stay greedy-identical to plain decoding; N past the vocabulary is
-    refused by name."""
+    """--draft-vocab N (default DEFAULT_DRAFT_VOCAB where the vocabulary is larger): every EAGLE engine's drafter drafts
+    from the N tokens its target uses most in greedy answers to the train prompts (counted once), and its rows stay
+    greedy-identical to plain decoding; 0 keeps the whole vocabulary; N past the vocabulary is refused by name."""
     from tlt_kernels.drafter import EagleDrafter
 
     vocabularies = []
     original = EagleDrafter.set_draft_vocab
     monkeypatch.setattr(EagleDrafter, "set_draft_vocab",
                         lambda self, ids: vocabularies.append(ids) or original(self, ids))
-    res = _run(["--eagle-checkpoint", str(eagle_checkpoint), "--drafters", "eagle", "--draft-vocab", "48",
-                "--batches", "1", "--tail-batch", "0"])
+    monkeypatch.setattr(rollout, "DEFAULT_DRAFT_VOCAB", 48)  # the tiny model's vocabulary is smaller than 8192
+    small = ["--eagle-checkpoint", str(eagle_checkpoint), "--drafters", "eagle", "--batches", "1", "--tail-batch", "0"]
+    res = _run(small)
     assert res.status == "ok", res.data["error"]
     assert vocabularies and all(v is vocabularies[0] for v in vocabularies)  # counted once, given to every engine
-    assert vocabularies[0].shape == (48,)
-    assert torch.equal(vocabularies[0], vocabularies[0].sort().values)
+    assert vocabularies[0].shape == (48,) and torch.equal(vocabularies[0], vocabularies[0].sort().values)
     assert any(n.startswith("draft vocabulary (--draft-vocab): the 48 tokens") for n in res.data["notes"])
     for r in res.data["rows"]:
         if r["impl"].startswith("eagle") and r["case"]["workload"] != "step-cost":
             assert r["greedy_identical"] is True, r
+    vocabularies.clear()
+    res = _run(small + ["--draft-vocab", "0"])
+    assert res.status == "ok" and vocabularies and all(v is None for v in vocabularies)
     vocab_size = rollout.tiny_hf_model().config.vocab_size
-    res = _run(["--eagle-checkpoint", str(eagle_checkpoint), "--drafters", "eagle", "--draft-vocab",
-                str(vocab_size + 1), "--batches", "1", "--tail-batch", "0"])
+    res = _run(small + ["--draft-vocab", str(vocab_size + 1)])
     assert res.status != "ok" and "--draft-vocab must be <=" in res.data["error"]
