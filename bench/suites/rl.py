@@ -56,8 +56,8 @@ import torch
 from tlt_kernels.engine.probe import synced_seconds
 from tlt_kernels.engine.records import tail_steps
 
-from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, positive_float, positive_int, prefill_buckets,
-                     str_list, unit_fraction, values)
+from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, non_negative_int, positive_float, positive_int,
+                     prefill_buckets, str_list, unit_fraction, values)
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
@@ -93,6 +93,9 @@ FLAGS = (
     Flag("--eagle-checkpoint", None, "the EAGLE drafter the spec and spec-eagle ways start from (a state dict or a "
          "SpotTrainer checkpoint, e.g. from python -m tlt_kernels.engine.train_drafter; default: untrained)",
          metavar="PATH"),
+    Flag("--draft-vocab", 0, "the EAGLE drafters draft from the N tokens most frequent in the initial policy's greedy "
+         "answers to problems of another seed (EagleDrafter.set_draft_vocab; 0: the whole vocabulary)",
+         non_negative_int, metavar="N"),
     Flag("--spot-unroll-steps", 1, "draft depths in the spot trainer's loss (SpotTrainer(unroll_steps=))",
          positive_int),
     Flag("--spot-batch-fraction", 0.25, "the spot trainer starts when the batch falls below this fraction of its start "
@@ -279,6 +282,7 @@ class RLRun:
         self.ctx, self.p = ctx, values(ctx, FLAGS)
         self.device, self.cuda = ctx.device, ctx.device.type == "cuda"
         self.steps, self.prompts_per_step, self.group, self.max_new = _sizes(ctx.small, self.p)
+        self.vocab = None  # --draft-vocab's token ids, counted on first use
         unknown = sorted(set(self.p.ways) - set(WAYS))
         if unknown:
             raise ValueError(f"unknown ways {unknown}; known: {', '.join(WAYS)}")
@@ -378,8 +382,34 @@ class RLRun:
         from tlt_kernels.drafter import EagleDrafter
 
         if self.p.eagle_checkpoint:
-            return load_eagle(self.p.eagle_checkpoint, model, model.dtype)
-        return EagleDrafter.for_target(model, seed=self.p.seed)
+            drafter = load_eagle(self.p.eagle_checkpoint, model, model.dtype)
+        else:
+            drafter = EagleDrafter.for_target(model, seed=self.p.seed)
+        drafter.set_draft_vocab(self._draft_vocab(model))
+        return drafter
+
+    def _draft_vocab(self, model):
+        """--draft-vocab's token ids (None: the whole vocabulary), counted once from the initial policy (every way
+        starts from its weights): :func:`~tlt_kernels.drafter.frequent_tokens` of its greedy answers (``max_new``
+        tokens each, one eager plain rollout) to as many problems as the run's, drawn with another seed."""
+        from tlt_kernels.drafter import frequent_tokens
+        from tlt_kernels.engine import SpeculativeEngine
+        from tlt_kernels.runtime import Strategy
+
+        size, vocab_size = self.p.draft_vocab, model.config.vocab_size
+        if not size or self.vocab is not None:
+            return self.vocab
+        if size > vocab_size:
+            raise ValueError(f"--draft-vocab must be <= the policy's vocabulary ({vocab_size} tokens), got {size}")
+        prompts = [self.encode(problem) for problem in problems(len(self.problems), self.p.seed + 1)]
+        eng = SpeculativeEngine(model, None, Strategy.off(), None, max_batch_size=len(prompts),
+                                max_seq_len=max(len(p) for p in prompts) + self.max_new)
+        answers = eng.generate(prompts, self.max_new).tokens
+        self.vocab = frequent_tokens(answers, size, vocab_size)
+        self.ctx.note(f"draft vocabulary (--draft-vocab): the {size} tokens most frequent in the initial policy's "
+                      f"greedy answers to {len(prompts)} problems of seed {self.p.seed + 1} "
+                      f"({sum(map(len, answers))} tokens counted)")
+        return self.vocab
 
     def _logits_fn(self, name: str, model):
         """The loss's forward: ``tokens int64 [N, S] -> logits / temperature [N, S, V]`` of the way's model."""

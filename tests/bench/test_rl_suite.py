@@ -342,3 +342,24 @@ def test_selector_min_gain_reaches_the_speculative_ways_selectors(tmp_path):
     assert len(gains) == 3 and set(gains) == {0.05}  # the warm-up and two steps
     with pytest.raises(SystemExit):
         main(argv + ["--selector-min-gain", "-0.1"])
+
+
+def test_draft_vocab_reaches_every_eagle_drafter_of_the_ways(tmp_path, monkeypatch):
+    """--draft-vocab N: the serving drafter of each EAGLE way (and the thread trainer's copy) drafts from one set of N
+    tokens counted once from the initial policy's greedy answers; off by default; N past the vocabulary is refused."""
+    from tlt_kernels.drafter import EagleDrafter
+
+    sets = []
+    original = EagleDrafter.set_draft_vocab
+    monkeypatch.setattr(EagleDrafter, "set_draft_vocab", lambda self, ids: sets.append(ids) or original(self, ids))
+    base = ["rl", "--small", "--device", "cpu", "--out", str(tmp_path), "--ways", "spec-eagle-frozen,spec-eagle"]
+    assert main(base) == 0
+    assert sets and all(s is None for s in sets)  # the default: the whole vocabulary
+    sets.clear()
+    engines = _record_engines(monkeypatch)
+    assert main(base + ["--draft-vocab", "40"]) == 0
+    assert len(sets) == 3 and all(s is sets[0] for s in sets) and sets[0].shape == (40,)  # frozen; serving + trainer
+    assert all(engine.drafter.draft_vocab is not None for engine in engines if engine.drafter is not None)
+    record = json.loads((tmp_path / "rl.json").read_text())
+    assert any(n.startswith("draft vocabulary (--draft-vocab): the 40 tokens") for n in record["notes"])
+    assert main(base + ["--draft-vocab", "100000"]) != 0
