@@ -61,7 +61,7 @@ from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, non_neg
 from ..grpo import common_prefix_diffs, group_advantages, grpo_loss, permutation_pvalue, response_logprobs
 from ..jit_compiles import CompileCounter
 from ..rl_task import problems, reward
-from .rollout import byte_prompt_ids, load_eagle, load_real_models, model_path, tiny_hf_model
+from .rollout import byte_prompt_ids, greedy_draft_vocab, load_eagle, load_real_models, model_path, tiny_hf_model
 
 SUITE = "rl"
 WAYS = ("spec", "spec-ngram", "spec-self", "spec-eagle", "spec-eagle-frozen", "plain", "hf")
@@ -392,20 +392,11 @@ class RLRun:
         """--draft-vocab's token ids (None: the whole vocabulary), counted once from the initial policy (every way
         starts from its weights): :func:`~tlt_kernels.drafter.frequent_tokens` of its greedy answers (``max_new``
         tokens each, one eager plain rollout) to as many problems as the run's, drawn with another seed."""
-        from tlt_kernels.drafter import frequent_tokens
-        from tlt_kernels.engine import SpeculativeEngine
-        from tlt_kernels.runtime import Strategy
-
-        size, vocab_size = self.p.draft_vocab, model.config.vocab_size
+        size = self.p.draft_vocab
         if not size or self.vocab is not None:
             return self.vocab
-        if size > vocab_size:
-            raise ValueError(f"--draft-vocab must be <= the policy's vocabulary ({vocab_size} tokens), got {size}")
         prompts = [self.encode(problem) for problem in problems(len(self.problems), self.p.seed + 1)]
-        eng = SpeculativeEngine(model, None, Strategy.off(), None, max_batch_size=len(prompts),
-                                max_seq_len=max(len(p) for p in prompts) + self.max_new)
-        answers = eng.generate(prompts, self.max_new).tokens
-        self.vocab = frequent_tokens(answers, size, vocab_size)
+        self.vocab, answers = greedy_draft_vocab(model, prompts, self.max_new, size)
         self.ctx.note(f"draft vocabulary (--draft-vocab): the {size} tokens most frequent in the initial policy's "
                       f"greedy answers to {len(prompts)} problems of seed {self.p.seed + 1} "
                       f"({sum(map(len, answers))} tokens counted)")

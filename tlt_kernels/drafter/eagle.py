@@ -423,10 +423,12 @@ class EagleDrafter(nn.Module):
             self.draft_vocab = None
             self.draft_vocab_version += 1
             return
-        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype.is_floating_point \
-                or token_ids.dtype == torch.bool or token_ids.is_complex():
-            raise ValueError(f"token_ids must be a 1-D integer tensor, got "
-                             f"{type(token_ids).__name__ if not isinstance(token_ids, torch.Tensor) else (token_ids.dtype, tuple(token_ids.shape))}")
+        if not isinstance(token_ids, torch.Tensor):
+            raise ValueError(f"token_ids must be a 1-D integer tensor, got {type(token_ids).__name__}")
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.is_complex() \
+                or token_ids.dtype == torch.bool:
+            raise ValueError(f"token_ids must be a 1-D integer tensor, got {token_ids.dtype} of shape "
+                             f"{tuple(token_ids.shape)}")
         V = self.config.vocab_size
         ids = token_ids.detach().to(device="cpu", dtype=torch.int64)
         if ids.numel() == 0:
