@@ -154,10 +154,11 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     return packed.to(torch.int32)
 
 
-def bit_values(n: int, device) -> torch.Tensor:
-    """``int64 [n]``: ``1 << j`` (``n <= 64``; bit 63 is the sign bit, so a sum of distinct bits never overflows)."""
-    return torch.bitwise_left_shift(torch.ones(n, dtype=torch.int64, device=device),
-                                    torch.arange(n, dtype=torch.int64, device=device))
+def bit_values(n: int, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``[n]`` of ``dtype`` (int64, or int32 for ``n <= 32``): ``1 << j``; the last bit is the sign bit (two's
+    complement), so a sum of distinct bits never overflows."""
+    ones = torch.ones(n, dtype=dtype, device=device)
+    return torch.bitwise_left_shift(ones, torch.arange(n, dtype=dtype, device=device))
 
 
 def pack_bit_words(words: torch.Tensor, num_cols: int) -> torch.Tensor:

@@ -14,10 +14,12 @@ the ``r``-th node it expands at slot ``context_lens + r``, again past the commit
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
 
+from .._validation import capturing
 from ..models.kv_cache import paged_rows
 from ..models.llama import rope_cos_sin
 from ..ops.rms_norm import rms_norm
@@ -54,7 +56,10 @@ def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     h, residual = rms_norm(drafter.o_proj(attn.flatten(-2)), drafter.post_norm.weight, c.rms_norm_eps,
                            residual=residual)
     gate, up = drafter.gate_up_projections(h)
-    return residual + drafter.down_proj(silu_and_mul(gate, up)), queries
+    # The residual add rides in the down projection's GEMM (beta = 1 on the residual, a new tensor this layer owns):
+    # one launch fewer than a GEMM then an add.
+    act = silu_and_mul(gate, up).flatten(0, -2)
+    return residual.view(-1, residual.shape[-1]).addmm_(act, drafter.down_proj.weight.t()).view(residual.shape), queries
 
 
 def _plan(drafter, mask: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor, cache):
@@ -71,11 +76,24 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     B, n, _ = x.shape
     positions = state.context_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=x.device)
     cos, sin = rope_cos_sin(drafter.rope_inv_freq(x.device), positions, x.dtype)
-    # Row i sees pairs 0..i: the bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i.
-    causal = bit_values(n, x.device).cumsum(0).expand(B, n)
-    plan = _plan(drafter, pack_bit_words(causal, n), state.context_lens, state.block_table, cache)
+    cacheable = not (capturing(x.device) or torch.compiler.is_compiling())
+    mask = _cached_causal_mask(B, n, x.device) if cacheable else _causal_mask(B, n, x.device)
+    plan = _plan(drafter, mask, state.context_lens, state.block_table, cache)
     rows = paged_rows(state.block_table, positions, cache.block_size).flatten()
     return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
+
+
+def _causal_mask(B: int, n: int, device) -> torch.Tensor:
+    """``int32 [B, n, ceil(n / 32)]``, the packed mask of n pairs causal among themselves: row i sees pairs 0..i, the
+    bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i."""
+    return pack_bit_words(bit_values(n, device).cumsum(0).expand(B, n), n)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_causal_mask(B: int, n: int, device) -> torch.Tensor:
+    """:func:`_causal_mask`, made once per shape outside graph capture and compilation (a graph captured later reads
+    it and launches nothing for it; one made during a capture would hold its values only once its graph replayed)."""
+    return _causal_mask(B, n, device)
 
 
 class FusedExpansion:
@@ -84,8 +102,9 @@ class FusedExpansion:
     Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
     hence a masked plan over all of them; their earlier queries are kept and rerun (a few rows more, no launch
-    more). The mask is kept as one int64 word of bits per node (``P <= 64``): a node's word is its parent's plus its
-    own bit.
+    more). The mask is one word of bits per node (``P <= 64``), written in place in a buffer of the draft's nodes: a
+    node's word is its parent's plus its own bit. The words are int32 while the nodes fit 32 bits, so the first ``P``
+    of them are the plan's packed mask as they stand (a view at one request), else int64, halved per step.
     """
 
     def __init__(self, drafter, state, cache, depth: int, topk: int):
@@ -100,23 +119,26 @@ class FusedExpansion:
             rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
             # [depth - 1, B * K]: step s's rows contiguous, so a step takes a view, not a copy
             self.rows = rows.view(-1, depth - 1, topk).transpose(0, 1).reshape(depth - 1, -1)
-            self.bits = bit_values(num_nodes, dev)
+            word = torch.int32 if num_nodes <= 32 else torch.int64
+            self.bits = bit_values(num_nodes, dev, word)
+            # [B, num_nodes], the first P written by step P / K: bit j of word i: node j is node i or its ancestor
+            self.words = torch.empty(context_lens.shape[0], num_nodes, dtype=word, device=dev)
         self.queries: Optional[torch.Tensor] = None
-        self.words: Optional[torch.Tensor] = None  # int64 [B, P]: bit j of row i: node j is node i or its ancestor
 
     def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
         """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``, whose parents are the expanded nodes ``parent_rows int64
         [B, K]``: the roots (-1) at step 1, expanded nodes (>= 0) after it, as ``EagleDrafter.draft`` makes them."""
         B, K, _ = x.shape
         P = step * K  # nodes expanded so far, this step's K last
-        own = self.bits[P - K : P]
-        if self.words is None:  # step 1: the roots' children see the context and themselves
-            self.words = own.expand(B, K)
+        own, new_words = self.bits[P - K : P], self.words[:, P - K : P]
+        if step == 1:  # the roots' children see the context and themselves
+            new_words.copy_(own.expand(B, K))
         else:
-            self.words = torch.cat([self.words, self.words.gather(1, parent_rows) | own], 1)
+            torch.bitwise_or(self.words.gather(1, parent_rows), own, out=new_words)
+        words = self.words[:, :P]
+        mask = words.unsqueeze(2) if words.dtype == torch.int32 else pack_bit_words(words, P)
+        plan = _plan(self.drafter, mask, self.state.context_lens, self.state.block_table, self.cache)
         rows = self.rows[step - 1]
-        plan = _plan(self.drafter, pack_bit_words(self.words, P), self.state.context_lens, self.state.block_table,
-                     self.cache)
         cos = self.cos[:, step - 1 : step].expand(B, K, -1)
         sin = self.sin[:, step - 1 : step].expand(B, K, -1)
         g, self.queries = fused_layer(self.drafter, x, cos, sin, rows, plan, self.cache, self.queries)
