@@ -21,7 +21,8 @@
 # training figures to its notes, then `python -m bench report`). Three parts (B = 1, 4 and the tail in the first)
 # overran a call's 600 s once the drafter's training took 150 s and the transformers rows ran slower.
 # GPU_TESTS="FILES..." (e.g. in part 4, the shortest) also runs those test files after the bench, in the call's time
-# left: $OUT/gpu_tests.log. FORECAST=1 adds the budgeted selectors' forecast rows (--selector-forecast: `<drafter>
+# left: $OUT/gpu_tests.log. ARMS=LIST replaces the static arms (default s2k1v3,s4k1v5,s5k4v16; every part of one record
+# takes the same). FORECAST=1 adds the budgeted selectors' forecast rows (--selector-forecast: `<drafter>
 # adaptive [budget 0.02, forecast]`, cold and warm), four more rows per workload: give a part the time for them.
 set -uo pipefail
 PART=${1:-} SHA=${2:-}
@@ -38,7 +39,7 @@ export PYTHONUNBUFFERED=1
 T0=$SECONDS
 MODEL=/tmp/mcache/SmolLM2-135M-Instruct.Q4_1.gguf
 # Every adaptive engine also runs with a 2% loss budget (its rows "[budget 0.02]"): what decides that default.
-COMMON=(--model-file $MODEL --max-new-tokens 128 --arms s2k1v3,s4k1v5,s5k4v16 --eagle-checkpoint /tmp/eagle.pt
+COMMON=(--model-file $MODEL --max-new-tokens 128 --arms "${ARMS:-s2k1v3,s4k1v5,s5k4v16}" --eagle-checkpoint /tmp/eagle.pt
         --selector-loss-budget none,0.02 --split heldout --progress --git-commit "$SHA")
 [ "${FORECAST:-0}" = 1 ] && COMMON+=(--selector-forecast)
 mkdir -p "$OUT/rec" /tmp/rollout_rec
