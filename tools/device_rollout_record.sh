@@ -39,8 +39,8 @@ export PYTHONUNBUFFERED=1
 T0=$SECONDS
 MODEL=/tmp/mcache/SmolLM2-135M-Instruct.Q4_1.gguf
 # Every adaptive engine also runs with a 2% loss budget (its rows "[budget 0.02]"): what decides that default.
-COMMON=(--model-file $MODEL --max-new-tokens 128 --arms "${ARMS:-s2k1v3,s4k1v5,s5k4v16}" --eagle-checkpoint /tmp/eagle.pt
-        --selector-loss-budget none,0.02 --split heldout --progress --git-commit "$SHA")
+COMMON=(--model-file $MODEL --max-new-tokens 128 --arms "${ARMS:-s2k1v3,s4k1v5,s5k4v16}"
+        --eagle-checkpoint /tmp/eagle.pt --selector-loss-budget none,0.02 --split heldout --progress --git-commit "$SHA")
 [ "${FORECAST:-0}" = 1 ] && COMMON+=(--selector-forecast)
 mkdir -p "$OUT/rec" /tmp/rollout_rec
 if [ "$PART" = 1 ]; then
