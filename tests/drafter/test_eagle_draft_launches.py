@@ -110,3 +110,24 @@ def test_launches_per_drafted_depth(counter, topk):
         assert counter.launches["tlt.TreeAttentionPlan.run"] == depth - 1  # the count saw the draft's layers
     per_depth = (totals[5] - totals[2]) / 3
     assert per_depth <= MAX_LAUNCHES_PER_DEPTH[topk], (per_depth, dict(counter.launches))
+
+
+# Non-GEMM launches of a fused commit (extend) once its causal mask is cached: measured 30 with this file, 35 the first
+# time a shape is seen (the mask made); one launch of slack.
+MAX_COMMIT_LAUNCHES = 31
+
+
+def test_launches_per_commit(counter):
+    drafter, cache, state = _drafter_with_context()
+    B, n = 3, 6
+    features, tokens = torch.randn(B, n, drafter.config.hidden_size), torch.randint(0, 512, (B, n))
+    num_new = torch.full((B,), n, dtype=torch.int32)
+    fused_module._cached_causal_mask.cache_clear()
+    counts = []
+    for _ in range(2):
+        counter.launches.clear()
+        with torch.no_grad(), counter:
+            drafter.extend(state, cache, features, tokens, num_new, validate=False)
+        assert counter.launches["tlt.TreeAttentionPlan.run"] == 1  # the fused path, which the count is about
+        counts.append(sum(counter.launches.values()))
+    assert counts[1] < counts[0] and counts[1] <= MAX_COMMIT_LAUNCHES, counts
