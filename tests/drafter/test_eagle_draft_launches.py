@@ -1,4 +1,4 @@
-"""Launches per drafted depth: the contract that keeps EAGLE's draft fit for a small model's step.
+"""Launches per drafted depth and per commit: the contract that keeps EAGLE's drafter fit for a small model's step.
 
 On a small target a step is bound by its kernel launches, not by bytes (docs/MODELS.md), and each depth of an
 EAGLE draft adds the drafter's layer, the vocabulary head, a top-k and the frontier's bookkeeping. The test counts
