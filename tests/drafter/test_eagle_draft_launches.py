@@ -30,6 +30,11 @@ from tlt_kernels.ops import tree_attention
 # (top_logprobs), 30 and 33.3 before the frontier's bookkeeping was trimmed; one launch of slack for how a torch
 # version splits an op.
 MAX_LAUNCHES_PER_DEPTH = {1: 13, 4: 14.5}
+# A whole draft of depth 5 and a commit of 6 pairs (B = 3), their constants cached (tlt_kernels/drafter/constants.py):
+# measured 63 / 67 and 24 since the constants are kept, RoPE's tables take fewer launches and the commit's state
+# updates write in place (71 / 75 and 29 after the trims above, 81 / 85 and 35 before them); one launch of slack.
+MAX_LAUNCHES_PER_DRAFT = {1: 64, 4: 68}
+MAX_COMMIT_LAUNCHES = 25
 GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.addmm_.default", "aten.bmm.default", "aten.matmul.default",
          "aten.linear.default"}
 OUR_OPS = {fused_module: ("rms_norm", "rotary_to_cache", "silu_and_mul", "plan_masked_attention", "pack_bit_words",
@@ -97,24 +102,29 @@ def _drafter_with_context(B=3, L=29):
     return drafter, cache, state
 
 
+def _count(counter, fn) -> int:
+    """Non-GEMM launches of ``fn()`` once the constants of its shapes are cached (a first call makes them; a graph
+    captured after a warm-up run reads them: tlt_kernels/drafter/constants.py)."""
+    with torch.no_grad():
+        fn()
+    counter.launches.clear()
+    with torch.no_grad(), counter:
+        fn()
+    return sum(counter.launches.values())
+
+
 @pytest.mark.parametrize("topk", [1, 4])
 def test_launches_per_drafted_depth(counter, topk):
     drafter, cache, state = _drafter_with_context()
     assert drafter._fused(cache, 4 * topk)  # the path a CUDA draft takes
     totals = {}
     for depth in (2, 5):
-        counter.launches.clear()
-        with torch.no_grad(), counter:
-            drafter.draft(state, cache, depth=depth, topk=topk, num_verify=2 * depth)
-        totals[depth] = sum(counter.launches.values())
+        totals[depth] = _count(counter, lambda: drafter.draft(state, cache, depth=depth, topk=topk,
+                                                              num_verify=2 * depth))
         assert counter.launches["tlt.TreeAttentionPlan.run"] == depth - 1  # the count saw the draft's layers
     per_depth = (totals[5] - totals[2]) / 3
     assert per_depth <= MAX_LAUNCHES_PER_DEPTH[topk], (per_depth, dict(counter.launches))
-
-
-# Non-GEMM launches of a fused commit (extend) once its causal mask is cached: measured 30 with this file, 35 the first
-# time a shape is seen (the mask made); one launch of slack.
-MAX_COMMIT_LAUNCHES = 31
+    assert totals[5] <= MAX_LAUNCHES_PER_DRAFT[topk], (totals[5], dict(counter.launches))
 
 
 def test_launches_per_commit(counter):
@@ -122,12 +132,6 @@ def test_launches_per_commit(counter):
     B, n = 3, 6
     features, tokens = torch.randn(B, n, drafter.config.hidden_size), torch.randint(0, 512, (B, n))
     num_new = torch.full((B,), n, dtype=torch.int32)
-    fused_module._cached_causal_mask.cache_clear()
-    counts = []
-    for _ in range(2):
-        counter.launches.clear()
-        with torch.no_grad(), counter:
-            drafter.extend(state, cache, features, tokens, num_new, validate=False)
-        assert counter.launches["tlt.TreeAttentionPlan.run"] == 1  # the fused path, which the count is about
-        counts.append(sum(counter.launches.values()))
-    assert counts[1] < counts[0] and counts[1] <= MAX_COMMIT_LAUNCHES, counts
+    total = _count(counter, lambda: drafter.extend(state, cache, features, tokens, num_new, validate=False))
+    assert counter.launches["tlt.TreeAttentionPlan.run"] == 1  # the fused path, which the count is about
+    assert total <= MAX_COMMIT_LAUNCHES, (total, dict(counter.launches))

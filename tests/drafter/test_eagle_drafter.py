@@ -424,27 +424,3 @@ def test_new_state_and_prefill_make_no_host_sync():
     assert torch.equal(st.last_hidden, want.last_hidden) and torch.equal(st.context_lens, lens)
     assert not set(st.block_table.flatten().tolist()) & set(want.block_table.flatten().tolist())
 
-
-def test_commit_mask_is_made_once_per_shape_outside_capture(monkeypatch):
-    """A fused commit's causal mask (row i sees pairs 0..i) is cached per shape outside graph capture, where a graph
-    captured later reads it; during a capture it is made afresh (a cached one would hold values only once its graph
-    replayed)."""
-    import tlt_kernels.drafter.eagle_fused as fused_module
-
-    tgt = _target()
-    d = EagleDrafter.for_target(tgt).eval()
-    B, n = 2, 5
-    cache = DrafterKVCache(d.config, 1 + B * d.blocks_per_request(3 * n, 4), 4)
-    st = d.new_state(cache, B, 3 * n)
-    feats, toks = torch.randn(B, n, d.config.hidden_size), torch.randint(0, 64, (B, n))
-    fused_module._cached_causal_mask.cache_clear()
-    d.extend(st, cache, feats, toks, torch.full((B,), n, dtype=torch.int32))
-    d.extend(st, cache, feats, toks, torch.full((B,), n, dtype=torch.int32))
-    info = fused_module._cached_causal_mask.cache_info()
-    assert (info.misses, info.hits) == (1, 1)
-    mask = fused_module._cached_causal_mask(B, n, torch.device("cpu"))
-    assert mask.shape == (B, n, 1) and mask[:, :, 0].tolist() == [[1, 3, 7, 15, 31]] * B
-    monkeypatch.setattr(fused_module, "capturing", lambda device: True)
-    before = fused_module._cached_causal_mask.cache_info()
-    d.extend(st, cache, feats, toks, torch.full((B,), n, dtype=torch.int32))
-    assert fused_module._cached_causal_mask.cache_info() == before

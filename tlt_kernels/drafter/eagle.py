@@ -49,6 +49,7 @@ from ..models.packing import PackedLinears
 from ..ops.draft_frontier import draft_frontier
 from ..ops.rms_norm import rms_norm
 from ..ops.top_logprobs import top_logprobs
+from . import constants
 from .eagle_fused import SCRATCH_SLOTS, FusedExpansion, extend_fused
 
 # ---------------------------------------------------------------------------------------------
@@ -735,8 +736,8 @@ class EagleDrafter(nn.Module):
         cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]  # depth 1 hangs from the root
         cand_tok, cand_score = [tok], [score]
         if depth > 1:  # the frontier: scores, candidate indices, rows among the expanded nodes (-1: the root), inputs
-            scores, cand_index = score, torch.arange(K, device=dev).expand(B, K)
-            parent_rows = torch.full((B, K), -1, dtype=torch.int64, device=dev)
+            scores, cand_index = score, constants.arange(K, dev).expand(B, K)
+            parent_rows = constants.full((B, K), -1, torch.int64, dev)
             x = self._input(state.last_hidden.unsqueeze(1).expand(B, K, H), tok)
         for step in range(1, depth):
             g = expand(x, parent_rows, step)  # [B, K, H]
@@ -838,10 +839,11 @@ def _advance(state: EagleState, g: torch.Tensor, next_tokens: torch.Tensor, num_
     B = g.shape[0]
     last = (num_new.to(torch.int64) - 1).clamp(min=0)
     has = (num_new > 0).unsqueeze(1)
-    rows = torch.arange(B, device=g.device)
+    rows = constants.arange(B, g.device)
     g_last = g[:, 0] if last_only else g[rows, last]
-    state.last_hidden.copy_(torch.where(has, g_last.to(state.last_hidden.dtype), state.last_hidden))
-    state.root_tokens.copy_(torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens))
+    # Each select writes the state in place (out= may be one of its inputs: elementwise, same positions).
+    torch.where(has, g_last.to(state.last_hidden.dtype), state.last_hidden, out=state.last_hidden)
+    torch.where(has.squeeze(1), next_tokens[rows, last], state.root_tokens, out=state.root_tokens)
     state.context_lens.add_(num_new.to(state.context_lens.dtype))
 
 

@@ -14,19 +14,18 @@ the ``r``-th node it expands at slot ``context_lens + r``, again past the commit
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 
-from .._validation import capturing
 from ..models.kv_cache import paged_rows
 from ..models.llama import rope_cos_sin
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
 from ..ops.tree_attention import KERNEL_MAX_NODES, plan_masked_attention
-from ..tree import bit_values, pack_bit_words
+from ..tree import pack_bit_words
+from . import constants
 
 # Slots a block table keeps past its committed pairs for the fused path's new tokens: the widest forest or commit
 # the attention kernels take (a wider one runs the dense path).
@@ -74,26 +73,11 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     """The layer over a commit's pairs ``x [B, n, H]`` (``n <= SCRATCH_SLOTS``) at slots and positions
     ``context_lens + i``, causal among themselves; every one of the n slots is written. Returns ``g [B, n, H]``."""
     B, n, _ = x.shape
-    positions = state.context_lens.to(torch.int64).unsqueeze(1) + torch.arange(n, device=x.device)
+    positions = state.context_lens.to(torch.int64).unsqueeze(1) + constants.arange(n, x.device)
     cos, sin = rope_cos_sin(drafter.rope_inv_freq(x.device), positions, x.dtype)
-    cacheable = not (capturing(x.device) or torch.compiler.is_compiling())
-    mask = _cached_causal_mask(B, n, x.device) if cacheable else _causal_mask(B, n, x.device)
-    plan = _plan(drafter, mask, state.context_lens, state.block_table, cache)
+    plan = _plan(drafter, constants.causal_mask(B, n, x.device), state.context_lens, state.block_table, cache)
     rows = paged_rows(state.block_table, positions, cache.block_size).flatten()
     return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
-
-
-def _causal_mask(B: int, n: int, device) -> torch.Tensor:
-    """``int32 [B, n, ceil(n / 32)]``, the packed mask of n pairs causal among themselves: row i sees pairs 0..i, the
-    bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i."""
-    return pack_bit_words(bit_values(n, device).cumsum(0).expand(B, n), n)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_causal_mask(B: int, n: int, device) -> torch.Tensor:
-    """:func:`_causal_mask`, made once per shape outside graph capture and compilation (a graph captured later reads
-    it and launches nothing for it; one made during a capture would hold its values only once its graph replayed)."""
-    return _causal_mask(B, n, device)
 
 
 class FusedExpansion:
@@ -113,14 +97,14 @@ class FusedExpansion:
         context_lens = state.context_lens.to(torch.int64).unsqueeze(1)
         num_nodes = (depth - 1) * topk  # the nodes the draft expands (none at depth 1)
         if num_nodes:  # made once: each step slices them
-            positions = context_lens + torch.arange(depth - 1, device=dev)
+            positions = context_lens + constants.arange(depth - 1, dev)
             self.cos, self.sin = rope_cos_sin(drafter.rope_inv_freq(dev), positions, drafter.fc.weight.dtype)
-            node_slots = context_lens + torch.arange(num_nodes, device=dev)
+            node_slots = context_lens + constants.arange(num_nodes, dev)
             rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
             # [depth - 1, B * K]: step s's rows contiguous, so a step takes a view, not a copy
             self.rows = rows.view(-1, depth - 1, topk).transpose(0, 1).reshape(depth - 1, -1)
             word = torch.int32 if num_nodes <= 32 else torch.int64
-            self.bits = bit_values(num_nodes, dev, word)
+            self.bits = constants.node_bits(num_nodes, word, dev)
             # [B, num_nodes], the first P written by step P / K: bit j of word i: node j is node i or its ancestor
             self.words = torch.empty(context_lens.shape[0], num_nodes, dtype=word, device=dev)
         self.queries: Optional[torch.Tensor] = None
