@@ -829,3 +829,23 @@ def test_rope_cos_sin_is_the_written_out_formula_bit_for_bit(device, dtype, atte
             want = _rope_cos_sin_written_out(inv_freq, positions, dtype, attention_factor)
             assert all(t.dtype == dtype and t.shape == (3, 17, head_dim) for t in got)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_paged_rows_is_page_times_block_size_plus_offset(device, block_size):
+    """``paged_rows``: slot ``s`` of request ``b`` is row ``table[b, s // bs] * bs + s % bs`` (int64, page ids up to
+    2^31 - 1 without overflow), slots past the table's width taking its last page, for int32 and int64 slots."""
+    from tlt_kernels.models.kv_cache import paged_rows
+
+    g = torch.Generator().manual_seed(block_size)
+    table = torch.randint(0, 2**31 - 1, (3, 6), generator=g, dtype=torch.int64).to(torch.int32)
+    table[0, 0] = 2**31 - 1
+    for slots_dtype in (torch.int32, torch.int64):
+        slots = torch.randint(0, 6 * block_size + 9, (3, 11), generator=g).to(slots_dtype)
+        slots[0, 0] = 0  # the largest page id
+        rows = paged_rows(table.to(device), slots.to(device), block_size).cpu()
+        col = (slots.long() // block_size).clamp(max=5)
+        want = [[int(table[b, col[b, t]]) * block_size + int(slots[b, t]) % block_size for t in range(11)]
+                for b in range(3)]
+        assert rows.dtype == torch.int64 and rows.tolist() == want
