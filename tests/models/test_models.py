@@ -222,7 +222,7 @@ def test_tree_forward_matches_dense_paths(T, block_size, gen):
 def test_tree_forward_launches_do_not_grow_with_the_tree(gen, monkeypatch):
     """A verify step is launch-bound on a small target: its launches outside the plan (counted as one op) are the
     same for a tree of 2 or 16 nodes (positions come from the plan's mask, not from a round of jumps per doubling of
-    the tree), and a plain step's (T = 1) no more."""
+    the tree), and a plain step's (T = 1) fewer."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import tlt_kernels.models.llama as llama
@@ -259,7 +259,8 @@ def test_tree_forward_launches_do_not_grow_with_the_tree(gen, monkeypatch):
         with torch.no_grad(), counter:
             model.forward_tree(tokens, parents, n, cache, table, lens_t, validate=False, max_context_len=16)
         counts[T] = counter.count
-    assert counts[16] == counts[2] and counts[1] <= counts[2], counts
+    # A plain step has no depths to read and no slots to offset: at least four launches fewer than a tree's.
+    assert counts[16] == counts[2] and counts[1] <= counts[2] - 4, counts
 
 
 def test_decode_matches_reference_generate(gen):

@@ -549,10 +549,12 @@ class LlamaForCausalLM(nn.Module):
         elif (plan.batch_size, plan.num_tree) != (B, T):
             raise ValueError(f"plan was built for B={plan.batch_size}, T={plan.num_tree}; the tokens are B={B}, T={T}")
         ctx = context_lens.long().unsqueeze(1)
-        # The plan's ancestor mask holds every node's depth (its bit count less one): fewer launches than jumping
-        # the parents again.
-        positions = ctx + depths_from_ancestor_mask(plan.tree_mask).long()
-        flat_slots = cache.flat_index(block_table, ctx + idx).flatten()  # one index for every layer's K/V write
+        if T == 1:  # a plain step: the root alone, at slot and position context_len (three launches fewer)
+            slots = positions = ctx
+        else:  # node i at slot context_len + i; its position adds its depth, which the plan's ancestor mask holds
+            slots = ctx + idx  # (its bit count less one: fewer launches than jumping the parents again)
+            positions = ctx + depths_from_ancestor_mask(plan.tree_mask)  # int32 depths widened inside the add
+        flat_slots = cache.flat_index(block_table, slots).flatten()  # one index for every layer's K/V write
 
         def store_kv(i, q, k, v, cos, sin):  # the K/V write rides in the rotation's launch
             return rotary_to_cache(q, k, v, cos, sin, *cache.layer_rows(i), flat_slots, validate=False)
