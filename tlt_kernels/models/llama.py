@@ -551,9 +551,11 @@ class LlamaForCausalLM(nn.Module):
         ctx = context_lens.long().unsqueeze(1)
         if T == 1:  # a plain step: the root alone, at slot and position context_len (three launches fewer)
             slots = positions = ctx
-        else:  # node i at slot context_len + i; its position adds its depth, which the plan's ancestor mask holds
-            slots = ctx + idx  # (its bit count less one: fewer launches than jumping the parents again)
-            positions = ctx + depths_from_ancestor_mask(plan.tree_mask)  # int32 depths widened inside the add
+        else:
+            slots = ctx + idx  # node i at slot context_len + i
+            # Its position adds its depth, which the plan's ancestor mask holds (its bit count less one): fewer
+            # launches than jumping the parents again. The int32 depths widen inside the add.
+            positions = ctx + depths_from_ancestor_mask(plan.tree_mask)
         flat_slots = cache.flat_index(block_table, slots).flatten()  # one index for every layer's K/V write
 
         def store_kv(i, q, k, v, cos, sin):  # the K/V write rides in the rotation's launch
