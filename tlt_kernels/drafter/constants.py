@@ -1,10 +1,14 @@
-"""Small constant tensors of a draft or a commit, made once per shape outside CUDA-graph capture.
+"""Small constant tensors of a draft or a commit, made once outside CUDA-graph capture and kept.
 
 A step graph replays every launch it captured, the ones that only make constants (an ``arange``, the bits of a
 draft's nodes, a commit's causal mask) included: a constant made before the capture and kept is read by the graph
 instead, with no launch. One made *during* a capture holds its values only once its graph has replayed, so it is
 never kept: inside a capture, and under ``torch.compile`` (whose fake tensors must not outlive the trace), the maker
-runs as it would uncached. Callers only read the tensors (they are shared).
+runs as it would uncached.
+
+A graph reads a kept tensor by its address, so nothing kept is ever freed (a freed one would be read after its memory
+was reused): the cache has no bound, and its arguments take few values (sizes up to 64, or powers of two, and views
+of them for the sizes between). Callers only read the tensors (they are shared).
 """
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ from ..tree import bit_values, pack_bit_words
 
 
 def cached_constant(make):
-    """``make(*args, device)`` (hashable arguments, the ``torch.device`` last) cached per arguments outside capture
-    and compilation; ``cache_clear`` and ``cache_info`` as ``functools.lru_cache``'s."""
-    cached = functools.lru_cache(maxsize=128)(make)
+    """``make(*args, device)`` (hashable arguments, the ``torch.device`` last) kept per arguments outside capture and
+    compilation, for the process's life; ``cache_info`` as ``functools.lru_cache``'s (and no ``cache_clear``: a
+    graph captured before it could still read what it dropped)."""
+    cached = functools.lru_cache(maxsize=None)(make)
 
     @functools.wraps(make)
     def get(*args):
@@ -27,30 +32,34 @@ def cached_constant(make):
             return make(*args)
         return cached(*args)
 
-    get.cache_clear, get.cache_info = cached.cache_clear, cached.cache_info
+    get.cache_info = cached.cache_info
     return get
 
 
 @cached_constant
-def arange(n: int, device: torch.device) -> torch.Tensor:
-    """``int64 [n]``: ``0 .. n - 1``."""
+def _arange_pow2(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
+
+
+def arange(n: int, device: torch.device) -> torch.Tensor:
+    """``int64 [n]``: ``0 .. n - 1``, a view of the kept ``arange`` of the next power of two."""
+    return _arange_pow2(1 << max(n - 1, 0).bit_length(), device)[:n]
 
 
 @cached_constant
 def node_bits(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[n]`` of ``dtype``: ``1 << j`` (:func:`tlt_kernels.tree.bit_values`)."""
+    """``[n]`` of ``dtype`` (``n <= 64``): ``1 << j`` (:func:`tlt_kernels.tree.bit_values`)."""
     return bit_values(n, device, dtype)
 
 
 @cached_constant
-def causal_mask(batch_size: int, n: int, device: torch.device) -> torch.Tensor:
-    """``int32 [batch_size, n, ceil(n / 32)]``, the packed mask of n pairs causal among themselves: row i sees pairs
-    0..i, the bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i."""
-    return pack_bit_words(bit_values(n, device).cumsum(0).expand(batch_size, n), n)
+def causal_mask(n: int, device: torch.device) -> torch.Tensor:
+    """``int32 [1, n, ceil(n / 32)]`` (``n <= 64``; expand it over a batch), the packed mask of n pairs causal among
+    themselves: row i sees pairs 0..i, the bits below and at i, ``(1 << i) * 2 - 1``, as the sum of the bits 0..i."""
+    return pack_bit_words(bit_values(n, device).cumsum(0).unsqueeze(0), n)
 
 
 @cached_constant
-def full(shape: tuple, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.full(shape, value)`` of ``dtype``."""
-    return torch.full(shape, value, dtype=dtype, device=device)
+def full(n: int, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[n]`` of ``dtype`` (``n <= 64``), every entry ``value``."""
+    return torch.full((n,), value, dtype=dtype, device=device)

@@ -737,7 +737,7 @@ class EagleDrafter(nn.Module):
         cand_tok, cand_score = [tok], [score]
         if depth > 1:  # the frontier: scores, candidate indices, rows among the expanded nodes (-1: the root), inputs
             scores, cand_index = score, constants.arange(K, dev).expand(B, K)
-            parent_rows = constants.full((B, K), -1, torch.int64, dev)
+            parent_rows = constants.full(K, -1, torch.int64, dev).expand(B, K)
             x = self._input(state.last_hidden.unsqueeze(1).expand(B, K, H), tok)
         for step in range(1, depth):
             g = expand(x, parent_rows, step)  # [B, K, H]

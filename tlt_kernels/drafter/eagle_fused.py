@@ -75,7 +75,8 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     B, n, _ = x.shape
     positions = state.context_lens.to(torch.int64).unsqueeze(1) + constants.arange(n, x.device)
     cos, sin = rope_cos_sin(drafter.rope_inv_freq(x.device), positions, x.dtype)
-    plan = _plan(drafter, constants.causal_mask(B, n, x.device), state.context_lens, state.block_table, cache)
+    causal = constants.causal_mask(n, x.device).expand(B, -1, -1)  # the plan copies it at B > 1
+    plan = _plan(drafter, causal, state.context_lens, state.block_table, cache)
     rows = paged_rows(state.block_table, positions, cache.block_size).flatten()
     return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
 
