@@ -83,6 +83,59 @@ def test_masked_plan_on_the_gpu(backend, seed):
     torch.testing.assert_close(got.cpu().to(torch.float64), naive(p), atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
+def _growing_forest_problem(seed, ctx, T=6, Hkv=2, G=3, bs=16, D=64):
+    g = torch.Generator().manual_seed(seed)
+    B = len(ctx)
+    W = -(-(max(ctx) + T) // bs)
+    mask = (torch.rand(B, T, T, generator=g) < 0.4).tril() | torch.eye(T, dtype=torch.bool)  # a forest's rows
+    return dict(q=torch.randn(B, T, Hkv * G, D, generator=g), k=torch.randn(B * W, bs, Hkv, D, generator=g),
+                v=torch.randn(B * W, bs, Hkv, D, generator=g), mask=mask, ctx=torch.tensor(ctx, dtype=torch.int32),
+                table=torch.randperm(B * W, generator=g).reshape(B, W).to(torch.int32), dtype=torch.bfloat16)
+
+
+def _run_growing_plans(p, backend, device):
+    """Plans of the first 2, 4, 6 tokens (a draft's forest growing by steps) sharing one zeroing of the arrival
+    counters, sized for the widest, and kept ``num_nodes``; returns each run's output and the plans' splits."""
+    q, k, v = (p[x].to(device, p["dtype"]) for x in ("q", "k", "v"))
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    counters = torch.zeros(B, Hkv, -(-T * (Hq // Hkv) // tlt.ops.tree_attention.SPLIT_COUNTER_ROWS),
+                           dtype=torch.int32, device=device)
+    outs, splits = [], []
+    for n in (2, 4, 6, 6):  # the widest twice: a second run finds the counters as the first left them
+        plan = tlt.plan_masked_attention(
+            p["mask"][:, :n, :n].to(device), p["ctx"].to(device), p["table"].to(device), num_q_heads=Hq,
+            num_kv_heads=Hkv, head_dim=D, block_size=k.shape[1], max_context_len=p["table"].shape[1] * k.shape[1],
+            num_blocks=k.shape[0], num_nodes=torch.full((B,), n, dtype=torch.int32, device=device),
+            split_counters=counters)
+        outs.append(plan.run(q[:, :n], k, v, backend=backend).cpu().to(torch.float64))
+        splits.append(plan.num_splits)
+    assert not counters.any()  # every run leaves them zeros
+    return outs, splits
+
+
+def _check_growing_plans(p, outs):
+    for out in outs:
+        n = out.shape[1]
+        sub = dict(p, q=p["q"][:, :n], mask=p["mask"][:, :n, :n])
+        torch.testing.assert_close(out, naive(sub), atol=TOL[p["dtype"]], rtol=TOL[p["dtype"]])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_plans_sharing_counters_match_naive_attention(backend):
+    p = _growing_forest_problem(seed=3, ctx=[0, 70])
+    _check_growing_plans(p, _run_growing_plans(p, backend, "cpu")[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda", "auto"])
+def test_plans_sharing_counters_on_the_gpu(backend):
+    p = _growing_forest_problem(seed=4, ctx=[5, 3000, 700])
+    outs, splits = _run_growing_plans(p, backend, "cuda")
+    assert max(splits) > 1  # the split merge (where the Triton kernel counts arrivals) ran
+    _check_growing_plans(p, outs)
+
+
 def test_a_tree_mask_gives_the_tree_plan():
     g = torch.Generator().manual_seed(1)
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4]], dtype=torch.int32)
@@ -106,6 +159,11 @@ def test_a_tree_mask_gives_the_tree_plan():
     (dict(mask=torch.ones(1, 3, 3)), "mask must have dtype"),
     (dict(context_lens=torch.zeros(2, dtype=torch.int32)), "context_lens"),
     (dict(max_context_len=-1), "max_context_len"),
+    (dict(num_nodes=torch.full((1,), 3, dtype=torch.int64)), "num_nodes"),
+    (dict(num_nodes=torch.full((2,), 3, dtype=torch.int32)), "num_nodes"),
+    (dict(split_counters=torch.zeros(1, 2, 1, dtype=torch.int32)), r"split_counters must be contiguous int32 \[B=1"),
+    (dict(split_counters=torch.zeros(1, 1, 0, dtype=torch.int32)), r"split_counters must be .* >= 1"),
+    (dict(split_counters=torch.zeros(1, 1, 1)), "split_counters must have dtype"),
 ])
 def test_bad_arguments_are_named(bad, why):
     args = dict(mask=torch.ones(1, 3, 3, dtype=torch.bool), context_lens=torch.zeros(1, dtype=torch.int32),

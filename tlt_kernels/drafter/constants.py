@@ -61,5 +61,6 @@ def causal_mask(n: int, device: torch.device) -> torch.Tensor:
 
 @cached_constant
 def full(n: int, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[n]`` of ``dtype`` (``n <= 64``), every entry ``value``."""
+    """``[n]`` of ``dtype``, every entry ``value`` (``n`` a node count up to 64 or a batch size, ``value`` a node
+    count or -1: few pairs in a process)."""
     return torch.full((n,), value, dtype=dtype, device=device)

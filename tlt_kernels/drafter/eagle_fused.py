@@ -23,7 +23,7 @@ from ..models.llama import rope_cos_sin
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import rotary_to_cache
 from ..ops.silu_and_mul import silu_and_mul
-from ..ops.tree_attention import KERNEL_MAX_NODES, plan_masked_attention
+from ..ops.tree_attention import KERNEL_MAX_NODES, SPLIT_COUNTER_ROWS, plan_masked_attention
 from ..tree import pack_bit_words
 from . import constants
 
@@ -61,19 +61,23 @@ def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return residual.view(-1, residual.shape[-1]).addmm_(act, drafter.down_proj.weight.t()).view(residual.shape), queries
 
 
-def _plan(drafter, mask: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor, cache):
+def _plan(drafter, mask: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor, cache,
+          split_counters: Optional[torch.Tensor] = None):
+    """The masked plan of ``mask [B, T, *]``, its ``num_nodes`` (T each) a kept constant."""
     c = drafter.config
+    B, T = mask.shape[:2]
+    num_nodes = constants.full(B, T, torch.int32, mask.device)
     return plan_masked_attention(mask, context_lens.to(torch.int32), block_table, num_q_heads=c.num_q_heads,
                                  num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=cache.block_size,
                                  max_context_len=block_table.shape[1] * cache.block_size, num_blocks=cache.num_blocks,
-                                 kv_dtype=cache.k.dtype)
+                                 kv_dtype=cache.k.dtype, num_nodes=num_nodes, split_counters=split_counters)
 
 
 def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     """The layer over a commit's pairs ``x [B, n, H]`` (``n <= SCRATCH_SLOTS``) at slots and positions
     ``context_lens + i``, causal among themselves; every one of the n slots is written. Returns ``g [B, n, H]``."""
     B, n, _ = x.shape
-    positions = state.context_lens.to(torch.int64).unsqueeze(1) + constants.arange(n, x.device)
+    positions = state.context_lens.unsqueeze(1) + constants.arange(n, x.device)  # int64 [B, n]: the add widens
     cos, sin = rope_cos_sin(drafter.rope_inv_freq(x.device), positions, x.dtype)
     causal = constants.causal_mask(n, x.device).expand(B, -1, -1)  # the plan copies it at B > 1
     plan = _plan(drafter, causal, state.context_lens, state.block_table, cache)
@@ -95,7 +99,7 @@ class FusedExpansion:
     def __init__(self, drafter, state, cache, depth: int, topk: int):
         self.drafter, self.state, self.cache = drafter, state, cache
         dev = state.context_lens.device
-        context_lens = state.context_lens.to(torch.int64).unsqueeze(1)
+        context_lens = state.context_lens.unsqueeze(1)  # int32: the adds below widen to int64
         num_nodes = (depth - 1) * topk  # the nodes the draft expands (none at depth 1)
         if num_nodes:  # made once: each step slices them
             positions = context_lens + constants.arange(depth - 1, dev)
@@ -108,6 +112,11 @@ class FusedExpansion:
             self.bits = constants.node_bits(num_nodes, word, dev)
             # [B, num_nodes], the first P written by step P / K: bit j of word i: node j is node i or its ancestor
             self.words = torch.empty(context_lens.shape[0], num_nodes, dtype=word, device=dev)
+            # One zeroing for every step's plan: the widest step's row chunks (each run leaves them zeros).
+            c = drafter.config
+            rows = num_nodes * (c.num_q_heads // c.num_kv_heads)
+            self.split_counters = torch.zeros(context_lens.shape[0], c.num_kv_heads, -(-rows // SPLIT_COUNTER_ROWS),
+                                              dtype=torch.int32, device=dev)
         self.queries: Optional[torch.Tensor] = None
 
     def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
@@ -122,7 +131,8 @@ class FusedExpansion:
             torch.bitwise_or(self.words.gather(1, parent_rows), own, out=new_words)
         words = self.words[:, :P]
         mask = words.unsqueeze(2) if words.dtype == torch.int32 else pack_bit_words(words, P)
-        plan = _plan(self.drafter, mask, self.state.context_lens, self.state.block_table, self.cache)
+        plan = _plan(self.drafter, mask, self.state.context_lens, self.state.block_table, self.cache,
+                     self.split_counters)
         rows = self.rows[step - 1]
         cos = self.cos[:, step - 1 : step].expand(B, K, -1)
         sin = self.sin[:, step - 1 : step].expand(B, K, -1)

@@ -112,7 +112,7 @@ class TreeAttentionPlan:
       scores, ``-inf`` for an empty split, whose ``partial_out`` is then undefined (a merge must not
       read it). A backend may use the scratch differently internally (the Triton backend folds the tree
       into the last non-empty context split and skips the scratch for single-split requests).
-    * ``split_counters int32 [B, Hkv, ceil(T * G / SPLIT_COUNTER_ROWS)]``, zeros between runs: a backend that merges
+    * ``split_counters int32 [B, Hkv, >= ceil(T * G / SPLIT_COUNTER_ROWS)]``, zeros between runs: a backend that merges
       the splits in the last one to finish (Triton) counts each row chunk's arrivals there and resets them to 0 as it
       merges.
       None: such a backend merges in a second kernel.
@@ -391,6 +391,8 @@ def plan_masked_attention(
     max_context_len: int,
     num_blocks: Optional[int] = None,
     kv_dtype: Optional[torch.dtype] = None,
+    num_nodes: Optional[torch.Tensor] = None,
+    split_counters: Optional[torch.Tensor] = None,
 ) -> TreeAttentionPlan:
     """A plan whose ``T`` new tokens see each other through an explicit mask instead of a tree's ancestors.
 
@@ -408,6 +410,11 @@ def plan_masked_attention(
         max_context_len: an upper bound of ``context_lens`` (the table's capacity will do): sizes the context split.
         num_blocks: pages in the cache (``run`` checks the caches against it).
         kv_dtype: the caches' dtype, where known (sizes the split, as in :func:`plan_tree_attention`).
+        num_nodes: ``int32 [B]``, ``T`` for every request, when the caller keeps one (a launch fewer per plan); its
+            values are not checked. None: made here.
+        split_counters: ``int32 [B, num_kv_heads, C]`` zeros with ``C >= ceil(T * G / SPLIT_COUNTER_ROWS)``,
+            contiguous, to share with other plans run one after another on one stream (every run leaves them zeros),
+            such as one draft's plans, each a few nodes wider: one zeroing for them all. None: fresh zeros.
     """
     check_tensor("mask", mask, dtype=(torch.bool, torch.int32), ndim=3)
     B, T, cols = mask.shape
@@ -420,17 +427,30 @@ def plan_masked_attention(
     _check_plan_args(num_q_heads, num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, False)
     _one_byte(kv_dtype)
     # Every row is a node: the mask alone says what each sees.
-    num_nodes = torch.full((B,), T, dtype=torch.int32, device=mask.device)
+    if num_nodes is None:
+        num_nodes = torch.full((B,), T, dtype=torch.int32, device=mask.device)
+    check_tensor("num_nodes", num_nodes, dtype=torch.int32, shape=(B,), device=mask.device)
+    if split_counters is not None:
+        _check_shared_counters(split_counters, B, num_kv_heads, T * (num_q_heads // num_kv_heads), mask.device)
     packed = pack_tree_mask(mask) if mask.dtype == torch.bool else mask
-    return _make_plan(dense(packed), dense(context_lens), dense(block_table), num_nodes, num_q_heads,
+    return _make_plan(dense(packed), dense(context_lens), dense(block_table), dense(num_nodes), num_q_heads,
                       num_kv_heads, head_dim, block_size, max_context_len, None, num_blocks, max_page=None,
-                      check_pages_at_run=False, checked=False, kv_dtype=kv_dtype)
+                      check_pages_at_run=False, checked=False, kv_dtype=kv_dtype, split_counters=split_counters)
+
+
+def _check_shared_counters(counters: torch.Tensor, B: int, num_kv_heads: int, rows: int, device) -> None:
+    check_tensor("split_counters", counters, dtype=torch.int32, ndim=3, device=device)
+    need = -(-rows // SPLIT_COUNTER_ROWS)
+    if tuple(counters.shape[:2]) != (B, num_kv_heads) or counters.shape[2] < need or not counters.is_contiguous():
+        raise ValueError(f"split_counters must be contiguous int32 [B={B}, num_kv_heads={num_kv_heads}, >= {need}], "
+                         f"got shape {tuple(counters.shape)} with strides {counters.stride()}")
 
 
 def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num_kv_heads, head_dim, block_size,
                max_context_len, split_len, num_blocks, *, max_page, check_pages_at_run, checked,
-               kv_dtype=None) -> TreeAttentionPlan:
-    """The plan around a packed mask ``int32 [B, T, ceil(T/32)]``: the context split and the fp32 scratch."""
+               kv_dtype=None, split_counters=None) -> TreeAttentionPlan:
+    """The plan around a packed mask ``int32 [B, T, ceil(T/32)]``: the context split and the fp32 scratch (and
+    fresh zeroed ``split_counters`` unless given)."""
     B, T = tree_mask.shape[:2]
     G = num_q_heads // num_kv_heads
     num_splits, split_len = _context_split(context_lens, block_table.shape[1] * block_size, max_context_len, split_len,
@@ -444,7 +464,8 @@ def _make_plan(tree_mask, context_lens, block_table, num_nodes, num_q_heads, num
         context_lens=context_lens, num_nodes=num_nodes, block_table=block_table,
         partial_out=torch.empty(B, num_kv_heads, num_splits + 1, M, head_dim, dtype=torch.float32, device=dev),
         partial_lse=torch.empty(B, num_kv_heads, num_splits + 1, M, dtype=torch.float32, device=dev),
-        split_counters=torch.zeros(B, num_kv_heads, -(-M // SPLIT_COUNTER_ROWS), dtype=torch.int32, device=dev),
+        split_counters=split_counters if split_counters is not None
+        else torch.zeros(B, num_kv_heads, -(-M // SPLIT_COUNTER_ROWS), dtype=torch.int32, device=dev),
         num_blocks=num_blocks, max_page=max_page, check_pages_at_run=check_pages_at_run,
     )
 
