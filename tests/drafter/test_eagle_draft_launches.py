@@ -29,15 +29,16 @@ from tlt_kernels.ops import tree_attention
 # the plan's mask as they stand), from 15 and 16.3 before; 23 and 25.3 before a step's candidates, next frontier and
 # next inputs were one op (draft_frontier); 24 and 26.3 before the vocabulary's log-softmax and top-k were one op
 # (top_logprobs), 30 and 33.3 before the frontier's bookkeeping was trimmed; one launch of slack for how a torch
-# version splits an op. With the plans' own launches counted: 12 and 13.3 since a draft's plans share one zeroing of
-# their arrival counters and take kept node counts, 14 and 15.3 before.
-MAX_LAUNCHES_PER_DEPTH = {1: 13, 4: 14.5}
+# version splits an op. With the plans' own launches counted: 11 and 12.3 since each step's rotated queries land in a
+# per-draft buffer (no concatenation), 12 and 13.3 since a draft's plans share one zeroing of their arrival counters
+# and take kept node counts, 14 and 15.3 before.
+MAX_LAUNCHES_PER_DEPTH = {1: 12, 4: 13.5}
 # A whole draft of depth 5 and a commit of 6 pairs (B = 3), their constants cached (tlt_kernels/drafter/constants.py),
-# the plans' launches counted: measured 62 / 66 and 25 since the plans share counters and take kept node counts (70 /
-# 74 and 27 before). Counting each plan as one launch, as this file did before: 63 / 67 and 24 since the constants are
+# the plans' launches counted: measured 58 / 62 and 25 since the queries land in place and the roots' parents are
+# a kept constant, 62 / 66 and 25 since the plans share counters and take kept node counts (70 / 74 and 27 before). Counting each plan as one launch, as this file did before: 63 / 67 and 24 since the constants are
 # kept, RoPE's tables take fewer launches and the commit's state updates write in place (71 / 75 and 29 after the
 # trims above, 81 / 85 and 35 before them). One launch of slack.
-MAX_LAUNCHES_PER_DRAFT = {1: 63, 4: 67}
+MAX_LAUNCHES_PER_DRAFT = {1: 59, 4: 63}
 MAX_COMMIT_LAUNCHES = 26
 GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.addmm_.default", "aten.bmm.default", "aten.matmul.default",
          "aten.linear.default"}

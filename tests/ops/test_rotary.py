@@ -209,6 +209,30 @@ def test_rotary_to_cache_is_rotary_then_the_cache_write(backend, D, dtype, B, T,
     assert torch.equal(got_k_cache[others], k_cache[others]) and torch.equal(got_v_cache[others], v_cache[others])
 
 
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("B,T,Hq,Hkv", [(1, 1, 3, 1), (3, 2, 2, 2), (2, 5, 7, 1)])
+def test_rotary_to_cache_into_a_slice(backend, dtype, B, T, Hq, Hkv, gen):
+    """``q_out`` a strided slice of a poisoned buffer (a drafter's earlier queries before it): the slice holds what a
+    new q would, the caches as without it, the buffer's other entries untouched."""
+    device = kernel_devices()[0]
+    need_backend("rotary_to_cache", backend, torch.device(device))
+    D = 64
+    args = cache_case(B, T, Hq, Hkv, D, dtype, gen)
+    want_q, want_k_cache, want_v_cache = run_to_cache(args, device, backend)
+    buffer = torch.full((B, T + 3, Hq + 1, D), float("nan"), dtype=dtype, device=device)
+    q_out = buffer[:, 2: T + 2, 1:]
+    moved = [t.to(device) for t in args]
+    moved[5], moved[6] = moved[5].clone(), moved[6].clone()
+    got = tlt_kernels.rotary_to_cache(*moved, q_out=q_out, backend=backend)
+    assert got.data_ptr() == q_out.data_ptr() and got.stride() == q_out.stride()
+    assert torch.equal(got.cpu(), want_q)
+    assert torch.equal(moved[5].cpu(), want_k_cache) and torch.equal(moved[6].cpu(), want_v_cache)
+    outside = torch.ones(buffer.shape, dtype=torch.bool)
+    outside[:, 2: T + 2, 1:] = False
+    assert buffer.cpu()[outside].isnan().all()
+
+
 def test_rotary_to_cache_bad_inputs(gen):
     args = cache_case(2, 3, 2, 2, 8, torch.bfloat16, gen)
     names = ["q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slots"]
@@ -228,6 +252,9 @@ def test_rotary_to_cache_bad_inputs(gen):
         call = dict(zip(names, args))
         call.update(bad)
         assert_rejects(tlt_kernels.rotary_to_cache, name, *[call[n] for n in names], backend="torch")
+    q = args[0]
+    for q_out in (q.float(), q[:, :1].contiguous(), torch.empty(*q.shape[:3], 2 * q.shape[3], dtype=q.dtype)[..., ::2]):
+        assert_rejects(tlt_kernels.rotary_to_cache, "q_out", *args, q_out=q_out, backend="torch")
 
 
 @pytest.mark.parametrize("backend", backend_params())
@@ -245,6 +272,26 @@ def test_rotary_to_cache_under_torch_compile(backend, gen):
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*compiled)
     want = fn(*eager)
     assert torch.equal(got, want) and torch.equal(compiled[5], eager[5]) and torch.equal(compiled[6], eager[6])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_rotary_to_cache_into_under_torch_compile(backend, gen):
+    """With ``q_out``: the compiled call writes the slice and the caches as an eager one does."""
+    args = cache_case(2, 3, 3, 1, 64, torch.bfloat16, gen)
+
+    def fn(q, k, v, cos, sin, k_cache, v_cache, slots, buffer):
+        tlt_kernels.rotary_to_cache(q, k, v, cos * 1.0, sin, k_cache, v_cache, slots, q_out=buffer[:, 1:],
+                                    backend=backend, validate=False)
+        return buffer * 2
+
+    torch._dynamo.reset()
+    buffer = torch.zeros(2, 4, 3, 64, dtype=torch.bfloat16)
+    compiled = [t.clone() for t in args] + [buffer.clone()]
+    eager = [t.clone() for t in args] + [buffer.clone()]
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*compiled)
+    want = fn(*eager)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(compiled[5:], eager[5:]))
+    assert compiled[8][:, 1:].abs().sum() > 0  # the slice was written
 
 
 @budget(10)

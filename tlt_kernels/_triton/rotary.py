@@ -11,7 +11,8 @@ sums of two values of that dtype are single fp32 operations that round to the sa
 of new tensors (a decoding step's K/V write, without two more launches per layer).
 
 Eager calls launch directly; otherwise the launch runs inside the custom op ``tlt::apply_rotary`` /
-``tlt::rotary_to_cache`` (fake implementations for ``torch.compile``; no host sync).
+``tlt::rotary_to_cache`` / ``tlt::rotary_to_cache_into`` (the rotated q into a given buffer; fake implementations for
+``torch.compile``; no host sync).
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from .rounding import hand_round, round_to
 
 
 @triton.jit
-def _rotate_heads(X_ptr, stride_h, Out_ptr, c1, c2, s1, s2, NH, HALF, NH_POW2: tl.constexpr,
+def _rotate_heads(X_ptr, stride_h, Out_ptr, out_stride_h, c1, c2, s1, s2, NH, HALF, NH_POW2: tl.constexpr,
                   HALF_POW2: tl.constexpr, HAND_ROUND: tl.constexpr):
-    """Rotate ``NH`` heads of one row: ``X_ptr`` / ``Out_ptr`` point at head 0; ``c1, c2, s1, s2`` are the fp32
-    ``[1, HALF_POW2]`` halves of cos / sin."""
+    """Rotate ``NH`` heads of one row: ``X_ptr`` / ``Out_ptr`` point at head 0 (head strides ``stride_h`` /
+    ``out_stride_h``); ``c1, c2, s1, s2`` are the fp32 ``[1, HALF_POW2]`` halves of cos / sin."""
     h = tl.arange(0, NH_POW2)[:, None].to(tl.int64)
     d = tl.arange(0, HALF_POW2)[None, :]
     m = (h < NH) & (d < HALF)
@@ -43,7 +44,7 @@ def _rotate_heads(X_ptr, stride_h, Out_ptr, c1, c2, s1, s2, NH, HALF, NH_POW2: t
     b2 = round_to(x1 * s2, dt, HAND_ROUND).to(tl.float32)
     o1 = round_to(a1 + b1, dt, HAND_ROUND)
     o2 = round_to(a2 + b2, dt, HAND_ROUND)
-    out = Out_ptr + h * (2 * HALF) + d
+    out = Out_ptr + h * out_stride_h + d
     tl.store(out, o1, mask=m)
     tl.store(out + HALF, o2, mask=m)
 
@@ -75,10 +76,10 @@ def _rotary_kernel(
     b = row // T
     t = row % T
     c1, c2, s1, s2 = _row_tables(Cos_ptr + b * sc_b + t * sc_t, Sin_ptr + b * ss_b + t * ss_t, HALF, HALF_POW2)
-    _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, c1, c2, s1, s2, HQ, HALF,
-                  HQ_POW2, HALF_POW2, HAND_ROUND)
-    _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KOut_ptr + row * HKV * 2 * HALF, c1, c2, s1, s2, HKV, HALF,
-                  HKV_POW2, HALF_POW2, HAND_ROUND)
+    _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, 2 * HALF, c1, c2, s1, s2, HQ,
+                  HALF, HQ_POW2, HALF_POW2, HAND_ROUND)
+    _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KOut_ptr + row * HKV * 2 * HALF, 2 * HALF, c1, c2, s1, s2, HKV,
+                  HALF, HKV_POW2, HALF_POW2, HAND_ROUND)
 
 
 @triton.jit
@@ -93,19 +94,20 @@ def _copy_heads(X_ptr, stride_h, Out_ptr, NH, D, NH_POW2: tl.constexpr, D_POW2: 
 @triton.jit(do_not_specialize=_ROW_INT_ARGS)
 def _rotary_cache_kernel(
     Q_ptr, K_ptr, V_ptr, Cos_ptr, Sin_ptr, Slots_ptr, QOut_ptr, KCache_ptr, VCache_ptr, T, HQ, HKV, HALF,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t, ss_b, ss_t,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t, ss_b, ss_t, so_b, so_t, so_h,
     HQ_POW2: tl.constexpr, HKV_POW2: tl.constexpr, HALF_POW2: tl.constexpr, HAND_ROUND: tl.constexpr,
 ):
     """:func:`_rotary_kernel` whose rotated k and untouched v go straight to their cache row ``Slots[row]``: the
-    K/V write of a decoding step without two more launches per layer."""
+    K/V write of a decoding step without two more launches per layer. The rotated q goes to ``QOut`` by its batch,
+    token and head strides (a slice of a larger buffer is written in place)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
     c1, c2, s1, s2 = _row_tables(Cos_ptr + b * sc_b + t * sc_t, Sin_ptr + b * ss_b + t * ss_t, HALF, HALF_POW2)
     cache_row = tl.load(Slots_ptr + row) * HKV * 2 * HALF
-    _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + row * HQ * 2 * HALF, c1, c2, s1, s2, HQ, HALF,
-                  HQ_POW2, HALF_POW2, HAND_ROUND)
-    _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KCache_ptr + cache_row, c1, c2, s1, s2, HKV, HALF,
+    _rotate_heads(Q_ptr + b * sq_b + t * sq_t, sq_h, QOut_ptr + b * so_b + t * so_t, so_h, c1, c2, s1, s2, HQ,
+                  HALF, HQ_POW2, HALF_POW2, HAND_ROUND)
+    _rotate_heads(K_ptr + b * sk_b + t * sk_t, sk_h, KCache_ptr + cache_row, 2 * HALF, c1, c2, s1, s2, HKV, HALF,
                   HKV_POW2, HALF_POW2, HAND_ROUND)
     _copy_heads(V_ptr + b * sv_b + t * sv_t, sv_h, VCache_ptr + cache_row, HKV, 2 * HALF, HKV_POW2, 2 * HALF_POW2)
 
@@ -165,8 +167,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out) -> None:
-    """Launch: rotated q into ``q_out`` (new contiguous), rotated k and v into rows ``slots`` (int64 ``[B * T]``) of
-    the contiguous ``[N, Hkv, D]`` caches (validated by :func:`tlt_kernels.ops.rotary.rotary_to_cache`)."""
+    """Launch: rotated q into ``q_out`` (``[B, T, Hq, D]``, any strides with a unit last one), rotated k and v into
+    rows ``slots`` (int64 ``[B * T]``) of the contiguous ``[N, Hkv, D]`` caches (validated by
+    :func:`tlt_kernels.ops.rotary.rotary_to_cache`)."""
     B, T, HQ, D = q.shape
     HKV = k.shape[2]
     if B * T == 0 or D == 0:
@@ -175,7 +178,7 @@ def rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out) -> No
         q, k, v, cos, sin, slots, q_out, k_cache, v_cache, T, HQ, HKV, D // 2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        **_launch_shape(q, k),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), **_launch_shape(q, k),
     )
 
 
@@ -192,10 +195,27 @@ def _(q, k, v, cos, sin, k_cache, v_cache, slots):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def rotary_to_cache(q, k, v, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
-    """Backend of :func:`tlt_kernels.ops.rotary.rotary_to_cache`: the rotated q, new contiguous."""
-    if direct_dispatch_ok(q, k, v, cos, sin, k_cache, v_cache, slots):
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+@torch.library.custom_op("tlt::rotary_to_cache_into", mutates_args=("k_cache", "v_cache", "q_out"))
+def _rotary_to_cache_into_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                             q_out: torch.Tensor) -> None:
+    rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out)
+
+
+@_rotary_to_cache_into_op.register_fake
+def _(q, k, v, cos, sin, k_cache, v_cache, slots, q_out):
+    return None
+
+
+def rotary_to_cache(q, k, v, cos, sin, k_cache, v_cache, slots, q_out=None) -> torch.Tensor:
+    """Backend of :func:`tlt_kernels.ops.rotary.rotary_to_cache`: the rotated q, new contiguous, or ``q_out``
+    written in place."""
+    if direct_dispatch_ok(q, k, v, cos, sin, k_cache, v_cache, slots, q_out):
+        if q_out is None:
+            q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         rotary_to_cache_out(q, k, v, cos, sin, k_cache, v_cache, slots, q_out)
         return q_out
-    return torch.ops.tlt.rotary_to_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    if q_out is None:
+        return torch.ops.tlt.rotary_to_cache(q, k, v, cos, sin, k_cache, v_cache, slots)
+    torch.ops.tlt.rotary_to_cache_into(q, k, v, cos, sin, k_cache, v_cache, slots, q_out)
+    return q_out

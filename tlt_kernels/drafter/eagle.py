@@ -733,7 +733,9 @@ class EagleDrafter(nn.Module):
         expand = FusedExpansion(self, state, cache, depth, K) if fused else _DenseExpansion(self, state, cache)
         head, vocab = self.draft_head(), self.draft_vocab  # the head's rows gathered once per draft
         score, tok = self._top_candidates(state.last_hidden, fused, head, vocab, K)  # [B, K]
-        cand_par = [torch.full((B, K), -1, dtype=torch.int32, device=dev)]  # depth 1 hangs from the root
+        # Depth 1 hangs from the root: a kept constant where only the cat below reads it, else returned as made.
+        cand_par = [constants.full(K, -1, torch.int32, dev).expand(B, K) if depth > 1
+                    else torch.full((B, K), -1, dtype=torch.int32, device=dev)]
         cand_tok, cand_score = [tok], [score]
         if depth > 1:  # the frontier: scores, candidate indices, rows among the expanded nodes (-1: the root), inputs
             scores, cand_index = score, constants.arange(K, dev).expand(B, K)

@@ -14,7 +14,7 @@ the ``r``-th node it expands at slot ``context_lens + r``, again past the commit
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -33,13 +33,13 @@ SCRATCH_SLOTS = KERNEL_MAX_NODES
 
 
 def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor, plan, cache,
-                earlier_queries: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                queries: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The drafter's layer over ``x [B, T, H]`` (``g`` of the module docstring of ``eagle.py``).
 
     The T tokens' K/V go to cache rows ``rows int64 [B * T]``; attention runs ``plan`` (a
-    :func:`~tlt_kernels.plan_masked_attention` plan) over ``earlier_queries [B, P - T, Hq, D]`` (the rotated queries
-    of the plan's earlier tokens, None when ``P = T``) and the T new ones. Returns ``g [B, T, H]`` and the rotated
-    queries of all P tokens.
+    :func:`~tlt_kernels.plan_masked_attention` plan) over the P tokens' rotated queries ``queries [B, P, Hq, D]``
+    (any strides with a contiguous head dim), whose first ``P - T`` rows hold the plan's earlier tokens' and whose
+    last T this layer writes; None when ``P = T``. Returns ``g [B, T, H]``.
     """
     c = drafter.config
     B, T, _ = x.shape
@@ -49,8 +49,10 @@ def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     k = k.view(B, T, c.num_kv_heads, c.head_dim)
     v = v.view(B, T, c.num_kv_heads, c.head_dim)
     k_rows, v_rows = (t.view(-1, c.num_kv_heads, c.head_dim) for t in (cache.k, cache.v))
-    q = rotary_to_cache(q, k, v, cos, sin, k_rows, v_rows, rows, validate=False)
-    queries = q if earlier_queries is None else torch.cat([earlier_queries, q], 1)
+    if queries is None:  # P = T
+        queries = rotary_to_cache(q, k, v, cos, sin, k_rows, v_rows, rows, validate=False)
+    else:  # the new rows' rotated queries land after the earlier ones, in place: no concatenation per step
+        rotary_to_cache(q, k, v, cos, sin, k_rows, v_rows, rows, q_out=queries[:, -T:], validate=False)
     attn = plan.run(queries, cache.k, cache.v, sm_scale=c.head_dim**-0.5)[:, -T:]
     h, residual = rms_norm(drafter.o_proj(attn.flatten(-2)), drafter.post_norm.weight, c.rms_norm_eps,
                            residual=residual)
@@ -58,7 +60,7 @@ def fused_layer(drafter, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     # The residual add rides in the down projection's GEMM (beta = 1 on the residual, a new tensor this layer owns):
     # one launch fewer than a GEMM then an add.
     act = silu_and_mul(gate, up).flatten(0, -2)
-    return residual.view(-1, residual.shape[-1]).addmm_(act, drafter.down_proj.weight.t()).view(residual.shape), queries
+    return residual.view(-1, residual.shape[-1]).addmm_(act, drafter.down_proj.weight.t()).view(residual.shape)
 
 
 def _plan(drafter, mask: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor, cache,
@@ -82,7 +84,7 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     causal = constants.causal_mask(n, x.device).expand(B, -1, -1)  # the plan copies it at B > 1
     plan = _plan(drafter, causal, state.context_lens, state.block_table, cache)
     rows = paged_rows(state.block_table, positions, cache.block_size).flatten()
-    return fused_layer(drafter, x, cos, sin, rows, plan, cache)[0]
+    return fused_layer(drafter, x, cos, sin, rows, plan, cache)
 
 
 class FusedExpansion:
@@ -90,8 +92,8 @@ class FusedExpansion:
 
     Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
-    hence a masked plan over all of them; their earlier queries are kept and rerun (a few rows more, no launch
-    more). The mask is one word of bits per node (``P <= 64``), written in place in a buffer of the draft's nodes: a
+    hence a masked plan over all of them; their rotated queries stay in a per-draft buffer, each step's written after
+    the earlier ones', and all are rerun (a few rows more, no launch more). The mask is one word of bits per node (``P <= 64``), written in place in a buffer of the draft's nodes: a
     node's word is its parent's plus its own bit. The words are int32 while the nodes fit 32 bits, so the first ``P``
     of them are the plan's packed mask as they stand (a view at one request), else int64, halved per step.
     """
@@ -117,7 +119,9 @@ class FusedExpansion:
             rows = num_nodes * (c.num_q_heads // c.num_kv_heads)
             self.split_counters = torch.zeros(context_lens.shape[0], c.num_kv_heads, -(-rows // SPLIT_COUNTER_ROWS),
                                               dtype=torch.int32, device=dev)
-        self.queries: Optional[torch.Tensor] = None
+            # [B, num_nodes, Hq, D]: node r's rotated query, written by its step
+            self.queries = torch.empty(context_lens.shape[0], num_nodes, c.num_q_heads, c.head_dim,
+                                       dtype=drafter.fc.weight.dtype, device=dev)
 
     def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
         """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``, whose parents are the expanded nodes ``parent_rows int64
@@ -136,5 +140,4 @@ class FusedExpansion:
         rows = self.rows[step - 1]
         cos = self.cos[:, step - 1 : step].expand(B, K, -1)
         sin = self.sin[:, step - 1 : step].expand(B, K, -1)
-        g, self.queries = fused_layer(self.drafter, x, cos, sin, rows, plan, self.cache, self.queries)
-        return g
+        return fused_layer(self.drafter, x, cos, sin, rows, plan, self.cache, self.queries[:, :P])

@@ -10,7 +10,7 @@ decoding step's K/V write rides in the rotation's launch instead of two copies p
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -86,6 +86,7 @@ def rotary_to_cache(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     *,
+    q_out: Optional[torch.Tensor] = None,
     backend: str = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
@@ -102,11 +103,14 @@ def rotary_to_cache(
         k_cache, v_cache: contiguous ``[N, Hkv, D]`` of q's dtype (a layer's paged cache viewed as rows:
             ``cache.view(-1, Hkv, D)``).
         slots: int64 ``[B * T]`` rows, each in ``[0, N)``.
+        q_out: where the rotated q goes: ``[B, T, Hq, D]`` of q's dtype, last dim contiguous, other dims any strides
+            (a slice of a larger buffer, such as the rows a drafter appends to its earlier queries), sharing no
+            memory with the other arguments. None: a new tensor.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         validate: check the slots' values (a host sync; skipped during CUDA-graph capture).
 
     Returns:
-        the rotated q: a new contiguous ``[B, T, Hq, D]``.
+        the rotated q: ``q_out``, or a new contiguous ``[B, T, Hq, D]``.
     """
     _check_rotary_inputs(q, k, cos, sin)
     B, T, _, D = q.shape
@@ -119,10 +123,13 @@ def rotary_to_cache(
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (rows of Hkv * D values), got strides {t.stride()}")
     check_tensor("slots", slots, dtype=torch.int64, shape=(B * T,), device=q.device)
+    if q_out is not None:
+        check_tensor("q_out", q_out, dtype=q.dtype, shape=tuple(q.shape), device=q.device)
+        check_unit_last_stride("q_out", q_out)
     if validate and slots.numel() and not capturing(q.device):
         bad = (slots < 0) | (slots >= k_cache.shape[0])
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"slots[{i}] = {int(slots[i])} is outside the cache's rows [0, {k_cache.shape[0]})")
     _, fn = _ROTARY_TO_CACHE.resolve(backend, q.device)
-    return fn(q, k, v, cos, sin, k_cache, v_cache, slots)
+    return fn(q, k, v, cos, sin, k_cache, v_cache, slots, q_out)

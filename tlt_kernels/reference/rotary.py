@@ -5,7 +5,7 @@ activation dtype: each product rounded to it, then the sum.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,11 +29,12 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 def rotary_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                    q_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`apply_rotary`, then the rotated ``k`` and ``v`` (``[B, T, Hkv, D]``) stored at rows ``slots``
     (int64 ``[B * T]``, row-major over ``(b, t)``) of ``k_cache`` / ``v_cache`` (``[N, Hkv, D]``, written in place).
-    Returns the rotated q (new contiguous)."""
-    q_out, k_out = apply_rotary(q, k, cos, sin)
+    Returns the rotated q: new contiguous, or copied into ``q_out`` (``[B, T, Hq, D]``, any strides)."""
+    rotated_q, k_out = apply_rotary(q, k, cos, sin)
     k_cache.index_copy_(0, slots, k_out.reshape(-1, *k_cache.shape[1:]))
     v_cache.index_copy_(0, slots, v.reshape(-1, *v_cache.shape[1:]))
-    return q_out
+    return rotated_q if q_out is None else q_out.copy_(rotated_q)
