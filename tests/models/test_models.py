@@ -819,14 +819,14 @@ def _rope_cos_sin_written_out(inv_freq, positions, dtype, attention_factor):
 def test_rope_cos_sin_is_the_written_out_formula_bit_for_bit(device, dtype, attention_factor):
     """``rope_cos_sin``'s fewer launches (one product for both halves, the trig functions storing ``dtype``) give the
     written-out formula's bits, for int64 and int32 positions up to 2^18 (angles of up to ~2.6e5 radians)."""
-    from tlt_kernels.models.llama import rope_cos_sin
+    from tlt_kernels.models.llama import rope_cos_sin, rope_freqs
 
     g = torch.Generator().manual_seed(7)
     for head_dim in (8, 64, 128):
         inv_freq = (1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).to(device)
         for positions_dtype in (torch.int64, torch.int32):
             positions = torch.randint(0, 2**18, (3, 17), generator=g).to(device, positions_dtype)
-            got = rope_cos_sin(inv_freq, positions, dtype, attention_factor)
+            got = rope_cos_sin(rope_freqs(inv_freq), positions, dtype, attention_factor)
             want = _rope_cos_sin_written_out(inv_freq, positions, dtype, attention_factor)
             assert all(t.dtype == dtype and t.shape == (3, 17, head_dim) for t in got)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

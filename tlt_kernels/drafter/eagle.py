@@ -45,6 +45,7 @@ from torch import nn
 
 from .._validation import capturing, check_positive_ints, check_tensor
 from ..models.kv_cache import paged_rows
+from ..models.llama import rope_freqs
 from ..models.packing import PackedLinears
 from ..ops.draft_frontier import draft_frontier
 from ..ops.rms_norm import rms_norm
@@ -275,9 +276,9 @@ class EagleDrafter(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
         # A plain tuple hides the target's modules from parameters()/state_dict()/.to().
         self._shared = (embed_tokens, lm_head, final_norm)
-        # RoPE frequencies per device, float32 whatever the weights' dtype (not a buffer: .to(dtype) would round
-        # them); made on first use, outside any graph capture (the graphs' warm-up runs first).
-        self._inv_freq_by_device: dict = {}
+        # RoPE frequencies per device ([D / 2] and both halves), float32 whatever the weights' dtype (not a buffer:
+        # .to(dtype) would round them); made on first use, outside any graph capture (the graphs' warm-up runs first).
+        self._rope_tables_by_device: dict = {}
         self._packed_qkv: Optional[PackedLinears] = None  # see pack_projections
         self._packed_gate_up: Optional[PackedLinears] = None
         self.weights_version = 0
@@ -493,11 +494,18 @@ class EagleDrafter(nn.Module):
 
     def rope_inv_freq(self, device) -> torch.Tensor:
         """float32 ``[D/2]`` RoPE frequencies on ``device`` (made on first use, outside any graph capture)."""
-        freq = self._inv_freq_by_device.get(device)
-        if freq is None:
-            freq = self._inv_freq_by_device[device] = _rope_inv_freq(self.config.head_dim, self.config.rope_theta,
-                                                                      device)
-        return freq
+        return self._rope_tables(device)[0]
+
+    def rope_freqs(self, device) -> torch.Tensor:
+        """float32 ``[D]``: :meth:`rope_inv_freq` twice (:func:`tlt_kernels.models.llama.rope_freqs`), kept alike."""
+        return self._rope_tables(device)[1]
+
+    def _rope_tables(self, device):
+        tables = self._rope_tables_by_device.get(device)
+        if tables is None:
+            inv_freq = _rope_inv_freq(self.config.head_dim, self.config.rope_theta, device)
+            tables = self._rope_tables_by_device[device] = (inv_freq, rope_freqs(inv_freq))
+        return tables
 
     def _finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = x + self.o_proj(attn.flatten(-2))

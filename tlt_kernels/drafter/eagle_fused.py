@@ -80,7 +80,7 @@ def extend_fused(drafter, state, cache, x: torch.Tensor) -> torch.Tensor:
     ``context_lens + i``, causal among themselves; every one of the n slots is written. Returns ``g [B, n, H]``."""
     B, n, _ = x.shape
     positions = state.context_lens.unsqueeze(1) + constants.arange(n, x.device)  # int64 [B, n]: the add widens
-    cos, sin = rope_cos_sin(drafter.rope_inv_freq(x.device), positions, x.dtype)
+    cos, sin = rope_cos_sin(drafter.rope_freqs(x.device), positions, x.dtype)
     causal = constants.causal_mask(n, x.device).expand(B, -1, -1)  # the plan copies it at B > 1
     plan = _plan(drafter, causal, state.context_lens, state.block_table, cache)
     rows = paged_rows(state.block_table, positions, cache.block_size).flatten()
@@ -105,7 +105,7 @@ class FusedExpansion:
         num_nodes = (depth - 1) * topk  # the nodes the draft expands (none at depth 1)
         if num_nodes:  # made once: each step slices them
             positions = context_lens + constants.arange(depth - 1, dev)
-            self.cos, self.sin = rope_cos_sin(drafter.rope_inv_freq(dev), positions, drafter.fc.weight.dtype)
+            self.cos, self.sin = rope_cos_sin(drafter.rope_freqs(dev), positions, drafter.fc.weight.dtype)
             node_slots = context_lens + constants.arange(num_nodes, dev)
             rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
             # [depth - 1, B * K]: step s's rows contiguous, so a step takes a view, not a copy

@@ -152,15 +152,21 @@ def rope_attention_factor(config: ModelConfig) -> float:
     return mscale(factor)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
+def rope_freqs(inv_freq: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[D]``: the ``[D / 2]`` frequencies of :func:`rope_inv_freq` twice, dims ``j`` and ``j + D / 2``
+    rotating alike; what :func:`rope_cos_sin` takes (kept by its callers: no concatenation per call)."""
+    return torch.cat((inv_freq, inv_freq))
+
+
+def rope_cos_sin(freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
                  attention_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin: [B, T, D]`` for integer ``positions: [B, T]`` and ``inv_freq: fp32 [D / 2]``: angles
-    ``float(position) * inv_freq`` in fp32 (both halves alike), cos and sin in fp32, scaled by ``attention_factor``
+    """``cos, sin: [B, T, D]`` for integer ``positions: [B, T]`` and ``freqs: fp32 [D]`` (:func:`rope_freqs`):
+    angles ``float(position) * freqs`` in fp32, cos and sin in fp32, scaled by ``attention_factor``
     (:func:`rope_attention_factor`) in fp32, then rounded to ``dtype``."""
     # Both halves' angles in one product (the int positions converted inside it) and each trig function rounding
-    # to dtype as it stores: four launches a call where a float(), a product, a cat, the two functions and two
+    # to dtype as it stores: three launches a call where a float(), a product, a cat, the two functions and two
     # casts took seven, with the same bits (elementwise fp32 math on the same values).
-    emb = positions.unsqueeze(-1) * torch.cat((inv_freq, inv_freq))
+    emb = positions.unsqueeze(-1) * freqs
     if attention_factor != 1.0:
         return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
     cos, sin = (torch.empty(emb.shape, dtype=dtype, device=emb.device) for _ in range(2))
@@ -296,7 +302,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round the frequencies.
-        self._inv_freq = rope_inv_freq(config)
+        self._rope_freqs = rope_freqs(rope_inv_freq(config))
         self._rope_attention_factor = rope_attention_factor(config)
         self.sm_scale = config.head_dim**-0.5
 
@@ -312,9 +318,9 @@ class LlamaForCausalLM(nn.Module):
     def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, fused: bool = False,
                store_kv: Optional[StoreKV] = None) -> torch.Tensor:
         x = self.embed_tokens(tokens)
-        if not devices_equal(self._inv_freq.device, x.device):
-            self._inv_freq = rope_inv_freq(self.config, x.device)
-        cos, sin = rope_cos_sin(self._inv_freq, positions, x.dtype, self._rope_attention_factor)
+        if not devices_equal(self._rope_freqs.device, x.device):
+            self._rope_freqs = rope_freqs(rope_inv_freq(self.config, x.device))
+        cos, sin = rope_cos_sin(self._rope_freqs, positions, x.dtype, self._rope_attention_factor)
         if fused:
             return self._fused_trunk(x, cos, sin, attend, store_kv)
         for i, layer in enumerate(self.layers):
@@ -656,6 +662,6 @@ class LlamaForCausalLM(nn.Module):
         model = model.to_empty(device=device).to(dtype)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model._inv_freq = rope_inv_freq(cfg, device)
+        model._rope_freqs = rope_freqs(rope_inv_freq(cfg, device))
         model.load_hf_state_dict(state_dict)
         return model.eval()
