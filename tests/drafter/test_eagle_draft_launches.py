@@ -24,22 +24,23 @@ from tlt_kernels.models.config import ModelConfig
 from tlt_kernels.models.llama import LlamaForCausalLM
 from tlt_kernels.ops import tree_attention
 
-# Non-GEMM launches per depth past the first, by top-k: measured with this file 12 (top-1) and 13.3 (top-4) since the
-# residual add rides in the down projection's GEMM and the forest's mask words are written in place (int32 words are
-# the plan's mask as they stand), from 15 and 16.3 before; 23 and 25.3 before a step's candidates, next frontier and
-# next inputs were one op (draft_frontier); 24 and 26.3 before the vocabulary's log-softmax and top-k were one op
-# (top_logprobs), 30 and 33.3 before the frontier's bookkeeping was trimmed; one launch of slack for how a torch
-# version splits an op. With the plans' own launches counted: 11 and 12.3 since each step's rotated queries land in a
-# per-draft buffer (no concatenation), 12 and 13.3 since a draft's plans share one zeroing of their arrival counters
-# and take kept node counts, 14 and 15.3 before.
-MAX_LAUNCHES_PER_DEPTH = {1: 12, 4: 13.5}
-# A whole draft of depth 5 and a commit of 6 pairs (B = 3), their constants cached (tlt_kernels/drafter/constants.py),
-# the plans' launches counted: measured 58 / 62 and 25 since the queries land in place and the roots' parents are
-# a kept constant, 62 / 66 and 25 since the plans share counters and take kept node counts (70 / 74 and 27 before). Counting each plan as one launch, as this file did before: 63 / 67 and 24 since the constants are
-# kept, RoPE's tables take fewer launches and the commit's state updates write in place (71 / 75 and 29 after the
-# trims above, 81 / 85 and 35 before them). One launch of slack.
-MAX_LAUNCHES_PER_DRAFT = {1: 59, 4: 63}
-MAX_COMMIT_LAUNCHES = 26
+# Non-GEMM launches at B = 3, measured with this file, newest first: per depth past the first (top-1 / top-4), a
+# whole draft of depth 5 (top-1 / top-4; the constants of its shapes kept, tlt_kernels/drafter/constants.py) and a
+# commit of 6 pairs. Bounds: one launch of slack for how a torch version splits an op.
+#   11 / 12,    57 / 60, 24  RoPE's frequencies kept with both halves; the nodes' rows made step-major
+#   11 / 12.3,  58 / 62, 25  each step's rotated queries land in a per-draft buffer (no cat); the roots' parents kept
+#   12 / 13.3,  62 / 66, 25  a draft's plans share one zeroing of their arrival counters and take kept node counts
+#   14 / 15.3,  70 / 74, 27  from here up a plan's own launches (its tables, its scratch) are counted one by one;
+#                            below, a plan counted as one launch:
+#   12 / 13.3,  63 / 67, 24  constants kept; RoPE's tables in fewer launches; the commit's updates in place
+#   12 / 13.3,  71 / 75, 29  the residual add in the down projection's GEMM; the forest's mask words in place
+#   15 / 16.3,  81 / 85, 35
+#   23 / 25.3 before a step's candidates, next frontier and next inputs were one op (draft_frontier); 24 / 26.3 before
+#   the vocabulary's log-softmax and top-k were one op (top_logprobs); 30 / 33.3 before the frontier's bookkeeping
+#   was trimmed.
+MAX_LAUNCHES_PER_DEPTH = {1: 12, 4: 13}
+MAX_LAUNCHES_PER_DRAFT = {1: 58, 4: 61}
+MAX_COMMIT_LAUNCHES = 25
 GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.addmm_.default", "aten.bmm.default", "aten.matmul.default",
          "aten.linear.default"}
 OUR_OPS = {fused_module: ("rms_norm", "rotary_to_cache", "silu_and_mul", "pack_bit_words", "paged_rows"),

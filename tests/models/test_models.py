@@ -850,3 +850,19 @@ def test_paged_rows_is_page_times_block_size_plus_offset(device, block_size):
         want = [[int(table[b, col[b, t]]) * block_size + int(slots[b, t]) % block_size for t in range(11)]
                 for b in range(3)]
         assert rows.dtype == torch.int64 and rows.tolist() == want
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_paged_rows_of_step_major_slots(device):
+    """Slots laid out ``[S, B, T]`` against the table expanded over S: the rows of ``[B, S * T]`` slots, step by
+    step, each step's ``[B, T]`` block contiguous (how a draft lays out its nodes' rows)."""
+    from tlt_kernels.models.kv_cache import paged_rows
+
+    g = torch.Generator().manual_seed(3)
+    S, B, T, bs = 4, 3, 2, 4
+    table = torch.randperm(40, generator=g)[: B * 8].view(B, 8).to(torch.int32).to(device)
+    slots = torch.randint(0, 8 * bs, (B, S * T), generator=g).to(device)
+    step_major = slots.view(B, S, T).transpose(0, 1).contiguous()
+    rows = paged_rows(table.expand(S, -1, -1), step_major, bs)
+    assert rows.shape == (S, B, T) and rows.is_contiguous()
+    assert torch.equal(rows, paged_rows(table, slots, bs).view(B, S, T).transpose(0, 1))

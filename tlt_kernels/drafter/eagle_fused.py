@@ -106,10 +106,11 @@ class FusedExpansion:
         if num_nodes:  # made once: each step slices them
             positions = context_lens + constants.arange(depth - 1, dev)
             self.cos, self.sin = rope_cos_sin(drafter.rope_freqs(dev), positions, drafter.fc.weight.dtype)
-            node_slots = context_lens + constants.arange(num_nodes, dev)
-            rows = paged_rows(state.block_table, node_slots, cache.block_size)  # [B, num_nodes]: node r's row
-            # [depth - 1, B * K]: step s's rows contiguous, so a step takes a view, not a copy
-            self.rows = rows.view(-1, depth - 1, topk).transpose(0, 1).reshape(depth - 1, -1)
+            # Node (s - 1) * K + k of request b at slot context_lens[b] + (s - 1) * K + k, laid out [depth - 1, B, K]:
+            # step s's rows contiguous, so a step takes a view, not a copy.
+            node_slots = context_lens.unsqueeze(0) + constants.arange(num_nodes, dev).view(depth - 1, 1, topk)
+            table = state.block_table.expand(depth - 1, -1, -1)
+            self.rows = paged_rows(table, node_slots, cache.block_size).view(depth - 1, -1)  # [depth - 1, B * K]
             word = torch.int32 if num_nodes <= 32 else torch.int64
             self.bits = constants.node_bits(num_nodes, word, dev)
             # [B, num_nodes], the first P written by step P / K: bit j of word i: node j is node i or its ancestor

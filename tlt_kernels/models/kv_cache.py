@@ -16,16 +16,18 @@ from .config import ModelConfig
 
 def paged_rows(block_table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
     """``int64 [B, T]`` row of each slot (``int [B, T]``) in a ``[num_blocks * block_size, Hkv, D]`` view of a paged
-    cache whose requests' pages are ``block_table`` (``int32 [B, max_blocks]``).
+    cache whose requests' pages are ``block_table`` (``int32 [B, max_blocks]``). Leading dims alike on both (``[..., B,
+    T]`` slots, a ``[..., B, max_blocks]`` table, which may be expanded) give ``[..., B, T]`` rows: slots laid out
+    step-major, ``[S, B, T]``, give each step's rows contiguous.
 
     Slots past the table's width are clamped to its last block; callers make sure such slots are never written
     (they are masked or guaranteed in range).
     """
     slots = slots.to(torch.int64)
-    col = (slots // block_size).clamp(max=block_table.shape[1] - 1)
+    col = (slots // block_size).clamp(max=block_table.shape[-1] - 1)
     # The int32 pages gathered as they are and widened inside the add (int64 arithmetic, the page times block_size
     # as its alpha): five launches, where widening the whole table and a separate product took seven.
-    return torch.add(slots % block_size, block_table.gather(1, col), alpha=block_size)
+    return torch.add(slots % block_size, block_table.gather(-1, col), alpha=block_size)
 
 
 class PagedKVCache:
