@@ -118,9 +118,13 @@ def _count(counter, fn) -> int:
     return sum(counter.launches.values())
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True])
 @pytest.mark.parametrize("topk", [1, 4])
-def test_launches_per_drafted_depth(counter, topk):
+def test_launches_per_drafted_depth(counter, topk, draft_vocab):
+    """The same count with a draft vocabulary (the engines' default): its columns map to tokens inside the top-k."""
     drafter, cache, state = _drafter_with_context()
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.arange(0, 512, 3))
     assert drafter._fused(cache, 4 * topk)  # the path a CUDA draft takes
     totals = {}
     for depth in (2, 5):

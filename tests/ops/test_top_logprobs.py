@@ -71,6 +71,40 @@ def test_every_split_of_a_row(splits, gen):
 
 
 @pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("V", [7, 4097])
+def test_token_ids_map_the_columns(backend, V, gen):
+    """With ``token_ids`` (a drafter's head over a subset of the vocabulary): the columns the op ranks without it,
+    each reported as its token id, the log-probabilities unchanged, on one program and on a merge of splits."""
+    device = kernel_devices()[0]
+    need_backend("top_logprobs", backend, torch.device(device))
+    ids = torch.randperm(5 * V, generator=gen)[:V]
+    x = logits_with_ties((2, 3), V, torch.bfloat16, gen)
+    want_logp, columns = top_logprobs(x, 4, backend="torch")
+    check_top(top_logprobs(x.to(device), 4, token_ids=ids.to(device), backend=backend), (want_logp, ids[columns]))
+
+
+@pytest.mark.triton
+def test_token_ids_on_every_split(gen):
+    from tlt_kernels._triton.top_logprobs import _outputs, top_logprobs_out
+
+    device = kernel_devices()[0]
+    x = logits_with_ties((3,), 2 * 4096 + 5, torch.float32, gen).to(device)
+    ids = torch.randperm(3 * x.shape[-1], generator=gen)[: x.shape[-1]]
+    want_logp, columns = top_logprobs(x.cpu(), 3, backend="torch")
+    for splits in (1, 3):
+        logp, tokens = _outputs(x, 3)
+        poison_(logp), poison_(tokens)
+        top_logprobs_out(x, 3, logp, tokens, num_splits=splits, token_ids=ids.to(device))
+        check_top((logp, tokens), (want_logp, ids[columns]), f"{splits} splits")
+
+
+def test_token_ids_are_checked(gen):
+    x = torch.randn(2, 10, generator=gen)
+    for bad in (torch.arange(10, dtype=torch.int32), torch.arange(9), torch.arange(20)[::2].reshape(1, 10)):
+        assert_rejects(top_logprobs, "token_ids", x, 3, token_ids=bad)
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
 def test_special_values(backend):
     """NaN ranks above +inf, -0.0 ties with 0.0 (by column), and the log-probabilities are NaN wherever
     ``torch.log_softmax``'s are: a row holding NaN or +inf, and a row of -inf only."""
@@ -137,6 +171,14 @@ def test_torch_compile(backend, gen):
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
     check_top(got, fn(x))
 
+    ids = torch.randperm(1000, generator=gen)[:300]
+
+    def with_ids(x, ids):
+        return top_logprobs(x * 1.0, 4, token_ids=ids, backend=backend)
+
+    torch._dynamo.reset()
+    check_top(torch.compile(with_ids, backend="aot_eager", fullgraph=True)(x, ids), with_ids(x, ids))
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 4, 600])
@@ -193,12 +235,15 @@ from tlt_kernels._triton import top_logprobs as m
 
 for logits in ("*fp32", "*bf16", "*fp16"):
     for final, tiles in ((True, 12), (False, 1)):
-        compile_sm90(m._top_logprobs_kernel, [logits, "i64", "i32", "*fp32", "*i64", "*fp32", "*fp32", "*i64"],
-                     dict(K=4, KP=4, BLOCK=m.MAX_BLOCK, SPLIT_TILES=tiles, FINAL=final), 8)
-compile_sm90(m._top_logprobs_kernel, ["*bf16", "i64", "i32", "*fp32", "*i64", "*fp32", "*fp32", "*i64"],
-             dict(K=1, KP=1, BLOCK=64, SPLIT_TILES=1, FINAL=True), 4)
-compile_sm90(m._top_logprobs_merge_kernel, ["*fp32", "*fp32", "*i64", "*fp32", "*i64", "i32"],
-             dict(K=3, KP=4, SP=16), 1)
+        for ids in (False, True):
+            compile_sm90(m._top_logprobs_kernel,
+                         [logits, "i64", "i32", "*fp32", "*i64", "*i64", "*fp32", "*fp32", "*i64"],
+                         dict(K=4, KP=4, BLOCK=m.MAX_BLOCK, SPLIT_TILES=tiles, FINAL=final, HAS_IDS=ids), 8)
+compile_sm90(m._top_logprobs_kernel, ["*bf16", "i64", "i32", "*fp32", "*i64", "*i64", "*fp32", "*fp32", "*i64"],
+             dict(K=1, KP=1, BLOCK=64, SPLIT_TILES=1, FINAL=True, HAS_IDS=False), 4)
+for ids in (False, True):
+    compile_sm90(m._top_logprobs_merge_kernel, ["*fp32", "*fp32", "*i64", "*fp32", "*i64", "*i64", "i32"],
+                 dict(K=3, KP=4, SP=16, HAS_IDS=ids), 1)
 """)
 
 

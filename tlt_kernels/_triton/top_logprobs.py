@@ -15,7 +15,7 @@ implementation for ``torch.compile``; no host sync).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -30,17 +30,22 @@ SPLIT_PROGRAMS_PER_SM = 2  # split rows until the grid holds about this many pro
 
 
 @triton.jit
-def _store_result(OutLogp, OutTok, row, best, slots, x_max, sum_exp, K: tl.constexpr):
+def _store_result(OutLogp, OutTok, TokenIds, row, best, slots, x_max, sum_exp, K: tl.constexpr,
+                  HAS_IDS: tl.constexpr):
     log_sum = tl.log(sum_exp)
     logp = (key_value(best) - x_max) - log_sum  # log_softmax's order of operations
     keep = slots < K
+    column = key_index(best)
+    if HAS_IDS:  # a column stands for the token TokenIds[column]: mapped here, not by a gather after the launch
+        column = tl.load(TokenIds + column, mask=keep, other=0)
     tl.store(OutLogp + row * K + slots, logp, mask=keep)
-    tl.store(OutTok + row * K + slots, key_index(best), mask=keep)
+    tl.store(OutTok + row * K + slots, column, mask=keep)
 
 
 @triton.jit
-def _top_logprobs_kernel(X, stride_row, V, OutLogp, OutTok, PartMax, PartSum, PartKey, K: tl.constexpr,
-                         KP: tl.constexpr, BLOCK: tl.constexpr, SPLIT_TILES: tl.constexpr, FINAL: tl.constexpr):
+def _top_logprobs_kernel(X, stride_row, V, OutLogp, OutTok, TokenIds, PartMax, PartSum, PartKey, K: tl.constexpr,
+                         KP: tl.constexpr, BLOCK: tl.constexpr, SPLIT_TILES: tl.constexpr, FINAL: tl.constexpr,
+                         HAS_IDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     slots = tl.arange(0, KP)
@@ -61,7 +66,7 @@ def _top_logprobs_kernel(X, stride_row, V, OutLogp, OutTok, PartMax, PartSum, Pa
         if tl.max(keys, 0) > kth:  # else nothing of this tile enters the top k
             best = largest(tl.join(best, largest(keys, slots, K)), slots, K)
     if FINAL:
-        _store_result(OutLogp, OutTok, row, best, slots, x_max, sum_exp, K)
+        _store_result(OutLogp, OutTok, TokenIds, row, best, slots, x_max, sum_exp, K, HAS_IDS)
     else:
         part = row * tl.num_programs(1) + split
         tl.store(PartMax + part, x_max)
@@ -70,8 +75,8 @@ def _top_logprobs_kernel(X, stride_row, V, OutLogp, OutTok, PartMax, PartSum, Pa
 
 
 @triton.jit
-def _top_logprobs_merge_kernel(PartMax, PartSum, PartKey, OutLogp, OutTok, num_splits,
-                               K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr):
+def _top_logprobs_merge_kernel(PartMax, PartSum, PartKey, OutLogp, OutTok, TokenIds, num_splits,
+                               K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, HAS_IDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SP)
     valid = splits < num_splits
@@ -82,7 +87,7 @@ def _top_logprobs_merge_kernel(PartMax, PartSum, PartKey, OutLogp, OutTok, num_s
     sum_exp = tl.sum(tl.load(PartSum + part, mask=valid, other=0.0) * tl.exp(maxes - shift), 0)
     slots = tl.arange(0, KP)
     keys = tl.load(PartKey + part[:, None] * KP + slots[None, :], mask=valid[:, None], other=MIN_KEY)
-    _store_result(OutLogp, OutTok, row, largest(keys, slots, K), slots, x_max, sum_exp, K)
+    _store_result(OutLogp, OutTok, TokenIds, row, largest(keys, slots, K), slots, x_max, sum_exp, K, HAS_IDS)
 
 
 def default_splits(rows: int, tiles: int, sm_count: int) -> int:
@@ -93,9 +98,10 @@ def default_splits(rows: int, tiles: int, sm_count: int) -> int:
 
 
 def top_logprobs_out(logits: torch.Tensor, k: int, logp: torch.Tensor, tokens: torch.Tensor,
-                     num_splits: int = 0) -> None:
+                     num_splits: int = 0, token_ids: Optional[torch.Tensor] = None) -> None:
     """Launch into ``logp`` (float32) and ``tokens`` (int64), contiguous ``[..., k]``; ``logits [..., V]`` with a
-    unit last stride. ``num_splits``: programs per row (0: :func:`default_splits`)."""
+    unit last stride; ``token_ids`` (contiguous int64 ``[V]`` or None) maps the columns to tokens.
+    ``num_splits``: programs per row (0: :func:`default_splits`)."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V)
     rows = x.shape[0]
@@ -112,11 +118,13 @@ def top_logprobs_out(logits: torch.Tensor, k: int, logp: torch.Tensor, tokens: t
     final = num_splits == 1
     parts = _partials(rows, num_splits, kp, x.device) if not final else (logp, logp, tokens)
     warps = 8 if block >= 2048 else 4
-    _top_logprobs_kernel[(rows, num_splits)](x, x.stride(0), V, logp, tokens, *parts, K=k, KP=kp, BLOCK=block,
-                                             SPLIT_TILES=split_tiles, FINAL=final, num_warps=warps)
+    has_ids = token_ids is not None
+    ids = token_ids if has_ids else tokens  # an unread pointer without ids
+    _top_logprobs_kernel[(rows, num_splits)](x, x.stride(0), V, logp, tokens, ids, *parts, K=k, KP=kp, BLOCK=block,
+                                             SPLIT_TILES=split_tiles, FINAL=final, HAS_IDS=has_ids, num_warps=warps)
     if not final:
-        _top_logprobs_merge_kernel[(rows,)](*parts, logp, tokens, num_splits, K=k, KP=kp,
-                                           SP=triton.next_power_of_2(num_splits), num_warps=1)
+        _top_logprobs_merge_kernel[(rows,)](*parts, logp, tokens, ids, num_splits, K=k, KP=kp,
+                                           SP=triton.next_power_of_2(num_splits), HAS_IDS=has_ids, num_warps=1)
 
 
 def _partials(rows: int, splits: int, kp: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,21 +140,23 @@ def _outputs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("tlt::top_logprobs", mutates_args=())
-def _top_logprobs_op(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _top_logprobs_op(logits: torch.Tensor, k: int,
+                     token_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     logp, tokens = _outputs(logits, k)
-    top_logprobs_out(logits, k, logp, tokens)
+    top_logprobs_out(logits, k, logp, tokens, token_ids=token_ids)
     return logp, tokens
 
 
 @_top_logprobs_op.register_fake
-def _(logits, k):
+def _(logits, k, token_ids=None):
     return _outputs(logits, k)
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(logits: torch.Tensor, k: int,
+                 token_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Backend of :func:`tlt_kernels.ops.top_logprobs.top_logprobs`: new contiguous ``[..., k]`` outputs."""
-    if direct_dispatch_ok(logits):  # plain eager: launch without the op's dispatch
+    if direct_dispatch_ok(logits, token_ids):  # plain eager: launch without the op's dispatch
         logp, tokens = _outputs(logits, k)
-        top_logprobs_out(logits, k, logp, tokens)
+        top_logprobs_out(logits, k, logp, tokens, token_ids=token_ids)
         return logp, tokens
-    return torch.ops.tlt.top_logprobs(logits, k)
+    return torch.ops.tlt.top_logprobs(logits, k, token_ids)

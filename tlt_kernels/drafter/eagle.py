@@ -766,8 +766,7 @@ class EagleDrafter(nn.Module):
 
     def _top_candidates(self, feature, fused: bool, head, vocab, K: int):
         """The ``K`` best next tokens of each feature and their log-probabilities (over the draft vocabulary)."""
-        score, index = top_logprobs(self.head_logits(feature, fused, head), K)
-        return score, (index if vocab is None else vocab[index])
+        return top_logprobs(self.head_logits(feature, fused, head), K, token_ids=vocab)  # columns read as tokens
 
     # -- versioned weights -----------------------------------------------------------------------
 

@@ -13,12 +13,12 @@ otherwise.
 from __future__ import annotations
 
 import numbers
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .._backend import BackendUnavailableError, register_op
-from .._validation import FLOAT_ACTIVATIONS, check_int, check_tensor, check_unit_last_stride
+from .._validation import FLOAT_ACTIVATIONS, check_int, check_tensor, check_unit_last_stride, dense
 
 TRITON_MAX_K = 32  # the kernel keeps k keys per program and selects them one by one
 
@@ -32,7 +32,8 @@ _TOP_LOGPROBS = register_op(
 )
 
 
-def top_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(logits: torch.Tensor, k: int, *, token_ids: Optional[torch.Tensor] = None,
+                 backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest logits of each row and their log-probabilities under the row's softmax (temperature 1).
 
     Order: largest logit first; equal logits by column, the lower first (a stable sort's order: the result is
@@ -43,6 +44,9 @@ def top_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> Tupl
     Args:
         logits: ``[..., V]`` fp32 / bf16 / fp16, last dim contiguous (leading dims may be strided).
         k: ``1 <= k <= V``, an integer (a numpy integer is taken as its value; a bool or a float is refused).
+        token_ids: int64 ``[V]``, the token each column stands for (a drafter's head over a subset of the
+            vocabulary): the tokens returned are ``token_ids[column]``, read in the same launch (no gather after
+            it). The ranking is by column as without it. Its values are not checked. None: the column itself.
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``k <= TRITON_MAX_K``).
 
     Returns:
@@ -55,9 +59,12 @@ def top_logprobs(logits: torch.Tensor, k: int, *, backend: str = "auto") -> Tupl
     check_int("k", k, 1)
     if k > logits.shape[-1]:
         raise ValueError(f"k must be <= the number of logits per row (logits.shape[-1] = {logits.shape[-1]}), got {k}")
+    if token_ids is not None:
+        check_tensor("token_ids", token_ids, dtype=torch.int64, shape=(logits.shape[-1],), device=logits.device)
+        token_ids = dense(token_ids)
     if backend == "auto" and k > TRITON_MAX_K:
         backend = "torch"
     name, fn = _TOP_LOGPROBS.resolve(backend, logits.device)
     if name == "triton" and k > TRITON_MAX_K:
         raise BackendUnavailableError(f"top_logprobs: the triton backend takes k <= {TRITON_MAX_K}, got k = {k}")
-    return fn(logits, k)
+    return fn(logits, k, token_ids)

@@ -7,7 +7,7 @@ log-probability under the row's softmax at temperature 1, computed in fp32 (``to
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -24,8 +24,11 @@ def rank_descending(x: torch.Tensor) -> torch.Tensor:
     return order.gather(-1, nan_first)
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``logits [..., V]`` (fp32 / bf16 / fp16) -> ``(logprobs float32 [..., k], tokens int64 [..., k])``."""
+def top_logprobs(logits: torch.Tensor, k: int,
+                 token_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``logits [..., V]`` (fp32 / bf16 / fp16) -> ``(logprobs float32 [..., k], tokens int64 [..., k])``; the
+    columns ranked, each reported as ``token_ids[column]`` when given (int64 ``[V]``)."""
     x = logits.float()
-    tokens = rank_descending(x)[..., :k].contiguous()
-    return torch.log_softmax(x, dim=-1).gather(-1, tokens), tokens
+    columns = rank_descending(x)[..., :k].contiguous()
+    logprobs = torch.log_softmax(x, dim=-1).gather(-1, columns)
+    return logprobs, (columns if token_ids is None else token_ids[columns])
