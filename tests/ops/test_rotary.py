@@ -3,7 +3,7 @@ projection, cos/sin expanded over the batch), the reference against transformers
 torch.compile, and a hypothesis property."""
 import pytest
 import torch
-from conftest import agreement_backends, kernel_devices, need_backend
+from conftest import HAS_CUDA, agreement_backends, compile_for_sm90, kernel_devices, need_backend
 from hypothesis import given, note
 from hypothesis import strategies as st
 from strategies import FLOAT_DTYPES, assert_rejects, backend_params, budget, gen, seeds
@@ -313,3 +313,17 @@ def test_property_rotary_to_cache(backend, data):
     others = torch.ones(k_cache.shape[0], dtype=torch.bool)
     others[slots] = False
     assert torch.equal(got[1][others], k_cache[others]) and torch.equal(got[2], want[2])
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="a GPU compiles the kernels in its own tests")
+def test_kernels_compile_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile both kernels for sm_90, each dtype (the rotated q's
+    head stride an argument of the cache kernel: a slice of a larger buffer)."""
+    compile_for_sm90(r"""
+from tlt_kernels._triton import rotary as m
+
+for dt in ("*bf16", "*fp16", "*fp32"):
+    sizes = dict(HQ_POW2=16, HKV_POW2=4, HALF_POW2=32, HAND_ROUND=False)
+    compile_sm90(m._rotary_kernel, [dt] * 6 + ["i32"] * 4 + ["i64"] * 10, sizes, 4)
+    compile_sm90(m._rotary_cache_kernel, [dt] * 5 + ["*i64"] + [dt] * 3 + ["i32"] * 4 + ["i64"] * 17, sizes, 4)
+""")
