@@ -8,7 +8,8 @@ runs as it would uncached.
 
 A graph reads a kept tensor by its address, so nothing kept is ever freed (a freed one would be read after its memory
 was reused): the cache has no bound, and its arguments take few values (sizes up to 64, or powers of two, and views
-of them for the sizes between). Callers only read the tensors (they are shared).
+of them for the sizes between; a plan's node counts per batch size, at most the engine's batch sizes times its
+draft and commit widths, a few bytes each). Callers only read the tensors (they are shared).
 """
 from __future__ import annotations
 

@@ -93,9 +93,11 @@ class FusedExpansion:
     Step ``s`` (1-based) runs K frontier pairs at RoPE position ``context_lens + s - 1``; they see the context, their
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
     hence a masked plan over all of them; their rotated queries stay in a per-draft buffer, each step's written after
-    the earlier ones', and all are rerun (a few rows more, no launch more). The mask is one word of bits per node (``P <= 64``), written in place in a buffer of the draft's nodes: a
-    node's word is its parent's plus its own bit. The words are int32 while the nodes fit 32 bits, so the first ``P``
-    of them are the plan's packed mask as they stand (a view at one request), else int64, halved per step.
+    the earlier ones', and all are rerun (a few rows more, no launch more). The mask is one word of bits per node
+    (``P <= 64``), written in place in a buffer of the draft's nodes: a node's word is its parent's plus its own bit.
+    The words are int32 while the nodes fit 32 bits, so the first ``P`` of them are the plan's packed mask as they
+    stand (a view at one request), else int64, halved per step. The plans share one zeroing of their arrival
+    counters, sized for the widest step.
     """
 
     def __init__(self, drafter, state, cache, depth: int, topk: int):
@@ -117,9 +119,9 @@ class FusedExpansion:
             self.words = torch.empty(context_lens.shape[0], num_nodes, dtype=word, device=dev)
             # One zeroing for every step's plan: the widest step's row chunks (each run leaves them zeros).
             c = drafter.config
-            rows = num_nodes * (c.num_q_heads // c.num_kv_heads)
-            self.split_counters = torch.zeros(context_lens.shape[0], c.num_kv_heads, -(-rows // SPLIT_COUNTER_ROWS),
-                                              dtype=torch.int32, device=dev)
+            query_rows = num_nodes * (c.num_q_heads // c.num_kv_heads)  # per KV head
+            self.split_counters = torch.zeros(context_lens.shape[0], c.num_kv_heads,
+                                              -(-query_rows // SPLIT_COUNTER_ROWS), dtype=torch.int32, device=dev)
             # [B, num_nodes, Hq, D]: node r's rotated query, written by its step
             self.queries = torch.empty(context_lens.shape[0], num_nodes, c.num_q_heads, c.head_dim,
                                        dtype=drafter.fc.weight.dtype, device=dev)
