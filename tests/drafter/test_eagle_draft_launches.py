@@ -27,6 +27,7 @@ from tlt_kernels.ops import tree_attention
 # Non-GEMM launches at B = 3, measured with this file, newest first: per depth past the first (top-1 / top-4), a
 # whole draft of depth 5 (top-1 / top-4; the constants of its shapes kept, tlt_kernels/drafter/constants.py) and a
 # commit of 6 pairs. Bounds: one launch of slack for how a torch version splits an op.
+#    9 / 10,    51 / 54, 24  the frontier step writes the kept children's ancestor words (no gather, no bitwise or)
 #   11 / 12,    57 / 60, 24  RoPE's frequencies kept with both halves; the nodes' rows made step-major
 #   11 / 12.3,  58 / 62, 25  each step's rotated queries land in a per-draft buffer (no cat); the roots' parents kept
 #   12 / 13.3,  62 / 66, 25  a draft's plans share one zeroing of their arrival counters and take kept node counts
@@ -38,8 +39,8 @@ from tlt_kernels.ops import tree_attention
 #   23 / 25.3 before a step's candidates, next frontier and next inputs were one op (draft_frontier); 24 / 26.3 before
 #   the vocabulary's log-softmax and top-k were one op (top_logprobs); 30 / 33.3 before the frontier's bookkeeping
 #   was trimmed.
-MAX_LAUNCHES_PER_DEPTH = {1: 12, 4: 13}
-MAX_LAUNCHES_PER_DRAFT = {1: 58, 4: 61}
+MAX_LAUNCHES_PER_DEPTH = {1: 10, 4: 11}
+MAX_LAUNCHES_PER_DRAFT = {1: 52, 4: 55}
 MAX_COMMIT_LAUNCHES = 25
 GEMMS = {"aten.mm.default", "aten.addmm.default", "aten.addmm_.default", "aten.bmm.default", "aten.matmul.default",
          "aten.linear.default"}

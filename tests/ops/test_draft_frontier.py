@@ -165,6 +165,53 @@ def test_bad_inputs(gen):
     assert_rejects(draft_frontier, "keep", **dict(args, keep=13))
 
 
+def ancestor_words_case(B, K, keep, first_row, width, dtype, g):
+    """Words of the nodes expanded before the step (columns ``< first_row + K``: random bits), poisoned beyond."""
+    bits = 8 * torch.empty(0, dtype=dtype).element_size()
+    words = torch.randint(-2**(bits - 1), 2**(bits - 1) - 1, (B, width), generator=g, dtype=torch.int64).to(dtype)
+    words[:, first_row + K:] = -1 if dtype == torch.int64 else 0x5A5A5A5A
+    return words
+
+
+@pytest.mark.parametrize("backend", agreement_backends())
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("K, C, keep, first_row", [(1, 1, 1, 0), (4, 4, 4, 8), (3, 5, 15, 0)])
+def test_ancestor_words(backend, dtype, K, C, keep, first_row, gen):
+    """Kept child p's word (column first_row + K + p): its parent's word (column first_row + parent) with bit
+    first_row + K + p set; every other column as it was; the outputs as without words. The widest case sets the
+    dtype's last bit (int32's sign bit at 32 columns)."""
+    device = kernel_devices()[0]
+    need_backend("draft_frontier", backend, torch.device(device))
+    bits = 8 * torch.empty(0, dtype=dtype).element_size()
+    first_row = max(first_row, bits - K - keep) if (K, C) == (3, 5) else first_row  # up to the dtype's last bit
+    args = problem(3, K, C, 16, gen)
+    words = ancestor_words_case(3, K, keep, first_row, first_row + K + keep + 2, dtype, gen)
+    before = words.clone()
+    moved = {k: v.to(device) for k, v in args.items()}
+    words_dev = words.to(device)
+    got = draft_frontier(**moved, keep=keep, first_index=1, first_row=first_row, ancestor_words=words_dev,
+                         backend=backend)
+    check_step(got, run(args, keep, "torch", first_index=1, first_row=first_row))
+    want = before.clone()
+    parents = got.parent_rows.cpu()
+    for b in range(3):
+        for p in range(keep):
+            own = first_row + K + p
+            want[b, own] = before[b, parents[b, p]] | torch.tensor(1, dtype=dtype).bitwise_left_shift(own)
+    assert torch.equal(words_dev.cpu(), want)
+
+
+def test_ancestor_words_are_checked(gen):
+    args = problem(2, 4, 4, 8, gen)
+    ok = torch.zeros(2, 12, dtype=torch.int32)
+    cases = [ok.float(), ok[:1], ok[:, :11], ok.t().contiguous().t(), torch.zeros(2, 40, dtype=torch.int64)[:, ::2],
+             torch.zeros(2, 40, dtype=torch.int32)]
+    for i, words in enumerate(cases):
+        first_row = 30 if i == len(cases) - 1 else 4  # the last: 30 + 4 + 4 columns past int32's bits
+        assert_rejects(draft_frontier, "ancestor_words", **args, keep=4, first_index=0, first_row=first_row,
+                       ancestor_words=words, backend="torch")
+
+
 def test_torch_compile(gen):
     args = problem(2, 3, 4, 16, gen)
     backend = "triton" if HAS_CUDA else "torch"
@@ -177,6 +224,16 @@ def test_torch_compile(gen):
     torch._dynamo.reset()
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(**moved)
     check_step(FrontierStep(*got), fn(**moved))
+
+    def with_words(words, child_logprobs, **rest):  # the mutated words, as eager writes them
+        draft_frontier(child_logprobs=child_logprobs * 1.0, **rest, keep=3, first_index=3, first_row=0,
+                       ancestor_words=words, validate=False, backend=backend)
+        return words + 0
+
+    torch._dynamo.reset()
+    words = ancestor_words_case(2, 3, 3, 0, 8, torch.int64, gen).to(kernel_devices()[0])
+    got = torch.compile(with_words, backend="aot_eager", fullgraph=True)(words.clone(), **moved)
+    assert torch.equal(got, with_words(words.clone(), **moved))
 
 
 @pytest.mark.cuda
@@ -208,14 +265,16 @@ def test_kernel_compiles_for_sm90():
 from tlt_kernels._triton import draft_frontier as m
 
 for features, embed in (("*bf16", "*bf16"), ("*fp32", "*bf16"), ("*fp16", "*fp32")):
-    types = ["*fp32", "*i64", "*fp32", "*i64", features, embed, "*i32", "*fp32", "*fp32", "*i64", "*i64", "*i64",
-             features] + ["i64"] * 11 + ["i32", "i32", "i32"]
-    for keep in (0, 4):
-        compile_sm90(m._draft_frontier_kernel, types, dict(K=4, C=4, C_P=4, KC_P=16, KEEP=keep, KEEP_P=4,
-                                                             BLOCK_H=1024, H_TILES=1, HAND_ROUND=False), 4)
+    for words in ("*i64", "*i32"):  # the draft's ancestor words, each width (none: an unread int64 pointer)
+        types = ["*fp32", "*i64", "*fp32", "*i64", features, embed, "*i32", "*fp32", "*fp32", "*i64", "*i64", "*i64",
+                 features, words] + ["i64"] * 12 + ["i32", "i32", "i32"]
+        for keep, has_words in ((0, False), (4, False), (4, True)):
+            compile_sm90(m._draft_frontier_kernel, types, dict(K=4, C=4, C_P=4, KC_P=16, KEEP=keep, KEEP_P=4,
+                         BLOCK_H=1024, H_TILES=1, HAND_ROUND=False, HAS_WORDS=has_words), 4)
 compile_sm90(m._draft_frontier_kernel, ["*fp32", "*i64", "*fp32", "*i64", "*bf16", "*bf16", "*i32", "*fp32",
-                                         "*fp32", "*i64", "*i64", "*i64", "*bf16"] + ["i64"] * 11 + ["i32"] * 3,
-             dict(K=3, C=5, C_P=8, KC_P=16, KEEP=15, KEEP_P=16, BLOCK_H=64, H_TILES=3, HAND_ROUND=False), 4)
+                                         "*fp32", "*i64", "*i64", "*i64", "*bf16", "*i64"] + ["i64"] * 12 + ["i32"] * 3,
+             dict(K=3, C=5, C_P=8, KC_P=16, KEEP=15, KEEP_P=16, BLOCK_H=64, H_TILES=3, HAND_ROUND=False,
+                  HAS_WORDS=True), 4)
 """)
 
 

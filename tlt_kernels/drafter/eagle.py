@@ -754,7 +754,8 @@ class EagleDrafter(nn.Module):
             c_score, c_tok = self._top_candidates(g, fused, head, vocab, K)  # [B, K, K]
             keep = K if step < depth - 1 else 0  # the last depth needs no next frontier
             f = draft_frontier(scores, cand_index, c_score, c_tok, g, self.embed_weight, keep,
-                               first_index=K + (step - 1) * K * K, first_row=(step - 1) * K, validate=False)
+                               first_index=K + (step - 1) * K * K, first_row=(step - 1) * K,
+                               ancestor_words=expand.ancestor_words, validate=False)
             cand_par.append(f.cand_parents)
             cand_tok.append(c_tok.view(B, K * K))
             cand_score.append(f.cand_scores)
@@ -797,6 +798,7 @@ class _DenseExpansion:
         self.context = (ck.permute(0, 2, 3, 1).contiguous(), cv.transpose(1, 2).contiguous())
         self.keys, self.values = [], []
         self.ancestors = None  # bool [B, P, P] over the P nodes expanded so far (row i: its ancestors and itself)
+        self.ancestor_words = None  # the frontier step writes no words for this path (it keeps `ancestors`)
 
     def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
         B, K, _ = x.shape

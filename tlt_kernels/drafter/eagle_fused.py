@@ -94,14 +94,16 @@ class FusedExpansion:
     expanded ancestors and themselves. The nodes expanded so far form a forest (the depth-1 candidates are its roots),
     hence a masked plan over all of them; their rotated queries stay in a per-draft buffer, each step's written after
     the earlier ones', and all are rerun (a few rows more, no launch more). The mask is one word of bits per node
-    (``P <= 64``), written in place in a buffer of the draft's nodes: a node's word is its parent's plus its own bit.
-    The words are int32 while the nodes fit 32 bits, so the first ``P`` of them are the plan's packed mask as they
-    stand (a view at one request), else int64, halved per step. The plans share one zeroing of their arrival
-    counters, sized for the widest step.
+    (``P <= 64``) in a buffer of the draft's nodes, :attr:`ancestor_words`: a node's word is its parent's plus its own
+    bit. The first step writes its roots' words; the draft's frontier step writes the others as it keeps each child
+    (``draft_frontier(ancestor_words=)``), no launch of their own. The words are int32 while the nodes fit 32 bits,
+    so the first ``P`` of them are the plan's packed mask as they stand (a view at one request), else int64, halved
+    per step. The plans share one zeroing of their arrival counters, sized for the widest step.
     """
 
     def __init__(self, drafter, state, cache, depth: int, topk: int):
         self.drafter, self.state, self.cache = drafter, state, cache
+        self.ancestor_words: Optional[torch.Tensor] = None
         dev = state.context_lens.device
         context_lens = state.context_lens.unsqueeze(1)  # int32: the adds below widen to int64
         num_nodes = (depth - 1) * topk  # the nodes the draft expands (none at depth 1)
@@ -114,9 +116,10 @@ class FusedExpansion:
             table = state.block_table.expand(depth - 1, -1, -1)
             self.rows = paged_rows(table, node_slots, cache.block_size).view(depth - 1, -1)  # [depth - 1, B * K]
             word = torch.int32 if num_nodes <= 32 else torch.int64
-            self.bits = constants.node_bits(num_nodes, word, dev)
-            # [B, num_nodes], the first P written by step P / K: bit j of word i: node j is node i or its ancestor
-            self.words = torch.empty(context_lens.shape[0], num_nodes, dtype=word, device=dev)
+            self.bits = constants.node_bits(topk, word, dev)  # the roots' own bits
+            # [B, num_nodes]: bit j of word i: node j is node i or its ancestor (the first K written by step 1, the
+            # next K by each frontier step)
+            self.ancestor_words = torch.empty(context_lens.shape[0], num_nodes, dtype=word, device=dev)
             # One zeroing for every step's plan: the widest step's row chunks (each run leaves them zeros).
             c = drafter.config
             query_rows = num_nodes * (c.num_q_heads // c.num_kv_heads)  # per KV head
@@ -131,12 +134,9 @@ class FusedExpansion:
         [B, K]``: the roots (-1) at step 1, expanded nodes (>= 0) after it, as ``EagleDrafter.draft`` makes them."""
         B, K, _ = x.shape
         P = step * K  # nodes expanded so far, this step's K last
-        own, new_words = self.bits[P - K : P], self.words[:, P - K : P]
-        if step == 1:  # the roots' children see the context and themselves
-            new_words.copy_(own.expand(B, K))
-        else:
-            torch.bitwise_or(self.words.gather(1, parent_rows), own, out=new_words)
-        words = self.words[:, :P]
+        if step == 1:  # the roots see the context and themselves; later steps' words came with their frontier
+            self.ancestor_words[:, :K].copy_(self.bits[:K].expand(B, K))
+        words = self.ancestor_words[:, :P]
         mask = words.unsqueeze(2) if words.dtype == torch.int32 else pack_bit_words(words, P)
         plan = _plan(self.drafter, mask, self.state.context_lens, self.state.block_table, self.cache,
                      self.split_counters)

@@ -15,7 +15,7 @@ ranks every child and selects the kept ones one by one). ``auto`` picks Triton o
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -63,6 +63,16 @@ def _check_shapes(parent_scores, parent_index, child_logprobs, child_tokens, fea
         check_unit_last_stride(name, t)
 
 
+def _check_words(words: torch.Tensor, B: int, columns: int, device) -> None:
+    """``ancestor_words`` holds the kept children's columns (``columns`` = ``first_row + K + keep``), in its bits."""
+    check_tensor("ancestor_words", words, dtype=(torch.int32, torch.int64), ndim=2, device=device)
+    bits = 8 * words.element_size()
+    if words.shape[0] != B or words.shape[1] < columns or columns > bits or not words.is_contiguous():
+        raise ValueError(f"ancestor_words must be contiguous [B={B}, >= first_row + K + keep = {columns}] with "
+                         f"first_row + K + keep <= {bits} (its dtype's bits), got {words.dtype} of shape "
+                         f"{tuple(words.shape)} and strides {words.stride()}")
+
+
 def _check_tokens(child_tokens: torch.Tensor, vocab_size: int) -> None:
     """Every child token indexes a row of ``embed_weight`` (host sync)."""
     bad = (child_tokens < 0) | (child_tokens >= vocab_size)
@@ -73,7 +83,8 @@ def _check_tokens(child_tokens: torch.Tensor, vocab_size: int) -> None:
 
 
 def draft_frontier(parent_scores, parent_index, child_logprobs, child_tokens, features, embed_weight, keep: int,
-                   first_index: int, first_row: int, *, validate: bool = True, backend: str = "auto") -> FrontierStep:
+                   first_index: int, first_row: int, *, ancestor_words: Optional[torch.Tensor] = None,
+                   validate: bool = True, backend: str = "auto") -> FrontierStep:
     """Candidates, next frontier and next inputs of one EAGLE-2 draft step (module docstring).
 
     Args:
@@ -86,6 +97,12 @@ def draft_frontier(parent_scores, parent_index, child_logprobs, child_tokens, fe
         keep: ``0 <= keep <= K * C`` children to keep (0: the draft's last depth, no next frontier).
         first_index: candidate index of child 0 (the kept children's ``cand_index`` is ``first_index`` + child).
         first_row: row of parent 0 among the expanded nodes (``parent_rows`` is ``first_row`` + parent).
+        ancestor_words: int32 / int64 ``[B, W]``, contiguous, the expanded nodes' ancestor sets as words of bits
+            (column r: node r's word; bit j set: node j is node r or one of its ancestors), or None. Given, the kept
+            child ``p`` (the expanded node ``first_row + K + p`` once the next step runs) gets its word written in
+            place: its parent's word (column ``first_row + parent``) with its own bit. Needs ``first_row + K + keep
+            <= min(W, bits of the dtype)``. What a draft's attention mask over its forest reads, with no gather and
+            no bitwise op of its own per depth.
         validate: check that every child token is a row of ``embed_weight`` (host sync; skipped under CUDA-graph
             capture).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
@@ -100,6 +117,8 @@ def draft_frontier(parent_scores, parent_index, child_logprobs, child_tokens, fe
         raise ValueError(f"keep must be <= the number of children K * C = {K * C}, got {keep}")
     check_int("first_index", first_index, 0)
     check_int("first_row", first_row, 0)
+    if ancestor_words is not None:
+        _check_words(ancestor_words, B, first_row + K + keep, child_logprobs.device)
     if validate and not capturing(child_tokens.device):
         _check_tokens(child_tokens, embed_weight.shape[0])
     fits = K * C <= TRITON_MAX_CHILDREN and keep <= TRITON_MAX_KEEP
@@ -110,4 +129,4 @@ def draft_frontier(parent_scores, parent_index, child_logprobs, child_tokens, fe
         raise BackendUnavailableError(f"draft_frontier: the triton backend takes K * C <= {TRITON_MAX_CHILDREN} and "
                                       f"keep <= {TRITON_MAX_KEEP}, got K * C = {K * C}, keep = {keep}")
     return FrontierStep(*fn(parent_scores, parent_index, child_logprobs, child_tokens, features, embed_weight, keep,
-                            first_index, first_row))
+                            first_index, first_row, ancestor_words))
