@@ -131,7 +131,8 @@ class FusedExpansion:
 
     def __call__(self, x: torch.Tensor, parent_rows: torch.Tensor, step: int) -> torch.Tensor:
         """``g [B, K, H]`` of the step's pairs ``x [B, K, H]``, whose parents are the expanded nodes ``parent_rows int64
-        [B, K]``: the roots (-1) at step 1, expanded nodes (>= 0) after it, as ``EagleDrafter.draft`` makes them."""
+        [B, K]``: the roots (-1) at step 1, expanded nodes (>= 0) after it, as ``EagleDrafter.draft`` makes them (the
+        dense path's call; here the frontier step has already written their words)."""
         B, K, _ = x.shape
         P = step * K  # nodes expanded so far, this step's K last
         if step == 1:  # the roots see the context and themselves; later steps' words came with their frontier
