@@ -9,8 +9,9 @@ kept score is recomputed from its two terms (the same fp32 add as the candidate'
 payloads included). Values are upcast to fp32 as loaded (the interpreter computes bf16 arithmetic as zeros); an
 embedding row of another dtype rounds to the features' dtype to nearest even, as torch casts (:mod:`.rounding`).
 
-Eager calls launch directly; otherwise the launch runs inside the custom op ``tlt::draft_frontier`` (fake
-implementation for ``torch.compile``; no host sync).
+Eager calls launch directly; otherwise the launch runs inside the custom op ``tlt::draft_frontier`` (or
+``tlt::draft_frontier_words``, which also writes the ancestor words; fake implementations for ``torch.compile``; no
+host sync).
 """
 from __future__ import annotations
 
@@ -122,21 +123,40 @@ def draft_frontier_out(parent_scores, parent_index, child_logprobs, child_tokens
         HAND_ROUND=hand_round(features.dtype), HAS_WORDS=has_words, num_warps=4)
 
 
-@torch.library.custom_op("tlt::draft_frontier", mutates_args=("ancestor_words",))
+@torch.library.custom_op("tlt::draft_frontier", mutates_args=())
 def _draft_frontier_op(parent_scores: torch.Tensor, parent_index: torch.Tensor, child_logprobs: torch.Tensor,
                        child_tokens: torch.Tensor, features: torch.Tensor, embed_weight: torch.Tensor, keep: int,
-                       first_index: int, first_row: int, ancestor_words: Optional[torch.Tensor] = None
-                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                  torch.Tensor]:
+                       first_index: int, first_row: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    outputs = _outputs(child_logprobs, features, keep)
+    draft_frontier_out(parent_scores, parent_index, child_logprobs, child_tokens, features, embed_weight, keep,
+                       first_index, first_row, outputs)
+    return outputs
+
+
+@_draft_frontier_op.register_fake
+def _(parent_scores, parent_index, child_logprobs, child_tokens, features, embed_weight, keep, first_index, first_row):
+    return _outputs(child_logprobs, features, keep)
+
+
+# The same step writing the kept children's ancestor words: an op of its own, whose mutated words are a required
+# tensor (torch 2.11's fake tensors fail on an optional mutated argument given None).
+@torch.library.custom_op("tlt::draft_frontier_words", mutates_args=("ancestor_words",))
+def _draft_frontier_words_op(parent_scores: torch.Tensor, parent_index: torch.Tensor, child_logprobs: torch.Tensor,
+                             child_tokens: torch.Tensor, features: torch.Tensor, embed_weight: torch.Tensor, keep: int,
+                             first_index: int, first_row: int, ancestor_words: torch.Tensor
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                        torch.Tensor, torch.Tensor]:
     outputs = _outputs(child_logprobs, features, keep)
     draft_frontier_out(parent_scores, parent_index, child_logprobs, child_tokens, features, embed_weight, keep,
                        first_index, first_row, outputs, ancestor_words)
     return outputs
 
 
-@_draft_frontier_op.register_fake
+@_draft_frontier_words_op.register_fake
 def _(parent_scores, parent_index, child_logprobs, child_tokens, features, embed_weight, keep, first_index, first_row,
-      ancestor_words=None):
+      ancestor_words):
     return _outputs(child_logprobs, features, keep)
 
 
@@ -149,4 +169,6 @@ def draft_frontier(parent_scores, parent_index, child_logprobs, child_tokens, fe
         outputs = _outputs(child_logprobs, features, keep)
         draft_frontier_out(*args, keep, first_index, first_row, outputs, ancestor_words)
         return outputs
-    return torch.ops.tlt.draft_frontier(*args, keep, first_index, first_row, ancestor_words)
+    if ancestor_words is None:
+        return torch.ops.tlt.draft_frontier(*args, keep, first_index, first_row)
+    return torch.ops.tlt.draft_frontier_words(*args, keep, first_index, first_row, ancestor_words)
