@@ -15,7 +15,7 @@ host sync).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton
