@@ -165,7 +165,7 @@ def test_bad_inputs(gen):
     assert_rejects(draft_frontier, "keep", **dict(args, keep=13))
 
 
-def ancestor_words_case(B, K, keep, first_row, width, dtype, g):
+def ancestor_words_case(B, K, first_row, width, dtype, g):
     """Words of the nodes expanded before the step (columns ``< first_row + K``: random bits), poisoned beyond."""
     bits = 8 * torch.empty(0, dtype=dtype).element_size()
     words = torch.randint(-2**(bits - 1), 2**(bits - 1) - 1, (B, width), generator=g, dtype=torch.int64).to(dtype)
@@ -185,7 +185,7 @@ def test_ancestor_words(backend, dtype, K, C, keep, first_row, gen):
     bits = 8 * torch.empty(0, dtype=dtype).element_size()
     first_row = max(first_row, bits - K - keep) if (K, C) == (3, 5) else first_row  # up to the dtype's last bit
     args = problem(3, K, C, 16, gen)
-    words = ancestor_words_case(3, K, keep, first_row, first_row + K + keep + 2, dtype, gen)
+    words = ancestor_words_case(3, K, first_row, first_row + K + keep + 2, dtype, gen)
     before = words.clone()
     moved = {k: v.to(device) for k, v in args.items()}
     words_dev = words.to(device)
@@ -234,7 +234,7 @@ def test_torch_compile(backend, gen):
         return words + 0
 
     torch._dynamo.reset()
-    words = ancestor_words_case(2, 3, 3, 0, 8, torch.int64, gen).to(kernel_devices()[0])
+    words = ancestor_words_case(2, 3, 0, 8, torch.int64, gen).to(kernel_devices()[0])
     got = torch.compile(with_words, backend="aot_eager", fullgraph=True)(words.clone(), **moved)
     assert torch.equal(got, with_words(words.clone(), **moved))
 
