@@ -24,8 +24,8 @@ every request with context L and a random tree of T nodes. Impls:
   (``plan`` outside the timing), when FlashInfer imports;
 * ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
   over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
-  kernel over the caches' exact bf16 widening (the CUDA row: its mma.sync kernel, where fp8 caches run), XQA's
-  against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
+  kernel over the caches' exact bf16 widening (the CUDA row: the lockstep sm_90 kernels where they take the plan,
+  else the mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one everywhere), XQA's against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
   tiles)``: the Triton row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile
   rule (``FP8_WIDE_TILE_CONFIGS``). The fp8 rows run a plan built for e4m3 caches (``kv_dtype``); ``tlt-triton fp8
   (two-byte split)``: the Triton row with the bf16 rows' plan, where the two split differently;
@@ -590,8 +590,12 @@ def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False
         _sweep(ctx, case, {"split=default": plan}, q, k8, v8, torch.empty_like(out), out, nbytes, cost.extra,
                name="sweep fp8", stages=(2, 3, 4, 5))
     why = backend_unavailable_reason("cuda", q.device)
-    if why is None:  # its mma.sync kernel, where fp8 caches run
+    if why is None:  # the lockstep sm_90 kernels where they take the plan, else the mma.sync one; and that one
+        from tlt_kernels._cuda.tree_attention import forced_context_path
+
         _fp8_row(ctx, "cuda", case, plan, q, k8, v8, widened, nbytes, cost)
+        with forced_context_path(False):
+            _fp8_row(ctx, "cuda", case, plan, q, k8, v8, widened, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
     else:
         ctx.note(f"tlt-cuda fp8 not run: {why}")
     fi = ctx.try_import("flashinfer") if peers else None

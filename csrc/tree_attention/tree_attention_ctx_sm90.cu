@@ -38,8 +38,10 @@
 // tree slots, and the zero weight of a row that does not see the node would otherwise meet it (0 * NaN = NaN).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/launch_status.h"
@@ -76,7 +78,6 @@ struct CtxConfig {
   static constexpr int kSmemBytes = kPagesOffset + kStages * kBlockN * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
   static_assert(kMinBlocks == 1 || kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024, "two CTAs must fit one SM");
-  static constexpr int kChunksPerThread = kBlockN * (kD / 8) / kThreads;  // 16-byte chunks of one tile per thread
   static constexpr int kScores = kBlockN / 2;                              // S accumulator floats per thread
 };
 using Ctx128 = CtxConfig<128, 2>;  // 225.5 KB + 1 KB
@@ -89,29 +90,38 @@ using wgmma::fence_regs;
 // token read from `tokens` (shared memory, one entry per row of the tile). No commit.
 // `base`: this thread's 16-byte column chunk of the KV head in the cache; `slot`: the ring slot's shared address.
 // kTreeV: a V tile holding tree slots, whose rows are checked on their way (copy_row_chunk, `bad_nodes`).
-template <typename T, int kBlockN, int kChunks, int kThreads, bool kTreeV>
+// fp8 caches (KV): 16 values per chunk, staged at the place of the row's 16-bit chunk 2c and widened there once landed
+// (widen_rows, which also checks a tree slot's V).
+template <typename T, typename KV, int kBlockN, int kThreads, bool kTreeV>
 __device__ __forceinline__ void issue_rows(const int32_t* tokens, const char* base, uint32_t stride_bytes,
                                            uint32_t slot, const Span& sp, int i, unsigned long long* bad_nodes) {
-  const int chunk = threadIdx.x % (kD / 8);  // the same 16-byte column chunk in every row this thread copies
+  constexpr bool kFp8 = tree_attn::kIsFp8<KV>;
+  constexpr int kChunks = kBlockN * kRowChunks<KV> / kThreads;
+  const int chunk = threadIdx.x % kRowChunks<KV>;  // the same 16-byte column chunk in every row this thread copies
 #pragma unroll
   for (int it = 0; it < kChunks; ++it) {
-    const int row = (threadIdx.x + it * kThreads) / (kD / 8);
+    const int row = (threadIdx.x + it * kThreads) / kRowChunks<KV>;
     const int32_t token = tokens[row];
     // A row past the span (token -1) copies nothing from token 0's address: zero-filled. One wide multiply.
     const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(token, 0))) * stride_bytes;
-    copy_row_chunk<T, kBlockN>(slot + wgmma::swizzled_offset(kBlockN, row, chunk), src, token, sp, i, row, kTreeV,
-                               bad_nodes);
+    const uint32_t dst = slot + wgmma::swizzled_offset(kBlockN, row, kFp8 ? 2 * chunk : chunk);
+    if constexpr (kFp8)
+      tree_attn::cp_async_16(dst, src, token >= 0 ? 16 : 0);
+    else
+      copy_row_chunk<T, kBlockN>(dst, src, token, sp, i, row, kTreeV, bad_nodes);
   }
 }
 
 
-template <typename T, typename Cfg>
+// KV: the caches' storage, T or an fp8 type (widened to T in shared memory, see widen_rows).
+template <typename T, typename KV, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     tree_attention_sm90_kernel(const TreeAttentionParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kBlockN = Cfg::kBlockN, kTileBytes = Cfg::kTileBytes;
   constexpr int kThreads = Cfg::kThreads, kBlockM = Cfg::kBlockM;
-  constexpr int kChunks = Cfg::kChunksPerThread, kScores = Cfg::kScores;
+  constexpr int kScores = Cfg::kScores;
+  constexpr bool kFp8 = tree_attn::kIsFp8<KV>;
   extern __shared__ __align__(16) unsigned char smem[];
   // blockIdx.x = split * chunks + chunk: the row chunks of one split are adjacent, so their K/V re-reads hit L2.
   const int chunks = gridDim.x / p.num_splits, chunk = blockIdx.x % chunks;
@@ -158,28 +168,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   auto pages_of = [&](int i) { return pages_s + (i % kStages) * kBlockN; };
   // This thread's 16-byte column chunk of KV head h; rows are token * stride_token past it (token strides below
   // 2^31 bytes: the launcher checks).
-  const char* const k_base = reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + h * p.k_stride_head +
-                                                           (threadIdx.x % (kD / 8)) * 8);
-  const char* const v_base = reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + h * p.v_stride_head +
-                                                           (threadIdx.x % (kD / 8)) * 8);
-  const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
-  const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  constexpr int kChunkValues = 16 / static_cast<int>(sizeof(KV));
+  const char* const k_base = reinterpret_cast<const char*>(static_cast<const KV*>(p.k_cache) + h * p.k_stride_head +
+                                                           (threadIdx.x % kRowChunks<KV>) * kChunkValues);
+  const char* const v_base = reinterpret_cast<const char*>(static_cast<const KV*>(p.v_cache) + h * p.v_stride_head +
+                                                           (threadIdx.x % kRowChunks<KV>) * kChunkValues);
+  const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(KV));
+  const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(KV));
   // Tree nodes whose V (this KV head) holds a NaN/inf (see tree_attn::copy_tree_v_chunk); a page id out of the cache
   // seen by this pager thread (see row_page). Both make NaN rows in store_rows.
   __shared__ unsigned long long bad_nodes;
   bool page_bad = false;
   auto issue_k = [&](int i) {
     if (i < sp.n_tiles)
-      issue_rows<T, kBlockN, kChunks, kThreads, false>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes,
-                                                       sp, i, &bad_nodes);
+      issue_rows<T, KV, kBlockN, kThreads, false>(pages_of(i), k_base, k_stride, k_s + (i % kStages) * kTileBytes,
+                                                  sp, i, &bad_nodes);
   };
   auto issue_v = [&](int i) {
     if (i >= sp.n_tiles) return;
     const uint32_t slot = v_s + (i % kStages) * kTileBytes;
     if (tile_has_tree<kBlockN>(sp, i))
-      issue_rows<T, kBlockN, kChunks, kThreads, true>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
+      issue_rows<T, KV, kBlockN, kThreads, true>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
     else
-      issue_rows<T, kBlockN, kChunks, kThreads, false>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
+      issue_rows<T, KV, kBlockN, kThreads, false>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
+  };
+  // fp8: K_j and V_{j-1}, landed at step j's wait, widened by the threads that copied them before its barrier.
+  auto widen_landed = [&](int j) {
+    if (j < sp.n_tiles) widen_rows<T, KV, kBlockN, kThreads>(k_s + (j % kStages) * kTileBytes, sp, j, false, &bad_nodes);
+    if (j > 0)
+      widen_rows<T, KV, kBlockN, kThreads>(v_s + ((j - 1) % kStages) * kTileBytes, sp, j - 1,
+                                           tile_has_tree<kBlockN>(sp, j - 1), &bad_nodes);
   };
   int32_t next_page = -1;
   // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile
@@ -245,6 +263,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       tree_attn::cp_async_wait<2>();
     else
       tree_attn::cp_async_wait<1>();
+    if constexpr (kFp8) widen_landed(j);
     wgmma::fence_proxy_async();
     __syncthreads();  // ... and every warpgroup is done with step j - 1: K_{j-1}'s and V_{j-2}'s slots are free
     if (j > 0) {
@@ -297,10 +316,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #endif
 }
 
+// The instantiation for q's dtype T and the caches' storage (p.kv_fp8).
+template <typename T, typename Cfg>
+auto sm90_kernel_for(const TreeAttentionParams& p) noexcept {
+  switch (p.kv_fp8) {
+    case Fp8Format::kE4M3: return tree_attention_sm90_kernel<T, __nv_fp8_e4m3, Cfg>;
+    case Fp8Format::kE5M2: return tree_attention_sm90_kernel<T, __nv_fp8_e5m2, Cfg>;
+    default: return tree_attention_sm90_kernel<T, T, Cfg>;
+  }
+}
+
 template <typename Cfg>
 LaunchStatus launch_sm90_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return launch_with_smem(p.dtype == DType::kBFloat16 ? tree_attention_sm90_kernel<__nv_bfloat16, Cfg>
-                                                      : tree_attention_sm90_kernel<__half, Cfg>,
+  return launch_with_smem(p.dtype == DType::kBFloat16 ? sm90_kernel_for<__nv_bfloat16, Cfg>(p)
+                                                      : sm90_kernel_for<__half, Cfg>(p),
                           grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
 }
 
@@ -324,9 +353,17 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   while (warp_specialized && row_block_shift < 8 && (Ctx128::kBlockM << row_block_shift) < rows) ++row_block_shift;
   const int chunks = p.config == 64 ? (rows + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1 << row_block_shift;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
-  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone && p.v_scale == 1.f,
-                       "the sm_90 tree-attention kernel reads caches of q's dtype with v_scale 1 (fp8 caches and "
-                       "v_scale != 1: the partial kernel)");
+  const bool fp8 = p.kv_fp8 != Fp8Format::kNone;
+  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
+                       "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
+                           << static_cast<int>(p.kv_fp8));
+  TLT_STATUS_CHECK_ARG(!(fp8 && warp_specialized),
+                       "fp8 caches run on the lockstep sm_90 kernels (config 0, 64 or 128), not the warp-specialized one");
+  TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
+  // fp8 rows are copied 16 values (bytes) at a time.
+  TLT_STATUS_CHECK_ARG(!fp8 || (p.k_stride_token % 16 == 0 && p.k_stride_head % 16 == 0 && p.v_stride_token % 16 == 0 &&
+                                p.v_stride_head % 16 == 0),
+                       "fp8 caches on the sm_90 kernel need token and head strides of multiples of 16 elements");
   TLT_STATUS_CHECK_ARG(p.num_kv_heads > 0 && p.num_q_heads == p.num_kv_heads * p.group,
                        "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads
                                        << ") * group (" << p.group << ")");

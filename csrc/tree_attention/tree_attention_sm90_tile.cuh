@@ -5,9 +5,12 @@
 // csrc/tree_attention/tree_attention_ctx_sm90_ws.cu (a producer warpgroup feeding two consumer warpgroups).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/launch_status.h"
 #include "tree_attention/tree_attention.cuh"  // tree_attn::fast_exp2
@@ -205,7 +208,8 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
     l += __shfl_xor_sync(0xffffffff, l, 2);
     const int m = row_base + 8 * r;
     const bool nan_row = m < M && (poisoned || (bad_nodes != 0 && (row_ancestors(p, sp, b, m / G) & bad_nodes) != 0));
-    const float inv = nan_row ? NAN : (l != 0.f ? 1.f / l : 0.f);
+    // v_scale: the V cache holds V / v_scale (1 for caches of q's dtype), so every output row is scaled by it.
+    const float inv = nan_row ? NAN : (l != 0.f ? p.v_scale / l : 0.f);
     if (direct) {
       if (m >= TG) continue;
       const int t = m / G;
@@ -232,6 +236,83 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
 template <int kBlockN>
 __device__ __forceinline__ bool tile_has_tree(const Span& sp, int i) {
   return sp.limit > sp.ctx && sp.begin + (i + 1) * kBlockN > sp.ctx;
+}
+
+// 16-byte copy chunks in a cache row of kD values: 16 for caches of q's dtype, 8 for fp8 ones.
+template <typename KV>
+constexpr int kRowChunks = kD * static_cast<int>(sizeof(KV)) / 16;
+
+// 16 e4m3 values (a 16-byte chunk, first value in the lowest byte) widened to bfloat16, exactly, into lo (values
+// 0-7) and hi (8-15); false, with nothing written, when one of them is NaN (the caller widens by conversion
+// instructions then). An e4m3 byte s.eeee.mmm moved to bits 15 and 10-4 of a bfloat16 is the same value times
+// 2^-120 (subnormals included: bfloat16's own subnormals cover them), so one bfloat16x2 multiply by 2^120 per pair
+// finishes it: integer ops instead of the conversion unit's lower throughput. NaN (s.1111.111) would come out 480.
+__device__ __forceinline__ bool widen_e4m3x16_bf16(const uint4& raw, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t nan_bytes = 0u;  // bit 7 of a byte set iff its low 7 bits are all ones (+1 carries into bit 7 only then)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) nan_bytes |= ((w[i] & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+  if (nan_bytes != 0u) return false;
+  uint32_t out[8];
+  const __nv_bfloat162 two_pow_120 = __halves2bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    // Bytes 2i and 2i + 1 of the chunk into the high bytes of two 16-bit lanes.
+    const uint32_t v = __byte_perm(w[i / 2], 0u, (i & 1) ? 0x3424u : 0x1404u);
+    const uint32_t bits = (v & 0x80008000u) | ((v >> 4) & 0x07f007f0u);
+    __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+    pair = __hmul2(pair, two_pow_120);
+    out[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+  return true;
+}
+
+// 16 fp8 values (KV) widened exactly to T into lo and hi (as widen_e4m3x16_bf16); returns whether all are finite.
+template <typename T, typename KV>
+__device__ __forceinline__ bool widen_fp8x16(const uint4& raw, uint4& lo, uint4& hi) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<KV, __nv_fp8_e4m3>::value) {
+    if (widen_e4m3x16_bf16(raw, lo, hi)) return true;  // e4m3 has no inf: finite unless NaN
+  }
+  bool finite_lo, finite_hi;
+  lo = tree_attn::widen_fp8x8<T, KV>(make_uint2(raw.x, raw.y), finite_lo);
+  hi = tree_attn::widen_fp8x8<T, KV>(make_uint2(raw.z, raw.w), finite_hi);
+  return finite_lo && finite_hi;
+}
+
+// fp8 caches: this thread's chunks of tile i in ring slot `slot`, landed as stored, widened in place. The chunk c
+// (16 values) of a row was staged where the row's 16-bit chunk 2c goes and becomes chunks 2c and 2c + 1; chunk 2c + 1's
+// place holds no staging, so every thread writes only where it alone staged: no barrier before the widening. A
+// tree slot's V (`tree_v`) goes through zero_bad_tree_v, as tree_attn::copy_tree_v_chunk does.
+template <typename T, typename KV, int kBlockN, int kThreads>
+__device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i, bool tree_v,
+                                           unsigned long long* bad_nodes) {
+  constexpr int kChunks = kBlockN * kRowChunks<KV> / kThreads;
+  const int chunk = threadIdx.x % kRowChunks<KV>;
+#pragma unroll
+  for (int it = 0; it < kChunks; ++it) {
+    const int row = (threadIdx.x + it * kThreads) / kRowChunks<KV>;
+    const uint32_t lo_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk);
+    const uint32_t hi_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + 1);
+    uint4 raw, lo, hi;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "r"(lo_addr)
+                 : "memory");
+    const bool finite = widen_fp8x16<T, KV>(raw, lo, hi);
+    const int pos = sp.begin + i * kBlockN + row;
+    if (tree_v && pos >= sp.ctx && pos < sp.limit) {
+      tree_attn::zero_bad_tree_v(lo, finite, pos - sp.ctx, bad_nodes);
+      tree_attn::zero_bad_tree_v(hi, finite, pos - sp.ctx, bad_nodes);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo_addr), "r"(lo.x), "r"(lo.y), "r"(lo.z),
+                 "r"(lo.w)
+                 : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi_addr), "r"(hi.x), "r"(hi.y), "r"(hi.z),
+                 "r"(hi.w)
+                 : "memory");
+  }
 }
 
 // One 16-byte chunk of row `row` of tile i into the swizzled slot at shared address `dst`: from `src` (cache token

@@ -225,10 +225,10 @@ def _cuda_plan(case, split_len):
 @pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: f"T{s[1]}-G{s[3]}-D{s[4]}-bs{s[5]}-{str(s[7])[6:]}-sl{s[8]}")
 def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8):
     """Every kernel shape: with scales, the fp32 reference over ``cache * scale`` within the output dtype's rounding
-    (NaN in every slot no row attends, poisoned output and scratch); at scales 1, bit for bit the mma.sync kernel over
-    the caches widened to q's dtype (the widening is exact and the math after it the same)."""
+    (NaN in every slot no row attends, poisoned output and scratch); at scales 1, bit for bit the same kernel over
+    the caches widened to q's dtype (the widening is exact and the math after it the same): the lockstep sm_90
+    kernels where they take the plan, else the mma.sync one."""
     need_backend("tree_attention", "cuda", DEVICE)
-    from tlt_kernels._cuda.tree_attention import forced_context_path
 
     case, ref = _cuda_case(shape, fp8, 0.5, 2.0)
     plan = _cuda_plan(case, shape[-1])
@@ -242,25 +242,93 @@ def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8)
     plan = _cuda_plan(case, shape[-1])
     out8 = plan.run(case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
                     backend="cuda")
-    with forced_context_path(False):
-        wide = plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
+    assert torch.equal(out8, _widened_on_the_same_kernel(plan, case))
+
+
+def _widened_on_the_same_kernel(plan, case):
+    """The CUDA backend over ``case``'s fp8 caches widened to q's dtype, on the kernel the fp8 caches took: the lockstep
+    sm_90 kernels read fp8 (the warp-specialized one does not), so its 16-bit twin runs with that build off."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    saved = cuda_ta.CONTEXT_WARP_SPECIALIZED
+    cuda_ta.CONTEXT_WARP_SPECIALIZED = False
+    try:
+        return plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
                         backend="cuda")
-    assert torch.equal(out8, wide)
+    finally:
+        cuda_ta.CONTEXT_WARP_SPECIALIZED = saved
+
+
+def _finite_codes(fp8):
+    """Every bit pattern of ``fp8`` that is a finite value, as uint8."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes[codes.view(fp8).float().isfinite()]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("G", [4, 7], ids=["64-rows", "112-rows"])
+def test_cuda_fp8_widens_every_finite_code_exactly(G, dtype, fp8):
+    """Caches cycling through every finite code of the format (subnormals, zeros of both signs, the largest values)
+    give bit for bit what the same kernel gives over them widened by torch: the sm_90 kernels' widening (integer ops
+    for e4m3 into bfloat16, conversion instructions else) is exact for every value."""
+    need_backend("tree_attention", "cuda", DEVICE)
+    case, _ = _cuda_case((2, 16, 2, G, 128, 16, [300, 77], dtype, None), fp8, 1.0, 1.0)
+    codes = _finite_codes(fp8).to(DEVICE)
+    for name in ("k_cache", "v_cache"):
+        cache = case[name]
+        bits = cache.view(torch.uint8)
+        finite = cache.float().isfinite()  # keep the NaN traps of slots no row may read
+        cycled = codes[torch.randperm(bits.numel(), device=DEVICE) % codes.numel()].view(bits.shape)
+        bits.copy_(torch.where(finite, cycled, bits))
+    plan = _cuda_plan(case, None)
+    # Small queries keep the scores of the largest codes finite in fp32 and the softmax away from one-hot rows.
+    q = case["q"] * 1e-3
+    case = {**case, "q": q}
+    out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
+    assert not out8.isnan().any()
+    assert torch.equal(out8, _widened_on_the_same_kernel(plan, case))
+
+
+@pytest.mark.cuda
+def test_cuda_v_scale_on_caches_of_q_dtype_on_every_sm90_build():
+    """v_scale != 1 over bf16 caches runs on the sm_90 kernels (lockstep and warp-specialized) and scales every row."""
+    need_backend("tree_attention", "cuda", DEVICE)
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    case, _ = _cuda_case((2, 16, 2, 7, 128, 16, [300, 77], torch.bfloat16, None), torch.float8_e4m3fn, 1.0, 1.0)
+    case = {**case, "k_cache": case["k_cache"].to(torch.bfloat16), "v_cache": case["v_cache"].to(torch.bfloat16)}
+    plan = _cuda_plan(case, None)
+    ref = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": case["k_cache"].float() * 0.5,
+                                      "v_cache": case["v_cache"].float() * 3.0}, out_dtype=torch.float32)
+    for warp_specialized in (True, False):
+        saved = cuda_ta.CONTEXT_WARP_SPECIALIZED
+        cuda_ta.CONTEXT_WARP_SPECIALIZED = warp_specialized
+        try:
+            assert cuda_ta._use_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"])
+            out = plan.run(case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
+                           backend="cuda", k_scale=0.5, v_scale=3.0)
+        finally:
+            cuda_ta.CONTEXT_WARP_SPECIALIZED = saved
+        torch.testing.assert_close(out.float(), ref, atol=5e-2 * 3.0, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 128], ids=["mma-sync", "sm90"])
 @pytest.mark.parametrize("split_len", [64, None], ids=["4-splits", "1-split"])
 @pytest.mark.parametrize("site", ["K-context", "V-context", "K-tree", "V-tree", "V-tree-root"])
-def test_cuda_fp8_nan_contract(site, split_len, fp8):
+def test_cuda_fp8_nan_contract(site, split_len, D, fp8):
     """A NaN in one attended fp8 slot reaches exactly the rows that attend it (a tree node's V: only the rows that see
-    the node, though every row of the tile multiplies it); NaN in every unattended slot never reaches the output."""
+    the node, though every row of the tile multiplies it); NaN in every unattended slot never reaches the output.
+    D = 128 runs on the sm_90 kernel (on sm_90), D = 64 on the mma.sync one."""
     need_backend("tree_attention", "cuda", DEVICE)
     from test_tree_attention_edge_cases import (NAN_SITES, _case, _check_nan_contract, _expected_nan_rows,
                                                 _slot_location, fill_unused_slots_with_nan_)
 
     which, b, slot, kv_head = NAN_SITES[site]
-    case = _case(torch.bfloat16)
+    case = _case(torch.bfloat16, D=D)
     case = {**case, "k_cache": case["k_cache"].to(fp8).to(torch.bfloat16),
             "v_cache": case["v_cache"].to(fp8).to(torch.bfloat16)}  # values an fp8 cache holds exactly
     clean_ref = tree_attention_reference(**case, out_dtype=torch.float32)
@@ -276,7 +344,7 @@ def test_cuda_fp8_nan_contract(site, split_len, fp8):
 @pytest.mark.cuda
 def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     """The launchers' own checks (the Python side never sends these): a tuning config of the partial kernel, and the
-    sm_90 kernel, with fp8 caches."""
+    warp-specialized sm_90 kernel, with fp8 caches."""
     need_backend("tree_attention", "cuda", DEVICE)
     from tlt_kernels._cuda import extension
     from tlt_kernels._cuda import tree_attention as cuda_ta
@@ -287,5 +355,5 @@ def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     args["stream"] = torch.cuda.current_stream().cuda_stream
     with pytest.raises(ValueError, match="tuning variant of caches of q's dtype"):
         extension().tree_attention_partial(**{**args, "config": 2})
-    with pytest.raises(ValueError, match="reads caches of q's dtype with v_scale 1"):
-        extension().tree_attention_sm90(**args)
+    with pytest.raises(ValueError, match="not the warp-specialized one"):
+        extension().tree_attention_sm90(**{**args, "config": 128 | cuda_ta.WARP_SPECIALIZED_FLAG})

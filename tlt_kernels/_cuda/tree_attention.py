@@ -115,44 +115,44 @@ def context_tile(rows: int) -> int:
     return _context_block(CONTEXT_BLOCK_FEW_ROWS if rows <= ONE_WARPGROUP_ROWS else None)
 
 
-def context_config(rows: int, fast_memory: bool = False) -> int:
+def context_config(rows: int, fast_memory: bool = False, fp8: bool = False) -> int:
     """The sm_90 kernel's launch config for ``rows = T * G``: its tile width, with the warp-specialized flag where
     :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens, and then the TMA flag where
-    :data:`CONTEXT_TMA` wants it (auto: rows > 128, or any rows when ``fast_memory``, see :func:`has_fast_memory`)."""
+    :data:`CONTEXT_TMA` wants it (auto: rows > 128, or any rows when ``fast_memory``, see :func:`has_fast_memory`).
+    ``fp8`` caches: the tile alone (the lockstep kernels widen fp8 tiles; the warp-specialized one reads 16-bit)."""
     tile = context_tile(rows)
-    if not (CONTEXT_WARP_SPECIALIZED and tile == 128):
+    if fp8 or not (CONTEXT_WARP_SPECIALIZED and tile == 128):
         return tile
     tma = (rows > CONTEXT_SM90_MAX_ROWS or fast_memory) if CONTEXT_TMA is None else CONTEXT_TMA
     return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma else 0)
 
 
-def context_rows_covered(rows: int) -> bool:
+def context_rows_covered(rows: int, fp8: bool = False) -> bool:
     """Whether the sm_90 kernels take ``rows = T * G`` query rows per KV head: up to two warpgroups' 128 in the
-    lockstep kernels, any number in 128-row blocks in the warp-specialized one."""
-    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or CONTEXT_WARP_SPECIALIZED)
+    lockstep kernels (the only ones for ``fp8`` caches), any number in 128-row blocks in the warp-specialized one."""
+    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or (CONTEXT_WARP_SPECIALIZED and not fp8))
 
 
-def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      v_scale: float = 1.0) -> bool:
-    if k_cache.dtype != q.dtype or v_scale != 1.0:
-        return False  # fp8 caches and v_scale != 1: the partial kernel
+def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    fp8 = k_cache.dtype in FP8_DTYPES
     bs = plan.block_size
     # The kernel addresses a row as token * stride_token (token = page * block_size + slot): pages of contiguous token
-    # rows (power-of-two pages: context_kernel_takes).
+    # rows (power-of-two pages: context_kernel_takes); fp8 rows are copied 16 values at a time.
     pages_ok = (all(c.stride(0) == bs * c.stride(1) for c in (k_cache, v_cache))
                 and k_cache.shape[0] * bs < 2**31)  # tokens are int32
-    return (pages_ok and q.dtype in (torch.bfloat16, torch.float16)
-            and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device))
+    rows16 = not fp8 or all(c.stride(d) % 16 == 0 for c in (k_cache, v_cache) for d in (1, 2))
+    return (pages_ok and rows16 and q.dtype in (torch.bfloat16, torch.float16)
+            and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device, fp8))
 
 
 def context_kernel_takes(num_tree: int, group: int, head_dim: int, block_size: int, split_len: int,
-                         device: torch.device) -> bool:
-    """Whether the sm_90 context kernel runs a plan of these sizes over bf16/fp16 caches of q's dtype in contiguous
-    pages: the part of the path rule that needs no tensor (the op's "auto" asks it too)."""
+                         device: torch.device, fp8: bool = False) -> bool:
+    """Whether the sm_90 context kernel runs a plan of these sizes over caches in contiguous pages, of q's dtype or
+    ``fp8``: the part of the path rule that needs no tensor (the op's "auto" asks it too)."""
     rows = num_tree * group
     # auto: where it was measured faster (every T*G <= 128, one split or several).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
-    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows)
+    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows, fp8)
             and num_tree <= MAX_TREE_SM90 and split_len % context_tile(rows) == 0 and cuda_capability(device)[0] == 9)
 
 
@@ -189,11 +189,10 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             ``partial_lse [B, Hkv, S+1, T*G]`` are used as is).
         q: ``[B, T, Hq, D]`` bf16/fp16, ``stride(-1) == 1``.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, q's dtype or both one fp8 dtype (``float8_e4m3fn``
-            / ``float8_e5m2``, widened exactly to q's dtype in the partial kernel), rows 16-byte aligned.
+            / ``float8_e5m2``, widened exactly to q's dtype in shared memory), rows 16-byte aligned.
         out: ``[B, T, Hq, D]`` q's dtype, ``stride(-1) == 1``; rows ``t >= num_nodes[b]`` become zeros.
         sm_scale: softmax scale (natural units), the K cache's dequantization scale folded in.
-        v_scale: the V cache's dequantization scale (it holds ``V / v_scale``); fp8 caches and ``v_scale != 1`` run
-            on the partial (mma.sync) kernel, never the sm_90 ones.
+        v_scale: the V cache's dequantization scale (it holds ``V / v_scale``): each output row times it.
     """
     why = unsupported_reason(plan, q, k_cache, v_cache)
     if why is not None:
@@ -218,11 +217,12 @@ def run_cuda(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     args = _launch_args(plan, q, k_cache, v_cache, out, sm_scale, v_scale)
     with torch.cuda.device(q.device):
         args["stream"] = stream_handle(q.device)
-        if _use_context_sm90(plan, q, k_cache, v_cache, v_scale):
+        if _use_context_sm90(plan, q, k_cache, v_cache):
             # config selects the tile width here (CONFIG_OVERRIDE stays the partial kernel's); 64 with T*G <= 64 rows
             # is the one-warpgroup kernel, 128 | WARP_SPECIALIZED_FLAG the warp-specialized one.
             rows = plan.num_tree * plan.group
-            config = context_config(rows, fast_memory=has_fast_memory(q.device.index))
+            config = context_config(rows, fast_memory=has_fast_memory(q.device.index),
+                                    fp8=k_cache.dtype in FP8_DTYPES)
             ext.tree_attention_sm90(**{**args, "config": config})
         else:
             ext.tree_attention_partial(**args)
