@@ -25,7 +25,8 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
   over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
   kernel over the caches' exact bf16 widening (the CUDA row: the lockstep sm_90 kernels where they take the plan,
-  else the mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one everywhere), XQA's against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
+  else the mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one, and ``tlt-cuda fp8 (lockstep)`` /
+  ``(warp-specialized)``: the 128-token kernel's other build, where the sm_90 path runs), XQA's against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
   tiles)``: the Triton row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile
   rule (``FP8_WIDE_TILE_CONFIGS``). The fp8 rows run a plan built for e4m3 caches (``kv_dtype``); ``tlt-triton fp8
   (two-byte split)``: the Triton row with the bf16 rows' plan, where the two split differently;
@@ -590,18 +591,32 @@ def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False
         _sweep(ctx, case, {"split=default": plan}, q, k8, v8, torch.empty_like(out), out, nbytes, cost.extra,
                name="sweep fp8", stages=(2, 3, 4, 5))
     why = backend_unavailable_reason("cuda", q.device)
-    if why is None:  # the lockstep sm_90 kernels where they take the plan, else the mma.sync one; and that one
-        from tlt_kernels._cuda.tree_attention import forced_context_path
-
-        _fp8_row(ctx, "cuda", case, plan, q, k8, v8, widened, nbytes, cost)
-        with forced_context_path(False):
-            _fp8_row(ctx, "cuda", case, plan, q, k8, v8, widened, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
+    if why is None:
+        _bench_cuda_fp8(ctx, case, plan, q, k8, v8, widened, nbytes, cost)
     else:
         ctx.note(f"tlt-cuda fp8 not run: {why}")
     fi = ctx.try_import("flashinfer") if peers else None
     if fi is not None and hasattr(getattr(fi, "decode", None), "trtllm_batch_decode_with_kv_cache"):
         _bench_flashinfer_xqa(ctx, fi, case, {**inp, "k_cache": k8, "v_cache": v8}, out, nbytes, cost.extra,
                               impl="flashinfer-xqa fp8")
+
+
+def _bench_cuda_fp8(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
+    """``tlt-cuda fp8``: the CUDA backend over the e4m3 caches (its sm_90 kernels where they take the plan, else the
+    mma.sync one); where the sm_90 path runs, ``tlt-cuda fp8 (mma.sync)`` and, for the 128-token kernel, the other of
+    its builds (``tlt-cuda fp8 (lockstep)`` / ``(warp-specialized)``), each checked against ``reference``."""
+    import tlt_kernels._cuda.tree_attention as ct
+
+    _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost)
+    if not ct._use_context_sm90(plan, q, k8, v8):
+        return
+    with ct.forced_context_path(False):
+        _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
+    if ct.context_tile(plan.num_tree * plan.group) == 128 and plan.num_tree * plan.group <= ct.CONTEXT_SM90_MAX_ROWS:
+        ws = not ct.CONTEXT_WARP_SPECIALIZED
+        with mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws):
+            _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost,
+                     impl=f"tlt-cuda fp8 ({'warp-specialized' if ws else 'lockstep'})")
 
 
 def _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, reference, nbytes, cost):

@@ -11,8 +11,8 @@
 namespace tlt {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1 };
-// The caches' storage: q's dtype (kNone), or an fp8 format whose values the partial kernel widens (exactly) to q's
-// dtype on their way to the tensor cores.
+// The caches' storage: q's dtype (kNone), or an fp8 format whose values the kernels widen (exactly) to q's dtype in
+// shared memory on their way to the tensor cores.
 enum class Fp8Format : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
 
 // Everything one step of tree attention reads. Strides are in elements; the head dim is contiguous.
@@ -64,8 +64,8 @@ struct TreeAttentionParams {
   float sm_scale = 0.f;  // softmax scale (natural units), the K cache's dequantization scale folded in
   float v_scale = 1.f;   // the V cache's dequantization scale (it holds V / v_scale): multiplies each output row
   DType dtype = DType::kBFloat16;
-  // Both caches fp8 (the partial kernel's default configurations only; the sm_90 kernels take caches of q's dtype and
-  // v_scale 1).
+  // Both caches fp8: the partial kernel's default configurations, and the sm_90 kernels' cp.async builds (not TMA;
+  // token and head strides of multiples of 16 elements there).
   Fp8Format kv_fp8 = Fp8Format::kNone;
   // Kernel configuration: 0 picks per shape; 1.. force a tuning variant (tree_attention.cu lists them).
   int config = 0;

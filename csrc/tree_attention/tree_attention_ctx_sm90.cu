@@ -31,6 +31,8 @@
 //     two CTAs per SM, so one CTA's prologue, masked tiles and epilogue overlap the other's streaming. For split
 //     lengths that are multiples of 64.
 //
+// fp8 caches (KV): tiles are copied as stored, each 16-value chunk staged where its row's 16-bit chunk 2c goes, and
+// every thread widens the chunks it copied in place once they have landed, before the step's barrier (widen_rows).
 // K/V are gathered through the block table by 16-byte cp.async into swizzled tiles (csrc/tree_attention/wgmma_sm90.cuh); rows past
 // the attended range are zero-filled (never read: a masked column times a NaN in unread memory would be NaN), and so
 // are rows whose page id is out of the cache (the CTA's rows are then written as NaN). The V rows of tree slots are
@@ -192,12 +194,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     else
       issue_rows<T, KV, kBlockN, kThreads, false>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
   };
-  // fp8: K_j and V_{j-1}, landed at step j's wait, widened by the threads that copied them before its barrier.
+  // fp8: the tiles step j reads, landed at its wait, widened by the threads that copied them before its barrier: K_j,
+  // and V_{j-1}, except that V_0 goes at step 0 already, whose zero P multiplies it (staged fp8 bytes read as 16-bit
+  // values may be NaN, and 0 * NaN is NaN); so step 1 widens K_1 alone.
   auto widen_landed = [&](int j) {
     if (j < sp.n_tiles) widen_rows<T, KV, kBlockN, kThreads>(k_s + (j % kStages) * kTileBytes, sp, j, false, &bad_nodes);
-    if (j > 0)
-      widen_rows<T, KV, kBlockN, kThreads>(v_s + ((j - 1) % kStages) * kTileBytes, sp, j - 1,
-                                           tile_has_tree<kBlockN>(sp, j - 1), &bad_nodes);
+    const int v = j == 0 ? 0 : j - 1;
+    if (j != 1)
+      widen_rows<T, KV, kBlockN, kThreads>(v_s + (v % kStages) * kTileBytes, sp, v, tile_has_tree<kBlockN>(sp, v),
+                                           &bad_nodes);
   };
   int32_t next_page = -1;
   // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile
@@ -357,8 +362,7 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
                        "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
                            << static_cast<int>(p.kv_fp8));
-  TLT_STATUS_CHECK_ARG(!(fp8 && warp_specialized),
-                       "fp8 caches run on the lockstep sm_90 kernels (config 0, 64 or 128), not the warp-specialized one");
+  TLT_STATUS_CHECK_ARG(!(fp8 && tma), "fp8 caches: the sm_90 kernels' cp.async copies (no " << kSm90Tma << " flag)");
   TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
   // fp8 rows are copied 16 values (bytes) at a time.
   TLT_STATUS_CHECK_ARG(!fp8 || (p.k_stride_token % 16 == 0 && p.k_stride_head % 16 == 0 && p.v_stride_token % 16 == 0 &&

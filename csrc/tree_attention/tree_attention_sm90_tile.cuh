@@ -281,10 +281,39 @@ __device__ __forceinline__ bool widen_fp8x16(const uint4& raw, uint4& lo, uint4&
   return finite_lo && finite_hi;
 }
 
-// fp8 caches: this thread's chunks of tile i in ring slot `slot`, landed as stored, widened in place. The chunk c
-// (16 values) of a row was staged where the row's 16-bit chunk 2c goes and becomes chunks 2c and 2c + 1; chunk 2c + 1's
-// place holds no staging, so every thread writes only where it alone staged: no barrier before the widening. A
-// tree slot's V (`tree_v`) goes through zero_bad_tree_v, as tree_attn::copy_tree_v_chunk does.
+// fp8 caches: one staged chunk widened in place. Chunk c (16 values) of a row is staged where the row's 16-bit chunk
+// 2c goes (`lo_addr`) and becomes chunks 2c and 2c + 1 (`hi_addr`); chunk 2c + 1's place holds no staging, so a thread
+// that widens the chunks it copied writes only where it alone staged: no barrier before the widening. `tree_node` >= 0:
+// the row is that tree node's V, through zero_bad_tree_v as tree_attn::copy_tree_v_chunk does.
+template <typename T, typename KV>
+__device__ __forceinline__ void widen_chunk(uint32_t lo_addr, uint32_t hi_addr, int tree_node,
+                                            unsigned long long* bad_nodes) {
+  uint4 raw, lo, hi;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+               : "r"(lo_addr)
+               : "memory");
+  const bool finite = widen_fp8x16<T, KV>(raw, lo, hi);
+  if (tree_node >= 0) {
+    tree_attn::zero_bad_tree_v(lo, finite, tree_node, bad_nodes);
+    tree_attn::zero_bad_tree_v(hi, finite, tree_node, bad_nodes);
+  }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo_addr), "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w)
+               : "memory");
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi_addr), "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w)
+               : "memory");
+}
+
+// The tree node whose V row `row` of tile i holds (-1 when it is a context row or past the span, or when `tree_v` is
+// false: a K tile, or a V tile without tree slots).
+template <int kBlockN>
+__device__ __forceinline__ int tree_node_of_row(const Span& sp, int i, int row, bool tree_v) {
+  const int pos = sp.begin + i * kBlockN + row;
+  return tree_v && pos >= sp.ctx && pos < sp.limit ? pos - sp.ctx : -1;
+}
+
+// widen_chunk over this thread's chunks of tile i in ring slot `slot`, as issue_rows of the lockstep kernel copied
+// them: row (threadIdx.x + it * kThreads) / kRowChunks, chunk threadIdx.x % kRowChunks.
 template <typename T, typename KV, int kBlockN, int kThreads>
 __device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i, bool tree_v,
                                            unsigned long long* bad_nodes) {
@@ -293,25 +322,9 @@ __device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i,
 #pragma unroll
   for (int it = 0; it < kChunks; ++it) {
     const int row = (threadIdx.x + it * kThreads) / kRowChunks<KV>;
-    const uint32_t lo_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk);
-    const uint32_t hi_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + 1);
-    uint4 raw, lo, hi;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                 : "r"(lo_addr)
-                 : "memory");
-    const bool finite = widen_fp8x16<T, KV>(raw, lo, hi);
-    const int pos = sp.begin + i * kBlockN + row;
-    if (tree_v && pos >= sp.ctx && pos < sp.limit) {
-      tree_attn::zero_bad_tree_v(lo, finite, pos - sp.ctx, bad_nodes);
-      tree_attn::zero_bad_tree_v(hi, finite, pos - sp.ctx, bad_nodes);
-    }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo_addr), "r"(lo.x), "r"(lo.y), "r"(lo.z),
-                 "r"(lo.w)
-                 : "memory");
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi_addr), "r"(hi.x), "r"(hi.y), "r"(hi.z),
-                 "r"(hi.w)
-                 : "memory");
+    widen_chunk<T, KV>(slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk),
+                       slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + 1),
+                       tree_node_of_row<kBlockN>(sp, i, row, tree_v), bad_nodes);
   }
 }
 

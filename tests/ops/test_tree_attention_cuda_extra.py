@@ -279,7 +279,7 @@ def test_auto_tma_follows_the_card_at_t16(monkeypatch):
     configs = []
     real = cuda_ta.context_config
     monkeypatch.setattr(cuda_ta, "context_config",
-                        lambda rows, fast_memory=False: configs.append(real(rows, fast_memory)) or configs[-1])
+                        lambda rows, fast_memory=False, fp8=False: configs.append(real(rows, fast_memory, fp8)) or configs[-1])
     c = make_case(2, 16, 2, 7, 128, 16, [700, 300], torch.bfloat16, seed=5)
     check_case("auto tma at T=16", c, torch.bfloat16)
     fast = cuda_ta.has_fast_memory(torch.cuda.current_device())

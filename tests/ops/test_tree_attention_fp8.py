@@ -8,6 +8,7 @@ against a float32 reference over the dequantized caches; (3) "auto" skips the CU
 its mma.sync kernel only, slower than triton's there), an explicit "cuda" runs them (the CUDA-only checks:
 every kernel shape, the NaN contract, the launchers' refusals, at the end); (4) bad scales are refused, naming the
 argument."""
+import contextlib
 import math
 
 import pytest
@@ -246,17 +247,26 @@ def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8)
 
 
 def _widened_on_the_same_kernel(plan, case):
-    """The CUDA backend over ``case``'s fp8 caches widened to q's dtype, on the kernel the fp8 caches took: the lockstep
-    sm_90 kernels read fp8 (the warp-specialized one does not), so its 16-bit twin runs with that build off."""
-    from tlt_kernels._cuda import tree_attention as cuda_ta
-
-    saved = cuda_ta.CONTEXT_WARP_SPECIALIZED
-    cuda_ta.CONTEXT_WARP_SPECIALIZED = False
-    try:
+    """The CUDA backend over ``case``'s fp8 caches widened to q's dtype, on the kernel the fp8 caches took: the same
+    sm_90 build, whose copies for fp8 caches are cp.async (so TMA off for the 16-bit twin too), else mma.sync."""
+    with _sm90_build(TMA=False):
         return plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
                         backend="cuda")
+
+
+@contextlib.contextmanager
+def _sm90_build(**switches):
+    """The CUDA backend's sm_90 switches (``CONTEXT_`` + name: ``WARP_SPECIALIZED``, ``TMA``) set inside the block."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    saved = {name: getattr(cuda_ta, f"CONTEXT_{name}") for name in switches}
+    try:
+        for name, value in switches.items():
+            setattr(cuda_ta, f"CONTEXT_{name}", value)
+        yield
     finally:
-        cuda_ta.CONTEXT_WARP_SPECIALIZED = saved
+        for name, value in saved.items():
+            setattr(cuda_ta, f"CONTEXT_{name}", value)
 
 
 def _finite_codes(fp8):
@@ -268,11 +278,13 @@ def _finite_codes(fp8):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("G", [4, 7], ids=["64-rows", "112-rows"])
-def test_cuda_fp8_widens_every_finite_code_exactly(G, dtype, fp8):
+@pytest.mark.parametrize("G,warp_specialized", [(4, True), (7, False), (7, True), (28, True)],
+                         ids=["64-rows", "112-rows-lockstep", "112-rows-ws", "448-rows-ws"])
+def test_cuda_fp8_widens_every_finite_code_exactly(G, warp_specialized, dtype, fp8):
     """Caches cycling through every finite code of the format (subnormals, zeros of both signs, the largest values)
     give bit for bit what the same kernel gives over them widened by torch: the sm_90 kernels' widening (integer ops
-    for e4m3 into bfloat16, conversion instructions else) is exact for every value."""
+    for e4m3 into bfloat16, conversion instructions else; in place by every thread of the lockstep kernels, by the
+    producer warpgroup of the warp-specialized one) is exact for every value."""
     need_backend("tree_attention", "cuda", DEVICE)
     case, _ = _cuda_case((2, 16, 2, G, 128, 16, [300, 77], dtype, None), fp8, 1.0, 1.0)
     codes = _finite_codes(fp8).to(DEVICE)
@@ -286,9 +298,10 @@ def test_cuda_fp8_widens_every_finite_code_exactly(G, dtype, fp8):
     # Small queries keep the scores of the largest codes finite in fp32 and the softmax away from one-hot rows.
     q = case["q"] * 1e-3
     case = {**case, "q": q}
-    out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
-    assert not out8.isnan().any()
-    assert torch.equal(out8, _widened_on_the_same_kernel(plan, case))
+    with _sm90_build(WARP_SPECIALIZED=warp_specialized):
+        out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
+        assert not out8.isnan().any()
+        assert torch.equal(out8, _widened_on_the_same_kernel(plan, case))
 
 
 @pytest.mark.cuda
@@ -303,14 +316,10 @@ def test_cuda_v_scale_on_caches_of_q_dtype_on_every_sm90_build():
     ref = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": case["k_cache"].float() * 0.5,
                                       "v_cache": case["v_cache"].float() * 3.0}, out_dtype=torch.float32)
     for warp_specialized in (True, False):
-        saved = cuda_ta.CONTEXT_WARP_SPECIALIZED
-        cuda_ta.CONTEXT_WARP_SPECIALIZED = warp_specialized
-        try:
+        with _sm90_build(WARP_SPECIALIZED=warp_specialized):
             assert cuda_ta._use_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"])
             out = plan.run(case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
                            backend="cuda", k_scale=0.5, v_scale=3.0)
-        finally:
-            cuda_ta.CONTEXT_WARP_SPECIALIZED = saved
         torch.testing.assert_close(out.float(), ref, atol=5e-2 * 3.0, rtol=2e-2)
 
 
@@ -344,7 +353,7 @@ def test_cuda_fp8_nan_contract(site, split_len, D, fp8):
 @pytest.mark.cuda
 def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     """The launchers' own checks (the Python side never sends these): a tuning config of the partial kernel, and the
-    warp-specialized sm_90 kernel, with fp8 caches."""
+    sm_90 kernel's TMA build, with fp8 caches."""
     need_backend("tree_attention", "cuda", DEVICE)
     from tlt_kernels._cuda import extension
     from tlt_kernels._cuda import tree_attention as cuda_ta
@@ -355,5 +364,5 @@ def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     args["stream"] = torch.cuda.current_stream().cuda_stream
     with pytest.raises(ValueError, match="tuning variant of caches of q's dtype"):
         extension().tree_attention_partial(**{**args, "config": 2})
-    with pytest.raises(ValueError, match="not the warp-specialized one"):
-        extension().tree_attention_sm90(**{**args, "config": 128 | cuda_ta.WARP_SPECIALIZED_FLAG})
+    with pytest.raises(ValueError, match="cp.async copies"):
+        extension().tree_attention_sm90(**{**args, "config": 128 | cuda_ta.WARP_SPECIALIZED_FLAG | cuda_ta.TMA_FLAG})
