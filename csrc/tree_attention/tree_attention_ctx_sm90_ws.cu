@@ -261,10 +261,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     int32_t box_page = Cfg::kTma && warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, 0, 16 * (lane >> 1)) : -1;
     bool saw_bad_page = page == tree_attn::kBadPage;  // every row's page passes through `page` (TMA boxes' too)
     TLT_WS_PROF_DECL();
-    // fp8: tile i's K and V as stored (one commit group), each once its slot is free; tile i - 2, landed by then
-    // (wait_group 1: only tile i - 1's group may fly), widened by the threads that copied it and marked full with a
-    // plain arrival each. Two tiles ahead at most: K_i's slot is freed by S_{i-3}, which needs K_{i-3} full, marked at
-    // iteration i - 1; V_i's by P_{i-4} V_{i-4}, after S_{i-3} too.
+    // fp8: tile i's K and V as stored (one commit group), each once its slot is free; then tile i - 2, once landed
+    // (wait_group 2: tiles i - 1 and i may fly), widened by the threads that copied it and marked full with a plain
+    // arrival each, so two tiles stream while one widens. K_i's slot is freed by S_{i-3}, which needs K_{i-3} full,
+    // marked at iteration i - 1; V_i's by P_{i-4} V_{i-4}, after S_{i-3} too: the waits cannot close a cycle.
     auto widen_and_mark = [&](int i) {
       widen_fp8_tile<T, KV>(k_s + (i % kStagesK) * kTileBytes, sp, i, false, warp, lane, &bad_nodes);
       widen_fp8_tile<T, KV>(v_s + (i % kStagesV) * kTileBytes, sp, i, tile_has_tree<kBlockN>(sp, i), warp, lane,
@@ -277,15 +277,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
       page = row_page<kBlockN>(p, sp, i + 1, my_row);
       saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
-      if (i >= 2) {
-        tree_attn::cp_async_wait<1>();
-        widen_and_mark(i - 2);
-      }
       if (i >= kStagesK) sm90::mbarrier_wait(empty_k(i % kStagesK), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
       copy_fp8_tile(token, k_base, k_stride, k_s + (i % kStagesK) * kTileBytes, warp, lane);
       if (i >= kStagesV) sm90::mbarrier_wait(empty_v(i % kStagesV), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
       copy_fp8_tile(token, v_base, v_stride, v_s + (i % kStagesV) * kTileBytes, warp, lane);
       tree_attn::cp_async_commit();
+      if (i >= 2) {
+        tree_attn::cp_async_wait<2>();
+        widen_and_mark(i - 2);
+      }
     }
     if (kFp8 && n >= 2) {
       tree_attn::cp_async_wait<1>();
