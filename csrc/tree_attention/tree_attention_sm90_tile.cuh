@@ -242,66 +242,62 @@ __device__ __forceinline__ bool tile_has_tree(const Span& sp, int i) {
 template <typename KV>
 constexpr int kRowChunks = kD * static_cast<int>(sizeof(KV)) / 16;
 
-// 16 e4m3 values (a 16-byte chunk, first value in the lowest byte) widened to bfloat16, exactly, into lo (values
-// 0-7) and hi (8-15); false, with nothing written, when one of them is NaN (the caller widens by conversion
-// instructions then). An e4m3 byte s.eeee.mmm moved to bits 15 and 10-4 of a bfloat16 is the same value times
-// 2^-120 (subnormals included: bfloat16's own subnormals cover them), so one bfloat16x2 multiply by 2^120 per pair
-// finishes it: integer ops instead of the conversion unit's lower throughput. NaN (s.1111.111) would come out 480.
-__device__ __forceinline__ bool widen_e4m3x16_bf16(const uint4& raw, uint4& lo, uint4& hi) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t nan_bytes = 0u;  // bit 7 of a byte set iff its low 7 bits are all ones (+1 carries into bit 7 only then)
-#pragma unroll
-  for (int i = 0; i < 4; ++i) nan_bytes |= ((w[i] & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+// 8 e4m3 values (8 bytes, first value in the lowest byte) widened to bfloat16, exactly, into `out`; false, with
+// nothing written, when one of them is NaN (the caller widens by conversion instructions then). An e4m3 byte
+// s.eeee.mmm moved to bits 15 and 10-4 of a bfloat16 is the same value times 2^-120 (subnormals included: bfloat16's
+// own subnormals cover them), so one bfloat16x2 multiply by 2^120 per pair finishes it: integer ops instead of the
+// conversion unit's lower throughput. NaN (s.1111.111) would come out 480.
+__device__ __forceinline__ bool widen_e4m3x8_bf16(const uint2& raw, uint4& out) {
+  // Bit 7 of a byte set iff its low 7 bits are all ones (+1 carries into bit 7 only then).
+  const uint32_t nan_bytes = (((raw.x & 0x7f7f7f7fu) + 0x01010101u) | ((raw.y & 0x7f7f7f7fu) + 0x01010101u)) &
+                             0x80808080u;
   if (nan_bytes != 0u) return false;
-  uint32_t out[8];
   const __nv_bfloat162 two_pow_120 = __halves2bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80));
+  uint32_t words[4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    // Bytes 2i and 2i + 1 of the chunk into the high bytes of two 16-bit lanes.
-    const uint32_t v = __byte_perm(w[i / 2], 0u, (i & 1) ? 0x3424u : 0x1404u);
+  for (int i = 0; i < 4; ++i) {
+    // Bytes 2i and 2i + 1 into the high bytes of two 16-bit lanes.
+    const uint32_t v = __byte_perm(i < 2 ? raw.x : raw.y, 0u, (i & 1) ? 0x3424u : 0x1404u);
     const uint32_t bits = (v & 0x80008000u) | ((v >> 4) & 0x07f007f0u);
-    __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-    pair = __hmul2(pair, two_pow_120);
-    out[i] = *reinterpret_cast<const uint32_t*>(&pair);
+    __nv_bfloat162 pair = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), two_pow_120);
+    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
   }
-  lo = make_uint4(out[0], out[1], out[2], out[3]);
-  hi = make_uint4(out[4], out[5], out[6], out[7]);
+  out = make_uint4(words[0], words[1], words[2], words[3]);
   return true;
 }
 
-// 16 fp8 values (KV) widened exactly to T into lo and hi (as widen_e4m3x16_bf16); returns whether all are finite.
+// 8 fp8 values (KV) widened exactly to T (as widen_e4m3x8_bf16, else tree_attn::widen_fp8x8); `finite`: no NaN/inf.
 template <typename T, typename KV>
-__device__ __forceinline__ bool widen_fp8x16(const uint4& raw, uint4& lo, uint4& hi) {
+__device__ __forceinline__ uint4 widen_fp8x8_fast(const uint2& raw, bool& finite) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<KV, __nv_fp8_e4m3>::value) {
-    if (widen_e4m3x16_bf16(raw, lo, hi)) return true;  // e4m3 has no inf: finite unless NaN
+    uint4 out;
+    finite = true;  // e4m3 has no inf: finite unless NaN
+    if (widen_e4m3x8_bf16(raw, out)) return out;
   }
-  bool finite_lo, finite_hi;
-  lo = tree_attn::widen_fp8x8<T, KV>(make_uint2(raw.x, raw.y), finite_lo);
-  hi = tree_attn::widen_fp8x8<T, KV>(make_uint2(raw.z, raw.w), finite_hi);
-  return finite_lo && finite_hi;
+  return tree_attn::widen_fp8x8<T, KV>(raw, finite);
 }
 
 // fp8 caches: one staged chunk widened in place. Chunk c (16 values) of a row is staged where the row's 16-bit chunk
 // 2c goes (`lo_addr`) and becomes chunks 2c and 2c + 1 (`hi_addr`); chunk 2c + 1's place holds no staging, so a thread
 // that widens the chunks it copied writes only where it alone staged: no barrier before the widening. `tree_node` >= 0:
-// the row is that tree node's V, through zero_bad_tree_v as tree_attn::copy_tree_v_chunk does.
+// the row is that tree node's V, each 8-value half through zero_bad_tree_v as tree_attn::copy_tree_v_chunk does.
 template <typename T, typename KV>
 __device__ __forceinline__ void widen_chunk(uint32_t lo_addr, uint32_t hi_addr, int tree_node,
                                             unsigned long long* bad_nodes) {
-  uint4 raw, lo, hi;
+  uint4 raw;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
                : "r"(lo_addr)
                : "memory");
-  const bool finite = widen_fp8x16<T, KV>(raw, lo, hi);
-  if (tree_node >= 0) {
-    tree_attn::zero_bad_tree_v(lo, finite, tree_node, bad_nodes);
-    tree_attn::zero_bad_tree_v(hi, finite, tree_node, bad_nodes);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    bool finite;
+    uint4 v = widen_fp8x8_fast<T, KV>(half ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y), finite);
+    if (tree_node >= 0) tree_attn::zero_bad_tree_v(v, finite, tree_node, bad_nodes);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(half ? hi_addr : lo_addr), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
   }
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(lo_addr), "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w)
-               : "memory");
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(hi_addr), "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w)
-               : "memory");
 }
 
 // The tree node whose V row `row` of tile i holds (-1 when it is a context row or past the span, or when `tree_v` is
@@ -319,7 +315,7 @@ __device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i,
                                            unsigned long long* bad_nodes) {
   constexpr int kChunks = kBlockN * kRowChunks<KV> / kThreads;
   const int chunk = threadIdx.x % kRowChunks<KV>;
-#pragma unroll
+#pragma unroll 1
   for (int it = 0; it < kChunks; ++it) {
     const int row = (threadIdx.x + it * kThreads) / kRowChunks<KV>;
     widen_chunk<T, KV>(slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk),

@@ -374,33 +374,36 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
     assert " 0 bytes spill stores" in proc.stderr and "bytes spill stores" in proc.stderr
     assert all(" 0 bytes spill stores" in line for line in proc.stderr.splitlines() if "spill stores" in line), proc.stderr
     # Both instantiations (two warpgroups, 128-token tiles: the default; one warpgroup per 64-row chunk, 64-token
-    # tiles: config 64), each for fp16 and bf16.
+    # tiles: config 64), each for fp16 and bf16 queries over caches of their dtype, e4m3 and e5m2.
     entries = [line for line in proc.stderr.splitlines() if "Compiling entry function" in line]
-    assert len(entries) == 4, proc.stderr
+    assert len(entries) == 12, proc.stderr
     for cfg in ("CtxConfigILi128ELi2EEE", "CtxConfigILi64ELi1EEE"):
-        assert sum(cfg in line for line in entries) == 2, (cfg, entries)
+        assert sum(cfg in line for line in entries) == 6, (cfg, entries)
 
 
 def test_sm90_warp_specialized_kernel_compiles_without_serialization_or_spills():
     """csrc/tree_attention/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend
-    launches keep their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing; the TMA
-    build keeps its small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
+    launches keep their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing over caches
+    of q's dtype; the TMA build, and the default over fp8 caches (whose producer widens them), keep their small
+    producer spills (at most 16 bytes at 56 registers) from growing."""
     import re
 
     proc = _ptxas_verbose_sm90("tree_attention/tree_attention_ctx_sm90_ws.cu")
     assert "C7514" not in proc.stderr, proc.stderr
     lines = proc.stderr.splitlines()
-    spills = {}
+    spills, fp8_spills = {}, {}
     for i, line in enumerate(lines):
         if "Compiling entry function" in line:
             cfg = re.search(r"WsConfigILb(\d)ELi(\d)ELi(\d)ELb(\d)E", line).groups()
             spill = next(l for l in lines[i + 1:] if "spill stores" in l)
-            spills.setdefault(cfg, []).append(int(re.search(r"(\d+) bytes spill stores", spill).group(1)))
-    # fp16 and bf16 of: the default, K4+V3, Q in shared memory, TMA
-    assert set(spills) == {("1", "3", "4", "0"), ("1", "4", "3", "0"), ("0", "3", "3", "0"), ("1", "3", "4", "1")}, spills
-    assert all(len(v) == 2 for v in spills.values()), spills
+            into = fp8_spills if "__nv_fp8_" in line else spills
+            into.setdefault(cfg, []).append(int(re.search(r"(\d+) bytes spill stores", spill).group(1)))
+    # fp16 and bf16 of: the default, K4+V3, Q in shared memory, TMA; over e4m3 and e5m2 caches too, but for TMA
+    cp_async = {("1", "3", "4", "0"), ("1", "4", "3", "0"), ("0", "3", "3", "0")}
+    assert set(spills) == cp_async | {("1", "3", "4", "1")} and set(fp8_spills) == cp_async, (spills, fp8_spills)
+    assert all(len(v) == 2 for v in spills.values()) and all(len(v) == 4 for v in fp8_spills.values()), fp8_spills
     assert spills[("1", "3", "4", "0")] == [0, 0], spills
-    assert max(spills[("1", "3", "4", "1")]) <= 16, spills
+    assert max(spills[("1", "3", "4", "1")]) <= 16 and max(fp8_spills[("1", "3", "4", "0")]) <= 16, fp8_spills
 
 
 def _elf_section_sizes(path: str) -> dict:
