@@ -25,10 +25,10 @@ every request with context L and a random tree of T nodes. Impls:
 * ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
   over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
   kernel over the caches' exact bf16 widening (the CUDA row: the lockstep sm_90 kernels where they take the plan,
-  else the mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one, and ``tlt-cuda fp8 (lockstep)`` /
-  ``(warp-specialized)``: the 128-token kernel's other build, where the sm_90 path runs), XQA's against ours; ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key
-  tiles)``: the Triton row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile
-  rule (``FP8_WIDE_TILE_CONFIGS``). The fp8 rows run a plan built for e4m3 caches (``kv_dtype``); ``tlt-triton fp8
+  else the mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one, where the sm_90 path runs), XQA's against ours;
+  ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key tiles)``: the Triton
+  row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile rule
+  (``FP8_WIDE_TILE_CONFIGS``). The fp8 rows run a plan built for e4m3 caches (``kv_dtype``); ``tlt-triton fp8
   (two-byte split)``: the Triton row with the bf16 rows' plan, where the two split differently;
 * ``flashinfer-xqa``: FlashInfer's speculative-decode attention (``trtllm_batch_decode_with_kv_cache(backend="xqa",
   q_len_per_req=T, mask=...)``, 0.6 and later): the tree's nodes are the last ``T`` tokens of each sequence and its
@@ -602,21 +602,14 @@ def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False
 
 
 def _bench_cuda_fp8(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
-    """``tlt-cuda fp8``: the CUDA backend over the e4m3 caches (its sm_90 kernels where they take the plan, else the
-    mma.sync one); where the sm_90 path runs, ``tlt-cuda fp8 (mma.sync)`` and, for the 128-token kernel, the other of
-    its builds (``tlt-cuda fp8 (lockstep)`` / ``(warp-specialized)``), each checked against ``reference``."""
+    """``tlt-cuda fp8``: the CUDA backend over the e4m3 caches (its lockstep sm_90 kernels where they take the plan, else
+    the mma.sync one); where the sm_90 path runs, ``tlt-cuda fp8 (mma.sync)`` too, each checked against ``reference``."""
     import tlt_kernels._cuda.tree_attention as ct
 
     _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost)
-    if not ct._use_context_sm90(plan, q, k8, v8):
-        return
-    with ct.forced_context_path(False):
-        _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
-    if ct.context_tile(plan.num_tree * plan.group) == 128 and plan.num_tree * plan.group <= ct.CONTEXT_SM90_MAX_ROWS:
-        ws = not ct.CONTEXT_WARP_SPECIALIZED
-        with mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws):
-            _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost,
-                     impl=f"tlt-cuda fp8 ({'warp-specialized' if ws else 'lockstep'})")
+    if ct._use_context_sm90(plan, q, k8, v8):
+        with ct.forced_context_path(False):
+            _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
 
 
 def _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, reference, nbytes, cost):

@@ -362,7 +362,8 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
                        "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
                            << static_cast<int>(p.kv_fp8));
-  TLT_STATUS_CHECK_ARG(!(fp8 && tma), "fp8 caches: the sm_90 kernels' cp.async copies (no " << kSm90Tma << " flag)");
+  TLT_STATUS_CHECK_ARG(!(fp8 && warp_specialized),
+                       "fp8 caches run on the lockstep sm_90 kernels (config 0, 64 or 128), not the warp-specialized one");
   TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
   // fp8 rows are copied 16 values (bytes) at a time.
   TLT_STATUS_CHECK_ARG(!fp8 || (p.k_stride_token % 16 == 0 && p.k_stride_head % 16 == 0 && p.v_stride_token % 16 == 0 &&

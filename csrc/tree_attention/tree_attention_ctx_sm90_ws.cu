@@ -13,9 +13,6 @@
 //     issues its step j, then warpgroup 0 its step j + 1, ...), so one warpgroup's softmax runs while the other's
 //     GEMMs hold the tensor cores. In the lockstep kernel both issued S_j together after the step's barrier and
 //     then both did their softmax, the tensor cores idle meanwhile.
-//   fp8 caches (KV): the producer copies a tile as stored (half the bytes; each chunk staged where its row's 16-bit
-//     chunk 2c goes) and, two tiles later, once it has landed, widens its own chunks in place (tree_sm90::widen_chunk)
-//     and marks the slot full itself: the conversion runs on the producer's issue slots, beside the consumers' math.
 // Why: one warpgroup's softmax no longer waits for the other's GEMMs, so a tile costs closer to its copies where
 // memory outruns the math; where the copies are the limit it changes nothing (figures: docs/CUDA_NOTES.md,
 // "Measurements behind the csrc rules").
@@ -29,7 +26,6 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -144,52 +140,12 @@ __device__ __forceinline__ void copy_tree_v_tile(int32_t token, const char* base
   wgmma::fence_proxy_async();
 }
 
-// fp8 caches: row and 16-byte chunk of copy `it` (0-7) of a producer lane, and the lane that looked up the row's
-// token: rows 2 w + (g & 1) + 8 (2 it + (g >> 1)) of warp w for lane group g = lane / 8, chunk lane % 8 (8 chunks of 16
-// values a row), so each row is one the warp's lanes looked up (lane 4 it + g, see copy_tile).
-__device__ __forceinline__ int fp8_copy_row(int it, int warp, int lane) {
-  return 2 * warp + ((lane >> 3) & 1) + 8 * (2 * it + (lane >> 4));
-}
-
-// copy_tile over fp8 caches: tile i's rows as stored, 8 copies of 16 values per producer thread, each staged at the
-// place of its row's 16-bit chunk 2c (see widen_chunk); widen_fp8_tile widens them once landed.
-__device__ __forceinline__ void copy_fp8_tile(int32_t token, const char* base, uint32_t stride_bytes, uint32_t slot,
-                                              int warp, int lane) {
-  const int chunk = lane % 8;
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int32_t tok = __shfl_sync(0xffffffffu, token, 4 * it + (lane >> 3));
-    const char* src = base + static_cast<uint64_t>(static_cast<uint32_t>(max(tok, 0))) * stride_bytes;
-    tree_attn::cp_async_16(slot + wgmma::swizzled_offset(kBlockN, fp8_copy_row(it, warp, lane), 2 * chunk), src,
-                           tok >= 0 ? 16 : 0);
-  }
-}
-
-// The chunks copy_fp8_tile staged in `slot` for tile i (landed), widened in place by the thread that copied them, then
-// fenced for the wgmma that reads them; a tree slot's V checked on the way (`tree_v`).
-template <typename T, typename KV>
-__device__ __forceinline__ void widen_fp8_tile(uint32_t slot, const Span& sp, int i, bool tree_v, int warp, int lane,
-                                               unsigned long long* bad_nodes) {
-  const int chunk = lane % 8;
-#pragma unroll 1
-  for (int it = 0; it < 8; ++it) {
-    const int row = fp8_copy_row(it, warp, lane);
-    widen_chunk<T, KV>(slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk),
-                       slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + 1),
-                       tree_node_of_row<kBlockN>(sp, i, row, tree_v), bad_nodes);
-  }
-  wgmma::fence_proxy_async();
-}
-
-// KV: the caches' storage, T or an fp8 type (copied as stored, widened by the producer: see the fp8 producer loop).
-template <typename T, typename KV, typename Cfg>
+template <typename T, typename Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     tree_attention_sm90_ws_kernel(const TreeAttentionParams p, const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
-  constexpr bool kFp8 = tree_attn::kIsFp8<KV>;
-  static_assert(!(kFp8 && Cfg::kTma), "fp8 caches: the cp.async build (the producer widens what it copied)");
   extern __shared__ __align__(16) unsigned char smem[];
   // blockIdx.x = split << row_block_shift | rb: a CTA owns rows 128 rb .. 128 rb + 127 of T * G (one block up to
   // T * G = 128; wide trees take several). The row blocks of one split are adjacent in launch order, so they stream
@@ -247,56 +203,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (wg == 2) {  // ---- producer ----
     sm90::regs_dec<kProducerRegs>();
     const int pt = threadIdx.x - kConsumerThreads;
-    // This thread's 16-byte column chunk of KV head h (pt % 16 of a 16-bit row, pt % 8 of an fp8 one).
-    constexpr int kChunkValues = 16 / static_cast<int>(sizeof(KV));
-    const char* const k_base = reinterpret_cast<const char*>(static_cast<const KV*>(p.k_cache) + h * p.k_stride_head +
-                                                             (pt % kRowChunks<KV>) * kChunkValues);
-    const char* const v_base = reinterpret_cast<const char*>(static_cast<const KV*>(p.v_cache) + h * p.v_stride_head +
-                                                             (pt % kRowChunks<KV>) * kChunkValues);
-    const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(KV));
-    const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(KV));
+    const char* const k_base =
+        reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + h * p.k_stride_head + (pt % 16) * 8);
+    const char* const v_base =
+        reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + h * p.v_stride_head + (pt % 16) * 8);
+    const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
+    const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
     const int my_row = 2 * warp + (lane & 1) + 8 * (lane >> 1);  // the row whose token this lane looks up
     int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
     // TMA build: the page of this lane's box of the next tile (lanes 0-15 of warp 0), looked up a tile ahead.
     int32_t box_page = Cfg::kTma && warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, 0, 16 * (lane >> 1)) : -1;
     bool saw_bad_page = page == tree_attn::kBadPage;  // every row's page passes through `page` (TMA boxes' too)
     TLT_WS_PROF_DECL();
-    // fp8: tile i's K and V as stored (one commit group), each once its slot is free; then tile i - 2, once landed
-    // (wait_group 2: tiles i - 1 and i may fly), widened by the threads that copied it and marked full with a plain
-    // arrival each, so two tiles stream while one widens. K_i's slot is freed by S_{i-3}, which needs K_{i-3} full,
-    // marked at iteration i - 1; V_i's by P_{i-4} V_{i-4}, after S_{i-3} too: the waits cannot close a cycle.
-    auto widen_and_mark = [&](int i) {
-      widen_fp8_tile<T, KV>(k_s + (i % kStagesK) * kTileBytes, sp, i, false, warp, lane, &bad_nodes);
-      widen_fp8_tile<T, KV>(v_s + (i % kStagesV) * kTileBytes, sp, i, tile_has_tree<kBlockN>(sp, i), warp, lane,
-                            &bad_nodes);
-      sm90::mbarrier_arrive(full_k(i % kStagesK));
-      sm90::mbarrier_arrive(full_v(i % kStagesV));
-    };
 #pragma unroll 1
-    for (int i = 0; kFp8 && i < n; ++i) {
-      const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
-      page = row_page<kBlockN>(p, sp, i + 1, my_row);
-      saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
-      if (i >= kStagesK) sm90::mbarrier_wait(empty_k(i % kStagesK), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
-      copy_fp8_tile(token, k_base, k_stride, k_s + (i % kStagesK) * kTileBytes, warp, lane);
-      if (i >= kStagesV) sm90::mbarrier_wait(empty_v(i % kStagesV), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
-      copy_fp8_tile(token, v_base, v_stride, v_s + (i % kStagesV) * kTileBytes, warp, lane);
-      tree_attn::cp_async_commit();
-      if (i >= 2) {
-        tree_attn::cp_async_wait<2>();
-        widen_and_mark(i - 2);
-      }
-    }
-    if (kFp8 && n >= 2) {
-      tree_attn::cp_async_wait<1>();
-      widen_and_mark(n - 2);
-    }
-    if (kFp8 && n >= 1) {
-      tree_attn::cp_async_wait<0>();
-      widen_and_mark(n - 1);
-    }
-#pragma unroll 1
-    for (int i = 0; !kFp8 && i < n; ++i) {
+    for (int i = 0; i < n; ++i) {
       const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
       page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
       saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
@@ -527,32 +447,21 @@ inline LaunchStatus encode_cache_map(CUtensorMap& map, const void* cache, int64_
   return {};
 }
 
-template <typename T, typename KV, typename Cfg>
+template <typename T, typename Cfg>
 LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
   CUtensorMap tmap_k{}, tmap_v{};  // unused unless Cfg::kTma
   if constexpr (Cfg::kTma) {
     TLT_RETURN_IF_FAILED(encode_cache_map(tmap_k, p.k_cache, p.k_stride_head, p.k_stride_token, p));
     TLT_RETURN_IF_FAILED(encode_cache_map(tmap_v, p.v_cache, p.v_stride_head, p.v_stride_token, p));
   }
-  return launch_with_smem(tree_attention_sm90_ws_kernel<T, KV, Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, p,
-                          tmap_k, tmap_v);
-}
-
-// q's dtype T with the caches' storage (p.kv_fp8; fp8 caches: the cp.async builds only, the launcher checks).
-template <typename T, typename Cfg>
-LaunchStatus launch_ws_caches(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  if constexpr (!Cfg::kTma) {
-    if (p.kv_fp8 == Fp8Format::kE4M3) return launch_ws<T, __nv_fp8_e4m3, Cfg>(p, grid, stream);
-    if (p.kv_fp8 == Fp8Format::kE5M2) return launch_ws<T, __nv_fp8_e5m2, Cfg>(p, grid, stream);
-  }
-  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone, "fp8 caches on the warp-specialized kernel: cp.async builds only");
-  return launch_ws<T, T, Cfg>(p, grid, stream);
+  return launch_with_smem(tree_attention_sm90_ws_kernel<T, Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, p, tmap_k,
+                          tmap_v);
 }
 
 template <typename Cfg>
 LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_ws_caches<__nv_bfloat16, Cfg>(p, grid, stream)
-                                     : launch_ws_caches<__half, Cfg>(p, grid, stream);
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, Cfg>(p, grid, stream)
+                                     : launch_ws<__half, Cfg>(p, grid, stream);
 }
 
 }  // namespace

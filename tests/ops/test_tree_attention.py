@@ -264,7 +264,7 @@ def sm90_with_both_kernels(monkeypatch):
     return op, capability
 
 
-# (T, G, D, block_size, split_len, fp32, scaled) -> what "auto" runs on sm_90
+# (T, G, D, block_size, split_len, fp32, fp8) -> what "auto" runs on sm_90
 AUTO_CHOICES = [
     ((16, 7, 128, 16, 4096, False, False), "cuda (auto)"),  # 112 rows: measured faster on CUDA
     ((16, 5, 128, 16, 8192, False, False), "cuda (auto)"),  # 80 rows: the bound
@@ -275,17 +275,17 @@ AUTO_CHOICES = [
     ((16, 7, 128, 24, 4096, False, False), "triton"),  # pages of 24 tokens: not a power of two
     ((16, 7, 128, 16, 4160, False, False), "triton"),  # splits not whole 128-token tiles
     ((16, 7, 128, 16, 4096, True, False), "triton"),  # fp32: the CUDA kernels read half precision
-    ((16, 7, 128, 16, 4096, False, True), "triton"),  # fp8 caches / v_scale: triton is faster there
+    ((16, 7, 128, 16, 4096, False, True), "triton"),  # fp8 caches: triton is faster there
 ]
 
 
 @pytest.mark.parametrize("sizes,want", AUTO_CHOICES)
 def test_auto_takes_cuda_where_a_kv_head_has_many_rows(sm90_with_both_kernels, sizes, want):
     op, _ = sm90_with_both_kernels
-    T, G, D, bs, split_len, fp32, scaled = sizes
+    T, G, D, bs, split_len, fp32, fp8 = sizes
     cuda = torch.device("cuda", 0)
-    assert op._choose_backend("auto", cuda, T, D, fp32, scaled, (G, bs, split_len)) == want
-    assert op._choose_backend("triton", cuda, T, D, fp32, scaled, (G, bs, split_len)) == "triton"
+    assert op._choose_backend("auto", cuda, T, D, fp32, fp8, (G, bs, split_len)) == want
+    assert op._choose_backend("triton", cuda, T, D, fp32, fp8, (G, bs, split_len)) == "triton"
 
 
 def test_auto_keeps_triton_off_sm90_or_without_the_extension(sm90_with_both_kernels, monkeypatch):

@@ -4,10 +4,10 @@ The caches hold ``K / k_scale`` and ``V / v_scale`` in fp8; every backend that r
 ``cache * scale``. Checked: (1) at scales 1 an fp8 cache gives exactly what its bf16/fp16 widening gives (the widening
 is exact, and both paths then run the same arithmetic), bit for bit (compiled Triton: within a few output ulps, see
 the test); (2) with scales, the output
-against a float32 reference over the dequantized caches; (3) "auto" skips the CUDA backend for them (it reads them on
-its mma.sync kernel only, slower than triton's there), an explicit "cuda" runs them (the CUDA-only checks:
-every kernel shape, the NaN contract, the launchers' refusals, at the end); (4) bad scales are refused, naming the
-argument."""
+against a float32 reference over the dequantized caches; (3) "auto" skips the CUDA backend for them (its kernels widen
+them in shared memory, slower than triton's), an explicit "cuda" runs them (the CUDA-only checks at the end: every
+kernel shape, every finite code through the sm_90 kernels, the NaN contract, v_scale on every sm_90 build, the
+launchers' refusals); (4) bad scales are refused, naming the argument."""
 import contextlib
 import math
 
@@ -145,11 +145,11 @@ def test_public_op_plans_for_its_caches_dtype(monkeypatch):
     assert seen == [torch.float8_e4m3fn, torch.bfloat16]
 
 
-def test_auto_skips_the_cuda_backend_for_scaled_caches():
-    """"auto" does not pick the CUDA backend for fp8 caches or v_scale != 1 (an explicit "cuda" runs them)."""
-    for scaled in (False, True):
-        name = _choose_backend("auto", DEVICE, 4, 64, False, scaled)
-        assert not (scaled and name == "cuda")
+def test_auto_skips_the_cuda_backend_for_fp8_caches():
+    """"auto" does not pick the CUDA backend for fp8 caches (an explicit "cuda" runs them)."""
+    for fp8 in (False, True):
+        name = _choose_backend("auto", DEVICE, 4, 64, False, fp8)
+        assert not (fp8 and name == "cuda")
 
 
 def test_rejects_bad_scales_and_dtypes():
@@ -247,9 +247,9 @@ def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8)
 
 
 def _widened_on_the_same_kernel(plan, case):
-    """The CUDA backend over ``case``'s fp8 caches widened to q's dtype, on the kernel the fp8 caches took: the same
-    sm_90 build, whose copies for fp8 caches are cp.async (so TMA off for the 16-bit twin too), else mma.sync."""
-    with _sm90_build(TMA=False):
+    """The CUDA backend over ``case``'s fp8 caches widened to q's dtype, on the kernel the fp8 caches took: the lockstep
+    sm_90 kernels read fp8 (the warp-specialized one does not), so its 16-bit twin runs with that build off."""
+    with _sm90_build(WARP_SPECIALIZED=False):
         return plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
                         backend="cuda")
 
@@ -278,13 +278,12 @@ def _finite_codes(fp8):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("G,warp_specialized", [(4, True), (7, False), (7, True), (28, True)],
-                         ids=["64-rows", "112-rows-lockstep", "112-rows-ws", "448-rows-ws"])
-def test_cuda_fp8_widens_every_finite_code_exactly(G, warp_specialized, dtype, fp8):
+@pytest.mark.parametrize("G", [4, 7], ids=["64-rows", "112-rows"])
+def test_cuda_fp8_widens_every_finite_code_exactly(G, dtype, fp8):
     """Caches cycling through every finite code of the format (subnormals, zeros of both signs, the largest values)
-    give bit for bit what the same kernel gives over them widened by torch: the sm_90 kernels' widening (integer ops
-    for e4m3 into bfloat16, conversion instructions else; in place by every thread of the lockstep kernels, by the
-    producer warpgroup of the warp-specialized one) is exact for every value."""
+    give bit for bit what the same kernel gives over them widened by torch: the lockstep sm_90 kernels' widening
+    (integer ops for e4m3 into bfloat16, conversion instructions else) is exact for every value, in the one- and the
+    two-warpgroup kernel."""
     need_backend("tree_attention", "cuda", DEVICE)
     case, _ = _cuda_case((2, 16, 2, G, 128, 16, [300, 77], dtype, None), fp8, 1.0, 1.0)
     codes = _finite_codes(fp8).to(DEVICE)
@@ -298,10 +297,9 @@ def test_cuda_fp8_widens_every_finite_code_exactly(G, warp_specialized, dtype, f
     # Small queries keep the scores of the largest codes finite in fp32 and the softmax away from one-hot rows.
     q = case["q"] * 1e-3
     case = {**case, "q": q}
-    with _sm90_build(WARP_SPECIALIZED=warp_specialized):
-        out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
-        assert not out8.isnan().any()
-        assert torch.equal(out8, _widened_on_the_same_kernel(plan, case))
+    out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
+    assert not out8.isnan().any()
+    assert torch.equal(out8, _widened_on_the_same_kernel(plan, case))
 
 
 @pytest.mark.cuda
@@ -353,7 +351,7 @@ def test_cuda_fp8_nan_contract(site, split_len, D, fp8):
 @pytest.mark.cuda
 def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     """The launchers' own checks (the Python side never sends these): a tuning config of the partial kernel, and the
-    sm_90 kernel's TMA build, with fp8 caches."""
+    warp-specialized sm_90 kernel, with fp8 caches."""
     need_backend("tree_attention", "cuda", DEVICE)
     from tlt_kernels._cuda import extension
     from tlt_kernels._cuda import tree_attention as cuda_ta
@@ -364,5 +362,5 @@ def test_cuda_launchers_refuse_fp8_where_they_do_not_read_it():
     args["stream"] = torch.cuda.current_stream().cuda_stream
     with pytest.raises(ValueError, match="tuning variant of caches of q's dtype"):
         extension().tree_attention_partial(**{**args, "config": 2})
-    with pytest.raises(ValueError, match="cp.async copies"):
-        extension().tree_attention_sm90(**{**args, "config": 128 | cuda_ta.WARP_SPECIALIZED_FLAG | cuda_ta.TMA_FLAG})
+    with pytest.raises(ValueError, match="not the warp-specialized one"):
+        extension().tree_attention_sm90(**{**args, "config": 128 | cuda_ta.WARP_SPECIALIZED_FLAG})

@@ -119,19 +119,19 @@ def context_config(rows: int, fast_memory: bool = False, fp8: bool = False) -> i
     """The sm_90 kernel's launch config for ``rows = T * G``: its tile width, with the warp-specialized flag where
     :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens, and then the TMA flag where
     :data:`CONTEXT_TMA` wants it (auto: rows > 128, or any rows when ``fast_memory``, see :func:`has_fast_memory`).
-    ``fp8`` caches: never the TMA flag (their tiles are gathered by cp.async and widened by the threads that copied them)."""
+    ``fp8`` caches: the tile alone (the lockstep kernels, whose every thread widens the fp8 tiles it copied; a producer
+    warpgroup widening them measured slower, docs/TREE_ATTENTION.md, "fp8 caches")."""
     tile = context_tile(rows)
-    if not (CONTEXT_WARP_SPECIALIZED and tile == 128):
+    if fp8 or not (CONTEXT_WARP_SPECIALIZED and tile == 128):
         return tile
     tma = (rows > CONTEXT_SM90_MAX_ROWS or fast_memory) if CONTEXT_TMA is None else CONTEXT_TMA
-    tma = tma and not fp8
     return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma else 0)
 
 
-def context_rows_covered(rows: int) -> bool:
+def context_rows_covered(rows: int, fp8: bool = False) -> bool:
     """Whether the sm_90 kernels take ``rows = T * G`` query rows per KV head: up to two warpgroups' 128 in the
-    lockstep kernels, any number in 128-row blocks in the warp-specialized one."""
-    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or CONTEXT_WARP_SPECIALIZED)
+    lockstep kernels (the only ones over ``fp8`` caches), any number in 128-row blocks in the warp-specialized one."""
+    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or (CONTEXT_WARP_SPECIALIZED and not fp8))
 
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -143,17 +143,17 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 and k_cache.shape[0] * bs < 2**31)  # tokens are int32
     rows16 = not fp8 or all(c.stride(d) % 16 == 0 for c in (k_cache, v_cache) for d in (1, 2))
     return (pages_ok and rows16 and q.dtype in (torch.bfloat16, torch.float16)
-            and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device))
+            and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device, fp8))
 
 
 def context_kernel_takes(num_tree: int, group: int, head_dim: int, block_size: int, split_len: int,
-                         device: torch.device) -> bool:
-    """Whether the sm_90 context kernel runs a plan of these sizes over caches in contiguous pages (of q's dtype or
-    fp8): the part of the path rule that needs no tensor (the op's "auto" asks it too)."""
+                         device: torch.device, fp8: bool = False) -> bool:
+    """Whether the sm_90 context kernel runs a plan of these sizes over caches in contiguous pages, of q's dtype or
+    ``fp8``: the part of the path rule that needs no tensor (the op's "auto" asks it too)."""
     rows = num_tree * group
     # auto: where it was measured faster (every T*G <= 128, one split or several).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
-    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows)
+    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows, fp8)
             and num_tree <= MAX_TREE_SM90 and split_len % context_tile(rows) == 0 and cuda_capability(device)[0] == 9)
 
 

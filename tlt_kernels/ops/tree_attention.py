@@ -84,10 +84,10 @@ SPLIT_COUNTER_ROWS = 16
 AUTO_CUDA_MIN_ROWS = 80
 # The kernel name "auto" gives that choice: the CUDA kernels, or triton for caches they refuse (_run_auto_cuda).
 AUTO_CUDA = "cuda (auto)"
-# Backends "auto" does not pick for fp8 caches or v_scale != 1 (it picks triton, else torch): the CUDA backend reads
-# them on its mma.sync kernel only, not the sm_90 ones, where it measured 1.2-1.8x slower than triton (H200,
-# docs/TREE_ATTENTION.md). Explicitly, it runs.
-_SCALED_NOT_AUTO = ("cuda",)
+# Backends "auto" does not pick for fp8 caches (it picks triton, else torch): the CUDA backend widens them in shared
+# memory (its lockstep sm_90 kernels, else its mma.sync kernel), measured 1.3-2.2x slower than triton's (H100,
+# docs/TREE_ATTENTION.md, "fp8 caches"). Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
+_FP8_NOT_AUTO = ("cuda",)
 
 
 @dataclass
@@ -656,15 +656,15 @@ def _assume_constant_result(fn):
 
 @_assume_constant_result
 def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim: int, fp32: bool = False,
-                    scaled: bool = False, plan_sizes: Optional[Tuple[int, int, int]] = None) -> str:
+                    fp8: bool = False, plan_sizes: Optional[Tuple[int, int, int]] = None) -> str:
     """The kernel to run (decided once at trace time under torch.compile, so no graph break): a backend's name, or
     ``AUTO_CUDA``. ``plan_sizes``: ``(group, block_size, split_len)``, for "auto"'s ``AUTO_CUDA_MIN_ROWS`` rule."""
     name = _BACKENDS.choose(backend, device)
     if fp32 and name in _HALF_ONLY and backend != "auto":
         raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
-    if backend == "auto" and ((fp32 and name in _HALF_ONLY) or (scaled and name in _SCALED_NOT_AUTO)):
+    if backend == "auto" and ((fp32 and name in _HALF_ONLY) or (fp8 and name in _FP8_NOT_AUTO)):
         name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
-    if backend == "auto" and name == "triton" and not (fp32 or scaled) and plan_sizes is not None:
+    if backend == "auto" and name == "triton" and not (fp32 or fp8) and plan_sizes is not None:
         name = AUTO_CUDA if _auto_takes_cuda(device, num_tree, head_dim, *plan_sizes) else name
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
@@ -726,8 +726,9 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
             and raise for an explicit kernel backend.
         k_scale, v_scale: per-tensor dequantization scales, finite numbers > 0: the caches hold ``K / k_scale`` and
             ``V / v_scale`` (an fp8 cache's usual scales; any cache dtype). ``k_scale`` folds into the softmax scale,
-            ``v_scale`` into each output row. ``"auto"`` runs fp8 caches and ``v_scale != 1`` on triton (torch
-            without it); ``"cuda"`` runs them on its mma.sync kernel.
+            ``v_scale`` into each output row. ``"auto"`` runs fp8 caches on triton (torch without it); ``"cuda"``
+            runs them on its lockstep sm_90 kernels where they take the plan (D = 128, T * G <= 128), else on its
+            mma.sync kernel.
 
     Returns:
         ``out`` with rows at or past ``num_nodes[b]`` set to zero.
@@ -738,8 +739,8 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
     q = q if q.stride(-1) == 1 else dense(q)
     scale = _softmax_scale(sm_scale, plan.head_dim) * _dequant_scale("k_scale", k_scale)
     v_scale = _dequant_scale("v_scale", v_scale)
-    scaled = k_cache.dtype in FP8_DTYPES or v_scale != 1.0
-    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32, scaled,
+    fp8 = k_cache.dtype in FP8_DTYPES
+    name = _choose_backend(backend, q.device, plan.num_tree, plan.head_dim, q.dtype == torch.float32, fp8,
                            (plan.group, plan.block_size, plan.split_len))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
