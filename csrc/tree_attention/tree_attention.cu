@@ -27,10 +27,7 @@ LaunchStatus check_common(const TreeAttentionParams& p) {
                 "head_dim must be 64, 128 or 256 for the CUDA backend, got " << p.head_dim);
   TLT_STATUS_CHECK_ARG(p.dtype == DType::kFloat16 || p.dtype == DType::kBFloat16,
                 "dtype code must be 0 (float16) or 1 (bfloat16), got " << static_cast<int>(p.dtype));
-  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
-                       "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
-                           << static_cast<int>(p.kv_fp8));
-  TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
+  TLT_RETURN_IF_FAILED(check_tree_attention_scales(p));
   TLT_STATUS_CHECK_ARG(p.batch >= 0 && p.num_tree >= 1, "need batch >= 0 and num_tree >= 1, got " << p.batch << ", " << p.num_tree);
   TLT_STATUS_CHECK_ARG(p.num_kv_heads >= 1 && p.group >= 1 && p.num_q_heads == p.num_kv_heads * p.group,
                 "num_q_heads (" << p.num_q_heads << ") must equal num_kv_heads (" << p.num_kv_heads << ") * group (" << p.group << ")");
@@ -171,6 +168,14 @@ int cache_num_blocks(const TreeAttentionParams& p) noexcept {
   if (p.cache_tokens <= 0 || p.block_size <= 0) return INT32_MAX;  // unknown: no bound
   const int64_t blocks = p.cache_tokens / p.block_size;
   return blocks < INT32_MAX ? static_cast<int>(blocks) : INT32_MAX;
+}
+
+LaunchStatus check_tree_attention_scales(const TreeAttentionParams& p) noexcept {
+  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
+                       "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
+                           << static_cast<int>(p.kv_fp8));
+  TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
+  return {};
 }
 
 LaunchStatus check_tree_attention_gather(const TreeAttentionParams& p) noexcept {

@@ -84,6 +84,10 @@ struct TreeAttentionParams {
   int num_blocks = INT32_MAX;
 };
 
+// The cache storage code and V scale every launcher takes: kv_fp8 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2);
+// v_scale finite and > 0.
+LaunchStatus check_tree_attention_scales(const TreeAttentionParams& p) noexcept;
+
 // What every kernel that gathers K/V through the block table with 16-byte cp.async needs (the partial kernel and
 // the sm_90 context kernel): q / k_cache / v_cache / block_table / context_lens set, q / k_cache / v_cache 16-byte
 // aligned with strides of multiples of 8 elements, block_size >= 1.

@@ -32,7 +32,9 @@
 //     lengths that are multiples of 64.
 //
 // fp8 caches (KV): tiles are copied as stored, each 16-value chunk staged where its row's 16-bit chunk 2c goes, and
-// every thread widens the chunks it copied in place once they have landed, before the step's barrier (widen_rows).
+// every thread widens the chunks it copied in place (widen_rows): the tiles of step j + 1 during step j, between the
+// issue of its wgmmas and the wait for S_j, so the widening runs while the tensor cores do (step 0's own tiles before
+// its barrier); step j + 1's barrier publishes them.
 // K/V are gathered through the block table by 16-byte cp.async into swizzled tiles (csrc/tree_attention/wgmma_sm90.cuh); rows past
 // the attended range are zero-filled (never read: a masked column times a NaN in unread memory would be NaN), and so
 // are rows whose page id is out of the cache (the CTA's rows are then written as NaN). The V rows of tree slots are
@@ -86,6 +88,88 @@ using Ctx128 = CtxConfig<128, 2>;  // 225.5 KB + 1 KB
 using Ctx64 = CtxConfig<64, 1>;    // 96.75 KB + 1 KB, two CTAs per SM
 
 using wgmma::fence_regs;
+
+// 16-byte copy chunks in a cache row of kD values: 16 for caches of q's dtype, 8 for fp8 ones.
+template <typename KV>
+constexpr int kRowChunks = kD * static_cast<int>(sizeof(KV)) / 16;
+
+// 8 e4m3 values (8 bytes, first value in the lowest byte) widened to bfloat16, exactly, into `out`; false, with
+// nothing written, when one of them is NaN (the caller widens by conversion instructions then). An e4m3 byte
+// s.eeee.mmm moved to bits 15 and 10-4 of a bfloat16 is the same value times 2^-120 (subnormals included: bfloat16's
+// own subnormals cover them), so one bfloat16x2 multiply by 2^120 per pair finishes it: integer ops instead of the
+// conversion unit's lower throughput. NaN (s.1111.111) would come out 480.
+__device__ __forceinline__ bool widen_e4m3x8_bf16(const uint2& raw, uint4& out) {
+  // Bit 7 of a byte set iff its low 7 bits are all ones (+1 carries into bit 7 only then).
+  const uint32_t nan_bytes = (((raw.x & 0x7f7f7f7fu) + 0x01010101u) | ((raw.y & 0x7f7f7f7fu) + 0x01010101u)) &
+                             0x80808080u;
+  if (nan_bytes != 0u) return false;
+  const __nv_bfloat162 two_pow_120 = __halves2bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80));
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // Bytes 2i and 2i + 1 into the high bytes of two 16-bit lanes.
+    const uint32_t v = __byte_perm(i < 2 ? raw.x : raw.y, 0u, (i & 1) ? 0x3424u : 0x1404u);
+    const uint32_t bits = (v & 0x80008000u) | ((v >> 4) & 0x07f007f0u);
+    __nv_bfloat162 pair = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), two_pow_120);
+    words[i] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  out = make_uint4(words[0], words[1], words[2], words[3]);
+  return true;
+}
+
+// 8 fp8 values (KV) widened exactly to T (as widen_e4m3x8_bf16, else tree_attn::widen_fp8x8); `finite`: no NaN/inf.
+template <typename T, typename KV>
+__device__ __forceinline__ uint4 widen_fp8x8_fast(const uint2& raw, bool& finite) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && std::is_same<KV, __nv_fp8_e4m3>::value) {
+    uint4 out;
+    finite = true;  // e4m3 has no inf: finite unless NaN
+    if (widen_e4m3x8_bf16(raw, out)) return out;
+  }
+  return tree_attn::widen_fp8x8<T, KV>(raw, finite);
+}
+
+// The tree node whose V row `row` of tile i holds (-1 when it is a context row or past the span, or when `tree_v` is
+// false: a K tile, or a V tile without tree slots).
+template <int kBlockN>
+__device__ __forceinline__ int tree_node_of_row(const Span& sp, int i, int row, bool tree_v) {
+  const int pos = sp.begin + i * kBlockN + row;
+  return tree_v && pos >= sp.ctx && pos < sp.limit ? pos - sp.ctx : -1;
+}
+
+// fp8 caches: this thread's staged chunks of tile i in ring slot `slot` widened in place, as issue_rows copied them
+// (row (threadIdx.x + it * kThreads) / kRowChunks, chunk c = threadIdx.x % kRowChunks). Chunk c (16 values) of a row is
+// staged where the row's 16-bit chunk 2c goes and becomes chunks 2c and 2c + 1; chunk 2c + 1's place holds no staging,
+// so a thread that widens the chunks it copied writes only where it alone staged: no barrier before the widening.
+// `tree_v`: a V tile with tree slots, whose rows' 8-value halves go through zero_bad_tree_v as
+// tree_attn::copy_tree_v_chunk does.
+template <typename T, typename KV, int kBlockN, int kThreads>
+__device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i, bool tree_v,
+                                           unsigned long long* bad_nodes) {
+  constexpr int kChunks = kBlockN * kRowChunks<KV> / kThreads;
+  const int chunk = threadIdx.x % kRowChunks<KV>;
+#pragma unroll 1
+  for (int it = 0; it < kChunks; ++it) {
+    const int row = (threadIdx.x + it * kThreads) / kRowChunks<KV>;
+    const int tree_node = tree_node_of_row<kBlockN>(sp, i, row, tree_v);
+    const uint32_t lo_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk);
+    const uint32_t hi_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + 1);
+    uint4 raw;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "r"(lo_addr)
+                 : "memory");
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      bool finite;
+      uint4 v = widen_fp8x8_fast<T, KV>(half ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y), finite);
+      if (tree_node >= 0) tree_attn::zero_bad_tree_v(v, finite, tree_node, bad_nodes);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(half ? hi_addr : lo_addr), "r"(v.x), "r"(v.y),
+                   "r"(v.z), "r"(v.w)
+                   : "memory");
+    }
+  }
+}
+
 
 
 // Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
@@ -194,14 +278,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     else
       issue_rows<T, KV, kBlockN, kThreads, false>(pages_of(i), v_base, v_stride, slot, sp, i, &bad_nodes);
   };
-  // fp8: the tiles step j reads, landed at its wait, widened by the threads that copied them before its barrier: K_j,
-  // and V_{j-1}, except that V_0 goes at step 0 already, whose zero P multiplies it (staged fp8 bytes read as 16-bit
-  // values may be NaN, and 0 * NaN is NaN); so step 1 widens K_1 alone.
-  auto widen_landed = [&](int j) {
-    if (j < sp.n_tiles) widen_rows<T, KV, kBlockN, kThreads>(k_s + (j % kStages) * kTileBytes, sp, j, false, &bad_nodes);
-    const int v = j == 0 ? 0 : j - 1;
-    if (j != 1)
-      widen_rows<T, KV, kBlockN, kThreads>(v_s + (v % kStages) * kTileBytes, sp, v, tile_has_tree<kBlockN>(sp, v),
+  // fp8: tile i's staged K (or V) widened in its ring slot by the threads that copied it (widen_rows).
+  auto widen_k = [&](int i) {
+    if (i < sp.n_tiles) widen_rows<T, KV, kBlockN, kThreads>(k_s + (i % kStages) * kTileBytes, sp, i, false, &bad_nodes);
+  };
+  auto widen_v = [&](int i) {
+    if (i < sp.n_tiles)
+      widen_rows<T, KV, kBlockN, kThreads>(v_s + (i % kStages) * kTileBytes, sp, i, tile_has_tree<kBlockN>(sp, i),
                                            &bad_nodes);
   };
   int32_t next_page = -1;
@@ -268,7 +351,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       tree_attn::cp_async_wait<2>();
     else
       tree_attn::cp_async_wait<1>();
-    if constexpr (kFp8) widen_landed(j);
+    if (kFp8 && j == 0) {  // V_0 too: step 0's zero P multiplies it (staged bytes read as 16-bit values may be NaN)
+      widen_k(0);
+      widen_v(0);
+    }
     wgmma::fence_proxy_async();
     __syncthreads();  // ... and every warpgroup is done with step j - 1: K_{j-1}'s and V_{j-2}'s slots are free
     if (j > 0) {
@@ -302,6 +388,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
     for (int t = 0; t < kBlockN / 16; ++t) wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
     wgmma::commit();
+    if constexpr (kFp8) {
+      // The tiles step j + 1 reads (K_{j+1}, V_j), widened while the tensor cores run this step's wgmmas: their group
+      // is the one before the newest (P_1, P_2 or H_{j-1}); the barrier of step j + 1 publishes them.
+      tree_attn::cp_async_wait<1>();
+      widen_k(j + 1);
+      if (j > 0) widen_v(j);
+    }
     wgmma::wait<1>();  // S_j done (issued first); P_{j-1} V_{j-1} may still run
     fence_regs(s);
     if (j < n) {
@@ -359,12 +452,9 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   const int chunks = p.config == 64 ? (rows + Ctx64::kBlockM - 1) / Ctx64::kBlockM : 1 << row_block_shift;
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
   const bool fp8 = p.kv_fp8 != Fp8Format::kNone;
-  TLT_STATUS_CHECK_ARG(p.kv_fp8 == Fp8Format::kNone || p.kv_fp8 == Fp8Format::kE4M3 || p.kv_fp8 == Fp8Format::kE5M2,
-                       "kv_fp8 code must be 0 (caches of q's dtype), 1 (e4m3) or 2 (e5m2), got "
-                           << static_cast<int>(p.kv_fp8));
+  TLT_RETURN_IF_FAILED(check_tree_attention_scales(p));
   TLT_STATUS_CHECK_ARG(!(fp8 && warp_specialized),
                        "fp8 caches run on the lockstep sm_90 kernels (config 0, 64 or 128), not the warp-specialized one");
-  TLT_STATUS_CHECK_ARG(p.v_scale > 0.f && p.v_scale < INFINITY, "v_scale must be a finite number > 0, got " << p.v_scale);
   // fp8 rows are copied 16 values (bytes) at a time.
   TLT_STATUS_CHECK_ARG(!fp8 || (p.k_stride_token % 16 == 0 && p.k_stride_head % 16 == 0 && p.v_stride_token % 16 == 0 &&
                                 p.v_stride_head % 16 == 0),

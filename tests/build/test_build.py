@@ -252,6 +252,21 @@ def test_forced_context_path_restores_the_rule():
     assert ct.CONTEXT_SM90 is before
 
 
+
+def test_forced_switches_set_several_and_refuse_unknown_names():
+    """forced_switches sets each CONTEXT_ switch it is given and restores all of them; an unknown name raises before
+    any switch changes."""
+    import tlt_kernels._cuda.tree_attention as ct
+
+    before = (ct.CONTEXT_WARP_SPECIALIZED, ct.CONTEXT_TMA)
+    with ct.forced_switches(WARP_SPECIALIZED=not before[0], TMA=True):
+        assert (ct.CONTEXT_WARP_SPECIALIZED, ct.CONTEXT_TMA) == (not before[0], True)
+    assert (ct.CONTEXT_WARP_SPECIALIZED, ct.CONTEXT_TMA) == before
+    with pytest.raises(AttributeError, match="CONTEXT_NO_SUCH"):
+        with ct.forced_switches(TMA=not before[1], NO_SUCH=1):
+            pass
+    assert (ct.CONTEXT_WARP_SPECIALIZED, ct.CONTEXT_TMA) == before
+
 def test_tree_attention_launch_args_fit_the_binding():
     """The host wrapper's keyword arguments are exactly the binding's (CPU tensors: only pointers and sizes are read;
     the binding then refuses head_dim 96 before any CUDA call). Catches a renamed or undefined argument on CPU."""

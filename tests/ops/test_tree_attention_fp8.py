@@ -8,7 +8,6 @@ against a float32 reference over the dequantized caches; (3) "auto" skips the CU
 them in shared memory, slower than triton's), an explicit "cuda" runs them (the CUDA-only checks at the end: every
 kernel shape, every finite code through the sm_90 kernels, the NaN contract, v_scale on every sm_90 build, the
 launchers' refusals); (4) bad scales are refused, naming the argument."""
-import contextlib
 import math
 
 import pytest
@@ -21,6 +20,7 @@ from strategies import backend_params, budget, seeds
 from test_tree_attention import make_case, make_plan
 
 import tlt_kernels
+from tlt_kernels._cuda.tree_attention import forced_switches
 from tlt_kernels.ops.tree_attention import FP8_DTYPES, _choose_backend, run
 from tlt_kernels.reference.tree_attention import tree_attention_reference
 
@@ -249,24 +249,9 @@ def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8)
 def _widened_on_the_same_kernel(plan, case):
     """The CUDA backend over ``case``'s fp8 caches widened to q's dtype, on the kernel the fp8 caches took: the lockstep
     sm_90 kernels read fp8 (the warp-specialized one does not), so its 16-bit twin runs with that build off."""
-    with _sm90_build(WARP_SPECIALIZED=False):
+    with forced_switches(WARP_SPECIALIZED=False):
         return plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
                         backend="cuda")
-
-
-@contextlib.contextmanager
-def _sm90_build(**switches):
-    """The CUDA backend's sm_90 switches (``CONTEXT_`` + name: ``WARP_SPECIALIZED``, ``TMA``) set inside the block."""
-    from tlt_kernels._cuda import tree_attention as cuda_ta
-
-    saved = {name: getattr(cuda_ta, f"CONTEXT_{name}") for name in switches}
-    try:
-        for name, value in switches.items():
-            setattr(cuda_ta, f"CONTEXT_{name}", value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(cuda_ta, f"CONTEXT_{name}", value)
 
 
 def _finite_codes(fp8):
@@ -314,7 +299,7 @@ def test_cuda_v_scale_on_caches_of_q_dtype_on_every_sm90_build():
     ref = tree_attention_reference(**{**case, "q": case["q"].float(), "k_cache": case["k_cache"].float() * 0.5,
                                       "v_cache": case["v_cache"].float() * 3.0}, out_dtype=torch.float32)
     for warp_specialized in (True, False):
-        with _sm90_build(WARP_SPECIALIZED=warp_specialized):
+        with forced_switches(WARP_SPECIALIZED=warp_specialized):
             assert cuda_ta._use_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"])
             out = plan.run(case["q"], case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(case["q"])),
                            backend="cuda", k_scale=0.5, v_scale=3.0)

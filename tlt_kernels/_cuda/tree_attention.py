@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from typing import Iterator, Optional
 
 import torch
@@ -96,18 +97,27 @@ def _context_block(block: Optional[int]) -> int:
     return block
 
 
-@contextlib.contextmanager
 def forced_context_path(sm90: Optional[bool]) -> Iterator[None]:
     """Sets :data:`CONTEXT_SM90` inside the block (True / False force the sm_90 path on / off where it is covered,
     None is the auto rule) and restores it after: for benchmarks that time both paths in one process. Check
     :func:`_use_context_sm90` inside the block to know which path a plan takes."""
-    global CONTEXT_SM90
-    saved = CONTEXT_SM90
-    CONTEXT_SM90 = sm90
+    return forced_switches(SM90=sm90)
+
+
+@contextlib.contextmanager
+def forced_switches(**switches) -> Iterator[None]:
+    """Sets this module's ``CONTEXT_`` + name switches (``SM90``, ``WARP_SPECIALIZED``, ``TMA``, ...) to the given
+    values inside the block and restores them after, also when the block raises. An unknown name raises
+    ``AttributeError`` before anything is set."""
+    module = sys.modules[__name__]
+    saved = {name: getattr(module, f"CONTEXT_{name}") for name in switches}
     try:
+        for name, value in switches.items():
+            setattr(module, f"CONTEXT_{name}", value)
         yield
     finally:
-        CONTEXT_SM90 = saved
+        for name, value in saved.items():
+            setattr(module, f"CONTEXT_{name}", value)
 
 
 def context_tile(rows: int) -> int:
