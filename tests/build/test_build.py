@@ -252,7 +252,6 @@ def test_forced_context_path_restores_the_rule():
     assert ct.CONTEXT_SM90 is before
 
 
-
 def test_forced_switches_set_several_and_refuse_unknown_names():
     """forced_switches sets each CONTEXT_ switch it is given and restores all of them; an unknown name raises before
     any switch changes."""
@@ -266,6 +265,7 @@ def test_forced_switches_set_several_and_refuse_unknown_names():
         with ct.forced_switches(TMA=not before[1], NO_SUCH=1):
             pass
     assert (ct.CONTEXT_WARP_SPECIALIZED, ct.CONTEXT_TMA) == before
+
 
 def test_tree_attention_launch_args_fit_the_binding():
     """The host wrapper's keyword arguments are exactly the binding's (CPU tensors: only pointers and sizes are read;
