@@ -4,13 +4,18 @@ shape, then a least-squares fit per implementation of
     ms(L) = waves * (fixed + tiles(L) * per_tile),   waves = ceil(CTAs / SMs), tiles(L) = (L + T) / 128
 
 so a cost paid once per CTA (prologue, tree tile, epilogue, launch) separates from the streaming cost per
-128-token tile (per_tile at 132 concurrent CTAs; its bytes are 64 KB per KV head at D=128, bf16).
+128-token tile (per_tile at 132 concurrent CTAs; its bytes are 64 KB per KV head at D=128, bf16; 32 KB, e4m3).
 
     python -m tools.profile_tree_attention [--model 7b] [--B 64] [--T 16] [--L 1024,2048,4096,8192,16384] [--graph]
+                                           [--caches bf16|e4m3]
 
 Prints one JSON line per (impl, L) and one per fit. Impls: tlt-triton, tlt-cuda sm90 (the sm_90 kernel forced on),
 tlt-cuda sm90 ws (its warp-specialized build, cp.async copies), tlt-cuda sm90 ws tma (the same with TMA copies of
-whole context tiles), tlt-cuda mma.sync (forced off). GPU only.
+whole context tiles), tlt-cuda mma.sync (forced off). ``--caches e4m3``: the same over e4m3 caches (bytes and tile
+bytes counted at one byte a value; no warp-specialized rows, that build does not read fp8). GPU only. Under Nsight
+Compute, e.g. ``ncu --kernel-name regex:tree_attention_sm90_kernel --launch-count 2 --section WarpStateStats
+--section SourceCounters python -m tools.profile_tree_attention --L 4096 --caches e4m3``, it profiles the launches
+of one case.
 """
 from __future__ import annotations
 
@@ -45,18 +50,27 @@ def _parse_args(argv):
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--L", default="1024,2048,4096,8192,16384")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays instead of eager calls")
+    ap.add_argument("--caches", default="bf16", choices=["bf16", "e4m3"], help="the K/V caches' storage")
     return ap.parse_args(argv)
 
 
-def _impls(dev) -> list:
-    """The implementations to time: ``(row, backend, sm_90 path, its warp-specialized build, TMA copies in it)``."""
+def _impls(dev, fp8: bool = False) -> list:
+    """The implementations to time: ``(row, backend, sm_90 path, its warp-specialized build, TMA copies in it)``;
+    over ``fp8`` caches none of the warp-specialized build (it does not read them)."""
     from tlt_kernels._backend import backend_unavailable_reason
 
     impls = [("tlt-triton", "triton", None, False, False)]
     if backend_unavailable_reason("cuda", dev) is not None:
         return impls
-    return impls + [("tlt-cuda sm90", "cuda", True, False, False), ("tlt-cuda sm90 ws", "cuda", True, True, False),
-                    ("tlt-cuda sm90 ws tma", "cuda", True, True, True), ("tlt-cuda mma.sync", "cuda", False, False, False)]
+    lockstep = ("tlt-cuda sm90", "cuda", True, False, False)
+    mma_sync = ("tlt-cuda mma.sync", "cuda", False, False, False)
+    ws = [("tlt-cuda sm90 ws", "cuda", True, True, False), ("tlt-cuda sm90 ws tma", "cuda", True, True, True)]
+    return impls + [lockstep] + ([] if fp8 else ws) + [mma_sync]
+
+
+def _cache_bytes(args) -> int:
+    """Bytes per stored K or V value."""
+    return 1 if args.caches == "e4m3" else 2
 
 
 def _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points) -> None:
@@ -66,10 +80,14 @@ def _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points) -> None:
 
     dev = ctx.device
     inp = _make_inputs(args.B, L, args.T, Hq, Hkv, HEAD_DIM, torch.bfloat16, dev)
+    kv_dtype = torch.float8_e4m3fn if args.caches == "e4m3" else None
+    if kv_dtype is not None:
+        inp["k_cache"], inp["v_cache"] = inp["k_cache"].to(kv_dtype), inp["v_cache"].to(kv_dtype)
     plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
+                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
+                               kv_dtype=kv_dtype)
     out = torch.empty_like(inp["q"])
-    nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 4 + 2 * inp["q"].numel() * 2
+    nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 2 * _cache_bytes(args) + 2 * inp["q"].numel() * 2
     for name, backend, sm90, ws, tma in impls:
         with ct.forced_context_path(sm90 if sm90 is not None else ct.CONTEXT_SM90), \
                 mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws), mock.patch.object(ct, "CONTEXT_TMA", tma):
@@ -101,7 +119,7 @@ def main(argv=None) -> int:
     ctx = BenchContext("tree-attention", dev, torch.bfloat16, small=False)
     Hq, Hkv = MODELS["qwen2.5-7b" if args.model == "7b" else "qwen2.5-32b"]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    impls = _impls(dev)
+    impls = _impls(dev, fp8=args.caches == "e4m3")
     points = {name: [] for name, *_ in impls}
     for L in (int(x) for x in args.L.split(",")):
         _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points)
@@ -109,7 +127,7 @@ def main(argv=None) -> int:
         if len(pts) < 2:
             continue
         fixed, per_tile, resid = fit_fixed_and_per_tile(pts)
-        tile_bytes = 128 * HEAD_DIM * 4
+        tile_bytes = 128 * HEAD_DIM * 2 * _cache_bytes(args)
         print(json.dumps(dict(fit=name, fixed_us_per_cta=round(fixed, 2), per_tile_us=round(per_tile, 3),
                               per_tile_pct_copy_bw=round(100 * tile_bytes * min(args.B * Hkv, sms) / ctx.copy_bandwidth
                                                          / (per_tile * 1e-6), 1),

@@ -538,6 +538,24 @@ def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     assert fit_fixed_and_per_tile(off)[2] > 1.0
 
 
+
+def test_profile_tree_attention_over_e4m3_caches_counts_one_byte_and_skips_the_warp_specialized_rows():
+    """tools.profile_tree_attention --caches e4m3: a value is one byte (the floor's bytes and the tile's), and the
+    warp-specialized rows are left out (that build does not read fp8); bf16 keeps every row. The CUDA backend is
+    made available by a stub: only the list is built."""
+    from unittest import mock
+
+    import torch
+
+    from tools.profile_tree_attention import _cache_bytes, _impls, _parse_args
+
+    assert _cache_bytes(_parse_args(["--caches", "e4m3"])) == 1 and _cache_bytes(_parse_args([])) == 2
+    with mock.patch("tlt_kernels._backend.backend_unavailable_reason", return_value=None):
+        bf16 = [row[0] for row in _impls(torch.device("cpu"))]
+        fp8 = [row[0] for row in _impls(torch.device("cpu"), fp8=True)]
+    assert bf16 == ["tlt-triton", "tlt-cuda sm90", "tlt-cuda sm90 ws", "tlt-cuda sm90 ws tma", "tlt-cuda mma.sync"]
+    assert fp8 == ["tlt-triton", "tlt-cuda sm90", "tlt-cuda mma.sync"]
+
 def test_split_rule_ab_lists_the_cases_the_cap_changes():
     """tools.split_rule_ab compares the default split with the rule before the isqrt(L) // 4 cap on exactly the suite
     cases where they differ: 7B T = 1 and 4 (<= 32 rows) at (1, 16384), (2, 16384), (4, 4096), (8, 4096); wider rows
