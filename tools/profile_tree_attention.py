@@ -23,8 +23,6 @@ import argparse
 import json
 import math
 import sys
-from unittest import mock
-
 import torch
 
 from bench.harness import BenchContext
@@ -89,8 +87,7 @@ def _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points) -> None:
     out = torch.empty_like(inp["q"])
     nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 2 * _cache_bytes(args) + 2 * inp["q"].numel() * 2
     for name, backend, sm90, ws, tma in impls:
-        with ct.forced_context_path(sm90 if sm90 is not None else ct.CONTEXT_SM90), \
-                mock.patch.object(ct, "CONTEXT_WARP_SPECIALIZED", ws), mock.patch.object(ct, "CONTEXT_TMA", tma):
+        with ct.forced_switches(SM90=ct.CONTEXT_SM90 if sm90 is None else sm90, WARP_SPECIALIZED=ws, TMA=tma):
             if backend == "cuda" and ct._use_context_sm90(plan, inp["q"], inp["k_cache"], inp["v_cache"]) != sm90:
                 continue
 

@@ -348,27 +348,28 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
 
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return
-    variants = []
+    variants = []  # (row, the CONTEXT_ switch it sets, its value)
     if backend_unavailable_reason("cuda", q.device) is None:
         # The tlt-cuda row is the default rule (the context path where T*G <= 128); these rows force each side of it.
         if ct._use_context_sm90(plan, q, k_cache, v_cache):
-            variants.append(("tlt-cuda (no ctx-sm90)", ct, "CONTEXT_SM90", "cuda", False))
-            if ct.context_tile(plan.num_tree * plan.group) != 64:
-                variants.append(("tlt-cuda ctx-sm90 64-row chunks", ct, "CONTEXT_BLOCK", "cuda", 64))
+            variants.append(("tlt-cuda (no ctx-sm90)", "SM90", False))
+            rows = plan.num_tree * plan.group
+            if ct.context_tile(rows) != 64 and rows <= 128:  # 64-row CTAs exist for up to two of them
+                variants.append(("tlt-cuda ctx-sm90 64-row chunks", "BLOCK", 64))
                 # The 128-token kernel's other build: warp-specialized (producer + ping-pong) or lockstep.
                 ws = not ct.CONTEXT_WARP_SPECIALIZED
-                variants.append((f"tlt-cuda ctx-sm90 {'warp-specialized' if ws else 'lockstep'}", ct,
-                                 "CONTEXT_WARP_SPECIALIZED", "cuda", ws))
+                variants.append((f"tlt-cuda ctx-sm90 {'warp-specialized' if ws else 'lockstep'}", "WARP_SPECIALIZED",
+                                 ws))
         else:
-            variants.append(("tlt-cuda+ctx-sm90", ct, "CONTEXT_SM90", "cuda", True))
-    for name, module, flag, backend, value in variants:
+            variants.append(("tlt-cuda+ctx-sm90", "SM90", True))
+    for name, switch, value in variants:
         try:
-            with mock.patch.object(module, flag, value):  # the module flag for this row only
-                if flag == "CONTEXT_SM90" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
+            with ct.forced_switches(**{switch: value}):  # this row's path only
+                if switch == "SM90" and ct._use_context_sm90(plan, q, k_cache, v_cache) != value:
                     continue
-                plan.run(q, k_cache, v_cache, out=out, backend=backend)
+                plan.run(q, k_cache, v_cache, out=out, backend="cuda")
                 _check(name, out, reference, case)
-                ms, timing = _timed(ctx, lambda: plan.run(q, k_cache, v_cache, out=out, backend=backend))
+                ms, timing = _timed(ctx, lambda: plan.run(q, k_cache, v_cache, out=out, backend="cuda"))
         except Exception as exc:  # noqa: BLE001 - an experiment: report and go on with the peers
             ctx.note(f"{name} failed on {case}: {type(exc).__name__}: {str(exc)[:300]}")
             continue
