@@ -8,8 +8,9 @@
 #   main-7b    the named cases of the 7B model; replaces the run of record
 #   main-32b   the named cases of the 32B model; added to the record (--record-merge)
 #   4096, 16384, 65536   the long-tail cases at that context; added to the record
-# A call that starts with an adding part adds to bench/results/h200/tree-attention.json as carried (copy each returned
-# $OUT/rec/h200/tree-attention.json there before the next call; all parts of one record at one commit), or with
+# A call that starts with an adding part adds to bench/results/CARD/tree-attention.json as carried (CARD the machine's
+# card, h100 or h200: copy each returned $OUT/rec/CARD/tree-attention.json there before the next call; all parts of
+# one record at one commit), or with
 # --continue to the record the previous call left on the machine (/tmp/device_record_keep; the next call can then start
 # at once, while the machine is still warm, about 30 s after a call). Every part
 # must end within --bench-timeout seconds of the call's start (default 570). FlashInfer (the peer) comes from
@@ -50,7 +51,9 @@ for part in "${PARTS[@]}"; do  # every part known before anything is installed
   for name in "${KNOWN_PARTS[@]}"; do [ "$part" = "$name" ] && known=1; done
   [ "$known" = 1 ] || { echo "device_record.sh: unknown part $part (one of: ${KNOWN_PARTS[*]})" >&2; exit 2; }
 done
-FROM=bench/results/h200/tree-attention.json  # what an adding part adds to
+CARD=$(python3 -c 'import torch; from bench.records import card_slug
+print(card_slug(torch.cuda.get_device_name() if torch.cuda.is_available() else None))')
+FROM=bench/results/$CARD/tree-attention.json  # what an adding part adds to
 if [ "$CONTINUE" = 1 ]; then
   FROM=$KEEP/tree-attention.json
   [ -f "$FROM" ] || { echo "device_record.sh: --continue: no record left by a previous call (the machine went cold)" >&2
@@ -72,8 +75,8 @@ if [ -n "$TESTS" ]; then
   timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
   echo "pytest exit $? at $((SECONDS - t0)) s"; tail -5 "$OUT/pytest.log"
 fi
-mkdir -p "$OUT/rec/h200" "$OUT/w"
-[ "${#PARTS[@]}" -gt 0 ] && cp "$FROM" "$OUT/rec/h200/"
+mkdir -p "$OUT/rec/$CARD" "$OUT/w"
+[ "${#PARTS[@]}" -gt 0 ] && [ -f "$FROM" ] && cp "$FROM" "$OUT/rec/$CARD/"
 for part in "${PARTS[@]}"; do
   left=$((BENCH_TIMEOUT - (SECONDS - t0)))
   [ "$left" -gt 30 ] || { echo "part $part: no time left"; exit 5; }
@@ -83,5 +86,5 @@ for part in "${PARTS[@]}"; do
   code=$?
   echo "part $part: bench exit $code at $((SECONDS - t0)) s"; tail -3 "$OUT/ta_$part.log"
   [ "$code" = 0 ] || exit 6  # a later part would add to a record this one did not finish
-  mkdir -p "$KEEP" && cp "$OUT/rec/h200/tree-attention.json" "$KEEP/"  # for a --continue call
+  mkdir -p "$KEEP" && cp "$OUT/rec/$CARD/tree-attention.json" "$KEEP/"  # for a --continue call
 done
