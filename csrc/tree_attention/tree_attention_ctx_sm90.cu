@@ -170,8 +170,6 @@ __device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i,
   }
 }
 
-
-
 // Rows of tile i of K (or V: the cache, its token stride and this head's offset) into one ring slot, each row's cache
 // token read from `tokens` (shared memory, one entry per row of the tile). No commit.
 // `base`: this thread's 16-byte column chunk of the KV head in the cache; `slot`: the ring slot's shared address.
