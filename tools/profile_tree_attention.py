@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import sys
+
 import torch
 
 from bench.harness import BenchContext

@@ -354,7 +354,7 @@ def _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference,
         if ct._use_context_sm90(plan, q, k_cache, v_cache):
             variants.append(("tlt-cuda (no ctx-sm90)", "SM90", False))
             rows = plan.num_tree * plan.group
-            if ct.context_tile(rows) != 64 and rows <= 128:  # 64-row CTAs exist for up to two of them
+            if ct.context_tile(rows) != 64 and rows <= 128:  # the 64-row build takes at most two CTAs' rows
                 variants.append(("tlt-cuda ctx-sm90 64-row chunks", "BLOCK", 64))
                 # The 128-token kernel's other build: warp-specialized (producer + ping-pong) or lockstep.
                 ws = not ct.CONTEXT_WARP_SPECIALIZED
