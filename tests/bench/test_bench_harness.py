@@ -538,7 +538,6 @@ def test_profile_tree_attention_fit_recovers_fixed_and_per_tile_costs():
     assert fit_fixed_and_per_tile(off)[2] > 1.0
 
 
-
 def test_profile_tree_attention_over_e4m3_caches_counts_one_byte_and_skips_the_warp_specialized_rows():
     """tools.profile_tree_attention --caches e4m3: a value is one byte (the floor's bytes and the tile's), and the
     warp-specialized rows are left out (that build does not read fp8); bf16 keeps every row. The CUDA backend is
@@ -555,6 +554,37 @@ def test_profile_tree_attention_over_e4m3_caches_counts_one_byte_and_skips_the_w
         fp8 = [row[0] for row in _impls(torch.device("cpu"), fp8=True)]
     assert bf16 == ["tlt-triton", "tlt-cuda sm90", "tlt-cuda sm90 ws", "tlt-cuda sm90 ws tma", "tlt-cuda mma.sync"]
     assert fp8 == ["tlt-triton", "tlt-cuda sm90", "tlt-cuda mma.sync"]
+
+
+def test_triton_versions_ab_absolute_imports():
+    """tools.triton_versions_ab makes a copy of the Triton module loadable from anywhere: each relative import, at any
+    depth and indentation, names the same module absolutely; nothing else changes."""
+    from tools.triton_versions_ab import absolute_imports
+
+    source = ("from .._backend import triton_interpret_enabled\nfrom .rounding import x\nfrom . import philox\n"
+              "def f():\n    from ..ops import tree_attention as op\n    return 'from .x import y'\n")
+    assert absolute_imports(source) == (
+        "from tlt_kernels._backend import triton_interpret_enabled\nfrom tlt_kernels._triton.rounding import x\n"
+        "from tlt_kernels._triton import philox\ndef f():\n    from tlt_kernels.ops import tree_attention as op\n"
+        "    return 'from .x import y'\n")
+
+
+def test_triton_versions_ab_prepares_loadable_versions(tmp_path):
+    """tools.triton_versions_ab prepare: the module at a git revision and as it is now, written with absolute imports,
+    load as modules of their own with ``run_triton``; the run command's defaults are the suite's T = 16 cases."""
+    from pathlib import Path
+
+    from tools.triton_versions_ab import _parse_args, load_versions, prepare
+
+    root = Path(__file__).resolve().parents[2]
+    paths = prepare(["HEAD", "worktree"], tmp_path, root)
+    assert [p.name for p in paths] == ["HEAD.py", "worktree.py"]
+    assert all("from ." not in p.read_text() for p in paths)
+    versions = load_versions(tmp_path)
+    assert sorted(versions) == ["HEAD", "worktree"] and all(callable(m.run_triton) for m in versions.values())
+    args = _parse_args(["run"])
+    assert [(c[0], c[1], c[2], c[3]) for c in args.cases] == [("qwen2.5-7b", 64, 4096, 16), ("qwen2.5-7b", 64, 16384, 16)]
+
 
 def test_split_rule_ab_lists_the_cases_the_cap_changes():
     """tools.split_rule_ab compares the default split with the rule before the isqrt(L) // 4 cap on exactly the suite
