@@ -7,9 +7,10 @@ candidate change A/B'd against the installed kernel, in one device call (the GPU
 
 ``prepare`` writes ``tlt_kernels/_triton/tree_attention.py`` as it was at each REV (``worktree``: the file as it is
 now, e.g. with a candidate patch applied) to ``DIR/<REV>.py``, its relative imports made absolute so it loads beside
-the installed package (DIR defaults to an ignored folder; carry it to the GPU machine). ``run`` loads every ``DIR/*.py`` and, per case of the tree-attention suite's ``--cases``
-syntax, plans once with the installed op and calls each version's ``run_triton(plan, q, k, v, out, sm_scale)`` (bf16,
-one plan for all: a version whose kernel wants another plan's fields fails and is reported, not timed). Rows: each
+the installed package (DIR defaults to an ignored folder; carry it to the GPU machine). ``run`` loads every
+``DIR/*.py`` and, per case of the tree-attention suite's ``--cases`` syntax, plans once with the installed op and calls
+each version's ``run_triton(plan, q, k, v, out, sm_scale)`` (bf16 rows, bf16 or ``--caches e4m3`` caches; one plan for
+all: a version whose kernel wants another plan's fields, or reads no fp8, fails and is reported, not timed). Rows: each
 version's largest difference from the installed module's output, and its time per round (graph replays, the L2
 flushed before each, ``tools.ab_timing``; every version and the installed module once a round, so drift shows).
 
@@ -71,8 +72,9 @@ def load_versions(directory: Path) -> dict:
     return versions
 
 
-def _case_rows(case, versions, rounds, reps, flush) -> list:
-    """One row per version (and the installed module, ``installed``) at ``case`` = ``(model, B, L, T, _)``."""
+def _case_rows(case, caches, versions, rounds, reps, flush) -> list:
+    """One row per version (and the installed module, ``installed``) at ``case`` = ``(model, B, L, T, _)`` over
+    ``caches`` (``bf16``, or ``e4m3``: the same values stored as e4m3, planned for them, scales 1)."""
     import torch
 
     import tlt_kernels._triton.tree_attention as installed
@@ -83,14 +85,19 @@ def _case_rows(case, versions, rounds, reps, flush) -> list:
     model, B, L, T, _ = case
     Hq, Hkv = MODELS[model]
     inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
+    kv_dtype = torch.float8_e4m3fn if caches == "e4m3" else None
     plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
+                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
+                               kv_dtype=kv_dtype)
     q, k, v, scale = inp["q"], inp["k_cache"], inp["v_cache"], HEAD_DIM ** -0.5
+    if kv_dtype is not None:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
     sides = {"installed": installed, **versions}
     rows, outs = {}, {}
     for name, module in sides.items():
         outs[name] = torch.full_like(q, float("nan"))
-        row = rows[name] = dict(model=model, B=B, L=L, T=T, version=name, splits=plan.num_splits, us=[])
+        row = rows[name] = dict(model=model, B=B, L=L, T=T, caches=caches, version=name, splits=plan.num_splits,
+                                us=[])
         try:
             module.run_triton(plan, q, k, v, outs[name], scale)
             row["max_diff"] = (outs[name].float() - outs["installed"].float()).abs().max().item()
@@ -114,6 +121,7 @@ def _parse_args(argv):
     prep.add_argument("revs", help="comma-separated git revisions; worktree: the file as it is now")
     run = sub.add_parser("run", help="time every prepared version against the installed module (GPU)")
     run.add_argument("--cases", type=parse_cases, default=parse_cases("7b:64x4096x16,7b:64x16384x16"))
+    run.add_argument("--caches", default="bf16", choices=["bf16", "e4m3"], help="the K/V caches' storage")
     run.add_argument("--rounds", type=int, default=2, help="timings of each version, alternated")
     run.add_argument("--reps", type=int, default=40, help="replays per median")
     run.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     versions, rows = load_versions(Path(args.dir)), []
     for case in args.cases:
-        for row in _case_rows(case, versions, args.rounds, args.reps, flush):
+        for row in _case_rows(case, args.caches, versions, args.rounds, args.reps, flush):
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

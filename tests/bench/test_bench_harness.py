@@ -571,7 +571,8 @@ def test_triton_versions_ab_absolute_imports():
 
 def test_triton_versions_ab_prepares_loadable_versions(tmp_path):
     """tools.triton_versions_ab prepare: the module at a git revision and as it is now, written with absolute imports,
-    load as modules of their own with ``run_triton``; the run command's defaults are the suite's T = 16 cases."""
+    load as modules of their own with ``run_triton``; the run command's defaults are the suite's T = 16 cases over bf16
+    caches."""
     from pathlib import Path
 
     from tools.triton_versions_ab import _parse_args, load_versions, prepare
@@ -584,6 +585,8 @@ def test_triton_versions_ab_prepares_loadable_versions(tmp_path):
     assert sorted(versions) == ["HEAD", "worktree"] and all(callable(m.run_triton) for m in versions.values())
     args = _parse_args(["run"])
     assert [(c[0], c[1], c[2], c[3]) for c in args.cases] == [("qwen2.5-7b", 64, 4096, 16), ("qwen2.5-7b", 64, 16384, 16)]
+    fp8 = _parse_args(["run", "--caches", "e4m3", "--cases", "long-tail@4096"])
+    assert args.caches == "bf16" and fp8.caches == "e4m3" and len(fp8.cases) == 15
 
 
 def test_split_rule_ab_lists_the_cases_the_cap_changes():
