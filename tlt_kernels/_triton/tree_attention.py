@@ -21,7 +21,8 @@ NaN (the contract of ``ops.tree_attention.run``): a NaN score makes a row's sum 
 LSE for it (never the -inf of an empty split, which the merge would skip); the merge flags NaN LSEs and reads every
 non-empty split's partial. Unattended slots are masked loads (``other=0``). A tree slot whose V holds NaN/inf joins
 P V zeroed, with a NaN score for the rows that see it (``_tree_attend``). A page id outside ``[0, num_blocks)`` is read
-as page 0 and makes the program's rows NaN (``_checked_pages``).
+as an in-range page and makes the program's rows NaN (``_checked_pages``; in the context loop ``_clamped_pages``, the
+split's ids tested once after it by ``_pages_out_of_range``).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ PARTIAL_CONFIGS = {
 }
 CHUNK_BLOCK_M = 64  # row tile when T * G exceeds MAX_BLOCK_M (D <= 128); see row_tile
 MERGE_BLOCK_R = 16  # rows per program of the merge kernel
+PAGE_SCAN = tl.constexpr(128)  # block-table entries per load of _pages_out_of_range's pass over a split's pages
 MERGE_WARPS = 4
 # The merge loop (_merge_rows) as (splits per trip, software-pipeline stages): inside the partial kernel, and in the
 # merge kernel (each the measured best of (1, 1), (2, 1), (1, 3), (2, 2)).
@@ -293,6 +295,42 @@ def _checked_pages(pages, num_blocks):
 
 
 @triton.jit
+def _last_page(num_blocks):
+    """``num_blocks - 1`` as a uint32 scalar (a tensor: num_blocks may arrive as a specialized constant)."""
+    return (tl.zeros((), tl.int32) + (num_blocks - 1)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _clamped_pages(pages, last_page):
+    """The context loop's bound on page ids, where it repeats every tile: one unsigned minimum with ``last_page``
+    (``_last_page``; a negative id is above every valid page as unsigned), so nothing out of range is read. No flag in
+    the loop: further uses of the ids there cost it more than their instructions (docs/TREE_ATTENTION.md, "What the
+    page-id bounds check costs"); ``_pages_out_of_range`` tests the split's ids once after the loop."""
+    return tl.minimum(pages.to(tl.uint32, bitcast=True), last_page).to(tl.int64)
+
+
+@triton.jit
+def _pages_out_of_range(bt_row, start, end, last_page, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
+    """int32 1 when a block-table entry of tokens ``start .. end-1`` is outside ``[0, last_page]``, else 0: their
+    entries read again (from L2, the loop has just read them) in runs of ``PAGE_SCAN``, the largest as unsigned."""
+    first = start // PAGE_SIZE
+    stop = (end + PAGE_SIZE - 1) // PAGE_SIZE
+    offs = tl.arange(0, PAGE_SCAN)
+    largest = tl.zeros([PAGE_SCAN], dtype=tl.uint32)
+    if INTERPRET:  # the interpreter takes no tensor bounds in range() (see _context_pipelined)
+        p0 = first
+        while p0 < stop:
+            ids = tl.load(bt_row + p0 + offs, mask=p0 + offs < stop, other=0)
+            largest = tl.maximum(largest, ids.to(tl.uint32, bitcast=True))
+            p0 += PAGE_SCAN
+    else:
+        for p0 in range(first, stop, PAGE_SCAN):
+            ids = tl.load(bt_row + p0 + offs, mask=p0 + offs < stop, other=0)
+            largest = tl.maximum(largest, ids.to(tl.uint32, bitcast=True))
+    return (tl.max(largest, 0) > last_page).to(tl.int32)
+
+
+@triton.jit
 def _context_tile(q, q_lo, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
                   num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
@@ -310,32 +348,31 @@ def _context_tile(q, q_lo, k_head, v_head, bt_row, n0, end, offs_n, offs_d, stri
 
 @triton.jit
 def _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                       num_blocks, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
+                       last_page, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr,
                        LAZY_RESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks.
-    Also returns the per-token out-of-range flags of ``_checked_pages``."""
-    page, page_bad = _checked_pages(pages, num_blocks)
+    """A whole tile of context tokens ``n0 ..`` whose page ids ``pages [BLOCK_N]`` were loaded earlier: no masks; the
+    ids bounded by ``_clamped_pages``."""
+    page = _clamped_pages(pages, last_page)
     in_page = ((n0 + offs_n) % PAGE_SIZE).to(tl.int64)
     k = tl.load(k_head + (page * stride_kp + in_page * stride_ks)[:, None] + offs_d[None, :])
     v = tl.load(v_head + (page * stride_vp + in_page * stride_vs)[:, None] + offs_d[None, :])
-    m_i, l_i, acc = _attend_full_tile(q, q_lo, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
-    return m_i, l_i, acc, page_bad
+    return _attend_full_tile(q, q_lo, k, v, m_i, l_i, acc, qk_scale, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
 
 
 @triton.jit
 def _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d, stride_kp, stride_ks,
-                    stride_vp, stride_vs, num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
+                    stride_vp, stride_vs, last_page, m_i, l_i, acc, qk_scale, PAGE_SIZE: tl.constexpr,
                     BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr, LAZY_RESCALE: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """One trip of the unmasked context loop: load the page ids of the next tile (carried to the next trip, so
     the K/V loads' addresses never wait on a load of their own trip), then attend this tile. Returns the
-    online-softmax state, the next tile's page ids and ``bad_n`` ORed with this tile's out-of-range flags."""
+    online-softmax state and the next tile's page ids."""
     nxt = n0 + BLOCK_N + offs_n
     pages_next = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < full_end, other=0)
-    m_i, l_i, acc, page_bad = _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp,
-                                                 stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc, qk_scale,
-                                                 PAGE_SIZE, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
-    return m_i, l_i, acc, pages_next, bad_n | page_bad
+    m_i, l_i, acc = _full_context_tile(q, q_lo, k_head, v_head, pages, n0, offs_n, offs_d, stride_kp, stride_ks,
+                                       stride_vp, stride_vs, last_page, m_i, l_i, acc, qk_scale, PAGE_SIZE, INTERPRET,
+                                       LAZY_RESCALE, DOT_PRECISION)
+    return m_i, l_i, acc, pages_next
 
 
 @triton.jit
@@ -374,24 +411,24 @@ def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs
     tile's math. Returns the softmax state and the page flag (see ``_checked_pages``)."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
     pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
-    bad_n = tl.zeros([BLOCK_N], dtype=tl.int32)  # per-lane OR of the tiles' page flags, reduced once after the loop
+    last_page = _last_page(num_blocks)
     if INTERPRET:
         # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
         # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
         n0 = start
         while n0 < full_end:
-            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
-                                                          offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                                                          num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-                                                          BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
+            m_i, l_i, acc, pages = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+                                                   stride_kp, stride_ks, stride_vp, stride_vs, last_page, m_i, l_i, acc,
+                                                   qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+                                                   DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc, pages, bad_n = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n,
-                                                          offs_d, stride_kp, stride_ks, stride_vp, stride_vs,
-                                                          num_blocks, bad_n, m_i, l_i, acc, qk_scale, PAGE_SIZE,
-                                                          BLOCK_N, INTERPRET, LAZY_RESCALE, DOT_PRECISION)
-    page_bad = tl.max(bad_n, 0)
+            m_i, l_i, acc, pages = _pipelined_tile(q, q_lo, k_head, v_head, bt_row, pages, n0, full_end, offs_n, offs_d,
+                                                   stride_kp, stride_ks, stride_vp, stride_vs, last_page, m_i, l_i, acc,
+                                                   qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
+                                                   DOT_PRECISION)
+    page_bad = _pages_out_of_range(bt_row, start, full_end, last_page, PAGE_SIZE, INTERPRET)
     if full_end < end:
         m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, full_end, end, offs_n, offs_d,
                                                 stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
