@@ -13,8 +13,7 @@ from unittest import mock
 import torch
 
 import tlt_kernels._triton.tree_attention as tk
-from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs, xqa_call
-from tlt_kernels.ops import tree_attention as op
+from bench.suites.tree_attention import case_inputs, xqa_call
 from tools.ab_timing import graph_us, sweep_main
 
 CASES = "1,4096,1;2,4096,1;4,4096,1;8,4096,1;16,4096,1;1,16384,1;2,16384,1;16,16384,1;16,4096,4;16,16384,8"
@@ -22,30 +21,22 @@ SPLITS = "128,192,256,384,512,768,1024,2048"
 
 
 def measure(fi, B, L, T, splits, flush, reps):
-    Hq, Hkv = MODELS["qwen2.5-7b"]
-    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
-    inp["k8"], inp["v8"] = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
-    q, out = inp["q"], torch.empty_like(inp["q"])
-
-    def plan(split_len=None):  # the default: the split the library takes for e4m3 caches
-        return op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                      num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                                      split_len=split_len, kv_dtype=inp["k8"].dtype)
-
+    inp, plan = case_inputs("qwen2.5-7b", B, L, T, kv_dtype=torch.float8_e4m3fn)  # plan(): the library's split
+    q, k8, v8, out = inp["q"], inp["k_cache"], inp["v_cache"], torch.empty_like(inp["q"])
     default = plan()
-    want = default.run(q, inp["k8"], inp["v8"], backend="triton").float()
-    base = min(graph_us(lambda: default.run(q, inp["k8"], inp["v8"], out=out, backend="triton"), flush, reps)
+    want = default.run(q, k8, v8, backend="triton").float()
+    base = min(graph_us(lambda: default.run(q, k8, v8, out=out, backend="triton"), flush, reps)
                for _ in range(2))
-    call = None if fi is None else xqa_call(fi, {**inp, "k_cache": inp["k8"], "v_cache": inp["v8"]}, L)
+    call = None if fi is None else xqa_call(fi, inp, L)
     xqa = min(graph_us(call, flush, reps) for _ in range(2)) if call else None
     rows = []
     for split_len in splits:
         p = plan(split_len)
         for min_split in (0, 1 << 30):  # 128-key tiles at every split, or never (rows <= 32 only)
             with mock.patch.object(tk, "FP8_WIDE_TILE_MIN_SPLIT", min_split):
-                got = p.run(q, inp["k8"], inp["v8"], out=torch.full_like(out, float("nan")), backend="triton")
+                got = p.run(q, k8, v8, out=torch.full_like(out, float("nan")), backend="triton")
                 err = (got.float() - want).abs().max().item()
-                us = min(graph_us(lambda: p.run(q, inp["k8"], inp["v8"], out=out, backend="triton"), flush, reps)
+                us = min(graph_us(lambda: p.run(q, k8, v8, out=out, backend="triton"), flush, reps)
                          for _ in range(2))
             rows.append(dict(B=B, L=L, T=T, split_len=split_len, splits=p.num_splits, keys=128 if min_split == 0 else 64,
                              us=round(us, 2), default_us=round(base, 2), default_split=default.split_len,

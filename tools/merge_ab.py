@@ -14,11 +14,8 @@ Prints one line per case and writes the rows as JSON (GPU only). Each side's tim
 """
 from __future__ import annotations
 
-import torch
-
-from bench.suites.tree_attention import HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
+from bench.suites.tree_attention import LONG_TAIL_CASES, case_inputs
 from tlt_kernels._triton import tree_attention as tk
-from tlt_kernels.ops import tree_attention as op
 from tools.ab_timing import run_ab, side_differences, time_module_sides
 
 SIDES = {
@@ -30,11 +27,9 @@ SIDES = {
 
 def measure_case(B, L, T, flush, reps):
     """One case's row: each side's time (us) and its largest difference from the first side's output."""
-    Hq, Hkv = MODELS["qwen2.5-7b"]
-    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
+    inp, plan_for = case_inputs("qwen2.5-7b", B, L, T)
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    plan = op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                  num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L)
+    plan = plan_for()
     outs, us = time_module_sides(tk, SIDES, lambda out: plan.run(q, k, v, out=out, backend="triton"), q, flush, reps)
     diffs, nan = side_differences(outs)
     return dict(B=B, L=L, T=T, splits=plan.num_splits, us={s: round(t, 2) for s, t in us.items()},

@@ -27,7 +27,7 @@ import sys
 import torch
 
 from bench.harness import BenchContext
-from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs
+from bench.suites.tree_attention import HEAD_DIM, MODELS, case_inputs
 
 
 def fit_fixed_and_per_tile(points):
@@ -67,24 +67,23 @@ def _impls(dev, fp8: bool = False) -> list:
     return impls + [lockstep] + ([] if fp8 else ws) + [mma_sync]
 
 
+def _model_name(args) -> str:
+    """The suite's name of ``--model``."""
+    return "qwen2.5-7b" if args.model == "7b" else "qwen2.5-32b"
+
+
 def _cache_bytes(args) -> int:
     """Bytes per stored K or V value."""
     return 1 if args.caches == "e4m3" else 2
 
 
-def _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points) -> None:
+def _time_context_length(ctx, args, L, Hkv, sms, impls, points) -> None:
     """Times every impl at context ``L``: one JSON line each, its (waves, tiles, ms) point appended to ``points``."""
     import tlt_kernels._cuda.tree_attention as ct
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
 
-    dev = ctx.device
-    inp = _make_inputs(args.B, L, args.T, Hq, Hkv, HEAD_DIM, torch.bfloat16, dev)
-    kv_dtype = torch.float8_e4m3fn if args.caches == "e4m3" else None
-    if kv_dtype is not None:
-        inp["k_cache"], inp["v_cache"] = inp["k_cache"].to(kv_dtype), inp["v_cache"].to(kv_dtype)
-    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                               kv_dtype=kv_dtype)
+    inp, plan_for = case_inputs(_model_name(args), args.B, L, args.T, ctx.device,
+                                torch.float8_e4m3fn if args.caches == "e4m3" else None)
+    plan = plan_for()
     out = torch.empty_like(inp["q"])
     nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 2 * _cache_bytes(args) + 2 * inp["q"].numel() * 2
     for name, backend, sm90, ws, tma in impls:
@@ -101,7 +100,7 @@ def _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points) -> None:
         points[name].append((math.ceil(ctas / sms), tiles, ms))
         # Tensor-core work: S = Q K^T and P V over the context and the tree, every query row (wide trees are
         # bound by it, not by the bytes).
-        flops = 4 * args.B * (L + args.T) * Hq * args.T * HEAD_DIM
+        flops = 4 * args.B * (L + args.T) * inp["q"].shape[2] * args.T * HEAD_DIM
         print(json.dumps(dict(impl=name, B=args.B, L=L, T=args.T, model=args.model, ms=round(ms, 4),
                               pct_floor=round(100 * nbytes / ctx.copy_bandwidth / (ms * 1e-3), 1),
                               tflops=round(flops / (ms * 1e-3) / 1e12, 1),
@@ -115,12 +114,12 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     ctx = BenchContext("tree-attention", dev, torch.bfloat16, small=False)
-    Hq, Hkv = MODELS["qwen2.5-7b" if args.model == "7b" else "qwen2.5-32b"]
+    Hkv = MODELS[_model_name(args)][1]
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     impls = _impls(dev, fp8=args.caches == "e4m3")
     points = {name: [] for name, *_ in impls}
     for L in (int(x) for x in args.L.split(",")):
-        _time_context_length(ctx, args, L, Hq, Hkv, sms, impls, points)
+        _time_context_length(ctx, args, L, Hkv, sms, impls, points)
     for name, pts in points.items():
         if len(pts) < 2:
             continue

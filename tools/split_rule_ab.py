@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.suites.tree_attention import CASES, HEAD_DIM, LONG_TAIL_CASES, MODELS, PAGE, _make_inputs
+from bench.suites.tree_attention import CASES, HEAD_DIM, LONG_TAIL_CASES, MODELS, case_inputs
 from tlt_kernels.ops import tree_attention as op
 from tools.ab_timing import graph_us, run_ab
 
@@ -49,15 +49,9 @@ def changed_cases():
 
 def measure_case(model, B, L, T, old_len, new_len, flush, reps):
     """Rows of one case: each backend, each rule's plan, sides alternated twice."""
-    Hq, Hkv = MODELS[model]
-    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
+    inp, plan_for = case_inputs(model, B, L, T)
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    def plan(split_len):
-        return op.plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                      num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                                      split_len=split_len)
-
-    plans = {"previous": plan(old_len), "default": plan(new_len)}
+    plans = {"previous": plan_for(old_len), "default": plan_for(new_len)}
     out = torch.empty_like(q)
     rows = []
     for backend in ("triton", "cuda"):

@@ -35,7 +35,8 @@ def absolute_imports(source: str, package: str = "tlt_kernels._triton") -> str:
     absolute, so a copy of it loads from any path."""
     def absolute(match):
         indent, dots, rest = match.groups()
-        base = package.split(".")[: len(package.split(".")) - (len(dots) - 1)]
+        parts = package.split(".")
+        base = parts[: len(parts) - (len(dots) - 1)]
         target = ".".join(base + ([rest] if rest else []))
         return f"{indent}from {target} import"
 
@@ -78,31 +79,25 @@ def _case_rows(case, caches, versions, rounds, reps, flush) -> list:
     import torch
 
     import tlt_kernels._triton.tree_attention as installed
-    from bench.suites.tree_attention import HEAD_DIM, MODELS, PAGE, _make_inputs
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-    from tools.ab_timing import graph_us
+    from bench.suites.tree_attention import HEAD_DIM, case_inputs
+    from tools.ab_timing import graph_us, side_differences
 
     model, B, L, T, _ = case
-    Hq, Hkv = MODELS[model]
-    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, "cuda")
-    kv_dtype = torch.float8_e4m3fn if caches == "e4m3" else None
-    plan = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                               num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                               kv_dtype=kv_dtype)
+    inp, plan_for = case_inputs(model, B, L, T, kv_dtype=torch.float8_e4m3fn if caches == "e4m3" else None)
+    plan = plan_for()
     q, k, v, scale = inp["q"], inp["k_cache"], inp["v_cache"], HEAD_DIM ** -0.5
-    if kv_dtype is not None:
-        k, v = k.to(kv_dtype), v.to(kv_dtype)
     sides = {"installed": installed, **versions}
     rows, outs = {}, {}
     for name, module in sides.items():
-        outs[name] = torch.full_like(q, float("nan"))
-        row = rows[name] = dict(model=model, B=B, L=L, T=T, caches=caches, version=name, splits=plan.num_splits,
-                                us=[])
+        out = torch.full_like(q, float("nan"))
+        rows[name] = dict(model=model, B=B, L=L, T=T, caches=caches, version=name, splits=plan.num_splits, us=[])
         try:
-            module.run_triton(plan, q, k, v, outs[name], scale)
-            row["max_diff"] = (outs[name].float() - outs["installed"].float()).abs().max().item()
+            module.run_triton(plan, q, k, v, out, scale)
+            outs[name] = out
         except Exception as exc:  # noqa: BLE001 - an old version may not run today's plan: report it, time the rest
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for name, diff in side_differences(outs)[0].items():  # the installed module ran first: it is the reference
+        rows[name]["max_diff"] = diff
     for _ in range(rounds):  # each round times every side once, so drift between rounds shows on all of them
         for name, module in sides.items():
             if "error" not in rows[name]:

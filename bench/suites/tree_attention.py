@@ -99,6 +99,25 @@ def _make_inputs(B, L, T, Hq, Hkv, D, dtype, device, seed=0):
                 parents=_random_parents(B, T, gen).to(device))
 
 
+def case_inputs(model, B, L, T, device="cuda", kv_dtype=None, seed=0):
+    """The suite's inputs of case ``(model, B, L, T)`` (bf16 rows; ``kv_dtype`` ``torch.float8_e4m3fn``: the same
+    cache values stored as e4m3, scales 1) and ``plan_for(split_len=None)``, which plans them as the library does
+    (``split_len`` None: the library's split). For the tools that time tree attention outside the suite."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    Hq, Hkv = MODELS[model]
+    inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, device, seed)
+    if kv_dtype is not None:
+        inp["k_cache"], inp["v_cache"] = inp["k_cache"].to(kv_dtype), inp["v_cache"].to(kv_dtype)
+
+    def plan_for(split_len=None):
+        return plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
+                                   split_len=split_len, kv_dtype=kv_dtype)
+
+    return inp, plan_for
+
+
 def _dense_mask(parents: torch.Tensor, L: int) -> torch.Tensor:
     """``bool [B, T, L + T]``: every context token, then the ancestor mask."""
     from tlt_kernels.tree import tree_ancestor_mask

@@ -462,3 +462,27 @@ def test_fp8_key_product_rule_row_is_for_bf16_rows_only():
     plan = SimpleNamespace(head_dim=64, num_tree=2, group=2)
     suite._bench_fp8_key_product_rule(ctx, {}, plan, q, None, None, None, 1, None)
     assert ctx.rows == [] and ctx.notes == []
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_case_inputs_plan_the_suite_case_as_the_library_does(kv_dtype):
+    """The tools' helper: the suite's inputs of a case (caches stored as ``kv_dtype``, the same values) and a planner
+    whose default split is the library's and whose ``split_len`` is taken as given."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    B, L, T = 2, 300, 5
+    torch.manual_seed(3)  # the caches' values come from the global generator (the table's from the seed)
+    inp, plan_for = suite.case_inputs("qwen2.5-7b", B, L, T, device="cpu", kv_dtype=kv_dtype)
+    Hq, Hkv = suite.MODELS["qwen2.5-7b"]
+    torch.manual_seed(3)
+    bf16 = suite._make_inputs(B, L, T, Hq, Hkv, suite.HEAD_DIM, torch.bfloat16, "cpu")
+    assert inp["q"].shape == (B, T, Hq, suite.HEAD_DIM) and inp["q"].dtype == torch.bfloat16
+    assert inp["k_cache"].dtype == (kv_dtype or torch.bfloat16)
+    assert torch.equal(inp["v_cache"], bf16["v_cache"].to(kv_dtype or torch.bfloat16))
+    library = plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
+                                  num_kv_heads=Hkv, head_dim=suite.HEAD_DIM, block_size=suite.PAGE,
+                                  max_context_len=L, kv_dtype=kv_dtype)
+    assert plan_for().split_len == library.split_len and plan_for(64).split_len == 64
+    got = plan_for(64).run(inp["q"], inp["k_cache"], inp["v_cache"], backend="torch")
+    want = library.run(inp["q"], inp["k_cache"], inp["v_cache"], backend="torch")
+    assert torch.allclose(got.float(), want.float(), atol=2e-2)
