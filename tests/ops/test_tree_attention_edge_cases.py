@@ -264,6 +264,33 @@ def test_unchecked_out_of_range_page_is_never_read_and_gives_nan(backend):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=str)
+def test_unchecked_out_of_range_page_past_a_splits_first_page_scan(backend, fp8):
+    """A split of more than ``PAGE_SCAN`` pages (pages of 2 tokens): the Triton context loop only clamps its page ids
+    and tests them after the loop, ``PAGE_SCAN`` a load; an out-of-range id in the first load, a later one, or the
+    masked tail tile makes the request's rows NaN, and the other request stays exact."""
+    need_backend("tree_attention", backend, DEVICE)
+    dtype = torch.bfloat16 if fp8 else DTYPE  # fp8 caches take bf16/fp16 rows
+    _cuda_half_only(backend, dtype)
+    case = make_case([700, 90], 3, 4, 2, 64, 2, dtype, ("chain",), device=DEVICE)
+    if fp8:
+        case = dict(case, k_cache=case["k_cache"].to(fp8), v_cache=case["v_cache"].to(fp8))
+    ref = tree_attention_reference(**dict(case, k_cache=case["k_cache"].float(), v_cache=case["v_cache"].float(),
+                                          q=case["q"].float()), out_dtype=torch.float32)
+    nb = case["k_cache"].shape[0]
+    scan = tk.PAGE_SCAN.value
+    assert scan + 40 < 640 // 2, "the split below must hold more pages than one scan"
+    for col, value in ((5, nb), (scan + 40, -7), (349, nb + 2)):  # first scan, after it, the tail tile
+        table = case["block_table"].clone()
+        table[0, col] = value
+        plan = make_plan(dict(case, block_table=table), split_len=640, validate=False)
+        out = plan.run(case["q"], case["k_cache"], case["v_cache"], backend=backend)
+        assert out[0].isnan().any(-1).all(), f"rows not NaN with block_table[0, {col}] = {value}"
+        assert (out[1].float() - ref[1]).abs().max() <= ATOL[dtype]
+
+
+@pytest.mark.triton
 def test_page_check_of_a_plan_built_during_capture(monkeypatch):
     """A plan built while a CUDA graph was captured could not read the table; its first run outside capture reads it
     once, and later runs check against that record without reading it again."""
