@@ -87,13 +87,15 @@ def _random_parents(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _make_inputs(B, L, T, Hq, Hkv, D, dtype, device, seed=0):
+    """A case's inputs, the same for the same ``seed``: shuffled pages, random q/K/V (drawn on ``device``)."""
     gen = torch.Generator().manual_seed(seed)
+    values = torch.Generator(device=device).manual_seed(seed)  # on the device: gigabytes of caches at long contexts
     pages_per_req = -(-(L + T) // PAGE)
     num_blocks = B * pages_per_req
     table = torch.randperm(num_blocks, generator=gen).to(torch.int32).view(B, pages_per_req)
-    k = torch.randn(num_blocks, PAGE, Hkv, D, dtype=dtype, device=device)
-    v = torch.randn(num_blocks, PAGE, Hkv, D, dtype=dtype, device=device)
-    q = torch.randn(B, T, Hq, D, dtype=dtype, device=device)
+    k = torch.randn(num_blocks, PAGE, Hkv, D, dtype=dtype, device=device, generator=values)
+    v = torch.randn(num_blocks, PAGE, Hkv, D, dtype=dtype, device=device, generator=values)
+    q = torch.randn(B, T, Hq, D, dtype=dtype, device=device, generator=values)
     ctx = torch.full((B,), L, dtype=torch.int32)
     return dict(q=q, k_cache=k, v_cache=v, block_table=table.to(device), context_lens=ctx.to(device),
                 parents=_random_parents(B, T, gen).to(device))
