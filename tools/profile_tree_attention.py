@@ -77,13 +77,14 @@ def _cache_bytes(args) -> int:
     return 1 if args.caches == "e4m3" else 2
 
 
-def _time_context_length(ctx, args, L, Hkv, sms, impls, points) -> None:
+def _time_context_length(ctx, args, L, sms, impls, points) -> None:
     """Times every impl at context ``L``: one JSON line each, its (waves, tiles, ms) point appended to ``points``."""
     import tlt_kernels._cuda.tree_attention as ct
 
     inp, plan_for = case_inputs(_model_name(args), args.B, L, args.T, ctx.device,
                                 torch.float8_e4m3fn if args.caches == "e4m3" else None)
     plan = plan_for()
+    Hkv = inp["k_cache"].shape[2]
     out = torch.empty_like(inp["q"])
     nbytes = args.B * (L + args.T) * Hkv * HEAD_DIM * 2 * _cache_bytes(args) + 2 * inp["q"].numel() * 2
     for name, backend, sm90, ws, tma in impls:
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     impls = _impls(dev, fp8=args.caches == "e4m3")
     points = {name: [] for name, *_ in impls}
     for L in (int(x) for x in args.L.split(",")):
-        _time_context_length(ctx, args, L, Hkv, sms, impls, points)
+        _time_context_length(ctx, args, L, sms, impls, points)
     for name, pts in points.items():
         if len(pts) < 2:
             continue

@@ -103,21 +103,31 @@ def _make_inputs(B, L, T, Hq, Hkv, D, dtype, device, seed=0):
 
 def case_inputs(model, B, L, T, device="cuda", kv_dtype=None, seed=0):
     """The suite's inputs of case ``(model, B, L, T)`` (bf16 rows; ``kv_dtype`` ``torch.float8_e4m3fn``: the same
-    cache values stored as e4m3, scales 1) and ``plan_for(split_len=None)``, which plans them as the library does
-    (``split_len`` None: the library's split). For the tools that time tree attention outside the suite."""
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-
+    cache values stored as e4m3, scales 1) and their planner (``_planner``; ``plan_for()`` plans them as the library
+    does). For the tools that time tree attention outside the suite."""
     Hq, Hkv = MODELS[model]
     inp = _make_inputs(B, L, T, Hq, Hkv, HEAD_DIM, torch.bfloat16, device, seed)
     if kv_dtype is not None:
         inp["k_cache"], inp["v_cache"] = inp["k_cache"].to(kv_dtype), inp["v_cache"].to(kv_dtype)
+    return inp, _planner(inp, L, kv_dtype)
 
-    def plan_for(split_len=None):
-        return plan_tree_attention(inp["parents"], inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                   num_kv_heads=Hkv, head_dim=HEAD_DIM, block_size=PAGE, max_context_len=L,
-                                   split_len=split_len, kv_dtype=kv_dtype)
 
-    return inp, plan_for
+def _planner(inp, L, kv_dtype=None):
+    """``plan_for(split_len=None, parents=None, kv_dtype=kv_dtype)``: a plan of ``inp``'s requests as the library
+    builds it (``parents`` None: ``inp``'s tree; another tree, e.g. its first node for the decode rows, or another
+    cache dtype, for the suite's other rows; ``split_len`` None: the library's split). Head counts and size from
+    ``inp``'s q ``[B, T, Hq, D]`` and K cache ``[pages, PAGE, Hkv, D]``."""
+    from tlt_kernels.ops.tree_attention import plan_tree_attention
+
+    Hq, D, Hkv = inp["q"].shape[2], inp["q"].shape[3], inp["k_cache"].shape[2]
+    default_kv_dtype = kv_dtype
+
+    def plan_for(split_len=None, parents=None, kv_dtype=default_kv_dtype):
+        return plan_tree_attention(inp["parents"] if parents is None else parents, inp["context_lens"],
+                                   inp["block_table"], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+                                   block_size=PAGE, max_context_len=L, split_len=split_len, kv_dtype=kv_dtype)
+
+    return plan_for
 
 
 def _dense_mask(parents: torch.Tensor, L: int) -> torch.Tensor:
@@ -175,35 +185,29 @@ class _CaseCost:
 
 
 def _bench_case(ctx, model, B, L, T, flex=True):
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-
     Hq, Hkv = MODELS[model]
     D, dtype, dev = HEAD_DIM, ctx.dtype, ctx.device
     inp = _make_inputs(B, L, T, Hq, Hkv, D, dtype, dev)
-    q, k_cache, v_cache, table, parents = inp["q"], inp["k_cache"], inp["v_cache"], inp["block_table"], inp["parents"]
+    q, k_cache, v_cache, parents = inp["q"], inp["k_cache"], inp["v_cache"], inp["parents"]
     case = {"model": model, "B": B, "L": L, "T": T}
     cost = _CaseCost(ctx, B, L, T, Hq, Hkv, D, q.element_size())
-
-    def plan_for(p, split_len=None, kv_dtype=None):
-        return plan_tree_attention(p, inp["context_lens"], table, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-                                   block_size=PAGE, max_context_len=L, split_len=split_len, kv_dtype=kv_dtype)
-
-    plan = plan_for(parents)
+    plan_for = _planner(inp, L)
+    plan = plan_for()
     p = values(ctx, FLAGS)
     if p.fp8_only:  # the rows over e4m3 caches alone (CUDA: the interpreter is too slow for these sizes)
         if dev.type == "cuda":
             _bench_fp8(ctx, case, plan, plan_for, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
         return
-    decode_plan = plan_for(parents[:, :1].contiguous())
+    decode_plan = plan_for(parents=parents[:, :1].contiguous())
     out = torch.empty_like(q)
     reference = _bench_tlt(ctx, case, plan, decode_plan, q, k_cache, v_cache, out, cost)
     _bench_copy_floor(ctx, case, cost.nbytes(T))
     if reference is not None and dev.type == "cuda":
         _bench_context_kernels(ctx, case, plan, q, k_cache, v_cache, out, reference, cost.nbytes(T), cost.extra)
-        _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost)
+        _bench_even_splits(ctx, case, plan, plan_for, q, k_cache, v_cache, out, reference, cost)
         _bench_merge_placement(ctx, case, plan, q, k_cache, v_cache, out, reference, cost)
     if reference is not None and p.sweep and p.sweep_caches != "fp8" and dev.type == "cuda":
-        _sweep(ctx, case, _sweep_plans(plan_for, parents), q, k_cache, v_cache, out, reference, cost.nbytes(T),
+        _sweep(ctx, case, _sweep_plans(plan_for), q, k_cache, v_cache, out, reference, cost.nbytes(T),
                cost.extra)
     if p.fp8 and reference is not None and dev.type == "cuda":
         _bench_fp8(ctx, case, plan, plan_for, inp, cost, p.peers, p.sweep and p.sweep_caches != "bf16")
@@ -266,7 +270,7 @@ def _bench_copy_floor(ctx, case, nbytes: int) -> None:
 EVEN_SPLIT_ROWS = {1: "one-wave split", 2: "two-per-SM split"}
 
 
-def _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, out, reference, cost):
+def _bench_even_splits(ctx, case, plan, plan_for, q, k_cache, v_cache, out, reference, cost):
     """``tlt-<backend> one-wave split`` / ``two-per-SM split``: the same op with
     ``default_split_len(programs_per_sm=k)`` (the most splits whose programs fit k per SM; the default's count can
     overshoot a wave by a few programs, which then share an SM), where that differs from the default split and from
@@ -283,7 +287,7 @@ def _bench_even_splits(ctx, case, plan, plan_for, parents, q, k_cache, v_cache, 
         if split_len in timed:
             continue
         timed.add(split_len)
-        even_plan = plan_for(parents, split_len=split_len)
+        even_plan = plan_for(split_len)
         for backend in ("triton", "cuda"):
             if backend_unavailable_reason(backend, q.device) is None:  # the data's device runs the rows
                 _time_split_row(ctx, case, f"tlt-{backend} {label}", backend, even_plan, q, k_cache, v_cache, out,
@@ -494,19 +498,19 @@ def _timed(ctx, fn):
     return ctx.time_ms(fn), "eager"
 
 
-def _sweep_plans(plan_for, parents):
+def _sweep_plans(plan_for):
     """The default plan and half / double / a quarter of its split length (double only when it splits), by label."""
     from tlt_kernels.ops.tree_attention import SPLIT_ALIGN
 
-    base = plan_for(parents)
+    base = plan_for()
     plans = {"split=default": base}
     for factor, label in ((0.5, "split/2"), (2.0, "split*2")):
         split_len = max(SPLIT_ALIGN, int(base.split_len * factor) // SPLIT_ALIGN * SPLIT_ALIGN)
         if split_len != base.split_len and (factor < 1 or base.num_splits > 1):
-            plans[label] = plan_for(parents, split_len=split_len)
+            plans[label] = plan_for(split_len)
     quarter = max(SPLIT_ALIGN, base.split_len // 4 // SPLIT_ALIGN * SPLIT_ALIGN)
     if quarter >= 256 and quarter not in {p.split_len for p in plans.values()}:
-        plans["split/4"] = plan_for(parents, split_len=quarter)
+        plans["split/4"] = plan_for(quarter)
     return plans
 
 
@@ -584,7 +588,7 @@ def xqa_tree_mask(parents: torch.Tensor) -> torch.Tensor:
 
 def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False):
     """``tlt-triton fp8``, ``tlt-cuda fp8`` (where the extension runs) and ``flashinfer-xqa fp8`` (with the peers): the
-    same case over e4m3 caches (scales 1) with a plan built for them (``plan_for(parents, kv_dtype=...)``), ours
+    same case over e4m3 caches (scales 1) with a plan built for them (``plan_for(kv_dtype=...)``), ours
     checked against the Triton kernel over the caches' exact bf16 widening; the Triton row with ``two_byte_plan`` (the
     bf16 rows') where it splits otherwise. Bytes: K/V at one byte per element. ``sweep``: also the Triton kernel's
     config grid over these caches (``sweep fp8`` rows, the default split; half the bytes per tile leave room for a
@@ -593,7 +597,7 @@ def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False
 
     q = inp["q"]
     k8, v8 = inp["k_cache"].to(torch.float8_e4m3fn), inp["v_cache"].to(torch.float8_e4m3fn)
-    plan = plan_for(inp["parents"], kv_dtype=k8.dtype)
+    plan = plan_for(kv_dtype=k8.dtype)
     T = case["T"]
     nbytes = cost.B * (cost.L + T) * cost.Hkv * cost.D * 2 + 2 * cost.B * T * cost.Hq * cost.D * q.element_size()
     try:

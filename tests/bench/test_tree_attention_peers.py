@@ -101,19 +101,13 @@ def test_xqa_and_decode_peers_match_the_tlt_rows(B, L, T, Hq):
     """XQA with the packed tree mask equals our tree attention (T > 32 spans two mask words); the decode wrapper over
     L + 1 tokens equals our T = 1 plan (GQA group 7, Qwen2.5-7B's, through its tensor-core decode); each gets one
     row."""
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-
     Hkv, D = 2, 16
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.float32, torch.device("cpu"))
     case = {"model": "test", "B": B, "L": L, "T": T}
-
-    def plan_for(parents):
-        return plan_tree_attention(parents, inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                   num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L)
-
-    reference = plan_for(inp["parents"]).run(inp["q"], inp["k_cache"], inp["v_cache"], backend="torch")
-    decode_reference = plan_for(inp["parents"][:, :1].contiguous()).run(inp["q"][:, :1].contiguous(), inp["k_cache"],
-                                                                        inp["v_cache"], backend="torch")
+    plan_for = suite._planner(inp, L)
+    reference = plan_for().run(inp["q"], inp["k_cache"], inp["v_cache"], backend="torch")
+    decode_reference = plan_for(parents=inp["parents"][:, :1].contiguous()).run(
+        inp["q"][:, :1].contiguous(), inp["k_cache"], inp["v_cache"], backend="torch")
     ctx, extra = _Ctx(), lambda ms: {}
     suite._bench_flashinfer_xqa(ctx, FAKE, case, inp, reference, 1, extra)
     suite._bench_flashinfer_decode(ctx, FAKE, case, inp, decode_reference, 1, extra)
@@ -148,11 +142,11 @@ def test_fp8_rows_check_against_the_exact_widening_and_feed_the_xqa_peer():
     # The kernel device: the GPU where there is one (the interpreter is off there), else the CPU's interpreter.
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
     case = {"model": "test", "B": B, "L": L, "T": T}
-    plan_for = _plan_for(inp, Hq, Hkv, D, L)
+    plan_for = suite._planner(inp, L)
     cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
     ctx = _Ctx()
     ctx.try_import = lambda name: FAKE
-    suite._bench_fp8(ctx, case, plan_for(inp["parents"]), plan_for, inp, cost, peers=True)
+    suite._bench_fp8(ctx, case, plan_for(), plan_for, inp, cost, peers=True)
     from tlt_kernels._backend import backend_unavailable_reason
 
     why = backend_unavailable_reason("cuda", inp["q"].device)  # the CUDA row runs where the extension does
@@ -171,9 +165,9 @@ def test_fp8_rows_run_the_one_byte_plan_and_time_the_two_byte_split():
     checked against the widened caches."""
     B, L, T, Hq, Hkv, D = 1, 600, 1, 14, 2, 128
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
-    plan_for = _plan_for(inp, Hq, Hkv, D, L)
-    two_byte = plan_for(inp["parents"])
-    assert (two_byte.split_len, plan_for(inp["parents"], torch.float8_e4m3fn).split_len) == (256, 128)
+    plan_for = suite._planner(inp, L)
+    two_byte = plan_for()
+    assert (two_byte.split_len, plan_for(kv_dtype=torch.float8_e4m3fn).split_len) == (256, 128)
     cost = SimpleNamespace(B=B, L=L, Hq=Hq, Hkv=Hkv, D=D, extra=lambda ms: {})
     ctx = _Ctx()
     suite._bench_fp8(ctx, {"model": "test", "B": B, "L": L, "T": T}, two_byte, plan_for, inp, cost, peers=False)
@@ -271,23 +265,17 @@ def test_even_split_rows_run_where_the_split_differs():
     checked against the first tlt row and timed, with their splits, on each backend the data's device runs (CUDA's on a GPU
     with the extension); no row whose split equals the default's or an earlier row's."""
     from tlt_kernels._backend import backend_unavailable_reason
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
 
     B, L, T, Hq, Hkv, D = 1, 4000, 4, 4, 2, 64
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, torch.bfloat16, torch.device(kernel_devices()[0]))
     case = {"model": "test", "B": B, "L": L, "T": T}
-
-    def plan_for(parents, split_len=None):
-        return plan_tree_attention(parents, inp["context_lens"], inp["block_table"], num_q_heads=Hq,
-                                   num_kv_heads=Hkv, head_dim=D, block_size=suite.PAGE, max_context_len=L,
-                                   split_len=split_len)
-
+    plan_for = suite._planner(inp, L)
     cost = SimpleNamespace(nbytes=lambda t: 1, extra=lambda ms: {})
     q, k, v = inp["q"], inp["k_cache"], inp["v_cache"]
-    plan = plan_for(inp["parents"], split_len=1024)  # 4 splits; both rules': 16 of 256 (2 programs each)
+    plan = plan_for(1024)  # 4 splits; both rules': 16 of 256 (2 programs each)
     reference = plan.run(q, k, v, backend="torch")
     ctx = _Ctx()
-    suite._bench_even_splits(ctx, case, plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference, cost)
+    suite._bench_even_splits(ctx, case, plan, plan_for, q, k, v, torch.empty_like(q), reference, cost)
     # At L = 4000 both rules hit the 256-token floor: the first rule's rows, one per backend the data's device runs.
     runs = [b for b in ("triton", "cuda") if backend_unavailable_reason(b, q.device) is None]
     assert ctx.notes == [] and [impl for impl, _, _ in ctx.rows] == [f"tlt-{b} one-wave split" for b in runs]
@@ -295,9 +283,8 @@ def test_even_split_rows_run_where_the_split_differs():
         assert row["split_len"] == 256 and row["num_splits"] == 16 and row["timing"] == "eager"
     even_split = ctx.rows[0][2]["split_len"]
     ctx = _Ctx()
-    even_plan = plan_for(inp["parents"], split_len=even_split)
-    suite._bench_even_splits(ctx, case, even_plan, plan_for, inp["parents"], q, k, v, torch.empty_like(q), reference,
-                             cost)
+    even_plan = plan_for(even_split)
+    suite._bench_even_splits(ctx, case, even_plan, plan_for, q, k, v, torch.empty_like(q), reference, cost)
     assert ctx.rows == [] and ctx.notes == []
 
 
@@ -360,16 +347,7 @@ def test_copy_floor_row_moves_the_case_bytes():
 
 def _sweep_case(B=1, L=40, T=3, Hq=4, Hkv=2, D=64, dtype=torch.bfloat16):
     inp = suite._make_inputs(B, L, T, Hq, Hkv, D, dtype, torch.device(kernel_devices()[0]))
-    return inp, _plan_for(inp, Hq, Hkv, D, L)(inp["parents"]), {"model": "test", "B": B, "L": L, "T": T}
-
-
-def _plan_for(inp, Hq, Hkv, D, L):
-    """The suite's ``plan_for``: a plan of ``inp``'s tables for given parents (default split, or ``kv_dtype``'s)."""
-    from tlt_kernels.ops.tree_attention import plan_tree_attention
-
-    return lambda parents, kv_dtype=None: plan_tree_attention(
-        parents, inp["context_lens"], inp["block_table"], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-        block_size=suite.PAGE, max_context_len=L, kv_dtype=kv_dtype)
+    return inp, suite._planner(inp, L)(), {"model": "test", "B": B, "L": L, "T": T}
 
 
 @pytest.mark.triton
@@ -410,13 +388,14 @@ def test_sweep_plans_halve_double_and_quarter_the_split():
     tokens; each a distinct split length."""
     made = []
 
-    def plan_for(parents, split_len=None):
+    def plan_for(split_len=None):
         made.append(split_len)
         return SimpleNamespace(split_len=split_len or 2048, num_splits=2)
 
-    plans = suite._sweep_plans(plan_for, None)
+    plans = suite._sweep_plans(plan_for)
     assert {label: p.split_len for label, p in plans.items()} == {
         "split=default": 2048, "split/2": 1024, "split*2": 4096, "split/4": 512}
+    assert made == [None, 1024, 4096, 512]  # one plan each, the library's split first
 
 
 @pytest.mark.triton
@@ -426,7 +405,7 @@ def test_fp8_sweep_rows_come_from_the_fp8_caches():
     inp, plan, case = _sweep_case()
     cost = SimpleNamespace(B=1, L=40, Hq=4, Hkv=2, D=64, extra=lambda ms: {})
     ctx = _Ctx()
-    suite._bench_fp8(ctx, case, plan, _plan_for(inp, 4, 2, 64, 40), inp, cost, peers=False, sweep=True)
+    suite._bench_fp8(ctx, case, plan, suite._planner(inp, 40), inp, cost, peers=False, sweep=True)
     sweep = [impl for impl, _, _ in ctx.rows if impl.startswith("sweep fp8")]
     assert sweep == [f"sweep fp8 bn={bn} w={w} s={s} bm=128 split=default" for bn in (64, 128) for w in (4, 8)
                      for s in (2, 3, 4, 5)]
