@@ -22,7 +22,7 @@ LSE for it (never the -inf of an empty split, which the merge would skip); the m
 non-empty split's partial. Unattended slots are masked loads (``other=0``). A tree slot whose V holds NaN/inf joins
 P V zeroed, with a NaN score for the rows that see it (``_tree_attend``). A page id outside ``[0, num_blocks)`` is read
 as an in-range page and makes the program's rows NaN (``_checked_pages``; in the context loop ``_clamped_pages``, the
-split's ids tested once after it by ``_pages_out_of_range``).
+split's ids tested once after it by ``_pages_out_of_range``; over fp8 caches the first ``PAGE_SCAN`` before it).
 """
 from __future__ import annotations
 
@@ -305,16 +305,15 @@ def _clamped_pages(pages, last_page):
     """The context loop's bound on page ids, where it repeats every tile: one unsigned minimum with ``last_page``
     (``_last_page``; a negative id is above every valid page as unsigned), so nothing out of range is read. No flag in
     the loop: further uses of the ids there cost it more than their instructions (docs/TREE_ATTENTION.md, "What the
-    page-id bounds check costs"); ``_pages_out_of_range`` tests the split's ids once after the loop."""
+    page-id bounds check costs"); ``_pages_out_of_range`` tests the split's ids once after the loop (over fp8 caches
+    the first ``PAGE_SCAN`` before it)."""
     return tl.minimum(pages.to(tl.uint32, bitcast=True), last_page).to(tl.int64)
 
 
 @triton.jit
-def _pages_out_of_range(bt_row, start, end, last_page, PAGE_SIZE: tl.constexpr, INTERPRET: tl.constexpr):
-    """int32 1 when a block-table entry of tokens ``start .. end-1`` is outside ``[0, last_page]``, else 0: their
-    entries read again (from L2, the loop has just read them) in runs of ``PAGE_SCAN``, the largest as unsigned."""
-    first = start // PAGE_SIZE
-    stop = (end + PAGE_SIZE - 1) // PAGE_SIZE
+def _pages_out_of_range(bt_row, first, stop, last_page, INTERPRET: tl.constexpr):
+    """int32 1 when a block-table entry ``first .. stop-1`` of ``bt_row`` is outside ``[0, last_page]``, else 0: the
+    largest as unsigned, over loads of ``PAGE_SCAN`` entries."""
     offs = tl.arange(0, PAGE_SCAN)
     largest = tl.zeros([PAGE_SCAN], dtype=tl.uint32)
     if INTERPRET:  # the interpreter takes no tensor bounds in range() (see _context_pipelined)
@@ -408,10 +407,23 @@ def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs
     """Context tokens ``start .. end-1``: whole tiles first, unmasked, then at most one masked tail tile. The page ids
     of tile i+1 are a plain load issued during tile i and carried to the next trip, so the K/V loads' addresses do not
     depend on a load of their own trip and the pipeliner keeps their async copies in flight across the previous
-    tile's math. Returns the softmax state and the page flag (see ``_checked_pages``)."""
+    tile's math. Returns the softmax state and the page flag (see ``_checked_pages``; over fp8 caches an out-of-range
+    id among the first ``PAGE_SCAN`` makes ``l`` NaN instead, which makes the rows NaN the same way)."""
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
+    # The page ids the loop reads are tested outside it (the loop only clamps them), after it; over fp8 caches the
+    # first PAGE_SCAN before it, in flight with the first tile's ids, their flag carried by l (NaN: the rows come out
+    # NaN) so the compiler keeps the test there (measured: docs/TREE_ATTENTION.md, "What the page-id bounds check
+    # costs").
+    first_page = start // PAGE_SIZE
+    stop_page = (full_end + PAGE_SIZE - 1) // PAGE_SIZE
     last_page = _last_page(num_blocks)
+    scan_from = first_page
+    if k_head.dtype.element_ty.is_fp8():
+        scan_from = first_page + PAGE_SCAN
+        first_ids = tl.load(bt_row + first_page + tl.arange(0, PAGE_SCAN),
+                            mask=first_page + tl.arange(0, PAGE_SCAN) < stop_page, other=0)
+        l_i = tl.where(tl.max(first_ids.to(tl.uint32, bitcast=True), 0) > last_page, float("nan"), l_i)
+    pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
     if INTERPRET:
         # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
         # 1-element scalars); a while loop is equivalent there. The GPU keeps the pipelined for loop.
@@ -428,7 +440,7 @@ def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs
                                                    stride_kp, stride_ks, stride_vp, stride_vs, last_page, m_i, l_i, acc,
                                                    qk_scale, PAGE_SIZE, BLOCK_N, INTERPRET, LAZY_RESCALE,
                                                    DOT_PRECISION)
-    page_bad = _pages_out_of_range(bt_row, start, full_end, last_page, PAGE_SIZE, INTERPRET)
+    page_bad = _pages_out_of_range(bt_row, scan_from, stop_page, last_page, INTERPRET)
     if full_end < end:
         m_i, l_i, acc, tile_bad = _context_tile(q, q_lo, k_head, v_head, bt_row, full_end, end, offs_n, offs_d,
                                                 stride_kp, stride_ks, stride_vp, stride_vs, num_blocks, m_i, l_i, acc,
