@@ -268,8 +268,9 @@ def test_unchecked_out_of_range_page_is_never_read_and_gives_nan(backend):
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=str)
 def test_unchecked_out_of_range_page_past_a_splits_first_page_scan(backend, fp8):
     """A split of more than ``PAGE_SCAN`` pages (pages of 2 tokens): the Triton context loop only clamps its page ids
-    and tests them after the loop, ``PAGE_SCAN`` a load; an out-of-range id in the first load, a later one, or the
-    masked tail tile makes the request's rows NaN, and the other request stays exact."""
+    and tests them after the loop, ``PAGE_SCAN`` a load (over fp8 caches the first ``PAGE_SCAN`` before it, their flag
+    carried by ``l``); an out-of-range id in the first load, a later one, or the masked tail tile makes the request's
+    rows NaN, and the other request stays exact."""
     need_backend("tree_attention", backend, DEVICE)
     dtype = torch.bfloat16 if fp8 else DTYPE  # fp8 caches take bf16/fp16 rows
     _cuda_half_only(backend, dtype)
