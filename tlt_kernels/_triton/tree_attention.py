@@ -311,21 +311,26 @@ def _clamped_pages(pages, last_page):
 
 
 @triton.jit
+def _page_ids_unsigned(bt_row, p0, stop):
+    """Block-table entries ``p0 .. p0+PAGE_SCAN-1`` of ``bt_row`` (those below ``stop``, else 0) as uint32 [PAGE_SCAN]:
+    a negative id reads above every valid page, so one unsigned maximum bounds both sides."""
+    ids = p0 + tl.arange(0, PAGE_SCAN)
+    return tl.load(bt_row + ids, mask=ids < stop, other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
 def _pages_out_of_range(bt_row, first, stop, last_page, INTERPRET: tl.constexpr):
     """int32 1 when a block-table entry ``first .. stop-1`` of ``bt_row`` is outside ``[0, last_page]``, else 0: the
     largest as unsigned, over loads of ``PAGE_SCAN`` entries."""
-    offs = tl.arange(0, PAGE_SCAN)
     largest = tl.zeros([PAGE_SCAN], dtype=tl.uint32)
     if INTERPRET:  # the interpreter takes no tensor bounds in range() (see _context_pipelined)
         p0 = first
         while p0 < stop:
-            ids = tl.load(bt_row + p0 + offs, mask=p0 + offs < stop, other=0)
-            largest = tl.maximum(largest, ids.to(tl.uint32, bitcast=True))
+            largest = tl.maximum(largest, _page_ids_unsigned(bt_row, p0, stop))
             p0 += PAGE_SCAN
     else:
         for p0 in range(first, stop, PAGE_SCAN):
-            ids = tl.load(bt_row + p0 + offs, mask=p0 + offs < stop, other=0)
-            largest = tl.maximum(largest, ids.to(tl.uint32, bitcast=True))
+            largest = tl.maximum(largest, _page_ids_unsigned(bt_row, p0, stop))
     return (tl.max(largest, 0) > last_page).to(tl.int32)
 
 
@@ -420,9 +425,8 @@ def _context_pipelined(q, q_lo, k_head, v_head, bt_row, start, end, offs_n, offs
     scan_from = first_page
     if k_head.dtype.element_ty.is_fp8():
         scan_from = first_page + PAGE_SCAN
-        first_ids = tl.load(bt_row + first_page + tl.arange(0, PAGE_SCAN),
-                            mask=first_page + tl.arange(0, PAGE_SCAN) < stop_page, other=0)
-        l_i = tl.where(tl.max(first_ids.to(tl.uint32, bitcast=True), 0) > last_page, float("nan"), l_i)
+        first_ids = _page_ids_unsigned(bt_row, first_page, stop_page)
+        l_i = tl.where(tl.max(first_ids, 0) > last_page, float("nan"), l_i)
     pages = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < full_end, other=0)
     if INTERPRET:
         # The interpreter cannot take tensor bounds in range() (numpy >= 2.4 refuses int() of its
