@@ -556,6 +556,18 @@ def test_profile_tree_attention_over_e4m3_caches_counts_one_byte_and_skips_the_w
     assert fp8 == ["tlt-triton", "tlt-cuda sm90", "tlt-cuda mma.sync"]
 
 
+def test_fp8_config_sweep_parses_configs():
+    """tools.fp8_config_sweep --configs: each ``N:W:S`` entry is one (BLOCK_N, num_warps, num_stages) override, in
+    order; an entry that is not three integers is refused, named."""
+    from tools.fp8_config_sweep import CONFIGS, parse_configs
+
+    assert parse_configs("64:4:3;128:8:2") == [(64, 4, 3), (128, 8, 2)]
+    assert all(len(cfg) == 3 for cfg in parse_configs(CONFIGS))
+    for bad in ("64:4", "64:4:x", "64:4:3;"):
+        with pytest.raises(ValueError, match="--configs"):
+            parse_configs(bad)
+
+
 def test_triton_versions_ab_absolute_imports():
     """tools.triton_versions_ab makes a copy of the Triton module loadable from anywhere: each relative import, at any
     depth and indentation, names the same module absolutely; nothing else changes."""
