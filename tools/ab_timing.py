@@ -1,5 +1,5 @@
 """What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``, ``hoist_tree_ab``, ``skinny_linear_probe``,
-and the split sweeps ``fp8_split_sweep`` and ``small_model_split_sweep``): graph replays timed with the L2 flushed
+the split sweeps ``fp8_split_sweep`` and ``small_model_split_sweep``, and ``fp8_config_sweep``): graph replays timed with the L2 flushed
 before each, sides that differ by module settings timed alternately, and the command lines that time every case,
 print one JSON line per row and write them all as JSON."""
 from __future__ import annotations
@@ -94,14 +94,20 @@ def sweep_main(description: str, cases: str, splits: str, measure: Callable, add
         raise SystemExit(f"{parser.prog} needs a CUDA GPU")
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     split_lens = [int(s) for s in args.splits.split(",")]
+    return time_cases(args.cases, lambda B, L, T: measure(args, B, L, T, split_lens, flush), args.out)
+
+
+def time_cases(cases: str, measure_case: Callable, out=None) -> int:
+    """The sweeps' loop: ``measure_case(B, L, T)``'s rows for each case of ``cases`` (``"B,L,T;..."``), printed as
+    JSON lines as they come and written to ``out`` (a path, or None)."""
     rows = []
-    for case in args.cases.split(";"):
+    for case in cases.split(";"):
         B, L, T = (int(x) for x in case.split(","))
-        for row in measure(args, B, L, T, split_lens, flush):
+        for row in measure_case(B, L, T):
             rows.append(row)
             print(json.dumps(row), flush=True)
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

@@ -11,14 +11,13 @@ largest difference from the default's output, and writes them all as JSON (GPU o
 from __future__ import annotations
 
 import argparse
-import json
 from unittest import mock
 
 import torch
 
 import tlt_kernels._triton.tree_attention as tk
 from bench.suites.tree_attention import case_inputs, xqa_call
-from tools.ab_timing import L2_FLUSH_BYTES, graph_us, side_differences, time_module_sides
+from tools.ab_timing import L2_FLUSH_BYTES, graph_us, side_differences, time_cases, time_module_sides
 
 # T = 4 / 8 cases where the H100 record (7019f0d) has XQA fp8 ahead of the default, and one where it is behind.
 CASES = "16,16384,8;16,65536,8;16,4096,4;16,16384,4;8,65536,8"
@@ -80,17 +79,7 @@ def main(argv=None) -> int:
     except ImportError:
         fi = None
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-    rows = []
-    for case in args.cases.split(";"):
-        B, L, T = (int(x) for x in case.split(","))
-        for row in measure(fi, B, L, T, configs, flush, args.reps):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+    return time_cases(args.cases, lambda B, L, T: measure(fi, B, L, T, configs, flush, args.reps), args.out)
 
 
 if __name__ == "__main__":
