@@ -1,7 +1,7 @@
 """What the same-run A/B tools share (``split_rule_ab``, ``merge_ab``, ``hoist_tree_ab``, ``skinny_linear_probe``,
-the split sweeps ``fp8_split_sweep`` and ``small_model_split_sweep``, and ``fp8_config_sweep``): graph replays timed with the L2 flushed
-before each, sides that differ by module settings timed alternately, and the command lines that time every case,
-print one JSON line per row and write them all as JSON."""
+the split sweeps ``fp8_split_sweep`` and ``small_model_split_sweep``, and ``fp8_config_sweep``): graph replays timed
+with the L2 flushed before each, sides that differ by module settings timed alternately, and the command lines that
+time every case, print one JSON line per row and write them all as JSON."""
 from __future__ import annotations
 
 import argparse
