@@ -19,7 +19,7 @@ import tlt_kernels._triton.tree_attention as tk
 from bench.suites.tree_attention import case_inputs, xqa_call
 from tools.ab_timing import L2_FLUSH_BYTES, graph_us, side_differences, time_cases, time_module_sides
 
-# T = 4 / 8 cases where the H100 record (7019f0d) has XQA fp8 ahead of the default, and one where it is behind.
+# T = 4 / 8 cases: three where the H100 record at 7019f0d has XQA fp8 ahead of the default, two where it is behind.
 CASES = "16,16384,8;16,65536,8;16,4096,4;16,16384,4;8,65536,8"
 CONFIGS = "64:4:3;64:4:4;64:8:3;128:4:3;128:4:4;128:8:3;128:8:2"
 
