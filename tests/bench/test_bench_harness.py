@@ -568,6 +568,28 @@ def test_fp8_config_sweep_parses_configs():
             parse_configs(bad)
 
 
+def test_triton_loop_sass_counts_the_longest_loop():
+    """tools.triton_loop_sass: the loop counted is the backward branch with the most instructions between its label and
+    itself (predicated instructions counted by opcode, forward branches and instructions outside loops left out)."""
+    from tools.triton_loop_sass import longest_loop
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_1:",
+        "        /*0010*/                   LDS.U8 R2, [R3] ;",
+        "        /*0020*/               @P0 BRA `(.L_x_1) ;",
+        ".L_x_2:",
+        "        /*0030*/                   LDS.U8 R2, [R3] ;",
+        "        /*0040*/                   F2FP.F16.E4M3.UNPACK_B R4, R2 ;",
+        "        /*0050*/              @!P1 IMAD.MOV.U32 R5, RZ, RZ, R4 ;",
+        "        /*0060*/               @P2 BRA `(.L_x_3) ;",
+        "        /*0070*/               @P0 BRA `(.L_x_2) ;",
+        ".L_x_3:",
+        "        /*0080*/                   EXIT ;",
+    ])
+    assert longest_loop(sass) == {"LDS": 1, "F2FP": 1, "IMAD": 1, "BRA": 2}
+
+
 def test_triton_versions_ab_absolute_imports():
     """tools.triton_versions_ab makes a copy of the Triton module loadable from anywhere: each relative import, at any
     depth and indentation, names the same module absolutely; nothing else changes."""
