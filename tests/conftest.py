@@ -87,18 +87,18 @@ def compile_sm90(fn, types, consts, num_warps):
 
 def compile_for_sm90(script: str) -> None:
     """Run ``script`` (it calls ``triton.compile`` for sm_90, for instance through :data:`SM90_PRELUDE`'s
-    ``compile_sm90``, which it may use) in a fresh interpreter with ``TRITON_INTERPRET=0``: the interpreter accepts
-    code the compiler rejects. Skips when ptxas is missing; fails with its stderr."""
+    ``compile_sm90``, which it may use) in a fresh interpreter with ``TRITON_INTERPRET=0``
+    (``tools.sm90_partial_compile.run_sm90_script``). Skips when ptxas is missing; fails with its stderr."""
     import shutil
-    import subprocess
-    import sys
+
+    from tools.sm90_partial_compile import run_sm90_script
 
     if shutil.which("ptxas") is None and not os.environ.get("TRITON_PTXAS_PATH"):
         pytest.skip("ptxas not found")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", SM90_PRELUDE + script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    try:
+        run_sm90_script(SM90_PRELUDE + script, timeout=300)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
 
 
 def sm90_rule_spy(monkeypatch, context_sm90):

@@ -1,6 +1,11 @@
 """The sm_90 compile of tree attention's Triton partial kernel, without a GPU: the script the Triton-variant tests
 run (``tests/ops/test_tree_attention_triton_variants.py``, through ``conftest.compile_for_sm90``) and
-``tools.triton_loop_sass`` uses, kept here so both run the same compile."""
+``tools.triton_loop_sass`` uses, and the runner both call, kept here so both run the same compile."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Compiles the partial kernel for sm_90 (no GPU needed) with the config `kernel_config` picks, then runs ptxas;
 # `{checks}` sees `c` (the compiled kernel), `regs`, `spills`, `smem` and the config's names.
@@ -44,3 +49,13 @@ smem = c.metadata.shared
 print(block_m, block_n, warps, stages, regs, spills, smem)
 {checks}
 """
+
+
+def run_sm90_script(script: str, timeout: float = 600) -> str:
+    """Run ``script`` in a fresh interpreter from the repository root with ``TRITON_INTERPRET=0`` (the interpreter
+    accepts code the compiler rejects) and return its stdout; raises RuntimeError with its stderr if it fails."""
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="0"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return proc.stdout

@@ -17,30 +17,22 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-from tools.sm90_partial_compile import PARTIAL_KERNEL_SM90
+from tools.sm90_partial_compile import PARTIAL_KERNEL_SM90, run_sm90_script
 
 CASES = "e4m3,1,4096;e4m3,4,4096;e4m3,8,4096;bf16,1,0;bf16,4,0;bf16,8,0"
 KV_TYPES = {"e4m3": "*fp8e4nv", "e5m2": "*fp8e5", "bf16": None}
 # An instruction line: its address comment, an optional predicate (@P0, @!UP1), then the opcode.
 _OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
-_WRITE_CUBIN = """
-open({path!r}, "wb").write(c.asm["cubin"])
-print("CONFIG", block_m, block_n, warps, stages, regs, spills, smem)
-"""
+_WRITE_CUBIN = 'open({path!r}, "wb").write(c.asm["cubin"])'
 
 
 def compile_cubin(D: int, T: int, G: int, kv: str, split: int, path: str) -> dict:
     """Compile the partial kernel for sm_90 into ``path`` (a cubin); returns its configuration and ptxas's report."""
     script = PARTIAL_KERNEL_SM90.format(D=D, T=T, G=G, fp32=False, kv=KV_TYPES[kv], split=split or None,
                                         checks=_WRITE_CUBIN.format(path=path))
-    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, TRITON_INTERPRET="0"),
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    fields = [line for line in proc.stdout.splitlines() if line.startswith("CONFIG")][0].split()[1:]
+    fields = run_sm90_script(script).split()[-7:]  # the script's last print: the config and ptxas's report
     names = ("block_m", "block_n", "warps", "stages", "registers", "spill_bytes", "shared_bytes")
     return dict(zip(names, (int(x) for x in fields)))
 
@@ -75,11 +67,12 @@ def main(argv=None) -> int:
     parser.add_argument("--G", type=int, default=7, help="query heads per KV head")
     parser.add_argument("--top", type=int, default=12, help="opcodes to print per case")
     args = parser.parse_args(argv)
+    cases = [case.split(",") for case in args.cases.split(";")]
+    for case in cases:  # every case checked before the first compile
+        if len(case) != 3 or case[0] not in KV_TYPES or not (case[1].isdigit() and case[2].isdigit()):
+            raise SystemExit(f"--cases: {','.join(case)!r} is not KV,T,SPLIT with KV one of {sorted(KV_TYPES)}")
     with tempfile.TemporaryDirectory() as tmp:
-        for case in args.cases.split(";"):
-            kv, T, split = case.split(",")
-            if kv not in KV_TYPES:
-                raise SystemExit(f"--cases: {kv!r} is not one of {sorted(KV_TYPES)}")
+        for kv, T, split in cases:
             cubin = os.path.join(tmp, "partial.cubin")
             config = compile_cubin(args.D, int(T), args.G, kv, int(split), cubin)
             ops = longest_loop(disassemble(cubin))

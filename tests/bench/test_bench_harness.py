@@ -590,6 +590,18 @@ def test_triton_loop_sass_counts_the_longest_loop():
     assert longest_loop(sass) == {"LDS": 1, "F2FP": 1, "IMAD": 1, "BRA": 2}
 
 
+@pytest.mark.parametrize("cases", ["bf16,1,0;int8,1,0", "bf16,1,0;e4m3,x,4096", "bf16,1"])
+def test_triton_loop_sass_checks_every_case_first(cases, monkeypatch):
+    """tools.triton_loop_sass: a bad case anywhere in --cases stops the run before the first compile."""
+    import tools.triton_loop_sass as tool
+
+    compiled = []
+    monkeypatch.setattr(tool, "compile_cubin", lambda *args: compiled.append(args))
+    with pytest.raises(SystemExit, match="--cases"):
+        tool.main(["--cases", cases])
+    assert compiled == []
+
+
 def test_triton_versions_ab_absolute_imports():
     """tools.triton_versions_ab makes a copy of the Triton module loadable from anywhere: each relative import, at any
     depth and indentation, names the same module absolutely; nothing else changes."""

@@ -237,9 +237,7 @@ def test_two_programs_per_sm_configs_match_reference(cfg, monkeypatch):
     check_against_reference(out, case)
 
 
-# The sm_90 compile script (its `{checks}` see `c`, `regs`, `spills`, `smem` and the config's names).
-_COMPILE_SM90 = PARTIAL_KERNEL_SM90
-
+# Checks for PARTIAL_KERNEL_SM90's `{checks}` (they see `c`, `regs`, `spills`, `smem` and the config's names).
 _T16_CHECKS = """
 waits = [int(x) for x in re.findall(r"async_wait.*?num = (\\d+)", c.asm["ttgir"])]
 assert waits and max(waits) >= 2, f"K/V copies not kept in flight across the math: async_wait nums {waits}"
@@ -263,7 +261,7 @@ def test_t16_default_config_compiles_for_sm90_with_pipelined_loads():
     premise of its speed)."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, split=None, checks=_T16_CHECKS))
+    compile_for_sm90(PARTIAL_KERNEL_SM90.format(D=128, T=16, G=7, fp32=False, kv=None, split=None, checks=_T16_CHECKS))
 
 
 @pytest.mark.parametrize("D,T,G", [(64, 32, 4), (64, 1, 4), (128, 24, 3), (256, 16, 4)])
@@ -273,7 +271,7 @@ def test_fp32_config_compiles_for_sm90(D, T, G):
     T*G=128) and the other head dims."""
     from conftest import compile_for_sm90
 
-    compile_for_sm90(_COMPILE_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, split=None, checks=_FP32_CHECKS))
+    compile_for_sm90(PARTIAL_KERNEL_SM90.format(D=D, T=T, G=G, fp32=True, kv=None, split=None, checks=_FP32_CHECKS))
 
 
 @pytest.mark.parametrize("kv,T,split", [("*fp8e4nv", 16, None), ("*fp8e5", 16, None), ("*fp8e4nv", 4, None),
@@ -303,5 +301,5 @@ if KV == "*fp8e4nv":  # e4m3 K reaches bf16 through fp16 (fp16 -> bf16 conversio
     widened_to_bf16 = T * G > m.FP16_KEYS_MAX_ROWS and not key_products
     assert ("cvt.bf16.f16" in ptx) == widened_to_bf16, (T * G, ptx.count("cvt.bf16.f16"))
 """
-    compile_for_sm90(_COMPILE_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, split=split,
+    compile_for_sm90(PARTIAL_KERNEL_SM90.format(D=128, T=T, G=7, fp32=False, kv=kv, split=split,
                                           checks=checks))
