@@ -24,8 +24,9 @@ every request with context L and a random tree of T nodes. Impls:
   (``plan`` outside the timing), when FlashInfer imports;
 * ``tlt-triton fp8`` / ``tlt-cuda fp8`` / ``flashinfer-xqa fp8`` (``--fp8``, on by default on the GPU): the same case
   over e4m3 K/V caches (scales 1; ``bytes_moved`` counts one byte per K/V element), ours checked against the Triton
-  kernel over the caches' exact bf16 widening (the CUDA row: the lockstep sm_90 kernels where they take the plan,
-  else the mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one, where the sm_90 path runs), XQA's against ours;
+  kernel over the caches' exact bf16 widening (the CUDA row: the sm_90 kernels where they take the plan, else the
+  mma.sync one; ``tlt-cuda fp8 (mma.sync)``: that one, where the sm_90 path runs; ``tlt-cuda fp8 (lockstep)``: the
+  two-warpgroup kernel where the warp-specialized one takes at most 128 rows), XQA's against ours;
   ``tlt-triton fp8 (keys widened)`` / ``(e4m3 key products)`` and ``(64-key tiles)`` / ``(128-key tiles)``: the Triton
   row on the other side of its key-product rule (``FP8_KEY_PRODUCT_TILES``) and of its key-tile rule
   (``FP8_WIDE_TILE_CONFIGS``). The fp8 rows run a plan built for e4m3 caches (``kv_dtype``); ``tlt-triton fp8
@@ -628,14 +629,20 @@ def _bench_fp8(ctx, case, two_byte_plan, plan_for, inp, cost, peers, sweep=False
 
 
 def _bench_cuda_fp8(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
-    """``tlt-cuda fp8``: the CUDA backend over the e4m3 caches (its lockstep sm_90 kernels where they take the plan, else
-    the mma.sync one); where the sm_90 path runs, ``tlt-cuda fp8 (mma.sync)`` too, each checked against ``reference``."""
+    """``tlt-cuda fp8``: the CUDA backend over the e4m3 caches (its sm_90 kernels where they take the plan, else the
+    mma.sync one); where the sm_90 path runs, ``tlt-cuda fp8 (mma.sync)`` too, and where that path is the
+    warp-specialized kernel over at most 128 rows, ``tlt-cuda fp8 (lockstep)`` (the two-warpgroup kernel, which took
+    those rows before), each checked against ``reference``."""
     import tlt_kernels._cuda.tree_attention as ct
 
     _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost)
     if ct._use_context_sm90(plan, q, k8, v8):
         with ct.forced_context_path(False):
             _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
+        rows = plan.num_tree * plan.group
+        if ct.context_config(rows, fp8=True) & ct.WARP_SPECIALIZED_FLAG and rows <= ct.CONTEXT_SM90_MAX_ROWS:
+            with ct.forced_switches(WARP_SPECIALIZED=False):
+                _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (lockstep)")
 
 
 def _bench_fp8_key_product_rule(ctx, case, plan, q, k8, v8, reference, nbytes, cost):

@@ -180,19 +180,34 @@ __device__ __forceinline__ bool finite8(const uint4& v) {
 template <typename KV>
 constexpr bool kIsFp8 = std::is_same<KV, __nv_fp8_e4m3>::value || std::is_same<KV, __nv_fp8_e5m2>::value;
 
+// 4 fp8 values (a word, first value in the lowest byte) widened to fp16 pairs, exactly: lo the first two, hi the
+// last two.
+template <typename KV>
+__device__ __forceinline__ void widen_fp8x4_half(uint32_t word, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // The conversion reads each 16-bit half of the word in place: no shift and mask to split it first.
+  if constexpr (std::is_same<KV, __nv_fp8_e4m3>::value)
+    asm("{.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(word));
+  else
+    asm("{.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e5m2x2 %0, l;\ncvt.rn.f16x2.e5m2x2 %1, h;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(word));
+#else
+  constexpr __nv_fp8_interpretation_t kFormat = std::is_same<KV, __nv_fp8_e4m3>::value ? __NV_E4M3 : __NV_E5M2;
+  const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xffffu), kFormat);
+  const __half2_raw b = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), kFormat);
+  lo = uint32_t(a.x) | (uint32_t(a.y) << 16);
+  hi = uint32_t(b.x) | (uint32_t(b.y) << 16);
+#endif
+}
+
 // 8 fp8 values (an 8-byte chunk, first value in the lowest byte) widened to T, exactly: every e4m3 / e5m2 value is a
 // half, and a half with fp8's few mantissa bits is a bfloat16. `finite`: no NaN/inf among them.
 template <typename T, typename KV>
 __device__ __forceinline__ uint4 widen_fp8x8(const uint2 raw, bool& finite) {
-  constexpr __nv_fp8_interpretation_t kFormat = std::is_same<KV, __nv_fp8_e4m3>::value ? __NV_E4M3 : __NV_E5M2;
   uint32_t h[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t word = i < 2 ? raw.x : raw.y;
-    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>((word >> (16 * (i & 1))) & 0xffffu), kFormat);
-    h[i] = uint32_t(pair.x) | (uint32_t(pair.y) << 16);
-  }
+  widen_fp8x4_half<KV>(raw.x, h[0], h[1]);
+  widen_fp8x4_half<KV>(raw.y, h[2], h[3]);
   const uint4 halves = make_uint4(h[0], h[1], h[2], h[3]);
   finite = finite8<__half>(halves);
   if constexpr (std::is_same<T, __half>::value) {

@@ -128,14 +128,6 @@ __device__ __forceinline__ uint4 widen_fp8x8_fast(const uint2& raw, bool& finite
   return tree_attn::widen_fp8x8<T, KV>(raw, finite);
 }
 
-// The tree node whose V row `row` of tile i holds (-1 when it is a context row or past the span, or when `tree_v` is
-// false: a K tile, or a V tile without tree slots).
-template <int kBlockN>
-__device__ __forceinline__ int tree_node_of_row(const Span& sp, int i, int row, bool tree_v) {
-  const int pos = sp.begin + i * kBlockN + row;
-  return tree_v && pos >= sp.ctx && pos < sp.limit ? pos - sp.ctx : -1;
-}
-
 // fp8 caches: this thread's staged chunks of tile i in ring slot `slot` widened in place, as issue_rows copied them
 // (row (threadIdx.x + it * kThreads) / kRowChunks, chunk c = threadIdx.x % kRowChunks). Chunk c (16 values) of a row is
 // staged where the row's 16-bit chunk 2c goes and becomes chunks 2c and 2c + 1; chunk 2c + 1's place holds no staging,
@@ -451,8 +443,8 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   TLT_STATUS_CHECK_ARG(p.head_dim == kD, "the sm_90 tree-attention kernel covers head_dim 128, got " << p.head_dim);
   const bool fp8 = p.kv_fp8 != Fp8Format::kNone;
   TLT_RETURN_IF_FAILED(check_tree_attention_scales(p));
-  TLT_STATUS_CHECK_ARG(!(fp8 && warp_specialized),
-                       "fp8 caches run on the lockstep sm_90 kernels (config 0, 64 or 128), not the warp-specialized one");
+  TLT_STATUS_CHECK_ARG(!(fp8 && tma), "fp8 caches run on the warp-specialized kernel's cp.async build, not with the "
+                                      "TMA flag " << kSm90Tma);
   // fp8 rows are copied 16 values (bytes) at a time.
   TLT_STATUS_CHECK_ARG(!fp8 || (p.k_stride_token % 16 == 0 && p.k_stride_head % 16 == 0 && p.v_stride_token % 16 == 0 &&
                                 p.v_stride_head % 16 == 0),

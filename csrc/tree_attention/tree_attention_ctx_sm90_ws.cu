@@ -26,9 +26,11 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/launch_status.h"
 #include "tree_attention/sm90_pipeline.cuh"
@@ -92,12 +94,38 @@ constexpr int kScores = kBlockN / 2;
 // the rows past the span.
 template <bool kQInRegisters_, int kStagesK_ = 3, int kStagesV_ = 3, bool kTma_ = false>
 struct WsConfig {
-  static constexpr bool kQInRegisters = kQInRegisters_, kTma = kTma_;
+  static constexpr bool kQInRegisters = kQInRegisters_, kTma = kTma_, kFp8 = false;
   static constexpr int kStagesK = kStagesK_, kStagesV = kStagesV_;
   static constexpr int kQBytes = kQInRegisters ? 0 : kBlockM * kD * 2;
   static constexpr int kBarriersOffset = kQBytes + (kStagesK + kStagesV) * kTileBytes;
   static constexpr int kSmemBytes = kBarriersOffset + 2 * (kStagesK + kStagesV) * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
+};
+// fp8 caches (e4m3, e5m2): the tiles come as stored into a staging ring of kStaging K and V tiles (16 KB each) and the
+// producer widens them to fp16 into the rings (produce_fp8); the consumers' products are fp16 (bfloat16 rows scaled
+// into fp16 by a power of two each, load_q_fragments_fp16), so a tile costs the consumers what a 16-bit one does.
+// Why fp16: an fp8 pair becomes an fp16 pair in one conversion instruction; into bfloat16 it takes integer work that
+// left the producer behind the consumers (docs/TREE_ATTENTION.md, "fp8 caches").
+template <int kStagesK_, int kStagesV_, int kStaging_>
+struct WsFp8Config {
+  static constexpr bool kQInRegisters = true, kTma = false, kFp8 = true;
+  static constexpr int kStagesK = kStagesK_, kStagesV = kStagesV_, kStaging = kStaging_;
+  static constexpr int kQBytes = 0;
+  static constexpr int kStagedTileBytes = kBlockN * kD;  // one fp8 tile
+  static constexpr int kBarriersOffset = (kStagesK + kStagesV) * kTileBytes + 2 * kStaging * kStagedTileBytes;
+  static constexpr int kSmemBytes = kBarriersOffset + 2 * (kStagesK + kStagesV) * 8 + 1024;
+  static_assert(kStaging >= 2, "the copies of one tile in flight while the one before is widened");
+  static_assert(kSmemBytes <= 227 * 1024, "over the sm_90 opt-in shared-memory limit");
+};
+
+// The ring slots' mbarriers from `base`: K slot s full_k(s), empty_k(s); V slot s full_v(s), empty_v(s).
+template <typename Cfg>
+struct RingBarriers {
+  uint32_t base;
+  __device__ uint32_t full_k(int s) const { return base + 8u * s; }
+  __device__ uint32_t empty_k(int s) const { return base + 8u * (Cfg::kStagesK + s); }
+  __device__ uint32_t full_v(int s) const { return base + 8u * (2 * Cfg::kStagesK + s); }
+  __device__ uint32_t empty_v(int s) const { return base + 8u * (2 * Cfg::kStagesK + Cfg::kStagesV + s); }
 };
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): Q staged by both consumers; warpgroup w's turn to issue its GEMMs.
@@ -140,12 +168,97 @@ __device__ __forceinline__ void copy_tree_v_tile(int32_t token, const char* base
   wgmma::fence_proxy_async();
 }
 
-template <typename T, typename Cfg>
+// fp8 caches: this thread's 8 staged chunks of a tile (16 values each: rows row0 + 16 it, column chunk `chunk`, at
+// `staged` + it * 16 rows) widened to fp16 into the swizzled ring slot `slot` (a row's chunk c becomes its 16-bit
+// chunks 2c and 2c + 1). `tree_v`: a V tile i with tree slots, whose rows go through zero_bad_tree_v (a NaN/inf
+// zeroed and its node flagged in `bad_nodes`: the NaN contract).
+template <typename KV>
+__device__ __forceinline__ void widen_staged(uint32_t staged, uint32_t slot, int row0, int chunk, const Span& sp, int i,
+                                             bool tree_v, unsigned long long* bad_nodes) {
+#pragma unroll 2
+  for (int it = 0; it < 8; ++it) {
+    const int row = row0 + 16 * it;
+    const int node = tree_node_of_row<kBlockN>(sp, i, row, tree_v);
+    uint4 raw;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                 : "r"(staged + it * 16 * kD)
+                 : "memory");
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      bool finite;
+      uint4 v = tree_attn::widen_fp8x8<__half, KV>(half ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y), finite);
+      if (node >= 0) tree_attn::zero_bad_tree_v(v, finite, node, bad_nodes);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + wgmma::swizzled_offset(kBlockN, row,
+                                                                                                   2 * chunk + half)),
+                   "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                   : "memory");
+    }
+  }
+}
+
+// The producer's loop over fp8 caches (KV). Thread 32 warp + lane copies 16-byte chunk lane % 8 (16 values) of rows
+// 4 warp + lane / 8 + 16 it (it < 8) of tile i's K and V, as stored, into staging slot i % kStaging (cp.async; rows
+// past the span zero-filled), kStaging - 1 tiles ahead of the tile it widens; once its copies of tile i have landed,
+// it widens them into the ring slots (widen_staged) and arrives on their `full` barriers. A thread widens and
+// refills only the staging chunks it copied, so the staging ring needs no barrier. Lane L looks up the cache token of
+// row 16 (L / 4) + 4 warp + L % 4; copy `it` takes it from lane 4 it + L / 8.
+template <typename KV, typename Cfg>
+__device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const Span& sp, int h, int warp, int lane,
+                                            uint32_t k_s, uint32_t v_s, uint32_t staged_s,
+                                            const RingBarriers<Cfg>& bar, unsigned long long* bad_nodes,
+                                            bool& saw_bad_page) {
+  constexpr int kAhead = Cfg::kStaging - 1, kStaged = Cfg::kStagedTileBytes;
+  const int n = sp.n_tiles, chunk = lane % 8, row0 = 4 * warp + lane / 8;
+  const int my_row = 16 * (lane / 4) + 4 * warp + lane % 4;
+  const char* const k_base = static_cast<const char*>(p.k_cache) + h * p.k_stride_head + 16 * chunk;
+  const char* const v_base = static_cast<const char*>(p.v_cache) + h * p.v_stride_head + 16 * chunk;
+  const uint32_t mine = row0 * kD + 16 * chunk;  // this thread's first chunk in a staged tile
+  auto staged_k = [&](int i) { return staged_s + 2 * (i % Cfg::kStaging) * kStaged + mine; };  // V: + kStaged
+  auto issue = [&](int i) {  // tile i's K and V: one commit group (empty past the last tile)
+    if (i < n) {
+      const int32_t page = row_page<kBlockN>(p, sp, i, my_row);
+      saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
+      const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
+#pragma unroll
+      for (int it = 0; it < 8; ++it) {
+        const int32_t tok = __shfl_sync(0xffffffffu, token, 4 * it + lane / 8);
+        const uint64_t row = static_cast<uint32_t>(max(tok, 0));
+        const uint32_t dst = staged_k(i) + it * 16 * kD;
+        tree_attn::cp_async_16(dst, k_base + row * p.k_stride_token, tok >= 0 ? 16 : 0);
+        tree_attn::cp_async_16(dst + kStaged, v_base + row * p.v_stride_token, tok >= 0 ? 16 : 0);
+      }
+    }
+    tree_attn::cp_async_commit();
+  };
+  for (int i = 0; i < kAhead; ++i) issue(i);
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    issue(i + kAhead);
+    tree_attn::cp_async_wait<kAhead>();  // this thread's copies of tile i have landed
+    const int sk = i % Cfg::kStagesK, sv = i % Cfg::kStagesV;
+    // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
+    if (i >= Cfg::kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(i / Cfg::kStagesK - 1) & 1u);
+    widen_staged<KV>(staged_k(i), k_s + sk * kTileBytes, row0, chunk, sp, i, false, bad_nodes);
+    wgmma::fence_proxy_async();  // the stores, made visible to wgmma (the async proxy) through the release arrival
+    sm90::mbarrier_arrive(bar.full_k(sk));
+    if (i >= Cfg::kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / Cfg::kStagesV - 1) & 1u);
+    widen_staged<KV>(staged_k(i) + kStaged, v_s + sv * kTileBytes, row0, chunk, sp, i, tile_has_tree<kBlockN>(sp, i),
+                     bad_nodes);
+    wgmma::fence_proxy_async();
+    sm90::mbarrier_arrive(bar.full_v(sv));
+  }
+}
+
+// KV: the caches' storage, T or an fp8 type (Cfg a WsFp8Config).
+template <typename T, typename KV, typename Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
     tree_attention_sm90_ws_kernel(const TreeAttentionParams p, const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
+  static_assert(Cfg::kFp8 == tree_attn::kIsFp8<KV> && (Cfg::kFp8 || std::is_same<KV, T>::value), "KV and Cfg agree");
+  using MT = std::conditional_t<Cfg::kFp8, __half, T>;  // the products' operands (fp16 over fp8 caches)
   extern __shared__ __align__(16) unsigned char smem[];
   // blockIdx.x = split << row_block_shift | rb: a CTA owns rows 128 rb .. 128 rb + 127 of T * G (one block up to
   // T * G = 128; wide trees take several). The row blocks of one split are adjacent in launch order, so they stream
@@ -174,12 +287,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const uint32_t q_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u;
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));
-  const uint32_t k_s = q_s + Cfg::kQBytes, v_s = k_s + kStagesK * kTileBytes, bars = q_s + Cfg::kBarriersOffset;
-  // K slot s: full_k(s), empty_k(s); V slot s: full_v(s), empty_v(s).
-  auto full_k = [&](int s) { return bars + 8u * s; };
-  auto empty_k = [&](int s) { return bars + 8u * (kStagesK + s); };
-  auto full_v = [&](int s) { return bars + 8u * (2 * kStagesK + s); };
-  auto empty_v = [&](int s) { return bars + 8u * (2 * kStagesK + kStagesV + s); };
+  const uint32_t k_s = q_s + Cfg::kQBytes, v_s = k_s + kStagesK * kTileBytes, staged_s = v_s + kStagesV * kTileBytes;
+  const RingBarriers<Cfg> bar{q_s + Cfg::kBarriersOffset};
+  auto full_k = [&](int s) { return bar.full_k(s); };
+  auto empty_k = [&](int s) { return bar.empty_k(s); };
+  auto full_v = [&](int s) { return bar.full_v(s); };
+  auto empty_v = [&](int s) { return bar.empty_v(s); };
   // Set by the producer, read by the consumers after kBarEpilogue: tree nodes whose V (this KV head) holds a NaN/inf
   // (tree_attn::copy_tree_v_chunk), and whether a page id was out of the cache (row_page). Both make NaN rows.
   __shared__ unsigned long long bad_nodes;
@@ -200,7 +313,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // the barriers exist; the last CTA-wide barrier
   TLT_WS_STAMP(1, threadIdx.x == 0);
 
-  if (wg == 2) {  // ---- producer ----
+  if constexpr (Cfg::kFp8) {
+    if (wg == 2) {  // ---- producer over fp8 caches ----
+      sm90::regs_dec<kProducerRegs>();
+      bool saw_bad_page = false;
+      produce_fp8<KV, Cfg>(p, sp, h, warp, lane, k_s, v_s, staged_s, bar, &bad_nodes, saw_bad_page);
+      asm volatile("cp.async.wait_all;\n" ::: "memory");  // the empty groups past the last tile
+      if (saw_bad_page) page_bad = 1;
+      sm90::named_arrive(kBarEpilogue, kProducerThreads + 32 * consumer_warps);  // the flags are final
+      return;
+    }
+  }
+  if (!Cfg::kFp8 && wg == 2) {  // ---- producer ----
     sm90::regs_dec<kProducerRegs>();
     const int pt = threadIdx.x - kConsumerThreads;
     const char* const k_base =
@@ -307,7 +431,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Q in registers: the A fragments of S's k-steps (rows row_base (+8), columns 16 k + 2 (lane % 4) (+8), see
   // wgmma::a_fragment); rows >= T * G zero.
   uint32_t q_frag[Cfg::kQInRegisters ? kD / 16 : 1][4];
-  if constexpr (Cfg::kQInRegisters) {
+  float inv_q_scale[2] = {1.f, 1.f};  // fp8 caches under bfloat16 rows: the rows' powers of two, undone in the softmax
+  if constexpr (Cfg::kFp8 && std::is_same<T, __nv_bfloat16>::value) {
+    load_q_fragments_fp16(q_row, row_base, TG, lane, q_frag, inv_q_scale);
+  } else if constexpr (Cfg::kQInRegisters) {
     load_q_fragments<T>(q_row, row_base, TG, lane, q_frag);
   } else {
     constexpr int kQChunks = kBlockM * (kD / 8) / kConsumerThreads;
@@ -329,7 +456,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
   const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
 
-  const float qk_scale = p.sm_scale * 1.4426950408889634f;
+  const float qk_scale[2] = {p.sm_scale * 1.4426950408889634f * inv_q_scale[0],
+                             p.sm_scale * 1.4426950408889634f * inv_q_scale[1]};
   float m_i[2], l_i[2], s[kScores], o[64];
   init_rows(m_i, l_i, s, o);
 
@@ -354,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
     uint32_t frag[kBlockN / 16][4];
 #pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<T>(s, t, frag[t]);
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<MT>(s, t, frag[t]);
     wgmma::fence_regs(s);
     wgmma::fence_regs(o);
     TLT_WS_TIC(t_turn);
@@ -368,7 +496,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int k = 0; k < kD / 16; ++k) {
         if constexpr (Cfg::kQInRegisters)
-          wgmma::mma_m64n128k16_rs<T, 0>(s, q_frag[k], wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+          wgmma::mma_m64n128k16_rs<MT, 0>(s, q_frag[k], wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
         else
           mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
       }
@@ -376,7 +504,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const uint64_t dv = wgmma::desc_add(dv0, (jv % kStagesV) * kTileBytes);
 #pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t) wgmma::mma_m64n128k16_rs<T>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
+    for (int t = 0; t < kBlockN / 16; ++t)
+      wgmma::mma_m64n128k16_rs<MT>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
     wgmma::commit();
     // The other warpgroup's turn; warpgroup 0 issues once more than warpgroup 1 waits for (the initial arrival),
     // so warpgroup 1 skips its last.
@@ -447,27 +576,41 @@ inline LaunchStatus encode_cache_map(CUtensorMap& map, const void* cache, int64_
   return {};
 }
 
-template <typename T, typename Cfg>
+template <typename T, typename KV, typename Cfg>
 LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
   CUtensorMap tmap_k{}, tmap_v{};  // unused unless Cfg::kTma
   if constexpr (Cfg::kTma) {
     TLT_RETURN_IF_FAILED(encode_cache_map(tmap_k, p.k_cache, p.k_stride_head, p.k_stride_token, p));
     TLT_RETURN_IF_FAILED(encode_cache_map(tmap_v, p.v_cache, p.v_stride_head, p.v_stride_token, p));
   }
-  return launch_with_smem(tree_attention_sm90_ws_kernel<T, Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, p, tmap_k,
+  return launch_with_smem(tree_attention_sm90_ws_kernel<T, KV, Cfg>, grid, kThreads, Cfg::kSmemBytes, stream, p, tmap_k,
                           tmap_v);
 }
 
 template <typename Cfg>
 LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, Cfg>(p, grid, stream)
-                                     : launch_ws<__half, Cfg>(p, grid, stream);
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, __nv_bfloat16, Cfg>(p, grid, stream)
+                                     : launch_ws<__half, __half, Cfg>(p, grid, stream);
+}
+
+// The fp8 build for q's dtype and the caches' format (p.kv_fp8: e4m3 or e5m2).
+template <typename Cfg, typename KV>
+LaunchStatus launch_ws_fp8_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, KV, Cfg>(p, grid, stream)
+                                     : launch_ws<__half, KV, Cfg>(p, grid, stream);
+}
+template <typename Cfg>
+LaunchStatus launch_ws_fp8(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
+  return p.kv_fp8 == Fp8Format::kE4M3 ? launch_ws_fp8_dtype<Cfg, __nv_fp8_e4m3>(p, grid, stream)
+                                      : launch_ws_fp8_dtype<Cfg, __nv_fp8_e5m2>(p, grid, stream);
 }
 
 }  // namespace
 
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
                                           int variant) noexcept {
+  // fp8: 2 K and 3 V fp16 stages (160 KB) and 2 staged K and V fp8 tiles (64 KB); the TMA variant does not apply.
+  if (p.kv_fp8 != Fp8Format::kNone) return launch_ws_fp8<WsFp8Config<2, 3, 2>>(p, grid, stream);
   switch (variant) {
     case 1: return launch_ws_dtype<WsConfig<true, 4, 3>>(p, grid, stream);
     case 2: return launch_ws_dtype<WsConfig<false, 3, 3>>(p, grid, stream);

@@ -6,9 +6,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <type_traits>
 
@@ -113,9 +115,10 @@ __device__ __forceinline__ void mask_tile(const TreeAttentionParams& p, const Sp
 // the scale folded into the exponent), for this thread's two rows: running max m_i (shared by the row's 4 lanes),
 // this lane's share of the running sum l_i, and the factor alpha that rescales what was accumulated under the old
 // max. m_i starts at -1e30, not -inf, so a row whose columns so far were all masked gives exp2(-inf) = 0, not NaN.
+// qk_scale[r]: row r's scale (rows of Q scaled by different powers of two, load_q_fragments_fp16).
 template <int kScores>
-__device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_scale, float (&m_i)[2], float (&l_i)[2],
-                                               float (&alpha)[2]) {
+__device__ __forceinline__ void online_softmax(float (&s)[kScores], const float (&qk_scale)[2], float (&m_i)[2],
+                                               float (&l_i)[2], float (&alpha)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -INFINITY;
@@ -123,20 +126,26 @@ __device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_sca
     for (int j = 0; j < kScores / 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    const float m_new = fmaxf(m_i[r], mx * qk_scale);
+    const float m_new = fmaxf(m_i[r], mx * qk_scale[r]);
     alpha[r] = tree_attn::fast_exp2(m_i[r] - m_new);
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kScores / 4; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float pv = tree_attn::fast_exp2(fmaf(s[4 * j + 2 * r + e], qk_scale, -m_new));
+        const float pv = tree_attn::fast_exp2(fmaf(s[4 * j + 2 * r + e], qk_scale[r], -m_new));
         s[4 * j + 2 * r + e] = pv;
         sum += pv;
       }
     l_i[r] = l_i[r] * alpha[r] + sum;
     m_i[r] = m_new;
   }
+}
+template <int kScores>
+__device__ __forceinline__ void online_softmax(float (&s)[kScores], float qk_scale, float (&m_i)[2], float (&l_i)[2],
+                                               float (&alpha)[2]) {
+  const float both[2] = {qk_scale, qk_scale};
+  online_softmax(s, both, m_i, l_i, alpha);
 }
 
 // O *= alpha row by row after a tile (the running max moved). alpha is exactly 1 for a row whose max did not move
@@ -165,6 +174,43 @@ __device__ __forceinline__ void load_q_fragments(QRow q_row, int row_base, int r
       q_frag[k][r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k) : 0u;
       q_frag[k][2 + r] = row ? *reinterpret_cast<const uint32_t*>(row + 16 * k + 8) : 0u;
     }
+  }
+}
+
+// load_q_fragments for fp16 products over bfloat16 rows (the fp8 caches' keys widened to fp16): each row is scaled
+// by the power of two 2^e that puts its largest finite |q| in [2^14, 2^15), so a bfloat16 component within 2^28 of it
+// is an fp16 normal, exact (an all-zero or non-finite row: e = 0; e is kept within [-126, 126], a float's range);
+// inv_scale[r] = 2^-e undoes it in the softmax's scale. NaN and inf components stay NaN and inf.
+template <typename QRow>
+__device__ __forceinline__ void load_q_fragments_fp16(QRow q_row, int row_base, int rows, int lane,
+                                                      uint32_t (&q_frag)[kD / 16][4], float (&inv_scale)[2]) {
+  load_q_fragments<__nv_bfloat16>(q_row, row_base, rows, lane, q_frag);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    auto finite_abs = [](float x) { return fabsf(x) <= FLT_MAX ? fabsf(x) : 0.f; };  // NaN and inf: 0
+    float largest = 0.f;  // the row's largest finite |q|: its 4 lanes' shares of columns 16 k + 2 (lane % 4) (+8)
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k)
+#pragma unroll
+      for (int w = r; w < 4; w += 2) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q_frag[k][w]));
+        largest = fmaxf(largest, fmaxf(finite_abs(f.x), finite_abs(f.y)));
+      }
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffff, largest, 1));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffff, largest, 2));
+    int exponent = 0;  // largest = f 2^exponent, f in [0.5, 1)
+    frexpf(largest, &exponent);
+    const int e = largest > 0.f ? min(max(15 - exponent, -126), 126) : 0;
+    const float scale = ldexpf(1.f, e);
+    inv_scale[r] = ldexpf(1.f, -e);
+#pragma unroll
+    for (int k = 0; k < kD / 16; ++k)
+#pragma unroll
+      for (int w = r; w < 4; w += 2) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&q_frag[k][w]));
+        const __half2 h = __floats2half2_rn(f.x * scale, f.y * scale);
+        q_frag[k][w] = *reinterpret_cast<const uint32_t*>(&h);
+      }
   }
 }
 
@@ -236,6 +282,14 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
 template <int kBlockN>
 __device__ __forceinline__ bool tile_has_tree(const Span& sp, int i) {
   return sp.limit > sp.ctx && sp.begin + (i + 1) * kBlockN > sp.ctx;
+}
+
+// The tree node whose V row `row` of tile i holds (-1 when it is a context row or past the span, or when `tree_v` is
+// false: a K tile, or a V tile without tree slots).
+template <int kBlockN>
+__device__ __forceinline__ int tree_node_of_row(const Span& sp, int i, int row, bool tree_v) {
+  const int pos = sp.begin + i * kBlockN + row;
+  return tree_v && pos >= sp.ctx && pos < sp.limit ? pos - sp.ctx : -1;
 }
 
 // One 16-byte chunk of row `row` of tile i into the swizzled slot at shared address `dst`: from `src` (cache token

@@ -220,10 +220,12 @@ def test_cuda_context_path_rule(monkeypatch):
     assert not ct._use_context_sm90(plan(), q, *kv)                       # wgmma: sm_90 only
     cc["major"] = 9
     fp8 = cache.to(torch.float8_e4m3fn)
-    assert ct._use_context_sm90(plan(), q, fp8, fp8)                      # fp8 caches: the lockstep kernels ...
-    assert ct.context_config(112, fast_memory=True, fp8=True) == 128      # ... (no warp-specialized flag)
+    assert ct._use_context_sm90(plan(), q, fp8, fp8)                      # fp8 caches: the same kernels ...
+    ws = 128 | ct.WARP_SPECIALIZED_FLAG
+    assert ct.context_config(112, fast_memory=True, fp8=True) == ws       # ... without the TMA flag
+    assert ct.context_config(448, fp8=True) == ws
     assert ct.context_config(56, fp8=True) == 64
-    assert not ct._use_context_sm90(plan(T=32), q, fp8, fp8)              # ... so 128 rows at most
+    assert ct._use_context_sm90(plan(T=32), q, fp8, fp8)                  # 224 rows: two warp-specialized CTAs
     padded = torch.empty(4, 16, 2, 136, dtype=torch.float8_e4m3fn)[..., :128]  # head stride 136: not 16-byte rows
     assert not ct._use_context_sm90(plan(), q, padded, padded)
     monkeypatch.setattr(ct, "CONTEXT_SM90", True)

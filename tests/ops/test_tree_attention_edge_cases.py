@@ -20,9 +20,10 @@ DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def _case(dtype=DTYPE, seed=0, D=64, device=DEVICE):
-    """Three requests: a long context (several splits at split_len 64), a short one with padding nodes, an empty one."""
-    return make_case([200, 3, 0], 6, 4, 2, D, 16, dtype, ("random", "chain", "binary"), [6, 4, 5], seed=seed,
+def _case(dtype=DTYPE, seed=0, D=64, device=DEVICE, num_q_heads=4):
+    """Three requests: a long context (several splits at split_len 64), a short one with padding nodes, an empty one;
+    two KV heads."""
+    return make_case([200, 3, 0], 6, num_q_heads, 2, D, 16, dtype, ("random", "chain", "binary"), [6, 4, 5], seed=seed,
                      device=device)
 
 

@@ -129,19 +129,19 @@ def context_config(rows: int, fast_memory: bool = False, fp8: bool = False) -> i
     """The sm_90 kernel's launch config for ``rows = T * G``: its tile width, with the warp-specialized flag where
     :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens, and then the TMA flag where
     :data:`CONTEXT_TMA` wants it (auto: rows > 128, or any rows when ``fast_memory``, see :func:`has_fast_memory`).
-    ``fp8`` caches: the tile alone (the lockstep kernels, whose every thread widens the fp8 tiles it copied; a producer
-    warpgroup widening them measured slower, docs/TREE_ATTENTION.md, "fp8 caches")."""
+    ``fp8`` caches: never the TMA flag (the warp-specialized kernel's producer copies fp8 tiles by ``cp.async`` into a
+    staging ring and widens them to fp16, docs/TREE_ATTENTION.md, "fp8 caches")."""
     tile = context_tile(rows)
-    if fp8 or not (CONTEXT_WARP_SPECIALIZED and tile == 128):
+    if not (CONTEXT_WARP_SPECIALIZED and tile == 128):
         return tile
     tma = (rows > CONTEXT_SM90_MAX_ROWS or fast_memory) if CONTEXT_TMA is None else CONTEXT_TMA
-    return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma else 0)
+    return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma and not fp8 else 0)
 
 
-def context_rows_covered(rows: int, fp8: bool = False) -> bool:
+def context_rows_covered(rows: int) -> bool:
     """Whether the sm_90 kernels take ``rows = T * G`` query rows per KV head: up to two warpgroups' 128 in the
-    lockstep kernels (the only ones over ``fp8`` caches), any number in 128-row blocks in the warp-specialized one."""
-    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or (CONTEXT_WARP_SPECIALIZED and not fp8))
+    lockstep kernels, any number in 128-row blocks in the warp-specialized one (caches of q's dtype or fp8 alike)."""
+    return rows >= 1 and (rows <= CONTEXT_SM90_MAX_ROWS or CONTEXT_WARP_SPECIALIZED)
 
 
 def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -163,7 +163,7 @@ def context_kernel_takes(num_tree: int, group: int, head_dim: int, block_size: i
     rows = num_tree * group
     # auto: where it was measured faster (every T*G <= 128, one split or several).
     wanted = rows >= CONTEXT_SM90_MIN_ROWS if CONTEXT_SM90 is None else CONTEXT_SM90
-    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows, fp8)
+    return (wanted and block_size & (block_size - 1) == 0 and head_dim == 128 and context_rows_covered(rows)
             and num_tree <= MAX_TREE_SM90 and split_len % context_tile(rows) == 0 and cuda_capability(device)[0] == 9)
 
 

@@ -186,7 +186,7 @@ def default_split_len(
     suite's ``one-wave`` and ``two-per-SM`` rows).
     """
     chunked, programs = _split_programs(batch_size, num_kv_heads, num_rows, head_dim)
-    align = _split_align(num_rows, head_dim, _one_byte(kv_dtype))
+    align = _split_align(num_rows, head_dim)
     if programs_per_sm is not None:
         if programs_per_sm < 1:
             raise ValueError(f"programs_per_sm must be >= 1 or None, got {programs_per_sm}")
@@ -217,13 +217,13 @@ def _split_programs(batch_size: int, num_kv_heads: int, num_rows: int, head_dim:
     return chunked, max(1, batch_size * num_kv_heads * -(-max(num_rows, 1) // rows_per_program))
 
 
-def _split_align(num_rows: int, head_dim: int, fp8: bool = False) -> int:
-    """Where the CUDA backend's sm_90 kernel may run (its auto rule's rows, D=128; over ``fp8`` caches the lockstep
-    kernels' rows), splits are whole tiles of it. The glue module holds the rule's numbers; importing it does not load
-    the extension."""
+def _split_align(num_rows: int, head_dim: int) -> int:
+    """Where the CUDA backend's sm_90 kernel may run (its auto rule's rows, D=128, caches of q's dtype or fp8 alike),
+    splits are whole tiles of it. The glue module holds the rule's numbers; importing it does not load the
+    extension."""
     from .._cuda import tree_attention as cuda_rule
 
-    ctx_rows = num_rows >= cuda_rule.CONTEXT_SM90_MIN_ROWS and cuda_rule.context_rows_covered(num_rows, fp8)
+    ctx_rows = num_rows >= cuda_rule.CONTEXT_SM90_MIN_ROWS and cuda_rule.context_rows_covered(num_rows)
     return cuda_rule.context_tile(num_rows) if head_dim == 128 and ctx_rows else SPLIT_ALIGN
 
 
