@@ -202,7 +202,7 @@ __device__ __forceinline__ void widen_staged(uint32_t staged, uint32_t slot, int
 // past the span zero-filled), kStaging - 1 tiles ahead of the tile it widens; once its copies of tile i have landed,
 // it widens them into the ring slots (widen_staged) and arrives on their `full` barriers. A thread widens and
 // refills only the staging chunks it copied, so the staging ring needs no barrier. Lane L looks up the cache token of
-// row 16 (L / 4) + 4 warp + L % 4; copy `it` takes it from lane 4 it + L / 8.
+// row 16 (L / 4) + 4 warp + L % 4 (its page a tile ahead); copy `it` takes it from lane 4 it + L / 8.
 template <typename KV, typename Cfg>
 __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const Span& sp, int h, int warp, int lane,
                                             uint32_t k_s, uint32_t v_s, uint32_t staged_s,
@@ -215,11 +215,12 @@ __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const 
   const char* const v_base = static_cast<const char*>(p.v_cache) + h * p.v_stride_head + 16 * chunk;
   const uint32_t mine = row0 * kD + 16 * chunk;  // this thread's first chunk in a staged tile
   auto staged_k = [&](int i) { return staged_s + 2 * (i % Cfg::kStaging) * kStaged + mine; };  // V: + kStaged
+  int32_t page = row_page<kBlockN>(p, sp, 0, my_row);  // the page of this lane's row of the next tile issued
   auto issue = [&](int i) {  // tile i's K and V: one commit group (empty past the last tile)
     if (i < n) {
-      const int32_t page = row_page<kBlockN>(p, sp, i, my_row);
       saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
       const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
+      page = row_page<kBlockN>(p, sp, i + 1, my_row);  // in flight until the next issue
 #pragma unroll
       for (int it = 0; it < 8; ++it) {
         const int32_t tok = __shfl_sync(0xffffffffu, token, 4 * it + lane / 8);
