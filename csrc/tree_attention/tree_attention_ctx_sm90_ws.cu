@@ -17,6 +17,10 @@
 // memory outruns the math; where the copies are the limit it changes nothing (figures: docs/CUDA_NOTES.md,
 // "Measurements behind the csrc rules").
 //
+// fp8 caches (e4m3, e5m2; WsFp8Config): the producer copies each tile as stored into a staging ring and widens it to
+// fp16 into the rings (produce_fp8), so the consumers run the 16-bit loop in fp16, bfloat16 rows scaled into fp16 by
+// a power of two each (load_q_fragments_fp16): the same scores, P rounded to fp16 for P V.
+//
 // Registers: 384 threads at one CTA per SM leave 168 per thread at launch; setmaxnreg gives the producer 56 and each
 // consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use 220, one
 // 4-byte spill).
@@ -185,7 +189,10 @@ __device__ __forceinline__ void widen_staged(uint32_t staged, uint32_t slot, int
                  : "r"(staged + it * 16 * kD)
                  : "memory");
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int k = 0; k < 2; ++k) {
+      // Chunks 4-7 store their second half first: an 8-lane phase then fills the two 64-column panels' rows at
+      // different 16-byte positions (the swizzle keeps each panel's in place), no two lanes on one bank.
+      const int half = k ^ (chunk >> 2);
       bool finite;
       uint4 v = tree_attn::widen_fp8x8<__half, KV>(half ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y), finite);
       if (node >= 0) tree_attn::zero_bad_tree_v(v, finite, node, bad_nodes);
@@ -241,12 +248,12 @@ __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const 
     // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
     if (i >= Cfg::kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(i / Cfg::kStagesK - 1) & 1u);
     widen_staged<KV>(staged_k(i), k_s + sk * kTileBytes, row0, chunk, sp, i, false, bad_nodes);
-    wgmma::fence_proxy_async();  // the stores, made visible to wgmma (the async proxy) through the release arrival
+    // A release arrival and no proxy fence here: the consumers fence after their wait (as for the cp.async
+    // producer's copies), and a fence here would wait for the next tile's copies in flight.
     sm90::mbarrier_arrive(bar.full_k(sk));
     if (i >= Cfg::kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / Cfg::kStagesV - 1) & 1u);
     widen_staged<KV>(staged_k(i) + kStaged, v_s + sv * kTileBytes, row0, chunk, sp, i, tile_has_tree<kBlockN>(sp, i),
                      bad_nodes);
-    wgmma::fence_proxy_async();
     sm90::mbarrier_arrive(bar.full_v(sv));
   }
 }
