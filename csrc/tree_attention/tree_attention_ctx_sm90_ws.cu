@@ -43,7 +43,9 @@
 #include "tree_attention/wgmma_sm90.cuh"
 
 #ifndef TLT_WS_PROBE
-#define TLT_WS_PROBE 0  // 1: streaming only, 2: math only, 3: checkpoints (timing probes, tools/ws_probe.cu; never in the package)
+// Timing probes (tools/ws_probe.cu; never in the package): 1 streaming only, 2 math only, 3 checkpoints, 4 fp8 tiles
+// not widened.
+#define TLT_WS_PROBE 0
 #endif
 #if TLT_WS_PROBE == 3
 // 32 slots per CTA in p.partial_lse: clock64 at checkpoint i (0-7, 10-15), %globaltimer at the start (8) and the end
@@ -247,13 +249,17 @@ __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const 
     const int sk = i % Cfg::kStagesK, sv = i % Cfg::kStagesV;
     // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
     if (i >= Cfg::kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(i / Cfg::kStagesK - 1) & 1u);
+#if TLT_WS_PROBE != 4  // tools/ws_probe.cu: 4 = fp8 tiles copied, not widened (the slots keep what they held)
     widen_staged<KV>(staged_k(i), k_s + sk * kTileBytes, row0, chunk, sp, i, false, bad_nodes);
+#endif
     // A release arrival and no proxy fence here: the consumers fence after their wait (as for the cp.async
     // producer's copies), and a fence here would wait for the next tile's copies in flight.
     sm90::mbarrier_arrive(bar.full_k(sk));
     if (i >= Cfg::kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / Cfg::kStagesV - 1) & 1u);
+#if TLT_WS_PROBE != 4
     widen_staged<KV>(staged_k(i) + kStaged, v_s + sv * kTileBytes, row0, chunk, sp, i, tile_has_tree<kBlockN>(sp, i),
                      bad_nodes);
+#endif
     sm90::mbarrier_arrive(bar.full_v(sv));
   }
 }

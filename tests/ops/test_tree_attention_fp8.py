@@ -260,7 +260,9 @@ def _assert_matches_its_widening(out8, plan, case):
     mma.sync one, and the warp-specialized kernel under fp16 rows. Under bfloat16 rows the warp-specialized kernel
     computes in fp16 (rows scaled by powers of two: the same scores; the probabilities rounded to fp16 for P V, not
     to bfloat16; its widening is the fp16 rows' one, checked bit for bit there), so there against the fp32 reference:
-    within 2^-8 of sum(p |v|) / sum(p) (P's fp16 rounding, with room) plus the bfloat16 output's rounding."""
+    within 2^-8 of sum(p |v|) / sum(p) (P's fp16 rounding, with room), plus 2^-24 |v| for every attended value (a
+    probability below fp16's normals, 2^-14 of the row's largest, keeps an absolute error up to 2^-25), plus the
+    bfloat16 output's rounding."""
     if not (_takes_warp_specialized(plan, case) and case["q"].dtype == torch.bfloat16):
         widened = plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
                            backend="cuda")
@@ -269,8 +271,11 @@ def _assert_matches_its_widening(out8, plan, case):
     fp32 = {**case, "q": case["q"].float(), "k_cache": case["k_cache"].float(), "v_cache": case["v_cache"].float()}
     ref = tree_attention_reference(**fp32, out_dtype=torch.float32)
     magnitude = tree_attention_reference(**{**fp32, "v_cache": fp32["v_cache"].abs()}, out_dtype=torch.float32)
+    attended = case["context_lens"].max().item() + plan.num_tree
+    largest_v = fp32["v_cache"].abs().nan_to_num(0.0, 0.0, 0.0).amax()  # NaN/inf traps sit in unattended slots
+    bound = 2**-8 * magnitude + 2**-8 * ref.abs() + 2**-24 * attended * largest_v
     error = (out8.float() - ref).abs()
-    assert (error <= 2**-8 * magnitude + 2**-8 * ref.abs() + 1e-30).all(), error.max()
+    assert (error <= bound).all(), (error - bound).max()
 
 
 def _finite_codes(fp8):
