@@ -399,8 +399,9 @@ def test_sm90_kernel_compiles_without_wgmma_serialization():
 
 def test_sm90_warp_specialized_kernel_compiles_without_serialization_or_spills():
     """csrc/tree_attention/tree_attention_ctx_sm90_ws.cu: no C7514 (serialized wgmmas), and the builds the backend
-    launches keep their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) spills nothing; the TMA
-    build keeps its small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
+    launches keep their registers: the default (Q in registers, 3 K + 4 V stages, cp.async) and the fp8 build (2 K +
+    3 V stages, 2 staged tiles; its producer widens within its 56 registers) spill nothing; the TMA build keeps its
+    small producer spill (16 bytes at 56 registers, measured faster anyway) from growing."""
     import re
 
     proc = _ptxas_verbose_sm90("tree_attention/tree_attention_ctx_sm90_ws.cu")
@@ -409,13 +410,16 @@ def test_sm90_warp_specialized_kernel_compiles_without_serialization_or_spills()
     spills = {}
     for i, line in enumerate(lines):
         if "Compiling entry function" in line:
-            cfg = re.search(r"WsConfigILb(\d)ELi(\d)ELi(\d)ELb(\d)E", line).groups()
+            cfg = re.search(r"WsConfigILb(\d)ELi(\d)ELi(\d)ELb(\d)E|WsFp8ConfigILi(\d)ELi(\d)ELi(\d)E", line).groups()
+            cfg = tuple(c for c in cfg if c is not None) if cfg[0] else ("fp8",) + cfg[4:]
             spill = next(l for l in lines[i + 1:] if "spill stores" in l)
             spills.setdefault(cfg, []).append(int(re.search(r"(\d+) bytes spill stores", spill).group(1)))
-    # fp16 and bf16 of: the default, K4+V3, Q in shared memory, TMA
-    assert set(spills) == {("1", "3", "4", "0"), ("1", "4", "3", "0"), ("0", "3", "3", "0"), ("1", "3", "4", "1")}, spills
-    assert all(len(v) == 2 for v in spills.values()), spills
+    # fp16 and bf16 of: the default, K4+V3, Q in shared memory, TMA; the fp8 build for both and e4m3 / e5m2
+    assert set(spills) == {("1", "3", "4", "0"), ("1", "4", "3", "0"), ("0", "3", "3", "0"), ("1", "3", "4", "1"),
+                           ("fp8", "2", "3", "2")}, spills
+    assert [len(v) for v in spills.values()] == [4 if cfg[0] == "fp8" else 2 for cfg in spills], spills
     assert spills[("1", "3", "4", "0")] == [0, 0], spills
+    assert spills[("fp8", "2", "3", "2")] == [0, 0, 0, 0], spills
     assert max(spills[("1", "3", "4", "1")]) <= 16, spills
 
 
