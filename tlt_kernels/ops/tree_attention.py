@@ -85,8 +85,9 @@ AUTO_CUDA_MIN_ROWS = 80
 # The kernel name "auto" gives that choice: the CUDA kernels, or triton for caches they refuse (_run_auto_cuda).
 AUTO_CUDA = "cuda (auto)"
 # Backends "auto" does not pick for fp8 caches (it picks triton, else torch): the CUDA backend widens them in shared
-# memory (its lockstep sm_90 kernels, else its mma.sync kernel), measured 1.5-2.2x slower than triton's (H100,
-# docs/TREE_ATTENTION.md, "fp8 caches"). Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
+# memory, measured 1.5-2.2x slower than triton's where its lockstep sm_90 or mma.sync kernels run, and 0.92-1.15x
+# triton's time where its warp-specialized one does (T*G > 64; H100, docs/TREE_ATTENTION.md, "fp8 caches"): no
+# rule of rows alone. Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
 _FP8_NOT_AUTO = ("cuda",)
 
 
