@@ -64,8 +64,8 @@ struct TreeAttentionParams {
   float sm_scale = 0.f;  // softmax scale (natural units), the K cache's dequantization scale folded in
   float v_scale = 1.f;   // the V cache's dequantization scale (it holds V / v_scale): multiplies each output row
   DType dtype = DType::kBFloat16;
-  // Both caches fp8: the partial kernel's default configurations, and the lockstep sm_90 kernels (token and head
-  // strides of multiples of 16 elements there; not the warp-specialized one).
+  // Both caches fp8: the partial kernel's default configurations, and the sm_90 kernels (token and head strides of
+  // multiples of 16 elements there; the warp-specialized one without its TMA build).
   Fp8Format kv_fp8 = Fp8Format::kNone;
   // Kernel configuration: 0 picks per shape; 1.. force a tuning variant (tree_attention.cu lists them).
   int config = 0;
