@@ -639,8 +639,7 @@ def _bench_cuda_fp8(ctx, case, plan, q, k8, v8, reference, nbytes, cost):
     if ct._use_context_sm90(plan, q, k8, v8):
         with ct.forced_context_path(False):
             _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (mma.sync)")
-        rows = plan.num_tree * plan.group
-        if ct.context_config(rows, fp8=True) & ct.WARP_SPECIALIZED_FLAG and rows <= ct.CONTEXT_SM90_MAX_ROWS:
+        if ct.runs_warp_specialized(plan, q, k8, v8) and plan.num_tree * plan.group <= ct.CONTEXT_SM90_MAX_ROWS:
             with ct.forced_switches(WARP_SPECIALIZED=False):
                 _fp8_row(ctx, "cuda", case, plan, q, k8, v8, reference, nbytes, cost, impl="tlt-cuda fp8 (lockstep)")
 

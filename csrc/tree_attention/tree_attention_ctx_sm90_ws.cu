@@ -264,6 +264,107 @@ __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const 
   }
 }
 
+// The producer's loop over 16-bit caches (T): tile i's K and V into ring slots i % stages, 16 cp.async per thread
+// (copy_tile; a V tile with tree slots checked on the way, copy_tree_v_tile), or in the TMA build whole context tiles
+// by TMA (16 boxes a tile). Lane L looks up the cache token of row 2 warp + (L & 1) + 8 (L >> 1), its page a tile
+// ahead; every row's page passes through `page` (the TMA boxes' too), which sets `saw_bad_page`.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void produce_16bit(const TreeAttentionParams& p, const Span& sp, int h, int warp, int lane,
+                                              uint32_t k_s, uint32_t v_s, const RingBarriers<Cfg>& bar,
+                                              const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
+                                              unsigned long long* bad_nodes, bool& saw_bad_page) {
+  constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
+  const int n = sp.n_tiles, pt = threadIdx.x - kConsumerThreads;  // pt: 32 warp + lane
+  const char* const k_base =
+      reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + h * p.k_stride_head + (pt % 16) * 8);
+  const char* const v_base =
+      reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + h * p.v_stride_head + (pt % 16) * 8);
+  const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
+  const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
+  const int my_row = 2 * warp + (lane & 1) + 8 * (lane >> 1);  // the row whose token this lane looks up
+  int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
+  // TMA build: the page of this lane's box of the next tile (lanes 0-15 of warp 0), looked up a tile ahead.
+  int32_t box_page = Cfg::kTma && warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, 0, 16 * (lane >> 1)) : -1;
+  saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
+  TLT_WS_PROF_DECL();
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+    const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
+    page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
+    saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
+    const bool tree_v = tile_has_tree<kBlockN>(sp, i);
+    // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
+    const int sk = i % kStagesK, sv = i % kStagesV;
+    TLT_WS_TIC(t_empty_k);
+    if (i >= kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
+    TLT_WS_ACC(5, t_empty_k);
+#if TLT_WS_PROBE == 2  // tools/ws_probe.cu: math only, the slots marked full without a copy
+    sm90::mbarrier_arrive(bar.full_k(sk));
+    if (i >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+    sm90::mbarrier_arrive(bar.full_v(sv));
+#else
+    TLT_WS_TIC(t_copy_k);
+    if constexpr (Cfg::kTma) {
+      const int32_t pg = box_page;  // this lane's box: page half (lane & 1) of rows 16 (lane >> 1) .. + 15
+      box_page = warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, i + 1, 16 * (lane >> 1)) : -1;
+      const bool whole = i < sp.n_full;
+      const int pos = sp.begin + i * kBlockN + 16 * (lane >> 1);
+      const int tok0 = (pg << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
+      const uint32_t box_off = (lane & 1) * kBlockN * 128 + (lane >> 1) * 16 * 128;
+      // A whole tile: 16 boxes on the slot's barrier (lane 0 announces the bytes first). Else the gather, then
+      // one arrival once every producer thread's copies have landed.
+      auto fill = [&](const CUtensorMap& tmap, const char* base, uint32_t stride, uint32_t slot, uint32_t full,
+                      bool is_v) {
+        if (whole) {
+          if (warp == 0) {
+            if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileBytes);
+            __syncwarp();
+            if (lane < 16) sm90::tma_load_3d(slot + box_off, &tmap, 64 * (lane & 1), h, tok0, full);
+          }
+        } else {
+          if (is_v && tree_v) {
+            copy_tree_v_tile<T>(token, base, stride, slot, warp, lane, sp, i, bad_nodes);
+          } else {
+            copy_tile(token, base, stride, slot, warp, lane);
+            asm volatile("cp.async.wait_all;\n" ::: "memory");
+          }
+          sm90::named_sync(kBarProducer, kProducerThreads);
+          if (pt == 0) sm90::mbarrier_arrive(full);
+        }
+      };
+      fill(tmap_k, k_base, k_stride, k_s + sk * kTileBytes, bar.full_k(sk), false);
+      TLT_WS_ACC(6, t_copy_k);
+      TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
+      TLT_WS_TIC(t_empty_v);
+      if (i >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+      TLT_WS_ACC(5, t_empty_v);
+      TLT_WS_TIC(t_copy_v);
+      fill(tmap_v, v_base, v_stride, v_s + sv * kTileBytes, bar.full_v(sv), true);
+      TLT_WS_ACC(6, t_copy_v);
+    } else {
+      copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
+      TLT_WS_ACC(6, t_copy_k);
+      TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
+      sm90::cp_async_arrive_noinc(bar.full_k(sk));
+      TLT_WS_TIC(t_empty_v);
+      if (i >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
+      TLT_WS_ACC(5, t_empty_v);
+      TLT_WS_TIC(t_copy_v);
+      if (tree_v) {  // plain stores among the copies: wait for them all, then a release arrival
+        copy_tree_v_tile<T>(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane, sp, i, bad_nodes);
+        sm90::mbarrier_arrive(bar.full_v(sv));
+      } else {
+        copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
+        sm90::cp_async_arrive_noinc(bar.full_v(sv));
+      }
+      TLT_WS_ACC(6, t_copy_v);
+    }
+#endif
+  }
+  TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
+  TLT_WS_PROF_STORE(5, 6, threadIdx.x == kConsumerThreads);
+}
+
 // KV: the caches' storage, T or an fp8 type (Cfg a WsFp8Config).
 template <typename T, typename KV, typename Cfg>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -303,10 +404,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* const smem_q = smem + (q_s - wgmma::smem_addr(smem));
   const uint32_t k_s = q_s + Cfg::kQBytes, v_s = k_s + kStagesK * kTileBytes, staged_s = v_s + kStagesV * kTileBytes;
   const RingBarriers<Cfg> bar{q_s + Cfg::kBarriersOffset};
-  auto full_k = [&](int s) { return bar.full_k(s); };
-  auto empty_k = [&](int s) { return bar.empty_k(s); };
-  auto full_v = [&](int s) { return bar.full_v(s); };
-  auto empty_v = [&](int s) { return bar.empty_v(s); };
   // Set by the producer, read by the consumers after kBarEpilogue: tree nodes whose V (this KV head) holds a NaN/inf
   // (tree_attn::copy_tree_v_chunk), and whether a page id was out of the cache (row_page). Both make NaN rows.
   __shared__ unsigned long long bad_nodes;
@@ -316,119 +413,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     page_bad = 0;
     for (int s = 0; s < kStagesK; ++s) {
       // One cp.async arrival per producer thread; the TMA build: one arrival (with the bytes, or after a cp.async fill).
-      sm90::mbarrier_init(full_k(s), Cfg::kTma ? 1 : kProducerThreads);
-      sm90::mbarrier_init(empty_k(s), consumer_warps);   // one arrival per working consumer warp
+      sm90::mbarrier_init(bar.full_k(s), Cfg::kTma ? 1 : kProducerThreads);
+      sm90::mbarrier_init(bar.empty_k(s), consumer_warps);   // one arrival per working consumer warp
     }
     for (int s = 0; s < kStagesV; ++s) {
-      sm90::mbarrier_init(full_v(s), Cfg::kTma ? 1 : kProducerThreads);
-      sm90::mbarrier_init(empty_v(s), consumer_warps);
+      sm90::mbarrier_init(bar.full_v(s), Cfg::kTma ? 1 : kProducerThreads);
+      sm90::mbarrier_init(bar.empty_v(s), consumer_warps);
     }
   }
   __syncthreads();  // the barriers exist; the last CTA-wide barrier
   TLT_WS_STAMP(1, threadIdx.x == 0);
 
-  if constexpr (Cfg::kFp8) {
-    if (wg == 2) {  // ---- producer over fp8 caches ----
-      sm90::regs_dec<kProducerRegs>();
-      bool saw_bad_page = false;
-      produce_fp8<KV, Cfg>(p, sp, h, warp, lane, k_s, v_s, staged_s, bar, &bad_nodes, saw_bad_page);
-      asm volatile("cp.async.wait_all;\n" ::: "memory");  // the empty groups past the last tile
-      if (saw_bad_page) page_bad = 1;
-      sm90::named_arrive(kBarEpilogue, kProducerThreads + 32 * consumer_warps);  // the flags are final
-      return;
-    }
-  }
-  if (!Cfg::kFp8 && wg == 2) {  // ---- producer ----
+  if (wg == 2) {  // ---- producer ----
     sm90::regs_dec<kProducerRegs>();
-    const int pt = threadIdx.x - kConsumerThreads;
-    const char* const k_base =
-        reinterpret_cast<const char*>(static_cast<const T*>(p.k_cache) + h * p.k_stride_head + (pt % 16) * 8);
-    const char* const v_base =
-        reinterpret_cast<const char*>(static_cast<const T*>(p.v_cache) + h * p.v_stride_head + (pt % 16) * 8);
-    const uint32_t k_stride = static_cast<uint32_t>(p.k_stride_token * sizeof(T));
-    const uint32_t v_stride = static_cast<uint32_t>(p.v_stride_token * sizeof(T));
-    const int my_row = 2 * warp + (lane & 1) + 8 * (lane >> 1);  // the row whose token this lane looks up
-    int32_t page = row_page<kBlockN>(p, sp, 0, my_row);
-    // TMA build: the page of this lane's box of the next tile (lanes 0-15 of warp 0), looked up a tile ahead.
-    int32_t box_page = Cfg::kTma && warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, 0, 16 * (lane >> 1)) : -1;
-    bool saw_bad_page = page == tree_attn::kBadPage;  // every row's page passes through `page` (TMA boxes' too)
-    TLT_WS_PROF_DECL();
-#pragma unroll 1
-    for (int i = 0; i < n; ++i) {
-      const int32_t token = row_token<kBlockN>(p, sp, i, my_row, page);
-      page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
-      saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
-      const bool tree_v = tile_has_tree<kBlockN>(sp, i);
-      // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
-      const int sk = i % kStagesK, sv = i % kStagesV;
-      TLT_WS_TIC(t_empty_k);
-      if (i >= kStagesK) sm90::mbarrier_wait(empty_k(sk), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
-      TLT_WS_ACC(5, t_empty_k);
-#if TLT_WS_PROBE == 2  // tools/ws_probe.cu: math only, the slots marked full without a copy
-      sm90::mbarrier_arrive(full_k(sk));
-      if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
-      sm90::mbarrier_arrive(full_v(sv));
-#else
-      TLT_WS_TIC(t_copy_k);
-      if constexpr (Cfg::kTma) {
-        const int32_t pg = box_page;  // this lane's box: page half (lane & 1) of rows 16 (lane >> 1) .. + 15
-        box_page = warp == 0 && lane < 16 ? row_page<kBlockN>(p, sp, i + 1, 16 * (lane >> 1)) : -1;
-        const bool whole = i < sp.n_full;
-        const int pos = sp.begin + i * kBlockN + 16 * (lane >> 1);
-        const int tok0 = (pg << p.block_shift) + (pos & ((1 << p.block_shift) - 1));
-        const uint32_t box_off = (lane & 1) * kBlockN * 128 + (lane >> 1) * 16 * 128;
-        // A whole tile: 16 boxes on the slot's barrier (lane 0 announces the bytes first). Else the gather, then
-        // one arrival once every producer thread's copies have landed.
-        auto fill = [&](const CUtensorMap& tmap, const char* base, uint32_t stride, uint32_t slot, uint32_t full,
-                        bool is_v) {
-          if (whole) {
-            if (warp == 0) {
-              if (lane == 0) sm90::mbarrier_arrive_expect_tx(full, kTileBytes);
-              __syncwarp();
-              if (lane < 16) sm90::tma_load_3d(slot + box_off, &tmap, 64 * (lane & 1), h, tok0, full);
-            }
-          } else {
-            if (is_v && tree_v) {
-              copy_tree_v_tile<T>(token, base, stride, slot, warp, lane, sp, i, &bad_nodes);
-            } else {
-              copy_tile(token, base, stride, slot, warp, lane);
-              asm volatile("cp.async.wait_all;\n" ::: "memory");
-            }
-            sm90::named_sync(kBarProducer, kProducerThreads);
-            if (pt == 0) sm90::mbarrier_arrive(full);
-          }
-        };
-        fill(tmap_k, k_base, k_stride, k_s + sk * kTileBytes, full_k(sk), false);
-        TLT_WS_ACC(6, t_copy_k);
-        TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
-        TLT_WS_TIC(t_empty_v);
-        if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
-        TLT_WS_ACC(5, t_empty_v);
-        TLT_WS_TIC(t_copy_v);
-        fill(tmap_v, v_base, v_stride, v_s + sv * kTileBytes, full_v(sv), true);
-        TLT_WS_ACC(6, t_copy_v);
-      } else {
-        copy_tile(token, k_base, k_stride, k_s + sk * kTileBytes, warp, lane);
-        TLT_WS_ACC(6, t_copy_k);
-        TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
-        sm90::cp_async_arrive_noinc(full_k(sk));
-        TLT_WS_TIC(t_empty_v);
-        if (i >= kStagesV) sm90::mbarrier_wait(empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
-        TLT_WS_ACC(5, t_empty_v);
-        TLT_WS_TIC(t_copy_v);
-        if (tree_v) {  // plain stores among the copies: wait for them all, then a release arrival
-          copy_tree_v_tile<T>(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane, sp, i, &bad_nodes);
-          sm90::mbarrier_arrive(full_v(sv));
-        } else {
-          copy_tile(token, v_base, v_stride, v_s + sv * kTileBytes, warp, lane);
-          sm90::cp_async_arrive_noinc(full_v(sv));
-        }
-        TLT_WS_ACC(6, t_copy_v);
-      }
-#endif
-    }
-    TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
-    TLT_WS_PROF_STORE(5, 6, threadIdx.x == kConsumerThreads);
+    bool saw_bad_page = false;
+    if constexpr (Cfg::kFp8)
+      produce_fp8<KV, Cfg>(p, sp, h, warp, lane, k_s, v_s, staged_s, bar, &bad_nodes, saw_bad_page);
+    else
+      produce_16bit<T, Cfg>(p, sp, h, warp, lane, k_s, v_s, bar, tmap_k, tmap_v, &bad_nodes, saw_bad_page);
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
     if (saw_bad_page) page_bad = 1;
     sm90::named_arrive(kBarEpilogue, kProducerThreads + 32 * consumer_warps);  // the flags are final
@@ -482,15 +484,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   TLT_WS_PROF_DECL();
   for (int j = 0; n > 0 && j <= n; ++j) {
     TLT_WS_TIC(t_full);
-    if (j < n) sm90::mbarrier_wait(full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
+    if (j < n) sm90::mbarrier_wait(bar.full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
     TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);
     const int jv = max(j - 1, 0);
-    sm90::mbarrier_wait(full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
+    sm90::mbarrier_wait(bar.full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
     TLT_WS_ACC(0, t_full);
     wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
 #if TLT_WS_PROBE == 1  // tools/ws_probe.cu: streaming only, each slot released as soon as it is full
-    if (j < n && lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));
-    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStagesV));
+    if (j < n && lane == 0) sm90::mbarrier_arrive(bar.empty_k(j % kStagesK));
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(bar.empty_v(jv % kStagesV));
     if (j == n) break;
     continue;
 #endif
@@ -531,7 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::fence_regs(s);
     TLT_WS_TIC(t_softmax);
     if (j < n) {
-      if (lane == 0) sm90::mbarrier_arrive(empty_k(j % kStagesK));  // K_j read
+      if (lane == 0) sm90::mbarrier_arrive(bar.empty_k(j % kStagesK));  // K_j read
       if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
       online_softmax(s, qk_scale, m_i, l_i, alpha);
       TLT_WS_STAMP(12, j == 0 && threadIdx.x == 0);
@@ -543,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     TLT_WS_STAMP(13, j == 0 && threadIdx.x == 0);
     TLT_WS_STAMP(15, j == 1 && threadIdx.x == 0);
     wgmma::fence_regs(o);
-    if (j > 0 && lane == 0) sm90::mbarrier_arrive(empty_v(jv % kStagesV));  // V_{j-1} read
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(bar.empty_v(jv % kStagesV));  // V_{j-1} read
     if (j == n) break;
     rescale_o(o, alpha);
   }
@@ -601,22 +603,19 @@ LaunchStatus launch_ws(const TreeAttentionParams& p, dim3 grid, cudaStream_t str
                           tmap_v);
 }
 
-template <typename Cfg>
+// The build for q's dtype (T); KV the caches' storage: void for T itself (16-bit caches), else an fp8 type.
+template <typename Cfg, typename KV = void>
 LaunchStatus launch_ws_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, __nv_bfloat16, Cfg>(p, grid, stream)
-                                     : launch_ws<__half, __half, Cfg>(p, grid, stream);
+  using KvOfBf16 = std::conditional_t<std::is_void<KV>::value, __nv_bfloat16, KV>;
+  using KvOfHalf = std::conditional_t<std::is_void<KV>::value, __half, KV>;
+  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, KvOfBf16, Cfg>(p, grid, stream)
+                                     : launch_ws<__half, KvOfHalf, Cfg>(p, grid, stream);
 }
-
-// The fp8 build for q's dtype and the caches' format (p.kv_fp8: e4m3 or e5m2).
-template <typename Cfg, typename KV>
-LaunchStatus launch_ws_fp8_dtype(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.dtype == DType::kBFloat16 ? launch_ws<__nv_bfloat16, KV, Cfg>(p, grid, stream)
-                                     : launch_ws<__half, KV, Cfg>(p, grid, stream);
-}
+// The fp8 build for the caches' format (p.kv_fp8: e4m3 or e5m2).
 template <typename Cfg>
 LaunchStatus launch_ws_fp8(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  return p.kv_fp8 == Fp8Format::kE4M3 ? launch_ws_fp8_dtype<Cfg, __nv_fp8_e4m3>(p, grid, stream)
-                                      : launch_ws_fp8_dtype<Cfg, __nv_fp8_e5m2>(p, grid, stream);
+  return p.kv_fp8 == Fp8Format::kE4M3 ? launch_ws_dtype<Cfg, __nv_fp8_e4m3>(p, grid, stream)
+                                      : launch_ws_dtype<Cfg, __nv_fp8_e5m2>(p, grid, stream);
 }
 
 }  // namespace

@@ -20,7 +20,7 @@ from strategies import backend_params, budget, seeds
 from test_tree_attention import make_case, make_plan
 
 import tlt_kernels
-from tlt_kernels._cuda.tree_attention import forced_switches
+from tlt_kernels._cuda.tree_attention import forced_switches, runs_warp_specialized
 from tlt_kernels.ops.tree_attention import FP8_DTYPES, _choose_backend, run
 from tlt_kernels.reference.tree_attention import tree_attention_reference
 
@@ -245,15 +245,6 @@ def test_cuda_fp8_matches_the_dequantized_reference_and_its_widening(shape, fp8)
     _assert_matches_its_widening(out8, plan, case)
 
 
-def _takes_warp_specialized(plan, case):
-    """Whether the CUDA backend runs ``plan`` over ``case``'s caches on the warp-specialized sm_90 kernel."""
-    from tlt_kernels._cuda import tree_attention as cuda_ta
-
-    rows = plan.num_tree * plan.group
-    return (cuda_ta._use_context_sm90(plan, case["q"], case["k_cache"], case["v_cache"])
-            and cuda_ta.context_config(rows, fp8=True) & cuda_ta.WARP_SPECIALIZED_FLAG != 0)
-
-
 def _assert_matches_its_widening(out8, plan, case):
     """``out8`` (the CUDA backend over ``case``'s fp8 caches, scales 1) against the same kernel over the caches widened
     to q's dtype (exact), bit for bit where the math after the widening is the same: the lockstep sm_90 kernels, the
@@ -263,7 +254,8 @@ def _assert_matches_its_widening(out8, plan, case):
     within 2^-8 of sum(p |v|) / sum(p) (P's fp16 rounding, with room), plus 2^-24 |v| for every attended value (a
     probability below fp16's normals, 2^-14 of the row's largest, keeps an absolute error up to 2^-25), plus the
     bfloat16 output's rounding."""
-    if not (_takes_warp_specialized(plan, case) and case["q"].dtype == torch.bfloat16):
+    fp16_products = runs_warp_specialized(plan, case["q"], case["k_cache"], case["v_cache"])
+    if not (fp16_products and case["q"].dtype == torch.bfloat16):
         widened = plan.run(case["q"], case["k_cache"].to(case["q"].dtype), case["v_cache"].to(case["q"].dtype),
                            backend="cuda")
         assert torch.equal(out8, widened)
@@ -309,7 +301,7 @@ def test_cuda_fp8_widens_every_finite_code_exactly(G, warp_specialized, dtype, f
     q = case["q"] * 1e-3
     case = {**case, "q": q}
     with forced_switches(WARP_SPECIALIZED=warp_specialized):
-        assert _takes_warp_specialized(plan, case) == (warp_specialized and G == 7)
+        assert runs_warp_specialized(plan, case["q"], case["k_cache"], case["v_cache"]) == (warp_specialized and G == 7)
         out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
         assert not out8.isnan().any()
         _assert_matches_its_widening(out8, plan, case)

@@ -156,6 +156,14 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device, fp8))
 
 
+def runs_warp_specialized(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the CUDA backend runs ``plan`` over these tensors on the warp-specialized sm_90 kernel (the sm_90 path
+    takes them and their launch config carries :data:`WARP_SPECIALIZED_FLAG`)."""
+    rows = plan.num_tree * plan.group
+    return (_use_context_sm90(plan, q, k_cache, v_cache)
+            and context_config(rows, fp8=k_cache.dtype in FP8_DTYPES) & WARP_SPECIALIZED_FLAG != 0)
+
+
 def context_kernel_takes(num_tree: int, group: int, head_dim: int, block_size: int, split_len: int,
                          device: torch.device, fp8: bool = False) -> bool:
     """Whether the sm_90 context kernel runs a plan of these sizes over caches in contiguous pages, of q's dtype or
