@@ -146,7 +146,8 @@ def test_public_op_plans_for_its_caches_dtype(monkeypatch):
 
 
 def test_auto_skips_the_cuda_backend_for_fp8_caches():
-    """"auto" does not pick the CUDA backend for fp8 caches (an explicit "cuda" runs them)."""
+    """"auto" does not pick the CUDA backend for fp8 caches by the backends alone (an explicit "cuda" runs them; the
+    plan sizes' rule for its warp-specialized kernel is test_tree_attention's AUTO_CHOICES)."""
     for fp8 in (False, True):
         name = _choose_backend("auto", DEVICE, 4, 64, False, fp8)
         assert not (fp8 and name == "cuda")

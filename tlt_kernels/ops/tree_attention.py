@@ -84,11 +84,13 @@ SPLIT_COUNTER_ROWS = 16
 AUTO_CUDA_MIN_ROWS = 80
 # The kernel name "auto" gives that choice: the CUDA kernels, or triton for caches they refuse (_run_auto_cuda).
 AUTO_CUDA = "cuda (auto)"
-# Backends "auto" does not pick for fp8 caches (it picks triton, else torch): the CUDA backend widens them in shared
-# memory, measured 1.5-2.2x slower than triton's where its lockstep sm_90 or mma.sync kernels run, and 0.92-1.15x
-# triton's time where its warp-specialized one does (T*G > 64; H100, docs/TREE_ATTENTION.md, "fp8 caches"): no
-# rule of rows alone. Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
+# Backends "auto" does not pick for fp8 caches (it picks triton, else torch) outside the rule below: the CUDA backend
+# widens them in shared memory, measured 1.5-2.2x slower than triton's where its lockstep sm_90 or mma.sync kernels
+# run. Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
 _FP8_NOT_AUTO = ("cuda",)
+# ... except where the warp-specialized kernel runs the plan in one 128-row block (64 < T * G <= 128): there it took
+# 0.89-1.00x triton's time in the H100 run of record (T = 16; 1.02x at L = 4096 in an earlier run). Over more rows
+# each row block widens the same tiles again, and it measured up to 1.14x slower (docs/TREE_ATTENTION.md, "fp8 caches").
 
 
 @dataclass
@@ -666,8 +668,8 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
         raise ValueError(f"tree_attention backend {name!r} reads bf16/fp16; fp32 inputs run on 'triton' or 'torch'")
     if backend == "auto" and ((fp32 and name in _HALF_ONLY) or (fp8 and name in _FP8_NOT_AUTO)):
         name = "triton" if backend_unavailable_reason("triton", device) is None else "torch"
-    if backend == "auto" and name == "triton" and not (fp32 or fp8) and plan_sizes is not None:
-        name = AUTO_CUDA if _auto_takes_cuda(device, num_tree, head_dim, *plan_sizes) else name
+    if backend == "auto" and name == "triton" and not fp32 and plan_sizes is not None:
+        name = AUTO_CUDA if _auto_takes_cuda(device, num_tree, head_dim, *plan_sizes, fp8=fp8) else name
     if name != "torch":
         why = _kernel_limits(num_tree, head_dim)
         if why is not None:
@@ -679,13 +681,22 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
 
 
 def _auto_takes_cuda(device: torch.device, num_tree: int, head_dim: int, group: int, block_size: int,
-                     split_len: int) -> bool:
-    """Whether "auto" runs bf16/fp16 inputs on the CUDA backend rather than triton (``AUTO_CUDA_MIN_ROWS``)."""
-    if num_tree * group < AUTO_CUDA_MIN_ROWS or backend_unavailable_reason("cuda", device) is not None:
+                     split_len: int, fp8: bool = False) -> bool:
+    """Whether "auto" runs bf16/fp16 q on the CUDA backend rather than triton: caches of q's dtype at
+    ``T * G >= AUTO_CUDA_MIN_ROWS``, fp8 caches where the warp-specialized kernel takes all rows in one block (see
+    ``_FP8_NOT_AUTO``); in both, only where the sm_90 context kernel runs the plan."""
+    if backend_unavailable_reason("cuda", device) is not None:
         return False
     from .._cuda import tree_attention as cuda_rule
 
-    return cuda_rule.context_kernel_takes(num_tree, group, head_dim, block_size, split_len, device)
+    rows = num_tree * group
+    if fp8:
+        warp_specialized = cuda_rule.context_config(rows, fp8=True) & cuda_rule.WARP_SPECIALIZED_FLAG != 0
+        if not (warp_specialized and rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS):
+            return False
+    elif rows < AUTO_CUDA_MIN_ROWS:
+        return False
+    return cuda_rule.context_kernel_takes(num_tree, group, head_dim, block_size, split_len, device, fp8)
 
 
 def _run_auto_cuda(plan, q, k_cache, v_cache, out, sm_scale, v_scale):
@@ -723,7 +734,8 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
         sm_scale: a finite number >= 0, default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. ``"auto"`` takes triton, and the CUDA
             backend on sm_90 where a KV head has ``T * G >= AUTO_CUDA_MIN_ROWS`` query rows and its sm_90 kernel
-            runs the plan (D = 128, bf16/fp16, power-of-two pages). Shapes the kernels do not cover
+            runs the plan (D = 128, bf16/fp16, power-of-two pages); over fp8 caches only where ``64 < T * G <= 128``
+            (its warp-specialized kernel, one row block). Shapes the kernels do not cover
             (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
             and raise for an explicit kernel backend.
         k_scale, v_scale: per-tensor dequantization scales, finite numbers > 0: the caches hold ``K / k_scale`` and
