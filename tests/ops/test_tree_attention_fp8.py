@@ -21,7 +21,7 @@ from test_tree_attention import make_case, make_plan
 
 import tlt_kernels
 from tlt_kernels._cuda.tree_attention import forced_switches, runs_warp_specialized
-from tlt_kernels.ops.tree_attention import FP8_DTYPES, _choose_backend, run
+from tlt_kernels.ops.tree_attention import AUTO_CUDA, FP8_DTYPES, _choose_backend, run
 from tlt_kernels.reference.tree_attention import tree_attention_reference
 
 DEVICE = torch.device(kernel_devices()[0])
@@ -306,6 +306,30 @@ def test_cuda_fp8_widens_every_finite_code_exactly(G, warp_specialized, dtype, f
         out8 = plan.run(q, case["k_cache"], case["v_cache"], out=poison_(torch.empty_like(q)), backend="cuda")
         assert not out8.isnan().any()
         _assert_matches_its_widening(out8, plan, case)
+
+
+@pytest.mark.cuda
+def test_auto_runs_fp8_caches_of_one_row_block_on_the_warp_specialized_kernel():
+    """At 64 < T * G <= 128 on sm_90, "auto" takes the CUDA backend's warp-specialized kernel for fp8 caches: the same
+    bits as the explicit "cuda" backend, eagerly, under torch.compile and replayed from a CUDA graph."""
+    need_backend("tree_attention", "cuda", DEVICE)
+    case, _ = _cuda_case((3, 16, 2, 7, 128, 16, [300, 1100, 4], torch.bfloat16, 512), torch.float8_e4m3fn, 1.0, 1.0)
+    plan = _cuda_plan(case, 512)
+    q, k, v = case["q"], case["k_cache"], case["v_cache"]
+    if not runs_warp_specialized(plan, q, k, v):
+        pytest.skip("the warp-specialized sm_90 kernel does not run this plan here")
+    assert _choose_backend("auto", q.device, 16, 128, False, True, (7, 16, 512)) == AUTO_CUDA
+    want = plan.run(q, k, v, backend="cuda")
+    assert torch.equal(plan.run(q, k, v, out=poison_(torch.empty_like(q))), want)
+    compiled = torch.compile(lambda q, k, v: plan.run(q, k, v), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), want)
+    out = poison_(torch.empty_like(q))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, k, v, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.cuda
