@@ -88,9 +88,9 @@ AUTO_CUDA = "cuda (auto)"
 # widens them in shared memory, measured 1.5-2.2x slower than triton's where its lockstep sm_90 or mma.sync kernels
 # run. Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
 _FP8_NOT_AUTO = ("cuda",)
-# ... except where the warp-specialized kernel runs the plan in one 128-row block (64 < T * G <= 128): there it took
-# 0.89-1.00x triton's time in the H100 run of record (T = 16; 1.02x at L = 4096 in an earlier run). Over more rows
-# each row block widens the same tiles again, and it measured up to 1.14x slower (docs/TREE_ATTENTION.md, "fp8 caches").
+# ... except where the warp-specialized kernel runs the plan in one 128-row block (64 < T * G <= 128), where it
+# measured level with triton at short contexts and faster at long ones. Over more rows each row block widens the same
+# tiles again, and it measured slower in some cases (docs/TREE_ATTENTION.md, "fp8 caches", has the figures).
 
 
 @dataclass
