@@ -292,6 +292,20 @@ def test_auto_takes_cuda_where_a_kv_head_has_many_rows(sm90_with_both_kernels, s
     assert op._choose_backend("triton", cuda, T, D, fp32, fp8, (G, bs, split_len)) == "triton"
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_takes_warp_specialized_follows_the_launch_config(fp8, monkeypatch):
+    """The size-only rule "auto" and the CUDA glue share: the warp-specialized kernel where the launch config carries
+    its flag (128-token tiles, rows > 64), never with the switch off."""
+    from tlt_kernels._cuda import tree_attention as cuda_rule
+
+    for rows in (1, 56, 64, 65, 112, 128, 224, 448):
+        flagged = cuda_rule.context_config(rows, fp8=fp8) & cuda_rule.WARP_SPECIALIZED_FLAG != 0
+        assert cuda_rule.takes_warp_specialized(rows, fp8=fp8) == flagged, rows
+    assert cuda_rule.takes_warp_specialized(112, fp8=fp8) and not cuda_rule.takes_warp_specialized(56, fp8=fp8)
+    monkeypatch.setattr(cuda_rule, "CONTEXT_WARP_SPECIALIZED", False)
+    assert not any(cuda_rule.takes_warp_specialized(rows, fp8=fp8) for rows in (65, 112, 448))
+
+
 def test_auto_keeps_triton_off_sm90_or_without_the_extension(sm90_with_both_kernels, monkeypatch):
     op, capability = sm90_with_both_kernels
     cuda = torch.device("cuda", 0)

@@ -156,12 +156,18 @@ def _use_context_sm90(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             and context_kernel_takes(plan.num_tree, plan.group, plan.head_dim, bs, plan.split_len, q.device, fp8))
 
 
+def takes_warp_specialized(rows: int, fp8: bool = False) -> bool:
+    """Whether the sm_90 path's launch config for ``rows = T * G`` (caches of q's dtype or ``fp8``) is the
+    warp-specialized kernel's (carries :data:`WARP_SPECIALIZED_FLAG`): the size-only part of
+    :func:`runs_warp_specialized`, which the op's "auto" asks too."""
+    return context_config(rows, fp8=fp8) & WARP_SPECIALIZED_FLAG != 0
+
+
 def runs_warp_specialized(plan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the CUDA backend runs ``plan`` over these tensors on the warp-specialized sm_90 kernel (the sm_90 path
-    takes them and their launch config carries :data:`WARP_SPECIALIZED_FLAG`)."""
-    rows = plan.num_tree * plan.group
+    takes them and :func:`takes_warp_specialized` their rows)."""
     return (_use_context_sm90(plan, q, k_cache, v_cache)
-            and context_config(rows, fp8=k_cache.dtype in FP8_DTYPES) & WARP_SPECIALIZED_FLAG != 0)
+            and takes_warp_specialized(plan.num_tree * plan.group, fp8=k_cache.dtype in FP8_DTYPES))
 
 
 def context_kernel_takes(num_tree: int, group: int, head_dim: int, block_size: int, split_len: int,

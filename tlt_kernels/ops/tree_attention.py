@@ -691,8 +691,7 @@ def _auto_takes_cuda(device: torch.device, num_tree: int, head_dim: int, group: 
 
     rows = num_tree * group
     if fp8:
-        warp_specialized = cuda_rule.context_config(rows, fp8=True) & cuda_rule.WARP_SPECIALIZED_FLAG != 0
-        if not (warp_specialized and rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS):
+        if not (cuda_rule.takes_warp_specialized(rows, fp8=True) and rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS):
             return False
     elif rows < AUTO_CUDA_MIN_ROWS:
         return False
