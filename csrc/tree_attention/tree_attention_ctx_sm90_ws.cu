@@ -174,22 +174,31 @@ __device__ __forceinline__ void copy_tree_v_tile(int32_t token, const char* base
   wgmma::fence_proxy_async();
 }
 
+// One 16-byte chunk of the staging ring (shared address `addr`), ordered with the ring's other accesses.
+__device__ __forceinline__ uint4 load_staged_chunk(uint32_t addr) {
+  uint4 raw;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+               : "r"(addr)
+               : "memory");
+  return raw;
+}
+
 // fp8 caches: this thread's 8 staged chunks of a tile (16 values each: rows row0 + 16 it, column chunk `chunk`, at
 // `staged` + it * 16 rows) widened to fp16 into the swizzled ring slot `slot` (a row's chunk c becomes its 16-bit
-// chunks 2c and 2c + 1). `tree_v`: a V tile i with tree slots, whose rows go through zero_bad_tree_v (a NaN/inf
-// zeroed and its node flagged in `bad_nodes`: the NaN contract).
-template <typename KV>
+// chunks 2c and 2c + 1). kTreeV: V tile i has tree slots, whose rows go through zero_bad_tree_v (a NaN/inf zeroed and
+// its node flagged in `bad_nodes`: the NaN contract); a template argument so that K and context V tiles, nearly all
+// tiles, carry no node or finiteness work. Each chunk's shared load is issued before the chunk ahead of it is widened
+// (its latency overlaps that work; the ordered accesses would otherwise wait for one load per chunk).
+template <typename KV, bool kTreeV>
 __device__ __forceinline__ void widen_staged(uint32_t staged, uint32_t slot, int row0, int chunk, const Span& sp, int i,
-                                             bool tree_v, unsigned long long* bad_nodes) {
+                                             unsigned long long* bad_nodes) {
+  uint4 next = load_staged_chunk(staged);
 #pragma unroll 2
   for (int it = 0; it < 8; ++it) {
     const int row = row0 + 16 * it;
-    const int node = tree_node_of_row<kBlockN>(sp, i, row, tree_v);
-    uint4 raw;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                 : "r"(staged + it * 16 * kD)
-                 : "memory");
+    const uint4 raw = next;
+    if (it + 1 < 8) next = load_staged_chunk(staged + (it + 1) * 16 * kD);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       // Chunks 4-7 store their second half first: an 8-lane phase then fills the two 64-column panels' rows at
@@ -197,7 +206,10 @@ __device__ __forceinline__ void widen_staged(uint32_t staged, uint32_t slot, int
       const int half = k ^ (chunk >> 2);
       bool finite;
       uint4 v = tree_attn::widen_fp8x8<__half, KV>(half ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y), finite);
-      if (node >= 0) tree_attn::zero_bad_tree_v(v, finite, node, bad_nodes);
+      if constexpr (kTreeV) {
+        const int node = tree_node_of_row<kBlockN>(sp, i, row, true);
+        if (node >= 0) tree_attn::zero_bad_tree_v(v, finite, node, bad_nodes);
+      }
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot + wgmma::swizzled_offset(kBlockN, row,
                                                                                                    2 * chunk + half)),
                    "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
@@ -250,15 +262,17 @@ __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const 
     // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
     if (i >= Cfg::kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(i / Cfg::kStagesK - 1) & 1u);
 #if TLT_WS_PROBE != 4  // tools/ws_probe.cu: 4 = fp8 tiles copied, not widened (the slots keep what they held)
-    widen_staged<KV>(staged_k(i), k_s + sk * kTileBytes, row0, chunk, sp, i, false, bad_nodes);
+    widen_staged<KV, false>(staged_k(i), k_s + sk * kTileBytes, row0, chunk, sp, i, bad_nodes);
 #endif
     // A release arrival and no proxy fence here: the consumers fence after their wait (as for the cp.async
     // producer's copies), and a fence here would wait for the next tile's copies in flight.
     sm90::mbarrier_arrive(bar.full_k(sk));
     if (i >= Cfg::kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / Cfg::kStagesV - 1) & 1u);
 #if TLT_WS_PROBE != 4
-    widen_staged<KV>(staged_k(i) + kStaged, v_s + sv * kTileBytes, row0, chunk, sp, i, tile_has_tree<kBlockN>(sp, i),
-                     bad_nodes);
+    if (tile_has_tree<kBlockN>(sp, i))
+      widen_staged<KV, true>(staged_k(i) + kStaged, v_s + sv * kTileBytes, row0, chunk, sp, i, bad_nodes);
+    else
+      widen_staged<KV, false>(staged_k(i) + kStaged, v_s + sv * kTileBytes, row0, chunk, sp, i, bad_nodes);
 #endif
     sm90::mbarrier_arrive(bar.full_v(sv));
   }
