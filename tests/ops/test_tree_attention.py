@@ -277,7 +277,8 @@ AUTO_CHOICES = [
     ((16, 7, 128, 16, 4096, True, False), "triton"),  # fp32: the CUDA kernels read half precision
     ((16, 7, 128, 16, 4096, False, True), "cuda (auto)"),  # fp8 caches, 112 rows: the warp-specialized kernel
     ((16, 5, 128, 16, 8192, False, True), "cuda (auto)"),  # fp8, 80 rows: one row block
-    ((32, 7, 128, 16, 4096, False, True), "triton"),  # fp8, 224 rows: each row block would widen the tiles again
+    ((32, 7, 128, 16, 4096, False, True), "cuda (auto)"),  # fp8, 224 rows: two row blocks, still faster
+    ((64, 5, 128, 16, 1024, False, True), "cuda (auto)"),  # fp8, 320 rows (32B heads at T = 64)
     ((8, 7, 128, 16, 4096, False, True), "triton"),  # fp8, 56 rows: the lockstep kernels, slower than triton
     ((16, 7, 128, 24, 4096, False, True), "triton"),  # fp8, pages of 24 tokens: no sm_90 kernel
 ]

@@ -309,9 +309,9 @@ def test_cuda_fp8_widens_every_finite_code_exactly(G, warp_specialized, dtype, f
 
 
 @pytest.mark.cuda
-def test_auto_runs_fp8_caches_of_one_row_block_on_the_warp_specialized_kernel():
-    """At 64 < T * G <= 128 on sm_90, "auto" takes the CUDA backend's warp-specialized kernel for fp8 caches: the same
-    bits as the explicit "cuda" backend, eagerly, under torch.compile and replayed from a CUDA graph."""
+def test_auto_runs_fp8_caches_on_the_warp_specialized_kernel():
+    """At T * G > 64 on sm_90 (here 112 rows), "auto" takes the CUDA backend's warp-specialized kernel for fp8 caches:
+    the same bits as the explicit "cuda" backend, eagerly, under torch.compile and replayed from a CUDA graph."""
     need_backend("tree_attention", "cuda", DEVICE)
     case, _ = _cuda_case((3, 16, 2, 7, 128, 16, [300, 1100, 4], torch.bfloat16, 512), torch.float8_e4m3fn, 1.0, 1.0)
     plan = _cuda_plan(case, 512)

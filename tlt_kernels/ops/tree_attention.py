@@ -88,9 +88,8 @@ AUTO_CUDA = "cuda (auto)"
 # widens them in shared memory, measured 1.5-2.2x slower than triton's where its lockstep sm_90 or mma.sync kernels
 # run. Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
 _FP8_NOT_AUTO = ("cuda",)
-# ... except where the warp-specialized kernel runs the plan in one 128-row block (64 < T * G <= 128), where it
-# measured level with triton at short contexts and faster at long ones. Over more rows each row block widens the same
-# tiles again, and it measured slower in some cases (docs/TREE_ATTENTION.md, "fp8 caches", has the figures).
+# ... except where its warp-specialized kernel runs the plan (T * G > 64), which measured faster than triton on every
+# such case of the suite (docs/TREE_ATTENTION.md, "fp8 caches", has the figures).
 
 
 @dataclass
@@ -683,7 +682,7 @@ def _choose_backend(backend: str, device: torch.device, num_tree: int, head_dim:
 def _auto_takes_cuda(device: torch.device, num_tree: int, head_dim: int, group: int, block_size: int,
                      split_len: int, fp8: bool = False) -> bool:
     """Whether "auto" runs bf16/fp16 q on the CUDA backend rather than triton: caches of q's dtype at
-    ``T * G >= AUTO_CUDA_MIN_ROWS``, fp8 caches where the warp-specialized kernel takes all rows in one block (see
+    ``T * G >= AUTO_CUDA_MIN_ROWS``, fp8 caches where the warp-specialized kernel takes the rows (see
     ``_FP8_NOT_AUTO``); in both, only where the sm_90 context kernel runs the plan."""
     if backend_unavailable_reason("cuda", device) is not None:
         return False
@@ -691,7 +690,7 @@ def _auto_takes_cuda(device: torch.device, num_tree: int, head_dim: int, group: 
 
     rows = num_tree * group
     if fp8:
-        if not (cuda_rule.takes_warp_specialized(rows, fp8=True) and rows <= cuda_rule.CONTEXT_SM90_MAX_ROWS):
+        if not cuda_rule.takes_warp_specialized(rows, fp8=True):
             return False
     elif rows < AUTO_CUDA_MIN_ROWS:
         return False
@@ -733,15 +732,16 @@ def run(plan: TreeAttentionPlan, q, k_cache, v_cache, out=None, sm_scale=None, b
         sm_scale: a finite number >= 0, default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cuda"``. ``"auto"`` takes triton, and the CUDA
             backend on sm_90 where a KV head has ``T * G >= AUTO_CUDA_MIN_ROWS`` query rows and its sm_90 kernel
-            runs the plan (D = 128, bf16/fp16, power-of-two pages); over fp8 caches only where ``64 < T * G <= 128``
-            (its warp-specialized kernel, one row block). Shapes the kernels do not cover
+            runs the plan (D = 128, bf16/fp16, power-of-two pages); over fp8 caches only where ``T * G > 64``
+            (its warp-specialized kernel). Shapes the kernels do not cover
             (``T > 64`` or ``D`` not in 64/128/256) fall back to torch with a warning under ``"auto"``
             and raise for an explicit kernel backend.
         k_scale, v_scale: per-tensor dequantization scales, finite numbers > 0: the caches hold ``K / k_scale`` and
             ``V / v_scale`` (an fp8 cache's usual scales; any cache dtype). ``k_scale`` folds into the softmax scale,
-            ``v_scale`` into each output row. ``"auto"`` runs fp8 caches on triton (torch without it); ``"cuda"``
-            runs them on its lockstep sm_90 kernels where they take the plan (D = 128, T * G <= 128), else on its
-            mma.sync kernel.
+            ``v_scale`` into each output row. ``"auto"`` runs fp8 caches on triton (torch without it), or on the
+            CUDA backend's warp-specialized kernel (above); ``"cuda"`` runs them on its sm_90 kernels where they
+            take the plan (D = 128: the warp-specialized one at ``T * G > 64``, the lockstep ones at fewer rows),
+            else on its mma.sync kernel.
 
     Returns:
         ``out`` with rows at or past ``num_nodes[b]`` set to zero.
