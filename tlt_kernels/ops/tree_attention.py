@@ -85,11 +85,11 @@ AUTO_CUDA_MIN_ROWS = 80
 # The kernel name "auto" gives that choice: the CUDA kernels, or triton for caches they refuse (_run_auto_cuda).
 AUTO_CUDA = "cuda (auto)"
 # Backends "auto" does not pick for fp8 caches (it picks triton, else torch) outside the rule below: the CUDA backend
-# widens them in shared memory, measured 1.5-2.2x slower than triton's where its lockstep sm_90 or mma.sync kernels
+# widens them in shared memory, measured 1.4-2.5x slower than triton's where its lockstep sm_90 or mma.sync kernels
 # run. Explicitly, it runs. (v_scale costs every kernel the same: not a criterion.)
 _FP8_NOT_AUTO = ("cuda",)
 # ... except where its warp-specialized kernel runs the plan (T * G > 64), which measured faster than triton on every
-# such case of the suite (docs/TREE_ATTENTION.md, "fp8 caches", has the figures).
+# such case of the suite's H100 run of record (docs/TREE_ATTENTION.md, "fp8 caches", has the figures).
 
 
 @dataclass
