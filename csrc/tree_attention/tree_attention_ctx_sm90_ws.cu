@@ -188,8 +188,8 @@ __device__ __forceinline__ uint4 load_staged_chunk(uint32_t addr) {
 // `staged` + it * 16 rows) widened to fp16 into the swizzled ring slot `slot` (a row's chunk c becomes its 16-bit
 // chunks 2c and 2c + 1). kTreeV: V tile i has tree slots, whose rows go through zero_bad_tree_v (a NaN/inf zeroed and
 // its node flagged in `bad_nodes`: the NaN contract); a template argument so that K and context V tiles, nearly all
-// tiles, carry no node or finiteness work. Each chunk's shared load is issued before the chunk ahead of it is widened
-// (its latency overlaps that work; the ordered accesses would otherwise wait for one load per chunk).
+// tiles, carry no node or finiteness work. Chunk it + 1's shared load is issued before chunk it is widened (its
+// latency overlaps that work; the ordered accesses would otherwise wait for one load per chunk).
 template <typename KV, bool kTreeV>
 __device__ __forceinline__ void widen_staged(uint32_t staged, uint32_t slot, int row0, int chunk, const Span& sp, int i,
                                              unsigned long long* bad_nodes) {
