@@ -568,6 +568,18 @@ def test_fp8_config_sweep_parses_configs():
             parse_configs(bad)
 
 
+def test_fp8_cuda_ab_cases_cover_both_sm90_fp8_kernels():
+    """tools.fp8_cuda_ab: its first five cases run the warp-specialized kernel over e4m3 caches (T * G > 64 rows),
+    the rest the lockstep one-warpgroup kernel (T * G <= 64: the long-tail shapes), as its docstring says."""
+    from bench.suites.tree_attention import MODELS
+    from tlt_kernels._cuda.tree_attention import context_tile, takes_warp_specialized
+    from tools.fp8_cuda_ab import CASES
+
+    rows = [T * (MODELS[model][0] // MODELS[model][1]) for model, _, _, T in CASES]
+    assert [takes_warp_specialized(r, fp8=True) for r in rows] == [True] * 5 + [False] * (len(CASES) - 5), rows
+    assert all(context_tile(r) == 64 for r in rows[5:]), rows  # the one-warpgroup lockstep kernel's tile
+
+
 def test_triton_loop_sass_counts_the_longest_loop():
     """tools.triton_loop_sass: the loop counted is the backward branch with the most instructions between its label and
     itself (predicated instructions counted by opcode, forward branches and instructions outside loops left out)."""
