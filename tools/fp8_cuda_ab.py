@@ -3,7 +3,7 @@ the warp-specialized sm_90 kernel's cases (T * G > 64 rows) and the lockstep one
 the long-tail shapes), graph replays with the L2 flushed, Triton fp8 beside them as the yardstick the change does
 not touch.
 
-    bash tools/ab.sh tools/ab_patches/CHANGE.patch -- python -m tools.fp8_cuda_ab [--reps 60] [--out FILE]
+    bash tools/ab.sh CHANGE.patch -- python -m tools.fp8_cuda_ab [--reps 60] [--out FILE]
 
 Prints one JSON line per case: the CUDA and Triton times (us), the kernel that ran (``warp_specialized``), and each
 output's checksum and NaN flag (the inputs are seeded, so A and B must print the same checksums up to rounding)."""

@@ -132,30 +132,32 @@ __device__ __forceinline__ uint4 widen_fp8x8_fast(const uint2& raw, bool& finite
 // (row (threadIdx.x + it * kThreads) / kRowChunks, chunk c = threadIdx.x % kRowChunks). Chunk c (16 values) of a row is
 // staged where the row's 16-bit chunk 2c goes and becomes chunks 2c and 2c + 1; chunk 2c + 1's place holds no staging,
 // so a thread that widens the chunks it copied writes only where it alone staged: no barrier before the widening.
-// `tree_v`: a V tile with tree slots, whose rows' 8-value halves go through zero_bad_tree_v as
-// tree_attn::copy_tree_v_chunk does.
-template <typename T, typename KV, int kBlockN, int kThreads>
-__device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i, bool tree_v,
-                                           unsigned long long* bad_nodes) {
+// kTreeV: a V tile with tree slots, whose rows' 8-value halves go through zero_bad_tree_v as
+// tree_attn::copy_tree_v_chunk does; a template argument so that K and context V tiles carry no node or finiteness
+// work. Chunk it + 1's shared load is issued before chunk it is widened (the ordered accesses would otherwise wait
+// for one load per chunk).
+template <typename T, typename KV, int kBlockN, int kThreads, bool kTreeV>
+__device__ __forceinline__ void widen_rows(uint32_t slot, const Span& sp, int i, unsigned long long* bad_nodes) {
   constexpr int kChunks = kBlockN * kRowChunks<KV> / kThreads;
   const int chunk = threadIdx.x % kRowChunks<KV>;
+  auto row_of = [&](int it) { return (threadIdx.x + it * kThreads) / kRowChunks<KV>; };
+  auto load = [&](int it) { return load_staged_chunk(slot + wgmma::swizzled_offset(kBlockN, row_of(it), 2 * chunk)); };
+  uint4 next = load(0);
 #pragma unroll 1
   for (int it = 0; it < kChunks; ++it) {
-    const int row = (threadIdx.x + it * kThreads) / kRowChunks<KV>;
-    const int tree_node = tree_node_of_row<kBlockN>(sp, i, row, tree_v);
-    const uint32_t lo_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk);
-    const uint32_t hi_addr = slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + 1);
-    uint4 raw;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                 : "r"(lo_addr)
-                 : "memory");
+    const int row = row_of(it);
+    const uint4 raw = next;
+    if (it + 1 < kChunks) next = load(it + 1);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       bool finite;
       uint4 v = widen_fp8x8_fast<T, KV>(half ? make_uint2(raw.z, raw.w) : make_uint2(raw.x, raw.y), finite);
-      if (tree_node >= 0) tree_attn::zero_bad_tree_v(v, finite, tree_node, bad_nodes);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(half ? hi_addr : lo_addr), "r"(v.x), "r"(v.y),
+      if constexpr (kTreeV) {
+        const int tree_node = tree_node_of_row<kBlockN>(sp, i, row, true);
+        if (tree_node >= 0) tree_attn::zero_bad_tree_v(v, finite, tree_node, bad_nodes);
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                   ::"r"(slot + wgmma::swizzled_offset(kBlockN, row, 2 * chunk + half)), "r"(v.x), "r"(v.y),
                    "r"(v.z), "r"(v.w)
                    : "memory");
     }
@@ -270,12 +272,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   };
   // fp8: tile i's staged K (or V) widened in its ring slot by the threads that copied it (widen_rows).
   auto widen_k = [&](int i) {
-    if (i < sp.n_tiles) widen_rows<T, KV, kBlockN, kThreads>(k_s + (i % kStages) * kTileBytes, sp, i, false, &bad_nodes);
+    if (i < sp.n_tiles)
+      widen_rows<T, KV, kBlockN, kThreads, false>(k_s + (i % kStages) * kTileBytes, sp, i, &bad_nodes);
   };
   auto widen_v = [&](int i) {
-    if (i < sp.n_tiles)
-      widen_rows<T, KV, kBlockN, kThreads>(v_s + (i % kStages) * kTileBytes, sp, i, tile_has_tree<kBlockN>(sp, i),
-                                           &bad_nodes);
+    if (i >= sp.n_tiles) return;
+    const uint32_t slot = v_s + (i % kStages) * kTileBytes;
+    if (tile_has_tree<kBlockN>(sp, i))
+      widen_rows<T, KV, kBlockN, kThreads, true>(slot, sp, i, &bad_nodes);
+    else
+      widen_rows<T, KV, kBlockN, kThreads, false>(slot, sp, i, &bad_nodes);
   };
   int32_t next_page = -1;
   // Stores tile i's tokens (its page read a step ago) and reads tile i + 1's page. Tile i's slot last held tile

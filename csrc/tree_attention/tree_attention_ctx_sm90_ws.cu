@@ -174,16 +174,6 @@ __device__ __forceinline__ void copy_tree_v_tile(int32_t token, const char* base
   wgmma::fence_proxy_async();
 }
 
-// One 16-byte chunk of the staging ring (shared address `addr`), ordered with the ring's other accesses.
-__device__ __forceinline__ uint4 load_staged_chunk(uint32_t addr) {
-  uint4 raw;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-               : "r"(addr)
-               : "memory");
-  return raw;
-}
-
 // fp8 caches: this thread's 8 staged chunks of a tile (16 values each: rows row0 + 16 it, column chunk `chunk`, at
 // `staged` + it * 16 rows) widened to fp16 into the swizzled ring slot `slot` (a row's chunk c becomes its 16-bit
 // chunks 2c and 2c + 1). kTreeV: V tile i has tree slots, whose rows go through zero_bad_tree_v (a NaN/inf zeroed and

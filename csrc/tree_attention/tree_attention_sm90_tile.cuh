@@ -278,6 +278,17 @@ __device__ __forceinline__ void store_rows(const TreeAttentionParams& p, const S
   }
 }
 
+// One 16-byte chunk of an fp8 staging buffer (shared address `addr`), ordered with the buffer's other accesses (the
+// widening that follows rewrites shared memory the compiler cannot see through the asm).
+__device__ __forceinline__ uint4 load_staged_chunk(uint32_t addr) {
+  uint4 raw;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+               : "r"(addr)
+               : "memory");
+  return raw;
+}
+
 // Whether tile i holds tree slots (a V tile of it then goes through tree_attn::copy_tree_v_chunk): uniform per CTA.
 template <int kBlockN>
 __device__ __forceinline__ bool tile_has_tree(const Span& sp, int i) {
