@@ -913,3 +913,32 @@ def test_static_batch_budget_sweep_adds_a_forecast_column_per_budget():
     assert len(cells) == 4, cells
     budget_only, with_forecast = (float(cell.split(" / ")[0]) for cell in cells[2:])
     assert with_forecast > 1.03 * budget_only, cells
+
+
+def test_counterfactual_replay_teaches_plain_steps_the_deepest_chains_acceptance():
+    """tools.counterfactual_replay: the deepest chain arm of a record (one candidate per level) gives its lagging
+    rows' counts; a replay whose selector never drafts (a zero loss budget vetoes every draft) leaves that arm at its
+    optimistic prior without the counterfactual and learns its low acceptance with it, playing the same plain steps."""
+    from tools.counterfactual_replay import deepest_chain, replay
+    from tlt_kernels.runtime import Strategy, StrategySelector
+
+    def record(batch_size=4):
+        return {"batch_size": batch_size, "arms": {
+            "off": {"step_time": 1e-3, "emitted": batch_size, "accepted": []},
+            "s2k1v3": {"step_time": 1.1e-3, "emitted": 3 * batch_size, "accepted": [4, 4]},
+            "s4k1v5": {"step_time": 1.2e-3, "emitted": 5 * batch_size, "accepted": [4, 4, 4, 4],
+                       "lagging_rows": 2, "lagging_accepted": [1, 0, 0, 0]},
+            "s5k4v16": {"step_time": 1.5e-3, "emitted": 6 * batch_size, "accepted": [4, 4, 4, 4, 4]}}}
+
+    assert deepest_chain(record()) == (Strategy(4, 1, 5), [1, 0, 0, 0], 2)
+    assert deepest_chain({"batch_size": 1, "arms": {"off": record()["arms"]["off"]}}) is None
+    arms = [Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(5, 4, 16)]
+    runs = {}
+    for counterfactual in (False, True):
+        selector = StrategySelector(arms, seed=0, loss_budget=0.0)
+        result = replay([record() for _ in range(12)], selector, counterfactual)
+        runs[counterfactual] = result.choices, selector.policy
+    assert runs[False][0] == runs[True][0] == {"off": 12}
+    deep = runs[True][1].arms.index(Strategy(4, 1, 5))
+    assert not runs[False][1].played[deep] and runs[True][1].played[deep]
+    assert runs[True][1].tokens[deep] < 2.0 < 3.0 < runs[False][1].tokens[deep]  # the counts, not the prior

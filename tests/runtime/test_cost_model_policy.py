@@ -220,3 +220,23 @@ def test_a_run_counts_the_rows_the_feedback_names_and_can_be_turned_off():
     pol = _bound(cost_table={s: [(8, 0.01)] for s in ARMS})
     pol.observe(0, 1, 8, emitted=24.0, elapsed=0.01, accepted=None, step=1)  # tokens only: no counts, no run
     assert pol.riding == -1
+
+
+def test_observe_acceptance_moves_the_acceptance_as_observe_does_and_nothing_else():
+    """observe_acceptance is observe's acceptance half: the same counts give the same predicted tokens (and mark the
+    arm played), while the step times, the plain-step run that triggers probes and the run riding stay as they were."""
+    table = {s: [(4, 0.01)] for s in ARMS}
+    stepped, scored = _bound(cost_table=table), _bound(cost_table=table)
+    for pol in (stepped, scored):
+        for step in (1, 2, 3):
+            pol.observe(0, 0, 4, emitted=4.0, elapsed=0.01, accepted=None, step=step)
+    counts = [4.0, 4.0, 4.0, 4.0]  # every draft accepted: observe would ride the arm
+    stepped.observe(0, 2, 4, emitted=20.0, elapsed=0.03, accepted=counts, step=4)
+    scored.observe_acceptance(2, 4, counts, step=4)
+    assert scored.tokens == pytest.approx(stepped.tokens) and scored.tokens[2] > 1.5
+    assert scored.played[2] and scored.deepest_played == 4
+    assert scored.step_time.count[0][2] == 0 and stepped.step_time.count[0][2] == 1
+    assert scored.plain_run[0] == 3 and stepped.plain_run[0] == 0
+    assert scored.riding == -1 and stepped.riding == 2
+    with pytest.raises(ValueError, match="accepted_per_position"):
+        scored.observe_acceptance(1, 4, [1.0], step=5)

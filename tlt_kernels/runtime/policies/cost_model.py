@@ -282,19 +282,24 @@ class CostModelPolicy(Policy):
         self.riding = arm if full else -1
         if d == 0:
             return
-        model = self.acceptance
-        own = model.own_weight(arm, step)
-        self.played[arm] = True
-        self.group_played[model.group[arm]] = True
-        if d > self.deepest_played:
-            self.deepest_played = d
         if accepted is None:
-            model.add_observed_tokens(arm, emitted / batch_size, step)
+            self._mark_played(arm)
+            self.acceptance.add_observed_tokens(arm, emitted / batch_size, step)
             return
+        self.observe_acceptance(arm, batch_size, accepted, step, accepted_rows)
+
+    def observe_acceptance(self, arm, batch_size, accepted, step, accepted_rows=None) -> None:
+        """The acceptance half of :meth:`observe`: speculative arm ``arm``'s ``accepted`` counts (``[num_steps]``,
+        as ``observe`` takes them) with no step time, e.g. drafts scored against the tokens plain steps emitted
+        (``tools/counterfactual_replay.py``); the step-time model, probes and runs are left as they were."""
+        d = self.depth[arm]
         if len(accepted) != d:
             raise ValueError(
                 f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
             )
+        model = self.acceptance
+        own = model.own_weight(arm, step)
+        self._mark_played(arm)
         trials = accepted_rows or batch_size  # the requests the counts are over: the fit's sample size
         changed = self._fit(arm, accepted, trials, step, own)
         model.add_own_counts(arm, accepted, trials, step, own)
@@ -304,6 +309,12 @@ class CostModelPolicy(Policy):
             model.refresh_all(step)
         else:
             model.refresh(arm, step)
+
+    def _mark_played(self, arm: int) -> None:
+        """Arm ``arm``'s acceptance has been observed: its width group and depth are no longer new to the model."""
+        self.played[arm] = True
+        self.group_played[self.acceptance.group[arm]] = True
+        self.deepest_played = max(self.deepest_played, self.depth[arm])
 
     def _fit(self, arm: int, accepted: Sequence[float], batch_size: int, step: int, own: float) -> bool:
         """Change test and one Fisher-scoring step of the shared model; True on an alarm."""
