@@ -240,3 +240,5 @@ def test_observe_acceptance_moves_the_acceptance_as_observe_does_and_nothing_els
     assert scored.riding == -1 and stepped.riding == 2
     with pytest.raises(ValueError, match="accepted_per_position"):
         scored.observe_acceptance(1, 4, [1.0], step=5)
+    with pytest.raises(ValueError, match="speculative arm"):
+        scored.observe_acceptance(0, 4, [], step=5)

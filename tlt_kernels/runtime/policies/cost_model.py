@@ -293,6 +293,8 @@ class CostModelPolicy(Policy):
         as ``observe`` takes them) with no step time, e.g. drafts scored against the tokens plain steps emitted
         (``tools/counterfactual_replay.py``); the step-time model, probes and runs are left as they were."""
         d = self.depth[arm]
+        if not d:
+            raise ValueError(f"observe_acceptance takes a speculative arm, got {self.arms[arm]} (plain decoding)")
         if len(accepted) != d:
             raise ValueError(
                 f"accepted_per_position for {self.arms[arm]} must have num_steps={d} entries, got {len(accepted)}"
