@@ -942,3 +942,17 @@ def test_counterfactual_replay_teaches_plain_steps_the_deepest_chains_acceptance
     deep = runs[True][1].arms.index(Strategy(4, 1, 5))
     assert not runs[False][1].played[deep] and runs[True][1].played[deep]
     assert runs[True][1].tokens[deep] < 2.0 < 3.0 < runs[False][1].tokens[deep]  # the counts, not the prior
+
+
+def test_wave_cost_fit_recovers_a_lines_slope_and_intercept_per_batch_and_backend():
+    """tools.wave_cost_fit: per (B, backend) the least-squares line through the times at L >= 2048 (shorter contexts
+    are left out); a batch with one such length has no fit."""
+    from tools.wave_cost_fit import fit_fixed_cost
+
+    rows = [dict(B=64, L=L, cuda=48.0 + 0.042 * L, triton=35.0 + 0.0417 * L) for L in (1024, 2048, 4096, 8192)]
+    rows[0]["cuda"] = 500.0  # below the fit's lengths: ignored
+    rows.append(dict(B=33, L=4096, cuda=1.0, triton=1.0))
+    fits = {(f["B"], f["backend"]): f for f in fit_fixed_cost(rows)}
+    assert set(fits) == {(64, "cuda"), (64, "triton")}
+    assert fits[64, "cuda"]["slope_us_per_token"] == pytest.approx(0.042) and fits[64, "cuda"]["intercept_us"] == 48.0
+    assert fits[64, "triton"]["intercept_us"] == 35.0
