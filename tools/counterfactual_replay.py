@@ -23,7 +23,7 @@ import os
 
 from bench.suites.selector import REAL_TRACES, TRACES_DIR, _same_work_s, replay_static, trace_cost_table
 from tlt_kernels.runtime import Strategy, StrategySelector
-from tlt_kernels.runtime.simulate import load_trace, replay_trace
+from tlt_kernels.runtime.simulate import load_trace, replay_selector
 
 # Row name -> (feed the counterfactual, StrategySelector options).
 ROWS = {
@@ -48,25 +48,28 @@ def deepest_chain(record: dict):
 
 
 def replay(records, selector: StrategySelector, counterfactual: bool):
-    """``simulate.replay_selector``, plus (``counterfactual``) the deepest chain arm's counts after each plain step."""
-    current: set = set()
-    selector.available = lambda s, b: s in current
-    step = iter(records)
+    """``simulate.replay_selector``, plus (``counterfactual``) the deepest chain arm's counts after each plain step.
 
-    def choose(batch_size, arms):
-        current.clear()
-        current.update(arms)
-        selector.invalidate_available()
-        return selector.select(batch_size)
+    ``replay_trace`` observes every record in order, so the wrapped ``update`` walks the records alongside it."""
+    if counterfactual:
+        step = iter(records)
+        update = selector.update
 
-    def observe(strategy, batch_size, emitted, seconds, accepted, accepted_rows=None):
-        selector.update(strategy, batch_size, emitted, seconds, accepted, accepted_rows=accepted_rows)
-        chain = deepest_chain(next(step))
-        if counterfactual and strategy.is_off and chain is not None:
-            arm, counts, rows = chain
-            selector.policy.observe_acceptance(selector.strategies.index(arm), batch_size, counts, selector.step, rows)
+        def update_then_counterfactual(strategy, batch_size, *args, **kwargs):
+            update(strategy, batch_size, *args, **kwargs)
+            record = next(step)  # advance on every step: the walk must stay aligned with replay_trace's
+            chain = deepest_chain(record) if strategy.is_off else None
+            if chain is not None:  # straight to the policy: a recorded trace's counts are a real step's
+                arm, counts, rows = chain
+                selector.policy.observe_acceptance(selector.strategies.index(arm), batch_size, counts,
+                                                   selector.step, rows)
 
-    return replay_trace(records, choose, observe)
+        selector.update = update_then_counterfactual
+    try:
+        return replay_selector(records, selector)
+    finally:
+        if counterfactual:
+            del selector.update  # the next replay (warm: the timed rollout after the warm-up) wraps it afresh
 
 
 def scores(path: str, table) -> dict:
