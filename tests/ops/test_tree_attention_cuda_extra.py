@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import HAS_CUDA, sm90_rule_spy
-from test_tree_attention_cuda import check_case, make_case
+from conftest import HAS_CUDA, poison_, sm90_rule_spy
+from test_tree_attention_cuda import TOL, check_case, make_case
 
 pytestmark = pytest.mark.cuda
 
@@ -285,3 +285,157 @@ def test_auto_tma_follows_the_card_at_t16(monkeypatch):
     fast = cuda_ta.has_fast_memory(torch.cuda.current_device())
     assert configs and all(bool(cfg & cuda_ta.TMA_FLAG) == fast for cfg in configs), (configs, fast)
     assert used and all(used), "the sm_90 kernel was not used"
+
+
+# The warp-specialized kernel's persistent build (CONTEXT_PERSISTENT, | PERSISTENT_FLAG): min(units, SMs) CTAs looping
+# over (split, KV head, request) units. (name, B, Hq, Hkv, context lengths, dtype, split_len): T = 16, 16-token pages,
+# 64 < T * G <= 128 rows (7B: 112, 32B: 80), where the build applies. Fewer units than SMs (B = 1, 3: one unit or
+# none per CTA) and many more (B = 64, 133, 140: CTAs run several units, the rings' phases and the flag entries wrap),
+# plans of one split and of several (the merge; short requests skip the splits past their context: units with
+# nothing to do), tiny and empty contexts.
+def _ctx(B, mod, step, long=()):
+    """B context lengths (step * i) % mod, with the given (index, length) overrides."""
+    lens = [(step * i) % mod for i in range(B)]
+    for i, n in long:
+        lens[i] = n
+    return lens
+
+
+PERSISTENT_CASES = [
+    ("7b-B1-splits", 1, 28, 4, [5000], torch.bfloat16, None),
+    ("7b-B3", 3, 28, 4, [4100, 1, 700], torch.bfloat16, None),
+    ("7b-B3-splits", 3, 28, 4, [4100, 1, 700], torch.float16, 256),
+    ("7b-B64", 64, 28, 4, _ctx(64, 2500, 97, [(5, 4096), (6, 2)]), torch.bfloat16, None),
+    ("7b-B64-splits", 64, 28, 4, _ctx(64, 1500, 61, [(0, 3000), (1, 0)]), torch.bfloat16, 512),
+    ("7b-B133-splits", 133, 28, 4, _ctx(133, 700, 37, [(7, 2000)]), torch.bfloat16, 256),
+    ("32b-B1", 1, 40, 8, [2000], torch.bfloat16, None),
+    ("32b-B3-splits", 3, 40, 8, [0, 9000, 130], torch.float16, None),
+    ("32b-B64-splits", 64, 40, 8, _ctx(64, 1800, 53, [(3, 3), (9, 5000)]), torch.bfloat16, 512),
+    ("32b-B140", 140, 40, 8, _ctx(140, 600, 29, [(70, 1)]), torch.bfloat16, None),
+]
+
+
+def _force_persistent_path(monkeypatch):
+    """The sm_90 path's warp-specialized cp.async build (the persistent build's only base), and the launch configs
+    context_config hands out (to check that the persistent flag went with them)."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    used = sm90_rule_spy(monkeypatch, True)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_WARP_SPECIALIZED", True)
+    monkeypatch.setattr(cuda_ta, "CONTEXT_TMA", False)
+    configs = []
+    real = cuda_ta.context_config
+    monkeypatch.setattr(cuda_ta, "context_config",
+                        lambda rows, fast_memory=False, fp8=False: configs.append(real(rows, fast_memory, fp8))
+                        or configs[-1])
+    return used, configs
+
+
+def _bits(t):
+    """t's bit patterns (NaN payloads included), for bitwise comparisons."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _run_both(plan, c):
+    """out, partial_out and partial_lse of the one-unit kernel and of the persistent one (each from poisoned
+    buffers), as ``{persistent: (out, partial_out, partial_lse)}``."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    res = {}
+    for persistent in (False, True):
+        poison_(plan.partial_out)
+        poison_(plan.partial_lse)
+        out = poison_(torch.empty_like(c["q"]))
+        with cuda_ta.forced_switches(PERSISTENT=persistent):
+            plan.run(c["q"], c["k_cache"], c["v_cache"], out=out, backend="cuda")
+        torch.cuda.synchronize()
+        res[persistent] = (out, plan.partial_out.clone(), plan.partial_lse.clone())
+    return res
+
+
+def _assert_bitwise_equal(res, what):
+    for name, one, pers in zip(("out", "partial_out", "partial_lse"), res[False], res[True]):
+        assert torch.equal(_bits(one), _bits(pers)), f"{what}: the persistent kernel's {name} differs"
+
+
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: c[0])
+def test_sm90_persistent_matches_the_one_unit_kernel(case, monkeypatch):
+    """The persistent build computes bit for bit what the one-unit warp-specialized kernel does (out, and every
+    partial slot the merge reads, NaN-poisoned slots alike), and matches the reference."""
+    from tlt_kernels._cuda import tree_attention as cuda_ta
+
+    name, B, Hq, Hkv, ctx, dtype, split_len = case
+    used, configs = _force_persistent_path(monkeypatch)
+    c = make_case(B, 16, Hkv, Hq // Hkv, 128, 16, ctx, dtype, seed=B + Hq + sum(ctx) % 1000)
+    plan = plan_for(c, split_len=split_len)
+    if split_len is not None or name.endswith("splits"):
+        assert plan.num_splits > 1, (name, plan.num_splits)
+    res = _run_both(plan, c)
+    assert used and all(used), "the sm_90 kernel was not used"
+    flagged = [bool(cfg & cuda_ta.PERSISTENT_FLAG) for cfg in configs]
+    assert flagged == [False, True], configs
+    _assert_bitwise_equal(res, name)
+    with cuda_ta.forced_switches(PERSISTENT=True):
+        check_case(f"persistent {name}", c, dtype, split_len=split_len)
+
+
+def test_sm90_persistent_empty_request_writes_zeros(monkeypatch):
+    """num_nodes = 0 on an empty context (a replayed graph's unvalidated row, see the one-unit test above): a unit
+    without tiles. The persistent kernel runs no step for it, hands no flags for it (the producer skips it too) and
+    writes zeros, among enough units that CTAs loop and the flag entries wrap; the rest is bitwise the one-unit
+    kernel's."""
+    _force_persistent_path(monkeypatch)
+    B = 300  # 1200 units on ~132 SMs
+    ctx = _ctx(B, 400, 31, [(i, 0) for i in range(0, B, 7)])
+    c = make_case(B, 16, 4, 7, 128, 16, ctx, torch.bfloat16, seed=23)
+    plan = plan_for(c)
+    plan.num_nodes[0:B:7] = 0  # after planning, as a replayed graph's input buffer would be changed
+    res = _run_both(plan, c)
+    _assert_bitwise_equal(res, "empty requests")
+    out = res[True][0]
+    assert torch.equal(out[0:B:7], torch.zeros_like(out[0:B:7]))
+    assert not out.isnan().any()
+
+
+def test_sm90_persistent_nan_contract_across_units(monkeypatch):
+    """The per-unit flags (a NaN/inf tree V zeroed and its node's rows NaN; a page id out of the cache making its
+    request's rows NaN) travel through the persistent kernel's ring of flag entries: with many units per CTA, some
+    flagged and most not, the NaN rows are exactly the expected ones and everything is bitwise the one-unit kernel's
+    (NaN garbage in every unattended slot as well)."""
+    from test_tree_attention import fill_unused_slots_with_nan_
+    from test_tree_attention_edge_cases import _expected_nan_rows, _fill_unused_slots_with_inf_, _slot_location
+
+    from tlt_kernels.reference.tree_attention import tree_attention_reference
+
+    _force_persistent_path(monkeypatch)
+    B, Hkv, G, T = 200, 4, 7, 16  # 800+ units: 6 or more per CTA
+    c = make_case(B, T, Hkv, G, 128, 16, _ctx(B, 900, 47), torch.bfloat16, seed=31)
+    ref = tree_attention_reference(**c, out_dtype=torch.float32)
+    fill_unused_slots_with_nan_(c)
+    _fill_unused_slots_with_inf_(c)
+    nan_rows = torch.zeros(c["q"].shape[:3], dtype=torch.bool)
+    ctx = c["context_lens"].tolist()
+    for b in range(3, B, 17):  # the root's V (every real row of the request sees it) on KV head b % Hkv
+        page, off = _slot_location(c, b, ctx[b])
+        c["v_cache"][page, off, b % Hkv, 5] = float("nan")
+        nan_rows |= _expected_nan_rows(c, b, ctx[b], b % Hkv)
+    table = c["block_table"].clone()
+    bad_page = {}
+    for b in range(10, B, 41):  # a used page id past the cache
+        table[b, 0] = c["k_cache"].shape[0] + 5
+        bad_page[b] = int(c["num_nodes"][b])
+    for split_len in (256, None):
+        plan = plan_for(dict(c, block_table=table), split_len=split_len, validate=False)
+        res = _run_both(plan, dict(c, block_table=table))
+        _assert_bitwise_equal(res, f"NaN contract, split_len {split_len}")
+        out = res[True][0]
+        got_nan = out.isnan().any(-1).cpu()
+        want = nan_rows.clone()
+        for b, n in bad_page.items():
+            want[b] = False
+            want[b, :n] = True
+        assert torch.equal(got_nan, want), (got_nan ^ want).nonzero().tolist()[:10]
+        fine = ~want.to(out.device)
+        fine[list(bad_page)] = False
+        tol = TOL[torch.bfloat16]
+        torch.testing.assert_close(out[fine].float(), ref[fine], atol=tol[0], rtol=tol[1])
