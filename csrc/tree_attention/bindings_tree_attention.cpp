@@ -115,9 +115,8 @@ void register_tree_attention(py::module_& m) {
   m.def("tree_attention_sm90", &tree_attention_entry<tlt::launch_tree_attention_sm90>, TLT_TREE_ATTN_ARGS,
         "Step 1 of tree attention on sm_90 wgmma (D=128, T <= 64; config 0/128: 128-token tiles, split_len % 128 "
         "== 0; 64: 64-token tiles; both T*G <= 128; 128|1024: warp-specialized, any T*G; |2048: TMA copies, with "
-        "cache_tokens and pages of >= 16 tokens; |4096 (without 2048): persistent, caches of q's dtype and "
-        "64 < T*G <= 128, else ignored): the same outputs as tree_attention_partial (out, or the partial slots the "
-        "merge combines when num_splits > 1).");
+        "cache_tokens and pages of >= 16 tokens): the same outputs as tree_attention_partial (out, or the partial "
+        "slots the merge combines when num_splits > 1).");
   m.def(
       "_wgmma_selftest",
       [](uintptr_t a, uintptr_t b, uintptr_t v, uintptr_t s_out, uintptr_t o_out, int dtype, uintptr_t stream) {

@@ -66,19 +66,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// named_sync over `threads` threads that all pass `pred`, returning on each of them whether any passed true.
-__device__ __forceinline__ bool named_sync_or(int id, int threads, bool pred) {
-  uint32_t any;
-  asm volatile(
-      "{\n.reg .pred p, q;\n"
-      "setp.ne.u32 p, %1, 0;\n"
-      "bar.red.or.pred q, %2, %3, p;\n"
-      "selp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads)
-      : "memory");
-  return any != 0;
-}
 
 // The warpgroup's registers per thread, moved to (inc) or from (dec) the SM's pool; every thread of the warpgroup
 // executes it. N is a multiple of 8 in [24, 256].

@@ -108,11 +108,8 @@ LaunchStatus launch_tree_attention_merge(const TreeAttentionParams& p, cudaStrea
 // 128 (split_len a multiple of 128) or 64, for T * G <= 128; 128 | kSm90WarpSpecialized takes the warp-specialized
 // build of the 128-token kernel (a producer warpgroup and two ping-ponging consumers, tree_attention_ctx_sm90_ws.cu;
 // any T * G, in 128-row blocks), and | kSm90Tma its copies of whole context tiles by TMA (pages of 16 tokens or
-// more, p.cache_tokens set; else the cp.async build runs). | kSm90Persistent (opt-in, without kSm90Tma) its persistent
-// build: min(units, SMs) CTAs, each looping over (split, KV head, request) units, its producer streaming the next
-// unit's first tiles while the consumers finish the current one; taken for caches of q's dtype and 64 < T * G <= 128
-// (one row block, both consumer warpgroups working), else ignored (the one-unit grid runs).
-constexpr int kSm90WarpSpecialized = 1024, kSm90Tma = 2048, kSm90Persistent = 4096;
+// more, p.cache_tokens set; else the cp.async build runs).
+constexpr int kSm90WarpSpecialized = 1024, kSm90Tma = 2048;
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept;
 
 }  // namespace tlt

@@ -45,7 +45,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -428,38 +427,18 @@ LaunchStatus launch_sm90_dtype(const TreeAttentionParams& p, dim3 grid, cudaStre
                           grid, Cfg::kThreads, Cfg::kSmemBytes, stream, p);
 }
 
-// The current device's SM count (the persistent build's grid), cached per device: attribute queries are not stream
-// operations (fine during graph capture), and a launch should not pay one. A benign race: every writer stores the
-// same value.
-LaunchStatus multiprocessor_count(int& sms) noexcept {
-  constexpr int kCachedDevices = 64;  // devices past it are queried every call
-  static int cached[kCachedDevices] = {};  // 0: not queried yet
-  int dev = 0;
-  TLT_STATUS_CUDA_CHECK(cudaGetDevice(&dev));
-  const bool cacheable = dev >= 0 && dev < kCachedDevices;
-  if (cacheable && cached[dev] > 0) {
-    sms = cached[dev];
-    return {};
-  }
-  TLT_STATUS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  TLT_STATUS_CHECK_ARG(sms > 0, "cudaDevAttrMultiProcessorCount of device " << dev << " is " << sms);
-  if (cacheable) cached[dev] = sms;
-  return {};
-}
-
 }  // namespace
 
 // p.config picks the tile width (tokens of K/V per iteration; p.split_len must be a multiple of it): 0 = the default,
 // 128 (two warpgroups); 128 = the same, named; 64 = the 64-token tile (one warpgroup per 64-row chunk). Anything
 // else is refused, so a tuning index meant for the partial kernel (tree_attention.cu) cannot silently select a width.
 LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream_t stream) noexcept {
-  const bool tma = (p.config & kSm90Tma) != 0, persistent = (p.config & kSm90Persistent) != 0;
-  const bool warp_specialized = (p.config & ~(kSm90Tma | kSm90Persistent)) == (128 | kSm90WarpSpecialized);
+  const bool tma = (p.config & kSm90Tma) != 0;
+  const bool warp_specialized = (p.config & ~kSm90Tma) == (128 | kSm90WarpSpecialized);
   TLT_STATUS_CHECK_ARG(p.config == 0 || p.config == 64 || p.config == 128 || warp_specialized,
                        "the sm_90 tree-attention kernel's config is its tile width: 0 (default, 128), 64 or 128, or "
                            << (128 | kSm90WarpSpecialized) << " (128, warp-specialized; | " << kSm90Tma
-                           << " for TMA copies, | " << kSm90Persistent << " for its persistent build), got "
-                           << p.config);
+                           << " for TMA copies), got " << p.config);
   const int block_n = p.config == 64 ? Ctx64::kBlockN : Ctx128::kBlockN;
   // CTAs per (split, KV head, request): 64-row chunks (config 64); 128-row blocks (warp-specialized), their count
   // rounded up to a power of two (the kernel splits blockIdx.x by a shift); else one.
@@ -521,16 +500,6 @@ LaunchStatus launch_tree_attention_sm90(const TreeAttentionParams& p, cudaStream
   q.num_blocks = cache_num_blocks(p);
   const dim3 grid(static_cast<unsigned>(p.num_splits * chunks), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(p.batch));
-  // The persistent build where it applies (else the flag is ignored): no TMA flag, caches of q's dtype, one row
-  // block with rows for both consumer warpgroups; min(units, SMs) CTAs.
-  if (warp_specialized && persistent && !tma && !fp8 && row_block_shift == 0 && rows > 64) {
-    int sms = 0;
-    TLT_RETURN_IF_FAILED(multiprocessor_count(sms));
-    const int64_t units = int64_t(p.num_splits) * p.num_kv_heads * p.batch;
-    TLT_STATUS_CHECK_ARG(units <= INT32_MAX,
-                         "num_splits * num_kv_heads * batch = " << units << " units exceed 2^31 - 1");
-    return launch_sm90_ws_persistent(q, dim3(static_cast<unsigned>(std::min<int64_t>(units, sms))), stream);
-  }
   // The TMA build needs whole 16-token boxes inside a page and the cache's extent for its tensor maps.
   if (warp_specialized)
     return launch_sm90_warp_specialized(q, grid, stream, tma && p.block_size >= 16 && p.cache_tokens > 0 ? 4 : 0);

@@ -21,28 +21,10 @@
 // fp16 into the rings (produce_fp8), so the consumers run the 16-bit loop in fp16, bfloat16 rows scaled into fp16 by
 // a power of two each (load_q_fragments_fp16): the same scores, P rounded to fp16 for P V.
 //
-// Persistent build (kSm90Persistent, opt-in; WsConfig<true, 3, 4> over 16-bit caches and 64 < T * G <= 128 only, so
-// that every unit has rows for both consumers): min(units, SMs) CTAs, CTA c running units c, c + gridDim.x, ... of
-// num_splits * Hkv * B, a unit being what one CTA of the grid above does. Launch, barrier setup and the register
-// reallocation are paid once per CTA, and the producer streams the next unit's first tiles while the consumers finish
-// the current one (its last P V, the epilogue). Rules:
-//   1. The ring runs on across units: the producer and the consumers count tiles over all their units (g); tile g
-//      uses slot g % stages, `full` completion g / stages, and waits on `empty` (g >= stages) for completion
-//      g / stages - 1. Both sides compute every unit's span alike, skip the same units, see the same tile counts.
-//   2. A unit's step n issues P_{n-1} V_{n-1} alone: no discarded S over K slot n, which the producer may already be
-//      filling with the next unit's tile (a race). The turns balance per unit as in the one-unit kernel.
-//   3. The per-unit flags (NaN/inf tree V nodes, a page id out of the cache) go through a ring of 4 entries in shared
-//      memory with a `ready` mbarrier each, not kBarEpilogue: a producer a unit ahead would arrive twice in one
-//      generation of that barrier. The consumers reset an entry once all have read it (UnitFlagRing: why the
-//      producer cannot write it again before). Outputs are bit for bit the one-unit kernel's.
-//
 // Registers: 384 threads at one CTA per SM leave 168 per thread at launch; setmaxnreg gives the producer 56 and each
 // consumer thread 224 (128 x 56 + 256 x 224 = 63K of the SM's 64K 32-bit registers; the consumers use 220, one
-// 4-byte spill). The persistent build's consumers keep their unit loop's state (unit, tile and entry counters, a few
-// per-unit values) in 32 bytes of local memory across the tile loop, stored before it and reloaded after it (ptxas:
-// 32 bytes of spill stores, 52 of loads); the tile loop itself and the producer spill nothing.
-// Shared memory: 7 x 32 KB of K/V tiles + 14 mbarriers, plus 1 KB to align the swizzled tiles (224 KB + 1 KB); the
-// persistent build adds 80 bytes (its flag ring).
+// 4-byte spill).
+// Shared memory: 7 x 32 KB of K/V tiles + 14 mbarriers, plus 1 KB to align the swizzled tiles (224 KB + 1 KB).
 // The Q-in-shared-memory build (3 + 3 stages) and a 4 K + 3 V build remain as tools/ws_probe.cu's variants.
 #include <cuda.h>  // CUtensorMap (the TMA build; no driver call is linked: the encoder comes through the runtime)
 #include <cudaTypedefs.h>
@@ -150,24 +132,11 @@ struct RingBarriers {
   __device__ uint32_t empty_k(int s) const { return base + 8u * (Cfg::kStagesK + s); }
   __device__ uint32_t full_v(int s) const { return base + 8u * (2 * Cfg::kStagesK + s); }
   __device__ uint32_t empty_v(int s) const { return base + 8u * (2 * Cfg::kStagesK + Cfg::kStagesV + s); }
-  // By one thread, before a CTA-wide barrier. `full`: one cp.async arrival per producer thread (the TMA build: one
-  // arrival, with the bytes or after a cp.async fill); `empty`: one arrival per working consumer warp.
-  __device__ void init(int consumer_warps) const {
-    for (int s = 0; s < Cfg::kStagesK; ++s) {
-      sm90::mbarrier_init(full_k(s), Cfg::kTma ? 1 : kProducerThreads);
-      sm90::mbarrier_init(empty_k(s), consumer_warps);
-    }
-    for (int s = 0; s < Cfg::kStagesV; ++s) {
-      sm90::mbarrier_init(full_v(s), Cfg::kTma ? 1 : kProducerThreads);
-      sm90::mbarrier_init(empty_v(s), consumer_warps);
-    }
-  }
 };
 constexpr int kConsumerWarps = kConsumerThreads / 32;
 // Named barriers (0 is __syncthreads): Q staged by both consumers; warpgroup w's turn to issue its GEMMs.
 // kBarEpilogue: the producer's flags (bad pages, NaN/inf tree V) handed to the consumers before they write.
-// kBarFlagsRead (persistent kernel): every consumer thread has read a unit's flags (one may then reset them).
-constexpr int kBarQStaged = 1, kBarTurn0 = 2, kBarProducer = 4, kBarEpilogue = 5, kBarFlagsRead = 6;
+constexpr int kBarQStaged = 1, kBarTurn0 = 2, kBarProducer = 4, kBarEpilogue = 5;
 
 // Tile i's rows of K (or V) into ring slot `slot`, 16 copies of 16 bytes per producer thread: thread pt copies
 // column chunk pt % 16 of rows pt / 16 + 8 it (it < 16), so a warp's copy covers two whole 256-byte rows. Lane L
@@ -299,8 +268,7 @@ __device__ __forceinline__ void produce_fp8(const TreeAttentionParams& p, const 
   }
 }
 
-// The producer's loop over 16-bit caches (T): tile i's K and V into ring slots g % stages, g = g0 + i the CTA's
-// running tile count (g0 = 0 but in the persistent kernel: the tiles of its earlier units), 16 cp.async per thread
+// The producer's loop over 16-bit caches (T): tile i's K and V into ring slots i % stages, 16 cp.async per thread
 // (copy_tile; a V tile with tree slots checked on the way, copy_tree_v_tile), or in the TMA build whole context tiles
 // by TMA (16 boxes a tile). Lane L looks up the cache token of row 2 warp + (L & 1) + 8 (L >> 1), its page a tile
 // ahead; every row's page passes through `page` (the TMA boxes' too), which sets `saw_bad_page`.
@@ -308,7 +276,7 @@ template <typename T, typename Cfg>
 __device__ __forceinline__ void produce_16bit(const TreeAttentionParams& p, const Span& sp, int h, int warp, int lane,
                                               uint32_t k_s, uint32_t v_s, const RingBarriers<Cfg>& bar,
                                               const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
-                                              unsigned long long* bad_nodes, bool& saw_bad_page, int g0 = 0) {
+                                              unsigned long long* bad_nodes, bool& saw_bad_page) {
   constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
   const int n = sp.n_tiles, pt = threadIdx.x - kConsumerThreads;  // pt: 32 warp + lane
   const char* const k_base =
@@ -329,14 +297,14 @@ __device__ __forceinline__ void produce_16bit(const TreeAttentionParams& p, cons
     page = row_page<kBlockN>(p, sp, i + 1, my_row);  // the next tile's page, in flight while this one is copied
     saw_bad_page = saw_bad_page || page == tree_attn::kBadPage;
     const bool tree_v = tile_has_tree<kBlockN>(sp, i);
-    // Slot g % stages; its previous tile (g - stages) freed = completion g / stages - 1 of its empty barrier.
-    const int g = g0 + i, sk = g % kStagesK, sv = g % kStagesV;
+    // Slot i % stages; its previous tile (i - stages) freed = completion i / stages - 1 of its empty barrier.
+    const int sk = i % kStagesK, sv = i % kStagesV;
     TLT_WS_TIC(t_empty_k);
-    if (g >= kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(g / kStagesK - 1) & 1u);
+    if (i >= kStagesK) sm90::mbarrier_wait(bar.empty_k(sk), static_cast<uint32_t>(i / kStagesK - 1) & 1u);
     TLT_WS_ACC(5, t_empty_k);
 #if TLT_WS_PROBE == 2  // tools/ws_probe.cu: math only, the slots marked full without a copy
     sm90::mbarrier_arrive(bar.full_k(sk));
-    if (g >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(g / kStagesV - 1) & 1u);
+    if (i >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
     sm90::mbarrier_arrive(bar.full_v(sv));
 #else
     TLT_WS_TIC(t_copy_k);
@@ -372,7 +340,7 @@ __device__ __forceinline__ void produce_16bit(const TreeAttentionParams& p, cons
       TLT_WS_ACC(6, t_copy_k);
       TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
       TLT_WS_TIC(t_empty_v);
-      if (g >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(g / kStagesV - 1) & 1u);
+      if (i >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
       TLT_WS_ACC(5, t_empty_v);
       TLT_WS_TIC(t_copy_v);
       fill(tmap_v, v_base, v_stride, v_s + sv * kTileBytes, bar.full_v(sv), true);
@@ -383,7 +351,7 @@ __device__ __forceinline__ void produce_16bit(const TreeAttentionParams& p, cons
       TLT_WS_STAMP(2, i == 0 && threadIdx.x == kConsumerThreads);
       sm90::cp_async_arrive_noinc(bar.full_k(sk));
       TLT_WS_TIC(t_empty_v);
-      if (g >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(g / kStagesV - 1) & 1u);
+      if (i >= kStagesV) sm90::mbarrier_wait(bar.empty_v(sv), static_cast<uint32_t>(i / kStagesV - 1) & 1u);
       TLT_WS_ACC(5, t_empty_v);
       TLT_WS_TIC(t_copy_v);
       if (tree_v) {  // plain stores among the copies: wait for them all, then a release arrival
@@ -399,125 +367,6 @@ __device__ __forceinline__ void produce_16bit(const TreeAttentionParams& p, cons
   }
   TLT_WS_STAMP(7, threadIdx.x == kConsumerThreads);
   TLT_WS_PROF_STORE(5, 6, threadIdx.x == kConsumerThreads);
-}
-
-// The consumers' steps over one span: m_i, l_i and o of this thread's rows (row_base, row_base + 8) from its n tiles,
-// ring tiles g0 .. g0 + n - 1 (g0 = 0 but in the persistent kernel: the tiles of the CTA's earlier units; tile g in
-// slot g % stages, its `full` completion g / stages). Step j = 0 .. n as in the two-warpgroup kernel: S_j, then
-// P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN). At j = n
-// the one-unit kernel issues S over whatever K slot n holds, discarded (one loop, every step's groups alike); the
-// persistent one (kPersistent) must not read that slot, which the producer may be filling with its next unit's tile:
-// its step n issues P_{n-1} V_{n-1} alone (peeled after the loop). Ping-pong (unless one_consumer): each step's
-// GEMMs are issued after a sync on the warpgroup's turn barrier, then the other's is arrived on; warpgroup 1 arrived
-// on warpgroup 0's once before the span (the caller), and skips its arrival at step n, so every span balances.
-template <typename T, typename MT, typename Cfg, bool kPersistent>
-__device__ __forceinline__ void consume_span(const TreeAttentionParams& p, const Span& sp, int b, int wg, int lane,
-                                             int row_base, bool one_consumer,
-                                             const uint32_t (&q_frag)[Cfg::kQInRegisters ? kD / 16 : 1][4],
-                                             uint64_t dq0, uint32_t k_s, uint32_t v_s, const float (&qk_scale)[2],
-                                             const RingBarriers<Cfg>& bar, int g0, float (&m_i)[2], float (&l_i)[2],
-                                             float (&o)[64]) {
-  constexpr int kStagesK = Cfg::kStagesK, kStagesV = Cfg::kStagesV;
-  const int n = sp.n_tiles, G = p.group;
-  const int my_turn = kBarTurn0 + wg, other_turn = kBarTurn0 + 1 - wg;
-  const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
-  const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
-  float s[kScores];
-  init_rows(m_i, l_i, s, o);
-  float alpha[2] = {0.f, 0.f};
-  TLT_WS_STAMP(3, threadIdx.x == 0);
-  TLT_WS_PROF_DECL();
-  for (int j = 0; n > 0 && j <= (kPersistent ? n - 1 : n); ++j) {
-    const int gk = g0 + j, gv = g0 + max(j - 1, 0);  // the ring tiles of K_j and V_{j-1} (V_0 at j = 0)
-    TLT_WS_TIC(t_full);
-    if (j < n) sm90::mbarrier_wait(bar.full_k(gk % kStagesK), static_cast<uint32_t>(gk / kStagesK) & 1u);
-    TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);
-    sm90::mbarrier_wait(bar.full_v(gv % kStagesV), static_cast<uint32_t>(gv / kStagesV) & 1u);
-    TLT_WS_ACC(0, t_full);
-    wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
-#if TLT_WS_PROBE == 1  // tools/ws_probe.cu: streaming only, each slot released as soon as it is full
-    if (j < n && lane == 0) sm90::mbarrier_arrive(bar.empty_k(gk % kStagesK));
-    if (j > 0 && lane == 0) sm90::mbarrier_arrive(bar.empty_v(gv % kStagesV));
-    if (j == n) break;
-    continue;
-#endif
-    uint32_t frag[kBlockN / 16][4];
-#pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<MT>(s, t, frag[t]);
-    wgmma::fence_regs(s);
-    wgmma::fence_regs(o);
-    TLT_WS_TIC(t_turn);
-    if (!one_consumer) sm90::named_sync(my_turn, kConsumerThreads);
-    TLT_WS_ACC(1, t_turn);
-    TLT_WS_STAMP(10, j == 0 && threadIdx.x == 0);
-    TLT_WS_STAMP(14, j == 1 && threadIdx.x == 0);
-    wgmma::fence();
-    {
-      const uint64_t dk = wgmma::desc_add(dk0, (gk % kStagesK) * kTileBytes);
-#pragma unroll
-      for (int k = 0; k < kD / 16; ++k) {
-        if constexpr (Cfg::kQInRegisters)
-          wgmma::mma_m64n128k16_rs<MT, 0>(s, q_frag[k], wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
-        else
-          mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
-      }
-      wgmma::commit();
-    }
-    const uint64_t dv = wgmma::desc_add(dv0, (gv % kStagesV) * kTileBytes);
-#pragma unroll
-    for (int t = 0; t < kBlockN / 16; ++t)
-      wgmma::mma_m64n128k16_rs<MT>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
-    wgmma::commit();
-    // The other warpgroup's turn; warpgroup 0 issues once more than warpgroup 1 waits for (the initial arrival),
-    // so warpgroup 1 skips its last.
-    if (!one_consumer && (wg == 0 || j < n)) sm90::named_arrive(other_turn, kConsumerThreads);
-    TLT_WS_TIC(t_s);
-    wgmma::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
-    TLT_WS_ACC(2, t_s);
-    TLT_WS_STAMP(11, j == 0 && threadIdx.x == 0);
-    wgmma::fence_regs(s);
-    TLT_WS_TIC(t_softmax);
-    if (j < n) {
-      if (lane == 0) sm90::mbarrier_arrive(bar.empty_k(gk % kStagesK));  // K_j read
-      if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
-      online_softmax(s, qk_scale, m_i, l_i, alpha);
-      TLT_WS_STAMP(12, j == 0 && threadIdx.x == 0);
-    }
-    TLT_WS_ACC(3, t_softmax);
-    TLT_WS_TIC(t_pv);
-    wgmma::wait<0>();
-    TLT_WS_ACC(4, t_pv);
-    TLT_WS_STAMP(13, j == 0 && threadIdx.x == 0);
-    TLT_WS_STAMP(15, j == 1 && threadIdx.x == 0);
-    wgmma::fence_regs(o);
-    if (j > 0 && lane == 0) sm90::mbarrier_arrive(bar.empty_v(gv % kStagesV));  // V_{j-1} read
-    if (j == n) break;
-    rescale_o(o, alpha);
-  }
-  if constexpr (kPersistent) {  // step n: P_{n-1} V_{n-1} only, the same turns (warpgroup 1 skips its arrival)
-    if (n > 0) {
-      const int gv = g0 + n - 1;
-      sm90::mbarrier_wait(bar.full_v(gv % kStagesV), static_cast<uint32_t>(gv / kStagesV) & 1u);
-      wgmma::fence_proxy_async();
-      uint32_t frag[kBlockN / 16][4];
-#pragma unroll
-      for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<MT>(s, t, frag[t]);
-      wgmma::fence_regs(s);
-      wgmma::fence_regs(o);
-      if (!one_consumer) sm90::named_sync(my_turn, kConsumerThreads);
-      wgmma::fence();
-      const uint64_t dv = wgmma::desc_add(dv0, (gv % kStagesV) * kTileBytes);
-#pragma unroll
-      for (int t = 0; t < kBlockN / 16; ++t)
-        wgmma::mma_m64n128k16_rs<MT>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
-      wgmma::commit();
-      if (!one_consumer && wg == 0) sm90::named_arrive(other_turn, kConsumerThreads);
-      wgmma::wait<0>();
-      wgmma::fence_regs(o);
-      if (lane == 0) sm90::mbarrier_arrive(bar.empty_v(gv % kStagesV));  // V_{n-1} read
-    }
-  }
-  TLT_WS_PROF_STORE(0, 4, threadIdx.x == 0);
 }
 
 // KV: the caches' storage, T or an fp8 type (Cfg a WsFp8Config).
@@ -566,7 +415,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     bad_nodes = 0ull;
     page_bad = 0;
-    bar.init(consumer_warps);
+    for (int s = 0; s < kStagesK; ++s) {
+      // One cp.async arrival per producer thread; the TMA build: one arrival (with the bytes, or after a cp.async fill).
+      sm90::mbarrier_init(bar.full_k(s), Cfg::kTma ? 1 : kProducerThreads);
+      sm90::mbarrier_init(bar.empty_k(s), consumer_warps);   // one arrival per working consumer warp
+    }
+    for (int s = 0; s < kStagesV; ++s) {
+      sm90::mbarrier_init(bar.full_v(s), Cfg::kTma ? 1 : kProducerThreads);
+      sm90::mbarrier_init(bar.empty_v(s), consumer_warps);
+    }
   }
   __syncthreads();  // the barriers exist; the last CTA-wide barrier
   TLT_WS_STAMP(1, threadIdx.x == 0);
@@ -612,156 +469,96 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma::fence_proxy_async();
     sm90::named_sync(kBarQStaged, kConsumerThreads);
   }
-  if (wg == 1 && n > 0) sm90::named_arrive(kBarTurn0, kConsumerThreads);  // warpgroup 0 goes first (wg 1 works)
+  const int my_turn = kBarTurn0 + wg, other_turn = kBarTurn0 + 1 - wg;
+  if (wg == 1 && n > 0) sm90::named_arrive(other_turn, kConsumerThreads);  // warpgroup 0 goes first (wg 1 works)
 
   const uint64_t dq0 = wgmma::desc_k_major(q_s + wg * 64 * 128, kBlockM, 0);  // this warpgroup's 64 rows of Q
+  const uint64_t dk0 = wgmma::desc_k_major(k_s, kBlockN, 0);
+  const uint64_t dv0 = wgmma::desc_mn_major(v_s, kBlockN, 0);
+
   const float qk_scale[2] = {p.sm_scale * 1.4426950408889634f * inv_q_scale[0],
                              p.sm_scale * 1.4426950408889634f * inv_q_scale[1]};
-  float m_i[2], l_i[2], o[64];
-  consume_span<T, MT, Cfg, false>(p, sp, b, wg, lane, row_base, one_consumer, q_frag, dq0, k_s, v_s, qk_scale, bar,
-                                  0, m_i, l_i, o);
+  float m_i[2], l_i[2], s[kScores], o[64];
+  init_rows(m_i, l_i, s, o);
+
+  // Step j = 0 .. n as in the two-warpgroup kernel: S_j (at j = n, of whatever K slot n holds: discarded),
+  // then P_{j-1} V_{j-1} (at j = 0 a zero P times V_0, which must have landed: 0 * NaN of unwritten memory is NaN).
+  float alpha[2] = {0.f, 0.f};
+  TLT_WS_STAMP(3, threadIdx.x == 0);
+  TLT_WS_PROF_DECL();
+  for (int j = 0; n > 0 && j <= n; ++j) {
+    TLT_WS_TIC(t_full);
+    if (j < n) sm90::mbarrier_wait(bar.full_k(j % kStagesK), static_cast<uint32_t>(j / kStagesK) & 1u);
+    TLT_WS_STAMP(4, j == 0 && threadIdx.x == 0);
+    const int jv = max(j - 1, 0);
+    sm90::mbarrier_wait(bar.full_v(jv % kStagesV), static_cast<uint32_t>(jv / kStagesV) & 1u);
+    TLT_WS_ACC(0, t_full);
+    wgmma::fence_proxy_async();  // the producer's cp.async writes, seen through the barrier, made visible to wgmma
+#if TLT_WS_PROBE == 1  // tools/ws_probe.cu: streaming only, each slot released as soon as it is full
+    if (j < n && lane == 0) sm90::mbarrier_arrive(bar.empty_k(j % kStagesK));
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(bar.empty_v(jv % kStagesV));
+    if (j == n) break;
+    continue;
+#endif
+    uint32_t frag[kBlockN / 16][4];
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t) wgmma::a_fragment<MT>(s, t, frag[t]);
+    wgmma::fence_regs(s);
+    wgmma::fence_regs(o);
+    TLT_WS_TIC(t_turn);
+    if (!one_consumer) sm90::named_sync(my_turn, kConsumerThreads);
+    TLT_WS_ACC(1, t_turn);
+    TLT_WS_STAMP(10, j == 0 && threadIdx.x == 0);
+    TLT_WS_STAMP(14, j == 1 && threadIdx.x == 0);
+    wgmma::fence();
+    {
+      const uint64_t dk = wgmma::desc_add(dk0, (j % kStagesK) * kTileBytes);
+#pragma unroll
+      for (int k = 0; k < kD / 16; ++k) {
+        if constexpr (Cfg::kQInRegisters)
+          wgmma::mma_m64n128k16_rs<MT, 0>(s, q_frag[k], wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+        else
+          mma_s<T>(s, wgmma::desc_add(dq0, k_step(kBlockM, k)), wgmma::desc_add(dk, k_step(kBlockN, k)), k > 0);
+      }
+      wgmma::commit();
+    }
+    const uint64_t dv = wgmma::desc_add(dv0, (jv % kStagesV) * kTileBytes);
+#pragma unroll
+    for (int t = 0; t < kBlockN / 16; ++t)
+      wgmma::mma_m64n128k16_rs<MT>(o, frag[t], wgmma::desc_add(dv, t * 16 * 128), 1);
+    wgmma::commit();
+    // The other warpgroup's turn; warpgroup 0 issues once more than warpgroup 1 waits for (the initial arrival),
+    // so warpgroup 1 skips its last.
+    if (!one_consumer && (wg == 0 || j < n)) sm90::named_arrive(other_turn, kConsumerThreads);
+    TLT_WS_TIC(t_s);
+    wgmma::wait<1>();  // S_j done; P_{j-1} V_{j-1} may still run
+    TLT_WS_ACC(2, t_s);
+    TLT_WS_STAMP(11, j == 0 && threadIdx.x == 0);
+    wgmma::fence_regs(s);
+    TLT_WS_TIC(t_softmax);
+    if (j < n) {
+      if (lane == 0) sm90::mbarrier_arrive(bar.empty_k(j % kStagesK));  // K_j read
+      if (j >= sp.n_full) mask_tile(p, sp, b, row_base, G, j, s);
+      online_softmax(s, qk_scale, m_i, l_i, alpha);
+      TLT_WS_STAMP(12, j == 0 && threadIdx.x == 0);
+    }
+    TLT_WS_ACC(3, t_softmax);
+    TLT_WS_TIC(t_pv);
+    wgmma::wait<0>();
+    TLT_WS_ACC(4, t_pv);
+    TLT_WS_STAMP(13, j == 0 && threadIdx.x == 0);
+    TLT_WS_STAMP(15, j == 1 && threadIdx.x == 0);
+    wgmma::fence_regs(o);
+    if (j > 0 && lane == 0) sm90::mbarrier_arrive(bar.empty_v(jv % kStagesV));  // V_{j-1} read
+    if (j == n) break;
+    rescale_o(o, alpha);
+  }
 
   TLT_WS_STAMP(5, threadIdx.x == 0);
+  TLT_WS_PROF_STORE(0, 4, threadIdx.x == 0);
   sm90::named_sync(kBarEpilogue, kProducerThreads + 32 * consumer_warps);  // the producer's flags
   store_rows<T>(p, sp, b, h, split, direct, row_base, o, m_i, l_i, page_bad != 0, bad_nodes);
   TLT_WS_STAMP(6, threadIdx.x == 0);
-#endif
-}
-
-// ---- The persistent build (kSm90Persistent; see the header): WsConfig<true, 3, 4>, two consumers per unit ----
-
-// A unit's flags: what the one-unit kernel keeps in `bad_nodes` and `page_bad`, for the CTA's k-th unit with tiles in
-// entry k % kFlagSlots. The producer ORs tree nodes into bad_nodes[e] during the unit's copies, stores page_bad[e]
-// and arrives on ready[e] (one arrival: completion k / kFlagSlots) once all of its threads are done with the unit;
-// the consumers wait on ready[e], read both, and zero bad_nodes[e] for the entry's next unit (k + kFlagSlots).
-// Why the producer cannot touch entry e for unit k + kFlagSlots before that reset: it writes a unit's flags only
-// after its first wait on an `empty` K slot in that unit (bad_nodes during V copies, page_bad at the end), for the
-// unit's first tile g'; units k + 1 .. k + 3 have a tile each at least (a unit without tiles takes no entry), so
-// g' >= kStagesK and that wait is for tile g' - kStagesK (3), a tile of unit k + 1 or later, which the consumers
-// release only after the reset (thread 0 resets, then arrives for its warp on that slot's `empty`: release, and the
-// producer's wait acquires). The same order keeps a `ready` phase from completing twice before the consumers wait.
-constexpr int kFlagSlots = 4;
-static_assert(kFlagSlots - 1 >= WsConfig<true, 3, 4>::kStagesK, "the reset argument above: k + 1 .. k + 3 >= 3 tiles");
-struct UnitFlagRing {
-  unsigned long long ready[kFlagSlots];      // mbarriers, one arrival each phase
-  unsigned long long bad_nodes[kFlagSlots];  // atomicOr by the producer's tree V copies, zeroed by consumer thread 0
-  int page_bad[kFlagSlots];                  // stored by producer thread 0
-  __device__ uint32_t ready_bar(int e) const { return wgmma::smem_addr(&ready[e]); }
-};
-
-// Unit u of the persistent grid: the non-persistent grid's (x, y, z) = (split, KV head, request), split fastest.
-struct Unit {
-  int split, h, b;
-};
-__device__ __forceinline__ Unit unit_of(const TreeAttentionParams& p, int u) {
-  const int sh = u / p.num_splits;
-  return {u - sh * p.num_splits, sh % p.num_kv_heads, sh / p.num_kv_heads};
-}
-
-// The persistent producer: units blockIdx.x, + gridDim.x, ... with the consumers' skips (nothing to do: split_span
-// false; or no tile, n == 0: the consumers write zeros, which needs no flag), each unit's tiles as ring tiles
-// g .. g + n - 1 (produce_16bit from where the last unit left the ring), then its flags into entry k % kFlagSlots: a
-// producer-only barrier ORs the threads' saw_bad_page (and orders their bad_nodes ORs before the arrival), and one
-// thread stores page_bad and arrives on `ready` (release). No wait for the unit's copies: `full` carries those.
-template <typename T, typename Cfg>
-__device__ __forceinline__ void produce_units(const TreeAttentionParams& p, int warp, int lane, uint32_t k_s,
-                                              uint32_t v_s, const RingBarriers<Cfg>& bar, UnitFlagRing& flags) {
-  const int units = p.num_splits * p.num_kv_heads * p.batch;
-  const CUtensorMap no_map{};  // the cp.async build reads no tensor map
-  int g = 0, k = 0;
-#pragma unroll 1
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const Unit un = unit_of(p, u);
-    Span sp;
-    bool direct = false;
-    if (!split_span<kBlockN>(p, un.b, un.split, sp, direct) || sp.n_tiles == 0) continue;
-    const int e = k % kFlagSlots;
-    bool saw_bad_page = false;
-    produce_16bit<T, Cfg>(p, sp, un.h, warp, lane, k_s, v_s, bar, no_map, no_map, &flags.bad_nodes[e], saw_bad_page,
-                          g);
-    const bool bad_page = sm90::named_sync_or(kBarProducer, kProducerThreads, saw_bad_page);
-    if (threadIdx.x == kConsumerThreads) {
-      flags.page_bad[e] = bad_page;
-      sm90::mbarrier_arrive(flags.ready_bar(e));
-    }
-    g += sp.n_tiles;
-    ++k;
-  }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives the thread that issued it
-}
-
-// The persistent consumers: the producer's units, each with the one-unit kernel's math and outputs (Q into registers,
-// consume_span over ring tiles g .. g + n - 1, store_rows). The turns restart every unit: warpgroup 1 arrives on
-// warpgroup 0's barrier first (consume_span balances them within the unit). A unit's flags: wait for its entry's
-// `ready` phase, read, a consumer-only barrier (all have read), thread 0 zeroes bad_nodes (see UnitFlagRing).
-template <typename T, typename Cfg>
-__device__ __forceinline__ void consume_units(const TreeAttentionParams& p, int wg, int warp, int lane, uint32_t k_s,
-                                              uint32_t v_s, const RingBarriers<Cfg>& bar, UnitFlagRing& flags) {
-  const int units = p.num_splits * p.num_kv_heads * p.batch, G = p.group, TG = p.num_tree * G;
-  const int row_base = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row_base and row_base + 8
-  const float qk_scale[2] = {p.sm_scale * 1.4426950408889634f, p.sm_scale * 1.4426950408889634f};
-  int g = 0, k = 0;
-#pragma unroll 1
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const Unit un = unit_of(p, u);
-    Span sp;
-    bool direct = false;
-    if (!split_span<kBlockN>(p, un.b, un.split, sp, direct)) continue;
-    const int n = sp.n_tiles;
-    const T* Q = static_cast<const T*>(p.q) + un.b * p.q_stride_b;
-    auto q_row = [&](int m) {
-      const int t = m / G;
-      return Q + t * p.q_stride_t + (un.h * G + m - t * G) * p.q_stride_h;
-    };
-    uint32_t q_frag[kD / 16][4];
-    load_q_fragments<T>(q_row, row_base, TG, lane, q_frag);
-    if (wg == 1 && n > 0) sm90::named_arrive(kBarTurn0, kConsumerThreads);  // warpgroup 0 goes first
-    float m_i[2], l_i[2], o[64];
-    consume_span<T, T, Cfg, true>(p, sp, un.b, wg, lane, row_base, false, q_frag, 0, k_s, v_s, qk_scale, bar, g, m_i,
-                                  l_i, o);
-    bool page_bad = false;
-    unsigned long long bad_nodes = 0ull;
-    if (n > 0) {
-      const int e = k % kFlagSlots;
-      sm90::mbarrier_wait(flags.ready_bar(e), static_cast<uint32_t>(k / kFlagSlots) & 1u);
-      page_bad = flags.page_bad[e] != 0;
-      bad_nodes = flags.bad_nodes[e];
-      sm90::named_sync(kBarFlagsRead, kConsumerThreads);
-      if (threadIdx.x == 0) flags.bad_nodes[e] = 0ull;
-      g += n;
-      ++k;
-    }
-    store_rows<T>(p, sp, un.b, un.h, un.split, direct, row_base, o, m_i, l_i, page_bad, bad_nodes);
-  }
-}
-
-// One CTA per SM (at most one per unit), looping over units blockIdx.x, + gridDim.x, ... of
-// num_splits * num_kv_heads * batch (row_block_shift 0, 64 < T * G <= 128: the launcher checks).
-template <typename T, typename Cfg>
-__global__ void __launch_bounds__(kThreads, 1) tree_attention_sm90_ws_persistent_kernel(const TreeAttentionParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static_assert(Cfg::kQInRegisters && !Cfg::kTma && !Cfg::kFp8, "the persistent build: 16-bit, cp.async, Q in regs");
-  extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ UnitFlagRing flags;
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const uint32_t k_s = (wgmma::smem_addr(smem) + 1023u) & ~1023u, v_s = k_s + Cfg::kStagesK * kTileBytes;
-  const RingBarriers<Cfg> bar{k_s + Cfg::kBarriersOffset};
-  if (threadIdx.x == 0) {
-    bar.init(kConsumerWarps);
-    for (int e = 0; e < kFlagSlots; ++e) {
-      sm90::mbarrier_init(flags.ready_bar(e), 1);
-      flags.bad_nodes[e] = 0ull;
-      flags.page_bad[e] = 0;
-    }
-  }
-  __syncthreads();  // the barriers exist; the last CTA-wide barrier
-  if (wg == 2) {
-    sm90::regs_dec<kProducerRegs>();
-    produce_units<T, Cfg>(p, warp, lane, k_s, v_s, bar, flags);
-  } else {
-    sm90::regs_inc<kConsumerRegs>();
-    consume_units<T, Cfg>(p, wg, warp, lane, k_s, v_s, bar, flags);
-  }
 #endif
 }
 
@@ -826,13 +623,6 @@ LaunchStatus launch_ws_fp8(const TreeAttentionParams& p, dim3 grid, cudaStream_t
 }
 
 }  // namespace
-
-LaunchStatus launch_sm90_ws_persistent(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept {
-  using Cfg = WsConfig<true, 3, 4>;
-  return launch_with_smem(p.dtype == DType::kBFloat16 ? tree_attention_sm90_ws_persistent_kernel<__nv_bfloat16, Cfg>
-                                                      : tree_attention_sm90_ws_persistent_kernel<__half, Cfg>,
-                          grid, kThreads, Cfg::kSmemBytes, stream, p);
-}
 
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
                                           int variant) noexcept {

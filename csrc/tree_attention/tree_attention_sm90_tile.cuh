@@ -333,10 +333,6 @@ LaunchStatus launch_with_smem(void (*kernel)(Params...), dim3 grid, int threads,
 // 2 (Q in shared memory, 3 + 3 stages) and 3 (2 + 2, probe builds only).
 LaunchStatus launch_sm90_warp_specialized(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream,
                                           int variant = 0) noexcept;
-// Its persistent build (variant 0 only: Q in registers, 3 K and 4 V stages, cp.async), for row_block_shift 0 and
-// 64 < T * G <= 128 (both consumer warpgroups in every unit; the caller checks): a 1-D grid of CTAs, CTA c running
-// units c, c + grid.x, ... of num_splits * num_kv_heads * batch (split fastest, then KV head, then request).
-LaunchStatus launch_sm90_ws_persistent(const TreeAttentionParams& p, dim3 grid, cudaStream_t stream) noexcept;
 
 }  // namespace tree_sm90
 }  // namespace tlt

@@ -956,10 +956,3 @@ def test_wave_cost_fit_recovers_a_lines_slope_and_intercept_per_batch_and_backen
     assert set(fits) == {(64, "cuda"), (64, "triton")}
     assert fits[64, "cuda"]["slope_us_per_token"] == pytest.approx(0.042) and fits[64, "cuda"]["intercept_us"] == 48.0
     assert fits[64, "triton"]["intercept_us"] == 35.0
-    # --persistent's third column is fitted like the others where every row has it.
-    for r in rows:
-        r["cuda_persistent"] = 30.0 + 0.041 * r["L"]
-    fits = {(f["B"], f["backend"]): f for f in fit_fixed_cost(rows)}
-    assert set(fits) == {(64, "cuda"), (64, "triton"), (64, "cuda_persistent")}
-    assert fits[64, "cuda_persistent"]["intercept_us"] == 30.0
-    assert fits[64, "cuda_persistent"]["slope_us_per_token"] == pytest.approx(0.041)

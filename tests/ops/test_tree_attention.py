@@ -307,31 +307,6 @@ def test_takes_warp_specialized_follows_the_launch_config(fp8, monkeypatch):
     assert not any(cuda_rule.takes_warp_specialized(rows, fp8=fp8) for rows in (65, 112, 448))
 
 
-def test_persistent_flag_only_where_its_build_applies(monkeypatch):
-    """CONTEXT_PERSISTENT (off by default) adds PERSISTENT_FLAG to the launch config only where the persistent build
-    exists: the warp-specialized cp.async build (no TMA flag) over caches of q's dtype, 64 < T*G <= 128 rows."""
-    from tlt_kernels._cuda import tree_attention as ct
-
-    monkeypatch.setattr(ct, "CONTEXT_WARP_SPECIALIZED", True)
-    monkeypatch.setattr(ct, "CONTEXT_TMA", None)
-    ws, tma, persistent = 128 | ct.WARP_SPECIALIZED_FLAG, ct.TMA_FLAG, ct.PERSISTENT_FLAG
-    assert ct.CONTEXT_PERSISTENT is False and ct.context_config(112) == ws
-    with ct.forced_switches(PERSISTENT=True):
-        assert [ct.context_config(rows) for rows in (65, 80, 112, 128)] == [ws | persistent] * 4
-        assert ct.context_config(64) == ct.context_config(56) == 64            # the one-warpgroup kernel
-        assert ct.context_config(129) == ct.context_config(448) == ws | tma   # wide trees: TMA (auto), several blocks
-        assert ct.context_config(112, fast_memory=True) == ws | tma           # auto TMA on fast memory
-        assert ct.context_config(112, fp8=True) == ct.context_config(112, True, True) == ws  # fp8 caches
-        with ct.forced_switches(TMA=False):
-            assert ct.context_config(112, fast_memory=True) == ws | persistent
-            assert ct.context_config(224) == ws                                # two row blocks
-        with ct.forced_switches(TMA=True):
-            assert ct.context_config(112) == ws | tma
-        with ct.forced_switches(WARP_SPECIALIZED=False):
-            assert ct.context_config(112) == 128
-    assert ct.CONTEXT_PERSISTENT is False
-
-
 def test_auto_keeps_triton_off_sm90_or_without_the_extension(sm90_with_both_kernels, monkeypatch):
     op, capability = sm90_with_both_kernels
     cuda = torch.device("cuda", 0)

@@ -75,14 +75,6 @@ WARP_SPECIALIZED_FLAG = 1024  # csrc/tree_attention/tree_attention.h, kSm90WarpS
 # True ("1") / False ("0"): everywhere / nowhere.
 CONTEXT_TMA: Optional[bool] = _switches.TREE_ATTENTION_CUDA_TMA.get()
 TMA_FLAG = 2048  # csrc/tree_attention/tree_attention.h, kSm90Tma
-# The warp-specialized kernel's persistent build (opt-in): min(units, SMs) CTAs, each looping over (split, KV head,
-# request) units, its producer streaming the next unit's first K/V tiles while the consumers finish the current one
-# (softmax tail, epilogue), so a CTA's launch and barrier setup are paid once and the pipeline is not drained between
-# units (docs/TREE_ATTENTION.md, "The fixed cost per wave"). Only the cp.async build over caches of q's dtype, where
-# both consumer warpgroups have rows (64 < T*G <= 128): context_config adds the flag there, and the launcher ignores
-# it elsewhere. False (default) / True; forced_switches(PERSISTENT=True) for one block.
-CONTEXT_PERSISTENT: bool = False
-PERSISTENT_FLAG = 4096  # csrc/tree_attention/tree_attention.h, kSm90Persistent
 # Between the peak bandwidths of the slower and the faster card measured (2 x memory clock x bus width, as the driver
 # reports them; the two cards' figures are in docs/CUDA_NOTES.md).
 TMA_MIN_BANDWIDTH_GBPS = 3700.0
@@ -138,16 +130,12 @@ def context_config(rows: int, fast_memory: bool = False, fp8: bool = False) -> i
     :data:`CONTEXT_WARP_SPECIALIZED` is on and the tile is 128 tokens, and then the TMA flag where
     :data:`CONTEXT_TMA` wants it (auto: rows > 128, or any rows when ``fast_memory``, see :func:`has_fast_memory`).
     ``fp8`` caches: never the TMA flag (the warp-specialized kernel's producer copies fp8 tiles by ``cp.async`` into a
-    staging ring and widens them to fp16, docs/TREE_ATTENTION.md, "fp8 caches"). The persistent flag where
-    :data:`CONTEXT_PERSISTENT` is on and its build applies: no TMA flag, not ``fp8``, 64 < rows <= 128."""
+    staging ring and widens them to fp16, docs/TREE_ATTENTION.md, "fp8 caches")."""
     tile = context_tile(rows)
     if not (CONTEXT_WARP_SPECIALIZED and tile == 128):
         return tile
     tma = (rows > CONTEXT_SM90_MAX_ROWS or fast_memory) if CONTEXT_TMA is None else CONTEXT_TMA
-    tma = tma and not fp8
-    persistent = (CONTEXT_PERSISTENT and not tma and not fp8
-                  and ONE_WARPGROUP_ROWS < rows <= CONTEXT_SM90_MAX_ROWS)
-    return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma else 0) | (PERSISTENT_FLAG if persistent else 0)
+    return tile | WARP_SPECIALIZED_FLAG | (TMA_FLAG if tma and not fp8 else 0)
 
 
 def context_rows_covered(rows: int) -> bool:
