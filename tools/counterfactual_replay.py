@@ -51,25 +51,25 @@ def replay(records, selector: StrategySelector, counterfactual: bool):
     """``simulate.replay_selector``, plus (``counterfactual``) the deepest chain arm's counts after each plain step.
 
     ``replay_trace`` observes every record in order, so the wrapped ``update`` walks the records alongside it."""
-    if counterfactual:
-        step = iter(records)
-        update = selector.update
+    if not counterfactual:
+        return replay_selector(records, selector)
+    step = iter(records)
+    update = selector.update
 
-        def update_then_counterfactual(strategy, batch_size, *args, **kwargs):
-            update(strategy, batch_size, *args, **kwargs)
-            record = next(step)  # advance on every step: the walk must stay aligned with replay_trace's
-            chain = deepest_chain(record) if strategy.is_off else None
-            if chain is not None:  # straight to the policy: a recorded trace's counts are a real step's
-                arm, counts, rows = chain
-                selector.policy.observe_acceptance(selector.strategies.index(arm), batch_size, counts,
-                                                   selector.step, rows)
+    def update_then_counterfactual(strategy, batch_size, *args, **kwargs):
+        update(strategy, batch_size, *args, **kwargs)
+        record = next(step)  # advance on every step: the walk must stay aligned with replay_trace's
+        chain = deepest_chain(record) if strategy.is_off else None
+        if chain is not None:  # straight to the policy: a recorded trace's counts are a real step's
+            arm, counts, rows = chain
+            selector.policy.observe_acceptance(selector.strategies.index(arm), batch_size, counts,
+                                               selector.step, rows)
 
-        selector.update = update_then_counterfactual
+    selector.update = update_then_counterfactual
     try:
         return replay_selector(records, selector)
     finally:
-        if counterfactual:
-            del selector.update  # the next replay (warm: the timed rollout after the warm-up) wraps it afresh
+        del selector.update  # the next replay (warm: the timed rollout after the warm-up) wraps it afresh
 
 
 def scores(path: str, table) -> dict:
