@@ -1,7 +1,7 @@
 // Timing probe of the warp-specialized sm_90 tree-attention kernel, outside the package: is a 128-token
 // tile bound by the copies or by the math, and where does a CTA's fixed time go? One build per mode on the GPU
 // machine (tools/ws_probe.sh):
-//   TLT_WS_PROBE=0  the kernel as shipped, and the lockstep two-warpgroup kernel beside it;
+//   TLT_WS_PROBE=0  the kernel as shipped, its TMA build, and the lockstep two-warpgroup kernel beside them;
 //   TLT_WS_PROBE=1  streaming only: the producer copies, the consumers release each slot as soon as it is full;
 //   TLT_WS_PROBE=2  math only: the producer marks slots full without copying, the consumers compute as usual;
 //   TLT_WS_PROBE=3  as shipped, plus clock64 / %globaltimer checkpoints per CTA (JSON lines per L: each phase's
@@ -16,7 +16,7 @@
 // Qwen2.5-7B shape (Hq 28, Hkv 4, D 128), bf16, 16-token pages in shuffled order, chains of T nodes, one split.
 // Prints one JSON line per (kernel, L): microseconds (median of 30 single launches, then the mean of ~200 ms of
 // launches back to back) and GB/s of K/V moved.
-//   usage: ws_probe B T L1,L2,...
+//   usage: ws_probe B T L1,L2,... [variant]   (variant: the build mode 3 stamps; 0 as shipped, 4 TMA)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -99,6 +99,8 @@ int main(int argc, char** argv) {
   p.batch = B, p.num_tree = T, p.num_q_heads = Hq, p.num_kv_heads = Hkv, p.group = G, p.head_dim = D;
   p.block_size = page, p.block_shift = 4, p.num_splits = 1, p.mask_words = 1, p.sm_scale = 0.0884f;
   p.dtype = DType::kBFloat16;
+  p.cache_tokens = int64_t(num_blocks) * page;  // the TMA build's tensor maps span the whole cache
+  const int stamp_variant = argc > 4 ? std::atoi(argv[4]) : 0;
 #if TLT_WS_PROBE == 3
   uint64_t* d_stamps;  // the checkpoints (32 slots per CTA), written through p.partial_lse (one split: never the scratch)
   CHECK(cudaMalloc(&d_stamps, size_t(B) * Hkv * 32 * 8));
@@ -107,8 +109,9 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
-  const char* kernels[] = {"ws q-regs K3+V4", "ws q-regs K4+V3", "ws q-smem K3+V3", "ws q-regs K2+V2", "lockstep"};
-  constexpr int kLockstep = 4;
+  const char* kernels[] = {"ws q-regs K3+V4", "ws q-regs K4+V3", "ws q-smem K3+V3", "ws q-regs K2+V2", "ws TMA K3+V4",
+                           "lockstep"};
+  constexpr int kLockstep = 5;
   for (int L : Ls) {
     std::vector<int32_t> ctx(B, L);
     CHECK(cudaMemcpy(d_ctx, ctx.data(), B * 4, cudaMemcpyHostToDevice));
@@ -170,7 +173,7 @@ int main(int argc, char** argv) {
     q.split_len = std::max(128, (L + 127) / 128 * 128);
     CHECK(cudaMemset(d_stamps, 0, size_t(ctas) * 32 * 8));
     for (int rep = 0; rep < 3; ++rep)
-      if (!tree_sm90::launch_sm90_warp_specialized(q, dim3(1, Hkv, B), nullptr, 0).ok()) return 1;
+      if (!tree_sm90::launch_sm90_warp_specialized(q, dim3(1, Hkv, B), nullptr, stamp_variant).ok()) return 1;
     CHECK(cudaDeviceSynchronize());
     std::vector<uint64_t> st(size_t(ctas) * 32);
     CHECK(cudaMemcpy(st.data(), d_stamps, st.size() * 8, cudaMemcpyDeviceToHost));
@@ -229,7 +232,7 @@ int main(int argc, char** argv) {
       }
       std::printf("}}\n");
     }
-    std::printf("{\"probe\": 3, \"L\": %d, \"span_us\": %.2f", L, (g1 - g0) * 1e-3);
+    std::printf("{\"probe\": 3, \"variant\": %d, \"L\": %d, \"span_us\": %.2f", stamp_variant, L, (g1 - g0) * 1e-3);
     for (int k = 0; k < 8; ++k) {
       std::sort(d[k].begin(), d[k].end());
       std::printf(", \"%s\": [%.2f, %.2f, %.2f]", names[k], d[k][0], d[k][d[k].size() / 2], d[k].back());
