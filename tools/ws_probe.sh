@@ -2,8 +2,8 @@
 # Builds and runs tools/ws_probe.cu on the GPU machine: bash tools/ws_probe.sh [B] [T] [L,...] [variant] (variant: the
 # build mode 3 stamps, 0 as shipped or 4 the TMA build). Each mode is one build
 # (WS_PROBE_MODES, default "0 1 2 3"): 0 the kernel as shipped (its TMA build and the lockstep one beside it), 1
-# streaming only, 2 math only,
-# 3 checkpoints inside the kernel (where a CTA's time goes). Needs nvcc; writes nothing outside /tmp.
+# streaming only, 2 math only, 3 checkpoints inside the kernel (where a CTA's time goes). Needs nvcc; writes nothing
+# outside /tmp.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODES=${WS_PROBE_MODES:-0 1 2 3}
