@@ -100,8 +100,8 @@ int main(int argc, char** argv) {
   p.block_size = page, p.block_shift = 4, p.num_splits = 1, p.mask_words = 1, p.sm_scale = 0.0884f;
   p.dtype = DType::kBFloat16;
   p.cache_tokens = int64_t(num_blocks) * page;  // the TMA build's tensor maps span the whole cache
-  const int stamp_variant = argc > 4 ? std::atoi(argv[4]) : 0;
 #if TLT_WS_PROBE == 3
+  const int stamp_variant = argc > 4 ? std::atoi(argv[4]) : 0;  // the build the checkpoints stamp: 0 shipped, 4 TMA
   uint64_t* d_stamps;  // the checkpoints (32 slots per CTA), written through p.partial_lse (one split: never the scratch)
   CHECK(cudaMalloc(&d_stamps, size_t(B) * Hkv * 32 * 8));
   p.partial_lse = reinterpret_cast<float*>(d_stamps);
