@@ -280,6 +280,21 @@ def _trace_rate(records, picks):
     return emitted / sum(r["arms"][p]["step_time"] for r, p in zip(records, picks))
 
 
+def _lagging_rate(records, picks):
+    """Tokens per lagging row per second of a replay's ``picks`` over ``records``: each step's progress is the mean
+    tokens of its lagging rows (the requests with the most tokens left, which a static batch waits for; ``1 +
+    sum(lagging_accepted) / lagging_rows``), what the engine's selector learns from. None where a picked arm's record
+    lacks the lagging counts (traces recorded before 2026-11-30)."""
+    progress = seconds = 0.0
+    for r, p in zip(records, picks):
+        o = r["arms"][p]
+        if not o.get("lagging_rows") or "lagging_accepted" not in o:
+            return None
+        progress += 1 + sum(o["lagging_accepted"]) / o["lagging_rows"]
+        seconds += o["step_time"]
+    return progress / seconds
+
+
 def trace_cost_table(directory: str, drafter: str):
     """The engine's start-up cost table recorded beside a real trace set (``<drafter>-cost-table.json``)."""
     import json
@@ -329,8 +344,11 @@ def real_trace_scores(records, table) -> Dict[str, dict]:
     """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's start-up
     ``table``) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the engine
     tells it), replayed on one real trace's ``records``. Per row name: ``ms`` (plain decoding's tokens of the timed
-    rollout at the row's tokens per second) and two scores: over the whole rollout (tokens over seconds, ``vs_off``,
-    ``vs_best_static``) and step by step (``_same_work_s``: ``vs_off_per_step``, ``vs_best_static_per_step``)."""
+    rollout at the row's tokens per second) and three scores: over the whole rollout (tokens over seconds, ``vs_off``,
+    ``vs_best_static``), step by step (``_same_work_s``: ``vs_off_per_step``, ``vs_best_static_per_step``) and, where
+    the trace counts the lagging rows, by their progress (``_lagging_rate``: ``vs_off_lagging``,
+    ``vs_best_static_lagging``). The first two count every row's tokens, which a static batch that waits for its
+    lagging rows does not gain from."""
     from tlt_kernels.runtime import Strategy, StrategySelector
 
     timed = [r for r in records if r.get("rollout") == 1]
@@ -346,11 +364,18 @@ def real_trace_scores(records, table) -> Dict[str, dict]:
     off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
     best = max(v for k, v in rates.items() if k.startswith("static"))
     best_per_step = min(v for k, v in per_step.items() if k.startswith("static"))
-    return {name: dict(ms=1e3 * off_tokens / rate, vs_off=round(rate / rates["static off"], 4),
-                       vs_best_static=round(rate / best, 4),
-                       vs_off_per_step=round(per_step["static off"] / per_step[name], 4),
-                       vs_best_static_per_step=round(best_per_step / per_step[name], 4))
-            for name, rate in rates.items()}
+    scores = {name: dict(ms=1e3 * off_tokens / rate, vs_off=round(rate / rates["static off"], 4),
+                         vs_best_static=round(rate / best, 4),
+                         vs_off_per_step=round(per_step["static off"] / per_step[name], 4),
+                         vs_best_static_per_step=round(best_per_step / per_step[name], 4))
+              for name, rate in rates.items()}
+    lagging = {name: _lagging_rate(timed, res.picks) for name, res in runs.items()}
+    if None not in lagging.values():
+        best_lagging = max(v for k, v in lagging.items() if k.startswith("static"))
+        for name, rate in lagging.items():
+            scores[name].update(vs_off_lagging=round(rate / lagging["static off"], 4),
+                                vs_best_static_lagging=round(rate / best_lagging, 4))
+    return scores
 
 
 def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
@@ -376,7 +401,9 @@ def _real_model_traces(ctx) -> None:
         ctx.note(f"real traces: bench/traces/{name}: {origin}; ms = time to emit plain decoding's tokens of the timed "
                  "rollout at the row's tokens per second over the recorded steps (vs_off, vs_best_static); *_per_step: "
                  "the same ratios of the time to emit each step's best arm's tokens at the row's efficiency at that "
-                 "step (as the engine-trace rows), which a long tail's wide first steps do not dominate")
+                 "step (as the engine-trace rows), which a long tail's wide first steps do not dominate; *_lagging "
+                 "(traces with the lagging rows' counts): the ratios of the lagging rows' mean tokens per second, "
+                 "the progress a static batch waits for")
 
 
 STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
