@@ -28,16 +28,10 @@ SCORES = ("per_step", "lagging")
 
 
 def _parse_configs(items: List[str]) -> Dict[str, dict]:
-    configs = {"default": {}}
-    for item in items:
-        name, _, expr = item.partition("=")
-        if not expr:
-            raise SystemExit(f"--config wants NAME=EXPR (e.g. w128='dict(window=128)'), got {item!r}")
-        kwargs = eval(expr, {"dict": dict})  # a local analysis tool: the expression is the user's own
-        if not isinstance(kwargs, dict):
-            raise SystemExit(f"--config {name}: the expression must give a dict of keyword arguments, got {kwargs!r}")
-        configs[name] = kwargs
-    return configs
+    """``default`` (no keyword arguments) and each ``--config NAME=EXPR``, parsed as the trace sweep parses them."""
+    from tools.selector_trace_sweep import _parse_configs as parse
+
+    return {"default": {}, **parse(items)}
 
 
 def _traces() -> List[Tuple[str, str]]:
