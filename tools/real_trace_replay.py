@@ -17,7 +17,6 @@ rows' progress", defines both.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import statistics
 import sys
@@ -38,35 +37,23 @@ def _traces() -> List[Tuple[str, str]]:
     """(directory, trace path) of every real trace, in the suite's order."""
     from bench.suites import selector
 
-    out = []
-    for name, _ in selector.REAL_TRACES:
-        directory = os.path.join(selector.TRACES_DIR, name)
-        out += [(directory, path) for path in sorted(glob.glob(os.path.join(directory, "*-B*.json")))]
-    return out
+    return [(os.path.join(selector.TRACES_DIR, name), path) for name, _ in selector.REAL_TRACES
+            for path in selector.real_trace_paths(name)]
 
 
 def replay_scores(records, table, kwargs: dict) -> Dict[str, Dict[str, Optional[Tuple[float, float]]]]:
-    """Cold and warm: per score, (fraction of the best static arm, ratio to plain decoding), or None for ``lagging``
-    where the trace lacks the lagging rows' counts."""
+    """Cold and warm: per score, (fraction of the best static arm, ratio to plain decoding), as the selector suite's
+    real-trace rows give them (``real_trace_scores``), or None for ``lagging`` where the trace lacks the lagging rows'
+    counts."""
     from bench.suites import selector
-    from tlt_kernels.runtime import Strategy, StrategySelector
 
-    timed = [r for r in records if r.get("rollout") == 1]
-    arms = sorted({Strategy.parse(k) for r in records for k in r["arms"]}, key=str)
-    statics = {str(a): selector.replay_static(timed, a) for a in arms}
-
-    def fresh():
-        return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table, **kwargs)
-
-    cold, warm = selector.replay_cold_and_warm(records, fresh, told="loss_budget" in kwargs)
-    per_step = {a: selector._same_work_s(res) for a, res in statics.items()}
-    lagging = {a: selector._lagging_rate(timed, res.picks) for a, res in statics.items()}
+    scores = selector.real_trace_scores(records, table, **kwargs)
     out = {}
-    for label, res in (("cold", cold), ("warm", warm)):
-        own_s, own_rate = selector._same_work_s(res), selector._lagging_rate(timed, res.picks)
-        out[label] = {"per_step": (min(per_step.values()) / own_s, per_step["off"] / own_s), "lagging": None}
-        if own_rate is not None and None not in lagging.values():
-            out[label]["lagging"] = (own_rate / max(lagging.values()), own_rate / lagging["off"])
+    for label in ("cold", "warm"):
+        row = scores[f"cost, {label}"]
+        out[label] = {"per_step": (row["vs_best_static_per_step"], row["vs_off_per_step"]),
+                      "lagging": (row["vs_best_static_lagging"], row["vs_off_lagging"])
+                      if "vs_off_lagging" in row else None}
     return out
 
 

@@ -340,7 +340,14 @@ def jittered(records, seed: int, sigma: float = TIMING_NOISE_SIGMA):
     return out
 
 
-def real_trace_scores(records, table) -> Dict[str, dict]:
+def real_trace_paths(name: str):
+    """The trace files (``*-B*.json``, sorted) of real trace set ``name`` (a directory under :data:`TRACES_DIR`)."""
+    import glob
+
+    return sorted(glob.glob(os.path.join(TRACES_DIR, name, "*-B*.json")))
+
+
+def real_trace_scores(records, table, **selector_kwargs) -> Dict[str, dict]:
     """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's start-up
     ``table``) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the engine
     tells it), replayed on one real trace's ``records``. Per row name: ``ms`` (plain decoding's tokens of the timed
@@ -348,7 +355,8 @@ def real_trace_scores(records, table) -> Dict[str, dict]:
     ``vs_best_static``), step by step (``_same_work_s``: ``vs_off_per_step``, ``vs_best_static_per_step``) and, where
     the trace counts the lagging rows, by their progress (``_lagging_rate``: ``vs_off_lagging``,
     ``vs_best_static_lagging``). The first two count every row's tokens, which a static batch that waits for its
-    lagging rows does not gain from."""
+    lagging rows does not gain from. ``selector_kwargs``: ``StrategySelector`` arguments on top of the defaults (with
+    ``loss_budget``, each rollout is told its length, as the engine tells it)."""
     from tlt_kernels.runtime import Strategy, StrategySelector
 
     timed = [r for r in records if r.get("rollout") == 1]
@@ -356,9 +364,10 @@ def real_trace_scores(records, table) -> Dict[str, dict]:
     runs = {f"static {a}": replay_static(timed, a) for a in arms}
 
     def selector():
-        return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table)
+        return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table, **selector_kwargs)
 
-    runs["cost, cold"], runs["cost, warm"] = replay_cold_and_warm(records, selector)
+    runs["cost, cold"], runs["cost, warm"] = replay_cold_and_warm(records, selector,
+                                                                  told="loss_budget" in selector_kwargs)
     rates = {name: _trace_rate(timed, res.picks) for name, res in runs.items()}
     per_step = {name: _same_work_s(res) for name, res in runs.items()}
     off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
@@ -391,11 +400,9 @@ def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
 
 
 def _real_model_traces(ctx) -> None:
-    import glob
-
     for name, origin in REAL_TRACES:
         directory = os.path.join(TRACES_DIR, name)
-        for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
+        for path in real_trace_paths(name):
             drafter = os.path.basename(path).split("-")[0]
             _real_model_trace(ctx, path, trace_cost_table(directory, drafter), name)
         ctx.note(f"real traces: bench/traces/{name}: {origin}; ms = time to emit plain decoding's tokens of the timed "

@@ -1,6 +1,5 @@
 """The selector suite: its replay of the recorded real-model traces (bench/traces/h200_smollm2*) and its simulated
 static batches."""
-import glob
 import os
 import statistics
 
@@ -45,7 +44,7 @@ def noisy_rows():
     ctx = _Rows()
     for name, _ in selector.REAL_TRACES:
         directory = os.path.join(selector.TRACES_DIR, name)
-        for path in sorted(glob.glob(os.path.join(directory, "*-B*.json"))):
+        for path in selector.real_trace_paths(name):
             table = selector.trace_cost_table(directory, os.path.basename(path).split("-")[0])
             records = load_trace(path)
             draws = [selector.real_trace_scores(selector.jittered(records, seed), table) for seed in range(NOISE_DRAWS)]
