@@ -4,11 +4,15 @@ req 5 reads them: against the best static arm (within 3%) and plain decoding (ne
     python -m tools.real_trace_replay                                     # the defaults, 8 draws of timing noise
     python -m tools.real_trace_replay --config 'budget=dict(loss_budget=0.02)' --rows
     python -m tools.real_trace_replay --config 'w128=dict(window=128)' --draws 4 --workers 2
+    python -m tools.real_trace_replay --counterfactual --config 'cf=dict(policy="counterfactual")'
 
 Each ``--config NAME=EXPR`` is a Python expression giving ``StrategySelector`` keyword arguments on top of the defaults
 (``default`` is always run); a config with ``loss_budget`` is told each rollout's length, as the engine tells it. Each
 score is the mean over ``--draws`` draws of 2% timing noise (``bench.suites.selector.jittered``, as
-``tests/bench/test_selector_suite.py`` judges the default). Per config and score it prints the mean and lowest
+``tests/bench/test_selector_suite.py`` judges the default). ``--counterfactual`` replays the n-gram traces only, and
+every selector also gets the arms it did not run, as the n-gram drafter's counterfactual would give them (the
+``"counterfactual"`` policy learns from them; docs/RUNTIME.md, "The counterfactual policy"). Per config and score it
+prints the mean and lowest
 fraction of the best static arm, the rows more than 3% below it and the rows more than 2% below plain decoding.
 Scores: ``per_step`` (every row's tokens, step by step) over all traces; ``lagging`` (the lagging rows' progress, the
 one req 5 is judged on where a trace has it) over the sets that count the lagging rows. docs/RUNTIME.md, "The lagging
@@ -33,21 +37,23 @@ def _parse_configs(items: List[str]) -> Dict[str, dict]:
     return {"default": {}, **parse(items)}
 
 
-def _traces() -> List[Tuple[str, str]]:
-    """(directory, trace path) of every real trace, in the suite's order."""
+def _traces(ngram_only: bool = False) -> List[Tuple[str, str]]:
+    """(directory, trace path) of every real trace (``ngram_only``: of the n-gram drafter's), in the suite's order."""
     from bench.suites import selector
 
     return [(os.path.join(selector.TRACES_DIR, name), path) for name, _ in selector.REAL_TRACES
-            for path in selector.real_trace_paths(name)]
+            for path in selector.real_trace_paths(name)
+            if not ngram_only or os.path.basename(path).startswith("ngram-")]
 
 
-def replay_scores(records, table, kwargs: dict) -> Dict[str, Dict[str, Optional[Tuple[float, float]]]]:
+def replay_scores(records, table, kwargs: dict,
+                  counterfactual: bool = False) -> Dict[str, Dict[str, Optional[Tuple[float, float]]]]:
     """Cold and warm: per score, (fraction of the best static arm, ratio to plain decoding), as the selector suite's
     real-trace rows give them (``real_trace_scores``), or None for ``lagging`` where the trace lacks the lagging rows'
-    counts."""
+    counts; ``counterfactual``: the selectors also get the arms they did not run."""
     from bench.suites import selector
 
-    scores = selector.real_trace_scores(records, table, **kwargs)
+    scores = selector.real_trace_scores(records, table, counterfactual=counterfactual, **kwargs)
     out = {}
     for label in ("cold", "warm"):
         row = scores[f"cost, {label}"]
@@ -59,13 +65,13 @@ def replay_scores(records, table, kwargs: dict) -> Dict[str, Dict[str, Optional[
 
 def _trace_rows(job) -> List[Tuple[str, str, Dict[str, Optional[Tuple[float, float]]]]]:
     """One (config, trace): rows (trace label, cold/warm, per score the means over the noise draws)."""
-    directory, path, kwargs, draws = job
+    directory, path, kwargs, draws, counterfactual = job
     from bench.suites import selector
     from tlt_kernels.runtime.simulate import load_trace
 
     records = load_trace(path)
     table = selector.trace_cost_table(directory, os.path.basename(path).split("-")[0])
-    runs = [replay_scores(selector.jittered(records, seed), table, kwargs) for seed in range(draws)]
+    runs = [replay_scores(selector.jittered(records, seed), table, kwargs, counterfactual) for seed in range(draws)]
     label = f"{os.path.basename(directory)}/{os.path.basename(path)[:-5]}"
     rows = []
     for start in ("cold", "warm"):
@@ -98,11 +104,15 @@ def main(argv=None) -> None:
     ap.add_argument("--draws", type=int, default=8, help="draws of 2%% timing noise per trace (default 8)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--rows", action="store_true", help="also print every trace's cold and warm row")
+    ap.add_argument("--counterfactual", action="store_true",
+                    help="n-gram traces only; selectors also get the arms they did not run (the n-gram drafter's "
+                         "counterfactual)")
     args = ap.parse_args(argv)
     if args.draws < 1 or args.workers < 1:
         raise SystemExit("--draws and --workers must be >= 1")
     configs = _parse_configs(args.config)
-    jobs = [(name, (d, p, kw, args.draws)) for name, kw in configs.items() for d, p in _traces()]
+    jobs = [(name, (d, p, kw, args.draws, args.counterfactual)) for name, kw in configs.items()
+            for d, p in _traces(ngram_only=args.counterfactual)]
     with ProcessPoolExecutor(args.workers) as pool:
         results = list(pool.map(_trace_rows, [job for _, job in jobs]))
     for name in configs:

@@ -10,6 +10,8 @@ The ``engine trace`` case replays every policy (and every static arm) on a trace
 engine probed every arm at every step (``--trace path.json`` to replay a recorded one); the ``real trace`` cases
 replay the default policy, cold and warm, and each static arm on the real-model traces of
 ``bench/traces/h200_smollm2*`` (``python -m bench rollout --write-traces``).
+On the n-gram traces the ``counterfactual`` rows replay the ``"counterfactual"`` policy, given every arm it did not run
+as the n-gram drafter's counterfactual would give them.
 The last cases time ``select + update`` per policy on this CPU (``ms`` is milliseconds per step: the
 median over 100-step chunks of 20000 steps, robust to other processes): ``cpu: select+update`` on a
 stationary stream (the method of the earlier numbers), ``cpu: select+update, drifting`` on a stream whose
@@ -60,10 +62,11 @@ def _row_kwargs(arms, sizes, per_row: bool) -> dict:
             for s in arms for b in sizes}
 
 
-def _cpu_cost_us(policy, steps=20000, drifting=False, per_row=False, **policy_kwargs):
+def _cpu_cost_us(policy, steps=20000, drifting=False, per_row=False, counterfactual=False, **policy_kwargs):
     """Median microseconds of one ``select + update`` over batch sizes 1, 16, 64, 256 in turn; ``per_row``: each
     update also carries every row's acceptance (a selector with a forecast: its worst case, as the running rows'
-    number changes at every step)."""
+    number changes at every step); ``counterfactual``: each step also hands over every arm it did not run
+    (``observe_counterfactual``, as the counterfactual policy is fed)."""
     import math
 
     from tlt_kernels.runtime import CostTable, StrategySelector
@@ -71,7 +74,7 @@ def _cpu_cost_us(policy, steps=20000, drifting=False, per_row=False, **policy_kw
 
     cost = StepCost()
     table = CostTable({s: [(b, cost(s, b)) for b in (1, 16, 64, 256)] for s in DEFAULT_ARMS})
-    kw = {"cost_table": table} if policy == "cost" else {}
+    kw = {"cost_table": table} if policy in ("cost", "counterfactual") else {}
     sel = StrategySelector(DEFAULT_ARMS, policy=policy, seed=0, **kw, **policy_kwargs)
     sizes = (1, 16, 64, 256)
     obs = {}  # precomputed, so only the selector is timed
@@ -90,19 +93,24 @@ def _cpu_cost_us(policy, steps=20000, drifting=False, per_row=False, **policy_kw
             o = obs[key] = (b + sum(acc), cost(s, b) * (1.0 + 0.01 * ((i * 7) % 5)), acc if s.num_steps else None)
         return o
 
-    for i in range(1000):  # warm-up, and fills the observation cache
+    def step(i):
         b = sizes[i & 3]
         s = sel.select(b)
         sel.update(s, b, *observation(i, s, b), **rows[s, b])
+        if counterfactual:
+            for a in DEFAULT_ARMS:
+                if a.num_steps and a != s:
+                    sel.observe_counterfactual(a, b, observation(i, a, b)[2])
+
+    for i in range(1000):  # warm-up, and fills the observation cache
+        step(i)
         for a in DEFAULT_ARMS:
-            observation(i, a, b)
+            observation(i, a, sizes[i & 3])
     chunks = []
     for c in range(steps // 100):  # median over 100-step chunks: robust to other processes on the CPU
         t0 = time.perf_counter()
         for i in range(c * 100, c * 100 + 100):
-            b = sizes[i & 3]
-            s = sel.select(b)
-            sel.update(s, b, *observation(i, s, b), **rows[s, b])
+            step(i)
         chunks.append((time.perf_counter() - t0) / 100)
     chunks.sort()
     return chunks[len(chunks) // 2] * 1e6
@@ -305,11 +313,12 @@ def trace_cost_table(directory: str, drafter: str):
         return CostTable({Strategy.parse(k): [tuple(p) for p in v] for k, v in json.load(f).items()})
 
 
-def replay_cold_and_warm(records, fresh, told: bool = False):
+def replay_cold_and_warm(records, fresh, told: bool = False, counterfactual: bool = False):
     """A real trace's timed rollout (``"rollout": 1``) replayed by ``fresh()`` selectors: cold (a fresh one) and warm
     (one that replayed the warm-up rollout first, then was told of the new rollout as the engine tells it); returns
     the two replays' results. ``told``: each rollout is also told its length, as the engine tells a loss budget
-    (``new_rollout(max_tokens=)``): its steps, which is how many tokens per request plain decoding replays."""
+    (``new_rollout(max_tokens=)``): its steps, which is how many tokens per request plain decoding replays.
+    ``counterfactual``: the selectors also get the arms they did not run (``simulate.replay_selector``'s)."""
     from tlt_kernels.runtime.simulate import replay_selector
 
     timed = [r for r in records if r.get("rollout") == 1]
@@ -317,13 +326,13 @@ def replay_cold_and_warm(records, fresh, told: bool = False):
     cold = fresh()
     if told:
         cold.new_rollout(max_tokens=len(timed))
-    cold_run = replay_selector(timed, cold)
+    cold_run = replay_selector(timed, cold, counterfactual)
     warm = fresh()
     if told:
         warm.new_rollout(max_tokens=len(warm_up))
-    replay_selector(warm_up, warm)
+    replay_selector(warm_up, warm, counterfactual)
     warm.new_rollout(max_tokens=len(timed) if told else None)  # as the engine does at each generate
-    return cold_run, replay_selector(timed, warm)
+    return cold_run, replay_selector(timed, warm, counterfactual)
 
 
 def jittered(records, seed: int, sigma: float = TIMING_NOISE_SIGMA):
@@ -347,7 +356,8 @@ def real_trace_paths(name: str):
     return sorted(glob.glob(os.path.join(TRACES_DIR, name, "*-B*.json")))
 
 
-def real_trace_scores(records, table, **selector_kwargs) -> Dict[str, dict]:
+def real_trace_scores(records, table, label: str = "cost", counterfactual: bool = False,
+                      **selector_kwargs) -> Dict[str, dict]:
     """Static arms and the default selector, cold (a fresh selector on the timed rollout, with the engine's start-up
     ``table``) and warm (the same selector over the warm-up rollout first, then told of the new rollout as the engine
     tells it), replayed on one real trace's ``records``. Per row name: ``ms`` (plain decoding's tokens of the timed
@@ -356,7 +366,9 @@ def real_trace_scores(records, table, **selector_kwargs) -> Dict[str, dict]:
     the trace counts the lagging rows, by their progress (``_lagging_rate``: ``vs_off_lagging``,
     ``vs_best_static_lagging``). The first two count every row's tokens, which a static batch that waits for its
     lagging rows does not gain from. ``selector_kwargs``: ``StrategySelector`` arguments on top of the defaults (with
-    ``loss_budget``, each rollout is told its length, as the engine tells it)."""
+    ``loss_budget``, each rollout is told its length, as the engine tells it); ``label``: the selector rows' name
+    (``"<label>, cold"``, ``"<label>, warm"``); ``counterfactual``: the selectors also get every arm they did not
+    run, as an n-gram drafter's counterfactual would give them (``simulate.replay_selector``)."""
     from tlt_kernels.runtime import Strategy, StrategySelector
 
     timed = [r for r in records if r.get("rollout") == 1]
@@ -366,8 +378,8 @@ def real_trace_scores(records, table, **selector_kwargs) -> Dict[str, dict]:
     def selector():
         return StrategySelector([a for a in arms if not a.is_off], seed=0, cost_table=table, **selector_kwargs)
 
-    runs["cost, cold"], runs["cost, warm"] = replay_cold_and_warm(records, selector,
-                                                                  told="loss_budget" in selector_kwargs)
+    runs[f"{label}, cold"], runs[f"{label}, warm"] = replay_cold_and_warm(
+        records, selector, told="loss_budget" in selector_kwargs, counterfactual=counterfactual)
     rates = {name: _trace_rate(timed, res.picks) for name, res in runs.items()}
     per_step = {name: _same_work_s(res) for name, res in runs.items()}
     off_tokens = sum(r["arms"]["off"]["emitted"] for r in timed)
@@ -394,9 +406,20 @@ def _real_model_trace(ctx, path: str, table, trace_set: str) -> None:
     records = load_trace(path)
     timed = sum(1 for r in records if r.get("rollout") == 1)
     case = {"workload": f"real trace {trace_set}/{os.path.basename(path)[:-5]} ({timed} steps)"}
-    for name, scores in real_trace_scores(records, table).items():
+    rows = real_trace_scores(records, table)
+    if os.path.basename(path).startswith("ngram-"):  # the n-gram drafter scores every arm's drafts for free
+        rows.update(counterfactual_rows(records, table))
+    for name, scores in rows.items():
         ms = scores.pop("ms")
         ctx.add(case, name, ms, **scores)
+
+
+def counterfactual_rows(records, table) -> Dict[str, dict]:
+    """:func:`real_trace_scores`' selector rows of the ``"counterfactual"`` policy given every arm it did not run
+    (``"counterfactual, cold"``, ``"counterfactual, warm"``): what an n-gram drafter that scores every arm's drafts
+    would give it (docs/RUNTIME.md, "The counterfactual policy")."""
+    rows = real_trace_scores(records, table, label="counterfactual", counterfactual=True, policy="counterfactual")
+    return {name: row for name, row in rows.items() if name.startswith("counterfactual")}
 
 
 def _real_model_traces(ctx) -> None:
@@ -539,6 +562,15 @@ def run(ctx) -> None:
     for p in POLICIES:
         ctx.add({"workload": "cpu: select+update, drifting"}, p, _cpu_cost_us(p, drifting=True) * 1e-3)
     _forecast_cost_rows(ctx)
+    _counterfactual_cost_rows(ctx)
+
+
+def _counterfactual_cost_rows(ctx) -> None:
+    """The host cost of the counterfactual policy given every arm it did not run at every step (six arms of
+    ``DEFAULT_ARMS``, so five or six ``observe_counterfactual`` calls), against the cost policy (same run)."""
+    case = {"workload": "cpu: select+update, every arm's counterfactual"}
+    ctx.add(case, "cost", _cpu_cost_us("cost") * 1e-3)
+    ctx.add(case, "counterfactual", _cpu_cost_us("counterfactual", counterfactual=True) * 1e-3)
 
 
 def _forecast_cost_rows(ctx) -> None:

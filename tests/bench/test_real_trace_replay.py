@@ -20,13 +20,13 @@ def test_every_real_trace_is_replayed_and_the_lagging_score_only_where_counted()
     traces = replay._traces()
     assert len(traces) == 25
     directory, path = next(t for t in traces if t[1].endswith("h200_smollm2_weak_eagle/eagle-uniform-B4.json"))
-    rows = replay._trace_rows((directory, path, {}, 1))
+    rows = replay._trace_rows((directory, path, {}, 1, False))
     assert [start for _, start, _ in rows] == ["cold", "warm"]
     for _, _, means in rows:
         for best, plain in means.values():  # plain decoding is one of the static arms, so the best is at least it
             assert 0 < best <= plain + 1e-9
     first = next(t for t in traces if os.path.basename(t[0]) == "h200_smollm2")
-    assert all(means["lagging"] is None for _, _, means in replay._trace_rows((*first, {}, 1)))
+    assert all(means["lagging"] is None for _, _, means in replay._trace_rows((*first, {}, 1, False)))
 
 
 def test_the_default_matches_the_selector_suite_on_one_trace():
@@ -44,6 +44,24 @@ def test_the_default_matches_the_selector_suite_on_one_trace():
         assert tool[start]["per_step"][0] == pytest.approx(row["vs_best_static_per_step"], abs=1e-4)
         assert tool[start]["lagging"][1] == pytest.approx(row["vs_off_lagging"], abs=1e-4)
         assert tool[start]["lagging"][0] == pytest.approx(row["vs_best_static_lagging"], abs=1e-4)
+
+
+def test_counterfactual_replays_match_the_suite_on_the_n_gram_traces():
+    """``--counterfactual``: the n-gram traces only, and a ``policy="counterfactual"`` config scores as the suite's
+    counterfactual rows."""
+    from tlt_kernels.runtime.simulate import load_trace
+
+    traces = replay._traces(ngram_only=True)
+    assert len(traces) == 17 and all(os.path.basename(p).startswith("ngram-") for _, p in traces)
+    directory = os.path.join(selector.TRACES_DIR, "h200_smollm2_lagging")
+    records = load_trace(os.path.join(directory, "ngram-uniform-B4.json"))
+    table = selector.trace_cost_table(directory, "ngram")
+    suite = selector.counterfactual_rows(records, table)
+    tool = replay.replay_scores(records, table, {"policy": "counterfactual"}, counterfactual=True)
+    for start in ("cold", "warm"):
+        row = suite[f"counterfactual, {start}"]
+        assert tool[start]["lagging"] == pytest.approx((row["vs_best_static_lagging"], row["vs_off_lagging"]),
+                                                       abs=1e-4)
 
 
 def test_summary_counts_rows_against_both_bounds():

@@ -47,7 +47,12 @@ def noisy_rows():
         for path in selector.real_trace_paths(name):
             table = selector.trace_cost_table(directory, os.path.basename(path).split("-")[0])
             records = load_trace(path)
-            draws = [selector.real_trace_scores(selector.jittered(records, seed), table) for seed in range(NOISE_DRAWS)]
+            draws = []
+            for seed in range(NOISE_DRAWS):
+                jittered = selector.jittered(records, seed)
+                draws.append(selector.real_trace_scores(jittered, table))
+                if os.path.basename(path).startswith("ngram-"):
+                    draws[-1].update(selector.counterfactual_rows(jittered, table))
             case = {"workload": f"real trace {name}/{os.path.basename(path)[:-5]}"}
             for impl in draws[0]:
                 keys = SCORES + (LAGGING_SCORES if "vs_off_lagging" in draws[0][impl] else ())
@@ -64,7 +69,10 @@ def test_every_recorded_real_trace_gives_static_and_selector_rows(real_rows):
     for case in cases:
         rows = {impl: (ms, extra) for w, impl, ms, extra in real_rows.rows if w == case}
         arms = {"off", "s2k1v3", "s4k1v5", "s5k4v16"} | ({"s4k2v8"} if "h200_smollm2_drafted/" in case else set())
-        assert set(rows) == {f"static {arm}" for arm in arms} | {"cost, cold", "cost, warm"}
+        selectors = {"cost, cold", "cost, warm"}
+        if "/ngram-" in case:
+            selectors |= {"counterfactual, cold", "counterfactual, warm"}
+        assert set(rows) == {f"static {arm}" for arm in arms} | selectors
         assert rows["static off"][1]["vs_off"] == 1.0
         assert max(extra["vs_best_static"] for impl, (ms, extra) in rows.items() if impl.startswith("static")) == 1.0
         assert rows["static off"][1]["vs_off_per_step"] == 1.0
@@ -153,6 +161,43 @@ def test_the_default_selector_on_the_traces_known_below_plain(noisy_rows):
         assert min(extra["vs_off"], extra["vs_off_per_step"], extra["vs_off_lagging"]) >= 0.98, (workload, impl, extra)
 
 
+# Traces where the counterfactual policy is known to stay below 0.97 of the best static arm by the lagging rows'
+# progress, over the draws of timing noise (and the reason): req 5's 3% bound, not met there.
+COUNTERFACTUAL_SHORT = {
+    "h200_smollm2_lagging/ngram-uniform-B1": "cold, 0.962 of s5k4v16: the lone request's drafts are accepted ~never "
+                                             "for 60 steps, then in bursts; the mean over the rollout so far turns "
+                                             "to drafting well after the bursts start",
+    "h200_smollm2_lagging/ngram-uniform-B4": "warm 0.936, cold 0.966: the warm-up rollout's mean picks s5k4v16, "
+                                             "which drafts through the timed rollout's 30-step dry stretch",
+    "h200_smollm2_sampled/ngram-uniform-B1": "cold, 0.958 (warm 0.970): at temperature 1 every arm is within 16% "
+                                             "of plain decoding, and the mean needs steps to rank them",
+}
+
+
+def _counterfactual_rows(rows):
+    return [(w, impl, extra) for w, impl, _, extra in rows.rows if impl.startswith("counterfactual")]
+
+
+def test_the_counterfactual_policy_on_the_n_gram_traces(noisy_rows):
+    """Cold and warm, over the draws of timing noise, never more than 2% below plain decoding by any score, and by the
+    lagging rows' progress within 3% of the best static arm outside :data:`COUNTERFACTUAL_SHORT`."""
+    rows = _counterfactual_rows(noisy_rows)
+    assert len(rows) == 2 * 17  # cold and warm on every n-gram trace
+    for workload, impl, extra in rows:
+        assert min(extra["vs_off"], extra["vs_off_per_step"], extra.get("vs_off_lagging", 1.0)) >= 0.98, \
+            (workload, impl, extra)
+        if workload.split(" ")[2] not in COUNTERFACTUAL_SHORT:
+            assert extra.get("vs_best_static_lagging", 1.0) >= 0.97, (workload, impl, extra)
+
+
+@pytest.mark.xfail(strict=True, reason="; ".join(f"{k}: {v}" for k, v in COUNTERFACTUAL_SHORT.items()))
+def test_the_counterfactual_policy_on_the_traces_known_short(noisy_rows):
+    rows = [r for r in _counterfactual_rows(noisy_rows) if r[0].split(" ")[2] in COUNTERFACTUAL_SHORT]
+    assert {w.split(" ")[2] for w, _, _ in rows} == set(COUNTERFACTUAL_SHORT)
+    for workload, impl, extra in rows:
+        assert extra["vs_best_static_lagging"] >= 0.97, (workload, impl, extra)
+
+
 def test_trace_rate_is_tokens_over_seconds_of_the_picks():
     records = [{"arms": {"off": {"emitted": 2, "step_time": 0.5}, "s2k1v3": {"emitted": 4, "step_time": 1.0}}}] * 2
     assert selector._trace_rate(records, ["off", "s2k1v3"]) == pytest.approx(6 / 1.5)
@@ -220,3 +265,11 @@ def test_lagging_rate_is_the_lagging_rows_mean_tokens_over_seconds():
     assert selector._trace_rate([step, step], ["off", "s2k1v3"]) == pytest.approx((4 + 10) / 0.003)
     bare = {"batch_size": 4, "arms": {"off": {"emitted": 4, "step_time": 0.001}}}  # a trace of the first set
     assert selector._lagging_rate([step, bare], ["s2k1v3", "off"]) is None
+
+
+def test_counterfactual_cost_rows_time_the_policy_with_every_arm_handed_over():
+    ctx = _Rows()
+    selector._counterfactual_cost_rows(ctx)
+    assert [impl for _, impl, _, _ in ctx.rows] == ["cost", "counterfactual"]
+    assert all(ms > 0 for _, _, ms, _ in ctx.rows)
+    assert {workload for workload, _, _, _ in ctx.rows} == {"cpu: select+update, every arm's counterfactual"}

@@ -64,12 +64,25 @@ def _scalar(value):
     return value[0] if type(value) is list and len(value) == 1 else value
 
 
+def _host_counts(counts) -> list:
+    """``counts`` (a list, tuple or CPU tensor) as a list, or a ValueError naming ``accepted_per_position``."""
+    if isinstance(counts, (list, tuple)):
+        return list(counts)
+    if getattr(counts, "device", None) is not None and getattr(counts, "ndim", None) == 1:
+        if counts.device.type != "cpu":
+            raise ValueError("accepted_per_position must be host counts (a list or a CPU tensor), got a tensor on "
+                             f"{counts.device}: reading it here would synchronize with the device")
+        return counts.tolist()
+    raise ValueError(f"accepted_per_position must be a list, tuple or 1-D CPU tensor of counts, got {counts!r}")
+
+
 class StrategySelector:
     """Chooses a :class:`Strategy` for each decoding step from observed throughput.
 
     Args:
         strategies: the arms; ``Strategy.off()`` is added when missing (plain decoding is always an arm).
-        policy: ``"cost"`` (default, see docs/RUNTIME.md for the benchmark that chose it), ``"beg"``,
+        policy: ``"cost"`` (default, see docs/RUNTIME.md for the benchmark that chose it), ``"counterfactual"``
+            (for a drafter that scores every arm's drafts at every step: :meth:`observe_counterfactual`), ``"beg"``,
             ``"ucb"``, ``"thompson"``, or a :class:`~tlt_kernels.runtime.policies.Policy` instance.
         batch_buckets: increasing upper bounds of batch-size buckets (statistics are kept per bucket);
             sizes above the last bound share the last bucket. Default :data:`DEFAULT_BUCKETS`.
@@ -291,6 +304,39 @@ class StrategySelector:
                as_pending(accepted_per_position), self.step, accepted_rows, batch_progress)
         self._pending.append(obs)
         self._drain()
+
+    def observe_counterfactual(self, strategy: Strategy, batch_size: int, accepted_per_position,
+                               accepted_rows: Optional[int] = None) -> None:
+        """Record what speculative ``strategy`` would have accepted on a step that ran another arm: a deterministic
+        drafter scores the drafts the arm would have proposed against the tokens the batch emitted (docs/RUNTIME.md,
+        "The counterfactual policy"). Only the ``"counterfactual"`` policy learns from it; others ignore it.
+
+        Args:
+            strategy: a speculative arm of the selector (not the one the step ran: :meth:`update` has its counts).
+            batch_size: requests in the step, an int >= 1.
+            accepted_per_position: ``[num_steps]`` host counts (list, tuple or CPU tensor; a device tensor would need
+                a host sync here), entry ``i`` = counted requests whose drafts would have had at least ``i + 1``
+                accepted.
+            accepted_rows: how many requests the counts are over, an int in ``[1, batch_size]`` (default: the batch).
+
+        Counts that cannot come from a step (NaN, negative, above the rows or growing with depth) are ignored and
+        counted in :attr:`rejected`, as :meth:`update`'s are. Observations are folded in at once, ahead of any
+        pending :meth:`update`: the policy's means do not depend on their order.
+        """
+        arm = self._index.get(strategy)
+        if arm is None or not self._depth[arm]:
+            raise ValueError(f"observe_counterfactual takes a speculative arm of the selector, got {strategy}")
+        batch_size = check_batch_size(batch_size, f"StrategySelector.observe_counterfactual({strategy})")
+        rows = batch_size if accepted_rows is None else check_accepted_rows(accepted_rows, batch_size)
+        acc = _host_counts(accepted_per_position)
+        if len(acc) != self._depth[arm]:
+            raise ValueError(f"accepted_per_position for {strategy} must have num_steps={self._depth[arm]} entries, "
+                             f"got {len(acc)}")
+        why = self._garbage(arm, rows, 0, 1.0, acc)
+        if why is not None:
+            self._reject(strategy, batch_size, why)
+            return
+        self.policy.observe_counterfactual(arm, [float(x) for x in acc], rows)
 
     def _observe(self, arm: int, b: int, em: float, el: float, acc, step: int, rows: Optional[int],
                  progress: Optional[int] = None) -> None:

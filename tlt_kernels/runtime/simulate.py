@@ -427,8 +427,13 @@ def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], St
     return RunResult(tokens, time_s, len(records), eff, otime, changes, choices, picks)
 
 
-def replay_selector(records: List[dict], selector: StrategySelector) -> RunResult:
-    """Replay with a selector; arms missing from a record count as "no graph captured" for that step."""
+def replay_selector(records: List[dict], selector: StrategySelector, counterfactual: bool = False) -> RunResult:
+    """Replay with a selector; arms missing from a record count as "no graph captured" for that step.
+
+    ``counterfactual``: after each step the selector also gets every other speculative arm's recorded counts
+    (:meth:`StrategySelector.observe_counterfactual`), as a drafter that scores every arm's drafts would give them:
+    an arm of ``num_steps`` drafts a step is known that many steps later (its last draft needs that many more
+    tokens, and a plain step emits one), and counts not yet known when the replay ends are dropped."""
     current: set = set()
     selector.available = lambda s, b: s in current
 
@@ -438,7 +443,36 @@ def replay_selector(records: List[dict], selector: StrategySelector) -> RunResul
         selector.invalidate_available()
         return selector.select(b)
 
-    return replay_trace(records, choose, selector.update)
+    if not counterfactual:
+        return replay_trace(records, choose, selector.update)
+    queue = _CounterfactualQueue(selector)
+    step = iter(records)
+
+    def observe(s, batch_size, *args, **kwargs):
+        selector.update(s, batch_size, *args, **kwargs)
+        queue.step(next(step), s)
+
+    return replay_trace(records, choose, observe)
+
+
+class _CounterfactualQueue:
+    """The recorded counts of the arms a replayed step did not run, handed to the selector once known."""
+
+    def __init__(self, selector: StrategySelector):
+        self.selector, self.now, self.waiting = selector, 0, []
+
+    def step(self, record: dict, played: Strategy) -> None:
+        self.now += 1
+        for name, o in record["arms"].items():
+            s = Strategy.parse(name)
+            if s.num_steps and s != played:
+                rows = o.get("lagging_rows") if o.get("lagging_accepted") else None
+                counts = o["lagging_accepted"] if rows else o["accepted"]
+                self.waiting.append((self.now + s.num_steps, s, record["batch_size"], counts, rows))
+        known = [w for w in self.waiting if w[0] <= self.now]
+        self.waiting = [w for w in self.waiting if w[0] > self.now]
+        for _, s, batch_size, counts, rows in known:
+            self.selector.observe_counterfactual(s, batch_size, counts, accepted_rows=rows)
 
 
 # -- evaluation ----------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
 * ``"cost"`` (the default): :class:`CostModelPolicy` (:mod:`.cost_model`), composed of a shared acceptance model
   (:mod:`.acceptance_model`), a step-time model over the start-up :class:`CostTable` (:mod:`.step_time_model`,
   :mod:`.cost_table`) and a change detector (:mod:`.change_detector`).
+* ``"counterfactual"``: :class:`CounterfactualPolicy` (:mod:`.counterfactual`), follow the leader over every arm's
+  acceptance, for a drafter that scores every arm's drafts at every step (the n-gram one).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from .base import MAX_REWARD, Policy
 from .change_detector import ChangeDetector, CusumChangeDetector, NoChangeDetector
 from .cost_model import CostModelPolicy
 from .cost_table import CostTable
+from .counterfactual import CounterfactualPolicy
 from .step_time_model import StepTimeModel
 
 POLICIES: Dict[str, Type[Policy]] = {
@@ -22,6 +25,7 @@ POLICIES: Dict[str, Type[Policy]] = {
     "ucb": SlidingWindowUCB,
     "thompson": DiscountedThompson,
     "cost": CostModelPolicy,
+    "counterfactual": CounterfactualPolicy,
 }
 
 
@@ -43,6 +47,7 @@ __all__ = [
     "ChangeDetector",
     "CostModelPolicy",
     "CostTable",
+    "CounterfactualPolicy",
     "CusumChangeDetector",
     "DiscountedThompson",
     "NoChangeDetector",

@@ -48,6 +48,11 @@ class Policy:
         ``accepted_rows`` requests of the batch (None: all ``batch_size``)."""
         raise NotImplementedError
 
+    def observe_counterfactual(self, arm: int, accepted: Sequence[float], rows: int) -> None:
+        """Fold in what speculative arm ``arm`` would have accepted on a step it did not run (``accepted[i]``: of
+        ``rows`` counted requests, those with at least ``i + 1`` drafts accepted). By default nothing: a policy that
+        learns from its own plays ignores it (only :class:`~.counterfactual.CounterfactualPolicy` uses it)."""
+
 
 def throughput_reward(emitted: float, elapsed: float) -> float:
     """Tokens per second of one step, capped at :data:`MAX_REWARD`."""
