@@ -441,6 +441,7 @@ STATIC_BATCH_ARMS = ("off", "s2k1v3", "s4k1v5", "s5k4v16")
 STATIC_BATCH_LOSS_BUDGET = 0.02
 BUDGET_ROW = "cost, lagging feedback, 2% loss budget"
 FORECAST_ROW = f"{BUDGET_ROW}, forecast"
+COUNTERFACTUAL_ROW = "counterfactual, lagging feedback"
 
 
 def exact_cost_table(batch, arms):
@@ -484,6 +485,10 @@ def _static_batches(ctx, seeds) -> None:
                                     for s in seeds)
         seconds[f"{FORECAST_ROW}, warm"] = sum(_warm_run(batch, warm_up, arms, table, s, STATIC_BATCH_LOSS_BUDGET, True)
                                                for s in seeds)
+        seconds[COUNTERFACTUAL_ROW] = sum(_cold_run(batch, arms, table, s, lagging_feedback, counterfactual=True)
+                                          for s in seeds)
+        seconds[f"{COUNTERFACTUAL_ROW}, warm"] = sum(_warm_run(batch, warm_up, arms, table, s, counterfactual=True)
+                                                     for s in seeds)
         plain, best = seconds["static off"], min(seconds[f"static {a}"] for a in arms)
         for name, total in seconds.items():
             ctx.add({"workload": batch.name}, name, 1e3 * total / len(seeds), vs_off=round(plain / total, 4),
@@ -496,42 +501,55 @@ def _static_batches(ctx, seeds) -> None:
              "what the selector learns after each step; warm: the selector ran the kind's next batch first; "
              f"'{BUDGET_ROW}': StrategySelector(loss_budget={STATIC_BATCH_LOSS_BUDGET}) told each rollout's most "
              f"tokens per request, as the engine tells it; '{FORECAST_ROW}': the same with "
-             "StrategySelector(forecast=AcceptanceForecast()) (tlt_kernels/runtime/static_batch.py, "
-             "tlt_kernels/runtime/loss_budget.py, tlt_kernels/runtime/forecast.py)")
+             f"StrategySelector(forecast=AcceptanceForecast()); '{COUNTERFACTUAL_ROW}': the counterfactual policy "
+             "given every arm it did not run, scored on the same text (what an n-gram drafter's counterfactual "
+             "gives; drafting-model acceptance in some batches here: a bound, not an engine's) "
+             "(tlt_kernels/runtime/static_batch.py, tlt_kernels/runtime/loss_budget.py, "
+             "tlt_kernels/runtime/forecast.py, tlt_kernels/runtime/policies/counterfactual.py)")
 
 
-def _selector(arms, table, seed: int, loss_budget, forecast: bool):
-    """The cost policy over ``arms`` with ``table``, ``loss_budget`` and, with ``forecast``, the requests' forecast."""
+def _selector(arms, table, seed: int, loss_budget, forecast: bool, counterfactual: bool = False):
+    """The cost policy over ``arms`` with ``table``, ``loss_budget`` and, with ``forecast``, the requests' forecast;
+    ``counterfactual``: the counterfactual policy instead."""
     from tlt_kernels.runtime import StrategySelector
     from tlt_kernels.runtime.forecast import AcceptanceForecast
 
-    return StrategySelector(arms, seed=seed, cost_table=table, loss_budget=loss_budget,
-                            forecast=AcceptanceForecast() if forecast else None)
+    return StrategySelector(arms, policy="counterfactual" if counterfactual else "cost", seed=seed, cost_table=table,
+                            loss_budget=loss_budget, forecast=AcceptanceForecast() if forecast else None)
 
 
-def _cold_run(batch, arms, table, seed: int, feedback, loss_budget=None, forecast: bool = False) -> float:
+def _cold_run(batch, arms, table, seed: int, feedback, loss_budget=None, forecast: bool = False,
+              counterfactual: bool = False) -> float:
     """Seconds of ``batch`` under a fresh selector learning through ``feedback``; with ``loss_budget``, told the
-    rollout's length; with ``forecast``, the requests' acceptance forecast."""
+    rollout's length; with ``forecast``, the requests' acceptance forecast; ``counterfactual``: the counterfactual
+    policy, given every arm it did not run."""
+    from tlt_kernels.runtime.simulate import CounterfactualDelay
     from tlt_kernels.runtime.static_batch import run_static_batch, selector_observer
 
-    selector = _selector(arms, table, seed, loss_budget, forecast)
+    selector = _selector(arms, table, seed, loss_budget, forecast, counterfactual)
     if loss_budget is not None:
         selector.new_rollout(max_tokens=int(batch.initial_left().max()))
-    return run_static_batch(batch, selector.select, selector_observer(selector), feedback, seed)
+    return run_static_batch(batch, selector.select, selector_observer(selector), feedback, seed,
+                            CounterfactualDelay(selector) if counterfactual else None)
 
 
-def _warm_run(batch, warm_up, arms, table, seed: int, loss_budget=None, forecast: bool = False) -> float:
+def _warm_run(batch, warm_up, arms, table, seed: int, loss_budget=None, forecast: bool = False,
+              counterfactual: bool = False) -> float:
     """Seconds of ``batch`` under a selector that first ran ``warm_up`` (its own text) and was told of the new
-    rollout; with ``loss_budget``, each rollout's length too; with ``forecast``, the requests' acceptance forecast."""
+    rollout; with ``loss_budget``, each rollout's length too; with ``forecast``, the requests' acceptance forecast;
+    ``counterfactual``: the counterfactual policy, given every arm it did not run."""
+    from tlt_kernels.runtime.simulate import CounterfactualDelay
     from tlt_kernels.runtime.static_batch import lagging_feedback, run_static_batch, selector_observer
 
-    selector = _selector(arms, table, seed, loss_budget, forecast)
+    selector = _selector(arms, table, seed, loss_budget, forecast, counterfactual)
     told = loss_budget is not None
     if told:
         selector.new_rollout(max_tokens=int(warm_up.initial_left().max()))
-    run_static_batch(warm_up, selector.select, selector_observer(selector), lagging_feedback, seed + 1000)
+    run_static_batch(warm_up, selector.select, selector_observer(selector), lagging_feedback, seed + 1000,
+                     CounterfactualDelay(selector) if counterfactual else None)
     selector.new_rollout(max_tokens=int(batch.initial_left().max()) if told else None)
-    return run_static_batch(batch, selector.select, selector_observer(selector), lagging_feedback, seed)
+    return run_static_batch(batch, selector.select, selector_observer(selector), lagging_feedback, seed,
+                            CounterfactualDelay(selector) if counterfactual else None)
 
 
 def run(ctx) -> None:

@@ -222,7 +222,8 @@ def test_per_step_score_weighs_each_step_by_its_own_time():
 
 def test_static_batch_rows_cover_every_batch_with_statics_rules_and_a_warm_selector():
     """One seed: per simulated batch, the static arms (the best at vs_best_static 1), the three feedback rules, the
-    warm selector, the loss-budgeted selector and the budgeted one with the forecast, cold and warm; the wall-time ratios agree with the rows' ms; the warm-up batch is another of the same kind."""
+    warm selector, the loss-budgeted selector, the budgeted one with the forecast and the counterfactual policy, cold
+    and warm; the wall-time ratios agree with the rows' ms; the warm-up batch is another of the same kind."""
     ctx = _Rows()
     selector._static_batches(ctx, (0,))
     timed, warm_up = selector._static_batch_family(0), selector._static_batch_family(1)
@@ -236,7 +237,7 @@ def test_static_batch_rows_cover_every_batch_with_statics_rules_and_a_warm_selec
         assert sorted(rows) == sorted([f"static {a}" for a in selector.STATIC_BATCH_ARMS] + [
             "cost, batch feedback", "cost, lagging (the engine's) feedback", "cost, critical feedback",
             "cost, lagging feedback, warm", selector.BUDGET_ROW, f"{selector.BUDGET_ROW}, warm", selector.FORECAST_ROW,
-            f"{selector.FORECAST_ROW}, warm"])
+            f"{selector.FORECAST_ROW}, warm", selector.COUNTERFACTUAL_ROW, f"{selector.COUNTERFACTUAL_ROW}, warm"])
         assert max(e["vs_best_static"] for i, (_, e) in rows.items() if i.startswith("static")) == 1.0
         for ms, extra in rows.values():
             assert ms * extra["vs_off"] == pytest.approx(rows["static off"][0], rel=1e-3)

@@ -178,3 +178,36 @@ def test_a_loss_budget_told_the_rollouts_length_holds_an_eagle_like_batch_near_p
                                                            lagging_feedback, seed))
     assert min(ratios[0.02]) >= 0.975, ratios
     assert np.mean(ratios[0.02]) > np.mean(ratios[None]) + 0.02, ratios
+
+
+def test_counterfactual_counts_are_each_arms_reach_on_the_same_text_once_known():
+    """Under plain decoding every request emits one token a step, so the counts handed over for arm ``a`` drafted at
+    step ``t`` are ``a``'s reach at token ``t - 1`` of every request, through the feedback rule, ``num_steps`` steps
+    later (counts still held at the end are dropped)."""
+    from tlt_kernels.runtime.simulate import CounterfactualDelay
+
+    short, deep = Strategy(2, 1, 3), Strategy(4, 1, 5)
+
+    class Recorder:
+        strategies = (Strategy.off(), short, deep)
+
+        def __init__(self):
+            self.got = []
+
+        def observe_counterfactual(self, strategy, batch_size, counts, accepted_rows=None):
+            self.got.append((strategy, batch_size, list(counts), accepted_rows))
+
+    batch, budget, seed = StaticBatch("b", [0.6, 0.3, 0.9], budget=8), 8, 3
+    recorder = Recorder()
+    run_static_batch(batch, lambda b: Strategy.off(), seed=seed, counterfactual=CounterfactualDelay(recorder))
+    text = BatchText.draw(batch, np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[0]))
+    rows, left = np.arange(3), np.full(3, budget)
+    expected = {}
+    for t in range(budget):
+        done = np.full(3, t)
+        for arm in (short, deep):
+            if t + 1 + arm.num_steps <= budget:  # known by the last step
+                counts, lagging = lagging_feedback(text.reach(arm, rows, done), left - t, arm.num_steps)
+                expected.setdefault(t + 1 + arm.num_steps, []).append((arm, 3, counts, lagging))
+    assert recorder.got == [item for step in sorted(expected) for item in expected[step]]
+    assert len(recorder.got) == (budget - 2) + (budget - 4)

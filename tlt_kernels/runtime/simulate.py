@@ -430,10 +430,8 @@ def replay_trace(records: List[dict], choose: Callable[[int, List[Strategy]], St
 def replay_selector(records: List[dict], selector: StrategySelector, counterfactual: bool = False) -> RunResult:
     """Replay with a selector; arms missing from a record count as "no graph captured" for that step.
 
-    ``counterfactual``: after each step the selector also gets every other speculative arm's recorded counts
-    (:meth:`StrategySelector.observe_counterfactual`), as a drafter that scores every arm's drafts would give them:
-    an arm of ``num_steps`` drafts a step is known that many steps later (its last draft needs that many more
-    tokens, and a plain step emits one), and counts not yet known when the replay ends are dropped."""
+    ``counterfactual``: after each step the selector also gets every other speculative arm's recorded counts, once
+    :class:`CounterfactualDelay` says they are known, as a drafter that scores every arm's drafts would give them."""
     current: set = set()
     selector.available = lambda s, b: s in current
 
@@ -445,34 +443,47 @@ def replay_selector(records: List[dict], selector: StrategySelector, counterfact
 
     if not counterfactual:
         return replay_trace(records, choose, selector.update)
-    queue = _CounterfactualQueue(selector)
+    delay = CounterfactualDelay(selector)
     step = iter(records)
 
     def observe(s, batch_size, *args, **kwargs):
         selector.update(s, batch_size, *args, **kwargs)
-        queue.step(next(step), s)
+        record = next(step)
+        delay.step(s, [_recorded_counts(Strategy.parse(name), record["batch_size"], o)
+                       for name, o in record["arms"].items() if Strategy.parse(name) in delay.arms])
 
     return replay_trace(records, choose, observe)
 
 
-class _CounterfactualQueue:
-    """The recorded counts of the arms a replayed step did not run, handed to the selector once known."""
+def _recorded_counts(s: Strategy, batch_size: int, o: dict):
+    """``(strategy, batch_size, counts, rows)`` of a trace record's arm: its lagging rows' counts where recorded,
+    else the whole batch's (``rows`` None)."""
+    rows = o.get("lagging_rows") if o.get("lagging_accepted") else None
+    return s, batch_size, o["lagging_accepted"] if rows else o["accepted"], rows
+
+
+class CounterfactualDelay:
+    """Counterfactual counts held until their drafts are scored, then handed to ``selector.observe_counterfactual``.
+
+    An arm of ``num_steps`` drafts proposed at a step is known ``num_steps`` steps later: its last draft needs that
+    many more tokens, and a plain step emits one (a speculative step may emit more: the delay is the longest).
+    Counts still held when the simulation ends are dropped. ``arms``: the selector's speculative arms."""
 
     def __init__(self, selector: StrategySelector):
-        self.selector, self.now, self.waiting = selector, 0, []
+        self.selector = selector
+        self.arms = [s for s in selector.strategies if s.num_steps]
+        self.now, self.waiting = 0, []
 
-    def step(self, record: dict, played: Strategy) -> None:
+    def step(self, played: Strategy, counts) -> None:
+        """One step ran ``played``; ``counts``: ``(strategy, batch_size, accepted_per_position, accepted_rows)`` of
+        the arms scored at it (the played one is skipped: ``update`` has its counts)."""
         self.now += 1
-        for name, o in record["arms"].items():
-            s = Strategy.parse(name)
-            if s.num_steps and s != played:
-                rows = o.get("lagging_rows") if o.get("lagging_accepted") else None
-                counts = o["lagging_accepted"] if rows else o["accepted"]
-                self.waiting.append((self.now + s.num_steps, s, record["batch_size"], counts, rows))
-        known = [w for w in self.waiting if w[0] <= self.now]
-        self.waiting = [w for w in self.waiting if w[0] > self.now]
-        for _, s, batch_size, counts, rows in known:
-            self.selector.observe_counterfactual(s, batch_size, counts, accepted_rows=rows)
+        self.waiting.extend((self.now + s.num_steps, s, b, c, r) for s, b, c, r in counts if s != played)
+        due = [w for w in self.waiting if w[0] <= self.now]
+        if due:
+            self.waiting = [w for w in self.waiting if w[0] > self.now]
+        for _, s, b, c, r in due:
+            self.selector.observe_counterfactual(s, b, c, accepted_rows=r)
 
 
 # -- evaluation ----------------------------------------------------------------------------------

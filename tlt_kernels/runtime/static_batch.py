@@ -126,7 +126,7 @@ class StaticBatch:
 
 def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
                      observe: Optional[Callable[..., None]] = None, feedback: Feedback = lagging_feedback,
-                     seed: int = 0) -> float:
+                     seed: int = 0, counterfactual=None) -> float:
     """Simulated seconds until every request of ``batch`` has its tokens, with ``choose(batch_size) -> Strategy``
     per step; ``observe(strategy, batch_size, emitted, seconds, accepted_per_position, accepted_rows, progress,
     running_rows=, rows_accepted=)`` gets what ``feedback`` makes of each step, how far the step moved the batch's end
@@ -134,7 +134,10 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
     after it with their accepted drafts (what the engine reads per row: ``StrategySelector(forecast=)``).
 
     ``seed`` fixes the batch's text (:class:`BatchText`), the same whatever the choices, and the noise of the
-    observed step times (a stream of its own): two runs with one seed differ only by what their choices do."""
+    observed step times (a stream of its own): two runs with one seed differ only by what their choices do.
+    ``counterfactual`` (a :class:`~.simulate.CounterfactualDelay`, or None): after each step, every arm of its
+    ``arms`` the step did not run is scored on the same text through ``feedback`` and handed over once known, as a
+    drafter that scores every arm's drafts would (the ``"counterfactual"`` policy learns from it)."""
     text_seed, noise_seed = np.random.SeedSequence(seed).spawn(2)
     text = BatchText.draw(batch, np.random.default_rng(text_seed))
     noise = np.random.default_rng(noise_seed)
@@ -144,7 +147,8 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
     while (left > 0).any():
         running = np.nonzero(left > 0)[0]
         strategy = choose(len(running))
-        reach = text.reach(strategy, running, budgets[running] - left[running])
+        done = budgets[running] - left[running]
+        reach = text.reach(strategy, running, done)
         step_s, extra_s = batch.cost(strategy, len(running)) + extra_s, 0.0
         seconds += step_s
         before = left[running].copy()
@@ -157,6 +161,10 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
             still = left[running] > 0
             observe(strategy, len(running), float(emitted.sum()), observed_s, accepted, rows, progress,
                     running_rows=running[still].tolist(), rows_accepted=reach[still].tolist())
+        if counterfactual is not None:
+            counterfactual.step(strategy, [(arm, len(running), *feedback(text.reach(arm, running, done), before,
+                                                                           arm.num_steps))
+                                           for arm in counterfactual.arms if arm != strategy])
     return seconds
 
 
