@@ -138,6 +138,28 @@ class NGramRolloutDrafter(DrafterBase):
         buffer, lengths = self.persistent.buffer.clone(), self.persistent.lengths.clone()
         return lambda: (self.persistent.buffer.copy_(buffer), self.persistent.lengths.copy_(lengths))
 
+    # -- counterfactual drafts (the counterfactual policy's counts: tlt_kernels.engine.counterfactual) ----------
+    def propose_earlier(self, strategy, history_rows, back: int) -> ProposedTree:
+        """The trees ``strategy`` would have proposed for ``history_rows`` (int64 ``[b]``) from each history without
+        its last ``back`` tokens (at least its first token kept). Device ops only; the histories are unchanged (their
+        lengths are set back for the proposal only)."""
+        histories = self.histories
+        lengths = histories.lengths
+        histories.lengths = (lengths - back).clamp(min=1).to(lengths.dtype)  # a new tensor: graphs keep theirs
+        try:
+            return self._propose_rows(strategy, history_rows)
+        finally:
+            histories.lengths = lengths
+
+    def recent_tokens(self, history_rows, back: int) -> torch.Tensor:
+        """``int64 [b, back]``: the ``back`` tokens after each of ``history_rows``' histories as
+        :meth:`propose_earlier` cut them, what its trees are scored against (a history of at most ``back`` tokens
+        reads past its end: its counts mean nothing)."""
+        histories = self.histories
+        start = (histories.lengths[history_rows].to(torch.int64) - back).clamp(min=1)
+        positions = (start.unsqueeze(1) + torch.arange(back, device=start.device)).clamp(max=histories.max_len)
+        return histories.buffer[history_rows.unsqueeze(1), positions]
+
     # -- the fused step -----------------------------------------------------------------------------
     def fused_functions(self, strategy):
         if self.persistent is None:

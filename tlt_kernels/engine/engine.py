@@ -59,6 +59,7 @@ from ..ops.verify_tree import verify_tree
 from ..runtime.strategy import Strategy
 from .backlog import DrafterBacklog
 from .capture import FeatureCapture
+from .counterfactual import counterfactual_scorer
 from .graphs import GraphReplay
 from .groups import sibling_table
 from .prefill import PrefillGraphs, check_prefill_lengths, check_prefill_max_tokens
@@ -225,6 +226,9 @@ class SpeculativeEngine:
         self.prefill_graphs = PrefillGraphs(target, self.cache, self.sink_table, self.graphs,
                                             check_prefill_lengths(prefill_lengths, max_seq_len),
                                             check_prefill_max_tokens(prefill_max_tokens))
+        # The counterfactual policy's counts (None for any other policy); they read the drafter's histories, so
+        # plain steps commit at once (no backlog).
+        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
         self.backlog = self._backlog(lazy_commit_steps)
         self.logprobs = bool(logprobs)
         target_step = TargetStep(target, self.cache, self.sink_table, backend, self.logprobs)
@@ -238,7 +242,8 @@ class SpeculativeEngine:
         """The stash of deferred plain steps (None: the drafter commits every step)."""
         if not _int(lazy_commit_steps, 0):
             raise ValueError(f"lazy_commit_steps must be an int >= 0, got {lazy_commit_steps!r}")
-        if lazy_commit_steps == 0 or not getattr(self.tree_drafter, "lazy_commit", False):
+        if (lazy_commit_steps == 0 or not getattr(self.tree_drafter, "lazy_commit", False)
+                or self.counterfactual is not None):
             return None
         return DrafterBacklog(self.max_batch_size, lazy_commit_steps, self.target.config.hidden_size,
                               self.target.dtype, self.device, getattr(self.tree_drafter, "commit_reads_hidden", True))
@@ -535,13 +540,16 @@ class SpeculativeEngine:
         if rollout.trace is not None:
             rollout.trace.append(probe_arms(self.step_runner, self.strategies, self.covers, inputs, self.device,
                                             lagging=rollout.lagging(rows)))
+        scored = None  # every drafting arm's counts, scored on the histories before this step (counterfactual policy)
+        if self.counterfactual is not None:
+            scored = self.counterfactual.stage(rows, rollout.lagging(rows), rollout.generated[rows])
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
         depth = strategy.num_steps if self.selector is not None else 0
         # emit, commit of the rollout's state, staging of the outcome (one Triton launch with step_kernel).
         start = rollout.generated[rows] if result.scores is not None else None  # a copy: emit advances generated
         emission, staged = rollout.finish_step(rows, result.emitted, num_accepted, result.error, result.context_lens,
-                                               rollout.eos_token_id, depth, list(rollout.active_rows))
+                                               rollout.eos_token_id, depth, list(rollout.active_rows), extra=scored)
         if start is not None:
             rollout.record_scores(rows, start, emission.counts, result.scores)
         self._commit(rollout, inputs, result, num_accepted, emission, deferred)
@@ -599,6 +607,10 @@ class SpeculativeEngine:
                                  counts.lagging_accepted_per_depth if lagging else counts.accepted_per_depth,
                                  accepted_rows=lagging, batch_progress=counts.progress,
                                  **self._running_rows(step, counts))
+            if counts.extra is not None:  # the arms the step did not run, scored on the histories
+                for arm, accepted, scored_rows in self.counterfactual.unpack(counts.extra):
+                    if arm != step.strategy:
+                        self.selector.observe_counterfactual(arm, batch_size, accepted, accepted_rows=scored_rows)
         record = StepLog(len(rollout.steps), batch_size, str(step.strategy), step.width, counts.emitted,
                          counts.emitted / batch_size, step_s, elapsed_s, step.replayed)
         rollout.steps.append(record)

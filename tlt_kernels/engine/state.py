@@ -40,12 +40,13 @@ class Emission(NamedTuple):
 class StagedCounts(NamedTuple):
     """A step's outcome on its way to the host: ``values`` (int64, pinned host memory on CUDA, written by a
     non-blocking copy), ``ready`` (a CUDA event recorded after the copy; None on the CPU), the step's ``rows``
-    (host list) and its per-depth ``depth``."""
+    (host list), its per-depth ``depth`` and how many ``extra`` values end the vector (the counterfactual counts)."""
 
     values: torch.Tensor
     ready: Any
     rows: List[int]
     depth: int
+    extra: int = 0
 
 
 class LaunchedStep(NamedTuple):
@@ -68,7 +69,8 @@ class StepCounts(NamedTuple):
     reached each depth) and ``progress`` (how far the step moved the batch's end: the live rows' most tokens left
     before it less the most any of them that did not finish has left after it; all three None when nobody asked)
     and, when asked for (``read_counts(per_row=True)``), ``row_tokens``: the tokens each of the step's rows committed,
-    its context's growth (accepted drafts + 1; 0 for a row that failed or had finished before)."""
+    its context's growth (accepted drafts + 1; 0 for a row that failed or had finished before); ``extra``: the values
+    staged after the outcome (:class:`~tlt_kernels.engine.counterfactual.CounterfactualScorer`'s), else None."""
 
     finished: List[bool]
     failed: List[bool]
@@ -81,6 +83,7 @@ class StepCounts(NamedTuple):
     lagging_accepted_per_depth: Optional[list] = None
     progress: Optional[int] = None
     row_tokens: Optional[List[int]] = None
+    extra: Optional[List[int]] = None
 
 
 def most_left(left: torch.Tensor, live: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -272,11 +275,11 @@ class RolloutState:
         return most_left(self.max_new_tokens[rows] - self.generated[rows], ~self.done[rows])
 
     def stage_counts(self, emission: Emission, num_accepted, new_context_lens, rows: List[int],
-                     depth: int) -> StagedCounts:
+                     depth: int, extra: Optional[torch.Tensor] = None) -> StagedCounts:
         """Start the step's one device-to-host transfer: everything the host needs, concatenated, copied without
         blocking into pinned memory (each blocking read stalls the CPU until the GPU drains, so the next step's
         launches could not overlap this step's kernels). :meth:`read_counts` waits for it. ``depth`` > 0 also
-        counts acceptance per draft depth."""
+        counts acceptance per draft depth; ``extra`` (int64) travels at the end."""
         live = ~emission.keep
         parts = [emission.finished.to(torch.int64), emission.failed.to(torch.int64),
                  emission.was_done.to(torch.int64), new_context_lens.to(torch.int64),
@@ -287,22 +290,26 @@ class RolloutState:
             parts.append((reached & live.unsqueeze(1)).sum(0))
             lagging = most_left(emission.left, live)
             parts += [lagging.sum().view(1), (reached & lagging.unsqueeze(1)).sum(0), end_progress(emission, live)]
-        return self._to_host(torch.cat(parts), rows, depth)
+        return self._to_host(torch.cat(parts), rows, depth, extra)
 
     @staticmethod
-    def _to_host(values: torch.Tensor, rows: List[int], depth: int) -> StagedCounts:
-        """Start copying the staging vector ``values`` (int64) to pinned host memory, non-blocking, and record an
-        event after it (CUDA); on the CPU it is already there."""
+    def _to_host(values: torch.Tensor, rows: List[int], depth: int,
+                 extra: Optional[torch.Tensor] = None) -> StagedCounts:
+        """Start copying the staging vector ``values`` (int64), then ``extra`` (int64, or None), to pinned host memory,
+        non-blocking, and record an event after it (CUDA); on the CPU it is already there."""
+        num_extra = 0
+        if extra is not None:
+            values, num_extra = torch.cat([values, extra]), extra.numel()
         if values.device.type != "cuda":
-            return StagedCounts(values, None, rows, depth)
+            return StagedCounts(values, None, rows, depth, num_extra)
         host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         host.copy_(values, non_blocking=True)
         ready = torch.cuda.Event(enable_timing=True)  # also the step's end on the GPU's clock (the step's time)
         ready.record()
-        return StagedCounts(host, ready, rows, depth)
+        return StagedCounts(host, ready, rows, depth, num_extra)
 
     def finish_step(self, rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth: int,
-                    active_rows: List[int], use_kernel: Optional[bool] = None):
+                    active_rows: List[int], use_kernel: Optional[bool] = None, extra: Optional[torch.Tensor] = None):
         """A step's bookkeeping once verify ran: :meth:`emit`, :meth:`commit` (rows in ``Emission.keep`` keep their
         state) and :meth:`stage_counts`, in that order; returns ``(Emission, StagedCounts)``. ``rows`` int64
         ``[b]`` (device), ``emitted`` int64 ``[b, T]``, ``num_accepted`` int64 ``[b]``, ``error`` bool or int
@@ -311,7 +318,8 @@ class RolloutState:
         ``use_kernel`` (default: the rollout's :attr:`step_kernel`; ``None`` there means on CUDA tensors; at most
         1024 rows, on a device the kernel runs on) does all three in one Triton launch
         (:func:`tlt_kernels.ops.rollout_step.rollout_step`; on the CPU only under Triton's interpreter), with the same
-        results. Neither path reads the device: the staging vector goes to the host by a non-blocking copy."""
+        results. Neither path reads the device: the staging vector goes to the host by a non-blocking copy, with
+        ``extra`` (int64, or None) at its end (:attr:`StepCounts.extra`)."""
         if use_kernel is None:
             # More rows than the kernel's one program holds (a shape: no device read), or a device it cannot run on:
             # the torch path.
@@ -321,12 +329,12 @@ class RolloutState:
             failed = error if error.dtype == torch.bool else error != 0
             emission = self.emit(rows, emitted, num_accepted, failed, eos_token_id)
             self.commit(rows, new_context_lens, emitted, num_accepted, emission.keep)
-            return emission, self.stage_counts(emission, num_accepted, new_context_lens, active_rows, depth)
+            return emission, self.stage_counts(emission, num_accepted, new_context_lens, active_rows, depth, extra)
         out = rollout_step(rows, emitted, num_accepted, error, new_context_lens, eos_token_id, depth,
                            self.output_tokens, self.generated, self.max_new_tokens, self.done, self.context_lens,
                            self.offsets, self.root_tokens, *(self.step_blocks or ()))
         emission = Emission(out.counts, out.finished, out.failed, out.was_done, out.keep)
-        return emission, self._to_host(out.values, active_rows, depth)
+        return emission, self._to_host(out.values, active_rows, depth, extra)
 
     def read_counts(self, staged: StagedCounts, per_row: bool = False) -> StepCounts:
         """The host's copy of a staged step's outcome (waits for that step's transfer only). Also updates
@@ -335,6 +343,9 @@ class RolloutState:
         if staged.ready is not None:
             staged.ready.synchronize()
         host = staged.values.tolist()
+        extra = None
+        if staged.extra:
+            host, extra = host[:-staged.extra], host[-staged.extra:]
         b = len(staged.rows)
         finished, failed, was_done = ([bool(v) for v in host[k * b:(k + 1) * b]] for k in range(3))
         new_lens = host[3 * b: 4 * b]
@@ -345,10 +356,11 @@ class RolloutState:
         emitted, tried, generated = host[4 * b: 4 * b + 3]
         depth = staged.depth
         if depth == 0:
-            return StepCounts(finished, failed, was_done, emitted, tried, generated, None, row_tokens=row_tokens)
+            return StepCounts(finished, failed, was_done, emitted, tried, generated, None, row_tokens=row_tokens,
+                              extra=extra)
         lagging = host[4 * b + 3 + depth: 4 * b + 5 + 2 * depth]
         return StepCounts(finished, failed, was_done, emitted, tried, generated, host[4 * b + 3: 4 * b + 3 + depth],
-                          lagging[0], lagging[1:-1], lagging[-1], row_tokens)
+                          lagging[0], lagging[1:-1], lagging[-1], row_tokens, extra)
 
     def _row_tokens(self, rows: List[int], was_done: List[bool], new_lens: List[int]) -> List[int]:
         """Each row's context growth at a step whose new context lengths are ``new_lens`` (read in step order, so
