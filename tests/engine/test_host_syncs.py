@@ -275,6 +275,21 @@ def test_one_host_read_per_step_with_a_forecast(target, monkeypatch, fuse):
         assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i}: {dict(reads)}"
 
 
+@pytest.mark.parametrize("fuse", [None, True], ids=["eager", "fused"])
+def test_one_host_read_per_step_with_the_counterfactual_policy(target, monkeypatch, fuse):
+    """Every drafting arm's counterfactual counts add no read: they are staged at the end of the step's one
+    transfer (tlt_kernels/engine/counterfactual.py)."""
+    pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1) if fuse else None
+    selector = StrategySelector([Strategy(2, 1, 3), Strategy(4, 1, 5), Strategy(3, 2, 7)], policy="counterfactual")
+    eng = SpeculativeEngine(target, "ngram", selector, pool, max_batch_size=8, max_seq_len=64, fuse_step=bool(fuse))
+    if pool is not None:
+        eng.capture_graphs([2, 8])
+    out, per_step = count_step_reads(eng, monkeypatch)
+    assert selector.policy.counterfactuals > 0
+    for i, reads in enumerate(per_step):
+        assert sum(reads.values()) <= MAX_READS_PER_STEP, f"step {i}: {dict(reads)}"
+
+
 def out_token(target) -> int:
     """A token the tiny target emits often (so EOS does stop some requests)."""
     ref = reference_generate(target, PROMPTS, 8)
