@@ -194,6 +194,13 @@ SELECTOR_FORECAST_FLAG = Flag(
     "(docs/RUNTIME.md, \"The forecast\")", bool)
 
 
+SELECTOR_COUNTERFACTUAL_FLAG = Flag(
+    "--selector-counterfactual", True, "also run the n-gram engine with the counterfactual policy "
+    "(StrategySelector(policy='counterfactual'): every arm's drafts scored at every step, the arm of the best mean "
+    "tokens per second played), named `ngram adaptive [counterfactual]`, cold and warm (docs/RUNTIME.md, \"The "
+    "counterfactual policy\"); --no-selector-counterfactual: skip them", bool)
+
+
 def prefill_buckets(lengths: Sequence[int], capacity: int) -> Tuple[int, ...]:
     """``lengths`` with each bucket past ``capacity`` (an engine's ``max_seq_len``) cut to it: such a bucket holds
     any prompt the engine can take."""

@@ -28,6 +28,8 @@ Rows per workload (greedy, or sampled at ``--temperature``; each after an untime
 * ``ngram adaptive``: the StrategySelector over those arms, cold (a fresh selector; on the GPU with its start-up
   cost table from ``measure_cost_table``); ``ngram adaptive (warm)`` keeps the selector of a previous rollout over
   the next prompts of the cycle, as RL training keeps it from one step to the next;
+* ``ngram adaptive [counterfactual]`` (and ``(warm)``): the same engine with the counterfactual policy, which the
+  engine feeds every arm's drafts scored at every step (``--no-selector-counterfactual``: skipped);
 * ``eagle off``, ``eagle <arm>``, ``eagle adaptive``, ``eagle adaptive (warm)``: the same with the EAGLE drafter of
   ``--eagle-checkpoint`` (without one a note says so).
 
@@ -81,8 +83,9 @@ import torch
 
 from tlt_kernels.engine.probe import synced_seconds
 
-from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_FORECAST_FLAG, SELECTOR_LOSS_BUDGET_FLAG, SELECTOR_MIN_GAIN_FLAG,
-                     Flag, int_list, non_negative_int, positive_int, prefill_buckets, str_list, values)
+from ..flags import (PREFILL_LENGTHS_FLAG, SELECTOR_COUNTERFACTUAL_FLAG, SELECTOR_FORECAST_FLAG,
+                     SELECTOR_LOSS_BUDGET_FLAG, SELECTOR_MIN_GAIN_FLAG, Flag, int_list, non_negative_int, positive_int,
+                     prefill_buckets, str_list, values)
 from ..jit_compiles import CompileCounter
 
 SUITE = "rollout"
@@ -132,6 +135,7 @@ FLAGS = (
     SELECTOR_MIN_GAIN_FLAG,
     SELECTOR_LOSS_BUDGET_FLAG,
     SELECTOR_FORECAST_FLAG,
+    SELECTOR_COUNTERFACTUAL_FLAG,
     Flag("--interleave", True, "build every engine first, then run each workload's repeats round the engines (A, B, "
          "C, A, B, C, ...) so the machine's drift lands on every row alike; --no-interleave: one engine at a time "
          "(one KV cache and graph set in memory)", bool),
@@ -745,6 +749,9 @@ class RolloutRun:
             if self.p.selector_forecast and budget is not None:
                 forecast = self._selector_factory(eng, config, table, budget, forecast=True)
                 out += self._cold_and_warm(eng, f"{config.name} [budget {budget}, forecast]", forecast)
+        if self.p.selector_counterfactual and config.drafter == "ngram":  # the drafter that scores arms for free
+            out += self._cold_and_warm(eng, f"{config.name} [counterfactual]",
+                                       self._selector_factory(eng, config, table, None, counterfactual=True))
         return out
 
     def _cold_and_warm(self, eng, name: str, fresh) -> List[Tuple[str, Any]]:
@@ -783,13 +790,18 @@ class RolloutRun:
             self.ctx.note(f"{config.name}: no start-up cost table ({type(exc).__name__}: {exc})")
             return None
 
-    def _selector_factory(self, eng, config: EngineConfig, table, budget: Optional[float], forecast: bool = False):
+    def _selector_factory(self, eng, config: EngineConfig, table, budget: Optional[float], forecast: bool = False,
+                          counterfactual: bool = False):
         """A new adaptive selector per call, sharing the start-up cost table ``table`` (None: online estimates only),
-        with loss budget ``budget`` and, with ``forecast``, the requests' acceptance forecast."""
+        with loss budget ``budget`` and, with ``forecast``, the requests' acceptance forecast; ``counterfactual``:
+        the counterfactual policy instead of the cost policy (the engine feeds it every arm's counts)."""
         from tlt_kernels.runtime import StrategySelector
         from tlt_kernels.runtime.forecast import AcceptanceForecast
 
         # available: only (arm, batch size) pairs with a captured graph (all of them when eager)
+        if counterfactual:
+            return lambda: StrategySelector(config.arms, policy="counterfactual", seed=0, cost_table=table,
+                                            available=eng.covers, loss_budget=budget)
         return lambda: StrategySelector(config.arms, seed=0, cost_table=table, available=eng.covers,
                                         min_gain=self.p.selector_min_gain, loss_budget=budget,
                                         forecast=AcceptanceForecast() if forecast else None)

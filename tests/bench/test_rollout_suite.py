@@ -16,8 +16,9 @@ from bench.suites import rollout  # noqa: E402  (after the skip: the suite's mod
 from conftest import tiny_transformers_directory  # noqa: E402
 
 SMALL_ARMS = ("s2k1v3", "s4k1v5", "s3k2v6")
-ENGINE_IMPLS = {"plain"} | {f"{drafter} {arm}" for drafter in ("ngram", "eagle")
-                            for arm in ("off",) + SMALL_ARMS + ("adaptive", "adaptive (warm)")}
+ENGINE_IMPLS = ({"plain"} | {f"{drafter} {arm}" for drafter in ("ngram", "eagle")
+                             for arm in ("off",) + SMALL_ARMS + ("adaptive", "adaptive (warm)")}
+                | {"ngram adaptive [counterfactual]", "ngram adaptive [counterfactual] (warm)"})
 
 
 def _run(argv, out_dir=None):
@@ -114,7 +115,9 @@ def test_model_file_directory_runs_the_chat_template_path(tmp_path):
     assert res.status == "ok", res.data["error"]
     rows = res.data["rows"]
     assert {r["impl"] for r in rows} == {"plain", "hf-eager", "ngram off", "ngram s2k1v3", "ngram adaptive",
-                                         "ngram adaptive (warm)", "plain step", "ngram off step", "ngram s2k1v3 step"}
+                                         "ngram adaptive (warm)", "ngram adaptive [counterfactual]",
+                                         "ngram adaptive [counterfactual] (warm)", "plain step", "ngram off step",
+                                         "ngram s2k1v3 step"}
     assert all(r["greedy_identical"] for r in rows if r["case"]["workload"] == "uniform" and r["impl"] != "hf-eager")
     assert any("chat-template prompts" in n and "4 prompts" in n for n in res.data["notes"])
 
@@ -279,8 +282,8 @@ def test_write_traces_records_every_adaptive_rollout_for_the_selector_suite(tmp_
 
 
 def test_selector_min_gain_reaches_every_adaptive_selector(monkeypatch):
-    """--selector-min-gain sets CostModelPolicy(min_gain=) of every adaptive selector the suite builds (cold and
-    warm); a value outside [0, 1] is refused, naming the flag."""
+    """--selector-min-gain sets CostModelPolicy(min_gain=) of every cost-policy selector the suite builds (cold and
+    warm; the counterfactual rows' policy has no margin); a value outside [0, 1] is refused, naming the flag."""
     import tlt_kernels.runtime as runtime_module
 
     gains = []
@@ -289,7 +292,8 @@ def test_selector_min_gain_reaches_every_adaptive_selector(monkeypatch):
     class Recording(original):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            gains.append(self.policy.min_gain)
+            if self.policy.name == "cost":
+                gains.append(self.policy.min_gain)
 
     monkeypatch.setattr(runtime_module, "StrategySelector", Recording)
     res = _run(["--selector-min-gain", "0.04", "--drafters", "ngram", "--batches", "2", "--tail-batch", "0",
@@ -324,6 +328,31 @@ def test_selector_loss_budget_adds_rows_per_budget(monkeypatch):
     assert set(budgets) == {0.02, None} and budgets.count(None) >= 2, budgets
     with pytest.raises(SystemExit):
         _run(["--selector-loss-budget", "1"])
+
+
+def test_the_counterfactual_rows_run_the_counterfactual_policy_fed_by_the_engine(monkeypatch):
+    """``ngram adaptive [counterfactual]`` (cold and warm, n-gram only): selectors of the counterfactual policy, which
+    the engine feeds (they hear counterfactual counts); --no-selector-counterfactual drops the rows."""
+    import tlt_kernels.runtime as runtime_module
+
+    made = []
+    original = runtime_module.StrategySelector
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(runtime_module, "StrategySelector", Recording)
+    args = ["--drafters", "ngram", "--batches", "2", "--tail-batch", "0", "--no-hf-eager", "--step-batches", "2"]
+    res = _run(args)
+    assert res.status == "ok", res.data["error"]
+    impls = {r["impl"] for r in res.data["rows"]}
+    assert {"ngram adaptive [counterfactual]", "ngram adaptive [counterfactual] (warm)"} <= impls, impls
+    heard = [s.policy.counterfactuals for s in made if s.policy.name == "counterfactual"]
+    assert heard and all(n > 0 for n in heard), heard
+    res = _run(args + ["--no-selector-counterfactual"])
+    assert not any("counterfactual" in r["impl"] for r in res.data["rows"])
 
 
 def test_selector_forecast_adds_a_forecast_row_per_budgeted_row(monkeypatch):

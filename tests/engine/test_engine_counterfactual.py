@@ -140,3 +140,19 @@ def test_gpu_the_counterfactual_engine_with_captured_step_graphs():
         assert out.tokens[b] == reference.tokens[b, :n].tolist()
     assert all(s.graph for s in out.steps) and engine.graph_pool.stats()["misses"] == 0
     assert selector.policy.counterfactuals > 0
+
+
+def test_a_counterfactual_selector_set_after_construction_is_fed(target):
+    """The rollout suite swaps selectors on one engine: the scorer is resolved at each generate, and an engine built
+    with a backlog (the cost policy's deferred plain commits) defers nothing while the counterfactual policy runs."""
+    prompts = ragged_prompts(len(MAX_NEW), seed=0, first=6, step=2)
+    engine = SpeculativeEngine(target, "ngram", StrategySelector(ARMS, seed=0), max_batch_size=8, max_seq_len=64)
+    assert engine.backlog is not None and engine.counterfactual is None
+    engine.selector = StrategySelector(ARMS, policy="counterfactual", seed=0)
+    out = engine.generate(prompts, MAX_NEW)
+    assert engine.counterfactual is not None and engine.selector.policy.counterfactuals > 0
+    reference = reference_generate(target, prompts, max(MAX_NEW))
+    assert all(out.tokens[b] == reference.tokens[b, :n].tolist() for b, n in enumerate(MAX_NEW))
+    engine.selector = StrategySelector(ARMS, seed=0)
+    engine.generate(prompts[:2], [4, 3])
+    assert engine.counterfactual is None

@@ -226,8 +226,9 @@ class SpeculativeEngine:
         self.prefill_graphs = PrefillGraphs(target, self.cache, self.sink_table, self.graphs,
                                             check_prefill_lengths(prefill_lengths, max_seq_len),
                                             check_prefill_max_tokens(prefill_max_tokens))
-        # The counterfactual policy's counts (None for any other policy); they read the drafter's histories, so
-        # plain steps commit at once (no backlog).
+        # The counterfactual policy's counts (None for any other policy; resolved again at each generate, for a
+        # selector set since); they read the drafter's histories, so plain steps commit at once: an engine built for
+        # the policy keeps no backlog, and one that has a backlog defers nothing while the policy runs.
         self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
         self.backlog = self._backlog(lazy_commit_steps)
         self.logprobs = bool(logprobs)
@@ -380,6 +381,8 @@ class SpeculativeEngine:
         block_table, _ = self.cache.allocate(prompt_tokens.shape[0], self.slots_per_request)
         if self.selector is not None:  # the longest request's budget: the loss budget's horizon
             self.selector.new_rollout(max_tokens=max(max_new))
+        # The selector may have been replaced since the last rollout: its policy decides whether steps score arms.
+        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
         rollout = None
         try:
             rollout = self._start(prompt_tokens, prompt_lens, lens_host, max_new, block_table, sampling, eos_token_id)
@@ -530,8 +533,10 @@ class SpeculativeEngine:
         strategy = self.static if self.selector is None else self.selector.select(batch_size)
         if self.spot_trainer is not None:
             self.tree_drafter.load_published(self.spot_trainer.holder)
-        # A plain step defers the drafter's commit (trace probes draft from the live state: never then).
-        deferred = self.backlog is not None and rollout.trace is None and self.tree_drafter.tree_width(strategy) == 1
+        # A plain step defers the drafter's commit (trace probes and the counterfactual scorer read the live
+        # histories: never then).
+        deferred = (self.backlog is not None and rollout.trace is None and self.counterfactual is None
+                    and self.tree_drafter.tree_width(strategy) == 1)
         if self.backlog is not None and self.backlog.size and (self.backlog.full or not deferred):
             self._catch_up(rollout)
         inputs = StepInputs(rows, rollout.active_block_table(), rollout.context_lens[rows], rollout.root_tokens[rows],
