@@ -687,9 +687,11 @@ class RolloutRun:
         selector = (StrategySelector(config.arms, seed=0, min_gain=self.p.selector_min_gain,
                                      loss_budget=self.loss_budgets()[0]) if config.adaptive else config.arms[0])
         t0 = time.perf_counter()
+        counterfactual = config.adaptive and config.drafter == "ngram" and self.p.selector_counterfactual
         eng = SpeculativeEngine(self.models.ours, drafter, selector, GraphPool() if self.cuda else None,
                                 max_batch_size=self.max_batch, max_seq_len=self.max_seq,
-                                fuse_step=self.cuda, prefill_lengths=self.prefill_lengths)
+                                fuse_step=self.cuda, prefill_lengths=self.prefill_lengths,
+                                counterfactual_graphs=counterfactual)
         if self.cuda:
             stats = eng.capture_graphs(self.graph_sizes)
             if eng.graph_error:

@@ -82,7 +82,7 @@ def test_the_scorer_counts_the_drafts_of_the_history_before_its_last_tokens():
 class _Spy(StrategySelector):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.played, self.told = [], []
+        self.played, self.told, self.counts = [], [], []
 
     def update(self, strategy, *args, **kwargs):
         self.played.append(strategy)
@@ -91,6 +91,7 @@ class _Spy(StrategySelector):
 
     def observe_counterfactual(self, strategy, *args, **kwargs):
         self.told[-1].append(strategy)
+        self.counts.append((strategy, args, kwargs))
         super().observe_counterfactual(strategy, *args, **kwargs)
 
 
@@ -98,12 +99,20 @@ class _Spy(StrategySelector):
 def test_an_engine_feeding_the_counterfactual_policy_matches_plain_decoding(target, fuse):
     """Greedy output is plain decoding's; the selector hears every drafting arm but the played one after its steps;
     plain steps commit at once (no backlog: the scorer reads the histories)."""
+    assert _counterfactual_run(target, fuse)
+
+
+def _counterfactual_run(target, fuse: bool) -> list:
+    """One checked rollout of an engine with the counterfactual policy; the counts its selector heard."""
     prompts = ragged_prompts(len(MAX_NEW), seed=0, first=6, step=2)
-    selector = _Spy(ARMS, policy="counterfactual", seed=0)
+    # A start-up table: the policy's step times are its (measured ones would make its choices the host clock's).
+    table = {s: [(1, 1e-3 * (1 + 0.1 * s.num_steps))] for s in [Strategy.off()] + ARMS}
+    selector = _Spy(ARMS, policy="counterfactual", seed=0, cost_table=table)
     pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1) if fuse else None
     engine = SpeculativeEngine(target, "ngram", selector, pool, max_batch_size=8, max_seq_len=64, fuse_step=fuse)
     if fuse:
         engine.capture_graphs([2, 8])
+        assert engine.graphs.registered(CounterfactualScorer.GRAPH) and engine.counterfactual is engine._captured_scorer
     assert engine.backlog is None and engine.counterfactual is not None
     out = engine.generate(prompts, MAX_NEW)
     reference = reference_generate(target, prompts, max(MAX_NEW))
@@ -113,6 +122,12 @@ def test_an_engine_feeding_the_counterfactual_policy_matches_plain_decoding(targ
     for played, told in zip(selector.played, selector.told):
         assert played not in told and len(told) == len(set(told))
     assert any(len(told) == len(ARMS) for told in selector.told)  # a plain step hears every drafting arm
+    return selector.counts
+
+
+def test_the_captured_scorer_counts_as_the_eager_one(target):
+    """A fused engine replays the scorer's graph (padded rows add nothing): the same counts as separate steps."""
+    assert _counterfactual_run(target, True) == _counterfactual_run(target, False)
 
 
 def test_the_counterfactual_policy_needs_a_drafter_that_scores_for_free(target):
@@ -140,6 +155,24 @@ def test_gpu_the_counterfactual_engine_with_captured_step_graphs():
         assert out.tokens[b] == reference.tokens[b, :n].tolist()
     assert all(s.graph for s in out.steps) and engine.graph_pool.stats()["misses"] == 0
     assert selector.policy.counterfactuals > 0
+
+
+def test_the_scorer_graph_is_captured_only_where_asked(target):
+    """A fused n-gram engine captures the scorer with a counterfactual selector or ``counterfactual_graphs``, and only
+    then (other engines keep their graph memory); a counterfactual selector set later reuses it."""
+    def engine(selector, **kwargs):
+        pool = GraphPool(backend=FakeGraphBackend(lambda key: 0), warmup_iters=1)
+        eng = SpeculativeEngine(target, "ngram", selector, pool, max_batch_size=8, max_seq_len=64, fuse_step=True,
+                                **kwargs)
+        eng.capture_graphs([2, 8])
+        return eng
+
+    assert not engine(StrategySelector(ARMS)).graphs.registered(CounterfactualScorer.GRAPH)
+    later = engine(StrategySelector(ARMS), counterfactual_graphs=True)
+    assert later.graphs.registered(CounterfactualScorer.GRAPH)
+    later.selector = StrategySelector(ARMS, policy="counterfactual")
+    later.generate(ragged_prompts(2, seed=0, first=6, step=2), [6, 4])
+    assert later.counterfactual is later._captured_scorer and later.selector.policy.counterfactuals > 0
 
 
 def test_a_counterfactual_selector_set_after_construction_is_fed(target):

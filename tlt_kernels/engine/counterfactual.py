@@ -45,25 +45,47 @@ class CounterfactualScorer:
         strategies: the selector's arms; the drafting ones are scored, in this order.
     """
 
+    #: the CUDA graph of :meth:`row_scores` (fused n-gram engines capture it per batch size: :meth:`graph_spec`)
+    GRAPH = ("counterfactual scores",)
+
     def __init__(self, drafter, strategies: Sequence):
         self.drafter = drafter
         self.arms = [s for s in strategies if s.num_steps]
         self.size = sum(1 + s.num_steps for s in self.arms)  # per arm: the rows counted, then each depth's count
 
-    def stage(self, rows: torch.Tensor, lagging: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
-        """``int64 [size]``: per arm, the lagging rows scored and how many of them reach each depth. ``rows`` int64
-        ``[b]`` the running rows (their histories' rows), ``lagging`` bool ``[b]``, ``generated`` int64 ``[b]`` their
-        tokens so far (a row is scored once its last ``num_steps`` tokens all follow the prompt)."""
+    def row_scores(self, rows: torch.Tensor, lagging: torch.Tensor, generated: torch.Tensor):
+        """``(int64 [b, size],)``: each row's share of :meth:`stage`'s vector (per arm: whether it is scored, then
+        whether it reaches each depth). Fixed shapes, device ops only: capturable."""
         parts = []
         for arm in self.arms:
             back = arm.num_steps
             tree = self.drafter.propose_earlier(arm, rows, back)
-            reach = tree_reach(tree.tokens, tree.parents, tree.num_nodes,
-                               self.drafter.recent_tokens(rows, back))
+            reach = tree_reach(tree.tokens, tree.parents, tree.num_nodes, self.drafter.recent_tokens(rows, back))
             scored = lagging & (generated > back)
             depths = torch.arange(1, back + 1, device=reach.device)
-            parts += [scored.sum().view(1), ((reach.unsqueeze(1) >= depths) & scored.unsqueeze(1)).sum(0)]
-        return torch.cat(parts).to(torch.int64)
+            parts += [scored.unsqueeze(1), (reach.unsqueeze(1) >= depths) & scored.unsqueeze(1)]
+        return (torch.cat(parts, 1).to(torch.int64),)
+
+    def stage(self, rows: torch.Tensor, lagging: torch.Tensor, generated: torch.Tensor, graphs=None) -> torch.Tensor:
+        """``int64 [size]``: per arm, the lagging rows scored and how many of them reach each depth. ``rows`` int64
+        ``[b]`` the running rows (their histories' rows), ``lagging`` bool ``[b]``, ``generated`` int64 ``[b]`` their
+        tokens so far (a row is scored once its last ``num_steps`` tokens all follow the prompt). ``graphs`` (the
+        engine's :class:`~tlt_kernels.engine.graphs.GraphReplay`, or None): replay :data:`GRAPH` where captured."""
+        name = self.GRAPH if graphs is not None and graphs.registered(self.GRAPH) else None
+        inputs = [rows, lagging, generated]
+        if graphs is None:
+            return self.row_scores(*inputs)[0].sum(0)
+        outputs, _ = graphs.call(name, self.row_scores, inputs, rows.shape[0])
+        return outputs[0].sum(0)  # padding rows are not lagging: they add nothing
+
+    def graph_spec(self, padding_row: int, device):
+        """``(name, fn, example_inputs)`` of :data:`GRAPH` for ``GraphPool.add``: padding rows read history row
+        ``padding_row`` and are not lagging."""
+        def example_inputs(batch_size: int):
+            return [torch.full((batch_size,), padding_row, dtype=torch.int64, device=device),
+                    torch.zeros(batch_size, dtype=torch.bool, device=device),
+                    torch.zeros(batch_size, dtype=torch.int64, device=device)]
+        return self.GRAPH, self.row_scores, example_inputs
 
     def unpack(self, values: Sequence[int]) -> List[Tuple[object, List[int], int]]:
         """``(arm, accepted_per_position, rows)`` of every arm with rows scored, from the host's copy of
@@ -77,12 +99,15 @@ class CounterfactualScorer:
         return out
 
 
-def counterfactual_scorer(selector, drafter) -> Optional[CounterfactualScorer]:
+def counterfactual_scorer(selector, drafter, captured: Optional[CounterfactualScorer] = None
+                          ) -> Optional[CounterfactualScorer]:
     """The scorer an engine needs: one where ``selector``'s policy learns from counterfactuals, else None; a
-    ValueError where that policy meets a drafter that cannot score arms it does not run."""
+    ValueError where that policy meets a drafter that cannot score arms it does not run. ``captured``: the scorer
+    whose graphs the engine captured, returned when it scores the same arms."""
     if selector is None or not isinstance(getattr(selector, "policy", None), CounterfactualPolicy):
         return None
     if not hasattr(drafter, "propose_earlier"):
         raise ValueError(f"the counterfactual policy needs a drafter that scores every arm's drafts for free (the "
                          f"n-gram drafter); got {type(drafter).__name__}: use policy='cost' with it")
-    return CounterfactualScorer(drafter, selector.strategies)
+    scorer = CounterfactualScorer(drafter, selector.strategies)
+    return captured if captured is not None and captured.arms == scorer.arms else scorer

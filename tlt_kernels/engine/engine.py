@@ -59,7 +59,7 @@ from ..ops.verify_tree import verify_tree
 from ..runtime.strategy import Strategy
 from .backlog import DrafterBacklog
 from .capture import FeatureCapture
-from .counterfactual import counterfactual_scorer
+from .counterfactual import CounterfactualScorer, counterfactual_scorer
 from .graphs import GraphReplay
 from .groups import sibling_table
 from .prefill import PrefillGraphs, check_prefill_lengths, check_prefill_max_tokens
@@ -172,6 +172,10 @@ class SpeculativeEngine:
             union), plain steps leave the drafter alone and join a backlog (:mod:`tlt_kernels.engine.backlog`); the
             drafter learns the backlog as one path before its next draft, or after this many plain steps. A plain
             step then costs about what plain decoding's does. 0: the drafter commits every step.
+        counterfactual_graphs: with ``fuse_step`` and the n-gram drafter, :meth:`capture_graphs` also captures the
+            counterfactual scorer of the engine's arms (:mod:`tlt_kernels.engine.counterfactual`), for a selector of
+            the counterfactual policy set after the capture. On whenever the selector's policy is counterfactual at
+            the capture; without the graphs, that policy's scoring runs eagerly.
     """
 
     def __init__(self, target, drafter=None, selector=None, graph_pool=None, *, max_batch_size: int = 256,
@@ -180,7 +184,8 @@ class SpeculativeEngine:
                  overlap_steps: bool = True, step_kernel: Optional[bool] = None, logprobs: bool = False,
                  lazy_commit_steps: int = 32, spot_switch_interval_s: Optional[float] = 2e-4,
                  prioritize_rollout: bool = True, prefill_lengths: Sequence[int] = (),
-                 prefill_max_tokens: int = 32768, spot_overlap_steps: bool = False):
+                 prefill_max_tokens: int = 32768, spot_overlap_steps: bool = False,
+                 counterfactual_graphs: bool = False):
         _check_sizes(max_batch_size, max_seq_len, block_size, backend)
         self.target = target
         self.device = target.device
@@ -230,6 +235,8 @@ class SpeculativeEngine:
         # selector set since); they read the drafter's histories, so plain steps commit at once: an engine built for
         # the policy keeps no backlog, and one that has a backlog defers nothing while the policy runs.
         self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
+        self.counterfactual_graphs = bool(counterfactual_graphs)
+        self._captured_scorer = None  # the scorer whose graphs capture_graphs captured (fused n-gram engines)
         self.backlog = self._backlog(lazy_commit_steps)
         self.logprobs = bool(logprobs)
         target_step = TargetStep(target, self.cache, self.sink_table, backend, self.logprobs)
@@ -290,7 +297,22 @@ class SpeculativeEngine:
         self.step_runner.register_graphs(self.strategies, self.widths, sizes)
         if self.backlog is not None:
             self.step_runner.register_drafter_graphs([], self.backlog.widths, sizes)
+        self._register_scorer_graphs(sizes)
         self.prefill_graphs.register(sizes, self.tree_drafter)
+
+    def _register_scorer_graphs(self, sizes) -> None:
+        """The counterfactual scorer of the engine's arms, where the engine scores them (a counterfactual selector,
+        or ``counterfactual_graphs``) and its n-gram histories sit at fixed addresses (fused steps)."""
+        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
+        sink = getattr(self.tree_drafter, "sink_row", None)
+        wanted = self.counterfactual is not None or self.counterfactual_graphs
+        if not (wanted and self.fuse_step and sink is not None and hasattr(self.tree_drafter, "propose_earlier")):
+            return
+        scorer = self.counterfactual or CounterfactualScorer(self.tree_drafter, self.strategies)
+        if scorer.arms and not self.graphs.registered(scorer.GRAPH):
+            name, fn, example_inputs = scorer.graph_spec(sink, self.device)
+            self.graph_pool.add(name, fn, sizes, example_inputs)
+            self._captured_scorer = scorer
 
     def covers(self, strategy: Strategy, batch_size: int) -> bool:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""
@@ -382,7 +404,7 @@ class SpeculativeEngine:
         if self.selector is not None:  # the longest request's budget: the loss budget's horizon
             self.selector.new_rollout(max_tokens=max(max_new))
         # The selector may have been replaced since the last rollout: its policy decides whether steps score arms.
-        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
+        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter, self._captured_scorer)
         rollout = None
         try:
             rollout = self._start(prompt_tokens, prompt_lens, lens_host, max_new, block_table, sampling, eos_token_id)
@@ -547,7 +569,7 @@ class SpeculativeEngine:
                                             lagging=rollout.lagging(rows)))
         scored = None  # every drafting arm's counts, scored on the histories before this step (counterfactual policy)
         if self.counterfactual is not None:
-            scored = self.counterfactual.stage(rows, rollout.lagging(rows), rollout.generated[rows])
+            scored = self.counterfactual.stage(rows, rollout.lagging(rows), rollout.generated[rows], self.graphs)
         result = self.step_runner.run(strategy, inputs)
         num_accepted = result.num_accepted.to(torch.int64)
         depth = strategy.num_steps if self.selector is not None else 0
