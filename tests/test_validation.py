@@ -1,4 +1,5 @@
 """The shared input checks: device comparison and the contiguity boundary."""
+import pytest
 import torch
 
 from tlt_kernels import _validation
@@ -56,3 +57,14 @@ def test_wrapped_counts_are_out_of_range_not_plausible():
     with pytest.raises(ValueError, match="context_lens"):
         tlt.plan_tree_attention(parents, torch.tensor([2**32 + 5]), torch.zeros(1, 4, dtype=torch.int32),
                                 num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16, num_blocks=4)
+
+
+def test_check_real_takes_finite_numbers_in_range_and_names_the_argument():
+    from tlt_kernels._validation import check_real
+
+    assert check_real("Where", "x", 3, 1.0) == 3.0 and check_real("Where", "x", 0.5, 0.0, 1.0) == 0.5
+    for value, kw in [(0.0, dict(low=0.0, strict=True)), (1.5, dict(low=0.0, high=1.0)), (True, dict(low=0.0)),
+                      (float("inf"), dict(low=0.0)), (float("nan"), dict(low=0.0)), ("1", dict(low=0.0)),
+                      (-1, dict(low=0.0))]:
+        with pytest.raises(ValueError, match="Where: x must be a finite number"):
+            check_real("Where", "x", value, **kw)

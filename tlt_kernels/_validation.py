@@ -1,6 +1,7 @@
 """Input checks shared by every op. Messages name the argument, what was expected and what came."""
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Iterable, Optional, Sequence, Union
 
@@ -147,6 +148,17 @@ def check_unit_last_stride(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
     return t
+
+
+def check_real(where: str, name: str, value, low: float, high: float = math.inf, strict: bool = False) -> float:
+    """``value`` as a finite float in ``[low, high]`` (``low`` itself refused if ``strict``), or a ValueError naming
+    ``where`` and ``name`` (a bool is not a number)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low) or value > high:
+        upper = f" and <= {high}" if high < math.inf else ""
+        raise ValueError(f"{where}: {name} must be a finite number {'>' if strict else '>='} {low}{upper}, "
+                         f"got {value!r}")
+    return float(value)
 
 
 def check_float(name: str, value) -> float:

@@ -31,6 +31,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .._validation import check_real
+
 # Pseudo-steps of the pooled rate in a request's forecast: after a handful of its own steps, a request's rate
 # dominates (values chosen on the selector suite's static batches: docs/RUNTIME.md, "The forecast").
 DEFAULT_SHRINK = 4.0
@@ -38,15 +40,7 @@ DEFAULT_SHRINK = 4.0
 DEFAULT_CONFIDENCE = -0.3
 # The gain over plain decoding a forecast must show before it overrides (step times are medians of noisy steps).
 DEFAULT_MARGIN = 0.05
-
-
-def _check(name: str, value, low: float, strict: bool = False) -> float:
-    """``value`` as a finite float ``>= low`` (``> low`` if ``strict``), or a ValueError naming ``name``."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low):
-        raise ValueError(f"AcceptanceForecast: {name} must be a finite number {'>' if strict else '>='} {low}, "
-                         f"got {value!r}")
-    return float(value)
+_WHERE = "AcceptanceForecast"
 
 
 class AcceptanceForecast:
@@ -61,9 +55,9 @@ class AcceptanceForecast:
 
     def __init__(self, shrink: float = DEFAULT_SHRINK, confidence: float = DEFAULT_CONFIDENCE,
                  margin: float = DEFAULT_MARGIN):
-        self.shrink = _check("shrink", shrink, 0.0, strict=True)  # > 0: a request not yet drafted is the pool
-        self.confidence = _check("confidence", confidence, -math.inf)
-        self.margin = _check("margin", margin, 0.0)
+        self.shrink = check_real(_WHERE, "shrink", shrink, 0.0, strict=True)  # > 0: a request not yet drafted is the pool
+        self.confidence = check_real(_WHERE, "confidence", confidence, -math.inf)
+        self.margin = check_real(_WHERE, "margin", margin, 0.0)
         self.depths: List[int] = []
         self.overrides = 0  # plain choices replaced by a forecast arm, over the forecast's life
 

@@ -31,20 +31,14 @@ policy for a drafter that cannot score its drafts for free (EAGLE runs a forward
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Sequence
 
+from ..._validation import check_real
 from .base import Policy
 from .cost_table import CostTable
 from .step_time_model import StepTimeModel
 
-
-def _check_number(name: str, value, low: float, high: float = math.inf) -> float:
-    """``value`` as a float in ``[low, high]``, or a ValueError naming ``name``."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value <= high
-    if not ok:
-        raise ValueError(f"CounterfactualPolicy: {name} must be a number in [{low}, {high}], got {value!r}")
-    return float(value)
+_WHERE = "CounterfactualPolicy"
 
 
 class CounterfactualPolicy(Policy):
@@ -66,14 +60,12 @@ class CounterfactualPolicy(Policy):
 
     def __init__(self, cost_table=None, prior_tokens: float = 1.0, prior_weight: float = 1.0,
                  memory: Optional[int] = None, keep_on_rollout: float = 1.0):
-        self.prior_tokens = _check_number("prior_tokens", prior_tokens, 1.0)
-        self.prior_weight = _check_number("prior_weight", prior_weight, 0.0)
-        if not self.prior_weight > 0:
-            raise ValueError(f"CounterfactualPolicy: prior_weight must be > 0 (steps), got {prior_weight!r}")
+        self.prior_tokens = check_real(_WHERE, "prior_tokens", prior_tokens, 1.0)
+        self.prior_weight = check_real(_WHERE, "prior_weight", prior_weight, 0.0, strict=True)  # steps
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 2):
             raise ValueError(f"CounterfactualPolicy: memory must be an int >= 2 (steps) or None, got {memory!r}")
         self.memory = memory
-        self.keep_on_rollout = _check_number("keep_on_rollout", keep_on_rollout, 0.0, 1.0)
+        self.keep_on_rollout = check_real(_WHERE, "keep_on_rollout", keep_on_rollout, 0.0, 1.0)
         if cost_table is not None and not isinstance(cost_table, CostTable):
             cost_table = CostTable(cost_table)
         self.cost_table = cost_table
