@@ -51,10 +51,9 @@ class CounterfactualScorer:
     def __init__(self, drafter, strategies: Sequence):
         self.drafter = drafter
         self.arms = [s for s in strategies if s.num_steps]
-        self.size = sum(1 + s.num_steps for s in self.arms)  # per arm: the rows counted, then each depth's count
 
     def row_scores(self, rows: torch.Tensor, lagging: torch.Tensor, generated: torch.Tensor):
-        """``(int64 [b, size],)``: each row's share of :meth:`stage`'s vector (per arm: whether it is scored, then
+        """``(int64 [b, n],)``: each row's share of :meth:`stage`'s vector (per arm: whether it is scored, then
         whether it reaches each depth). Fixed shapes, device ops only: capturable."""
         parts = []
         for arm in self.arms:
@@ -67,7 +66,8 @@ class CounterfactualScorer:
         return (torch.cat(parts, 1).to(torch.int64),)
 
     def stage(self, rows: torch.Tensor, lagging: torch.Tensor, generated: torch.Tensor, graphs=None) -> torch.Tensor:
-        """``int64 [size]``: per arm, the lagging rows scored and how many of them reach each depth. ``rows`` int64
+        """``int64 [n]`` (``n``: one plus the depth per arm): per arm, the lagging rows scored and how many of them
+        reach each depth. ``rows`` int64
         ``[b]`` the running rows (their histories' rows), ``lagging`` bool ``[b]``, ``generated`` int64 ``[b]`` their
         tokens so far (a row is scored once its last ``num_steps`` tokens all follow the prompt). ``graphs`` (the
         engine's :class:`~tlt_kernels.engine.graphs.GraphReplay`, or None): replay :data:`GRAPH` where captured."""

@@ -303,16 +303,18 @@ class SpeculativeEngine:
     def _register_scorer_graphs(self, sizes) -> None:
         """The counterfactual scorer of the engine's arms, where the engine scores them (a counterfactual selector,
         or ``counterfactual_graphs``) and its n-gram histories sit at fixed addresses (fused steps)."""
-        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)
         sink = getattr(self.tree_drafter, "sink_row", None)
-        wanted = self.counterfactual is not None or self.counterfactual_graphs
+        self.counterfactual = counterfactual_scorer(self.selector, self.tree_drafter)  # the selector may be new
+        wanted = self.counterfactual_graphs or self.counterfactual is not None
         if not (wanted and self.fuse_step and sink is not None and hasattr(self.tree_drafter, "propose_earlier")):
             return
-        scorer = self.counterfactual or CounterfactualScorer(self.tree_drafter, self.strategies)
+        scorer = CounterfactualScorer(self.tree_drafter, self.strategies)
         if scorer.arms and not self.graphs.registered(scorer.GRAPH):
             name, fn, example_inputs = scorer.graph_spec(sink, self.device)
             self.graph_pool.add(name, fn, sizes, example_inputs)
             self._captured_scorer = scorer
+            if self.counterfactual is not None:  # the selector's policy scores now: with the captured graphs
+                self.counterfactual = scorer
 
     def covers(self, strategy: Strategy, batch_size: int) -> bool:
         """Whether a captured graph verifies ``strategy`` at ``batch_size`` (``StrategySelector(available=)``)."""

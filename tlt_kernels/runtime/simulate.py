@@ -449,8 +449,8 @@ def replay_selector(records: List[dict], selector: StrategySelector, counterfact
     def observe(s, batch_size, *args, **kwargs):
         selector.update(s, batch_size, *args, **kwargs)
         record = next(step)
-        delay.step(s, [_recorded_counts(Strategy.parse(name), record["batch_size"], o)
-                       for name, o in record["arms"].items() if Strategy.parse(name) in delay.arms])
+        arms = ((Strategy.parse(name), o) for name, o in record["arms"].items())
+        delay.step(s, [_recorded_counts(arm, record["batch_size"], o) for arm, o in arms if arm in delay.arms])
 
     return replay_trace(records, choose, observe)
 

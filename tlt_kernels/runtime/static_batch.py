@@ -164,7 +164,7 @@ def run_static_batch(batch: StaticBatch, choose: Callable[[int], Strategy],
         if counterfactual is not None:
             counterfactual.step(strategy, [(arm, len(running), *feedback(text.reach(arm, running, done), before,
                                                                            arm.num_steps))
-                                           for arm in counterfactual.arms if arm != strategy])
+                                           for arm in counterfactual.arms])
     return seconds
 
 
